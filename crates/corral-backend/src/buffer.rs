@@ -1,0 +1,209 @@
+//! Device buffers, weight views and memory-mapped files.
+//!
+//! A [`DeviceBuffer`] has exactly one owner and is neither `Clone` nor `Copy`: copying device
+//! memory can fail and must be explicit. Weights may live in a [`MappedFile`] without a copy.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::{BackendError, DType, Result};
+
+/// What a buffer is for; lets the pool and the memory planner tell buffers apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferUsage {
+    /// Model weights, loaded once.
+    Weights,
+    /// Paged attention KV cache.
+    KvCache,
+    /// Per-forward activations, taken from and given back to the pool.
+    Activations,
+    /// Small per-batch metadata (token ids, positions, slot mappings).
+    Metadata,
+}
+
+/// A read-only memory-mapped file (a safetensors shard).
+#[derive(Debug)]
+pub struct MappedFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
+
+impl MappedFile {
+    /// Maps `path` read-only.
+    pub fn open(path: &Path) -> Result<Arc<Self>> {
+        let io = |source| BackendError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the map is read-only and Corral never writes checkpoint files while serving.
+        // A file truncated by another process underneath us is outside what a mapping can guard
+        // against, as in every engine that maps weights.
+        #[allow(unsafe_code)]
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        Ok(Arc::new(Self {
+            path: path.to_path_buf(),
+            map,
+        }))
+    }
+
+    /// The file's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Host-side storage of a CPU buffer.
+#[derive(Debug)]
+pub(crate) enum HostStorage {
+    F32(Vec<f32>),
+    U32(Vec<u32>),
+    /// bf16 or f16 bit patterns (the buffer's dtype says which).
+    Half(Vec<u16>),
+    /// Bytes of a mapped file, suitably aligned for the dtype.
+    Mapped {
+        file: Arc<MappedFile>,
+        byte_offset: usize,
+        byte_len: usize,
+    },
+}
+
+/// One allocation on a backend's device. Ops read and write buffers the caller passes in.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    dtype: DType,
+    len: usize,
+    capacity: usize,
+    usage: BufferUsage,
+    pub(crate) storage: HostStorage,
+}
+
+impl DeviceBuffer {
+    pub(crate) fn new(dtype: DType, len: usize, usage: BufferUsage, storage: HostStorage) -> Self {
+        Self {
+            dtype,
+            len,
+            capacity: len,
+            usage,
+            storage,
+        }
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Elements in use.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Elements the allocation can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// What the buffer is for.
+    pub fn usage(&self) -> BufferUsage {
+        self.usage
+    }
+
+    /// Bytes of the allocation.
+    pub fn size_bytes(&self) -> usize {
+        self.capacity * self.dtype.size_bytes()
+    }
+
+    /// Changes the number of elements in use, within the capacity (pool reuse).
+    pub(crate) fn set_len(&mut self, len: usize) {
+        debug_assert!(len <= self.capacity);
+        self.len = len;
+    }
+
+    pub(crate) fn set_usage(&mut self, usage: BufferUsage) {
+        self.usage = usage;
+    }
+}
+
+/// A row-major `[rows, cols]` matrix inside a weight buffer, starting at element `offset`:
+/// one expert of a fused 3-D tensor, or the gate half of a fused gate/up projection.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightView<'a> {
+    /// The buffer holding the matrix.
+    pub buffer: &'a DeviceBuffer,
+    /// First element of the matrix.
+    pub offset: usize,
+    /// Rows (output features).
+    pub rows: usize,
+    /// Columns (input features).
+    pub cols: usize,
+}
+
+impl<'a> WeightView<'a> {
+    /// The whole buffer as a `[rows, cols]` matrix.
+    pub fn new(buffer: &'a DeviceBuffer, rows: usize, cols: usize) -> Result<Self> {
+        Self {
+            buffer,
+            offset: 0,
+            rows,
+            cols,
+        }
+        .checked()
+    }
+
+    /// Rows `start..start + rows` of this matrix.
+    pub fn rows(&self, start: usize, rows: usize) -> Result<Self> {
+        Self {
+            buffer: self.buffer,
+            offset: self.offset + start * self.cols,
+            rows,
+            cols: self.cols,
+        }
+        .checked()
+    }
+
+    /// Matrix `index` of a stack of `[rows, cols]` matrices starting at this view's offset.
+    pub fn stacked(
+        buffer: &'a DeviceBuffer,
+        index: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        Self {
+            buffer,
+            offset: index * rows * cols,
+            rows,
+            cols,
+        }
+        .checked()
+    }
+
+    fn checked(self) -> Result<Self> {
+        let needed = self.offset + self.rows * self.cols;
+        if needed > self.buffer.len() {
+            return Err(BackendError::TooSmall {
+                op: "weight view",
+                what: "weights",
+                len: self.buffer.len(),
+                needed,
+            });
+        }
+        if !self.buffer.dtype().is_float() {
+            return Err(BackendError::BadArgument {
+                op: "weight view",
+                detail: format!("weights must be float, got {}", self.buffer.dtype()),
+            });
+        }
+        Ok(self)
+    }
+}

@@ -1,0 +1,632 @@
+//! The CPU backend: host memory, a process-wide rayon pool, the GEMM crate for dense matmuls.
+//!
+//! Each op is one parallel region, counted as one dispatch. Reading a buffer back is a plain
+//! copy here, but it is still counted as a host sync so that CPU and GPU runs report alike.
+
+pub(crate) mod ops;
+
+use std::sync::Arc;
+
+use crate::buffer::HostStorage;
+use crate::{
+    AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
+    DeviceBuffer, DispatchStats, ExpertWeights, MappedFile, MoeRouting, Result, StatsCounter,
+    WeightView,
+};
+use ops::WeightRows;
+
+/// Runs ops on the host CPU.
+#[derive(Debug)]
+pub struct CpuBackend {
+    threads: usize,
+    pool: BufferPool,
+    stats: StatsCounter,
+}
+
+impl CpuBackend {
+    /// A backend using the process-wide rayon pool. The binary sizes that pool once, from
+    /// `--threads`, before creating the backend.
+    pub fn new() -> Self {
+        Self {
+            threads: rayon::current_num_threads(),
+            pool: BufferPool::default(),
+            stats: StatsCounter::default(),
+        }
+    }
+
+    fn new_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> DeviceBuffer {
+        self.stats.allocation();
+        let storage = match dtype {
+            DType::F32 => HostStorage::F32(vec![0.0; len]),
+            DType::U32 => HostStorage::U32(vec![0; len]),
+            DType::BF16 | DType::F16 => HostStorage::Half(vec![0; len]),
+        };
+        DeviceBuffer::new(dtype, len, usage, storage)
+    }
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn check_dtype(op: &'static str, b: &DeviceBuffer, expected: DType) -> Result<()> {
+    if b.dtype() != expected {
+        return Err(BackendError::WrongDType {
+            op,
+            expected,
+            got: b.dtype(),
+        });
+    }
+    Ok(())
+}
+
+fn check_len(op: &'static str, what: &'static str, b: &DeviceBuffer, needed: usize) -> Result<()> {
+    if b.len() < needed {
+        return Err(BackendError::TooSmall {
+            op,
+            what,
+            len: b.len(),
+            needed,
+        });
+    }
+    Ok(())
+}
+
+fn bad(op: &'static str, detail: String) -> BackendError {
+    BackendError::BadArgument { op, detail }
+}
+
+/// The first `needed` elements of an F32 buffer.
+fn f32s<'a>(
+    op: &'static str,
+    what: &'static str,
+    b: &'a DeviceBuffer,
+    needed: usize,
+) -> Result<&'a [f32]> {
+    check_dtype(op, b, DType::F32)?;
+    check_len(op, what, b, needed)?;
+    match &b.storage {
+        HostStorage::F32(v) => Ok(&v[..needed]),
+        HostStorage::Mapped {
+            file, byte_offset, ..
+        } => Ok(&bytemuck::cast_slice(&file.bytes()[*byte_offset..])[..needed]),
+        _ => Err(BackendError::ForeignBuffer { op }),
+    }
+}
+
+fn f32s_mut<'a>(
+    op: &'static str,
+    what: &'static str,
+    b: &'a mut DeviceBuffer,
+    needed: usize,
+) -> Result<&'a mut [f32]> {
+    check_dtype(op, b, DType::F32)?;
+    check_len(op, what, b, needed)?;
+    match &mut b.storage {
+        HostStorage::F32(v) => Ok(&mut v[..needed]),
+        _ => Err(bad(op, format!("`{what}` is not writable"))),
+    }
+}
+
+fn u32s<'a>(
+    op: &'static str,
+    what: &'static str,
+    b: &'a DeviceBuffer,
+    needed: usize,
+) -> Result<&'a [u32]> {
+    check_dtype(op, b, DType::U32)?;
+    check_len(op, what, b, needed)?;
+    match &b.storage {
+        HostStorage::U32(v) => Ok(&v[..needed]),
+        _ => Err(BackendError::ForeignBuffer { op }),
+    }
+}
+
+fn u32s_mut<'a>(
+    op: &'static str,
+    what: &'static str,
+    b: &'a mut DeviceBuffer,
+    needed: usize,
+) -> Result<&'a mut [u32]> {
+    check_dtype(op, b, DType::U32)?;
+    check_len(op, what, b, needed)?;
+    match &mut b.storage {
+        HostStorage::U32(v) => Ok(&mut v[..needed]),
+        _ => Err(BackendError::ForeignBuffer { op }),
+    }
+}
+
+/// All elements of a float weight buffer in their stored type.
+fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'a>> {
+    let len = b.len();
+    let half_bits: &'a [u16] = match &b.storage {
+        HostStorage::F32(v) => return Ok(WeightRows::F32(&v[..len])),
+        HostStorage::Half(v) => &v[..len],
+        HostStorage::Mapped {
+            file,
+            byte_offset,
+            byte_len,
+        } => {
+            let bytes = &file.bytes()[*byte_offset..*byte_offset + *byte_len];
+            if b.dtype() == DType::F32 {
+                return Ok(WeightRows::F32(bytemuck::cast_slice(bytes)));
+            }
+            bytemuck::cast_slice(bytes)
+        }
+        HostStorage::U32(_) => {
+            return Err(bad(op, "weights must be a float buffer".to_string()));
+        }
+    };
+    match b.dtype() {
+        DType::BF16 => Ok(WeightRows::Bf16(bytemuck::cast_slice(half_bits))),
+        DType::F16 => Ok(WeightRows::F16(bytemuck::cast_slice(half_bits))),
+        other => Err(BackendError::WrongDType {
+            op,
+            expected: DType::BF16,
+            got: other,
+        }),
+    }
+}
+
+/// The rows of a weight view as f32 values, when stored as f32 (norm weights).
+fn weight_f32<'a>(op: &'static str, b: &'a DeviceBuffer, needed: usize) -> Result<&'a [f32]> {
+    check_len(op, "weight", b, needed)?;
+    match weight_rows(op, b)? {
+        WeightRows::F32(v) => Ok(&v[..needed]),
+        _ => Err(BackendError::WrongDType {
+            op,
+            expected: DType::F32,
+            got: b.dtype(),
+        }),
+    }
+}
+
+/// Each expert's element offset and weight store.
+fn expert_rows<'a>(
+    op: &'static str,
+    m: &'a crate::ExpertMatrices,
+) -> Result<(Vec<usize>, Vec<WeightRows<'a>>)> {
+    let mut offsets = Vec::with_capacity(m.num_experts());
+    let mut rows = Vec::with_capacity(m.num_experts());
+    for e in 0..m.num_experts() {
+        let v = m.view(e);
+        offsets.push(v.offset);
+        rows.push(weight_rows(op, v.buffer)?);
+    }
+    Ok((offsets, rows))
+}
+
+impl Backend for CpuBackend {
+    fn device_name(&self) -> String {
+        format!("cpu ({} threads)", self.threads)
+    }
+
+    fn stats(&self) -> DispatchStats {
+        self.stats.snapshot()
+    }
+
+    fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        Ok(match self.pool.take(dtype, len, usage) {
+            Some(b) => b,
+            None => self.new_buffer(dtype, len, usage),
+        })
+    }
+
+    fn give_buffer(&self, buffer: DeviceBuffer) {
+        self.pool.give(buffer);
+    }
+
+    fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        Ok(self.new_buffer(dtype, len, usage))
+    }
+
+    fn weight_from_file(
+        &self,
+        file: &Arc<MappedFile>,
+        byte_offset: usize,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let op = "weight_from_file";
+        let byte_len = len * dtype.size_bytes();
+        let bytes = file
+            .bytes()
+            .get(byte_offset..byte_offset + byte_len)
+            .ok_or_else(|| {
+                bad(
+                    op,
+                    format!("{}: tensor data out of range", file.path().display()),
+                )
+            })?;
+        let aligned = (bytes.as_ptr() as usize) % dtype.size_bytes() == 0;
+        let storage = match (aligned, dtype) {
+            (true, DType::F32 | DType::BF16 | DType::F16) => HostStorage::Mapped {
+                file: Arc::clone(file),
+                byte_offset,
+                byte_len,
+            },
+            (false, DType::F32) => {
+                self.stats.allocation();
+                HostStorage::F32(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                )
+            }
+            (false, DType::BF16 | DType::F16) => {
+                self.stats.allocation();
+                HostStorage::Half(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                        .collect(),
+                )
+            }
+            (_, DType::U32) => return Err(bad(op, "weights must be float".to_string())),
+        };
+        Ok(DeviceBuffer::new(dtype, len, BufferUsage::Weights, storage))
+    }
+
+    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
+        self.stats.allocation();
+        let storage = match dtype {
+            DType::F32 => HostStorage::F32(values.to_vec()),
+            DType::BF16 => HostStorage::Half(
+                values
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_bits())
+                    .collect(),
+            ),
+            DType::F16 => HostStorage::Half(
+                values
+                    .iter()
+                    .map(|v| half::f16::from_f32(*v).to_bits())
+                    .collect(),
+            ),
+            DType::U32 => return Err(bad("weight_from_f32", "weights must be float".to_string())),
+        };
+        Ok(DeviceBuffer::new(
+            dtype,
+            values.len(),
+            BufferUsage::Weights,
+            storage,
+        ))
+    }
+
+    fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
+        f32s_mut("upload_f32", "dst", dst, src.len())?.copy_from_slice(src);
+        self.stats.transfer(std::mem::size_of_val(src));
+        Ok(())
+    }
+
+    fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
+        u32s_mut("upload_u32", "dst", dst, src.len())?.copy_from_slice(src);
+        self.stats.transfer(std::mem::size_of_val(src));
+        Ok(())
+    }
+
+    fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
+        dst.copy_from_slice(f32s("download_f32", "src", src, dst.len())?);
+        self.stats.host_sync();
+        self.stats.transfer(std::mem::size_of_val(dst));
+        Ok(())
+    }
+
+    fn embedding(
+        &self,
+        table: WeightView<'_>,
+        ids: &DeviceBuffer,
+        tokens: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "embedding";
+        let ids = u32s(op, "ids", ids, tokens)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(bad(
+                op,
+                format!("token id {id} is out of range for {} rows", table.rows),
+            ));
+        }
+        let out = f32s_mut(op, "out", out, tokens * table.cols)?;
+        let rows = weight_rows(op, table.buffer)?;
+        self.stats.dispatch(1);
+        ops::elementwise::embedding(rows, table.offset, ids, table.cols, out);
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        x: &DeviceBuffer,
+        row_ids: &DeviceBuffer,
+        num_rows: usize,
+        dim: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "gather_rows";
+        let rows = u32s(op, "row_ids", row_ids, num_rows)?;
+        let available = x.len() / dim.max(1);
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= available) {
+            return Err(bad(
+                op,
+                format!("row {r} is out of range for {available} rows"),
+            ));
+        }
+        let x = f32s(op, "x", x, available * dim)?;
+        let out = f32s_mut(op, "out", out, num_rows * dim)?;
+        self.stats.dispatch(1);
+        ops::elementwise::gather_rows(x, rows, dim, out);
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        offset_one: bool,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "rms_norm";
+        let x = f32s(op, "x", x, rows * dim)?;
+        let weight = weight_f32(op, weight, dim)?;
+        let out = f32s_mut(op, "out", out, rows * dim)?;
+        self.stats.dispatch(1);
+        ops::norm::rms_norm(x, weight, dim, eps, offset_one, out);
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "matmul";
+        let x = f32s(op, "x", x, rows * w.cols)?;
+        let out = f32s_mut(op, "out", out, rows * w.rows)?;
+        let weights = weight_rows(op, w.buffer)?;
+        let weights = match weights {
+            WeightRows::F32(v) => WeightRows::F32(&v[w.offset..w.offset + w.rows * w.cols]),
+            WeightRows::Bf16(v) => WeightRows::Bf16(&v[w.offset..w.offset + w.rows * w.cols]),
+            WeightRows::F16(v) => WeightRows::F16(&v[w.offset..w.offset + w.rows * w.cols]),
+        };
+        self.stats.dispatch(1);
+        ops::matmul::matmul(x, rows, w.cols, weights, w.rows, out, self.threads);
+        Ok(())
+    }
+
+    fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
+        let op = "add_in_place";
+        let x = f32s(op, "x", x, len)?;
+        let acc = f32s_mut(op, "acc", acc, len)?;
+        self.stats.dispatch(1);
+        ops::elementwise::add_in_place(acc, x);
+        Ok(())
+    }
+
+    fn silu_mul(
+        &self,
+        gate: &DeviceBuffer,
+        up: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "silu_mul";
+        let gate = f32s(op, "gate", gate, len)?;
+        let up = f32s(op, "up", up, len)?;
+        let out = f32s_mut(op, "out", out, len)?;
+        self.stats.dispatch(1);
+        ops::elementwise::silu_mul(gate, up, out);
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut DeviceBuffer,
+        positions: &DeviceBuffer,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        let op = "rope";
+        if rotary_dim % 2 != 0 || rotary_dim > head_dim || rotary_dim > ops::rope::MAX_ROTARY_DIM {
+            return Err(bad(
+                op,
+                format!("rotary dim {rotary_dim} must be even and at most head dim {head_dim}"),
+            ));
+        }
+        let positions = u32s(op, "positions", positions, tokens)?;
+        let x = f32s_mut(op, "x", x, tokens * heads * head_dim)?;
+        self.stats.dispatch(1);
+        ops::rope::rope(x, positions, heads, head_dim, rotary_dim, theta);
+        Ok(())
+    }
+
+    fn kv_store(
+        &self,
+        k: &DeviceBuffer,
+        v: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        tokens: usize,
+        kv_dim: usize,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "kv_store";
+        let slots = u32s(op, "slots", slots, tokens)?;
+        let capacity = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
+        if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {
+            return Err(bad(
+                op,
+                format!("slot {s} is out of range for {capacity} slots"),
+            ));
+        }
+        let k = f32s(op, "k", k, tokens * kv_dim)?;
+        let v = f32s(op, "v", v, tokens * kv_dim)?;
+        let len = capacity * kv_dim;
+        let cache_k = f32s_mut(op, "cache_k", cache_k, len)?;
+        let cache_v = f32s_mut(op, "cache_v", cache_v, len)?;
+        self.stats.dispatch(1);
+        ops::attention::kv_store(k, v, slots, kv_dim, cache_k, cache_v);
+        Ok(())
+    }
+
+    fn paged_attention(
+        &self,
+        q: &DeviceBuffer,
+        cache_k: &DeviceBuffer,
+        cache_v: &DeviceBuffer,
+        meta: &AttentionMeta<'_>,
+        shape: AttentionShape,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "paged_attention";
+        let AttentionShape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        } = shape;
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 || meta.block_size == 0 {
+            return Err(bad(
+                op,
+                format!("{num_heads} heads over {num_kv_heads} KV heads"),
+            ));
+        }
+        let tokens = meta.tokens;
+        let kv_dim = num_kv_heads * head_dim;
+        let num_blocks = cache_k.len().min(cache_v.len()) / (kv_dim * meta.block_size);
+        let positions = u32s(op, "positions", meta.positions, tokens)?;
+        let token_runs = u32s(op, "token_runs", meta.token_runs, tokens)?;
+        let num_runs = token_runs
+            .iter()
+            .map(|&r| r as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let block_tables = u32s(
+            op,
+            "block_tables",
+            meta.block_tables,
+            num_runs * meta.max_blocks_per_run,
+        )?;
+        if let Some(&b) = block_tables.iter().find(|&&b| b as usize >= num_blocks) {
+            return Err(bad(
+                op,
+                format!("block {b} is out of range for {num_blocks} blocks"),
+            ));
+        }
+        if let Some(&p) = positions
+            .iter()
+            .find(|&&p| p as usize / meta.block_size >= meta.max_blocks_per_run)
+        {
+            return Err(bad(op, format!("position {p} is beyond the block table")));
+        }
+        let layout = ops::attention::PagedLayout {
+            positions,
+            token_runs,
+            block_tables,
+            max_blocks_per_run: meta.max_blocks_per_run,
+            block_size: meta.block_size,
+        };
+        let len = num_blocks * meta.block_size * kv_dim;
+        let q = f32s(op, "q", q, tokens * num_heads * head_dim)?;
+        let cache_k = f32s(op, "cache_k", cache_k, len)?;
+        let cache_v = f32s(op, "cache_v", cache_v, len)?;
+        let out = f32s_mut(op, "out", out, tokens * num_heads * head_dim)?;
+        self.stats.dispatch(1);
+        ops::attention::paged_attention(
+            q,
+            cache_k,
+            cache_v,
+            &layout,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            out,
+        );
+        Ok(())
+    }
+
+    fn moe_route(
+        &self,
+        logits: &DeviceBuffer,
+        tokens: usize,
+        num_experts: usize,
+        top_k: usize,
+        renormalize: bool,
+        expert_ids: &mut DeviceBuffer,
+        expert_weights: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_route";
+        if top_k == 0 || top_k > num_experts {
+            return Err(bad(op, format!("top-{top_k} of {num_experts} experts")));
+        }
+        let logits = f32s(op, "logits", logits, tokens * num_experts)?;
+        let ids = u32s_mut(op, "expert_ids", expert_ids, tokens * top_k)?;
+        let weights = f32s_mut(op, "expert_weights", expert_weights, tokens * top_k)?;
+        self.stats.dispatch(1);
+        ops::moe::route(logits, num_experts, top_k, renormalize, ids, weights);
+        Ok(())
+    }
+
+    fn moe_experts_per_token(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        experts: &ExpertWeights,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_experts_per_token";
+        let MoeRouting { tokens, top_k, .. } = routing;
+        let hidden = experts.gate.cols();
+        let inter = experts.gate.rows();
+        let num_experts = experts.gate.num_experts();
+        let ids = u32s(op, "expert_ids", routing.expert_ids, tokens * top_k)?;
+        if let Some(&e) = ids.iter().find(|&&e| e as usize >= num_experts) {
+            return Err(bad(
+                op,
+                format!("expert {e} is out of range for {num_experts}"),
+            ));
+        }
+        let weights = f32s(op, "expert_weights", routing.expert_weights, tokens * top_k)?;
+        let x = f32s(op, "x", x, tokens * hidden)?;
+        let (gate_off, gate_rows) = expert_rows(op, &experts.gate)?;
+        let (up_off, up_rows) = expert_rows(op, &experts.up)?;
+        let (down_off, down_rows) = expert_rows(op, &experts.down)?;
+        let gate = ops::moe::ExpertProj {
+            offsets: &gate_off,
+            rows: &gate_rows,
+        };
+        let up = ops::moe::ExpertProj {
+            offsets: &up_off,
+            rows: &up_rows,
+        };
+        let down = ops::moe::ExpertProj {
+            offsets: &down_off,
+            rows: &down_rows,
+        };
+        let mut act =
+            self.take_buffer(DType::F32, tokens * top_k * inter, BufferUsage::Activations)?;
+        let result = (|| {
+            let act_slice = f32s_mut(op, "act", &mut act, tokens * top_k * inter)?;
+            self.stats.dispatch(1);
+            ops::moe::gate_up(x, hidden, ids, top_k, &gate, &up, inter, act_slice);
+            let out = f32s_mut(op, "out", out, tokens * hidden)?;
+            self.stats.dispatch(1);
+            let act_slice = f32s(op, "act", &act, tokens * top_k * inter)?;
+            ops::moe::down_combine(act_slice, inter, ids, weights, top_k, &down, hidden, out);
+            Ok(())
+        })();
+        self.give_buffer(act);
+        result
+    }
+}

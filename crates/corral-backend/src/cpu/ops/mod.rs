@@ -1,0 +1,63 @@
+//! CPU kernels, one file per op. Each works on plain slices that the backend has already
+//! checked against the op's shape, and runs as one rayon parallel region.
+
+pub(crate) mod attention;
+pub(crate) mod elementwise;
+pub(crate) mod matmul;
+pub(crate) mod moe;
+pub(crate) mod norm;
+pub(crate) mod rope;
+
+/// A weight matrix's elements in their stored type.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum WeightRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    F16(&'a [half::f16]),
+}
+
+impl WeightRows<'_> {
+    /// Elements `start..start + len` converted to f32 into `dst` (of length `len`).
+    pub(crate) fn to_f32(&self, start: usize, dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        let end = start + dst.len();
+        match self {
+            WeightRows::F32(w) => dst.copy_from_slice(&w[start..end]),
+            WeightRows::Bf16(w) => w[start..end].convert_to_f32_slice(dst),
+            WeightRows::F16(w) => w[start..end].convert_to_f32_slice(dst),
+        }
+    }
+}
+
+/// `Σ a[i]·b[i]` with eight independent accumulators, which the compiler vectorises.
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (a8, a_tail) = a.split_at(a.len() / 8 * 8);
+    let (b8, b_tail) = b.split_at(a8.len());
+    for (ca, cb) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let mut sum = (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in a_tail.iter().zip(b_tail) {
+        sum += x * y;
+    }
+    sum
+}
+
+thread_local! {
+    /// Per-thread scratch for converted weight rows and attention scores: grown once, reused.
+    pub(crate) static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's scratch, at least `len` long.
+pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    SCRATCH.with(|cell| {
+        let mut scratch = cell.borrow_mut();
+        if scratch.len() < len {
+            scratch.resize(len, 0.0);
+        }
+        f(&mut scratch[..len])
+    })
+}

@@ -1,0 +1,23 @@
+//! RMSNorm over rows, with a plain or a zero-centred `(1 + w)` weight.
+
+use rayon::prelude::*;
+
+pub(crate) fn rms_norm(
+    x: &[f32],
+    weight: &[f32],
+    dim: usize,
+    eps: f32,
+    offset_one: bool,
+    out: &mut [f32],
+) {
+    out.par_chunks_mut(dim)
+        .zip(x.par_chunks(dim))
+        .for_each(|(o, xr)| {
+            let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let inv = 1.0 / (mean_sq + eps).sqrt();
+            for ((o, v), w) in o.iter_mut().zip(xr).zip(weight) {
+                let w = if offset_one { 1.0 + w } else { *w };
+                *o = v * inv * w;
+            }
+        });
+}

@@ -1,0 +1,41 @@
+//! Rotate-half (GPT-NeoX) rotary embedding on the first `rotary_dim` dims of each head.
+
+use rayon::prelude::*;
+
+/// Largest supported rotary dimension (head dims in these families are at most 256).
+pub(crate) const MAX_ROTARY_DIM: usize = 512;
+
+pub(crate) fn rope(
+    x: &mut [f32],
+    positions: &[u32],
+    heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    theta: f32,
+) {
+    let half = rotary_dim / 2;
+    let mut inv_freq = [0.0f32; MAX_ROTARY_DIM / 2];
+    for (i, f) in inv_freq.iter_mut().take(half).enumerate() {
+        *f = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
+    }
+    x.par_chunks_mut(heads * head_dim)
+        .zip(positions.par_iter())
+        .for_each(|(row, &pos)| {
+            let mut cos = [0.0f32; MAX_ROTARY_DIM / 2];
+            let mut sin = [0.0f32; MAX_ROTARY_DIM / 2];
+            for i in 0..half {
+                let angle = pos as f32 * inv_freq[i];
+                cos[i] = angle.cos();
+                sin[i] = angle.sin();
+            }
+            for head in row.chunks_mut(head_dim) {
+                let (x1, rest) = head.split_at_mut(half);
+                let x2 = &mut rest[..half];
+                for i in 0..half {
+                    let (a, b) = (x1[i], x2[i]);
+                    x1[i] = a * cos[i] - b * sin[i];
+                    x2[i] = b * cos[i] + a * sin[i];
+                }
+            }
+        });
+}

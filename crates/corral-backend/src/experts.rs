@@ -1,0 +1,143 @@
+//! Expert weight matrices in one canonical form, whatever the checkpoint layout.
+//!
+//! Checkpoints store experts either fused (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`)
+//! or one tensor per expert and projection. Both become an [`ExpertMatrices`] per projection,
+//! which yields expert `e`'s `[rows, cols]` matrix as a [`WeightView`] without copying.
+
+use std::sync::Arc;
+
+use crate::{BackendError, DeviceBuffer, Result, WeightView};
+
+#[derive(Debug)]
+enum ExpertStorage {
+    /// Matrix `e` starts at `offset + e * expert_stride` elements of one buffer.
+    Stacked {
+        buffer: Arc<DeviceBuffer>,
+        offset: usize,
+        expert_stride: usize,
+    },
+    /// One buffer per expert.
+    PerExpert(Vec<DeviceBuffer>),
+}
+
+/// One projection (`gate`, `up` or `down`) of every expert of a layer, each `[rows, cols]`.
+#[derive(Debug)]
+pub struct ExpertMatrices {
+    storage: ExpertStorage,
+    num_experts: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl ExpertMatrices {
+    /// Rows `row_start..row_start + rows` of each `[stacked_rows, cols]` matrix in a stacked
+    /// `[num_experts, stacked_rows, cols]` buffer (the gate or up half of a fused tensor).
+    pub fn stacked(
+        buffer: Arc<DeviceBuffer>,
+        num_experts: usize,
+        stacked_rows: usize,
+        row_start: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        let needed = num_experts * stacked_rows * cols;
+        if buffer.len() < needed || row_start + rows > stacked_rows {
+            return Err(BackendError::TooSmall {
+                op: "expert matrices",
+                what: "stacked experts",
+                len: buffer.len(),
+                needed,
+            });
+        }
+        Ok(Self {
+            storage: ExpertStorage::Stacked {
+                buffer,
+                offset: row_start * cols,
+                expert_stride: stacked_rows * cols,
+            },
+            num_experts,
+            rows,
+            cols,
+        })
+    }
+
+    /// One `[rows, cols]` buffer per expert.
+    pub fn per_expert(buffers: Vec<DeviceBuffer>, rows: usize, cols: usize) -> Result<Self> {
+        if let Some(short) = buffers.iter().find(|b| b.len() < rows * cols) {
+            return Err(BackendError::TooSmall {
+                op: "expert matrices",
+                what: "per-expert weight",
+                len: short.len(),
+                needed: rows * cols,
+            });
+        }
+        Ok(Self {
+            num_experts: buffers.len(),
+            storage: ExpertStorage::PerExpert(buffers),
+            rows,
+            cols,
+        })
+    }
+
+    /// Number of experts.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// Rows of each expert's matrix (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns of each expert's matrix (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Expert `expert`'s matrix. Panics if `expert >= num_experts()`: expert ids come from the
+    /// router, which never yields one out of range.
+    pub fn view(&self, expert: usize) -> WeightView<'_> {
+        assert!(expert < self.num_experts, "expert id out of range");
+        match &self.storage {
+            ExpertStorage::Stacked {
+                buffer,
+                offset,
+                expert_stride,
+            } => WeightView {
+                buffer,
+                offset: offset + expert * expert_stride,
+                rows: self.rows,
+                cols: self.cols,
+            },
+            ExpertStorage::PerExpert(buffers) => WeightView {
+                buffer: &buffers[expert],
+                offset: 0,
+                rows: self.rows,
+                cols: self.cols,
+            },
+        }
+    }
+
+    /// Bytes of one expert's matrix in storage.
+    pub fn expert_bytes(&self) -> usize {
+        let dtype = match &self.storage {
+            ExpertStorage::Stacked { buffer, .. } => buffer.dtype(),
+            ExpertStorage::PerExpert(buffers) => match buffers.first() {
+                Some(b) => b.dtype(),
+                None => return 0,
+            },
+        };
+        self.rows * self.cols * dtype.size_bytes()
+    }
+}
+
+/// The three projections of every routed expert of one MoE layer.
+#[derive(Debug)]
+pub struct ExpertWeights {
+    /// `[E, I, H]`: gate projection.
+    pub gate: ExpertMatrices,
+    /// `[E, I, H]`: up projection.
+    pub up: ExpertMatrices,
+    /// `[E, H, I]`: down projection.
+    pub down: ExpertMatrices,
+}

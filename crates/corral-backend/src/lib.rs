@@ -1,0 +1,237 @@
+//! The backend layer: device buffers, their pool, dispatch accounting, and the op-level
+//! [`Backend`] trait the model calls.
+//!
+//! The model never touches device memory directly. It takes activation buffers from the
+//! backend's pool ([`Backend::take_buffer`]), calls ops that write into buffers it passes in,
+//! and gives the buffers back. Each op is exactly one dispatch unless its doc says otherwise,
+//! and every dispatch, host sync, allocation and transfer is counted in [`DispatchStats`].
+//!
+//! [`CpuBackend`] runs ops on a rayon pool with a GEMM crate for dense matmuls.
+//! [`reference`] holds plain, obviously-correct versions of the ops for tests.
+
+mod buffer;
+mod cpu;
+mod dtype;
+mod error;
+mod experts;
+mod pool;
+pub mod reference;
+mod stats;
+
+use std::sync::Arc;
+
+pub use buffer::{BufferUsage, DeviceBuffer, MappedFile, WeightView};
+pub use cpu::CpuBackend;
+pub use dtype::DType;
+pub use error::{BackendError, Result};
+pub use experts::{ExpertMatrices, ExpertWeights};
+pub use pool::BufferPool;
+pub use stats::{DispatchStats, StatsCounter};
+
+/// Where each token of a ragged batch reads and writes the paged KV cache.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionMeta<'a> {
+    /// U32 `[tokens]`: absolute position of each token in its sequence.
+    pub positions: &'a DeviceBuffer,
+    /// U32 `[tokens]`: the run (sequence) each token belongs to.
+    pub token_runs: &'a DeviceBuffer,
+    /// U32 `[runs, max_blocks_per_run]`: each run's block table, padded.
+    pub block_tables: &'a DeviceBuffer,
+    /// U32 `[tokens]`: cache slot (`block * block_size + offset`) each token's K and V go to.
+    pub slots: &'a DeviceBuffer,
+    /// Columns of `block_tables`.
+    pub max_blocks_per_run: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Tokens in the batch.
+    pub tokens: usize,
+}
+
+/// Head layout of an attention layer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads; query head `h` reads KV head `h / (num_heads / num_kv_heads)`.
+    pub num_kv_heads: usize,
+    /// Dimension of each head.
+    pub head_dim: usize,
+    /// Multiplier on `q·k`, usually `head_dim^-1/2`.
+    pub scale: f32,
+}
+
+/// Routing of each token to its top-k experts, as produced by [`Backend::moe_route`].
+#[derive(Clone, Copy, Debug)]
+pub struct MoeRouting<'a> {
+    /// U32 `[tokens, top_k]`: selected expert ids.
+    pub expert_ids: &'a DeviceBuffer,
+    /// F32 `[tokens, top_k]`: their weights.
+    pub expert_weights: &'a DeviceBuffer,
+    /// Tokens routed.
+    pub tokens: usize,
+    /// Experts per token.
+    pub top_k: usize,
+}
+
+/// The op table. Every model family is written against it; a backend implements each op as
+/// one dispatch (or says in the op's doc how many it takes). Outputs are passed in, never
+/// returned, so ops allocate nothing.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Human-readable device name, e.g. `cpu (16 threads)`.
+    fn device_name(&self) -> String;
+
+    /// Current totals of dispatches, host syncs, allocations and bytes moved.
+    fn stats(&self) -> DispatchStats;
+
+    /// A buffer of `len` elements from the pool, allocating (and counting it) on a miss.
+    /// Contents are unspecified.
+    fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer>;
+
+    /// Gives a buffer back to the pool.
+    fn give_buffer(&self, buffer: DeviceBuffer);
+
+    /// A newly allocated zero-filled buffer that never returns to the pool (KV cache).
+    fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer>;
+
+    /// A weight buffer over `len` elements of `dtype` at `byte_offset` in a mapped file,
+    /// without copying where the device can read the mapping directly.
+    fn weight_from_file(
+        &self,
+        file: &Arc<MappedFile>,
+        byte_offset: usize,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer>;
+
+    /// A weight buffer holding `values` converted to `dtype` (synthetic models, tests).
+    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer>;
+
+    /// Copies host values into the first `src.len()` elements of an F32 buffer.
+    fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()>;
+
+    /// Copies host values into the first `src.len()` elements of a U32 buffer.
+    fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()>;
+
+    /// Reads the first `dst.len()` elements of an F32 buffer back to the host: one host sync.
+    fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()>;
+
+    /// `out[t] = table[ids[t]]` for `tokens` ids; table rows are `hidden` wide. F32 out.
+    fn embedding(
+        &self,
+        table: WeightView<'_>,
+        ids: &DeviceBuffer,
+        tokens: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Copies `rows[i]` of `x` (rows `dim` wide) to row `i` of `out`, for `rows.len()` rows.
+    fn gather_rows(
+        &self,
+        x: &DeviceBuffer,
+        row_ids: &DeviceBuffer,
+        num_rows: usize,
+        dim: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// RMSNorm over each of `rows` rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w`, where
+    /// `w = weight` or, with `offset_one`, `w = 1 + weight` (zero-centred norms).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        offset_one: bool,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// `out[rows, w.rows] = x[rows, w.cols] · wᵀ`; weights in any float type, F32 in and out.
+    fn matmul(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// `acc[i] += x[i]` for the first `len` elements.
+    fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()>;
+
+    /// `out[i] = silu(gate[i]) * up[i]` for the first `len` elements.
+    fn silu_mul(
+        &self,
+        gate: &DeviceBuffer,
+        up: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Rotate-half RoPE in place on the first `rotary_dim` dims of each head of `x`
+    /// (`[tokens, heads, head_dim]`), at each token's position, with base `theta`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut DeviceBuffer,
+        positions: &DeviceBuffer,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+    ) -> Result<()>;
+
+    /// Writes each token's K and V (`[tokens, kv_dim]`) to its slot of a layer's paged cache
+    /// (`[slots, kv_dim]`).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_store(
+        &self,
+        k: &DeviceBuffer,
+        v: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        tokens: usize,
+        kv_dim: usize,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Causal GQA attention of each token over positions `0..=position` of its sequence, read
+    /// through the sequence's block table from a paged cache that already holds this batch's
+    /// K and V. `q` is `[tokens, num_heads, head_dim]`; so is `out`.
+    fn paged_attention(
+        &self,
+        q: &DeviceBuffer,
+        cache_k: &DeviceBuffer,
+        cache_v: &DeviceBuffer,
+        meta: &AttentionMeta<'_>,
+        shape: AttentionShape,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Softmax router: from `[tokens, num_experts]` logits, each token's `top_k` experts and
+    /// weights (renormalised to sum 1 when `renormalize`). Ties go to the lower expert id.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_route(
+        &self,
+        logits: &DeviceBuffer,
+        tokens: usize,
+        num_experts: usize,
+        top_k: usize,
+        renormalize: bool,
+        expert_ids: &mut DeviceBuffer,
+        expert_weights: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Routed experts, one matrix-vector product per (token, expert) pair:
+    /// `out[t] = Σ_j w[t,j] · down[e](silu(gate[e] x[t]) ⊙ up[e] x[t])` with `e = ids[t,j]`.
+    /// Two dispatches: the gate/up half and the down-and-combine half.
+    fn moe_experts_per_token(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        experts: &ExpertWeights,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+}

@@ -1,0 +1,76 @@
+//! Dispatch accounting: the exact counts behind Corral's fixed-cost claims.
+//!
+//! A *dispatch* is one unit of device work: a kernel launch on a GPU, one parallel region on
+//! the CPU. A *host sync* is any read-back that makes the host wait for the device. Every op
+//! and every transfer goes through a backend's launch helper, which bumps these counters.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A snapshot of the counters. Subtract two snapshots for a per-forward delta.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[must_use]
+pub struct DispatchStats {
+    /// Units of device work launched.
+    pub dispatches: u64,
+    /// Read-backs that made the host wait for the device.
+    pub host_syncs: u64,
+    /// Device buffers newly allocated (pool misses included, pool hits not).
+    pub allocations: u64,
+    /// Bytes copied between host and device, either way.
+    pub bytes_transferred: u64,
+}
+
+impl std::ops::Sub for DispatchStats {
+    type Output = DispatchStats;
+
+    fn sub(self, earlier: DispatchStats) -> DispatchStats {
+        DispatchStats {
+            dispatches: self.dispatches - earlier.dispatches,
+            host_syncs: self.host_syncs - earlier.host_syncs,
+            allocations: self.allocations - earlier.allocations,
+            bytes_transferred: self.bytes_transferred - earlier.bytes_transferred,
+        }
+    }
+}
+
+/// The live counters a backend owns; cheap to bump from any thread.
+#[derive(Debug, Default)]
+pub struct StatsCounter {
+    dispatches: AtomicU64,
+    host_syncs: AtomicU64,
+    allocations: AtomicU64,
+    bytes_transferred: AtomicU64,
+}
+
+impl StatsCounter {
+    /// Counts `n` dispatches.
+    pub fn dispatch(&self, n: u64) {
+        self.dispatches.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts one host sync.
+    pub fn host_sync(&self) {
+        self.host_syncs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one allocation.
+    pub fn allocation(&self) {
+        self.allocations.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts bytes moved between host and device.
+    pub fn transfer(&self, bytes: usize) {
+        self.bytes_transferred
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// The current totals.
+    pub fn snapshot(&self) -> DispatchStats {
+        DispatchStats {
+            dispatches: self.dispatches.load(Ordering::Relaxed),
+            host_syncs: self.host_syncs.load(Ordering::Relaxed),
+            allocations: self.allocations.load(Ordering::Relaxed),
+            bytes_transferred: self.bytes_transferred.load(Ordering::Relaxed),
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! The ragged batch a forward pass runs on, and the ids that cross the engine–model boundary.
+//!
+//! A batch is a flat list of tokens split into runs, one per sequence: a prefill chunk or a
+//! single decode token, at consecutive positions, each with the block table through which it
+//! reads and writes the paged KV cache. Prefill, decode and mixes of both are the same call.
+
+use crate::{ModelError, Result};
+
+/// A token id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct TokenId(pub u32);
+
+/// A KV cache block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct BlockId(pub u32);
+
+/// A sequence being generated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct SeqId(pub u64);
+
+/// The blocks holding a sequence's KV cache, in position order: position `p` lives in block
+/// `blocks[p / block_size]` at offset `p % block_size`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockTable {
+    /// Blocks in position order.
+    pub blocks: Vec<BlockId>,
+}
+
+/// Which rows of a run need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (a prefill chunk that is not the last).
+    None,
+    /// The last token's (decode, or the end of a prompt).
+    Last,
+    /// Every token's (scoring a whole sequence).
+    All,
+}
+
+/// One sequence's part of a batch.
+#[derive(Clone, Debug)]
+pub struct SequenceRun {
+    /// The sequence.
+    pub seq_id: SeqId,
+    /// Index of the run's first token in the batch.
+    pub start: usize,
+    /// Tokens in the run.
+    pub len: usize,
+    /// Position of the run's first token; earlier positions are already in the cache.
+    pub first_position: usize,
+    /// The sequence's block table, covering at least `first_position + len` positions.
+    pub block_table: BlockTable,
+    /// Which rows need logits.
+    pub logits: LogitsWanted,
+}
+
+/// Tokens of several sequences for one forward pass.
+#[derive(Clone, Debug, Default)]
+pub struct RaggedBatch {
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    runs: Vec<SequenceRun>,
+    block_size: usize,
+}
+
+impl RaggedBatch {
+    /// An empty batch for a cache with `block_size` tokens per block.
+    pub fn new(block_size: usize) -> Self {
+        Self {
+            block_size,
+            ..Self::default()
+        }
+    }
+
+    /// Appends a run of `tokens` at positions `first_position..`, checking that the block
+    /// table covers them and that the sequence is not already in the batch.
+    pub fn push_run(
+        &mut self,
+        seq_id: SeqId,
+        tokens: &[TokenId],
+        first_position: usize,
+        block_table: &BlockTable,
+        logits: LogitsWanted,
+    ) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {} has an empty run",
+                seq_id.0
+            )));
+        }
+        if self.runs.iter().any(|r| r.seq_id == seq_id) {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {} appears twice",
+                seq_id.0
+            )));
+        }
+        let end = first_position + tokens.len();
+        if end > block_table.blocks.len() * self.block_size || end > u32::MAX as usize {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {} reaches position {end} but its {} blocks hold {}",
+                seq_id.0,
+                block_table.blocks.len(),
+                block_table.blocks.len() * self.block_size
+            )));
+        }
+        self.runs.push(SequenceRun {
+            seq_id,
+            start: self.tokens.len(),
+            len: tokens.len(),
+            first_position,
+            block_table: block_table.clone(),
+            logits,
+        });
+        self.tokens.extend(tokens.iter().map(|t| t.0));
+        self.positions
+            .extend((first_position..end).map(|p| p as u32));
+        Ok(())
+    }
+
+    /// Token ids, flat.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Each token's position in its sequence.
+    pub fn positions(&self) -> &[u32] {
+        &self.positions
+    }
+
+    /// The runs, in batch order.
+    pub fn runs(&self) -> &[SequenceRun] {
+        &self.runs
+    }
+
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Total tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the batch has no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Batch rows whose logits are wanted, in order; the forward returns logits in this order.
+    pub fn logit_rows(&self) -> Vec<u32> {
+        let mut rows = Vec::new();
+        for run in &self.runs {
+            let range = run.start..run.start + run.len;
+            match run.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last => rows.push((range.end - 1) as u32),
+                LogitsWanted::All => rows.extend(range.map(|r| r as u32)),
+            }
+        }
+        rows
+    }
+
+    /// Each token's run index.
+    pub(crate) fn token_runs(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.tokens.len());
+        for (i, run) in self.runs.iter().enumerate() {
+            out.extend(std::iter::repeat_n(i as u32, run.len));
+        }
+        out
+    }
+
+    /// Each token's cache slot.
+    pub(crate) fn slots(&self) -> Vec<u32> {
+        let bs = self.block_size;
+        let mut out = Vec::with_capacity(self.tokens.len());
+        for run in &self.runs {
+            for p in run.first_position..run.first_position + run.len {
+                let block = run.block_table.blocks[p / bs].0 as usize;
+                out.push((block * bs + p % bs) as u32);
+            }
+        }
+        out
+    }
+
+    /// Block tables padded to the longest, flat, and that width.
+    pub(crate) fn padded_block_tables(&self) -> (Vec<u32>, usize) {
+        let width = self
+            .runs
+            .iter()
+            .map(|r| r.block_table.blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut out = vec![0u32; width * self.runs.len()];
+        for (i, run) in self.runs.iter().enumerate() {
+            for (j, b) in run.block_table.blocks.iter().enumerate() {
+                out[i * width + j] = b.0;
+            }
+        }
+        (out, width)
+    }
+}

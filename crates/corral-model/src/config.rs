@@ -1,0 +1,421 @@
+//! `config.json` → [`ModelConfig`]: every field read, type-checked and range-checked once, in
+//! both spellings real checkpoints use (Hub: `rope_theta`, `num_experts`, `torch_dtype`;
+//! transformers 5: `rope_parameters`, `num_local_experts`, `dtype`). Nothing downstream checks
+//! again.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::{ModelError, Result};
+
+/// The architecture families Corral runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `qwen3_moe`: Qwen3 with sparse MoE feed-forward layers.
+    Qwen3Moe,
+    /// `qwen3`: the dense sibling, the same code without experts.
+    Qwen3,
+}
+
+impl Family {
+    /// The `model_type` string of the family.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+}
+
+const SUPPORTED: &str = "qwen3_moe, qwen3";
+
+/// Mixture-of-experts settings of a sparse model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer (`num_experts` / `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// Intermediate size of each expert.
+    pub moe_intermediate_size: usize,
+    /// Whether the top-k weights are renormalised to sum 1.
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer is sparse.
+    pub decoder_sparse_step: usize,
+    /// Layers forced dense.
+    pub mlp_only_layers: Vec<usize>,
+}
+
+/// A checked model configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// Architecture family.
+    pub family: Family,
+    /// Embedding rows (≥ the tokenizer's vocabulary).
+    pub vocab_size: usize,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Per-head dimension (read, never derived).
+    pub head_dim: usize,
+    /// Dense MLP intermediate size (dense layers only).
+    pub intermediate_size: usize,
+    /// Expert settings; `None` for dense models.
+    pub moe: Option<MoeConfig>,
+    /// Epsilon of every RMSNorm.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Whether the LM head reuses the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Beginning-of-sequence token, if any.
+    pub bos_token_id: Option<u32>,
+    /// Ids that end generation (config.json; generation_config.json may add more).
+    pub eos_token_ids: Vec<u32>,
+    /// Context length the model was trained for.
+    pub max_position_embeddings: usize,
+    /// The checkpoint's declared dtype (`dtype` or `torch_dtype`), informational.
+    pub dtype: Option<String>,
+}
+
+impl ModelConfig {
+    /// Reads and checks `path` (a `config.json`).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json(&text, path)
+    }
+
+    /// Parses and checks config JSON; `path` is used in error messages.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+        let value: Value = serde_json::from_str(text).map_err(|source| ModelError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let Value::Object(obj) = value else {
+            return Err(field_error(path, "<root>", "expected a JSON object"));
+        };
+        let f = Fields { obj: &obj, path };
+        let model_type = f.string("model_type")?;
+        let family = match model_type.as_str() {
+            "qwen3_moe" => Family::Qwen3Moe,
+            "qwen3" => Family::Qwen3,
+            other => {
+                return Err(ModelError::UnsupportedModelType {
+                    path: path.to_path_buf(),
+                    model_type: other.to_string(),
+                    supported: SUPPORTED,
+                });
+            }
+        };
+        let num_layers = f.positive("num_hidden_layers")?;
+        let num_heads = f.positive("num_attention_heads")?;
+        let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(field_error(
+                path,
+                "num_key_value_heads",
+                &format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
+            ));
+        }
+        let hidden_size = f.positive("hidden_size")?;
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) => d,
+            None => hidden_size / num_heads,
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(field_error(path, "head_dim", "must be even and positive"));
+        }
+        let moe = match family {
+            Family::Qwen3 => None,
+            Family::Qwen3Moe => f.moe(num_layers)?,
+        };
+        let intermediate_size = match (&moe, f.opt_usize("intermediate_size")?) {
+            (_, Some(size)) => size,
+            (Some(_), None) => 0,
+            (None, None) => return Err(field_error(path, "intermediate_size", "missing")),
+        };
+        if let Some(m) = &moe {
+            let has_dense = (0..num_layers).any(|i| !is_sparse(m, i));
+            if has_dense && intermediate_size == 0 {
+                return Err(field_error(
+                    path,
+                    "intermediate_size",
+                    "dense layers need a positive intermediate_size",
+                ));
+            }
+        }
+        let eos_token_ids = match obj.get("eos_token_id") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) => token_ids(v).ok_or_else(|| {
+                field_error(
+                    path,
+                    "eos_token_id",
+                    "expected a token id or a list of them",
+                )
+            })?,
+        };
+        let config = ModelConfig {
+            family,
+            vocab_size: f.positive("vocab_size")?,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size,
+            moe,
+            rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            rope_theta: f.rope_theta()? as f32,
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            bos_token_id: f.opt_usize("bos_token_id")?.map(|v| v as u32),
+            eos_token_ids,
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+            dtype: match f.opt_string("dtype")? {
+                Some(d) => Some(d),
+                None => f.opt_string("torch_dtype")?,
+            },
+        };
+        if config.rope_theta <= 0.0 || !config.rope_theta.is_finite() {
+            return Err(field_error(path, "rope_theta", "must be positive"));
+        }
+        Ok(config)
+    }
+
+    /// Whether layer `layer` runs the sparse MoE block (else the dense MLP).
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| is_sparse(m, layer))
+    }
+
+    /// Elements of K (or V) per token per attention layer.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Attention layers (all of them, for these families).
+    pub fn num_attention_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// KV cache bytes per token at f32 activations.
+    pub fn kv_bytes_per_token(&self, bytes_per_element: usize) -> usize {
+        self.num_attention_layers() * 2 * self.kv_dim() * bytes_per_element
+    }
+}
+
+fn is_sparse(m: &MoeConfig, layer: usize) -> bool {
+    !m.mlp_only_layers.contains(&layer)
+        && m.num_experts > 0
+        && (layer + 1) % m.decoder_sparse_step == 0
+}
+
+fn token_ids(v: &Value) -> Option<Vec<u32>> {
+    match v {
+        Value::Number(n) => Some(vec![u32::try_from(n.as_u64()?).ok()?]),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect(),
+        _ => None,
+    }
+}
+
+fn field_error(path: &Path, field: &str, problem: &str) -> ModelError {
+    ModelError::ConfigField {
+        path: PathBuf::from(path),
+        field: field.to_string(),
+        problem: problem.to_string(),
+    }
+}
+
+fn describe(v: &Value) -> String {
+    let kind = match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    };
+    let mut shown = v.to_string();
+    if shown.len() > 40 {
+        shown.truncate(40);
+        shown.push('…');
+    }
+    format!("{kind} ({shown})")
+}
+
+/// Typed access to the fields of one JSON object, with errors naming the field.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn wrong(&self, field: &str, expected: &str, got: &Value) -> ModelError {
+        field_error(
+            self.path,
+            field,
+            &format!("expected {expected}, got {}", describe(got)),
+        )
+    }
+
+    fn present(&self, field: &str) -> Option<&Value> {
+        self.obj.get(field).filter(|v| !v.is_null())
+    }
+
+    fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
+        match self.present(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| self.wrong(field, "a non-negative integer", v)),
+        }
+    }
+
+    fn positive(&self, field: &str) -> Result<usize> {
+        match self.opt_usize(field)? {
+            None => Err(field_error(self.path, field, "missing")),
+            Some(0) => Err(field_error(self.path, field, "must be positive")),
+            Some(n) => Ok(n),
+        }
+    }
+
+    fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
+        match self.present(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.wrong(field, "a number", v)),
+        }
+    }
+
+    fn opt_bool(&self, field: &str) -> Result<Option<bool>> {
+        match self.present(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.wrong(field, "a boolean", v)),
+        }
+    }
+
+    fn opt_string(&self, field: &str) -> Result<Option<String>> {
+        match self.present(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(|s| Some(s.to_string()))
+                .ok_or_else(|| self.wrong(field, "a string", v)),
+        }
+    }
+
+    fn string(&self, field: &str) -> Result<String> {
+        self.opt_string(field)?
+            .ok_or_else(|| field_error(self.path, field, "missing"))
+    }
+
+    /// RoPE base from `rope_theta`, or `rope_parameters` / `rope_scaling` objects; only the
+    /// default rope type is supported.
+    fn rope_theta(&self) -> Result<f64> {
+        let mut theta = self.opt_f64("rope_theta")?;
+        for key in ["rope_parameters", "rope_scaling"] {
+            let Some(v) = self.present(key) else { continue };
+            let Value::Object(params) = v else {
+                return Err(self.wrong(key, "an object", v));
+            };
+            let nested = Fields {
+                obj: params,
+                path: self.path,
+            };
+            let kind = match nested.opt_string("rope_type")? {
+                Some(k) => Some(k),
+                None => nested.opt_string("type")?,
+            };
+            if let Some(kind) = kind.filter(|k| k != "default") {
+                return Err(field_error(
+                    self.path,
+                    &format!("{key}.rope_type"),
+                    &format!("rope type `{kind}` is not supported (only `default`)"),
+                ));
+            }
+            if let Some(t) = nested.opt_f64("rope_theta").map_err(|_| {
+                self.wrong(
+                    &format!("{key}.rope_theta"),
+                    "a number",
+                    &params["rope_theta"],
+                )
+            })? {
+                theta = Some(t);
+            }
+        }
+        Ok(theta.unwrap_or(10_000.0))
+    }
+
+    fn moe(&self, num_layers: usize) -> Result<Option<MoeConfig>> {
+        let num_experts = match self.opt_usize("num_experts")? {
+            Some(n) => n,
+            None => self.opt_usize("num_local_experts")?.unwrap_or(0),
+        };
+        if num_experts == 0 {
+            return Err(field_error(
+                self.path,
+                "num_experts",
+                "missing (neither num_experts nor num_local_experts is set)",
+            ));
+        }
+        let top_k = self.positive("num_experts_per_tok")?;
+        if top_k > num_experts {
+            return Err(field_error(
+                self.path,
+                "num_experts_per_tok",
+                &format!("{top_k} exceeds the {num_experts} experts"),
+            ));
+        }
+        let mlp_only_layers = match self.present("mlp_only_layers") {
+            None => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|i| i.as_u64().map(|n| n as usize))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| self.wrong("mlp_only_layers", "a list of layer indices", v))?,
+        };
+        if let Some(bad) = mlp_only_layers.iter().find(|&&l| l >= num_layers) {
+            return Err(field_error(
+                self.path,
+                "mlp_only_layers",
+                &format!("layer {bad} does not exist ({num_layers} layers)"),
+            ));
+        }
+        let step = self.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+        if step == 0 {
+            return Err(field_error(
+                self.path,
+                "decoder_sparse_step",
+                "must be positive",
+            ));
+        }
+        Ok(Some(MoeConfig {
+            num_experts,
+            top_k,
+            moe_intermediate_size: self.positive("moe_intermediate_size")?,
+            norm_topk_prob: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            decoder_sparse_step: step,
+            mlp_only_layers,
+        }))
+    }
+}

@@ -1,0 +1,3 @@
+//! Model families, one file each, reading top-down like the reference modeling files.
+
+pub(crate) mod qwen3;

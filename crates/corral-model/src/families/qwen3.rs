@@ -1,0 +1,166 @@
+//! Qwen3 and Qwen3-MoE (`qwen3`, `qwen3_moe`): pre-norm decoder layers of GQA attention with
+//! q/k norms, then a dense SwiGLU MLP or a sparse MoE block; plain-weight RMSNorms throughout.
+
+use corral_backend::{Backend, DeviceBuffer, WeightView};
+
+use crate::batch::RaggedBatch;
+use crate::checkpoint::Checkpoint;
+use crate::kv_cache::PagedKvCache;
+use crate::layers::Workspace;
+use crate::layers::attention::Attention;
+use crate::layers::mlp::Mlp;
+use crate::layers::sparse_moe::SparseMoe;
+use crate::{ModelConfig, ModelError, Result};
+
+/// The feed-forward half of a decoder layer.
+#[derive(Debug)]
+enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+#[derive(Debug)]
+struct DecoderLayer {
+    input_layernorm: DeviceBuffer,
+    self_attn: Attention,
+    post_attention_layernorm: DeviceBuffer,
+    mlp: FeedForward,
+}
+
+/// A loaded Qwen3 / Qwen3-MoE model.
+#[derive(Debug)]
+pub(crate) struct Qwen3Model {
+    config: ModelConfig,
+    embed_tokens: DeviceBuffer,
+    layers: Vec<DecoderLayer>,
+    norm: DeviceBuffer,
+    /// `None` when tied to `embed_tokens`.
+    lm_head: Option<DeviceBuffer>,
+}
+
+impl Qwen3Model {
+    /// Binds every tensor of `ckpt`, checking names and shapes against `config`.
+    pub(crate) fn load(
+        ckpt: &Checkpoint,
+        backend: &dyn Backend,
+        config: ModelConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let embed_tokens = ckpt.weight(backend, "model.embed_tokens.weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            progress(i, config.num_layers);
+            let p = format!("model.layers.{i}.");
+            let mlp = if config.is_sparse_layer(i) {
+                let moe = config.moe.as_ref().ok_or_else(|| {
+                    ModelError::InvalidBatch("sparse layer without MoE config".to_string())
+                })?;
+                FeedForward::Sparse(SparseMoe::load(ckpt, backend, &format!("{p}mlp."), h, moe)?)
+            } else {
+                FeedForward::Dense(Mlp::load(
+                    ckpt,
+                    backend,
+                    &format!("{p}mlp."),
+                    h,
+                    config.intermediate_size,
+                )?)
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: ckpt.weight_f32(
+                    backend,
+                    &format!("{p}input_layernorm.weight"),
+                    &[h],
+                )?,
+                self_attn: Attention::load(ckpt, backend, &config, &p)?,
+                post_attention_layernorm: ckpt.weight_f32(
+                    backend,
+                    &format!("{p}post_attention_layernorm.weight"),
+                    &[h],
+                )?,
+                mlp,
+            });
+        }
+        progress(config.num_layers, config.num_layers);
+        let norm = ckpt.weight_f32(backend, "model.norm.weight", &[h])?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(ckpt.weight(backend, "lm_head.weight", &[v, h])?)
+        };
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    pub(crate) fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Runs the layers over `batch`, writing `[logit rows, vocab]` into `ws.logits`.
+    pub(crate) fn forward(
+        &self,
+        backend: &dyn Backend,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        ws: &mut Workspace,
+        table_width: usize,
+        num_logit_rows: usize,
+    ) -> Result<()> {
+        let cfg = &self.config;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let tokens = batch.num_tokens();
+        let embed = WeightView::new(&self.embed_tokens, v, h)?;
+        backend.embedding(embed, &ws.batch.ids, tokens, &mut ws.x)?;
+        for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let eps = cfg.rms_norm_eps;
+            backend.rms_norm(
+                &ws.x,
+                &layer.input_layernorm,
+                tokens,
+                h,
+                eps,
+                false,
+                &mut ws.h,
+            )?;
+            layer
+                .self_attn
+                .forward(backend, ws, tokens, table_width, cache.block_size, kv)?;
+            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
+            backend.rms_norm(
+                &ws.x,
+                &layer.post_attention_layernorm,
+                tokens,
+                h,
+                eps,
+                false,
+                &mut ws.h,
+            )?;
+            match &layer.mlp {
+                FeedForward::Dense(mlp) => mlp.forward(backend, ws, tokens)?,
+                FeedForward::Sparse(moe) => moe.forward(backend, ws, tokens)?,
+            }
+            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
+        }
+        if num_logit_rows == 0 {
+            return Ok(());
+        }
+        backend.gather_rows(&ws.x, &ws.batch.logit_rows, num_logit_rows, h, &mut ws.rows)?;
+        backend.rms_norm(
+            &ws.rows,
+            &self.norm,
+            num_logit_rows,
+            h,
+            cfg.rms_norm_eps,
+            false,
+            &mut ws.rows_normed,
+        )?;
+        let head = WeightView::new(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), v, h)?;
+        backend.matmul(&ws.rows_normed, num_logit_rows, head, &mut ws.logits)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,155 @@
+//! Qwen3 attention: q/k/v projections, per-head q/k RMSNorm, RoPE, paged GQA attention, o_proj.
+
+use corral_backend::{AttentionMeta, AttentionShape, Backend, DeviceBuffer, WeightView};
+
+use super::Workspace;
+use crate::checkpoint::Checkpoint;
+use crate::kv_cache::LayerKv;
+use crate::{ModelConfig, Result};
+
+/// Weights of one attention layer.
+#[derive(Debug)]
+pub(crate) struct Attention {
+    q_proj: DeviceBuffer,
+    k_proj: DeviceBuffer,
+    v_proj: DeviceBuffer,
+    o_proj: DeviceBuffer,
+    q_norm: DeviceBuffer,
+    k_norm: DeviceBuffer,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    hidden: usize,
+    eps: f32,
+    theta: f32,
+}
+
+impl Attention {
+    /// Binds `{prefix}self_attn.*`.
+    pub(crate) fn load(
+        ckpt: &Checkpoint,
+        backend: &dyn Backend,
+        config: &ModelConfig,
+        prefix: &str,
+    ) -> Result<Self> {
+        let (h, hd) = (config.hidden_size, config.head_dim);
+        let q_dim = config.num_heads * hd;
+        let kv_dim = config.kv_dim();
+        let p = format!("{prefix}self_attn.");
+        Ok(Self {
+            q_proj: ckpt.weight(backend, &format!("{p}q_proj.weight"), &[q_dim, h])?,
+            k_proj: ckpt.weight(backend, &format!("{p}k_proj.weight"), &[kv_dim, h])?,
+            v_proj: ckpt.weight(backend, &format!("{p}v_proj.weight"), &[kv_dim, h])?,
+            o_proj: ckpt.weight(backend, &format!("{p}o_proj.weight"), &[h, q_dim])?,
+            q_norm: ckpt.weight_f32(backend, &format!("{p}q_norm.weight"), &[hd])?,
+            k_norm: ckpt.weight_f32(backend, &format!("{p}k_norm.weight"), &[hd])?,
+            num_heads: config.num_heads,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: hd,
+            hidden: h,
+            eps: config.rms_norm_eps,
+            theta: config.rope_theta,
+        })
+    }
+
+    /// `ws.out = o_proj(attention(ws.h))`, storing this batch's K and V in `kv` first.
+    pub(crate) fn forward(
+        &self,
+        backend: &dyn Backend,
+        ws: &mut Workspace,
+        tokens: usize,
+        table_width: usize,
+        block_size: usize,
+        kv: &mut LayerKv,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let h = self.hidden;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.q_proj, nh * hd, h)?,
+            &mut ws.q,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.k_proj, nkv * hd, h)?,
+            &mut ws.k,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.v_proj, nkv * hd, h)?,
+            &mut ws.v,
+        )?;
+        backend.rms_norm(
+            &ws.q,
+            &self.q_norm,
+            tokens * nh,
+            hd,
+            self.eps,
+            false,
+            &mut ws.q_normed,
+        )?;
+        backend.rms_norm(
+            &ws.k,
+            &self.k_norm,
+            tokens * nkv,
+            hd,
+            self.eps,
+            false,
+            &mut ws.k_normed,
+        )?;
+        let b = &ws.batch;
+        backend.rope(
+            &mut ws.q_normed,
+            &b.positions,
+            tokens,
+            nh,
+            hd,
+            hd,
+            self.theta,
+        )?;
+        backend.rope(
+            &mut ws.k_normed,
+            &b.positions,
+            tokens,
+            nkv,
+            hd,
+            hd,
+            self.theta,
+        )?;
+        backend.kv_store(
+            &ws.k_normed,
+            &ws.v,
+            &b.slots,
+            tokens,
+            nkv * hd,
+            &mut kv.k,
+            &mut kv.v,
+        )?;
+        let meta = AttentionMeta {
+            positions: &b.positions,
+            token_runs: &b.token_runs,
+            block_tables: &b.block_tables,
+            slots: &b.slots,
+            max_blocks_per_run: table_width,
+            block_size,
+            tokens,
+        };
+        let shape = AttentionShape {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        backend.paged_attention(&ws.q_normed, &kv.k, &kv.v, &meta, shape, &mut ws.attn)?;
+        backend.matmul(
+            &ws.attn,
+            tokens,
+            WeightView::new(&self.o_proj, h, nh * hd)?,
+            &mut ws.out,
+        )?;
+        Ok(())
+    }
+}

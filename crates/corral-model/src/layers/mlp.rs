@@ -1,0 +1,78 @@
+//! The dense SwiGLU MLP: `down(silu(gate x) ⊙ up x)`.
+
+use corral_backend::{Backend, DeviceBuffer, WeightView};
+
+use super::Workspace;
+use crate::Result;
+use crate::checkpoint::Checkpoint;
+
+/// Weights of a dense MLP.
+#[derive(Debug)]
+pub(crate) struct Mlp {
+    gate_proj: DeviceBuffer,
+    up_proj: DeviceBuffer,
+    down_proj: DeviceBuffer,
+    hidden: usize,
+    inter: usize,
+}
+
+impl Mlp {
+    /// Binds `{prefix}{gate,up,down}_proj.weight`.
+    pub(crate) fn load(
+        ckpt: &Checkpoint,
+        backend: &dyn Backend,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_proj: ckpt.weight(
+                backend,
+                &format!("{prefix}gate_proj.weight"),
+                &[inter, hidden],
+            )?,
+            up_proj: ckpt.weight(
+                backend,
+                &format!("{prefix}up_proj.weight"),
+                &[inter, hidden],
+            )?,
+            down_proj: ckpt.weight(
+                backend,
+                &format!("{prefix}down_proj.weight"),
+                &[hidden, inter],
+            )?,
+            hidden,
+            inter,
+        })
+    }
+
+    /// `ws.out = mlp(ws.h)`.
+    pub(crate) fn forward(
+        &self,
+        backend: &dyn Backend,
+        ws: &mut Workspace,
+        tokens: usize,
+    ) -> Result<()> {
+        let (h, i) = (self.hidden, self.inter);
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.gate_proj, i, h)?,
+            &mut ws.gate,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.up_proj, i, h)?,
+            &mut ws.up,
+        )?;
+        backend.silu_mul(&ws.gate, &ws.up, tokens * i, &mut ws.act)?;
+        backend.matmul(
+            &ws.act,
+            tokens,
+            WeightView::new(&self.down_proj, h, i)?,
+            &mut ws.out,
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,24 @@
+//! The model layer: configs, checkpoints, layers and model families, and the forward pass
+//! over a ragged batch.
+//!
+//! [`ModelConfig`] is a checked `config.json`. [`Checkpoint`] maps safetensors files and
+//! indexes their tensors. [`Model::load`] binds a family's weights by their checkpoint names
+//! onto a [`corral_backend::Backend`]; [`Model::forward`] runs a [`RaggedBatch`] (runs of
+//! several sequences at their own positions) against a [`PagedKvCache`] and returns the logits
+//! of the rows asked for.
+
+mod batch;
+pub mod checkpoint;
+mod config;
+mod error;
+mod families;
+mod kv_cache;
+mod layers;
+mod model;
+
+pub use batch::{BlockId, BlockTable, LogitsWanted, RaggedBatch, SeqId, SequenceRun, TokenId};
+pub use checkpoint::Checkpoint;
+pub use config::{Family, ModelConfig, MoeConfig};
+pub use error::{ModelError, Result};
+pub use kv_cache::{LayerKv, PagedKvCache};
+pub use model::{ForwardReport, Model};

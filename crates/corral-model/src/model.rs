@@ -1,0 +1,161 @@
+//! [`Model`]: a loaded model of any supported family, and its forward pass over a ragged batch.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use corral_backend::{Backend, DispatchStats};
+
+use crate::batch::RaggedBatch;
+use crate::checkpoint::Checkpoint;
+use crate::families::qwen3::Qwen3Model;
+use crate::kv_cache::PagedKvCache;
+use crate::layers::Workspace;
+use crate::{Family, ModelConfig, ModelError, Result};
+
+#[derive(Debug)]
+enum FamilyModel {
+    Qwen3(Qwen3Model),
+}
+
+/// A model whose weights live on a backend.
+#[derive(Debug)]
+pub struct Model {
+    inner: FamilyModel,
+    backend: Arc<dyn Backend>,
+    num_parameters: usize,
+    weight_bytes: usize,
+}
+
+/// What one forward pass cost.
+#[derive(Clone, Copy, Debug, Default)]
+#[must_use]
+pub struct ForwardReport {
+    /// Tokens in the batch.
+    pub tokens: usize,
+    /// Dispatches, host syncs, allocations and bytes of this forward.
+    pub stats: DispatchStats,
+}
+
+impl Model {
+    /// Loads the checkpoint in `dir` (config.json + safetensors) onto `backend`.
+    /// `progress(done, total)` is called as layers are bound.
+    pub fn load(
+        dir: &Path,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        let inner = match config.family {
+            Family::Qwen3Moe | Family::Qwen3 => {
+                FamilyModel::Qwen3(Qwen3Model::load(&ckpt, backend.as_ref(), config, progress)?)
+            }
+        };
+        Ok(Self {
+            inner,
+            backend,
+            num_parameters: ckpt.total_elements(),
+            weight_bytes: ckpt.total_bytes(),
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        match &self.inner {
+            FamilyModel::Qwen3(m) => m.config(),
+        }
+    }
+
+    /// The backend the weights live on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Parameters in the checkpoint.
+    pub fn num_parameters(&self) -> usize {
+        self.num_parameters
+    }
+
+    /// Bytes of weights as stored.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Runs `batch` through the model, reading and extending `cache`, and writes the logits
+    /// of the rows [`RaggedBatch::logit_rows`] names, `[rows, vocab]` row-major, to `logits`.
+    pub fn forward(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        logits: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        let backend = self.backend.as_ref();
+        let before = backend.stats();
+        if batch.is_empty() {
+            return Err(ModelError::InvalidBatch("no tokens".to_string()));
+        }
+        if batch.block_size() != cache.block_size {
+            return Err(ModelError::InvalidBatch(format!(
+                "batch block size {} differs from the cache's {}",
+                batch.block_size(),
+                cache.block_size
+            )));
+        }
+        let config = self.config();
+        if let Some(&t) = batch
+            .tokens()
+            .iter()
+            .find(|&&t| t as usize >= config.vocab_size)
+        {
+            return Err(ModelError::InvalidBatch(format!(
+                "token id {t} is outside the vocabulary of {}",
+                config.vocab_size
+            )));
+        }
+        if let Some(run) = batch.runs().iter().find(|r| {
+            r.block_table
+                .blocks
+                .iter()
+                .any(|b| b.0 as usize >= cache.num_blocks)
+        }) {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {} uses a block beyond the cache's {}",
+                run.seq_id.0, cache.num_blocks
+            )));
+        }
+        let rows = batch.logit_rows();
+        let (tables, width) = batch.padded_block_tables();
+        let tokens = batch.num_tokens();
+        let mut ws = Workspace::take(
+            backend,
+            config,
+            tokens,
+            batch.runs().len(),
+            width,
+            rows.len(),
+        )?;
+        let result = (|| {
+            backend.upload_u32(batch.tokens(), &mut ws.batch.ids)?;
+            backend.upload_u32(batch.positions(), &mut ws.batch.positions)?;
+            backend.upload_u32(&batch.token_runs(), &mut ws.batch.token_runs)?;
+            backend.upload_u32(&batch.slots(), &mut ws.batch.slots)?;
+            backend.upload_u32(&tables, &mut ws.batch.block_tables)?;
+            backend.upload_u32(&rows, &mut ws.batch.logit_rows)?;
+            match &self.inner {
+                FamilyModel::Qwen3(m) => {
+                    m.forward(backend, batch, cache, &mut ws, width, rows.len())?
+                }
+            }
+            logits.resize(rows.len() * config.vocab_size, 0.0);
+            if !rows.is_empty() {
+                backend.download_f32(&ws.logits, logits)?;
+            }
+            Ok(())
+        })();
+        ws.give(backend);
+        result.map(|()| ForwardReport {
+            tokens,
+            stats: backend.stats() - before,
+        })
+    }
+}
