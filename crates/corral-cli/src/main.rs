@@ -1,1 +1,46 @@
-fn main() {}
+//! `corral`: run, score and inspect Qwen3-MoE-family models.
+//!
+//! Every command that loads a model takes `--model DIR` (a Hugging Face checkpoint directory)
+//! and `--threads N`. Errors print their full chain to stderr and exit with status 1; bad
+//! command lines exit with status 2.
+
+mod commands;
+mod loading;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Corral: an inference engine for mixture-of-experts language models.
+#[derive(Debug, Parser)]
+#[command(name = "corral", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming it to stdout; statistics go to stderr.
+    Run(commands::run::RunArgs),
+    /// Write the fp32 logits of every position of a token sequence to a safetensors file.
+    Logits(commands::logits::LogitsArgs),
+    /// Describe a checkpoint: architecture, parameters, weight and KV cache bytes.
+    Inspect(commands::inspect::InspectArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => commands::run::run(args),
+        Command::Logits(args) => commands::logits::run(args),
+        Command::Inspect(args) => commands::inspect::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -214,7 +214,7 @@ impl ModelConfig {
 fn is_sparse(m: &MoeConfig, layer: usize) -> bool {
     !m.mlp_only_layers.contains(&layer)
         && m.num_experts > 0
-        && (layer + 1) % m.decoder_sparse_step == 0
+        && (layer + 1).is_multiple_of(m.decoder_sparse_step)
 }
 
 fn token_ids(v: &Value) -> Option<Vec<u32>> {

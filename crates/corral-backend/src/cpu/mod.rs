@@ -240,7 +240,7 @@ impl Backend for CpuBackend {
                     format!("{}: tensor data out of range", file.path().display()),
                 )
             })?;
-        let aligned = (bytes.as_ptr() as usize) % dtype.size_bytes() == 0;
+        let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.size_bytes());
         let storage = match (aligned, dtype) {
             (true, DType::F32 | DType::BF16 | DType::F16) => HostStorage::Mapped {
                 file: Arc::clone(file),
@@ -437,7 +437,10 @@ impl Backend for CpuBackend {
         theta: f32,
     ) -> Result<()> {
         let op = "rope";
-        if rotary_dim % 2 != 0 || rotary_dim > head_dim || rotary_dim > ops::rope::MAX_ROTARY_DIM {
+        if !rotary_dim.is_multiple_of(2)
+            || rotary_dim > head_dim
+            || rotary_dim > ops::rope::MAX_ROTARY_DIM
+        {
             return Err(bad(
                 op,
                 format!("rotary dim {rotary_dim} must be even and at most head dim {head_dim}"),

@@ -22,6 +22,13 @@ unsafe impl Send for OutPtr {}
 #[allow(unsafe_code)]
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer; a method so closures capture the `Send` wrapper, not the raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 pub(crate) fn matmul(
     x: &[f32],
     m: usize,
@@ -45,7 +52,6 @@ pub(crate) fn matmul(
         let (n0, n1) = (p * panel, ((p + 1) * panel).min(n));
         let nb = n1 - n0;
         let run = |panel_w: &[f32]| {
-            let out_ptr = out_ptr;
             if r1 - r0 >= GEMM_MIN_ROWS {
                 // SAFETY: dst addresses rows r0..r1, columns n0..n1 of `out` (row stride n),
                 // which only this work item writes; lhs and rhs are in-bounds slices.
@@ -55,7 +61,7 @@ pub(crate) fn matmul(
                         r1 - r0,
                         nb,
                         k,
-                        out_ptr.0.add(r0 * n + n0),
+                        out_ptr.get().add(r0 * n + n0),
                         1,
                         n as isize,
                         false,
@@ -81,7 +87,7 @@ pub(crate) fn matmul(
                         // SAFETY: (r, n0 + j) lies in this work item's disjoint output range.
                         #[allow(unsafe_code)]
                         unsafe {
-                            *out_ptr.0.add(r * n + n0 + j) = v;
+                            *out_ptr.get().add(r * n + n0 + j) = v;
                         }
                     }
                 }

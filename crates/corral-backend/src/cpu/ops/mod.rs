@@ -18,7 +18,7 @@ pub(crate) enum WeightRows<'a> {
 
 impl WeightRows<'_> {
     /// Elements `start..start + len` converted to f32 into `dst` (of length `len`).
-    pub(crate) fn to_f32(&self, start: usize, dst: &mut [f32]) {
+    pub(crate) fn to_f32(self, start: usize, dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
         let end = start + dst.len();
         match self {

@@ -1,0 +1,143 @@
+//! CPU ops against the plain references, on random shapes and weight types.
+
+use corral_backend::{Backend, BufferUsage, CpuBackend, DType, WeightView, reference};
+use proptest::prelude::*;
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn round_to(dtype: DType, v: &[f32]) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => v
+            .iter()
+            .map(|x| half::bf16::from_f32(*x).to_f32())
+            .collect(),
+        DType::F16 => v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect(),
+        _ => v.to_vec(),
+    }
+}
+
+fn upload(b: &CpuBackend, v: &[f32]) -> corral_backend::DeviceBuffer {
+    let mut buf = b
+        .take_buffer(DType::F32, v.len(), BufferUsage::Activations)
+        .unwrap();
+    b.upload_f32(v, &mut buf).unwrap();
+    buf
+}
+
+fn download(b: &CpuBackend, buf: &corral_backend::DeviceBuffer, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; n];
+    b.download_f32(buf, &mut out).unwrap();
+    out
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32) -> Result<(), TestCaseError> {
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        prop_assert!(
+            (x - y).abs() <= tol * (1.0 + y.abs()),
+            "element {}: {} vs {}",
+            i,
+            x,
+            y
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn matmul_matches_reference(
+        m in 1usize..160, n in 1usize..90, k in 1usize..70, seed in any::<u64>(),
+        dtype in prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)],
+        row_offset in 0usize..3,
+    ) {
+        let b = CpuBackend::new();
+        let x = values(m * k, seed);
+        // A weight with `row_offset` extra rows in front: the view must skip them.
+        let w_all = values((n + row_offset) * k, seed ^ 1);
+        let w_buf = b.weight_from_f32(&w_all, dtype).unwrap();
+        let view = WeightView::new(&w_buf, n + row_offset, k).unwrap().rows(row_offset, n).unwrap();
+        let x_buf = upload(&b, &x);
+        let mut out = b.take_buffer(DType::F32, m * n, BufferUsage::Activations).unwrap();
+        b.matmul(&x_buf, m, view, &mut out).unwrap();
+        let w_used = round_to(dtype, &w_all[row_offset * k..]);
+        let expected = reference::matmul(&x, m, k, &w_used, n);
+        close(&download(&b, &out, m * n), &expected, 1e-5)?;
+    }
+
+    #[test]
+    fn rms_norm_matches_reference(rows in 1usize..20, dim in 1usize..300, offset_one in any::<bool>(), seed in any::<u64>()) {
+        let b = CpuBackend::new();
+        let x = values(rows * dim, seed);
+        let w = values(dim, seed ^ 7);
+        let w_buf = b.weight_from_f32(&w, DType::F32).unwrap();
+        let x_buf = upload(&b, &x);
+        let mut out = b.take_buffer(DType::F32, rows * dim, BufferUsage::Activations).unwrap();
+        b.rms_norm(&x_buf, &w_buf, rows, dim, 1e-6, offset_one, &mut out).unwrap();
+        close(&download(&b, &out, rows * dim), &reference::rms_norm(&x, &w, dim, 1e-6, offset_one), 1e-5)?;
+    }
+}
+
+#[test]
+fn pool_reuses_buffers_and_counts_only_misses() {
+    let b = CpuBackend::new();
+    let before = b.stats();
+    let big = b
+        .take_buffer(DType::F32, 100, BufferUsage::Activations)
+        .unwrap();
+    b.give_buffer(big);
+    let small = b
+        .take_buffer(DType::F32, 40, BufferUsage::Activations)
+        .unwrap();
+    assert_eq!(small.len(), 40);
+    assert_eq!(small.capacity(), 100);
+    let other = b
+        .take_buffer(DType::U32, 40, BufferUsage::Metadata)
+        .unwrap();
+    assert_eq!(
+        (b.stats() - before).allocations,
+        2,
+        "one f32 miss, one u32 miss"
+    );
+    b.give_buffer(small);
+    b.give_buffer(other);
+}
+
+#[test]
+fn ops_reject_bad_arguments_without_panicking() {
+    let b = CpuBackend::new();
+    let x = upload(&b, &[1.0; 8]);
+    let w = b.weight_from_f32(&[1.0; 8], DType::BF16).unwrap();
+    let mut out = b
+        .take_buffer(DType::F32, 2, BufferUsage::Activations)
+        .unwrap();
+    // Needs 4 rows of 8 but x holds one row.
+    let err = b
+        .matmul(&x, 4, WeightView::new(&w, 1, 8).unwrap(), &mut out)
+        .unwrap_err();
+    assert!(err.to_string().contains("matmul"), "{err}");
+    assert!(
+        WeightView::new(&w, 3, 8).is_err(),
+        "view larger than the buffer"
+    );
+    let mut ids = b.take_buffer(DType::U32, 1, BufferUsage::Metadata).unwrap();
+    b.upload_u32(&[5], &mut ids).unwrap();
+    let table = b.weight_from_f32(&[0.0; 8], DType::F32).unwrap();
+    let err = b
+        .embedding(WeightView::new(&table, 2, 4).unwrap(), &ids, 1, &mut out)
+        .unwrap_err();
+    assert!(err.to_string().contains("token id 5"), "{err}");
+}

@@ -1,0 +1,54 @@
+//! `corral inspect`: what a checkpoint is and what it costs in memory.
+
+use anyhow::Result;
+use clap::Args;
+
+use crate::loading::{ModelArgs, load_model};
+
+/// Arguments of `corral inspect`.
+#[derive(Debug, Args)]
+pub(crate) struct InspectArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+pub(crate) fn run(args: InspectArgs) -> Result<()> {
+    let model = load_model(&args.model)?;
+    let c = model.config();
+    println!("model_type           {}", c.family.model_type());
+    println!("layers               {}", c.num_layers);
+    println!("hidden_size          {}", c.hidden_size);
+    println!(
+        "attention            {} heads, {} kv heads, head_dim {}",
+        c.num_heads, c.num_kv_heads, c.head_dim
+    );
+    match &c.moe {
+        Some(m) => {
+            let sparse = (0..c.num_layers).filter(|&i| c.is_sparse_layer(i)).count();
+            println!(
+                "experts              {} routed, top-{}, intermediate {}, norm_topk_prob {}",
+                m.num_experts, m.top_k, m.moe_intermediate_size, m.norm_topk_prob
+            );
+            println!("sparse layers        {sparse} of {}", c.num_layers);
+        }
+        None => println!(
+            "mlp                  dense, intermediate {}",
+            c.intermediate_size
+        ),
+    }
+    println!("vocab_size           {}", c.vocab_size);
+    println!("tied embeddings      {}", c.tie_word_embeddings);
+    println!("rope_theta           {}", c.rope_theta);
+    println!("parameters           {}", model.num_parameters());
+    println!(
+        "weight bytes         {} ({:.2} MiB)",
+        model.weight_bytes(),
+        model.weight_bytes() as f64 / (1 << 20) as f64
+    );
+    println!(
+        "KV bytes per token   {} as cached here (f32), {} at bf16",
+        c.kv_bytes_per_token(4),
+        c.kv_bytes_per_token(2)
+    );
+    Ok(())
+}

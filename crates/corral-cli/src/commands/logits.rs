@@ -1,0 +1,70 @@
+//! `corral logits`: the fp32 logits of every position of a token sequence, fed through the
+//! KV cache `--chunk` tokens at a time, written as safetensors tensor `logits` `[T, vocab]`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use corral_engine::{BLOCK_SIZE, KvBlockPool};
+use corral_model::{BlockTable, LogitsWanted, PagedKvCache, RaggedBatch, SeqId, TokenId};
+use safetensors::tensor::{Dtype, TensorView};
+
+use crate::loading::{ModelArgs, load_model};
+
+/// Arguments of `corral logits`.
+#[derive(Debug, Args)]
+pub(crate) struct LogitsArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',', required = true)]
+    token_ids: Vec<u32>,
+    /// Output safetensors file.
+    #[arg(long)]
+    out: PathBuf,
+    /// Tokens per forward pass (1 is pure decode); default: all at once.
+    #[arg(long)]
+    chunk: Option<usize>,
+}
+
+pub(crate) fn run(args: LogitsArgs) -> Result<()> {
+    if args.chunk == Some(0) {
+        bail!("--chunk must be at least 1");
+    }
+    let model = load_model(&args.model)?;
+    let vocab = model.config().vocab_size;
+    let tokens = &args.token_ids;
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {bad} is outside the vocabulary of {vocab}");
+    }
+    let blocks = tokens.len().div_ceil(BLOCK_SIZE);
+    let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
+    let mut cache =
+        PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE)?;
+    let mut table = BlockTable::default();
+    pool.grow(&mut table, tokens.len())?;
+    let chunk = args.chunk.unwrap_or(tokens.len());
+    let mut all = Vec::with_capacity(tokens.len() * vocab);
+    let mut out = Vec::new();
+    for (i, piece) in tokens.chunks(chunk).enumerate() {
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
+        batch.push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)?;
+        let _ = model.forward(&batch, &mut cache, &mut out)?;
+        all.extend_from_slice(&out);
+    }
+    pool.release(&mut table);
+    let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = TensorView::new(Dtype::F32, vec![tokens.len(), vocab], &bytes)
+        .context("building the logits tensor")?;
+    let metadata: Option<HashMap<String, String>> = None;
+    safetensors::serialize_to_file([("logits", view)], &metadata, &args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!(
+        "wrote logits [{}, {vocab}] to {}",
+        tokens.len(),
+        args.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,213 @@
+//! `corral run`: generate from a prompt, streaming text to stdout, then report prompt tokens,
+//! time to first token, prefill and decode rates, and dispatches, host syncs and allocations
+//! per token on stderr.
+
+use std::io::Write;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use corral_backend::DispatchStats;
+use corral_engine::{
+    ChatTemplate, GenerationRequest, IncrementalDecoder, SamplingParams, Tokenizer,
+    TokenizerConfig, generate, stop_token_ids,
+};
+use serde_json::{Map, Value, json};
+
+use crate::loading::{ModelArgs, load_model};
+
+/// Arguments of `corral run`.
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt text (needs the checkpoint's tokenizer.json).
+    #[arg(
+        long,
+        conflicts_with = "token_ids",
+        required_unless_present = "token_ids"
+    )]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids (works without a tokenizer).
+    #[arg(long, value_delimiter = ',')]
+    token_ids: Option<Vec<u32>>,
+    /// Wrap the prompt as a user turn with the checkpoint's chat template.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Pass enable_thinking to the chat template.
+    #[arg(long, requires = "chat")]
+    enable_thinking: Option<bool>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the K most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Drop tokens below this fraction of the top probability (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalty on tokens already present (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Most prompt tokens per prefill forward.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+pub(crate) fn run(args: RunArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+    };
+    params.validate()?;
+    let model = load_model(&args.model)?;
+    let dir = &args.model.model;
+    let tokenizer = match &args.prompt {
+        Some(_) => Some(
+            Tokenizer::from_file(&dir.join("tokenizer.json"))
+                .context("--prompt needs the tokenizer")?,
+        ),
+        None => None,
+    };
+    let prompt_ids = match (&args.prompt, &args.token_ids, &tokenizer) {
+        (Some(text), _, Some(tok)) => {
+            let text = if args.chat {
+                render_chat(dir, text, args.system.as_deref(), args.enable_thinking)?
+            } else {
+                text.clone()
+            };
+            tok.encode(&text)?
+        }
+        (None, Some(ids), _) => ids.clone(),
+        _ => bail!("give --prompt or --token-ids"),
+    };
+    if prompt_ids.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {bad} is outside the vocabulary of {vocab}");
+    }
+    let stop = if args.ignore_eos {
+        Vec::new()
+    } else {
+        stop_token_ids(dir, &model.config().eos_token_ids)?
+    };
+    let request = GenerationRequest {
+        prompt: prompt_ids,
+        params,
+        max_tokens: args.max_tokens,
+        stop_token_ids: stop,
+        prefill_chunk: args.prefill_chunk,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let mut decoder = IncrementalDecoder::default();
+    let mut write_error = None;
+    let report = generate(&model, &request, &mut |id| {
+        let piece = match &tokenizer {
+            Some(tok) => decoder.push(tok, id).map_err(anyhow::Error::from),
+            None => Ok(Some(format!("{id} "))),
+        };
+        let written = piece.and_then(|p| {
+            if let Some(p) = p {
+                stdout.write_all(p.as_bytes())?;
+                stdout.flush()?;
+            }
+            Ok(())
+        });
+        match written {
+            Ok(()) => true,
+            Err(e) => {
+                write_error = Some(e);
+                false
+            }
+        }
+    })?;
+    if let Some(e) = write_error {
+        return Err(e.context("writing to stdout"));
+    }
+    if let Some(tok) = &tokenizer
+        && let Some(rest) = decoder.finish(tok)?
+    {
+        stdout.write_all(rest.as_bytes())?;
+    }
+    writeln!(stdout)?;
+    drop(stdout);
+
+    let generated = report.tokens.len();
+    let ttft = report.ttft.as_secs_f64();
+    let decode_s = report.decode_time.as_secs_f64();
+    let per_token = |s: DispatchStats, n: usize| {
+        let n = n.max(1) as f64;
+        format!(
+            "{:.1} dispatches, {:.2} host syncs, {:.2} allocations",
+            s.dispatches as f64 / n,
+            s.host_syncs as f64 / n,
+            s.allocations as f64 / n
+        )
+    };
+    eprintln!("--");
+    eprintln!("device           {}", model.backend().device_name());
+    eprintln!("prompt tokens    {}", report.prompt_tokens);
+    eprintln!("generated tokens {generated} (finish: {:?})", report.finish);
+    eprintln!("TTFT             {:.1} ms", ttft * 1e3);
+    eprintln!(
+        "prefill          {:.1} tok/s",
+        report.prompt_tokens as f64 / ttft
+    );
+    if report.decode_steps > 0 {
+        eprintln!(
+            "decode           {:.1} tok/s",
+            report.decode_steps as f64 / decode_s
+        );
+    }
+    eprintln!(
+        "prefill per tok  {}",
+        per_token(report.prefill_stats, report.prompt_tokens)
+    );
+    if report.decode_steps > 0 {
+        eprintln!(
+            "decode per tok   {}",
+            per_token(report.decode_stats, report.decode_steps)
+        );
+    }
+    Ok(())
+}
+
+fn render_chat(
+    dir: &std::path::Path,
+    prompt: &str,
+    system: Option<&str>,
+    enable_thinking: Option<bool>,
+) -> Result<String> {
+    let config = TokenizerConfig::from_dir(dir)?;
+    let template = ChatTemplate::new(&config)?;
+    let mut messages = Vec::new();
+    if let Some(system) = system {
+        messages.push(json!({"role": "system", "content": system}));
+    }
+    messages.push(json!({"role": "user", "content": prompt}));
+    let mut extra = Map::new();
+    if let Some(on) = enable_thinking {
+        extra.insert("enable_thinking".to_string(), Value::Bool(on));
+    }
+    Ok(template.render(&messages, None, true, &extra)?)
+}

@@ -1,0 +1,259 @@
+//! The `corral` binary end to end: `logits` matches transformers at every chunk size, `run`
+//! reproduces transformers' greedy continuation and chats on the demo model, `inspect`
+//! describes a checkpoint, and bad input exits non-zero with a message naming the culprit.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FIXTURES: &[&str] = &[
+    "qwen3_moe_fused",
+    "qwen3_moe_per_expert",
+    "qwen3_moe_sharded",
+    "qwen3_dense",
+];
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(name)
+}
+
+fn corral(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args(args)
+        .args(["--threads", "2"])
+        .output()
+        .expect("run corral")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn read_tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap();
+    (t.shape().to_vec(), t.data().to_vec())
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn i64s(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn join(ids: &[i64]) -> String {
+    ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")
+}
+
+#[test]
+fn logits_command_matches_transformers_at_chunk_1_7_and_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in FIXTURES {
+        let reference = fixture(name).join("reference.safetensors");
+        let ids = i64s(&read_tensor(&reference, "token_ids").1);
+        let (ref_shape, ref_bytes) = read_tensor(&reference, "logits");
+        let expected = f32s(&ref_bytes);
+        for chunk in [Some("1"), Some("7"), None] {
+            let out_path = tmp.path().join(format!("{name}-{chunk:?}.safetensors"));
+            let model = fixture(name);
+            let mut args = vec![
+                "logits",
+                "--model",
+                model.to_str().unwrap(),
+                "--out",
+                out_path.to_str().unwrap(),
+            ];
+            let id_list = join(&ids);
+            args.extend(["--token-ids", &id_list]);
+            if let Some(c) = chunk {
+                args.extend(["--chunk", c]);
+            }
+            let out = corral(&args);
+            assert!(out.status.success(), "{name}: {}", stderr(&out));
+            let (shape, bytes) = read_tensor(&out_path, "logits");
+            assert_eq!(shape, ref_shape);
+            let ours = f32s(&bytes);
+            let diff: f64 = ours
+                .iter()
+                .zip(&expected)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            let norm: f64 = expected.iter().map(|b| (*b as f64).powi(2)).sum();
+            let rel = (diff / norm).sqrt();
+            assert!(
+                rel <= 1e-4,
+                "{name} chunk {chunk:?}: relative error {rel:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn run_reproduces_the_greedy_continuation() {
+    for name in FIXTURES {
+        let reference = fixture(name).join("reference.safetensors");
+        let prompt = join(&i64s(&read_tensor(&reference, "greedy_prompt").1));
+        let expected = i64s(&read_tensor(&reference, "greedy_continuation").1);
+        let model = fixture(name);
+        let out = corral(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--token-ids",
+            &prompt,
+            "--max-tokens",
+            "16",
+            "--prefill-chunk",
+            "3",
+        ]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let got: Vec<i64> = String::from_utf8(out.stdout)
+            .unwrap()
+            .split_whitespace()
+            .map(|t| t.parse().unwrap())
+            .collect();
+        assert_eq!(got, expected, "{name}");
+    }
+}
+
+#[test]
+fn run_chats_on_the_demo_model_and_reports_stats() {
+    let model = repo().join("models/tiny-qwen3-moe");
+    let out = corral(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1",
+    ]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    for field in [
+        "prompt tokens",
+        "TTFT",
+        "prefill",
+        "decode",
+        "dispatches",
+        "host syncs",
+        "allocations",
+    ] {
+        assert!(err.contains(field), "missing `{field}` in:\n{err}");
+    }
+    // The chat template wraps the 2-word prompt in ChatML: far more than 2 prompt tokens.
+    let prompt_tokens: usize = err
+        .lines()
+        .find_map(|l| l.strip_prefix("prompt tokens"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!(prompt_tokens > 6, "{err}");
+}
+
+#[test]
+fn inspect_describes_the_checkpoint() {
+    let model = fixture("qwen3_moe_fused");
+    let out = corral(&["inspect", "--model", model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("qwen3_moe"), "{text}");
+    assert!(text.contains("parameters           241280"), "{text}");
+    assert!(text.contains("8 routed, top-2"), "{text}");
+    assert!(text.contains("sparse layers        2 of 3"), "{text}");
+}
+
+#[test]
+fn bad_input_exits_nonzero_naming_the_culprit() {
+    let fused = fixture("qwen3_moe_fused");
+    let fused = fused.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["inspect", "--model", "/nonexistent/model"],
+            "/nonexistent/model",
+        ),
+        (
+            vec!["run", "--model", fused, "--token-ids", "1,99999"],
+            "99999",
+        ),
+        (
+            vec!["run", "--model", fused, "--prompt", "hi"],
+            "tokenizer.json",
+        ),
+        (
+            vec!["run", "--model", fused, "--token-ids", "1", "--top-p", "0"],
+            "top_p",
+        ),
+        (
+            vec![
+                "logits",
+                "--model",
+                fused,
+                "--token-ids",
+                "1,2",
+                "--out",
+                "/tmp/x.safetensors",
+                "--chunk",
+                "0",
+            ],
+            "--chunk",
+        ),
+        (
+            vec![
+                "logits",
+                "--model",
+                fused,
+                "--token-ids",
+                "1,2",
+                "--out",
+                "/nonexistent/dir/x.safetensors",
+            ],
+            "/nonexistent/dir/x.safetensors",
+        ),
+    ];
+    for (args, culprit) in cases {
+        let out = corral(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(culprit), "{args:?}: `{culprit}` not in: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn corrupt_checkpoint_exits_nonzero_without_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("qwen3_moe_fused").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":",
+    )
+    .unwrap();
+    let out = corral(&["inspect", "--model", dir.path().to_str().unwrap()]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("model.safetensors"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

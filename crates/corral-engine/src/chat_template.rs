@@ -1,0 +1,205 @@
+//! Rendering the checkpoint's own Jinja chat template (from `tokenizer_config.json` or
+//! `chat_template.jinja`) with minijinja, with Python string methods available as the
+//! templates expect. Template variables such as `enable_thinking` pass straight through.
+
+use std::path::Path;
+
+use minijinja::{Environment, Error, ErrorKind, Value as JinjaValue};
+use serde_json::{Map, Value};
+
+use crate::EngineError;
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// A compiled chat template plus the special tokens it may refer to.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// What `tokenizer_config.json` says about special tokens and the template.
+#[derive(Debug, Default)]
+pub struct TokenizerConfig {
+    /// The chat template source, if any.
+    pub chat_template: Option<String>,
+    /// `bos_token`, if set.
+    pub bos_token: Option<String>,
+    /// `eos_token`, if set.
+    pub eos_token: Option<String>,
+}
+
+impl TokenizerConfig {
+    /// Reads `tokenizer_config.json` (if present) and `chat_template.jinja` (if present, it
+    /// wins) from a checkpoint directory.
+    pub fn from_dir(dir: &Path) -> Result<Self, EngineError> {
+        let path = dir.join("tokenizer_config.json");
+        let mut config = Self::default();
+        if path.exists() {
+            let text = std::fs::read_to_string(&path).map_err(|source| EngineError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let value: Value =
+                serde_json::from_str(&text).map_err(|e| EngineError::ConfigField {
+                    path: path.clone(),
+                    field: "<root>".to_string(),
+                    problem: format!("not valid JSON: {e}"),
+                })?;
+            let field_err = |field: &str, problem: &str| EngineError::ConfigField {
+                path: path.clone(),
+                field: field.to_string(),
+                problem: problem.to_string(),
+            };
+            config.chat_template = match value.get("chat_template") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .or_else(|| named.first())
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                Some(_) => {
+                    return Err(field_err(
+                        "chat_template",
+                        "expected a string or a list of named templates",
+                    ));
+                }
+            };
+            config.bos_token =
+                special_token(&value, "bos_token").map_err(|p| field_err("bos_token", &p))?;
+            config.eos_token =
+                special_token(&value, "eos_token").map_err(|p| field_err("eos_token", &p))?;
+        }
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            config.chat_template =
+                Some(
+                    std::fs::read_to_string(&jinja).map_err(|source| EngineError::Io {
+                        path: jinja.clone(),
+                        source,
+                    })?,
+                );
+        }
+        Ok(config)
+    }
+}
+
+/// A special token given as a string or as `{"content": ...}`.
+fn special_token(config: &Value, key: &str) -> Result<Option<String>, String> {
+    match config.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Object(o)) => match o.get("content") {
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            _ => Err("expected a string or an object with `content`".to_string()),
+        },
+        Some(_) => Err("expected a string".to_string()),
+    }
+}
+
+fn raise_exception(message: String) -> Result<JinjaValue, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+impl ChatTemplate {
+    /// Compiles the template of a [`TokenizerConfig`].
+    pub fn new(config: &TokenizerConfig) -> Result<Self, EngineError> {
+        let source = config.chat_template.clone().ok_or_else(|| {
+            EngineError::ChatTemplate("the checkpoint has no chat template".to_string())
+        })?;
+        let mut env = Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
+        Ok(Self {
+            env,
+            bos_token: config.bos_token.clone().unwrap_or_default(),
+            eos_token: config.eos_token.clone().unwrap_or_default(),
+        })
+    }
+
+    /// Renders `messages` (OpenAI-style objects with `role` and `content`), optional `tools`,
+    /// and extra variables such as `enable_thinking`.
+    pub fn render(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<String, EngineError> {
+        let mut context = extra.clone();
+        context.insert("messages".to_string(), Value::Array(messages.to_vec()));
+        if let Some(tools) = tools {
+            context.insert("tools".to_string(), Value::Array(tools.to_vec()));
+        }
+        context.insert(
+            "add_generation_prompt".to_string(),
+            Value::Bool(add_generation_prompt),
+        );
+        context.insert(
+            "bos_token".to_string(),
+            Value::String(self.bos_token.clone()),
+        );
+        context.insert(
+            "eos_token".to_string(),
+            Value::String(self.eos_token.clone()),
+        );
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+        template
+            .render(JinjaValue::from_serialize(&context))
+            .map_err(|e| EngineError::ChatTemplate(format!("rendering failed: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chatml() -> ChatTemplate {
+        let source = "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{%- endfor %}\
+            {%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}";
+        ChatTemplate::new(&TokenizerConfig {
+            chat_template: Some(source.to_string()),
+            ..TokenizerConfig::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn renders_chatml_with_python_methods_and_kwargs() {
+        let t = chatml();
+        let msgs = [json!({"role": "user", "content": " Hi "})];
+        let out = t.render(&msgs, None, true, &Map::new()).unwrap();
+        assert_eq!(out, "<|im_start|>user\nHi<|im_end|><|im_start|>assistant\n");
+        let mut kwargs = Map::new();
+        kwargs.insert("enable_thinking".to_string(), json!(false));
+        let out = t.render(&msgs, None, true, &kwargs).unwrap();
+        assert!(out.ends_with("<think>\n\n</think>\n\n"), "{out:?}");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error_not_a_panic() {
+        let t = ChatTemplate::new(&TokenizerConfig {
+            chat_template: Some("{{ raise_exception('no system role') }}".to_string()),
+            ..TokenizerConfig::default()
+        })
+        .unwrap();
+        let err = t.render(&[], None, false, &Map::new()).unwrap_err();
+        assert!(err.to_string().contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn missing_template_is_reported() {
+        let err = ChatTemplate::new(&TokenizerConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("no chat template"), "{err}");
+    }
+}

@@ -1,0 +1,166 @@
+//! A ragged batch computes each sequence exactly as if it ran alone, whatever mix of prefill
+//! chunks and decode rows shares the step; and steady-state forwards allocate nothing.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use corral_backend::CpuBackend;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId,
+};
+
+const BLOCK_SIZE: usize = 4;
+
+fn load(name: &str) -> Model {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
+    Model::load(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap()
+}
+
+fn ids(tokens: &[u32]) -> Vec<TokenId> {
+    tokens.iter().map(|&t| TokenId(t)).collect()
+}
+
+/// Logits of every token of `tokens` for one sequence alone, whole.
+fn alone(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let blocks = tokens.len().div_ceil(BLOCK_SIZE);
+    let mut cache =
+        PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE).unwrap();
+    let table = BlockTable {
+        blocks: (0..blocks as u32).map(BlockId).collect(),
+    };
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    batch
+        .push_run(SeqId(0), &ids(tokens), 0, &table, LogitsWanted::All)
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = model.forward(&batch, &mut cache, &mut out).unwrap();
+    out
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+#[test]
+fn mixed_prefill_and_decode_rows_match_each_sequence_alone() {
+    for name in ["qwen3_moe_fused", "qwen3_moe_per_expert"] {
+        let model = load(name);
+        let vocab = model.config().vocab_size;
+        let a: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % vocab as u32).collect();
+        let b: Vec<u32> = (0..9).map(|i| (i * 53 + 2) % vocab as u32).collect();
+        let (ref_a, ref_b) = (alone(&model, &a), alone(&model, &b));
+
+        // Interleaved, non-contiguous blocks for the two sequences in one shared cache.
+        let mut cache =
+            PagedKvCache::new(model.backend().as_ref(), model.config(), 8, BLOCK_SIZE).unwrap();
+        let table_a = BlockTable {
+            blocks: [6, 1, 4].map(BlockId).to_vec(),
+        };
+        let table_b = BlockTable {
+            blocks: [0, 7, 2].map(BlockId).to_vec(),
+        };
+        let mut got_a = Vec::new();
+        let mut got_b = Vec::new();
+        let mut out = Vec::new();
+        // Step 1: a's first 6 tokens (prefill chunk) with b's first 2.
+        // Step 2: a's next 4 with b's next 6. Steps 3: a's last token (decode) with b's last (decode).
+        let plan: [(usize, usize, usize, usize); 3] = [(0, 6, 0, 2), (6, 10, 2, 8), (10, 11, 8, 9)];
+        for (a0, a1, b0, b1) in plan {
+            let mut batch = RaggedBatch::new(BLOCK_SIZE);
+            batch
+                .push_run(SeqId(1), &ids(&a[a0..a1]), a0, &table_a, LogitsWanted::All)
+                .unwrap();
+            batch
+                .push_run(SeqId(2), &ids(&b[b0..b1]), b0, &table_b, LogitsWanted::All)
+                .unwrap();
+            let _ = model.forward(&batch, &mut cache, &mut out).unwrap();
+            let split = (a1 - a0) * vocab;
+            got_a.extend_from_slice(&out[..split]);
+            got_b.extend_from_slice(&out[split..]);
+        }
+        assert!(
+            max_rel(&got_a, &ref_a) < 1e-5,
+            "{name} sequence a: {}",
+            max_rel(&got_a, &ref_a)
+        );
+        assert!(
+            max_rel(&got_b, &ref_b) < 1e-5,
+            "{name} sequence b: {}",
+            max_rel(&got_b, &ref_b)
+        );
+    }
+}
+
+#[test]
+fn steady_state_forwards_allocate_nothing_and_sync_once() {
+    let model = load("qwen3_moe_fused");
+    let mut cache =
+        PagedKvCache::new(model.backend().as_ref(), model.config(), 4, BLOCK_SIZE).unwrap();
+    let table = BlockTable {
+        blocks: (0..4).map(BlockId).collect(),
+    };
+    let mut out = Vec::new();
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    batch
+        .push_run(
+            SeqId(0),
+            &ids(&[1, 2, 3, 4, 5]),
+            0,
+            &table,
+            LogitsWanted::Last,
+        )
+        .unwrap();
+    let _ = model.forward(&batch, &mut cache, &mut out).unwrap();
+    for position in 5..10 {
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        batch
+            .push_run(SeqId(0), &ids(&[7]), position, &table, LogitsWanted::Last)
+            .unwrap();
+        let report = model.forward(&batch, &mut cache, &mut out).unwrap();
+        assert_eq!(
+            report.stats.allocations, 0,
+            "decode at {position} allocated"
+        );
+        assert_eq!(report.stats.host_syncs, 1, "only the logits read-back");
+        assert!(report.stats.dispatches > 0);
+    }
+}
+
+#[test]
+fn invalid_batches_are_rejected() {
+    let model = load("qwen3_moe_fused");
+    let mut cache =
+        PagedKvCache::new(model.backend().as_ref(), model.config(), 2, BLOCK_SIZE).unwrap();
+    let mut out = Vec::new();
+    let short = BlockTable {
+        blocks: vec![BlockId(0)],
+    };
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    let err = batch
+        .push_run(SeqId(0), &ids(&[1; 5]), 0, &short, LogitsWanted::Last)
+        .unwrap_err();
+    assert!(err.to_string().contains("blocks hold 4"), "{err}");
+    let beyond = BlockTable {
+        blocks: vec![BlockId(9)],
+    };
+    batch
+        .push_run(SeqId(0), &ids(&[1]), 0, &beyond, LogitsWanted::Last)
+        .unwrap();
+    let err = model.forward(&batch, &mut cache, &mut out).unwrap_err();
+    assert!(err.to_string().contains("beyond the cache"), "{err}");
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    let ok = BlockTable {
+        blocks: vec![BlockId(0)],
+    };
+    batch
+        .push_run(SeqId(0), &ids(&[100_000]), 0, &ok, LogitsWanted::Last)
+        .unwrap();
+    let err = model.forward(&batch, &mut cache, &mut out).unwrap_err();
+    assert!(err.to_string().contains("100000"), "{err}");
+}
