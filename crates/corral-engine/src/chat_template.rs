@@ -166,7 +166,7 @@ mod tests {
 
     fn chatml() -> ChatTemplate {
         let source = "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{%- endfor %}\
-            {%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}";
+            {%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
         ChatTemplate::new(&TokenizerConfig {
             chat_template: Some(source.to_string()),
             ..TokenizerConfig::default()
