@@ -73,6 +73,19 @@ pub struct MoeRouting<'a> {
     pub top_k: usize,
 }
 
+/// Routed pairs sorted by expert, as produced by [`Backend::moe_sort`]. A pair `p = t * top_k
+/// + j` is token `t`'s `j`-th expert choice.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeSorted<'a> {
+    /// U32 `[num_experts + 1]`: expert `e`'s pairs sit at sorted positions
+    /// `offsets[e]..offsets[e + 1]`.
+    pub expert_offsets: &'a DeviceBuffer,
+    /// U32 `[pairs]`: the pair at each sorted position.
+    pub sorted_pairs: &'a DeviceBuffer,
+    /// U32 `[pairs]`: the sorted position of each pair.
+    pub pair_positions: &'a DeviceBuffer,
+}
+
 /// The op table. Every model family is written against it; a backend implements each op as
 /// one dispatch (or says in the op's doc how many it takes). Outputs are passed in, never
 /// returned, so ops allocate nothing.
@@ -114,6 +127,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Reads the first `dst.len()` elements of an F32 buffer back to the host: one host sync.
     fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()>;
+
+    /// Reads the first `dst.len()` elements of a U32 buffer back to the host: one host sync.
+    fn download_u32(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()>;
+
+    /// Blocks until all launched work has finished: one host sync.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Sets the first `len` elements of an F32 buffer to zero.
+    fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()>;
 
     /// `out[t] = table[ids[t]]` for `tokens` ids; table rows are `hidden` wide. F32 out.
     fn embedding(
@@ -224,14 +246,73 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         expert_weights: &mut DeviceBuffer,
     ) -> Result<()>;
 
+    /// `out[rows[i]] += scales[i] · y[i]` for `num_rows` rows of `dim` (scatter back to token
+    /// order with routing weights). `rows` must not repeat.
+    #[allow(clippy::too_many_arguments)]
+    fn scale_scatter_add(
+        &self,
+        y: &DeviceBuffer,
+        rows: &DeviceBuffer,
+        scales: &DeviceBuffer,
+        num_rows: usize,
+        dim: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Sorts the routed (token, slot) pairs by expert on the device: per-expert offsets, the
+    /// permutation and its inverse. No host round trip.
+    fn moe_sort(
+        &self,
+        routing: MoeRouting<'_>,
+        num_experts: usize,
+        expert_offsets: &mut DeviceBuffer,
+        sorted_pairs: &mut DeviceBuffer,
+        pair_positions: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Grouped gate and up projections and SwiGLU of every routed pair, all experts in one
+    /// dispatch: `act[s] = silu(gate[e] x[t]) ⊙ up[e] x[t]` for the pair `(t, j)` at sorted
+    /// position `s`, `e` its expert. `act` is `[pairs, intermediate]` in sorted order.
+    fn moe_grouped_gate_up(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Grouped down projection scaled by each pair's routing weight, all experts in one
+    /// dispatch: `y[s] = w[p] · down[e] act[s]`. `y` is `[pairs, hidden]` in sorted order.
+    fn moe_grouped_down(
+        &self,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Back to token order: `out[t] = Σ_j y[position of pair (t, j)]`, summed in slot order.
+    fn moe_combine(
+        &self,
+        y: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        hidden: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
     /// Routed experts, one matrix-vector product per (token, expert) pair:
     /// `out[t] = Σ_j w[t,j] · down[e](silu(gate[e] x[t]) ⊙ up[e] x[t])` with `e = ids[t,j]`.
-    /// Two dispatches: the gate/up half and the down-and-combine half.
+    /// Two dispatches: the gate/up half into `act` (`[pairs, intermediate]` scratch) and the
+    /// down-and-combine half.
     fn moe_experts_per_token(
         &self,
         x: &DeviceBuffer,
         routing: MoeRouting<'_>,
         experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 }

@@ -18,6 +18,22 @@ pub struct DispatchStats {
     pub allocations: u64,
     /// Bytes copied between host and device, either way.
     pub bytes_transferred: u64,
+    /// Bytes of weights read by ops (an expert read by several tokens in one op counts once).
+    pub weight_bytes_read: u64,
+}
+
+impl std::ops::Add for DispatchStats {
+    type Output = DispatchStats;
+
+    fn add(self, other: DispatchStats) -> DispatchStats {
+        DispatchStats {
+            dispatches: self.dispatches + other.dispatches,
+            host_syncs: self.host_syncs + other.host_syncs,
+            allocations: self.allocations + other.allocations,
+            bytes_transferred: self.bytes_transferred + other.bytes_transferred,
+            weight_bytes_read: self.weight_bytes_read + other.weight_bytes_read,
+        }
+    }
 }
 
 impl std::ops::Sub for DispatchStats {
@@ -29,6 +45,7 @@ impl std::ops::Sub for DispatchStats {
             host_syncs: self.host_syncs - earlier.host_syncs,
             allocations: self.allocations - earlier.allocations,
             bytes_transferred: self.bytes_transferred - earlier.bytes_transferred,
+            weight_bytes_read: self.weight_bytes_read - earlier.weight_bytes_read,
         }
     }
 }
@@ -40,6 +57,7 @@ pub struct StatsCounter {
     host_syncs: AtomicU64,
     allocations: AtomicU64,
     bytes_transferred: AtomicU64,
+    weight_bytes_read: AtomicU64,
 }
 
 impl StatsCounter {
@@ -64,6 +82,12 @@ impl StatsCounter {
             .fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
+    /// Counts weight bytes read by an op.
+    pub fn weight_read(&self, bytes: usize) {
+        self.weight_bytes_read
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
     /// The current totals.
     pub fn snapshot(&self) -> DispatchStats {
         DispatchStats {
@@ -71,6 +95,7 @@ impl StatsCounter {
             host_syncs: self.host_syncs.load(Ordering::Relaxed),
             allocations: self.allocations.load(Ordering::Relaxed),
             bytes_transferred: self.bytes_transferred.load(Ordering::Relaxed),
+            weight_bytes_read: self.weight_bytes_read.load(Ordering::Relaxed),
         }
     }
 }

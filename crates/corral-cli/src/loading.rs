@@ -1,5 +1,5 @@
-//! Shared start-up of model commands: the thread pool, the backend, and loading weights with
-//! a progress bar.
+//! Shared start-up of model commands: the thread pool, the backend, and loading weights (or
+//! making synthetic ones) with a progress bar.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -7,17 +7,62 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use corral_backend::CpuBackend;
-use corral_model::Model;
+use corral_model::{Model, ModelConfig, MoeStrategy};
 
 /// Options every model-loading command takes.
 #[derive(Debug, Args)]
 pub(crate) struct ModelArgs {
     /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files).
-    #[arg(long, env = "CORRAL_MODEL")]
-    pub(crate) model: PathBuf,
+    #[arg(
+        long,
+        env = "CORRAL_MODEL",
+        required_unless_present = "synthetic",
+        conflicts_with = "synthetic"
+    )]
+    pub(crate) model: Option<PathBuf>,
+    /// Build the model from this config.json alone, with deterministic random weights.
+    #[arg(long)]
+    pub(crate) synthetic: Option<PathBuf>,
     /// CPU threads for compute (default: all cores).
     #[arg(long, env = "CORRAL_THREADS")]
     pub(crate) threads: Option<usize>,
+    /// How MoE layers run their experts.
+    #[arg(long, default_value = "auto", value_parser = parse_strategy)]
+    pub(crate) moe_strategy: MoeStrategy,
+    /// With `--moe-strategy auto`: routed tokens from which the grouped strategy runs.
+    #[arg(long, default_value_t = corral_model::DEFAULT_GROUPED_MIN_TOKENS)]
+    pub(crate) moe_grouped_min_tokens: usize,
+}
+
+fn parse_strategy(s: &str) -> Result<MoeStrategy, String> {
+    s.parse()
+        .map_err(|e: corral_model::UnknownStrategy| e.to_string())
+}
+
+impl ModelArgs {
+    /// The strategy with the `auto` threshold applied.
+    pub(crate) fn strategy(&self) -> MoeStrategy {
+        match self.moe_strategy {
+            MoeStrategy::Auto { .. } => MoeStrategy::Auto {
+                grouped_min_tokens: self.moe_grouped_min_tokens,
+            },
+            other => other,
+        }
+    }
+
+    /// The checkpoint directory, when the model comes from one.
+    pub(crate) fn dir(&self) -> Option<&Path> {
+        self.model.as_deref()
+    }
+
+    /// What the model is, for reports.
+    pub(crate) fn describe(&self) -> String {
+        match (&self.model, &self.synthetic) {
+            (Some(dir), _) => dir.display().to_string(),
+            (_, Some(config)) => format!("synthetic:{}", config.display()),
+            _ => String::new(),
+        }
+    }
 }
 
 /// Sizes the process-wide thread pool once.
@@ -33,27 +78,35 @@ pub(crate) fn init_threads(threads: Option<usize>) -> Result<()> {
         .context("starting the thread pool")
 }
 
-/// Loads the model of `args` on the CPU backend, with a progress bar on stderr.
+/// Loads (or makes) the model of `args` on the CPU backend, with a progress bar on stderr.
 pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
     init_threads(args.threads)?;
-    load_model_from(&args.model)
-}
-
-fn load_model_from(dir: &Path) -> Result<Model> {
-    if !dir.is_dir() {
-        anyhow::bail!("{}: not a directory", dir.display());
-    }
     let bar = indicatif::ProgressBar::new(0).with_style(
         indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    bar.set_message(dir.display().to_string());
+    bar.set_message(args.describe());
     let backend = Arc::new(CpuBackend::new());
-    let model = Model::load(dir, backend, &mut |done, total| {
+    let mut progress = |done: usize, total: usize| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })
-    .with_context(|| format!("loading model from {}", dir.display()));
+    };
+    let model = match (&args.model, &args.synthetic) {
+        (Some(dir), _) => {
+            if !dir.is_dir() {
+                anyhow::bail!("{}: not a directory", dir.display());
+            }
+            Model::load(dir, backend, &mut progress)
+                .with_context(|| format!("loading model from {}", dir.display()))
+        }
+        (None, Some(config)) => ModelConfig::from_file(config)
+            .map_err(anyhow::Error::from)
+            .and_then(|c| Ok(Model::synthetic(c, backend, 0, &mut progress)?))
+            .with_context(|| format!("building a synthetic model from {}", config.display())),
+        (None, None) => anyhow::bail!("give --model DIR or --synthetic CONFIG.json"),
+    };
     bar.finish_and_clear();
-    model
+    let mut model = model?;
+    model.set_moe_strategy(args.strategy());
+    Ok(model)
 }

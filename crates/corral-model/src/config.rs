@@ -195,6 +195,34 @@ impl ModelConfig {
         self.moe.as_ref().is_some_and(|m| is_sparse(m, layer))
     }
 
+    /// Parameters the architecture has (embedding, layers, final norm, untied LM head).
+    pub fn num_parameters(&self) -> usize {
+        let (h, hd) = (self.hidden_size, self.head_dim);
+        let q = self.num_heads * hd;
+        let attention = h * q * 2 + h * self.kv_dim() * 2 + 2 * hd;
+        let dense = 3 * h * self.intermediate_size;
+        let sparse = self.moe.as_ref().map_or(0, |m| {
+            m.num_experts * 3 * h * m.moe_intermediate_size + m.num_experts * h
+        });
+        let layers: usize = (0..self.num_layers)
+            .map(|i| {
+                attention
+                    + 2 * h
+                    + if self.is_sparse_layer(i) {
+                        sparse
+                    } else {
+                        dense
+                    }
+            })
+            .sum();
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * h
+        };
+        self.vocab_size * h + layers + h + head
+    }
+
     /// Elements of K (or V) per token per attention layer.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim

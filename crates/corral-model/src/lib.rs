@@ -5,7 +5,8 @@
 //! indexes their tensors. [`Model::load`] binds a family's weights by their checkpoint names
 //! onto a [`corral_backend::Backend`]; [`Model::forward`] runs a [`RaggedBatch`] (runs of
 //! several sequences at their own positions) against a [`PagedKvCache`] and returns the logits
-//! of the rows asked for.
+//! of the rows asked for. Sparse MoE blocks run with a [`MoeStrategy`]; [`Model::synthetic`]
+//! builds a model from a config alone, for benchmarks at full size.
 
 mod batch;
 pub mod checkpoint;
@@ -15,6 +16,8 @@ mod families;
 mod kv_cache;
 mod layers;
 mod model;
+mod moe;
+mod weights;
 
 pub use batch::{BlockId, BlockTable, LogitsWanted, RaggedBatch, SeqId, SequenceRun, TokenId};
 pub use checkpoint::Checkpoint;
@@ -22,3 +25,5 @@ pub use config::{Family, ModelConfig, MoeConfig};
 pub use error::{ModelError, Result};
 pub use kv_cache::{LayerKv, PagedKvCache};
 pub use model::{ForwardReport, Model};
+pub use moe::{DEFAULT_GROUPED_MIN_TOKENS, MoeStrategy, UnknownStrategy};
+pub use weights::SyntheticWeights;

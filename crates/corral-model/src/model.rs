@@ -3,13 +3,15 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use corral_backend::{Backend, DispatchStats};
+use corral_backend::{Backend, DType, DispatchStats};
 
 use crate::batch::RaggedBatch;
 use crate::checkpoint::Checkpoint;
 use crate::families::qwen3::Qwen3Model;
 use crate::kv_cache::PagedKvCache;
 use crate::layers::Workspace;
+use crate::moe::MoeStrategy;
+use crate::weights::{SyntheticWeights, WeightSource};
 use crate::{Family, ModelConfig, ModelError, Result};
 
 #[derive(Debug)]
@@ -24,6 +26,7 @@ pub struct Model {
     backend: Arc<dyn Backend>,
     num_parameters: usize,
     weight_bytes: usize,
+    moe_strategy: MoeStrategy,
 }
 
 /// What one forward pass cost.
@@ -34,6 +37,10 @@ pub struct ForwardReport {
     pub tokens: usize,
     /// Dispatches, host syncs, allocations and bytes of this forward.
     pub stats: DispatchStats,
+    /// The part of `stats` spent in MoE blocks (router included).
+    pub moe_stats: DispatchStats,
+    /// MoE blocks run.
+    pub moe_layers: usize,
 }
 
 impl Model {
@@ -46,17 +53,76 @@ impl Model {
     ) -> Result<Self> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
+        let (elements, bytes) = (ckpt.total_elements(), ckpt.total_bytes());
+        Self::bind(&ckpt, config, backend, progress, elements, bytes)
+    }
+
+    /// Builds a model of `config` with deterministic random weights (normal, std 0.02; norms
+    /// at 1) made directly in the backend's memory, stored as the config's dtype (bf16 unless
+    /// it says float32 or float16).
+    pub fn synthetic(
+        config: ModelConfig,
+        backend: Arc<dyn Backend>,
+        seed: u64,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let dtype = match config.dtype.as_deref() {
+            Some("float32") => DType::F32,
+            Some("float16") => DType::F16,
+            _ => DType::BF16,
+        };
+        let source = SyntheticWeights { dtype, seed };
+        let elements = config.num_parameters();
+        Self::bind(
+            &source,
+            config,
+            backend,
+            progress,
+            elements,
+            elements * dtype.size_bytes(),
+        )
+    }
+
+    fn bind(
+        source: &dyn WeightSource,
+        config: ModelConfig,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+        num_parameters: usize,
+        weight_bytes: usize,
+    ) -> Result<Self> {
         let inner = match config.family {
-            Family::Qwen3Moe | Family::Qwen3 => {
-                FamilyModel::Qwen3(Qwen3Model::load(&ckpt, backend.as_ref(), config, progress)?)
-            }
+            Family::Qwen3Moe | Family::Qwen3 => FamilyModel::Qwen3(Qwen3Model::load(
+                source,
+                backend.as_ref(),
+                config,
+                progress,
+            )?),
         };
         Ok(Self {
             inner,
             backend,
-            num_parameters: ckpt.total_elements(),
-            weight_bytes: ckpt.total_bytes(),
+            num_parameters,
+            weight_bytes,
+            moe_strategy: MoeStrategy::default(),
         })
+    }
+
+    /// The MoE strategy forwards use.
+    pub fn moe_strategy(&self) -> MoeStrategy {
+        self.moe_strategy
+    }
+
+    /// Sets the MoE strategy forwards use.
+    pub fn set_moe_strategy(&mut self, strategy: MoeStrategy) {
+        self.moe_strategy = strategy;
+    }
+
+    /// Sparse MoE layers.
+    pub fn num_sparse_layers(&self) -> usize {
+        match &self.inner {
+            FamilyModel::Qwen3(m) => m.num_sparse_layers(),
+        }
     }
 
     /// The model's configuration.
@@ -134,6 +200,7 @@ impl Model {
             width,
             rows.len(),
         )?;
+        let mut moe_stats = DispatchStats::default();
         let result = (|| {
             backend.upload_u32(batch.tokens(), &mut ws.batch.ids)?;
             backend.upload_u32(batch.positions(), &mut ws.batch.positions)?;
@@ -142,9 +209,14 @@ impl Model {
             backend.upload_u32(&tables, &mut ws.batch.block_tables)?;
             backend.upload_u32(&rows, &mut ws.batch.logit_rows)?;
             match &self.inner {
-                FamilyModel::Qwen3(m) => {
-                    m.forward(backend, batch, cache, &mut ws, width, rows.len())?
-                }
+                FamilyModel::Qwen3(m) => m.forward(
+                    backend,
+                    batch,
+                    cache,
+                    &mut ws,
+                    self.moe_strategy,
+                    &mut moe_stats,
+                )?,
             }
             logits.resize(rows.len() * config.vocab_size, 0.0);
             if !rows.is_empty() {
@@ -156,6 +228,8 @@ impl Model {
         result.map(|()| ForwardReport {
             tokens,
             stats: backend.stats() - before,
+            moe_stats,
+            moe_layers: self.num_sparse_layers(),
         })
     }
 }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use corral_backend::CpuBackend;
 use corral_model::{
-    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId,
+    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch, SeqId,
+    TokenId,
 };
 
 const FIXTURES: &[&str] = &[
@@ -17,6 +18,14 @@ const FIXTURES: &[&str] = &[
     "qwen3_dense",
 ];
 const BLOCK_SIZE: usize = 16;
+const STRATEGIES: [MoeStrategy; 4] = [
+    MoeStrategy::PerExpert,
+    MoeStrategy::PerToken,
+    MoeStrategy::Grouped,
+    MoeStrategy::Auto {
+        grouped_min_tokens: 4,
+    },
+];
 
 fn fixture_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -103,23 +112,51 @@ fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
 }
 
 #[test]
-fn logits_match_transformers_at_every_chunk_size() {
+fn logits_match_transformers_at_every_chunk_size_and_strategy() {
     for name in FIXTURES {
-        let model = load(name);
+        let mut model = load(name);
+        let reference = read_reference(&fixture_dir(name));
+        for strategy in STRATEGIES {
+            model.set_moe_strategy(strategy);
+            for chunk in [1, 7, reference.token_ids.len()] {
+                let ours = logits_chunked(&model, &reference.token_ids, chunk);
+                let err = rel_err(&ours, &reference.logits);
+                eprintln!("{name} {strategy} chunk {chunk}: relative error {err:.2e}");
+                assert!(
+                    err <= 1e-4,
+                    "{name} {strategy} chunk {chunk}: relative error {err:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn strategies_agree_within_1e_5() {
+    for name in FIXTURES {
+        let mut model = load(name);
         let reference = read_reference(&fixture_dir(name));
         for chunk in [1, 7, reference.token_ids.len()] {
-            let ours = logits_chunked(&model, &reference.token_ids, chunk);
-            let err = rel_err(&ours, &reference.logits);
-            eprintln!("{name} chunk {chunk}: relative error {err:.2e}");
-            assert!(err <= 1e-4, "{name} chunk {chunk}: relative error {err:e}");
+            model.set_moe_strategy(MoeStrategy::PerExpert);
+            let baseline = logits_chunked(&model, &reference.token_ids, chunk);
+            for strategy in &STRATEGIES[1..] {
+                model.set_moe_strategy(*strategy);
+                let other = logits_chunked(&model, &reference.token_ids, chunk);
+                let err = rel_err(&other, &baseline);
+                assert!(
+                    err <= 1e-5,
+                    "{name} {strategy} vs per-expert at chunk {chunk}: {err:e}"
+                );
+            }
         }
     }
 }
 
 #[test]
 fn greedy_continuation_matches_transformers() {
-    for name in FIXTURES {
-        let model = load(name);
+    for (name, strategy) in FIXTURES.iter().flat_map(|n| STRATEGIES.map(|s| (n, s))) {
+        let mut model = load(name);
+        model.set_moe_strategy(strategy);
         let reference = read_reference(&fixture_dir(name));
         let vocab = model.config().vocab_size;
         let total = reference.greedy_prompt.len() + reference.greedy_continuation.len();
@@ -149,6 +186,9 @@ fn greedy_continuation_matches_transformers() {
             generated.push(best);
             next = vec![best];
         }
-        assert_eq!(generated, reference.greedy_continuation, "{name}");
+        assert_eq!(
+            generated, reference.greedy_continuation,
+            "{name} {strategy}"
+        );
     }
 }

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use crate::buffer::HostStorage;
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
-    DeviceBuffer, DispatchStats, ExpertWeights, MappedFile, MoeRouting, Result, StatsCounter,
-    WeightView,
+    DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile, MoeRouting, MoeSorted,
+    Result, StatsCounter, WeightView,
 };
 use ops::WeightRows;
 
@@ -183,10 +183,35 @@ fn weight_f32<'a>(op: &'static str, b: &'a DeviceBuffer, needed: usize) -> Resul
     }
 }
 
+/// The offsets and permutation of a sorting, checked to be consistent with `pairs`.
+fn checked_sorting<'a>(
+    op: &'static str,
+    sorted: MoeSorted<'a>,
+    num_experts: usize,
+    pairs: usize,
+) -> Result<(&'a [u32], &'a [u32])> {
+    let offsets = u32s(op, "expert_offsets", sorted.expert_offsets, num_experts + 1)?;
+    let order = u32s(op, "sorted_pairs", sorted.sorted_pairs, pairs)?;
+    let monotone = offsets.windows(2).all(|w| w[0] <= w[1]);
+    if offsets[0] != 0 || offsets[num_experts] as usize != pairs || !monotone {
+        return Err(bad(
+            op,
+            "expert offsets do not partition the pairs".to_string(),
+        ));
+    }
+    if let Some(&p) = order.iter().find(|&&p| p as usize >= pairs) {
+        return Err(bad(
+            op,
+            format!("pair {p} is out of range for {pairs} pairs"),
+        ));
+    }
+    Ok((offsets, order))
+}
+
 /// Each expert's element offset and weight store.
 fn expert_rows<'a>(
     op: &'static str,
-    m: &'a crate::ExpertMatrices,
+    m: &'a ExpertMatrices,
 ) -> Result<(Vec<usize>, Vec<WeightRows<'a>>)> {
     let mut offsets = Vec::with_capacity(m.num_experts());
     let mut rows = Vec::with_capacity(m.num_experts());
@@ -315,6 +340,173 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn download_u32(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
+        dst.copy_from_slice(u32s("download_u32", "src", src, dst.len())?);
+        self.stats.host_sync();
+        self.stats.transfer(std::mem::size_of_val(dst));
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stats.host_sync();
+        Ok(())
+    }
+
+    fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
+        f32s_mut("fill_zero", "buffer", buffer, len)?.fill(0.0);
+        self.stats.dispatch(1);
+        Ok(())
+    }
+
+    fn scale_scatter_add(
+        &self,
+        y: &DeviceBuffer,
+        rows: &DeviceBuffer,
+        scales: &DeviceBuffer,
+        num_rows: usize,
+        dim: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "scale_scatter_add";
+        let rows = u32s(op, "rows", rows, num_rows)?;
+        let scales = f32s(op, "scales", scales, num_rows)?;
+        let y = f32s(op, "y", y, num_rows * dim)?;
+        let available = out.len() / dim.max(1);
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= available) {
+            return Err(bad(
+                op,
+                format!("row {r} is out of range for {available} rows"),
+            ));
+        }
+        let out = f32s_mut(op, "out", out, available * dim)?;
+        self.stats.dispatch(1);
+        for (i, &r) in rows.iter().enumerate() {
+            let dst = &mut out[r as usize * dim..(r as usize + 1) * dim];
+            for (o, v) in dst.iter_mut().zip(&y[i * dim..(i + 1) * dim]) {
+                *o += scales[i] * v;
+            }
+        }
+        Ok(())
+    }
+
+    fn moe_sort(
+        &self,
+        routing: MoeRouting<'_>,
+        num_experts: usize,
+        expert_offsets: &mut DeviceBuffer,
+        sorted_pairs: &mut DeviceBuffer,
+        pair_positions: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_sort";
+        let pairs = routing.tokens * routing.top_k;
+        let ids = u32s(op, "expert_ids", routing.expert_ids, pairs)?;
+        if let Some(&e) = ids.iter().find(|&&e| e as usize >= num_experts) {
+            return Err(bad(
+                op,
+                format!("expert {e} is out of range for {num_experts}"),
+            ));
+        }
+        let offsets = u32s_mut(op, "expert_offsets", expert_offsets, num_experts + 1)?;
+        let sorted = u32s_mut(op, "sorted_pairs", sorted_pairs, pairs)?;
+        let positions = u32s_mut(op, "pair_positions", pair_positions, pairs)?;
+        self.stats.dispatch(1);
+        ops::moe::sort_by_expert(ids, offsets, sorted, positions);
+        Ok(())
+    }
+
+    fn moe_grouped_gate_up(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_grouped_gate_up";
+        let (hidden, inter) = (experts.gate.cols(), experts.gate.rows());
+        let pairs = routing.tokens * routing.top_k;
+        let (offsets, order) = checked_sorting(op, sorted, experts.gate.num_experts(), pairs)?;
+        let x = f32s(op, "x", x, routing.tokens * hidden)?;
+        let act = f32s_mut(op, "act", act, pairs * inter)?;
+        let (gate_off, gate_rows) = expert_rows(op, &experts.gate)?;
+        let (up_off, up_rows) = expert_rows(op, &experts.up)?;
+        let gate = ops::moe::ExpertProj {
+            offsets: &gate_off,
+            rows: &gate_rows,
+        };
+        let up = ops::moe::ExpertProj {
+            offsets: &up_off,
+            rows: &up_rows,
+        };
+        self.stats.dispatch(1);
+        let hit = ops::moe::experts_hit(offsets);
+        self.stats
+            .weight_read(hit * (experts.gate.expert_bytes() + experts.up.expert_bytes()));
+        ops::moe::grouped_gate_up(
+            x,
+            hidden,
+            routing.top_k,
+            offsets,
+            order,
+            &gate,
+            &up,
+            inter,
+            act,
+        );
+        Ok(())
+    }
+
+    fn moe_grouped_down(
+        &self,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_grouped_down";
+        let (hidden, inter) = (experts.down.rows(), experts.down.cols());
+        let pairs = routing.tokens * routing.top_k;
+        let (offsets, order) = checked_sorting(op, sorted, experts.down.num_experts(), pairs)?;
+        let act = f32s(op, "act", act, pairs * inter)?;
+        let weights = f32s(op, "expert_weights", routing.expert_weights, pairs)?;
+        let y = f32s_mut(op, "y", y, pairs * hidden)?;
+        let (down_off, down_rows) = expert_rows(op, &experts.down)?;
+        let down = ops::moe::ExpertProj {
+            offsets: &down_off,
+            rows: &down_rows,
+        };
+        self.stats.dispatch(1);
+        let hit = ops::moe::experts_hit(offsets);
+        self.stats.weight_read(hit * experts.down.expert_bytes());
+        ops::moe::grouped_down(act, inter, weights, offsets, order, &down, hidden, y);
+        Ok(())
+    }
+
+    fn moe_combine(
+        &self,
+        y: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        hidden: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_combine";
+        let pairs = routing.tokens * routing.top_k;
+        let positions = u32s(op, "pair_positions", sorted.pair_positions, pairs)?;
+        if let Some(&s) = positions.iter().find(|&&s| s as usize >= pairs) {
+            return Err(bad(
+                op,
+                format!("position {s} is out of range for {pairs} pairs"),
+            ));
+        }
+        let y = f32s(op, "y", y, pairs * hidden)?;
+        let out = f32s_mut(op, "out", out, routing.tokens * hidden)?;
+        self.stats.dispatch(1);
+        ops::moe::combine(y, positions, routing.top_k, hidden, out);
+        Ok(())
+    }
+
     fn embedding(
         &self,
         table: WeightView<'_>,
@@ -397,6 +589,8 @@ impl Backend for CpuBackend {
             WeightRows::F16(v) => WeightRows::F16(&v[w.offset..w.offset + w.rows * w.cols]),
         };
         self.stats.dispatch(1);
+        self.stats
+            .weight_read(w.rows * w.cols * w.buffer.dtype().size_bytes());
         ops::matmul::matmul(x, rows, w.cols, weights, w.rows, out, self.threads);
         Ok(())
     }
@@ -586,6 +780,7 @@ impl Backend for CpuBackend {
         x: &DeviceBuffer,
         routing: MoeRouting<'_>,
         experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "moe_experts_per_token";
@@ -617,19 +812,15 @@ impl Backend for CpuBackend {
             offsets: &down_off,
             rows: &down_rows,
         };
-        let mut act =
-            self.take_buffer(DType::F32, tokens * top_k * inter, BufferUsage::Activations)?;
-        let result = (|| {
-            let act_slice = f32s_mut(op, "act", &mut act, tokens * top_k * inter)?;
-            self.stats.dispatch(1);
-            ops::moe::gate_up(x, hidden, ids, top_k, &gate, &up, inter, act_slice);
-            let out = f32s_mut(op, "out", out, tokens * hidden)?;
-            self.stats.dispatch(1);
-            let act_slice = f32s(op, "act", &act, tokens * top_k * inter)?;
-            ops::moe::down_combine(act_slice, inter, ids, weights, top_k, &down, hidden, out);
-            Ok(())
-        })();
-        self.give_buffer(act);
-        result
+        let per_pair =
+            experts.gate.expert_bytes() + experts.up.expert_bytes() + experts.down.expert_bytes();
+        let act = f32s_mut(op, "act", act, tokens * top_k * inter)?;
+        self.stats.dispatch(1);
+        self.stats.weight_read(tokens * top_k * per_pair);
+        ops::moe::gate_up(x, hidden, ids, top_k, &gate, &up, inter, act);
+        let out = f32s_mut(op, "out", out, tokens * hidden)?;
+        self.stats.dispatch(1);
+        ops::moe::down_combine(act, inter, ids, weights, top_k, &down, hidden, out);
+        Ok(())
     }
 }

@@ -79,17 +79,20 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     };
     params.validate()?;
     let model = load_model(&args.model)?;
-    let dir = &args.model.model;
-    let tokenizer = match &args.prompt {
-        Some(_) => Some(
+    let dir = args.model.dir();
+    let tokenizer = match (&args.prompt, dir) {
+        (Some(_), Some(dir)) => Some(
             Tokenizer::from_file(&dir.join("tokenizer.json"))
                 .context("--prompt needs the tokenizer")?,
         ),
-        None => None,
+        (Some(_), None) => {
+            bail!("--prompt needs a tokenizer.json: use --model DIR, or --token-ids")
+        }
+        (None, _) => None,
     };
     let prompt_ids = match (&args.prompt, &args.token_ids, &tokenizer) {
         (Some(text), _, Some(tok)) => {
-            let text = if args.chat {
+            let text = if let (true, Some(dir)) = (args.chat, dir) {
                 render_chat(dir, text, args.system.as_deref(), args.enable_thinking)?
             } else {
                 text.clone()
@@ -106,10 +109,10 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     if let Some(bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {bad} is outside the vocabulary of {vocab}");
     }
-    let stop = if args.ignore_eos {
-        Vec::new()
-    } else {
-        stop_token_ids(dir, &model.config().eos_token_ids)?
+    let stop = match (args.ignore_eos, dir) {
+        (true, _) => Vec::new(),
+        (false, Some(dir)) => stop_token_ids(dir, &model.config().eos_token_ids)?,
+        (false, None) => model.config().eos_token_ids.clone(),
     };
     let request = GenerationRequest {
         prompt: prompt_ids,
@@ -166,6 +169,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     };
     eprintln!("--");
     eprintln!("device           {}", model.backend().device_name());
+    eprintln!("moe strategy     {}", model.moe_strategy());
     eprintln!("prompt tokens    {}", report.prompt_tokens);
     eprintln!("generated tokens {generated} (finish: {:?})", report.finish);
     eprintln!("TTFT             {:.1} ms", ttft * 1e3);

@@ -1,15 +1,15 @@
 //! Qwen3 and Qwen3-MoE (`qwen3`, `qwen3_moe`): pre-norm decoder layers of GQA attention with
 //! q/k norms, then a dense SwiGLU MLP or a sparse MoE block; plain-weight RMSNorms throughout.
 
-use corral_backend::{Backend, DeviceBuffer, WeightView};
+use corral_backend::{Backend, DeviceBuffer, DispatchStats, WeightView};
 
 use crate::batch::RaggedBatch;
-use crate::checkpoint::Checkpoint;
 use crate::kv_cache::PagedKvCache;
 use crate::layers::Workspace;
 use crate::layers::attention::Attention;
 use crate::layers::mlp::Mlp;
-use crate::layers::sparse_moe::SparseMoe;
+use crate::moe::{MoeStrategy, SparseMoe};
+use crate::weights::WeightSource;
 use crate::{ModelConfig, ModelError, Result};
 
 /// The feed-forward half of a decoder layer.
@@ -41,7 +41,7 @@ pub(crate) struct Qwen3Model {
 impl Qwen3Model {
     /// Binds every tensor of `ckpt`, checking names and shapes against `config`.
     pub(crate) fn load(
-        ckpt: &Checkpoint,
+        ckpt: &dyn WeightSource,
         backend: &dyn Backend,
         config: ModelConfig,
         progress: &mut dyn FnMut(usize, usize),
@@ -97,6 +97,14 @@ impl Qwen3Model {
         })
     }
 
+    /// MoE layers.
+    pub(crate) fn num_sparse_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| matches!(l.mlp, FeedForward::Sparse(_)))
+            .count()
+    }
+
     pub(crate) fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -108,12 +116,13 @@ impl Qwen3Model {
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
         ws: &mut Workspace,
-        table_width: usize,
-        num_logit_rows: usize,
+        strategy: MoeStrategy,
+        moe_stats: &mut DispatchStats,
     ) -> Result<()> {
         let cfg = &self.config;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let tokens = batch.num_tokens();
+        let (table_width, num_logit_rows) = (ws.table_width, ws.num_logit_rows);
         let embed = WeightView::new(&self.embed_tokens, v, h)?;
         backend.embedding(embed, &ws.batch.ids, tokens, &mut ws.x)?;
         for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
@@ -142,7 +151,11 @@ impl Qwen3Model {
             )?;
             match &layer.mlp {
                 FeedForward::Dense(mlp) => mlp.forward(backend, ws, tokens)?,
-                FeedForward::Sparse(moe) => moe.forward(backend, ws, tokens)?,
+                FeedForward::Sparse(moe) => {
+                    let before = backend.stats();
+                    moe.forward(backend, ws, tokens, strategy)?;
+                    *moe_stats = *moe_stats + (backend.stats() - before);
+                }
             }
             backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
         }

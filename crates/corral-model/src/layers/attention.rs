@@ -3,8 +3,8 @@
 use corral_backend::{AttentionMeta, AttentionShape, Backend, DeviceBuffer, WeightView};
 
 use super::Workspace;
-use crate::checkpoint::Checkpoint;
 use crate::kv_cache::LayerKv;
+use crate::weights::WeightSource;
 use crate::{ModelConfig, Result};
 
 /// Weights of one attention layer.
@@ -27,7 +27,7 @@ pub(crate) struct Attention {
 impl Attention {
     /// Binds `{prefix}self_attn.*`.
     pub(crate) fn load(
-        ckpt: &Checkpoint,
+        ckpt: &dyn WeightSource,
         backend: &dyn Backend,
         config: &ModelConfig,
         prefix: &str,

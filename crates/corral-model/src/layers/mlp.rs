@@ -4,7 +4,7 @@ use corral_backend::{Backend, DeviceBuffer, WeightView};
 
 use super::Workspace;
 use crate::Result;
-use crate::checkpoint::Checkpoint;
+use crate::weights::WeightSource;
 
 /// Weights of a dense MLP.
 #[derive(Debug)]
@@ -19,7 +19,7 @@ pub(crate) struct Mlp {
 impl Mlp {
     /// Binds `{prefix}{gate,up,down}_proj.weight`.
     pub(crate) fn load(
-        ckpt: &Checkpoint,
+        ckpt: &dyn WeightSource,
         backend: &dyn Backend,
         prefix: &str,
         hidden: usize,

@@ -3,7 +3,6 @@
 
 pub(crate) mod attention;
 pub(crate) mod mlp;
-pub(crate) mod sparse_moe;
 pub(crate) mod workspace;
 
 pub(crate) use workspace::Workspace;

@@ -15,9 +15,24 @@ pub(crate) struct BatchBuffers {
     pub(crate) logit_rows: DeviceBuffer,
 }
 
+/// Scratch of the grouped MoE strategy, in sorted-pair order.
+pub(crate) struct MoeScratch {
+    pub(crate) expert_offsets: DeviceBuffer,
+    pub(crate) sorted_pairs: DeviceBuffer,
+    pub(crate) pair_positions: DeviceBuffer,
+    /// `[pairs, moe_intermediate]`.
+    pub(crate) act: DeviceBuffer,
+    /// `[pairs, hidden]`.
+    pub(crate) y: DeviceBuffer,
+}
+
 /// Every activation buffer a layer may need, sized for `tokens`.
 pub(crate) struct Workspace {
     pub(crate) batch: BatchBuffers,
+    /// Columns of the padded block tables.
+    pub(crate) table_width: usize,
+    /// Rows whose logits are wanted.
+    pub(crate) num_logit_rows: usize,
     /// Residual stream `[T, H]`.
     pub(crate) x: DeviceBuffer,
     /// Normalised input of a sub-block `[T, H]`.
@@ -36,6 +51,7 @@ pub(crate) struct Workspace {
     pub(crate) router_logits: DeviceBuffer,
     pub(crate) expert_ids: DeviceBuffer,
     pub(crate) expert_weights: DeviceBuffer,
+    pub(crate) moe: MoeScratch,
     /// Final-norm input rows whose logits are wanted `[R, H]`, and their norm.
     pub(crate) rows: DeviceBuffer,
     pub(crate) rows_normed: DeviceBuffer,
@@ -60,11 +76,13 @@ impl Workspace {
         let q_dim = config.num_heads * config.head_dim;
         let kv_dim = config.kv_dim();
         let inter = config.intermediate_size.max(1);
-        let (experts, top_k) = config
-            .moe
-            .as_ref()
-            .map_or((1, 1), |m| (m.num_experts, m.top_k));
+        let (experts, top_k, moe_inter) = config.moe.as_ref().map_or((1, 1, 1), |m| {
+            (m.num_experts, m.top_k, m.moe_intermediate_size)
+        });
+        let pairs = tokens * top_k;
         Ok(Self {
+            table_width,
+            num_logit_rows: logit_rows,
             batch: BatchBuffers {
                 ids: u32_buf(tokens)?,
                 positions: u32_buf(tokens)?,
@@ -87,7 +105,14 @@ impl Workspace {
             act: f32_buf(tokens * inter)?,
             router_logits: f32_buf(tokens * experts)?,
             expert_ids: u32_buf(tokens * top_k)?,
-            expert_weights: f32_buf(tokens * top_k)?,
+            expert_weights: f32_buf(pairs)?,
+            moe: MoeScratch {
+                expert_offsets: u32_buf(experts + 1)?,
+                sorted_pairs: u32_buf(pairs)?,
+                pair_positions: u32_buf(pairs)?,
+                act: f32_buf(pairs * moe_inter)?,
+                y: f32_buf(pairs * h)?,
+            },
             rows: f32_buf(logit_rows * h)?,
             rows_normed: f32_buf(logit_rows * h)?,
             logits: f32_buf(logit_rows * config.vocab_size)?,
@@ -119,6 +144,11 @@ impl Workspace {
             self.router_logits,
             self.expert_ids,
             self.expert_weights,
+            self.moe.expert_offsets,
+            self.moe.sorted_pairs,
+            self.moe.pair_positions,
+            self.moe.act,
+            self.moe.y,
             self.rows,
             self.rows_normed,
             self.logits,

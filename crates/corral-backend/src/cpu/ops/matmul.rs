@@ -3,6 +3,7 @@
 //! Work items are (row block, weight panel) pairs. A panel of weight rows is converted to f32
 //! in thread-local scratch, then multiplied with the GEMM crate when there are enough rows, or
 //! with plain dot products for the few-row (decode) case, where the kernel is bandwidth-bound.
+//! [`multiply_tile`] is shared with the grouped MoE kernels.
 
 use rayon::prelude::*;
 
@@ -15,17 +16,87 @@ const ROW_BLOCK: usize = 128;
 
 /// Raw output pointer shared by work items that write disjoint elements.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: work items write disjoint (row, column) ranges of the output, which outlives them.
+pub(crate) struct OutPtr(*mut f32);
+// SAFETY: every user hands each work item a disjoint set of output elements, and the output
+// outlives the parallel region.
 #[allow(unsafe_code)]
 unsafe impl Send for OutPtr {}
 #[allow(unsafe_code)]
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
-    /// The pointer; a method so closures capture the `Send` wrapper, not the raw field.
-    fn get(self) -> *mut f32 {
+    pub(crate) fn new(out: &mut [f32]) -> Self {
+        Self(out.as_mut_ptr())
+    }
+}
+
+/// `out[r * ld + j] = Σ_l x[r * k + l] · w[j * k + l]` for `r < m`, `j < n`.
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+pub(crate) fn multiply_tile(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    out: OutPtr,
+    ld: usize,
+) {
+    debug_assert!(x.len() >= m * k && w.len() >= n * k);
+    if m >= GEMM_MIN_ROWS {
+        // SAFETY: lhs and rhs are in-bounds slices; dst is the caller's disjoint, in-bounds
+        // m × n window with row stride ld.
+        #[allow(unsafe_code)]
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.0,
+                1,
+                ld as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    } else {
+        for r in 0..m {
+            let xr = &x[r * k..(r + 1) * k];
+            for j in 0..n {
+                let v = dot(xr, &w[j * k..(j + 1) * k]);
+                // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
+                #[allow(unsafe_code)]
+                unsafe {
+                    *out.0.add(r * ld + j) = v;
+                }
+            }
+        }
+    }
+}
+
+impl OutPtr {
+    /// The raw pointer, for a single in-bounds element write.
+    pub(crate) fn as_ptr(self) -> *mut f32 {
         self.0
+    }
+
+    /// The pointer `offset` elements further on.
+    pub(crate) fn offset(self, offset: usize) -> Self {
+        // SAFETY: callers only offset within the output slice the pointer was made from.
+        #[allow(unsafe_code)]
+        Self(unsafe { self.0.add(offset) })
     }
 }
 
@@ -45,59 +116,21 @@ pub(crate) fn matmul(
         .clamp(8, 256)
         .min(n.max(1));
     let panels = n.div_ceil(panel);
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = OutPtr::new(out);
     (0..row_blocks * panels).into_par_iter().for_each(|item| {
         let (rb, p) = (item / panels, item % panels);
         let (r0, r1) = (rb * ROW_BLOCK, ((rb + 1) * ROW_BLOCK).min(m));
         let (n0, n1) = (p * panel, ((p + 1) * panel).min(n));
         let nb = n1 - n0;
-        let run = |panel_w: &[f32]| {
-            if r1 - r0 >= GEMM_MIN_ROWS {
-                // SAFETY: dst addresses rows r0..r1, columns n0..n1 of `out` (row stride n),
-                // which only this work item writes; lhs and rhs are in-bounds slices.
-                #[allow(unsafe_code)]
-                unsafe {
-                    gemm::gemm(
-                        r1 - r0,
-                        nb,
-                        k,
-                        out_ptr.get().add(r0 * n + n0),
-                        1,
-                        n as isize,
-                        false,
-                        x.as_ptr().add(r0 * k),
-                        1,
-                        k as isize,
-                        panel_w.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-            } else {
-                for r in r0..r1 {
-                    let xr = &x[r * k..(r + 1) * k];
-                    for j in 0..nb {
-                        let v = dot(xr, &panel_w[j * k..(j + 1) * k]);
-                        // SAFETY: (r, n0 + j) lies in this work item's disjoint output range.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            *out_ptr.get().add(r * n + n0 + j) = v;
-                        }
-                    }
-                }
-            }
-        };
+        let tile_out = out_ptr.offset(r0 * n + n0);
+        let xs = &x[r0 * k..r1 * k];
         match w {
-            WeightRows::F32(w) => run(&w[n0 * k..n1 * k]),
+            WeightRows::F32(w) => {
+                multiply_tile(xs, r1 - r0, k, &w[n0 * k..n1 * k], nb, tile_out, n)
+            }
             _ => with_scratch(nb * k, |buf| {
                 w.to_f32(n0 * k, buf);
-                run(buf)
+                multiply_tile(xs, r1 - r0, k, buf, nb, tile_out, n)
             }),
         }
     });

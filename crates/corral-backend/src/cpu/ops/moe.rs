@@ -112,3 +112,170 @@ pub(crate) fn down_combine(
             });
     });
 }
+
+/// Counting sort of (token, slot) pairs by expert: `offsets[e]..offsets[e + 1]` are expert
+/// `e`'s sorted positions, `sorted[s]` is the pair at position `s` (pairs of one expert in
+/// token order), `positions[p]` the position of pair `p`.
+pub(crate) fn sort_by_expert(
+    ids: &[u32],
+    offsets: &mut [u32],
+    sorted: &mut [u32],
+    positions: &mut [u32],
+) {
+    let num_experts = offsets.len() - 1;
+    offsets.fill(0);
+    for &e in ids {
+        offsets[e as usize + 1] += 1;
+    }
+    for e in 0..num_experts {
+        offsets[e + 1] += offsets[e];
+    }
+    // Use offsets[e] as expert e's write cursor, then shift the array back into place.
+    for (p, &e) in ids.iter().enumerate() {
+        let s = offsets[e as usize] as usize;
+        offsets[e as usize] += 1;
+        sorted[s] = p as u32;
+        positions[p] = s as u32;
+    }
+    for e in (1..=num_experts).rev() {
+        offsets[e] = offsets[e - 1];
+    }
+    offsets[0] = 0;
+}
+
+/// Rows of sorted pairs per grouped work item.
+const GROUP_ROWS: usize = 64;
+/// Weight rows per grouped work item.
+const GROUP_COLS: usize = 64;
+
+/// The (expert, row tile, column tile) work items of a grouped op over experts with pairs.
+fn group_items(offsets: &[u32], cols: usize) -> Vec<(usize, usize, usize)> {
+    let col_tiles = cols.div_ceil(GROUP_COLS);
+    let mut items = Vec::new();
+    for e in 0..offsets.len() - 1 {
+        let (start, end) = (offsets[e] as usize, offsets[e + 1] as usize);
+        for r0 in (start..end).step_by(GROUP_ROWS) {
+            for c in 0..col_tiles {
+                items.push((e, r0, c * GROUP_COLS));
+            }
+        }
+    }
+    items
+}
+
+/// Experts with at least one pair.
+pub(crate) fn experts_hit(offsets: &[u32]) -> usize {
+    offsets.windows(2).filter(|w| w[1] > w[0]).count()
+}
+
+/// Grouped gate/up and activation over all experts at once:
+/// `act[s] = silu(gate[e] x[t]) ⊙ up[e] x[t]` for each sorted position `s` of pair
+/// `(t, j)` routed to expert `e`. Work items are (expert, pair tile, intermediate tile).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn grouped_gate_up(
+    x: &[f32],
+    hidden: usize,
+    top_k: usize,
+    offsets: &[u32],
+    sorted: &[u32],
+    gate: &ExpertProj<'_>,
+    up: &ExpertProj<'_>,
+    inter: usize,
+    act: &mut [f32],
+) {
+    let out = super::matmul::OutPtr::new(act);
+    let items = group_items(offsets, inter);
+    items.par_iter().for_each(|&(e, r0, c0)| {
+        let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
+        let c1 = (c0 + GROUP_COLS).min(inter);
+        let (rows, cols) = (r1 - r0, c1 - c0);
+        with_scratch(
+            rows * hidden + 2 * cols * hidden + 2 * rows * cols,
+            |scratch| {
+                let (xs, rest) = scratch.split_at_mut(rows * hidden);
+                let (wg, rest) = rest.split_at_mut(cols * hidden);
+                let (wu, rest) = rest.split_at_mut(cols * hidden);
+                let (g, u) = rest.split_at_mut(rows * cols);
+                for (i, s) in (r0..r1).enumerate() {
+                    let t = sorted[s] as usize / top_k;
+                    xs[i * hidden..(i + 1) * hidden]
+                        .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                }
+                gate.rows[e].to_f32(gate.offsets[e] + c0 * hidden, wg);
+                up.rows[e].to_f32(up.offsets[e] + c0 * hidden, wu);
+                let g_ptr = super::matmul::OutPtr::new(g);
+                let u_ptr = super::matmul::OutPtr::new(u);
+                super::matmul::multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
+                super::matmul::multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
+                for i in 0..rows {
+                    for j in 0..cols {
+                        let v = silu(g[i * cols + j]) * u[i * cols + j];
+                        // SAFETY: (r0 + i, c0 + j) lies in this item's own tile of `act`.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            *out.offset((r0 + i) * inter + c0 + j).as_ptr() = v;
+                        }
+                    }
+                }
+            },
+        );
+    });
+}
+
+/// Grouped down projection with the routing weight: `y[s] = w[p] · down[e] act[s]` for the
+/// pair `p` at sorted position `s`. Work items are (expert, pair tile, hidden tile).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn grouped_down(
+    act: &[f32],
+    inter: usize,
+    weights: &[f32],
+    offsets: &[u32],
+    sorted: &[u32],
+    down: &ExpertProj<'_>,
+    hidden: usize,
+    y: &mut [f32],
+) {
+    let out = super::matmul::OutPtr::new(y);
+    let items = group_items(offsets, hidden);
+    items.par_iter().for_each(|&(e, r0, c0)| {
+        let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
+        let c1 = (c0 + GROUP_COLS).min(hidden);
+        let (rows, cols) = (r1 - r0, c1 - c0);
+        with_scratch(cols * inter, |wd| {
+            down.rows[e].to_f32(down.offsets[e] + c0 * inter, wd);
+            let tile = out.offset(r0 * hidden + c0);
+            super::matmul::multiply_tile(
+                &act[r0 * inter..r1 * inter],
+                rows,
+                inter,
+                wd,
+                cols,
+                tile,
+                hidden,
+            );
+        });
+        for s in r0..r1 {
+            let w = weights[sorted[s] as usize];
+            for c in c0..c1 {
+                // SAFETY: (s, c) lies in this item's own tile of `y`.
+                #[allow(unsafe_code)]
+                unsafe {
+                    *out.offset(s * hidden + c).as_ptr() *= w;
+                }
+            }
+        }
+    });
+}
+
+/// Back to token order: `out[t] = Σ_j y[positions[t * k + j]]`, summed in slot order.
+pub(crate) fn combine(y: &[f32], positions: &[u32], top_k: usize, hidden: usize, out: &mut [f32]) {
+    out.par_chunks_mut(hidden).enumerate().for_each(|(t, o)| {
+        o.fill(0.0);
+        for j in 0..top_k {
+            let s = positions[t * top_k + j] as usize;
+            for (o, v) in o.iter_mut().zip(&y[s * hidden..(s + 1) * hidden]) {
+                *o += v;
+            }
+        }
+    });
+}

@@ -1,0 +1,62 @@
+//! Per-expert strategy: the baseline Corral exists to replace, kept faithful on purpose.
+//! Routing is read back to the host; then, for each expert hit, in a host loop: its token
+//! indices are uploaded, and the gather, gate, up, activation, down and weighted scatter-add
+//! each run as their own dispatch into a freshly allocated buffer, followed by a blocking
+//! wait. Nothing else in `moe/` may look like this.
+
+use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer, ExpertWeights, MoeRouting};
+
+use crate::Result;
+
+/// `out = Σ_j w_j · expert_j(x)` per token, expert by expert.
+pub(super) fn forward(
+    backend: &dyn Backend,
+    x: &DeviceBuffer,
+    routing: MoeRouting<'_>,
+    experts: &ExpertWeights,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let MoeRouting { tokens, top_k, .. } = routing;
+    let (hidden, inter) = (experts.gate.cols(), experts.gate.rows());
+    let mut ids = vec![0u32; tokens * top_k];
+    let mut weights = vec![0f32; tokens * top_k];
+    backend.download_u32(routing.expert_ids, &mut ids)?;
+    backend.download_f32(routing.expert_weights, &mut weights)?;
+    backend.fill_zero(out, tokens * hidden)?;
+    let alloc = |dtype, len| backend.alloc_zeroed(dtype, len, BufferUsage::Activations);
+    for expert in 0..experts.gate.num_experts() {
+        let (rows, scales): (Vec<u32>, Vec<f32>) = ids
+            .iter()
+            .zip(&weights)
+            .enumerate()
+            .filter(|(_, (e, _))| **e as usize == expert)
+            .map(|(p, (_, w))| ((p / top_k) as u32, *w))
+            .unzip();
+        let n = rows.len();
+        if n == 0 {
+            continue;
+        }
+        let mut row_buf = alloc(DType::U32, n)?;
+        backend.upload_u32(&rows, &mut row_buf)?;
+        let mut scale_buf = alloc(DType::F32, n)?;
+        backend.upload_f32(&scales, &mut scale_buf)?;
+        let mut xe = alloc(DType::F32, n * hidden)?;
+        backend.gather_rows(x, &row_buf, n, hidden, &mut xe)?;
+        backend.synchronize()?;
+        let mut gate = alloc(DType::F32, n * inter)?;
+        backend.matmul(&xe, n, experts.gate.view(expert), &mut gate)?;
+        backend.synchronize()?;
+        let mut up = alloc(DType::F32, n * inter)?;
+        backend.matmul(&xe, n, experts.up.view(expert), &mut up)?;
+        backend.synchronize()?;
+        let mut act = alloc(DType::F32, n * inter)?;
+        backend.silu_mul(&gate, &up, n * inter, &mut act)?;
+        backend.synchronize()?;
+        let mut y = alloc(DType::F32, n * hidden)?;
+        backend.matmul(&act, n, experts.down.view(expert), &mut y)?;
+        backend.synchronize()?;
+        backend.scale_scatter_add(&y, &row_buf, &scale_buf, n, hidden, out)?;
+        backend.synchronize()?;
+    }
+    Ok(())
+}
