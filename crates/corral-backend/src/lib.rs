@@ -21,7 +21,7 @@ mod stats;
 use std::sync::Arc;
 
 pub use buffer::{BufferUsage, DeviceBuffer, MappedFile, WeightView};
-pub use cpu::CpuBackend;
+pub use cpu::{CpuBackend, process_cpu_time};
 pub use dtype::DType;
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};

@@ -27,6 +27,8 @@ enum Command {
     Logits(commands::logits::LogitsArgs),
     /// Describe a checkpoint: architecture, parameters, weight and KV cache bytes.
     Inspect(commands::inspect::InspectArgs),
+    /// Measure: prefill time to first token across prompt lengths and MoE strategies.
+    Bench(commands::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
         Command::Run(args) => commands::run::run(args),
         Command::Logits(args) => commands::logits::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
+        Command::Bench(args) => commands::bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -257,3 +257,73 @@ fn corrupt_checkpoint_exits_nonzero_without_panic() {
     assert!(err.contains("model.safetensors"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn bench_prefill_writes_table_json_and_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 16,
+            "num_experts_per_tok": 4, "moe_intermediate_size": 16, "norm_topk_prob": true}"#,
+    )
+    .unwrap();
+    let json = dir.path().join("bench.json");
+    let plot = dir.path().join("bench.svg");
+    let out = corral(&[
+        "bench",
+        "prefill",
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--prompt-lens",
+        "3,10,40",
+        "--strategies",
+        "grouped,per-expert,per-token,auto",
+        "--reps",
+        "2",
+        "--idle-seconds",
+        "0",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains("fixed ms") && table.contains("marginal tok/s"),
+        "{table}"
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let keys: Vec<&str> = doc
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(keys.len(), 5, "{keys:?}");
+    for key in ["model", "device", "threads", "rows", "fit"] {
+        assert!(doc.get(key).is_some(), "missing {key}");
+    }
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 12);
+    for row in rows {
+        assert_eq!(row.as_object().unwrap().len(), 9, "{row}");
+        let strategy = row["strategy"].as_str().unwrap();
+        let allocations = row["allocations"].as_u64().unwrap();
+        let per_layer = row["dispatches_per_moe_layer"].as_f64().unwrap();
+        match strategy {
+            "grouped" => {
+                assert!(per_layer <= 6.0, "{row}");
+                assert_eq!(allocations, 0, "{row}");
+            }
+            "per-expert" => assert!(allocations > 0 && per_layer > 6.0, "{row}"),
+            _ => {}
+        }
+    }
+    assert_eq!(doc["fit"].as_array().unwrap().len(), 4);
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 4);
+}

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub(crate) mod bench;
 pub(crate) mod inspect;
 pub(crate) mod logits;
 pub(crate) mod run;

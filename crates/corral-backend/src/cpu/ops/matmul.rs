@@ -9,8 +9,9 @@ use rayon::prelude::*;
 
 use super::{WeightRows, dot, with_scratch};
 
-/// Rows of `x` from which the GEMM crate beats dot products.
-const GEMM_MIN_ROWS: usize = 8;
+/// Rows of `x` from which converting a weight panel and calling the GEMM crate beats
+/// streaming weight rows through dot products.
+pub(crate) const GEMM_MIN_ROWS: usize = 8;
 /// Rows of `x` per work item.
 const ROW_BLOCK: usize = 128;
 
@@ -86,6 +87,43 @@ pub(crate) fn multiply_tile(
     }
 }
 
+/// `out[r * ld + j] = x[r] · w[j]` for `r < m`, `j < n`, where weight row `j` starts at
+/// element `w_offset + j * k` of `w`: each weight row is converted into `row` (length `k`)
+/// once and used by all `m` rows while it is in L1. The few-row (decode) path.
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn multiply_streaming(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: WeightRows<'_>,
+    w_offset: usize,
+    n: usize,
+    out: OutPtr,
+    ld: usize,
+    row: &mut [f32],
+) {
+    for j in 0..n {
+        let wj: &[f32] = match w {
+            WeightRows::F32(w) => &w[w_offset + j * k..w_offset + (j + 1) * k],
+            _ => {
+                w.to_f32(w_offset + j * k, row);
+                row
+            }
+        };
+        for r in 0..m {
+            let v = dot(&x[r * k..(r + 1) * k], wj);
+            // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
+            #[allow(unsafe_code)]
+            unsafe {
+                *out.0.add(r * ld + j) = v;
+            }
+        }
+    }
+}
+
 impl OutPtr {
     /// The raw pointer, for a single in-bounds element write.
     pub(crate) fn as_ptr(self) -> *mut f32 {
@@ -124,6 +162,11 @@ pub(crate) fn matmul(
         let nb = n1 - n0;
         let tile_out = out_ptr.offset(r0 * n + n0);
         let xs = &x[r0 * k..r1 * k];
+        if r1 - r0 < GEMM_MIN_ROWS {
+            return with_scratch(k, |row| {
+                multiply_streaming(xs, r1 - r0, k, w, n0 * k, nb, tile_out, n, row)
+            });
+        }
         match w {
             WeightRows::F32(w) => {
                 multiply_tile(xs, r1 - r0, k, &w[n0 * k..n1 * k], nb, tile_out, n)

@@ -3,6 +3,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::silu;
+use super::matmul::{GEMM_MIN_ROWS, OutPtr, multiply_streaming, multiply_tile};
 use super::{WeightRows, dot, with_scratch};
 
 /// Output rows per work item of the expert matrix-vector products.
@@ -183,30 +184,49 @@ pub(crate) fn grouped_gate_up(
     inter: usize,
     act: &mut [f32],
 ) {
-    let out = super::matmul::OutPtr::new(act);
+    let out = OutPtr::new(act);
     let items = group_items(offsets, inter);
     items.par_iter().for_each(|&(e, r0, c0)| {
         let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
         let c1 = (c0 + GROUP_COLS).min(inter);
         let (rows, cols) = (r1 - r0, c1 - c0);
+        let streaming = rows < GEMM_MIN_ROWS;
+        let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
         with_scratch(
-            rows * hidden + 2 * cols * hidden + 2 * rows * cols,
+            rows * hidden + weight_scratch + 2 * rows * cols,
             |scratch| {
                 let (xs, rest) = scratch.split_at_mut(rows * hidden);
-                let (wg, rest) = rest.split_at_mut(cols * hidden);
-                let (wu, rest) = rest.split_at_mut(cols * hidden);
+                let (wbuf, rest) = rest.split_at_mut(weight_scratch);
                 let (g, u) = rest.split_at_mut(rows * cols);
                 for (i, s) in (r0..r1).enumerate() {
                     let t = sorted[s] as usize / top_k;
                     xs[i * hidden..(i + 1) * hidden]
                         .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
                 }
-                gate.rows[e].to_f32(gate.offsets[e] + c0 * hidden, wg);
-                up.rows[e].to_f32(up.offsets[e] + c0 * hidden, wu);
-                let g_ptr = super::matmul::OutPtr::new(g);
-                let u_ptr = super::matmul::OutPtr::new(u);
-                super::matmul::multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
-                super::matmul::multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
+                let (g_ptr, u_ptr) = (OutPtr::new(g), OutPtr::new(u));
+                let (g_off, u_off) = (gate.offsets[e] + c0 * hidden, up.offsets[e] + c0 * hidden);
+                if streaming {
+                    multiply_streaming(
+                        xs,
+                        rows,
+                        hidden,
+                        gate.rows[e],
+                        g_off,
+                        cols,
+                        g_ptr,
+                        cols,
+                        wbuf,
+                    );
+                    multiply_streaming(
+                        xs, rows, hidden, up.rows[e], u_off, cols, u_ptr, cols, wbuf,
+                    );
+                } else {
+                    let (wg, wu) = wbuf.split_at_mut(cols * hidden);
+                    gate.rows[e].to_f32(g_off, wg);
+                    up.rows[e].to_f32(u_off, wu);
+                    multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
+                    multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
+                }
                 for i in 0..rows {
                     for j in 0..cols {
                         let v = silu(g[i * cols + j]) * u[i * cols + j];
@@ -235,25 +255,25 @@ pub(crate) fn grouped_down(
     hidden: usize,
     y: &mut [f32],
 ) {
-    let out = super::matmul::OutPtr::new(y);
+    let out = OutPtr::new(y);
     let items = group_items(offsets, hidden);
     items.par_iter().for_each(|&(e, r0, c0)| {
         let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
         let c1 = (c0 + GROUP_COLS).min(hidden);
         let (rows, cols) = (r1 - r0, c1 - c0);
-        with_scratch(cols * inter, |wd| {
-            down.rows[e].to_f32(down.offsets[e] + c0 * inter, wd);
-            let tile = out.offset(r0 * hidden + c0);
-            super::matmul::multiply_tile(
-                &act[r0 * inter..r1 * inter],
-                rows,
-                inter,
-                wd,
-                cols,
-                tile,
-                hidden,
-            );
-        });
+        let tile = out.offset(r0 * hidden + c0);
+        let a = &act[r0 * inter..r1 * inter];
+        let d_off = down.offsets[e] + c0 * inter;
+        if rows < GEMM_MIN_ROWS {
+            with_scratch(inter, |row| {
+                multiply_streaming(a, rows, inter, down.rows[e], d_off, cols, tile, hidden, row)
+            });
+        } else {
+            with_scratch(cols * inter, |wd| {
+                down.rows[e].to_f32(d_off, wd);
+                multiply_tile(a, rows, inter, wd, cols, tile, hidden);
+            });
+        }
         for s in r0..r1 {
             let w = weights[sorted[s] as usize];
             for c in c0..c1 {
