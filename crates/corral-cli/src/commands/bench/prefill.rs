@@ -2,7 +2,8 @@
 //! time to first token (one prefill forward plus picking the token), prefill rate, dispatches
 //! per request and per MoE layer, host syncs, allocations and CPU seconds; then, per strategy,
 //! a least-squares line of TTFT over prompt length: its intercept is the fixed cost per
-//! request, its slope the marginal prefill rate. Variants are interleaved rep by rep.
+//! request, its slope the marginal prefill rate. Variants are interleaved rep by rep, and the
+//! order of strategies rotates from one rep to the next.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -169,8 +170,9 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
     let total = (args.warmup + args.reps) * cells.len();
     let bar = indicatif::ProgressBar::new(total as u64);
     for rep in 0..args.warmup + args.reps {
-        for (si, (_, strategy)) in strategies.iter().enumerate() {
-            model.set_moe_strategy(*strategy);
+        // Rotate which strategy goes first, so no variant always follows the heaviest one.
+        for si in (0..strategies.len()).map(|i| (i + rep) % strategies.len()) {
+            model.set_moe_strategy(strategies[si].1);
             for (li, tokens) in prompts.iter().enumerate() {
                 let sample = measure(&model, &mut cache, tokens, &mut logits)?;
                 if rep >= args.warmup {
