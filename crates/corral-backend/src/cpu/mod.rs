@@ -208,11 +208,8 @@ fn checked_sorting<'a>(
     Ok((offsets, order))
 }
 
-/// Each expert's element offset and weight store.
-fn expert_rows<'a>(
-    op: &'static str,
-    m: &'a ExpertMatrices,
-) -> Result<(Vec<usize>, Vec<WeightRows<'a>>)> {
+/// Each expert's weight store and element offset, for the MoE kernels.
+fn expert_proj<'a>(op: &'static str, m: &'a ExpertMatrices) -> Result<ops::moe::ExpertProj<'a>> {
     let mut offsets = Vec::with_capacity(m.num_experts());
     let mut rows = Vec::with_capacity(m.num_experts());
     for e in 0..m.num_experts() {
@@ -220,7 +217,7 @@ fn expert_rows<'a>(
         offsets.push(v.offset);
         rows.push(weight_rows(op, v.buffer)?);
     }
-    Ok((offsets, rows))
+    Ok(ops::moe::ExpertProj { offsets, rows })
 }
 
 impl Backend for CpuBackend {
@@ -428,16 +425,8 @@ impl Backend for CpuBackend {
         let (offsets, order) = checked_sorting(op, sorted, experts.gate.num_experts(), pairs)?;
         let x = f32s(op, "x", x, routing.tokens * hidden)?;
         let act = f32s_mut(op, "act", act, pairs * inter)?;
-        let (gate_off, gate_rows) = expert_rows(op, &experts.gate)?;
-        let (up_off, up_rows) = expert_rows(op, &experts.up)?;
-        let gate = ops::moe::ExpertProj {
-            offsets: &gate_off,
-            rows: &gate_rows,
-        };
-        let up = ops::moe::ExpertProj {
-            offsets: &up_off,
-            rows: &up_rows,
-        };
+        let gate = expert_proj(op, &experts.gate)?;
+        let up = expert_proj(op, &experts.up)?;
         self.stats.dispatch(1);
         let hit = ops::moe::experts_hit(offsets);
         self.stats
@@ -471,11 +460,7 @@ impl Backend for CpuBackend {
         let act = f32s(op, "act", act, pairs * inter)?;
         let weights = f32s(op, "expert_weights", routing.expert_weights, pairs)?;
         let y = f32s_mut(op, "y", y, pairs * hidden)?;
-        let (down_off, down_rows) = expert_rows(op, &experts.down)?;
-        let down = ops::moe::ExpertProj {
-            offsets: &down_off,
-            rows: &down_rows,
-        };
+        let down = expert_proj(op, &experts.down)?;
         self.stats.dispatch(1);
         let hit = ops::moe::experts_hit(offsets);
         self.stats.weight_read(hit * experts.down.expert_bytes());
@@ -797,21 +782,9 @@ impl Backend for CpuBackend {
         }
         let weights = f32s(op, "expert_weights", routing.expert_weights, tokens * top_k)?;
         let x = f32s(op, "x", x, tokens * hidden)?;
-        let (gate_off, gate_rows) = expert_rows(op, &experts.gate)?;
-        let (up_off, up_rows) = expert_rows(op, &experts.up)?;
-        let (down_off, down_rows) = expert_rows(op, &experts.down)?;
-        let gate = ops::moe::ExpertProj {
-            offsets: &gate_off,
-            rows: &gate_rows,
-        };
-        let up = ops::moe::ExpertProj {
-            offsets: &up_off,
-            rows: &up_rows,
-        };
-        let down = ops::moe::ExpertProj {
-            offsets: &down_off,
-            rows: &down_rows,
-        };
+        let gate = expert_proj(op, &experts.gate)?;
+        let up = expert_proj(op, &experts.up)?;
+        let down = expert_proj(op, &experts.down)?;
         let per_pair =
             experts.gate.expert_bytes() + experts.up.expert_bytes() + experts.down.expert_bytes();
         let act = f32s_mut(op, "act", act, tokens * top_k * inter)?;

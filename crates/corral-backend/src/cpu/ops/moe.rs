@@ -43,10 +43,10 @@ pub(crate) fn route(
         });
 }
 
-/// One projection of all experts: a weight store plus expert `e`'s element offset.
+/// One projection of all experts: expert `e`'s weight store and element offset in it.
 pub(crate) struct ExpertProj<'a> {
-    pub(crate) offsets: &'a [usize],
-    pub(crate) rows: &'a [WeightRows<'a>],
+    pub(crate) offsets: Vec<usize>,
+    pub(crate) rows: Vec<WeightRows<'a>>,
 }
 
 /// `act[p] = silu(gate[e] x[t]) ⊙ up[e] x[t]` for every (token t, slot j) pair p = t*k + j.
