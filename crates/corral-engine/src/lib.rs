@@ -3,20 +3,30 @@
 //!
 //! [`KvBlockPool`] decides which cache blocks a sequence holds; [`Sampler`] turns logits into
 //! tokens; [`Tokenizer`] and [`ChatTemplate`] turn conversations into prompt ids; [`generate`]
-//! runs one request from prompt to stop.
+//! runs one request from prompt to stop; [`spawn_engine`] starts the thread that batches many
+//! requests continuously with the [`Scheduler`].
 
 mod chat_template;
+mod engine;
 mod error;
 mod generate;
 mod generation_config;
 pub mod kv;
+pub mod metrics;
 mod sampler;
+mod scheduler;
 mod tokenizer;
 
 pub use chat_template::{ChatTemplate, TokenizerConfig};
+pub use engine::{
+    EngineConfig, EngineHandle, EngineRequest, Event, Finished, SubmitError, TokenEvent,
+    spawn_engine,
+};
 pub use error::EngineError;
 pub use generate::{BLOCK_SIZE, FinishReason, GenerationReport, GenerationRequest, generate};
 pub use generation_config::stop_token_ids;
 pub use kv::{KvBlockPool, OutOfBlocks};
+pub use metrics::EngineMetrics;
 pub use sampler::{Sampler, SamplingParams, argmax};
+pub use scheduler::{Scheduler, SchedulerConfig, StepPlan};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};

@@ -127,9 +127,12 @@ impl ModelConfig {
             ));
         }
         let hidden_size = f.positive("hidden_size")?;
-        let head_dim = match f.opt_usize("head_dim")? {
-            Some(d) => d,
-            None => hidden_size / num_heads,
+        // Absent head_dim: transformers' Qwen3Config defaults it to 128, while Qwen3MoeConfig
+        // has no such field and the model falls back to hidden_size / num_attention_heads.
+        let head_dim = match (f.opt_usize("head_dim")?, family) {
+            (Some(d), _) => d,
+            (None, Family::Qwen3) => 128,
+            (None, Family::Qwen3Moe) => hidden_size / num_heads,
         };
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(field_error(path, "head_dim", "must be even and positive"));
@@ -445,5 +448,49 @@ impl Fields<'_> {
             decoder_sparse_step: step,
             mlp_only_layers,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> ModelConfig {
+        ModelConfig::from_json(json, Path::new("config.json")).unwrap()
+    }
+
+    #[test]
+    fn absent_head_dim_follows_transformers_defaults() {
+        let dense = r#"{"model_type": "qwen3", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 8}"#;
+        assert_eq!(parse(dense).head_dim, 128);
+        let moe = r#"{"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8}"#;
+        assert_eq!(parse(moe).head_dim, 16);
+    }
+
+    #[test]
+    fn both_key_spellings_agree() {
+        let hub = r#"{"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+            "rope_theta": 1e6, "torch_dtype": "bfloat16", "rope_scaling": null}"#;
+        let v5 = r#"{"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "dtype": "bfloat16"}"#;
+        assert_eq!(parse(hub), parse(v5));
+        assert_eq!(parse(hub).rope_theta, 1e6);
+    }
+
+    #[test]
+    fn unsupported_rope_type_is_named() {
+        let yarn = r#"{"model_type": "qwen3", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 8, "rope_scaling": {"rope_type": "yarn", "factor": 4}}"#;
+        let err = ModelConfig::from_json(yarn, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rope_scaling.rope_type") && err.contains("yarn"),
+            "{err}"
+        );
     }
 }

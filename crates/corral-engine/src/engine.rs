@@ -1,0 +1,263 @@
+//! The engine thread: it owns the model, the KV cache and the scheduler, and runs steps for as
+//! long as there is work, sleeping on its command channel when there is none. Handlers talk to
+//! it through a cloneable [`EngineHandle`]; each request streams [`Event`]s back on its own
+//! channel, and a dropped receiver cancels the request at the next step.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::thread::JoinHandle;
+
+use corral_model::{Model, PagedKvCache};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::metrics::EngineMetrics;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::{EngineError, FinishReason, KvBlockPool, SamplingParams};
+
+/// Sizes and limits of the engine.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineConfig {
+    /// Most sequences running at once.
+    pub max_batch: usize,
+    /// Most prompt tokens prefilled per step.
+    pub max_prefill_tokens: usize,
+    /// Most requests waiting for admission; more are refused.
+    pub max_queue: usize,
+    /// KV cache blocks.
+    pub kv_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Longest sequence (prompt plus generated tokens).
+    pub max_context: usize,
+}
+
+/// A validated generation request.
+#[derive(Debug)]
+pub struct EngineRequest {
+    /// Prompt token ids (non-empty, within the vocabulary).
+    pub prompt: Vec<u32>,
+    /// Sampling parameters (validated).
+    pub params: SamplingParams,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Longest the sequence may grow.
+    pub max_context: usize,
+    /// Ids that end generation.
+    pub stop_token_ids: Vec<u32>,
+    /// Alternatives to report with each token's log-probability; `None` for no log-probs.
+    pub top_logprobs: Option<usize>,
+    /// Where the request's events go.
+    pub events: UnboundedSender<Event>,
+}
+
+/// A generated token.
+#[derive(Clone, Debug)]
+pub struct TokenEvent {
+    /// The token.
+    pub id: u32,
+    /// Its log-probability, when asked for.
+    pub logprob: Option<f32>,
+    /// The most likely alternatives and their log-probabilities, when asked for.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// The end of a request.
+#[derive(Clone, Debug)]
+pub struct Finished {
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from cache.
+    pub cached_tokens: usize,
+    /// Milliseconds from arrival to the first token.
+    pub prompt_ms: f64,
+    /// Milliseconds from the first token to the last.
+    pub decode_ms: f64,
+}
+
+/// What the engine sends a request's handler.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A token was generated.
+    Token(TokenEvent),
+    /// Generation ended.
+    Finished(Finished),
+    /// The engine failed while running the request.
+    Failed(String),
+}
+
+enum Command {
+    Submit(EngineRequest),
+    Shutdown,
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The wait queue is full; retry later.
+    #[error("the server is busy: {0} requests are waiting")]
+    QueueFull(usize),
+    /// The engine has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// A cloneable handle to the engine thread.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    commands: Sender<Command>,
+    metrics: Arc<EngineMetrics>,
+    config: EngineConfig,
+}
+
+impl EngineHandle {
+    /// Queues a request, unless the queue is full.
+    pub fn submit(&self, request: EngineRequest) -> Result<(), SubmitError> {
+        let waiting = self.metrics.queue_depth.load(Ordering::Relaxed) as usize;
+        if waiting >= self.config.max_queue {
+            return Err(SubmitError::QueueFull(waiting));
+        }
+        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+        self.commands
+            .send(Command::Submit(request))
+            .map_err(|_| SubmitError::Stopped)
+    }
+
+    /// Asks the engine thread to stop after its current step; live requests end with
+    /// `Failed`.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+    }
+
+    /// The engine's live measurements.
+    pub fn metrics(&self) -> &Arc<EngineMetrics> {
+        &self.metrics
+    }
+
+    /// The engine's limits.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+}
+
+/// Starts the engine thread with `model` and a KV cache of `config.kv_blocks` blocks.
+pub fn spawn_engine(
+    model: Model,
+    config: EngineConfig,
+) -> Result<(EngineHandle, JoinHandle<()>), EngineError> {
+    let cache = PagedKvCache::new(
+        model.backend().as_ref(),
+        model.config(),
+        config.kv_blocks,
+        config.block_size,
+    )?;
+    let metrics = Arc::new(EngineMetrics::default());
+    metrics
+        .kv_blocks_total
+        .store(config.kv_blocks as u64, Ordering::Relaxed);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let scheduler = Scheduler::new(
+        SchedulerConfig {
+            max_batch: config.max_batch.max(1),
+            max_prefill_tokens: config.max_prefill_tokens.max(1),
+        },
+        KvBlockPool::new(config.kv_blocks, config.block_size),
+    );
+    let thread_metrics = Arc::clone(&metrics);
+    let thread = std::thread::Builder::new()
+        .name("corral-engine".to_string())
+        .spawn(move || run(model, cache, scheduler, rx, &thread_metrics))
+        .map_err(|source| EngineError::Io {
+            path: "engine thread".into(),
+            source,
+        })?;
+    Ok((
+        EngineHandle {
+            commands: tx,
+            metrics,
+            config,
+        },
+        thread,
+    ))
+}
+
+fn run(
+    model: Model,
+    mut cache: PagedKvCache,
+    mut scheduler: Scheduler,
+    commands: Receiver<Command>,
+    metrics: &EngineMetrics,
+) {
+    let vocab = model.config().vocab_size;
+    let mut logits = Vec::new();
+    // Queues a submitted request; false on shutdown.
+    let receive = |scheduler: &mut Scheduler, command: Command| match command {
+        Command::Submit(request) => {
+            scheduler.add(request);
+            true
+        }
+        Command::Shutdown => false,
+    };
+    loop {
+        if scheduler.is_idle() {
+            let Ok(command) = commands.recv() else { return };
+            if !receive(&mut scheduler, command) {
+                return;
+            }
+        }
+        loop {
+            match commands.try_recv() {
+                Ok(command) => {
+                    if !receive(&mut scheduler, command) {
+                        return;
+                    }
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return,
+            }
+        }
+        scheduler.drop_cancelled();
+        let plan = scheduler.step();
+        metrics
+            .queue_depth
+            .store(scheduler.num_waiting() as u64, Ordering::Relaxed);
+        if let Some(plan) = plan {
+            match model.forward(&plan.batch, &mut cache, &mut logits) {
+                Ok(report) => {
+                    metrics
+                        .forward_tokens
+                        .fetch_add(report.tokens as u64, Ordering::Relaxed);
+                    metrics
+                        .dispatches
+                        .fetch_add(report.stats.dispatches, Ordering::Relaxed);
+                    let counts = scheduler.finish_step(plan, &mut logits, vocab);
+                    metrics
+                        .prompt_tokens
+                        .fetch_add(counts.prefill_tokens as u64, Ordering::Relaxed);
+                    metrics
+                        .generated_tokens
+                        .fetch_add(counts.generated_tokens as u64, Ordering::Relaxed);
+                    counts.ttft.iter().for_each(|s| metrics.ttft.observe(*s));
+                    counts
+                        .inter_token
+                        .iter()
+                        .for_each(|s| metrics.inter_token.observe(*s));
+                }
+                Err(e) => scheduler.fail_step(plan, &e.to_string()),
+            }
+        }
+        metrics
+            .running
+            .store(scheduler.num_running() as u64, Ordering::Relaxed);
+        metrics
+            .kv_blocks_used
+            .store(scheduler.pool().num_used() as u64, Ordering::Relaxed);
+        metrics
+            .preemptions
+            .store(scheduler.preemptions(), Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,119 @@
+//! Live engine measurements, shared between the engine thread (which writes them) and the
+//! server (which renders them as Prometheus text). Plain atomics; no locks on the hot path.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A cumulative histogram over fixed bucket bounds, in seconds.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+/// Latency buckets (seconds) for TTFT and inter-token latency.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+impl Histogram {
+    /// An empty histogram over `bounds` (ascending).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, seconds: f64) {
+        for (bound, count) in self.bounds.iter().zip(&self.counts) {
+            if seconds <= *bound {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sum_micros
+            .fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(upper bound, cumulative count)` per bucket, then the sum in seconds and the count.
+    pub fn snapshot(&self) -> (Vec<(f64, u64)>, f64, u64) {
+        let buckets = self
+            .bounds
+            .iter()
+            .zip(&self.counts)
+            .map(|(b, c)| (*b, c.load(Ordering::Relaxed)))
+            .collect();
+        (
+            buckets,
+            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            self.count.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Counters and gauges of the engine.
+#[derive(Debug)]
+pub struct EngineMetrics {
+    /// Requests waiting for admission.
+    pub queue_depth: AtomicU64,
+    /// Sequences being generated.
+    pub running: AtomicU64,
+    /// KV cache blocks held by sequences.
+    pub kv_blocks_used: AtomicU64,
+    /// KV cache blocks in the pool.
+    pub kv_blocks_total: AtomicU64,
+    /// Prompt tokens prefilled (recomputation after preemption included).
+    pub prompt_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// Tokens run through forward passes.
+    pub forward_tokens: AtomicU64,
+    /// Dispatches of those forward passes.
+    pub dispatches: AtomicU64,
+    /// Sequences preempted for lack of KV blocks.
+    pub preemptions: AtomicU64,
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Time between consecutive tokens of a sequence.
+    pub inter_token: Histogram,
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        Self {
+            queue_depth: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            kv_blocks_used: AtomicU64::new(0),
+            kv_blocks_total: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            generated_tokens: AtomicU64::new(0),
+            forward_tokens: AtomicU64::new(0),
+            dispatches: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
+            ttft: Histogram::new(LATENCY_BUCKETS),
+            inter_token: Histogram::new(LATENCY_BUCKETS),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let h = Histogram::new(&[0.1, 1.0]);
+        h.observe(0.05);
+        h.observe(0.5);
+        h.observe(5.0);
+        let (buckets, sum, count) = h.snapshot();
+        assert_eq!(buckets, vec![(0.1, 1), (1.0, 2)]);
+        assert_eq!(count, 3);
+        assert!((sum - 5.55).abs() < 1e-6);
+    }
+}

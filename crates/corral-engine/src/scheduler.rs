@@ -1,0 +1,354 @@
+//! Continuous batching: which sequences run in the next forward pass, and with how many tokens.
+//!
+//! Each step takes every running sequence: one decode row for those past their prompt, and a
+//! prefill chunk for the others, prefill limited to a token budget so that long prompts do not
+//! stall decoding. Blocks are granted per step, oldest sequence first; when the pool runs dry
+//! the youngest running sequence is preempted by recompute (its blocks freed, its tokens kept,
+//! re-queued at the front). There is no prefill or decode phase: a sequence simply has tokens
+//! not yet in the cache. [`Scheduler::step`] returns a [`StepPlan`]; the engine runs it and
+//! hands the logits back to [`Scheduler::finish_step`].
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, TokenId};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::engine::{EngineRequest, Event, Finished, TokenEvent};
+use crate::{FinishReason, KvBlockPool, Sampler};
+
+/// Limits of the scheduler.
+#[derive(Clone, Copy, Debug)]
+pub struct SchedulerConfig {
+    /// Most sequences running at once.
+    pub max_batch: usize,
+    /// Most prompt tokens prefilled per step.
+    pub max_prefill_tokens: usize,
+}
+
+/// A sequence owned by the scheduler.
+#[derive(Debug)]
+struct Sequence {
+    id: SeqId,
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose KV is in the cache.
+    computed: usize,
+    table: BlockTable,
+    sampler: Sampler,
+    max_tokens: usize,
+    max_context: usize,
+    stop_token_ids: Vec<u32>,
+    top_logprobs: Option<usize>,
+    events: UnboundedSender<Event>,
+    arrived: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+impl Sequence {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Copy, Debug)]
+struct PlannedRun {
+    seq: SeqId,
+    tokens: usize,
+    wants_logits: bool,
+}
+
+/// What the next forward pass runs: the batch, and which sequence each logits row belongs to.
+#[derive(Debug)]
+#[must_use]
+pub struct StepPlan {
+    /// The ragged batch for the model.
+    pub batch: RaggedBatch,
+    runs: Vec<PlannedRun>,
+}
+
+/// Waiting and running sequences, and the KV blocks they hold.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    pool: KvBlockPool,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    next_id: u64,
+    preemptions: u64,
+}
+
+/// What a step did, for metrics.
+#[derive(Clone, Debug, Default)]
+pub struct StepCounts {
+    /// Prompt tokens prefilled.
+    pub prefill_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// Seconds from arrival to first token, of sequences that got their first token.
+    pub ttft: Vec<f64>,
+    /// Seconds since the previous token, of sequences that got a later token.
+    pub inter_token: Vec<f64>,
+}
+
+impl Scheduler {
+    /// A scheduler over `pool`.
+    pub fn new(config: SchedulerConfig, pool: KvBlockPool) -> Self {
+        Self {
+            config,
+            pool,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            preemptions: 0,
+        }
+    }
+
+    /// Queues a request. The caller has checked that its prompt plus `max_tokens` fits the
+    /// cache and the context.
+    pub fn add(&mut self, request: EngineRequest) {
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.waiting.push_back(Sequence {
+            id,
+            prompt_len: request.prompt.len(),
+            tokens: request.prompt,
+            computed: 0,
+            table: BlockTable::default(),
+            sampler: Sampler::new(request.params),
+            max_tokens: request.max_tokens,
+            max_context: request.max_context,
+            stop_token_ids: request.stop_token_ids,
+            top_logprobs: request.top_logprobs,
+            events: request.events,
+            arrived: Instant::now(),
+            first_token: None,
+            last_token: None,
+        });
+    }
+
+    /// Whether nothing is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Requests waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences running.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// The block pool.
+    pub fn pool(&self) -> &KvBlockPool {
+        &self.pool
+    }
+
+    /// Preemptions so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Drops sequences whose client has gone, freeing their blocks.
+    pub fn drop_cancelled(&mut self) {
+        self.waiting.retain(|s| !s.events.is_closed());
+        let pool = &mut self.pool;
+        self.running.retain_mut(|s| {
+            let gone = s.events.is_closed();
+            if gone {
+                pool.release(&mut s.table);
+            }
+            !gone
+        });
+    }
+
+    /// Plans the next step; `None` when there is nothing to run.
+    pub fn step(&mut self) -> Option<StepPlan> {
+        while self.running.len() < self.config.max_batch {
+            let Some(seq) = self.waiting.pop_front() else {
+                break;
+            };
+            self.running.push(seq);
+        }
+        let mut budget = self.config.max_prefill_tokens.max(1);
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let seq = &self.running[i];
+            let remaining = seq.tokens.len() - seq.computed;
+            let n = if remaining == 1 {
+                1
+            } else {
+                remaining.min(budget)
+            };
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let need = seq.computed + n;
+            if self.pool.grow(&mut self.running[i].table, need).is_err() {
+                // Preempt the youngest (the last admitted), possibly this very sequence.
+                let victim = self.running.len() - 1;
+                self.preempt(victim);
+                continue;
+            }
+            if remaining > 1 {
+                budget -= n;
+            }
+            let seq = &self.running[i];
+            runs.push(PlannedRun {
+                seq: seq.id,
+                tokens: n,
+                wants_logits: need == seq.tokens.len(),
+            });
+            i += 1;
+        }
+        if runs.is_empty() {
+            return None;
+        }
+        let mut batch = RaggedBatch::new(self.pool.block_size());
+        for run in &runs {
+            let seq = self.running.iter().find(|s| s.id == run.seq)?;
+            let ids: Vec<TokenId> = seq.tokens[seq.computed..seq.computed + run.tokens]
+                .iter()
+                .map(|&t| TokenId(t))
+                .collect();
+            let wanted = if run.wants_logits {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            };
+            batch
+                .push_run(seq.id, &ids, seq.computed, &seq.table, wanted)
+                .ok()?;
+        }
+        Some(StepPlan { batch, runs })
+    }
+
+    /// Frees sequence `index`'s blocks and puts it back at the front of the queue, to be
+    /// recomputed from its tokens (prompt and generated so far).
+    fn preempt(&mut self, index: usize) {
+        let mut seq = self.running.remove(index);
+        self.pool.release(&mut seq.table);
+        seq.computed = 0;
+        self.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+
+    /// Ends every sequence of a failed step with `Failed`, freeing its blocks.
+    pub fn fail_step(&mut self, plan: StepPlan, message: &str) {
+        for run in plan.runs {
+            if let Some(index) = self.running.iter().position(|s| s.id == run.seq) {
+                let mut seq = self.running.remove(index);
+                self.pool.release(&mut seq.table);
+                let _ = seq.events.send(Event::Failed(message.to_string()));
+            }
+        }
+    }
+
+    /// Takes the logits of a step (one row per run that wanted them, in plan order), samples,
+    /// streams tokens to their clients and retires finished sequences.
+    pub fn finish_step(&mut self, plan: StepPlan, logits: &mut [f32], vocab: usize) -> StepCounts {
+        let mut counts = StepCounts::default();
+        let mut row = 0;
+        let now = Instant::now();
+        for run in plan.runs {
+            let Some(index) = self.running.iter().position(|s| s.id == run.seq) else {
+                row += usize::from(run.wants_logits);
+                continue;
+            };
+            let seq = &mut self.running[index];
+            if seq.computed < seq.prompt_len {
+                counts.prefill_tokens += run.tokens.min(seq.prompt_len - seq.computed);
+            }
+            seq.computed += run.tokens;
+            if !run.wants_logits {
+                continue;
+            }
+            let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            // Log-probabilities are the model's, before any penalty the sampler applies.
+            let raw = seq.top_logprobs.map(|n| (row_logits.to_vec(), n));
+            let token = seq.sampler.sample(row_logits, &seq.tokens);
+            let (logprob, top) = match raw {
+                Some((raw, n)) => {
+                    let (lse, top) = log_softmax_top(&raw, n);
+                    (Some(lse_logprob(&raw, token, lse)), top)
+                }
+                None => (None, Vec::new()),
+            };
+            let finish = if seq.stop_token_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else {
+                seq.tokens.push(token);
+                counts.generated_tokens += 1;
+                let event = Event::Token(TokenEvent {
+                    id: token,
+                    logprob,
+                    top_logprobs: top,
+                });
+                if seq.events.send(event).is_err() {
+                    Some(FinishReason::Cancelled)
+                } else if seq.generated() >= seq.max_tokens || seq.tokens.len() >= seq.max_context {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                }
+            };
+            match seq.last_token {
+                None => {
+                    seq.first_token = Some(now);
+                    counts.ttft.push((now - seq.arrived).as_secs_f64());
+                }
+                Some(last) => counts.inter_token.push((now - last).as_secs_f64()),
+            }
+            seq.last_token = Some(now);
+            if let Some(reason) = finish {
+                let mut seq = self.running.remove(index);
+                self.pool.release(&mut seq.table);
+                let first = seq.first_token.unwrap_or(now);
+                let _ = seq.events.send(Event::Finished(Finished {
+                    reason,
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.generated(),
+                    cached_tokens: 0,
+                    prompt_ms: (first - seq.arrived).as_secs_f64() * 1e3,
+                    decode_ms: (now - first).as_secs_f64() * 1e3,
+                }));
+            }
+        }
+        counts
+    }
+}
+
+/// `(log-sum-exp of logits, the n most likely tokens with their log-probabilities)`.
+fn log_softmax_top(logits: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(idx.len());
+    if n > 0 {
+        idx.select_nth_unstable_by(n - 1, |a, b| {
+            logits[*b as usize].total_cmp(&logits[*a as usize])
+        });
+    }
+    let mut top: Vec<(u32, f32)> = idx[..n]
+        .iter()
+        .map(|&i| (i, logits[i as usize] - lse))
+        .collect();
+    top.sort_by(|a, b| b.1.total_cmp(&a.1));
+    (lse, top)
+}
+
+fn lse_logprob(logits: &[f32], token: u32, lse: f32) -> f32 {
+    logits
+        .get(token as usize)
+        .map_or(f32::NEG_INFINITY, |l| l - lse)
+}

@@ -1,0 +1,133 @@
+//! The engine thread batches requests continuously without changing what each one generates:
+//! concurrent greedy requests equal the same requests run alone, also when a tiny KV cache
+//! forces preemption by recompute; a dropped receiver frees its blocks.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use corral_backend::CpuBackend;
+use corral_engine::{
+    EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, GenerationRequest,
+    SamplingParams, generate, spawn_engine,
+};
+use corral_model::Model;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+fn model() -> Model {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe_fused");
+    Model::load(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap()
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..6u32)
+        .map(|i| {
+            (0..(5 + 7 * i))
+                .map(|j| (i * 31 + j * 17 + 3) % 380)
+                .collect()
+        })
+        .collect()
+}
+
+fn alone(model: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let request = GenerationRequest {
+        prompt: prompt.to_vec(),
+        params: SamplingParams::default(),
+        max_tokens,
+        stop_token_ids: Vec::new(),
+        prefill_chunk: 512,
+    };
+    generate(model, &request, &mut |_| true).unwrap().tokens
+}
+
+fn submit(engine: &EngineHandle, prompt: &[u32], max_tokens: usize) -> UnboundedReceiver<Event> {
+    let (tx, rx) = unbounded_channel();
+    engine
+        .submit(EngineRequest {
+            prompt: prompt.to_vec(),
+            params: SamplingParams::default(),
+            max_tokens,
+            max_context: 4096,
+            stop_token_ids: Vec::new(),
+            top_logprobs: None,
+            events: tx,
+        })
+        .unwrap();
+    rx
+}
+
+fn collect(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, FinishReason) {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("engine ended the stream") {
+            Event::Token(t) => tokens.push(t.id),
+            Event::Finished(f) => return (tokens, f.reason),
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn config(kv_blocks: usize) -> EngineConfig {
+    EngineConfig {
+        max_batch: 4,
+        max_prefill_tokens: 16,
+        max_queue: 64,
+        kv_blocks,
+        block_size: 4,
+        max_context: 4096,
+    }
+}
+
+fn wait_for_zero_blocks(engine: &EngineHandle) {
+    let start = Instant::now();
+    while engine.metrics().kv_blocks_used.load(Ordering::Relaxed) != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "blocks never returned"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn concurrent_requests_match_each_alone() {
+    let reference = model();
+    let expected: Vec<Vec<u32>> = prompts().iter().map(|p| alone(&reference, p, 12)).collect();
+    for kv_blocks in [256, 14] {
+        let (engine, thread) = spawn_engine(model(), config(kv_blocks)).unwrap();
+        let mut receivers: Vec<_> = prompts().iter().map(|p| submit(&engine, p, 12)).collect();
+        for (i, rx) in receivers.iter_mut().enumerate() {
+            let (tokens, reason) = collect(rx);
+            assert_eq!(tokens, expected[i], "request {i} with {kv_blocks} blocks");
+            assert_eq!(reason, FinishReason::Length);
+        }
+        if kv_blocks == 14 {
+            assert!(
+                engine.metrics().preemptions.load(Ordering::Relaxed) > 0,
+                "expected preemption"
+            );
+        }
+        wait_for_zero_blocks(&engine);
+        engine.shutdown();
+        thread.join().unwrap();
+    }
+}
+
+#[test]
+fn dropped_receiver_cancels_and_frees_blocks() {
+    let (engine, thread) = spawn_engine(model(), config(256)).unwrap();
+    let mut rx = submit(&engine, &prompts()[3], 100_000);
+    // Wait for the first tokens, then hang up mid-generation.
+    for _ in 0..3 {
+        assert!(matches!(rx.blocking_recv(), Some(Event::Token(_))));
+    }
+    assert!(engine.metrics().kv_blocks_used.load(Ordering::Relaxed) > 0);
+    drop(rx);
+    wait_for_zero_blocks(&engine);
+    // The engine keeps serving.
+    let mut rx = submit(&engine, &prompts()[0], 4);
+    assert_eq!(collect(&mut rx).0.len(), 4);
+    engine.shutdown();
+    thread.join().unwrap();
+}
