@@ -21,6 +21,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
+    Serve(commands::serve::ServeArgs),
     /// Generate text from a prompt, streaming it to stdout; statistics go to stderr.
     Run(commands::run::RunArgs),
     /// Write the fp32 logits of every position of a token sequence to a safetensors file.
@@ -34,6 +36,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Serve(args) => commands::serve::run(args),
         Command::Run(args) => commands::run::run(args),
         Command::Logits(args) => commands::logits::run(args),
         Command::Inspect(args) => commands::inspect::run(args),

@@ -1,5 +1,6 @@
-//! Sampling the next token from logits: repetition penalty, then temperature, top-k, top-p and
-//! min-p filtering (the order llama.cpp and vLLM apply them), then a seeded draw. Temperature 0
+//! Sampling the next token from logits: repetition penalty (over prompt and output), presence
+//! and frequency penalties (over the output, OpenAI's definition), then temperature, top-k,
+//! top-p and min-p filtering (the order llama.cpp and vLLM apply them), then a seeded draw. Temperature 0
 //! is greedy.
 
 use crate::EngineError;
@@ -17,6 +18,10 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Divide positive (multiply negative) logits of tokens already seen; 1 disables.
     pub repetition_penalty: f32,
+    /// Subtracted from the logit of every token already generated; 0 disables.
+    pub presence_penalty: f32,
+    /// Subtracted once per earlier occurrence in the output; 0 disables.
+    pub frequency_penalty: f32,
     /// Seed of the random draw; the same seed gives the same tokens.
     pub seed: u64,
 }
@@ -29,6 +34,8 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -54,6 +61,14 @@ impl SamplingParams {
                 "repetition_penalty",
                 format!("{} must be > 0", self.repetition_penalty),
             );
+        }
+        for (param, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return bad(param, format!("{value} must be in [-2, 2]"));
+            }
         }
         Ok(())
     }
@@ -84,6 +99,8 @@ pub struct Sampler {
     params: SamplingParams,
     rng: SplitMix64,
     candidates: Vec<(u32, f32)>,
+    /// How often each token has been sampled so far (presence and frequency penalties).
+    output_counts: std::collections::HashMap<u32, u32>,
 }
 
 impl Sampler {
@@ -93,13 +110,27 @@ impl Sampler {
             rng: SplitMix64(params.seed),
             params,
             candidates: Vec::new(),
+            output_counts: std::collections::HashMap::new(),
         }
     }
 
     /// Picks the next token from one row of `logits`, given the tokens seen so far
     /// (prompt and generated) for the repetition penalty. `logits` is modified.
     pub fn sample(&mut self, logits: &mut [f32], seen: &[u32]) -> u32 {
+        let token = self.pick(logits, seen);
+        if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
+            *self.output_counts.entry(token).or_insert(0) += 1;
+        }
+        token
+    }
+
+    fn pick(&mut self, logits: &mut [f32], seen: &[u32]) -> u32 {
         let p = &self.params;
+        for (&t, &n) in &self.output_counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             for &t in seen {
                 if let Some(l) = logits.get_mut(t as usize) {
@@ -200,6 +231,24 @@ mod tests {
             ..params(0.0)
         });
         assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[1]), 2);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_demote_output_tokens() {
+        let mut s = Sampler::new(SamplingParams {
+            frequency_penalty: 0.6,
+            ..params(0.0)
+        });
+        // 1 wins first; after it has been output twice (penalty 1.2) token 2 wins.
+        assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[]), 2);
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: 1.5,
+            ..params(0.0)
+        });
+        assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[]), 2);
     }
 
     #[test]

@@ -4,3 +4,4 @@ pub(crate) mod bench;
 pub(crate) mod inspect;
 pub(crate) mod logits;
 pub(crate) mod run;
+pub(crate) mod serve;

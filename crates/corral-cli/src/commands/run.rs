@@ -75,6 +75,8 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         top_p: args.top_p,
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
         seed: args.seed,
     };
     params.validate()?;

@@ -1,0 +1,200 @@
+//! `corral serve`: the OpenAI-compatible server. Loads the model, starts the engine thread
+//! with a KV cache sized from `--kv-memory`, and serves HTTP until SIGINT or SIGTERM.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use corral_engine::{
+    ChatTemplate, EngineConfig, Tokenizer, TokenizerConfig, spawn_engine, stop_token_ids,
+};
+use corral_server::{AppState, RequestCounts, ServerConfig};
+
+use crate::loading::{ModelArgs, load_model};
+
+/// Tokens per KV cache block.
+const BLOCK_SIZE: usize = 16;
+
+/// Arguments of `corral serve`.
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind.
+    #[arg(long, env = "CORRAL_HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0 picks a free one).
+    #[arg(long, env = "CORRAL_PORT", default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+    #[arg(long, env = "CORRAL_API_KEY")]
+    api_key: Option<String>,
+    /// Most sequences generated at once.
+    #[arg(long, env = "CORRAL_MAX_BATCH", default_value_t = 16)]
+    max_batch: usize,
+    /// Most prompt tokens prefilled per step.
+    #[arg(long, env = "CORRAL_MAX_PREFILL_TOKENS", default_value_t = 512)]
+    max_prefill_tokens: usize,
+    /// Most requests waiting; more get 429.
+    #[arg(long, env = "CORRAL_MAX_QUEUE", default_value_t = 256)]
+    max_queue: usize,
+    /// KV cache memory, in bytes or with a K/M/G suffix.
+    #[arg(long, env = "CORRAL_KV_MEMORY", default_value = "1G", value_parser = parse_bytes)]
+    kv_memory: usize,
+    /// Longest sequence, prompt plus output (default: the model's, within the KV cache).
+    #[arg(long, env = "CORRAL_MAX_CONTEXT")]
+    max_context: Option<usize>,
+    /// Model name clients use (default: the checkpoint directory's name).
+    #[arg(long, env = "CORRAL_SERVED_MODEL_NAME")]
+    served_model_name: Option<String>,
+    /// Largest request body in bytes.
+    #[arg(long, env = "CORRAL_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+}
+
+/// `123`, `64K`, `512M`, `8G` (binary multiples).
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 10),
+        Some('M') => (&s[..s.len() - 1], 20),
+        Some('G') => (&s[..s.len() - 1], 30),
+        _ => (s, 0),
+    };
+    let n: usize = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a byte count like 1073741824, 512M or 8G"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+pub(crate) fn run(args: ServeArgs) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let Some(dir) = args.model.dir().map(std::path::Path::to_path_buf) else {
+        bail!("serve needs --model DIR (with tokenizer.json)");
+    };
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let chat_template = match ChatTemplate::new(&TokenizerConfig::from_dir(&dir)?) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            tracing::warn!("{e}: /v1/chat/completions is unavailable");
+            None
+        }
+    };
+    let model = load_model(&args.model)?;
+    let config = model.config().clone();
+    let per_block = config.kv_bytes_per_token(4) * BLOCK_SIZE;
+    let kv_blocks = args.kv_memory / per_block.max(1);
+    if kv_blocks == 0 {
+        bail!(
+            "--kv-memory {} holds no KV block ({per_block} bytes each)",
+            args.kv_memory
+        );
+    }
+    let capacity = kv_blocks * BLOCK_SIZE;
+    let max_context = args
+        .max_context
+        .unwrap_or(config.max_position_embeddings)
+        .min(config.max_position_embeddings)
+        .min(capacity);
+    if max_context < 2 {
+        bail!("the context ({max_context} tokens) is too short to serve");
+    }
+    let stop_ids = stop_token_ids(&dir, &config.eos_token_ids)?;
+    let served_model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        dir.file_name()
+            .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
+    });
+    let (engine, engine_thread) = spawn_engine(
+        model,
+        EngineConfig {
+            max_batch: args.max_batch.max(1),
+            max_prefill_tokens: args.max_prefill_tokens.max(1),
+            max_queue: args.max_queue,
+            kv_blocks,
+            block_size: BLOCK_SIZE,
+            max_context,
+        },
+    )?;
+    let state = AppState {
+        engine: engine.clone(),
+        tokenizer: Arc::new(tokenizer),
+        chat_template,
+        config: Arc::new(ServerConfig {
+            served_model_name: served_model_name.clone(),
+            api_key: args.api_key.clone(),
+            max_body_bytes: args.max_body_bytes,
+            max_context,
+            vocab_size: config.vocab_size,
+            stop_token_ids: stop_ids,
+        }),
+        requests: Arc::new(RequestCounts::default()),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let address = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&address)
+            .await
+            .with_context(|| format!("binding {address}"))?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        tracing::info!(
+            model = %served_model_name, kv_blocks, max_context, "listening on http://{local}"
+        );
+        corral_server::serve(listener, state, shutdown_signal())
+            .await
+            .context("serving")
+    })?;
+    tracing::info!("shutting down");
+    engine.shutdown();
+    let _ = engine_thread.join();
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {},
+        () = terminate => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert_eq!(parse_bytes("2K"), Ok(2048));
+        assert_eq!(parse_bytes("512m"), Ok(512 << 20));
+        assert_eq!(parse_bytes("8G"), Ok(8 << 30));
+        assert!(parse_bytes("lots").is_err());
+    }
+}

@@ -1,0 +1,67 @@
+//! The server layer: an OpenAI-compatible HTTP API over the engine thread.
+//!
+//! [`router`] builds the axum router (testable without a socket): `POST /v1/chat/completions`,
+//! `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`. Bodies are read by
+//! one extractor and validated into engine requests by `request.rs`; every failure is an
+//! [`ApiError`] rendered as OpenAI's error object. Generated text is split into content,
+//! reasoning and tool calls by `output.rs`. [`serve`] runs the router until a shutdown signal.
+
+mod error;
+mod extract;
+mod output;
+mod request;
+mod routes;
+mod state;
+
+use std::future::Future;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+
+pub use error::ApiError;
+pub use output::{Delta, OutputParser};
+pub use state::{AppState, RequestCounts, ServerConfig};
+
+/// Counts every response by endpoint and status.
+async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let response = next.run(req).await;
+    state.requests.record(&path, response.status().as_u16());
+    response
+}
+
+/// The API's router.
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(routes::chat::chat_completions))
+        .route("/v1/completions", post(routes::completions::completions))
+        .route("/v1/models", get(routes::models))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            extract::require_api_key,
+        ));
+    Router::new()
+        .merge(api)
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics::metrics))
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .with_state(state)
+}
+
+/// Serves `state` on `listener` until `shutdown` completes, then lets requests in flight end.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

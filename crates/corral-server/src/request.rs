@@ -1,0 +1,532 @@
+//! Validating OpenAI request bodies into Corral's request types. Bodies are parsed leniently
+//! as JSON objects; every field clients send is then checked here, once, and each bad one is
+//! reported by name. Nothing downstream checks again.
+
+use corral_engine::SamplingParams;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// Settings shared by chat and text completions.
+#[derive(Clone, Debug)]
+pub(crate) struct Settings {
+    /// Requested model name, if given.
+    pub(crate) model: Option<String>,
+    /// Sampling parameters.
+    pub(crate) params: SamplingParams,
+    /// Most tokens to generate, if given.
+    pub(crate) max_tokens: Option<usize>,
+    /// Stop strings.
+    pub(crate) stop: Vec<String>,
+    /// Stream with server-sent events.
+    pub(crate) stream: bool,
+    /// Send a final usage chunk when streaming.
+    pub(crate) include_usage: bool,
+    /// Alternatives per token when log-probabilities are wanted; `None` for none.
+    pub(crate) top_logprobs: Option<usize>,
+}
+
+/// A validated chat completion request.
+#[derive(Clone, Debug)]
+pub(crate) struct ChatRequest {
+    /// Common settings.
+    pub(crate) settings: Settings,
+    /// Messages with text content flattened to strings.
+    pub(crate) messages: Vec<Value>,
+    /// Tool definitions, unless `tool_choice` is `none`.
+    pub(crate) tools: Option<Vec<Value>>,
+    /// Extra template variables (`chat_template_kwargs`).
+    pub(crate) template_kwargs: Map<String, Value>,
+}
+
+/// The prompt of a text completion.
+#[derive(Clone, Debug)]
+pub(crate) enum PromptInput {
+    /// Text to tokenize.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// A validated text completion request.
+#[derive(Clone, Debug)]
+pub(crate) struct CompletionRequest {
+    /// Common settings.
+    pub(crate) settings: Settings,
+    /// The prompt.
+    pub(crate) prompt: PromptInput,
+}
+
+/// Most stop strings accepted, as OpenAI.
+const MAX_STOPS: usize = 4;
+/// Most alternatives per token, as OpenAI.
+const MAX_TOP_LOGPROBS: usize = 20;
+
+struct Fields<'a>(&'a Map<String, Value>);
+
+fn describe(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn wrong(key: &str, expected: &str, got: &Value) -> ApiError {
+        ApiError::invalid(
+            key,
+            format!("`{key}` must be {expected}, got {}", describe(got)),
+        )
+    }
+
+    fn number(
+        &self,
+        key: &str,
+        range: std::ops::RangeInclusive<f64>,
+    ) -> Result<Option<f64>, ApiError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let n = v.as_f64().ok_or_else(|| Self::wrong(key, "a number", v))?;
+        if !range.contains(&n) {
+            return Err(ApiError::invalid(
+                key,
+                format!(
+                    "`{key}` must be between {} and {}, got {n}",
+                    range.start(),
+                    range.end()
+                ),
+            ));
+        }
+        Ok(Some(n))
+    }
+
+    fn integer(&self, key: &str) -> Result<Option<i64>, ApiError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_i64()
+            .or_else(|| v.as_u64().map(|u| u as i64))
+            .map(Some)
+            .ok_or_else(|| Self::wrong(key, "an integer", v))
+    }
+
+    fn boolean(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_bool()
+            .map(Some)
+            .ok_or_else(|| Self::wrong(key, "a boolean", v))
+    }
+
+    fn string(&self, key: &str) -> Result<Option<String>, ApiError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_str()
+            .map(|s| Some(s.to_string()))
+            .ok_or_else(|| Self::wrong(key, "a string", v))
+    }
+}
+
+fn settings(body: &Map<String, Value>, chat: bool) -> Result<Settings, ApiError> {
+    let f = Fields(body);
+    let model = f.string("model")?;
+    if let Some(n) = f.integer("n")?
+        && n != 1
+    {
+        return Err(ApiError::invalid(
+            "n",
+            format!("only n = 1 is supported, got {n}"),
+        ));
+    }
+    let mut max_tokens = None;
+    for key in ["max_tokens", "max_completion_tokens"] {
+        if let Some(n) = f.integer(key)? {
+            if n < 1 {
+                return Err(ApiError::invalid(
+                    key,
+                    format!("`{key}` must be at least 1, got {n}"),
+                ));
+            }
+            max_tokens = Some(usize::try_from(n).unwrap_or(usize::MAX));
+        }
+    }
+    let top_k = match f.integer("top_k")? {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be -1, 0 or positive, got {k}"),
+            ));
+        }
+    };
+    let params = SamplingParams {
+        temperature: f.number("temperature", 0.0..=2.0)?.unwrap_or(1.0) as f32,
+        top_k,
+        top_p: match f.number("top_p", 0.0..=1.0)? {
+            Some(p) if p <= 0.0 => {
+                return Err(ApiError::invalid("top_p", "`top_p` must be greater than 0"));
+            }
+            Some(p) => p as f32,
+            None => 1.0,
+        },
+        min_p: f.number("min_p", 0.0..=1.0)?.unwrap_or(0.0) as f32,
+        repetition_penalty: match f.number("repetition_penalty", 0.0..=10.0)? {
+            Some(r) if r <= 0.0 => {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    "`repetition_penalty` must be greater than 0",
+                ));
+            }
+            Some(r) => r as f32,
+            None => 1.0,
+        },
+        presence_penalty: f.number("presence_penalty", -2.0..=2.0)?.unwrap_or(0.0) as f32,
+        frequency_penalty: f.number("frequency_penalty", -2.0..=2.0)?.unwrap_or(0.0) as f32,
+        seed: match f.integer("seed")? {
+            Some(s) => s as u64,
+            None => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+        },
+    };
+    let stop = match f.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let stops: Vec<String> = items
+                .iter()
+                .map(|i| i.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    ApiError::invalid("stop", "`stop` must be a string or a list of strings")
+                })?;
+            if stops.len() > MAX_STOPS {
+                return Err(ApiError::invalid(
+                    "stop",
+                    format!("at most {MAX_STOPS} stop strings"),
+                ));
+            }
+            stops
+        }
+        Some(other) => {
+            return Err(Fields::wrong(
+                "stop",
+                "a string or a list of strings",
+                other,
+            ));
+        }
+    };
+    let stream = f.boolean("stream")?.unwrap_or(false);
+    let include_usage = match f.get("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => Fields(o).boolean("include_usage")?.unwrap_or(false),
+        Some(other) => return Err(Fields::wrong("stream_options", "an object", other)),
+    };
+    let top_logprobs = if chat {
+        let wanted = f.boolean("logprobs")?.unwrap_or(false);
+        let n = f.integer("top_logprobs")?.unwrap_or(0);
+        if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}"),
+            ));
+        }
+        if n > 0 && !wanted {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`",
+            ));
+        }
+        wanted.then_some(n as usize)
+    } else {
+        match f.integer("logprobs")? {
+            None => None,
+            Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "logprobs",
+                    format!("`logprobs` must be between 0 and {MAX_TOP_LOGPROBS}"),
+                ));
+            }
+        }
+    };
+    if let Some(user) = f.get("user")
+        && !user.is_string()
+    {
+        return Err(Fields::wrong("user", "a string", user));
+    }
+    Ok(Settings {
+        model,
+        params,
+        max_tokens,
+        stop,
+        stream,
+        include_usage,
+        top_logprobs,
+    })
+}
+
+/// Flattens a message's content (a string, or an array of text parts) to a string.
+fn message_text(content: &Value, index: usize) -> Result<Value, ApiError> {
+    let param = format!("messages[{index}].content");
+    match content {
+        Value::String(_) | Value::Null => Ok(content.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for part in parts {
+                match (
+                    part.get("type").and_then(Value::as_str),
+                    part.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some(kind), _) if kind != "text" => {
+                        return Err(ApiError::invalid(
+                            &param,
+                            format!("content parts of type `{kind}` are not supported; send text"),
+                        ));
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(
+                            &param,
+                            "each content part needs `type: \"text\"` and a string `text`",
+                        ));
+                    }
+                }
+            }
+            Ok(Value::String(text))
+        }
+        other => Err(ApiError::invalid(
+            &param,
+            format!(
+                "content must be a string or an array of text parts, got {}",
+                describe(other)
+            ),
+        )),
+    }
+}
+
+/// Validates a `/v1/chat/completions` body.
+pub(crate) fn chat(body: &Map<String, Value>) -> Result<ChatRequest, ApiError> {
+    let settings = settings(body, true)?;
+    let messages = match body.get("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                "messages",
+                "`messages` must not be empty",
+            ));
+        }
+        Some(other) => return Err(Fields::wrong("messages", "an array", other)),
+        None => return Err(ApiError::invalid("messages", "`messages` is required")),
+    };
+    let mut normalized = Vec::with_capacity(messages.len());
+    for (i, message) in messages.iter().enumerate() {
+        let Value::Object(m) = message else {
+            return Err(ApiError::invalid(
+                &format!("messages[{i}]"),
+                "each message must be an object",
+            ));
+        };
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid(
+                &format!("messages[{i}].role"),
+                "each message needs a string `role`",
+            )
+        })?;
+        if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
+            return Err(ApiError::invalid(
+                &format!("messages[{i}].role"),
+                format!("unknown role `{role}`"),
+            ));
+        }
+        let mut m = m.clone();
+        if role == "developer" {
+            m.insert("role".to_string(), Value::String("system".to_string()));
+        }
+        let content = m.get("content").cloned().unwrap_or(Value::Null);
+        if content.is_null() && !(role == "assistant" && m.contains_key("tool_calls")) {
+            return Err(ApiError::invalid(
+                &format!("messages[{i}].content"),
+                "`content` is required",
+            ));
+        }
+        m.insert("content".to_string(), message_text(&content, i)?);
+        normalized.push(Value::Object(m));
+    }
+    let tool_choice_none = matches!(body.get("tool_choice"), Some(Value::String(s)) if s == "none");
+    let tools = match body.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(tools)) => {
+            for (i, tool) in tools.iter().enumerate() {
+                if tool
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .is_none()
+                {
+                    return Err(ApiError::invalid(
+                        &format!("tools[{i}]"),
+                        "each tool needs `function.name`",
+                    ));
+                }
+            }
+            (!tool_choice_none && !tools.is_empty()).then(|| tools.clone())
+        }
+        Some(other) => return Err(Fields::wrong("tools", "an array", other)),
+    };
+    let template_kwargs = match body.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(other) => return Err(Fields::wrong("chat_template_kwargs", "an object", other)),
+    };
+    Ok(ChatRequest {
+        settings,
+        messages: normalized,
+        tools,
+        template_kwargs,
+    })
+}
+
+/// Validates a `/v1/completions` body.
+pub(crate) fn completion(body: &Map<String, Value>) -> Result<CompletionRequest, ApiError> {
+    let settings = settings(body, false)?;
+    let prompt = match body.get("prompt") {
+        Some(Value::String(s)) => PromptInput::Text(s.clone()),
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
+            PromptInput::Tokens(
+                items
+                    .iter()
+                    .map(|i| i.as_u64().and_then(|n| u32::try_from(n).ok()))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| ApiError::invalid("prompt", "token ids must fit in 32 bits"))?,
+            )
+        }
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            PromptInput::Text(items[0].as_str().unwrap_or_default().to_string())
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "`prompt` must be a string, one string in a list, or a list of token ids",
+            ));
+        }
+        Some(other) => {
+            return Err(Fields::wrong(
+                "prompt",
+                "a string or a list of token ids",
+                other,
+            ));
+        }
+        None => return Err(ApiError::invalid("prompt", "`prompt` is required")),
+    };
+    Ok(CompletionRequest { settings, prompt })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let cases = [
+            (json!({"messages": "hi"}), "messages"),
+            (json!({"messages": []}), "messages"),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "n": 2}),
+                "n",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}),
+                "max_tokens",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+                "temperature",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "top_p": 0}),
+                "top_p",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "stop": [1]}),
+                "stop",
+            ),
+            (
+                json!({"messages": [{"role": "robot", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+                "messages[0].content",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
+                "top_logprobs",
+            ),
+        ];
+        for (body, param) in cases {
+            let err = chat(&obj(body.clone())).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{body}: {err:?}");
+            assert_eq!(err.status, 400);
+        }
+    }
+
+    #[test]
+    fn accepts_what_clients_send() {
+        let body = json!({
+            "model": "m", "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "42"}
+            ],
+            "max_completion_tokens": 5, "temperature": 0, "top_k": -1, "stop": "x", "seed": 3,
+            "stream": true, "stream_options": {"include_usage": true}, "logprobs": true, "top_logprobs": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
+            "user": "u", "chat_template_kwargs": {"enable_thinking": false}
+        });
+        let r = chat(&obj(body)).unwrap();
+        assert_eq!(r.messages[0]["role"], "system");
+        assert_eq!(r.messages[1]["content"], "ab");
+        assert_eq!(r.settings.max_tokens, Some(5));
+        assert_eq!(r.settings.top_logprobs, Some(2));
+        assert!(r.settings.stream && r.settings.include_usage);
+        assert_eq!(r.tools.as_ref().map(Vec::len), Some(1));
+        assert_eq!(r.template_kwargs["enable_thinking"], false);
+    }
+
+    #[test]
+    fn completion_prompts() {
+        assert!(
+            matches!(completion(&obj(json!({"prompt": [1, 2]}))).unwrap().prompt, PromptInput::Tokens(t) if t == [1, 2])
+        );
+        assert!(matches!(
+            completion(&obj(json!({"prompt": "hi"}))).unwrap().prompt,
+            PromptInput::Text(_)
+        ));
+        assert_eq!(
+            completion(&obj(json!({"prompt": 5})))
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("prompt")
+        );
+    }
+}

@@ -1,0 +1,309 @@
+//! `POST /v1/chat/completions`: the conversation is rendered with the checkpoint's chat
+//! template, generated, and answered as one `chat.completion` or as a stream of
+//! `chat.completion.chunk` server-sent events.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use corral_engine::TokenEvent;
+use serde_json::{Value, json};
+
+use super::generation::{Generation, Step, response_id, unix_now};
+use crate::error::ApiError;
+use crate::extract::OpenAiJson;
+use crate::output::{Delta, OutputParser};
+use crate::request;
+use crate::state::AppState;
+
+/// The handler.
+pub(crate) async fn chat_completions(
+    State(state): State<AppState>,
+    OpenAiJson(body): OpenAiJson,
+) -> Result<Response, ApiError> {
+    let req = request::chat(&body)?;
+    super::check_model(&state, req.settings.model.as_deref())?;
+    let template = state.chat_template.as_ref().ok_or_else(|| {
+        ApiError::invalid(
+            "messages",
+            "this model has no chat template; use /v1/completions",
+        )
+    })?;
+    let prompt_text = template
+        .render(
+            &req.messages,
+            req.tools.as_deref(),
+            true,
+            &req.template_kwargs,
+        )
+        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let prompt = state
+        .tokenizer
+        .encode(&prompt_text)
+        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let in_reasoning = prompt_text.trim_end().ends_with("<think>");
+    let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some());
+    let generation = Generation::start(&state, prompt, &req.settings, parser, "messages")?;
+    let model = state.config.served_model_name.clone();
+    if req.settings.stream {
+        Ok(stream(generation, model, req.settings.include_usage).into_response())
+    } else {
+        Ok(Json(complete(generation, model).await?).into_response())
+    }
+}
+
+fn logprob_entry(g: &Generation, token: &TokenEvent) -> Value {
+    let text = g.token_text(token.id);
+    json!({
+        "token": text,
+        "logprob": token.logprob,
+        "bytes": text.as_bytes(),
+        "top_logprobs": token.top_logprobs.iter().map(|(id, lp)| {
+            let t = g.token_text(*id);
+            json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+        }).collect::<Vec<_>>(),
+    })
+}
+
+fn tool_call_json(index: usize, name: &str, arguments: &str) -> Value {
+    json!({
+        "index": index,
+        "id": format!("call_{}", response_id("t")),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    })
+}
+
+/// Accumulates a whole response.
+async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    let mut tool_calls = Vec::new();
+    let mut logprobs = Vec::new();
+    let mut add = |deltas: Vec<Delta>, tool_calls: &mut Vec<Value>| {
+        for d in deltas {
+            match d {
+                Delta::Content(t) => content.push_str(&t),
+                Delta::Reasoning(t) => reasoning.push_str(&t),
+                Delta::ToolCall { name, arguments } => {
+                    let call = tool_call_json(tool_calls.len(), &name, &arguments);
+                    tool_calls.push(call);
+                }
+            }
+        }
+    };
+    loop {
+        match g.next().await? {
+            Some(Step::Deltas {
+                deltas,
+                logprobs: lps,
+            }) => {
+                add(deltas, &mut tool_calls);
+                logprobs.extend(lps.iter().map(|t| logprob_entry(&g, t)));
+            }
+            Some(Step::Finished {
+                deltas,
+                finish_reason,
+                usage,
+                timings,
+            }) => {
+                add(deltas, &mut tool_calls);
+                let mut message = json!({"role": "assistant", "content": content});
+                if !reasoning.is_empty() {
+                    message["reasoning_content"] = json!(reasoning);
+                }
+                if !tool_calls.is_empty() {
+                    for call in &mut tool_calls {
+                        if let Some(o) = call.as_object_mut() {
+                            o.remove("index");
+                        }
+                    }
+                    message["tool_calls"] = json!(tool_calls);
+                    if content.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
+                let logprobs = if logprobs.is_empty() {
+                    Value::Null
+                } else {
+                    json!({"content": logprobs})
+                };
+                return Ok(json!({
+                    "id": response_id("chatcmpl"),
+                    "object": "chat.completion",
+                    "created": unix_now(),
+                    "model": model,
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+                    "usage": usage,
+                    "timings": timings,
+                }));
+            }
+            None => return Err(ApiError::internal("generation ended without a result")),
+        }
+    }
+}
+
+/// One chunk of the stream.
+fn chunk(
+    id: &str,
+    model: &str,
+    created: u64,
+    delta: Value,
+    logprobs: Value,
+    finish: Value,
+) -> SseEvent {
+    let body = json!({
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+    });
+    SseEvent::default().data(body.to_string())
+}
+
+struct StreamState {
+    generation: Option<Generation>,
+    pending: VecDeque<SseEvent>,
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+    tool_calls: usize,
+}
+
+impl StreamState {
+    fn delta_json(&mut self, deltas: Vec<Delta>) -> Option<Value> {
+        let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+        for d in deltas {
+            match d {
+                Delta::Content(t) => content.push_str(&t),
+                Delta::Reasoning(t) => reasoning.push_str(&t),
+                Delta::ToolCall { name, arguments } => {
+                    calls.push(tool_call_json(self.tool_calls, &name, &arguments));
+                    self.tool_calls += 1;
+                }
+            }
+        }
+        let mut delta = serde_json::Map::new();
+        if !content.is_empty() {
+            delta.insert("content".into(), json!(content));
+        }
+        if !reasoning.is_empty() {
+            delta.insert("reasoning_content".into(), json!(reasoning));
+        }
+        if !calls.is_empty() {
+            delta.insert("tool_calls".into(), json!(calls));
+        }
+        (!delta.is_empty()).then_some(Value::Object(delta))
+    }
+
+    /// Queues the events of the next step; false at the end.
+    async fn advance(&mut self) -> bool {
+        let Some(g) = self.generation.as_mut() else {
+            return false;
+        };
+        match g.next().await {
+            Ok(Some(Step::Deltas { deltas, logprobs })) => {
+                let lps: Vec<Value> = logprobs.iter().map(|t| logprob_entry(g, t)).collect();
+                let delta = self.delta_json(deltas);
+                if delta.is_some() || !lps.is_empty() {
+                    let lps = if lps.is_empty() {
+                        Value::Null
+                    } else {
+                        json!({"content": lps})
+                    };
+                    let delta = delta.unwrap_or_else(|| json!({"content": ""}));
+                    self.pending.push_back(chunk(
+                        &self.id,
+                        &self.model,
+                        self.created,
+                        delta,
+                        lps,
+                        Value::Null,
+                    ));
+                }
+            }
+            Ok(Some(Step::Finished {
+                deltas,
+                finish_reason,
+                usage,
+                timings,
+            })) => {
+                if let Some(delta) = self.delta_json(deltas) {
+                    self.pending.push_back(chunk(
+                        &self.id,
+                        &self.model,
+                        self.created,
+                        delta,
+                        Value::Null,
+                        Value::Null,
+                    ));
+                }
+                self.pending.push_back(chunk(
+                    &self.id,
+                    &self.model,
+                    self.created,
+                    json!({}),
+                    Value::Null,
+                    json!(finish_reason),
+                ));
+                if self.include_usage {
+                    let body = json!({
+                        "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                        "model": self.model, "choices": [], "usage": usage, "timings": timings,
+                    });
+                    self.pending
+                        .push_back(SseEvent::default().data(body.to_string()));
+                }
+                self.pending.push_back(SseEvent::default().data("[DONE]"));
+                self.generation = None;
+            }
+            Ok(None) => self.generation = None,
+            Err(e) => {
+                self.pending
+                    .push_back(SseEvent::default().data(e.body().to_string()));
+                self.pending.push_back(SseEvent::default().data("[DONE]"));
+                self.generation = None;
+            }
+        }
+        true
+    }
+}
+
+fn stream(
+    generation: Generation,
+    model: String,
+    include_usage: bool,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let mut state = StreamState {
+        generation: Some(generation),
+        pending: VecDeque::new(),
+        id: response_id("chatcmpl"),
+        model,
+        created: unix_now(),
+        include_usage,
+        tool_calls: 0,
+    };
+    state.pending.push_back(chunk(
+        &state.id,
+        &state.model,
+        state.created,
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+        Value::Null,
+    ));
+    let events = futures_util::stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some(event) = state.pending.pop_front() {
+                return Some((Ok(event), state));
+            }
+            if !state.advance().await {
+                return None;
+            }
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}

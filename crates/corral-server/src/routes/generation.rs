@@ -1,0 +1,234 @@
+//! Driving one request through the engine: length checks and submission, then turning the
+//! engine's token events into parsed deltas, log-probabilities, usage and timings. Shared by
+//! the chat and text completion endpoints, streaming or not. Dropping a [`Generation`] drops
+//! the event receiver, which cancels the request in the engine.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use corral_engine::{
+    EngineRequest, Event, FinishReason, IncrementalDecoder, SubmitError, TokenEvent, Tokenizer,
+};
+use serde_json::{Value, json};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::error::ApiError;
+use crate::output::{Delta, OutputParser};
+use crate::request::Settings;
+use crate::state::AppState;
+
+/// What the next piece of a generation brought.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// Settled text and tool calls, with the log-probabilities of the tokens behind them.
+    Deltas {
+        deltas: Vec<Delta>,
+        logprobs: Vec<TokenEvent>,
+    },
+    /// The end: the last deltas, why it ended, usage and timings.
+    Finished {
+        deltas: Vec<Delta>,
+        finish_reason: &'static str,
+        usage: Value,
+        timings: Value,
+    },
+}
+
+/// A request running in the engine.
+pub(crate) struct Generation {
+    rx: UnboundedReceiver<Event>,
+    tokenizer: Arc<Tokenizer>,
+    decoder: IncrementalDecoder,
+    parser: OutputParser,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    started: Instant,
+    first_token: Option<Instant>,
+    finished: bool,
+}
+
+impl Generation {
+    /// Checks the prompt and length against the context and submits the request.
+    pub(crate) fn start(
+        state: &AppState,
+        prompt: Vec<u32>,
+        settings: &Settings,
+        parser: OutputParser,
+        prompt_param: &str,
+    ) -> Result<Self, ApiError> {
+        let context = state.config.max_context;
+        if prompt.is_empty() {
+            return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
+        }
+        if let Some(bad) = prompt
+            .iter()
+            .find(|&&t| t as usize >= state.config.vocab_size)
+        {
+            return Err(ApiError::invalid(
+                prompt_param,
+                format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    state.config.vocab_size
+                ),
+            ));
+        }
+        if prompt.len() >= context {
+            return Err(ApiError::invalid(
+                prompt_param,
+                format!(
+                    "the prompt has {} tokens; this model's context is {context} tokens, leaving no room to generate",
+                    prompt.len()
+                ),
+            ));
+        }
+        let room = context - prompt.len();
+        let max_tokens = match settings.max_tokens {
+            Some(n) if n > room => {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    format!(
+                        "this model's context is {context} tokens; the prompt has {} tokens and max_tokens asks for {n} more",
+                        prompt.len()
+                    ),
+                ));
+            }
+            Some(n) => n,
+            None => room,
+        };
+        let (tx, rx) = unbounded_channel();
+        let prompt_tokens = prompt.len();
+        state
+            .engine
+            .submit(EngineRequest {
+                prompt,
+                params: settings.params.clone(),
+                max_tokens,
+                max_context: context,
+                stop_token_ids: state.config.stop_token_ids.clone(),
+                top_logprobs: settings.top_logprobs,
+                events: tx,
+            })
+            .map_err(|e| match e {
+                SubmitError::QueueFull(_) => ApiError::busy(e.to_string()),
+                SubmitError::Stopped => ApiError::unavailable(e.to_string()),
+            })?;
+        Ok(Self {
+            rx,
+            tokenizer: Arc::clone(&state.tokenizer),
+            decoder: IncrementalDecoder::default(),
+            parser,
+            prompt_tokens,
+            completion_tokens: 0,
+            started: Instant::now(),
+            first_token: None,
+            finished: false,
+        })
+    }
+
+    /// The next step; `None` after the end.
+    pub(crate) async fn next(&mut self) -> Result<Option<Step>, ApiError> {
+        if self.finished {
+            return Ok(None);
+        }
+        let event = self.rx.recv().await;
+        match event {
+            Some(Event::Token(token)) => {
+                self.completion_tokens += 1;
+                self.first_token.get_or_insert_with(Instant::now);
+                let text = self
+                    .decoder
+                    .push(&self.tokenizer, token.id)
+                    .map_err(|e| ApiError::internal(e.to_string()))?;
+                let deltas = text.map(|t| self.parser.push(&t)).unwrap_or_default();
+                if self.parser.stopped() {
+                    self.finished = true;
+                    self.rx.close();
+                    return Ok(Some(self.finish(deltas, "stop")));
+                }
+                let logprobs = if token.logprob.is_some() {
+                    vec![token]
+                } else {
+                    Vec::new()
+                };
+                Ok(Some(Step::Deltas { deltas, logprobs }))
+            }
+            Some(Event::Finished(done)) => {
+                self.finished = true;
+                let mut deltas = Vec::new();
+                if let Some(rest) = self
+                    .decoder
+                    .finish(&self.tokenizer)
+                    .map_err(|e| ApiError::internal(e.to_string()))?
+                {
+                    deltas.extend(self.parser.push(&rest));
+                }
+                deltas.extend(self.parser.finish());
+                let reason = match done.reason {
+                    _ if self.parser.num_tool_calls() > 0 => "tool_calls",
+                    FinishReason::Length => "length",
+                    FinishReason::Stop | FinishReason::Cancelled => "stop",
+                };
+                Ok(Some(self.finish(deltas, reason)))
+            }
+            Some(Event::Failed(message)) => {
+                self.finished = true;
+                Err(ApiError::internal(format!("generation failed: {message}")))
+            }
+            None => {
+                self.finished = true;
+                Err(ApiError::unavailable(
+                    "the engine stopped before the request finished",
+                ))
+            }
+        }
+    }
+
+    fn finish(&self, deltas: Vec<Delta>, finish_reason: &'static str) -> Step {
+        let now = Instant::now();
+        let first = self.first_token.unwrap_or(now);
+        let prompt_ms = (first - self.started).as_secs_f64() * 1e3;
+        let predicted_ms = (now - first).as_secs_f64() * 1e3;
+        // The first token comes with the prefill; decode rate counts the ones after it.
+        let decoded = self.completion_tokens.saturating_sub(1);
+        let per_second = |n: usize, ms: f64| if ms > 0.0 { n as f64 / (ms / 1e3) } else { 0.0 };
+        Step::Finished {
+            deltas,
+            finish_reason,
+            usage: json!({
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }),
+            timings: json!({
+                "prompt_n": self.prompt_tokens,
+                "prompt_ms": prompt_ms,
+                "prompt_per_second": per_second(self.prompt_tokens, prompt_ms),
+                "predicted_n": self.completion_tokens,
+                "predicted_ms": predicted_ms,
+                "predicted_per_second": per_second(decoded, predicted_ms),
+                "prefill_duration_ttft": prompt_ms,
+                "decoding_speed_tps": per_second(decoded, predicted_ms),
+            }),
+        }
+    }
+
+    /// The text of a token, for log-probability entries.
+    pub(crate) fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id]).unwrap_or_default()
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A fresh response id with `prefix`.
+pub(crate) fn response_id(prefix: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{prefix}-{:x}{n:04x}", unix_now())
+}

@@ -1,0 +1,123 @@
+//! `GET /metrics`: Prometheus text exposition of request counts, token counts, latency
+//! histograms, queue depth, running sequences, KV blocks and dispatches per token.
+
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use corral_engine::metrics::Histogram;
+
+use crate::state::AppState;
+
+fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
+    let (buckets, sum, count) = h.snapshot();
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    for (bound, n) in buckets {
+        let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "{name}_bucket{{le=\"+Inf\"}} {count}\n{name}_sum {sum}\n{name}_count {count}"
+    );
+}
+
+fn scalar(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+    );
+}
+
+/// The handler.
+pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let m = state.engine.metrics();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP corral_requests_total HTTP responses by endpoint and status.\n# TYPE corral_requests_total counter"
+    );
+    for (endpoint, status, n) in state.requests.snapshot() {
+        let _ = writeln!(
+            out,
+            "corral_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
+        );
+    }
+    scalar(
+        &mut out,
+        "corral_prompt_tokens_total",
+        "counter",
+        "Prompt tokens prefilled.",
+        load(&m.prompt_tokens),
+    );
+    scalar(
+        &mut out,
+        "corral_generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        load(&m.generated_tokens),
+    );
+    histogram(
+        &mut out,
+        "corral_time_to_first_token_seconds",
+        "Time from arrival to first token.",
+        &m.ttft,
+    );
+    histogram(
+        &mut out,
+        "corral_inter_token_latency_seconds",
+        "Time between tokens of a sequence.",
+        &m.inter_token,
+    );
+    scalar(
+        &mut out,
+        "corral_queue_depth",
+        "gauge",
+        "Requests waiting for admission.",
+        load(&m.queue_depth),
+    );
+    scalar(
+        &mut out,
+        "corral_running_sequences",
+        "gauge",
+        "Sequences being generated.",
+        load(&m.running),
+    );
+    scalar(
+        &mut out,
+        "corral_kv_blocks_used",
+        "gauge",
+        "KV cache blocks held by sequences.",
+        load(&m.kv_blocks_used),
+    );
+    scalar(
+        &mut out,
+        "corral_kv_blocks_total",
+        "gauge",
+        "KV cache blocks in the pool.",
+        load(&m.kv_blocks_total),
+    );
+    scalar(
+        &mut out,
+        "corral_preemptions_total",
+        "counter",
+        "Sequences preempted for KV blocks.",
+        load(&m.preemptions),
+    );
+    let tokens = load(&m.forward_tokens);
+    let per_token = if tokens > 0.0 {
+        load(&m.dispatches) / tokens
+    } else {
+        0.0
+    };
+    scalar(
+        &mut out,
+        "corral_dispatches_per_token",
+        "gauge",
+        "Dispatches per token run through the model, since start.",
+        per_token,
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}
