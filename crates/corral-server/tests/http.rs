@@ -1,0 +1,463 @@
+//! The HTTP API end to end on the repo's demo model, through the router without a socket:
+//! chat and text completions, streaming and not, concurrency, cancellation by disconnect
+//! (blocks return to the pool), every bad input of the list, auth and the full-queue 429.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::http::{Request, StatusCode, header};
+use corral_backend::CpuBackend;
+use corral_engine::{
+    ChatTemplate, EngineConfig, EngineHandle, Tokenizer, TokenizerConfig, spawn_engine,
+    stop_token_ids,
+};
+use corral_model::Model;
+use corral_server::{AppState, RequestCounts, ServerConfig, router};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+struct Server {
+    app: Router,
+    engine: EngineHandle,
+}
+
+fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny-qwen3-moe");
+    let model = Model::load(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
+    let config = model.config().clone();
+    let (engine, _thread) = spawn_engine(
+        model,
+        EngineConfig {
+            max_batch: 4,
+            max_prefill_tokens: 64,
+            max_queue,
+            kv_blocks: 256,
+            block_size: 16,
+            max_context,
+        },
+    )
+    .unwrap();
+    let state = AppState {
+        engine: engine.clone(),
+        tokenizer: Arc::new(Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap()),
+        chat_template: Some(Arc::new(
+            ChatTemplate::new(&TokenizerConfig::from_dir(&dir).unwrap()).unwrap(),
+        )),
+        config: Arc::new(ServerConfig {
+            served_model_name: "tiny".to_string(),
+            api_key: api_key.map(str::to_string),
+            max_body_bytes: 64 * 1024,
+            max_context,
+            vocab_size: config.vocab_size,
+            stop_token_ids: stop_token_ids(&dir, &config.eos_token_ids).unwrap(),
+        }),
+        requests: Arc::new(RequestCounts::default()),
+        created: 0,
+    };
+    Server {
+        app: router(state),
+        engine,
+    }
+}
+
+fn post(path: &str, body: impl Into<Body>) -> Request<Body> {
+    Request::post(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body.into())
+        .unwrap()
+}
+
+async fn call(app: &Router, req: Request<Body>) -> (StatusCode, Value, axum::http::HeaderMap) {
+    let response = app.clone().oneshot(req).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    let value = serde_json::from_slice(&bytes)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, value, headers)
+}
+
+fn chat_body(extra: Value) -> String {
+    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body.to_string()
+}
+
+/// The `data:` payloads of an SSE body.
+async fn sse_events(response: axum::response::Response) -> Vec<String> {
+    let bytes = to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    String::from_utf8(bytes.to_vec())
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+async fn wait_for_zero_blocks(engine: &EngineHandle) {
+    let start = Instant::now();
+    while engine.metrics().kv_blocks_used.load(Ordering::Relaxed) != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "KV blocks never returned to the pool"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_non_streaming() {
+    let s = server(None, 16, 512);
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert!(body["choices"][0]["message"]["content"].is_string());
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    for key in [
+        "prompt_n",
+        "prompt_ms",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+        "prefill_duration_ttft",
+        "decoding_speed_tps",
+    ] {
+        assert!(
+            body["timings"].get(key).is_some(),
+            "timings.{key} missing: {body}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_streaming_with_usage_and_logprobs() {
+    let s = server(None, 16, 512);
+    let req = post(
+        "/v1/chat/completions",
+        chat_body(
+            json!({"stream": true, "stream_options": {"include_usage": true}, "logprobs": true, "top_logprobs": 2}),
+        ),
+    );
+    let response = s.app.clone().oneshot(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        response.headers()[header::CONTENT_TYPE]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = sse_events(response).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+        .collect();
+    assert_eq!(finish.len(), 1);
+    assert_eq!(finish[0]["choices"][0]["finish_reason"], "length");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 6);
+    let logprobs: usize = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+        .map(|a| {
+            for entry in a {
+                assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+                assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+            }
+            a.len()
+        })
+        .sum();
+    assert_eq!(logprobs, 6, "one log-probability per generated token");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_completion_with_token_ids_and_streaming() {
+    let s = server(None, 16, 512);
+    let (status, body, _) = call(
+        &s.app,
+        post(
+            "/v1/completions",
+            json!({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["usage"]["prompt_tokens"], 3);
+    let response = s
+        .app
+        .clone()
+        .oneshot(post(
+            "/v1/completions",
+            json!({"prompt": "The", "max_tokens": 3, "stream": true}).to_string(),
+        ))
+        .await
+        .unwrap();
+    let events = sse_events(response).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_all_succeed_and_match_alone() {
+    let s = server(None, 64, 512);
+    let alone = call(
+        &s.app,
+        post("/v1/chat/completions", chat_body(json!({"seed": 1}))),
+    )
+    .await
+    .1;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let app = s.app.clone();
+        tasks.push(tokio::spawn(async move {
+            call(
+                &app,
+                post("/v1/chat/completions", chat_body(json!({"seed": 1}))),
+            )
+            .await
+        }));
+    }
+    for task in tasks {
+        let (status, body, _) = task.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(
+            body["choices"][0]["message"], alone["choices"][0]["message"],
+            "batched output differs from alone"
+        );
+    }
+    wait_for_zero_blocks(&s.engine).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_mid_stream_frees_blocks() {
+    let s = server(None, 16, 4096);
+    let req = post(
+        "/v1/chat/completions",
+        chat_body(json!({"stream": true, "max_tokens": 4000, "temperature": 1.0})),
+    );
+    let response = s.app.clone().oneshot(req).await.unwrap();
+    let mut stream = response.into_body().into_data_stream();
+    for _ in 0..3 {
+        stream.next().await.unwrap().unwrap();
+    }
+    assert!(s.engine.metrics().kv_blocks_used.load(Ordering::Relaxed) > 0);
+    drop(stream);
+    wait_for_zero_blocks(&s.engine).await;
+    let (status, _, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
+    let s = server(None, 16, 64);
+    let long_prompt = "word ".repeat(200);
+    let cases: Vec<(Request<Body>, StatusCode, Option<&str>)> = vec![
+        (
+            post("/v1/chat/completions", "{not json"),
+            StatusCode::BAD_REQUEST,
+            None,
+        ),
+        (
+            post("/v1/chat/completions", "[1, 2]"),
+            StatusCode::BAD_REQUEST,
+            None,
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                chat_body(json!({"temperature": "hot"})),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("temperature"),
+        ),
+        (
+            post("/v1/chat/completions", json!({"model": "tiny"}).to_string()),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+        ),
+        (
+            post("/v1/chat/completions", chat_body(json!({"model": "gpt-9"}))),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+        ),
+        (
+            post("/v1/chat/completions", chat_body(json!({"n": 2}))),
+            StatusCode::BAD_REQUEST,
+            Some("n"),
+        ),
+        (
+            post("/v1/chat/completions", chat_body(json!({"max_tokens": -1}))),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                chat_body(json!({"max_tokens": 1_000_000})),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                chat_body(json!({"messages": [{"role": "user", "content": long_prompt}]})),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+        ),
+        (
+            post(
+                "/v1/completions",
+                json!({"prompt": [1, 999_999], "max_tokens": 2}).to_string(),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+        ),
+        (
+            post("/v1/chat/completions", vec![b'{', 0xff, 0xfe, b'}']),
+            StatusCode::BAD_REQUEST,
+            None,
+        ),
+        (
+            post("/v1/chat/completions", vec![b' '; 100 * 1024]),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            None,
+        ),
+    ];
+    for (req, expected, param) in cases {
+        let what = format!("{} {}", req.method(), req.uri());
+        let (status, body, _) = call(&s.app, req).await;
+        assert_eq!(status, expected, "{what}: {body}");
+        let error = &body["error"];
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{body}"
+        );
+        assert!(
+            error["type"].is_string()
+                && error.get("param").is_some()
+                && error.get("code").is_some(),
+            "{body}"
+        );
+        if let Some(param) = param {
+            assert_eq!(error["param"], param, "{body}");
+        }
+        let (ok, body, _) = call(
+            &s.app,
+            post("/v1/chat/completions", chat_body(json!({"max_tokens": 2}))),
+        )
+        .await;
+        assert_eq!(ok, StatusCode::OK, "after {what}: {body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_required_when_set() {
+    let s = server(Some("sekrit"), 16, 512);
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(body["error"]["type"], "authentication_error");
+    let mut wrong = post("/v1/chat/completions", chat_body(json!({})));
+    wrong
+        .headers_mut()
+        .insert(header::AUTHORIZATION, "Bearer nope".parse().unwrap());
+    assert_eq!(call(&s.app, wrong).await.0, StatusCode::UNAUTHORIZED);
+    let mut right = post("/v1/chat/completions", chat_body(json!({})));
+    right
+        .headers_mut()
+        .insert(header::AUTHORIZATION, "Bearer sekrit".parse().unwrap());
+    assert_eq!(call(&s.app, right).await.0, StatusCode::OK);
+    let health = Request::get("/health").body(Body::empty()).unwrap();
+    assert_eq!(
+        call(&s.app, health).await.0,
+        StatusCode::OK,
+        "health needs no key"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_answers_429_with_retry_after() {
+    let s = server(None, 0, 512);
+    let (status, body, headers) =
+        call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert_eq!(headers[header::RETRY_AFTER], "1");
+    assert_eq!(body["error"]["type"], "rate_limit_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_and_metrics() {
+    let s = server(None, 16, 512);
+    let (status, body, _) = call(
+        &s.app,
+        Request::get("/v1/models").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["data"][0]["id"], "tiny");
+    let _ = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    let (status, body, _) = call(
+        &s.app,
+        Request::get("/metrics").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let text = body.as_str().unwrap().to_string();
+    for name in [
+        "corral_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
+        "corral_prompt_tokens_total",
+        "corral_generated_tokens_total 6",
+        "corral_time_to_first_token_seconds_count 1",
+        "corral_inter_token_latency_seconds_count 5",
+        "corral_queue_depth",
+        "corral_running_sequences",
+        "corral_kv_blocks_used 0",
+        "corral_kv_blocks_total 256",
+        "corral_dispatches_per_token",
+    ] {
+        assert!(text.contains(name), "missing `{name}` in:\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_of_a_non_streaming_request_frees_blocks() {
+    let s = server(None, 16, 4096);
+    let app = s.app.clone();
+    let task = tokio::spawn(async move {
+        call(
+            &app,
+            post(
+                "/v1/chat/completions",
+                chat_body(json!({"max_tokens": 4000, "temperature": 1.0})),
+            ),
+        )
+        .await
+    });
+    let start = Instant::now();
+    while s.engine.metrics().kv_blocks_used.load(Ordering::Relaxed) == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "request never started"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // The client goes away: the handler future is dropped with its event receiver.
+    task.abort();
+    wait_for_zero_blocks(&s.engine).await;
+}
