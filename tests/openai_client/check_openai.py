@@ -1,0 +1,171 @@
+"""The official `openai` Python client against `corral serve` on the repo's demo model.
+
+Usage: python check_openai.py CORRAL_BINARY MODEL_DIR
+
+Starts the server on a free port with an API key, then runs a chat completion, a streamed
+chat completion with `include_usage`, a tool-call round trip (tool definitions in, an
+assistant tool call and its result back), a text completion, and error mapping. The demo
+model has random weights, so the text itself is gibberish; the checks are on the protocol.
+Prints one line per check and a final `N passed, M failed` line; exits non-zero on failure.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+
+import openai
+
+API_KEY = "corral-test-key"
+MODEL = "tiny-qwen3-moe"
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(binary, model_dir, port):
+    process = subprocess.Popen(
+        [binary, "serve", "--model", model_dir, "--port", str(port), "--threads", "2",
+         "--api-key", API_KEY, "--served-model-name", MODEL, "--kv-memory", "64M"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("server exited: " + process.stderr.read().decode(errors="replace"))
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return process
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def check_chat(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0)
+    assert r.object == "chat.completion", r
+    assert isinstance(r.choices[0].message.content, str), r
+    assert r.choices[0].finish_reason in ("stop", "length"), r
+    assert r.usage.completion_tokens >= 1 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens, r
+
+
+def check_stream(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to three"}], max_tokens=6,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] or finishes == ["stop"], finishes
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None, chunks[-1]
+    assert chunks[-1].usage.completion_tokens >= 1, chunks[-1].usage
+    assert isinstance(text, str)
+
+
+def check_tool_round_trip(client):
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=question, max_tokens=2)
+    first = client.chat.completions.create(
+        model=MODEL, messages=question, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=4)
+    # The tool definitions reach the chat template: the prompt grows by their rendering.
+    assert first.usage.prompt_tokens > plain.usage.prompt_tokens + 20, (first.usage, plain.usage)
+    calls = first.choices[0].message.tool_calls or []
+    call_id = calls[0].id if calls else "call_weather_1"
+    followup = question + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"temperature_c": 7})},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=followup, tools=[WEATHER_TOOL], max_tokens=4)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls"), second
+    # The assistant call and the tool result are rendered into the prompt too.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10, (second.usage, first.usage)
+
+
+def check_completion(client):
+    r = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5, temperature=0)
+    assert r.object == "text_completion" and isinstance(r.choices[0].text, str), r
+    assert r.usage.completion_tokens >= 1, r
+
+
+def check_errors(client, port):
+    try:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("unknown model accepted")
+    except openai.NotFoundError as e:
+        assert e.body["param"] == "model", e.body
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+        raise AssertionError("n=2 accepted")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "n", e.body
+    wrong_key = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+    try:
+        wrong_key.models.list()
+        raise AssertionError("wrong key accepted")
+    except openai.AuthenticationError:
+        pass
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def main():
+    binary, model_dir = sys.argv[1], sys.argv[2]
+    port = free_port()
+    server = start_server(binary, model_dir, port)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
+    checks = [
+        ("chat completion", lambda: check_chat(client)),
+        ("streamed chat completion with include_usage", lambda: check_stream(client)),
+        ("tool call round trip", lambda: check_tool_round_trip(client)),
+        ("text completion", lambda: check_completion(client)),
+        ("errors and models", lambda: check_errors(client, port)),
+    ]
+    passed = failed = 0
+    try:
+        for name, check in checks:
+            try:
+                check()
+                passed += 1
+                print(f"openai client: {name} ... ok")
+            except Exception:
+                failed += 1
+                print(f"openai client: {name} ... FAILED")
+                traceback.print_exc()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            failed += 1
+            print("openai client: graceful shutdown on SIGTERM ... FAILED")
+    print(f"openai client: {passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
