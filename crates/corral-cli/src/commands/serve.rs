@@ -154,11 +154,18 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         tracing::info!(
             model = %served_model_name, kv_blocks, max_context, "listening on http://{local}"
         );
-        corral_server::serve(listener, state, shutdown_signal())
+        // On a signal, stop the engine first: live sequences end, so streams close and the
+        // graceful shutdown does not wait for them to run to completion.
+        let stopping = engine.clone();
+        let shutdown = async move {
+            shutdown_signal().await;
+            tracing::info!("shutting down");
+            stopping.shutdown();
+        };
+        corral_server::serve(listener, state, shutdown)
             .await
             .context("serving")
     })?;
-    tracing::info!("shutting down");
     engine.shutdown();
     let _ = engine_thread.join();
     Ok(())

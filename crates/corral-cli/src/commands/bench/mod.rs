@@ -3,6 +3,7 @@
 
 mod plot;
 pub(crate) mod prefill;
+pub(crate) mod serve;
 mod summary;
 
 use anyhow::Result;
@@ -20,10 +21,14 @@ enum BenchCommand {
     /// Time to first token over prompt lengths and MoE strategies, with dispatch counts and a
     /// linear fit of fixed cost and marginal rate.
     Prefill(prefill::PrefillArgs),
+    /// Concurrency sweep against a running server: aggregate tok/s, TTFT and inter-token
+    /// latency percentiles, errors.
+    Serve(serve::ServeBenchArgs),
 }
 
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
     match args.command {
         BenchCommand::Prefill(args) => prefill::run(args),
+        BenchCommand::Serve(args) => serve::run(args),
     }
 }
