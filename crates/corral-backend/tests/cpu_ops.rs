@@ -141,3 +141,41 @@ fn ops_reject_bad_arguments_without_panicking() {
         .unwrap_err();
     assert!(err.to_string().contains("token id 5"), "{err}");
 }
+
+#[test]
+fn route_breaks_ties_to_the_lower_expert_and_renormalises() {
+    let b = CpuBackend::new();
+    // Token 0: experts 1 and 3 tie for first, 0 and 2 tie for last. Token 1: all equal.
+    let logits = upload(&b, &[0.0, 2.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0]);
+    let mut ids = b.take_buffer(DType::U32, 6, BufferUsage::Metadata).unwrap();
+    let mut weights = b
+        .take_buffer(DType::F32, 6, BufferUsage::Activations)
+        .unwrap();
+    for renormalize in [false, true] {
+        b.moe_route(&logits, 2, 4, 3, renormalize, &mut ids, &mut weights)
+            .unwrap();
+        let mut got_ids = vec![0u32; 6];
+        let mut got_w = vec![0f32; 6];
+        b.download_u32(&ids, &mut got_ids).unwrap();
+        b.download_f32(&weights, &mut got_w).unwrap();
+        assert_eq!(got_ids, vec![1, 3, 0, 0, 1, 2]);
+        let p_top = 2f32.exp() / (2.0 * 2f32.exp() + 2.0);
+        let p_low = 1.0 / (2.0 * 2f32.exp() + 2.0);
+        let expected: Vec<f32> = if renormalize {
+            let s = 2.0 * p_top + p_low;
+            vec![
+                p_top / s,
+                p_top / s,
+                p_low / s,
+                1.0 / 3.0,
+                1.0 / 3.0,
+                1.0 / 3.0,
+            ]
+        } else {
+            vec![p_top, p_top, p_low, 0.25, 0.25, 0.25]
+        };
+        for (g, e) in got_w.iter().zip(&expected) {
+            assert!((g - e).abs() < 1e-6, "{got_w:?} vs {expected:?}");
+        }
+    }
+}

@@ -182,6 +182,16 @@ fn inspect_describes_the_checkpoint() {
 }
 
 #[test]
+fn inspect_synthetic_counts_qwen3_30b_a3b_parameters_without_making_weights() {
+    let config = repo().join("bench/configs/qwen3-30b-a3b.json");
+    let out = corral(&["inspect", "--synthetic", config.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    // The published parameter count of Qwen3-30B-A3B.
+    assert!(text.contains("parameters           30532122624"), "{text}");
+}
+
+#[test]
 fn bad_input_exits_nonzero_naming_the_culprit() {
     let fused = fixture("qwen3_moe_fused");
     let fused = fused.to_str().unwrap();

@@ -74,7 +74,24 @@ pub fn generate(
         });
     }
     let config = model.config();
-    let total = request.prompt.len() + request.max_tokens;
+    if request.max_tokens == 0 {
+        return Err(EngineError::InvalidParameter {
+            param: "max_tokens",
+            problem: "must be at least 1".to_string(),
+        });
+    }
+    let context = config.max_position_embeddings;
+    let total = request.prompt.len().saturating_add(request.max_tokens);
+    if total > context {
+        return Err(EngineError::InvalidParameter {
+            param: "max_tokens",
+            problem: format!(
+                "the prompt ({} tokens) plus max_tokens ({}) exceeds the model's context of {context}",
+                request.prompt.len(),
+                request.max_tokens
+            ),
+        });
+    }
     let blocks = total.div_ceil(BLOCK_SIZE);
     let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
     let mut cache = PagedKvCache::new(model.backend().as_ref(), config, blocks, BLOCK_SIZE)?;

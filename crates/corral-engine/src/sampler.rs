@@ -74,6 +74,9 @@ impl SamplingParams {
     }
 }
 
+/// Below this temperature sampling is greedy.
+const MIN_TEMPERATURE: f32 = 1e-5;
+
 /// SplitMix64: a small, well-mixed, seedable generator.
 #[derive(Clone, Debug)]
 struct SplitMix64(u64);
@@ -99,6 +102,8 @@ pub struct Sampler {
     params: SamplingParams,
     rng: SplitMix64,
     candidates: Vec<(u32, f32)>,
+    /// Distinct tokens seen, for the repetition penalty.
+    seen_scratch: Vec<u32>,
     /// How often each token has been sampled so far (presence and frequency penalties).
     output_counts: std::collections::HashMap<u32, u32>,
 }
@@ -110,6 +115,7 @@ impl Sampler {
             rng: SplitMix64(params.seed),
             params,
             candidates: Vec::new(),
+            seen_scratch: Vec::new(),
             output_counts: std::collections::HashMap::new(),
         }
     }
@@ -132,7 +138,12 @@ impl Sampler {
             }
         }
         if p.repetition_penalty != 1.0 {
-            for &t in seen {
+            // Once per distinct token, however often it occurs (as transformers and vLLM do).
+            self.seen_scratch.clear();
+            self.seen_scratch.extend_from_slice(seen);
+            self.seen_scratch.sort_unstable();
+            self.seen_scratch.dedup();
+            for &t in &self.seen_scratch {
                 if let Some(l) = logits.get_mut(t as usize) {
                     *l = if *l > 0.0 {
                         *l / p.repetition_penalty
@@ -142,7 +153,8 @@ impl Sampler {
                 }
             }
         }
-        if p.temperature == 0.0 {
+        // Temperatures this small would overflow `logit / T`; they mean greedy anyway.
+        if p.temperature < MIN_TEMPERATURE {
             return argmax(logits);
         }
         let c = &mut self.candidates;
@@ -225,12 +237,20 @@ mod tests {
     }
 
     #[test]
-    fn repetition_penalty_demotes_seen_tokens() {
+    fn repetition_penalty_demotes_seen_tokens_once() {
         let mut s = Sampler::new(SamplingParams {
             repetition_penalty: 2.0,
             ..params(0.0)
         });
         assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[1]), 2);
+        // Seen three times, still divided once: 3.9 / 2 = 1.95 beats 1.9.
+        assert_eq!(s.sample(&mut [0.0, 3.9, 1.9], &[1, 1, 1]), 1);
+    }
+
+    #[test]
+    fn tiny_temperature_is_greedy() {
+        let mut s = Sampler::new(params(1e-30));
+        assert_eq!(s.sample(&mut [0.0, 3.0, 2.9], &[]), 1);
     }
 
     #[test]

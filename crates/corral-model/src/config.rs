@@ -30,6 +30,15 @@ impl Family {
 
 const SUPPORTED: &str = "qwen3_moe, qwen3";
 
+/// Upper bounds on config sizes: far above any real checkpoint, low enough that every size
+/// derived from them fits in memory arithmetic without overflow.
+const MAX_WIDTH: usize = 1 << 20;
+const MAX_VOCAB: usize = 1 << 22;
+const MAX_LAYERS: usize = 1 << 10;
+const MAX_HEADS: usize = 1 << 10;
+const MAX_HEAD_DIM: usize = 512;
+const MAX_EXPERTS: usize = 1 << 12;
+
 /// Mixture-of-experts settings of a sparse model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
@@ -116,8 +125,22 @@ impl ModelConfig {
                 });
             }
         };
-        let num_layers = f.positive("num_hidden_layers")?;
-        let num_heads = f.positive("num_attention_heads")?;
+        if f.opt_bool("attention_bias")? == Some(true) {
+            return Err(field_error(
+                path,
+                "attention_bias",
+                "attention biases are not supported",
+            ));
+        }
+        if let Some(act) = f.opt_string("hidden_act")?.filter(|a| a != "silu") {
+            return Err(field_error(
+                path,
+                "hidden_act",
+                &format!("activation `{act}` is not supported (only silu)"),
+            ));
+        }
+        let num_layers = f.bounded("num_hidden_layers", MAX_LAYERS)?;
+        let num_heads = f.bounded("num_attention_heads", MAX_HEADS)?;
         let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(field_error(
@@ -126,7 +149,7 @@ impl ModelConfig {
                 &format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
             ));
         }
-        let hidden_size = f.positive("hidden_size")?;
+        let hidden_size = f.bounded("hidden_size", MAX_WIDTH)?;
         // Absent head_dim: transformers' Qwen3Config defaults it to 128, while Qwen3MoeConfig
         // has no such field and the model falls back to hidden_size / num_attention_heads.
         let head_dim = match (f.opt_usize("head_dim")?, family) {
@@ -134,14 +157,18 @@ impl ModelConfig {
             (None, Family::Qwen3) => 128,
             (None, Family::Qwen3Moe) => hidden_size / num_heads,
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(field_error(path, "head_dim", "must be even and positive"));
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
+            return Err(field_error(
+                path,
+                "head_dim",
+                &format!("{head_dim} must be even, positive and at most {MAX_HEAD_DIM}"),
+            ));
         }
         let moe = match family {
             Family::Qwen3 => None,
             Family::Qwen3Moe => f.moe(num_layers)?,
         };
-        let intermediate_size = match (&moe, f.opt_usize("intermediate_size")?) {
+        let intermediate_size = match (&moe, f.opt_bounded("intermediate_size", MAX_WIDTH)?) {
             (_, Some(size)) => size,
             (Some(_), None) => 0,
             (None, None) => return Err(field_error(path, "intermediate_size", "missing")),
@@ -168,7 +195,7 @@ impl ModelConfig {
         };
         let config = ModelConfig {
             family,
-            vocab_size: f.positive("vocab_size")?,
+            vocab_size: f.bounded("vocab_size", MAX_VOCAB)?,
             hidden_size,
             num_layers,
             num_heads,
@@ -314,6 +341,30 @@ impl Fields<'_> {
         }
     }
 
+    fn opt_bounded(&self, field: &str, max: usize) -> Result<Option<usize>> {
+        match self.opt_usize(field)? {
+            Some(n) if n > max => Err(field_error(
+                self.path,
+                field,
+                &format!("{n} exceeds the supported maximum of {max}"),
+            )),
+            other => Ok(other),
+        }
+    }
+
+    /// A positive integer no larger than `max`.
+    fn bounded(&self, field: &str, max: usize) -> Result<usize> {
+        let n = self.positive(field)?;
+        if n > max {
+            return Err(field_error(
+                self.path,
+                field,
+                &format!("{n} exceeds the supported maximum of {max}"),
+            ));
+        }
+        Ok(n)
+    }
+
     fn positive(&self, field: &str) -> Result<usize> {
         match self.opt_usize(field)? {
             None => Err(field_error(self.path, field, "missing")),
@@ -395,9 +446,11 @@ impl Fields<'_> {
     }
 
     fn moe(&self, num_layers: usize) -> Result<Option<MoeConfig>> {
-        let num_experts = match self.opt_usize("num_experts")? {
+        let num_experts = match self.opt_bounded("num_experts", MAX_EXPERTS)? {
             Some(n) => n,
-            None => self.opt_usize("num_local_experts")?.unwrap_or(0),
+            None => self
+                .opt_bounded("num_local_experts", MAX_EXPERTS)?
+                .unwrap_or(0),
         };
         if num_experts == 0 {
             return Err(field_error(
@@ -443,7 +496,7 @@ impl Fields<'_> {
         Ok(Some(MoeConfig {
             num_experts,
             top_k,
-            moe_intermediate_size: self.positive("moe_intermediate_size")?,
+            moe_intermediate_size: self.bounded("moe_intermediate_size", MAX_WIDTH)?,
             norm_topk_prob: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
             decoder_sparse_step: step,
             mlp_only_layers,
@@ -479,6 +532,32 @@ mod tests {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "dtype": "bfloat16"}"#;
         assert_eq!(parse(hub), parse(v5));
         assert_eq!(parse(hub).rope_theta, 1e6);
+    }
+
+    #[test]
+    fn huge_or_unsupported_values_are_refused_by_name() {
+        let base = r#""model_type": "qwen3", "vocab_size": 10, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 8"#;
+        for (extra, field) in [
+            (
+                r#""num_hidden_layers": 1000000000000000000"#,
+                "num_hidden_layers",
+            ),
+            (r#""num_hidden_layers": 1, "head_dim": 4096"#, "head_dim"),
+            (
+                r#""num_hidden_layers": 1, "attention_bias": true"#,
+                "attention_bias",
+            ),
+            (
+                r#""num_hidden_layers": 1, "hidden_act": "gelu""#,
+                "hidden_act",
+            ),
+        ] {
+            let json = format!("{{{base}, {extra}}}");
+            let err = ModelConfig::from_json(&json, Path::new("config.json"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{err}");
+        }
     }
 
     #[test]

@@ -100,6 +100,17 @@ fn logits_chunked(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
     all
 }
 
+/// Largest element-wise difference relative to the largest reference magnitude.
+fn max_rel_err(ours: &[f32], reference: &[f32]) -> f64 {
+    assert_eq!(ours.len(), reference.len());
+    let scale = reference.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
+    let diff = ours
+        .iter()
+        .zip(reference)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+    diff / scale
+}
+
 fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
     assert_eq!(ours.len(), reference.len());
     let diff: f64 = ours
@@ -146,6 +157,11 @@ fn strategies_agree_within_1e_5() {
                 assert!(
                     err <= 1e-5,
                     "{name} {strategy} vs per-expert at chunk {chunk}: {err:e}"
+                );
+                let worst = max_rel_err(&other, &baseline);
+                assert!(
+                    worst <= 1e-5,
+                    "{name} {strategy} vs per-expert at chunk {chunk}: element {worst:e}"
                 );
             }
         }

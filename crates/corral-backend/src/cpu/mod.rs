@@ -91,7 +91,9 @@ fn f32s<'a>(
         HostStorage::F32(v) => Ok(&v[..needed]),
         HostStorage::Mapped {
             file, byte_offset, ..
-        } => Ok(&bytemuck::cast_slice(&file.bytes()[*byte_offset..])[..needed]),
+        } => Ok(bytemuck::cast_slice(
+            &file.bytes()[*byte_offset..*byte_offset + needed * 4],
+        )),
         _ => Err(BackendError::ForeignBuffer { op }),
     }
 }

@@ -1,7 +1,8 @@
 //! `corral inspect`: what a checkpoint is and what it costs in memory.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
+use corral_model::ModelConfig;
 
 use crate::loading::{ModelArgs, load_model};
 
@@ -13,8 +14,29 @@ pub(crate) struct InspectArgs {
 }
 
 pub(crate) fn run(args: InspectArgs) -> Result<()> {
-    let model = load_model(&args.model)?;
-    let c = model.config();
+    // A synthetic model is described from its config alone, without making its weights.
+    let (config, num_parameters, weight_bytes) = match &args.model.synthetic {
+        Some(path) => {
+            let config = ModelConfig::from_file(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let bytes_per = if config.dtype.as_deref() == Some("float32") {
+                4
+            } else {
+                2
+            };
+            let params = config.num_parameters();
+            (config, params, params * bytes_per)
+        }
+        None => {
+            let model = load_model(&args.model)?;
+            (
+                model.config().clone(),
+                model.num_parameters(),
+                model.weight_bytes(),
+            )
+        }
+    };
+    let c = &config;
     println!("model_type           {}", c.family.model_type());
     println!("layers               {}", c.num_layers);
     println!("hidden_size          {}", c.hidden_size);
@@ -39,11 +61,10 @@ pub(crate) fn run(args: InspectArgs) -> Result<()> {
     println!("vocab_size           {}", c.vocab_size);
     println!("tied embeddings      {}", c.tie_word_embeddings);
     println!("rope_theta           {}", c.rope_theta);
-    println!("parameters           {}", model.num_parameters());
+    println!("parameters           {num_parameters}");
     println!(
-        "weight bytes         {} ({:.2} MiB)",
-        model.weight_bytes(),
-        model.weight_bytes() as f64 / (1 << 20) as f64
+        "weight bytes         {weight_bytes} ({:.2} MiB)",
+        weight_bytes as f64 / (1 << 20) as f64
     );
     println!(
         "KV bytes per token   {} as cached here (f32), {} at bf16",

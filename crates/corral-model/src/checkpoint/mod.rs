@@ -32,26 +32,13 @@ impl Checkpoint {
         } else if single.exists() {
             vec!["model.safetensors".to_string()]
         } else {
-            let mut found: Vec<String> = std::fs::read_dir(dir)
-                .map_err(|source| ModelError::Io {
-                    path: dir.to_path_buf(),
-                    source,
-                })?
-                .filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().into_string().ok())
-                .filter(|n| n.ends_with(".safetensors") && n != "reference.safetensors")
-                .collect();
-            found.sort();
-            if found.is_empty() {
-                return Err(ModelError::Io {
-                    path: single,
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::NotFound,
-                        "no model.safetensors, model.safetensors.index.json or *.safetensors file",
-                    ),
-                });
-            }
-            found
+            return Err(ModelError::Io {
+                path: single,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "neither model.safetensors nor model.safetensors.index.json exists",
+                ),
+            });
         };
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors = HashMap::new();
@@ -66,6 +53,12 @@ impl Checkpoint {
             })?;
             let shard = shards.len();
             for entry in safetensors_file::read_header(&path, file.bytes(), shard)? {
+                if tensors.contains_key(&entry.name) {
+                    return Err(ModelError::Safetensors {
+                        path: path.clone(),
+                        detail: format!("tensor `{}` also appears in an earlier shard", entry.name),
+                    });
+                }
                 tensors.insert(entry.name.clone(), entry);
             }
             shards.push(file);

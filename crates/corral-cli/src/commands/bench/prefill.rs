@@ -128,6 +128,14 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
     if args.reps == 0 {
         bail!("--reps must be at least 1");
     }
+    if !(0.0..=3600.0).contains(&args.idle_seconds) {
+        bail!("--idle-seconds must be between 0 and 3600");
+    }
+    if let Some(path) = &args.plot
+        && path.extension().and_then(|e| e.to_str()) != Some("svg")
+    {
+        bail!("--plot {}: only .svg output is supported", path.display());
+    }
     let strategies: Vec<(String, MoeStrategy)> = args
         .strategies
         .iter()
@@ -295,10 +303,6 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.plot {
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("svg") => {}
-            _ => bail!("--plot {}: only .svg output is supported", path.display()),
-        }
         let title = format!("TTFT vs prompt length: {}", args.model.describe());
         std::fs::write(path, svg(&title, &series))
             .with_context(|| format!("writing {}", path.display()))?;
