@@ -18,7 +18,7 @@ use corral_model::{
 };
 use serde_json::json;
 
-use super::plot::{Series, svg};
+use super::plot::{Series, png, svg};
 use super::summary::{linear_fit, median, relative_spread};
 use crate::loading::{ModelArgs, load_model};
 
@@ -48,7 +48,7 @@ pub(crate) struct PrefillArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Draw TTFT against prompt length here (.svg).
+    /// Draw TTFT against prompt length here (.svg or .png).
     #[arg(long)]
     plot: Option<PathBuf>,
     /// Seconds to watch the idle process's CPU use after the runs (0: skip).
@@ -132,9 +132,15 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
         bail!("--idle-seconds must be between 0 and 3600");
     }
     if let Some(path) = &args.plot
-        && path.extension().and_then(|e| e.to_str()) != Some("svg")
+        && !matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("svg" | "png")
+        )
     {
-        bail!("--plot {}: only .svg output is supported", path.display());
+        bail!(
+            "--plot {}: the file must end in .svg or .png",
+            path.display()
+        );
     }
     let strategies: Vec<(String, MoeStrategy)> = args
         .strategies
@@ -304,8 +310,12 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
     }
     if let Some(path) = &args.plot {
         let title = format!("TTFT vs prompt length: {}", args.model.describe());
-        std::fs::write(path, svg(&title, &series))
-            .with_context(|| format!("writing {}", path.display()))?;
+        let bytes = if path.extension().and_then(|e| e.to_str()) == Some("png") {
+            png(&title, &series).context("encoding the PNG plot")?
+        } else {
+            svg(&title, &series).into_bytes()
+        };
+        std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
