@@ -36,16 +36,31 @@ enum Anchor {
     End,
 }
 
+/// A grid line at a decade, with its tick label.
+struct GridLine {
+    from: (f64, f64),
+    to: (f64, f64),
+    label: String,
+    label_at: (f64, f64),
+    anchor: Anchor,
+}
+
+/// One series as drawn.
+struct Line {
+    color: [u8; 3],
+    points: Vec<(f64, f64)>,
+    name: String,
+    legend_at: (f64, f64),
+}
+
 /// Everything to draw, in pixel coordinates.
 struct Layout {
     title: String,
-    /// Grid lines `(x1, y1, x2, y2)` with their tick label and its position.
-    grid: Vec<((f64, f64, f64, f64), String, (f64, f64), Anchor)>,
+    grid: Vec<GridLine>,
     frame: (f64, f64, f64, f64),
     x_label: (f64, f64),
     y_label: (f64, f64),
-    /// Per series: color, polyline points, legend line start.
-    lines: Vec<([u8; 3], Vec<(f64, f64)>, String, (f64, f64))>,
+    lines: Vec<Line>,
 }
 
 fn positive(v: f64) -> f64 {
@@ -105,8 +120,12 @@ fn layout(title: &str, series: &[Series]) -> Layout {
             let mut points = s.points.clone();
             points.sort_by(|a, b| a.0.total_cmp(&b.0));
             let mapped = points.iter().map(|&(x, y)| (px(x), py(y))).collect();
-            let legend = (LEFT + plot_w + 15.0, TOP + 10.0 + i as f64 * 20.0);
-            (COLORS[i % COLORS.len()], mapped, s.name.clone(), legend)
+            Line {
+                color: COLORS[i % COLORS.len()],
+                points: mapped,
+                name: s.name.clone(),
+                legend_at: (LEFT + plot_w + 15.0, TOP + 10.0 + i as f64 * 20.0),
+            }
         })
         .collect();
     Layout {
@@ -172,8 +191,9 @@ pub(crate) fn svg(title: &str, series: &[Series]) -> String {
         r#"<text transform="translate({},{:.1}) rotate(-90)" text-anchor="middle">TTFT ms (log)</text>"#,
         l.y_label.0, l.y_label.1
     );
-    for (color, points, name, (lx, ly)) in &l.lines {
-        let color = hex(*color);
+    for line in &l.lines {
+        let (color, points, name, (lx, ly)) =
+            (hex(line.color), &line.points, &line.name, line.legend_at);
         let path: Vec<String> = points
             .iter()
             .map(|(x, y)| format!("{x:.1},{y:.1}"))
@@ -283,9 +303,9 @@ pub(crate) fn png(title: &str, series: &[Series]) -> Result<Vec<u8>, png::Encodi
     let l = layout(title, series);
     let mut c = Canvas::new(WIDTH as usize, HEIGHT as usize);
     c.text((WIDTH / 2.0, 28.0), &l.title, Anchor::Middle, INK);
-    for ((x1, y1, x2, y2), label, at, anchor) in &l.grid {
-        c.line((*x1, *y1), (*x2, *y2), GRID, 1);
-        c.text(*at, label, *anchor, INK);
+    for g in &l.grid {
+        c.line(g.from, g.to, GRID, 1);
+        c.text(g.label_at, &g.label, g.anchor, INK);
     }
     let (fx, fy, fw, fh) = l.frame;
     for (a, b) in [
@@ -298,15 +318,16 @@ pub(crate) fn png(title: &str, series: &[Series]) -> Result<Vec<u8>, png::Encodi
     }
     c.text(l.x_label, "prompt tokens (log)", Anchor::Middle, INK);
     c.text((fx, fy - 6.0), "TTFT ms (log)", Anchor::Start, INK);
-    for (color, points, name, (lx, ly)) in &l.lines {
-        for pair in points.windows(2) {
-            c.line(pair[0], pair[1], *color, 2);
+    for line in &l.lines {
+        let (lx, ly) = line.legend_at;
+        for pair in line.points.windows(2) {
+            c.line(pair[0], pair[1], line.color, 2);
         }
-        for p in points {
-            c.disc(*p, 3, *color);
+        for p in &line.points {
+            c.disc(*p, 3, line.color);
         }
-        c.line((*lx, *ly), (lx + 20.0, *ly), *color, 2);
-        c.text((lx + 26.0, ly + 4.0), name, Anchor::Start, INK);
+        c.line((lx, ly), (lx + 20.0, ly), line.color, 2);
+        c.text((lx + 26.0, ly + 4.0), &line.name, Anchor::Start, INK);
     }
     let mut out = Vec::new();
     let mut encoder = png::Encoder::new(&mut out, WIDTH as u32, HEIGHT as u32);
