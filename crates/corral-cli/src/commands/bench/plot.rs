@@ -96,22 +96,24 @@ fn layout(title: &str, series: &[Series]) -> Layout {
     for e in (x0 as i32)..=(x1 as i32) {
         let x = px(10f64.powi(e));
         let label = format!("{}", 10f64.powi(e));
-        grid.push((
-            (x, TOP, x, TOP + plot_h),
+        grid.push(GridLine {
+            from: (x, TOP),
+            to: (x, TOP + plot_h),
             label,
-            (x, TOP + plot_h + 18.0),
-            Anchor::Middle,
-        ));
+            label_at: (x, TOP + plot_h + 18.0),
+            anchor: Anchor::Middle,
+        });
     }
     for e in (y0 as i32)..=(y1 as i32) {
         let y = py(10f64.powi(e));
         let label = format!("{}", 10f64.powi(e));
-        grid.push((
-            (LEFT, y, LEFT + plot_w, y),
+        grid.push(GridLine {
+            from: (LEFT, y),
+            to: (LEFT + plot_w, y),
             label,
-            (LEFT - 6.0, y + 4.0),
-            Anchor::End,
-        ));
+            label_at: (LEFT - 6.0, y + 4.0),
+            anchor: Anchor::End,
+        });
     }
     let lines = series
         .iter()
@@ -163,8 +165,9 @@ pub(crate) fn svg(title: &str, series: &[Series]) -> String {
         WIDTH / 2.0,
         escape(&l.title)
     );
-    for ((x1, y1, x2, y2), label, (tx, ty), anchor) in &l.grid {
-        let anchor = if *anchor == Anchor::End {
+    for g in &l.grid {
+        let ((x1, y1), (x2, y2), (tx, ty), label) = (g.from, g.to, g.label_at, &g.label);
+        let anchor = if g.anchor == Anchor::End {
             "end"
         } else {
             "middle"
