@@ -86,6 +86,29 @@ pub struct MoeSorted<'a> {
     pub pair_positions: &'a DeviceBuffer,
 }
 
+/// Where each run of a ragged batch keeps its recurrent state (linear-attention layers).
+#[derive(Clone, Copy, Debug)]
+pub struct RecurrentRuns<'a> {
+    /// U32 `[runs, 4]`: first token in the batch, token count, state slot, and 1 when the
+    /// sequence starts here (its state is taken as zero), else 0.
+    pub runs: &'a DeviceBuffer,
+    /// Runs in the batch.
+    pub num_runs: usize,
+}
+
+/// Head layout of a Gated DeltaNet layer.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaNetShape {
+    /// Key (and query) heads.
+    pub num_key_heads: usize,
+    /// Value heads; value head `j` reads key head `j / (num_value_heads / num_key_heads)`.
+    pub num_value_heads: usize,
+    /// Key head dimension.
+    pub key_dim: usize,
+    /// Value head dimension.
+    pub value_dim: usize,
+}
+
 /// The op table. Every model family is written against it; a backend implements each op as
 /// one dispatch (or says in the op's doc how many it takes). Outputs are passed in, never
 /// returned, so ops allocate nothing.
@@ -300,6 +323,86 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         routing: MoeRouting<'_>,
         sorted: MoeSorted<'_>,
         hidden: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// `out[i] = x[i] · σ(gate[i])` for the first `len` elements (gated attention output).
+    fn sigmoid_mul(
+        &self,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// `acc[t] += σ(gate[t]) · x[t]` for `rows` rows of `dim` (the shared expert, scaled by its
+    /// per-token gate).
+    fn add_sigmoid_gated(
+        &self,
+        acc: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()>;
+
+    /// Depthwise causal convolution with SiLU over `[tokens, channels]`, kernel `[channels, k]`
+    /// (F32), continuing each run from the last `k - 1` inputs kept in its state slot
+    /// (`conv_state`: `[slots, channels, k - 1]`), which it then updates.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_conv1d(
+        &self,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        channels: usize,
+        kernel: usize,
+        runs: RecurrentRuns<'_>,
+        conv_state: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Gated DeltaNet gates per token and value head: `beta = σ(b)` and
+    /// `g = -exp(a_log) · softplus(a + dt_bias)` (`a_log`, `dt_bias` F32 `[heads]`).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net_gates(
+        &self,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        a_log: &DeviceBuffer,
+        dt_bias: &DeviceBuffer,
+        tokens: usize,
+        heads: usize,
+        g: &mut DeviceBuffer,
+        beta: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// The gated delta rule, token by token within each run: q and k are L2-normalised per
+    /// head (q then scaled by `key_dim^-1/2`), and per value head the fp32 state
+    /// `S` (`[key_dim, value_dim]` in slot `recurrent_state[slot]`) is decayed by `exp(g)`,
+    /// corrected by `beta (v - kᵀS)` along `k`, and read as `out = qᵀS`. `qkv` is the conv
+    /// output `[tokens, 2·nk·dk + nv·dv]` (q, k, v blocks); `out` is `[tokens, nv, dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        qkv: &DeviceBuffer,
+        g: &DeviceBuffer,
+        beta: &DeviceBuffer,
+        shape: DeltaNetShape,
+        runs: RecurrentRuns<'_>,
+        recurrent_state: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Gated RMSNorm per row of `dim`: `out = (w ⊙ rmsnorm(x)) ⊙ silu(z)` (plain weight).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        z: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 

@@ -246,18 +246,27 @@ fn run(
                         .inter_token
                         .iter()
                         .for_each(|s| metrics.inter_token.observe(*s));
+                    update_gauges(&scheduler, metrics);
+                    for (events, finished) in counts.finished {
+                        let _ = events.send(Event::Finished(finished));
+                    }
                 }
                 Err(e) => scheduler.fail_step(plan, &e.to_string()),
             }
         }
-        metrics
-            .running
-            .store(scheduler.num_running() as u64, Ordering::Relaxed);
-        metrics
-            .kv_blocks_used
-            .store(scheduler.pool().num_used() as u64, Ordering::Relaxed);
-        metrics
-            .preemptions
-            .store(scheduler.preemptions(), Ordering::Relaxed);
+        update_gauges(&scheduler, metrics);
     }
+}
+
+/// Queue, running, KV and preemption gauges from the scheduler's current state.
+fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
+    let store = |gauge: &std::sync::atomic::AtomicU64, value: usize| {
+        gauge.store(value as u64, Ordering::Relaxed)
+    };
+    store(&metrics.queue_depth, scheduler.num_waiting());
+    store(&metrics.running, scheduler.num_running());
+    store(&metrics.kv_blocks_used, scheduler.pool().num_used());
+    metrics
+        .preemptions
+        .store(scheduler.preemptions(), Ordering::Relaxed);
 }

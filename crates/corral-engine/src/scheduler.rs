@@ -92,6 +92,9 @@ pub struct StepCounts {
     pub ttft: Vec<f64>,
     /// Seconds since the previous token, of sequences that got a later token.
     pub inter_token: Vec<f64>,
+    /// Sequences that ended, with their final event: the engine sends these after updating
+    /// its metrics, so a client that sees the end also sees it counted.
+    pub finished: Vec<(UnboundedSender<Event>, Finished)>,
 }
 
 impl Scheduler {
@@ -313,14 +316,15 @@ impl Scheduler {
                 let mut seq = self.running.remove(index);
                 self.pool.release(&mut seq.table);
                 let first = seq.first_token.unwrap_or(now);
-                let _ = seq.events.send(Event::Finished(Finished {
+                let finished = Finished {
                     reason,
                     prompt_tokens: seq.prompt_len,
                     completion_tokens: seq.generated(),
                     cached_tokens: 0,
                     prompt_ms: (first - seq.arrived).as_secs_f64() * 1e3,
                     decode_ms: (now - first).as_secs_f64() * 1e3,
-                }));
+                };
+                counts.finished.push((seq.events, finished));
             }
         }
         counts

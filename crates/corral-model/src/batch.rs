@@ -16,6 +16,11 @@ pub struct TokenId(pub u32);
 #[repr(transparent)]
 pub struct BlockId(pub u32);
 
+/// A recurrent-state slot (hybrid models): where a sequence's conv and delta-rule state lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct SlotId(pub u32);
+
 /// A sequence being generated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(transparent)]
@@ -55,6 +60,8 @@ pub struct SequenceRun {
     pub block_table: BlockTable,
     /// Which rows need logits.
     pub logits: LogitsWanted,
+    /// The sequence's recurrent-state slot (hybrid models only).
+    pub state_slot: Option<SlotId>,
 }
 
 /// Tokens of several sequences for one forward pass.
@@ -113,11 +120,41 @@ impl RaggedBatch {
             first_position,
             block_table: block_table.clone(),
             logits,
+            state_slot: None,
         });
         self.tokens.extend(tokens.iter().map(|t| t.0));
         self.positions
             .extend((first_position..end).map(|p| p as u32));
         Ok(())
+    }
+
+    /// Gives the run of `seq` its recurrent-state slot (hybrid models need one per run).
+    pub fn set_state_slot(&mut self, seq: SeqId, slot: SlotId) -> Result<()> {
+        match self.runs.iter_mut().find(|r| r.seq_id == seq) {
+            Some(run) => {
+                run.state_slot = Some(slot);
+                Ok(())
+            }
+            None => Err(ModelError::InvalidBatch(format!(
+                "sequence {} is not in the batch",
+                seq.0
+            ))),
+        }
+    }
+
+    /// `[start, len, slot, fresh]` per run, for recurrent layers; `None` if a run has no slot.
+    pub(crate) fn recurrent_runs(&self) -> Option<Vec<u32>> {
+        let mut out = Vec::with_capacity(self.runs.len() * 4);
+        for run in &self.runs {
+            let slot = run.state_slot?;
+            out.extend([
+                run.start as u32,
+                run.len as u32,
+                slot.0,
+                u32::from(run.first_position == 0),
+            ]);
+        }
+        Some(out)
     }
 
     /// Token ids, flat.

@@ -16,6 +16,12 @@ pub enum Family {
     Qwen3Moe,
     /// `qwen3`: the dense sibling, the same code without experts.
     Qwen3,
+    /// `qwen3_next`: Gated DeltaNet + gated attention, MoE with a shared expert.
+    Qwen3Next,
+    /// `qwen3_5_moe` (Qwen3.5/3.6 MoE): as Qwen3-Next, every layer MoE, always renormalised.
+    Qwen35Moe,
+    /// `qwen3_5` (Qwen3.5/3.6 dense): the hybrid layers with a dense MLP.
+    Qwen35,
 }
 
 impl Family {
@@ -24,11 +30,14 @@ impl Family {
         match self {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Qwen3 => "qwen3",
+            Family::Qwen3Next => "qwen3_next",
+            Family::Qwen35Moe => "qwen3_5_moe",
+            Family::Qwen35 => "qwen3_5",
         }
     }
 }
 
-const SUPPORTED: &str = "qwen3_moe, qwen3";
+const SUPPORTED: &str = "qwen3_moe, qwen3, qwen3_next, qwen3_5_moe, qwen3_5";
 
 /// Upper bounds on config sizes: far above any real checkpoint, low enough that every size
 /// derived from them fits in memory arithmetic without overflow.
@@ -56,6 +65,65 @@ pub struct MoeConfig {
     pub mlp_only_layers: Vec<usize>,
 }
 
+/// The kind of a hybrid model's layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Gated DeltaNet (linear attention with a recurrent state).
+    Linear,
+    /// Gated full attention with a KV cache.
+    Full,
+}
+
+/// Gated DeltaNet dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearAttentionConfig {
+    /// Short convolution kernel size.
+    pub conv_kernel: usize,
+    /// Key (and query) heads.
+    pub num_key_heads: usize,
+    /// Value heads (a multiple of the key heads).
+    pub num_value_heads: usize,
+    /// Key head dimension.
+    pub key_head_dim: usize,
+    /// Value head dimension.
+    pub value_head_dim: usize,
+}
+
+impl LinearAttentionConfig {
+    /// Channels of the convolution: `q | k | v`.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+    }
+
+    /// `num_value_heads * value_head_dim`.
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    /// Floats of one sequence's recurrent state in one layer.
+    pub fn recurrent_state_len(&self) -> usize {
+        self.num_value_heads * self.key_head_dim * self.value_head_dim
+    }
+
+    /// Floats of one sequence's convolution state in one layer (the last `kernel - 1` inputs).
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_channels() * (self.conv_kernel - 1)
+    }
+}
+
+/// Settings of the hybrid (Gated DeltaNet + attention) families.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HybridConfig {
+    /// Kind of each layer.
+    pub layer_types: Vec<LayerKind>,
+    /// Gated DeltaNet dimensions.
+    pub linear: LinearAttentionConfig,
+    /// Share of each head's dimensions that RoPE rotates.
+    pub partial_rotary_factor: f64,
+    /// Intermediate size of the shared expert of MoE layers, if any.
+    pub shared_expert_intermediate_size: Option<usize>,
+}
+
 /// A checked model configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -77,6 +145,8 @@ pub struct ModelConfig {
     pub intermediate_size: usize,
     /// Expert settings; `None` for dense models.
     pub moe: Option<MoeConfig>,
+    /// Hybrid-family settings; `None` for Qwen3 and Qwen3-MoE.
+    pub hybrid: Option<HybridConfig>,
     /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f32,
     /// RoPE base.
@@ -112,11 +182,18 @@ impl ModelConfig {
         let Value::Object(obj) = value else {
             return Err(field_error(path, "<root>", "expected a JSON object"));
         };
-        let f = Fields { obj: &obj, path };
-        let model_type = f.string("model_type")?;
+        let top = Fields {
+            obj: &obj,
+            path,
+            prefix: "",
+        };
+        let model_type = top.string("model_type")?;
         let family = match model_type.as_str() {
             "qwen3_moe" => Family::Qwen3Moe,
             "qwen3" => Family::Qwen3,
+            "qwen3_next" => Family::Qwen3Next,
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen35Moe,
+            "qwen3_5" | "qwen3_5_text" => Family::Qwen35,
             other => {
                 return Err(ModelError::UnsupportedModelType {
                     path: path.to_path_buf(),
@@ -125,16 +202,31 @@ impl ModelConfig {
                 });
             }
         };
-        if f.opt_bool("attention_bias")? == Some(true) {
-            return Err(field_error(
+        // Qwen3.5 multimodal checkpoints nest the language model's settings in text_config.
+        let f = match obj.get("text_config") {
+            Some(Value::Object(text)) if matches!(family, Family::Qwen35Moe | Family::Qwen35) => {
+                Fields {
+                    obj: text,
+                    path,
+                    prefix: "text_config.",
+                }
+            }
+            Some(other)
+                if !other.is_null() && matches!(family, Family::Qwen35Moe | Family::Qwen35) =>
+            {
+                return Err(top.wrong("text_config", "an object", other));
+            }
+            _ => Fields {
+                obj: &obj,
                 path,
-                "attention_bias",
-                "attention biases are not supported",
-            ));
+                prefix: "",
+            },
+        };
+        if f.opt_bool("attention_bias")? == Some(true) {
+            return Err(f.err("attention_bias", "attention biases are not supported"));
         }
         if let Some(act) = f.opt_string("hidden_act")?.filter(|a| a != "silu") {
-            return Err(field_error(
-                path,
+            return Err(f.err(
                 "hidden_act",
                 &format!("activation `{act}` is not supported (only silu)"),
             ));
@@ -143,55 +235,61 @@ impl ModelConfig {
         let num_heads = f.bounded("num_attention_heads", MAX_HEADS)?;
         let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(field_error(
-                path,
+            return Err(f.err(
                 "num_key_value_heads",
                 &format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
             ));
         }
         let hidden_size = f.bounded("hidden_size", MAX_WIDTH)?;
-        // Absent head_dim: transformers' Qwen3Config defaults it to 128, while Qwen3MoeConfig
-        // has no such field and the model falls back to hidden_size / num_attention_heads.
+        // Absent head_dim: transformers' Qwen3Config defaults it to 128, the hybrids to 256,
+        // while Qwen3MoeConfig has no such field and falls back to hidden / heads.
         let head_dim = match (f.opt_usize("head_dim")?, family) {
             (Some(d), _) => d,
             (None, Family::Qwen3) => 128,
             (None, Family::Qwen3Moe) => hidden_size / num_heads,
+            (None, _) => 256,
         };
         if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
-            return Err(field_error(
-                path,
+            return Err(f.err(
                 "head_dim",
                 &format!("{head_dim} must be even, positive and at most {MAX_HEAD_DIM}"),
             ));
         }
         let moe = match family {
-            Family::Qwen3 => None,
-            Family::Qwen3Moe => f.moe(num_layers)?,
+            Family::Qwen3 | Family::Qwen35 => None,
+            Family::Qwen3Moe | Family::Qwen3Next => f.moe(num_layers, false)?,
+            Family::Qwen35Moe => f.moe(num_layers, true)?,
+        };
+        let hybrid = match family {
+            Family::Qwen3 | Family::Qwen3Moe => None,
+            _ => Some(f.hybrid(num_layers, head_dim)?),
         };
         let intermediate_size = match (&moe, f.opt_bounded("intermediate_size", MAX_WIDTH)?) {
             (_, Some(size)) => size,
             (Some(_), None) => 0,
-            (None, None) => return Err(field_error(path, "intermediate_size", "missing")),
+            (None, None) => return Err(f.err("intermediate_size", "missing")),
         };
         if let Some(m) = &moe {
             let has_dense = (0..num_layers).any(|i| !is_sparse(m, i));
             if has_dense && intermediate_size == 0 {
-                return Err(field_error(
-                    path,
+                return Err(f.err(
                     "intermediate_size",
                     "dense layers need a positive intermediate_size",
                 ));
             }
         }
-        let eos_token_ids = match obj.get("eos_token_id") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(v) => token_ids(v).ok_or_else(|| {
-                field_error(
-                    path,
-                    "eos_token_id",
-                    "expected a token id or a list of them",
-                )
-            })?,
+        let eos_token_ids = match f
+            .present("eos_token_id")
+            .or_else(|| top.present("eos_token_id"))
+        {
+            None => Vec::new(),
+            Some(v) => token_ids(v)
+                .ok_or_else(|| f.err("eos_token_id", "expected a token id or a list of them"))?,
+        };
+        // transformers reads tie_word_embeddings at the top level of multimodal configs.
+        let tie_word_embeddings = match top.opt_bool("tie_word_embeddings")? {
+            Some(t) => t,
+            None => f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
         };
         let config = ModelConfig {
             family,
@@ -203,19 +301,23 @@ impl ModelConfig {
             head_dim,
             intermediate_size,
             moe,
+            hybrid,
             rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta: f.rope_theta()? as f32,
-            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            tie_word_embeddings,
             bos_token_id: f.opt_usize("bos_token_id")?.map(|v| v as u32),
             eos_token_ids,
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
             dtype: match f.opt_string("dtype")? {
                 Some(d) => Some(d),
-                None => f.opt_string("torch_dtype")?,
+                None => match f.opt_string("torch_dtype")? {
+                    Some(d) => Some(d),
+                    None => top.opt_string("dtype")?.or(top.opt_string("torch_dtype")?),
+                },
             },
         };
         if config.rope_theta <= 0.0 || !config.rope_theta.is_finite() {
-            return Err(field_error(path, "rope_theta", "must be positive"));
+            return Err(f.err("rope_theta", "must be positive"));
         }
         Ok(config)
     }
@@ -258,9 +360,34 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Attention layers (all of them, for these families).
+    /// Layers with a KV cache: all of them, or a hybrid's full-attention layers.
     pub fn num_attention_layers(&self) -> usize {
-        self.num_layers
+        match &self.hybrid {
+            None => self.num_layers,
+            Some(h) => h
+                .layer_types
+                .iter()
+                .filter(|k| **k == LayerKind::Full)
+                .count(),
+        }
+    }
+
+    /// Gated DeltaNet layers (0 for non-hybrids).
+    pub fn num_linear_layers(&self) -> usize {
+        self.num_layers - self.num_attention_layers()
+    }
+
+    /// Dimensions RoPE rotates in each head.
+    pub fn rotary_dim(&self) -> usize {
+        match &self.hybrid {
+            None => self.head_dim,
+            Some(h) => ((self.head_dim as f64 * h.partial_rotary_factor) as usize) & !1,
+        }
+    }
+
+    /// Whether the layer, model and q/k norms are zero-centred `(1 + w)`.
+    pub fn zero_centred_norms(&self) -> bool {
+        self.hybrid.is_some()
     }
 
     /// KV cache bytes per token at f32 activations.
@@ -315,12 +442,17 @@ fn describe(v: &Value) -> String {
 struct Fields<'a> {
     obj: &'a Map<String, Value>,
     path: &'a Path,
+    /// Prepended to field names in errors (`text_config.`).
+    prefix: &'static str,
 }
 
 impl Fields<'_> {
+    fn err(&self, field: &str, problem: &str) -> ModelError {
+        field_error(self.path, &format!("{}{field}", self.prefix), problem)
+    }
+
     fn wrong(&self, field: &str, expected: &str, got: &Value) -> ModelError {
-        field_error(
-            self.path,
+        self.err(
             field,
             &format!("expected {expected}, got {}", describe(got)),
         )
@@ -343,8 +475,7 @@ impl Fields<'_> {
 
     fn opt_bounded(&self, field: &str, max: usize) -> Result<Option<usize>> {
         match self.opt_usize(field)? {
-            Some(n) if n > max => Err(field_error(
-                self.path,
+            Some(n) if n > max => Err(self.err(
                 field,
                 &format!("{n} exceeds the supported maximum of {max}"),
             )),
@@ -356,8 +487,7 @@ impl Fields<'_> {
     fn bounded(&self, field: &str, max: usize) -> Result<usize> {
         let n = self.positive(field)?;
         if n > max {
-            return Err(field_error(
-                self.path,
+            return Err(self.err(
                 field,
                 &format!("{n} exceeds the supported maximum of {max}"),
             ));
@@ -367,8 +497,8 @@ impl Fields<'_> {
 
     fn positive(&self, field: &str) -> Result<usize> {
         match self.opt_usize(field)? {
-            None => Err(field_error(self.path, field, "missing")),
-            Some(0) => Err(field_error(self.path, field, "must be positive")),
+            None => Err(self.err(field, "missing")),
+            Some(0) => Err(self.err(field, "must be positive")),
             Some(n) => Ok(n),
         }
     }
@@ -405,7 +535,7 @@ impl Fields<'_> {
 
     fn string(&self, field: &str) -> Result<String> {
         self.opt_string(field)?
-            .ok_or_else(|| field_error(self.path, field, "missing"))
+            .ok_or_else(|| self.err(field, "missing"))
     }
 
     /// RoPE base from `rope_theta`, or `rope_parameters` / `rope_scaling` objects; only the
@@ -420,14 +550,14 @@ impl Fields<'_> {
             let nested = Fields {
                 obj: params,
                 path: self.path,
+                prefix: self.prefix,
             };
             let kind = match nested.opt_string("rope_type")? {
                 Some(k) => Some(k),
                 None => nested.opt_string("type")?,
             };
             if let Some(kind) = kind.filter(|k| k != "default") {
-                return Err(field_error(
-                    self.path,
+                return Err(self.err(
                     &format!("{key}.rope_type"),
                     &format!("rope type `{kind}` is not supported (only `default`)"),
                 ));
@@ -445,7 +575,95 @@ impl Fields<'_> {
         Ok(theta.unwrap_or(10_000.0))
     }
 
-    fn moe(&self, num_layers: usize) -> Result<Option<MoeConfig>> {
+    /// Layer pattern, Gated DeltaNet dimensions, partial RoPE and shared expert size.
+    fn hybrid(&self, num_layers: usize, head_dim: usize) -> Result<HybridConfig> {
+        let layer_types = match self.present("layer_types") {
+            Some(Value::Array(items)) => {
+                let kinds = items
+                    .iter()
+                    .map(|i| match i.as_str() {
+                        Some("linear_attention") => Some(LayerKind::Linear),
+                        Some("full_attention") => Some(LayerKind::Full),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        self.err(
+                            "layer_types",
+                            "entries must be \"linear_attention\" or \"full_attention\"",
+                        )
+                    })?;
+                if kinds.len() != num_layers {
+                    return Err(self.err(
+                        "layer_types",
+                        &format!("{} entries for {num_layers} layers", kinds.len()),
+                    ));
+                }
+                kinds
+            }
+            Some(other) => return Err(self.wrong("layer_types", "a list", other)),
+            None => {
+                let interval = self.opt_usize("full_attention_interval")?.unwrap_or(4);
+                if interval == 0 {
+                    return Err(self.err("full_attention_interval", "must be positive"));
+                }
+                (0..num_layers)
+                    .map(|i| {
+                        if (i + 1).is_multiple_of(interval) {
+                            LayerKind::Full
+                        } else {
+                            LayerKind::Linear
+                        }
+                    })
+                    .collect()
+            }
+        };
+        let linear = LinearAttentionConfig {
+            conv_kernel: self.bounded("linear_conv_kernel_dim", 16)?,
+            num_key_heads: self.bounded("linear_num_key_heads", MAX_HEADS)?,
+            num_value_heads: self.bounded("linear_num_value_heads", MAX_HEADS)?,
+            key_head_dim: self.bounded("linear_key_head_dim", MAX_HEAD_DIM)?,
+            value_head_dim: self.bounded("linear_value_head_dim", MAX_HEAD_DIM)?,
+        };
+        if linear.conv_kernel < 2 {
+            return Err(self.err("linear_conv_kernel_dim", "must be at least 2"));
+        }
+        if !linear.num_value_heads.is_multiple_of(linear.num_key_heads) {
+            return Err(self.err(
+                "linear_num_value_heads",
+                &format!(
+                    "{} is not a multiple of linear_num_key_heads {}",
+                    linear.num_value_heads, linear.num_key_heads
+                ),
+            ));
+        }
+        let factor = match self.opt_f64("partial_rotary_factor")? {
+            Some(f) => f,
+            None => match self.present("rope_parameters") {
+                Some(Value::Object(p)) => p
+                    .get("partial_rotary_factor")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(0.25),
+                _ => 0.25,
+            },
+        };
+        if !(factor > 0.0 && factor <= 1.0) || (head_dim as f64 * factor) < 2.0 {
+            return Err(self.err(
+                "partial_rotary_factor",
+                &format!("{factor} must be in (0, 1]"),
+            ));
+        }
+        Ok(HybridConfig {
+            layer_types,
+            linear,
+            partial_rotary_factor: factor,
+            shared_expert_intermediate_size: self
+                .opt_bounded("shared_expert_intermediate_size", MAX_WIDTH)?,
+        })
+    }
+
+    /// MoE settings; `always_renormalize` for Qwen3.5, which has no such flags.
+    fn moe(&self, num_layers: usize, always_renormalize: bool) -> Result<Option<MoeConfig>> {
         let num_experts = match self.opt_bounded("num_experts", MAX_EXPERTS)? {
             Some(n) => n,
             None => self
@@ -453,16 +671,14 @@ impl Fields<'_> {
                 .unwrap_or(0),
         };
         if num_experts == 0 {
-            return Err(field_error(
-                self.path,
+            return Err(self.err(
                 "num_experts",
                 "missing (neither num_experts nor num_local_experts is set)",
             ));
         }
         let top_k = self.positive("num_experts_per_tok")?;
         if top_k > num_experts {
-            return Err(field_error(
-                self.path,
+            return Err(self.err(
                 "num_experts_per_tok",
                 &format!("{top_k} exceeds the {num_experts} experts"),
             ));
@@ -479,25 +695,20 @@ impl Fields<'_> {
                 .ok_or_else(|| self.wrong("mlp_only_layers", "a list of layer indices", v))?,
         };
         if let Some(bad) = mlp_only_layers.iter().find(|&&l| l >= num_layers) {
-            return Err(field_error(
-                self.path,
+            return Err(self.err(
                 "mlp_only_layers",
                 &format!("layer {bad} does not exist ({num_layers} layers)"),
             ));
         }
         let step = self.opt_usize("decoder_sparse_step")?.unwrap_or(1);
         if step == 0 {
-            return Err(field_error(
-                self.path,
-                "decoder_sparse_step",
-                "must be positive",
-            ));
+            return Err(self.err("decoder_sparse_step", "must be positive"));
         }
         Ok(Some(MoeConfig {
             num_experts,
             top_k,
             moe_intermediate_size: self.bounded("moe_intermediate_size", MAX_WIDTH)?,
-            norm_topk_prob: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            norm_topk_prob: always_renormalize || self.opt_bool("norm_topk_prob")?.unwrap_or(false),
             decoder_sparse_step: step,
             mlp_only_layers,
         }))

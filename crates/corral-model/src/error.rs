@@ -78,6 +78,9 @@ pub enum ModelError {
         /// The dtype in the file.
         dtype: String,
     },
+    /// A feature the checkpoint needs that Corral does not have.
+    #[error("not supported: {0}")]
+    Unsupported(String),
     /// A batch handed to `forward` contradicts itself or the cache.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),

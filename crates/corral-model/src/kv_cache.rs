@@ -58,3 +58,46 @@ impl PagedKvCache {
             .sum()
     }
 }
+
+/// Recurrent state of every Gated DeltaNet layer, in slots: per layer, the last
+/// `kernel - 1` convolution inputs and the fp32 delta-rule state of each slot. Which slot
+/// belongs to whom is the engine's business; a run that starts its sequence (position 0)
+/// ignores what its slot held.
+#[derive(Debug)]
+pub struct RecurrentStateCache {
+    /// Per linear layer: `[slots, conv channels, kernel - 1]`.
+    pub conv: Vec<DeviceBuffer>,
+    /// Per linear layer: `[slots, value heads, key dim, value dim]`.
+    pub recurrent: Vec<DeviceBuffer>,
+    /// Slots.
+    pub num_slots: usize,
+}
+
+impl RecurrentStateCache {
+    /// Allocates `num_slots` slots for every linear layer of `config` (none for non-hybrids).
+    pub fn new(backend: &dyn Backend, config: &ModelConfig, num_slots: usize) -> Result<Self> {
+        let (mut conv, mut recurrent) = (Vec::new(), Vec::new());
+        if let Some(h) = &config.hybrid {
+            for _ in 0..config.num_linear_layers() {
+                let c = h.linear.conv_state_len() * num_slots;
+                let r = h.linear.recurrent_state_len() * num_slots;
+                conv.push(backend.alloc_zeroed(DType::F32, c, BufferUsage::KvCache)?);
+                recurrent.push(backend.alloc_zeroed(DType::F32, r, BufferUsage::KvCache)?);
+            }
+        }
+        Ok(Self {
+            conv,
+            recurrent,
+            num_slots,
+        })
+    }
+
+    /// Bytes of state per sequence (all linear layers).
+    pub fn bytes_per_slot(config: &ModelConfig) -> usize {
+        config.hybrid.as_ref().map_or(0, |h| {
+            config.num_linear_layers()
+                * (h.linear.conv_state_len() + h.linear.recurrent_state_len())
+                * 4
+        })
+    }
+}

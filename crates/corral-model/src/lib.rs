@@ -19,11 +19,13 @@ mod model;
 mod moe;
 mod weights;
 
-pub use batch::{BlockId, BlockTable, LogitsWanted, RaggedBatch, SeqId, SequenceRun, TokenId};
+pub use batch::{
+    BlockId, BlockTable, LogitsWanted, RaggedBatch, SeqId, SequenceRun, SlotId, TokenId,
+};
 pub use checkpoint::Checkpoint;
-pub use config::{Family, ModelConfig, MoeConfig};
+pub use config::{Family, HybridConfig, LayerKind, LinearAttentionConfig, ModelConfig, MoeConfig};
 pub use error::{ModelError, Result};
-pub use kv_cache::{LayerKv, PagedKvCache};
+pub use kv_cache::{LayerKv, PagedKvCache, RecurrentStateCache};
 pub use model::{ForwardReport, Model};
 pub use moe::{DEFAULT_GROUPED_MIN_TOKENS, MoeStrategy, UnknownStrategy};
 pub use weights::SyntheticWeights;

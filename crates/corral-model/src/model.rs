@@ -8,7 +8,8 @@ use corral_backend::{Backend, DType, DispatchStats};
 use crate::batch::RaggedBatch;
 use crate::checkpoint::Checkpoint;
 use crate::families::qwen3::Qwen3Model;
-use crate::kv_cache::PagedKvCache;
+use crate::families::qwen3_next::HybridModel;
+use crate::kv_cache::{PagedKvCache, RecurrentStateCache};
 use crate::layers::Workspace;
 use crate::moe::MoeStrategy;
 use crate::weights::{SyntheticWeights, WeightSource};
@@ -17,6 +18,7 @@ use crate::{Family, ModelConfig, ModelError, Result};
 #[derive(Debug)]
 enum FamilyModel {
     Qwen3(Qwen3Model),
+    Hybrid(HybridModel),
 }
 
 /// A model whose weights live on a backend.
@@ -98,6 +100,9 @@ impl Model {
                 config,
                 progress,
             )?),
+            Family::Qwen3Next | Family::Qwen35Moe | Family::Qwen35 => FamilyModel::Hybrid(
+                HybridModel::load(source, backend.as_ref(), config, progress)?,
+            ),
         };
         Ok(Self {
             inner,
@@ -122,6 +127,7 @@ impl Model {
     pub fn num_sparse_layers(&self) -> usize {
         match &self.inner {
             FamilyModel::Qwen3(m) => m.num_sparse_layers(),
+            FamilyModel::Hybrid(m) => m.num_sparse_layers(),
         }
     }
 
@@ -129,6 +135,7 @@ impl Model {
     pub fn config(&self) -> &ModelConfig {
         match &self.inner {
             FamilyModel::Qwen3(m) => m.config(),
+            FamilyModel::Hybrid(m) => m.config(),
         }
     }
 
@@ -147,12 +154,41 @@ impl Model {
         self.weight_bytes
     }
 
+    /// Whether the model has recurrent (Gated DeltaNet) layers and so needs
+    /// [`Model::forward_with_state`].
+    pub fn is_hybrid(&self) -> bool {
+        matches!(self.inner, FamilyModel::Hybrid(_))
+    }
+
     /// Runs `batch` through the model, reading and extending `cache`, and writes the logits
     /// of the rows [`RaggedBatch::logit_rows`] names, `[rows, vocab]` row-major, to `logits`.
+    /// Hybrid models need [`Model::forward_with_state`].
     pub fn forward(
         &self,
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
+        logits: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        self.run(batch, cache, None, logits)
+    }
+
+    /// [`Model::forward`] for models with recurrent layers: every run of `batch` has a state
+    /// slot in `state`, which the run continues (or starts afresh at position 0).
+    pub fn forward_with_state(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        state: &mut RecurrentStateCache,
+        logits: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        self.run(batch, cache, Some(state), logits)
+    }
+
+    fn run(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        mut state: Option<&mut RecurrentStateCache>,
         logits: &mut Vec<f32>,
     ) -> Result<ForwardReport> {
         let backend = self.backend.as_ref();
@@ -189,6 +225,32 @@ impl Model {
                 run.seq_id.0, cache.num_blocks
             )));
         }
+        let recurrent_runs = match (&self.inner, state.as_deref()) {
+            (FamilyModel::Hybrid(_), None) => {
+                return Err(ModelError::InvalidBatch(
+                    "a hybrid model needs recurrent state: use forward_with_state".to_string(),
+                ));
+            }
+            (FamilyModel::Hybrid(_), Some(state)) => {
+                let runs = batch.recurrent_runs().ok_or_else(|| {
+                    ModelError::InvalidBatch(
+                        "every run of a hybrid model needs a state slot".to_string(),
+                    )
+                })?;
+                if runs
+                    .chunks_exact(4)
+                    .any(|r| r[2] as usize >= state.num_slots)
+                    || state.conv.len() != config.num_linear_layers()
+                {
+                    return Err(ModelError::InvalidBatch(format!(
+                        "state slots beyond the cache's {} or a cache made for another model",
+                        state.num_slots
+                    )));
+                }
+                runs
+            }
+            (FamilyModel::Qwen3(_), _) => Vec::new(),
+        };
         let rows = batch.logit_rows();
         let (tables, width) = batch.padded_block_tables();
         let tokens = batch.num_tokens();
@@ -208,6 +270,9 @@ impl Model {
             backend.upload_u32(&batch.slots(), &mut ws.batch.slots)?;
             backend.upload_u32(&tables, &mut ws.batch.block_tables)?;
             backend.upload_u32(&rows, &mut ws.batch.logit_rows)?;
+            if !recurrent_runs.is_empty() {
+                backend.upload_u32(&recurrent_runs, &mut ws.batch.recurrent_runs)?;
+            }
             match &self.inner {
                 FamilyModel::Qwen3(m) => m.forward(
                     backend,
@@ -217,6 +282,20 @@ impl Model {
                     self.moe_strategy,
                     &mut moe_stats,
                 )?,
+                FamilyModel::Hybrid(m) => {
+                    let state = state.as_deref_mut().ok_or_else(|| {
+                        ModelError::InvalidBatch("a hybrid model needs recurrent state".to_string())
+                    })?;
+                    m.forward(
+                        backend,
+                        batch,
+                        cache,
+                        state,
+                        &mut ws,
+                        self.moe_strategy,
+                        &mut moe_stats,
+                    )?
+                }
             }
             logits.resize(rows.len() * config.vocab_size, 0.0);
             if !rows.is_empty() {

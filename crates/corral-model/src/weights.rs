@@ -21,6 +21,30 @@ pub(crate) trait WeightSource {
         name: &str,
         shape: &[usize],
     ) -> Result<DeviceBuffer>;
+
+    /// `name`'s values on the host, as f32.
+    fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>>;
+
+    /// The type `name` is stored in.
+    fn stored_dtype(&self, name: &str) -> Result<DType>;
+
+    /// Rows `rows` (in that order) of the matrix `name` (first axis rows, the rest columns),
+    /// as a weight in its stored type: for layouts that interleave what Corral keeps apart.
+    fn weight_rows(
+        &self,
+        backend: &dyn Backend,
+        name: &str,
+        shape: &[usize],
+        rows: &[usize],
+    ) -> Result<DeviceBuffer> {
+        let values = self.read_f32(name, shape)?;
+        let cols: usize = shape[1..].iter().product();
+        let mut picked = Vec::with_capacity(rows.len() * cols);
+        for &r in rows {
+            picked.extend_from_slice(&values[r * cols..(r + 1) * cols]);
+        }
+        Ok(backend.weight_from_f32(&picked, self.stored_dtype(name)?)?)
+    }
 }
 
 impl WeightSource for Checkpoint {
@@ -39,6 +63,20 @@ impl WeightSource for Checkpoint {
         shape: &[usize],
     ) -> Result<DeviceBuffer> {
         Checkpoint::weight_f32(self, backend, name, shape)
+    }
+
+    fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        Checkpoint::read_f32(self, name, shape)
+    }
+
+    fn stored_dtype(&self, name: &str) -> Result<DType> {
+        let entry = self.entry(name)?;
+        entry
+            .dtype
+            .ok_or_else(|| crate::ModelError::UnsupportedDType {
+                name: name.to_string(),
+                dtype: entry.dtype_name.clone(),
+            })
     }
 }
 
@@ -113,10 +151,27 @@ impl WeightSource for SyntheticWeights {
     fn weight_f32(
         &self,
         backend: &dyn Backend,
-        _name: &str,
+        name: &str,
         shape: &[usize],
     ) -> Result<DeviceBuffer> {
-        let ones = vec![1.0f32; shape.iter().product()];
-        Ok(backend.weight_from_f32(&ones, DType::F32)?)
+        Ok(backend.weight_from_f32(&self.read_f32(name, shape)?, DType::F32)?)
+    }
+
+    /// Norm weights and dt_bias are 1 and A_log 0 (decay rate 1); matrices normal.
+    fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let n = shape.iter().product();
+        Ok(
+            if name.ends_with("norm.weight") || name.ends_with("dt_bias") {
+                vec![1.0; n]
+            } else if name.ends_with("A_log") {
+                vec![0.0; n]
+            } else {
+                self.normal(name, n)
+            },
+        )
+    }
+
+    fn stored_dtype(&self, _name: &str) -> Result<DType> {
+        Ok(self.dtype)
     }
 }

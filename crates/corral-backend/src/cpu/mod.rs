@@ -10,8 +10,8 @@ use std::sync::Arc;
 use crate::buffer::HostStorage;
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
-    DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile, MoeRouting, MoeSorted,
-    Result, StatsCounter, WeightView,
+    DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
+    MoeRouting, MoeSorted, RecurrentRuns, Result, StatsCounter, WeightView,
 };
 use ops::WeightRows;
 
@@ -208,6 +208,43 @@ fn checked_sorting<'a>(
         ));
     }
     Ok((offsets, order))
+}
+
+/// The runs of a recurrent op, checked against the token count and the state capacity; no
+/// slot may appear twice.
+fn recurrent_runs(
+    op: &'static str,
+    runs: RecurrentRuns<'_>,
+    tokens: usize,
+    slots: usize,
+) -> Result<Vec<ops::delta_net::Run>> {
+    let raw = u32s(op, "runs", runs.runs, runs.num_runs * 4)?;
+    let mut out = Vec::with_capacity(runs.num_runs);
+    for r in raw.chunks_exact(4) {
+        let run = ops::delta_net::Run {
+            start: r[0] as usize,
+            len: r[1] as usize,
+            slot: r[2] as usize,
+            fresh: r[3] != 0,
+        };
+        if run.start + run.len > tokens || run.slot >= slots {
+            return Err(bad(
+                op,
+                format!(
+                    "run at token {} (+{}) in slot {} exceeds the batch or the {slots} slots",
+                    run.start, run.len, run.slot
+                ),
+            ));
+        }
+        if out.iter().any(|o: &ops::delta_net::Run| o.slot == run.slot) {
+            return Err(bad(
+                op,
+                format!("state slot {} is used by two runs", run.slot),
+            ));
+        }
+        out.push(run);
+    }
+    Ok(out)
 }
 
 /// Each expert's weight store and element offset, for the MoE kernels.
@@ -759,6 +796,147 @@ impl Backend for CpuBackend {
         let weights = f32s_mut(op, "expert_weights", expert_weights, tokens * top_k)?;
         self.stats.dispatch(1);
         ops::moe::route(logits, num_experts, top_k, renormalize, ids, weights);
+        Ok(())
+    }
+
+    fn sigmoid_mul(
+        &self,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "sigmoid_mul";
+        let x = f32s(op, "x", x, len)?;
+        let gate = f32s(op, "gate", gate, len)?;
+        let out = f32s_mut(op, "out", out, len)?;
+        self.stats.dispatch(1);
+        ops::elementwise::sigmoid_mul(x, gate, out);
+        Ok(())
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        acc: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let op = "add_sigmoid_gated";
+        let x = f32s(op, "x", x, rows * dim)?;
+        let gate = f32s(op, "gate", gate, rows)?;
+        let acc = f32s_mut(op, "acc", acc, rows * dim)?;
+        self.stats.dispatch(1);
+        ops::elementwise::add_sigmoid_gated(acc, x, gate, dim);
+        Ok(())
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        channels: usize,
+        kernel: usize,
+        runs: RecurrentRuns<'_>,
+        conv_state: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "causal_conv1d";
+        if !(2..=16).contains(&kernel) {
+            return Err(bad(op, format!("kernel size {kernel} is outside 2..=16")));
+        }
+        let tokens = x.len() / channels.max(1);
+        let slots = conv_state.len() / (channels * (kernel - 1)).max(1);
+        let runs = recurrent_runs(op, runs, tokens, slots)?;
+        let x = f32s(op, "x", x, tokens * channels)?;
+        let weight = weight_f32(op, weight, channels * kernel)?;
+        let state = f32s_mut(
+            op,
+            "conv_state",
+            conv_state,
+            slots * channels * (kernel - 1),
+        )?;
+        let out = f32s_mut(op, "out", out, tokens * channels)?;
+        self.stats.dispatch(1);
+        ops::delta_net::causal_conv1d(x, weight, channels, kernel, &runs, state, out);
+        Ok(())
+    }
+
+    fn delta_net_gates(
+        &self,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        a_log: &DeviceBuffer,
+        dt_bias: &DeviceBuffer,
+        tokens: usize,
+        heads: usize,
+        g: &mut DeviceBuffer,
+        beta: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "delta_net_gates";
+        let a = f32s(op, "a", a, tokens * heads)?;
+        let b = f32s(op, "b", b, tokens * heads)?;
+        let a_log = weight_f32(op, a_log, heads)?;
+        let dt_bias = weight_f32(op, dt_bias, heads)?;
+        let g = f32s_mut(op, "g", g, tokens * heads)?;
+        let beta = f32s_mut(op, "beta", beta, tokens * heads)?;
+        self.stats.dispatch(1);
+        ops::delta_net::gates(a, b, a_log, dt_bias, heads, g, beta);
+        Ok(())
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &DeviceBuffer,
+        g: &DeviceBuffer,
+        beta: &DeviceBuffer,
+        shape: DeltaNetShape,
+        runs: RecurrentRuns<'_>,
+        recurrent_state: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "gated_delta_rule";
+        let DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        } = shape;
+        if nk == 0 || nv % nk != 0 {
+            return Err(bad(op, format!("{nv} value heads over {nk} key heads")));
+        }
+        let width = 2 * nk * dk + nv * dv;
+        let tokens = qkv.len() / width.max(1);
+        let slots = recurrent_state.len() / (nv * dk * dv).max(1);
+        let runs = recurrent_runs(op, runs, tokens, slots)?;
+        let qkv = f32s(op, "qkv", qkv, tokens * width)?;
+        let g = f32s(op, "g", g, tokens * nv)?;
+        let beta = f32s(op, "beta", beta, tokens * nv)?;
+        let state = f32s_mut(op, "recurrent_state", recurrent_state, slots * nv * dk * dv)?;
+        let out = f32s_mut(op, "out", out, tokens * nv * dv)?;
+        self.stats.dispatch(1);
+        ops::delta_net::delta_rule(qkv, g, beta, (nk, nv, dk, dv), &runs, state, out);
+        Ok(())
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        z: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "gated_rms_norm";
+        let x = f32s(op, "x", x, rows * dim)?;
+        let z = f32s(op, "z", z, rows * dim)?;
+        let weight = weight_f32(op, weight, dim)?;
+        let out = f32s_mut(op, "out", out, rows * dim)?;
+        self.stats.dispatch(1);
+        ops::delta_net::gated_rms_norm(x, z, weight, dim, eps, out);
         Ok(())
     }
 

@@ -53,6 +53,18 @@ impl Mlp {
         ws: &mut Workspace,
         tokens: usize,
     ) -> Result<()> {
+        self.forward_into(backend, ws, tokens, false)
+    }
+
+    /// `mlp(ws.h)` into `ws.out`, or into `ws.shared_out` when `shared` (the shared expert,
+    /// which runs after the routed experts have filled `ws.out`).
+    pub(crate) fn forward_into(
+        &self,
+        backend: &dyn Backend,
+        ws: &mut Workspace,
+        tokens: usize,
+        shared: bool,
+    ) -> Result<()> {
         let (h, i) = (self.hidden, self.inter);
         backend.matmul(
             &ws.h,
@@ -67,11 +79,16 @@ impl Mlp {
             &mut ws.up,
         )?;
         backend.silu_mul(&ws.gate, &ws.up, tokens * i, &mut ws.act)?;
+        let out = if shared {
+            &mut ws.shared_out
+        } else {
+            &mut ws.out
+        };
         backend.matmul(
             &ws.act,
             tokens,
             WeightView::new(&self.down_proj, h, i)?,
-            &mut ws.out,
+            out,
         )?;
         Ok(())
     }

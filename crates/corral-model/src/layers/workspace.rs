@@ -13,6 +13,29 @@ pub(crate) struct BatchBuffers {
     pub(crate) slots: DeviceBuffer,
     pub(crate) block_tables: DeviceBuffer,
     pub(crate) logit_rows: DeviceBuffer,
+    /// `[runs, 4]` for recurrent layers (hybrids).
+    pub(crate) recurrent_runs: DeviceBuffer,
+}
+
+/// Scratch of Gated DeltaNet layers and gated attention (hybrids; one element otherwise).
+pub(crate) struct HybridScratch {
+    /// `[T, conv channels]`: projection before and after the convolution.
+    pub(crate) qkv: DeviceBuffer,
+    pub(crate) conv: DeviceBuffer,
+    /// `[T, value dim]`: output gate, delta-rule output, gated-norm output.
+    pub(crate) z: DeviceBuffer,
+    pub(crate) core: DeviceBuffer,
+    pub(crate) normed: DeviceBuffer,
+    /// `[T, value heads]`.
+    pub(crate) a: DeviceBuffer,
+    pub(crate) b: DeviceBuffer,
+    pub(crate) g: DeviceBuffer,
+    pub(crate) beta: DeviceBuffer,
+    /// `[T, heads · head_dim]`: the attention output gate and the gated output.
+    pub(crate) attn_gate: DeviceBuffer,
+    pub(crate) attn_gated: DeviceBuffer,
+    /// `[T]`: the shared expert's gate logit.
+    pub(crate) shared_gate: DeviceBuffer,
 }
 
 /// Scratch of the grouped MoE strategy, in sorted-pair order.
@@ -52,6 +75,9 @@ pub(crate) struct Workspace {
     pub(crate) expert_ids: DeviceBuffer,
     pub(crate) expert_weights: DeviceBuffer,
     pub(crate) moe: MoeScratch,
+    pub(crate) hybrid: HybridScratch,
+    /// `[T, H]`: the shared expert's output.
+    pub(crate) shared_out: DeviceBuffer,
     /// Final-norm input rows whose logits are wanted `[R, H]`, and their norm.
     pub(crate) rows: DeviceBuffer,
     pub(crate) rows_normed: DeviceBuffer,
@@ -75,7 +101,21 @@ impl Workspace {
         let h = config.hidden_size;
         let q_dim = config.num_heads * config.head_dim;
         let kv_dim = config.kv_dim();
-        let inter = config.intermediate_size.max(1);
+        let shared_inter = config
+            .hybrid
+            .as_ref()
+            .and_then(|h| h.shared_expert_intermediate_size)
+            .unwrap_or(0);
+        let inter = config.intermediate_size.max(shared_inter).max(1);
+        let (channels, value_dim, value_heads) = config.hybrid.as_ref().map_or((1, 1, 1), |h| {
+            (
+                h.linear.conv_channels(),
+                h.linear.value_dim(),
+                h.linear.num_value_heads,
+            )
+        });
+        let hybrid = config.hybrid.is_some();
+        let t = |n: usize| if hybrid { tokens * n } else { 1 };
         let (experts, top_k, moe_inter) = config.moe.as_ref().map_or((1, 1, 1), |m| {
             (m.num_experts, m.top_k, m.moe_intermediate_size)
         });
@@ -90,7 +130,23 @@ impl Workspace {
                 slots: u32_buf(tokens)?,
                 block_tables: u32_buf(runs * table_width)?,
                 logit_rows: u32_buf(logit_rows)?,
+                recurrent_runs: u32_buf(runs * 4)?,
             },
+            hybrid: HybridScratch {
+                qkv: f32_buf(t(channels))?,
+                conv: f32_buf(t(channels))?,
+                z: f32_buf(t(value_dim))?,
+                core: f32_buf(t(value_dim))?,
+                normed: f32_buf(t(value_dim))?,
+                a: f32_buf(t(value_heads))?,
+                b: f32_buf(t(value_heads))?,
+                g: f32_buf(t(value_heads))?,
+                beta: f32_buf(t(value_heads))?,
+                attn_gate: f32_buf(t(q_dim))?,
+                attn_gated: f32_buf(t(q_dim))?,
+                shared_gate: f32_buf(t(1))?,
+            },
+            shared_out: f32_buf(if shared_inter > 0 { tokens * h } else { 1 })?,
             x: f32_buf(tokens * h)?,
             h: f32_buf(tokens * h)?,
             out: f32_buf(tokens * h)?,
@@ -129,6 +185,20 @@ impl Workspace {
             b.slots,
             b.block_tables,
             b.logit_rows,
+            b.recurrent_runs,
+            self.hybrid.qkv,
+            self.hybrid.conv,
+            self.hybrid.z,
+            self.hybrid.core,
+            self.hybrid.normed,
+            self.hybrid.a,
+            self.hybrid.b,
+            self.hybrid.g,
+            self.hybrid.beta,
+            self.hybrid.attn_gate,
+            self.hybrid.attn_gated,
+            self.hybrid.shared_gate,
+            self.shared_out,
             self.x,
             self.h,
             self.out,

@@ -44,3 +44,22 @@ pub(crate) fn embedding(
         .zip(ids.par_iter())
         .for_each(|(o, &id)| table.to_f32(offset + id as usize * dim, o));
 }
+
+pub(crate) fn sigmoid_mul(x: &[f32], gate: &[f32], out: &mut [f32]) {
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK).zip(gate.par_chunks(CHUNK)))
+        .for_each(|(o, (x, g))| {
+            for ((o, x), g) in o.iter_mut().zip(x).zip(g) {
+                *o = x / (1.0 + (-g).exp());
+            }
+        });
+}
+
+pub(crate) fn add_sigmoid_gated(acc: &mut [f32], x: &[f32], gate: &[f32], dim: usize) {
+    acc.par_chunks_mut(dim).enumerate().for_each(|(t, a)| {
+        let s = 1.0 / (1.0 + (-gate[t]).exp());
+        for (a, x) in a.iter_mut().zip(&x[t * dim..(t + 1) * dim]) {
+            *a += s * x;
+        }
+    });
+}

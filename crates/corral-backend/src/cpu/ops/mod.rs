@@ -2,6 +2,7 @@
 //! checked against the op's shape, and runs as one rayon parallel region.
 
 pub(crate) mod attention;
+pub(crate) mod delta_net;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod moe;

@@ -1,0 +1,623 @@
+//! The hybrid families: Qwen3-Next (`qwen3_next`), Qwen3.5/3.6 MoE (`qwen3_5_moe`) and dense
+//! (`qwen3_5`). Decoder layers alternate Gated DeltaNet (linear attention with a recurrent
+//! state) and gated full attention (output gate, partial RoPE); the feed-forward half is MoE
+//! with a shared expert, or a dense MLP. Layer, final and q/k norms are zero-centred
+//! `(1 + w)`; the DeltaNet output norm is gated with a plain weight.
+//!
+//! Layouts: Qwen3.5 Hub checkpoints keep the language model under `model.language_model.`
+//! (vision tower and MTP tensors are never read); text-only ones under `model.`. Qwen3-Next's
+//! fused, key-head-grouped projections (`in_proj_qkvz`, `in_proj_ba`) are permuted at load
+//! into the Qwen3.5 layout, and the per-head interleaved query/gate rows of `q_proj` are split,
+//! so one set of kernels serves all three.
+
+use corral_backend::{
+    AttentionMeta, AttentionShape, Backend, DeltaNetShape, DeviceBuffer, DispatchStats,
+    RecurrentRuns, WeightView,
+};
+
+use crate::batch::RaggedBatch;
+use crate::kv_cache::{PagedKvCache, RecurrentStateCache};
+use crate::layers::Workspace;
+use crate::layers::mlp::Mlp;
+use crate::moe::{MoeStrategy, SparseMoe};
+use crate::weights::WeightSource;
+use crate::{HybridConfig, LayerKind, ModelConfig, ModelError, Result};
+
+/// Gated full attention.
+#[derive(Debug)]
+struct GatedAttention {
+    q_proj: DeviceBuffer,
+    gate_proj: DeviceBuffer,
+    k_proj: DeviceBuffer,
+    v_proj: DeviceBuffer,
+    o_proj: DeviceBuffer,
+    q_norm: DeviceBuffer,
+    k_norm: DeviceBuffer,
+}
+
+/// Gated DeltaNet, in the Qwen3.5 projection layout.
+#[derive(Debug)]
+struct GatedDeltaNet {
+    in_proj_qkv: DeviceBuffer,
+    in_proj_z: DeviceBuffer,
+    in_proj_b: DeviceBuffer,
+    in_proj_a: DeviceBuffer,
+    /// `[channels, kernel]`, f32.
+    conv1d: DeviceBuffer,
+    a_log: DeviceBuffer,
+    dt_bias: DeviceBuffer,
+    norm: DeviceBuffer,
+    out_proj: DeviceBuffer,
+}
+
+#[derive(Debug)]
+enum Mixer {
+    /// With the layer's index among linear layers.
+    Linear(GatedDeltaNet, usize),
+    /// With the layer's index among attention layers.
+    Full(GatedAttention, usize),
+}
+
+#[derive(Debug)]
+enum FeedForward {
+    Dense(Mlp),
+    Sparse {
+        moe: Box<SparseMoe>,
+        /// The shared expert and its `[1, H]` gate.
+        shared: Option<(Mlp, DeviceBuffer)>,
+    },
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_layernorm: DeviceBuffer,
+    mixer: Mixer,
+    post_attention_layernorm: DeviceBuffer,
+    ffn: FeedForward,
+}
+
+/// A loaded hybrid model.
+#[derive(Debug)]
+pub(crate) struct HybridModel {
+    config: ModelConfig,
+    embed_tokens: DeviceBuffer,
+    layers: Vec<Layer>,
+    norm: DeviceBuffer,
+    lm_head: Option<DeviceBuffer>,
+}
+
+/// `base + 0..len` for each of `groups` groups of `stride`, offset by `at`.
+fn grouped_rows(groups: usize, stride: usize, at: usize, len: usize) -> Vec<usize> {
+    (0..groups)
+        .flat_map(|g| (0..len).map(move |i| g * stride + at + i))
+        .collect()
+}
+
+impl GatedAttention {
+    fn load(
+        src: &dyn WeightSource,
+        backend: &dyn Backend,
+        cfg: &ModelConfig,
+        p: &str,
+    ) -> Result<Self> {
+        let (h, hd, nh) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads);
+        let kv = cfg.kv_dim();
+        let q_name = format!("{p}self_attn.q_proj.weight");
+        let q_shape = [nh * 2 * hd, h];
+        Ok(Self {
+            q_proj: src.weight_rows(
+                backend,
+                &q_name,
+                &q_shape,
+                &grouped_rows(nh, 2 * hd, 0, hd),
+            )?,
+            gate_proj: src.weight_rows(
+                backend,
+                &q_name,
+                &q_shape,
+                &grouped_rows(nh, 2 * hd, hd, hd),
+            )?,
+            k_proj: src.weight(backend, &format!("{p}self_attn.k_proj.weight"), &[kv, h])?,
+            v_proj: src.weight(backend, &format!("{p}self_attn.v_proj.weight"), &[kv, h])?,
+            o_proj: src.weight(
+                backend,
+                &format!("{p}self_attn.o_proj.weight"),
+                &[h, nh * hd],
+            )?,
+            q_norm: src.weight_f32(backend, &format!("{p}self_attn.q_norm.weight"), &[hd])?,
+            k_norm: src.weight_f32(backend, &format!("{p}self_attn.k_norm.weight"), &[hd])?,
+        })
+    }
+
+    fn forward(
+        &self,
+        backend: &dyn Backend,
+        cfg: &ModelConfig,
+        ws: &mut Workspace,
+        tokens: usize,
+        kv: &mut crate::LayerKv,
+        block_size: usize,
+    ) -> Result<()> {
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+        );
+        let (eps, rot) = (cfg.rms_norm_eps, cfg.rotary_dim());
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.q_proj, nh * hd, h)?,
+            &mut ws.q,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.gate_proj, nh * hd, h)?,
+            &mut ws.hybrid.attn_gate,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.k_proj, nkv * hd, h)?,
+            &mut ws.k,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.v_proj, nkv * hd, h)?,
+            &mut ws.v,
+        )?;
+        backend.rms_norm(
+            &ws.q,
+            &self.q_norm,
+            tokens * nh,
+            hd,
+            eps,
+            true,
+            &mut ws.q_normed,
+        )?;
+        backend.rms_norm(
+            &ws.k,
+            &self.k_norm,
+            tokens * nkv,
+            hd,
+            eps,
+            true,
+            &mut ws.k_normed,
+        )?;
+        let b = &ws.batch;
+        backend.rope(
+            &mut ws.q_normed,
+            &b.positions,
+            tokens,
+            nh,
+            hd,
+            rot,
+            cfg.rope_theta,
+        )?;
+        backend.rope(
+            &mut ws.k_normed,
+            &b.positions,
+            tokens,
+            nkv,
+            hd,
+            rot,
+            cfg.rope_theta,
+        )?;
+        backend.kv_store(
+            &ws.k_normed,
+            &ws.v,
+            &b.slots,
+            tokens,
+            nkv * hd,
+            &mut kv.k,
+            &mut kv.v,
+        )?;
+        let meta = AttentionMeta {
+            positions: &b.positions,
+            token_runs: &b.token_runs,
+            block_tables: &b.block_tables,
+            slots: &b.slots,
+            max_blocks_per_run: ws.table_width,
+            block_size,
+            tokens,
+        };
+        let shape = AttentionShape {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        backend.paged_attention(&ws.q_normed, &kv.k, &kv.v, &meta, shape, &mut ws.attn)?;
+        backend.sigmoid_mul(
+            &ws.attn,
+            &ws.hybrid.attn_gate,
+            tokens * nh * hd,
+            &mut ws.hybrid.attn_gated,
+        )?;
+        backend.matmul(
+            &ws.hybrid.attn_gated,
+            tokens,
+            WeightView::new(&self.o_proj, h, nh * hd)?,
+            &mut ws.out,
+        )?;
+        Ok(())
+    }
+}
+
+impl GatedDeltaNet {
+    fn load(
+        src: &dyn WeightSource,
+        backend: &dyn Backend,
+        cfg: &ModelConfig,
+        hy: &HybridConfig,
+        p: &str,
+    ) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let l = hy.linear;
+        let (nk, nv, dk, dv) = (
+            l.num_key_heads,
+            l.num_value_heads,
+            l.key_head_dim,
+            l.value_head_dim,
+        );
+        let (c, k) = (l.conv_channels(), l.conv_kernel);
+        let p = format!("{p}linear_attn.");
+        let (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) =
+            if src.contains(&format!("{p}in_proj_qkvz.weight")) {
+                // Qwen3-Next: per key head g, [q_g | k_g | v_g | z_g] and [b_g | a_g].
+                let r = nv / nk;
+                let width = 2 * dk + 2 * r * dv;
+                let qkvz = format!("{p}in_proj_qkvz.weight");
+                let qkvz_shape = [nk * width, h];
+                let mut qkv_rows = grouped_rows(nk, width, 0, dk);
+                qkv_rows.extend(grouped_rows(nk, width, dk, dk));
+                qkv_rows.extend(grouped_rows(nk, width, 2 * dk, r * dv));
+                let z_rows = grouped_rows(nk, width, 2 * dk + r * dv, r * dv);
+                let ba = format!("{p}in_proj_ba.weight");
+                let ba_shape = [2 * nv, h];
+                (
+                    src.weight_rows(backend, &qkvz, &qkvz_shape, &qkv_rows)?,
+                    src.weight_rows(backend, &qkvz, &qkvz_shape, &z_rows)?,
+                    src.weight_rows(backend, &ba, &ba_shape, &grouped_rows(nk, 2 * r, 0, r))?,
+                    src.weight_rows(backend, &ba, &ba_shape, &grouped_rows(nk, 2 * r, r, r))?,
+                )
+            } else {
+                (
+                    src.weight(backend, &format!("{p}in_proj_qkv.weight"), &[c, h])?,
+                    src.weight(backend, &format!("{p}in_proj_z.weight"), &[nv * dv, h])?,
+                    src.weight(backend, &format!("{p}in_proj_b.weight"), &[nv, h])?,
+                    src.weight(backend, &format!("{p}in_proj_a.weight"), &[nv, h])?,
+                )
+            };
+        Ok(Self {
+            in_proj_qkv,
+            in_proj_z,
+            in_proj_b,
+            in_proj_a,
+            conv1d: src.weight_f32(backend, &format!("{p}conv1d.weight"), &[c, 1, k])?,
+            a_log: src.weight_f32(backend, &format!("{p}A_log"), &[nv])?,
+            dt_bias: src.weight_f32(backend, &format!("{p}dt_bias"), &[nv])?,
+            norm: src.weight_f32(backend, &format!("{p}norm.weight"), &[dv])?,
+            out_proj: src.weight(backend, &format!("{p}out_proj.weight"), &[h, nv * dv])?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        backend: &dyn Backend,
+        cfg: &ModelConfig,
+        hy: &HybridConfig,
+        ws: &mut Workspace,
+        tokens: usize,
+        num_runs: usize,
+        state: &mut RecurrentStateCache,
+        index: usize,
+    ) -> Result<()> {
+        let h = cfg.hidden_size;
+        let l = hy.linear;
+        let (nv, dv) = (l.num_value_heads, l.value_head_dim);
+        let c = l.conv_channels();
+        let s = &mut ws.hybrid;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.in_proj_qkv, c, h)?,
+            &mut s.qkv,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.in_proj_z, nv * dv, h)?,
+            &mut s.z,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.in_proj_b, nv, h)?,
+            &mut s.b,
+        )?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.in_proj_a, nv, h)?,
+            &mut s.a,
+        )?;
+        let runs = RecurrentRuns {
+            runs: &ws.batch.recurrent_runs,
+            num_runs,
+        };
+        let (conv_state, recurrent_state) =
+            match (state.conv.get_mut(index), state.recurrent.get_mut(index)) {
+                (Some(c), Some(r)) => (c, r),
+                _ => {
+                    return Err(ModelError::InvalidBatch(
+                        "the recurrent state cache has too few layers".to_string(),
+                    ));
+                }
+            };
+        backend.causal_conv1d(
+            &s.qkv,
+            &self.conv1d,
+            c,
+            l.conv_kernel,
+            runs,
+            conv_state,
+            &mut s.conv,
+        )?;
+        backend.delta_net_gates(
+            &s.a,
+            &s.b,
+            &self.a_log,
+            &self.dt_bias,
+            tokens,
+            nv,
+            &mut s.g,
+            &mut s.beta,
+        )?;
+        let shape = DeltaNetShape {
+            num_key_heads: l.num_key_heads,
+            num_value_heads: nv,
+            key_dim: l.key_head_dim,
+            value_dim: dv,
+        };
+        backend.gated_delta_rule(
+            &s.conv,
+            &s.g,
+            &s.beta,
+            shape,
+            runs,
+            recurrent_state,
+            &mut s.core,
+        )?;
+        backend.gated_rms_norm(
+            &s.core,
+            &s.z,
+            &self.norm,
+            tokens * nv,
+            dv,
+            cfg.rms_norm_eps,
+            &mut s.normed,
+        )?;
+        backend.matmul(
+            &s.normed,
+            tokens,
+            WeightView::new(&self.out_proj, h, nv * dv)?,
+            &mut ws.out,
+        )?;
+        Ok(())
+    }
+}
+
+impl HybridModel {
+    /// Binds every tensor the language model needs, checking names and shapes.
+    pub(crate) fn load(
+        src: &dyn WeightSource,
+        backend: &dyn Backend,
+        config: ModelConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let hy = config.hybrid.clone().ok_or_else(|| {
+            ModelError::Unsupported("a hybrid family without hybrid settings".to_string())
+        })?;
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let prefix = if src.contains("model.language_model.embed_tokens.weight") {
+            "model.language_model."
+        } else {
+            "model."
+        };
+        let embed_tokens = src.weight(backend, &format!("{prefix}embed_tokens.weight"), &[v, h])?;
+        let (mut linear_index, mut full_index) = (0, 0);
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for (i, kind) in hy.layer_types.iter().enumerate() {
+            progress(i, config.num_layers);
+            let p = format!("{prefix}layers.{i}.");
+            let mixer = match kind {
+                LayerKind::Linear => {
+                    linear_index += 1;
+                    Mixer::Linear(
+                        GatedDeltaNet::load(src, backend, &config, &hy, &p)?,
+                        linear_index - 1,
+                    )
+                }
+                LayerKind::Full => {
+                    full_index += 1;
+                    Mixer::Full(
+                        GatedAttention::load(src, backend, &config, &p)?,
+                        full_index - 1,
+                    )
+                }
+            };
+            let ffn = match &config.moe {
+                Some(moe) if config.is_sparse_layer(i) => {
+                    let shared = match hy.shared_expert_intermediate_size {
+                        Some(si) if si > 0 => Some((
+                            Mlp::load(src, backend, &format!("{p}mlp.shared_expert."), h, si)?,
+                            src.weight(
+                                backend,
+                                &format!("{p}mlp.shared_expert_gate.weight"),
+                                &[1, h],
+                            )?,
+                        )),
+                        _ => None,
+                    };
+                    FeedForward::Sparse {
+                        moe: Box::new(SparseMoe::load(src, backend, &format!("{p}mlp."), h, moe)?),
+                        shared,
+                    }
+                }
+                _ => FeedForward::Dense(Mlp::load(
+                    src,
+                    backend,
+                    &format!("{p}mlp."),
+                    h,
+                    config.intermediate_size,
+                )?),
+            };
+            layers.push(Layer {
+                input_layernorm: src.weight_f32(
+                    backend,
+                    &format!("{p}input_layernorm.weight"),
+                    &[h],
+                )?,
+                mixer,
+                post_attention_layernorm: src.weight_f32(
+                    backend,
+                    &format!("{p}post_attention_layernorm.weight"),
+                    &[h],
+                )?,
+                ffn,
+            });
+        }
+        progress(config.num_layers, config.num_layers);
+        let norm = src.weight_f32(backend, &format!("{prefix}norm.weight"), &[h])?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(src.weight(backend, "lm_head.weight", &[v, h])?)
+        };
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    pub(crate) fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// MoE layers.
+    pub(crate) fn num_sparse_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| matches!(l.ffn, FeedForward::Sparse { .. }))
+            .count()
+    }
+
+    /// Runs the layers over `batch`, writing `[logit rows, vocab]` into `ws.logits`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(
+        &self,
+        backend: &dyn Backend,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        state: &mut RecurrentStateCache,
+        ws: &mut Workspace,
+        strategy: MoeStrategy,
+        moe_stats: &mut DispatchStats,
+    ) -> Result<()> {
+        let cfg = &self.config;
+        let hy = cfg.hybrid.as_ref().ok_or_else(|| {
+            ModelError::Unsupported("a hybrid family without hybrid settings".to_string())
+        })?;
+        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let tokens = batch.num_tokens();
+        let num_runs = batch.runs().len();
+        backend.embedding(
+            WeightView::new(&self.embed_tokens, v, h)?,
+            &ws.batch.ids,
+            tokens,
+            &mut ws.x,
+        )?;
+        for layer in &self.layers {
+            backend.rms_norm(
+                &ws.x,
+                &layer.input_layernorm,
+                tokens,
+                h,
+                eps,
+                true,
+                &mut ws.h,
+            )?;
+            match &layer.mixer {
+                Mixer::Linear(net, i) => {
+                    net.forward(backend, cfg, hy, ws, tokens, num_runs, state, *i)?
+                }
+                Mixer::Full(attn, i) => {
+                    let kv = cache.layers.get_mut(*i).ok_or_else(|| {
+                        ModelError::InvalidBatch("the KV cache has too few layers".to_string())
+                    })?;
+                    attn.forward(backend, cfg, ws, tokens, kv, cache.block_size)?;
+                }
+            }
+            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
+            backend.rms_norm(
+                &ws.x,
+                &layer.post_attention_layernorm,
+                tokens,
+                h,
+                eps,
+                true,
+                &mut ws.h,
+            )?;
+            match &layer.ffn {
+                FeedForward::Dense(mlp) => mlp.forward(backend, ws, tokens)?,
+                FeedForward::Sparse { moe, shared } => {
+                    let before = backend.stats();
+                    moe.forward(backend, ws, tokens, strategy)?;
+                    if let Some((mlp, gate)) = shared {
+                        mlp.forward_into(backend, ws, tokens, true)?;
+                        backend.matmul(
+                            &ws.h,
+                            tokens,
+                            WeightView::new(gate, 1, h)?,
+                            &mut ws.hybrid.shared_gate,
+                        )?;
+                        backend.add_sigmoid_gated(
+                            &mut ws.out,
+                            &ws.shared_out,
+                            &ws.hybrid.shared_gate,
+                            tokens,
+                            h,
+                        )?;
+                    }
+                    *moe_stats = *moe_stats + (backend.stats() - before);
+                }
+            }
+            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
+        }
+        let rows = ws.num_logit_rows;
+        if rows == 0 {
+            return Ok(());
+        }
+        backend.gather_rows(&ws.x, &ws.batch.logit_rows, rows, h, &mut ws.rows)?;
+        backend.rms_norm(
+            &ws.rows,
+            &self.norm,
+            rows,
+            h,
+            eps,
+            true,
+            &mut ws.rows_normed,
+        )?;
+        let head = WeightView::new(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), v, h)?;
+        backend.matmul(&ws.rows_normed, rows, head, &mut ws.logits)?;
+        Ok(())
+    }
+}
