@@ -11,15 +11,30 @@ i.e. the repository root):
   tests/fixtures/qwen3_moe_sharded/     qwen3_moe, per-expert tensors, f16, several
                                         shards + index, config.json in Hub spelling
   tests/fixtures/qwen3_dense/           qwen3 (dense), bf16, untied
+  tests/fixtures/qwen3_5_moe_hub/       qwen3_5_moe laid out like the Hub release: multimodal
+                                        (tiny vision tower), model.language_model.* keys,
+                                        fused experts, bf16, untied
+  tests/fixtures/qwen3_5_moe_text/      qwen3_5_moe_text (text-only), per-expert tensors, f32,
+                                        untied, dk == dv
+  tests/fixtures/qwen3_5_dense/         qwen3_5_text (dense hybrid), bf16, tied
+  tests/fixtures/qwen3_next/            qwen3_next, per-expert tensors, f16, untied,
+                                        nv/nk = 3, dk != dv, norm_topk_prob=True
   models/tiny-qwen3-moe/                random qwen3_moe (fused, bf16) with a real
                                         byte-level BPE tokenizer and a ChatML template
 
-Each fixture directory is a checkpoint written by transformers' save_pretrained plus
-reference.safetensors, holding:
+The four hybrid (Gated DeltaNet) fixtures have 4 layers: 3 linear_attention + 1
+full_attention (layers 0-2 and 3), partial RoPE (head_dim 32, rotary dim 8), conv kernel 4,
+and an MoE with a shared expert (except qwen3_5_dense).
 
-  token_ids            I64 [40]         seeded random ids in [0, vocab_size)
-  logits               F32 [40, vocab]  one forward pass over token_ids
-  greedy_prompt        I64 [8]          token_ids[:8]
+Each fixture directory is a checkpoint written by transformers' save_pretrained plus
+reference.safetensors, holding (T, P = 40, 8 for the Qwen3 fixtures; 80, 3 for the hybrids:
+80 crosses the 64-token chunk of the chunked delta-rule kernel, 3 is shorter than the conv
+kernel):
+
+  token_ids            I64 [T]          seeded random ids in [0, vocab_size) (the hub
+                                        fixture: below its first vision special token)
+  logits               F32 [T, vocab]   one forward pass over token_ids
+  greedy_prompt        I64 [P]          token_ids[:P]
   greedy_continuation  I64 [16]         the 16 greedy tokens generated after the prompt
 
 The reference model is always reloaded from the saved directory in float32 with eager
@@ -27,6 +42,10 @@ attention and eager experts, so reference logits reflect the stored (possibly bf
 weights. Every parameter, norm weights included, is perturbed after init. The script
 asserts that the references are robust to rounding noise: every greedy step wins by a
 clear margin (top-1 minus top-2 logit), and no MoE routing decision is a near-tie.
+For the hybrids it also asserts that the pure-PyTorch Gated DeltaNet kernels ran, that an
+incremental run (prefill of 70 tokens, then 10 single-token steps through the conv and
+recurrent state) reproduces the one-shot logits, and, for the multimodal checkpoint, that
+the text-only class (the reference) and the multimodal class give identical logits.
 The demo model gets no reference; the script checks its tokenizer and chat template.
 
 Usage, from the repository root, in a virtualenv with the pinned requirements (do NOT
@@ -46,10 +65,12 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import re
 import shutil
+import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,8 +80,13 @@ from safetensors.torch import save_file
 from tokenizers import (
     AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+)
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
 EXPECTED_TRANSFORMERS = "5.24.0"
 
@@ -75,6 +101,38 @@ MIN_ROUTER_GAP = 1e-4  # k-th minus (k+1)-th router probability, fp32, every tok
 # Shared by all models: realistic RoPE base, no biases, eps as in Qwen3.
 COMMON_CONFIG = dict(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096)
 
+# Hybrid (Gated DeltaNet) fixtures.
+HYBRID_SEQ_LEN = 80  # crosses the 64-token chunk of the chunked gated-delta-rule prefill
+HYBRID_PROMPT_LEN = 3  # shorter than the conv kernel: the conv state starts zero-padded
+INCREMENTAL_PREFILL = 70  # incremental check: prefill this many tokens, decode the rest one by one
+MAX_INCREMENTAL_REL_DIFF = 1e-5  # max |incremental - one-shot| / max |one-shot|, fp32
+A_INIT_RANGE = (0.01, 16.0)  # decay rates A = exp(A_log), spread log-evenly per layer (see build_model)
+# RoPE parameters are passed explicitly per family (theta, partial factor, MRoPE for Qwen3.5).
+HYBRID_COMMON_CONFIG = dict(rms_norm_eps=1e-6, max_position_embeddings=4096)
+# One shape for the hybrid layers: 4 layers = 3 linear_attention + 1 full_attention,
+# head_dim 32 with partial_rotary_factor 0.25 (rotary dim 8), conv kernel 4.
+HYBRID_LAYERS = dict(
+    num_hidden_layers=4, full_attention_interval=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=24,
+    initializer_range=0.15,
+)
+HYBRID_MOE = dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+)
+# Qwen3.5 text RoPE as on the Hub, scaled down: mrope_section sums to rotary_dim / 2 = 4.
+# Text-only input makes the three MRoPE streams equal, i.e. plain 1-D RoPE.
+QWEN3_5_ROPE = dict(rope_parameters=dict(
+    rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+    mrope_section=[2, 1, 1], mrope_interleaved=True,
+))
+# The tiny vision tower of the multimodal checkpoint (not used by the text reference).
+TINY_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+)
+
 
 @dataclass
 class FixtureSpec:
@@ -86,6 +144,13 @@ class FixtureSpec:
     fused_experts: bool = False  # save_original_format=False -> fused 3-D expert tensors
     max_shard_size: str | None = None
     hub_spelling: bool = False  # rewrite config.json the way official Qwen checkpoints spell it
+    seq_len: int = SEQ_LEN
+    prompt_len: int = PROMPT_LEN
+    common_config: dict = field(default_factory=lambda: COMMON_CONFIG)
+    # Multimodal (ImageTextToText) checkpoint: `config` becomes text_config, and these are
+    # the other top-level config fields (vision_config, image/video token ids, ...).
+    multimodal: dict | None = None
+    hybrid: bool = False  # Gated DeltaNet model: kernel-path and incremental-decode checks
 
 
 FIXTURES = [
@@ -150,6 +215,75 @@ FIXTURES = [
         seed=0,
         save_dtype=torch.bfloat16,
     ),
+    FixtureSpec(
+        name="qwen3_5_moe_hub",
+        config_class=Qwen3_5MoeConfig,
+        config=dict(
+            # hidden 96 != 2 * moe_intermediate: no fused expert tensor is square.
+            vocab_size=320, hidden_size=96, **HYBRID_LAYERS, **HYBRID_MOE, **QWEN3_5_ROPE,
+            tie_word_embeddings=False, bos_token_id=318, eos_token_id=319,
+        ),
+        multimodal=dict(
+            vision_config=dict(TINY_VISION, out_hidden_size=96),
+            # Special tokens inside the vocabulary, in the Hub's order (vision start/end,
+            # image, video); token_ids stay below them.
+            vision_start_token_id=312, vision_end_token_id=313, image_token_id=315, video_token_id=316,
+            tie_word_embeddings=False,
+        ),
+        seed=38,
+        save_dtype=torch.bfloat16,
+        fused_experts=True,
+        seq_len=HYBRID_SEQ_LEN,
+        prompt_len=HYBRID_PROMPT_LEN,
+        common_config=HYBRID_COMMON_CONFIG,
+        hybrid=True,
+    ),
+    FixtureSpec(
+        name="qwen3_5_moe_text",
+        config_class=Qwen3_5MoeTextConfig,
+        config=dict(
+            vocab_size=256, hidden_size=64, **dict(HYBRID_LAYERS, linear_value_head_dim=16),
+            **HYBRID_MOE, **QWEN3_5_ROPE,
+            tie_word_embeddings=False, bos_token_id=254, eos_token_id=255,
+        ),
+        seed=18,
+        save_dtype=torch.float32,
+        seq_len=HYBRID_SEQ_LEN,
+        prompt_len=HYBRID_PROMPT_LEN,
+        common_config=HYBRID_COMMON_CONFIG,
+        hybrid=True,
+    ),
+    FixtureSpec(
+        name="qwen3_5_dense",
+        config_class=Qwen3_5TextConfig,
+        config=dict(
+            vocab_size=384, hidden_size=96, **HYBRID_LAYERS, intermediate_size=128, **QWEN3_5_ROPE,
+            tie_word_embeddings=True, bos_token_id=382, eos_token_id=383,
+        ),
+        seed=1,
+        save_dtype=torch.bfloat16,
+        seq_len=HYBRID_SEQ_LEN,
+        prompt_len=HYBRID_PROMPT_LEN,
+        common_config=HYBRID_COMMON_CONFIG,
+        hybrid=True,
+    ),
+    FixtureSpec(
+        name="qwen3_next",
+        config_class=Qwen3NextConfig,
+        config=dict(
+            vocab_size=320, hidden_size=64, **dict(HYBRID_LAYERS, linear_num_value_heads=6),
+            **HYBRID_MOE, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            intermediate_size=96,  # dense-fallback size, unused: every layer is MoE
+            rope_parameters=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.25),
+            tie_word_embeddings=False, bos_token_id=318, eos_token_id=319,
+        ),
+        seed=28,
+        save_dtype=torch.float16,
+        seq_len=HYBRID_SEQ_LEN,
+        prompt_len=HYBRID_PROMPT_LEN,
+        common_config=HYBRID_COMMON_CONFIG,
+        hybrid=True,
+    ),
 ]
 
 
@@ -158,28 +292,57 @@ FIXTURES = [
 # --------------------------------------------------------------------------------------
 
 
-def build_model(config_class: type, config: dict, seed: int) -> torch.nn.Module:
-    """Random model from a config, with every parameter perturbed (norm weights too)."""
-    cfg = config_class(**COMMON_CONFIG, **config)
+def build_model(config_class: type, config: dict, seed: int, common_config: dict = COMMON_CONFIG,
+                multimodal: dict | None = None) -> torch.nn.Module:
+    """Random model from a config, with every parameter perturbed (norm weights too).
+
+    Hybrids: Kind-B (1+w) norms start at 0 and get NORM_NOISE, so a missing `1+` shows;
+    A_log, dt_bias and the gated norm are 1-D and get NORM_NOISE too; conv1d weights,
+    like every other matrix, get MATRIX_NOISE. Before the noise, each layer's decay rates
+    A = exp(A_log) are spread log-evenly over transformers' init range [0.01, 16] instead of
+    drawn uniformly (which makes nearly all heads forget within a few tokens), so some heads
+    carry state across the 64-token chunk boundary and through the decode steps.
+    """
+    if multimodal is None:
+        cfg = config_class(**common_config, **config)
+        auto_class = AutoModelForCausalLM
+    else:
+        cfg = config_class(text_config={**common_config, **config}, **multimodal)
+        auto_class = AutoModelForImageTextToText
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = auto_class.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "A_log", None), torch.nn.Parameter):  # Gated DeltaNet layer
+                module.A_log.copy_(torch.linspace(math.log(A_INIT_RANGE[0]), math.log(A_INIT_RANGE[1]),
+                                                  module.A_log.numel()))
         for param in model.parameters():  # tied parameters are yielded once
             noise = NORM_NOISE if param.ndim == 1 else MATRIX_NOISE
             param.add_(torch.randn_like(param) * noise)
     return model.eval()
 
 
-def load_reference_model(path: Path) -> torch.nn.Module:
+# model_type of config.json -> the model has experts (whose implementation must be pinned).
+MOE_MODEL_TYPES = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
+ROUTER_CLASSES = (Qwen3MoeTopKRouter, Qwen3NextTopKRouter, Qwen3_5MoeTopKRouter)
+
+
+def load_reference_model(path: Path, auto_class: type = AutoModelForCausalLM) -> torch.nn.Module:
+    """fp32, eager attention and experts. AutoModelForCausalLM on a multimodal checkpoint
+    gives the text-only class (model.language_model.* -> model.*, model.visual.* ignored)."""
     kwargs = dict(dtype=torch.float32, attn_implementation="eager")
     config = json.loads((path / "config.json").read_text())
-    if config["model_type"] == "qwen3_moe":
+    if config["model_type"] in MOE_MODEL_TYPES:
         kwargs["experts_implementation"] = "eager"
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    for key in ("missing_keys", "mismatched_keys", "error_msgs"):
+        assert not info[key], f"loading {path}: {key} {sorted(info[key])}"
+    return model.eval()
 
 
 @torch.no_grad()
-def compute_reference(model: torch.nn.Module, token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def compute_reference(model: torch.nn.Module, token_ids: torch.Tensor,
+                      prompt_len: int = PROMPT_LEN) -> dict[str, torch.Tensor]:
     """Full-sequence logits plus a greedy continuation; asserts both are numerically robust.
 
     Robust means: every greedy step wins by MIN_GREEDY_MARGIN, and no MoE routing decision
@@ -190,7 +353,7 @@ def compute_reference(model: torch.nn.Module, token_ids: torch.Tensor) -> dict[s
     with record_router_gaps(model, router_gaps):
         logits = model(input_ids=token_ids[None]).logits[0].float()
 
-    prompt = token_ids[:PROMPT_LEN]
+    prompt = token_ids[:prompt_len]
     # No eos at all: no logits processor may touch the scores, and exactly NEW_TOKENS come out.
     model.generation_config.eos_token_id = None
     out = model.generate(
@@ -204,7 +367,7 @@ def compute_reference(model: torch.nn.Module, token_ids: torch.Tensor) -> dict[s
         output_logits=True,
         return_dict_in_generate=True,
     )
-    continuation = out.sequences[0, PROMPT_LEN:]
+    continuation = out.sequences[0, prompt_len:]
     assert continuation.shape == (NEW_TOKENS,), continuation.shape
 
     step_logits = torch.stack(out.logits)[:, 0].float()  # [NEW_TOKENS, vocab]
@@ -214,7 +377,7 @@ def compute_reference(model: torch.nn.Module, token_ids: torch.Tensor) -> dict[s
     # The cached decode must agree with one forward pass over prompt + continuation.
     full = torch.cat([prompt, continuation])
     with record_router_gaps(model, router_gaps):
-        full_logits = model(input_ids=full[None]).logits[0, PROMPT_LEN - 1 : -1].float()
+        full_logits = model(input_ids=full[None]).logits[0, prompt_len - 1 : -1].float()
     assert torch.equal(full_logits.argmax(-1), continuation), "cached decode != full forward"
     margin = min(margin, min_top2_margin(full_logits))
     assert margin >= MIN_GREEDY_MARGIN, f"greedy margin {margin:.2e} too small; change seed/scale"
@@ -247,7 +410,7 @@ def record_router_gaps(model: torch.nn.Module, gaps: list[float]):
         top = probs.topk(router.top_k + 1, dim=-1).values
         gaps.append(float((top[:, -2] - top[:, -1]).min()))
 
-    routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
+    routers = [m for m in model.modules() if isinstance(m, ROUTER_CLASSES)]
     handles = [r.register_forward_hook(hook) for r in routers]
     try:
         yield
@@ -275,9 +438,13 @@ def make_fixture(spec: FixtureSpec, out_dir: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
 
-    model = build_model(spec.config_class, spec.config, spec.seed)
+    model = build_model(spec.config_class, spec.config, spec.seed, spec.common_config, spec.multimodal)
     n_params = sum(p.numel() for p in model.parameters())
     model.to(spec.save_dtype)
+    if spec.multimodal is not None:
+        # save_pretrained records the model dtype at the top level only; without this the
+        # sub-configs would keep the float32 they were built in.
+        model.config.text_config.dtype = model.config.vision_config.dtype = spec.save_dtype
     save_kwargs = {}
     if spec.fused_experts:
         save_kwargs["save_original_format"] = False
@@ -287,8 +454,24 @@ def make_fixture(spec: FixtureSpec, out_dir: Path) -> None:
     del model
 
     vocab_size = spec.config["vocab_size"]
-    token_ids = torch.randint(0, vocab_size, (SEQ_LEN,), generator=torch.Generator().manual_seed(spec.seed))
-    reference = compute_reference(load_reference_model(path), token_ids)
+    special_ids = multimodal_token_ids(spec)  # empty unless multimodal
+    high = min([vocab_size, *special_ids])  # token_ids never hold an image/video/vision token
+    token_ids = torch.randint(0, high, (spec.seq_len,), generator=torch.Generator().manual_seed(spec.seed))
+    reference_model = load_reference_model(path)
+    reference = compute_reference(reference_model, token_ids, spec.prompt_len)
+
+    # `corral run --max-tokens 16` must produce all 16 tokens: no eos (nor, for the multimodal
+    # checkpoint, a vision token) in the continuation.
+    forbidden = {spec.config["eos_token_id"], *special_ids} & set(reference["greedy_continuation"].tolist())
+    assert not forbidden, f"greedy continuation holds eos/vision token(s) {sorted(forbidden)}; change seed"
+
+    if spec.hybrid:
+        kernels = linear_attention_kernels(reference_model)
+        incremental_diff = check_incremental(reference_model, token_ids, reference["logits"])
+    if spec.multimodal is not None:
+        assert type(reference_model).__name__.endswith("ForCausalLM"), type(reference_model)
+        check_multimodal_class(path, reference)
+    del reference_model
 
     if spec.hub_spelling:
         rewrite_config_hub_spelling(path)
@@ -306,24 +489,142 @@ def make_fixture(spec: FixtureSpec, out_dir: Path) -> None:
     print(f"   min greedy margin {margin:.4f}, min router gap {router_gap:.2e}")
     print(f"   greedy_prompt       {reference['greedy_prompt'].tolist()}")
     print(f"   greedy_continuation {reference['greedy_continuation'].tolist()}")
+    if spec.hybrid:
+        print("   linear-attention kernels (pure PyTorch):")
+        for name, implementation in kernels.items():
+            print(f"     {name:33} -> {implementation}")
+        n_decode = spec.seq_len - INCREMENTAL_PREFILL
+        print(f"   incremental (prefill {INCREMENTAL_PREFILL} + {n_decode} single-token steps) vs one-shot: "
+              f"max rel diff {incremental_diff:.2e}")
+    if spec.multimodal is not None:
+        print("   multimodal class logits == text-only class logits (token_ids and prompt+continuation)")
     print_checkpoint_tensors(path)
+    if spec.hybrid:
+        sizes = ", ".join(f"{p.name} {p.stat().st_size:,} B" for p in sorted(path.iterdir()))
+        total = sum(p.stat().st_size for p in path.iterdir())
+        print(f"   sizes: {sizes}; total {total:,} B")
+        print("   config.json:")
+        print("".join(f"     {line}\n" for line in (path / "config.json").read_text().splitlines()), end="")
+
+
+def multimodal_token_ids(spec: FixtureSpec) -> list[int]:
+    if spec.multimodal is None:
+        return []
+    keys = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return [spec.multimodal[key] for key in keys]
+
+
+KERNEL_FUNCTIONS = (
+    "causal_conv1d_fn", "causal_conv1d_update",
+    "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+)
+
+
+def linear_attention_kernels(model: torch.nn.Module) -> dict[str, str]:
+    """The implementation behind each Gated DeltaNet helper; asserts it is transformers' own torch code.
+
+    transformers picks, per helper, a hub kernel (only with use_kernels=True), else the
+    causal_conv1d / fla package if importable, else its reference PyTorch function. The pick
+    is held in the wrapper's closure as `implementation`.
+    """
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    assert layers, "no Gated DeltaNet layer"
+    module = sys.modules[type(layers[0]).__module__]
+    kernels = {}
+    for name in KERNEL_FUNCTIONS:
+        implementation = inspect.getclosurevars(getattr(module, name)).nonlocals.get("implementation")
+        assert implementation is not None, f"cannot tell which implementation {name} uses (kernels installed?)"
+        assert implementation.__module__ == module.__name__, f"{name} runs {implementation.__module__}"
+        kernels[name] = f"{implementation.__module__}.{implementation.__qualname__}"
+    assert not model.use_kernels, "hub kernels are enabled"
+    return kernels
+
+
+@torch.no_grad()
+def check_incremental(model: torch.nn.Module, token_ids: torch.Tensor, logits: torch.Tensor) -> float:
+    """Prefill INCREMENTAL_PREFILL tokens, then feed the rest one at a time through the cache
+    (conv state, fp32 recurrent state, KV cache); the logits must match the one-shot forward.
+    Asserts that the single-token steps ran the per-step kernels (conv update, recurrence)."""
+    out = model(input_ids=token_ids[None, :INCREMENTAL_PREFILL], use_cache=True)
+    steps = [out.logits[0]]
+    cache = out.cache
+    with count_kernel_calls(model) as calls:
+        for t in range(INCREMENTAL_PREFILL, len(token_ids)):
+            out = model(input_ids=token_ids[None, t : t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits[0])
+            cache = out.cache
+    n_linear = sum(1 for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    n_steps = len(token_ids) - INCREMENTAL_PREFILL
+    expected = dict.fromkeys(("causal_conv1d_update", "torch_recurrent_gated_delta_rule"), n_steps * n_linear)
+    assert calls == expected, f"decode steps ran {calls}, expected {expected}"
+    incremental = torch.cat(steps).float()
+    assert incremental.shape == logits.shape, (incremental.shape, logits.shape)
+    rel_diff = float((incremental - logits).abs().max() / logits.abs().max())
+    assert rel_diff <= MAX_INCREMENTAL_REL_DIFF, f"incremental != one-shot: rel diff {rel_diff:.2e}"
+    return rel_diff
+
+
+@contextmanager
+def count_kernel_calls(model: torch.nn.Module):
+    """Count calls of the Gated DeltaNet helpers (looked up as module globals at call time)."""
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    module = sys.modules[type(layer).__module__]
+    calls: dict[str, int] = {}
+    originals = {name: getattr(module, name) for name in KERNEL_FUNCTIONS}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        for name, fn in originals.items():
+            setattr(module, name, counting(name, fn))
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+
+
+@torch.no_grad()
+def check_multimodal_class(path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """The multimodal class must give the reference's (text-only class's) logits exactly."""
+    model = load_reference_model(path, AutoModelForImageTextToText)
+    assert type(model).__name__.endswith("ForConditionalGeneration"), type(model)
+    logits = model(input_ids=reference["token_ids"][None]).logits[0].float()
+    assert torch.equal(logits, reference["logits"]), \
+        f"multimodal != text-only: max diff {(logits - reference['logits']).abs().max():.2e}"
+    prompt, continuation = reference["greedy_prompt"], reference["greedy_continuation"]
+    full_logits = model(input_ids=torch.cat([prompt, continuation])[None]).logits[0, len(prompt) - 1 : -1]
+    assert torch.equal(full_logits.argmax(-1), continuation), "multimodal greedy != text-only greedy"
 
 
 def print_checkpoint_tensors(path: Path) -> None:
-    """List the tensors of a checkpoint, collapsing layer and expert indices."""
+    """List the tensors of a checkpoint, collapsing layer, expert and vision-block indices.
+
+    Each collapsed name shows the dtype and shape of its first layer and the layers {i} it
+    occurs in; the script asserts that all occurrences agree in dtype and shape.
+    """
     seen: dict[str, tuple] = {}
+    layers: dict[str, set[int]] = {}
     for file in sorted(path.glob("model*.safetensors")):
         with safe_open(file, "pt") as f:
             for name in f.keys():
                 generic = re.sub(r"\.experts\.\d+\.", ".experts.{e}.", name)
+                generic = re.sub(r"\.blocks\.\d+\.", ".blocks.{b}.", generic)
+                layer = re.search(r"\.layers\.(\d+)\.", generic)
                 generic = re.sub(r"\.layers\.\d+\.", ".layers.{i}.", generic)
-                if generic not in seen:
-                    sl = f.get_slice(name)
-                    seen[generic] = (sl.get_dtype(), sl.get_shape())
+                sl = f.get_slice(name)
+                dtype_shape = (sl.get_dtype(), sl.get_shape())
+                assert seen.setdefault(generic, dtype_shape) == dtype_shape, (name, dtype_shape, seen[generic])
+                if layer:
+                    layers.setdefault(generic, set()).add(int(layer.group(1)))
     files = ", ".join(sorted(p.name for p in path.iterdir()))
     print(f"   files: {files}")
     for generic, (dtype, shape) in sorted(seen.items()):
-        print(f"   {dtype:5} {str(list(shape)):16} {generic}")
+        where = f"  {{i}} in {sorted(layers[generic])}" if generic in layers else ""
+        print(f"   {dtype:5} {str(list(shape)):16} {generic}{where}")
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+//! Conformance of the hybrid families (Qwen3.5 MoE in the Hub multimodal and text-only
+//! layouts, Qwen3.5 dense, Qwen3-Next) against transformers' fp32 logits: chunk sizes 1, 7,
+//! 64 and whole (crossing the 64-token chunk and starting with prefixes shorter than the conv
+//! kernel), every MoE strategy, and transformers' greedy continuation.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use corral_backend::CpuBackend;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch,
+    RecurrentStateCache, SeqId, SlotId, TokenId,
+};
+
+const FIXTURES: &[&str] = &[
+    "qwen3_5_moe_hub",
+    "qwen3_5_moe_text",
+    "qwen3_5_dense",
+    "qwen3_next",
+];
+const BLOCK_SIZE: usize = 16;
+
+fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+struct Reference {
+    token_ids: Vec<u32>,
+    logits: Vec<f32>,
+    greedy_prompt: Vec<u32>,
+    greedy_continuation: Vec<u32>,
+}
+
+fn read_reference(dir: &Path) -> Reference {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).expect("reference file");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
+    let ids = |name: &str| -> Vec<u32> {
+        st.tensor(name)
+            .expect(name)
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    };
+    Reference {
+        token_ids: ids("token_ids"),
+        logits: st
+            .tensor("logits")
+            .expect("logits")
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        greedy_prompt: ids("greedy_prompt"),
+        greedy_continuation: ids("greedy_continuation"),
+    }
+}
+
+fn load(name: &str) -> Model {
+    Model::load(
+        &fixture_dir(name),
+        Arc::new(CpuBackend::new()),
+        &mut |_, _| {},
+    )
+    .expect("load fixture")
+}
+
+/// A fresh KV cache and state for one sequence of up to `tokens` tokens, using slot 2 of 3.
+fn caches(model: &Model, tokens: usize) -> (PagedKvCache, RecurrentStateCache, BlockTable) {
+    let blocks = tokens.div_ceil(BLOCK_SIZE);
+    let kv =
+        PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE).unwrap();
+    let state = RecurrentStateCache::new(model.backend().as_ref(), model.config(), 3).unwrap();
+    let table = BlockTable {
+        blocks: (0..blocks as u32).map(BlockId).collect(),
+    };
+    (kv, state, table)
+}
+
+fn logits_chunked(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let (mut kv, mut state, table) = caches(model, tokens.len());
+    let mut all = Vec::new();
+    let mut out = Vec::new();
+    for (i, piece) in tokens.chunks(chunk).enumerate() {
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
+        batch
+            .push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)
+            .unwrap();
+        batch.set_state_slot(SeqId(0), SlotId(2)).unwrap();
+        let _ = model
+            .forward_with_state(&batch, &mut kv, &mut state, &mut out)
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all
+}
+
+fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
+    assert_eq!(ours.len(), reference.len());
+    let diff: f64 = ours
+        .iter()
+        .zip(reference)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let norm: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+#[test]
+fn hybrid_logits_match_transformers_at_every_chunk_size() {
+    for name in FIXTURES {
+        let mut model = load(name);
+        let reference = read_reference(&fixture_dir(name));
+        for strategy in [
+            MoeStrategy::Grouped,
+            MoeStrategy::PerToken,
+            MoeStrategy::PerExpert,
+        ] {
+            model.set_moe_strategy(strategy);
+            for chunk in [1, 7, 64, reference.token_ids.len()] {
+                let ours = logits_chunked(&model, &reference.token_ids, chunk);
+                let err = rel_err(&ours, &reference.logits);
+                eprintln!("{name} {strategy} chunk {chunk}: relative error {err:.2e}");
+                assert!(
+                    err <= 1e-4,
+                    "{name} {strategy} chunk {chunk}: relative error {err:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn hybrid_greedy_continuation_matches_transformers() {
+    for name in FIXTURES {
+        let model = load(name);
+        let reference = read_reference(&fixture_dir(name));
+        let total = reference.greedy_prompt.len() + reference.greedy_continuation.len();
+        let (mut kv, mut state, table) = caches(&model, total);
+        let mut next = reference.greedy_prompt.clone();
+        let (mut position, mut generated, mut logits) = (0, Vec::new(), Vec::new());
+        while generated.len() < reference.greedy_continuation.len() {
+            let mut batch = RaggedBatch::new(BLOCK_SIZE);
+            let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
+            batch
+                .push_run(SeqId(5), &ids, position, &table, LogitsWanted::Last)
+                .unwrap();
+            batch.set_state_slot(SeqId(5), SlotId(0)).unwrap();
+            let _ = model
+                .forward_with_state(&batch, &mut kv, &mut state, &mut logits)
+                .unwrap();
+            position += next.len();
+            let best = logits
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i as u32)
+                .unwrap();
+            generated.push(best);
+            next = vec![best];
+        }
+        assert_eq!(generated, reference.greedy_continuation, "{name}");
+    }
+}
