@@ -10,6 +10,10 @@ const FIXTURES: &[&str] = &[
     "qwen3_moe_per_expert",
     "qwen3_moe_sharded",
     "qwen3_dense",
+    "qwen3_5_moe_hub",
+    "qwen3_5_moe_text",
+    "qwen3_5_dense",
+    "qwen3_next",
 ];
 
 fn repo() -> PathBuf {
@@ -65,7 +69,7 @@ fn logits_command_matches_transformers_at_chunk_1_7_and_whole() {
         let ids = i64s(&read_tensor(&reference, "token_ids").1);
         let (ref_shape, ref_bytes) = read_tensor(&reference, "logits");
         let expected = f32s(&ref_bytes);
-        for chunk in [Some("1"), Some("7"), None] {
+        for chunk in [Some("1"), Some("7"), Some("64"), None] {
             let out_path = tmp.path().join(format!("{name}-{chunk:?}.safetensors"));
             let model = fixture(name);
             let mut args = vec![

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
 
-use corral_model::{Model, PagedKvCache};
+use corral_model::{Model, PagedKvCache, RecurrentStateCache};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::EngineMetrics;
@@ -155,6 +155,11 @@ pub fn spawn_engine(
         config.kv_blocks,
         config.block_size,
     )?;
+    let state = RecurrentStateCache::new(
+        model.backend().as_ref(),
+        model.config(),
+        config.max_batch.max(1),
+    )?;
     let metrics = Arc::new(EngineMetrics::default());
     metrics
         .kv_blocks_total
@@ -170,7 +175,7 @@ pub fn spawn_engine(
     let thread_metrics = Arc::clone(&metrics);
     let thread = std::thread::Builder::new()
         .name("corral-engine".to_string())
-        .spawn(move || run(model, cache, scheduler, rx, &thread_metrics))
+        .spawn(move || run(model, (cache, state), scheduler, rx, &thread_metrics))
         .map_err(|source| EngineError::Io {
             path: "engine thread".into(),
             source,
@@ -187,7 +192,7 @@ pub fn spawn_engine(
 
 fn run(
     model: Model,
-    mut cache: PagedKvCache,
+    (mut cache, mut state): (PagedKvCache, RecurrentStateCache),
     mut scheduler: Scheduler,
     commands: Receiver<Command>,
     metrics: &EngineMetrics,
@@ -226,7 +231,7 @@ fn run(
             .queue_depth
             .store(scheduler.num_waiting() as u64, Ordering::Relaxed);
         if let Some(plan) = plan {
-            match model.forward(&plan.batch, &mut cache, &mut logits) {
+            match model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits) {
                 Ok(report) => {
                     metrics
                         .forward_tokens

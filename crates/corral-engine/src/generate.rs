@@ -5,7 +5,10 @@
 use std::time::{Duration, Instant};
 
 use corral_backend::DispatchStats;
-use corral_model::{BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId};
+use corral_model::{
+    BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache, SeqId, SlotId,
+    TokenId,
+};
 
 use crate::{EngineError, KvBlockPool, Sampler, SamplingParams};
 
@@ -95,6 +98,7 @@ pub fn generate(
     let blocks = total.div_ceil(BLOCK_SIZE);
     let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
     let mut cache = PagedKvCache::new(model.backend().as_ref(), config, blocks, BLOCK_SIZE)?;
+    let mut state = RecurrentStateCache::new(model.backend().as_ref(), config, 1)?;
     let mut table = BlockTable::default();
     pool.grow(&mut table, total)?;
 
@@ -116,7 +120,8 @@ pub fn generate(
             LogitsWanted::None
         };
         batch.push_run(seq, &ids, position, &table, wanted)?;
-        let _ = model.forward(&batch, &mut cache, &mut logits)?;
+        batch.set_state_slot(seq, SlotId(0))?;
+        let _ = model.forward_with_state(&batch, &mut cache, &mut state, &mut logits)?;
         position += piece.len();
     }
     let mut sampler = Sampler::new(request.params.clone());
@@ -142,7 +147,8 @@ pub fn generate(
         }
         let mut batch = RaggedBatch::new(BLOCK_SIZE);
         batch.push_run(seq, &[TokenId(next)], position, &table, LogitsWanted::Last)?;
-        let _ = model.forward(&batch, &mut cache, &mut logits)?;
+        batch.set_state_slot(seq, SlotId(0))?;
+        let _ = model.forward_with_state(&batch, &mut cache, &mut state, &mut logits)?;
         position += 1;
         decode_steps += 1;
         next = sampler.sample(&mut logits, &seen);

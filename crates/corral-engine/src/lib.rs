@@ -25,7 +25,7 @@ pub use engine::{
 pub use error::EngineError;
 pub use generate::{BLOCK_SIZE, FinishReason, GenerationReport, GenerationRequest, generate};
 pub use generation_config::stop_token_ids;
-pub use kv::{KvBlockPool, OutOfBlocks};
+pub use kv::{KvBlockPool, OutOfBlocks, StateSlotPool};
 pub use metrics::EngineMetrics;
 pub use sampler::{Sampler, SamplingParams, argmax};
 pub use scheduler::{Scheduler, SchedulerConfig, StepPlan};

@@ -11,11 +11,11 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, TokenId};
+use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::engine::{EngineRequest, Event, Finished, TokenEvent};
-use crate::{FinishReason, KvBlockPool, Sampler};
+use crate::{FinishReason, KvBlockPool, Sampler, StateSlotPool};
 
 /// Limits of the scheduler.
 #[derive(Clone, Copy, Debug)]
@@ -36,6 +36,8 @@ struct Sequence {
     /// Tokens whose KV is in the cache.
     computed: usize,
     table: BlockTable,
+    /// Recurrent-state slot while running.
+    slot: Option<SlotId>,
     sampler: Sampler,
     max_tokens: usize,
     max_context: usize,
@@ -75,6 +77,7 @@ pub struct StepPlan {
 pub struct Scheduler {
     config: SchedulerConfig,
     pool: KvBlockPool,
+    slots: StateSlotPool,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     next_id: u64,
@@ -98,9 +101,10 @@ pub struct StepCounts {
 }
 
 impl Scheduler {
-    /// A scheduler over `pool`.
+    /// A scheduler over `pool`, with one recurrent-state slot per batch row.
     pub fn new(config: SchedulerConfig, pool: KvBlockPool) -> Self {
         Self {
+            slots: StateSlotPool::new(config.max_batch),
             config,
             pool,
             waiting: VecDeque::new(),
@@ -121,6 +125,7 @@ impl Scheduler {
             tokens: request.prompt,
             computed: 0,
             table: BlockTable::default(),
+            slot: None,
             sampler: Sampler::new(request.params),
             max_tokens: request.max_tokens,
             max_context: request.max_context,
@@ -161,11 +166,14 @@ impl Scheduler {
     /// Drops sequences whose client has gone, freeing their blocks.
     pub fn drop_cancelled(&mut self) {
         self.waiting.retain(|s| !s.events.is_closed());
-        let pool = &mut self.pool;
+        let (pool, slots) = (&mut self.pool, &mut self.slots);
         self.running.retain_mut(|s| {
             let gone = s.events.is_closed();
             if gone {
                 pool.release(&mut s.table);
+                if let Some(slot) = s.slot.take() {
+                    slots.release(slot);
+                }
             }
             !gone
         });
@@ -173,10 +181,14 @@ impl Scheduler {
 
     /// Plans the next step; `None` when there is nothing to run.
     pub fn step(&mut self) -> Option<StepPlan> {
-        while self.running.len() < self.config.max_batch {
-            let Some(seq) = self.waiting.pop_front() else {
+        while self.running.len() < self.config.max_batch && !self.waiting.is_empty() {
+            let Some(slot) = self.slots.acquire() else {
                 break;
             };
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            seq.slot = Some(slot);
             self.running.push(seq);
         }
         let mut budget = self.config.max_prefill_tokens.max(1);
@@ -230,15 +242,26 @@ impl Scheduler {
             batch
                 .push_run(seq.id, &ids, seq.computed, &seq.table, wanted)
                 .ok()?;
+            if let Some(slot) = seq.slot {
+                batch.set_state_slot(seq.id, slot).ok()?;
+            }
         }
         Some(StepPlan { batch, runs })
+    }
+
+    /// Returns a sequence's KV blocks and state slot.
+    fn release(&mut self, seq: &mut Sequence) {
+        self.pool.release(&mut seq.table);
+        if let Some(slot) = seq.slot.take() {
+            self.slots.release(slot);
+        }
     }
 
     /// Frees sequence `index`'s blocks and puts it back at the front of the queue, to be
     /// recomputed from its tokens (prompt and generated so far).
     fn preempt(&mut self, index: usize) {
         let mut seq = self.running.remove(index);
-        self.pool.release(&mut seq.table);
+        self.release(&mut seq);
         seq.computed = 0;
         self.preemptions += 1;
         self.waiting.push_front(seq);
@@ -249,7 +272,7 @@ impl Scheduler {
         for run in plan.runs {
             if let Some(index) = self.running.iter().position(|s| s.id == run.seq) {
                 let mut seq = self.running.remove(index);
-                self.pool.release(&mut seq.table);
+                self.release(&mut seq);
                 let _ = seq.events.send(Event::Failed(message.to_string()));
             }
         }
@@ -314,7 +337,7 @@ impl Scheduler {
             seq.last_token = Some(now);
             if let Some(reason) = finish {
                 let mut seq = self.running.remove(index);
-                self.pool.release(&mut seq.table);
+                self.release(&mut seq);
                 let first = seq.first_token.unwrap_or(now);
                 let finished = Finished {
                     reason,

@@ -16,7 +16,13 @@ use corral_model::Model;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 fn model() -> Model {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe_fused");
+    model_named("qwen3_moe_fused")
+}
+
+fn model_named(name: &str) -> Model {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
     Model::load(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap()
 }
 
@@ -24,7 +30,7 @@ fn prompts() -> Vec<Vec<u32>> {
     (0..6u32)
         .map(|i| {
             (0..(5 + 7 * i))
-                .map(|j| (i * 31 + j * 17 + 3) % 380)
+                .map(|j| (i * 31 + j * 17 + 3) % 250)
                 .collect()
         })
         .collect()
@@ -92,14 +98,23 @@ fn wait_for_zero_blocks(engine: &EngineHandle) {
 
 #[test]
 fn concurrent_requests_match_each_alone() {
-    let reference = model();
+    for name in ["qwen3_moe_fused", "qwen3_next", "qwen3_5_moe_hub"] {
+        concurrent_requests_match_each_alone_for(name);
+    }
+}
+
+fn concurrent_requests_match_each_alone_for(name: &str) {
+    let reference = model_named(name);
     let expected: Vec<Vec<u32>> = prompts().iter().map(|p| alone(&reference, p, 12)).collect();
     for kv_blocks in [256, 14] {
-        let (engine, thread) = spawn_engine(model(), config(kv_blocks)).unwrap();
+        let (engine, thread) = spawn_engine(model_named(name), config(kv_blocks)).unwrap();
         let mut receivers: Vec<_> = prompts().iter().map(|p| submit(&engine, p, 12)).collect();
         for (i, rx) in receivers.iter_mut().enumerate() {
             let (tokens, reason) = collect(rx);
-            assert_eq!(tokens, expected[i], "request {i} with {kv_blocks} blocks");
+            assert_eq!(
+                tokens, expected[i],
+                "{name}: request {i} with {kv_blocks} blocks"
+            );
             assert_eq!(reason, FinishReason::Length);
         }
         if kv_blocks == 14 {

@@ -7,7 +7,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{BLOCK_SIZE, KvBlockPool};
-use corral_model::{BlockTable, LogitsWanted, PagedKvCache, RaggedBatch, SeqId, TokenId};
+use corral_model::{
+    BlockTable, LogitsWanted, PagedKvCache, RaggedBatch, RecurrentStateCache, SeqId, SlotId,
+    TokenId,
+};
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::loading::{ModelArgs, load_model};
@@ -42,6 +45,7 @@ pub(crate) fn run(args: LogitsArgs) -> Result<()> {
     let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
     let mut cache =
         PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE)?;
+    let mut state = RecurrentStateCache::new(model.backend().as_ref(), model.config(), 1)?;
     let mut table = BlockTable::default();
     pool.grow(&mut table, tokens.len())?;
     let chunk = args.chunk.unwrap_or(tokens.len());
@@ -51,7 +55,8 @@ pub(crate) fn run(args: LogitsArgs) -> Result<()> {
         let mut batch = RaggedBatch::new(BLOCK_SIZE);
         let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
         batch.push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)?;
-        let _ = model.forward(&batch, &mut cache, &mut out)?;
+        batch.set_state_slot(SeqId(0), SlotId(0))?;
+        let _ = model.forward_with_state(&batch, &mut cache, &mut state, &mut out)?;
         all.extend_from_slice(&out);
     }
     pool.release(&mut table);

@@ -1,5 +1,7 @@
 //! Ownership of KV cache blocks.
 
 mod block_pool;
+mod state_slots;
 
 pub use block_pool::{KvBlockPool, OutOfBlocks};
+pub use state_slots::StateSlotPool;

@@ -13,8 +13,8 @@ use clap::Args;
 use corral_backend::{DispatchStats, process_cpu_time};
 use corral_engine::argmax;
 use corral_model::{
-    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch, SeqId,
-    TokenId,
+    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch,
+    RecurrentStateCache, SeqId, SlotId, TokenId,
 };
 use serde_json::json;
 
@@ -96,7 +96,7 @@ fn prompt(len: usize, vocab: usize) -> Vec<TokenId> {
 /// One request: a whole-prompt prefill forward and the first token.
 fn measure(
     model: &Model,
-    cache: &mut PagedKvCache,
+    (cache, state): (&mut PagedKvCache, &mut RecurrentStateCache),
     tokens: &[TokenId],
     logits: &mut Vec<f32>,
 ) -> Result<Sample> {
@@ -107,9 +107,10 @@ fn measure(
     };
     let mut batch = RaggedBatch::new(BLOCK_SIZE);
     batch.push_run(SeqId(0), tokens, 0, &table, LogitsWanted::Last)?;
+    batch.set_state_slot(SeqId(0), SlotId(0))?;
     let cpu_start = process_cpu_time();
     let start = Instant::now();
-    let report = model.forward(&batch, cache, logits)?;
+    let report = model.forward_with_state(&batch, cache, state, logits)?;
     let _first = argmax(logits);
     let ttft = start.elapsed();
     Ok(Sample {
@@ -165,6 +166,7 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
         max_len.div_ceil(BLOCK_SIZE),
         BLOCK_SIZE,
     )?;
+    let mut state = RecurrentStateCache::new(model.backend().as_ref(), &config, 1)?;
     let prompts: Vec<Vec<TokenId>> = args
         .prompt_lens
         .iter()
@@ -188,7 +190,7 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
         for si in (0..strategies.len()).map(|i| (i + rep) % strategies.len()) {
             model.set_moe_strategy(strategies[si].1);
             for (li, tokens) in prompts.iter().enumerate() {
-                let sample = measure(&model, &mut cache, tokens, &mut logits)?;
+                let sample = measure(&model, (&mut cache, &mut state), tokens, &mut logits)?;
                 if rep >= args.warmup {
                     cells[si * prompts.len() + li].samples.push(sample);
                 }
