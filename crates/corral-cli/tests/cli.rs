@@ -196,6 +196,45 @@ fn inspect_synthetic_counts_qwen3_30b_a3b_parameters_without_making_weights() {
 }
 
 #[test]
+fn inspect_counts_hybrid_parameters_without_vision_tower() {
+    let config = repo().join("bench/configs/qwen3.5-35b-a3b.json");
+    let out = corral(&["inspect", "--synthetic", config.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    // The parameter count of Qwen3.5-35B-A3B's language model (text config, no MTP).
+    assert!(text.contains("parameters           34660610688"), "{text}");
+    assert!(
+        text.contains("KV bytes per token   40960 as cached here (f32), 20480 at bf16"),
+        "{text}"
+    );
+    assert!(
+        text.contains("30 Gated DeltaNet, 10 gated attention"),
+        "{text}"
+    );
+    // The Hub-shaped fixture's vision tower is in the file but not in the count.
+    let model = fixture("qwen3_5_moe_hub");
+    let out = corral(&["inspect", "--model", model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let from_file = String::from_utf8(out.stdout).unwrap();
+    let out = corral(&[
+        "inspect",
+        "--synthetic",
+        model.join("config.json").to_str().unwrap(),
+    ]);
+    let from_config = String::from_utf8(out.stdout).unwrap();
+    let params = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("parameters"))
+            .map(str::to_string)
+    };
+    assert_eq!(
+        params(&from_file),
+        params(&from_config),
+        "{from_file}\n{from_config}"
+    );
+}
+
+#[test]
 fn bad_input_exits_nonzero_naming_the_culprit() {
     let fused = fixture("qwen3_moe_fused");
     let fused = fused.to_str().unwrap();

@@ -327,24 +327,45 @@ impl ModelConfig {
         self.moe.as_ref().is_some_and(|m| is_sparse(m, layer))
     }
 
-    /// Parameters the architecture has (embedding, layers, final norm, untied LM head).
+    /// Parameters the architecture has (embedding, layers, final norm, untied LM head;
+    /// not vision towers or MTP heads).
     pub fn num_parameters(&self) -> usize {
         let (h, hd) = (self.hidden_size, self.head_dim);
         let q = self.num_heads * hd;
-        let attention = h * q * 2 + h * self.kv_dim() * 2 + 2 * hd;
         let dense = 3 * h * self.intermediate_size;
+        let shared = self
+            .hybrid
+            .as_ref()
+            .and_then(|hy| hy.shared_expert_intermediate_size)
+            .map_or(0, |si| 3 * h * si + h);
         let sparse = self.moe.as_ref().map_or(0, |m| {
-            m.num_experts * 3 * h * m.moe_intermediate_size + m.num_experts * h
+            m.num_experts * 3 * h * m.moe_intermediate_size + m.num_experts * h + shared
+        });
+        let attention =
+            |gated: bool| h * q * if gated { 3 } else { 2 } + h * self.kv_dim() * 2 + 2 * hd;
+        let linear = self.hybrid.as_ref().map_or(0, |hy| {
+            let l = hy.linear;
+            let c = l.conv_channels();
+            c * h
+                + 2 * l.value_dim() * h
+                + 2 * l.num_value_heads * h
+                + c * l.conv_kernel
+                + 2 * l.num_value_heads
+                + l.value_head_dim
         });
         let layers: usize = (0..self.num_layers)
             .map(|i| {
-                attention
-                    + 2 * h
-                    + if self.is_sparse_layer(i) {
-                        sparse
-                    } else {
-                        dense
-                    }
+                let mixer = match self.hybrid.as_ref().map(|hy| hy.layer_types[i]) {
+                    None => attention(false),
+                    Some(LayerKind::Full) => attention(true),
+                    Some(LayerKind::Linear) => linear,
+                };
+                let ffn = if self.is_sparse_layer(i) {
+                    sparse
+                } else {
+                    dense
+                };
+                mixer + 2 * h + ffn
             })
             .sum();
         let head = if self.tie_word_embeddings {

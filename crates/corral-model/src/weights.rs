@@ -137,7 +137,11 @@ impl SyntheticWeights {
 
 impl WeightSource for SyntheticWeights {
     /// Experts are made in the fused layout; every other name exists when asked for.
+    /// Synthetic hybrids use the Qwen3.5 projection layout (never Qwen3-Next's fused one).
     fn contains(&self, name: &str) -> bool {
+        if name.contains("in_proj_qkvz") || name.contains("in_proj_ba") {
+            return false;
+        }
         !name.contains(".experts.")
             || name.ends_with("experts.gate_up_proj")
             || name.ends_with("experts.down_proj")

@@ -71,5 +71,24 @@ pub(crate) fn run(args: InspectArgs) -> Result<()> {
         c.kv_bytes_per_token(4),
         c.kv_bytes_per_token(2)
     );
+    if let Some(h) = &c.hybrid {
+        let full = c.num_attention_layers();
+        println!(
+            "layers               {} Gated DeltaNet, {full} gated attention",
+            c.num_linear_layers()
+        );
+        println!(
+            "linear attention     {} key heads x {}, {} value heads x {}, conv kernel {}",
+            h.linear.num_key_heads,
+            h.linear.key_head_dim,
+            h.linear.num_value_heads,
+            h.linear.value_head_dim,
+            h.linear.conv_kernel
+        );
+        println!(
+            "state per sequence   {} bytes (fp32 delta-rule state, f32 conv state of kernel-1 inputs)",
+            corral_model::RecurrentStateCache::bytes_per_slot(c)
+        );
+    }
     Ok(())
 }

@@ -90,14 +90,22 @@ impl Checkpoint {
             })
     }
 
-    /// Total elements across tensors.
+    /// Total elements of the language model's tensors (vision towers and MTP heads, which
+    /// Corral never reads, excluded).
     pub fn total_elements(&self) -> usize {
-        self.tensors.values().map(TensorEntry::numel).sum()
+        self.language_tensors().map(TensorEntry::numel).sum()
     }
 
-    /// Total bytes of tensor data across shards.
+    /// Total bytes of the language model's tensor data.
     pub fn total_bytes(&self) -> usize {
-        self.tensors.values().map(|t| t.byte_len).sum()
+        self.language_tensors().map(|t| t.byte_len).sum()
+    }
+
+    fn language_tensors(&self) -> impl Iterator<Item = &TensorEntry> {
+        const SKIPPED: [&str; 3] = ["model.visual.", "visual.", "mtp."];
+        self.tensors
+            .values()
+            .filter(|t| !SKIPPED.iter().any(|p| t.name.starts_with(p)))
     }
 
     /// Loads `name`, checking that its shape is `shape`, as a weight buffer in its stored type
