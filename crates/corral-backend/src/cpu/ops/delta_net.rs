@@ -120,6 +120,139 @@ fn l2_normalise(v: &[f32], out: &mut [f32], scale: f32) {
     }
 }
 
+/// Tokens per block of the chunked form.
+const CHUNK: usize = 64;
+
+/// One value head's inputs for a run of tokens, normalised: rows of q (scaled), k, v, and
+/// the per-token gate `g` and `beta`.
+struct HeadInputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+/// The gated delta rule, token by token (decode, and the ground truth).
+fn recurrence(x: &HeadInputs, n: usize, dk: usize, dv: usize, s: &mut [f32], out: &mut [f32]) {
+    let mut p = vec![0.0f32; dv];
+    for t in 0..n {
+        let (q, k, v) = (
+            &x.q[t * dk..(t + 1) * dk],
+            &x.k[t * dk..(t + 1) * dk],
+            &x.v[t * dv..(t + 1) * dv],
+        );
+        let decay = x.g[t].exp();
+        p.fill(0.0);
+        for (a, srow) in s.chunks_exact_mut(dv).enumerate() {
+            for (pv, sv) in p.iter_mut().zip(srow.iter_mut()) {
+                *sv *= decay;
+                *pv += k[a] * *sv;
+            }
+        }
+        for (pv, vv) in p.iter_mut().zip(v) {
+            *pv = x.beta[t] * (vv - *pv);
+        }
+        for e in 0..dv {
+            let mut acc = 0.0f32;
+            for a in 0..dk {
+                let sv = &mut s[a * dv + e];
+                *sv += k[a] * p[e];
+                acc += q[a] * *sv;
+            }
+            out[t * dv + e] = acc;
+        }
+    }
+}
+
+/// The same function in the chunked form used for prefill: per block of up to 64 tokens,
+/// with cumulative log-decay γ, `A = diag(β) K Kᵀ ⊙ exp(γ_i − γ_l)` (strictly lower),
+/// `U = (I + A)⁻¹ diag(β) V`, `W = (I + A)⁻¹ diag(β e^γ) K` by forward substitution,
+/// `V' = U − W S`, `O = (Q e^γ) S + ((Q Kᵀ) ⊙ D) V'` and `S ← e^{γ_n} S + (K e^{γ_n − γ})ᵀ V'`.
+fn chunked(x: &HeadInputs, n: usize, dk: usize, dv: usize, s: &mut [f32], out: &mut [f32]) {
+    let mut gamma = vec![0.0f32; CHUNK];
+    let mut a = vec![0.0f32; CHUNK * CHUNK];
+    let mut u = vec![0.0f32; CHUNK * dv];
+    let mut w = vec![0.0f32; CHUNK * dk];
+    for c0 in (0..n).step_by(CHUNK) {
+        let m = CHUNK.min(n - c0);
+        // Row `i` of the block in a `[tokens, d]` matrix.
+        let row = |i: usize, d: usize| (c0 + i) * d..(c0 + i + 1) * d;
+        let mut acc = 0.0f32;
+        for (gm, g) in gamma.iter_mut().zip(&x.g[c0..c0 + m]) {
+            acc += g;
+            *gm = acc;
+        }
+        // A (strictly lower) and the forward substitutions for U and W.
+        for i in 0..m {
+            let ki = &x.k[row(i, dk)];
+            for l in 0..i {
+                let kl = &x.k[row(l, dk)];
+                let dot: f32 = ki.iter().zip(kl).map(|(p, q)| p * q).sum();
+                a[i * CHUNK + l] = x.beta[c0 + i] * dot * (gamma[i] - gamma[l]).exp();
+            }
+            let (b, eg) = (x.beta[c0 + i], gamma[i].exp());
+            for e in 0..dv {
+                u[i * dv + e] = b * x.v[(c0 + i) * dv + e];
+            }
+            for d in 0..dk {
+                w[i * dk + d] = b * eg * ki[d];
+            }
+            for l in 0..i {
+                let coeff = a[i * CHUNK + l];
+                for e in 0..dv {
+                    u[i * dv + e] -= coeff * u[l * dv + e];
+                }
+                for d in 0..dk {
+                    w[i * dk + d] -= coeff * w[l * dk + d];
+                }
+            }
+        }
+        // V' = U − W S, kept in u.
+        for i in 0..m {
+            for (d, wd) in w[i * dk..(i + 1) * dk].iter().enumerate() {
+                for e in 0..dv {
+                    u[i * dv + e] -= wd * s[d * dv + e];
+                }
+            }
+        }
+        // O = (Q e^γ) S + ((Q Kᵀ) ⊙ D) V'.
+        for i in 0..m {
+            let qi = &x.q[row(i, dk)];
+            let o = &mut out[(c0 + i) * dv..(c0 + i + 1) * dv];
+            o.fill(0.0);
+            let eg = gamma[i].exp();
+            for (d, qd) in qi.iter().enumerate() {
+                for e in 0..dv {
+                    o[e] += qd * eg * s[d * dv + e];
+                }
+            }
+            for l in 0..=i {
+                let kl = &x.k[row(l, dk)];
+                let qk: f32 = qi.iter().zip(kl).map(|(p, q)| p * q).sum();
+                let coeff = qk * (gamma[i] - gamma[l]).exp();
+                for e in 0..dv {
+                    o[e] += coeff * u[l * dv + e];
+                }
+            }
+        }
+        // S ← e^{γ_m} S + Σ_l e^{γ_m − γ_l} k_l ⊗ v'_l.
+        let last = gamma[m - 1];
+        let decay = last.exp();
+        s.iter_mut().for_each(|v| *v *= decay);
+        for l in 0..m {
+            let kl = &x.k[row(l, dk)];
+            let scale = (last - gamma[l]).exp();
+            for (d, kd) in kl.iter().enumerate() {
+                let f = scale * kd;
+                for e in 0..dv {
+                    s[d * dv + e] += f * u[l * dv + e];
+                }
+            }
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn delta_rule(
     qkv: &[f32],
@@ -144,38 +277,40 @@ pub(crate) fn delta_rule(
         if run.fresh {
             s.fill(0.0);
         }
-        let mut q = vec![0.0f32; dk];
-        let mut k = vec![0.0f32; dk];
-        let mut p = vec![0.0f32; dv];
-        for t in run.start..run.start + run.len {
+        let n = run.len;
+        let mut x = HeadInputs {
+            q: vec![0.0; n * dk],
+            k: vec![0.0; n * dk],
+            v: Vec::with_capacity(n * dv),
+            g: Vec::with_capacity(n),
+            beta: Vec::with_capacity(n),
+        };
+        for (i, t) in (run.start..run.start + n).enumerate() {
             let row = &qkv[t * width..(t + 1) * width];
-            l2_normalise(&row[kh * dk..(kh + 1) * dk], &mut q, scale);
+            l2_normalise(
+                &row[kh * dk..(kh + 1) * dk],
+                &mut x.q[i * dk..(i + 1) * dk],
+                scale,
+            );
             l2_normalise(
                 &row[nk * dk + kh * dk..nk * dk + (kh + 1) * dk],
-                &mut k,
+                &mut x.k[i * dk..(i + 1) * dk],
                 1.0,
             );
-            let v = &row[2 * nk * dk + j * dv..2 * nk * dk + (j + 1) * dv];
-            let decay = g[t * nv + j].exp();
-            let b = beta[t * nv + j];
-            p.fill(0.0);
-            for (a, srow) in s.chunks_exact_mut(dv).enumerate() {
-                for (pv, sv) in p.iter_mut().zip(srow.iter_mut()) {
-                    *sv *= decay;
-                    *pv += k[a] * *sv;
-                }
-            }
-            for (pv, vv) in p.iter_mut().zip(v) {
-                *pv = b * (vv - *pv);
-            }
+            x.v.extend_from_slice(&row[2 * nk * dk + j * dv..2 * nk * dk + (j + 1) * dv]);
+            x.g.push(g[t * nv + j]);
+            x.beta.push(beta[t * nv + j]);
+        }
+        let mut o = vec![0.0f32; n * dv];
+        // As transformers: the recurrence for single tokens, the chunked form otherwise.
+        if n == 1 {
+            recurrence(&x, n, dk, dv, s, &mut o);
+        } else {
+            chunked(&x, n, dk, dv, s, &mut o);
+        }
+        for (i, t) in (run.start..run.start + n).enumerate() {
             for e in 0..dv {
-                let mut acc = 0.0f32;
-                for a in 0..dk {
-                    let sv = &mut s[a * dv + e];
-                    *sv += k[a] * p[e];
-                    acc += q[a] * *sv;
-                }
-                out_ptr.write((t * nv + j) * dv + e, acc);
+                out_ptr.write((t * nv + j) * dv + e, o[i * dv + e]);
             }
         }
     });
@@ -197,4 +332,55 @@ pub(crate) fn gated_rms_norm(
             o[i] = w[i] * xr[i] * inv * silu(zr[i]);
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+
+        /// The chunked form (prefill) and the recurrence (decode) compute the same outputs
+        /// and final state, across chunk boundaries and with a non-zero incoming state.
+        #[test]
+        fn chunked_form_equals_recurrence(
+            n in 1usize..150, dk in 1usize..12, dv in 1usize..12, seed in any::<u64>(),
+            strong_decay in any::<bool>(),
+        ) {
+            let mut st = seed | 1;
+            let mut next = || {
+                st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((st >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            };
+            let mut unit = |len: usize| -> Vec<f32> {
+                let v: Vec<f32> = (0..len).map(|_| next()).collect();
+                let mut out = vec![0.0; len];
+                l2_normalise(&v, &mut out, 1.0);
+                out
+            };
+            let mut x = HeadInputs { q: Vec::new(), k: Vec::new(), v: Vec::new(), g: Vec::new(), beta: Vec::new() };
+            for _ in 0..n {
+                x.q.extend(unit(dk).iter().map(|v| v / (dk as f32).sqrt()));
+                x.k.extend(unit(dk));
+            }
+            let mut r = seed.rotate_left(17) | 1;
+            let mut rnd = || {
+                r = r.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (r >> 40) as f32 / (1u64 << 24) as f32
+            };
+            x.v = (0..n * dv).map(|_| rnd() - 0.5).collect();
+            x.g = (0..n).map(|_| -rnd() * if strong_decay { 8.0 } else { 0.3 }).collect();
+            x.beta = (0..n).map(|_| rnd()).collect();
+            let s0: Vec<f32> = (0..dk * dv).map(|_| rnd() - 0.5).collect();
+            let (mut s_rec, mut s_chunk) = (s0.clone(), s0);
+            let (mut o_rec, mut o_chunk) = (vec![0.0; n * dv], vec![0.0; n * dv]);
+            recurrence(&x, n, dk, dv, &mut s_rec, &mut o_rec);
+            chunked(&x, n, dk, dv, &mut s_chunk, &mut o_chunk);
+            for (a, b) in o_rec.iter().zip(&o_chunk).chain(s_rec.iter().zip(&s_chunk)) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{} vs {}", a, b);
+            }
+        }
+    }
 }
