@@ -172,10 +172,14 @@ pub fn spawn_engine(
         },
         KvBlockPool::new(config.kv_blocks, config.block_size),
     );
+    metrics.engine_alive.store(true, Ordering::Relaxed);
     let thread_metrics = Arc::clone(&metrics);
     let thread = std::thread::Builder::new()
         .name("corral-engine".to_string())
-        .spawn(move || run(model, (cache, state), scheduler, rx, &thread_metrics))
+        .spawn(move || {
+            run(model, (cache, state), scheduler, rx, &thread_metrics);
+            thread_metrics.engine_alive.store(false, Ordering::Relaxed);
+        })
         .map_err(|source| EngineError::Io {
             path: "engine thread".into(),
             source,
@@ -231,7 +235,16 @@ fn run(
             .queue_depth
             .store(scheduler.num_waiting() as u64, Ordering::Relaxed);
         if let Some(plan) = plan {
-            match model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits) {
+            // A panic in a forward pass (a bug) fails the step's requests, not the engine.
+            let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits)
+            }))
+            .unwrap_or_else(|_| {
+                Err(corral_model::ModelError::Unsupported(
+                    "the forward pass panicked".to_string(),
+                ))
+            });
+            match forward {
                 Ok(report) => {
                     metrics
                         .forward_tokens

@@ -77,6 +77,8 @@ pub struct EngineMetrics {
     pub dispatches: AtomicU64,
     /// Sequences preempted for lack of KV blocks.
     pub preemptions: AtomicU64,
+    /// Whether the engine thread is running.
+    pub engine_alive: std::sync::atomic::AtomicBool,
     /// Time to first token.
     pub ttft: Histogram,
     /// Time between consecutive tokens of a sequence.
@@ -95,6 +97,7 @@ impl Default for EngineMetrics {
             forward_tokens: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
+            engine_alive: std::sync::atomic::AtomicBool::new(false),
             ttft: Histogram::new(LATENCY_BUCKETS),
             inter_token: Histogram::new(LATENCY_BUCKETS),
         }

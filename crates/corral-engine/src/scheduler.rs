@@ -208,8 +208,12 @@ impl Scheduler {
             }
             let need = seq.computed + n;
             if self.pool.grow(&mut self.running[i].table, need).is_err() {
-                // Preempt the youngest (the last admitted), possibly this very sequence.
-                let victim = self.running.len() - 1;
+                // Preempt the youngest sequence holding blocks (freeing them), or else this
+                // one, which then waits at the front of the queue.
+                let victim = (i + 1..self.running.len())
+                    .rev()
+                    .find(|&j| !self.running[j].table.blocks.is_empty())
+                    .unwrap_or(i);
                 self.preempt(victim);
                 continue;
             }
@@ -261,9 +265,11 @@ impl Scheduler {
     /// recomputed from its tokens (prompt and generated so far).
     fn preempt(&mut self, index: usize) {
         let mut seq = self.running.remove(index);
+        if !seq.table.blocks.is_empty() {
+            self.preemptions += 1;
+        }
         self.release(&mut seq);
         seq.computed = 0;
-        self.preemptions += 1;
         self.waiting.push_front(seq);
     }
 

@@ -47,6 +47,8 @@ const MAX_LAYERS: usize = 1 << 10;
 const MAX_HEADS: usize = 1 << 10;
 const MAX_HEAD_DIM: usize = 512;
 const MAX_EXPERTS: usize = 1 << 12;
+/// transformers' default `shared_expert_intermediate_size` for Qwen3-Next and Qwen3.5-MoE.
+const DEFAULT_SHARED_EXPERT_SIZE: usize = 512;
 
 /// Mixture-of-experts settings of a sparse model.
 #[derive(Clone, Debug, PartialEq)]
@@ -257,12 +259,14 @@ impl ModelConfig {
         }
         let moe = match family {
             Family::Qwen3 | Family::Qwen35 => None,
-            Family::Qwen3Moe | Family::Qwen3Next => f.moe(num_layers, false)?,
-            Family::Qwen35Moe => f.moe(num_layers, true)?,
+            // transformers' defaults: norm_topk_prob false for Qwen3-MoE, true for Qwen3-Next.
+            Family::Qwen3Moe => f.moe(num_layers, false, false)?,
+            Family::Qwen3Next => f.moe(num_layers, false, true)?,
+            Family::Qwen35Moe => f.moe(num_layers, true, true)?,
         };
         let hybrid = match family {
             Family::Qwen3 | Family::Qwen3Moe => None,
-            _ => Some(f.hybrid(num_layers, head_dim)?),
+            _ => Some(f.hybrid(num_layers, head_dim, moe.is_some())?),
         };
         let intermediate_size = match (&moe, f.opt_bounded("intermediate_size", MAX_WIDTH)?) {
             (_, Some(size)) => size,
@@ -597,7 +601,8 @@ impl Fields<'_> {
     }
 
     /// Layer pattern, Gated DeltaNet dimensions, partial RoPE and shared expert size.
-    fn hybrid(&self, num_layers: usize, head_dim: usize) -> Result<HybridConfig> {
+    /// `moe_family`: the MoE hybrids, whose shared expert defaults to transformers' size.
+    fn hybrid(&self, num_layers: usize, head_dim: usize, moe_family: bool) -> Result<HybridConfig> {
         let layer_types = match self.present("layer_types") {
             Some(Value::Array(items)) => {
                 let kinds = items
@@ -679,12 +684,18 @@ impl Fields<'_> {
             linear,
             partial_rotary_factor: factor,
             shared_expert_intermediate_size: self
-                .opt_bounded("shared_expert_intermediate_size", MAX_WIDTH)?,
+                .opt_bounded("shared_expert_intermediate_size", MAX_WIDTH)?
+                .or(moe_family.then_some(DEFAULT_SHARED_EXPERT_SIZE)),
         })
     }
 
     /// MoE settings; `always_renormalize` for Qwen3.5, which has no such flags.
-    fn moe(&self, num_layers: usize, always_renormalize: bool) -> Result<Option<MoeConfig>> {
+    fn moe(
+        &self,
+        num_layers: usize,
+        always_renormalize: bool,
+        default_norm_topk_prob: bool,
+    ) -> Result<Option<MoeConfig>> {
         let num_experts = match self.opt_bounded("num_experts", MAX_EXPERTS)? {
             Some(n) => n,
             None => self
@@ -704,7 +715,11 @@ impl Fields<'_> {
                 &format!("{top_k} exceeds the {num_experts} experts"),
             ));
         }
-        let mlp_only_layers = match self.present("mlp_only_layers") {
+        // Qwen3.5-MoE has no such flags (transformers ignores them): every layer is sparse.
+        let mlp_only_layers = match self
+            .present("mlp_only_layers")
+            .filter(|_| !always_renormalize)
+        {
             None => Vec::new(),
             Some(v) => v
                 .as_array()
@@ -721,7 +736,11 @@ impl Fields<'_> {
                 &format!("layer {bad} does not exist ({num_layers} layers)"),
             ));
         }
-        let step = self.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+        let step = if always_renormalize {
+            1
+        } else {
+            self.opt_usize("decoder_sparse_step")?.unwrap_or(1)
+        };
         if step == 0 {
             return Err(self.err("decoder_sparse_step", "must be positive"));
         }
@@ -729,7 +748,10 @@ impl Fields<'_> {
             num_experts,
             top_k,
             moe_intermediate_size: self.bounded("moe_intermediate_size", MAX_WIDTH)?,
-            norm_topk_prob: always_renormalize || self.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            norm_topk_prob: always_renormalize
+                || self
+                    .opt_bool("norm_topk_prob")?
+                    .unwrap_or(default_norm_topk_prob),
             decoder_sparse_step: step,
             mlp_only_layers,
         }))

@@ -54,7 +54,6 @@ pub(crate) async fn require_api_key(
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         if given != Some(key.as_str()) {
-            state.requests.record(req.uri().path(), 401);
             return ApiError::unauthorized().into_response();
         }
     }

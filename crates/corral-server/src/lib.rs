@@ -25,16 +25,22 @@ pub use error::ApiError;
 pub use output::{Delta, OutputParser};
 pub use state::{AppState, RequestCounts, ServerConfig};
 
-/// Counts every response by endpoint and status.
+/// Counts a response by its matched route and status.
 async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let path = req.uri().path().to_string();
+    let path = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "other".to_string(), |p| p.as_str().to_string());
     let response = next.run(req).await;
     state.requests.record(&path, response.status().as_u16());
     response
 }
 
-/// The API's router.
+/// The API's router. Responses are counted per matched route (route layers see the route);
+/// paths that match nothing are plain 404s and not counted, so clients cannot grow the
+/// metrics with made-up paths.
 pub fn router(state: AppState) -> Router {
+    let count = middleware::from_fn_with_state(state.clone(), count_requests);
     let api = Router::new()
         .route("/v1/chat/completions", post(routes::chat::chat_completions))
         .route("/v1/completions", post(routes::completions::completions))
@@ -42,16 +48,16 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             extract::require_api_key,
-        ));
-    Router::new()
-        .merge(api)
+        ))
+        .route_layer(count.clone());
+    let service = Router::new()
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics::metrics))
+        .route_layer(count);
+    Router::new()
+        .merge(api)
+        .merge(service)
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            count_requests,
-        ))
         .with_state(state)
 }
 

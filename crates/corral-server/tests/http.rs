@@ -389,6 +389,19 @@ async fn api_key_is_required_when_set() {
         StatusCode::OK,
         "health needs no key"
     );
+    // Unknown paths are not counted (clients cannot grow the metrics); each 401 counts once.
+    let junk = Request::get("/x%22%7D").body(Body::empty()).unwrap();
+    assert_eq!(call(&s.app, junk).await.0, StatusCode::NOT_FOUND);
+    let metrics = call(
+        &s.app,
+        Request::get("/metrics").body(Body::empty()).unwrap(),
+    )
+    .await
+    .1;
+    let text = metrics.as_str().unwrap().to_string();
+    let unauthorized = "corral_requests_total{endpoint=\"/v1/chat/completions\",status=\"401\"} 2";
+    assert!(text.contains(unauthorized), "{text}");
+    assert!(!text.contains("x%22"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -236,10 +236,17 @@ fn recurrent_runs(
                 ),
             ));
         }
-        if out.iter().any(|o: &ops::delta_net::Run| o.slot == run.slot) {
+        // Work items write per run and slot: runs must not share either.
+        let overlaps = |o: &ops::delta_net::Run| {
+            o.slot == run.slot || (run.start < o.start + o.len && o.start < run.start + run.len)
+        };
+        if out.iter().any(overlaps) {
             return Err(bad(
                 op,
-                format!("state slot {} is used by two runs", run.slot),
+                format!(
+                    "run at token {} shares a slot or tokens with another run",
+                    run.start
+                ),
             ));
         }
         out.push(run);

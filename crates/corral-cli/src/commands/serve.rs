@@ -91,7 +91,10 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     let model = load_model(&args.model)?;
     let config = model.config().clone();
     let per_block = config.kv_bytes_per_token(4) * BLOCK_SIZE;
-    let kv_blocks = args.kv_memory / per_block.max(1);
+    // More blocks than every batch row at the model's full context could use are waste (and
+    // a model without attention layers needs no KV memory at all).
+    let useful = args.max_batch.max(1) * config.max_position_embeddings.div_ceil(BLOCK_SIZE);
+    let kv_blocks = (args.kv_memory / per_block.max(1)).min(useful);
     if kv_blocks == 0 {
         bail!(
             "--kv-memory {} holds no KV block ({per_block} bytes each)",
@@ -151,8 +154,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding {address}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
+        let state_bytes = corral_model::RecurrentStateCache::bytes_per_slot(&config) * args.max_batch.max(1);
         tracing::info!(
-            model = %served_model_name, kv_blocks, max_context, "listening on http://{local}"
+            model = %served_model_name, kv_blocks, max_context, state_bytes, "listening on http://{local}"
         );
         // On a signal, stop the engine first: live sequences end, so streams close and the
         // graceful shutdown does not wait for them to run to completion.

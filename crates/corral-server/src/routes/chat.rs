@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::State;
@@ -26,25 +27,30 @@ pub(crate) async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let req = request::chat(&body)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let template = state.chat_template.as_ref().ok_or_else(|| {
+    let template = state.chat_template.clone().ok_or_else(|| {
         ApiError::invalid(
             "messages",
             "this model has no chat template; use /v1/completions",
         )
     })?;
-    let prompt_text = template
-        .render(
-            &req.messages,
-            req.tools.as_deref(),
-            true,
-            &req.template_kwargs,
-        )
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    let prompt = state
-        .tokenizer
-        .encode(&prompt_text)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    let in_reasoning = prompt_text.trim_end().ends_with("<think>");
+    // Rendering and tokenizing a large conversation is CPU work: keep it off the runtime.
+    let tokenizer = Arc::clone(&state.tokenizer);
+    let (messages, tools, kwargs) = (
+        req.messages.clone(),
+        req.tools.clone(),
+        req.template_kwargs.clone(),
+    );
+    let (prompt, in_reasoning) = tokio::task::spawn_blocking(move || {
+        let text = template
+            .render(&messages, tools.as_deref(), true, &kwargs)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        let ids = tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        Ok::<_, ApiError>((ids, text.trim_end().ends_with("<think>")))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt preparation failed: {e}")))??;
     let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some());
     let generation = Generation::start(&state, prompt, &req.settings, parser, "messages")?;
     let model = state.config.served_model_name.clone();

@@ -25,10 +25,14 @@ pub(crate) async fn completions(
     super::check_model(&state, req.settings.model.as_deref())?;
     let prompt = match req.prompt {
         PromptInput::Tokens(ids) => ids,
-        PromptInput::Text(text) => state
-            .tokenizer
-            .encode(&text)
-            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        PromptInput::Text(text) => {
+            // Tokenizing is CPU work: keep it off the runtime.
+            let tokenizer = std::sync::Arc::clone(&state.tokenizer);
+            tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+                .await
+                .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?
+        }
     };
     let parser = OutputParser::plain(req.settings.stop.clone());
     let generation = Generation::start(&state, prompt, &req.settings, parser, "prompt")?;

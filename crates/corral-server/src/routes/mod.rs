@@ -36,7 +36,16 @@ pub(crate) async fn models(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-/// `GET /health`.
-pub(crate) async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// `GET /health`: 200 while the engine thread runs, 503 once it has stopped.
+pub(crate) async fn health(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    if state
+        .engine
+        .metrics()
+        .engine_alive
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        Ok(Json(json!({"status": "ok"})))
+    } else {
+        Err(ApiError::unavailable("the engine has stopped"))
+    }
 }
