@@ -36,9 +36,9 @@ impl StatePtr {
     }
 }
 
-/// Output pointer for disjoint per-(token, channel) writes.
+/// Output pointer and length for disjoint per-(token, channel) writes.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+struct OutPtr(*mut f32, usize);
 // SAFETY: work items write disjoint elements.
 #[allow(unsafe_code)]
 unsafe impl Send for OutPtr {}
@@ -47,7 +47,9 @@ unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     fn write(self, index: usize, value: f32) {
-        // SAFETY: callers write each in-bounds index from exactly one work item.
+        assert!(index < self.1, "delta-net output index out of bounds");
+        // SAFETY: in bounds (checked above); the backend rejects overlapping runs, so each
+        // index is written by exactly one work item.
         #[allow(unsafe_code)]
         unsafe {
             *self.0.add(index) = value;
@@ -67,7 +69,7 @@ pub(crate) fn causal_conv1d(
 ) {
     let hist = kernel - 1;
     let state_ptr = StatePtr(state.as_mut_ptr());
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = OutPtr(out.as_mut_ptr(), out.len());
     (0..runs.len() * channels).into_par_iter().for_each(|item| {
         let (run, c) = (runs[item / channels], item % channels);
         // SAFETY: slot `run.slot`, channel `c` belongs to this work item alone.
@@ -267,7 +269,7 @@ pub(crate) fn delta_rule(
     let group = nv / nk;
     let scale = 1.0 / (dk as f32).sqrt();
     let state_ptr = StatePtr(state.as_mut_ptr());
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = OutPtr(out.as_mut_ptr(), out.len());
     (0..runs.len() * nv).into_par_iter().for_each(|item| {
         let (run, j) = (runs[item / nv], item % nv);
         let kh = j / group;
