@@ -2,10 +2,10 @@
 //! (made by scripts/make_fixtures.py): whole-sequence, chunked and token-by-token forwards all
 //! match the reference within 1e-4 relative error, and greedy continuations are identical.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+mod common;
 
-use corral_backend::CpuBackend;
+use common::{fixture_dir, load, max_rel_err, read_reference, rel_err};
+
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch, SeqId,
     TokenId,
@@ -26,54 +26,6 @@ const STRATEGIES: [MoeStrategy; 4] = [
         grouped_min_tokens: 4,
     },
 ];
-
-fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-struct Reference {
-    token_ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy_prompt: Vec<u32>,
-    greedy_continuation: Vec<u32>,
-}
-
-fn read_reference(dir: &Path) -> Reference {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).expect("reference file");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
-    let ids = |name: &str| -> Vec<u32> {
-        st.tensor(name)
-            .expect(name)
-            .data()
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let logits = st
-        .tensor("logits")
-        .expect("logits")
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    Reference {
-        token_ids: ids("token_ids"),
-        logits,
-        greedy_prompt: ids("greedy_prompt"),
-        greedy_continuation: ids("greedy_continuation"),
-    }
-}
-
-fn load(name: &str) -> Model {
-    Model::load(
-        &fixture_dir(name),
-        Arc::new(CpuBackend::new()),
-        &mut |_, _| {},
-    )
-    .expect("load fixture")
-}
 
 fn table(blocks: usize) -> BlockTable {
     BlockTable {
@@ -98,28 +50,6 @@ fn logits_chunked(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
         all.extend_from_slice(&out);
     }
     all
-}
-
-/// Largest element-wise difference relative to the largest reference magnitude.
-fn max_rel_err(ours: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(ours.len(), reference.len());
-    let scale = reference.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
-    let diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
-    diff / scale
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(ours.len(), reference.len());
-    let diff: f64 = ours
-        .iter()
-        .zip(reference)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let norm: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
-    (diff / norm).sqrt()
 }
 
 #[test]

@@ -3,10 +3,10 @@
 //! 64 and whole (crossing the 64-token chunk and starting with prefixes shorter than the conv
 //! kernel), every MoE strategy, and transformers' greedy continuation.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+mod common;
 
-use corral_backend::CpuBackend;
+use common::{fixture_dir, load, read_reference, rel_err};
+
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch,
     RecurrentStateCache, SeqId, SlotId, TokenId,
@@ -19,53 +19,6 @@ const FIXTURES: &[&str] = &[
     "qwen3_next",
 ];
 const BLOCK_SIZE: usize = 16;
-
-fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-struct Reference {
-    token_ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy_prompt: Vec<u32>,
-    greedy_continuation: Vec<u32>,
-}
-
-fn read_reference(dir: &Path) -> Reference {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).expect("reference file");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
-    let ids = |name: &str| -> Vec<u32> {
-        st.tensor(name)
-            .expect(name)
-            .data()
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect()
-    };
-    Reference {
-        token_ids: ids("token_ids"),
-        logits: st
-            .tensor("logits")
-            .expect("logits")
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        greedy_prompt: ids("greedy_prompt"),
-        greedy_continuation: ids("greedy_continuation"),
-    }
-}
-
-fn load(name: &str) -> Model {
-    Model::load(
-        &fixture_dir(name),
-        Arc::new(CpuBackend::new()),
-        &mut |_, _| {},
-    )
-    .expect("load fixture")
-}
 
 /// A fresh KV cache and state for one sequence of up to `tokens` tokens, using slot 2 of 3.
 fn caches(model: &Model, tokens: usize) -> (PagedKvCache, RecurrentStateCache, BlockTable) {
@@ -96,17 +49,6 @@ fn logits_chunked(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
         all.extend_from_slice(&out);
     }
     all
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(ours.len(), reference.len());
-    let diff: f64 = ours
-        .iter()
-        .zip(reference)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let norm: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
-    (diff / norm).sqrt()
 }
 
 #[test]

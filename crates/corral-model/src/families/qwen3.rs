@@ -8,6 +8,7 @@ use crate::kv_cache::PagedKvCache;
 use crate::layers::Workspace;
 use crate::layers::attention::Attention;
 use crate::layers::mlp::Mlp;
+use crate::layers::output_head::OutputHead;
 use crate::moe::{MoeStrategy, SparseMoe};
 use crate::weights::WeightSource;
 use crate::{ModelConfig, ModelError, Result};
@@ -33,9 +34,7 @@ pub(crate) struct Qwen3Model {
     config: ModelConfig,
     embed_tokens: DeviceBuffer,
     layers: Vec<DecoderLayer>,
-    norm: DeviceBuffer,
-    /// `None` when tied to `embed_tokens`.
-    lm_head: Option<DeviceBuffer>,
+    head: OutputHead,
 }
 
 impl Qwen3Model {
@@ -82,18 +81,12 @@ impl Qwen3Model {
             });
         }
         progress(config.num_layers, config.num_layers);
-        let norm = ckpt.weight_f32(backend, "model.norm.weight", &[h])?;
-        let lm_head = if config.tie_word_embeddings {
-            None
-        } else {
-            Some(ckpt.weight(backend, "lm_head.weight", &[v, h])?)
-        };
+        let head = OutputHead::load(ckpt, backend, &config, "model.norm.weight")?;
         Ok(Self {
             config,
             embed_tokens,
             layers,
-            norm,
-            lm_head,
+            head,
         })
     }
 
@@ -122,7 +115,6 @@ impl Qwen3Model {
         let cfg = &self.config;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let tokens = batch.num_tokens();
-        let (table_width, num_logit_rows) = (ws.table_width, ws.num_logit_rows);
         let embed = WeightView::new(&self.embed_tokens, v, h)?;
         backend.embedding(embed, &ws.batch.ids, tokens, &mut ws.x)?;
         for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
@@ -138,7 +130,7 @@ impl Qwen3Model {
             )?;
             layer
                 .self_attn
-                .forward(backend, ws, tokens, table_width, cache.block_size, kv)?;
+                .forward(backend, ws, tokens, cache.block_size, kv)?;
             backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
             backend.rms_norm(
                 &ws.x,
@@ -159,21 +151,6 @@ impl Qwen3Model {
             }
             backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
         }
-        if num_logit_rows == 0 {
-            return Ok(());
-        }
-        backend.gather_rows(&ws.x, &ws.batch.logit_rows, num_logit_rows, h, &mut ws.rows)?;
-        backend.rms_norm(
-            &ws.rows,
-            &self.norm,
-            num_logit_rows,
-            h,
-            cfg.rms_norm_eps,
-            false,
-            &mut ws.rows_normed,
-        )?;
-        let head = WeightView::new(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), v, h)?;
-        backend.matmul(&ws.rows_normed, num_logit_rows, head, &mut ws.logits)?;
-        Ok(())
+        self.head.forward(backend, cfg, ws, &self.embed_tokens)
     }
 }

@@ -11,14 +11,15 @@
 //! so one set of kernels serves all three.
 
 use corral_backend::{
-    AttentionMeta, AttentionShape, Backend, DeltaNetShape, DeviceBuffer, DispatchStats,
-    RecurrentRuns, WeightView,
+    Backend, DeltaNetShape, DeviceBuffer, DispatchStats, RecurrentRuns, WeightView,
 };
 
 use crate::batch::RaggedBatch;
 use crate::kv_cache::{PagedKvCache, RecurrentStateCache};
 use crate::layers::Workspace;
+use crate::layers::attention::paged_attention;
 use crate::layers::mlp::Mlp;
+use crate::layers::output_head::OutputHead;
 use crate::moe::{MoeStrategy, SparseMoe};
 use crate::weights::WeightSource;
 use crate::{HybridConfig, LayerKind, ModelConfig, ModelError, Result};
@@ -82,8 +83,7 @@ pub(crate) struct HybridModel {
     config: ModelConfig,
     embed_tokens: DeviceBuffer,
     layers: Vec<Layer>,
-    norm: DeviceBuffer,
-    lm_head: Option<DeviceBuffer>,
+    head: OutputHead,
 }
 
 /// `base + 0..len` for each of `groups` groups of `stride`, offset by `at`.
@@ -215,22 +215,7 @@ impl GatedAttention {
             &mut kv.k,
             &mut kv.v,
         )?;
-        let meta = AttentionMeta {
-            positions: &b.positions,
-            token_runs: &b.token_runs,
-            block_tables: &b.block_tables,
-            slots: &b.slots,
-            max_blocks_per_run: ws.table_width,
-            block_size,
-            tokens,
-        };
-        let shape = AttentionShape {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        backend.paged_attention(&ws.q_normed, &kv.k, &kv.v, &meta, shape, &mut ws.attn)?;
+        paged_attention(backend, ws, tokens, block_size, (nh, nkv, hd), kv)?;
         backend.sigmoid_mul(
             &ws.attn,
             &ws.hybrid.attn_gate,
@@ -493,18 +478,12 @@ impl HybridModel {
             });
         }
         progress(config.num_layers, config.num_layers);
-        let norm = src.weight_f32(backend, &format!("{prefix}norm.weight"), &[h])?;
-        let lm_head = if config.tie_word_embeddings {
-            None
-        } else {
-            Some(src.weight(backend, "lm_head.weight", &[v, h])?)
-        };
+        let head = OutputHead::load(src, backend, &config, &format!("{prefix}norm.weight"))?;
         Ok(Self {
             config,
             embed_tokens,
             layers,
-            norm,
-            lm_head,
+            head,
         })
     }
 
@@ -602,22 +581,6 @@ impl HybridModel {
             }
             backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
         }
-        let rows = ws.num_logit_rows;
-        if rows == 0 {
-            return Ok(());
-        }
-        backend.gather_rows(&ws.x, &ws.batch.logit_rows, rows, h, &mut ws.rows)?;
-        backend.rms_norm(
-            &ws.rows,
-            &self.norm,
-            rows,
-            h,
-            eps,
-            true,
-            &mut ws.rows_normed,
-        )?;
-        let head = WeightView::new(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), v, h)?;
-        backend.matmul(&ws.rows_normed, rows, head, &mut ws.logits)?;
-        Ok(())
+        self.head.forward(backend, cfg, ws, &self.embed_tokens)
     }
 }

@@ -58,7 +58,6 @@ impl Attention {
         backend: &dyn Backend,
         ws: &mut Workspace,
         tokens: usize,
-        table_width: usize,
         block_size: usize,
         kv: &mut LayerKv,
     ) -> Result<()> {
@@ -128,22 +127,7 @@ impl Attention {
             &mut kv.k,
             &mut kv.v,
         )?;
-        let meta = AttentionMeta {
-            positions: &b.positions,
-            token_runs: &b.token_runs,
-            block_tables: &b.block_tables,
-            slots: &b.slots,
-            max_blocks_per_run: table_width,
-            block_size,
-            tokens,
-        };
-        let shape = AttentionShape {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        backend.paged_attention(&ws.q_normed, &kv.k, &kv.v, &meta, shape, &mut ws.attn)?;
+        paged_attention(backend, ws, tokens, block_size, (nh, nkv, hd), kv)?;
         backend.matmul(
             &ws.attn,
             tokens,
@@ -152,4 +136,34 @@ impl Attention {
         )?;
         Ok(())
     }
+}
+
+/// Causal GQA attention of `ws.q_normed` over the paged cache `kv` (which already holds this
+/// batch's K and V) into `ws.attn`, for `(heads, kv_heads, head_dim)`.
+pub(crate) fn paged_attention(
+    backend: &dyn Backend,
+    ws: &mut Workspace,
+    tokens: usize,
+    block_size: usize,
+    (num_heads, num_kv_heads, head_dim): (usize, usize, usize),
+    kv: &LayerKv,
+) -> Result<()> {
+    let b = &ws.batch;
+    let meta = AttentionMeta {
+        positions: &b.positions,
+        token_runs: &b.token_runs,
+        block_tables: &b.block_tables,
+        slots: &b.slots,
+        max_blocks_per_run: ws.table_width,
+        block_size,
+        tokens,
+    };
+    let shape = AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    backend.paged_attention(&ws.q_normed, &kv.k, &kv.v, &meta, shape, &mut ws.attn)?;
+    Ok(())
 }

@@ -3,6 +3,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod mlp;
+pub(crate) mod output_head;
 pub(crate) mod workspace;
 
 pub(crate) use workspace::Workspace;
