@@ -124,20 +124,31 @@ impl OutputParser {
                         }
                     }
                 }
-                Mode::Reasoning => match self.buffer.find(THINK_CLOSE) {
-                    Some(at) => {
-                        emit(&mut out, Delta::Reasoning(self.buffer[..at].to_string()));
-                        self.buffer.drain(..at + THINK_CLOSE.len());
-                        self.mode = Mode::Content;
+                Mode::Reasoning => {
+                    // Stop strings apply to the reasoning text too, as to all generated text.
+                    let stops: Vec<String> = self.stops.clone();
+                    let mut markers: Vec<(&str, usize)> = vec![(THINK_CLOSE, 0)];
+                    markers.extend(stops.iter().map(|s| (s.as_str(), 2)));
+                    match earliest(&self.buffer, &markers) {
+                        Some((at, len, kind)) => {
+                            emit(&mut out, Delta::Reasoning(self.buffer[..at].to_string()));
+                            self.buffer.drain(..at + len);
+                            if kind == 2 {
+                                self.stopped = true;
+                                self.buffer.clear();
+                                return out;
+                            }
+                            self.mode = Mode::Content;
+                        }
+                        None => {
+                            let keep = held_back(&self.buffer, &markers);
+                            let settled: String =
+                                self.buffer.drain(..self.buffer.len() - keep).collect();
+                            emit(&mut out, Delta::Reasoning(settled));
+                            return out;
+                        }
                     }
-                    None => {
-                        let keep = held_back(&self.buffer, &[(THINK_CLOSE, 0)]);
-                        let settled: String =
-                            self.buffer.drain(..self.buffer.len() - keep).collect();
-                        emit(&mut out, Delta::Reasoning(settled));
-                        return out;
-                    }
-                },
+                }
                 Mode::ToolCall => match self.buffer.find(TOOL_CLOSE) {
                     Some(at) => {
                         let inner = self.buffer[..at].to_string();
@@ -269,6 +280,16 @@ mod tests {
             run(&mut p, &["a", "b</think>c"]),
             vec![Delta::Reasoning("ab".into()), Delta::Content("c".into())]
         );
+    }
+
+    #[test]
+    fn stop_string_inside_reasoning_stops_too() {
+        let mut p = OutputParser::new(true, vec!["HALT".into()], false);
+        assert_eq!(
+            run(&mut p, &["thinking HA", "LT more</think>x"]),
+            vec![Delta::Reasoning("thinking ".into())]
+        );
+        assert!(p.stopped());
     }
 
     #[test]
