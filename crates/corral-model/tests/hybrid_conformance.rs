@@ -5,11 +5,11 @@
 
 mod common;
 
-use common::{fixture_dir, load, read_reference, rel_err};
+use common::{BLOCK_SIZE, fixture_dir, greedy, load, logits_chunked, read_reference, rel_err};
 
 use corral_model::{
-    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch,
-    RecurrentStateCache, SeqId, SlotId, TokenId,
+    BlockId, BlockTable, LogitsWanted, MoeStrategy, PagedKvCache, RaggedBatch, RecurrentStateCache,
+    SeqId, SlotId, TokenId,
 };
 
 const FIXTURES: &[&str] = &[
@@ -18,38 +18,6 @@ const FIXTURES: &[&str] = &[
     "qwen3_5_dense",
     "qwen3_next",
 ];
-const BLOCK_SIZE: usize = 16;
-
-/// A fresh KV cache and state for one sequence of up to `tokens` tokens, using slot 2 of 3.
-fn caches(model: &Model, tokens: usize) -> (PagedKvCache, RecurrentStateCache, BlockTable) {
-    let blocks = tokens.div_ceil(BLOCK_SIZE);
-    let kv =
-        PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE).unwrap();
-    let state = RecurrentStateCache::new(model.backend().as_ref(), model.config(), 3).unwrap();
-    let table = BlockTable {
-        blocks: (0..blocks as u32).map(BlockId).collect(),
-    };
-    (kv, state, table)
-}
-
-fn logits_chunked(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
-    let (mut kv, mut state, table) = caches(model, tokens.len());
-    let mut all = Vec::new();
-    let mut out = Vec::new();
-    for (i, piece) in tokens.chunks(chunk).enumerate() {
-        let mut batch = RaggedBatch::new(BLOCK_SIZE);
-        let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
-        batch
-            .push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)
-            .unwrap();
-        batch.set_state_slot(SeqId(0), SlotId(2)).unwrap();
-        let _ = model
-            .forward_with_state(&batch, &mut kv, &mut state, &mut out)
-            .unwrap();
-        all.extend_from_slice(&out);
-    }
-    all
-}
 
 #[test]
 fn hybrid_logits_match_transformers_at_every_chunk_size() {
@@ -80,30 +48,11 @@ fn hybrid_greedy_continuation_matches_transformers() {
     for name in FIXTURES {
         let model = load(name);
         let reference = read_reference(&fixture_dir(name));
-        let total = reference.greedy_prompt.len() + reference.greedy_continuation.len();
-        let (mut kv, mut state, table) = caches(&model, total);
-        let mut next = reference.greedy_prompt.clone();
-        let (mut position, mut generated, mut logits) = (0, Vec::new(), Vec::new());
-        while generated.len() < reference.greedy_continuation.len() {
-            let mut batch = RaggedBatch::new(BLOCK_SIZE);
-            let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
-            batch
-                .push_run(SeqId(5), &ids, position, &table, LogitsWanted::Last)
-                .unwrap();
-            batch.set_state_slot(SeqId(5), SlotId(0)).unwrap();
-            let _ = model
-                .forward_with_state(&batch, &mut kv, &mut state, &mut logits)
-                .unwrap();
-            position += next.len();
-            let best = logits
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .map(|(i, _)| i as u32)
-                .unwrap();
-            generated.push(best);
-            next = vec![best];
-        }
+        let generated = greedy(
+            &model,
+            &reference.greedy_prompt,
+            reference.greedy_continuation.len(),
+        );
         assert_eq!(generated, reference.greedy_continuation, "{name}");
     }
 }

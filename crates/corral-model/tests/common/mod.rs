@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use corral_backend::CpuBackend;
-use corral_model::Model;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
+    SeqId, SlotId, TokenId,
+};
 
 /// A committed fixture's directory.
 pub(crate) fn fixture_dir(name: &str) -> PathBuf {
@@ -80,4 +83,73 @@ pub(crate) fn max_rel_err(ours: &[f32], reference: &[f32]) -> f64 {
         .zip(reference)
         .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
     diff / scale
+}
+
+/// Tokens per KV block in the conformance tests.
+pub(crate) const BLOCK_SIZE: usize = 16;
+
+/// A fresh KV cache and recurrent state (for hybrids) for one sequence of up to `tokens`
+/// tokens, and the block table covering it.
+pub(crate) fn caches(
+    model: &Model,
+    tokens: usize,
+) -> (PagedKvCache, RecurrentStateCache, BlockTable) {
+    let blocks = tokens.div_ceil(BLOCK_SIZE);
+    let backend = model.backend().as_ref();
+    let kv = PagedKvCache::new(backend, model.config(), blocks, BLOCK_SIZE).unwrap();
+    let state = RecurrentStateCache::new(backend, model.config(), 3).unwrap();
+    let table = BlockTable {
+        blocks: (0..blocks as u32).map(BlockId).collect(),
+    };
+    (kv, state, table)
+}
+
+/// Logits of every position of `tokens`, fed `chunk` tokens per forward through the cache
+/// (state slot 2 of 3, so a slot other than the first is exercised).
+pub(crate) fn logits_chunked(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let (mut kv, mut state, table) = caches(model, tokens.len());
+    let (mut all, mut out) = (Vec::new(), Vec::new());
+    for (i, piece) in tokens.chunks(chunk).enumerate() {
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
+        batch
+            .push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)
+            .unwrap();
+        batch.set_state_slot(SeqId(0), SlotId(2)).unwrap();
+        let _ = model
+            .forward_with_state(&batch, &mut kv, &mut state, &mut out)
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all
+}
+
+/// `count` greedy tokens after `prompt`: prefill, then one decode step per token.
+pub(crate) fn greedy(model: &Model, prompt: &[u32], count: usize) -> Vec<u32> {
+    let (mut kv, mut state, table) = caches(model, prompt.len() + count);
+    let vocab = model.config().vocab_size;
+    let mut next = prompt.to_vec();
+    let (mut position, mut generated, mut logits) = (0, Vec::new(), Vec::new());
+    while generated.len() < count {
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
+        batch
+            .push_run(SeqId(5), &ids, position, &table, LogitsWanted::Last)
+            .unwrap();
+        batch.set_state_slot(SeqId(5), SlotId(0)).unwrap();
+        let _ = model
+            .forward_with_state(&batch, &mut kv, &mut state, &mut logits)
+            .unwrap();
+        assert_eq!(logits.len(), vocab, "one row of logits per decode step");
+        position += next.len();
+        let best = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap();
+        generated.push(best);
+        next = vec![best];
+    }
+    generated
 }
