@@ -58,9 +58,9 @@ impl MappedFile {
     }
 }
 
-/// Host-side storage of a CPU buffer.
+/// Where a buffer's elements live: host memory for the CPU backend, device memory for CUDA.
 #[derive(Debug)]
-pub(crate) enum HostStorage {
+pub(crate) enum Storage {
     F32(Vec<f32>),
     U32(Vec<u32>),
     /// bf16 or f16 bit patterns (the buffer's dtype says which).
@@ -71,6 +71,8 @@ pub(crate) enum HostStorage {
         byte_offset: usize,
         byte_len: usize,
     },
+    /// An allocation in a CUDA device's memory.
+    Cuda(crate::cuda::DeviceMem),
 }
 
 /// One allocation on a backend's device. Ops read and write buffers the caller passes in.
@@ -80,11 +82,11 @@ pub struct DeviceBuffer {
     len: usize,
     capacity: usize,
     usage: BufferUsage,
-    pub(crate) storage: HostStorage,
+    pub(crate) storage: Storage,
 }
 
 impl DeviceBuffer {
-    pub(crate) fn new(dtype: DType, len: usize, usage: BufferUsage, storage: HostStorage) -> Self {
+    pub(crate) fn new(dtype: DType, len: usize, usage: BufferUsage, storage: Storage) -> Self {
         Self {
             dtype,
             len,

@@ -45,6 +45,20 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
+    /// A GPU library or device is missing or refused a call.
+    #[error("{what}: {detail}")]
+    Device {
+        /// What was being done (the library, the call or the op).
+        what: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// A kernel found an index out of range and raised the device's error flag.
+    #[error("{what}: an index was out of range on the device; the step's results are invalid")]
+    DeviceIndex {
+        /// Which kind of index.
+        what: &'static str,
+    },
     /// A buffer of another backend was passed in.
     #[error("{op}: buffer belongs to another backend")]
     ForeignBuffer {

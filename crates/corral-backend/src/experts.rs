@@ -4,7 +4,7 @@
 //! or one tensor per expert and projection. Both become an [`ExpertMatrices`] per projection,
 //! which yields expert `e`'s `[rows, cols]` matrix as a [`WeightView`] without copying.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::{BackendError, DeviceBuffer, Result, WeightView};
 
@@ -27,6 +27,8 @@ pub struct ExpertMatrices {
     num_experts: usize,
     rows: usize,
     cols: usize,
+    /// A device backend's per-expert pointer table, made on first use (warm-up).
+    device_table: OnceLock<(DeviceBuffer, bool)>,
 }
 
 impl ExpertMatrices {
@@ -58,6 +60,7 @@ impl ExpertMatrices {
             num_experts,
             rows,
             cols,
+            device_table: OnceLock::new(),
         })
     }
 
@@ -76,6 +79,7 @@ impl ExpertMatrices {
             storage: ExpertStorage::PerExpert(buffers),
             rows,
             cols,
+            device_table: OnceLock::new(),
         })
     }
 
@@ -116,6 +120,37 @@ impl ExpertMatrices {
                 cols: self.cols,
             },
         }
+    }
+
+    /// Element type of the matrices (every expert has the same; `None` without experts).
+    pub fn dtype(&self) -> Option<crate::DType> {
+        match &self.storage {
+            ExpertStorage::Stacked { buffer, .. } => Some(buffer.dtype()),
+            ExpertStorage::PerExpert(buffers) => buffers.first().map(DeviceBuffer::dtype),
+        }
+    }
+
+    /// Each expert's buffer and the element where its matrix starts.
+    pub(crate) fn locations(&self) -> Vec<(&DeviceBuffer, usize)> {
+        (0..self.num_experts)
+            .map(|e| {
+                let view = self.view(e);
+                (view.buffer, view.offset)
+            })
+            .collect()
+    }
+
+    /// The device pointer table and whether every matrix allows 16-byte loads, made by
+    /// `make` on first use.
+    pub(crate) fn device_table(
+        &self,
+        make: impl FnOnce(&Self) -> crate::Result<(DeviceBuffer, bool)>,
+    ) -> crate::Result<&(DeviceBuffer, bool)> {
+        if let Some(table) = self.device_table.get() {
+            return Ok(table);
+        }
+        let table = make(self)?;
+        Ok(self.device_table.get_or_init(|| table))
     }
 
     /// Bytes of one expert's matrix in storage.

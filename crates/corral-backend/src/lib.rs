@@ -6,27 +6,42 @@
 //! and gives the buffers back. Each op is exactly one dispatch unless its doc says otherwise,
 //! and every dispatch, host sync, allocation and transfer is counted in [`DispatchStats`].
 //!
-//! [`CpuBackend`] runs ops on a rayon pool with a GEMM crate for dense matmuls.
+//! [`CpuBackend`] runs ops on a rayon pool with a GEMM crate for dense matmuls; [`CudaBackend`]
+//! runs them as NVRTC-compiled kernels on an NVIDIA GPU, loading the driver at run time.
 //! [`reference`] holds plain, obviously-correct versions of the ops for tests.
 
 mod buffer;
 mod cpu;
+mod cuda;
 mod dtype;
 mod error;
 mod experts;
 mod pool;
 pub mod reference;
 mod stats;
+pub mod synthetic;
 
 use std::sync::Arc;
 
 pub use buffer::{BufferUsage, DeviceBuffer, MappedFile, WeightView};
 pub use cpu::{CpuBackend, process_cpu_time};
+pub use cuda::{CudaBackend, CudaOptions, KernelCacheReport, cuda_available};
 pub use dtype::DType;
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
 pub use pool::BufferPool;
 pub use stats::{DispatchStats, StatsCounter};
+
+/// Device time spent in one kernel, summed over its launches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    /// Kernel name.
+    pub name: &'static str,
+    /// Launches timed.
+    pub launches: u64,
+    /// Milliseconds of device time.
+    pub ms: f64,
+}
 
 /// Where each token of a ragged batch reads and writes the paged KV cache.
 #[derive(Clone, Copy, Debug)]
@@ -141,6 +156,27 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// A weight buffer holding `values` converted to `dtype` (synthetic models, tests).
     fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer>;
+
+    /// A weight buffer of `len` deterministic normal values ([`synthetic::normal_values`] of
+    /// `seed`), made where the backend's memory is.
+    fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
+        self.weight_from_f32(&synthetic::normal_values(seed, len, std), dtype)
+    }
+
+    /// Starts (or stops) timing every dispatch by kernel name, for [`Backend::kernel_profile`].
+    /// Backends that cannot time dispatches ignore it.
+    fn set_profiling(&self, _on: bool) {}
+
+    /// Device time per kernel name since profiling started or was last taken, longest first;
+    /// empty unless profiling is on. Waits for queued work.
+    fn kernel_profile(&self) -> Result<Vec<KernelTime>> {
+        Ok(Vec::new())
+    }
+
+    /// The element type the backend keeps the attention KV cache in.
+    fn kv_dtype(&self) -> DType {
+        DType::F32
+    }
 
     /// Copies host values into the first `src.len()` elements of an F32 buffer.
     fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()>;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use corral_backend::CpuBackend;
+use corral_backend::{Backend, CpuBackend, CudaBackend, CudaOptions};
 use corral_model::{Model, ModelConfig, MoeStrategy};
 
 /// Options every model-loading command takes.
@@ -29,9 +29,64 @@ pub(crate) struct ModelArgs {
     /// How MoE layers run their experts.
     #[arg(long, default_value = "auto", value_parser = parse_strategy)]
     pub(crate) moe_strategy: MoeStrategy,
+    /// Where to run: `cpu`, `cuda` or `cuda:N`, or `auto` (CUDA when a usable GPU is present).
+    #[arg(long, env = "CORRAL_DEVICE", default_value = "auto", value_parser = parse_device)]
+    pub(crate) device: DeviceChoice,
     /// With `--moe-strategy auto`: routed tokens from which the grouped strategy runs.
     #[arg(long, default_value_t = corral_model::DEFAULT_GROUPED_MIN_TOKENS)]
     pub(crate) moe_grouped_min_tokens: usize,
+}
+
+/// The `--device` choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeviceChoice {
+    /// The CPU backend.
+    Cpu,
+    /// CUDA device N.
+    Cuda(usize),
+    /// CUDA device 0 when usable, else the CPU.
+    Auto,
+}
+
+fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    match s {
+        "cpu" => Ok(DeviceChoice::Cpu),
+        "auto" => Ok(DeviceChoice::Auto),
+        "cuda" | "gpu" => Ok(DeviceChoice::Cuda(0)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(DeviceChoice::Cuda)
+            .ok_or_else(|| format!("unknown device `{s}` (expected cpu, cuda, cuda:N or auto)")),
+    }
+}
+
+/// Opens the backend `choice` names. `auto` falls back to the CPU, saying why, when no GPU
+/// is usable; an explicit `cuda` fails with the reason instead.
+pub(crate) fn open_backend(choice: DeviceChoice) -> Result<Arc<dyn Backend>> {
+    let cuda = |ordinal| {
+        CudaBackend::new(CudaOptions {
+            ordinal,
+            ..Default::default()
+        })
+    };
+    Ok(match choice {
+        DeviceChoice::Cpu => Arc::new(CpuBackend::new()),
+        DeviceChoice::Cuda(n) => Arc::new(cuda(n).with_context(|| format!("opening cuda:{n}"))?),
+        DeviceChoice::Auto => match corral_backend::cuda_available() {
+            Err(why) => {
+                tracing::debug!("no GPU ({why}); running on the CPU");
+                Arc::new(CpuBackend::new())
+            }
+            Ok(_) => match cuda(0) {
+                Ok(b) => Arc::new(b),
+                Err(e) => {
+                    tracing::warn!("cuda:0 is present but unusable ({e}); running on the CPU");
+                    Arc::new(CpuBackend::new())
+                }
+            },
+        },
+    })
 }
 
 fn parse_strategy(s: &str) -> Result<MoeStrategy, String> {
@@ -78,7 +133,8 @@ pub(crate) fn init_threads(threads: Option<usize>) -> Result<()> {
         .context("starting the thread pool")
 }
 
-/// Loads (or makes) the model of `args` on the CPU backend, with a progress bar on stderr.
+/// Loads (or makes) the model of `args` on the backend `--device` names, with a progress bar
+/// on stderr.
 pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
     init_threads(args.threads)?;
     let bar = indicatif::ProgressBar::new(0).with_style(
@@ -86,7 +142,7 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message(args.describe());
-    let backend = Arc::new(CpuBackend::new());
+    let backend = open_backend(args.device)?;
     let mut progress = |done: usize, total: usize| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);

@@ -27,7 +27,8 @@ pub struct PagedKvCache {
 }
 
 impl PagedKvCache {
-    /// Allocates `num_blocks` blocks of `block_size` tokens for every attention layer.
+    /// Allocates `num_blocks` blocks of `block_size` tokens for every attention layer, in the
+    /// backend's KV type.
     pub fn new(
         backend: &dyn Backend,
         config: &ModelConfig,
@@ -35,11 +36,12 @@ impl PagedKvCache {
         block_size: usize,
     ) -> Result<Self> {
         let len = num_blocks * block_size * config.kv_dim();
+        let dtype = backend.kv_dtype();
         let layers = (0..config.num_attention_layers())
             .map(|_| {
                 Ok(LayerKv {
-                    k: backend.alloc_zeroed(DType::F32, len, BufferUsage::KvCache)?,
-                    v: backend.alloc_zeroed(DType::F32, len, BufferUsage::KvCache)?,
+                    k: backend.alloc_zeroed(dtype, len, BufferUsage::KvCache)?,
+                    v: backend.alloc_zeroed(dtype, len, BufferUsage::KvCache)?,
                 })
             })
             .collect::<Result<_>>()?;

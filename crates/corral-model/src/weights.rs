@@ -3,7 +3,6 @@
 //! initialises, norms at 1), for measuring full-size shapes without weight files.
 
 use corral_backend::{Backend, DType, DeviceBuffer};
-use rayon::prelude::*;
 
 use crate::Result;
 use crate::checkpoint::Checkpoint;
@@ -91,16 +90,6 @@ pub struct SyntheticWeights {
 
 /// Standard deviation of synthetic matrices (transformers' `initializer_range` default).
 const STD: f32 = 0.02;
-/// Elements generated per parallel work item, each from its own stream.
-const CHUNK: usize = 1 << 16;
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// FNV-1a of a tensor name.
 fn name_hash(name: &str) -> u64 {
@@ -110,28 +99,14 @@ fn name_hash(name: &str) -> u64 {
 }
 
 impl SyntheticWeights {
+    /// The stream seed of tensor `name`.
+    fn tensor_seed(&self, name: &str) -> u64 {
+        self.seed ^ name_hash(name)
+    }
+
     /// `n` normal values with std 0.02 for tensor `name`.
     pub(crate) fn normal(&self, name: &str, n: usize) -> Vec<f32> {
-        let base = self.seed ^ name_hash(name);
-        let mut values = vec![0.0f32; n];
-        values
-            .par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                let mut state = base ^ (c as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
-                for pair in chunk.chunks_mut(2) {
-                    // Box–Muller on two uniforms in (0, 1].
-                    let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-                    let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
-                    let r = (-2.0 * u1.ln()).sqrt();
-                    let theta = std::f64::consts::TAU * u2;
-                    pair[0] = (r * theta.cos()) as f32 * STD;
-                    if let Some(second) = pair.get_mut(1) {
-                        *second = (r * theta.sin()) as f32 * STD;
-                    }
-                }
-            });
-        values
+        corral_backend::synthetic::normal_values(self.tensor_seed(name), n, STD)
     }
 }
 
@@ -148,8 +123,8 @@ impl WeightSource for SyntheticWeights {
     }
 
     fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
-        let values = self.normal(name, shape.iter().product());
-        Ok(backend.weight_from_f32(&values, self.dtype)?)
+        let n = shape.iter().product();
+        Ok(backend.weight_normal(n, self.dtype, self.tensor_seed(name), STD)?)
     }
 
     fn weight_f32(

@@ -7,7 +7,7 @@ pub(crate) mod ops;
 
 use std::sync::Arc;
 
-use crate::buffer::HostStorage;
+use crate::buffer::Storage;
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
@@ -37,9 +37,9 @@ impl CpuBackend {
     fn new_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> DeviceBuffer {
         self.stats.allocation();
         let storage = match dtype {
-            DType::F32 => HostStorage::F32(vec![0.0; len]),
-            DType::U32 => HostStorage::U32(vec![0; len]),
-            DType::BF16 | DType::F16 => HostStorage::Half(vec![0; len]),
+            DType::F32 => Storage::F32(vec![0.0; len]),
+            DType::U32 => Storage::U32(vec![0; len]),
+            DType::BF16 | DType::F16 => Storage::Half(vec![0; len]),
         };
         DeviceBuffer::new(dtype, len, usage, storage)
     }
@@ -88,8 +88,8 @@ fn f32s<'a>(
     check_dtype(op, b, DType::F32)?;
     check_len(op, what, b, needed)?;
     match &b.storage {
-        HostStorage::F32(v) => Ok(&v[..needed]),
-        HostStorage::Mapped {
+        Storage::F32(v) => Ok(&v[..needed]),
+        Storage::Mapped {
             file, byte_offset, ..
         } => Ok(bytemuck::cast_slice(
             &file.bytes()[*byte_offset..*byte_offset + needed * 4],
@@ -107,7 +107,7 @@ fn f32s_mut<'a>(
     check_dtype(op, b, DType::F32)?;
     check_len(op, what, b, needed)?;
     match &mut b.storage {
-        HostStorage::F32(v) => Ok(&mut v[..needed]),
+        Storage::F32(v) => Ok(&mut v[..needed]),
         _ => Err(bad(op, format!("`{what}` is not writable"))),
     }
 }
@@ -121,7 +121,7 @@ fn u32s<'a>(
     check_dtype(op, b, DType::U32)?;
     check_len(op, what, b, needed)?;
     match &b.storage {
-        HostStorage::U32(v) => Ok(&v[..needed]),
+        Storage::U32(v) => Ok(&v[..needed]),
         _ => Err(BackendError::ForeignBuffer { op }),
     }
 }
@@ -135,7 +135,7 @@ fn u32s_mut<'a>(
     check_dtype(op, b, DType::U32)?;
     check_len(op, what, b, needed)?;
     match &mut b.storage {
-        HostStorage::U32(v) => Ok(&mut v[..needed]),
+        Storage::U32(v) => Ok(&mut v[..needed]),
         _ => Err(BackendError::ForeignBuffer { op }),
     }
 }
@@ -144,9 +144,9 @@ fn u32s_mut<'a>(
 fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'a>> {
     let len = b.len();
     let half_bits: &'a [u16] = match &b.storage {
-        HostStorage::F32(v) => return Ok(WeightRows::F32(&v[..len])),
-        HostStorage::Half(v) => &v[..len],
-        HostStorage::Mapped {
+        Storage::F32(v) => return Ok(WeightRows::F32(&v[..len])),
+        Storage::Half(v) => &v[..len],
+        Storage::Mapped {
             file,
             byte_offset,
             byte_len,
@@ -157,9 +157,10 @@ fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'
             }
             bytemuck::cast_slice(bytes)
         }
-        HostStorage::U32(_) => {
+        Storage::U32(_) => {
             return Err(bad(op, "weights must be a float buffer".to_string()));
         }
+        Storage::Cuda(_) => return Err(BackendError::ForeignBuffer { op }),
     };
     match b.dtype() {
         DType::BF16 => Ok(WeightRows::Bf16(bytemuck::cast_slice(half_bits))),
@@ -310,14 +311,14 @@ impl Backend for CpuBackend {
             })?;
         let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.size_bytes());
         let storage = match (aligned, dtype) {
-            (true, DType::F32 | DType::BF16 | DType::F16) => HostStorage::Mapped {
+            (true, DType::F32 | DType::BF16 | DType::F16) => Storage::Mapped {
                 file: Arc::clone(file),
                 byte_offset,
                 byte_len,
             },
             (false, DType::F32) => {
                 self.stats.allocation();
-                HostStorage::F32(
+                Storage::F32(
                     bytes
                         .chunks_exact(4)
                         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -326,7 +327,7 @@ impl Backend for CpuBackend {
             }
             (false, DType::BF16 | DType::F16) => {
                 self.stats.allocation();
-                HostStorage::Half(
+                Storage::Half(
                     bytes
                         .chunks_exact(2)
                         .map(|c| u16::from_le_bytes([c[0], c[1]]))
@@ -341,14 +342,14 @@ impl Backend for CpuBackend {
     fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
         self.stats.allocation();
         let storage = match dtype {
-            DType::F32 => HostStorage::F32(values.to_vec()),
-            DType::BF16 => HostStorage::Half(
+            DType::F32 => Storage::F32(values.to_vec()),
+            DType::BF16 => Storage::Half(
                 values
                     .iter()
                     .map(|v| half::bf16::from_f32(*v).to_bits())
                     .collect(),
             ),
-            DType::F16 => HostStorage::Half(
+            DType::F16 => Storage::Half(
                 values
                     .iter()
                     .map(|v| half::f16::from_f32(*v).to_bits())

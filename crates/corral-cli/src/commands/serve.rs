@@ -47,6 +47,10 @@ pub(crate) struct ServeArgs {
     /// Model name clients use (default: the checkpoint directory's name).
     #[arg(long, env = "CORRAL_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
+    /// Folder with tokenizer.json and tokenizer_config.json (default: the model's); needed
+    /// with `--synthetic`.
+    #[arg(long, env = "CORRAL_TOKENIZER")]
+    tokenizer: Option<std::path::PathBuf>,
     /// Largest request body in bytes.
     #[arg(long, env = "CORRAL_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     max_body_bytes: usize,
@@ -77,8 +81,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let Some(dir) = args.model.dir().map(std::path::Path::to_path_buf) else {
-        bail!("serve needs --model DIR (with tokenizer.json)");
+    let Some(dir) = args
+        .tokenizer
+        .clone()
+        .or_else(|| args.model.dir().map(std::path::Path::to_path_buf))
+    else {
+        bail!("serve needs --model DIR (with tokenizer.json), or --tokenizer DIR with --synthetic");
     };
     let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
     let chat_template = match ChatTemplate::new(&TokenizerConfig::from_dir(&dir)?) {
@@ -90,7 +98,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     };
     let model = load_model(&args.model)?;
     let config = model.config().clone();
-    let per_block = config.kv_bytes_per_token(4) * BLOCK_SIZE;
+    let kv_elem = model.backend().kv_dtype().size_bytes();
+    let per_block = config.kv_bytes_per_token(kv_elem) * BLOCK_SIZE;
     // More blocks than every batch row at the model's full context could use are waste (and
     // a model without attention layers needs no KV memory at all).
     let useful = args.max_batch.max(1) * config.max_position_embeddings.div_ceil(BLOCK_SIZE);

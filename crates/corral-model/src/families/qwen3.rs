@@ -17,7 +17,7 @@ use crate::{ModelConfig, ModelError, Result};
 #[derive(Debug)]
 enum FeedForward {
     Dense(Mlp),
-    Sparse(SparseMoe),
+    Sparse(Box<SparseMoe>),
 }
 
 #[derive(Debug)]
@@ -55,7 +55,13 @@ impl Qwen3Model {
                 let moe = config.moe.as_ref().ok_or_else(|| {
                     ModelError::InvalidBatch("sparse layer without MoE config".to_string())
                 })?;
-                FeedForward::Sparse(SparseMoe::load(ckpt, backend, &format!("{p}mlp."), h, moe)?)
+                FeedForward::Sparse(Box::new(SparseMoe::load(
+                    ckpt,
+                    backend,
+                    &format!("{p}mlp."),
+                    h,
+                    moe,
+                )?))
             } else {
                 FeedForward::Dense(Mlp::load(
                     ckpt,

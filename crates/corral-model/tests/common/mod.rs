@@ -21,12 +21,21 @@ pub(crate) fn fixture_dir(name: &str) -> PathBuf {
 
 /// Loads a fixture on the CPU backend.
 pub(crate) fn load(name: &str) -> Model {
-    Model::load(
-        &fixture_dir(name),
-        Arc::new(CpuBackend::new()),
-        &mut |_, _| {},
-    )
-    .expect("load fixture")
+    load_on(name, Arc::new(CpuBackend::new()))
+}
+
+/// Loads a fixture on `backend`.
+pub(crate) fn load_on(name: &str, backend: Arc<dyn corral_backend::Backend>) -> Model {
+    Model::load(&fixture_dir(name), backend, &mut |_, _| {}).expect("load fixture")
+}
+
+/// The largest `‖row − reference row‖ / ‖reference row‖` over rows of `width`.
+pub(crate) fn worst_row_rel_err(ours: &[f32], reference: &[f32], width: usize) -> f64 {
+    assert_eq!(ours.len(), reference.len());
+    ours.chunks(width)
+        .zip(reference.chunks(width))
+        .map(|(a, b)| rel_err(a, b))
+        .fold(0.0, f64::max)
 }
 
 /// transformers' outputs for a fixture.

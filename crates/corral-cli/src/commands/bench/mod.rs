@@ -1,6 +1,7 @@
 //! `corral bench`: measurements as commands, never as timed tests. Each subcommand interleaves
 //! its variants within one run, so that they can be compared as ratios on a noisy machine.
 
+pub(crate) mod decode;
 mod plot;
 pub(crate) mod prefill;
 pub(crate) mod serve;
@@ -21,14 +22,39 @@ enum BenchCommand {
     /// Time to first token over prompt lengths and MoE strategies, with dispatch counts and a
     /// linear fit of fixed cost and marginal rate.
     Prefill(prefill::PrefillArgs),
+    /// Decode steps over batch sizes and context lengths: ms per step, tok/s, launches,
+    /// syncs, allocations and weight bytes per step.
+    Decode(decode::DecodeArgs),
     /// Concurrency sweep against a running server: aggregate tok/s, TTFT and inter-token
     /// latency percentiles, errors.
     Serve(serve::ServeBenchArgs),
 }
 
+/// Prints the device time per kernel of what ran since profiling was switched on.
+pub(crate) fn print_kernel_profile(title: &str, model: &corral_model::Model) -> Result<()> {
+    let times = model.backend().kernel_profile()?;
+    if times.is_empty() {
+        return Ok(());
+    }
+    let total: f64 = times.iter().map(|t| t.ms).sum();
+    println!("kernel profile: {title} (device ms, one extra run with events around launches)");
+    for t in &times {
+        println!(
+            "  {:<32} {:>6} launches {:>10.3} ms {:>5.1}%",
+            t.name,
+            t.launches,
+            t.ms,
+            t.ms / total * 100.0
+        );
+    }
+    println!("  {:<32} {:>6}          {:>10.3} ms", "total", "", total);
+    Ok(())
+}
+
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
     match args.command {
         BenchCommand::Prefill(args) => prefill::run(args),
+        BenchCommand::Decode(args) => decode::run(args),
         BenchCommand::Serve(args) => serve::run(args),
     }
 }

@@ -51,6 +51,9 @@ pub(crate) struct PrefillArgs {
     /// Draw TTFT against prompt length here (.svg or .png).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// After the measured runs, time one more run of each cell kernel by kernel.
+    #[arg(long)]
+    profile: bool,
     /// Seconds to watch the idle process's CPU use after the runs (0: skip).
     #[arg(long, default_value_t = 2.0)]
     idle_seconds: f64,
@@ -287,6 +290,18 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
             name: name.clone(),
             points,
         });
+    }
+    if args.profile {
+        for (name, strategy) in &strategies {
+            model.set_moe_strategy(*strategy);
+            for tokens in &prompts {
+                model.backend().set_profiling(true);
+                measure(&model, (&mut cache, &mut state), tokens, &mut logits)?;
+                let title = format!("{name}, {} prompt tokens", tokens.len());
+                super::print_kernel_profile(&title, &model)?;
+                model.backend().set_profiling(false);
+            }
+        }
     }
     if args.idle_seconds > 0.0 {
         let start = process_cpu_time();

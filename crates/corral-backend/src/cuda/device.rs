@@ -1,0 +1,225 @@
+//! The thin layer over cudarc (pinned exactly; its API moves between minor versions): the
+//! context and stream, device allocations, copies and raw kernel launches. Everything that
+//! touches cudarc outside compiling kernels is here.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, result, sys};
+
+use crate::{BackendError, Result};
+
+/// `what: detail` from a driver error.
+pub(crate) fn driver_err(what: &str, e: result::DriverError) -> BackendError {
+    BackendError::Device {
+        what: what.to_string(),
+        detail: format!("{e:?}"),
+    }
+}
+
+/// Whether the CUDA driver library can be opened. cudarc panics on a call into a missing
+/// library, so this is asked before anything else.
+pub(crate) fn driver_present() -> bool {
+    // SAFETY: only tries to open the shared library; no CUDA call is made.
+    #[allow(unsafe_code)]
+    unsafe {
+        sys::is_culib_present()
+    }
+}
+
+/// A device's context and the one stream every op is queued on.
+#[derive(Debug)]
+pub(crate) struct Gpu {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) name: String,
+    pub(crate) compute_capability: (i32, i32),
+    pub(crate) multiprocessors: i32,
+    pub(crate) total_memory: usize,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`.
+    pub(crate) fn open(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(BackendError::Device {
+                what: "CUDA driver".to_string(),
+                detail: "libcuda.so could not be opened (no NVIDIA driver on this machine?)"
+                    .to_string(),
+            });
+        }
+        let count = CudaContext::device_count().map_err(|e| driver_err("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(BackendError::Device {
+                what: format!("cuda:{ordinal}"),
+                detail: format!("no such device ({count} CUDA device(s) present)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("creating the context", e))?;
+        // One stream, synchronised by hand: cudarc's per-buffer events would add work to
+        // every launch and break graph capture.
+        // SAFETY: Corral never shares cudarc slices between streams.
+        #[allow(unsafe_code)]
+        unsafe {
+            ctx.disable_event_tracking()
+        };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err("creating a stream", e))?;
+        let name = ctx.name().map_err(|e| driver_err("cuDeviceGetName", e))?;
+        let compute_capability = ctx
+            .compute_capability()
+            .map_err(|e| driver_err("compute capability", e))?;
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_err("multiprocessor count", e))?;
+        let total_memory = ctx
+            .total_mem()
+            .map_err(|e| driver_err("cuDeviceTotalMem", e))?;
+        Ok(Self {
+            ctx,
+            stream,
+            name,
+            compute_capability,
+            multiprocessors,
+            total_memory,
+        })
+    }
+
+    /// Makes the context current on the calling thread (the engine runs on its own).
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the CUDA context", e))
+    }
+
+    /// A new device allocation of `bytes` (at least one byte).
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceMem> {
+        self.bind()?;
+        // SAFETY: the context is current; the pointer is freed once, by DeviceMem's drop.
+        #[allow(unsafe_code)]
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(|e| driver_err(&format!("allocating {bytes} bytes on the device"), e))?;
+        Ok(DeviceMem {
+            ptr,
+            bytes,
+            ctx: Arc::clone(&self.ctx),
+        })
+    }
+
+    /// Queues a copy of `src` to device address `dst`.
+    pub(crate) fn upload<T>(&self, src: &[T], dst: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller checked that `dst` has room for `src`; pageable host memory is
+        // staged by the driver before the call returns, so `src` may go right after.
+        #[allow(unsafe_code)]
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| driver_err("copying to the device", e))
+    }
+
+    /// Queues a copy of device memory at `src` into `dst`; valid once the stream is synced.
+    pub(crate) fn download<T>(&self, src: u64, dst: &mut [T]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller checked that `src` holds `dst.len()` elements, and syncs the
+        // stream before reading `dst`.
+        #[allow(unsafe_code)]
+        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| driver_err("copying from the device", e))
+    }
+
+    /// Queues a fill of `bytes` bytes at `dst` with zero.
+    pub(crate) fn memset_zero(&self, dst: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller checked that `dst` holds `bytes` bytes.
+        #[allow(unsafe_code)]
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_err("clearing device memory", e))
+    }
+
+    /// Waits for everything queued.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("synchronising the stream", e))
+    }
+
+    /// An event recorded on the stream now (profiling).
+    pub(crate) fn record_event(&self) -> Result<cudarc::driver::CudaEvent> {
+        let event = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| driver_err("creating an event", e))?;
+        event
+            .record(&self.stream)
+            .map_err(|e| driver_err("recording an event", e))?;
+        Ok(event)
+    }
+
+    /// Queues `kernel` over `grid` blocks of `block` threads; `params` point at each argument.
+    pub(crate) fn launch(
+        &self,
+        kernel: &Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: `kernel` comes from a module loaded in this context and `params` match its
+        // signature (every launch site passes the arguments its kernel declares, with device
+        // pointers to buffers checked large enough for the shapes passed).
+        #[allow(unsafe_code)]
+        unsafe {
+            result::launch_kernel(
+                kernel.0,
+                grid,
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(|e| driver_err(kernel.1, e))
+    }
+}
+
+/// A kernel's handle and name.
+#[derive(Debug)]
+pub(crate) struct Kernel(pub(crate) sys::CUfunction, pub(crate) &'static str);
+
+// SAFETY: a CUfunction is a handle valid on every thread that binds its context; launching
+// it does not mutate the handle.
+#[allow(unsafe_code)]
+unsafe impl Send for Kernel {}
+// SAFETY: as above.
+#[allow(unsafe_code)]
+unsafe impl Sync for Kernel {}
+
+/// One device allocation, freed on drop.
+pub(crate) struct DeviceMem {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceMem {
+    /// The device address.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl std::fmt::Debug for DeviceMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceMem({:#x}, {} bytes)", self.ptr, self.bytes)
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync in this context, freed exactly once here.
+            #[allow(unsafe_code)]
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}

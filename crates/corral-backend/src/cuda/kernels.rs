@@ -1,0 +1,164 @@
+//! The loaded kernels: every function of every module, resolved once at start-up.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaModule;
+use cudarc::nvrtc::Ptx;
+
+use super::compile::{KernelCache, SOURCES};
+use super::device::{Gpu, Kernel, driver_err};
+use crate::{BackendError, DType, Result};
+
+/// Kernels instantiated per weight type (bf16, f16, f32).
+#[derive(Debug)]
+pub(crate) struct WeightKernels {
+    pub(crate) embedding: Kernel,
+    pub(crate) matvec: Kernel,
+    pub(crate) matmul_tiled: Kernel,
+    pub(crate) grouped_gate_up: Kernel,
+    pub(crate) grouped_down: Kernel,
+    pub(crate) per_token_gate_up: Kernel,
+    pub(crate) per_token_down: Kernel,
+}
+
+/// Every kernel Corral launches.
+#[derive(Debug)]
+pub(crate) struct Kernels {
+    pub(crate) bf16: WeightKernels,
+    pub(crate) f16: WeightKernels,
+    pub(crate) f32: WeightKernels,
+    pub(crate) gather_rows: Kernel,
+    pub(crate) add_in_place: Kernel,
+    pub(crate) silu_mul: Kernel,
+    pub(crate) sigmoid_mul: Kernel,
+    pub(crate) add_sigmoid_gated: Kernel,
+    pub(crate) scale_scatter_add: Kernel,
+    pub(crate) normal_fill_bf16: Kernel,
+    pub(crate) normal_fill_f16: Kernel,
+    pub(crate) normal_fill_f32: Kernel,
+    pub(crate) rms_norm: Kernel,
+    pub(crate) gated_rms_norm: Kernel,
+    pub(crate) rope: Kernel,
+    pub(crate) kv_store_bf16: Kernel,
+    pub(crate) kv_store_f32: Kernel,
+    pub(crate) paged_attention_bf16: Kernel,
+    pub(crate) paged_attention_f32: Kernel,
+    pub(crate) moe_route: Kernel,
+    pub(crate) moe_sort: Kernel,
+    pub(crate) moe_combine: Kernel,
+    _modules: Vec<Arc<CudaModule>>,
+}
+
+/// How start-up got its kernels.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KernelCacheReport {
+    /// Files compiled by NVRTC in this start.
+    pub compiled: usize,
+    /// Files read from the on-disk cache.
+    pub cached: usize,
+    /// The cache folder, if any.
+    pub cache_dir: Option<std::path::PathBuf>,
+    /// Seconds spent compiling and loading.
+    pub seconds: f64,
+}
+
+impl Kernels {
+    /// Compiles (or reads from `cache`) and loads every kernel file for the device's arch.
+    pub(crate) fn load(gpu: &Gpu, cache: &KernelCache) -> Result<(Self, KernelCacheReport)> {
+        let start = std::time::Instant::now();
+        let (major, minor) = gpu.compute_capability;
+        if major < 8 {
+            return Err(BackendError::Device {
+                what: gpu.name.clone(),
+                detail: format!(
+                    "compute capability {major}.{minor}; Corral's kernels need 8.0 or newer \
+                     (bf16 tensor cores)"
+                ),
+            });
+        }
+        let arch = format!("sm_{major}{minor}");
+        let mut report = KernelCacheReport {
+            cache_dir: cache.dir().map(|d| d.to_path_buf()),
+            ..Default::default()
+        };
+        let mut modules = Vec::new();
+        for source in &SOURCES {
+            let (image, compiled) = cache.load_or_compile(source, &arch)?;
+            if compiled {
+                report.compiled += 1;
+            } else {
+                report.cached += 1;
+            }
+            gpu.bind()?;
+            let module = gpu
+                .ctx
+                .load_module(Ptx::from_binary(image))
+                .map_err(|e| driver_err(&format!("loading {}", source.name), e))?;
+            modules.push(module);
+        }
+        let find = |name: &'static str| -> Result<Kernel> {
+            for m in &modules {
+                if let Ok(f) = m.load_function(name) {
+                    return Ok(Kernel(f.cu_function(), name));
+                }
+            }
+            Err(BackendError::Device {
+                what: "loading kernels".to_string(),
+                detail: format!("no kernel named {name}"),
+            })
+        };
+        macro_rules! weight_kernels {
+            ($s:literal) => {
+                WeightKernels {
+                    embedding: find(concat!("embedding_", $s))?,
+                    matvec: find(concat!("matvec_", $s))?,
+                    matmul_tiled: find(concat!("matmul_tiled_", $s))?,
+                    grouped_gate_up: find(concat!("moe_grouped_gate_up_", $s))?,
+                    grouped_down: find(concat!("moe_grouped_down_", $s))?,
+                    per_token_gate_up: find(concat!("moe_per_token_gate_up_", $s))?,
+                    per_token_down: find(concat!("moe_per_token_down_", $s))?,
+                }
+            };
+        }
+        let kernels = Self {
+            bf16: weight_kernels!("bf16"),
+            f16: weight_kernels!("f16"),
+            f32: weight_kernels!("f32"),
+            gather_rows: find("gather_rows")?,
+            add_in_place: find("add_in_place")?,
+            silu_mul: find("silu_mul")?,
+            sigmoid_mul: find("sigmoid_mul")?,
+            add_sigmoid_gated: find("add_sigmoid_gated")?,
+            scale_scatter_add: find("scale_scatter_add")?,
+            normal_fill_bf16: find("normal_fill_bf16")?,
+            normal_fill_f16: find("normal_fill_f16")?,
+            normal_fill_f32: find("normal_fill_f32")?,
+            rms_norm: find("rms_norm")?,
+            gated_rms_norm: find("gated_rms_norm")?,
+            rope: find("rope")?,
+            kv_store_bf16: find("kv_store_bf16")?,
+            kv_store_f32: find("kv_store_f32")?,
+            paged_attention_bf16: find("paged_attention_bf16")?,
+            paged_attention_f32: find("paged_attention_f32")?,
+            moe_route: find("moe_route")?,
+            moe_sort: find("moe_sort")?,
+            moe_combine: find("moe_combine")?,
+            _modules: modules,
+        };
+        report.seconds = start.elapsed().as_secs_f64();
+        Ok((kernels, report))
+    }
+
+    /// The kernels for weights of `dtype`.
+    pub(crate) fn for_weights(&self, op: &'static str, dtype: DType) -> Result<&WeightKernels> {
+        match dtype {
+            DType::BF16 => Ok(&self.bf16),
+            DType::F16 => Ok(&self.f16),
+            DType::F32 => Ok(&self.f32),
+            DType::U32 => Err(BackendError::BadArgument {
+                op,
+                detail: "weights must be a float buffer".to_string(),
+            }),
+        }
+    }
+}

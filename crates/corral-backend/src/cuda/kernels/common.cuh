@@ -1,0 +1,145 @@
+// Shared helpers of every kernel file: raw 16-bit float conversions (no CUDA headers, so the
+// same sources compile under NVRTC anywhere), weight-type tags, reductions and the device
+// diagnostics block (error flag and weight-byte counter) that each step reads back once.
+
+#define NEG_INF __int_as_float(0xff800000)
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct bf16w { u16 bits; };
+struct f16w { u16 bits; };
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Element `i` of a weight stored as W, as f32.
+__device__ __forceinline__ float load_w(const bf16w* p, size_t i) { return bf16_to_f32(p[i].bits); }
+__device__ __forceinline__ float load_w(const f16w* p, size_t i) { return f16_to_f32(p[i].bits); }
+__device__ __forceinline__ float load_w(const float* p, size_t i) { return p[i]; }
+
+// Eight consecutive weights from p (16-byte aligned for 16-bit types, 32 for f32) as f32.
+__device__ __forceinline__ void load_w8(const bf16w* p, float* out) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void load_w8(const f16w* p, float* out) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        out[2 * i] = f16_to_f32((u16)(w[i] & 0xffffu));
+        out[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void load_w8(const float* p, float* out) {
+    float4 a = *reinterpret_cast<const float4*>(p);
+    float4 b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+// Element alignment that load_w8 needs, in elements.
+template <typename W> struct WeightAlign { static const int value = 8; };
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v, float* scratch32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch32[warp] = v;
+    __syncthreads();
+    float total = lane < warps ? scratch32[lane] : 0.f;
+    return warp_sum(total);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch32[warp] = v;
+    __syncthreads();
+    float m = lane < warps ? scratch32[lane] : NEG_INF;
+    return warp_max(m);
+}
+
+// Sum over the warp of x[0..K) · w[0..K); every lane gets it.
+template <typename W>
+__device__ __forceinline__ float warp_dot(const float* x, const W* w, u32 K, bool vec) {
+    u32 lane = threadIdx.x & 31;
+    float acc = 0.f;
+    if (vec) {
+        for (u32 k = lane * 8; k < K; k += 256) {
+            float wv[8];
+            load_w8(w + k, wv);
+            float4 a = *reinterpret_cast<const float4*>(x + k);
+            float4 b = *reinterpret_cast<const float4*>(x + k + 4);
+            acc += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] + b.x * wv[4] +
+                   b.y * wv[5] + b.z * wv[6] + b.w * wv[7];
+        }
+    } else {
+        for (u32 k = lane; k < K; k += 32) acc += x[k] * load_w(w, k);
+    }
+    return warp_sum(acc);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+
+// Diagnostics written by kernels and read back with the step's one read-back: the first
+// error code raised (an index out of range), and the weight bytes the kernels read.
+struct Diag {
+    u32 error;
+    u32 pad;
+    u64 weight_bytes;
+};
+
+// Error codes; the host names the op from the code.
+#define ERR_TOKEN_ID 1u
+#define ERR_ROW_INDEX 2u
+#define ERR_KV_SLOT 3u
+#define ERR_BLOCK_TABLE 4u
+#define ERR_EXPERT_ID 5u
+#define ERR_POSITION 6u
+
+__device__ __forceinline__ void raise_error(Diag* d, u32 code) { atomicCAS(&d->error, 0u, code); }
+
+__device__ __forceinline__ void count_weight_bytes(Diag* d, u64 bytes) {
+    if (bytes) atomicAdd(&d->weight_bytes, bytes);
+}

@@ -1,0 +1,177 @@
+// A 64x64 output tile of C = A · Wᵀ on tensor cores (mma.sync m16n8k16, bf16 operands, f32
+// accumulation): A rows are f32 activations, converted to bf16 as they are staged in shared
+// memory; W is a [N, K] row-major weight of any stored type. With NW = 2 the block computes
+// the same tile of two weights (gate and up) over one staged A. 128 threads: 2x2 warps of
+// 32x32, tiles of 32 along K, the next tile's loads in flight while the current one computes.
+
+#define TILE_M 64
+#define TILE_N 64
+#define TILE_K 32
+#define TILE_THREADS 128
+#define SMEM_STRIDE 40  // u16 per staged row: 32 + 8 of padding, conflict-free fragments
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+
+// 16 consecutive values starting at p (k0 .. k0+15 of a row with `k_left` = K - k0 left) as 8
+// packed bf16 pairs; out-of-range values are zero. `vec`: 16-byte aligned rows, K % 8 == 0.
+__device__ __forceinline__ void stage16(const float* p, int k_left, bool vec, u32* out) {
+    if (vec && k_left >= 16) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float4 v = reinterpret_cast<const float4*>(p)[i];
+            out[2 * i] = pack_bf16(v.x, v.y);
+            out[2 * i + 1] = pack_bf16(v.z, v.w);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float lo = 2 * i < k_left ? p[2 * i] : 0.f;
+            float hi = 2 * i + 1 < k_left ? p[2 * i + 1] : 0.f;
+            out[i] = pack_bf16(lo, hi);
+        }
+    }
+}
+
+__device__ __forceinline__ void stage16(const bf16w* p, int k_left, bool vec, u32* out) {
+    if (vec && k_left >= 16) {
+        uint4 a = reinterpret_cast<const uint4*>(p)[0];
+        uint4 b = reinterpret_cast<const uint4*>(p)[1];
+        out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+        out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            u32 lo = 2 * i < k_left ? p[2 * i].bits : 0u;
+            u32 hi = 2 * i + 1 < k_left ? p[2 * i + 1].bits : 0u;
+            out[i] = lo | (hi << 16);
+        }
+    }
+}
+
+__device__ __forceinline__ void stage16(const f16w* p, int k_left, bool vec, u32* out) {
+    float v[16];
+    if (vec && k_left >= 16) {
+        load_w8(p, v);
+        load_w8(p + 8, v + 8);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = i < k_left ? f16_to_f32(p[i].bits) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// acc[w][mi][ni][4]: warp tile rows wm*32 + mi*16 + {g, g+8}, cols wn*32 + ni*8 + 2*tq + {0,1}.
+// a_rows: shared [TILE_M] row pointers (null for rows past the end). w[i]: row 0 of the
+// tile's weight rows; n_valid rows of them exist. a_vec / w_vec: 16-byte loads allowed.
+template <typename W, int NW>
+__device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_valid, int K,
+                         bool a_vec, bool w_vec, float (*acc)[2][4][4]) {
+    __shared__ __align__(16) u16 a_s[TILE_M * SMEM_STRIDE];
+    __shared__ __align__(16) u16 w_s[NW][TILE_N * SMEM_STRIDE];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int wm = warp >> 1, wn = warp & 1, g = lane >> 2, tq = lane & 3;
+    int row = tid >> 1, half = (tid & 1) * 16;
+    const float* a_row = a_rows[row];
+    u32 a_stage[8], w_stage[NW][8];
+#pragma unroll
+    for (int x = 0; x < NW; x++)
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) acc[x][mi][ni][r] = 0.f;
+
+    auto load = [&](int k0) {
+        int k_left = K - k0 - half;
+        if (a_row && k_left > 0) {
+            stage16(a_row + k0 + half, k_left, a_vec, a_stage);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) a_stage[i] = 0u;
+        }
+#pragma unroll
+        for (int x = 0; x < NW; x++) {
+            if (row < n_valid && k_left > 0) {
+                stage16(w[x] + (size_t)row * K + k0 + half, k_left, w_vec, w_stage[x]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) w_stage[x][i] = 0u;
+            }
+        }
+    };
+    auto store = [&]() {
+        u32* a_dst = reinterpret_cast<u32*>(a_s + row * SMEM_STRIDE + half);
+#pragma unroll
+        for (int i = 0; i < 8; i++) a_dst[i] = a_stage[i];
+#pragma unroll
+        for (int x = 0; x < NW; x++) {
+            u32* w_dst = reinterpret_cast<u32*>(w_s[x] + row * SMEM_STRIDE + half);
+#pragma unroll
+            for (int i = 0; i < 8; i++) w_dst[i] = w_stage[x][i];
+        }
+    };
+
+    load(0);
+    store();
+    __syncthreads();
+    for (int k0 = 0; k0 < K; k0 += TILE_K) {
+        bool more = k0 + TILE_K < K;
+        if (more) load(k0 + TILE_K);
+#pragma unroll
+        for (int ks = 0; ks < TILE_K; ks += 16) {
+            u32 af[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const u16* base = a_s + (wm * 32 + mi * 16 + g) * SMEM_STRIDE + ks + 2 * tq;
+                af[mi][0] = *reinterpret_cast<const u32*>(base);
+                af[mi][1] = *reinterpret_cast<const u32*>(base + 8 * SMEM_STRIDE);
+                af[mi][2] = *reinterpret_cast<const u32*>(base + 8);
+                af[mi][3] = *reinterpret_cast<const u32*>(base + 8 * SMEM_STRIDE + 8);
+            }
+#pragma unroll
+            for (int x = 0; x < NW; x++) {
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) {
+                    const u16* base = w_s[x] + (wn * 32 + ni * 8 + g) * SMEM_STRIDE + ks + 2 * tq;
+                    u32 bf[2];
+                    bf[0] = *reinterpret_cast<const u32*>(base);
+                    bf[1] = *reinterpret_cast<const u32*>(base + 8);
+#pragma unroll
+                    for (int mi = 0; mi < 2; mi++) mma_bf16(acc[x][mi][ni], af[mi], bf);
+                }
+            }
+        }
+        __syncthreads();
+        if (more) {
+            store();
+            __syncthreads();
+        }
+    }
+}
+
+// Calls f(mi, ni, r, tile_row, tile_col) for each pair of adjacent columns a thread holds:
+// accumulator entries [mi][ni][r] and [mi][ni][r + 1] belong to tile_row and tile_col, +1.
+template <typename F>
+__device__ __forceinline__ void tile_for_each(F f) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int wm = warp >> 1, wn = warp & 1, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++)
+                f(mi, ni, hh * 2, wm * 32 + mi * 16 + g + hh * 8, wn * 32 + ni * 8 + 2 * tq);
+}

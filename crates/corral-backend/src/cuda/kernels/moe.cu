@@ -1,0 +1,345 @@
+// MoE: top-k routing, the device-side sort of routed pairs by expert, grouped gate/up (with
+// SwiGLU) and down (with the routing weight) over all experts on tensor cores, the combine
+// back to token order, and the per-token matrix-vector path that reads only the selected
+// experts' rows. Expert weights are reached through a per-projection table of device
+// pointers (one per expert), so stacked and per-expert checkpoint layouts run alike.
+
+#define ROUTE_THREADS 256
+#define SORT_THREADS 1024
+#define MAX_SORT_EXPERTS 4096
+
+// Softmax over each token's expert logits, then its top_k experts (ties to the lower id) and
+// their probabilities, renormalised to sum 1 when asked. One block per token.
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
+    const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32* ids,
+    float* weights) {
+    __shared__ float scratch[32];
+    __shared__ float best_v[ROUTE_THREADS];
+    __shared__ u32 best_i[ROUTE_THREADS];
+    __shared__ unsigned char chosen[MAX_SORT_EXPERTS];
+    u32 t = blockIdx.x;
+    if (t >= tokens) return;
+    const float* l = logits + (size_t)t * num_experts;
+    float m = NEG_INF;
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        m = fmaxf(m, l[e]);
+        chosen[e] = 0;
+    }
+    m = block_max(m, scratch);
+    float s = 0.f;
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) s += expf(l[e] - m);
+    s = block_sum(s, scratch);
+    for (u32 j = 0; j < top_k; j++) {
+        float bv = NEG_INF;
+        u32 bi = 0xffffffffu;
+        for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
+            if (!chosen[e] && (bi == 0xffffffffu || l[e] > bv)) {
+                bv = l[e];
+                bi = e;
+            }
+        }
+        best_v[threadIdx.x] = bv;
+        best_i[threadIdx.x] = bi;
+        __syncthreads();
+        for (u32 stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+            if (threadIdx.x < stride) {
+                float ov = best_v[threadIdx.x + stride];
+                u32 oi = best_i[threadIdx.x + stride];
+                float cv = best_v[threadIdx.x];
+                u32 ci = best_i[threadIdx.x];
+                bool take = oi != 0xffffffffu &&
+                            (ci == 0xffffffffu || ov > cv || (ov == cv && oi < ci));
+                if (take) {
+                    best_v[threadIdx.x] = ov;
+                    best_i[threadIdx.x] = oi;
+                }
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            u32 e = best_i[0];
+            ids[(size_t)t * top_k + j] = e;
+            weights[(size_t)t * top_k + j] = expf(l[e] - m) / s;
+            chosen[e] = 1;
+        }
+        __syncthreads();
+    }
+    if (renormalize && threadIdx.x == 0) {
+        float total = 0.f;
+        for (u32 j = 0; j < top_k; j++) total += weights[(size_t)t * top_k + j];
+        for (u32 j = 0; j < top_k; j++) weights[(size_t)t * top_k + j] /= total;
+    }
+}
+
+// Stable counting sort of the routed pairs by expert, in one block: counts, exclusive
+// offsets [E + 1], the sorted order and its inverse. An id out of range raises the error
+// flag and is sorted as expert 0, so that every later index stays in bounds.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
+    const u32* ids, u32 pairs, u32 num_experts, u32* offsets, u32* sorted_pairs,
+    u32* pair_positions, Diag* diag) {
+    __shared__ u32 counts[MAX_SORT_EXPERTS];
+    __shared__ u32 partial[SORT_THREADS];
+    u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (u32 e = tid; e < num_experts; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (u32 p = tid; p < pairs; p += blockDim.x) {
+        u32 e = ids[p];
+        if (e >= num_experts) {
+            raise_error(diag, ERR_EXPERT_ID);
+            e = 0;
+        }
+        atomicAdd(&counts[e], 1u);
+    }
+    __syncthreads();
+    // Exclusive scan: each thread owns a contiguous run of experts.
+    u32 per = (num_experts + blockDim.x - 1) / blockDim.x;
+    u32 e0 = min(tid * per, num_experts), e1 = min(e0 + per, num_experts);
+    u32 sum = 0;
+    for (u32 e = e0; e < e1; e++) sum += counts[e];
+    partial[tid] = sum;
+    __syncthreads();
+    for (u32 stride = 1; stride < blockDim.x; stride <<= 1) {
+        u32 v = tid >= stride ? partial[tid - stride] : 0;
+        __syncthreads();
+        partial[tid] += v;
+        __syncthreads();
+    }
+    u32 running = partial[tid] - sum;
+    for (u32 e = e0; e < e1; e++) {
+        u32 c = counts[e];
+        counts[e] = running;
+        offsets[e] = running;
+        running += c;
+    }
+    if (tid == 0) offsets[num_experts] = pairs;
+    __syncthreads();
+    // Placement in pair order within each expert: one warp per expert.
+    u32 warps = blockDim.x / 32;
+    for (u32 e = warp; e < num_experts; e += warps) {
+        u32 base = counts[e];
+        for (u32 p0 = 0; p0 < pairs; p0 += 32) {
+            u32 p = p0 + lane;
+            u32 pe = p < pairs ? ids[p] : 0xffffffffu;
+            if (p < pairs && pe >= num_experts) pe = 0;
+            u32 mask = __ballot_sync(0xffffffffu, pe == e);
+            if (pe == e) {
+                u32 s = base + __popc(mask & ((1u << lane) - 1u));
+                sorted_pairs[s] = p;
+                pair_positions[p] = s;
+            }
+            base += __popc(mask);
+        }
+    }
+}
+
+// Finds which expert tile of TILE_M sorted rows this block computes: expert e's rows
+// offsets[e]..offsets[e+1] form ceil(count / TILE_M) tiles, laid out expert after expert.
+// Returns false for the spare blocks of a grid sized for the worst case.
+__device__ bool find_expert_tile(const u32* offsets, u32 num_experts, u32 pairs, u32* expert,
+                                 u32* row0, u32* rows) {
+    __shared__ u32 s_expert, s_row0, s_rows;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 tile = blockIdx.x;
+    if (warp == 0) {
+        if (lane == 0) s_expert = 0xffffffffu;
+        __syncwarp();
+        u32 before = 0;
+        for (u32 c = 0; c < num_experts; c += 32) {
+            u32 e = c + lane;
+            u32 lo = e < num_experts ? offsets[e] : 0, hi = e < num_experts ? offsets[e + 1] : 0;
+            hi = min(hi, pairs);
+            u32 count = hi > lo ? hi - lo : 0;
+            u32 tiles = (count + TILE_M - 1) / TILE_M;
+            u32 inc = tiles;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                u32 n = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += n;
+            }
+            u32 first = before + inc - tiles;
+            if (tiles && tile >= first && tile < first + tiles) {
+                s_expert = e;
+                s_row0 = lo + (tile - first) * TILE_M;
+                s_rows = min((u32)TILE_M, hi - s_row0);
+            }
+            before += __shfl_sync(0xffffffffu, inc, 31);
+            if (before > tile) break;
+        }
+    }
+    __syncthreads();
+    *expert = s_expert;
+    *row0 = s_row0;
+    *rows = s_rows;
+    return s_expert != 0xffffffffu;
+}
+
+// act[s] = silu(gate[e] x[t]) * up[e] x[t] for each sorted row s (pair p = sorted_pairs[s],
+// token t = p / top_k, expert e). Grid: (worst-case tiles, ceil(I / TILE_N)).
+template <typename W>
+__device__ void grouped_gate_up_impl(const float* x, u32 hidden, u32 top_k, const u32* offsets,
+                                     const u32* sorted_pairs, u32 pairs, u32 num_experts,
+                                     const u64* gate_table, const u64* up_table, u32 inter,
+                                     u32 vec, float* act, Diag* diag) {
+    __shared__ const float* a_rows[TILE_M];
+    u32 expert, row0, rows;
+    if (!find_expert_tile(offsets, num_experts, pairs, &expert, &row0, &rows)) return;
+    u32 n0 = blockIdx.y * TILE_N;
+    if (threadIdx.x < TILE_M) {
+        const float* ptr = nullptr;
+        if (threadIdx.x < rows) ptr = x + (size_t)(sorted_pairs[row0 + threadIdx.x] / top_k) * hidden;
+        a_rows[threadIdx.x] = ptr;
+    }
+    int n_valid = (int)min((u32)TILE_N, inter - n0);
+    if (threadIdx.x == 0) count_weight_bytes(diag, 2ull * n_valid * hidden * sizeof(W));
+    __syncthreads();
+    const W* wt[2] = {reinterpret_cast<const W*>(gate_table[expert]) + (size_t)n0 * hidden,
+                      reinterpret_cast<const W*>(up_table[expert]) + (size_t)n0 * hidden};
+    float acc[2][2][4][4];
+    tile_mma<W, 2>(a_rows, wt, n_valid, (int)hidden, vec != 0, vec != 0, acc);
+    tile_for_each([&](int mi, int ni, int r0, int tile_row, int tile_col) {
+        u32 m = tile_row, n = n0 + tile_col;
+        if (m < rows) {
+            float* dst = act + (size_t)(row0 + m) * inter;
+            if (n < inter) dst[n] = silu(acc[0][mi][ni][r0]) * acc[1][mi][ni][r0];
+            if (n + 1 < inter) dst[n + 1] = silu(acc[0][mi][ni][r0 + 1]) * acc[1][mi][ni][r0 + 1];
+        }
+    });
+}
+
+// y[s] = w[p] * down[e] act[s] for each sorted row s. Grid: (worst-case tiles, ceil(H / TILE_N)).
+template <typename W>
+__device__ void grouped_down_impl(const float* act, u32 inter, const float* route_weights,
+                                  const u32* offsets, const u32* sorted_pairs, u32 pairs,
+                                  u32 num_experts, const u64* down_table, u32 hidden, u32 vec,
+                                  float* y, Diag* diag) {
+    __shared__ const float* a_rows[TILE_M];
+    __shared__ float scale[TILE_M];
+    u32 expert, row0, rows;
+    if (!find_expert_tile(offsets, num_experts, pairs, &expert, &row0, &rows)) return;
+    u32 n0 = blockIdx.y * TILE_N;
+    if (threadIdx.x < TILE_M) {
+        bool live = threadIdx.x < rows;
+        a_rows[threadIdx.x] = live ? act + (size_t)(row0 + threadIdx.x) * inter : nullptr;
+        scale[threadIdx.x] = live ? route_weights[sorted_pairs[row0 + threadIdx.x]] : 0.f;
+    }
+    int n_valid = (int)min((u32)TILE_N, hidden - n0);
+    if (threadIdx.x == 0) count_weight_bytes(diag, (u64)n_valid * inter * sizeof(W));
+    __syncthreads();
+    const W* wt[1] = {reinterpret_cast<const W*>(down_table[expert]) + (size_t)n0 * inter};
+    float acc[1][2][4][4];
+    tile_mma<W, 1>(a_rows, wt, n_valid, (int)inter, vec != 0, vec != 0, acc);
+    tile_for_each([&](int mi, int ni, int r0, int tile_row, int tile_col) {
+        u32 m = tile_row, n = n0 + tile_col;
+        if (m < rows) {
+            float* dst = y + (size_t)(row0 + m) * hidden;
+            if (n < hidden) dst[n] = scale[m] * acc[0][mi][ni][r0];
+            if (n + 1 < hidden) dst[n + 1] = scale[m] * acc[0][mi][ni][r0 + 1];
+        }
+    });
+}
+
+// Per-token path, first half: act[p, i] = silu(gate[e] x[t]) * up[e] x[t] for pair p and row
+// i, a warp per (pair, row). Grid: (ceil(I / 8), pairs).
+template <typename W>
+__device__ void per_token_gate_up_impl(const float* x, u32 hidden, const u32* ids, u32 top_k,
+                                       u32 num_experts, const u64* gate_table,
+                                       const u64* up_table, u32 inter, u32 vec, float* act,
+                                       Diag* diag) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 p = blockIdx.y, i = blockIdx.x * 8 + warp;
+    u32 e = ids[p];
+    if (e >= num_experts) {
+        if (threadIdx.x == 0) raise_error(diag, ERR_EXPERT_ID);
+        return;
+    }
+    if (threadIdx.x == 0) {
+        u32 valid = min(8u, inter - blockIdx.x * 8);
+        count_weight_bytes(diag, 2ull * valid * hidden * sizeof(W));
+    }
+    if (i >= inter) return;
+    const float* xt = x + (size_t)(p / top_k) * hidden;
+    const W* g = reinterpret_cast<const W*>(gate_table[e]) + (size_t)i * hidden;
+    const W* u = reinterpret_cast<const W*>(up_table[e]) + (size_t)i * hidden;
+    float gv = warp_dot(xt, g, hidden, vec != 0);
+    float uv = warp_dot(xt, u, hidden, vec != 0);
+    if (lane == 0) act[(size_t)p * inter + i] = silu(gv) * uv;
+}
+
+// Per-token path, second half: out[t, h] = sum_j w[t, j] * down[e_j][h] · act[t*k + j], a
+// warp per (token, row), slots summed in order. Grid: (ceil(H / 8), tokens).
+template <typename W>
+__device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
+                                    const float* route_weights, u32 top_k, u32 num_experts,
+                                    const u64* down_table, u32 hidden, u32 vec, float* out,
+                                    Diag* diag) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 t = blockIdx.y, h = blockIdx.x * 8 + warp;
+    if (threadIdx.x == 0) {
+        u32 valid = min(8u, hidden - blockIdx.x * 8);
+        count_weight_bytes(diag, (u64)valid * inter * top_k * sizeof(W));
+    }
+    if (h >= hidden) return;
+    float total = 0.f;
+    for (u32 j = 0; j < top_k; j++) {
+        u32 p = t * top_k + j;
+        u32 e = ids[p];
+        if (e >= num_experts) {
+            if (lane == 0) raise_error(diag, ERR_EXPERT_ID);
+            continue;
+        }
+        const W* d = reinterpret_cast<const W*>(down_table[e]) + (size_t)h * inter;
+        total += route_weights[p] * warp_dot(act + (size_t)p * inter, d, inter, vec != 0);
+    }
+    if (lane == 0) out[(size_t)t * hidden + h] = total;
+}
+
+#define MOE_KERNELS(SUFFIX, W)                                                                 \
+    extern "C" __global__ void __launch_bounds__(TILE_THREADS) moe_grouped_gate_up_##SUFFIX(   \
+        const float* x, u32 hidden, u32 top_k, const u32* offsets, const u32* sorted_pairs,    \
+        u32 pairs, u32 num_experts, const u64* gate_table, const u64* up_table, u32 inter,     \
+        u32 vec, float* act, Diag* diag) {                                                     \
+        grouped_gate_up_impl<W>(x, hidden, top_k, offsets, sorted_pairs, pairs, num_experts,   \
+                                gate_table, up_table, inter, vec, act, diag);                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(TILE_THREADS) moe_grouped_down_##SUFFIX(      \
+        const float* act, u32 inter, const float* route_weights, const u32* offsets,           \
+        const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* down_table,            \
+        u32 hidden, u32 vec, float* y, Diag* diag) {                                           \
+        grouped_down_impl<W>(act, inter, route_weights, offsets, sorted_pairs, pairs,          \
+                             num_experts, down_table, hidden, vec, y, diag);                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) moe_per_token_gate_up_##SUFFIX(          \
+        const float* x, u32 hidden, const u32* ids, u32 top_k, u32 num_experts,                \
+        const u64* gate_table, const u64* up_table, u32 inter, u32 vec, float* act,            \
+        Diag* diag) {                                                                          \
+        per_token_gate_up_impl<W>(x, hidden, ids, top_k, num_experts, gate_table, up_table,    \
+                                  inter, vec, act, diag);                                      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) moe_per_token_down_##SUFFIX(             \
+        const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,    \
+        u32 num_experts, const u64* down_table, u32 hidden, u32 vec, float* out,               \
+        Diag* diag) {                                                                          \
+        per_token_down_impl<W>(act, inter, ids, route_weights, top_k, num_experts, down_table, \
+                               hidden, vec, out, diag);                                        \
+    }
+MOE_KERNELS(bf16, bf16w)
+MOE_KERNELS(f16, f16w)
+MOE_KERNELS(f32, float)
+
+// out[t] = sum_j y[pair_positions[t*k + j]], summed in slot order.
+extern "C" __global__ void moe_combine(const float* y, const u32* pair_positions, u32 tokens,
+                                       u32 top_k, u32 hidden, u32 pairs, float* out, Diag* diag) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)tokens * hidden) return;
+    u32 t = (u32)(i / hidden), d = (u32)(i % hidden);
+    float total = 0.f;
+    for (u32 j = 0; j < top_k; j++) {
+        u32 s = pair_positions[t * top_k + j];
+        if (s >= pairs) {
+            raise_error(diag, ERR_ROW_INDEX);
+            continue;
+        }
+        total += y[(size_t)s * hidden + d];
+    }
+    out[i] = total;
+}

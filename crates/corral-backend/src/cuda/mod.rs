@@ -1,0 +1,1249 @@
+//! The CUDA backend: NVRTC-compiled kernels on one NVIDIA GPU, with the driver, NVRTC and
+//! friends opened at run time (one binary runs with or without a GPU).
+//!
+//! Activations are f32 in device memory; weights stay in their stored type (bf16, f16, f32)
+//! and are converted inside the kernels that read them; projections run on bf16 tensor
+//! cores with f32 accumulation (or f32 matrix-vector products for a few rows); norms,
+//! softmax and routing are f32; the KV cache is bf16. Every op is queued on one stream and
+//! goes through [`CudaBackend::launch`], which counts it. Nothing waits for the device
+//! except the read-backs, and each read-back also returns the kernels' error flag and the
+//! weight bytes they read.
+
+mod compile;
+mod device;
+mod kernels;
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+pub(crate) use device::DeviceMem;
+pub use kernels::KernelCacheReport;
+
+use crate::buffer::Storage;
+use crate::{
+    AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
+    DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
+    MoeRouting, MoeSorted, RecurrentRuns, Result, StatsCounter, WeightView,
+};
+use compile::KernelCache;
+use cudarc::driver::CudaEvent;
+use device::{Gpu, Kernel};
+use kernels::Kernels;
+
+/// How to open the CUDA backend.
+#[derive(Debug, Clone, Default)]
+pub struct CudaOptions {
+    /// Device ordinal (`cuda:N`).
+    pub ordinal: usize,
+    /// Folder of the compiled-kernel cache (default: `$CORRAL_KERNEL_CACHE`, else
+    /// `$XDG_CACHE_HOME/corral/kernels`, else `~/.cache/corral/kernels`).
+    pub kernel_cache: Option<PathBuf>,
+    /// KV cache element type: bf16 (default) or f32.
+    pub kv_dtype: Option<DType>,
+}
+
+/// The number of usable CUDA devices, or why there are none (no driver, no device).
+pub fn cuda_available() -> std::result::Result<usize, String> {
+    if !device::driver_present() {
+        return Err("libcuda.so could not be opened (no NVIDIA driver)".to_string());
+    }
+    match cudarc::driver::CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) => Err("the CUDA driver reports no device".to_string()),
+        Err(e) => Err(format!("the CUDA driver could not start: {e:?}")),
+    }
+}
+
+/// Runs ops on an NVIDIA GPU.
+#[derive(Debug)]
+pub struct CudaBackend {
+    gpu: Gpu,
+    kernels: Kernels,
+    ordinal: usize,
+    pool: BufferPool,
+    stats: StatsCounter,
+    /// Error flag (u32) and weight-byte counter (u64) written by kernels.
+    diag: DeviceMem,
+    kv_dtype: DType,
+    cache_report: KernelCacheReport,
+    /// Event pairs around each launch while profiling.
+    profile: Mutex<Option<Vec<TimedLaunch>>>,
+}
+
+/// A launch's kernel name and the events recorded around it.
+type TimedLaunch = (&'static str, CudaEvent, CudaEvent);
+
+/// A kernel argument, passed to the driver as a pointer to its bits.
+#[derive(Clone, Copy, Debug)]
+enum Arg {
+    Ptr(u64),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+impl Arg {
+    fn bits(self) -> u64 {
+        match self {
+            Arg::Ptr(v) | Arg::U64(v) => v,
+            Arg::U32(v) => v as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+        }
+    }
+}
+
+const MAX_ARGS: usize = 20;
+
+fn bad(op: &'static str, detail: String) -> BackendError {
+    BackendError::BadArgument { op, detail }
+}
+
+fn u32_of(op: &'static str, v: usize) -> Result<Arg> {
+    u32::try_from(v)
+        .map(Arg::U32)
+        .map_err(|_| bad(op, format!("{v} does not fit the kernel's 32-bit size")))
+}
+
+fn grid_of(op: &'static str, v: usize) -> Result<u32> {
+    match u32::try_from(v) {
+        Ok(n) if n > 0 && n < (1 << 31) => Ok(n),
+        _ => Err(bad(op, format!("grid of {v} blocks is out of range"))),
+    }
+}
+
+/// The device address of a CUDA buffer.
+fn ptr_of(op: &'static str, b: &DeviceBuffer) -> Result<u64> {
+    match &b.storage {
+        Storage::Cuda(mem) => Ok(mem.ptr()),
+        _ => Err(BackendError::ForeignBuffer { op }),
+    }
+}
+
+/// The address of a buffer of `dtype` with at least `needed` elements.
+fn buf(
+    op: &'static str,
+    what: &'static str,
+    b: &DeviceBuffer,
+    dtype: DType,
+    needed: usize,
+) -> Result<Arg> {
+    if b.dtype() != dtype {
+        return Err(BackendError::WrongDType {
+            op,
+            expected: dtype,
+            got: b.dtype(),
+        });
+    }
+    if b.len() < needed {
+        return Err(BackendError::TooSmall {
+            op,
+            what,
+            len: b.len(),
+            needed,
+        });
+    }
+    Ok(Arg::Ptr(ptr_of(op, b)?))
+}
+
+/// A weight view's address, type and whether its rows allow 16-byte loads.
+fn weight(op: &'static str, w: WeightView<'_>) -> Result<(Arg, DType, bool)> {
+    let dtype = w.buffer.dtype();
+    let addr = ptr_of(op, w.buffer)? + (w.offset * dtype.size_bytes()) as u64;
+    let vec = addr.is_multiple_of(16) && w.cols.is_multiple_of(8);
+    Ok((Arg::Ptr(addr), dtype, vec))
+}
+
+fn index_error(code: u32) -> &'static str {
+    match code {
+        1 => "embedding: token id",
+        2 => "row index (gather, scatter or MoE combine)",
+        3 => "kv_store: cache slot",
+        4 => "paged_attention: block table entry",
+        5 => "MoE: expert id",
+        6 => "paged_attention: position beyond the block table",
+        _ => "unknown device error",
+    }
+}
+
+impl CudaBackend {
+    /// Opens the device, then compiles (or reads from the cache) and loads every kernel.
+    pub fn new(options: CudaOptions) -> Result<Self> {
+        let gpu = Gpu::open(options.ordinal)?;
+        let cache = KernelCache::new(options.kernel_cache.clone());
+        let (kernels, cache_report) = Kernels::load(&gpu, &cache)?;
+        let diag = gpu.alloc(16)?;
+        gpu.memset_zero(diag.ptr(), 16)?;
+        gpu.sync()?;
+        let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
+        if !matches!(kv_dtype, DType::BF16 | DType::F32) {
+            return Err(bad(
+                "cuda backend",
+                format!("KV cache type {kv_dtype} unsupported"),
+            ));
+        }
+        Ok(Self {
+            gpu,
+            kernels,
+            ordinal: options.ordinal,
+            pool: BufferPool::default(),
+            stats: StatsCounter::default(),
+            diag,
+            kv_dtype,
+            cache_report,
+            profile: Mutex::new(None),
+        })
+    }
+
+    /// How the kernels were obtained at start-up.
+    pub fn kernel_cache_report(&self) -> &KernelCacheReport {
+        &self.cache_report
+    }
+
+    /// Bytes held by free pooled buffers.
+    pub fn pooled_bytes(&self) -> usize {
+        self.pool.free_bytes()
+    }
+
+    /// The one place a kernel is launched: counts it, then queues it.
+    fn launch(&self, k: &Kernel, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+        if args.len() > MAX_ARGS {
+            return Err(bad(k.1, "too many kernel arguments".to_string()));
+        }
+        let mut slots = [0u64; MAX_ARGS];
+        for (slot, arg) in slots.iter_mut().zip(args) {
+            *slot = arg.bits();
+        }
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, slot) in params.iter_mut().zip(slots.iter_mut()) {
+            *p = (slot as *mut u64).cast::<c_void>();
+        }
+        self.gpu.bind()?;
+        self.stats.dispatch(1);
+        let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(events) = profile.as_mut() else {
+            drop(profile);
+            return self.gpu.launch(k, grid, block, &mut params[..args.len()]);
+        };
+        let start = self.gpu.record_event()?;
+        self.gpu.launch(k, grid, block, &mut params[..args.len()])?;
+        events.push((k.1, start, self.gpu.record_event()?));
+        Ok(())
+    }
+
+    fn diag(&self) -> Arg {
+        Arg::Ptr(self.diag.ptr())
+    }
+
+    fn new_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        self.stats.allocation();
+        let mem = self.gpu.alloc(len * dtype.size_bytes())?;
+        Ok(DeviceBuffer::new(dtype, len, usage, Storage::Cuda(mem)))
+    }
+
+    /// A read-back: copies `dst.len()` elements from `src`, with the diagnostics block, and
+    /// waits. One host sync; a raised error flag turns into an error.
+    fn read_back<T>(&self, src: u64, dst: &mut [T]) -> Result<()> {
+        let mut diag = [0u64; 2];
+        self.gpu.download(src, dst)?;
+        self.gpu.download(self.diag.ptr(), &mut diag)?;
+        self.gpu.memset_zero(self.diag.ptr(), 16)?;
+        self.gpu.sync()?;
+        self.stats.host_sync();
+        self.stats.transfer(std::mem::size_of_val(dst));
+        self.stats.weight_read(diag[1] as usize);
+        let code = (diag[0] & 0xffff_ffff) as u32;
+        if code != 0 {
+            return Err(BackendError::DeviceIndex {
+                what: index_error(code),
+            });
+        }
+        Ok(())
+    }
+
+    /// Expert `m`'s device pointer table, its element type and whether 16-byte loads hold.
+    fn experts(&self, op: &'static str, m: &ExpertMatrices) -> Result<(Arg, DType, bool)> {
+        let dtype = m
+            .dtype()
+            .ok_or_else(|| bad(op, "a projection without experts".to_string()))?;
+        let (table, vec) = m.device_table(|m| {
+            let mut addrs = Vec::with_capacity(m.num_experts());
+            let mut vec = m.cols().is_multiple_of(8);
+            for (b, offset) in m.locations() {
+                if b.dtype() != dtype {
+                    return Err(bad(op, "experts stored in different types".to_string()));
+                }
+                let addr = ptr_of(op, b)? + (offset * dtype.size_bytes()) as u64;
+                vec &= addr.is_multiple_of(16);
+                addrs.push(addr);
+            }
+            let words: Vec<u32> = addrs
+                .iter()
+                .flat_map(|a| [*a as u32, (*a >> 32) as u32])
+                .collect();
+            let mut table = self.new_buffer(DType::U32, words.len(), BufferUsage::Weights)?;
+            self.gpu.upload(&words, ptr_of(op, &table)?)?;
+            self.stats.transfer(words.len() * 4);
+            table.set_usage(BufferUsage::Weights);
+            Ok((table, vec))
+        })?;
+        Ok((Arg::Ptr(ptr_of(op, table)?), dtype, *vec))
+    }
+
+    fn elementwise_grid(op: &'static str, len: usize) -> Result<(u32, u32, u32)> {
+        Ok((grid_of(op, len.div_ceil(256))?, 1, 1))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn device_name(&self) -> String {
+        let (major, minor) = self.gpu.compute_capability;
+        format!(
+            "cuda:{} ({}, sm_{major}{minor}, {} SMs, {:.1} GiB)",
+            self.ordinal,
+            self.gpu.name,
+            self.gpu.multiprocessors,
+            self.gpu.total_memory as f64 / (1u64 << 30) as f64
+        )
+    }
+
+    fn stats(&self) -> DispatchStats {
+        self.stats.snapshot()
+    }
+
+    fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        if let Some(b) = self.pool.take(dtype, len, usage) {
+            return Ok(b);
+        }
+        self.new_buffer(dtype, len, usage)
+    }
+
+    fn give_buffer(&self, buffer: DeviceBuffer) {
+        if matches!(buffer.storage, Storage::Cuda(_)) {
+            self.pool.give(buffer);
+        }
+    }
+
+    fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        let b = self.new_buffer(dtype, len, usage)?;
+        self.gpu
+            .memset_zero(ptr_of("alloc_zeroed", &b)?, len * dtype.size_bytes())?;
+        Ok(b)
+    }
+
+    fn weight_from_file(
+        &self,
+        file: &Arc<MappedFile>,
+        byte_offset: usize,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let op = "weight_from_file";
+        if !dtype.is_float() {
+            return Err(bad(op, "weights must be float".to_string()));
+        }
+        let byte_len = len * dtype.size_bytes();
+        let bytes = file
+            .bytes()
+            .get(byte_offset..byte_offset + byte_len)
+            .ok_or_else(|| {
+                bad(
+                    op,
+                    format!("{}: tensor data out of range", file.path().display()),
+                )
+            })?;
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        self.gpu.upload(bytes, ptr_of(op, &b)?)?;
+        self.stats.transfer(byte_len);
+        Ok(b)
+    }
+
+    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
+        let op = "weight_from_f32";
+        let b = self.new_buffer(dtype, values.len(), BufferUsage::Weights)?;
+        let dst = ptr_of(op, &b)?;
+        match dtype {
+            DType::F32 => self.gpu.upload(values, dst)?,
+            DType::BF16 => {
+                let bits: Vec<u16> = values
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_bits())
+                    .collect();
+                self.gpu.upload(&bits, dst)?;
+            }
+            DType::F16 => {
+                let bits: Vec<u16> = values
+                    .iter()
+                    .map(|v| half::f16::from_f32(*v).to_bits())
+                    .collect();
+                self.gpu.upload(&bits, dst)?;
+            }
+            DType::U32 => return Err(bad(op, "weights must be float".to_string())),
+        }
+        self.stats.transfer(values.len() * dtype.size_bytes());
+        Ok(b)
+    }
+
+    fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
+        let op = "weight_normal";
+        let kernel = match dtype {
+            DType::BF16 => &self.kernels.normal_fill_bf16,
+            DType::F16 => &self.kernels.normal_fill_f16,
+            DType::F32 => &self.kernels.normal_fill_f32,
+            DType::U32 => return Err(bad(op, "weights must be float".to_string())),
+        };
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        if len > 0 {
+            let p = Arg::Ptr(ptr_of(op, &b)?);
+            let pairs = len.div_ceil(2);
+            let grid = (grid_of(op, pairs.div_ceil(256))?, 1, 1);
+            let args = [p, p, Arg::U64(len as u64), Arg::U64(seed), Arg::F32(std)];
+            self.launch(kernel, grid, 256, &args)?;
+        }
+        Ok(b)
+    }
+
+    fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+
+    fn set_profiling(&self, on: bool) {
+        *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = on.then(Vec::new);
+    }
+
+    fn kernel_profile(&self) -> Result<Vec<crate::KernelTime>> {
+        let events = match self
+            .profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            Some(events) => std::mem::take(events),
+            None => return Ok(Vec::new()),
+        };
+        self.gpu.sync()?;
+        let mut times: Vec<crate::KernelTime> = Vec::new();
+        for (name, start, end) in events {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| device::driver_err("reading a profile event", e))?
+                as f64;
+            match times.iter_mut().find(|t| t.name == name) {
+                Some(t) => {
+                    t.launches += 1;
+                    t.ms += ms;
+                }
+                None => times.push(crate::KernelTime {
+                    name,
+                    launches: 1,
+                    ms,
+                }),
+            }
+        }
+        times.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(times)
+    }
+
+    fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
+        let Arg::Ptr(p) = buf("upload_f32", "dst", dst, DType::F32, src.len())? else {
+            unreachable!()
+        };
+        self.gpu.upload(src, p)?;
+        self.stats.transfer(std::mem::size_of_val(src));
+        Ok(())
+    }
+
+    fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
+        let Arg::Ptr(p) = buf("upload_u32", "dst", dst, DType::U32, src.len())? else {
+            unreachable!()
+        };
+        self.gpu.upload(src, p)?;
+        self.stats.transfer(std::mem::size_of_val(src));
+        Ok(())
+    }
+
+    fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
+        let Arg::Ptr(p) = buf("download_f32", "src", src, DType::F32, dst.len())? else {
+            unreachable!()
+        };
+        self.read_back(p, dst)
+    }
+
+    fn download_u32(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
+        let Arg::Ptr(p) = buf("download_u32", "src", src, DType::U32, dst.len())? else {
+            unreachable!()
+        };
+        self.read_back(p, dst)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.sync()?;
+        self.stats.host_sync();
+        Ok(())
+    }
+
+    fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
+        let Arg::Ptr(p) = buf("fill_zero", "buffer", buffer, DType::F32, len)? else {
+            unreachable!()
+        };
+        self.stats.dispatch(1);
+        self.gpu.memset_zero(p, len * 4)
+    }
+
+    fn embedding(
+        &self,
+        table: WeightView<'_>,
+        ids: &DeviceBuffer,
+        tokens: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "embedding";
+        let (w, dtype, _) = weight(op, table)?;
+        let hidden = table.cols;
+        let args = [
+            w,
+            buf(op, "ids", ids, DType::U32, tokens)?,
+            u32_of(op, tokens)?,
+            u32_of(op, hidden)?,
+            u32_of(op, table.rows)?,
+            buf(op, "out", out, DType::F32, tokens * hidden)?,
+            self.diag(),
+        ];
+        if tokens == 0 {
+            return Ok(());
+        }
+        let k = &self.kernels.for_weights(op, dtype)?.embedding;
+        self.launch(k, (grid_of(op, tokens)?, 1, 1), 256, &args)
+    }
+
+    fn gather_rows(
+        &self,
+        x: &DeviceBuffer,
+        row_ids: &DeviceBuffer,
+        num_rows: usize,
+        dim: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "gather_rows";
+        if num_rows == 0 || dim == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "x", x, DType::F32, dim)?,
+            buf(op, "rows", row_ids, DType::U32, num_rows)?,
+            u32_of(op, num_rows)?,
+            u32_of(op, dim)?,
+            u32_of(op, x.len() / dim)?,
+            buf(op, "out", out, DType::F32, num_rows * dim)?,
+            self.diag(),
+        ];
+        self.launch(
+            &self.kernels.gather_rows,
+            (grid_of(op, num_rows)?, 1, 1),
+            256,
+            &args,
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        offset_one: bool,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "rms_norm";
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "x", x, DType::F32, rows * dim)?,
+            buf(op, "weight", weight, DType::F32, dim)?,
+            u32_of(op, rows)?,
+            u32_of(op, dim)?,
+            Arg::F32(eps),
+            Arg::U32(offset_one as u32),
+            buf(op, "out", out, DType::F32, rows * dim)?,
+        ];
+        let block = if dim <= 256 { 128 } else { 256 };
+        self.launch(
+            &self.kernels.rms_norm,
+            (grid_of(op, rows)?, 1, 1),
+            block,
+            &args,
+        )
+    }
+
+    fn matmul(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "matmul";
+        if rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let (wp, dtype, vec) = weight(op, w)?;
+        let args = [
+            buf(op, "x", x, DType::F32, rows * w.cols)?,
+            u32_of(op, rows)?,
+            wp,
+            u32_of(op, w.rows)?,
+            u32_of(op, w.cols)?,
+            Arg::U32(vec as u32),
+            buf(op, "out", out, DType::F32, rows * w.rows)?,
+            self.diag(),
+        ];
+        let kernels = self.kernels.for_weights(op, dtype)?;
+        if rows <= 8 {
+            let grid = (grid_of(op, w.rows.div_ceil(8))?, 1, 1);
+            self.launch(&kernels.matvec, grid, 256, &args)
+        } else {
+            let grid = (
+                grid_of(op, rows.div_ceil(64))?,
+                grid_of(op, w.rows.div_ceil(64))?,
+                1,
+            );
+            self.launch(&kernels.matmul_tiled, grid, 128, &args)
+        }
+    }
+
+    fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
+        let op = "add_in_place";
+        if len == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "acc", acc, DType::F32, len)?,
+            buf(op, "x", x, DType::F32, len)?,
+            Arg::U64(len as u64),
+        ];
+        self.launch(
+            &self.kernels.add_in_place,
+            Self::elementwise_grid(op, len)?,
+            256,
+            &args,
+        )
+    }
+
+    fn silu_mul(
+        &self,
+        gate: &DeviceBuffer,
+        up: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "silu_mul";
+        if len == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "gate", gate, DType::F32, len)?,
+            buf(op, "up", up, DType::F32, len)?,
+            Arg::U64(len as u64),
+            buf(op, "out", out, DType::F32, len)?,
+        ];
+        self.launch(
+            &self.kernels.silu_mul,
+            Self::elementwise_grid(op, len)?,
+            256,
+            &args,
+        )
+    }
+
+    fn rope(
+        &self,
+        x: &mut DeviceBuffer,
+        positions: &DeviceBuffer,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        let op = "rope";
+        if rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
+            return Err(bad(
+                op,
+                format!("rotary dim {rotary_dim} of head dim {head_dim}"),
+            ));
+        }
+        let items = tokens * heads * (rotary_dim / 2);
+        if items == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "x", x, DType::F32, tokens * heads * head_dim)?,
+            buf(op, "positions", positions, DType::U32, tokens)?,
+            u32_of(op, tokens)?,
+            u32_of(op, heads)?,
+            u32_of(op, head_dim)?,
+            u32_of(op, rotary_dim)?,
+            Arg::F32(theta),
+        ];
+        self.launch(
+            &self.kernels.rope,
+            Self::elementwise_grid(op, items)?,
+            256,
+            &args,
+        )
+    }
+
+    fn kv_store(
+        &self,
+        k: &DeviceBuffer,
+        v: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        tokens: usize,
+        kv_dim: usize,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "kv_store";
+        if tokens == 0 || kv_dim == 0 {
+            return Ok(());
+        }
+        let dtype = cache_k.dtype();
+        let cache_slots = cache_k.len().min(cache_v.len()) / kv_dim;
+        let args = [
+            buf(op, "k", k, DType::F32, tokens * kv_dim)?,
+            buf(op, "v", v, DType::F32, tokens * kv_dim)?,
+            buf(op, "slots", slots, DType::U32, tokens)?,
+            u32_of(op, tokens)?,
+            u32_of(op, kv_dim)?,
+            Arg::U64(cache_slots as u64),
+            buf(op, "cache_k", cache_k, dtype, kv_dim)?,
+            buf(op, "cache_v", cache_v, dtype, kv_dim)?,
+            self.diag(),
+        ];
+        let kernel = match dtype {
+            DType::BF16 => &self.kernels.kv_store_bf16,
+            DType::F32 => &self.kernels.kv_store_f32,
+            other => return Err(bad(op, format!("KV cache of {other}"))),
+        };
+        self.launch(kernel, (grid_of(op, tokens)?, 1, 1), 128, &args)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &DeviceBuffer,
+        cache_k: &DeviceBuffer,
+        cache_v: &DeviceBuffer,
+        meta: &AttentionMeta<'_>,
+        shape: AttentionShape,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "paged_attention";
+        let AttentionShape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        } = shape;
+        if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || head_dim > 512 {
+            return Err(bad(
+                op,
+                format!("{num_heads} heads over {num_kv_heads} KV heads of dim {head_dim}"),
+            ));
+        }
+        let tokens = meta.tokens;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let kv_dim = num_kv_heads * head_dim;
+        let dtype = cache_k.dtype();
+        let slots = cache_k.len().min(cache_v.len()) / kv_dim;
+        let runs = meta.block_tables.len() / meta.max_blocks_per_run.max(1);
+        let args = [
+            buf(op, "q", q, DType::F32, tokens * num_heads * head_dim)?,
+            buf(op, "cache_k", cache_k, dtype, kv_dim)?,
+            buf(op, "cache_v", cache_v, dtype, kv_dim)?,
+            buf(op, "positions", meta.positions, DType::U32, tokens)?,
+            buf(op, "token_runs", meta.token_runs, DType::U32, tokens)?,
+            buf(
+                op,
+                "block_tables",
+                meta.block_tables,
+                DType::U32,
+                runs * meta.max_blocks_per_run,
+            )?,
+            u32_of(op, meta.max_blocks_per_run)?,
+            u32_of(op, meta.block_size)?,
+            u32_of(op, slots / meta.block_size.max(1))?,
+            u32_of(op, tokens)?,
+            u32_of(op, num_heads)?,
+            u32_of(op, num_kv_heads)?,
+            u32_of(op, head_dim)?,
+            Arg::F32(scale),
+            buf(op, "out", out, DType::F32, tokens * num_heads * head_dim)?,
+            self.diag(),
+        ];
+        let kernel = match dtype {
+            DType::BF16 => &self.kernels.paged_attention_bf16,
+            DType::F32 => &self.kernels.paged_attention_f32,
+            other => return Err(bad(op, format!("KV cache of {other}"))),
+        };
+        self.launch(kernel, (grid_of(op, tokens * num_heads)?, 1, 1), 128, &args)
+    }
+
+    fn moe_route(
+        &self,
+        logits: &DeviceBuffer,
+        tokens: usize,
+        num_experts: usize,
+        top_k: usize,
+        renormalize: bool,
+        expert_ids: &mut DeviceBuffer,
+        expert_weights: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_route";
+        if top_k == 0 || top_k > num_experts || num_experts > 4096 {
+            return Err(bad(op, format!("top {top_k} of {num_experts} experts")));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "logits", logits, DType::F32, tokens * num_experts)?,
+            u32_of(op, tokens)?,
+            u32_of(op, num_experts)?,
+            u32_of(op, top_k)?,
+            Arg::U32(renormalize as u32),
+            buf(op, "expert_ids", expert_ids, DType::U32, tokens * top_k)?,
+            buf(
+                op,
+                "expert_weights",
+                expert_weights,
+                DType::F32,
+                tokens * top_k,
+            )?,
+        ];
+        self.launch(
+            &self.kernels.moe_route,
+            (grid_of(op, tokens)?, 1, 1),
+            256,
+            &args,
+        )
+    }
+
+    fn scale_scatter_add(
+        &self,
+        y: &DeviceBuffer,
+        rows: &DeviceBuffer,
+        scales: &DeviceBuffer,
+        num_rows: usize,
+        dim: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "scale_scatter_add";
+        if num_rows == 0 || dim == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "y", y, DType::F32, num_rows * dim)?,
+            buf(op, "rows", rows, DType::U32, num_rows)?,
+            buf(op, "scales", scales, DType::F32, num_rows)?,
+            u32_of(op, num_rows)?,
+            u32_of(op, dim)?,
+            u32_of(op, out.len() / dim)?,
+            buf(op, "out", out, DType::F32, dim)?,
+            self.diag(),
+        ];
+        self.launch(
+            &self.kernels.scale_scatter_add,
+            (grid_of(op, num_rows)?, 1, 1),
+            256,
+            &args,
+        )
+    }
+
+    fn moe_sort(
+        &self,
+        routing: MoeRouting<'_>,
+        num_experts: usize,
+        expert_offsets: &mut DeviceBuffer,
+        sorted_pairs: &mut DeviceBuffer,
+        pair_positions: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_sort";
+        if num_experts == 0 || num_experts > 4096 {
+            return Err(bad(
+                op,
+                format!("{num_experts} experts (1 to 4096 supported)"),
+            ));
+        }
+        let pairs = routing.tokens * routing.top_k;
+        let args = [
+            buf(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?,
+            u32_of(op, pairs)?,
+            u32_of(op, num_experts)?,
+            buf(
+                op,
+                "expert_offsets",
+                expert_offsets,
+                DType::U32,
+                num_experts + 1,
+            )?,
+            buf(op, "sorted_pairs", sorted_pairs, DType::U32, pairs)?,
+            buf(op, "pair_positions", pair_positions, DType::U32, pairs)?,
+            self.diag(),
+        ];
+        self.launch(&self.kernels.moe_sort, (1, 1, 1), 1024, &args)
+    }
+
+    fn moe_grouped_gate_up(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_grouped_gate_up";
+        let (num_experts, inter, hidden) = (
+            experts.gate.num_experts(),
+            experts.gate.rows(),
+            experts.gate.cols(),
+        );
+        if experts.up.rows() != inter || experts.up.cols() != hidden {
+            return Err(bad(
+                op,
+                "gate and up projections differ in shape".to_string(),
+            ));
+        }
+        let pairs = routing.tokens * routing.top_k;
+        if pairs == 0 || inter == 0 {
+            return Ok(());
+        }
+        let (gate, gate_dtype, gate_vec) = self.experts(op, &experts.gate)?;
+        let (up, up_dtype, up_vec) = self.experts(op, &experts.up)?;
+        if gate_dtype != up_dtype {
+            return Err(bad(op, "gate and up stored in different types".to_string()));
+        }
+        let args = [
+            buf(op, "x", x, DType::F32, routing.tokens * hidden)?,
+            u32_of(op, hidden)?,
+            u32_of(op, routing.top_k)?,
+            buf(
+                op,
+                "expert_offsets",
+                sorted.expert_offsets,
+                DType::U32,
+                num_experts + 1,
+            )?,
+            buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
+            u32_of(op, pairs)?,
+            u32_of(op, num_experts)?,
+            gate,
+            up,
+            u32_of(op, inter)?,
+            Arg::U32((gate_vec && up_vec) as u32),
+            buf(op, "act", act, DType::F32, pairs * inter)?,
+            self.diag(),
+        ];
+        let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
+        let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);
+        let k = &self.kernels.for_weights(op, gate_dtype)?.grouped_gate_up;
+        self.launch(k, grid, 128, &args)
+    }
+
+    fn moe_grouped_down(
+        &self,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_grouped_down";
+        let (num_experts, hidden, inter) = (
+            experts.down.num_experts(),
+            experts.down.rows(),
+            experts.down.cols(),
+        );
+        let pairs = routing.tokens * routing.top_k;
+        if pairs == 0 || hidden == 0 {
+            return Ok(());
+        }
+        let (down, dtype, vec) = self.experts(op, &experts.down)?;
+        let args = [
+            buf(op, "act", act, DType::F32, pairs * inter)?,
+            u32_of(op, inter)?,
+            buf(
+                op,
+                "expert_weights",
+                routing.expert_weights,
+                DType::F32,
+                pairs,
+            )?,
+            buf(
+                op,
+                "expert_offsets",
+                sorted.expert_offsets,
+                DType::U32,
+                num_experts + 1,
+            )?,
+            buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
+            u32_of(op, pairs)?,
+            u32_of(op, num_experts)?,
+            down,
+            u32_of(op, hidden)?,
+            Arg::U32(vec as u32),
+            buf(op, "y", y, DType::F32, pairs * hidden)?,
+            self.diag(),
+        ];
+        let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
+        let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(64))?, 1);
+        let k = &self.kernels.for_weights(op, dtype)?.grouped_down;
+        self.launch(k, grid, 128, &args)
+    }
+
+    fn moe_combine(
+        &self,
+        y: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        hidden: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_combine";
+        let (tokens, top_k) = (routing.tokens, routing.top_k);
+        let pairs = tokens * top_k;
+        if tokens == 0 || hidden == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "y", y, DType::F32, pairs * hidden)?,
+            buf(
+                op,
+                "pair_positions",
+                sorted.pair_positions,
+                DType::U32,
+                pairs,
+            )?,
+            u32_of(op, tokens)?,
+            u32_of(op, top_k)?,
+            u32_of(op, hidden)?,
+            u32_of(op, pairs)?,
+            buf(op, "out", out, DType::F32, tokens * hidden)?,
+            self.diag(),
+        ];
+        let grid = Self::elementwise_grid(op, tokens * hidden)?;
+        self.launch(&self.kernels.moe_combine, grid, 256, &args)
+    }
+
+    fn sigmoid_mul(
+        &self,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "sigmoid_mul";
+        if len == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "x", x, DType::F32, len)?,
+            buf(op, "gate", gate, DType::F32, len)?,
+            Arg::U64(len as u64),
+            buf(op, "out", out, DType::F32, len)?,
+        ];
+        self.launch(
+            &self.kernels.sigmoid_mul,
+            Self::elementwise_grid(op, len)?,
+            256,
+            &args,
+        )
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        acc: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let op = "add_sigmoid_gated";
+        if rows * dim == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "acc", acc, DType::F32, rows * dim)?,
+            buf(op, "x", x, DType::F32, rows * dim)?,
+            buf(op, "gate", gate, DType::F32, rows)?,
+            u32_of(op, rows)?,
+            u32_of(op, dim)?,
+        ];
+        let grid = Self::elementwise_grid(op, rows * dim)?;
+        self.launch(&self.kernels.add_sigmoid_gated, grid, 256, &args)
+    }
+
+    fn causal_conv1d(
+        &self,
+        _x: &DeviceBuffer,
+        _weight: &DeviceBuffer,
+        _channels: usize,
+        _kernel: usize,
+        _runs: RecurrentRuns<'_>,
+        _conv_state: &mut DeviceBuffer,
+        _out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        Err(hybrid_unsupported("causal_conv1d"))
+    }
+
+    fn delta_net_gates(
+        &self,
+        _a: &DeviceBuffer,
+        _b: &DeviceBuffer,
+        _a_log: &DeviceBuffer,
+        _dt_bias: &DeviceBuffer,
+        _tokens: usize,
+        _heads: usize,
+        _g: &mut DeviceBuffer,
+        _beta: &mut DeviceBuffer,
+    ) -> Result<()> {
+        Err(hybrid_unsupported("delta_net_gates"))
+    }
+
+    fn gated_delta_rule(
+        &self,
+        _qkv: &DeviceBuffer,
+        _g: &DeviceBuffer,
+        _beta: &DeviceBuffer,
+        _shape: DeltaNetShape,
+        _runs: RecurrentRuns<'_>,
+        _recurrent_state: &mut DeviceBuffer,
+        _out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        Err(hybrid_unsupported("gated_delta_rule"))
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        z: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "gated_rms_norm";
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "x", x, DType::F32, rows * dim)?,
+            buf(op, "z", z, DType::F32, rows * dim)?,
+            buf(op, "weight", weight, DType::F32, dim)?,
+            u32_of(op, rows)?,
+            u32_of(op, dim)?,
+            Arg::F32(eps),
+            buf(op, "out", out, DType::F32, rows * dim)?,
+        ];
+        self.launch(
+            &self.kernels.gated_rms_norm,
+            (grid_of(op, rows)?, 1, 1),
+            128,
+            &args,
+        )
+    }
+
+    fn moe_experts_per_token(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_experts_per_token";
+        let (tokens, top_k) = (routing.tokens, routing.top_k);
+        let (num_experts, inter, hidden) = (
+            experts.gate.num_experts(),
+            experts.gate.rows(),
+            experts.gate.cols(),
+        );
+        let pairs = tokens * top_k;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let (gate, dtype, gate_vec) = self.experts(op, &experts.gate)?;
+        let (up, _, up_vec) = self.experts(op, &experts.up)?;
+        let (down, _, down_vec) = self.experts(op, &experts.down)?;
+        let kernels = self.kernels.for_weights(op, dtype)?;
+        let ids = buf(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?;
+        let act_arg = buf(op, "act", act, DType::F32, pairs * inter)?;
+        let first = [
+            buf(op, "x", x, DType::F32, tokens * hidden)?,
+            u32_of(op, hidden)?,
+            ids,
+            u32_of(op, top_k)?,
+            u32_of(op, num_experts)?,
+            gate,
+            up,
+            u32_of(op, inter)?,
+            Arg::U32((gate_vec && up_vec) as u32),
+            act_arg,
+            self.diag(),
+        ];
+        let grid = (grid_of(op, inter.div_ceil(8))?, grid_of(op, pairs)?, 1);
+        self.launch(&kernels.per_token_gate_up, grid, 256, &first)?;
+        let second = [
+            act_arg,
+            u32_of(op, inter)?,
+            ids,
+            buf(
+                op,
+                "expert_weights",
+                routing.expert_weights,
+                DType::F32,
+                pairs,
+            )?,
+            u32_of(op, top_k)?,
+            u32_of(op, num_experts)?,
+            down,
+            u32_of(op, hidden)?,
+            Arg::U32(down_vec as u32),
+            buf(op, "out", out, DType::F32, tokens * hidden)?,
+            self.diag(),
+        ];
+        let grid = (grid_of(op, hidden.div_ceil(8))?, grid_of(op, tokens)?, 1);
+        self.launch(&kernels.per_token_down, grid, 256, &second)
+    }
+}
+
+fn hybrid_unsupported(op: &'static str) -> BackendError {
+    BackendError::Device {
+        what: op.to_string(),
+        detail: "Gated DeltaNet layers do not run on the CUDA backend yet; use --device cpu"
+            .to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compile::{Output, SOURCES, compile, nvrtc_present};
+
+    /// Every kernel file compiles for Hopper when NVRTC is present (no GPU needed), so a
+    /// syntax error never costs GPU time. Skips, saying so, without NVRTC.
+    #[test]
+    fn every_kernel_file_compiles_with_nvrtc() {
+        if !nvrtc_present() {
+            eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to check kernels)");
+            return;
+        }
+        for source in &SOURCES {
+            let ptx = compile(source, "compute_90", Output::Ptx)
+                .unwrap_or_else(|e| panic!("{}: {e}", source.name));
+            assert!(ptx.len() > 100, "{}: empty PTX", source.name);
+        }
+    }
+}

@@ -1,0 +1,586 @@
+//! CUDA ops against the CPU backend (itself proven against the references) on random shapes,
+//! weight types and layouts; plus the CUDA backend's accounting, error flag and kernel
+//! cache. Without a usable GPU every test prints why it skipped and passes.
+
+use std::sync::{Arc, OnceLock};
+
+use corral_backend::{
+    Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeviceBuffer,
+    ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, WeightView, cuda_available,
+};
+
+fn gpu() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    GPU.get_or_init(|| match cuda_available() {
+        Err(why) => {
+            eprintln!("skipped: no CUDA device ({why})");
+            None
+        }
+        Ok(_) => Some(CudaBackend::new(CudaOptions::default()).expect("open cuda:0")),
+    })
+    .as_ref()
+}
+
+macro_rules! gpu_or_skip {
+    () => {
+        match gpu() {
+            Some(g) => g,
+            None => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        }
+    };
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.next() as f32 / (1u64 << 31) as f32) * 2.0 - 1.0)
+            .collect()
+    }
+}
+
+fn f32_buf(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
+    let mut buf = b
+        .take_buffer(DType::F32, v.len().max(1), BufferUsage::Activations)
+        .unwrap();
+    b.upload_f32(v, &mut buf).unwrap();
+    buf
+}
+
+fn u32_buf(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
+    let mut buf = b
+        .take_buffer(DType::U32, v.len().max(1), BufferUsage::Metadata)
+        .unwrap();
+    b.upload_u32(v, &mut buf).unwrap();
+    buf
+}
+
+fn out_buf(b: &dyn Backend, n: usize) -> DeviceBuffer {
+    let mut buf = b
+        .take_buffer(DType::F32, n.max(1), BufferUsage::Activations)
+        .unwrap();
+    b.upload_f32(&vec![f32::NAN; n], &mut buf).unwrap();
+    buf
+}
+
+fn read(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; n];
+    b.download_f32(buf, &mut out).unwrap();
+    out
+}
+
+fn read_u32(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<u32> {
+    let mut out = vec![0; n];
+    b.download_u32(buf, &mut out).unwrap();
+    out
+}
+
+/// ‖a − b‖ / ‖b‖, and NaN anywhere fails.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
+
+fn assert_close(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
+    let err = rel(gpu, cpu);
+    assert!(err <= tol, "{what}: relative error {err:e} > {tol:e}");
+}
+
+const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+
+#[test]
+fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(1);
+    for case in 0..48 {
+        let rows = [1, 2, 5, 8, 9, 33, 64, 65, 130][case % 9];
+        let n = 1 + rng.below(150);
+        let k = if case % 3 == 0 {
+            1 + rng.below(100)
+        } else {
+            8 * (1 + rng.below(40))
+        };
+        let dtype = DTYPES[case % 3];
+        let offset = rng.below(3);
+        let x = rng.values(rows * k);
+        let w = rng.values((n + offset) * k);
+        let mut outs = Vec::new();
+        for b in [&c as &dyn Backend, g] {
+            let wb = b.weight_from_f32(&w, dtype).unwrap();
+            let view = WeightView::new(&wb, n + offset, k)
+                .unwrap()
+                .rows(offset, n)
+                .unwrap();
+            let xb = f32_buf(b, &x);
+            let mut out = out_buf(b, rows * n);
+            b.matmul(&xb, rows, view, &mut out).unwrap();
+            outs.push(read(b, &out, rows * n));
+        }
+        // Few rows run in f32; tiles round activations (and f16/f32 weights) to bf16.
+        let tol = if rows <= 8 { 1e-5 } else { 1e-2 };
+        let what = format!("rows {rows} n {n} k {k} {dtype} offset {offset}");
+        assert_close(&what, &outs[1], &outs[0], tol);
+    }
+}
+
+#[test]
+fn norms_rope_and_elementwise_ops_match_cpu() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(2);
+    for case in 0..12 {
+        let rows = 1 + rng.below(40);
+        let dim = 2 * (1 + rng.below(200));
+        let x = rng.values(rows * dim);
+        let y = rng.values(rows * dim);
+        let w = rng.values(dim);
+        let gate = rng.values(rows);
+        let positions: Vec<u32> = (0..rows).map(|_| rng.below(5000) as u32).collect();
+        let heads = 1 + rng.below(3);
+        let head_dim = 2 * (1 + rng.below(40));
+        let rotary = 2 * (1 + rng.below(head_dim / 2));
+        let q = rng.values(rows * heads * head_dim);
+        let picks: Vec<u32> = (0..rows).map(|_| rng.below(rows) as u32).collect();
+        let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
+        for b in [&c as &dyn Backend, g] {
+            let (xb, yb, gb) = (f32_buf(b, &x), f32_buf(b, &y), f32_buf(b, &gate));
+            let wb = b.weight_from_f32(&w, DType::F32).unwrap();
+            let mut r = Vec::new();
+            let mut out = out_buf(b, rows * dim);
+            b.rms_norm(&xb, &wb, rows, dim, 1e-6, case % 2 == 0, &mut out)
+                .unwrap();
+            r.push(read(b, &out, rows * dim));
+            b.gated_rms_norm(&xb, &yb, &wb, rows, dim, 1e-6, &mut out)
+                .unwrap();
+            r.push(read(b, &out, rows * dim));
+            b.silu_mul(&xb, &yb, rows * dim, &mut out).unwrap();
+            r.push(read(b, &out, rows * dim));
+            b.sigmoid_mul(&xb, &yb, rows * dim, &mut out).unwrap();
+            r.push(read(b, &out, rows * dim));
+            let mut acc = f32_buf(b, &y);
+            b.add_in_place(&mut acc, &xb, rows * dim).unwrap();
+            b.add_sigmoid_gated(&mut acc, &xb, &gb, rows, dim).unwrap();
+            r.push(read(b, &acc, rows * dim));
+            let ids = u32_buf(b, &picks);
+            b.gather_rows(&xb, &ids, rows, dim, &mut out).unwrap();
+            r.push(read(b, &out, rows * dim));
+            let pos = u32_buf(b, &positions);
+            let mut qb = f32_buf(b, &q);
+            b.rope(&mut qb, &pos, rows, heads, head_dim, rotary, 1e6)
+                .unwrap();
+            r.push(read(b, &qb, q.len()));
+            results.push(r);
+        }
+        let names = [
+            "rms_norm",
+            "gated_rms_norm",
+            "silu_mul",
+            "sigmoid_mul",
+            "adds",
+            "gather",
+        ];
+        for (i, name) in names.iter().enumerate() {
+            assert_close(name, &results[1][i], &results[0][i], 1e-5);
+        }
+        // Angles reach position × inv_freq ≈ 5000 rad: an ulp of difference in powf's
+        // inv_freq moves them by ~3e-4 rad·ulp, so RoPE agrees to 1e-4, not 1e-5.
+        assert_close("rope", &results[1][6], &results[0][6], 1e-4);
+    }
+}
+
+#[test]
+fn embedding_reads_every_weight_type_exactly() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(3);
+    for dtype in DTYPES {
+        let (vocab, hidden, tokens) = (50, 24, 17);
+        let table = rng.values(vocab * hidden);
+        let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
+        let mut outs = Vec::new();
+        for b in [&c as &dyn Backend, g] {
+            let t = b.weight_from_f32(&table, dtype).unwrap();
+            let idb = u32_buf(b, &ids);
+            let mut out = out_buf(b, tokens * hidden);
+            b.embedding(
+                WeightView::new(&t, vocab, hidden).unwrap(),
+                &idb,
+                tokens,
+                &mut out,
+            )
+            .unwrap();
+            outs.push(read(b, &out, tokens * hidden));
+        }
+        assert_eq!(outs[0], outs[1], "{dtype}");
+    }
+}
+
+#[test]
+fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(4);
+    for case in 0..10 {
+        let (nkv, group) = (1 + rng.below(3), 1 + rng.below(4));
+        let nh = nkv * group;
+        let hd = [8, 16, 24, 32, 64, 128, 256][case % 7];
+        let block_size = [4, 16][case % 2];
+        let kv_dim = nkv * hd;
+        // Runs of different lengths, each continuing a history of `past` cached tokens.
+        let runs: Vec<(usize, usize)> = (0..1 + rng.below(3))
+            .map(|_| (rng.below(70), 1 + rng.below(40)))
+            .collect();
+        let width = runs
+            .iter()
+            .map(|(p, n)| (p + n).div_ceil(block_size))
+            .max()
+            .unwrap();
+        let num_blocks = runs.len() * width + 3;
+        // Blocks handed out in a shuffled order so that tables are not the identity.
+        let mut order: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
+        let mut tables = vec![0u32; runs.len() * width];
+        for (r, t) in tables.chunks_mut(width).enumerate() {
+            t.copy_from_slice(&order[r * width..(r + 1) * width]);
+        }
+        let (mut positions, mut token_runs, mut slots) = (vec![], vec![], vec![]);
+        let mut all_slots = vec![];
+        for (r, &(past, n)) in runs.iter().enumerate() {
+            for p in 0..past + n {
+                let slot = tables[r * width + p / block_size] * block_size as u32
+                    + (p % block_size) as u32;
+                all_slots.push(slot);
+                if p >= past {
+                    positions.push(p as u32);
+                    token_runs.push(r as u32);
+                    slots.push(slot);
+                }
+            }
+        }
+        let tokens = positions.len();
+        let history = all_slots.len();
+        let k_all = rng.values(history * kv_dim);
+        let v_all = rng.values(history * kv_dim);
+        let q = rng.values(tokens * nh * hd);
+        let mut outs = Vec::new();
+        for (b, kv_dtype) in [
+            (&c as &dyn Backend, DType::F32),
+            (g, DType::BF16),
+            (g, DType::F32),
+        ] {
+            let len = num_blocks * block_size * kv_dim;
+            let mut ck = b.alloc_zeroed(kv_dtype, len, BufferUsage::KvCache).unwrap();
+            let mut cv = b.alloc_zeroed(kv_dtype, len, BufferUsage::KvCache).unwrap();
+            // Whole histories are stored, then this batch's queries attend over them.
+            let (kb, vb, sb) = (
+                f32_buf(b, &k_all),
+                f32_buf(b, &v_all),
+                u32_buf(b, &all_slots),
+            );
+            b.kv_store(&kb, &vb, &sb, history, kv_dim, &mut ck, &mut cv)
+                .unwrap();
+            let (pb, rb, tb, slb) = (
+                u32_buf(b, &positions),
+                u32_buf(b, &token_runs),
+                u32_buf(b, &tables),
+                u32_buf(b, &slots),
+            );
+            let meta = corral_backend::AttentionMeta {
+                positions: &pb,
+                token_runs: &rb,
+                block_tables: &tb,
+                slots: &slb,
+                max_blocks_per_run: width,
+                block_size,
+                tokens,
+            };
+            let shape = corral_backend::AttentionShape {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let qb = f32_buf(b, &q);
+            let mut out = out_buf(b, tokens * nh * hd);
+            b.paged_attention(&qb, &ck, &cv, &meta, shape, &mut out)
+                .unwrap();
+            outs.push(read(b, &out, tokens * nh * hd));
+        }
+        let what = format!("heads {nh}/{nkv} dim {hd} block {block_size} runs {runs:?}");
+        assert_close(&format!("{what} f32 cache"), &outs[2], &outs[0], 1e-5);
+        assert_close(&format!("{what} bf16 cache"), &outs[1], &outs[0], 1e-2);
+    }
+}
+
+/// Expert weights of `e` experts in the fused (stacked) or per-expert layout.
+fn experts(
+    b: &dyn Backend,
+    values: &[Vec<f32>; 3],
+    e: usize,
+    i: usize,
+    h: usize,
+    fused: bool,
+    dtype: DType,
+) -> ExpertWeights {
+    if fused {
+        // gate_up [E, 2I, H] from the gate and up values, down [E, H, I].
+        let mut gate_up = Vec::with_capacity(e * 2 * i * h);
+        for x in 0..e {
+            gate_up.extend_from_slice(&values[0][x * i * h..(x + 1) * i * h]);
+            gate_up.extend_from_slice(&values[1][x * i * h..(x + 1) * i * h]);
+        }
+        let gate_up = Arc::new(b.weight_from_f32(&gate_up, dtype).unwrap());
+        let down = Arc::new(b.weight_from_f32(&values[2], dtype).unwrap());
+        ExpertWeights {
+            gate: ExpertMatrices::stacked(Arc::clone(&gate_up), e, 2 * i, 0, i, h).unwrap(),
+            up: ExpertMatrices::stacked(gate_up, e, 2 * i, i, i, h).unwrap(),
+            down: ExpertMatrices::stacked(down, e, h, 0, h, i).unwrap(),
+        }
+    } else {
+        let per = |v: &[f32], rows: usize, cols: usize| {
+            let bufs = (0..e)
+                .map(|x| {
+                    b.weight_from_f32(&v[x * rows * cols..(x + 1) * rows * cols], dtype)
+                        .unwrap()
+                })
+                .collect();
+            ExpertMatrices::per_expert(bufs, rows, cols).unwrap()
+        };
+        ExpertWeights {
+            gate: per(&values[0], i, h),
+            up: per(&values[1], i, h),
+            down: per(&values[2], h, i),
+        }
+    }
+}
+
+#[test]
+fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(5);
+    for case in 0..24 {
+        let tokens = [1, 3, 10, 70, 200][case % 5];
+        let e = [4, 8, 33, 128][case % 4];
+        let top_k = 1 + rng.below(e.min(8));
+        let h = 8 * (1 + rng.below(12));
+        let i = if case % 6 == 5 {
+            1 + rng.below(70)
+        } else {
+            8 * (1 + rng.below(12))
+        };
+        let dtype = DTYPES[case % 3];
+        let fused = case % 2 == 0;
+        let renormalize = case % 4 < 2;
+        let x = rng.values(tokens * h);
+        // A few logit levels, so that ties (broken towards the lower id) are common.
+        let logits: Vec<f32> = rng
+            .values(tokens * e)
+            .iter()
+            .map(|v| if case % 3 == 0 { (v * 3.0).floor() } else { *v })
+            .collect();
+        let values = [
+            rng.values(e * i * h),
+            rng.values(e * i * h),
+            rng.values(e * h * i),
+        ];
+        let pairs = tokens * top_k;
+        let mut results = Vec::new();
+        for b in [&c as &dyn Backend, g] {
+            let w = experts(b, &values, e, i, h, fused, dtype);
+            let (xb, lb) = (f32_buf(b, &x), f32_buf(b, &logits));
+            let mut ids = b
+                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
+                .unwrap();
+            let mut weights = out_buf(b, pairs);
+            b.moe_route(&lb, tokens, e, top_k, renormalize, &mut ids, &mut weights)
+                .unwrap();
+            let routing = MoeRouting {
+                expert_ids: &ids,
+                expert_weights: &weights,
+                tokens,
+                top_k,
+            };
+            let mut offsets = b
+                .take_buffer(DType::U32, e + 1, BufferUsage::Metadata)
+                .unwrap();
+            let mut sorted_pairs = b
+                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
+                .unwrap();
+            let mut positions = b
+                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
+                .unwrap();
+            b.moe_sort(routing, e, &mut offsets, &mut sorted_pairs, &mut positions)
+                .unwrap();
+            let sorted = MoeSorted {
+                expert_offsets: &offsets,
+                sorted_pairs: &sorted_pairs,
+                pair_positions: &positions,
+            };
+            let mut act = out_buf(b, pairs * i);
+            let mut y = out_buf(b, pairs * h);
+            let mut grouped = out_buf(b, tokens * h);
+            b.moe_grouped_gate_up(&xb, routing, sorted, &w, &mut act)
+                .unwrap();
+            b.moe_grouped_down(&act, routing, sorted, &w, &mut y)
+                .unwrap();
+            b.moe_combine(&y, routing, sorted, h, &mut grouped).unwrap();
+            let mut per_token = out_buf(b, tokens * h);
+            b.moe_experts_per_token(&xb, routing, &w, &mut act, &mut per_token)
+                .unwrap();
+            results.push((
+                read_u32(b, &ids, pairs),
+                read(b, &weights, pairs),
+                [
+                    read_u32(b, &offsets, e + 1),
+                    read_u32(b, &sorted_pairs, pairs),
+                    read_u32(b, &positions, pairs),
+                ],
+                read(b, &grouped, tokens * h),
+                read(b, &per_token, tokens * h),
+            ));
+        }
+        let what = format!(
+            "case {case}: {tokens} tokens, top {top_k} of {e}, h {h} i {i} {dtype} fused {fused}"
+        );
+        let (cpu, gpu) = (&results[0], &results[1]);
+        assert_eq!(cpu.0, gpu.0, "{what}: expert ids");
+        assert_close(&format!("{what}: routing weights"), &gpu.1, &cpu.1, 1e-6);
+        assert_eq!(cpu.2, gpu.2, "{what}: sorting");
+        assert_close(&format!("{what}: grouped"), &gpu.3, &cpu.3, 1.5e-2);
+        assert_close(&format!("{what}: per-token"), &gpu.4, &cpu.4, 1e-5);
+    }
+}
+
+#[test]
+fn scale_scatter_add_matches_cpu() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(6);
+    let (out_rows, n, dim) = (20, 7, 40);
+    let y = rng.values(n * dim);
+    let base = rng.values(out_rows * dim);
+    let scales = rng.values(n);
+    let rows: Vec<u32> = vec![3, 0, 19, 7, 8, 12, 1];
+    let mut outs = Vec::new();
+    for b in [&c as &dyn Backend, g] {
+        let mut out = f32_buf(b, &base);
+        let (yb, rb, sb) = (f32_buf(b, &y), u32_buf(b, &rows), f32_buf(b, &scales));
+        b.scale_scatter_add(&yb, &rb, &sb, n, dim, &mut out)
+            .unwrap();
+        outs.push(read(b, &out, out_rows * dim));
+    }
+    assert_close("scale_scatter_add", &outs[1], &outs[0], 1e-6);
+}
+
+#[test]
+fn synthetic_weights_are_the_cpu_streams() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let n = 3 * 65536 + 7;
+    for dtype in DTYPES {
+        let mut outs = Vec::new();
+        for b in [&c as &dyn Backend, g] {
+            let w = b.weight_normal(n, dtype, 0xfeed, 0.02).unwrap();
+            // Read through an embedding of one-row "tokens" covering the whole buffer.
+            let rows = n / 7;
+            let ids: Vec<u32> = (0..rows as u32).collect();
+            let idb = u32_buf(b, &ids);
+            let mut out = out_buf(b, rows * 7);
+            b.embedding(WeightView::new(&w, rows, 7).unwrap(), &idb, rows, &mut out)
+                .unwrap();
+            outs.push(read(b, &out, rows * 7));
+        }
+        assert_close(&format!("{dtype}"), &outs[1], &outs[0], 1e-6);
+    }
+}
+
+#[test]
+fn an_index_out_of_range_raises_the_error_flag_and_the_next_step_is_clean() {
+    let g = gpu_or_skip!();
+    let table = g.weight_from_f32(&[1.0; 32], DType::BF16).unwrap();
+    let view = WeightView::new(&table, 4, 8).unwrap();
+    let ids = u32_buf(g, &[1, 9]);
+    let mut out = out_buf(g, 16);
+    g.embedding(view, &ids, 2, &mut out).unwrap();
+    let mut host = vec![0.0; 16];
+    let err = g.download_f32(&out, &mut host).unwrap_err();
+    assert!(
+        matches!(err, BackendError::DeviceIndex { what } if what.contains("token id")),
+        "{err}"
+    );
+    let ok = u32_buf(g, &[1, 3]);
+    g.embedding(view, &ok, 2, &mut out).unwrap();
+    g.download_f32(&out, &mut host).unwrap();
+    assert!(host.iter().all(|v| *v == 1.0));
+}
+
+#[test]
+fn launches_syncs_and_allocations_are_counted_exactly() {
+    let g = gpu_or_skip!();
+    let w = g.weight_from_f32(&vec![0.5; 64 * 32], DType::BF16).unwrap();
+    let view = WeightView::new(&w, 64, 32).unwrap();
+    let x = f32_buf(g, &[1.0; 32 * 20]);
+    let mut out = out_buf(g, 20 * 64);
+    let before = g.stats();
+    for rows in [1, 20] {
+        g.matmul(&x, rows, view, &mut out).unwrap();
+    }
+    let buffer = g
+        .take_buffer(DType::F32, 10, BufferUsage::Activations)
+        .unwrap();
+    g.give_buffer(buffer);
+    let again = g
+        .take_buffer(DType::F32, 8, BufferUsage::Activations)
+        .unwrap();
+    let mut host = vec![0.0; 20 * 64];
+    g.download_f32(&out, &mut host).unwrap();
+    let spent = g.stats() - before;
+    assert_eq!(spent.dispatches, 2, "two matmuls, one launch each");
+    assert_eq!(spent.host_syncs, 1, "only the read-back waits");
+    assert_eq!(spent.allocations, 1, "the second take is a pool hit");
+    // Weight bytes are what the kernels report reading: the matrix once per launch.
+    assert_eq!(spent.weight_bytes_read, 2 * 64 * 32 * 2);
+    assert!(host.iter().all(|v| (*v - 16.0).abs() < 1e-3), "{}", host[0]);
+    g.give_buffer(again);
+}
+
+#[test]
+fn a_second_start_compiles_nothing() {
+    if gpu().is_none() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let options = CudaOptions {
+        kernel_cache: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    };
+    let first = CudaBackend::new(options.clone()).unwrap();
+    assert!(first.kernel_cache_report().compiled > 0);
+    assert_eq!(first.kernel_cache_report().cached, 0);
+    drop(first);
+    let second = CudaBackend::new(options).unwrap();
+    assert_eq!(second.kernel_cache_report().compiled, 0);
+    assert!(second.kernel_cache_report().cached > 0);
+}

@@ -1,0 +1,229 @@
+//! `corral bench decode`: steady-state decode steps of `batch` sequences at `context` tokens
+//! of history, per MoE strategy: ms per step, aggregate tok/s, and per step the launches,
+//! host syncs, allocations and weight bytes read. The history's KV blocks are allocated and
+//! read in full by attention but not computed (a decode step's cost does not depend on their
+//! values), so an 8k context costs no 8k-token prefill per sequence.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use corral_backend::DispatchStats;
+use corral_engine::argmax;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch,
+    RecurrentStateCache, SeqId, SlotId, TokenId,
+};
+use serde_json::json;
+
+use super::summary::{median, relative_spread};
+use crate::loading::{ModelArgs, load_model};
+
+const BLOCK_SIZE: usize = 16;
+
+/// Arguments of `corral bench decode`.
+#[derive(Debug, Args)]
+pub(crate) struct DecodeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Sequences decoded together.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batch: Vec<usize>,
+    /// Tokens of history each sequence has when the measured steps start.
+    #[arg(long, value_delimiter = ',', default_value = "512,8192")]
+    context: Vec<usize>,
+    /// MoE strategies to compare.
+    #[arg(long, value_delimiter = ',', default_value = "auto")]
+    strategies: Vec<String>,
+    /// Measured steps per cell.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    /// Unmeasured steps per cell first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// After each cell, time one more step kernel by kernel.
+    #[arg(long)]
+    profile: bool,
+}
+
+struct Cell {
+    strategy: String,
+    batch: usize,
+    context: usize,
+    step_ms: Vec<f64>,
+    stats: DispatchStats,
+}
+
+fn run_cell(
+    model: &Model,
+    batch_size: usize,
+    context: usize,
+    steps: usize,
+    profile_last: bool,
+    logits: &mut Vec<f32>,
+) -> Result<(Vec<f64>, DispatchStats)> {
+    let config = model.config();
+    let backend = model.backend().as_ref();
+    let per_seq = (context + steps).div_ceil(BLOCK_SIZE);
+    let mut cache = PagedKvCache::new(backend, config, batch_size * per_seq, BLOCK_SIZE)
+        .context("allocating the KV cache")?;
+    let mut state = RecurrentStateCache::new(backend, config, batch_size)?;
+    let tables: Vec<BlockTable> = (0..batch_size)
+        .map(|s| BlockTable {
+            blocks: (0..per_seq)
+                .map(|b| BlockId((s * per_seq + b) as u32))
+                .collect(),
+        })
+        .collect();
+    let mut next: Vec<u32> = (0..batch_size)
+        .map(|s| (s as u32 * 7919 + 13) % config.vocab_size as u32)
+        .collect();
+    let (mut times, mut stats) = (Vec::new(), DispatchStats::default());
+    for step in 0..steps + profile_last as usize {
+        if step == steps {
+            model.backend().set_profiling(true);
+        }
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        for (s, table) in tables.iter().enumerate() {
+            let seq = SeqId(s as u64);
+            batch.push_run(
+                seq,
+                &[TokenId(next[s])],
+                context + step,
+                table,
+                LogitsWanted::Last,
+            )?;
+            batch.set_state_slot(seq, SlotId(s as u32))?;
+        }
+        let start = Instant::now();
+        let report = if model.is_hybrid() {
+            model.forward_with_state(&batch, &mut cache, &mut state, logits)?
+        } else {
+            model.forward(&batch, &mut cache, logits)?
+        };
+        let vocab = config.vocab_size;
+        for (s, token) in next.iter_mut().enumerate() {
+            *token = argmax(&logits[s * vocab..(s + 1) * vocab]);
+        }
+        if step < steps {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+            stats = report.stats;
+        }
+    }
+    Ok((times, stats))
+}
+
+pub(crate) fn run(args: DecodeArgs) -> Result<()> {
+    if args.batch.is_empty() || args.batch.contains(&0) {
+        bail!("--batch needs positive sizes");
+    }
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let strategies: Vec<(String, MoeStrategy)> = args
+        .strategies
+        .iter()
+        .map(|name| {
+            let strategy = match name.parse::<MoeStrategy>() {
+                Ok(MoeStrategy::Auto { .. }) => args.model.strategy(),
+                Ok(s) => s,
+                Err(e) => bail!("--strategies: {e}"),
+            };
+            Ok((name.clone(), strategy))
+        })
+        .collect::<Result<_>>()?;
+    let mut model = load_model(&args.model)?;
+    let max_position = model.config().max_position_embeddings;
+    if let Some(c) = args
+        .context
+        .iter()
+        .find(|&&c| c + args.steps + args.warmup > max_position)
+    {
+        bail!("--context {c} plus the steps exceeds the model's {max_position} positions");
+    }
+    let mut cells = Vec::new();
+    let mut logits = Vec::new();
+    for &context in &args.context {
+        for &batch in &args.batch {
+            for (name, strategy) in &strategies {
+                model.set_moe_strategy(*strategy);
+                let steps = args.warmup + args.steps;
+                let (times, stats) =
+                    run_cell(&model, batch, context, steps, args.profile, &mut logits)
+                        .with_context(|| format!("batch {batch} at context {context}"))?;
+                if args.profile {
+                    let title = format!("{name}, batch {batch}, context {context}");
+                    super::print_kernel_profile(&title, &model)?;
+                    model.backend().set_profiling(false);
+                }
+                cells.push(Cell {
+                    strategy: name.clone(),
+                    batch,
+                    context,
+                    step_ms: times[args.warmup..].to_vec(),
+                    stats,
+                });
+            }
+        }
+    }
+    let device = model.backend().device_name();
+    println!(
+        "model {}  device {device}  {} steps (after {} warm-up)",
+        args.model.describe(),
+        args.steps,
+        args.warmup
+    );
+    println!(
+        "{:<11} {:>6} {:>8} {:>9} {:>7} {:>10} {:>9} {:>6} {:>7} {:>12}",
+        "strategy",
+        "batch",
+        "context",
+        "ms/step",
+        "noise",
+        "tok/s",
+        "launches",
+        "syncs",
+        "allocs",
+        "MiB weights"
+    );
+    let mut rows = Vec::new();
+    for c in &cells {
+        let ms = median(&c.step_ms);
+        let tok_s = c.batch as f64 / (ms / 1e3);
+        println!(
+            "{:<11} {:>6} {:>8} {:>9.3} {:>6.1}% {:>10.1} {:>9} {:>6} {:>7} {:>12.1}",
+            c.strategy,
+            c.batch,
+            c.context,
+            ms,
+            relative_spread(&c.step_ms) * 100.0,
+            tok_s,
+            c.stats.dispatches,
+            c.stats.host_syncs,
+            c.stats.allocations,
+            c.stats.weight_bytes_read as f64 / (1 << 20) as f64,
+        );
+        rows.push(json!({
+            "strategy": c.strategy,
+            "batch": c.batch,
+            "context": c.context,
+            "ms_per_step_median": ms,
+            "tok_s": tok_s,
+            "launches_per_step": c.stats.dispatches,
+            "host_syncs_per_step": c.stats.host_syncs,
+            "allocations_per_step": c.stats.allocations,
+            "weight_bytes_per_step": c.stats.weight_bytes_read,
+            "bytes_transferred_per_step": c.stats.bytes_transferred,
+        }));
+    }
+    if let Some(path) = &args.json {
+        let doc = json!({"model": args.model.describe(), "device": device, "rows": rows});
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements, in two halves.
+#
+#   scripts/gpu.sh prepare   here (no GPU needed): builds the release binary and the GPU test
+#                            binaries and puts them in .gpu/ (git-ignored), with what the
+#                            runs read.
+#   scripts/gpu.sh remote    on the GPU machine, from the repository root with .gpu/ beside
+#                            it: runs the GPU tests, then the benchmarks, writing logs and JSON
+#                            to $OUT (default: .gpu/out). STAGES picks parts: tests,run,prefill,
+#                            decode,serve (default: all).
+#
+# The test binaries find the fixtures through the path they were built at; `remote` links
+# that path to the repository when it differs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+prepare() {
+  cargo build --release -p corral-cli
+  mkdir -p .gpu/bin
+  cp target/release/corral .gpu/bin/
+  cargo test --release --no-run --message-format=json \
+      -p corral-backend --test cuda_ops \
+      -p corral-model --test gpu_conformance --test expert_reads 2>/dev/null \
+    | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["executable"])' \
+    | while read -r exe; do cp "$exe" ".gpu/bin/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+  strip .gpu/bin/* 2>/dev/null || true
+  echo "$(pwd)" > .gpu/built-at
+  du -sh .gpu
+}
+
+remote() {
+  local out="${OUT:-.gpu/out}" stages="${STAGES:-tests,run,prefill,decode,serve}"
+  mkdir -p "$out"
+  local built
+  built="$(cat .gpu/built-at)"
+  if [ "$built" != "$(pwd)" ] && [ ! -e "$built" ]; then
+    mkdir -p "$(dirname "$built")" && ln -s "$(pwd)" "$built"
+  fi
+  export CORRAL_KERNEL_CACHE="$PWD/.gpu/kernel-cache"
+  local corral=.gpu/bin/corral
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
+    | tee "$out/gpu.txt"
+  has() { [[ ",$stages," == *",$1,"* ]]; }
+  if has tests; then
+    for t in cuda_ops gpu_conformance expert_reads; do
+      echo "== test $t"
+      timeout 300 ".gpu/bin/$t" --test-threads=1 --nocapture 2>&1 | tee "$out/test-$t.log" \
+        | grep -E "^test |test result|panicked|error|relative error" || true
+    done
+  fi
+  if has run; then
+    echo "== corral run on the GPU"
+    timeout 120 $corral run --model models/tiny-qwen3-moe --device cuda --prompt "Hello" \
+      --max-tokens 16 --temperature 0 2>&1 | tee "$out/run.log" | tail -12 || true
+  fi
+  local model=bench/configs/qwen3-30b-a3b.json
+  if has prefill; then
+    echo "== bench prefill"
+    timeout 420 $corral bench prefill --synthetic "$model" --device cuda \
+      --prompt-lens "${PREFILL_LENS:-10,32,300,2048}" --strategies "${PREFILL_STRATEGIES:-grouped,per-expert}" \
+      --reps "${REPS:-5}" --idle-seconds 0 --json "$out/prefill.json" 2>&1 | tee "$out/prefill.txt" || true
+  fi
+  if has decode; then
+    echo "== bench decode"
+    timeout 420 $corral bench decode --synthetic "$model" --device cuda \
+      --batch "${DECODE_BATCH:-1,8,32}" --context "${DECODE_CONTEXT:-512,8192}" \
+      --strategies "${DECODE_STRATEGIES:-per-token,grouped}" --steps "${STEPS:-16}" \
+      --json "$out/decode.json" 2>&1 | tee "$out/decode.txt" || true
+  fi
+  if has serve; then
+    echo "== serve + bench serve"
+    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device cuda \
+      --port 18181 --max-batch 32 --kv-memory 16G \
+      > "$out/serve.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 240); do
+      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:18181/health', timeout=2)" 2>/dev/null && break
+      sleep 1
+    done
+    timeout 300 $corral bench serve --url http://127.0.0.1:18181 --concurrency 1,8,32 \
+      --requests "${SERVE_REQUESTS:-64}" --max-tokens 64 --json "$out/serve.json" 2>&1 \
+      | tee "$out/serve.txt" || true
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  fi
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  remote) remote ;;
+  *) echo "usage: scripts/gpu.sh prepare|remote" >&2; exit 2 ;;
+esac
