@@ -63,13 +63,13 @@ remote() {
     echo "== bench prefill"
     timeout 420 $corral bench prefill --synthetic "$model" --device cuda \
       --prompt-lens "${PREFILL_LENS:-10,32,300,2048}" --strategies "${PREFILL_STRATEGIES:-grouped,per-expert}" \
-      --reps "${REPS:-5}" --idle-seconds 0 --json "$out/prefill.json" 2>&1 | tee "$out/prefill.txt" || true
+      --reps "${REPS:-5}" --idle-seconds 0 ${PROFILE:+--profile} --json "$out/prefill.json" 2>&1 | tee "$out/prefill.txt" || true
   fi
   if has decode; then
     echo "== bench decode"
     timeout 420 $corral bench decode --synthetic "$model" --device cuda \
       --batch "${DECODE_BATCH:-1,8,32}" --context "${DECODE_CONTEXT:-512,8192}" \
-      --strategies "${DECODE_STRATEGIES:-per-token,grouped}" --steps "${STEPS:-16}" \
+      --strategies "${DECODE_STRATEGIES:-per-token,grouped}" --steps "${STEPS:-16}" ${PROFILE:+--profile} \
       --json "$out/decode.json" 2>&1 | tee "$out/decode.txt" || true
   fi
   if has serve; then

@@ -30,6 +30,7 @@ pub use dtype::DType;
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
 pub use pool::BufferPool;
+
 pub use stats::{DispatchStats, StatsCounter};
 
 /// Device time spent in one kernel, summed over its launches.
@@ -60,6 +61,25 @@ pub struct AttentionMeta<'a> {
     pub block_size: usize,
     /// Tokens in the batch.
     pub tokens: usize,
+}
+
+/// Shapes of [`Backend::qk_norm_rope`].
+#[derive(Clone, Copy, Debug)]
+pub struct QkShape {
+    /// Tokens in the batch.
+    pub tokens: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key heads.
+    pub kv_heads: usize,
+    /// Dimension of each head.
+    pub head_dim: usize,
+    /// Leading dims of each head that RoPE rotates.
+    pub rotary_dim: usize,
+    /// RoPE base.
+    pub theta: f32,
+    /// RMSNorm epsilon.
+    pub eps: f32,
 }
 
 /// Head layout of an attention layer.
@@ -240,6 +260,58 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// `acc[i] += x[i]` for the first `len` elements.
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()>;
+
+    /// The residual add and the next RMSNorm: `acc += x`, then `out = rms_norm(acc)` over
+    /// `rows` rows of `dim` (as [`Backend::rms_norm`]). One dispatch where the backend fuses
+    /// them; by default the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        acc: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        offset_one: bool,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        self.add_in_place(acc, x, rows * dim)?;
+        self.rms_norm(acc, weight, rows, dim, eps, offset_one, out)
+    }
+
+    /// Per-head RMSNorm of q (`[tokens, heads, head_dim]`) and k (`[tokens, kv_heads,
+    /// head_dim]`) with their own weights, then RoPE on both at each token's position: what
+    /// attention does to q and k before the cache. One dispatch where the backend fuses
+    /// them; by default four ops.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        q: &DeviceBuffer,
+        k: &DeviceBuffer,
+        q_weight: &DeviceBuffer,
+        k_weight: &DeviceBuffer,
+        positions: &DeviceBuffer,
+        shape: QkShape,
+        q_out: &mut DeviceBuffer,
+        k_out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let QkShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rotary_dim,
+            theta,
+            eps,
+        } = shape;
+        self.rms_norm(q, q_weight, tokens * heads, head_dim, eps, false, q_out)?;
+        self.rms_norm(k, k_weight, tokens * kv_heads, head_dim, eps, false, k_out)?;
+        self.rope(q_out, positions, tokens, heads, head_dim, rotary_dim, theta)?;
+        self.rope(
+            k_out, positions, tokens, kv_heads, head_dim, rotary_dim, theta,
+        )
+    }
 
     /// `out[i] = silu(gate[i]) * up[i]` for the first `len` elements.
     fn silu_mul(

@@ -164,3 +164,23 @@ fn invalid_batches_are_rejected() {
     let err = model.forward(&batch, &mut cache, &mut out).unwrap_err();
     assert!(err.to_string().contains("100000"), "{err}");
 }
+
+/// A KV cache with fewer layers than the model is an error, not layers silently skipped.
+#[test]
+fn a_cache_with_fewer_layers_than_the_model_is_refused() {
+    let model = load("qwen3_moe_fused");
+    let mut short = model.config().clone();
+    short.num_layers -= 1;
+    let mut cache = PagedKvCache::new(model.backend().as_ref(), &short, 2, BLOCK_SIZE).unwrap();
+    let table = BlockTable {
+        blocks: vec![BlockId(0), BlockId(1)],
+    };
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    batch
+        .push_run(SeqId(0), &ids(&[1, 2, 3]), 0, &table, LogitsWanted::Last)
+        .unwrap();
+    let err = model
+        .forward(&batch, &mut cache, &mut Vec::new())
+        .unwrap_err();
+    assert!(err.to_string().contains("attention layers"), "{err}");
+}

@@ -24,7 +24,7 @@ use crate::buffer::Storage;
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, RecurrentRuns, Result, StatsCounter, WeightView,
+    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView,
 };
 use compile::KernelCache;
 use cudarc::driver::CudaEvent;
@@ -67,6 +67,8 @@ pub struct CudaBackend {
     diag: DeviceMem,
     kv_dtype: DType,
     cache_report: KernelCacheReport,
+    /// Partial results of attention split over the keys (fixed size: allocated once).
+    attention_scratch: DeviceBuffer,
     /// Event pairs around each launch while profiling.
     profile: Mutex<Option<Vec<TimedLaunch>>>,
 }
@@ -94,6 +96,15 @@ impl Arg {
 }
 
 const MAX_ARGS: usize = 20;
+
+/// Rows up to which projections stream weights through matrix-vector products (f32) rather
+/// than tensor-core tiles (matmul.cu's MATVEC_MAX_ROWS).
+const MATVEC_MAX_ROWS: usize = 16;
+
+/// Floats of the attention split scratch (128 MiB): bounds how far attention splits.
+const ATTENTION_SCRATCH_FLOATS: usize = 32 << 20;
+/// Fewest keys per split of attention.
+const ATTENTION_MIN_SPLIT_KEYS: usize = 32;
 
 fn bad(op: &'static str, detail: String) -> BackendError {
     BackendError::BadArgument { op, detail }
@@ -175,6 +186,13 @@ impl CudaBackend {
         let diag = gpu.alloc(16)?;
         gpu.memset_zero(diag.ptr(), 16)?;
         gpu.sync()?;
+        let scratch_mem = gpu.alloc(ATTENTION_SCRATCH_FLOATS * 4)?;
+        let attention_scratch = DeviceBuffer::new(
+            DType::F32,
+            ATTENTION_SCRATCH_FLOATS,
+            BufferUsage::Activations,
+            Storage::Cuda(scratch_mem),
+        );
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
         if !matches!(kv_dtype, DType::BF16 | DType::F32) {
             return Err(bad(
@@ -192,6 +210,7 @@ impl CudaBackend {
             kv_dtype,
             cache_report,
             profile: Mutex::new(None),
+            attention_scratch,
         })
     }
 
@@ -600,9 +619,11 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let kernels = self.kernels.for_weights(op, dtype)?;
-        if rows <= 8 {
+        if rows <= MATVEC_MAX_ROWS {
+            // The variant for the next power of two of rows; 8 output features a block.
+            let variant = rows.next_power_of_two().trailing_zeros() as usize;
             let grid = (grid_of(op, w.rows.div_ceil(8))?, 1, 1);
-            self.launch(&kernels.matvec, grid, 256, &args)
+            self.launch(&kernels.matvec[variant], grid, 128, &args)
         } else {
             let grid = (
                 grid_of(op, rows.div_ceil(64))?,
@@ -629,6 +650,91 @@ impl Backend for CudaBackend {
             256,
             &args,
         )
+    }
+
+    fn add_rms_norm(
+        &self,
+        acc: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        offset_one: bool,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "add_rms_norm";
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "acc", acc, DType::F32, rows * dim)?,
+            buf(op, "x", x, DType::F32, rows * dim)?,
+            buf(op, "weight", weight, DType::F32, dim)?,
+            u32_of(op, rows)?,
+            u32_of(op, dim)?,
+            Arg::F32(eps),
+            Arg::U32(offset_one as u32),
+            buf(op, "out", out, DType::F32, rows * dim)?,
+        ];
+        let block = if dim <= 256 { 128 } else { 256 };
+        self.launch(
+            &self.kernels.add_rms_norm,
+            (grid_of(op, rows)?, 1, 1),
+            block,
+            &args,
+        )
+    }
+
+    fn qk_norm_rope(
+        &self,
+        q: &DeviceBuffer,
+        k: &DeviceBuffer,
+        q_weight: &DeviceBuffer,
+        k_weight: &DeviceBuffer,
+        positions: &DeviceBuffer,
+        shape: QkShape,
+        q_out: &mut DeviceBuffer,
+        k_out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "qk_norm_rope";
+        let QkShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rotary_dim,
+            theta,
+            eps,
+        } = shape;
+        if head_dim > 512 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
+            return Err(bad(
+                op,
+                format!("head dim {head_dim}, rotary dim {rotary_dim}"),
+            ));
+        }
+        let items = tokens * (heads + kv_heads);
+        if items == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "q", q, DType::F32, tokens * heads * head_dim)?,
+            buf(op, "k", k, DType::F32, tokens * kv_heads * head_dim)?,
+            buf(op, "q_weight", q_weight, DType::F32, head_dim)?,
+            buf(op, "k_weight", k_weight, DType::F32, head_dim)?,
+            buf(op, "positions", positions, DType::U32, tokens)?,
+            u32_of(op, tokens)?,
+            u32_of(op, heads)?,
+            u32_of(op, kv_heads)?,
+            u32_of(op, head_dim)?,
+            u32_of(op, rotary_dim)?,
+            Arg::F32(theta),
+            Arg::F32(eps),
+            buf(op, "q_out", q_out, DType::F32, tokens * heads * head_dim)?,
+            buf(op, "k_out", k_out, DType::F32, tokens * kv_heads * head_dim)?,
+        ];
+        let grid = (grid_of(op, items.div_ceil(8))?, 1, 1);
+        self.launch(&self.kernels.qk_norm_rope, grid, 256, &args)
     }
 
     fn silu_mul(
@@ -783,12 +889,51 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * num_heads * head_dim)?,
             self.diag(),
         ];
-        let kernel = match dtype {
+        // Each lane owns D consecutive dims of a head: the kernel for the next power of two.
+        let lane_dims = head_dim.div_ceil(32).next_power_of_two();
+        let variant = lane_dims.trailing_zeros() as usize;
+        let kernels = match dtype {
             DType::BF16 => &self.kernels.paged_attention_bf16,
             DType::F32 => &self.kernels.paged_attention_f32,
             other => return Err(bad(op, format!("KV cache of {other}"))),
         };
-        self.launch(kernel, (grid_of(op, tokens * num_heads)?, 1, 1), 128, &args)
+        // Split the keys over enough blocks to fill the device (decode), in pieces of at
+        // least ATTENTION_MIN_SPLIT_KEYS, as far as the fixed scratch allows.
+        let items = tokens * num_heads;
+        let blocks = tokens * num_kv_heads;
+        let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
+        let wanted = (4 * self.gpu.multiprocessors.max(1) as usize).div_ceil(blocks);
+        let fit = ATTENTION_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
+        let splits = max_context
+            .div_ceil(ATTENTION_MIN_SPLIT_KEYS)
+            .min(wanted)
+            .min(fit)
+            .max(1);
+        let split_keys = max_context.div_ceil(splits).div_ceil(8) * 8;
+        let splits = max_context.div_ceil(split_keys);
+        let partial = Arg::Ptr(ptr_of(op, &self.attention_scratch)?);
+        let mut all = args.to_vec();
+        all.truncate(args.len() - 2);
+        all.extend([u32_of(op, split_keys)?, partial, args[14], args[15]]);
+        let grid = (grid_of(op, blocks)?, grid_of(op, splits)?, 1);
+        let warps = (num_heads / num_kv_heads).min(16) as u32;
+        self.launch(&kernels[variant], grid, warps * 32, &all)?;
+        if splits > 1 {
+            let combine = [
+                partial,
+                u32_of(op, items)?,
+                u32_of(op, splits)?,
+                u32_of(op, head_dim)?,
+                args[14],
+            ];
+            self.launch(
+                &self.kernels.attention_combine,
+                (grid_of(op, items)?, 1, 1),
+                128,
+                &combine,
+            )?;
+        }
+        Ok(())
     }
 
     fn moe_route(
@@ -823,12 +968,9 @@ impl Backend for CudaBackend {
                 tokens * top_k,
             )?,
         ];
-        self.launch(
-            &self.kernels.moe_route,
-            (grid_of(op, tokens)?, 1, 1),
-            256,
-            &args,
-        )
+        // A warp per token, eight to a block.
+        let grid = (grid_of(op, tokens.div_ceil(8))?, 1, 1);
+        self.launch(&self.kernels.moe_route, grid, 256, &args)
     }
 
     fn scale_scatter_add(

@@ -123,23 +123,32 @@ impl Qwen3Model {
         let tokens = batch.num_tokens();
         let embed = WeightView::new(&self.embed_tokens, v, h)?;
         backend.embedding(embed, &ws.batch.ids, tokens, &mut ws.x)?;
-        for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let eps = cfg.rms_norm_eps;
+        if self.layers.len() != cache.layers.len() {
+            return Err(ModelError::InvalidBatch(format!(
+                "the KV cache has {} attention layers, the model {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let eps = cfg.rms_norm_eps;
+        if let Some(first) = self.layers.first() {
             backend.rms_norm(
                 &ws.x,
-                &layer.input_layernorm,
+                &first.input_layernorm,
                 tokens,
                 h,
                 eps,
                 false,
                 &mut ws.h,
             )?;
+        }
+        for (i, (layer, kv)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             layer
                 .self_attn
                 .forward(backend, ws, tokens, cache.block_size, kv)?;
-            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
-            backend.rms_norm(
-                &ws.x,
+            backend.add_rms_norm(
+                &mut ws.x,
+                &ws.out,
                 &layer.post_attention_layernorm,
                 tokens,
                 h,
@@ -155,7 +164,20 @@ impl Qwen3Model {
                     *moe_stats = *moe_stats + (backend.stats() - before);
                 }
             }
-            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
+            // The residual add, fused with the next layer's input norm.
+            match self.layers.get(i + 1) {
+                Some(next) => backend.add_rms_norm(
+                    &mut ws.x,
+                    &ws.out,
+                    &next.input_layernorm,
+                    tokens,
+                    h,
+                    eps,
+                    false,
+                    &mut ws.h,
+                )?,
+                None => backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?,
+            }
         }
         self.head.forward(backend, cfg, ws, &self.embed_tokens)
     }

@@ -1,6 +1,7 @@
-//! Qwen3 attention: q/k/v projections, per-head q/k RMSNorm, RoPE, paged GQA attention, o_proj.
+//! Qwen3 attention: q/k/v projections, per-head q/k RMSNorm with RoPE, paged GQA attention,
+//! o_proj.
 
-use corral_backend::{AttentionMeta, AttentionShape, Backend, DeviceBuffer, WeightView};
+use corral_backend::{AttentionMeta, AttentionShape, Backend, DeviceBuffer, QkShape, WeightView};
 
 use super::Workspace;
 use crate::kv_cache::LayerKv;
@@ -81,42 +82,25 @@ impl Attention {
             WeightView::new(&self.v_proj, nkv * hd, h)?,
             &mut ws.v,
         )?;
-        backend.rms_norm(
-            &ws.q,
-            &self.q_norm,
-            tokens * nh,
-            hd,
-            self.eps,
-            false,
-            &mut ws.q_normed,
-        )?;
-        backend.rms_norm(
-            &ws.k,
-            &self.k_norm,
-            tokens * nkv,
-            hd,
-            self.eps,
-            false,
-            &mut ws.k_normed,
-        )?;
         let b = &ws.batch;
-        backend.rope(
+        let shape = QkShape {
+            tokens,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            rotary_dim: hd,
+            theta: self.theta,
+            eps: self.eps,
+        };
+        backend.qk_norm_rope(
+            &ws.q,
+            &ws.k,
+            &self.q_norm,
+            &self.k_norm,
+            &b.positions,
+            shape,
             &mut ws.q_normed,
-            &b.positions,
-            tokens,
-            nh,
-            hd,
-            hd,
-            self.theta,
-        )?;
-        backend.rope(
             &mut ws.k_normed,
-            &b.positions,
-            tokens,
-            nkv,
-            hd,
-            hd,
-            self.theta,
         )?;
         backend.kv_store(
             &ws.k_normed,

@@ -105,7 +105,20 @@ __device__ __forceinline__ float warp_dot(const float* x, const W* w, u32 K, boo
     u32 lane = threadIdx.x & 31;
     float acc = 0.f;
     if (vec) {
-        for (u32 k = lane * 8; k < K; k += 256) {
+        u32 k = lane * 8;
+        for (; k + 256 < K; k += 512) {
+            float wa[8], wb[8];
+            load_w8(w + k, wa);
+            load_w8(w + k + 256, wb);
+            const float4* xa = reinterpret_cast<const float4*>(x + k);
+            const float4* xb = reinterpret_cast<const float4*>(x + k + 256);
+            float4 a0 = xa[0], a1 = xa[1], b0 = xb[0], b1 = xb[1];
+            acc += a0.x * wa[0] + a0.y * wa[1] + a0.z * wa[2] + a0.w * wa[3] + a1.x * wa[4] +
+                   a1.y * wa[5] + a1.z * wa[6] + a1.w * wa[7];
+            acc += b0.x * wb[0] + b0.y * wb[1] + b0.z * wb[2] + b0.w * wb[3] + b1.x * wb[4] +
+                   b1.y * wb[5] + b1.z * wb[6] + b1.w * wb[7];
+        }
+        for (; k < K; k += 256) {
             float wv[8];
             load_w8(w + k, wv);
             float4 a = *reinterpret_cast<const float4*>(x + k);

@@ -2,50 +2,87 @@
 // Few rows (decode): a warp per output feature reads its weight row once for every row of x.
 // Many rows: 64x64 tensor-core tiles (mma_tile.cuh).
 
-#define MATVEC_MAX_ROWS 8
-#define MATVEC_WARPS 8
+#define MATVEC_WARPS 4
 
-template <typename W>
+#define MATVEC_FEATURES 2  // output features per warp
+#define MATVEC_PIECES 4    // 256-element pieces of each weight row in flight per lane
+
+// A warp computes MATVEC_FEATURES output features for every row of x (ROWS at most, a
+// compile-time bound): its lanes stream the features' weight rows in 16-byte pieces, and each
+// piece of x, read once, meets all of them.
+template <typename W, int ROWS>
 __device__ void matvec_impl(const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec,
                             float* out, Diag* diag) {
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 n = blockIdx.x * MATVEC_WARPS + warp;
+    u32 per_block = MATVEC_WARPS * MATVEC_FEATURES;
+    u32 n0 = blockIdx.x * per_block + warp * MATVEC_FEATURES;
     if (threadIdx.x == 0) {
-        u32 valid = min((u32)MATVEC_WARPS, N - blockIdx.x * MATVEC_WARPS);
+        u32 valid = min(per_block, N - blockIdx.x * per_block);
         count_weight_bytes(diag, (u64)valid * K * sizeof(W));
     }
-    if (n >= N) return;
-    const W* wr = w + (size_t)n * K;
-    float acc[MATVEC_MAX_ROWS];
+    if (n0 >= N) return;
+    u32 nv = min((u32)MATVEC_FEATURES, N - n0);
+    float acc[ROWS][MATVEC_FEATURES];
 #pragma unroll
-    for (int r = 0; r < MATVEC_MAX_ROWS; r++) acc[r] = 0.f;
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int j = 0; j < MATVEC_FEATURES; j++) acc[r][j] = 0.f;
     if (vec) {
-        for (u32 k = lane * 8; k < K; k += 256) {
-            float wv[8];
-            load_w8(wr + k, wv);
+        // MATVEC_PIECES pieces of 256 elements per pass: their 16-byte loads in flight at once.
+        for (u32 k = lane * 8; k < K; k += MATVEC_PIECES * 256) {
+            float wv[MATVEC_PIECES][MATVEC_FEATURES][8];
 #pragma unroll
-            for (int r = 0; r < MATVEC_MAX_ROWS; r++) {
-                if (r < rows) {
-                    const float* xr = x + (size_t)r * K + k;
-                    float4 a = *reinterpret_cast<const float4*>(xr);
-                    float4 b = *reinterpret_cast<const float4*>(xr + 4);
-                    acc[r] += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] +
-                              b.x * wv[4] + b.y * wv[5] + b.z * wv[6] + b.w * wv[7];
+            for (int u = 0; u < MATVEC_PIECES; u++)
+#pragma unroll
+                for (int j = 0; j < MATVEC_FEATURES; j++) {
+                    if (j < nv && k + u * 256 < K) {
+                        load_w8(w + (size_t)(n0 + j) * K + k + u * 256, wv[u][j]);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 8; i++) wv[u][j][i] = 0.f;
+                    }
+                }
+#pragma unroll
+            for (int u = 0; u < MATVEC_PIECES; u++) {
+                if (k + u * 256 >= K) break;
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    if (r < rows) {
+                        const float* xr = x + (size_t)r * K + k + u * 256;
+                        float4 a = *reinterpret_cast<const float4*>(xr);
+                        float4 b = *reinterpret_cast<const float4*>(xr + 4);
+                        float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                        for (int j = 0; j < MATVEC_FEATURES; j++)
+#pragma unroll
+                            for (int i = 0; i < 8; i++) acc[r][j] += xv[i] * wv[u][j][i];
+                    }
                 }
             }
         }
     } else {
         for (u32 k = lane; k < K; k += 32) {
-            float wv = load_w(wr, k);
+            float wv[MATVEC_FEATURES];
 #pragma unroll
-            for (int r = 0; r < MATVEC_MAX_ROWS; r++)
-                if (r < rows) acc[r] += x[(size_t)r * K + k] * wv;
+            for (int j = 0; j < MATVEC_FEATURES; j++)
+                wv[j] = j < nv ? load_w(w, (size_t)(n0 + j) * K + k) : 0.f;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < rows) {
+                    float xv = x[(size_t)r * K + k];
+#pragma unroll
+                    for (int j = 0; j < MATVEC_FEATURES; j++) acc[r][j] += xv * wv[j];
+                }
+            }
         }
     }
 #pragma unroll
-    for (int r = 0; r < MATVEC_MAX_ROWS; r++) {
-        float s = warp_sum(acc[r]);
-        if (lane == 0 && r < rows) out[(size_t)r * N + n] = s;
+    for (int r = 0; r < ROWS; r++) {
+#pragma unroll
+        for (int j = 0; j < MATVEC_FEATURES; j++) {
+            float s = warp_sum(acc[r][j]);
+            if (lane == 0 && r < rows && j < nv) out[(size_t)r * N + n0 + j] = s;
+        }
     }
 }
 
@@ -73,11 +110,17 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
     });
 }
 
+#define MATVEC(SUFFIX, W, ROWS)                                                               \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) matvec_##SUFFIX##_r##ROWS(   \
+        const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag) {   \
+        matvec_impl<W, ROWS>(x, rows, w, N, K, vec, out, diag);                                  \
+    }
 #define MATMUL(SUFFIX, W)                                                                     \
-    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) matvec_##SUFFIX(          \
-        const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag) {\
-        matvec_impl<W>(x, rows, w, N, K, vec, out, diag);                                     \
-    }                                                                                         \
+    MATVEC(SUFFIX, W, 1)                                                                      \
+    MATVEC(SUFFIX, W, 2)                                                                      \
+    MATVEC(SUFFIX, W, 4)                                                                      \
+    MATVEC(SUFFIX, W, 8)                                                                      \
+    MATVEC(SUFFIX, W, 16)                                                                     \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS) matmul_tiled_##SUFFIX(         \
         const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag) {\
         matmul_tiled_impl<W>(x, rows, w, N, K, vec, out, diag);                               \

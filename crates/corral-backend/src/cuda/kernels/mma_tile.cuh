@@ -1,6 +1,6 @@
-// A 64x64 output tile of C = A · Wᵀ on tensor cores (mma.sync m16n8k16, bf16 operands, f32
-// accumulation): A rows are f32 activations, converted to bf16 as they are staged in shared
-// memory; W is a [N, K] row-major weight of any stored type. With NW = 2 the block computes
+// A 64x64 output tile of C = A · Wᵀ on tensor cores (mma.sync m16n8k16, 16-bit operands,
+// f32 accumulation): A rows are f32 activations, converted to the operand type as they are
+// staged in shared memory; W is a [N, K] row-major weight of any stored type. With NW = 2 the block computes
 // the same tile of two weights (gate and up) over one staged A. 128 threads: 2x2 warps of
 // 32x32, tiles of 32 along K, the next tile's loads in flight while the current one computes.
 
@@ -14,27 +14,45 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
-// 16 consecutive values starting at p (k0 .. k0+15 of a row with `k_left` = K - k0 left) as 8
-// packed bf16 pairs; out-of-range values are zero. `vec`: 16-byte aligned rows, K % 8 == 0.
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+}
+
+// The tensor-core operand type for weights of type W: bf16 weights run as bf16, f16 and
+// f32 weights as f16 (more mantissa than bf16: rounding an f16 or f32 checkpoint's weights
+// to bf16 would lose precision the checkpoint has).
+template <typename W> struct F16Operands { static const bool value = true; };
+template <> struct F16Operands<bf16w> { static const bool value = false; };
+
+template <bool F16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    return F16 ? pack_f16(lo, hi) : pack_bf16(lo, hi);
+}
+
+// 16 consecutive f32 values starting at p (k0 .. k0+15 of a row with `k_left` = K - k0 left)
+// as 8 packed operand pairs; out-of-range values are zero. `vec`: 16-byte aligned rows,
+// K % 8 == 0.
+template <bool F16>
 __device__ __forceinline__ void stage16(const float* p, int k_left, bool vec, u32* out) {
     if (vec && k_left >= 16) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float4 v = reinterpret_cast<const float4*>(p)[i];
-            out[2 * i] = pack_bf16(v.x, v.y);
-            out[2 * i + 1] = pack_bf16(v.z, v.w);
+            out[2 * i] = pack2<F16>(v.x, v.y);
+            out[2 * i + 1] = pack2<F16>(v.z, v.w);
         }
     } else {
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             float lo = 2 * i < k_left ? p[2 * i] : 0.f;
             float hi = 2 * i + 1 < k_left ? p[2 * i + 1] : 0.f;
-            out[i] = pack_bf16(lo, hi);
+            out[i] = pack2<F16>(lo, hi);
         }
     }
 }
 
-__device__ __forceinline__ void stage16(const bf16w* p, int k_left, bool vec, u32* out) {
+// 16-bit weights are staged as they are stored (their type is the operand type).
+__device__ __forceinline__ void stage16_bits(const u16* p, int k_left, bool vec, u32* out) {
     if (vec && k_left >= 16) {
         uint4 a = reinterpret_cast<const uint4*>(p)[0];
         uint4 b = reinterpret_cast<const uint4*>(p)[1];
@@ -43,32 +61,38 @@ __device__ __forceinline__ void stage16(const bf16w* p, int k_left, bool vec, u3
     } else {
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            u32 lo = 2 * i < k_left ? p[2 * i].bits : 0u;
-            u32 hi = 2 * i + 1 < k_left ? p[2 * i + 1].bits : 0u;
+            u32 lo = 2 * i < k_left ? p[2 * i] : 0u;
+            u32 hi = 2 * i + 1 < k_left ? p[2 * i + 1] : 0u;
             out[i] = lo | (hi << 16);
         }
     }
 }
 
-__device__ __forceinline__ void stage16(const f16w* p, int k_left, bool vec, u32* out) {
-    float v[16];
-    if (vec && k_left >= 16) {
-        load_w8(p, v);
-        load_w8(p + 8, v + 8);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 16; i++) v[i] = i < k_left ? f16_to_f32(p[i].bits) : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i++) out[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+__device__ __forceinline__ void stage16_w(const bf16w* p, int k_left, bool vec, u32* out) {
+    stage16_bits(reinterpret_cast<const u16*>(p), k_left, vec, out);
+}
+__device__ __forceinline__ void stage16_w(const f16w* p, int k_left, bool vec, u32* out) {
+    stage16_bits(reinterpret_cast<const u16*>(p), k_left, vec, out);
+}
+__device__ __forceinline__ void stage16_w(const float* p, int k_left, bool vec, u32* out) {
+    stage16<true>(p, k_left, vec, out);
 }
 
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+template <bool F16>
+__device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
+    if (F16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
 }
 
 // acc[w][mi][ni][4]: warp tile rows wm*32 + mi*16 + {g, g+8}, cols wn*32 + ni*8 + 2*tq + {0,1}.
@@ -77,6 +101,7 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
 template <typename W, int NW>
 __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_valid, int K,
                          bool a_vec, bool w_vec, float (*acc)[2][4][4]) {
+    constexpr bool F16 = F16Operands<W>::value;
     __shared__ __align__(16) u16 a_s[TILE_M * SMEM_STRIDE];
     __shared__ __align__(16) u16 w_s[NW][TILE_N * SMEM_STRIDE];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -96,7 +121,7 @@ __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_va
     auto load = [&](int k0) {
         int k_left = K - k0 - half;
         if (a_row && k_left > 0) {
-            stage16(a_row + k0 + half, k_left, a_vec, a_stage);
+            stage16<F16>(a_row + k0 + half, k_left, a_vec, a_stage);
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++) a_stage[i] = 0u;
@@ -104,7 +129,7 @@ __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_va
 #pragma unroll
         for (int x = 0; x < NW; x++) {
             if (row < n_valid && k_left > 0) {
-                stage16(w[x] + (size_t)row * K + k0 + half, k_left, w_vec, w_stage[x]);
+                stage16_w(w[x] + (size_t)row * K + k0 + half, k_left, w_vec, w_stage[x]);
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; i++) w_stage[x][i] = 0u;
@@ -149,7 +174,7 @@ __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_va
                     bf[0] = *reinterpret_cast<const u32*>(base);
                     bf[1] = *reinterpret_cast<const u32*>(base + 8);
 #pragma unroll
-                    for (int mi = 0; mi < 2; mi++) mma_bf16(acc[x][mi][ni], af[mi], bf);
+                    for (int mi = 0; mi < 2; mi++) mma16816<F16>(acc[x][mi][ni], af[mi], bf);
                 }
             }
         }

@@ -9,66 +9,60 @@
 #define MAX_SORT_EXPERTS 4096
 
 // Softmax over each token's expert logits, then its top_k experts (ties to the lower id) and
-// their probabilities, renormalised to sum 1 when asked. One block per token.
+// their probabilities, renormalised to sum 1 when asked. One warp per token; each lane keeps
+// a bitmask of which of its experts are chosen.
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
     const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32* ids,
     float* weights) {
-    __shared__ float scratch[32];
-    __shared__ float best_v[ROUTE_THREADS];
-    __shared__ u32 best_i[ROUTE_THREADS];
-    __shared__ unsigned char chosen[MAX_SORT_EXPERTS];
-    u32 t = blockIdx.x;
+    u32 lane = threadIdx.x & 31;
+    u32 t = blockIdx.x * (ROUTE_THREADS / 32) + (threadIdx.x >> 5);
     if (t >= tokens) return;
     const float* l = logits + (size_t)t * num_experts;
+    u32* out_ids = ids + (size_t)t * top_k;
+    float* out_w = weights + (size_t)t * top_k;
     float m = NEG_INF;
-    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
-        m = fmaxf(m, l[e]);
-        chosen[e] = 0;
-    }
-    m = block_max(m, scratch);
+    for (u32 e = lane; e < num_experts; e += 32) m = fmaxf(m, l[e]);
+    m = warp_max(m);
     float s = 0.f;
-    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) s += expf(l[e] - m);
-    s = block_sum(s, scratch);
+    for (u32 e = lane; e < num_experts; e += 32) s += expf(l[e] - m);
+    s = warp_sum(s);
+    float total = 0.f;
+    // Bit i of taken[i / 32]: this lane's expert lane + 32 i is chosen already.
+    u32 taken[MAX_SORT_EXPERTS / 32 / 32] = {0};
     for (u32 j = 0; j < top_k; j++) {
         float bv = NEG_INF;
         u32 bi = 0xffffffffu;
-        for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
-            if (!chosen[e] && (bi == 0xffffffffu || l[e] > bv)) {
+        for (u32 e = lane, i = 0; e < num_experts; e += 32, i++) {
+            bool is_taken = (taken[i >> 5] >> (i & 31)) & 1u;
+            if (!is_taken && (bi == 0xffffffffu || l[e] > bv)) {
                 bv = l[e];
                 bi = e;
             }
         }
-        best_v[threadIdx.x] = bv;
-        best_i[threadIdx.x] = bi;
-        __syncthreads();
-        for (u32 stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-            if (threadIdx.x < stride) {
-                float ov = best_v[threadIdx.x + stride];
-                u32 oi = best_i[threadIdx.x + stride];
-                float cv = best_v[threadIdx.x];
-                u32 ci = best_i[threadIdx.x];
-                bool take = oi != 0xffffffffu &&
-                            (ci == 0xffffffffu || ov > cv || (ov == cv && oi < ci));
-                if (take) {
-                    best_v[threadIdx.x] = ov;
-                    best_i[threadIdx.x] = oi;
-                }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            bool take = oi != 0xffffffffu &&
+                        (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi));
+            if (take) {
+                bv = ov;
+                bi = oi;
             }
-            __syncthreads();
         }
-        if (threadIdx.x == 0) {
-            u32 e = best_i[0];
-            ids[(size_t)t * top_k + j] = e;
-            weights[(size_t)t * top_k + j] = expf(l[e] - m) / s;
-            chosen[e] = 1;
+        float w = expf(bv - m) / s;
+        if (lane == 0) {
+            out_ids[j] = bi;
+            out_w[j] = w;
         }
-        __syncthreads();
+        if (lane == (bi & 31)) {
+            u32 i = bi >> 5;
+            taken[i >> 5] |= 1u << (i & 31);
+        }
+        total += w;
     }
-    if (renormalize && threadIdx.x == 0) {
-        float total = 0.f;
-        for (u32 j = 0; j < top_k; j++) total += weights[(size_t)t * top_k + j];
-        for (u32 j = 0; j < top_k; j++) weights[(size_t)t * top_k + j] /= total;
-    }
+    if (renormalize && lane == 0)
+        for (u32 j = 0; j < top_k; j++) out_w[j] /= total;
 }
 
 // Stable counting sort of the routed pairs by expert, in one block: counts, exclusive
@@ -279,16 +273,48 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
         count_weight_bytes(diag, (u64)valid * inter * top_k * sizeof(W));
     }
     if (h >= hidden) return;
+    // Four experts' rows at a time, their loads in flight together; slots summed in order.
     float total = 0.f;
-    for (u32 j = 0; j < top_k; j++) {
-        u32 p = t * top_k + j;
-        u32 e = ids[p];
-        if (e >= num_experts) {
-            if (lane == 0) raise_error(diag, ERR_EXPERT_ID);
-            continue;
+    for (u32 j0 = 0; j0 < top_k; j0 += 4) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        const W* rows[4];
+        const float* acts[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            u32 j = min(j0 + u, top_k - 1);
+            u32 p = t * top_k + j;
+            u32 e = ids[p];
+            if (e >= num_experts) {
+                if (lane == 0) raise_error(diag, ERR_EXPERT_ID);
+                e = 0;
+            }
+            rows[u] = reinterpret_cast<const W*>(down_table[e]) + (size_t)h * inter;
+            acts[u] = act + (size_t)p * inter;
         }
-        const W* d = reinterpret_cast<const W*>(down_table[e]) + (size_t)h * inter;
-        total += route_weights[p] * warp_dot(act + (size_t)p * inter, d, inter, vec != 0);
+        if (vec) {
+            for (u32 k = lane * 8; k < inter; k += 256) {
+                float wv[4][8];
+#pragma unroll
+                for (int u = 0; u < 4; u++) load_w8(rows[u] + k, wv[u]);
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    float4 a = *reinterpret_cast<const float4*>(acts[u] + k);
+                    float4 b = *reinterpret_cast<const float4*>(acts[u] + k + 4);
+                    part[u] += a.x * wv[u][0] + a.y * wv[u][1] + a.z * wv[u][2] +
+                               a.w * wv[u][3] + b.x * wv[u][4] + b.y * wv[u][5] +
+                               b.z * wv[u][6] + b.w * wv[u][7];
+                }
+            }
+        } else {
+            for (u32 k = lane; k < inter; k += 32)
+#pragma unroll
+                for (int u = 0; u < 4; u++) part[u] += acts[u][k] * load_w(rows[u], k);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            float dot = warp_sum(part[u]);
+            if (j0 + u < top_k) total += route_weights[t * top_k + j0 + u] * dot;
+        }
     }
     if (lane == 0) out[(size_t)t * hidden + h] = total;
 }

@@ -1,20 +1,48 @@
 // RMSNorm variants and rotary embedding. Statistics in f32.
 
+#define NORM_PER_THREAD 8
+
+// The shared body of rms_norm and add_rms_norm: row r of (acc [+ x]) kept in registers
+// (dim <= NORM_PER_THREAD * blockDim; longer rows are re-read), normalised into out.
+__device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
+                                         const float* weight, u32 dim, float eps,
+                                         bool offset_one, float* out) {
+    __shared__ float scratch[32];
+    float v[NORM_PER_THREAD];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NORM_PER_THREAD; i++) {
+        u32 d = threadIdx.x + i * blockDim.x;
+        v[i] = 0.f;
+        if (d < dim) {
+            v[i] = add ? acc[d] + x[d] : acc[d];
+            if (add) acc[d] = v[i];
+            ss += v[i] * v[i];
+        }
+    }
+    for (u32 d = threadIdx.x + NORM_PER_THREAD * blockDim.x; d < dim; d += blockDim.x) {
+        float e = add ? acc[d] + x[d] : acc[d];
+        if (add) acc[d] = e;
+        ss += e * e;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int i = 0; i < NORM_PER_THREAD; i++) {
+        u32 d = threadIdx.x + i * blockDim.x;
+        if (d < dim) out[d] = v[i] * inv * (offset_one ? 1.f + weight[d] : weight[d]);
+    }
+    for (u32 d = threadIdx.x + NORM_PER_THREAD * blockDim.x; d < dim; d += blockDim.x)
+        out[d] = acc[d] * inv * (offset_one ? 1.f + weight[d] : weight[d]);
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w, with w = weight or 1 + weight; one block per row.
 extern "C" __global__ void rms_norm(const float* x, const float* weight, u32 rows, u32 dim,
                                     float eps, u32 offset_one, float* out) {
-    __shared__ float scratch[32];
     u32 r = blockIdx.x;
     if (r >= rows) return;
-    const float* xr = x + (size_t)r * dim;
-    float ss = 0.f;
-    for (u32 d = threadIdx.x; d < dim; d += blockDim.x) ss += xr[d] * xr[d];
-    ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss / (float)dim + eps);
-    for (u32 d = threadIdx.x; d < dim; d += blockDim.x) {
-        float w = offset_one ? 1.f + weight[d] : weight[d];
-        out[(size_t)r * dim + d] = xr[d] * inv * w;
-    }
+    norm_row(const_cast<float*>(x) + (size_t)r * dim, nullptr, false, weight, dim, eps,
+             offset_one != 0, out + (size_t)r * dim);
 }
 
 // out = (w * rmsnorm(x)) * silu(z), plain weight; one block per row.
@@ -51,4 +79,55 @@ extern "C" __global__ void rope(float* x, const u32* positions, u32 tokens, u32 
     float a = head[p], b = head[p + half];
     head[p] = a * c - b * s;
     head[p + half] = b * c + a * s;
+}
+
+// acc += x, then out = rms_norm(acc) (weight or 1 + weight); one block per row.
+extern "C" __global__ void add_rms_norm(float* acc, const float* x, const float* weight, u32 rows,
+                                        u32 dim, float eps, u32 offset_one, float* out) {
+    u32 r = blockIdx.x;
+    if (r >= rows) return;
+    norm_row(acc + (size_t)r * dim, x + (size_t)r * dim, true, weight, dim, eps,
+             offset_one != 0, out + (size_t)r * dim);
+}
+
+// Per-head RMSNorm then rotate-half RoPE of q and k: one warp per (token, head), the q heads
+// of a token first, then its k heads. The normalised head is staged in shared memory so
+// that each rotated pair reads both halves.
+#define QK_WARPS 8
+extern "C" __global__ void __launch_bounds__(QK_WARPS * 32) qk_norm_rope(
+    const float* q, const float* k, const float* q_weight, const float* k_weight,
+    const u32* positions, u32 tokens, u32 heads, u32 kv_heads, u32 head_dim, u32 rotary_dim,
+    float theta, float eps, float* q_out, float* k_out) {
+    __shared__ float staged[QK_WARPS][512];
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 item = blockIdx.x * QK_WARPS + warp;
+    u32 per_token = heads + kv_heads;
+    if (item >= tokens * per_token) return;
+    u32 t = item / per_token, h = item % per_token;
+    bool is_q = h < heads;
+    const float* src = is_q ? q + ((size_t)t * heads + h) * head_dim
+                            : k + ((size_t)t * kv_heads + (h - heads)) * head_dim;
+    float* dst = is_q ? q_out + ((size_t)t * heads + h) * head_dim
+                      : k_out + ((size_t)t * kv_heads + (h - heads)) * head_dim;
+    const float* w = is_q ? q_weight : k_weight;
+    float ss = 0.f;
+    for (u32 d = lane; d < head_dim; d += 32) ss += src[d] * src[d];
+    ss = warp_sum(ss);
+    float inv = rsqrtf(ss / (float)head_dim + eps);
+    float* row = staged[warp];
+    for (u32 d = lane; d < head_dim; d += 32) row[d] = src[d] * inv * w[d];
+    __syncwarp();
+    u32 half = rotary_dim / 2;
+    float pos = (float)positions[t];
+    for (u32 d = lane; d < head_dim; d += 32) {
+        float v = row[d];
+        if (d < rotary_dim) {
+            u32 p = d < half ? d : d - half;
+            float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
+            float angle = pos * inv_freq;
+            float c = cosf(angle), s = sinf(angle);
+            v = d < half ? row[d] * c - row[d + half] * s : row[d] * c + row[d - half] * s;
+        }
+        dst[d] = v;
+    }
 }
