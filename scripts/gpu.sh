@@ -7,7 +7,7 @@
 #   scripts/gpu.sh remote    on the GPU machine, from the repository root with .gpu/ beside
 #                            it: runs the GPU tests, then the benchmarks, writing logs and JSON
 #                            to $OUT (default: .gpu/out). STAGES picks parts: tests,run,prefill,
-#                            decode,serve (default: all).
+#                            decode,serve (default: all); TEST_LOGS puts the test logs elsewhere.
 #
 # The test binaries find the fixtures through the path they were built at; `remote` links
 # that path to the repository when it differs.
@@ -49,7 +49,7 @@ remote() {
   if has tests; then
     for t in cuda_ops gpu_conformance expert_reads; do
       echo "== test $t"
-      timeout 300 ".gpu/bin/$t" --test-threads=1 --nocapture 2>&1 | tee "$out/test-$t.log" \
+      timeout 300 ".gpu/bin/$t" --test-threads=1 --nocapture 2>&1 | tee "${TEST_LOGS:-$out}/test-$t.log" \
         | grep -E "^test |test result|panicked|error|relative error" || true
     done
   fi
@@ -69,7 +69,8 @@ remote() {
     echo "== bench decode"
     timeout 420 $corral bench decode --synthetic "$model" --device cuda \
       --batch "${DECODE_BATCH:-1,8,32}" --context "${DECODE_CONTEXT:-512,8192}" \
-      --strategies "${DECODE_STRATEGIES:-per-token,grouped}" --steps "${STEPS:-16}" ${PROFILE:+--profile} \
+      --strategies "${DECODE_STRATEGIES:-per-token,grouped,auto}" --graphs "${GRAPHS:-on,off}" \
+      --steps "${STEPS:-16}" ${PROFILE:+--profile} \
       --json "$out/decode.json" 2>&1 | tee "$out/decode.txt" || true
   fi
   if has serve; then

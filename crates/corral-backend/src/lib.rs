@@ -33,6 +33,26 @@ pub use pool::BufferPool;
 
 pub use stats::{DispatchStats, StatsCounter};
 
+/// A recorded sequence of dispatches the backend can replay with one call (a CUDA graph):
+/// the same kernels on the same buffers, so inputs change only through buffer contents.
+pub struct Graph {
+    inner: cuda::CapturedGraph,
+    kernels: u64,
+}
+
+impl Graph {
+    /// Dispatches the graph holds.
+    pub fn kernels(&self) -> u64 {
+        self.kernels
+    }
+}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Graph({} kernels)", self.kernels)
+    }
+}
+
 /// Device time spent in one kernel, summed over its launches.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelTime {
@@ -61,6 +81,8 @@ pub struct AttentionMeta<'a> {
     pub block_size: usize,
     /// Tokens in the batch.
     pub tokens: usize,
+    /// Tokens of the longest run (1 for a batch of decode rows): a hint for choosing kernels.
+    pub max_run_tokens: usize,
 }
 
 /// Shapes of [`Backend::qk_norm_rope`].
@@ -181,6 +203,35 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `seed`), made where the backend's memory is.
     fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
         self.weight_from_f32(&synthetic::normal_values(seed, len, std), dtype)
+    }
+
+    /// Whether [`Backend::begin_capture`] records graphs here.
+    fn records_graphs(&self) -> bool {
+        false
+    }
+
+    /// Starts recording the ops queued from now on into a graph instead of running them;
+    /// `false` when the backend has no graphs (nothing is recorded then). Nothing may be
+    /// copied to or from the device until [`Backend::end_capture`].
+    fn begin_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Ends a recording begun by [`Backend::begin_capture`]; its dispatches are not counted
+    /// until the graph is replayed.
+    fn end_capture(&self) -> Result<Graph> {
+        Err(BackendError::BadArgument {
+            op: "end_capture",
+            detail: "this backend records no graphs".to_string(),
+        })
+    }
+
+    /// Runs a recorded graph: one call, counted as the dispatches it holds and one replay.
+    fn replay(&self, _graph: &Graph) -> Result<()> {
+        Err(BackendError::BadArgument {
+            op: "replay",
+            detail: "this backend records no graphs".to_string(),
+        })
     }
 
     /// Starts (or stops) timing every dispatch by kernel name, for [`Backend::kernel_profile`].

@@ -20,6 +20,8 @@ pub struct DispatchStats {
     pub bytes_transferred: u64,
     /// Bytes of weights read by ops (an expert read by several tokens in one op counts once).
     pub weight_bytes_read: u64,
+    /// Recorded graphs replayed; their kernels are counted in `dispatches` too.
+    pub graph_replays: u64,
 }
 
 impl std::ops::Add for DispatchStats {
@@ -32,6 +34,7 @@ impl std::ops::Add for DispatchStats {
             allocations: self.allocations + other.allocations,
             bytes_transferred: self.bytes_transferred + other.bytes_transferred,
             weight_bytes_read: self.weight_bytes_read + other.weight_bytes_read,
+            graph_replays: self.graph_replays + other.graph_replays,
         }
     }
 }
@@ -46,6 +49,7 @@ impl std::ops::Sub for DispatchStats {
             allocations: self.allocations - earlier.allocations,
             bytes_transferred: self.bytes_transferred - earlier.bytes_transferred,
             weight_bytes_read: self.weight_bytes_read - earlier.weight_bytes_read,
+            graph_replays: self.graph_replays - earlier.graph_replays,
         }
     }
 }
@@ -58,12 +62,24 @@ pub struct StatsCounter {
     allocations: AtomicU64,
     bytes_transferred: AtomicU64,
     weight_bytes_read: AtomicU64,
+    graph_replays: AtomicU64,
 }
 
 impl StatsCounter {
     /// Counts `n` dispatches.
     pub fn dispatch(&self, n: u64) {
         self.dispatches.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Takes back `n` dispatches recorded into a graph rather than run.
+    pub fn uncount_dispatches(&self, n: u64) {
+        self.dispatches.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Counts one replay of a graph holding `kernels` dispatches.
+    pub fn graph_replay(&self, kernels: u64) {
+        self.dispatches.fetch_add(kernels, Ordering::Relaxed);
+        self.graph_replays.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one host sync.
@@ -96,6 +112,7 @@ impl StatsCounter {
             allocations: self.allocations.load(Ordering::Relaxed),
             bytes_transferred: self.bytes_transferred.load(Ordering::Relaxed),
             weight_bytes_read: self.weight_bytes_read.load(Ordering::Relaxed),
+            graph_replays: self.graph_replays.load(Ordering::Relaxed),
         }
     }
 }

@@ -33,8 +33,10 @@ pub(crate) struct ModelArgs {
     #[arg(long, env = "CORRAL_DEVICE", default_value = "auto", value_parser = parse_device)]
     pub(crate) device: DeviceChoice,
     /// With `--moe-strategy auto`: routed tokens from which the grouped strategy runs.
-    #[arg(long, default_value_t = corral_model::DEFAULT_GROUPED_MIN_TOKENS)]
-    pub(crate) moe_grouped_min_tokens: usize,
+    /// Default: measured at start-up on a GPU (cached per device and shape), and the
+    /// measured CPU constant on the CPU.
+    #[arg(long)]
+    pub(crate) moe_grouped_min_tokens: Option<usize>,
 }
 
 /// The `--device` choice.
@@ -99,7 +101,9 @@ impl ModelArgs {
     pub(crate) fn strategy(&self) -> MoeStrategy {
         match self.moe_strategy {
             MoeStrategy::Auto { .. } => MoeStrategy::Auto {
-                grouped_min_tokens: self.moe_grouped_min_tokens,
+                grouped_min_tokens: self
+                    .moe_grouped_min_tokens
+                    .unwrap_or(corral_model::DEFAULT_GROUPED_MIN_TOKENS),
             },
             other => other,
         }
@@ -164,5 +168,40 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
     bar.finish_and_clear();
     let mut model = model?;
     model.set_moe_strategy(args.strategy());
+    let on_cpu = model.backend().device_name().starts_with("cpu");
+    if matches!(args.moe_strategy, MoeStrategy::Auto { .. })
+        && args.moe_grouped_min_tokens.is_none()
+        && !on_cpu
+    {
+        calibrate_auto_threshold(&mut model)?;
+    }
     Ok(model)
+}
+
+/// Sets the `auto` threshold from a measurement of this model on its device, and says so.
+pub(crate) fn calibrate_auto_threshold(model: &mut Model) -> Result<()> {
+    let Some(found) = model
+        .calibrate_moe_threshold(48)
+        .context("calibrating the auto MoE threshold")?
+    else {
+        return Ok(());
+    };
+    let n = found.grouped_min_tokens;
+    if found.cached {
+        eprintln!("auto MoE threshold: grouped from {n} tokens (calibration cache)");
+    } else {
+        let table: Vec<String> = found
+            .timings
+            .iter()
+            .map(|(t, p, g)| format!("{t}: {p:.3}/{g:.3}"))
+            .collect();
+        eprintln!(
+            "auto MoE threshold: grouped from {n} tokens (measured per-token/grouped ms per MoE block: {})",
+            table.join(", ")
+        );
+    }
+    model.set_moe_strategy(MoeStrategy::Auto {
+        grouped_min_tokens: n,
+    });
+    Ok(())
 }

@@ -169,17 +169,22 @@ impl Sampler {
         if c.is_empty() {
             return argmax(logits);
         }
-        c.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
+        // Most likely first, ties to the lower id. Only top-k and top-p need that order:
+        // top-k selects its candidates in linear time, top-p sorts what is left, and a plain
+        // draw over the whole vocabulary sorts nothing.
+        let by_rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_rank);
             c.truncate(p.top_k);
         }
-        let max = c[0].1;
+        let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
         let mut total = 0.0f64;
         for (_, l) in c.iter_mut() {
             *l = (*l - max).exp();
             total += *l as f64;
         }
         if p.top_p < 1.0 {
+            c.sort_unstable_by(by_rank);
             let mut cumulative = 0.0;
             let mut keep = c.len();
             for (i, (_, w)) in c.iter().enumerate() {

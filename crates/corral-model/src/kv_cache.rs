@@ -24,6 +24,8 @@ pub struct PagedKvCache {
     pub block_size: usize,
     /// Blocks per layer.
     pub num_blocks: usize,
+    /// Distinguishes caches (recorded graphs are bound to one cache's memory).
+    id: u64,
 }
 
 impl PagedKvCache {
@@ -45,11 +47,18 @@ impl PagedKvCache {
                 })
             })
             .collect::<Result<_>>()?;
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Self {
             layers,
             block_size,
             num_blocks,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
+    }
+
+    /// This cache's identity, unique in the process.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Bytes held.

@@ -27,5 +27,8 @@ pub use config::{Family, HybridConfig, LayerKind, LinearAttentionConfig, ModelCo
 pub use error::{ModelError, Result};
 pub use kv_cache::{LayerKv, PagedKvCache, RecurrentStateCache};
 pub use model::{ForwardReport, Model};
-pub use moe::{DEFAULT_GROUPED_MIN_TOKENS, MoeStrategy, UnknownStrategy};
+pub use moe::{
+    CALIBRATION_TOKENS, DEFAULT_GROUPED_MIN_TOKENS, MoeCalibration, MoeStrategy, UnknownStrategy,
+    crossover,
+};
 pub use weights::SyntheticWeights;

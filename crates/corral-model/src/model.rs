@@ -1,9 +1,10 @@
 //! [`Model`]: a loaded model of any supported family, and its forward pass over a ragged batch.
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use corral_backend::{Backend, DType, DispatchStats};
+use corral_backend::{Backend, DType, DispatchStats, Graph};
 
 use crate::batch::RaggedBatch;
 use crate::checkpoint::Checkpoint;
@@ -29,6 +30,50 @@ pub struct Model {
     num_parameters: usize,
     weight_bytes: usize,
     moe_strategy: MoeStrategy,
+    /// Whether decode steps replay recorded graphs (on backends that record them).
+    graphs_enabled: bool,
+    /// Recorded decode-step graphs and the workspaces they are bound to, by shape.
+    graphs: Mutex<HashMap<GraphKey, GraphEntry>>,
+}
+
+/// Blocks by which decode graphs pad the block-table width, so that one graph serves a
+/// sequence for `GRAPH_WIDTH_STEP × block_size` tokens of growth.
+const GRAPH_WIDTH_STEP: usize = 64;
+/// Shapes kept recorded at once; past this the cache starts afresh.
+const MAX_GRAPHS: usize = 64;
+
+/// What a recorded decode step depends on besides buffer contents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GraphKey {
+    tokens: usize,
+    runs: usize,
+    width: usize,
+    logit_rows: usize,
+    strategy: MoeStrategy,
+    cache: u64,
+}
+
+/// A decode shape's workspace and, once recorded, its graph.
+struct GraphEntry {
+    ws: Workspace,
+    graph: Option<Graph>,
+    runs: u64,
+    moe_stats: DispatchStats,
+}
+
+impl std::fmt::Debug for GraphEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphEntry({:?}, {} runs)", self.graph, self.runs)
+    }
+}
+
+/// `tables` (`runs` rows of `width`) re-laid with rows of `padded` (zeros after).
+fn pad_tables(tables: &[u32], runs: usize, width: usize, padded: usize) -> Vec<u32> {
+    let mut out = vec![0; runs * padded];
+    for r in 0..runs {
+        out[r * padded..r * padded + width].copy_from_slice(&tables[r * width..(r + 1) * width]);
+    }
+    out
 }
 
 /// What one forward pass cost.
@@ -110,7 +155,15 @@ impl Model {
             num_parameters,
             weight_bytes,
             moe_strategy: MoeStrategy::default(),
+            graphs_enabled: true,
+            graphs: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Whether decode steps replay recorded graphs where the backend records them (default
+    /// on); off runs every step eagerly.
+    pub fn set_graphs(&mut self, enabled: bool) {
+        self.graphs_enabled = enabled;
     }
 
     /// The MoE strategy forwards use.
@@ -121,6 +174,25 @@ impl Model {
     /// Sets the MoE strategy forwards use.
     pub fn set_moe_strategy(&mut self, strategy: MoeStrategy) {
         self.moe_strategy = strategy;
+    }
+
+    /// Measures (or reads from the calibration cache) the token count from which the grouped
+    /// strategy beats per-token for this model on its backend, running the model's own MoE
+    /// blocks in turn; `None` without MoE layers.
+    pub fn calibrate_moe_threshold(&self, reps: usize) -> Result<Option<crate::MoeCalibration>> {
+        let moes = match &self.inner {
+            FamilyModel::Qwen3(m) => m.moe_blocks(),
+            FamilyModel::Hybrid(m) => m.moe_blocks(),
+        };
+        if moes.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(crate::moe::calibrate(
+            self.backend.as_ref(),
+            self.config(),
+            &moes,
+            reps.max(1),
+        )?))
     }
 
     /// Sparse MoE layers.
@@ -252,18 +324,24 @@ impl Model {
             (FamilyModel::Qwen3(_), _) => Vec::new(),
         };
         let rows = batch.logit_rows();
-        let (tables, width) = batch.padded_block_tables();
+        let (mut tables, mut width) = batch.padded_block_tables();
         let tokens = batch.num_tokens();
-        let mut ws = Workspace::take(
-            backend,
-            config,
-            tokens,
-            batch.runs().len(),
-            width,
-            rows.len(),
-        )?;
+        let max_run_tokens = batch.runs().iter().map(|r| r.len).max().unwrap_or(1);
+        // Decode steps (every run one token) of a non-hybrid model replay a recorded graph
+        // per shape; the table width is padded so that a graph lasts GRAPH_WIDTH_STEP blocks.
+        // (Padded also with graphs off, so that eager steps run the very same kernels.)
+        let decode_shaped = backend.records_graphs()
+            && matches!(self.inner, FamilyModel::Qwen3(_))
+            && max_run_tokens == 1
+            && !self.moe_strategy.syncs_host(tokens);
+        let graphable = decode_shaped && self.graphs_enabled;
+        if decode_shaped {
+            let padded = width.div_ceil(GRAPH_WIDTH_STEP) * GRAPH_WIDTH_STEP;
+            tables = pad_tables(&tables, batch.runs().len(), width, padded);
+            width = padded;
+        }
         let mut moe_stats = DispatchStats::default();
-        let result = (|| {
+        let upload = |ws: &mut Workspace| -> Result<()> {
             backend.upload_u32(batch.tokens(), &mut ws.batch.ids)?;
             backend.upload_u32(batch.positions(), &mut ws.batch.positions)?;
             backend.upload_u32(&batch.token_runs(), &mut ws.batch.token_runs)?;
@@ -273,17 +351,19 @@ impl Model {
             if !recurrent_runs.is_empty() {
                 backend.upload_u32(&recurrent_runs, &mut ws.batch.recurrent_runs)?;
             }
+            Ok(())
+        };
+        let forward = |ws: &mut Workspace,
+                       cache: &mut PagedKvCache,
+                       state: Option<&mut RecurrentStateCache>,
+                       moe_stats: &mut DispatchStats|
+         -> Result<()> {
             match &self.inner {
-                FamilyModel::Qwen3(m) => m.forward(
-                    backend,
-                    batch,
-                    cache,
-                    &mut ws,
-                    self.moe_strategy,
-                    &mut moe_stats,
-                )?,
+                FamilyModel::Qwen3(m) => {
+                    m.forward(backend, batch, cache, ws, self.moe_strategy, moe_stats)
+                }
                 FamilyModel::Hybrid(m) => {
-                    let state = state.as_deref_mut().ok_or_else(|| {
+                    let state = state.ok_or_else(|| {
                         ModelError::InvalidBatch("a hybrid model needs recurrent state".to_string())
                     })?;
                     m.forward(
@@ -291,19 +371,90 @@ impl Model {
                         batch,
                         cache,
                         state,
-                        &mut ws,
+                        ws,
                         self.moe_strategy,
-                        &mut moe_stats,
-                    )?
+                        moe_stats,
+                    )
                 }
             }
-            logits.resize(rows.len() * config.vocab_size, 0.0);
-            if !rows.is_empty() {
-                backend.download_f32(&ws.logits, logits)?;
+        };
+        let result = if graphable {
+            let key = GraphKey {
+                tokens,
+                runs: batch.runs().len(),
+                width,
+                logit_rows: rows.len(),
+                strategy: self.moe_strategy,
+                cache: cache.id(),
+            };
+            let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+            if !graphs.contains_key(&key) && graphs.len() >= MAX_GRAPHS {
+                for (_, entry) in graphs.drain() {
+                    entry.ws.give(backend);
+                }
             }
-            Ok(())
-        })();
-        ws.give(backend);
+            let entry = match graphs.entry(key) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let mut ws =
+                        Workspace::take(backend, config, tokens, key.runs, width, rows.len())?;
+                    ws.max_run_tokens = 1;
+                    e.insert(GraphEntry {
+                        ws,
+                        graph: None,
+                        runs: 0,
+                        moe_stats: DispatchStats::default(),
+                    })
+                }
+            };
+            (|| {
+                upload(&mut entry.ws)?;
+                entry.runs += 1;
+                // The first step of a shape runs eagerly (warming everything up); the second
+                // records the graph, which then runs this step and every later one.
+                if entry.graph.is_none() && entry.runs >= 2 && backend.begin_capture()? {
+                    let mut recorded = DispatchStats::default();
+                    let ran = forward(&mut entry.ws, cache, None, &mut recorded);
+                    let graph = backend.end_capture();
+                    ran?;
+                    entry.graph = Some(graph?);
+                    entry.moe_stats = recorded;
+                }
+                match &entry.graph {
+                    Some(graph) => {
+                        backend.replay(graph)?;
+                        moe_stats = entry.moe_stats;
+                    }
+                    None => forward(&mut entry.ws, cache, None, &mut moe_stats)?,
+                }
+                logits.resize(rows.len() * config.vocab_size, 0.0);
+                if !rows.is_empty() {
+                    backend.download_f32(&entry.ws.logits, logits)?;
+                }
+                Ok(())
+            })()
+        } else {
+            let mut ws = Workspace::take(
+                backend,
+                config,
+                tokens,
+                batch.runs().len(),
+                width,
+                rows.len(),
+            )?;
+            ws.max_run_tokens = max_run_tokens;
+            let result = (|| {
+                upload(&mut ws)?;
+                forward(&mut ws, cache, state.as_deref_mut(), &mut moe_stats)?;
+                logits.resize(rows.len() * config.vocab_size, 0.0);
+                if !rows.is_empty() {
+                    backend.download_f32(&ws.logits, logits)?;
+                }
+                Ok(())
+            })();
+            ws.give(backend);
+            result
+        };
         result.map(|()| ForwardReport {
             tokens,
             stats: backend.stats() - before,

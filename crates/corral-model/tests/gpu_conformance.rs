@@ -17,8 +17,8 @@ use std::sync::Arc;
 use common::{
     fixture_dir, greedy, load, load_on, logits_chunked, read_reference, rel_err, worst_row_rel_err,
 };
-use corral_backend::{Backend, CudaBackend, CudaOptions, DType, cuda_available};
-use corral_model::MoeStrategy;
+use corral_backend::{Backend, CudaBackend, CudaOptions, DType, DispatchStats, cuda_available};
+use corral_model::{LogitsWanted, Model, MoeStrategy, RaggedBatch, SeqId, SlotId, TokenId};
 
 const FIXTURES: &[&str] = &[
     "qwen3_moe_fused",
@@ -142,6 +142,87 @@ fn gpu_strategies_agree_and_gpu_agrees_with_cpu() {
                     "{name} {strategy} vs per-expert, chunk {chunk}: {err:e}"
                 );
             }
+        }
+    }
+}
+
+/// Greedy decode of `steps` tokens after `prompt` on a fresh cache: each decode step's
+/// logits (as bits) and its counts.
+fn decode_steps(
+    model: &Model,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<Vec<u32>>, Vec<DispatchStats>) {
+    let (mut kv, mut state, table) = common::caches(model, prompt.len() + steps);
+    let (mut out, mut stats, mut logits) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut next, mut position) = (prompt.to_vec(), 0);
+    for _ in 0..=steps {
+        let mut batch = RaggedBatch::new(common::BLOCK_SIZE);
+        let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
+        batch
+            .push_run(SeqId(1), &ids, position, &table, LogitsWanted::Last)
+            .unwrap();
+        batch.set_state_slot(SeqId(1), SlotId(0)).unwrap();
+        let report = model
+            .forward_with_state(&batch, &mut kv, &mut state, &mut logits)
+            .unwrap();
+        position += next.len();
+        let best = argmax(&logits);
+        if next.len() == 1 {
+            out.push(logits.iter().map(|v| v.to_bits()).collect());
+            stats.push(report.stats);
+        }
+        next = vec![best];
+    }
+    (out, stats)
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Decode steps replayed from recorded graphs give the eager steps' logits bit for bit and
+/// count the same kernels; only the replays differ.
+#[test]
+fn graph_replay_equals_eager_launches_bit_for_bit() {
+    let Some(backend) = gpu(DType::BF16) else {
+        return;
+    };
+    for name in ["qwen3_moe_fused", "qwen3_dense"] {
+        for strategy in [MoeStrategy::PerToken, MoeStrategy::Grouped] {
+            let mut model = load_on(name, Arc::clone(&backend));
+            model.set_moe_strategy(strategy);
+            let reference = read_reference(&fixture_dir(name));
+            let (graphed, graphed_stats) = decode_steps(&model, &reference.greedy_prompt, 12);
+            model.set_graphs(false);
+            let (eager, eager_stats) = decode_steps(&model, &reference.greedy_prompt, 12);
+            assert_eq!(graphed, eager, "{name} {strategy}: logits differ");
+            // The first decode step records nothing (warm-up); every later one replays.
+            assert_eq!(graphed_stats[0].graph_replays, 0);
+            assert!(
+                graphed_stats[2..].iter().all(|s| s.graph_replays == 1),
+                "{name}"
+            );
+            assert!(eager_stats.iter().all(|s| s.graph_replays == 0));
+            // The first step of the shape is its warm-up (it may allocate its workspace).
+            for (g, e) in graphed_stats.iter().zip(&eager_stats).skip(1) {
+                assert_eq!(
+                    g.dispatches, e.dispatches,
+                    "{name} {strategy}: kernels per step"
+                );
+                assert_eq!(g.host_syncs, 1);
+                assert_eq!(g.allocations, 0, "{name} {strategy}: allocations per step");
+            }
+            eprintln!(
+                "{name} {strategy}: {} kernels per decode step, replayed bit for bit",
+                graphed_stats[2].dispatches
+            );
         }
     }
 }

@@ -37,7 +37,7 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 const MMA_TILE: &str = include_str!("kernels/mma_tile.cuh");
 
 /// Every kernel file, one per op family.
-pub(crate) const SOURCES: [KernelSource; 5] = [
+pub(crate) const SOURCES: [KernelSource; 6] = [
     KernelSource {
         name: "elementwise.cu",
         headers: &[COMMON],
@@ -52,6 +52,11 @@ pub(crate) const SOURCES: [KernelSource; 5] = [
         name: "attention.cu",
         headers: &[COMMON],
         body: include_str!("kernels/attention.cu"),
+    },
+    KernelSource {
+        name: "flash_attention.cu",
+        headers: &[COMMON, MMA_TILE],
+        body: include_str!("kernels/flash_attention.cu"),
     },
     KernelSource {
         name: "matmul.cu",

@@ -13,8 +13,8 @@ use crate::{BackendError, DType, Result};
 #[derive(Debug)]
 pub(crate) struct WeightKernels {
     pub(crate) embedding: Kernel,
-    /// Matrix-vector products for at most 1, 2, 4, 8 and 16 rows.
-    pub(crate) matvec: [Kernel; 5],
+    /// Matrix-vector products for at most 1, 2, 4, 8, 16 and 32 rows.
+    pub(crate) matvec: [Kernel; 6],
     pub(crate) matmul_tiled: Kernel,
     pub(crate) grouped_gate_up: Kernel,
     pub(crate) grouped_down: Kernel,
@@ -48,6 +48,9 @@ pub(crate) struct Kernels {
     pub(crate) paged_attention_bf16: [Kernel; 5],
     pub(crate) paged_attention_f32: [Kernel; 5],
     pub(crate) attention_combine: Kernel,
+    /// Tensor-core prefill attention over a bf16 cache, head dims 64 and 128.
+    pub(crate) flash_attention_hd64: Kernel,
+    pub(crate) flash_attention_hd128: Kernel,
     pub(crate) moe_route: Kernel,
     pub(crate) moe_sort: Kernel,
     pub(crate) moe_combine: Kernel,
@@ -122,6 +125,7 @@ impl Kernels {
                         find(concat!("matvec_", $s, "_r4"))?,
                         find(concat!("matvec_", $s, "_r8"))?,
                         find(concat!("matvec_", $s, "_r16"))?,
+                        find(concat!("matvec_", $s, "_r32"))?,
                     ],
                     matmul_tiled: find(concat!("matmul_tiled_", $s))?,
                     grouped_gate_up: find(concat!("moe_grouped_gate_up_", $s))?,
@@ -166,6 +170,8 @@ impl Kernels {
                 find("paged_attention_f32_d16")?,
             ],
             attention_combine: find("attention_combine")?,
+            flash_attention_hd64: find("flash_attention_bf16_hd64")?,
+            flash_attention_hd128: find("flash_attention_bf16_hd128")?,
             moe_route: find("moe_route")?,
             moe_sort: find("moe_sort")?,
             moe_combine: find("moe_combine")?,

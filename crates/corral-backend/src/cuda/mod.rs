@@ -2,9 +2,11 @@
 //! friends opened at run time (one binary runs with or without a GPU).
 //!
 //! Activations are f32 in device memory; weights stay in their stored type (bf16, f16, f32)
-//! and are converted inside the kernels that read them; projections run on bf16 tensor
-//! cores with f32 accumulation (or f32 matrix-vector products for a few rows); norms,
-//! softmax and routing are f32; the KV cache is bf16. Every op is queued on one stream and
+//! and are converted inside the kernels that read them; projections of many rows and
+//! prefill attention run on 16-bit tensor cores with f32 accumulation (bf16, or f16 for
+//! f16/f32 weights), those of up to 32 rows as f32 matrix-vector products; norms, softmax
+//! and routing are f32; the KV cache is bf16. Decode steps are recorded as CUDA graphs by
+//! the model and replayed. Every op is queued on one stream and
 //! goes through [`CudaBackend::launch`], which counts it. Nothing waits for the device
 //! except the read-backs, and each read-back also returns the kernels' error flag and the
 //! weight bytes they read.
@@ -15,6 +17,7 @@ mod kernels;
 
 use std::ffi::c_void;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub(crate) use device::DeviceMem;
@@ -67,11 +70,26 @@ pub struct CudaBackend {
     diag: DeviceMem,
     kv_dtype: DType,
     cache_report: KernelCacheReport,
+    /// Whether a graph is being recorded, and the dispatch count when it began.
+    capturing: AtomicBool,
+    capture_start: AtomicU64,
     /// Partial results of attention split over the keys (fixed size: allocated once).
     attention_scratch: DeviceBuffer,
     /// Event pairs around each launch while profiling.
     profile: Mutex<Option<Vec<TimedLaunch>>>,
 }
+
+/// An instantiated CUDA graph.
+pub(crate) struct CapturedGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: the graph is only launched on the backend's stream, and callers serialise their
+// use of it (the model keeps graphs behind a mutex); cudarc marks it !Send only because
+// the driver does not synchronise concurrent calls on one graph.
+#[allow(unsafe_code)]
+unsafe impl Send for CapturedGraph {}
+// SAFETY: as above.
+#[allow(unsafe_code)]
+unsafe impl Sync for CapturedGraph {}
 
 /// A launch's kernel name and the events recorded around it.
 type TimedLaunch = (&'static str, CudaEvent, CudaEvent);
@@ -99,10 +117,13 @@ const MAX_ARGS: usize = 20;
 
 /// Rows up to which projections stream weights through matrix-vector products (f32) rather
 /// than tensor-core tiles (matmul.cu's MATVEC_MAX_ROWS).
-const MATVEC_MAX_ROWS: usize = 16;
+const MATVEC_MAX_ROWS: usize = 32;
 
 /// Floats of the attention split scratch (128 MiB): bounds how far attention splits.
 const ATTENTION_SCRATCH_FLOATS: usize = 32 << 20;
+/// The longest run from which attention runs on tensor cores (flash_attention.cu).
+const FLASH_MIN_RUN: usize = 64;
+
 /// Fewest keys per split of attention.
 const ATTENTION_MIN_SPLIT_KEYS: usize = 32;
 
@@ -210,6 +231,8 @@ impl CudaBackend {
             kv_dtype,
             cache_report,
             profile: Mutex::new(None),
+            capturing: AtomicBool::new(false),
+            capture_start: AtomicU64::new(0),
             attention_scratch,
         })
     }
@@ -240,13 +263,24 @@ impl CudaBackend {
         self.gpu.bind()?;
         self.stats.dispatch(1);
         let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(events) = profile.as_mut() else {
+        let recording = self.capturing.load(Ordering::Relaxed);
+        let Some(events) = profile.as_mut().filter(|_| !recording) else {
             drop(profile);
             return self.gpu.launch(k, grid, block, &mut params[..args.len()]);
         };
         let start = self.gpu.record_event()?;
         self.gpu.launch(k, grid, block, &mut params[..args.len()])?;
         events.push((k.1, start, self.gpu.record_event()?));
+        Ok(())
+    }
+
+    fn not_capturing(&self, op: &'static str) -> Result<()> {
+        if self.capturing.load(Ordering::Relaxed) {
+            return Err(bad(
+                op,
+                "no copies while a graph is being recorded".to_string(),
+            ));
+        }
         Ok(())
     }
 
@@ -263,6 +297,7 @@ impl CudaBackend {
     /// A read-back: copies `dst.len()` elements from `src`, with the diagnostics block, and
     /// waits. One host sync; a raised error flag turns into an error.
     fn read_back<T>(&self, src: u64, dst: &mut [T]) -> Result<()> {
+        self.not_capturing("read-back")?;
         let mut diag = [0u64; 2];
         self.gpu.download(src, dst)?;
         self.gpu.download(self.diag.ptr(), &mut diag)?;
@@ -426,6 +461,53 @@ impl Backend for CudaBackend {
         self.kv_dtype
     }
 
+    fn records_graphs(&self) -> bool {
+        true
+    }
+
+    fn begin_capture(&self) -> Result<bool> {
+        self.gpu.bind()?;
+        self.gpu
+            .stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(|e| device::driver_err("beginning a graph capture", e))?;
+        self.capture_start
+            .store(self.stats.snapshot().dispatches, Ordering::Relaxed);
+        self.capturing.store(true, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    fn end_capture(&self) -> Result<crate::Graph> {
+        if !self.capturing.swap(false, Ordering::Relaxed) {
+            return Err(bad("end_capture", "no graph is being recorded".to_string()));
+        }
+        let kernels = self.stats.snapshot().dispatches - self.capture_start.load(Ordering::Relaxed);
+        self.stats.uncount_dispatches(kernels);
+        let graph = self
+            .gpu
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| device::driver_err("ending a graph capture", e))?
+            .ok_or_else(|| bad("end_capture", "the capture recorded nothing".to_string()))?;
+        Ok(crate::Graph {
+            inner: CapturedGraph(graph),
+            kernels,
+        })
+    }
+
+    fn replay(&self, graph: &crate::Graph) -> Result<()> {
+        self.not_capturing("replay")?;
+        graph
+            .inner
+            .0
+            .launch()
+            .map_err(|e| device::driver_err("replaying a graph", e))?;
+        self.stats.graph_replay(graph.kernels);
+        Ok(())
+    }
+
     fn set_profiling(&self, on: bool) {
         *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = on.then(Vec::new);
     }
@@ -464,6 +546,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
+        self.not_capturing("upload_f32")?;
         let Arg::Ptr(p) = buf("upload_f32", "dst", dst, DType::F32, src.len())? else {
             unreachable!()
         };
@@ -473,6 +556,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
+        self.not_capturing("upload_u32")?;
         let Arg::Ptr(p) = buf("upload_u32", "dst", dst, DType::U32, src.len())? else {
             unreachable!()
         };
@@ -889,6 +973,25 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * num_heads * head_dim)?,
             self.diag(),
         ];
+        // Prefill chunks of 64 or more tokens: tensor-core tiles (head dims 64 and 128, bf16).
+        let flash = match head_dim {
+            64 => Some(&self.kernels.flash_attention_hd64),
+            128 => Some(&self.kernels.flash_attention_hd128),
+            _ => None,
+        };
+        if let (Some(kernel), DType::BF16, true) =
+            (flash, dtype, meta.max_run_tokens >= FLASH_MIN_RUN)
+        {
+            let mut flash_args = args[..14].to_vec();
+            flash_args.remove(12);
+            flash_args.extend([args[14], args[15]]);
+            let grid = (
+                grid_of(op, tokens.div_ceil(64))?,
+                grid_of(op, num_heads)?,
+                1,
+            );
+            return self.launch(kernel, grid, 128, &flash_args);
+        }
         // Each lane owns D consecutive dims of a head: the kernel for the next power of two.
         let lane_dims = head_dim.div_ceil(32).next_power_of_two();
         let variant = lane_dims.trailing_zeros() as usize;

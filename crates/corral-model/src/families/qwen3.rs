@@ -104,6 +104,17 @@ impl Qwen3Model {
             .count()
     }
 
+    /// The sparse MoE blocks (auto-threshold calibration).
+    pub(crate) fn moe_blocks(&self) -> Vec<&SparseMoe> {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.mlp {
+                FeedForward::Sparse(moe) => Some(moe.as_ref()),
+                FeedForward::Dense(_) => None,
+            })
+            .collect()
+    }
+
     pub(crate) fn config(&self) -> &ModelConfig {
         &self.config
     }

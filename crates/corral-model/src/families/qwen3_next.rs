@@ -491,6 +491,17 @@ impl HybridModel {
         &self.config
     }
 
+    /// The sparse MoE blocks (auto-threshold calibration).
+    pub(crate) fn moe_blocks(&self) -> Vec<&SparseMoe> {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                FeedForward::Sparse { moe, .. } => Some(moe.as_ref()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// MoE layers.
     pub(crate) fn num_sparse_layers(&self) -> usize {
         self.layers

@@ -141,6 +141,7 @@ pub(crate) fn paged_attention(
         max_blocks_per_run: ws.table_width,
         block_size,
         tokens,
+        max_run_tokens: ws.max_run_tokens,
     };
     let shape = AttentionShape {
         num_heads,

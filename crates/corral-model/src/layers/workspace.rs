@@ -56,6 +56,8 @@ pub(crate) struct Workspace {
     pub(crate) table_width: usize,
     /// Rows whose logits are wanted.
     pub(crate) num_logit_rows: usize,
+    /// Tokens of the batch's longest run.
+    pub(crate) max_run_tokens: usize,
     /// Residual stream `[T, H]`.
     pub(crate) x: DeviceBuffer,
     /// Normalised input of a sub-block `[T, H]`.
@@ -123,6 +125,7 @@ impl Workspace {
         Ok(Self {
             table_width,
             num_logit_rows: logit_rows,
+            max_run_tokens: tokens,
             batch: BatchBuffers {
                 ids: u32_buf(tokens)?,
                 positions: u32_buf(tokens)?,

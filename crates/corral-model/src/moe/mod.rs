@@ -7,6 +7,7 @@
 //! `per_token.rs` or `grouped.rs`. The block does not own activations: they come with the
 //! forward's workspace.
 
+mod calibrate;
 mod grouped;
 mod layout;
 mod per_expert;
@@ -18,6 +19,8 @@ use corral_backend::{Backend, DeviceBuffer, ExpertWeights, MoeRouting, WeightVie
 use crate::layers::Workspace;
 use crate::weights::WeightSource;
 use crate::{MoeConfig, Result};
+pub(crate) use calibrate::calibrate;
+pub use calibrate::{CALIBRATION_TOKENS, MoeCalibration, crossover};
 pub use strategy::{DEFAULT_GROUPED_MIN_TOKENS, MoeStrategy, UnknownStrategy};
 
 /// Weights of one sparse MoE block.

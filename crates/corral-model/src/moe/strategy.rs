@@ -13,7 +13,7 @@ use std::str::FromStr;
 pub const DEFAULT_GROUPED_MIN_TOKENS: usize = 2;
 
 /// How a sparse MoE block runs its routed experts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MoeStrategy {
     /// The baseline being replaced: routing read back to the host, then per hit expert a
     /// gather, gate, up, activation, down and scatter, each a dispatch with its own buffer

@@ -121,6 +121,7 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
     MATVEC(SUFFIX, W, 4)                                                                      \
     MATVEC(SUFFIX, W, 8)                                                                      \
     MATVEC(SUFFIX, W, 16)                                                                     \
+    MATVEC(SUFFIX, W, 32)                                                                     \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS) matmul_tiled_##SUFFIX(         \
         const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag) {\
         matmul_tiled_impl<W>(x, rows, w, N, K, vec, out, diag);                               \

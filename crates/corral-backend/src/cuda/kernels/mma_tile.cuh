@@ -95,19 +95,40 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
     }
 }
 
+// Asynchronous 16-byte copy global -> shared; bytes < 16 zero-fills the rest (0: no read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+#define W_STAGES 3
+
 // acc[w][mi][ni][4]: warp tile rows wm*32 + mi*16 + {g, g+8}, cols wn*32 + ni*8 + 2*tq + {0,1}.
 // a_rows: shared [TILE_M] row pointers (null for rows past the end). w[i]: row 0 of the
 // tile's weight rows; n_valid rows of them exist. a_vec / w_vec: 16-byte loads allowed.
+//
+// Weights stored as 16-bit values with 16-byte rows (w_vec) stream through a three-stage
+// cp.async pipeline straight into shared memory; other weights (f32, odd shapes) are staged
+// through registers like the activations, which are converted to the operand type on the
+// way and double-buffered, the next tile's loads in flight while the current one computes.
 template <typename W, int NW>
 __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_valid, int K,
                          bool a_vec, bool w_vec, float (*acc)[2][4][4]) {
     constexpr bool F16 = F16Operands<W>::value;
-    __shared__ __align__(16) u16 a_s[TILE_M * SMEM_STRIDE];
-    __shared__ __align__(16) u16 w_s[NW][TILE_N * SMEM_STRIDE];
+    constexpr bool BITS16 = sizeof(W) == 2;
+    __shared__ __align__(16) u16 a_s[2][TILE_M * SMEM_STRIDE];
+    __shared__ __align__(16) u16 w_s[NW][W_STAGES][TILE_N * SMEM_STRIDE];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int wm = warp >> 1, wn = warp & 1, g = lane >> 2, tq = lane & 3;
     int row = tid >> 1, half = (tid & 1) * 16;
     const float* a_row = a_rows[row];
+    bool async_w = BITS16 && w_vec;
+    int tiles = (K + TILE_K - 1) / TILE_K;
     u32 a_stage[8], w_stage[NW][8];
 #pragma unroll
     for (int x = 0; x < NW; x++)
@@ -118,48 +139,74 @@ __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_va
 #pragma unroll
                 for (int r = 0; r < 4; r++) acc[x][mi][ni][r] = 0.f;
 
-    auto load = [&](int k0) {
-        int k_left = K - k0 - half;
+    auto load_a = [&](int kt) {
+        int k0 = kt * TILE_K, k_left = K - k0 - half;
         if (a_row && k_left > 0) {
             stage16<F16>(a_row + k0 + half, k_left, a_vec, a_stage);
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++) a_stage[i] = 0u;
         }
+    };
+    auto store_a = [&](int buf) {
+        u32* dst = reinterpret_cast<u32*>(a_s[buf] + row * SMEM_STRIDE + half);
 #pragma unroll
-        for (int x = 0; x < NW; x++) {
-            if (row < n_valid && k_left > 0) {
-                stage16_w(w[x] + (size_t)row * K + k0 + half, k_left, w_vec, w_stage[x]);
-            } else {
+        for (int i = 0; i < 8; i++) dst[i] = a_stage[i];
+    };
+    // Weights of tile kt into stage kt % W_STAGES: cp.async, or registers then a store.
+    auto issue_w = [&](int kt) {
+        int k0 = kt * TILE_K, stage = kt % W_STAGES;
+        if (async_w) {
 #pragma unroll
-                for (int i = 0; i < 8; i++) w_stage[x][i] = 0u;
+            for (int x = 0; x < NW; x++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    int k = k0 + half + c * 8;
+                    bool live = row < n_valid && k < K;
+                    const W* src = live ? w[x] + (size_t)row * K + k : w[x];
+                    cp_async16(w_s[x][stage] + row * SMEM_STRIDE + half + c * 8, src,
+                               live ? 16u : 0u);
+                }
+        } else {
+            int k_left = K - k0 - half;
+#pragma unroll
+            for (int x = 0; x < NW; x++) {
+                if (row < n_valid && k_left > 0) {
+                    stage16_w(w[x] + (size_t)row * K + k0 + half, k_left, w_vec, w_stage[x]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) w_stage[x][i] = 0u;
+                }
+                u32* dst = reinterpret_cast<u32*>(w_s[x][stage] + row * SMEM_STRIDE + half);
+#pragma unroll
+                for (int i = 0; i < 8; i++) dst[i] = w_stage[x][i];
             }
         }
-    };
-    auto store = [&]() {
-        u32* a_dst = reinterpret_cast<u32*>(a_s + row * SMEM_STRIDE + half);
-#pragma unroll
-        for (int i = 0; i < 8; i++) a_dst[i] = a_stage[i];
-#pragma unroll
-        for (int x = 0; x < NW; x++) {
-            u32* w_dst = reinterpret_cast<u32*>(w_s[x] + row * SMEM_STRIDE + half);
-#pragma unroll
-            for (int i = 0; i < 8; i++) w_dst[i] = w_stage[x][i];
-        }
+        cp_async_commit();
     };
 
-    load(0);
-    store();
-    __syncthreads();
-    for (int k0 = 0; k0 < K; k0 += TILE_K) {
-        bool more = k0 + TILE_K < K;
-        if (more) load(k0 + TILE_K);
+    load_a(0);
+    store_a(0);
+    issue_w(0);
+    if (tiles > 1) issue_w(1);
+    for (int kt = 0; kt < tiles; kt++) {
+        bool more = kt + 1 < tiles;
+        if (more) load_a(kt + 1);
+        // Tile kt's weights have landed once at most one later group is pending.
+        if (more) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (kt + 2 < tiles) issue_w(kt + 2);
+        const u16* as = a_s[kt & 1];
 #pragma unroll
         for (int ks = 0; ks < TILE_K; ks += 16) {
             u32 af[2][4];
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
-                const u16* base = a_s + (wm * 32 + mi * 16 + g) * SMEM_STRIDE + ks + 2 * tq;
+                const u16* base = as + (wm * 32 + mi * 16 + g) * SMEM_STRIDE + ks + 2 * tq;
                 af[mi][0] = *reinterpret_cast<const u32*>(base);
                 af[mi][1] = *reinterpret_cast<const u32*>(base + 8 * SMEM_STRIDE);
                 af[mi][2] = *reinterpret_cast<const u32*>(base + 8);
@@ -167,9 +214,10 @@ __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_va
             }
 #pragma unroll
             for (int x = 0; x < NW; x++) {
+                const u16* ws = w_s[x][kt % W_STAGES];
 #pragma unroll
                 for (int ni = 0; ni < 4; ni++) {
-                    const u16* base = w_s[x] + (wn * 32 + ni * 8 + g) * SMEM_STRIDE + ks + 2 * tq;
+                    const u16* base = ws + (wn * 32 + ni * 8 + g) * SMEM_STRIDE + ks + 2 * tq;
                     u32 bf[2];
                     bf[0] = *reinterpret_cast<const u32*>(base);
                     bf[1] = *reinterpret_cast<const u32*>(base + 8);
@@ -178,11 +226,7 @@ __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_va
                 }
             }
         }
-        __syncthreads();
-        if (more) {
-            store();
-            __syncthreads();
-        }
+        if (more) store_a((kt + 1) & 1);
     }
 }
 

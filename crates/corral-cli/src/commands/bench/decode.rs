@@ -45,6 +45,9 @@ pub(crate) struct DecodeArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Decode with recorded graphs (`on`), eagerly (`off`), or both in one run.
+    #[arg(long, value_delimiter = ',', default_value = "on")]
+    graphs: Vec<String>,
     /// After each cell, time one more step kernel by kernel.
     #[arg(long)]
     profile: bool,
@@ -52,6 +55,7 @@ pub(crate) struct DecodeArgs {
 
 struct Cell {
     strategy: String,
+    graphs: bool,
     batch: usize,
     context: usize,
     step_ms: Vec<f64>,
@@ -137,6 +141,15 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let mut model = load_model(&args.model)?;
+    // `auto` means the threshold the model was loaded with (measured on a GPU).
+    let loaded = model.moe_strategy();
+    let strategies: Vec<(String, MoeStrategy)> = strategies
+        .into_iter()
+        .map(|(name, s)| match (s, loaded) {
+            (MoeStrategy::Auto { .. }, MoeStrategy::Auto { .. }) => (name, loaded),
+            _ => (name, s),
+        })
+        .collect();
     let max_position = model.config().max_position_embeddings;
     if let Some(c) = args
         .context
@@ -145,12 +158,25 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     {
         bail!("--context {c} plus the steps exceeds the model's {max_position} positions");
     }
+    let graph_modes: Vec<bool> = args
+        .graphs
+        .iter()
+        .map(|g| match g.as_str() {
+            "on" => Ok(true),
+            "off" => Ok(false),
+            other => bail!("--graphs: `{other}` is neither on nor off"),
+        })
+        .collect::<Result<_>>()?;
     let mut cells = Vec::new();
     let mut logits = Vec::new();
     for &context in &args.context {
         for &batch in &args.batch {
-            for (name, strategy) in &strategies {
+            for ((name, strategy), &graphs) in strategies
+                .iter()
+                .flat_map(|s| graph_modes.iter().map(move |g| (s, g)))
+            {
                 model.set_moe_strategy(*strategy);
+                model.set_graphs(graphs);
                 let steps = args.warmup + args.steps;
                 let (times, stats) =
                     run_cell(&model, batch, context, steps, args.profile, &mut logits)
@@ -162,6 +188,7 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
                 }
                 cells.push(Cell {
                     strategy: name.clone(),
+                    graphs,
                     batch,
                     context,
                     step_ms: times[args.warmup..].to_vec(),
@@ -178,14 +205,16 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         args.warmup
     );
     println!(
-        "{:<11} {:>6} {:>8} {:>9} {:>7} {:>10} {:>9} {:>6} {:>7} {:>12}",
+        "{:<11} {:>6} {:>6} {:>8} {:>9} {:>7} {:>10} {:>9} {:>7} {:>6} {:>7} {:>12}",
         "strategy",
+        "graphs",
         "batch",
         "context",
         "ms/step",
         "noise",
         "tok/s",
         "launches",
+        "replays",
         "syncs",
         "allocs",
         "MiB weights"
@@ -195,25 +224,29 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         let ms = median(&c.step_ms);
         let tok_s = c.batch as f64 / (ms / 1e3);
         println!(
-            "{:<11} {:>6} {:>8} {:>9.3} {:>6.1}% {:>10.1} {:>9} {:>6} {:>7} {:>12.1}",
+            "{:<11} {:>6} {:>6} {:>8} {:>9.3} {:>6.1}% {:>10.1} {:>9} {:>7} {:>6} {:>7} {:>12.1}",
             c.strategy,
+            if c.graphs { "on" } else { "off" },
             c.batch,
             c.context,
             ms,
             relative_spread(&c.step_ms) * 100.0,
             tok_s,
             c.stats.dispatches,
+            c.stats.graph_replays,
             c.stats.host_syncs,
             c.stats.allocations,
             c.stats.weight_bytes_read as f64 / (1 << 20) as f64,
         );
         rows.push(json!({
             "strategy": c.strategy,
+            "graphs": c.graphs,
             "batch": c.batch,
             "context": c.context,
             "ms_per_step_median": ms,
             "tok_s": tok_s,
             "launches_per_step": c.stats.dispatches,
+            "graph_replays_per_step": c.stats.graph_replays,
             "host_syncs_per_step": c.stats.host_syncs,
             "allocations_per_step": c.stats.allocations,
             "weight_bytes_per_step": c.stats.weight_bytes_read,

@@ -152,7 +152,10 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
         .map(|name| {
             let strategy = match name.parse::<MoeStrategy>() {
                 Ok(MoeStrategy::Auto { .. }) => MoeStrategy::Auto {
-                    grouped_min_tokens: args.model.moe_grouped_min_tokens,
+                    grouped_min_tokens: args
+                        .model
+                        .moe_grouped_min_tokens
+                        .unwrap_or(corral_model::DEFAULT_GROUPED_MIN_TOKENS),
                 },
                 Ok(s) => s,
                 Err(e) => bail!("--strategies: {e}"),
@@ -161,6 +164,15 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let mut model = load_model(&args.model)?;
+    // `auto` means the threshold the model was loaded with (measured on a GPU).
+    let loaded = model.moe_strategy();
+    let strategies: Vec<(String, MoeStrategy)> = strategies
+        .into_iter()
+        .map(|(name, s)| match (s, loaded) {
+            (MoeStrategy::Auto { .. }, MoeStrategy::Auto { .. }) => (name, loaded),
+            _ => (name, s),
+        })
+        .collect();
     let config = model.config().clone();
     let max_len = *args.prompt_lens.iter().max().unwrap_or(&1);
     let mut cache = PagedKvCache::new(

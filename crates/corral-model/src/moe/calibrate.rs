@@ -1,0 +1,160 @@
+//! Measuring where the grouped strategy starts beating per-token products, for this model's
+//! MoE shape on this device: the `auto` threshold is a measurement, never a constant carried
+//! over from another machine. Results are cached on disk by device and shape.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use corral_backend::Backend;
+
+use super::{MoeStrategy, SparseMoe};
+use crate::layers::Workspace;
+use crate::{ModelConfig, Result};
+
+/// Token counts timed, in order.
+pub const CALIBRATION_TOKENS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+
+/// What calibration found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeCalibration {
+    /// Tokens from which grouped runs under `auto`.
+    pub grouped_min_tokens: usize,
+    /// (tokens, per-token ms, grouped ms) per count timed; empty when read from the cache.
+    pub timings: Vec<(usize, f64, f64)>,
+    /// Whether the result came from the on-disk cache.
+    pub cached: bool,
+}
+
+/// The smallest count from which grouped is at least as fast as per-token at every larger
+/// count timed (one past the last count if it never is).
+pub fn crossover(timings: &[(usize, f64, f64)]) -> usize {
+    let mut threshold = timings.last().map_or(1, |t| t.0 * 2);
+    for &(tokens, per_token, grouped) in timings.iter().rev() {
+        if grouped <= per_token {
+            threshold = tokens;
+        } else {
+            break;
+        }
+    }
+    threshold
+}
+
+fn cache_path(device: &str, config: &ModelConfig) -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let dir = env("CORRAL_CALIBRATION_CACHE")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("corral/calibration")))
+        .or_else(|| env("HOME").map(|d| d.join(".cache/corral/calibration")))?;
+    let moe = config.moe.as_ref()?;
+    let key = format!(
+        "v3|{device}|h{}|e{}|k{}|i{}|{:?}",
+        config.hidden_size, moe.num_experts, moe.top_k, moe.moe_intermediate_size, config.dtype
+    );
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    Some(dir.join(format!("moe-{hash:016x}.txt")))
+}
+
+/// Times the MoE blocks under per-token and grouped for each of [`CALIBRATION_TOKENS`]
+/// (`reps` blocks back to back per timing, median of three, after a warm-up), or reads an
+/// earlier result for the same device and shape.
+pub(crate) fn calibrate(
+    backend: &dyn Backend,
+    config: &ModelConfig,
+    moes: &[&SparseMoe],
+    reps: usize,
+) -> Result<MoeCalibration> {
+    let Some(first) = moes.first() else {
+        return Ok(MoeCalibration {
+            grouped_min_tokens: crate::DEFAULT_GROUPED_MIN_TOKENS,
+            timings: Vec::new(),
+            cached: false,
+        });
+    };
+    let path = cache_path(&backend.device_name(), config);
+    if let Some(n) = path
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|s| s.trim().parse::<usize>().ok())
+    {
+        return Ok(MoeCalibration {
+            grouped_min_tokens: n,
+            timings: Vec::new(),
+            cached: true,
+        });
+    }
+    let mut timings = Vec::new();
+    for &tokens in &CALIBRATION_TOKENS {
+        let mut ws = Workspace::take(backend, config, tokens, 1, 1, 1)?;
+        let values: Vec<f32> = (0..tokens * config.hidden_size)
+            .map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 2.0)
+            .collect();
+        let result = (|| {
+            backend.upload_f32(&values, &mut ws.h)?;
+            // Back-to-back blocks between two waits, as inside a forward, where launches
+            // overlap the previous block's work, each block a different layer's (as in a
+            // forward, whose experts are not in cache); the median of three such runs.
+            let mut medians = [0.0f64; 2];
+            for (m, strategy) in medians
+                .iter_mut()
+                .zip([MoeStrategy::PerToken, MoeStrategy::Grouped])
+            {
+                first.forward(backend, &mut ws, tokens, strategy)?;
+                let mut times = Vec::with_capacity(3);
+                for _ in 0..3 {
+                    backend.synchronize()?;
+                    let start = Instant::now();
+                    for rep in 0..reps {
+                        moes[rep % moes.len()].forward(backend, &mut ws, tokens, strategy)?;
+                    }
+                    backend.synchronize()?;
+                    times.push(start.elapsed().as_secs_f64() * 1e3 / reps as f64);
+                }
+                times.sort_by(f64::total_cmp);
+                *m = times[1];
+            }
+            Ok::<_, crate::ModelError>(medians)
+        })();
+        ws.give(backend);
+        let [per_token, grouped] = result?;
+        timings.push((tokens, per_token, grouped));
+    }
+    let grouped_min_tokens = crossover(&timings);
+    if let Some(path) = path {
+        // A cache that cannot be written costs a calibration next start, nothing more.
+        let _ = path
+            .parent()
+            .map(std::fs::create_dir_all)
+            .map(|_| std::fs::write(&path, format!("{grouped_min_tokens}\n")));
+    }
+    Ok(MoeCalibration {
+        grouped_min_tokens,
+        timings,
+        cached: false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crossover;
+
+    #[test]
+    fn the_threshold_is_where_grouped_stays_ahead() {
+        let t = |p: f64, g: f64, n| (n, p, g);
+        assert_eq!(
+            crossover(&[t(1.0, 2.0, 1), t(2.0, 2.0, 2), t(5.0, 3.0, 4)]),
+            2
+        );
+        // A lucky win below a loss does not count.
+        assert_eq!(
+            crossover(&[t(2.0, 1.0, 1), t(1.0, 2.0, 2), t(5.0, 3.0, 4)]),
+            4
+        );
+        assert_eq!(crossover(&[t(1.0, 2.0, 1), t(1.0, 2.0, 8)]), 16);
+        assert_eq!(crossover(&[t(3.0, 2.0, 1), t(3.0, 2.0, 8)]), 1);
+    }
+}
