@@ -380,3 +380,66 @@ fn bench_prefill_writes_table_json_and_plot() {
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert_eq!(svg.matches("<polyline").count(), 4);
 }
+
+#[test]
+fn bench_decode_writes_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 16,
+            "num_experts_per_tok": 4, "moe_intermediate_size": 16, "norm_topk_prob": true}"#,
+    )
+    .unwrap();
+    let json = dir.path().join("decode.json");
+    let out = corral(&[
+        "bench",
+        "decode",
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--batch",
+        "1,3",
+        "--context",
+        "5,40",
+        "--strategies",
+        "per-token,grouped",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains("ms/step") && table.contains("replays"),
+        "{table}"
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2 * 2 * 2);
+    for row in rows {
+        // One read-back a step, nothing allocated after the first step, no graphs on the CPU.
+        assert_eq!(row["host_syncs_per_step"].as_u64(), Some(1), "{row}");
+        assert_eq!(row["allocations_per_step"].as_u64(), Some(0), "{row}");
+        assert_eq!(row["graph_replays_per_step"].as_u64(), Some(0), "{row}");
+        assert!(row["tok_s"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let bad = corral(&[
+        "bench",
+        "decode",
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--graphs",
+        "sometimes",
+    ]);
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("--graphs"), "{}", stderr(&bad));
+}

@@ -8,20 +8,8 @@ use common::{fixture_dir, greedy, load, logits_chunked, max_rel_err, read_refere
 
 use corral_model::MoeStrategy;
 
-const FIXTURES: &[&str] = &[
-    "qwen3_moe_fused",
-    "qwen3_moe_per_expert",
-    "qwen3_moe_sharded",
-    "qwen3_dense",
-];
-const STRATEGIES: [MoeStrategy; 4] = [
-    MoeStrategy::PerExpert,
-    MoeStrategy::PerToken,
-    MoeStrategy::Grouped,
-    MoeStrategy::Auto {
-        grouped_min_tokens: 4,
-    },
-];
+const FIXTURES: &[&str] = common::QWEN3_FIXTURES;
+const STRATEGIES: [MoeStrategy; 4] = common::STRATEGIES;
 
 #[test]
 fn logits_match_transformers_at_every_chunk_size_and_strategy() {

@@ -20,20 +20,8 @@ use common::{
 use corral_backend::{Backend, CudaBackend, CudaOptions, DType, DispatchStats, cuda_available};
 use corral_model::{LogitsWanted, Model, MoeStrategy, RaggedBatch, SeqId, SlotId, TokenId};
 
-const FIXTURES: &[&str] = &[
-    "qwen3_moe_fused",
-    "qwen3_moe_per_expert",
-    "qwen3_moe_sharded",
-    "qwen3_dense",
-];
-const STRATEGIES: [MoeStrategy; 4] = [
-    MoeStrategy::PerExpert,
-    MoeStrategy::PerToken,
-    MoeStrategy::Grouped,
-    MoeStrategy::Auto {
-        grouped_min_tokens: 4,
-    },
-];
+const FIXTURES: &[&str] = common::QWEN3_FIXTURES;
+const STRATEGIES: [MoeStrategy; 4] = common::STRATEGIES;
 const TOLERANCE: f64 = 2e-2;
 
 fn gpu(kv_dtype: DType) -> Option<Arc<dyn Backend>> {

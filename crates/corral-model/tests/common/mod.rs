@@ -12,6 +12,24 @@ use corral_model::{
     SeqId, SlotId, TokenId,
 };
 
+/// The committed Qwen3 / Qwen3-MoE fixtures.
+pub(crate) const QWEN3_FIXTURES: &[&str] = &[
+    "qwen3_moe_fused",
+    "qwen3_moe_per_expert",
+    "qwen3_moe_sharded",
+    "qwen3_dense",
+];
+
+/// Every MoE strategy, `auto` switching within the fixtures' prompt lengths.
+pub(crate) const STRATEGIES: [corral_model::MoeStrategy; 4] = [
+    corral_model::MoeStrategy::PerExpert,
+    corral_model::MoeStrategy::PerToken,
+    corral_model::MoeStrategy::Grouped,
+    corral_model::MoeStrategy::Auto {
+        grouped_min_tokens: 4,
+    },
+];
+
 /// A committed fixture's directory.
 pub(crate) fn fixture_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -12,8 +12,8 @@ use clap::Args;
 use corral_backend::DispatchStats;
 use corral_engine::argmax;
 use corral_model::{
-    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch,
-    RecurrentStateCache, SeqId, SlotId, TokenId,
+    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
+    SeqId, SlotId, TokenId,
 };
 use serde_json::json;
 
@@ -128,28 +128,8 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let strategies: Vec<(String, MoeStrategy)> = args
-        .strategies
-        .iter()
-        .map(|name| {
-            let strategy = match name.parse::<MoeStrategy>() {
-                Ok(MoeStrategy::Auto { .. }) => args.model.strategy(),
-                Ok(s) => s,
-                Err(e) => bail!("--strategies: {e}"),
-            };
-            Ok((name.clone(), strategy))
-        })
-        .collect::<Result<_>>()?;
     let mut model = load_model(&args.model)?;
-    // `auto` means the threshold the model was loaded with (measured on a GPU).
-    let loaded = model.moe_strategy();
-    let strategies: Vec<(String, MoeStrategy)> = strategies
-        .into_iter()
-        .map(|(name, s)| match (s, loaded) {
-            (MoeStrategy::Auto { .. }, MoeStrategy::Auto { .. }) => (name, loaded),
-            _ => (name, s),
-        })
-        .collect();
+    let strategies = super::named_strategies(&args.strategies, &model)?;
     let max_position = model.config().max_position_embeddings;
     if let Some(c) = args
         .context

@@ -30,6 +30,29 @@ enum BenchCommand {
     Serve(serve::ServeBenchArgs),
 }
 
+/// The strategies named on a bench's command line, `auto` as the model was loaded with it (its
+/// threshold measured on a GPU, or the given/default one).
+pub(crate) fn named_strategies(
+    names: &[String],
+    model: &corral_model::Model,
+) -> Result<Vec<(String, corral_model::MoeStrategy)>> {
+    use corral_model::MoeStrategy;
+    names
+        .iter()
+        .map(|name| {
+            let strategy = match name.parse::<MoeStrategy>() {
+                Ok(MoeStrategy::Auto { .. }) => match model.moe_strategy() {
+                    auto @ MoeStrategy::Auto { .. } => auto,
+                    _ => MoeStrategy::default(),
+                },
+                Ok(s) => s,
+                Err(e) => anyhow::bail!("--strategies: {e}"),
+            };
+            Ok((name.clone(), strategy))
+        })
+        .collect()
+}
+
 /// Prints the device time per kernel of what ran since profiling was switched on.
 pub(crate) fn print_kernel_profile(title: &str, model: &corral_model::Model) -> Result<()> {
     let times = model.backend().kernel_profile()?;

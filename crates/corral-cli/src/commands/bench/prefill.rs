@@ -13,8 +13,8 @@ use clap::Args;
 use corral_backend::{DispatchStats, process_cpu_time};
 use corral_engine::argmax;
 use corral_model::{
-    BlockId, BlockTable, LogitsWanted, Model, MoeStrategy, PagedKvCache, RaggedBatch,
-    RecurrentStateCache, SeqId, SlotId, TokenId,
+    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
+    SeqId, SlotId, TokenId,
 };
 use serde_json::json;
 
@@ -146,33 +146,8 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
             path.display()
         );
     }
-    let strategies: Vec<(String, MoeStrategy)> = args
-        .strategies
-        .iter()
-        .map(|name| {
-            let strategy = match name.parse::<MoeStrategy>() {
-                Ok(MoeStrategy::Auto { .. }) => MoeStrategy::Auto {
-                    grouped_min_tokens: args
-                        .model
-                        .moe_grouped_min_tokens
-                        .unwrap_or(corral_model::DEFAULT_GROUPED_MIN_TOKENS),
-                },
-                Ok(s) => s,
-                Err(e) => bail!("--strategies: {e}"),
-            };
-            Ok((name.clone(), strategy))
-        })
-        .collect::<Result<_>>()?;
     let mut model = load_model(&args.model)?;
-    // `auto` means the threshold the model was loaded with (measured on a GPU).
-    let loaded = model.moe_strategy();
-    let strategies: Vec<(String, MoeStrategy)> = strategies
-        .into_iter()
-        .map(|(name, s)| match (s, loaded) {
-            (MoeStrategy::Auto { .. }, MoeStrategy::Auto { .. }) => (name, loaded),
-            _ => (name, s),
-        })
-        .collect();
+    let strategies = super::named_strategies(&args.strategies, &model)?;
     let config = model.config().clone();
     let max_len = *args.prompt_lens.iter().max().unwrap_or(&1);
     let mut cache = PagedKvCache::new(
