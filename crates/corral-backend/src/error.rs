@@ -53,8 +53,9 @@ pub enum BackendError {
         /// What went wrong.
         detail: String,
     },
-    /// A kernel found an index out of range and raised the device's error flag.
-    #[error("{what}: an index was out of range on the device; the step's results are invalid")]
+    /// A kernel found an index out of range (or a value it cannot represent) and raised the
+    /// device's error flag.
+    #[error("{what} (found on the device; the step's results are invalid)")]
     DeviceIndex {
         /// Which kind of index.
         what: &'static str,

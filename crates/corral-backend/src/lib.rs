@@ -29,7 +29,7 @@ pub use cuda::{CudaBackend, CudaOptions, KernelCacheReport, cuda_available};
 pub use dtype::DType;
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
-pub use pool::BufferPool;
+pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
 
 pub use stats::{DispatchStats, StatsCounter};
 
@@ -182,6 +182,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Gives a buffer back to the pool.
     fn give_buffer(&self, buffer: DeviceBuffer);
+
+    /// Bytes of free buffers the pool retains now, and the most it will retain.
+    fn pool_bytes(&self) -> (usize, usize);
 
     /// A newly allocated zero-filled buffer that never returns to the pool (KV cache).
     fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer>;

@@ -1,18 +1,42 @@
 //! The buffer pool: activations are taken from it and given back, so steady-state forwards
 //! allocate nothing. A miss allocates (and is counted by the backend); a hit reuses the
-//! smallest free buffer of the right type that is large enough.
+//! smallest free buffer of the right type that is large enough. What the pool retains is
+//! bounded: a buffer given back past the bound is freed (largest free buffers first).
 
 use std::sync::Mutex;
 
 use crate::{BufferUsage, DType, DeviceBuffer};
 
 /// Free buffers waiting for reuse, per backend.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct BufferPool {
     free: Mutex<Vec<DeviceBuffer>>,
+    limit_bytes: usize,
+}
+
+/// Bytes a pool retains by default (activations of the largest batch fit well within it).
+pub const DEFAULT_POOL_LIMIT: usize = 8 << 30;
+
+impl Default for BufferPool {
+    fn default() -> Self {
+        Self::with_limit(DEFAULT_POOL_LIMIT)
+    }
 }
 
 impl BufferPool {
+    /// A pool that retains at most `limit_bytes` of free buffers.
+    pub fn with_limit(limit_bytes: usize) -> Self {
+        Self {
+            free: Mutex::new(Vec::new()),
+            limit_bytes,
+        }
+    }
+
+    /// The most bytes of free buffers the pool keeps.
+    pub fn limit_bytes(&self) -> usize {
+        self.limit_bytes
+    }
+
     /// Takes the smallest free buffer of `dtype` holding at least `len` elements, resized to
     /// `len`; `None` when the caller must allocate.
     pub fn take(&self, dtype: DType, len: usize, usage: BufferUsage) -> Option<DeviceBuffer> {
@@ -29,12 +53,22 @@ impl BufferPool {
         Some(buffer)
     }
 
-    /// Returns a buffer for reuse.
+    /// Returns a buffer for reuse; past the bound the largest free buffers are freed.
     pub fn give(&self, buffer: DeviceBuffer) {
-        self.free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(buffer);
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.push(buffer);
+        let mut held: usize = free.iter().map(DeviceBuffer::size_bytes).sum();
+        while held > self.limit_bytes {
+            let Some(largest) = free
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, b)| b.size_bytes())
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
+            held -= free.swap_remove(largest).size_bytes();
+        }
     }
 
     /// Bytes held by free buffers.
@@ -45,5 +79,33 @@ impl BufferPool {
             .iter()
             .map(DeviceBuffer::size_bytes)
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BufferPool;
+    use crate::{Backend, BufferUsage, CpuBackend, DType};
+
+    #[test]
+    fn the_pool_frees_the_largest_buffers_past_its_bound() {
+        let backend = CpuBackend::new();
+        let pool = BufferPool::with_limit(1000);
+        for len in [100, 50, 200] {
+            let b = backend
+                .take_buffer(DType::F32, len, BufferUsage::Activations)
+                .unwrap();
+            pool.give(b);
+        }
+        // 1,400 bytes given; the 800-byte buffer goes, the two small ones stay.
+        assert_eq!(pool.free_bytes(), 600);
+        assert!(
+            pool.take(DType::F32, 150, BufferUsage::Activations)
+                .is_none()
+        );
+        assert!(
+            pool.take(DType::F32, 90, BufferUsage::Activations)
+                .is_some()
+        );
     }
 }

@@ -18,7 +18,9 @@ pub struct DispatchStats {
     pub allocations: u64,
     /// Bytes copied between host and device, either way.
     pub bytes_transferred: u64,
-    /// Bytes of weights read by ops (an expert read by several tokens in one op counts once).
+    /// Bytes of weights the ops load: the CPU counts a matrix once per op (an expert read by
+    /// several tokens in one op once); a GPU counts what its kernels load, so a matrix read
+    /// by several tiles of rows counts once per tile.
     pub weight_bytes_read: u64,
     /// Recorded graphs replayed; their kernels are counted in `dispatches` too.
     pub graph_replays: u64,

@@ -647,3 +647,24 @@ fn a_second_start_compiles_nothing() {
     assert_eq!(second.kernel_cache_report().compiled, 0);
     assert!(second.kernel_cache_report().cached > 0);
 }
+
+#[test]
+fn an_activation_beyond_f16_range_fails_the_step_with_f16_weights() {
+    let g = gpu_or_skip!();
+    let (rows, n, k) = (40, 16, 32);
+    let w = g.weight_from_f32(&vec![0.01; n * k], DType::F16).unwrap();
+    let view = WeightView::new(&w, n, k).unwrap();
+    let mut x = vec![1.0f32; rows * k];
+    x[5] = 1e5;
+    let xb = f32_buf(g, &x);
+    let mut out = out_buf(g, rows * n);
+    g.matmul(&xb, rows, view, &mut out).unwrap();
+    let mut host = vec![0.0; rows * n];
+    let err = g.download_f32(&out, &mut host).unwrap_err();
+    assert!(err.to_string().contains("f16"), "{err}");
+    // In range, the same product runs.
+    x[5] = 1.0;
+    let xb = f32_buf(g, &x);
+    g.matmul(&xb, rows, view, &mut out).unwrap();
+    g.download_f32(&out, &mut host).unwrap();
+}

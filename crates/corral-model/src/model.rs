@@ -39,8 +39,10 @@ pub struct Model {
 /// Blocks by which decode graphs pad the block-table width, so that one graph serves a
 /// sequence for `GRAPH_WIDTH_STEP × block_size` tokens of growth.
 const GRAPH_WIDTH_STEP: usize = 64;
-/// Shapes kept recorded at once; past this the cache starts afresh.
+/// Shapes kept recorded at once, and the workspace bytes they may hold; past either the
+/// graph cache starts afresh.
 const MAX_GRAPHS: usize = 64;
+const MAX_GRAPH_BYTES: usize = 2 << 30;
 
 /// What a recorded decode step depends on besides buffer contents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -64,6 +66,34 @@ struct GraphEntry {
 impl std::fmt::Debug for GraphEntry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "GraphEntry({:?}, {} runs)", self.graph, self.runs)
+    }
+}
+
+/// An open graph recording, ended when dropped if [`Capture::end`] was not called.
+struct Capture<'a> {
+    backend: &'a dyn Backend,
+    open: bool,
+}
+
+impl<'a> Capture<'a> {
+    fn new(backend: &'a dyn Backend) -> Self {
+        Self {
+            backend,
+            open: true,
+        }
+    }
+
+    fn end(&mut self) -> corral_backend::Result<Graph> {
+        self.open = false;
+        self.backend.end_capture()
+    }
+}
+
+impl Drop for Capture<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self.backend.end_capture();
+        }
     }
 }
 
@@ -388,7 +418,13 @@ impl Model {
                 cache: cache.id(),
             };
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-            if !graphs.contains_key(&key) && graphs.len() >= MAX_GRAPHS {
+            // Graphs of another cache are dead (each is bound to its cache's memory); past the
+            // count or byte bound the cache starts afresh.
+            let held: usize = graphs.values().map(|e| e.ws.size_bytes()).sum();
+            let other_cache = graphs.keys().any(|k| k.cache != key.cache);
+            if !graphs.contains_key(&key)
+                && (other_cache || graphs.len() >= MAX_GRAPHS || held >= MAX_GRAPH_BYTES)
+            {
                 for (_, entry) in graphs.drain() {
                     entry.ws.give(backend);
                 }
@@ -413,9 +449,11 @@ impl Model {
                 // The first step of a shape runs eagerly (warming everything up); the second
                 // records the graph, which then runs this step and every later one.
                 if entry.graph.is_none() && entry.runs >= 2 && backend.begin_capture()? {
+                    // Ends the recording even if the forward unwinds.
+                    let mut capture = Capture::new(backend);
                     let mut recorded = DispatchStats::default();
                     let ran = forward(&mut entry.ws, cache, None, &mut recorded);
-                    let graph = backend.end_capture();
+                    let graph = capture.end();
                     ran?;
                     entry.graph = Some(graph?);
                     entry.moe_stats = recorded;

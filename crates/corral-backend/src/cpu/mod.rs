@@ -287,6 +287,10 @@ impl Backend for CpuBackend {
         self.pool.give(buffer);
     }
 
+    fn pool_bytes(&self) -> (usize, usize) {
+        (self.pool.free_bytes(), self.pool.limit_bytes())
+    }
+
     fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
         Ok(self.new_buffer(dtype, len, usage))
     }

@@ -194,6 +194,9 @@ fn index_error(code: u32) -> &'static str {
         4 => "paged_attention: block table entry",
         5 => "MoE: expert id",
         6 => "paged_attention: position beyond the block table",
+        7 => {
+            "tensor-core projection: an activation beyond f16's range (|x| > 65504) with f16/f32 weights"
+        }
         _ => "unknown device error",
     }
 }
@@ -240,11 +243,6 @@ impl CudaBackend {
     /// How the kernels were obtained at start-up.
     pub fn kernel_cache_report(&self) -> &KernelCacheReport {
         &self.cache_report
-    }
-
-    /// Bytes held by free pooled buffers.
-    pub fn pooled_bytes(&self) -> usize {
-        self.pool.free_bytes()
     }
 
     /// The one place a kernel is launched: counts it, then queues it.
@@ -299,7 +297,9 @@ impl CudaBackend {
     fn read_back<T>(&self, src: u64, dst: &mut [T]) -> Result<()> {
         self.not_capturing("read-back")?;
         let mut diag = [0u64; 2];
-        self.gpu.download(src, dst)?;
+        if !dst.is_empty() {
+            self.gpu.download(src, dst)?;
+        }
         self.gpu.download(self.diag.ptr(), &mut diag)?;
         self.gpu.memset_zero(self.diag.ptr(), 16)?;
         self.gpu.sync()?;
@@ -376,6 +376,10 @@ impl Backend for CudaBackend {
         if matches!(buffer.storage, Storage::Cuda(_)) {
             self.pool.give(buffer);
         }
+    }
+
+    fn pool_bytes(&self) -> (usize, usize) {
+        (self.pool.free_bytes(), self.pool.limit_bytes())
     }
 
     fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
@@ -580,9 +584,9 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.gpu.sync()?;
-        self.stats.host_sync();
-        Ok(())
+        // A wait is a read-back of the diagnostics alone: their counts and error flag belong
+        // to the work just finished, not to whatever reads back next.
+        self.read_back::<u8>(self.diag.ptr(), &mut [])
     }
 
     fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
@@ -1420,9 +1424,25 @@ impl Backend for CudaBackend {
         if pairs == 0 {
             return Ok(());
         }
+        if experts.up.rows() != inter
+            || experts.up.cols() != hidden
+            || experts.down.rows() != hidden
+            || experts.down.cols() != inter
+        {
+            return Err(bad(
+                op,
+                "expert projections of mismatched shapes".to_string(),
+            ));
+        }
         let (gate, dtype, gate_vec) = self.experts(op, &experts.gate)?;
-        let (up, _, up_vec) = self.experts(op, &experts.up)?;
-        let (down, _, down_vec) = self.experts(op, &experts.down)?;
+        let (up, up_dtype, up_vec) = self.experts(op, &experts.up)?;
+        let (down, down_dtype, down_vec) = self.experts(op, &experts.down)?;
+        if up_dtype != dtype || down_dtype != dtype {
+            return Err(bad(
+                op,
+                "expert projections stored in different types".to_string(),
+            ));
+        }
         let kernels = self.kernels.for_weights(op, dtype)?;
         let ids = buf(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?;
         let act_arg = buf(op, "act", act, DType::F32, pairs * inter)?;
@@ -1439,7 +1459,7 @@ impl Backend for CudaBackend {
             act_arg,
             self.diag(),
         ];
-        let grid = (grid_of(op, inter.div_ceil(8))?, grid_of(op, pairs)?, 1);
+        let grid = (grid_of(op, inter.div_ceil(8) * pairs)?, 1, 1);
         self.launch(&kernels.per_token_gate_up, grid, 256, &first)?;
         let second = [
             act_arg,
@@ -1460,7 +1480,7 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * hidden)?,
             self.diag(),
         ];
-        let grid = (grid_of(op, hidden.div_ceil(8))?, grid_of(op, tokens)?, 1);
+        let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
         self.launch(&kernels.per_token_down, grid, 256, &second)
     }
 }

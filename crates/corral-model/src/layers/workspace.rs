@@ -178,6 +178,61 @@ impl Workspace {
         })
     }
 
+    /// Bytes of every buffer held.
+    pub(crate) fn size_bytes(&self) -> usize {
+        self.buffers().iter().map(|b| b.size_bytes()).sum()
+    }
+
+    fn buffers(&self) -> Vec<&DeviceBuffer> {
+        let b = &self.batch;
+        let (h, m) = (&self.hybrid, &self.moe);
+        vec![
+            &b.ids,
+            &b.positions,
+            &b.token_runs,
+            &b.slots,
+            &b.block_tables,
+            &b.logit_rows,
+            &b.recurrent_runs,
+            &h.qkv,
+            &h.conv,
+            &h.z,
+            &h.core,
+            &h.normed,
+            &h.a,
+            &h.b,
+            &h.g,
+            &h.beta,
+            &h.attn_gate,
+            &h.attn_gated,
+            &h.shared_gate,
+            &self.shared_out,
+            &self.x,
+            &self.h,
+            &self.out,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.q_normed,
+            &self.k_normed,
+            &self.attn,
+            &self.gate,
+            &self.up,
+            &self.act,
+            &self.router_logits,
+            &self.expert_ids,
+            &self.expert_weights,
+            &m.expert_offsets,
+            &m.sorted_pairs,
+            &m.pair_positions,
+            &m.act,
+            &m.y,
+            &self.rows,
+            &self.rows_normed,
+            &self.logits,
+        ]
+    }
+
     /// Gives every buffer back to the pool.
     pub(crate) fn give(self, backend: &dyn Backend) {
         let b = self.batch;

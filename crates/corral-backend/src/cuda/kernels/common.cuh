@@ -150,6 +150,7 @@ struct Diag {
 #define ERR_BLOCK_TABLE 4u
 #define ERR_EXPERT_ID 5u
 #define ERR_POSITION 6u
+#define ERR_F16_RANGE 7u
 
 __device__ __forceinline__ void raise_error(Diag* d, u32 code) { atomicCAS(&d->error, 0u, code); }
 

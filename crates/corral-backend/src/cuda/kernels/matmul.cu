@@ -100,7 +100,7 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
     __syncthreads();
     const W* wt[1] = {w + (size_t)n0 * K};
     float acc[1][2][4][4];
-    tile_mma<W, 1>(a_rows, wt, n_valid, (int)K, vec != 0, vec != 0, acc);
+    tile_mma<W, 1>(a_rows, wt, n_valid, (int)K, vec != 0, vec != 0, acc, diag);
     tile_for_each([&](int mi, int ni, int r0, int tile_row, int tile_col) {
         u32 m = m0 + tile_row, n = n0 + tile_col;
         if (m < rows) {

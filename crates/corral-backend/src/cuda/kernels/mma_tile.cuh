@@ -116,9 +116,12 @@ __device__ __forceinline__ void cp_async_wait() {
 // cp.async pipeline straight into shared memory; other weights (f32, odd shapes) are staged
 // through registers like the activations, which are converted to the operand type on the
 // way and double-buffered, the next tile's loads in flight while the current one computes.
+//
+// With f16 operands an activation beyond f16's range (|x| > 65504) raises ERR_F16_RANGE in
+// `diag`: the step fails with an error instead of computing with infinities.
 template <typename W, int NW>
 __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_valid, int K,
-                         bool a_vec, bool w_vec, float (*acc)[2][4][4]) {
+                         bool a_vec, bool w_vec, float (*acc)[2][4][4], Diag* diag) {
     constexpr bool F16 = F16Operands<W>::value;
     constexpr bool BITS16 = sizeof(W) == 2;
     __shared__ __align__(16) u16 a_s[2][TILE_M * SMEM_STRIDE];
@@ -143,6 +146,13 @@ __device__ void tile_mma(const float* const* a_rows, const W* const* w, int n_va
         int k0 = kt * TILE_K, k_left = K - k0 - half;
         if (a_row && k_left > 0) {
             stage16<F16>(a_row + k0 + half, k_left, a_vec, a_stage);
+            if (F16) {
+                bool over = false;
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    over |= (a_stage[i] & 0x7c00u) == 0x7c00u || (a_stage[i] & 0x7c000000u) == 0x7c000000u;
+                if (over) raise_error(diag, ERR_F16_RANGE);
+            }
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++) a_stage[i] = 0u;

@@ -189,7 +189,7 @@ __device__ void grouped_gate_up_impl(const float* x, u32 hidden, u32 top_k, cons
     const W* wt[2] = {reinterpret_cast<const W*>(gate_table[expert]) + (size_t)n0 * hidden,
                       reinterpret_cast<const W*>(up_table[expert]) + (size_t)n0 * hidden};
     float acc[2][2][4][4];
-    tile_mma<W, 2>(a_rows, wt, n_valid, (int)hidden, vec != 0, vec != 0, acc);
+    tile_mma<W, 2>(a_rows, wt, n_valid, (int)hidden, vec != 0, vec != 0, acc, diag);
     tile_for_each([&](int mi, int ni, int r0, int tile_row, int tile_col) {
         u32 m = tile_row, n = n0 + tile_col;
         if (m < rows) {
@@ -221,7 +221,7 @@ __device__ void grouped_down_impl(const float* act, u32 inter, const float* rout
     __syncthreads();
     const W* wt[1] = {reinterpret_cast<const W*>(down_table[expert]) + (size_t)n0 * inter};
     float acc[1][2][4][4];
-    tile_mma<W, 1>(a_rows, wt, n_valid, (int)inter, vec != 0, vec != 0, acc);
+    tile_mma<W, 1>(a_rows, wt, n_valid, (int)inter, vec != 0, vec != 0, acc, diag);
     tile_for_each([&](int mi, int ni, int r0, int tile_row, int tile_col) {
         u32 m = tile_row, n = n0 + tile_col;
         if (m < rows) {
@@ -233,21 +233,22 @@ __device__ void grouped_down_impl(const float* act, u32 inter, const float* rout
 }
 
 // Per-token path, first half: act[p, i] = silu(gate[e] x[t]) * up[e] x[t] for pair p and row
-// i, a warp per (pair, row). Grid: (ceil(I / 8), pairs).
+// i, a warp per (pair, row). Grid: ceil(I / 8) blocks per pair, pair-major.
 template <typename W>
 __device__ void per_token_gate_up_impl(const float* x, u32 hidden, const u32* ids, u32 top_k,
                                        u32 num_experts, const u64* gate_table,
                                        const u64* up_table, u32 inter, u32 vec, float* act,
                                        Diag* diag) {
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 p = blockIdx.y, i = blockIdx.x * 8 + warp;
+    u32 chunks = (inter + 7) / 8;
+    u32 p = blockIdx.x / chunks, chunk = blockIdx.x % chunks, i = chunk * 8 + warp;
     u32 e = ids[p];
     if (e >= num_experts) {
         if (threadIdx.x == 0) raise_error(diag, ERR_EXPERT_ID);
         return;
     }
     if (threadIdx.x == 0) {
-        u32 valid = min(8u, inter - blockIdx.x * 8);
+        u32 valid = min(8u, inter - chunk * 8);
         count_weight_bytes(diag, 2ull * valid * hidden * sizeof(W));
     }
     if (i >= inter) return;
@@ -260,16 +261,17 @@ __device__ void per_token_gate_up_impl(const float* x, u32 hidden, const u32* id
 }
 
 // Per-token path, second half: out[t, h] = sum_j w[t, j] * down[e_j][h] · act[t*k + j], a
-// warp per (token, row), slots summed in order. Grid: (ceil(H / 8), tokens).
+// warp per (token, row), slots summed in order. Grid: ceil(H / 8) blocks per token.
 template <typename W>
 __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
                                     const float* route_weights, u32 top_k, u32 num_experts,
                                     const u64* down_table, u32 hidden, u32 vec, float* out,
                                     Diag* diag) {
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 t = blockIdx.y, h = blockIdx.x * 8 + warp;
+    u32 chunks = (hidden + 7) / 8;
+    u32 t = blockIdx.x / chunks, chunk = blockIdx.x % chunks, h = chunk * 8 + warp;
     if (threadIdx.x == 0) {
-        u32 valid = min(8u, hidden - blockIdx.x * 8);
+        u32 valid = min(8u, hidden - chunk * 8);
         count_weight_bytes(diag, (u64)valid * inter * top_k * sizeof(W));
     }
     if (h >= hidden) return;

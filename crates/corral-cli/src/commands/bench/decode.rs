@@ -5,6 +5,7 @@
 //! values), so an 8k context costs no 8k-token prefill per sequence.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -48,7 +49,7 @@ pub(crate) struct DecodeArgs {
     /// Decode with recorded graphs (`on`), eagerly (`off`), or both in one run.
     #[arg(long, value_delimiter = ',', default_value = "on")]
     graphs: Vec<String>,
-    /// After each cell, time one more step kernel by kernel.
+    /// After each cell, time one more step kernel by kernel (launched eagerly).
     #[arg(long)]
     profile: bool,
 }
@@ -63,19 +64,19 @@ struct Cell {
 }
 
 fn run_cell(
-    model: &Model,
+    model: &mut Model,
     batch_size: usize,
     context: usize,
     steps: usize,
     profile_last: bool,
     logits: &mut Vec<f32>,
 ) -> Result<(Vec<f64>, DispatchStats)> {
-    let config = model.config();
-    let backend = model.backend().as_ref();
+    let config = model.config().clone();
+    let backend = Arc::clone(model.backend());
     let per_seq = (context + steps).div_ceil(BLOCK_SIZE);
-    let mut cache = PagedKvCache::new(backend, config, batch_size * per_seq, BLOCK_SIZE)
+    let mut cache = PagedKvCache::new(backend.as_ref(), &config, batch_size * per_seq, BLOCK_SIZE)
         .context("allocating the KV cache")?;
-    let mut state = RecurrentStateCache::new(backend, config, batch_size)?;
+    let mut state = RecurrentStateCache::new(backend.as_ref(), &config, batch_size)?;
     let tables: Vec<BlockTable> = (0..batch_size)
         .map(|s| BlockTable {
             blocks: (0..per_seq)
@@ -89,6 +90,8 @@ fn run_cell(
     let (mut times, mut stats) = (Vec::new(), DispatchStats::default());
     for step in 0..steps + profile_last as usize {
         if step == steps {
+            // A replayed graph launches nothing to time: the profiled step runs eagerly.
+            model.set_graphs(false);
             model.backend().set_profiling(true);
         }
         let mut batch = RaggedBatch::new(BLOCK_SIZE);
@@ -159,7 +162,7 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
                 model.set_graphs(graphs);
                 let steps = args.warmup + args.steps;
                 let (times, stats) =
-                    run_cell(&model, batch, context, steps, args.profile, &mut logits)
+                    run_cell(&mut model, batch, context, steps, args.profile, &mut logits)
                         .with_context(|| format!("batch {batch} at context {context}"))?;
                 if args.profile {
                     let title = format!("{name}, batch {batch}, context {context}");
