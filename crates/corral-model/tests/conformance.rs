@@ -9,7 +9,7 @@ use common::{fixture_dir, greedy, load, logits_chunked, max_rel_err, read_refere
 use corral_model::MoeStrategy;
 
 const FIXTURES: &[&str] = common::QWEN3_FIXTURES;
-const STRATEGIES: [MoeStrategy; 4] = common::STRATEGIES;
+const STRATEGIES: [MoeStrategy; 5] = common::STRATEGIES;
 
 #[test]
 fn logits_match_transformers_at_every_chunk_size_and_strategy() {

@@ -21,7 +21,7 @@ use corral_backend::{Backend, CudaBackend, CudaOptions, DType, DispatchStats, cu
 use corral_model::{LogitsWanted, Model, MoeStrategy, RaggedBatch, SeqId, SlotId, TokenId};
 
 const FIXTURES: &[&str] = common::QWEN3_FIXTURES;
-const STRATEGIES: [MoeStrategy; 4] = common::STRATEGIES;
+const STRATEGIES: [MoeStrategy; 5] = common::STRATEGIES;
 const TOLERANCE: f64 = 2e-2;
 
 fn gpu(kv_dtype: DType) -> Option<Arc<dyn Backend>> {

@@ -297,9 +297,7 @@ impl CudaBackend {
     fn read_back<T>(&self, src: u64, dst: &mut [T]) -> Result<()> {
         self.not_capturing("read-back")?;
         let mut diag = [0u64; 2];
-        if !dst.is_empty() {
-            self.gpu.download(src, dst)?;
-        }
+        self.gpu.download(src, dst)?;
         self.gpu.download(self.diag.ptr(), &mut diag)?;
         self.gpu.memset_zero(self.diag.ptr(), 16)?;
         self.gpu.sync()?;
@@ -584,9 +582,9 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
-        // A wait is a read-back of the diagnostics alone: their counts and error flag belong
-        // to the work just finished, not to whatever reads back next.
-        self.read_back::<u8>(self.diag.ptr(), &mut [])
+        self.gpu.sync()?;
+        self.stats.host_sync();
+        Ok(())
     }
 
     fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {

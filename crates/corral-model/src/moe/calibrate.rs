@@ -119,8 +119,15 @@ pub(crate) fn calibrate(
             }
             Ok::<_, crate::ModelError>(medians)
         })();
+        // One read-back, so that the device's counters (and any error it flagged) belong to
+        // the calibration, not to the first forward after it.
+        let flushed = result.and_then(|m| {
+            let mut one = [0u32; 1];
+            backend.download_u32(&ws.expert_ids, &mut one)?;
+            Ok(m)
+        });
         ws.give(backend);
-        let [per_token, grouped] = result?;
+        let [per_token, grouped] = flushed?;
         timings.push((tokens, per_token, grouped));
     }
     let grouped_min_tokens = crossover(&timings);

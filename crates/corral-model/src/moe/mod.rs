@@ -83,6 +83,9 @@ impl SparseMoe {
             MoeStrategy::PerExpert => {
                 per_expert::forward(backend, &ws.h, routing, &self.experts, &mut ws.out)
             }
+            MoeStrategy::PerExpertOneSync => {
+                per_expert::forward_one_sync(backend, &ws.h, routing, &self.experts, &mut ws.out)
+            }
             MoeStrategy::PerToken => per_token::forward(
                 backend,
                 &ws.h,
@@ -210,17 +213,21 @@ mod tests {
                 y: take(DType::F32, pairs * hidden),
             };
             let mut outs = Vec::new();
-            for strategy in [MoeStrategy::PerExpert, MoeStrategy::PerToken, MoeStrategy::Grouped] {
+            for strategy in [MoeStrategy::PerExpert, MoeStrategy::PerExpertOneSync, MoeStrategy::PerToken, MoeStrategy::Grouped] {
                 let mut out = take(DType::F32, tokens * hidden);
                 let before = b.stats();
                 match strategy {
                     MoeStrategy::PerExpert => per_expert::forward(&b, &x, routing, &experts, &mut out),
+                    MoeStrategy::PerExpertOneSync => per_expert::forward_one_sync(&b, &x, routing, &experts, &mut out),
                     MoeStrategy::PerToken => per_token::forward(&b, &x, routing, &experts, &mut scratch.act, &mut out),
                     _ => grouped::forward(&b, &x, routing, &experts, &mut scratch, &mut out),
                 }
                 .unwrap();
                 let spent = b.stats() - before;
-                if strategy != MoeStrategy::PerExpert {
+                if strategy == MoeStrategy::PerExpertOneSync {
+                    prop_assert_eq!(spent.host_syncs, 1);
+                }
+                if !strategy.syncs_host(tokens) {
                     let expected = if strategy == MoeStrategy::Grouped { 4 } else { 2 };
                     prop_assert_eq!(spent.dispatches, expected);
                     prop_assert_eq!(spent.host_syncs, 0);
@@ -231,7 +238,7 @@ mod tests {
                 outs.push(host);
             }
             let scale = outs[0].iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-            for (name, other) in ["per-token", "grouped"].iter().zip(&outs[1..]) {
+            for (name, other) in ["per-expert-one-sync", "per-token", "grouped"].iter().zip(&outs[1..]) {
                 let diff = outs[0].iter().zip(other).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
                 prop_assert!(diff / scale <= 1e-5, "{} differs from per-expert by {}", name, diff / scale);
             }

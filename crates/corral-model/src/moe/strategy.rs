@@ -19,6 +19,10 @@ pub enum MoeStrategy {
     /// gather, gate, up, activation, down and scatter, each a dispatch with its own buffer
     /// and a blocking wait.
     PerExpert,
+    /// The milder baseline, as transformers' expert loop: routing read back once per layer,
+    /// then each hit expert's gather, projections and scatter launched one after another
+    /// with pooled buffers and no further wait.
+    PerExpertOneSync,
     /// One matrix-vector product per (token, expert) pair, no sorting: for tiny batches.
     PerToken,
     /// Pairs sorted by expert on the device, then one dispatch per operator over all experts.
@@ -53,13 +57,17 @@ impl MoeStrategy {
     /// Whether the strategy reads anything back to the host inside the layer for `tokens`
     /// tokens. // [NO_SYNC_IN_LAYER]
     pub fn syncs_host(self, tokens: usize) -> bool {
-        self.resolve(tokens) == MoeStrategy::PerExpert
+        matches!(
+            self.resolve(tokens),
+            MoeStrategy::PerExpert | MoeStrategy::PerExpertOneSync
+        )
     }
 
     /// The strategy's command-line name.
     pub fn name(self) -> &'static str {
         match self {
             MoeStrategy::PerExpert => "per-expert",
+            MoeStrategy::PerExpertOneSync => "per-expert-one-sync",
             MoeStrategy::PerToken => "per-token",
             MoeStrategy::Grouped => "grouped",
             MoeStrategy::Auto { .. } => "auto",
@@ -73,9 +81,12 @@ impl fmt::Display for MoeStrategy {
     }
 }
 
-/// A strategy name that is not one of `per-expert`, `per-token`, `grouped`, `auto`.
+/// A strategy name that is not one of `per-expert`, `per-expert-one-sync`, `per-token`,
+/// `grouped`, `auto`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown MoE strategy `{0}` (expected per-expert, per-token, grouped or auto)")]
+#[error(
+    "unknown MoE strategy `{0}` (expected per-expert, per-expert-one-sync, per-token, grouped or auto)"
+)]
 pub struct UnknownStrategy(pub String);
 
 impl FromStr for MoeStrategy {
@@ -84,6 +95,7 @@ impl FromStr for MoeStrategy {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "per-expert" => Ok(MoeStrategy::PerExpert),
+            "per-expert-one-sync" => Ok(MoeStrategy::PerExpertOneSync),
             "per-token" => Ok(MoeStrategy::PerToken),
             "grouped" => Ok(MoeStrategy::Grouped),
             "auto" => Ok(MoeStrategy::default()),
@@ -105,12 +117,19 @@ mod tests {
         assert_eq!(auto.resolve(4), MoeStrategy::Grouped);
         assert_eq!(MoeStrategy::PerExpert.resolve(100), MoeStrategy::PerExpert);
         assert!(MoeStrategy::PerExpert.syncs_host(1));
+        assert!(MoeStrategy::PerExpertOneSync.syncs_host(1));
         assert!(!auto.syncs_host(1000));
     }
 
     #[test]
     fn names_round_trip() {
-        for s in ["per-expert", "per-token", "grouped", "auto"] {
+        for s in [
+            "per-expert",
+            "per-expert-one-sync",
+            "per-token",
+            "grouped",
+            "auto",
+        ] {
             assert_eq!(s.parse::<MoeStrategy>().unwrap().name(), s);
         }
         assert!("fast".parse::<MoeStrategy>().is_err());

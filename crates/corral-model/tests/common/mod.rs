@@ -21,8 +21,9 @@ pub(crate) const QWEN3_FIXTURES: &[&str] = &[
 ];
 
 /// Every MoE strategy, `auto` switching within the fixtures' prompt lengths.
-pub(crate) const STRATEGIES: [corral_model::MoeStrategy; 4] = [
+pub(crate) const STRATEGIES: [corral_model::MoeStrategy; 5] = [
     corral_model::MoeStrategy::PerExpert,
+    corral_model::MoeStrategy::PerExpertOneSync,
     corral_model::MoeStrategy::PerToken,
     corral_model::MoeStrategy::Grouped,
     corral_model::MoeStrategy::Auto {
