@@ -9,11 +9,11 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
 
 use corral_model::{Model, PagedKvCache, RecurrentStateCache};
-use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::EngineMetrics;
+use crate::request::{EngineRequest, Event};
 use crate::scheduler::{Scheduler, SchedulerConfig};
-use crate::{EngineError, FinishReason, KvBlockPool, SamplingParams};
+use crate::{EngineError, KvBlockPool};
 
 /// Sizes and limits of the engine.
 #[derive(Clone, Copy, Debug)]
@@ -30,64 +30,6 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Longest sequence (prompt plus generated tokens).
     pub max_context: usize,
-}
-
-/// A validated generation request.
-#[derive(Debug)]
-pub struct EngineRequest {
-    /// Prompt token ids (non-empty, within the vocabulary).
-    pub prompt: Vec<u32>,
-    /// Sampling parameters (validated).
-    pub params: SamplingParams,
-    /// Most tokens to generate.
-    pub max_tokens: usize,
-    /// Longest the sequence may grow.
-    pub max_context: usize,
-    /// Ids that end generation.
-    pub stop_token_ids: Vec<u32>,
-    /// Alternatives to report with each token's log-probability; `None` for no log-probs.
-    pub top_logprobs: Option<usize>,
-    /// Where the request's events go.
-    pub events: UnboundedSender<Event>,
-}
-
-/// A generated token.
-#[derive(Clone, Debug)]
-pub struct TokenEvent {
-    /// The token.
-    pub id: u32,
-    /// Its log-probability, when asked for.
-    pub logprob: Option<f32>,
-    /// The most likely alternatives and their log-probabilities, when asked for.
-    pub top_logprobs: Vec<(u32, f32)>,
-}
-
-/// The end of a request.
-#[derive(Clone, Debug)]
-pub struct Finished {
-    /// Why it ended.
-    pub reason: FinishReason,
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Generated tokens.
-    pub completion_tokens: usize,
-    /// Prompt tokens served from cache.
-    pub cached_tokens: usize,
-    /// Milliseconds from arrival to the first token.
-    pub prompt_ms: f64,
-    /// Milliseconds from the first token to the last.
-    pub decode_ms: f64,
-}
-
-/// What the engine sends a request's handler.
-#[derive(Clone, Debug)]
-pub enum Event {
-    /// A token was generated.
-    Token(TokenEvent),
-    /// Generation ended.
-    Finished(Finished),
-    /// The engine failed while running the request.
-    Failed(String),
 }
 
 enum Command {

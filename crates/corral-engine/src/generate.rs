@@ -10,6 +10,7 @@ use corral_model::{
     TokenId,
 };
 
+use crate::request::FinishReason;
 use crate::{EngineError, KvBlockPool, Sampler, SamplingParams};
 
 /// Tokens per KV block.
@@ -28,17 +29,6 @@ pub struct GenerationRequest {
     pub stop_token_ids: Vec<u32>,
     /// Most prompt tokens per prefill forward.
     pub prefill_chunk: usize,
-}
-
-/// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// A stop token was sampled.
-    Stop,
-    /// `max_tokens` were generated.
-    Length,
-    /// The callback asked to stop.
-    Cancelled,
 }
 
 /// Tokens and measurements of one generation.

@@ -13,20 +13,19 @@ mod generate;
 mod generation_config;
 pub mod kv;
 pub mod metrics;
+mod request;
 mod sampler;
 mod scheduler;
 mod tokenizer;
 
 pub use chat_template::{ChatTemplate, TokenizerConfig};
-pub use engine::{
-    EngineConfig, EngineHandle, EngineRequest, Event, Finished, SubmitError, TokenEvent,
-    spawn_engine,
-};
+pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
-pub use generate::{BLOCK_SIZE, FinishReason, GenerationReport, GenerationRequest, generate};
+pub use generate::{BLOCK_SIZE, GenerationReport, GenerationRequest, generate};
 pub use generation_config::stop_token_ids;
 pub use kv::{KvBlockPool, OutOfBlocks, StateSlotPool};
 pub use metrics::EngineMetrics;
+pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};
 pub use scheduler::{Scheduler, SchedulerConfig, StepPlan};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};

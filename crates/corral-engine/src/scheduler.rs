@@ -14,7 +14,7 @@ use std::time::Instant;
 use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{EngineRequest, Event, Finished, TokenEvent};
+use crate::request::{EngineRequest, Event, Finished, TokenEvent};
 use crate::{FinishReason, KvBlockPool, Sampler, StateSlotPool};
 
 /// Limits of the scheduler.
