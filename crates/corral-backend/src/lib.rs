@@ -213,11 +213,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         false
     }
 
-    /// Starts recording the ops queued from now on into a graph instead of running them;
-    /// `false` when the backend has no graphs (nothing is recorded then). Nothing may be
-    /// copied to or from the device until [`Backend::end_capture`].
-    fn begin_capture(&self) -> Result<bool> {
-        Ok(false)
+    /// Starts recording the ops queued from now on into a graph instead of running them
+    /// (only where [`Backend::records_graphs`]). Nothing may be copied to or from the device
+    /// until [`Backend::end_capture`].
+    fn begin_capture(&self) -> Result<()> {
+        Err(BackendError::BadArgument {
+            op: "begin_capture",
+            detail: "this backend records no graphs".to_string(),
+        })
     }
 
     /// Ends a recording begun by [`Backend::begin_capture`]; its dispatches are not counted

@@ -24,6 +24,12 @@ fn fixture(name: &str) -> PathBuf {
     repo().join("tests/fixtures").join(name)
 }
 
+/// A small synthetic Qwen3-MoE for the bench commands.
+const TINY_MOE_CONFIG: &str = r#"{"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 16,
+    "norm_topk_prob": true}"#;
+
 fn corral(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_corral"))
         .args(args)
@@ -315,13 +321,7 @@ fn corrupt_checkpoint_exits_nonzero_without_panic() {
 fn bench_prefill_writes_table_json_and_plot() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.json");
-    std::fs::write(
-        &config,
-        r#"{"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 16,
-            "num_experts_per_tok": 4, "moe_intermediate_size": 16, "norm_topk_prob": true}"#,
-    )
-    .unwrap();
+    std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
     let json = dir.path().join("bench.json");
     let plot = dir.path().join("bench.svg");
     let out = corral(&[
@@ -385,13 +385,7 @@ fn bench_prefill_writes_table_json_and_plot() {
 fn bench_decode_writes_table_and_json() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.json");
-    std::fs::write(
-        &config,
-        r#"{"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 16,
-            "num_experts_per_tok": 4, "moe_intermediate_size": 16, "norm_topk_prob": true}"#,
-    )
-    .unwrap();
+    std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
     let json = dir.path().join("decode.json");
     let out = corral(&[
         "bench",

@@ -420,10 +420,10 @@ impl Model {
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
             // Graphs of another cache are dead (each is bound to its cache's memory); past the
             // count or byte bound the cache starts afresh.
-            let held: usize = graphs.values().map(|e| e.ws.size_bytes()).sum();
-            let other_cache = graphs.keys().any(|k| k.cache != key.cache);
             if !graphs.contains_key(&key)
-                && (other_cache || graphs.len() >= MAX_GRAPHS || held >= MAX_GRAPH_BYTES)
+                && (graphs.keys().any(|k| k.cache != key.cache)
+                    || graphs.len() >= MAX_GRAPHS
+                    || graphs.values().map(|e| e.ws.size_bytes()).sum::<usize>() >= MAX_GRAPH_BYTES)
             {
                 for (_, entry) in graphs.drain() {
                     entry.ws.give(backend);
@@ -448,7 +448,8 @@ impl Model {
                 entry.runs += 1;
                 // The first step of a shape runs eagerly (warming everything up); the second
                 // records the graph, which then runs this step and every later one.
-                if entry.graph.is_none() && entry.runs >= 2 && backend.begin_capture()? {
+                if entry.graph.is_none() && entry.runs >= 2 {
+                    backend.begin_capture()?;
                     // Ends the recording even if the forward unwinds.
                     let mut capture = Capture::new(backend);
                     let mut recorded = DispatchStats::default();

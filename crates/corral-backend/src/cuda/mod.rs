@@ -77,6 +77,8 @@ pub struct CudaBackend {
     attention_scratch: DeviceBuffer,
     /// Event pairs around each launch while profiling.
     profile: Mutex<Option<Vec<TimedLaunch>>>,
+    /// Whether `profile` is on: launches check this before taking the lock.
+    profiling: AtomicBool,
 }
 
 /// An instantiated CUDA graph.
@@ -186,6 +188,11 @@ fn weight(op: &'static str, w: WeightView<'_>) -> Result<(Arg, DType, bool)> {
     Ok((Arg::Ptr(addr), dtype, vec))
 }
 
+/// Threads of a block that normalises one row of `dim`.
+fn norm_block(dim: usize) -> u32 {
+    if dim <= 256 { 128 } else { 256 }
+}
+
 fn index_error(code: u32) -> &'static str {
     match code {
         1 => "embedding: token id",
@@ -234,6 +241,7 @@ impl CudaBackend {
             kv_dtype,
             cache_report,
             profile: Mutex::new(None),
+            profiling: AtomicBool::new(false),
             capturing: AtomicBool::new(false),
             capture_start: AtomicU64::new(0),
             attention_scratch,
@@ -260,9 +268,11 @@ impl CudaBackend {
         }
         self.gpu.bind()?;
         self.stats.dispatch(1);
+        if !self.profiling.load(Ordering::Relaxed) || self.capturing.load(Ordering::Relaxed) {
+            return self.gpu.launch(k, grid, block, &mut params[..args.len()]);
+        }
         let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
-        let recording = self.capturing.load(Ordering::Relaxed);
-        let Some(events) = profile.as_mut().filter(|_| !recording) else {
+        let Some(events) = profile.as_mut() else {
             drop(profile);
             return self.gpu.launch(k, grid, block, &mut params[..args.len()]);
         };
@@ -467,7 +477,7 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn begin_capture(&self) -> Result<bool> {
+    fn begin_capture(&self) -> Result<()> {
         self.gpu.bind()?;
         self.gpu
             .stream
@@ -478,7 +488,7 @@ impl Backend for CudaBackend {
         self.capture_start
             .store(self.stats.snapshot().dispatches, Ordering::Relaxed);
         self.capturing.store(true, Ordering::Relaxed);
-        Ok(true)
+        Ok(())
     }
 
     fn end_capture(&self) -> Result<crate::Graph> {
@@ -512,6 +522,7 @@ impl Backend for CudaBackend {
 
     fn set_profiling(&self, on: bool) {
         *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = on.then(Vec::new);
+        self.profiling.store(on, Ordering::Relaxed);
     }
 
     fn kernel_profile(&self) -> Result<Vec<crate::KernelTime>> {
@@ -673,7 +684,7 @@ impl Backend for CudaBackend {
             Arg::U32(offset_one as u32),
             buf(op, "out", out, DType::F32, rows * dim)?,
         ];
-        let block = if dim <= 256 { 128 } else { 256 };
+        let block = norm_block(dim);
         self.launch(
             &self.kernels.rms_norm,
             (grid_of(op, rows)?, 1, 1),
@@ -763,7 +774,7 @@ impl Backend for CudaBackend {
             Arg::U32(offset_one as u32),
             buf(op, "out", out, DType::F32, rows * dim)?,
         ];
-        let block = if dim <= 256 { 128 } else { 256 };
+        let block = norm_block(dim);
         self.launch(
             &self.kernels.add_rms_norm,
             (grid_of(op, rows)?, 1, 1),

@@ -49,6 +49,63 @@ pub(crate) struct MoeScratch {
     pub(crate) y: DeviceBuffer,
 }
 
+/// Calls `$f` with every buffer of workspace `$ws` (by reference or by value, as `$ws` is
+/// given): the one list of a workspace's buffers.
+macro_rules! for_each_buffer {
+    ($ws:expr, [$($by:tt)*], $f:expr) => {{
+        let ws = $ws;
+        #[allow(unused_mut)]
+        let mut f = $f;
+        for buffer in [
+            $($by)* ws.batch.ids,
+            $($by)* ws.batch.positions,
+            $($by)* ws.batch.token_runs,
+            $($by)* ws.batch.slots,
+            $($by)* ws.batch.block_tables,
+            $($by)* ws.batch.logit_rows,
+            $($by)* ws.batch.recurrent_runs,
+            $($by)* ws.hybrid.qkv,
+            $($by)* ws.hybrid.conv,
+            $($by)* ws.hybrid.z,
+            $($by)* ws.hybrid.core,
+            $($by)* ws.hybrid.normed,
+            $($by)* ws.hybrid.a,
+            $($by)* ws.hybrid.b,
+            $($by)* ws.hybrid.g,
+            $($by)* ws.hybrid.beta,
+            $($by)* ws.hybrid.attn_gate,
+            $($by)* ws.hybrid.attn_gated,
+            $($by)* ws.hybrid.shared_gate,
+            $($by)* ws.shared_out,
+            $($by)* ws.x,
+            $($by)* ws.h,
+            $($by)* ws.out,
+            $($by)* ws.q,
+            $($by)* ws.k,
+            $($by)* ws.v,
+            $($by)* ws.q_normed,
+            $($by)* ws.k_normed,
+            $($by)* ws.attn,
+            $($by)* ws.gate,
+            $($by)* ws.up,
+            $($by)* ws.act,
+            $($by)* ws.router_logits,
+            $($by)* ws.expert_ids,
+            $($by)* ws.expert_weights,
+            $($by)* ws.moe.expert_offsets,
+            $($by)* ws.moe.sorted_pairs,
+            $($by)* ws.moe.pair_positions,
+            $($by)* ws.moe.act,
+            $($by)* ws.moe.y,
+            $($by)* ws.rows,
+            $($by)* ws.rows_normed,
+            $($by)* ws.logits,
+        ] {
+            f(buffer);
+        }
+    }};
+}
+
 /// Every activation buffer a layer may need, sized for `tokens`.
 pub(crate) struct Workspace {
     pub(crate) batch: BatchBuffers,
@@ -180,108 +237,13 @@ impl Workspace {
 
     /// Bytes of every buffer held.
     pub(crate) fn size_bytes(&self) -> usize {
-        self.buffers().iter().map(|b| b.size_bytes()).sum()
-    }
-
-    fn buffers(&self) -> Vec<&DeviceBuffer> {
-        let b = &self.batch;
-        let (h, m) = (&self.hybrid, &self.moe);
-        vec![
-            &b.ids,
-            &b.positions,
-            &b.token_runs,
-            &b.slots,
-            &b.block_tables,
-            &b.logit_rows,
-            &b.recurrent_runs,
-            &h.qkv,
-            &h.conv,
-            &h.z,
-            &h.core,
-            &h.normed,
-            &h.a,
-            &h.b,
-            &h.g,
-            &h.beta,
-            &h.attn_gate,
-            &h.attn_gated,
-            &h.shared_gate,
-            &self.shared_out,
-            &self.x,
-            &self.h,
-            &self.out,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.q_normed,
-            &self.k_normed,
-            &self.attn,
-            &self.gate,
-            &self.up,
-            &self.act,
-            &self.router_logits,
-            &self.expert_ids,
-            &self.expert_weights,
-            &m.expert_offsets,
-            &m.sorted_pairs,
-            &m.pair_positions,
-            &m.act,
-            &m.y,
-            &self.rows,
-            &self.rows_normed,
-            &self.logits,
-        ]
+        let mut total = 0;
+        for_each_buffer!(self, [&], |b: &DeviceBuffer| total += b.size_bytes());
+        total
     }
 
     /// Gives every buffer back to the pool.
     pub(crate) fn give(self, backend: &dyn Backend) {
-        let b = self.batch;
-        for buf in [
-            b.ids,
-            b.positions,
-            b.token_runs,
-            b.slots,
-            b.block_tables,
-            b.logit_rows,
-            b.recurrent_runs,
-            self.hybrid.qkv,
-            self.hybrid.conv,
-            self.hybrid.z,
-            self.hybrid.core,
-            self.hybrid.normed,
-            self.hybrid.a,
-            self.hybrid.b,
-            self.hybrid.g,
-            self.hybrid.beta,
-            self.hybrid.attn_gate,
-            self.hybrid.attn_gated,
-            self.hybrid.shared_gate,
-            self.shared_out,
-            self.x,
-            self.h,
-            self.out,
-            self.q,
-            self.k,
-            self.v,
-            self.q_normed,
-            self.k_normed,
-            self.attn,
-            self.gate,
-            self.up,
-            self.act,
-            self.router_logits,
-            self.expert_ids,
-            self.expert_weights,
-            self.moe.expert_offsets,
-            self.moe.sorted_pairs,
-            self.moe.pair_positions,
-            self.moe.act,
-            self.moe.y,
-            self.rows,
-            self.rows_normed,
-            self.logits,
-        ] {
-            backend.give_buffer(buf);
-        }
+        for_each_buffer!(self, [], |b: DeviceBuffer| backend.give_buffer(b));
     }
 }
