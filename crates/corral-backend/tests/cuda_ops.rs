@@ -21,6 +21,18 @@ fn gpu() -> Option<&'static CudaBackend> {
     .as_ref()
 }
 
+/// A second CUDA backend that runs every projection on Corral's own tiles.
+fn gpu_without_cublas() -> &'static CudaBackend {
+    static GPU: OnceLock<CudaBackend> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let options = CudaOptions {
+            without_cublas: true,
+            ..Default::default()
+        };
+        CudaBackend::new(options).expect("open cuda:0")
+    })
+}
+
 macro_rules! gpu_or_skip {
     () => {
         match gpu() {
@@ -122,8 +134,10 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
         let offset = rng.below(3);
         let x = rng.values(rows * k);
         let w = rng.values((n + offset) * k);
+        let what = format!("rows {rows} n {n} k {k} {dtype} offset {offset}");
+        eprintln!("matmul case {case}: {what}");
         let mut outs = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [&c as &dyn Backend, g, gpu_without_cublas()] {
             let wb = b.weight_from_f32(&w, dtype).unwrap();
             let view = WeightView::new(&wb, n + offset, k)
                 .unwrap()
@@ -134,10 +148,12 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
             b.matmul(&xb, rows, view, &mut out).unwrap();
             outs.push(read(b, &out, rows * n));
         }
-        // Few rows run in f32; tiles round activations (and f16/f32 weights) to bf16.
-        let tol = if rows <= 32 { 1e-5 } else { 1e-2 };
-        let what = format!("rows {rows} n {n} k {k} {dtype} offset {offset}");
+        // One row, f32 weights and unaligned rows run in f32 up to 32 rows; tensor cores
+        // (small-row mma, tiles, cuBLAS) round activations and f16/f32 weights to 16 bits.
+        let f32_path = rows == 1 || (rows <= 32 && (dtype == DType::F32 || k % 8 != 0));
+        let tol = if f32_path { 1e-5 } else { 1e-2 };
         assert_close(&what, &outs[1], &outs[0], tol);
+        assert_close(&format!("{what}, without cuBLAS"), &outs[2], &outs[0], tol);
     }
 }
 
@@ -254,7 +270,7 @@ fn embedding_reads_every_weight_type_exactly() {
         let table = rng.values(vocab * hidden);
         let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
         let mut outs = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [&c as &dyn Backend, g, gpu_without_cublas()] {
             let t = b.weight_from_f32(&table, dtype).unwrap();
             let idb = u32_buf(b, &ids);
             let mut out = out_buf(b, tokens * hidden);
@@ -442,10 +458,18 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(5);
-    for case in 0..24 {
+    for case in 0..27 {
         let tokens = [1, 3, 10, 70, 200][case % 5];
         let e = [4, 8, 33, 128][case % 4];
         let top_k = 1 + rng.below(e.min(8));
+        // The last cases fix the rows per expert on each side of where the grouped kernels
+        // change (up to 8 and up to 24 rows per expert: few-row products; more: tiles).
+        let (tokens, e, top_k) = match case {
+            24 => (200, 128, 8),
+            25 => (70, 33, 8),
+            26 => (200, 8, 4),
+            _ => (tokens, e, top_k),
+        };
         let h = 8 * (1 + rng.below(12));
         let i = if case % 6 == 5 {
             1 + rng.below(70)
@@ -563,7 +587,7 @@ fn synthetic_weights_are_the_cpu_streams() {
     let n = 3 * 65536 + 7;
     for dtype in DTYPES {
         let mut outs = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [&c as &dyn Backend, g, gpu_without_cublas()] {
             let w = b.weight_normal(n, dtype, 0xfeed, 0.02).unwrap();
             // Read through an embedding of one-row "tokens" covering the whole buffer.
             let rows = n / 7;

@@ -35,6 +35,7 @@ impl KernelSource {
 
 const COMMON: &str = include_str!("kernels/common.cuh");
 const MMA_TILE: &str = include_str!("kernels/mma_tile.cuh");
+const MMA_VEC: &str = include_str!("kernels/mma_vec.cuh");
 
 /// Every kernel file, one per op family.
 pub(crate) const SOURCES: [KernelSource; 6] = [
@@ -60,12 +61,12 @@ pub(crate) const SOURCES: [KernelSource; 6] = [
     },
     KernelSource {
         name: "matmul.cu",
-        headers: &[COMMON, MMA_TILE],
+        headers: &[COMMON, MMA_TILE, MMA_VEC],
         body: include_str!("kernels/matmul.cu"),
     },
     KernelSource {
         name: "moe.cu",
-        headers: &[COMMON, MMA_TILE],
+        headers: &[COMMON, MMA_TILE, MMA_VEC],
         body: include_str!("kernels/moe.cu"),
     },
 ];

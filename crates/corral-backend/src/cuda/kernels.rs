@@ -15,9 +15,14 @@ pub(crate) struct WeightKernels {
     pub(crate) embedding: Kernel,
     /// Matrix-vector products for at most 1, 2, 4, 8, 16 and 32 rows.
     pub(crate) matvec: [Kernel; 6],
+    /// Tensor-core matrix-vector products for at most 8, 16 and 32 rows (16-bit weights).
+    pub(crate) matvec_mma: Option<[Kernel; 3]>,
     pub(crate) matmul_tiled: Kernel,
     pub(crate) grouped_gate_up: Kernel,
     pub(crate) grouped_down: Kernel,
+    /// Grouped experts for few tokens, 8 and 32 rows at a time (16-bit weights):
+    /// `[gate_up, down]`.
+    pub(crate) grouped_mvm: Option<[[Kernel; 2]; 2]>,
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
 }
@@ -30,6 +35,7 @@ pub(crate) struct Kernels {
     pub(crate) f32: WeightKernels,
     pub(crate) gather_rows: Kernel,
     pub(crate) add_in_place: Kernel,
+    pub(crate) to_bf16: Kernel,
     pub(crate) silu_mul: Kernel,
     pub(crate) sigmoid_mul: Kernel,
     pub(crate) add_sigmoid_gated: Kernel,
@@ -47,7 +53,6 @@ pub(crate) struct Kernels {
     /// Indexed by log2 of the head dims each lane owns (1, 2, 4, 8, 16).
     pub(crate) paged_attention_bf16: [Kernel; 5],
     pub(crate) paged_attention_f32: [Kernel; 5],
-    pub(crate) attention_combine: Kernel,
     /// Tensor-core prefill attention over a bf16 cache, head dims 64 and 128.
     pub(crate) flash_attention_hd64: Kernel,
     pub(crate) flash_attention_hd128: Kernel,
@@ -115,6 +120,43 @@ impl Kernels {
                 detail: format!("no kernel named {name}"),
             })
         };
+        let grouped_mvm = |s: &'static str| -> Result<Option<[[Kernel; 2]; 2]>> {
+            let names: [&'static str; 4] = match s {
+                "bf16" => [
+                    "moe_grouped_gate_up_mvm_bf16_n1",
+                    "moe_grouped_gate_up_mvm_bf16_n4",
+                    "moe_grouped_down_mvm_bf16_n1",
+                    "moe_grouped_down_mvm_bf16_n4",
+                ],
+                "f16" => [
+                    "moe_grouped_gate_up_mvm_f16_n1",
+                    "moe_grouped_gate_up_mvm_f16_n4",
+                    "moe_grouped_down_mvm_f16_n1",
+                    "moe_grouped_down_mvm_f16_n4",
+                ],
+                _ => return Ok(None),
+            };
+            Ok(Some([
+                [find(names[0])?, find(names[1])?],
+                [find(names[2])?, find(names[3])?],
+            ]))
+        };
+        let mma = |s: &'static str| -> Result<Option<[Kernel; 3]>> {
+            let names: [&'static str; 3] = match s {
+                "bf16" => [
+                    "matvec_mma_bf16_n1",
+                    "matvec_mma_bf16_n2",
+                    "matvec_mma_bf16_n4",
+                ],
+                "f16" => [
+                    "matvec_mma_f16_n1",
+                    "matvec_mma_f16_n2",
+                    "matvec_mma_f16_n4",
+                ],
+                _ => return Ok(None),
+            };
+            Ok(Some([find(names[0])?, find(names[1])?, find(names[2])?]))
+        };
         macro_rules! weight_kernels {
             ($s:literal) => {
                 WeightKernels {
@@ -127,9 +169,11 @@ impl Kernels {
                         find(concat!("matvec_", $s, "_r16"))?,
                         find(concat!("matvec_", $s, "_r32"))?,
                     ],
+                    matvec_mma: mma($s)?,
                     matmul_tiled: find(concat!("matmul_tiled_", $s))?,
                     grouped_gate_up: find(concat!("moe_grouped_gate_up_", $s))?,
                     grouped_down: find(concat!("moe_grouped_down_", $s))?,
+                    grouped_mvm: grouped_mvm($s)?,
                     per_token_gate_up: find(concat!("moe_per_token_gate_up_", $s))?,
                     per_token_down: find(concat!("moe_per_token_down_", $s))?,
                 }
@@ -141,6 +185,7 @@ impl Kernels {
             f32: weight_kernels!("f32"),
             gather_rows: find("gather_rows")?,
             add_in_place: find("add_in_place")?,
+            to_bf16: find("to_bf16")?,
             silu_mul: find("silu_mul")?,
             sigmoid_mul: find("sigmoid_mul")?,
             add_sigmoid_gated: find("add_sigmoid_gated")?,
@@ -169,7 +214,6 @@ impl Kernels {
                 find("paged_attention_f32_d8")?,
                 find("paged_attention_f32_d16")?,
             ],
-            attention_combine: find("attention_combine")?,
             flash_attention_hd64: find("flash_attention_bf16_hd64")?,
             flash_attention_hd128: find("flash_attention_bf16_hd128")?,
             moe_route: find("moe_route")?,

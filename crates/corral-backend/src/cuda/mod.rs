@@ -11,6 +11,7 @@
 //! except the read-backs, and each read-back also returns the kernels' error flag and the
 //! weight bytes they read.
 
+mod blas;
 mod compile;
 mod device;
 mod kernels;
@@ -29,6 +30,7 @@ use crate::{
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
     MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView,
 };
+use blas::Blas;
 use compile::KernelCache;
 use cudarc::driver::CudaEvent;
 use device::{Gpu, Kernel};
@@ -44,6 +46,8 @@ pub struct CudaOptions {
     pub kernel_cache: Option<PathBuf>,
     /// KV cache element type: bf16 (default) or f32.
     pub kv_dtype: Option<DType>,
+    /// Run every projection on Corral's own kernels even where cuBLAS is installed.
+    pub without_cublas: bool,
 }
 
 /// The number of usable CUDA devices, or why there are none (no driver, no device).
@@ -61,6 +65,8 @@ pub fn cuda_available() -> std::result::Result<usize, String> {
 /// Runs ops on an NVIDIA GPU.
 #[derive(Debug)]
 pub struct CudaBackend {
+    /// cuBLAS when installed (first field: dropped before the stream it is bound to).
+    blas: Option<Blas>,
     gpu: Gpu,
     kernels: Kernels,
     ordinal: usize,
@@ -75,6 +81,8 @@ pub struct CudaBackend {
     capture_start: AtomicU64,
     /// Partial results of attention split over the keys (fixed size: allocated once).
     attention_scratch: DeviceBuffer,
+    /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
+    attention_counters: DeviceBuffer,
     /// Event pairs around each launch while profiling.
     profile: Mutex<Option<Vec<TimedLaunch>>>,
     /// Whether `profile` is on: launches check this before taking the lock.
@@ -117,17 +125,40 @@ impl Arg {
 
 const MAX_ARGS: usize = 20;
 
-/// Rows up to which projections stream weights through matrix-vector products (f32) rather
-/// than tensor-core tiles (matmul.cu's MATVEC_MAX_ROWS).
+/// Rows up to which projections stream weights through matrix-vector products rather than
+/// 64x64 tensor-core tiles.
 const MATVEC_MAX_ROWS: usize = 32;
 
 /// Floats of the attention split scratch (128 MiB): bounds how far attention splits.
 const ATTENTION_SCRATCH_FLOATS: usize = 32 << 20;
+/// Block rows (tokens × KV heads) up to which decode attention may split over the keys.
+const ATTENTION_COUNTERS: usize = 1 << 16;
 /// The longest run from which attention runs on tensor cores (flash_attention.cu).
 const FLASH_MIN_RUN: usize = 64;
 
-/// Fewest keys per split of attention.
-const ATTENTION_MIN_SPLIT_KEYS: usize = 32;
+/// Fewest keys per split of decode attention, and most splits (attention.cu's
+/// ATTN_MAX_SPLITS); threads of its blocks (ATTN_WARPS warps).
+const ATTENTION_MIN_SPLIT_KEYS: usize = 64;
+const ATTENTION_MAX_SPLITS: usize = 64;
+const ATTENTION_THREADS: u32 = 128;
+
+/// Threads of the few-row tensor-core kernels (mma_vec.cuh's MVM_WARPS warps).
+const MVM_THREADS: u32 = 256;
+
+/// Rows per expert on average up to which grouped experts run as few-row products (each
+/// hit expert read once) rather than 64-row tiles.
+const GROUPED_FEW_ROWS: usize = 24;
+
+/// The few-row grouped-expert kernel for `pairs` routed rows over `experts`: 8 rows at a
+/// time (index 0) or 32 (index 1); `None`: enough rows for tiles.
+fn few_rows_variant(pairs: usize, experts: usize) -> Option<usize> {
+    let average = pairs.div_ceil(experts.max(1));
+    match average {
+        0..=8 => Some(0),
+        9..=GROUPED_FEW_ROWS => Some(1),
+        _ => None,
+    }
+}
 
 fn bad(op: &'static str, detail: String) -> BackendError {
     BackendError::BadArgument { op, detail }
@@ -181,11 +212,11 @@ fn buf(
 }
 
 /// A weight view's address, type and whether its rows allow 16-byte loads.
-fn weight(op: &'static str, w: WeightView<'_>) -> Result<(Arg, DType, bool)> {
+fn weight(op: &'static str, w: WeightView<'_>) -> Result<(u64, DType, bool)> {
     let dtype = w.buffer.dtype();
     let addr = ptr_of(op, w.buffer)? + (w.offset * dtype.size_bytes()) as u64;
     let vec = addr.is_multiple_of(16) && w.cols.is_multiple_of(8);
-    Ok((Arg::Ptr(addr), dtype, vec))
+    Ok((addr, dtype, vec))
 }
 
 /// Threads of a block that normalises one row of `dim`.
@@ -224,6 +255,15 @@ impl CudaBackend {
             BufferUsage::Activations,
             Storage::Cuda(scratch_mem),
         );
+        let counters_mem = gpu.alloc(ATTENTION_COUNTERS * 4)?;
+        gpu.memset_zero(counters_mem.ptr(), ATTENTION_COUNTERS * 4)?;
+        gpu.sync()?;
+        let attention_counters = DeviceBuffer::new(
+            DType::U32,
+            ATTENTION_COUNTERS,
+            BufferUsage::Metadata,
+            Storage::Cuda(counters_mem),
+        );
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
         if !matches!(kv_dtype, DType::BF16 | DType::F32) {
             return Err(bad(
@@ -231,7 +271,13 @@ impl CudaBackend {
                 format!("KV cache type {kv_dtype} unsupported"),
             ));
         }
+        let blas = if options.without_cublas {
+            None
+        } else {
+            Blas::open(&gpu)?
+        };
         Ok(Self {
+            blas,
             gpu,
             kernels,
             ordinal: options.ordinal,
@@ -245,6 +291,7 @@ impl CudaBackend {
             capturing: AtomicBool::new(false),
             capture_start: AtomicU64::new(0),
             attention_scratch,
+            attention_counters,
         })
     }
 
@@ -266,19 +313,27 @@ impl CudaBackend {
         for (p, slot) in params.iter_mut().zip(slots.iter_mut()) {
             *p = (slot as *mut u64).cast::<c_void>();
         }
+        self.counted(k.1, || {
+            self.gpu.launch(k, grid, block, &mut params[..args.len()])
+        })
+    }
+
+    /// Counts one dispatch named `name` and queues it with `queue` (a kernel launch, or a
+    /// library call such as cuBLAS's), between profiling events when profiling.
+    fn counted(&self, name: &'static str, queue: impl FnOnce() -> Result<()>) -> Result<()> {
         self.gpu.bind()?;
         self.stats.dispatch(1);
         if !self.profiling.load(Ordering::Relaxed) || self.capturing.load(Ordering::Relaxed) {
-            return self.gpu.launch(k, grid, block, &mut params[..args.len()]);
+            return queue();
         }
         let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
         let Some(events) = profile.as_mut() else {
             drop(profile);
-            return self.gpu.launch(k, grid, block, &mut params[..args.len()]);
+            return queue();
         };
         let start = self.gpu.record_event()?;
-        self.gpu.launch(k, grid, block, &mut params[..args.len()])?;
-        events.push((k.1, start, self.gpu.record_event()?));
+        queue()?;
+        events.push((name, start, self.gpu.record_event()?));
         Ok(())
     }
 
@@ -361,11 +416,16 @@ impl Backend for CudaBackend {
     fn device_name(&self) -> String {
         let (major, minor) = self.gpu.compute_capability;
         format!(
-            "cuda:{} ({}, sm_{major}{minor}, {} SMs, {:.1} GiB)",
+            "cuda:{} ({}, sm_{major}{minor}, {} SMs, {:.1} GiB, {})",
             self.ordinal,
             self.gpu.name,
             self.gpu.multiprocessors,
-            self.gpu.total_memory as f64 / (1u64 << 30) as f64
+            self.gpu.total_memory as f64 / (1u64 << 30) as f64,
+            if self.blas.is_some() {
+                "cuBLAS"
+            } else {
+                "no cuBLAS"
+            }
         )
     }
 
@@ -615,6 +675,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let op = "embedding";
         let (w, dtype, _) = weight(op, table)?;
+        let w = Arg::Ptr(w);
         let hidden = table.cols;
         let args = [
             w,
@@ -704,11 +765,12 @@ impl Backend for CudaBackend {
         if rows == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (wp, dtype, vec) = weight(op, w)?;
+        let (w_addr, dtype, vec) = weight(op, w)?;
+        let out_addr = ptr_of(op, out)?;
         let args = [
             buf(op, "x", x, DType::F32, rows * w.cols)?,
             u32_of(op, rows)?,
-            wp,
+            Arg::Ptr(w_addr),
             u32_of(op, w.rows)?,
             u32_of(op, w.cols)?,
             Arg::U32(vec as u32),
@@ -716,6 +778,50 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let kernels = self.kernels.for_weights(op, dtype)?;
+        if let (Some(mma), true, true) = (
+            &kernels.matvec_mma,
+            vec,
+            (2..=MATVEC_MAX_ROWS).contains(&rows),
+        ) {
+            // Tensor cores for the next power of two of 8-row tiles; 16 features a block.
+            let variant = rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize;
+            let mma_args = [
+                args[0], args[1], args[2], args[3], args[4], args[6], args[7],
+            ];
+            let grid = (grid_of(op, w.rows.div_ceil(16))?, 1, 1);
+            return self.launch(&mma[variant], grid, MVM_THREADS, &mma_args);
+        }
+        if let (Some(blas), DType::BF16, true, true) =
+            (&self.blas, dtype, vec, rows > MATVEC_MAX_ROWS)
+        {
+            // cuBLAS on x rounded to bf16 (the tiles round it the same way).
+            let len = rows * w.cols;
+            let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
+            let x16_ptr = ptr_of(op, &x16)?;
+            let weight_bytes = (w.rows * w.cols * dtype.size_bytes()) as u64;
+            let convert = [
+                args[0],
+                Arg::U64(len as u64),
+                Arg::Ptr(x16_ptr),
+                Arg::U64(weight_bytes),
+                self.diag(),
+            ];
+            let queued = self
+                .launch(
+                    &self.kernels.to_bf16,
+                    Self::elementwise_grid(op, len)?,
+                    256,
+                    &convert,
+                )
+                .and_then(|()| {
+                    self.counted("cublas_gemm_bf16", || {
+                        blas.gemm_bf16(x16_ptr, rows, w_addr, w.rows, w.cols, out_addr)
+                    })
+                });
+            // Back to the pool at once: later users queue behind the GEMM on the one stream.
+            self.give_buffer(x16);
+            return queued;
+        }
         if rows <= MATVEC_MAX_ROWS {
             // The variant for the next power of two of rows; 8 output features a block.
             let variant = rows.next_power_of_two().trailing_zeros() as usize;
@@ -962,12 +1068,16 @@ impl Backend for CudaBackend {
         let dtype = cache_k.dtype();
         let slots = cache_k.len().min(cache_v.len()) / kv_dim;
         let runs = meta.block_tables.len() / meta.max_blocks_per_run.max(1);
+        if runs == 0 {
+            return Err(bad(op, "no block table for the batch's tokens".to_string()));
+        }
         let args = [
             buf(op, "q", q, DType::F32, tokens * num_heads * head_dim)?,
             buf(op, "cache_k", cache_k, dtype, kv_dim)?,
             buf(op, "cache_v", cache_v, dtype, kv_dim)?,
             buf(op, "positions", meta.positions, DType::U32, tokens)?,
             buf(op, "token_runs", meta.token_runs, DType::U32, tokens)?,
+            u32_of(op, runs)?,
             buf(
                 op,
                 "block_tables",
@@ -995,9 +1105,9 @@ impl Backend for CudaBackend {
         if let (Some(kernel), DType::BF16, true) =
             (flash, dtype, meta.max_run_tokens >= FLASH_MIN_RUN)
         {
-            let mut flash_args = args[..14].to_vec();
-            flash_args.remove(12);
-            flash_args.extend([args[14], args[15]]);
+            // Every argument but head_dim (the kernel's template parameter).
+            let mut flash_args = args.to_vec();
+            flash_args.remove(13);
             let grid = (
                 grid_of(op, tokens.div_ceil(64))?,
                 grid_of(op, num_heads)?,
@@ -1014,42 +1124,38 @@ impl Backend for CudaBackend {
             other => return Err(bad(op, format!("KV cache of {other}"))),
         };
         // Split the keys over enough blocks to fill the device (decode), in pieces of at
-        // least ATTENTION_MIN_SPLIT_KEYS, as far as the fixed scratch allows.
+        // least ATTENTION_MIN_SPLIT_KEYS, at most ATTENTION_MAX_SPLITS of them, as far as
+        // the fixed scratch allows.
         let items = tokens * num_heads;
         let blocks = tokens * num_kv_heads;
         let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
-        let wanted = (4 * self.gpu.multiprocessors.max(1) as usize).div_ceil(blocks);
+        let wanted = (8 * self.gpu.multiprocessors.max(1) as usize).div_ceil(blocks);
         let fit = ATTENTION_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
         let splits = max_context
             .div_ceil(ATTENTION_MIN_SPLIT_KEYS)
             .min(wanted)
             .min(fit)
-            .max(1);
+            .clamp(1, ATTENTION_MAX_SPLITS);
+        // The last split of each block row merges them, counting on one ticket per row.
+        let splits = if blocks > ATTENTION_COUNTERS {
+            1
+        } else {
+            splits
+        };
         let split_keys = max_context.div_ceil(splits).div_ceil(8) * 8;
         let splits = max_context.div_ceil(split_keys);
-        let partial = Arg::Ptr(ptr_of(op, &self.attention_scratch)?);
+        let (out_arg, diag) = (args[15], args[16]);
         let mut all = args.to_vec();
         all.truncate(args.len() - 2);
-        all.extend([u32_of(op, split_keys)?, partial, args[14], args[15]]);
+        all.extend([
+            u32_of(op, split_keys)?,
+            Arg::Ptr(ptr_of(op, &self.attention_scratch)?),
+            Arg::Ptr(ptr_of(op, &self.attention_counters)?),
+            out_arg,
+            diag,
+        ]);
         let grid = (grid_of(op, blocks)?, grid_of(op, splits)?, 1);
-        let warps = (num_heads / num_kv_heads).min(16) as u32;
-        self.launch(&kernels[variant], grid, warps * 32, &all)?;
-        if splits > 1 {
-            let combine = [
-                partial,
-                u32_of(op, items)?,
-                u32_of(op, splits)?,
-                u32_of(op, head_dim)?,
-                args[14],
-            ];
-            self.launch(
-                &self.kernels.attention_combine,
-                (grid_of(op, items)?, 1, 1),
-                128,
-                &combine,
-            )?;
-        }
-        Ok(())
+        self.launch(&kernels[variant], grid, ATTENTION_THREADS, &all)
     }
 
     fn moe_route(
@@ -1204,10 +1310,22 @@ impl Backend for CudaBackend {
             buf(op, "act", act, DType::F32, pairs * inter)?,
             self.diag(),
         ];
+        let kernels = self.kernels.for_weights(op, gate_dtype)?;
+        if let (Some(mvm), true, Some(variant)) = (
+            &kernels.grouped_mvm,
+            gate_vec && up_vec,
+            few_rows_variant(pairs, num_experts),
+        ) {
+            let grid = (
+                grid_of(op, inter.div_ceil(16))?,
+                grid_of(op, num_experts)?,
+                1,
+            );
+            return self.launch(&mvm[0][variant], grid, MVM_THREADS, &args);
+        }
         let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
         let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);
-        let k = &self.kernels.for_weights(op, gate_dtype)?.grouped_gate_up;
-        self.launch(k, grid, 128, &args)
+        self.launch(&kernels.grouped_gate_up, grid, 128, &args)
     }
 
     fn moe_grouped_down(
@@ -1255,10 +1373,22 @@ impl Backend for CudaBackend {
             buf(op, "y", y, DType::F32, pairs * hidden)?,
             self.diag(),
         ];
+        let kernels = self.kernels.for_weights(op, dtype)?;
+        if let (Some(mvm), true, Some(variant)) = (
+            &kernels.grouped_mvm,
+            vec,
+            few_rows_variant(pairs, num_experts),
+        ) {
+            let grid = (
+                grid_of(op, hidden.div_ceil(16))?,
+                grid_of(op, num_experts)?,
+                1,
+            );
+            return self.launch(&mvm[1][variant], grid, MVM_THREADS, &args);
+        }
         let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
         let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(64))?, 1);
-        let k = &self.kernels.for_weights(op, dtype)?.grouped_down;
-        self.launch(k, grid, 128, &args)
+        self.launch(&kernels.grouped_down, grid, 128, &args)
     }
 
     fn moe_combine(

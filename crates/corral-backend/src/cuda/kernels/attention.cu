@@ -33,8 +33,9 @@ __device__ void kv_store_impl(const float* k, const float* v, const u32* slots, 
 KV_STORE(bf16, u16)
 KV_STORE(f32, float)
 
-#define ATTN_MAX_GROUP 16  // query heads per KV head handled by one block's warps
-#define ATTN_KEYS 8        // keys scored together (their loads in flight at once)
+#define ATTN_WARPS 4         // warps of a block, taking alternate chunks of its keys
+#define ATTN_MAX_SPLITS 64   // splits of the keys that the last block merges
+#define ATTN_HEAD_SLOTS 1024 // floats per warp for merging its heads' outputs (8 x 128)
 
 // Lane `lane`'s D consecutive dims of a cached row, as f32.
 template <int D, typename C>
@@ -67,29 +68,57 @@ __device__ __forceinline__ void load_lane_dims(const C* row, u32 d0, u32 head_di
     }
 }
 
-// One block per (token, KV head, split of the keys); warp w is query head
-// kv_head * group + w (more heads than warps loop). The warp's lanes hold D dims each of q
-// and of the output, read each key and value row together (coalesced), and score
-// ATTN_KEYS keys at a time with an online softmax. The group's warps read the same rows,
-// so they come from L1 after the first. With one split the block writes the normalised
-// output; with several, (max, sum, unnormalised output) to `partial` for
-// attention_combine. Keys 0..=position of the token's run, through its block table.
+// Query heads of a group handled per pass over the keys (their q and output in registers).
+template <int D> struct AttnHeads { static const int value = D <= 4 ? 8 : (D == 8 ? 4 : 2); };
+// Keys a warp scores per step, their K and V rows loaded together.
+template <int D> struct AttnKeys { static const int value = D <= 4 ? 8 : 4; };
+
+// Merges online-softmax states: (m, l, o) absorbs (m2, l2, o2).
+__device__ __forceinline__ float merge_scale(float& m, float& l, float m2, float l2,
+                                             float* f_self) {
+    float m_new = fmaxf(m, m2);
+    float a = m == NEG_INF ? 0.f : expf(m - m_new), b = m2 == NEG_INF ? 0.f : expf(m2 - m_new);
+    l = l * a + l2 * b;
+    m = m_new;
+    *f_self = a;
+    return b;
+}
+
+// Decode-shaped attention: one block per (token, KV head, split of the keys). Each warp
+// takes alternate chunks of the split's keys for up to AttnHeads query heads of the group at
+// once (more heads: more passes), so each K and V row is read once per pass; its lanes hold
+// D dims each of q and of the output and load a chunk's K and V rows together, with the next
+// chunk's block-table entries already fetched. The block's warps then merge their softmax
+// states in shared memory. With one split the block writes the normalised output; with
+// several, each writes (max, sum, unnormalised output) to `partial`, and the last of a
+// (token, KV head)'s splits to finish (a ticket per block row in `counters`, reset by that
+// block) merges them: out = Σ_s e^(m_s - m) o_s / Σ_s e^(m_s - m) l_s.
+// Keys 0..=position of the token's run, through its block table.
 template <typename C, int D>
 __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* cache_v,
-                                     const u32* positions, const u32* token_runs,
+                                     const u32* positions, const u32* token_runs, u32 runs,
                                      const u32* block_tables, u32 max_blocks, u32 block_size,
                                      u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,
                                      u32 head_dim, float scale, u32 split_keys, float* partial,
-                                     float* out, Diag* diag) {
+                                     u32* counters, float* out, Diag* diag) {
+    const int HG = AttnHeads<D>::value, KEYS = AttnKeys<D>::value;
+    __shared__ float merge_o[ATTN_WARPS][ATTN_HEAD_SLOTS];
+    __shared__ float merge_ml[ATTN_WARPS][2][8];
+    __shared__ float split_f[ATTN_WARPS][ATTN_MAX_SPLITS];
+    __shared__ u32 is_last;
     u32 t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads;
     u32 split = blockIdx.y, splits = gridDim.y;
     if (t >= tokens) return;
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 group = num_heads / num_kv_heads;
     u32 kv_dim = num_kv_heads * head_dim;
     u32 d0 = lane * D;
     bool vec = head_dim == 32 * D;
     u32 run = token_runs[t];
+    if (run >= runs) {
+        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_BLOCK_TABLE);
+        run = 0;
+    }
     u32 len = positions[t] + 1;
     if (len > max_blocks * block_size) {
         if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_POSITION);
@@ -97,23 +126,27 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
     }
     u32 begin = split * split_keys, end = min(len, begin + split_keys);
     const u32* table = block_tables + (size_t)run * max_blocks;
-    for (u32 g = warp; g < group; g += warps) {
-        u32 h = kvh * group + g;
-        u32 item = t * num_heads + h;
-        float qv[D], acc[D];
-        const float* qh = q + (size_t)item * head_dim;
+    const u32 stride = ATTN_WARPS * KEYS;
+    for (u32 h0 = 0; h0 < group; h0 += HG) {
+        u32 heads = min((u32)HG, group - h0);
+        float qv[HG][D], acc[HG][D], m[HG], l[HG];
 #pragma unroll
-        for (int i = 0; i < D; i++) {
-            qv[i] = d0 + i < head_dim ? qh[d0 + i] * scale : 0.f;
-            acc[i] = 0.f;
+        for (int h = 0; h < HG; h++) {
+            const float* qh = q + ((size_t)t * num_heads + kvh * group + h0 + h) * head_dim;
+#pragma unroll
+            for (int i = 0; i < D; i++) {
+                qv[h][i] = h < heads && d0 + i < head_dim ? qh[d0 + i] * scale : 0.f;
+                acc[h][i] = 0.f;
+            }
+            m[h] = NEG_INF;
+            l[h] = 0.f;
         }
-        float m = NEG_INF, l = 0.f;
-        for (u32 j0 = begin; j0 < end; j0 += ATTN_KEYS) {
-            float s[ATTN_KEYS];
-            size_t rows[ATTN_KEYS];
+        // Row offsets of this warp's next chunk of keys (clamped to the last key).
+        size_t rows[KEYS];
+        auto fetch_rows = [&](u32 j0) {
 #pragma unroll
-            for (int jj = 0; jj < ATTN_KEYS; jj++) {
-                u32 j = min(j0 + jj, end - 1);
+            for (int jj = 0; jj < KEYS; jj++) {
+                u32 j = min(j0 + jj, end > 0 ? end - 1 : 0);
                 u32 block = table[j / block_size];
                 if (block >= num_blocks) {
                     raise_error(diag, ERR_BLOCK_TABLE);
@@ -122,66 +155,146 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
                 rows[jj] = ((size_t)block * block_size + j % block_size) * kv_dim +
                            (size_t)kvh * head_dim;
             }
+        };
+        u32 j0 = begin + warp * KEYS;
+        if (j0 < end) fetch_rows(j0);
+        for (; j0 < end; j0 += stride) {
+            float kr[KEYS][D], vr[KEYS][D];
 #pragma unroll
-            for (int jj = 0; jj < ATTN_KEYS; jj++) {
-                float kv[D];
-                load_lane_dims<D>(cache_k + rows[jj], d0, head_dim, vec, kv);
-                float dot = 0.f;
-#pragma unroll
-                for (int i = 0; i < D; i++) dot += qv[i] * kv[i];
-                s[jj] = dot;
+            for (int jj = 0; jj < KEYS; jj++) {
+                load_lane_dims<D>(cache_k + rows[jj], d0, head_dim, vec, kr[jj]);
+                load_lane_dims<D>(cache_v + rows[jj], d0, head_dim, vec, vr[jj]);
             }
-            float chunk_max = NEG_INF;
+            if (j0 + stride < end) fetch_rows(j0 + stride);
 #pragma unroll
-            for (int jj = 0; jj < ATTN_KEYS; jj++) {
-                s[jj] = warp_sum(s[jj]);
-                if (j0 + jj >= end) s[jj] = NEG_INF;
-                chunk_max = fmaxf(chunk_max, s[jj]);
+            for (int h = 0; h < HG; h++) {
+                if (h >= heads) break;
+                float s[KEYS];
+                float chunk_max = NEG_INF;
+#pragma unroll
+                for (int jj = 0; jj < KEYS; jj++) {
+                    float dot = 0.f;
+#pragma unroll
+                    for (int i = 0; i < D; i++) dot += qv[h][i] * kr[jj][i];
+                    s[jj] = warp_sum(dot);
+                    if (j0 + jj >= end) s[jj] = NEG_INF;
+                    chunk_max = fmaxf(chunk_max, s[jj]);
+                }
+                float m_new = fmaxf(m[h], chunk_max);
+                float correction = expf(m[h] - m_new);  // 0 while m is -inf
+                l[h] *= correction;
+#pragma unroll
+                for (int i = 0; i < D; i++) acc[h][i] *= correction;
+#pragma unroll
+                for (int jj = 0; jj < KEYS; jj++) {
+                    float p = expf(s[jj] - m_new);  // 0 past the end
+                    l[h] += p;
+#pragma unroll
+                    for (int i = 0; i < D; i++) acc[h][i] += p * vr[jj][i];
+                }
+                m[h] = m_new;
             }
-            float m_new = fmaxf(m, chunk_max);
-            float correction = expf(m - m_new);  // 0 while m is -inf
-            l *= correction;
-#pragma unroll
-            for (int i = 0; i < D; i++) acc[i] *= correction;
-#pragma unroll
-            for (int jj = 0; jj < ATTN_KEYS; jj++) {
-                float p = expf(s[jj] - m_new);  // 0 past the end
-                l += p;
-                float vv[D];
-                load_lane_dims<D>(cache_v + rows[jj], d0, head_dim, vec, vv);
-#pragma unroll
-                for (int i = 0; i < D; i++) acc[i] += p * vv[i];
-            }
-            m = m_new;
         }
-        if (splits > 1) {
-            float* part = partial + ((size_t)item * splits + split) * (head_dim + 2);
+        // Merge the warps' states for these heads: each warp publishes, warp w merges head w.
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < HG; h++) {
             if (lane == 0) {
-                part[0] = m;
-                part[1] = l;
+                merge_ml[warp][0][h] = m[h];
+                merge_ml[warp][1][h] = l[h];
             }
 #pragma unroll
             for (int i = 0; i < D; i++)
-                if (d0 + i < head_dim) part[2 + d0 + i] = acc[i];
-        } else {
+                if (d0 + i < head_dim) merge_o[warp][h * head_dim + d0 + i] = acc[h][i];
+        }
+        __syncthreads();
+        for (u32 h = warp; h < heads; h += ATTN_WARPS) {
+            float mm = NEG_INF, ll = 0.f, o[D];
 #pragma unroll
-            for (int i = 0; i < D; i++)
-                if (d0 + i < head_dim) out[(size_t)item * head_dim + d0 + i] = acc[i] / l;
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            for (int w = 0; w < ATTN_WARPS; w++) {
+                float a;
+                float b = merge_scale(mm, ll, merge_ml[w][0][h], merge_ml[w][1][h], &a);
+#pragma unroll
+                for (int i = 0; i < D; i++)
+                    o[i] = o[i] * a + (d0 + i < head_dim ? merge_o[w][h * head_dim + d0 + i] * b : 0.f);
+            }
+            u32 item = t * num_heads + kvh * group + h0 + h;
+            if (splits > 1) {
+                float* part = partial + ((size_t)item * splits + split) * (head_dim + 2);
+                if (lane == 0) {
+                    part[0] = mm;
+                    part[1] = ll;
+                }
+#pragma unroll
+                for (int i = 0; i < D; i++)
+                    if (d0 + i < head_dim) part[2 + d0 + i] = o[i];
+            } else {
+#pragma unroll
+                for (int i = 0; i < D; i++)
+                    if (d0 + i < head_dim) out[(size_t)item * head_dim + d0 + i] = o[i] / ll;
+            }
         }
     }
+    if (splits == 1) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // The last split merges every split of the group's heads, a warp per head: the lanes
+    // read the splits' (max, sum) in parallel, then each lane sums its dims over the splits.
+    for (u32 g = warp; g < group; g += ATTN_WARPS) {
+        u32 item = t * num_heads + kvh * group + g;
+        const float* p = partial + (size_t)item * splits * (head_dim + 2);
+        float m_all = NEG_INF;
+        for (u32 s = lane; s < splits; s += 32) {
+            const float* ps = p + s * (head_dim + 2);
+            if (__ldcg(ps + 1) > 0.f) m_all = fmaxf(m_all, __ldcg(ps));
+        }
+        m_all = warp_max(m_all);
+        float l_part = 0.f;
+        for (u32 s = lane; s < splits; s += 32) {
+            const float* ps = p + s * (head_dim + 2);
+            float ls = __ldcg(ps + 1);
+            float f = ls > 0.f ? expf(__ldcg(ps) - m_all) : 0.f;
+            split_f[warp][s] = f;
+            l_part += ls * f;
+        }
+        float l_all = warp_sum(l_part);
+        __syncwarp();
+        float o[D];
+#pragma unroll
+        for (int i = 0; i < D; i++) o[i] = 0.f;
+#pragma unroll 4
+        for (u32 s = 0; s < splits; s++) {
+            const float* ps = p + s * (head_dim + 2) + 2;
+            float f = split_f[warp][s];
+#pragma unroll
+            for (int i = 0; i < D; i++)
+                if (d0 + i < head_dim) o[i] += __ldcg(ps + d0 + i) * f;
+        }
+#pragma unroll
+        for (int i = 0; i < D; i++)
+            if (d0 + i < head_dim) out[(size_t)item * head_dim + d0 + i] = o[i] / l_all;
+        __syncwarp();
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 #define PAGED_ATTENTION(SUFFIX, C, D)                                                         \
-    extern "C" __global__ void __launch_bounds__(ATTN_MAX_GROUP * 32)                         \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                         \
         paged_attention_##SUFFIX##_d##D(                                                      \
             const float* q, const C* cache_k, const C* cache_v, const u32* positions,         \
-            const u32* token_runs, const u32* block_tables, u32 max_blocks, u32 block_size,   \
-            u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads, u32 head_dim,        \
-            float scale, u32 split_keys, float* partial, float* out, Diag* diag) {            \
-        paged_attention_impl<C, D>(q, cache_k, cache_v, positions, token_runs, block_tables,  \
-                                   max_blocks, block_size, num_blocks, tokens, num_heads,     \
-                                   num_kv_heads, head_dim, scale, split_keys, partial, out,   \
-                                   diag);                                                     \
+            const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,         \
+            u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,      \
+            u32 head_dim, float scale, u32 split_keys, float* partial, u32* counters,         \
+            float* out, Diag* diag) {                                                         \
+        paged_attention_impl<C, D>(q, cache_k, cache_v, positions, token_runs, runs,          \
+                                   block_tables, max_blocks, block_size, num_blocks, tokens,  \
+                                   num_heads, num_kv_heads, head_dim, scale, split_keys,      \
+                                   partial, counters, out, diag);                             \
     }
 #define PAGED_ATTENTION_DIMS(SUFFIX, C) \
     PAGED_ATTENTION(SUFFIX, C, 1)       \
@@ -191,27 +304,3 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
     PAGED_ATTENTION(SUFFIX, C, 16)
 PAGED_ATTENTION_DIMS(bf16, u16)
 PAGED_ATTENTION_DIMS(f32, float)
-
-// Merges the splits of paged_attention: out = Σ_s e^(m_s - m) o_s / Σ_s e^(m_s - m) l_s.
-extern "C" __global__ void attention_combine(const float* partial, u32 items, u32 splits,
-                                             u32 head_dim, float* out) {
-    u32 item = blockIdx.x;
-    if (item >= items) return;
-    const float* p = partial + (size_t)item * splits * (head_dim + 2);
-    float m_all = NEG_INF;
-    for (u32 s = 0; s < splits; s++)
-        if (p[s * (head_dim + 2) + 1] > 0.f) m_all = fmaxf(m_all, p[s * (head_dim + 2)]);
-    float l_all = 0.f;
-    for (u32 s = 0; s < splits; s++) {
-        const float* ps = p + s * (head_dim + 2);
-        if (ps[1] > 0.f) l_all += ps[1] * expf(ps[0] - m_all);
-    }
-    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float o = 0.f;
-        for (u32 s = 0; s < splits; s++) {
-            const float* ps = p + s * (head_dim + 2);
-            if (ps[1] > 0.f) o += ps[2 + d] * expf(ps[0] - m_all);
-        }
-        out[(size_t)item * head_dim + d] = o / l_all;
-    }
-}

@@ -110,3 +110,12 @@ __device__ __forceinline__ void normal_pair(u64 base, u64 g, float stdev, float*
 NORMAL_FILL(bf16, STORE_BF16)
 NORMAL_FILL(f16, STORE_F16)
 NORMAL_FILL(f32, STORE_F32)
+
+// out = x rounded to bf16, the operand of a cuBLAS projection; adds that projection's
+// weight bytes (each read once, the least cuBLAS can read) to the step's counter.
+extern "C" __global__ void to_bf16(const float* x, u64 len, u16* out, u64 weight_bytes,
+                                   Diag* diag) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i == 0) count_weight_bytes(diag, weight_bytes);
+    if (i < len) out[i] = f32_to_bf16(x[i]);
+}

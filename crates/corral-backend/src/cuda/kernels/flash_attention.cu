@@ -58,7 +58,7 @@ __device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cac
 
 template <int HD>
 __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u16* cache_v,
-                                     const u32* positions, const u32* token_runs,
+                                     const u32* positions, const u32* token_runs, u32 runs,
                                      const u32* block_tables, u32 max_blocks, u32 block_size,
                                      u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,
                                      float scale, float* out, Diag* diag) {
@@ -76,14 +76,21 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
     u32 kvh = h / (num_heads / num_kv_heads), kv_off = kvh * HD;
     u32 run = token_runs[t0];
     u32 pos0 = positions[t0];
-    const u32* table = block_tables + (size_t)run * max_blocks;
-    bool uniform = token_runs[t_last] == run && positions[t_last] == pos0 + (rows - 1) &&
+    const u32* table = block_tables + (size_t)min(run, runs - 1) * max_blocks;
+    bool uniform = run < runs && token_runs[t_last] == run &&
+                   positions[t_last] == pos0 + (rows - 1) &&
                    pos0 + rows <= max_blocks * block_size;
     if (!uniform) {
+        // Per token: a run or position beyond the block tables raises the flag and is clamped.
         for (u32 r = warp; r < rows; r += FA_THREADS / 32) {
             u32 t = t0 + r;
-            u32 len = min(positions[t] + 1, max_blocks * block_size);
-            const u32* tt = block_tables + (size_t)token_runs[t] * max_blocks;
+            u32 len = positions[t] + 1, tr = token_runs[t];
+            if (len > max_blocks * block_size || tr >= runs) {
+                if (lane == 0) raise_error(diag, tr >= runs ? ERR_BLOCK_TABLE : ERR_POSITION);
+                len = min(len, max_blocks * block_size);
+                tr = min(tr, runs - 1);
+            }
+            const u32* tt = block_tables + (size_t)tr * max_blocks;
             size_t item = (size_t)t * num_heads + h;
             fa_one_token<HD>(q + item * HD, cache_k, cache_v, tt, len, block_size, num_blocks,
                              kv_dim, kv_off, scale, out + item * HD, diag);
@@ -238,10 +245,11 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
 #define FLASH_ATTENTION(HD)                                                                   \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_bf16_hd##HD(     \
         const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,         \
-        const u32* token_runs, const u32* block_tables, u32 max_blocks, u32 block_size,       \
-        u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads, float scale, float* out, \
-        Diag* diag) {                                                                         \
-        flash_attention_impl<HD>(q, cache_k, cache_v, positions, token_runs, block_tables,    \
+        const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
+        u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
+        float scale, float* out, Diag* diag) {                                                \
+        flash_attention_impl<HD>(q, cache_k, cache_v, positions, token_runs, runs,            \
+                                 block_tables,                                                \
                                  max_blocks, block_size, num_blocks, tokens, num_heads,       \
                                  num_kv_heads, scale, out, diag);                             \
     }

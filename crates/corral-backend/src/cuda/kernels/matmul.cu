@@ -1,5 +1,6 @@
 // Dense projections out[rows, N] = x[rows, K] · Wᵀ with W [N, K] in its stored type.
-// Few rows (decode): a warp per output feature reads its weight row once for every row of x.
+// Few rows (decode): each weight row is read once for every row of x, on CUDA cores in f32
+// (one row, or f32 weights) or on tensor cores (16-bit weights, 2 to 32 rows).
 // Many rows: 64x64 tensor-core tiles (mma_tile.cuh).
 
 #define MATVEC_WARPS 4
@@ -86,6 +87,31 @@ __device__ void matvec_impl(const float* x, u32 rows, const W* w, u32 N, u32 K, 
     }
 }
 
+template <typename W, int NT>
+__device__ void matvec_mma_impl(const float* x, u32 rows, const W* w, u32 N, u32 K, float* out,
+                                Diag* diag) {
+    __shared__ float red[(MVM_WARPS - 1) * NT * 4 * 32];
+    u32 g = (threadIdx.x & 31) >> 2;
+    u32 n0 = blockIdx.x * 16;
+    if (threadIdx.x == 0) count_weight_bytes(diag, (u64)min(16u, N - n0) * K * sizeof(W));
+    bool lo_ok = n0 + g < N, hi_ok = n0 + g + 8 < N;
+    const u16* w_lo[1] = {reinterpret_cast<const u16*>(w) + (size_t)(lo_ok ? n0 + g : 0) * K};
+    const u16* w_hi[1] = {reinterpret_cast<const u16*>(w) + (size_t)(hi_ok ? n0 + g + 8 : 0) * K};
+    const float* xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xr[j] = j * 8 + g < rows ? x + (size_t)(j * 8 + g) * K : nullptr;
+    float acc[1][NT][4];
+    mvm_accumulate<F16Operands<W>::value, NT, 1>(xr, w_lo, w_hi, lo_ok, hi_ok, K, acc, diag);
+    if (!mvm_reduce<NT * 4>(&acc[0][0][0], red)) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 n = n0 + mvm_feature(i), r = mvm_row(j, i);
+            if (n < N && r < rows) out[(size_t)r * N + n] = acc[0][j][i];
+        }
+}
+
 template <typename W>
 __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec,
                                   float* out, Diag* diag) {
@@ -129,3 +155,15 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
 MATMUL(bf16, bf16w)
 MATMUL(f16, f16w)
 MATMUL(f32, float)
+
+#define MATVEC_MMA(SUFFIX, W, NT)                                                             \
+    extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) matvec_mma_##SUFFIX##_n##NT( \
+        const float* x, u32 rows, const W* w, u32 N, u32 K, float* out, Diag* diag) {          \
+        matvec_mma_impl<W, NT>(x, rows, w, N, K, out, diag);                                   \
+    }
+MATVEC_MMA(bf16, bf16w, 1)
+MATVEC_MMA(bf16, bf16w, 2)
+MATVEC_MMA(bf16, bf16w, 4)
+MATVEC_MMA(f16, f16w, 1)
+MATVEC_MMA(f16, f16w, 2)
+MATVEC_MMA(f16, f16w, 4)

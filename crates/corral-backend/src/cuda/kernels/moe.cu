@@ -67,29 +67,48 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
 
 // Stable counting sort of the routed pairs by expert, in one block: counts, exclusive
 // offsets [E + 1], the sorted order and its inverse. An id out of range raises the error
-// flag and is sorted as expert 0, so that every later index stays in bounds.
+// flag and is sorted as expert 0, so that every later index stays in bounds. Each of the
+// first `lanes_used` warps owns a contiguous run of pairs and keeps its own count per expert
+// in shared memory; __match_any_sync ranks equal ids within a step of 32 pairs, so a second
+// walk over the same runs places every pair in pair order, with no atomics and no pass per
+// expert.
+#define SORT_COUNTERS 8192
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
     const u32* ids, u32 pairs, u32 num_experts, u32* offsets, u32* sorted_pairs,
     u32* pair_positions, Diag* diag) {
-    __shared__ u32 counts[MAX_SORT_EXPERTS];
+    __shared__ u32 counts[SORT_COUNTERS];  // [warp][expert]: count, then first position
     __shared__ u32 partial[SORT_THREADS];
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (u32 e = tid; e < num_experts; e += blockDim.x) counts[e] = 0;
+    u32 warps = min((u32)(SORT_THREADS / 32), (u32)SORT_COUNTERS / max(num_experts, 1u));
+    u32 run = (pairs + warps - 1) / warps;
+    for (u32 i = tid; i < warps * num_experts; i += blockDim.x) counts[i] = 0;
     __syncthreads();
-    for (u32 p = tid; p < pairs; p += blockDim.x) {
-        u32 e = ids[p];
-        if (e >= num_experts) {
-            raise_error(diag, ERR_EXPERT_ID);
-            e = 0;
+    u32 lt_mask = (1u << lane) - 1u;
+    if (warp < warps) {
+        u32 p_begin = min(warp * run, pairs), p_end = min(p_begin + run, pairs);
+        u32* mine = counts + warp * num_experts;
+        for (u32 p0 = p_begin; p0 < p_end; p0 += 32) {
+            u32 p = p0 + lane;
+            u32 e = 0xffffffffu;
+            if (p < p_end) {
+                e = ids[p];
+                if (e >= num_experts) {
+                    raise_error(diag, ERR_EXPERT_ID);
+                    e = 0;
+                }
+            }
+            u32 peers = __match_any_sync(0xffffffffu, e);
+            if (e != 0xffffffffu && (peers & lt_mask) == 0) mine[e] += __popc(peers);
+            __syncwarp();
         }
-        atomicAdd(&counts[e], 1u);
     }
     __syncthreads();
-    // Exclusive scan: each thread owns a contiguous run of experts.
+    // Exclusive scan over experts: each thread owns a contiguous run of experts.
     u32 per = (num_experts + blockDim.x - 1) / blockDim.x;
     u32 e0 = min(tid * per, num_experts), e1 = min(e0 + per, num_experts);
     u32 sum = 0;
-    for (u32 e = e0; e < e1; e++) sum += counts[e];
+    for (u32 e = e0; e < e1; e++)
+        for (u32 w = 0; w < warps; w++) sum += counts[w * num_experts + e];
     partial[tid] = sum;
     __syncthreads();
     for (u32 stride = 1; stride < blockDim.x; stride <<= 1) {
@@ -100,28 +119,34 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
     }
     u32 running = partial[tid] - sum;
     for (u32 e = e0; e < e1; e++) {
-        u32 c = counts[e];
-        counts[e] = running;
         offsets[e] = running;
-        running += c;
+        for (u32 w = 0; w < warps; w++) {
+            u32 c = counts[w * num_experts + e];
+            counts[w * num_experts + e] = running;
+            running += c;
+        }
     }
     if (tid == 0) offsets[num_experts] = pairs;
     __syncthreads();
-    // Placement in pair order within each expert: one warp per expert.
-    u32 warps = blockDim.x / 32;
-    for (u32 e = warp; e < num_experts; e += warps) {
-        u32 base = counts[e];
-        for (u32 p0 = 0; p0 < pairs; p0 += 32) {
+    if (warp < warps) {
+        u32 p_begin = min(warp * run, pairs), p_end = min(p_begin + run, pairs);
+        u32* next = counts + warp * num_experts;
+        for (u32 p0 = p_begin; p0 < p_end; p0 += 32) {
             u32 p = p0 + lane;
-            u32 pe = p < pairs ? ids[p] : 0xffffffffu;
-            if (p < pairs && pe >= num_experts) pe = 0;
-            u32 mask = __ballot_sync(0xffffffffu, pe == e);
-            if (pe == e) {
-                u32 s = base + __popc(mask & ((1u << lane) - 1u));
+            u32 e = 0xffffffffu;
+            if (p < p_end) {
+                e = ids[p];
+                if (e >= num_experts) e = 0;
+            }
+            u32 peers = __match_any_sync(0xffffffffu, e);
+            if (e != 0xffffffffu) {
+                u32 s = next[e] + __popc(peers & lt_mask);
                 sorted_pairs[s] = p;
                 pair_positions[p] = s;
             }
-            base += __popc(mask);
+            __syncwarp();
+            if (e != 0xffffffffu && (peers & lt_mask) == 0) next[e] += __popc(peers);
+            __syncwarp();
         }
     }
 }
@@ -320,6 +345,108 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
     }
     if (lane == 0) out[(size_t)t * hidden + h] = total;
 }
+
+// Grouped experts for few tokens (16-bit weights, rows 16-byte aligned): a block per
+// (16 output features, expert) reads those features' weights once for the expert's sorted
+// rows, 8 NT at a time (mma_vec.cuh), so each hit expert is read once per step however its
+// rows are spread. Blocks of experts without rows return at once. Grid: (ceil(N / 16), E).
+template <typename W, int NT>
+__device__ void grouped_gate_up_mvm_impl(const float* x, u32 hidden, u32 top_k,
+                                         const u32* offsets, const u32* sorted_pairs, u32 pairs,
+                                         const u64* gate_table, const u64* up_table, u32 inter,
+                                         float* act, Diag* diag) {
+    __shared__ float red[(MVM_WARPS - 1) * 2 * NT * 4 * 32];
+    u32 e = blockIdx.y, n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
+    u32 lo = min(offsets[e], pairs), hi = min(offsets[e + 1], pairs);
+    if (lo >= hi) return;
+    u32 chunks = (hi - lo + 8 * NT - 1) / (8 * NT);
+    if (threadIdx.x == 0)
+        count_weight_bytes(diag, 2ull * chunks * min(16u, inter - n0) * hidden * sizeof(W));
+    bool lo_ok = n0 + g < inter, hi_ok = n0 + g + 8 < inter;
+    size_t r_lo = (size_t)(lo_ok ? n0 + g : 0) * hidden, r_hi = (size_t)(hi_ok ? n0 + g + 8 : 0) * hidden;
+    const u16* gate = reinterpret_cast<const u16*>(gate_table[e]);
+    const u16* up = reinterpret_cast<const u16*>(up_table[e]);
+    const u16* w_lo[2] = {gate + r_lo, up + r_lo};
+    const u16* w_hi[2] = {gate + r_hi, up + r_hi};
+    for (u32 c0 = lo; c0 < hi; c0 += 8 * NT) {
+        const float* xr[NT];
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            u32 s = c0 + j * 8 + g;
+            xr[j] = s < hi ? x + (size_t)(sorted_pairs[s] / top_k) * hidden : nullptr;
+        }
+        float acc[2][NT][4];
+        mvm_accumulate<F16Operands<W>::value, NT, 2>(xr, w_lo, w_hi, lo_ok, hi_ok, hidden, acc,
+                                                     diag);
+        if (!mvm_reduce<2 * NT * 4>(&acc[0][0][0], red)) continue;
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                u32 n = n0 + mvm_feature(i), s = c0 + mvm_row(j, i);
+                if (n < inter && s < hi) act[(size_t)s * inter + n] = silu(acc[0][j][i]) * acc[1][j][i];
+            }
+    }
+}
+
+template <typename W, int NT>
+__device__ void grouped_down_mvm_impl(const float* act, u32 inter, const float* route_weights,
+                                      const u32* offsets, const u32* sorted_pairs, u32 pairs,
+                                      const u64* down_table, u32 hidden, float* y, Diag* diag) {
+    __shared__ float red[(MVM_WARPS - 1) * NT * 4 * 32];
+    u32 e = blockIdx.y, n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
+    u32 lo = min(offsets[e], pairs), hi = min(offsets[e + 1], pairs);
+    if (lo >= hi) return;
+    u32 chunks = (hi - lo + 8 * NT - 1) / (8 * NT);
+    if (threadIdx.x == 0)
+        count_weight_bytes(diag, (u64)chunks * min(16u, hidden - n0) * inter * sizeof(W));
+    bool lo_ok = n0 + g < hidden, hi_ok = n0 + g + 8 < hidden;
+    const u16* down = reinterpret_cast<const u16*>(down_table[e]);
+    const u16* w_lo[1] = {down + (size_t)(lo_ok ? n0 + g : 0) * inter};
+    const u16* w_hi[1] = {down + (size_t)(hi_ok ? n0 + g + 8 : 0) * inter};
+    for (u32 c0 = lo; c0 < hi; c0 += 8 * NT) {
+        const float* xr[NT];
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            u32 s = c0 + j * 8 + g;
+            xr[j] = s < hi ? act + (size_t)s * inter : nullptr;
+        }
+        float acc[1][NT][4];
+        mvm_accumulate<F16Operands<W>::value, NT, 1>(xr, w_lo, w_hi, lo_ok, hi_ok, inter, acc,
+                                                     diag);
+        if (!mvm_reduce<NT * 4>(&acc[0][0][0], red)) continue;
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                u32 n = n0 + mvm_feature(i), s = c0 + mvm_row(j, i);
+                if (n < hidden && s < hi)
+                    y[(size_t)s * hidden + n] = route_weights[sorted_pairs[s]] * acc[0][j][i];
+            }
+    }
+}
+
+#define MOE_MVM_KERNELS(SUFFIX, W, NT)                                                         \
+    extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32)                               \
+        moe_grouped_gate_up_mvm_##SUFFIX##_n##NT(                                              \
+            const float* x, u32 hidden, u32 top_k, const u32* offsets, const u32* sorted_pairs, \
+            u32 pairs, u32 num_experts, const u64* gate_table, const u64* up_table, u32 inter, \
+            u32 vec, float* act, Diag* diag) {                                                 \
+        grouped_gate_up_mvm_impl<W, NT>(x, hidden, top_k, offsets, sorted_pairs, pairs,        \
+                                        gate_table, up_table, inter, act, diag);               \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32)                               \
+        moe_grouped_down_mvm_##SUFFIX##_n##NT(                                                 \
+            const float* act, u32 inter, const float* route_weights, const u32* offsets,       \
+            const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* down_table,        \
+            u32 hidden, u32 vec, float* y, Diag* diag) {                                       \
+        grouped_down_mvm_impl<W, NT>(act, inter, route_weights, offsets, sorted_pairs, pairs,  \
+                                     down_table, hidden, y, diag);                             \
+    }
+MOE_MVM_KERNELS(bf16, bf16w, 1)
+MOE_MVM_KERNELS(bf16, bf16w, 4)
+MOE_MVM_KERNELS(f16, f16w, 1)
+MOE_MVM_KERNELS(f16, f16w, 4)
 
 #define MOE_KERNELS(SUFFIX, W)                                                                 \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS) moe_grouped_gate_up_##SUFFIX(   \
