@@ -173,6 +173,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Human-readable device name, e.g. `cpu (16 threads)`.
     fn device_name(&self) -> String;
 
+    /// Identifies the kernels this backend runs, changing whenever they do: measurements
+    /// cached on disk (the MoE calibration) are keyed by it, so none outlives its kernels.
+    fn kernels_id(&self) -> u64 {
+        0
+    }
+
     /// Current totals of dispatches, host syncs, allocations and bytes moved.
     fn stats(&self) -> DispatchStats;
 
@@ -403,6 +409,25 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         slots: &DeviceBuffer,
         tokens: usize,
         kv_dim: usize,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// From one fused projection `qkv` (`[tokens, (heads + 2 kv_heads) · head_dim]`: each
+    /// token's q heads, then its k heads, then its v heads): q per-head RMSNorm'd and rotated
+    /// into `q_out` (`[tokens, heads, head_dim]`), k RMSNorm'd and rotated, and v as it is,
+    /// stored into the paged cache at each token's slot. One dispatch: what a QKV GEMM needs
+    /// next, without the separate norm, rope and store.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_norm_rope_store(
+        &self,
+        qkv: &DeviceBuffer,
+        q_weight: &DeviceBuffer,
+        k_weight: &DeviceBuffer,
+        positions: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        shape: QkShape,
+        q_out: &mut DeviceBuffer,
         cache_k: &mut DeviceBuffer,
         cache_v: &mut DeviceBuffer,
     ) -> Result<()>;

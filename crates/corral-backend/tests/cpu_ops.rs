@@ -89,6 +89,56 @@ proptest! {
         b.rms_norm(&x_buf, &w_buf, rows, dim, 1e-6, offset_one, &mut out).unwrap();
         close(&download(&b, &out, rows * dim), &reference::rms_norm(&x, &w, dim, 1e-6, offset_one), 1e-5)?;
     }
+
+    #[test]
+    fn fused_qkv_norm_rope_store_equals_the_separate_ops(
+        tokens in 1usize..9, heads in 1usize..5, kv_heads in 1usize..3, quarter in 1usize..9,
+        partial in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let b = CpuBackend::new();
+        let head_dim = 4 * quarter;
+        let rotary_dim = if partial { head_dim / 2 } else { head_dim };
+        let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+        let width = q_dim + 2 * kv_dim;
+        let qkv = values(tokens * width, seed);
+        let (qw, kw) = (values(head_dim, seed ^ 3), values(head_dim, seed ^ 5));
+        let positions: Vec<u32> = (0..tokens).map(|t| (seed as u32 % 900) + 3 * t as u32).collect();
+        // Distinct slots in a cache of more slots than tokens, in no particular order.
+        let capacity = tokens + 5;
+        let slots: Vec<u32> = (0..tokens).map(|t| ((t * 7 + seed as usize) % capacity) as u32).collect();
+        prop_assume!({ let mut s = slots.clone(); s.sort(); s.dedup(); s.len() == tokens });
+        let shape = corral_backend::QkShape {
+            tokens, heads, kv_heads, head_dim, rotary_dim, theta: 1e6, eps: 1e-6,
+        };
+        let (qw_b, kw_b) = (b.weight_from_f32(&qw, DType::F32).unwrap(), b.weight_from_f32(&kw, DType::F32).unwrap());
+        let (pos_b, slot_b) = (upload_u32(&b, &positions), upload_u32(&b, &slots));
+        let cache = |b: &CpuBackend| upload(b, &vec![0.0; capacity * kv_dim]);
+        let mut q_fused = upload(&b, &vec![0.0; tokens * q_dim]);
+        let (mut k_fused, mut v_fused) = (cache(&b), cache(&b));
+        b.qkv_norm_rope_store(&upload(&b, &qkv), &qw_b, &kw_b, &pos_b, &slot_b, shape, &mut q_fused, &mut k_fused, &mut v_fused).unwrap();
+        // The same through qk_norm_rope and kv_store on q, k and v split apart.
+        let part = |from: usize, len: usize| -> Vec<f32> {
+            qkv.chunks(width).flat_map(|row| row[from..from + len].to_vec()).collect()
+        };
+        let (q, k, v) = (part(0, q_dim), part(q_dim, kv_dim), part(q_dim + kv_dim, kv_dim));
+        let mut q_out = upload(&b, &vec![0.0; tokens * q_dim]);
+        let mut k_out = upload(&b, &vec![0.0; tokens * kv_dim]);
+        b.qk_norm_rope(&upload(&b, &q), &upload(&b, &k), &qw_b, &kw_b, &pos_b, shape, &mut q_out, &mut k_out).unwrap();
+        let (mut k_sep, mut v_sep) = (cache(&b), cache(&b));
+        b.kv_store(&k_out, &upload(&b, &v), &slot_b, tokens, kv_dim, &mut k_sep, &mut v_sep).unwrap();
+        let n = capacity * kv_dim;
+        prop_assert_eq!(download(&b, &q_fused, tokens * q_dim), download(&b, &q_out, tokens * q_dim));
+        prop_assert_eq!(download(&b, &k_fused, n), download(&b, &k_sep, n));
+        prop_assert_eq!(download(&b, &v_fused, n), download(&b, &v_sep, n));
+    }
+}
+
+fn upload_u32(b: &CpuBackend, v: &[u32]) -> corral_backend::DeviceBuffer {
+    let mut buf = b
+        .take_buffer(DType::U32, v.len(), BufferUsage::Metadata)
+        .unwrap();
+    b.upload_u32(v, &mut buf).unwrap();
+    buf
 }
 
 #[test]

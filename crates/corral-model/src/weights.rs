@@ -27,6 +27,32 @@ pub(crate) trait WeightSource {
     /// The type `name` is stored in.
     fn stored_dtype(&self, name: &str) -> Result<DType>;
 
+    /// The matrices `parts` (name, shape) stacked along their rows into one weight, in their
+    /// stored type (which they must share): one projection where the checkpoint has several.
+    fn weight_stacked(
+        &self,
+        backend: &dyn Backend,
+        parts: &[(&str, &[usize])],
+    ) -> Result<DeviceBuffer> {
+        let Some(&(first, _)) = parts.first() else {
+            return Err(crate::ModelError::Unsupported(
+                "stacking no matrices".to_string(),
+            ));
+        };
+        let dtype = self.stored_dtype(first)?;
+        let mut values = Vec::new();
+        for &(name, shape) in parts {
+            let stored = self.stored_dtype(name)?;
+            if stored != dtype {
+                return Err(crate::ModelError::Unsupported(format!(
+                    "{name} is stored as {stored}, {first} as {dtype}: they cannot share one projection"
+                )));
+            }
+            values.extend(self.read_f32(name, shape)?);
+        }
+        Ok(backend.weight_from_f32(&values, dtype)?)
+    }
+
     /// Rows `rows` (in that order) of the matrix `name` (first axis rows, the rest columns),
     /// as a weight in its stored type: for layouts that interleave what Corral keeps apart.
     fn weight_rows(
@@ -152,5 +178,21 @@ impl WeightSource for SyntheticWeights {
 
     fn stored_dtype(&self, _name: &str) -> Result<DType> {
         Ok(self.dtype)
+    }
+
+    /// One stream for the stacked matrix, seeded by its first part's name (made on the
+    /// device, like every synthetic matrix).
+    fn weight_stacked(
+        &self,
+        backend: &dyn Backend,
+        parts: &[(&str, &[usize])],
+    ) -> Result<DeviceBuffer> {
+        let Some(&(first, _)) = parts.first() else {
+            return Err(crate::ModelError::Unsupported(
+                "stacking no matrices".to_string(),
+            ));
+        };
+        let n = parts.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        Ok(backend.weight_normal(n, self.dtype, self.tensor_seed(first), STD)?)
     }
 }

@@ -11,7 +11,7 @@ use crate::buffer::Storage;
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, RecurrentRuns, Result, StatsCounter, WeightView,
+    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView,
 };
 use ops::WeightRows;
 
@@ -709,6 +709,69 @@ impl Backend for CpuBackend {
         let cache_v = f32s_mut(op, "cache_v", cache_v, len)?;
         self.stats.dispatch(1);
         ops::attention::kv_store(k, v, slots, kv_dim, cache_k, cache_v);
+        Ok(())
+    }
+
+    fn qkv_norm_rope_store(
+        &self,
+        qkv: &DeviceBuffer,
+        q_weight: &DeviceBuffer,
+        k_weight: &DeviceBuffer,
+        positions: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        shape: QkShape,
+        q_out: &mut DeviceBuffer,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "qkv_norm_rope_store";
+        let QkShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rotary_dim,
+            theta,
+            eps,
+        } = shape;
+        if !rotary_dim.is_multiple_of(2)
+            || rotary_dim > head_dim
+            || rotary_dim > ops::rope::MAX_ROTARY_DIM
+        {
+            return Err(bad(
+                op,
+                format!("rotary dim {rotary_dim} must be even and at most head dim {head_dim}"),
+            ));
+        }
+        let kv_dim = kv_heads * head_dim;
+        let slots = u32s(op, "slots", slots, tokens)?;
+        let capacity = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
+        if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {
+            return Err(bad(
+                op,
+                format!("slot {s} is out of range for {capacity} slots"),
+            ));
+        }
+        let positions = u32s(op, "positions", positions, tokens)?;
+        let qkv = f32s(op, "qkv", qkv, tokens * (heads * head_dim + 2 * kv_dim))?;
+        let q_weight = weight_f32(op, q_weight, head_dim)?;
+        let k_weight = weight_f32(op, k_weight, head_dim)?;
+        let q_out = f32s_mut(op, "q_out", q_out, tokens * heads * head_dim)?;
+        let len = capacity * kv_dim;
+        let cache_k = f32s_mut(op, "cache_k", cache_k, len)?;
+        let cache_v = f32s_mut(op, "cache_v", cache_v, len)?;
+        self.stats.dispatch(1);
+        let fused = ops::attention::FusedQkv {
+            heads,
+            kv_heads,
+            head_dim,
+            rotary_dim,
+            theta,
+            eps,
+        };
+        ops::attention::qkv_norm_rope_store(
+            qkv, q_weight, k_weight, positions, slots, fused, q_out, cache_k, cache_v,
+        );
         Ok(())
     }
 

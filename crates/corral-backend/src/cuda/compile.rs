@@ -194,6 +194,13 @@ pub(crate) fn compile(source: &KernelSource, arch: &str, output: Output) -> Resu
 }
 
 /// FNV-1a, 64 bits: a stable hash for cache keys (std's hasher may change between releases).
+/// FNV-1a over every kernel file with its headers: what the kernels are.
+pub(crate) fn sources_id() -> u64 {
+    SOURCES
+        .iter()
+        .fold(0, |h, s| h ^ fnv1a(s.text().as_bytes()).rotate_left(7))
+}
+
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)

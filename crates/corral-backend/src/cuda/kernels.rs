@@ -50,6 +50,8 @@ pub(crate) struct Kernels {
     pub(crate) qk_norm_rope: Kernel,
     pub(crate) kv_store_bf16: Kernel,
     pub(crate) kv_store_f32: Kernel,
+    pub(crate) qkv_norm_rope_store_bf16: Kernel,
+    pub(crate) qkv_norm_rope_store_f32: Kernel,
     /// Indexed by log2 of the head dims each lane owns (1, 2, 4, 8, 16).
     pub(crate) paged_attention_bf16: [Kernel; 5],
     pub(crate) paged_attention_f32: [Kernel; 5],
@@ -200,6 +202,8 @@ impl Kernels {
             qk_norm_rope: find("qk_norm_rope")?,
             kv_store_bf16: find("kv_store_bf16")?,
             kv_store_f32: find("kv_store_f32")?,
+            qkv_norm_rope_store_bf16: find("qkv_norm_rope_store_bf16")?,
+            qkv_norm_rope_store_f32: find("qkv_norm_rope_store_f32")?,
             paged_attention_bf16: [
                 find("paged_attention_bf16_d1")?,
                 find("paged_attention_bf16_d2")?,

@@ -429,6 +429,10 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn kernels_id(&self) -> u64 {
+        compile::sources_id() ^ self.blas.is_some() as u64
+    }
+
     fn stats(&self) -> DispatchStats {
         self.stats.snapshot()
     }
@@ -1036,6 +1040,72 @@ impl Backend for CudaBackend {
             other => return Err(bad(op, format!("KV cache of {other}"))),
         };
         self.launch(kernel, (grid_of(op, tokens)?, 1, 1), 128, &args)
+    }
+
+    fn qkv_norm_rope_store(
+        &self,
+        qkv: &DeviceBuffer,
+        q_weight: &DeviceBuffer,
+        k_weight: &DeviceBuffer,
+        positions: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        shape: QkShape,
+        q_out: &mut DeviceBuffer,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "qkv_norm_rope_store";
+        let QkShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rotary_dim,
+            theta,
+            eps,
+        } = shape;
+        if head_dim > 512 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
+            return Err(bad(
+                op,
+                format!(
+                    "head dim {head_dim} (at most 512), rotary dim {rotary_dim} (even, at most the head dim)"
+                ),
+            ));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let kv_dim = kv_heads * head_dim;
+        let dtype = cache_k.dtype();
+        let cache_slots = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
+        let per_token = heads + 2 * kv_heads;
+        let args = [
+            buf(op, "qkv", qkv, DType::F32, tokens * per_token * head_dim)?,
+            buf(op, "q_weight", q_weight, DType::F32, head_dim)?,
+            buf(op, "k_weight", k_weight, DType::F32, head_dim)?,
+            buf(op, "positions", positions, DType::U32, tokens)?,
+            buf(op, "slots", slots, DType::U32, tokens)?,
+            u32_of(op, tokens)?,
+            u32_of(op, heads)?,
+            u32_of(op, kv_heads)?,
+            u32_of(op, head_dim)?,
+            u32_of(op, rotary_dim)?,
+            Arg::F32(theta),
+            Arg::F32(eps),
+            Arg::U64(cache_slots as u64),
+            buf(op, "q_out", q_out, DType::F32, tokens * heads * head_dim)?,
+            buf(op, "cache_k", cache_k, dtype, kv_dim)?,
+            buf(op, "cache_v", cache_v, dtype, kv_dim)?,
+            self.diag(),
+        ];
+        let kernel = match dtype {
+            DType::BF16 => &self.kernels.qkv_norm_rope_store_bf16,
+            DType::F32 => &self.kernels.qkv_norm_rope_store_f32,
+            other => return Err(bad(op, format!("KV cache of {other}"))),
+        };
+        // A warp per (token, head), eight to a block.
+        let grid = (grid_of(op, (tokens * per_token).div_ceil(8))?, 1, 1);
+        self.launch(kernel, grid, 256, &args)
     }
 
     fn paged_attention(

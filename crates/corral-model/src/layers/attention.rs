@@ -1,5 +1,5 @@
-//! Qwen3 attention: q/k/v projections, per-head q/k RMSNorm with RoPE, paged GQA attention,
-//! o_proj.
+//! Qwen3 attention: one fused q/k/v projection, per-head q/k RMSNorm with RoPE and the KV
+//! store in one op, paged GQA attention, o_proj.
 
 use corral_backend::{AttentionMeta, AttentionShape, Backend, DeviceBuffer, QkShape, WeightView};
 
@@ -11,9 +11,8 @@ use crate::{ModelConfig, Result};
 /// Weights of one attention layer.
 #[derive(Debug)]
 pub(crate) struct Attention {
-    q_proj: DeviceBuffer,
-    k_proj: DeviceBuffer,
-    v_proj: DeviceBuffer,
+    /// q_proj, k_proj and v_proj stacked: `[(heads + 2 kv_heads) · head_dim, hidden]`.
+    qkv_proj: DeviceBuffer,
     o_proj: DeviceBuffer,
     q_norm: DeviceBuffer,
     k_norm: DeviceBuffer,
@@ -38,9 +37,14 @@ impl Attention {
         let kv_dim = config.kv_dim();
         let p = format!("{prefix}self_attn.");
         Ok(Self {
-            q_proj: ckpt.weight(backend, &format!("{p}q_proj.weight"), &[q_dim, h])?,
-            k_proj: ckpt.weight(backend, &format!("{p}k_proj.weight"), &[kv_dim, h])?,
-            v_proj: ckpt.weight(backend, &format!("{p}v_proj.weight"), &[kv_dim, h])?,
+            qkv_proj: ckpt.weight_stacked(
+                backend,
+                &[
+                    (&format!("{p}q_proj.weight"), &[q_dim, h]),
+                    (&format!("{p}k_proj.weight"), &[kv_dim, h]),
+                    (&format!("{p}v_proj.weight"), &[kv_dim, h]),
+                ],
+            )?,
             o_proj: ckpt.weight(backend, &format!("{p}o_proj.weight"), &[h, q_dim])?,
             q_norm: ckpt.weight_f32(backend, &format!("{p}q_norm.weight"), &[hd])?,
             k_norm: ckpt.weight_f32(backend, &format!("{p}k_norm.weight"), &[hd])?,
@@ -53,7 +57,8 @@ impl Attention {
         })
     }
 
-    /// `ws.out = o_proj(attention(ws.h))`, storing this batch's K and V in `kv` first.
+    /// `ws.out = o_proj(attention(ws.h))`, storing this batch's K and V in `kv` first; the
+    /// fused projection goes through `ws.q`.
     pub(crate) fn forward(
         &self,
         backend: &dyn Backend,
@@ -67,20 +72,8 @@ impl Attention {
         backend.matmul(
             &ws.h,
             tokens,
-            WeightView::new(&self.q_proj, nh * hd, h)?,
+            WeightView::new(&self.qkv_proj, (nh + 2 * nkv) * hd, h)?,
             &mut ws.q,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.k_proj, nkv * hd, h)?,
-            &mut ws.k,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.v_proj, nkv * hd, h)?,
-            &mut ws.v,
         )?;
         let b = &ws.batch;
         let shape = QkShape {
@@ -92,22 +85,14 @@ impl Attention {
             theta: self.theta,
             eps: self.eps,
         };
-        backend.qk_norm_rope(
+        backend.qkv_norm_rope_store(
             &ws.q,
-            &ws.k,
             &self.q_norm,
             &self.k_norm,
             &b.positions,
+            &b.slots,
             shape,
             &mut ws.q_normed,
-            &mut ws.k_normed,
-        )?;
-        backend.kv_store(
-            &ws.k_normed,
-            &ws.v,
-            &b.slots,
-            tokens,
-            nkv * hd,
             &mut kv.k,
             &mut kv.v,
         )?;

@@ -121,6 +121,8 @@ pub(crate) struct Workspace {
     pub(crate) h: DeviceBuffer,
     /// Output of a sub-block `[T, H]`.
     pub(crate) out: DeviceBuffer,
+    /// Query projection `[T, heads · head_dim]`; for Qwen3 attention the fused q/k/v
+    /// projection `[T, (heads + 2 kv_heads) · head_dim]`.
     pub(crate) q: DeviceBuffer,
     pub(crate) k: DeviceBuffer,
     pub(crate) v: DeviceBuffer,
@@ -210,7 +212,7 @@ impl Workspace {
             x: f32_buf(tokens * h)?,
             h: f32_buf(tokens * h)?,
             out: f32_buf(tokens * h)?,
-            q: f32_buf(tokens * q_dim)?,
+            q: f32_buf(tokens * (q_dim + 2 * kv_dim))?,
             k: f32_buf(tokens * kv_dim)?,
             v: f32_buf(tokens * kv_dim)?,
             q_normed: f32_buf(tokens * q_dim)?,

@@ -39,7 +39,7 @@ pub fn crossover(timings: &[(usize, f64, f64)]) -> usize {
     threshold
 }
 
-fn cache_path(device: &str, config: &ModelConfig) -> Option<PathBuf> {
+fn cache_path(device: &str, kernels: u64, config: &ModelConfig) -> Option<PathBuf> {
     let env = |k: &str| {
         std::env::var_os(k)
             .filter(|v| !v.is_empty())
@@ -50,7 +50,7 @@ fn cache_path(device: &str, config: &ModelConfig) -> Option<PathBuf> {
         .or_else(|| env("HOME").map(|d| d.join(".cache/corral/calibration")))?;
     let moe = config.moe.as_ref()?;
     let key = format!(
-        "v3|{device}|h{}|e{}|k{}|i{}|{:?}",
+        "v4|{device}|kernels {kernels:016x}|h{}|e{}|k{}|i{}|{:?}",
         config.hidden_size, moe.num_experts, moe.top_k, moe.moe_intermediate_size, config.dtype
     );
     let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
@@ -75,7 +75,7 @@ pub(crate) fn calibrate(
             cached: false,
         });
     };
-    let path = cache_path(&backend.device_name(), config);
+    let path = cache_path(&backend.device_name(), backend.kernels_id(), config);
     if let Some(n) = path
         .as_ref()
         .and_then(|p| std::fs::read_to_string(p).ok())
@@ -147,7 +147,27 @@ pub(crate) fn calibrate(
 
 #[cfg(test)]
 mod tests {
-    use super::crossover;
+    use super::{cache_path, crossover};
+
+    #[test]
+    fn a_calibration_is_cached_per_device_shape_and_kernels() {
+        let config = crate::ModelConfig::from_json(
+            include_str!("../../../../bench/configs/qwen3-30b-a3b.json"),
+            std::path::Path::new("qwen3-30b-a3b.json"),
+        )
+        .expect("bench config");
+        let path = |device: &str, kernels| cache_path(device, kernels, &config);
+        if path("gpu", 1).is_none() {
+            return; // no cache folder in this environment
+        }
+        assert_ne!(
+            path("gpu", 1),
+            path("gpu", 2),
+            "new kernels, new measurement"
+        );
+        assert_ne!(path("gpu", 1), path("other gpu", 1));
+        assert_eq!(path("gpu", 1), path("gpu", 1));
+    }
 
     #[test]
     fn the_threshold_is_where_grouped_stays_ahead() {

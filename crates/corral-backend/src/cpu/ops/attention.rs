@@ -68,6 +68,63 @@ pub(crate) fn paged_attention(
         });
 }
 
+/// The head layout of a fused `[tokens, (heads + 2 kv_heads) · head_dim]` q/k/v projection.
+#[derive(Clone, Copy)]
+pub(crate) struct FusedQkv {
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) rotary_dim: usize,
+    pub(crate) theta: f32,
+    pub(crate) eps: f32,
+}
+
+/// From a fused q/k/v projection: q per-head normalised and rotated into `q_out`, k
+/// normalised and rotated and v as they are into the cache at each token's slot.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_norm_rope_store(
+    qkv: &[f32],
+    q_weight: &[f32],
+    k_weight: &[f32],
+    positions: &[u32],
+    slots: &[u32],
+    shape: FusedQkv,
+    q_out: &mut [f32],
+    cache_k: &mut [f32],
+    cache_v: &mut [f32],
+) {
+    let FusedQkv {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        rotary_dim,
+        theta,
+        eps,
+    } = shape;
+    let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
+    let width = q_dim + 2 * kv_dim;
+    let inv_freq = super::rope::inverse_frequencies(rotary_dim, theta);
+    q_out
+        .par_chunks_mut(q_dim)
+        .zip(qkv.par_chunks(width))
+        .zip(positions.par_iter())
+        .for_each(|((q, row), &pos)| {
+            for (dst, src) in q.chunks_mut(hd).zip(row[..q_dim].chunks(hd)) {
+                super::norm::norm_row(src, q_weight, eps, false, dst);
+            }
+            super::rope::rotate_heads(q, pos, hd, rotary_dim, &inv_freq);
+        });
+    for ((row, &pos), &slot) in qkv.chunks(width).zip(positions).zip(slots) {
+        let dst = slot as usize * kv_dim;
+        let k = &mut cache_k[dst..dst + kv_dim];
+        for (kh, src) in k.chunks_mut(hd).zip(row[q_dim..q_dim + kv_dim].chunks(hd)) {
+            super::norm::norm_row(src, k_weight, eps, false, kh);
+        }
+        super::rope::rotate_heads(k, pos, hd, rotary_dim, &inv_freq);
+        cache_v[dst..dst + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+    }
+}
+
 pub(crate) fn kv_store(
     k: &[f32],
     v: &[f32],

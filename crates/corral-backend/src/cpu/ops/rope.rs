@@ -13,29 +13,44 @@ pub(crate) fn rope(
     rotary_dim: usize,
     theta: f32,
 ) {
-    let half = rotary_dim / 2;
-    let mut inv_freq = [0.0f32; MAX_ROTARY_DIM / 2];
-    for (i, f) in inv_freq.iter_mut().take(half).enumerate() {
-        *f = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
-    }
+    let inv_freq = inverse_frequencies(rotary_dim, theta);
     x.par_chunks_mut(heads * head_dim)
         .zip(positions.par_iter())
-        .for_each(|(row, &pos)| {
-            let mut cos = [0.0f32; MAX_ROTARY_DIM / 2];
-            let mut sin = [0.0f32; MAX_ROTARY_DIM / 2];
-            for i in 0..half {
-                let angle = pos as f32 * inv_freq[i];
-                cos[i] = angle.cos();
-                sin[i] = angle.sin();
-            }
-            for head in row.chunks_mut(head_dim) {
-                let (x1, rest) = head.split_at_mut(half);
-                let x2 = &mut rest[..half];
-                for i in 0..half {
-                    let (a, b) = (x1[i], x2[i]);
-                    x1[i] = a * cos[i] - b * sin[i];
-                    x2[i] = b * cos[i] + a * sin[i];
-                }
-            }
-        });
+        .for_each(|(row, &pos)| rotate_heads(row, pos, head_dim, rotary_dim, &inv_freq));
+}
+
+/// RoPE's inverse frequencies for `rotary_dim` (the first half of the array).
+pub(crate) fn inverse_frequencies(rotary_dim: usize, theta: f32) -> [f32; MAX_ROTARY_DIM / 2] {
+    let mut inv_freq = [0.0f32; MAX_ROTARY_DIM / 2];
+    for (i, f) in inv_freq.iter_mut().take(rotary_dim / 2).enumerate() {
+        *f = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
+    }
+    inv_freq
+}
+
+/// Rotates every head of `row` (heads of `head_dim`) at position `pos`.
+pub(crate) fn rotate_heads(
+    row: &mut [f32],
+    pos: u32,
+    head_dim: usize,
+    rotary_dim: usize,
+    inv_freq: &[f32; MAX_ROTARY_DIM / 2],
+) {
+    let half = rotary_dim / 2;
+    let mut cos = [0.0f32; MAX_ROTARY_DIM / 2];
+    let mut sin = [0.0f32; MAX_ROTARY_DIM / 2];
+    for i in 0..half {
+        let angle = pos as f32 * inv_freq[i];
+        cos[i] = angle.cos();
+        sin[i] = angle.sin();
+    }
+    for head in row.chunks_mut(head_dim) {
+        let (x1, rest) = head.split_at_mut(half);
+        let x2 = &mut rest[..half];
+        for i in 0..half {
+            let (a, b) = (x1[i], x2[i]);
+            x1[i] = a * cos[i] - b * sin[i];
+            x2[i] = b * cos[i] + a * sin[i];
+        }
+    }
 }

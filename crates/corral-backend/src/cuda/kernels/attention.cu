@@ -33,6 +33,82 @@ __device__ void kv_store_impl(const float* k, const float* v, const u32* slots, 
 KV_STORE(bf16, u16)
 KV_STORE(f32, float)
 
+// From a fused q/k/v projection ([tokens, (heads + 2 kv_heads) * head_dim]): one warp per
+// (token, head) over the token's q, k and v heads. q and k heads are RMSNorm'd and rotated
+// (the head staged in shared memory so that each rotated pair reads both halves); q goes to
+// q_out, k and v into the cache at the token's slot.
+#define QKV_WARPS 8
+template <typename C>
+__device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight,
+                                         const float* k_weight, const u32* positions,
+                                         const u32* slots, u32 tokens, u32 heads, u32 kv_heads,
+                                         u32 head_dim, u32 rotary_dim, float theta, float eps,
+                                         u64 cache_slots, float* q_out, C* cache_k, C* cache_v,
+                                         Diag* diag) {
+    __shared__ float staged[QKV_WARPS][512];
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 item = blockIdx.x * QKV_WARPS + warp;
+    u32 per_token = heads + 2 * kv_heads;
+    if (item >= tokens * per_token) return;
+    u32 t = item / per_token, h = item % per_token;
+    u32 kv_dim = kv_heads * head_dim;
+    const float* src = qkv + ((size_t)t * per_token + h) * head_dim;
+    bool is_q = h < heads;
+    u32 slot = 0;
+    if (!is_q) {
+        slot = slots[t];
+        if (slot >= cache_slots) {
+            if (lane == 0) raise_error(diag, ERR_KV_SLOT);
+            return;
+        }
+    }
+    if (h >= heads + kv_heads) {
+        size_t dst = (size_t)slot * kv_dim + (size_t)(h - heads - kv_heads) * head_dim;
+        for (u32 d = lane; d < head_dim; d += 32) store_kv(cache_v, dst + d, src[d]);
+        return;
+    }
+    const float* w = is_q ? q_weight : k_weight;
+    float ss = 0.f;
+    for (u32 d = lane; d < head_dim; d += 32) ss += src[d] * src[d];
+    ss = warp_sum(ss);
+    float inv = rsqrtf(ss / (float)head_dim + eps);
+    float* row = staged[warp];
+    for (u32 d = lane; d < head_dim; d += 32) row[d] = src[d] * inv * w[d];
+    __syncwarp();
+    u32 half = rotary_dim / 2;
+    float pos = (float)positions[t];
+    size_t k_dst = (size_t)slot * kv_dim + (size_t)(h - heads) * head_dim;
+    for (u32 d = lane; d < head_dim; d += 32) {
+        float v = row[d];
+        if (d < rotary_dim) {
+            u32 p = d < half ? d : d - half;
+            float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
+            float angle = pos * inv_freq;
+            float c = cosf(angle), s = sinf(angle);
+            v = d < half ? row[d] * c - row[d + half] * s : row[d] * c + row[d - half] * s;
+        }
+        if (is_q)
+            q_out[((size_t)t * heads + h) * head_dim + d] = v;
+        else
+            store_kv(cache_k, k_dst + d, v);
+    }
+}
+
+#define QKV_NORM_ROPE_STORE(SUFFIX, C)                                                        \
+    extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32)                              \
+        qkv_norm_rope_store_##SUFFIX(const float* qkv, const float* q_weight,                 \
+                                     const float* k_weight, const u32* positions,             \
+                                     const u32* slots, u32 tokens, u32 heads, u32 kv_heads,   \
+                                     u32 head_dim, u32 rotary_dim, float theta, float eps,    \
+                                     u64 cache_slots, float* q_out, C* cache_k, C* cache_v,   \
+                                     Diag* diag) {                                            \
+        qkv_norm_rope_store_impl<C>(qkv, q_weight, k_weight, positions, slots, tokens, heads, \
+                                    kv_heads, head_dim, rotary_dim, theta, eps, cache_slots,  \
+                                    q_out, cache_k, cache_v, diag);                           \
+    }
+QKV_NORM_ROPE_STORE(bf16, u16)
+QKV_NORM_ROPE_STORE(f32, float)
+
 #define ATTN_WARPS 4         // warps of a block, taking alternate chunks of its keys
 #define ATTN_MAX_SPLITS 64   // splits of the keys that the last block merges
 #define ATTN_HEAD_SLOTS 1024 // floats per warp for merging its heads' outputs (8 x 128)
