@@ -1386,9 +1386,10 @@ impl Backend for CudaBackend {
             gate_vec && up_vec,
             few_rows_variant(pairs, num_experts),
         ) {
+            // A block row per expert that can have rows: at most one per routed pair.
             let grid = (
                 grid_of(op, inter.div_ceil(16))?,
-                grid_of(op, num_experts)?,
+                grid_of(op, num_experts.min(pairs))?,
                 1,
             );
             return self.launch(&mvm[0][variant], grid, MVM_THREADS, &args);
@@ -1449,9 +1450,10 @@ impl Backend for CudaBackend {
             vec,
             few_rows_variant(pairs, num_experts),
         ) {
+            // A block row per expert that can have rows: at most one per routed pair.
             let grid = (
                 grid_of(op, hidden.div_ceil(16))?,
-                grid_of(op, num_experts)?,
+                grid_of(op, num_experts.min(pairs))?,
                 1,
             );
             return self.launch(&mvm[1][variant], grid, MVM_THREADS, &args);

@@ -75,23 +75,26 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
     float* row = staged[warp];
     for (u32 d = lane; d < head_dim; d += 32) row[d] = src[d] * inv * w[d];
     __syncwarp();
-    u32 half = rotary_dim / 2;
-    float pos = (float)positions[t];
+    float* q_dst = q_out + ((size_t)t * heads + h) * head_dim;
     size_t k_dst = (size_t)slot * kv_dim + (size_t)(h - heads) * head_dim;
-    for (u32 d = lane; d < head_dim; d += 32) {
-        float v = row[d];
-        if (d < rotary_dim) {
-            u32 p = d < half ? d : d - half;
-            float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
-            float angle = pos * inv_freq;
-            float c = cosf(angle), s = sinf(angle);
-            v = d < half ? row[d] * c - row[d + half] * s : row[d] * c + row[d - half] * s;
-        }
+    auto emit = [&](u32 d, float v) {
         if (is_q)
-            q_out[((size_t)t * heads + h) * head_dim + d] = v;
+            q_dst[d] = v;
         else
             store_kv(cache_k, k_dst + d, v);
+    };
+    // Each lane rotates whole pairs (d, d + half): one angle, one sincos per pair.
+    u32 half = rotary_dim / 2;
+    float pos = (float)positions[t];
+    for (u32 p = lane; p < half; p += 32) {
+        float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
+        float s, c;
+        sincosf(pos * inv_freq, &s, &c);
+        float a = row[p], b = row[p + half];
+        emit(p, a * c - b * s);
+        emit(p + half, b * c + a * s);
     }
+    for (u32 d = rotary_dim + lane; d < head_dim; d += 32) emit(d, row[d]);
 }
 
 #define QKV_NORM_ROPE_STORE(SUFFIX, C)                                                        \

@@ -99,37 +99,52 @@ __device__ __forceinline__ float block_max(float v, float* scratch32) {
     return warp_max(m);
 }
 
-// Sum over the warp of x[0..K) · w[0..K); every lane gets it.
+// Sums over the warp of x[0..K) with two weight rows at once (their loads in flight
+// together, x read once): *d0 = x · w0, *d1 = x · w1; every lane gets them.
 template <typename W>
-__device__ __forceinline__ float warp_dot(const float* x, const W* w, u32 K, bool vec) {
+__device__ __forceinline__ void warp_dot2(const float* x, const W* w0, const W* w1, u32 K,
+                                          bool vec, float* d0, float* d1) {
     u32 lane = threadIdx.x & 31;
-    float acc = 0.f;
+    float acc0 = 0.f, acc1 = 0.f;
     if (vec) {
         u32 k = lane * 8;
         for (; k + 256 < K; k += 512) {
-            float wa[8], wb[8];
-            load_w8(w + k, wa);
-            load_w8(w + k + 256, wb);
+            float wa[8], wb[8], ua[8], ub[8];
+            load_w8(w0 + k, wa);
+            load_w8(w0 + k + 256, wb);
+            load_w8(w1 + k, ua);
+            load_w8(w1 + k + 256, ub);
             const float4* xa = reinterpret_cast<const float4*>(x + k);
             const float4* xb = reinterpret_cast<const float4*>(x + k + 256);
             float4 a0 = xa[0], a1 = xa[1], b0 = xb[0], b1 = xb[1];
-            acc += a0.x * wa[0] + a0.y * wa[1] + a0.z * wa[2] + a0.w * wa[3] + a1.x * wa[4] +
-                   a1.y * wa[5] + a1.z * wa[6] + a1.w * wa[7];
-            acc += b0.x * wb[0] + b0.y * wb[1] + b0.z * wb[2] + b0.w * wb[3] + b1.x * wb[4] +
-                   b1.y * wb[5] + b1.z * wb[6] + b1.w * wb[7];
+            acc0 += a0.x * wa[0] + a0.y * wa[1] + a0.z * wa[2] + a0.w * wa[3] + a1.x * wa[4] +
+                    a1.y * wa[5] + a1.z * wa[6] + a1.w * wa[7];
+            acc0 += b0.x * wb[0] + b0.y * wb[1] + b0.z * wb[2] + b0.w * wb[3] + b1.x * wb[4] +
+                    b1.y * wb[5] + b1.z * wb[6] + b1.w * wb[7];
+            acc1 += a0.x * ua[0] + a0.y * ua[1] + a0.z * ua[2] + a0.w * ua[3] + a1.x * ua[4] +
+                    a1.y * ua[5] + a1.z * ua[6] + a1.w * ua[7];
+            acc1 += b0.x * ub[0] + b0.y * ub[1] + b0.z * ub[2] + b0.w * ub[3] + b1.x * ub[4] +
+                    b1.y * ub[5] + b1.z * ub[6] + b1.w * ub[7];
         }
         for (; k < K; k += 256) {
-            float wv[8];
-            load_w8(w + k, wv);
+            float wv[8], uv[8];
+            load_w8(w0 + k, wv);
+            load_w8(w1 + k, uv);
             float4 a = *reinterpret_cast<const float4*>(x + k);
             float4 b = *reinterpret_cast<const float4*>(x + k + 4);
-            acc += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] + b.x * wv[4] +
-                   b.y * wv[5] + b.z * wv[6] + b.w * wv[7];
+            acc0 += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] + b.x * wv[4] +
+                    b.y * wv[5] + b.z * wv[6] + b.w * wv[7];
+            acc1 += a.x * uv[0] + a.y * uv[1] + a.z * uv[2] + a.w * uv[3] + b.x * uv[4] +
+                    b.y * uv[5] + b.z * uv[6] + b.w * uv[7];
         }
     } else {
-        for (u32 k = lane; k < K; k += 32) acc += x[k] * load_w(w, k);
+        for (u32 k = lane; k < K; k += 32) {
+            acc0 += x[k] * load_w(w0, k);
+            acc1 += x[k] * load_w(w1, k);
+        }
     }
-    return warp_sum(acc);
+    *d0 = warp_sum(acc0);
+    *d1 = warp_sum(acc1);
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }

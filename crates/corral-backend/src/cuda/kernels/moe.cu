@@ -5,6 +5,7 @@
 // pointers (one per expert), so stacked and per-expert checkpoint layouts run alike.
 
 #define ROUTE_THREADS 256
+#define PT_DOWN_SLOTS 8  // routed slots whose down rows the per-token path reads at once
 #define SORT_THREADS 1024
 #define MAX_SORT_EXPERTS 4096
 
@@ -280,8 +281,8 @@ __device__ void per_token_gate_up_impl(const float* x, u32 hidden, const u32* id
     const float* xt = x + (size_t)(p / top_k) * hidden;
     const W* g = reinterpret_cast<const W*>(gate_table[e]) + (size_t)i * hidden;
     const W* u = reinterpret_cast<const W*>(up_table[e]) + (size_t)i * hidden;
-    float gv = warp_dot(xt, g, hidden, vec != 0);
-    float uv = warp_dot(xt, u, hidden, vec != 0);
+    float gv, uv;
+    warp_dot2(xt, g, u, hidden, vec != 0, &gv, &uv);
     if (lane == 0) act[(size_t)p * inter + i] = silu(gv) * uv;
 }
 
@@ -300,14 +301,15 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
         count_weight_bytes(diag, (u64)valid * inter * top_k * sizeof(W));
     }
     if (h >= hidden) return;
-    // Four experts' rows at a time, their loads in flight together; slots summed in order.
+    // PT_DOWN_SLOTS experts' rows at a time, their loads in flight together; slots summed in
+    // order.
     float total = 0.f;
-    for (u32 j0 = 0; j0 < top_k; j0 += 4) {
-        float part[4] = {0.f, 0.f, 0.f, 0.f};
-        const W* rows[4];
-        const float* acts[4];
+    for (u32 j0 = 0; j0 < top_k; j0 += PT_DOWN_SLOTS) {
+        float part[PT_DOWN_SLOTS] = {};
+        const W* rows[PT_DOWN_SLOTS];
+        const float* acts[PT_DOWN_SLOTS];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < PT_DOWN_SLOTS; u++) {
             u32 j = min(j0 + u, top_k - 1);
             u32 p = t * top_k + j;
             u32 e = ids[p];
@@ -320,11 +322,11 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
         }
         if (vec) {
             for (u32 k = lane * 8; k < inter; k += 256) {
-                float wv[4][8];
+                float wv[PT_DOWN_SLOTS][8];
 #pragma unroll
-                for (int u = 0; u < 4; u++) load_w8(rows[u] + k, wv[u]);
+                for (int u = 0; u < PT_DOWN_SLOTS; u++) load_w8(rows[u] + k, wv[u]);
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
+                for (int u = 0; u < PT_DOWN_SLOTS; u++) {
                     float4 a = *reinterpret_cast<const float4*>(acts[u] + k);
                     float4 b = *reinterpret_cast<const float4*>(acts[u] + k + 4);
                     part[u] += a.x * wv[u][0] + a.y * wv[u][1] + a.z * wv[u][2] +
@@ -335,10 +337,10 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
         } else {
             for (u32 k = lane; k < inter; k += 32)
 #pragma unroll
-                for (int u = 0; u < 4; u++) part[u] += acts[u][k] * load_w(rows[u], k);
+                for (int u = 0; u < PT_DOWN_SLOTS; u++) part[u] += acts[u][k] * load_w(rows[u], k);
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < PT_DOWN_SLOTS; u++) {
             float dot = warp_sum(part[u]);
             if (j0 + u < top_k) total += route_weights[t * top_k + j0 + u] * dot;
         }
@@ -346,19 +348,49 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
     if (lane == 0) out[(size_t)t * hidden + h] = total;
 }
 
+// The n-th expert (in id order) that has rows, and its sorted rows [lo, hi); false when
+// fewer experts have rows. Block-wide: warp 0 scans the offsets 32 experts at a time.
+__device__ bool nth_hit_expert(const u32* offsets, u32 num_experts, u32 pairs, u32 n, u32* expert,
+                               u32* lo, u32* hi) {
+    __shared__ u32 s_expert;
+    u32 lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+        if (lane == 0) s_expert = 0xffffffffu;
+        u32 before = 0;
+        for (u32 c = 0; c < num_experts; c += 32) {
+            u32 e = c + lane;
+            bool hit = e < num_experts && min(offsets[e + 1], pairs) > min(offsets[e], pairs);
+            u32 mask = __ballot_sync(0xffffffffu, hit);
+            u32 count = __popc(mask);
+            if (n < before + count) {
+                if (hit && before + __popc(mask & ((1u << lane) - 1u)) == n) s_expert = e;
+                break;
+            }
+            before += count;
+        }
+    }
+    __syncthreads();
+    *expert = s_expert;
+    if (s_expert == 0xffffffffu) return false;
+    *lo = min(offsets[s_expert], pairs);
+    *hi = min(offsets[s_expert + 1], pairs);
+    return true;
+}
+
 // Grouped experts for few tokens (16-bit weights, rows 16-byte aligned): a block per
-// (16 output features, expert) reads those features' weights once for the expert's sorted
-// rows, 8 NT at a time (mma_vec.cuh), so each hit expert is read once per step however its
-// rows are spread. Blocks of experts without rows return at once. Grid: (ceil(N / 16), E).
+// (16 output features, hit expert) reads those features' weights once for the expert's
+// sorted rows, 8 NT at a time (mma_vec.cuh), so each hit expert is read once per step however
+// its rows are spread. Grid: (ceil(N / 16), min(E, pairs)), the y-th block row serving the
+// y-th expert with rows (the spare ones return at once).
 template <typename W, int NT>
 __device__ void grouped_gate_up_mvm_impl(const float* x, u32 hidden, u32 top_k,
                                          const u32* offsets, const u32* sorted_pairs, u32 pairs,
-                                         const u64* gate_table, const u64* up_table, u32 inter,
-                                         float* act, Diag* diag) {
+                                         u32 num_experts, const u64* gate_table,
+                                         const u64* up_table, u32 inter, float* act, Diag* diag) {
     __shared__ float red[(MVM_WARPS - 1) * 2 * NT * 4 * 32];
-    u32 e = blockIdx.y, n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
-    u32 lo = min(offsets[e], pairs), hi = min(offsets[e + 1], pairs);
-    if (lo >= hi) return;
+    u32 n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
+    u32 e, lo, hi;
+    if (!nth_hit_expert(offsets, num_experts, pairs, blockIdx.y, &e, &lo, &hi)) return;
     u32 chunks = (hi - lo + 8 * NT - 1) / (8 * NT);
     if (threadIdx.x == 0)
         count_weight_bytes(diag, 2ull * chunks * min(16u, inter - n0) * hidden * sizeof(W));
@@ -392,11 +424,12 @@ __device__ void grouped_gate_up_mvm_impl(const float* x, u32 hidden, u32 top_k,
 template <typename W, int NT>
 __device__ void grouped_down_mvm_impl(const float* act, u32 inter, const float* route_weights,
                                       const u32* offsets, const u32* sorted_pairs, u32 pairs,
-                                      const u64* down_table, u32 hidden, float* y, Diag* diag) {
+                                      u32 num_experts, const u64* down_table, u32 hidden,
+                                      float* y, Diag* diag) {
     __shared__ float red[(MVM_WARPS - 1) * NT * 4 * 32];
-    u32 e = blockIdx.y, n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
-    u32 lo = min(offsets[e], pairs), hi = min(offsets[e + 1], pairs);
-    if (lo >= hi) return;
+    u32 n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
+    u32 e, lo, hi;
+    if (!nth_hit_expert(offsets, num_experts, pairs, blockIdx.y, &e, &lo, &hi)) return;
     u32 chunks = (hi - lo + 8 * NT - 1) / (8 * NT);
     if (threadIdx.x == 0)
         count_weight_bytes(diag, (u64)chunks * min(16u, hidden - n0) * inter * sizeof(W));
@@ -433,7 +466,7 @@ __device__ void grouped_down_mvm_impl(const float* act, u32 inter, const float* 
             u32 pairs, u32 num_experts, const u64* gate_table, const u64* up_table, u32 inter, \
             u32 vec, float* act, Diag* diag) {                                                 \
         grouped_gate_up_mvm_impl<W, NT>(x, hidden, top_k, offsets, sorted_pairs, pairs,        \
-                                        gate_table, up_table, inter, act, diag);               \
+                                        num_experts, gate_table, up_table, inter, act, diag);  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32)                               \
         moe_grouped_down_mvm_##SUFFIX##_n##NT(                                                 \
@@ -441,7 +474,7 @@ __device__ void grouped_down_mvm_impl(const float* act, u32 inter, const float* 
             const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* down_table,        \
             u32 hidden, u32 vec, float* y, Diag* diag) {                                       \
         grouped_down_mvm_impl<W, NT>(act, inter, route_weights, offsets, sorted_pairs, pairs,  \
-                                     down_table, hidden, y, diag);                             \
+                                     num_experts, down_table, hidden, y, diag);                \
     }
 MOE_MVM_KERNELS(bf16, bf16w, 1)
 MOE_MVM_KERNELS(bf16, bf16w, 4)

@@ -8,13 +8,16 @@ __device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
                                          const float* weight, u32 dim, float eps,
                                          bool offset_one, float* out) {
     __shared__ float scratch[32];
-    float v[NORM_PER_THREAD];
+    float v[NORM_PER_THREAD], w[NORM_PER_THREAD];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < NORM_PER_THREAD; i++) {
         u32 d = threadIdx.x + i * blockDim.x;
         v[i] = 0.f;
+        w[i] = 0.f;
         if (d < dim) {
+            // The weight is read with the row, not after the reduction: one trip less.
+            w[i] = offset_one ? 1.f + weight[d] : weight[d];
             v[i] = add ? acc[d] + x[d] : acc[d];
             if (add) acc[d] = v[i];
             ss += v[i] * v[i];
@@ -30,7 +33,7 @@ __device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
 #pragma unroll
     for (int i = 0; i < NORM_PER_THREAD; i++) {
         u32 d = threadIdx.x + i * blockDim.x;
-        if (d < dim) out[d] = v[i] * inv * (offset_one ? 1.f + weight[d] : weight[d]);
+        if (d < dim) out[d] = v[i] * inv * w[i];
     }
     for (u32 d = threadIdx.x + NORM_PER_THREAD * blockDim.x; d < dim; d += blockDim.x)
         out[d] = acc[d] * inv * (offset_one ? 1.f + weight[d] : weight[d]);
@@ -117,17 +120,16 @@ extern "C" __global__ void __launch_bounds__(QK_WARPS * 32) qk_norm_rope(
     float* row = staged[warp];
     for (u32 d = lane; d < head_dim; d += 32) row[d] = src[d] * inv * w[d];
     __syncwarp();
+    // Each lane rotates whole pairs (d, d + half): one angle, one sincos per pair.
     u32 half = rotary_dim / 2;
     float pos = (float)positions[t];
-    for (u32 d = lane; d < head_dim; d += 32) {
-        float v = row[d];
-        if (d < rotary_dim) {
-            u32 p = d < half ? d : d - half;
-            float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
-            float angle = pos * inv_freq;
-            float c = cosf(angle), s = sinf(angle);
-            v = d < half ? row[d] * c - row[d + half] * s : row[d] * c + row[d - half] * s;
-        }
-        dst[d] = v;
+    for (u32 p = lane; p < half; p += 32) {
+        float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
+        float s, c;
+        sincosf(pos * inv_freq, &s, &c);
+        float a = row[p], b = row[p + half];
+        dst[p] = a * c - b * s;
+        dst[p + half] = b * c + a * s;
     }
+    for (u32 d = rotary_dim + lane; d < head_dim; d += 32) dst[d] = row[d];
 }
