@@ -5,8 +5,9 @@
 use std::sync::{Arc, OnceLock};
 
 use corral_backend::{
-    Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeviceBuffer,
-    ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, WeightView, cuda_available,
+    Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeltaNetShape,
+    DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, RecurrentRuns, WeightView,
+    cuda_available,
 };
 
 fn gpu() -> Option<&'static CudaBackend> {
@@ -325,6 +326,156 @@ fn fused_qkv_norm_rope_store_matches_cpu() {
             1e-4,
         );
         assert_eq!(results[1][2], results[0][2], "{what}: v cache");
+    }
+}
+
+/// Runs of a ragged batch `[runs, 4]` (start, length, slot, fresh) over `lens`, in slots
+/// counting down from `slots - 1`, every other one starting fresh.
+fn recurrent_runs(lens: &[usize], slots: usize) -> Vec<u32> {
+    let mut start = 0;
+    let mut out = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        out.extend([
+            start as u32,
+            len as u32,
+            (slots - 1 - i) as u32,
+            (i % 2) as u32,
+        ]);
+        start += len;
+    }
+    out
+}
+
+#[test]
+fn delta_net_ops_match_cpu() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(13);
+    for case in 0..10 {
+        let lens: Vec<usize> = (0..1 + rng.below(3))
+            .map(|_| if case % 2 == 0 { 1 } else { 1 + rng.below(90) })
+            .collect();
+        let tokens: usize = lens.iter().sum();
+        let slots = lens.len() + 2;
+        let runs = recurrent_runs(&lens, slots);
+        // Conv: channels, kernel 2..=4, states continuing from random history.
+        let (channels, kernel) = (1 + rng.below(300), 2 + rng.below(3));
+        let x = rng.values(tokens * channels);
+        let w = rng.values(channels * kernel);
+        let conv0 = rng.values(slots * channels * (kernel - 1));
+        // Gates.
+        let heads = 1 + rng.below(6);
+        let (a, b) = (rng.values(tokens * heads), rng.values(tokens * heads));
+        let (a_log, dt_bias) = (rng.values(heads), rng.values(heads));
+        // Delta rule: value heads a multiple of key heads.
+        let nk = 1 + rng.below(2);
+        let nv = nk * (1 + rng.below(3));
+        let dk = [16, 32, 128][case % 3];
+        let dv = [16, 64, 128][(case / 3) % 3];
+        let shape = DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        };
+        let qkv = rng.values(tokens * (2 * nk * dk + nv * dv));
+        let gate: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| -0.5 * v.abs())
+            .collect();
+        let beta: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| 0.5 + 0.5 * v)
+            .collect();
+        let state0: Vec<f32> = rng
+            .values(slots * nv * dk * dv)
+            .iter()
+            .map(|v| 0.1 * v)
+            .collect();
+        let mut results = Vec::new();
+        for be in [&c as &dyn Backend, g] {
+            let rb = u32_buf(be, &runs);
+            let rr = RecurrentRuns {
+                runs: &rb,
+                num_runs: lens.len(),
+            };
+            let wb = be.weight_from_f32(&w, DType::F32).unwrap();
+            let mut conv_state = f32_buf(be, &conv0);
+            let mut conv_out = out_buf(be, tokens * channels);
+            be.causal_conv1d(
+                &f32_buf(be, &x),
+                &wb,
+                channels,
+                kernel,
+                rr,
+                &mut conv_state,
+                &mut conv_out,
+            )
+            .unwrap();
+            let (mut gb, mut betab) = (out_buf(be, tokens * heads), out_buf(be, tokens * heads));
+            let (alb, dtb) = (
+                be.weight_from_f32(&a_log, DType::F32).unwrap(),
+                be.weight_from_f32(&dt_bias, DType::F32).unwrap(),
+            );
+            be.delta_net_gates(
+                &f32_buf(be, &a),
+                &f32_buf(be, &b),
+                &alb,
+                &dtb,
+                tokens,
+                heads,
+                &mut gb,
+                &mut betab,
+            )
+            .unwrap();
+            let mut state = f32_buf(be, &state0);
+            let mut out = out_buf(be, tokens * nv * dv);
+            be.gated_delta_rule(
+                &f32_buf(be, &qkv),
+                &f32_buf(be, &gate),
+                &f32_buf(be, &beta),
+                shape,
+                rr,
+                &mut state,
+                &mut out,
+            )
+            .unwrap();
+            results.push([
+                read(be, &conv_out, tokens * channels),
+                read(be, &conv_state, conv0.len()),
+                read(be, &gb, tokens * heads),
+                read(be, &betab, tokens * heads),
+                read(be, &out, tokens * nv * dv),
+                read(be, &state, state0.len()),
+            ]);
+        }
+        let what = format!(
+            "case {case}: runs {lens:?}, conv {channels}x{kernel}, {nv}/{nk} heads of {dv}/{dk}"
+        );
+        let names = ["conv out", "conv state", "g", "beta"];
+        for (i, name) in names.iter().enumerate() {
+            assert_close(
+                &format!("{what}: {name}"),
+                &results[1][i],
+                &results[0][i],
+                1e-5,
+            );
+        }
+        // The CPU runs prefill runs in the chunked form, the GPU token by token.
+        assert_close(
+            &format!("{what}: delta out"),
+            &results[1][4],
+            &results[0][4],
+            1e-3,
+        );
+        assert_close(
+            &format!("{what}: delta state"),
+            &results[1][5],
+            &results[0][5],
+            1e-3,
+        );
     }
 }
 

@@ -83,8 +83,11 @@ fn identical_rows_read_each_hit_expert_exactly_once_on_the_gpu() {
     }
 }
 
+/// Rows that route differently: grouped reads exactly what the per-expert loop reads (each
+/// hit expert once), and fewer than every expert are hit, so reading all of them, or an
+/// expert once per row, would not pass.
 #[test]
-fn grouped_reads_each_hit_expert_once_per_step() {
+fn grouped_reads_each_hit_expert_once_as_the_per_expert_loop_does() {
     let config = ModelConfig::from_json(CONFIG, Path::new("config.json")).unwrap();
     let mut model =
         Model::synthetic(config, Arc::new(CpuBackend::new()), 3, &mut |_, _| {}).unwrap();
@@ -96,15 +99,17 @@ fn grouped_reads_each_hit_expert_once_per_step() {
     let per_token = decode_step_moe_bytes(&model);
     assert_eq!(per_token, layers * (router + ROWS as u64 * k * expert));
 
+    model.set_moe_strategy(MoeStrategy::PerExpert);
+    let per_expert = decode_step_moe_bytes(&model);
     model.set_moe_strategy(MoeStrategy::Grouped);
     let grouped = decode_step_moe_bytes(&model);
-    // 16 (row, expert) pairs over 8 experts: at most 8 distinct experts per layer.
-    assert!(grouped <= layers * (router + e * expert), "{grouped}");
-    assert!(grouped >= layers * (router + k * expert), "{grouped}");
-    assert!(grouped < per_token);
-    assert_eq!(
-        (grouped - layers * router) % expert,
-        0,
-        "whole experts only"
+    assert_eq!(grouped, per_expert);
+    assert!(
+        per_expert < layers * (router + e * expert),
+        "{per_expert}: every expert hit"
+    );
+    assert!(
+        per_expert > layers * (router + k * expert),
+        "{per_expert}: the rows route alike"
     );
 }

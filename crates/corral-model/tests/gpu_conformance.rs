@@ -1,7 +1,8 @@
 //! Conformance of the CUDA backend: every Qwen3 / Qwen3-MoE fixture within bf16 tolerance of
 //! transformers' fp32 logits at chunk 1, 7 and whole under every MoE strategy, identical
 //! 16-token greedy continuations, strategies agreeing with each other and the GPU agreeing
-//! with the CPU. Without a usable GPU each test says why it skipped and passes.
+//! with the CPU; the hybrid fixtures (Gated DeltaNet + gated attention) on the f32 decode
+//! paths. Without a usable GPU each test says why it skipped and passes.
 //!
 //! Two KV cache types: with an f32 cache every error is the kernels' (bf16 tensor-core
 //! operands): ≤ 2e-2 over all positions and in the worst row. With the default bf16 cache
@@ -98,6 +99,65 @@ fn gpu_greedy_continuations_match_transformers() {
                 generated, reference.greedy_continuation,
                 "{name} {strategy}"
             );
+        }
+    }
+}
+
+const HYBRID_FIXTURES: &[&str] = &[
+    "qwen3_5_moe_hub",
+    "qwen3_5_moe_text",
+    "qwen3_5_dense",
+    "qwen3_next",
+];
+
+/// The hybrid layers' kernels (conv, gates, delta rule, gated attention, zero-centred norms)
+/// on the f32 paths: decode steps (chunk 1) under per-token and per-expert, whose one-row
+/// projections run in f32, against transformers; greedy continuations under both. Every
+/// other strategy and chunk is printed, not asserted: these fixtures are sensitive enough
+/// that rounding activations to bf16 (grouped experts, chunks of 2+ rows) exceeds the bound
+/// (up to 8e-2 measured), which the GPU hybrid issue has yet to close.
+#[test]
+fn gpu_hybrid_decode_matches_transformers_on_the_f32_paths() {
+    let Some(backend) = gpu(DType::F32) else {
+        return;
+    };
+    for name in HYBRID_FIXTURES {
+        let mut model = load_on(name, Arc::clone(&backend));
+        let reference = read_reference(&fixture_dir(name));
+        let vocab = model.config().vocab_size;
+        for strategy in [
+            MoeStrategy::PerToken,
+            MoeStrategy::PerExpert,
+            MoeStrategy::Grouped,
+        ] {
+            model.set_moe_strategy(strategy);
+            let f32_path = strategy != MoeStrategy::Grouped;
+            for chunk in [1, 7, 64, reference.token_ids.len()] {
+                let ours = logits_chunked(&model, &reference.token_ids, chunk);
+                let err = rel_err(&ours, &reference.logits);
+                let worst = worst_row_rel_err(&ours, &reference.logits, vocab);
+                eprintln!(
+                    "{name} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e}"
+                );
+                if chunk == 1 && f32_path {
+                    assert!(
+                        worst <= TOLERANCE,
+                        "{name} {strategy} chunk 1: row {worst:e}"
+                    );
+                }
+            }
+            let generated = greedy(
+                &model,
+                &reference.greedy_prompt,
+                reference.greedy_continuation.len(),
+            );
+            eprintln!("{name} {strategy}: greedy {generated:?}");
+            if f32_path {
+                assert_eq!(
+                    generated, reference.greedy_continuation,
+                    "{name} {strategy}"
+                );
+            }
         }
     }
 }

@@ -38,7 +38,7 @@ const MMA_TILE: &str = include_str!("kernels/mma_tile.cuh");
 const MMA_VEC: &str = include_str!("kernels/mma_vec.cuh");
 
 /// Every kernel file, one per op family.
-pub(crate) const SOURCES: [KernelSource; 6] = [
+pub(crate) const SOURCES: [KernelSource; 7] = [
     KernelSource {
         name: "elementwise.cu",
         headers: &[COMMON],
@@ -68,6 +68,11 @@ pub(crate) const SOURCES: [KernelSource; 6] = [
         name: "moe.cu",
         headers: &[COMMON, MMA_TILE, MMA_VEC],
         body: include_str!("kernels/moe.cu"),
+    },
+    KernelSource {
+        name: "delta_net.cu",
+        headers: &[COMMON],
+        body: include_str!("kernels/delta_net.cu"),
     },
 ];
 

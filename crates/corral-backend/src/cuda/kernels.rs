@@ -61,6 +61,9 @@ pub(crate) struct Kernels {
     pub(crate) moe_route: Kernel,
     pub(crate) moe_sort: Kernel,
     pub(crate) moe_combine: Kernel,
+    pub(crate) causal_conv1d: Kernel,
+    pub(crate) delta_net_gates: Kernel,
+    pub(crate) gated_delta_rule: Kernel,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -223,6 +226,9 @@ impl Kernels {
             moe_route: find("moe_route")?,
             moe_sort: find("moe_sort")?,
             moe_combine: find("moe_combine")?,
+            causal_conv1d: find("causal_conv1d")?,
+            delta_net_gates: find("delta_net_gates")?,
+            gated_delta_rule: find("gated_delta_rule")?,
             _modules: modules,
         };
         report.seconds = start.elapsed().as_secs_f64();

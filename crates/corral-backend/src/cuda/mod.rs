@@ -235,6 +235,7 @@ fn index_error(code: u32) -> &'static str {
         7 => {
             "tensor-core projection: an activation beyond f16's range (|x| > 65504) with f16/f32 weights"
         }
+        8 => "Gated DeltaNet: a run beyond the batch or a state slot beyond the pool",
         _ => "unknown device error",
     }
 }
@@ -1547,42 +1548,140 @@ impl Backend for CudaBackend {
 
     fn causal_conv1d(
         &self,
-        _x: &DeviceBuffer,
-        _weight: &DeviceBuffer,
-        _channels: usize,
-        _kernel: usize,
-        _runs: RecurrentRuns<'_>,
-        _conv_state: &mut DeviceBuffer,
-        _out: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        channels: usize,
+        kernel: usize,
+        runs: RecurrentRuns<'_>,
+        conv_state: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
     ) -> Result<()> {
-        Err(hybrid_unsupported("causal_conv1d"))
+        let op = "causal_conv1d";
+        if !(2..=16).contains(&kernel) {
+            return Err(bad(op, format!("kernel size {kernel} is outside 2..=16")));
+        }
+        if runs.num_runs == 0 || channels == 0 {
+            return Ok(());
+        }
+        let tokens = x.len() / channels;
+        let slots = conv_state.len() / (channels * (kernel - 1));
+        let args = [
+            buf(op, "x", x, DType::F32, tokens * channels)?,
+            buf(op, "weight", weight, DType::F32, channels * kernel)?,
+            u32_of(op, channels)?,
+            u32_of(op, kernel)?,
+            buf(op, "runs", runs.runs, DType::U32, runs.num_runs * 4)?,
+            u32_of(op, tokens)?,
+            u32_of(op, slots)?,
+            buf(
+                op,
+                "conv_state",
+                conv_state,
+                DType::F32,
+                slots * channels * (kernel - 1),
+            )?,
+            buf(op, "out", out, DType::F32, tokens * channels)?,
+            self.diag(),
+        ];
+        let grid = (
+            grid_of(op, channels.div_ceil(128))?,
+            grid_of(op, runs.num_runs)?,
+            1,
+        );
+        self.launch(&self.kernels.causal_conv1d, grid, 128, &args)
     }
 
     fn delta_net_gates(
         &self,
-        _a: &DeviceBuffer,
-        _b: &DeviceBuffer,
-        _a_log: &DeviceBuffer,
-        _dt_bias: &DeviceBuffer,
-        _tokens: usize,
-        _heads: usize,
-        _g: &mut DeviceBuffer,
-        _beta: &mut DeviceBuffer,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        a_log: &DeviceBuffer,
+        dt_bias: &DeviceBuffer,
+        tokens: usize,
+        heads: usize,
+        g: &mut DeviceBuffer,
+        beta: &mut DeviceBuffer,
     ) -> Result<()> {
-        Err(hybrid_unsupported("delta_net_gates"))
+        let op = "delta_net_gates";
+        let len = tokens * heads;
+        if len == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "a", a, DType::F32, len)?,
+            buf(op, "b", b, DType::F32, len)?,
+            buf(op, "a_log", a_log, DType::F32, heads)?,
+            buf(op, "dt_bias", dt_bias, DType::F32, heads)?,
+            u32_of(op, tokens)?,
+            u32_of(op, heads)?,
+            buf(op, "g", g, DType::F32, len)?,
+            buf(op, "beta", beta, DType::F32, len)?,
+        ];
+        self.launch(
+            &self.kernels.delta_net_gates,
+            Self::elementwise_grid(op, len)?,
+            256,
+            &args,
+        )
     }
 
     fn gated_delta_rule(
         &self,
-        _qkv: &DeviceBuffer,
-        _g: &DeviceBuffer,
-        _beta: &DeviceBuffer,
-        _shape: DeltaNetShape,
-        _runs: RecurrentRuns<'_>,
-        _recurrent_state: &mut DeviceBuffer,
-        _out: &mut DeviceBuffer,
+        qkv: &DeviceBuffer,
+        g: &DeviceBuffer,
+        beta: &DeviceBuffer,
+        shape: DeltaNetShape,
+        runs: RecurrentRuns<'_>,
+        recurrent_state: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
     ) -> Result<()> {
-        Err(hybrid_unsupported("gated_delta_rule"))
+        let op = "gated_delta_rule";
+        let DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        } = shape;
+        if nk == 0 || !nv.is_multiple_of(nk) || dk == 0 || dk > 128 || dv == 0 || dv > 512 {
+            return Err(bad(
+                op,
+                format!(
+                    "{nv} value heads of {dv} over {nk} key heads of {dk} (key dim at most 128, \
+                     value dim at most 512, value heads a multiple of key heads)"
+                ),
+            ));
+        }
+        if runs.num_runs == 0 {
+            return Ok(());
+        }
+        let width = 2 * nk * dk + nv * dv;
+        let tokens = qkv.len() / width;
+        let slots = recurrent_state.len() / (nv * dk * dv);
+        let args = [
+            buf(op, "qkv", qkv, DType::F32, tokens * width)?,
+            buf(op, "g", g, DType::F32, tokens * nv)?,
+            buf(op, "beta", beta, DType::F32, tokens * nv)?,
+            u32_of(op, nk)?,
+            u32_of(op, nv)?,
+            u32_of(op, dk)?,
+            u32_of(op, dv)?,
+            buf(op, "runs", runs.runs, DType::U32, runs.num_runs * 4)?,
+            u32_of(op, tokens)?,
+            u32_of(op, slots)?,
+            buf(
+                op,
+                "recurrent_state",
+                recurrent_state,
+                DType::F32,
+                slots * nv * dk * dv,
+            )?,
+            buf(op, "out", out, DType::F32, tokens * nv * dv)?,
+            self.diag(),
+        ];
+        // Two threads per state column, and at least one per key dim, in whole warps.
+        let threads = (2 * dv).max(dk).div_ceil(32) * 32;
+        let grid = (grid_of(op, runs.num_runs)?, grid_of(op, nv)?, 1);
+        self.launch(&self.kernels.gated_delta_rule, grid, threads as u32, &args)
     }
 
     fn gated_rms_norm(
@@ -1693,14 +1792,6 @@ impl Backend for CudaBackend {
         ];
         let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
         self.launch(&kernels.per_token_down, grid, 256, &second)
-    }
-}
-
-fn hybrid_unsupported(op: &'static str) -> BackendError {
-    BackendError::Device {
-        what: op.to_string(),
-        detail: "Gated DeltaNet layers do not run on the CUDA backend yet; use --device cpu"
-            .to_string(),
     }
 }
 

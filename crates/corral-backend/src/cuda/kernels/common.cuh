@@ -166,6 +166,7 @@ struct Diag {
 #define ERR_EXPERT_ID 5u
 #define ERR_POSITION 6u
 #define ERR_F16_RANGE 7u
+#define ERR_STATE_SLOT 8u
 
 __device__ __forceinline__ void raise_error(Diag* d, u32 code) { atomicCAS(&d->error, 0u, code); }
 

@@ -1,0 +1,150 @@
+// Gated DeltaNet: the short causal convolution with its rolling state, the gates, and the
+// gated delta rule as a token-by-token recurrence on each value head's fp32 state (decode,
+// and prefill until the chunked tensor-core form lands). Runs come as U32 [runs, 4]: first
+// token, token count, state slot, and 1 when the sequence starts there (state taken as 0).
+// A run beyond the batch or a slot beyond the state pool raises ERR_STATE_SLOT and is
+// skipped.
+
+#define CONV_MAX_KERNEL 16
+
+__device__ __forceinline__ bool run_of(const u32* runs, u32 r, u32 tokens, u32 slots, u32* start,
+                                       u32* len, u32* slot, bool* fresh, Diag* diag) {
+    *start = runs[r * 4];
+    *len = runs[r * 4 + 1];
+    *slot = runs[r * 4 + 2];
+    *fresh = runs[r * 4 + 3] != 0;
+    if (*slot >= slots || *start > tokens || *len > tokens - *start) {
+        if (threadIdx.x == 0) raise_error(diag, ERR_STATE_SLOT);
+        return false;
+    }
+    return true;
+}
+
+// out[t, c] = silu(Σ_i w[c, i] · window[i]) where the window is the previous kernel - 1
+// inputs of channel c followed by x[t, c]; a thread per (run, channel), the window in
+// registers, written back to the state at the end. Grid: (ceil(channels / 128), runs).
+extern "C" __global__ void causal_conv1d(const float* x, const float* weight, u32 channels,
+                                         u32 kernel, const u32* runs, u32 tokens, u32 slots,
+                                         float* state, float* out, Diag* diag) {
+    u32 c = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
+    u32 start, len, slot;
+    bool fresh;
+    if (!run_of(runs, r, tokens, slots, &start, &len, &slot, &fresh, diag)) return;
+    if (c >= channels) return;
+    u32 hist = kernel - 1;
+    float* history = state + ((size_t)slot * channels + c) * hist;
+    float w[CONV_MAX_KERNEL], window[CONV_MAX_KERNEL];
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_KERNEL; i++) {
+        w[i] = i < (int)kernel ? weight[(size_t)c * kernel + i] : 0.f;
+        window[i] = i < (int)hist && !fresh ? history[i] : 0.f;
+    }
+    for (u32 t = start; t < start + len; t++) {
+        float y = 0.f;
+#pragma unroll
+        for (int i = 0; i < CONV_MAX_KERNEL; i++) {
+            if (i < (int)hist) y += w[i] * window[i];
+        }
+        float xt = x[(size_t)t * channels + c];
+        // The window's last slot is the current input (index hist).
+#pragma unroll
+        for (int i = 0; i < CONV_MAX_KERNEL; i++)
+            if (i == (int)hist) y += w[i] * xt;
+        out[(size_t)t * channels + c] = silu(y);
+#pragma unroll
+        for (int i = 0; i + 1 < CONV_MAX_KERNEL; i++)
+            if (i + 1 < (int)hist) window[i] = window[i + 1];
+#pragma unroll
+        for (int i = 0; i < CONV_MAX_KERNEL; i++)
+            if (i + 1 == (int)hist) window[i] = xt;
+    }
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_KERNEL; i++)
+        if (i < (int)hist) history[i] = window[i];
+}
+
+// g = -exp(a_log) · softplus(a + dt_bias) and beta = σ(b), per (token, head).
+extern "C" __global__ void delta_net_gates(const float* a, const float* b, const float* a_log,
+                                           const float* dt_bias, u32 tokens, u32 heads, float* g,
+                                           float* beta) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)tokens * heads) return;
+    u32 j = (u32)(i % heads);
+    float x = a[i] + dt_bias[j];
+    float softplus = x > 20.f ? x : log1pf(expf(x));
+    g[i] = -expf(a_log[j]) * softplus;
+    beta[i] = 1.f / (1.f + expf(-b[i]));
+}
+
+#define DR_MAX_ROWS 64  // state rows a thread keeps: key dims up to 128 over two threads
+
+// The gated delta rule for one (run, value head) per block, token by token. Thread 2e + h
+// holds rows [h R, h R + R) of column e of the state S [dk, dv] in registers (R = dk / 2
+// rounded up); the pair sums its halves with one shuffle. Per token: q and k L2-normalised
+// (q also by dk^-1/2) into shared memory, S ← exp(g) S, p = β (v − Sᵀk), S += k pᵀ, and
+// out = Sᵀq. Grid: (runs, nv); block: 2 dv threads rounded up to whole warps.
+extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
+    const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,
+    const u32* runs, u32 tokens, u32 slots, float* state, float* out, Diag* diag) {
+    __shared__ float q_s[2 * DR_MAX_ROWS], k_s[2 * DR_MAX_ROWS];
+    __shared__ float scratch[32];
+    u32 r = blockIdx.x, j = blockIdx.y;
+    u32 start, len, slot;
+    bool fresh;
+    if (!run_of(runs, r, tokens, slots, &start, &len, &slot, &fresh, diag)) return;
+    u32 e = threadIdx.x >> 1, h = threadIdx.x & 1;
+    bool live = e < dv;
+    u32 rows = (dk + 1) / 2, row0 = h * rows;
+    u32 kh = j / (nv / nk);
+    u32 width = 2 * nk * dk + nv * dv;
+    float* s_global = state + ((size_t)slot * nv + j) * dk * dv;
+    float s[DR_MAX_ROWS];
+#pragma unroll
+    for (int i = 0; i < DR_MAX_ROWS; i++) {
+        u32 a = row0 + i;
+        s[i] = live && i < (int)rows && a < dk && !fresh ? s_global[(size_t)a * dv + e] : 0.f;
+    }
+    float scale = rsqrtf((float)dk);
+    for (u32 t = start; t < start + len; t++) {
+        const float* row = qkv + (size_t)t * width;
+        const float* qh = row + kh * dk;
+        const float* kh_row = row + nk * dk + kh * dk;
+        float qv = threadIdx.x < dk ? qh[threadIdx.x] : 0.f;
+        float kv = threadIdx.x < dk ? kh_row[threadIdx.x] : 0.f;
+        float q_norm = block_sum(qv * qv, scratch);
+        float k_norm = block_sum(kv * kv, scratch);
+        __syncthreads();
+        if (threadIdx.x < dk) {
+            q_s[threadIdx.x] = qv * rsqrtf(q_norm + 1e-6f) * scale;
+            k_s[threadIdx.x] = kv * rsqrtf(k_norm + 1e-6f);
+        }
+        __syncthreads();
+        float decay = expf(g[(size_t)t * nv + j]), b = beta[(size_t)t * nv + j];
+        float p = 0.f;
+#pragma unroll
+        for (int i = 0; i < DR_MAX_ROWS; i++) {
+            if (i < (int)rows && row0 + i < dk) {
+                s[i] *= decay;
+                p += k_s[row0 + i] * s[i];
+            }
+        }
+        p += __shfl_xor_sync(0xffffffffu, p, 1);
+        float v = live ? row[2 * nk * dk + j * dv + e] : 0.f;
+        p = b * (v - p);
+        float o = 0.f;
+#pragma unroll
+        for (int i = 0; i < DR_MAX_ROWS; i++) {
+            if (i < (int)rows && row0 + i < dk) {
+                s[i] += k_s[row0 + i] * p;
+                o += q_s[row0 + i] * s[i];
+            }
+        }
+        o += __shfl_xor_sync(0xffffffffu, o, 1);
+        if (live && h == 0) out[((size_t)t * nv + j) * dv + e] = o;
+    }
+#pragma unroll
+    for (int i = 0; i < DR_MAX_ROWS; i++) {
+        u32 a = row0 + i;
+        if (live && i < (int)rows && a < dk) s_global[(size_t)a * dv + e] = s[i];
+    }
+}
