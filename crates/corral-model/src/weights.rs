@@ -34,11 +34,7 @@ pub(crate) trait WeightSource {
         backend: &dyn Backend,
         parts: &[(&str, &[usize])],
     ) -> Result<DeviceBuffer> {
-        let Some(&(first, _)) = parts.first() else {
-            return Err(crate::ModelError::Unsupported(
-                "stacking no matrices".to_string(),
-            ));
-        };
+        let first = first_part(parts)?;
         let dtype = self.stored_dtype(first)?;
         let mut values = Vec::new();
         for &(name, shape) in parts {
@@ -70,6 +66,14 @@ pub(crate) trait WeightSource {
         }
         Ok(backend.weight_from_f32(&picked, self.stored_dtype(name)?)?)
     }
+}
+
+/// The name of the first of the matrices to stack (there must be one).
+fn first_part<'a>(parts: &[(&'a str, &[usize])]) -> Result<&'a str> {
+    parts
+        .first()
+        .map(|&(name, _)| name)
+        .ok_or_else(|| crate::ModelError::Unsupported("stacking no matrices".to_string()))
 }
 
 impl WeightSource for Checkpoint {
@@ -187,11 +191,7 @@ impl WeightSource for SyntheticWeights {
         backend: &dyn Backend,
         parts: &[(&str, &[usize])],
     ) -> Result<DeviceBuffer> {
-        let Some(&(first, _)) = parts.first() else {
-            return Err(crate::ModelError::Unsupported(
-                "stacking no matrices".to_string(),
-            ));
-        };
+        let first = first_part(parts)?;
         let n = parts.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
         Ok(backend.weight_normal(n, self.dtype, self.tensor_seed(first), STD)?)
     }

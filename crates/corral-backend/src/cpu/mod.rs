@@ -213,6 +213,20 @@ fn checked_sorting<'a>(
 
 /// The runs of a recurrent op, checked against the token count and the state capacity; no
 /// slot may appear twice.
+/// RoPE's rotary dims must be even, within the head and within the kernel's tables.
+fn check_rotary(op: &'static str, rotary_dim: usize, head_dim: usize) -> Result<()> {
+    if !rotary_dim.is_multiple_of(2)
+        || rotary_dim > head_dim
+        || rotary_dim > ops::rope::MAX_ROTARY_DIM
+    {
+        return Err(bad(
+            op,
+            format!("rotary dim {rotary_dim} must be even and at most head dim {head_dim}"),
+        ));
+    }
+    Ok(())
+}
+
 fn recurrent_runs(
     op: &'static str,
     runs: RecurrentRuns<'_>,
@@ -667,15 +681,7 @@ impl Backend for CpuBackend {
         theta: f32,
     ) -> Result<()> {
         let op = "rope";
-        if !rotary_dim.is_multiple_of(2)
-            || rotary_dim > head_dim
-            || rotary_dim > ops::rope::MAX_ROTARY_DIM
-        {
-            return Err(bad(
-                op,
-                format!("rotary dim {rotary_dim} must be even and at most head dim {head_dim}"),
-            ));
-        }
+        check_rotary(op, rotary_dim, head_dim)?;
         let positions = u32s(op, "positions", positions, tokens)?;
         let x = f32s_mut(op, "x", x, tokens * heads * head_dim)?;
         self.stats.dispatch(1);
@@ -734,15 +740,7 @@ impl Backend for CpuBackend {
             theta,
             eps,
         } = shape;
-        if !rotary_dim.is_multiple_of(2)
-            || rotary_dim > head_dim
-            || rotary_dim > ops::rope::MAX_ROTARY_DIM
-        {
-            return Err(bad(
-                op,
-                format!("rotary dim {rotary_dim} must be even and at most head dim {head_dim}"),
-            ));
-        }
+        check_rotary(op, rotary_dim, head_dim)?;
         let kv_dim = kv_heads * head_dim;
         let slots = u32s(op, "slots", slots, tokens)?;
         let capacity = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
