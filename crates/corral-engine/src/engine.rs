@@ -194,7 +194,7 @@ fn run(
                     metrics
                         .dispatches
                         .fetch_add(report.stats.dispatches, Ordering::Relaxed);
-                    let counts = scheduler.finish_step(plan, &mut logits, vocab);
+                    let counts = scheduler.finish_step(plan, &mut logits, vocab, report.stats);
                     metrics
                         .prompt_tokens
                         .fetch_add(counts.prefill_tokens as u64, Ordering::Relaxed);

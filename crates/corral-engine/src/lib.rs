@@ -1,15 +1,14 @@
-//! The engine layer: KV block ownership, sampling, tokenizer and chat template, and
-//! generation loops over a [`corral_model::Model`].
+//! The engine layer: KV block ownership, sampling, tokenizer and chat template, and the
+//! generation loop over a [`corral_model::Model`].
 //!
 //! [`KvBlockPool`] decides which cache blocks a sequence holds; [`Sampler`] turns logits into
-//! tokens; [`Tokenizer`] and [`ChatTemplate`] turn conversations into prompt ids; [`generate`]
-//! runs one request from prompt to stop; [`spawn_engine`] starts the thread that batches many
-//! requests continuously with the [`Scheduler`].
+//! tokens; [`Tokenizer`] and [`ChatTemplate`] turn conversations into prompt ids;
+//! [`spawn_engine`] starts the thread that batches requests continuously with the
+//! [`Scheduler`] (`serve` many, `run` one).
 
 mod chat_template;
 mod engine;
 mod error;
-mod generate;
 mod generation_config;
 pub mod kv;
 pub mod metrics;
@@ -21,7 +20,6 @@ mod tokenizer;
 pub use chat_template::{ChatTemplate, TokenizerConfig};
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
-pub use generate::{BLOCK_SIZE, GenerationReport, GenerationRequest, generate};
 pub use generation_config::stop_token_ids;
 pub use kv::{KvBlockPool, OutOfBlocks, StateSlotPool};
 pub use metrics::EngineMetrics;
@@ -29,3 +27,6 @@ pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};
 pub use scheduler::{Scheduler, SchedulerConfig, StepPlan};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// Tokens per KV block.
+pub const BLOCK_SIZE: usize = 16;

@@ -1,6 +1,7 @@
 //! What a request is and what it hears back: the types the engine thread, the scheduler and
 //! the handlers share, so that none of them imports another for them.
 
+use corral_backend::DispatchStats;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::SamplingParams;
@@ -61,6 +62,13 @@ pub struct Finished {
     pub prompt_ms: f64,
     /// Milliseconds from the first token to the last.
     pub decode_ms: f64,
+    /// Counts of the steps that prefilled the prompt (shared with the other sequences in
+    /// those steps).
+    pub prefill_stats: DispatchStats,
+    /// Decode steps run after the first token.
+    pub decode_steps: usize,
+    /// Counts of those decode steps (shared likewise).
+    pub decode_stats: DispatchStats,
 }
 
 /// What the engine sends a request's handler.

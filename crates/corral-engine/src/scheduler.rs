@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use corral_backend::DispatchStats;
 use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -47,6 +48,10 @@ struct Sequence {
     arrived: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// Counts of the steps this sequence took part in, prefilling and decoding.
+    prefill_stats: DispatchStats,
+    decode_stats: DispatchStats,
+    decode_steps: usize,
 }
 
 impl Sequence {
@@ -135,6 +140,9 @@ impl Scheduler {
             arrived: Instant::now(),
             first_token: None,
             last_token: None,
+            prefill_stats: DispatchStats::default(),
+            decode_stats: DispatchStats::default(),
+            decode_steps: 0,
         });
     }
 
@@ -286,7 +294,13 @@ impl Scheduler {
 
     /// Takes the logits of a step (one row per run that wanted them, in plan order), samples,
     /// streams tokens to their clients and retires finished sequences.
-    pub fn finish_step(&mut self, plan: StepPlan, logits: &mut [f32], vocab: usize) -> StepCounts {
+    pub fn finish_step(
+        &mut self,
+        plan: StepPlan,
+        logits: &mut [f32],
+        vocab: usize,
+        stats: DispatchStats,
+    ) -> StepCounts {
         let mut counts = StepCounts::default();
         let mut row = 0;
         let now = Instant::now();
@@ -298,6 +312,10 @@ impl Scheduler {
             let seq = &mut self.running[index];
             if seq.computed < seq.prompt_len {
                 counts.prefill_tokens += run.tokens.min(seq.prompt_len - seq.computed);
+                seq.prefill_stats = seq.prefill_stats + stats;
+            } else {
+                seq.decode_stats = seq.decode_stats + stats;
+                seq.decode_steps += 1;
             }
             seq.computed += run.tokens;
             if !run.wants_logits {
@@ -352,6 +370,9 @@ impl Scheduler {
                     cached_tokens: 0,
                     prompt_ms: (first - seq.arrived).as_secs_f64() * 1e3,
                     decode_ms: (now - first).as_secs_f64() * 1e3,
+                    prefill_stats: seq.prefill_stats,
+                    decode_steps: seq.decode_steps,
+                    decode_stats: seq.decode_stats,
                 };
                 counts.finished.push((seq.events, finished));
             }

@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use corral_backend::CpuBackend;
 use corral_engine::{
-    EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, GenerationRequest,
-    SamplingParams, generate, spawn_engine,
+    EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, SamplingParams, spawn_engine,
 };
 use corral_model::Model;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -36,15 +35,23 @@ fn prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn alone(model: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
-    let request = GenerationRequest {
-        prompt: prompt.to_vec(),
-        params: SamplingParams::default(),
-        max_tokens,
-        stop_token_ids: Vec::new(),
-        prefill_chunk: 512,
+/// What `prompt` generates with nothing else running: an engine of one sequence that
+/// prefills it in one forward.
+fn alone(name: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let single = EngineConfig {
+        max_batch: 1,
+        max_prefill_tokens: 4096,
+        max_queue: 1,
+        kv_blocks: 256,
+        block_size: 16,
+        max_context: 4096,
     };
-    generate(model, &request, &mut |_| true).unwrap().tokens
+    let (engine, thread) = spawn_engine(model_named(name), single).unwrap();
+    let mut rx = submit(&engine, prompt, max_tokens);
+    let (tokens, _) = collect(&mut rx);
+    engine.shutdown();
+    thread.join().unwrap();
+    tokens
 }
 
 fn submit(engine: &EngineHandle, prompt: &[u32], max_tokens: usize) -> UnboundedReceiver<Event> {
@@ -104,8 +111,7 @@ fn concurrent_requests_match_each_alone() {
 }
 
 fn concurrent_requests_match_each_alone_for(name: &str) {
-    let reference = model_named(name);
-    let expected: Vec<Vec<u32>> = prompts().iter().map(|p| alone(&reference, p, 12)).collect();
+    let expected: Vec<Vec<u32>> = prompts().iter().map(|p| alone(name, p, 12)).collect();
     for kv_blocks in [256, 14] {
         let (engine, thread) = spawn_engine(model_named(name), config(kv_blocks)).unwrap();
         let mut receivers: Vec<_> = prompts().iter().map(|p| submit(&engine, p, 12)).collect();

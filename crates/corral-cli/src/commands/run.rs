@@ -1,6 +1,6 @@
-//! `corral run`: generate from a prompt, streaming text to stdout, then report prompt tokens,
-//! time to first token, prefill and decode rates, and dispatches, host syncs and allocations
-//! per token on stderr.
+//! `corral run`: generate from a prompt through the engine `serve` runs (one sequence),
+//! streaming text to stdout, then report prompt tokens, time to first token, prefill and
+//! decode rates, and dispatches, host syncs and allocations per token on stderr.
 
 use std::io::Write;
 
@@ -8,8 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_backend::DispatchStats;
 use corral_engine::{
-    ChatTemplate, GenerationRequest, IncrementalDecoder, SamplingParams, Tokenizer,
-    TokenizerConfig, generate, stop_token_ids,
+    BLOCK_SIZE, ChatTemplate, EngineConfig, EngineRequest, Event, Finished, IncrementalDecoder,
+    SamplingParams, Tokenizer, TokenizerConfig, spawn_engine, stop_token_ids,
 };
 use serde_json::{Map, Value, json};
 
@@ -116,39 +116,75 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         (false, Some(dir)) => stop_token_ids(dir, &model.config().eos_token_ids)?,
         (false, None) => model.config().eos_token_ids.clone(),
     };
-    let request = GenerationRequest {
-        prompt: prompt_ids,
-        params,
-        max_tokens: args.max_tokens,
-        stop_token_ids: stop,
-        prefill_chunk: args.prefill_chunk,
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let context = model.config().max_position_embeddings;
+    let total = prompt_ids.len().saturating_add(args.max_tokens);
+    if total > context {
+        bail!(
+            "the prompt ({} tokens) plus --max-tokens ({}) exceeds the model's context of {context}",
+            prompt_ids.len(),
+            args.max_tokens
+        );
+    }
+    let device = model.backend().device_name();
+    let strategy = model.moe_strategy();
+    // The engine that `serve` runs, with room for this one sequence.
+    let config = EngineConfig {
+        max_batch: 1,
+        max_prefill_tokens: args.prefill_chunk.max(1),
+        max_queue: 1,
+        kv_blocks: total.div_ceil(BLOCK_SIZE),
+        block_size: BLOCK_SIZE,
+        max_context: total,
     };
+    let (engine, thread) = spawn_engine(model, config)?;
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let prompt_tokens = prompt_ids.len();
+    engine
+        .submit(EngineRequest {
+            prompt: prompt_ids,
+            params,
+            max_tokens: args.max_tokens,
+            max_context: total,
+            stop_token_ids: stop,
+            top_logprobs: None,
+            events: events_tx,
+        })
+        .context("starting generation")?;
     let mut stdout = std::io::stdout().lock();
     let mut decoder = IncrementalDecoder::default();
-    let mut write_error = None;
-    let report = generate(&model, &request, &mut |id| {
-        let piece = match &tokenizer {
-            Some(tok) => decoder.push(tok, id).map_err(anyhow::Error::from),
-            None => Ok(Some(format!("{id} "))),
-        };
-        let written = piece.and_then(|p| {
-            if let Some(p) = p {
-                stdout.write_all(p.as_bytes())?;
-                stdout.flush()?;
+    let mut generated = 0;
+    let outcome: Result<Finished> = loop {
+        match events.blocking_recv() {
+            Some(Event::Token(token)) => {
+                generated += 1;
+                let piece = match &tokenizer {
+                    Some(tok) => decoder.push(tok, token.id).map_err(anyhow::Error::from),
+                    None => Ok(Some(format!("{} ", token.id))),
+                };
+                let written = piece.and_then(|p| {
+                    if let Some(p) = p {
+                        stdout.write_all(p.as_bytes())?;
+                        stdout.flush()?;
+                    }
+                    Ok(())
+                });
+                if let Err(e) = written {
+                    break Err(e.context("writing to stdout"));
+                }
             }
-            Ok(())
-        });
-        match written {
-            Ok(()) => true,
-            Err(e) => {
-                write_error = Some(e);
-                false
-            }
+            Some(Event::Finished(finished)) => break Ok(finished),
+            Some(Event::Failed(e)) => break Err(anyhow::anyhow!("generation failed: {e}")),
+            None => break Err(anyhow::anyhow!("the engine stopped")),
         }
-    })?;
-    if let Some(e) = write_error {
-        return Err(e.context("writing to stdout"));
-    }
+    };
+    // Dropping the stream cancels the request if it is still running.
+    drop(events);
+    engine.shutdown();
+    let _ = thread.join();
+    let report = outcome?;
     if let Some(tok) = &tokenizer
         && let Some(rest) = decoder.finish(tok)?
     {
@@ -157,9 +193,8 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     writeln!(stdout)?;
     drop(stdout);
 
-    let generated = report.tokens.len();
-    let ttft = report.ttft.as_secs_f64();
-    let decode_s = report.decode_time.as_secs_f64();
+    let ttft = report.prompt_ms / 1e3;
+    let decode_s = report.decode_ms / 1e3;
     let per_token = |s: DispatchStats, n: usize| {
         let n = n.max(1) as f64;
         format!(
@@ -170,15 +205,12 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         )
     };
     eprintln!("--");
-    eprintln!("device           {}", model.backend().device_name());
-    eprintln!("moe strategy     {}", model.moe_strategy());
-    eprintln!("prompt tokens    {}", report.prompt_tokens);
-    eprintln!("generated tokens {generated} (finish: {:?})", report.finish);
+    eprintln!("device           {device}");
+    eprintln!("moe strategy     {strategy}");
+    eprintln!("prompt tokens    {prompt_tokens}");
+    eprintln!("generated tokens {generated} (finish: {:?})", report.reason);
     eprintln!("TTFT             {:.1} ms", ttft * 1e3);
-    eprintln!(
-        "prefill          {:.1} tok/s",
-        report.prompt_tokens as f64 / ttft
-    );
+    eprintln!("prefill          {:.1} tok/s", prompt_tokens as f64 / ttft);
     if report.decode_steps > 0 {
         eprintln!(
             "decode           {:.1} tok/s",
@@ -187,7 +219,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     }
     eprintln!(
         "prefill per tok  {}",
-        per_token(report.prefill_stats, report.prompt_tokens)
+        per_token(report.prefill_stats, prompt_tokens)
     );
     if report.decode_steps > 0 {
         eprintln!(
