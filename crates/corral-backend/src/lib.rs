@@ -85,7 +85,7 @@ pub struct AttentionMeta<'a> {
     pub max_run_tokens: usize,
 }
 
-/// Shapes of [`Backend::qk_norm_rope`].
+/// Shapes of [`Backend::qkv_norm_rope_store`].
 #[derive(Clone, Copy, Debug)]
 pub struct QkShape {
     /// Tokens in the batch.
@@ -341,39 +341,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Result<()> {
         self.add_in_place(acc, x, rows * dim)?;
         self.rms_norm(acc, weight, rows, dim, eps, offset_one, out)
-    }
-
-    /// Per-head RMSNorm of q (`[tokens, heads, head_dim]`) and k (`[tokens, kv_heads,
-    /// head_dim]`) with their own weights, then RoPE on both at each token's position: what
-    /// attention does to q and k before the cache. One dispatch where the backend fuses
-    /// them; by default four ops.
-    #[allow(clippy::too_many_arguments)]
-    fn qk_norm_rope(
-        &self,
-        q: &DeviceBuffer,
-        k: &DeviceBuffer,
-        q_weight: &DeviceBuffer,
-        k_weight: &DeviceBuffer,
-        positions: &DeviceBuffer,
-        shape: QkShape,
-        q_out: &mut DeviceBuffer,
-        k_out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        let QkShape {
-            tokens,
-            heads,
-            kv_heads,
-            head_dim,
-            rotary_dim,
-            theta,
-            eps,
-        } = shape;
-        self.rms_norm(q, q_weight, tokens * heads, head_dim, eps, false, q_out)?;
-        self.rms_norm(k, k_weight, tokens * kv_heads, head_dim, eps, false, k_out)?;
-        self.rope(q_out, positions, tokens, heads, head_dim, rotary_dim, theta)?;
-        self.rope(
-            k_out, positions, tokens, kv_heads, head_dim, rotary_dim, theta,
-        )
     }
 
     /// `out[i] = silu(gate[i]) * up[i]` for the first `len` elements.

@@ -116,14 +116,17 @@ proptest! {
         let mut q_fused = upload(&b, &vec![0.0; tokens * q_dim]);
         let (mut k_fused, mut v_fused) = (cache(&b), cache(&b));
         b.qkv_norm_rope_store(&upload(&b, &qkv), &qw_b, &kw_b, &pos_b, &slot_b, shape, &mut q_fused, &mut k_fused, &mut v_fused).unwrap();
-        // The same through qk_norm_rope and kv_store on q, k and v split apart.
+        // The same through rms_norm, rope and kv_store on q, k and v split apart.
         let part = |from: usize, len: usize| -> Vec<f32> {
             qkv.chunks(width).flat_map(|row| row[from..from + len].to_vec()).collect()
         };
         let (q, k, v) = (part(0, q_dim), part(q_dim, kv_dim), part(q_dim + kv_dim, kv_dim));
         let mut q_out = upload(&b, &vec![0.0; tokens * q_dim]);
         let mut k_out = upload(&b, &vec![0.0; tokens * kv_dim]);
-        b.qk_norm_rope(&upload(&b, &q), &upload(&b, &k), &qw_b, &kw_b, &pos_b, shape, &mut q_out, &mut k_out).unwrap();
+        b.rms_norm(&upload(&b, &q), &qw_b, tokens * heads, head_dim, 1e-6, false, &mut q_out).unwrap();
+        b.rms_norm(&upload(&b, &k), &kw_b, tokens * kv_heads, head_dim, 1e-6, false, &mut k_out).unwrap();
+        b.rope(&mut q_out, &pos_b, tokens, heads, head_dim, rotary_dim, 1e6).unwrap();
+        b.rope(&mut k_out, &pos_b, tokens, kv_heads, head_dim, rotary_dim, 1e6).unwrap();
         let (mut k_sep, mut v_sep) = (cache(&b), cache(&b));
         b.kv_store(&k_out, &upload(&b, &v), &slot_b, tokens, kv_dim, &mut k_sep, &mut v_sep).unwrap();
         let n = capacity * kv_dim;

@@ -18,8 +18,8 @@ pub(crate) struct Blas {
     _workspace: DeviceMem,
 }
 
-// SAFETY: the handle is used only through &self methods that the backend calls from one
-// thread at a time (every op is queued on its one stream, behind the engine's lock).
+// SAFETY: cuBLAS handles may move between threads; the handle is used only through the
+// backend's ops, which one thread at a time calls (the thread that owns the model).
 #[allow(unsafe_code)]
 unsafe impl Send for Blas {}
 // SAFETY: as above.

@@ -1,16 +1,16 @@
 //! The CUDA backend: NVRTC-compiled kernels on one NVIDIA GPU, with the driver, NVRTC and
-//! friends opened at run time (one binary runs with or without a GPU).
+//! cuBLAS opened at run time (one binary runs with or without a GPU).
 //!
 //! Activations are f32 in device memory; weights stay in their stored type (bf16, f16, f32)
-//! and are converted inside the kernels that read them; projections of many rows and
-//! prefill attention run on 16-bit tensor cores with f32 accumulation (bf16, or f16 for
-//! f16/f32 weights), those of up to 32 rows as f32 matrix-vector products; norms, softmax
-//! and routing are f32; the KV cache is bf16. Decode steps are recorded as CUDA graphs by
-//! the model and replayed. Every op is queued on one stream and
-//! goes through [`CudaBackend::launch`], which counts it. Nothing waits for the device
-//! except the read-backs, and each read-back also returns the kernels' error flag and the
-//! weight bytes they read.
-
+//! and are converted inside the kernels that read them. Projections run on 16-bit tensor
+//! cores with f32 accumulation (bf16, or f16 for f16/f32 weights): cuBLAS for more than 32
+//! rows of bf16 weights, 64x64 tiles for other many-row cases, and few-row kernels that read
+//! each weight once for 2 to 32 rows; one row, or f32 weights, run as f32 matrix-vector
+//! products. Norms, softmax and routing are f32; the KV cache is bf16. Decode steps are
+//! recorded as CUDA graphs by the model and replayed. Every op is queued on one stream and
+//! goes through [`CudaBackend::launch`] (or, for cuBLAS, the same counting), which counts
+//! it. Nothing waits for the device except the read-backs, and each read-back also returns
+//! the kernels' error flag and the weight bytes they read.
 mod blas;
 mod compile;
 mod device;
@@ -83,6 +83,8 @@ pub struct CudaBackend {
     attention_scratch: DeviceBuffer,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
+    /// What [`Backend::kernels_id`] reports: the kernel sources' hash, and whether cuBLAS runs.
+    kernels_id: u64,
     /// Event pairs around each launch while profiling.
     profile: Mutex<Option<Vec<TimedLaunch>>>,
     /// Whether `profile` is on: launches check this before taking the lock.
@@ -277,6 +279,7 @@ impl CudaBackend {
         } else {
             Blas::open(&gpu)?
         };
+        let blas_present = blas.is_some();
         Ok(Self {
             blas,
             gpu,
@@ -293,6 +296,7 @@ impl CudaBackend {
             capture_start: AtomicU64::new(0),
             attention_scratch,
             attention_counters,
+            kernels_id: compile::sources_id() ^ blas_present as u64,
         })
     }
 
@@ -431,7 +435,7 @@ impl Backend for CudaBackend {
     }
 
     fn kernels_id(&self) -> u64 {
-        compile::sources_id() ^ self.blas.is_some() as u64
+        self.kernels_id
     }
 
     fn stats(&self) -> DispatchStats {
@@ -892,57 +896,6 @@ impl Backend for CudaBackend {
             block,
             &args,
         )
-    }
-
-    fn qk_norm_rope(
-        &self,
-        q: &DeviceBuffer,
-        k: &DeviceBuffer,
-        q_weight: &DeviceBuffer,
-        k_weight: &DeviceBuffer,
-        positions: &DeviceBuffer,
-        shape: QkShape,
-        q_out: &mut DeviceBuffer,
-        k_out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        let op = "qk_norm_rope";
-        let QkShape {
-            tokens,
-            heads,
-            kv_heads,
-            head_dim,
-            rotary_dim,
-            theta,
-            eps,
-        } = shape;
-        if head_dim > 512 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
-            return Err(bad(
-                op,
-                format!("head dim {head_dim}, rotary dim {rotary_dim}"),
-            ));
-        }
-        let items = tokens * (heads + kv_heads);
-        if items == 0 {
-            return Ok(());
-        }
-        let args = [
-            buf(op, "q", q, DType::F32, tokens * heads * head_dim)?,
-            buf(op, "k", k, DType::F32, tokens * kv_heads * head_dim)?,
-            buf(op, "q_weight", q_weight, DType::F32, head_dim)?,
-            buf(op, "k_weight", k_weight, DType::F32, head_dim)?,
-            buf(op, "positions", positions, DType::U32, tokens)?,
-            u32_of(op, tokens)?,
-            u32_of(op, heads)?,
-            u32_of(op, kv_heads)?,
-            u32_of(op, head_dim)?,
-            u32_of(op, rotary_dim)?,
-            Arg::F32(theta),
-            Arg::F32(eps),
-            buf(op, "q_out", q_out, DType::F32, tokens * heads * head_dim)?,
-            buf(op, "k_out", k_out, DType::F32, tokens * kv_heads * head_dim)?,
-        ];
-        let grid = (grid_of(op, items.div_ceil(8))?, 1, 1);
-        self.launch(&self.kernels.qk_norm_rope, grid, 256, &args)
     }
 
     fn silu_mul(

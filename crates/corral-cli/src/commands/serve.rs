@@ -6,14 +6,12 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{
-    ChatTemplate, EngineConfig, Tokenizer, TokenizerConfig, spawn_engine, stop_token_ids,
+    BLOCK_SIZE, ChatTemplate, EngineConfig, Tokenizer, TokenizerConfig, spawn_engine,
+    stop_token_ids,
 };
 use corral_server::{AppState, RequestCounts, ServerConfig};
 
 use crate::loading::{ModelArgs, load_model};
-
-/// Tokens per KV cache block.
-const BLOCK_SIZE: usize = 16;
 
 /// Arguments of `corral serve`.
 #[derive(Debug, Args)]

@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_backend::DispatchStats;
-use corral_engine::argmax;
+use corral_engine::{BLOCK_SIZE, argmax};
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
     SeqId, SlotId, TokenId,
@@ -20,8 +20,6 @@ use serde_json::json;
 
 use super::summary::{median, relative_spread};
 use crate::loading::{ModelArgs, load_model};
-
-const BLOCK_SIZE: usize = 16;
 
 /// Arguments of `corral bench decode`.
 #[derive(Debug, Args)]

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_backend::{DispatchStats, process_cpu_time};
-use corral_engine::argmax;
+use corral_engine::{BLOCK_SIZE, argmax};
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
     SeqId, SlotId, TokenId,
@@ -21,8 +21,6 @@ use serde_json::json;
 use super::plot::{Series, png, svg};
 use super::summary::{linear_fit, median, relative_spread};
 use crate::loading::{ModelArgs, load_model};
-
-const BLOCK_SIZE: usize = 16;
 
 /// Arguments of `corral bench prefill`.
 #[derive(Debug, Args)]
