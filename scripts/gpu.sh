@@ -7,7 +7,9 @@
 #   scripts/gpu.sh remote    on the GPU machine, from the repository root with .gpu/ beside
 #                            it: runs the GPU tests, then the benchmarks, writing logs and JSON
 #                            to $OUT (default: .gpu/out). STAGES picks parts: tests,run,prefill,
-#                            decode,serve (default: all); TEST_LOGS puts the test logs elsewhere.
+#                            decode,decode-serial,serve (default: all but decode-serial, which
+#                            repeats decode with CORRAL_SERIAL_LAUNCHES=1); TEST_LOGS puts the
+#                            test logs elsewhere; MODEL picks the synthetic config.
 #
 # The test binaries find the fixtures through the path they were built at; `remote` links
 # that path to the repository when it differs.
@@ -58,20 +60,27 @@ remote() {
     timeout 120 $corral run --model models/tiny-qwen3-moe --device cuda --prompt "Hello" \
       --max-tokens 16 --temperature 0 2>&1 | tee "$out/run.log" | tail -12 || true
   fi
-  local model=bench/configs/qwen3-30b-a3b.json
+  local model="${MODEL:-bench/configs/qwen3-30b-a3b.json}"
   if has prefill; then
     echo "== bench prefill"
     timeout 420 $corral bench prefill --synthetic "$model" --device cuda \
       --prompt-lens "${PREFILL_LENS:-10,32,300,2048}" --strategies "${PREFILL_STRATEGIES:-grouped,per-expert}" \
       --reps "${REPS:-5}" --idle-seconds 0 ${PROFILE:+--profile} --json "$out/prefill.json" 2>&1 | tee "$out/prefill.txt" || true
   fi
-  if has decode; then
-    echo "== bench decode"
+  decode() {
     timeout 420 $corral bench decode --synthetic "$model" --device cuda \
       --batch "${DECODE_BATCH:-1,8,32}" --context "${DECODE_CONTEXT:-512,8192}" \
       --strategies "${DECODE_STRATEGIES:-per-token,grouped,auto}" --graphs "${GRAPHS:-on,off}" \
       --steps "${STEPS:-16}" ${PROFILE:+--profile} \
-      --json "$out/decode.json" 2>&1 | tee "$out/decode.txt" || true
+      --json "$out/$1.json" 2>&1 | tee "$out/$1.txt" || true
+  }
+  if has decode; then
+    echo "== bench decode"
+    decode decode
+  fi
+  if has decode-serial; then
+    echo "== bench decode, serial launches"
+    CORRAL_SERIAL_LAUNCHES=1 decode decode-serial
   fi
   if has serve; then
     echo "== serve + bench serve"

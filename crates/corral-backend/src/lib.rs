@@ -137,6 +137,9 @@ pub struct MoeSorted<'a> {
     /// U32 `[num_experts + 1]`: expert `e`'s pairs sit at sorted positions
     /// `offsets[e]..offsets[e + 1]`.
     pub expert_offsets: &'a DeviceBuffer,
+    /// U32 `[num_experts + 1]`: how many experts have pairs, then their ids in ascending
+    /// order (so that a device kernel finds its expert in one read, not a scan).
+    pub hit_experts: &'a DeviceBuffer,
     /// U32 `[pairs]`: the pair at each sorted position.
     pub sorted_pairs: &'a DeviceBuffer,
     /// U32 `[pairs]`: the sorted position of each pair.
@@ -440,12 +443,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Result<()>;
 
     /// Sorts the routed (token, slot) pairs by expert on the device: per-expert offsets, the
-    /// permutation and its inverse. No host round trip.
+    /// experts hit, the permutation and its inverse ([`MoeSorted`]). No host round trip.
     fn moe_sort(
         &self,
         routing: MoeRouting<'_>,
         num_experts: usize,
         expert_offsets: &mut DeviceBuffer,
+        hit_experts: &mut DeviceBuffer,
         sorted_pairs: &mut DeviceBuffer,
         pair_positions: &mut DeviceBuffer,
     ) -> Result<()>;

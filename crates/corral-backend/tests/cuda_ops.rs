@@ -22,12 +22,14 @@ fn gpu() -> Option<&'static CudaBackend> {
     .as_ref()
 }
 
-/// A second CUDA backend that runs every projection on Corral's own tiles.
+/// A second CUDA backend that runs every projection on Corral's own tiles and launches
+/// kernels strictly one after another.
 fn gpu_without_cublas() -> &'static CudaBackend {
     static GPU: OnceLock<CudaBackend> = OnceLock::new();
     GPU.get_or_init(|| {
         let options = CudaOptions {
             without_cublas: true,
+            serial_launches: true,
             ..Default::default()
         };
         CudaBackend::new(options).expect("open cuda:0")
@@ -486,7 +488,9 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
     let c = CpuBackend::new();
     let mut rng = Rng(4);
     for case in 0..14 {
-        let (nkv, group) = (1 + rng.below(3), 1 + rng.below(4));
+        // Groups of up to 8 heads run on tensor cores at head dims 64, 128 and 256 over the
+        // bf16 cache; 12 takes the CUDA-core kernel.
+        let (nkv, group) = (1 + rng.below(3), [1, 2, 4, 8, 12][rng.below(5)]);
         let nh = nkv * group;
         // Cases 10.. are prefill chunks of 64+ tokens at head dims 64 and 128 (the tensor-core
         // kernel), next to a decode row, so that some 64-token tiles mix runs.
@@ -704,16 +708,27 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
             let mut offsets = b
                 .take_buffer(DType::U32, e + 1, BufferUsage::Metadata)
                 .unwrap();
+            let mut hit = b
+                .take_buffer(DType::U32, e + 1, BufferUsage::Metadata)
+                .unwrap();
             let mut sorted_pairs = b
                 .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
                 .unwrap();
             let mut positions = b
                 .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
                 .unwrap();
-            b.moe_sort(routing, e, &mut offsets, &mut sorted_pairs, &mut positions)
-                .unwrap();
+            b.moe_sort(
+                routing,
+                e,
+                &mut offsets,
+                &mut hit,
+                &mut sorted_pairs,
+                &mut positions,
+            )
+            .unwrap();
             let sorted = MoeSorted {
                 expert_offsets: &offsets,
+                hit_experts: &hit,
                 sorted_pairs: &sorted_pairs,
                 pair_positions: &positions,
             };
@@ -733,6 +748,12 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
                 read(b, &weights, pairs),
                 [
                     read_u32(b, &offsets, e + 1),
+                    // The experts hit: their count, then their ids (the rest is unspecified).
+                    {
+                        let mut list = read_u32(b, &hit, e + 1);
+                        list.truncate(1 + list[0].min(e as u32) as usize);
+                        list
+                    },
                     read_u32(b, &sorted_pairs, pairs),
                     read_u32(b, &positions, pairs),
                 ],

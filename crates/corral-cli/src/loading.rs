@@ -66,9 +66,13 @@ fn parse_device(s: &str) -> Result<DeviceChoice, String> {
 /// Opens the backend `choice` names. `auto` falls back to the CPU, saying why, when no GPU
 /// is usable; an explicit `cuda` fails with the reason instead.
 pub(crate) fn open_backend(choice: DeviceChoice) -> Result<Arc<dyn Backend>> {
+    // CORRAL_SERIAL_LAUNCHES=1 turns off overlapped (programmatic dependent) launches, to
+    // measure what they save.
+    let serial_launches = std::env::var("CORRAL_SERIAL_LAUNCHES").is_ok_and(|v| v == "1");
     let cuda = |ordinal| {
         CudaBackend::new(CudaOptions {
             ordinal,
+            serial_launches,
             ..Default::default()
         })
     };

@@ -274,3 +274,40 @@ fn graph_replay_equals_eager_launches_bit_for_bit() {
         }
     }
 }
+
+/// Overlapped (programmatic dependent) launches give the logits of kernels launched
+/// strictly one after another, bit for bit: no kernel reads a buffer its predecessor is
+/// still writing. Prefill in chunks of 7 and graph-replayed decode steps, every strategy.
+#[test]
+fn overlapped_launches_equal_serial_launches_bit_for_bit() {
+    if gpu(DType::BF16).is_none() {
+        return;
+    }
+    let open = |serial_launches| -> Arc<dyn Backend> {
+        Arc::new(
+            CudaBackend::new(CudaOptions {
+                serial_launches,
+                ..Default::default()
+            })
+            .expect("open cuda:0"),
+        )
+    };
+    let (overlapped, serial) = (open(false), open(true));
+    for name in ["qwen3_moe_fused", "qwen3_5_moe_text"] {
+        let reference = read_reference(&fixture_dir(name));
+        for strategy in [MoeStrategy::PerToken, MoeStrategy::Grouped] {
+            let mut results = Vec::new();
+            for backend in [&overlapped, &serial] {
+                let mut model = load_on(name, Arc::clone(backend));
+                model.set_moe_strategy(strategy);
+                let prefill: Vec<u32> = logits_chunked(&model, &reference.token_ids, 7)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                let (decode, _) = decode_steps(&model, &reference.greedy_prompt, 6);
+                results.push((prefill, decode));
+            }
+            assert_eq!(results[0], results[1], "{name} {strategy}");
+        }
+    }
+}

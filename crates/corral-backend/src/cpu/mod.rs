@@ -456,6 +456,7 @@ impl Backend for CpuBackend {
         routing: MoeRouting<'_>,
         num_experts: usize,
         expert_offsets: &mut DeviceBuffer,
+        hit_experts: &mut DeviceBuffer,
         sorted_pairs: &mut DeviceBuffer,
         pair_positions: &mut DeviceBuffer,
     ) -> Result<()> {
@@ -469,10 +470,12 @@ impl Backend for CpuBackend {
             ));
         }
         let offsets = u32s_mut(op, "expert_offsets", expert_offsets, num_experts + 1)?;
+        let hit = u32s_mut(op, "hit_experts", hit_experts, num_experts + 1)?;
         let sorted = u32s_mut(op, "sorted_pairs", sorted_pairs, pairs)?;
         let positions = u32s_mut(op, "pair_positions", pair_positions, pairs)?;
         self.stats.dispatch(1);
         ops::moe::sort_by_expert(ids, offsets, sorted, positions);
+        ops::moe::list_hit_experts(offsets, hit);
         Ok(())
     }
 

@@ -51,7 +51,7 @@ pub(crate) const SOURCES: [KernelSource; 7] = [
     },
     KernelSource {
         name: "attention.cu",
-        headers: &[COMMON],
+        headers: &[COMMON, MMA_TILE],
         body: include_str!("kernels/attention.cu"),
     },
     KernelSource {

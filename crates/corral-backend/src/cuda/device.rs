@@ -36,11 +36,15 @@ pub(crate) struct Gpu {
     pub(crate) compute_capability: (i32, i32),
     pub(crate) multiprocessors: i32,
     pub(crate) total_memory: usize,
+    /// Whether kernels are launched with programmatic dependent launch (sm_90+): each may
+    /// be scheduled while the one before it finishes, and waits in `begin_kernel()`.
+    pub(crate) overlap_launches: bool,
 }
 
 impl Gpu {
-    /// Opens device `ordinal`.
-    pub(crate) fn open(ordinal: usize) -> Result<Self> {
+    /// Opens device `ordinal`; `overlap_launches` asks for programmatic dependent launch
+    /// where the device has it.
+    pub(crate) fn open(ordinal: usize, overlap_launches: bool) -> Result<Self> {
         if !driver_present() {
             return Err(BackendError::Device {
                 what: "CUDA driver".to_string(),
@@ -83,6 +87,7 @@ impl Gpu {
             compute_capability,
             multiprocessors,
             total_memory,
+            overlap_launches: overlap_launches && compute_capability.0 >= 9,
         })
     }
 
@@ -164,20 +169,35 @@ impl Gpu {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        let mut overlap = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut overlap,
+            numAttrs: u32::from(self.overlap_launches),
+        };
         // SAFETY: `kernel` comes from a module loaded in this context and `params` match its
         // signature (every launch site passes the arguments its kernel declares, with device
-        // pointers to buffers checked large enough for the shapes passed).
+        // pointers to buffers checked large enough for the shapes passed); `config` and the
+        // attribute it points at outlive the call. Every kernel begins with begin_kernel(),
+        // which waits for the previous kernel, so overlapping launches is safe.
         #[allow(unsafe_code)]
         unsafe {
-            result::launch_kernel(
-                kernel.0,
-                grid,
-                (block, 1, 1),
-                0,
-                self.stream.cu_stream(),
-                params,
-            )
+            sys::cuLaunchKernelEx(&config, kernel.0, params.as_mut_ptr(), std::ptr::null_mut())
         }
+        .result()
         .map_err(|e| driver_err(kernel.1, e))
     }
 }

@@ -54,6 +54,8 @@ pub(crate) struct Kernels {
     /// Indexed by log2 of the head dims each lane owns (1, 2, 4, 8, 16).
     pub(crate) paged_attention_bf16: [Kernel; 5],
     pub(crate) paged_attention_f32: [Kernel; 5],
+    /// Tensor-core decode attention over a bf16 cache, head dims 64, 128 and 256.
+    pub(crate) decode_attention_mma: [Kernel; 3],
     /// Tensor-core prefill attention over a bf16 cache, head dims 64 and 128.
     pub(crate) flash_attention_hd64: Kernel,
     pub(crate) flash_attention_hd128: Kernel,
@@ -218,6 +220,11 @@ impl Kernels {
                 find("paged_attention_f32_d4")?,
                 find("paged_attention_f32_d8")?,
                 find("paged_attention_f32_d16")?,
+            ],
+            decode_attention_mma: [
+                find("decode_attention_mma_hd64")?,
+                find("decode_attention_mma_hd128")?,
+                find("decode_attention_mma_hd256")?,
             ],
             flash_attention_hd64: find("flash_attention_bf16_hd64")?,
             flash_attention_hd128: find("flash_attention_bf16_hd128")?,

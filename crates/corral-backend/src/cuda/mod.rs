@@ -6,8 +6,11 @@
 //! cores with f32 accumulation (bf16, or f16 for f16/f32 weights): cuBLAS for more than 32
 //! rows of bf16 weights, 64x64 tiles for other many-row cases, and few-row kernels that read
 //! each weight once for 2 to 32 rows; one row, or f32 weights, run as f32 matrix-vector
-//! products. Norms, softmax and routing are f32; the KV cache is bf16. Decode steps are
-//! recorded as CUDA graphs by the model and replayed. Every op is queued on one stream and
+//! products. Attention runs on tensor cores over the bf16 cache (flash tiles for prefill
+//! chunks, mma decode kernels split over the keys otherwise). Norms, softmax and routing are
+//! f32; the KV cache is bf16. Decode steps are recorded as CUDA graphs by the model and
+//! replayed; on sm_90+ kernels launch overlapped (each waits for its predecessor in
+//! `begin_kernel()`). Every op is queued on one stream and
 //! goes through [`CudaBackend::launch`] (or, for cuBLAS, the same counting), which counts
 //! it. Nothing waits for the device except the read-backs, and each read-back also returns
 //! the kernels' error flag and the weight bytes they read.
@@ -48,6 +51,9 @@ pub struct CudaOptions {
     pub kv_dtype: Option<DType>,
     /// Run every projection on Corral's own kernels even where cuBLAS is installed.
     pub without_cublas: bool,
+    /// Launch kernels strictly one after another, without programmatic dependent launch
+    /// (which lets a kernel be scheduled while the one before it finishes, on sm_90+).
+    pub serial_launches: bool,
 }
 
 /// The number of usable CUDA devices, or why there are none (no driver, no device).
@@ -135,9 +141,17 @@ const MATVEC_MAX_ROWS: usize = 32;
 const ATTENTION_SCRATCH_FLOATS: usize = 32 << 20;
 /// Block rows (tokens × KV heads) up to which decode attention may split over the keys.
 const ATTENTION_COUNTERS: usize = 1 << 16;
+/// Output features per block of the few-row grouped down projection (moe.cu's
+/// DOWN_MVM_GROUPS groups of 16).
+const DOWN_MVM_FEATURES: usize = 64;
+/// The most query heads per KV head of the tensor-core decode attention (attention.cu).
+const DECODE_MMA_MAX_GROUP: usize = 8;
 /// The longest run from which attention runs on tensor cores (flash_attention.cu).
 const FLASH_MIN_RUN: usize = 64;
 
+/// (head, split) pairs one merge of decode attention's splits holds (attention.cu's
+/// ATTN_MERGE_SLOTS): a group of heads splits at most this many over its heads.
+const ATTENTION_MERGE_SLOTS: usize = 1024;
 /// Fewest keys per split of decode attention, and most splits (attention.cu's
 /// ATTN_MAX_SPLITS); threads of its blocks (ATTN_WARPS warps).
 const ATTENTION_MIN_SPLIT_KEYS: usize = 64;
@@ -245,7 +259,7 @@ fn index_error(code: u32) -> &'static str {
 impl CudaBackend {
     /// Opens the device, then compiles (or reads from the cache) and loads every kernel.
     pub fn new(options: CudaOptions) -> Result<Self> {
-        let gpu = Gpu::open(options.ordinal)?;
+        let gpu = Gpu::open(options.ordinal, !options.serial_launches)?;
         let cache = KernelCache::new(options.kernel_cache.clone());
         let (kernels, cache_report) = Kernels::load(&gpu, &cache)?;
         let diag = gpu.alloc(16)?;
@@ -421,7 +435,7 @@ impl Backend for CudaBackend {
     fn device_name(&self) -> String {
         let (major, minor) = self.gpu.compute_capability;
         format!(
-            "cuda:{} ({}, sm_{major}{minor}, {} SMs, {:.1} GiB, {})",
+            "cuda:{} ({}, sm_{major}{minor}, {} SMs, {:.1} GiB, {}, {})",
             self.ordinal,
             self.gpu.name,
             self.gpu.multiprocessors,
@@ -430,6 +444,11 @@ impl Backend for CudaBackend {
                 "cuBLAS"
             } else {
                 "no cuBLAS"
+            },
+            if self.gpu.overlap_launches {
+                "overlapped launches"
+            } else {
+                "serial launches"
             }
         )
     }
@@ -1139,26 +1158,42 @@ impl Backend for CudaBackend {
             );
             return self.launch(kernel, grid, 128, &flash_args);
         }
-        // Each lane owns D consecutive dims of a head: the kernel for the next power of two.
-        let lane_dims = head_dim.div_ceil(32).next_power_of_two();
-        let variant = lane_dims.trailing_zeros() as usize;
-        let kernels = match dtype {
-            DType::BF16 => &self.kernels.paged_attention_bf16,
-            DType::F32 => &self.kernels.paged_attention_f32,
-            other => return Err(bad(op, format!("KV cache of {other}"))),
+        // Decode-shaped: tensor cores over a bf16 cache for groups of up to 8 heads of 64,
+        // 128 or 256 dims; otherwise lanes own D consecutive dims of a head (the kernel for
+        // the next power of two).
+        let mma = match head_dim {
+            64 => Some(&self.kernels.decode_attention_mma[0]),
+            128 => Some(&self.kernels.decode_attention_mma[1]),
+            256 => Some(&self.kernels.decode_attention_mma[2]),
+            _ => None,
+        };
+        let kernel = match (dtype, mma) {
+            (DType::BF16, Some(mma)) if num_heads / num_kv_heads <= DECODE_MMA_MAX_GROUP => mma,
+            (DType::BF16 | DType::F32, _) => {
+                let lane_dims = head_dim.div_ceil(32).next_power_of_two();
+                let variant = lane_dims.trailing_zeros() as usize;
+                if dtype == DType::BF16 {
+                    &self.kernels.paged_attention_bf16[variant]
+                } else {
+                    &self.kernels.paged_attention_f32[variant]
+                }
+            }
+            (other, _) => return Err(bad(op, format!("KV cache of {other}"))),
         };
         // Split the keys over enough blocks to fill the device (decode), in pieces of at
         // least ATTENTION_MIN_SPLIT_KEYS, at most ATTENTION_MAX_SPLITS of them, as far as
-        // the fixed scratch allows.
+        // the fixed scratch and one merge's shared memory allow.
         let items = tokens * num_heads;
         let blocks = tokens * num_kv_heads;
         let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
         let wanted = (8 * self.gpu.multiprocessors.max(1) as usize).div_ceil(blocks);
         let fit = ATTENTION_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
+        let group = num_heads / num_kv_heads;
         let splits = max_context
             .div_ceil(ATTENTION_MIN_SPLIT_KEYS)
             .min(wanted)
             .min(fit)
+            .min(ATTENTION_MERGE_SLOTS / group.max(1))
             .clamp(1, ATTENTION_MAX_SPLITS);
         // The last split of each block row merges them, counting on one ticket per row.
         let splits = if blocks > ATTENTION_COUNTERS {
@@ -1166,7 +1201,8 @@ impl Backend for CudaBackend {
         } else {
             splits
         };
-        let split_keys = max_context.div_ceil(splits).div_ceil(8) * 8;
+        // Whole chunks of 16 keys (the tensor-core kernel's warp step) per split.
+        let split_keys = max_context.div_ceil(splits).div_ceil(16) * 16;
         let splits = max_context.div_ceil(split_keys);
         let (out_arg, diag) = (args[15], args[16]);
         let mut all = args.to_vec();
@@ -1179,7 +1215,7 @@ impl Backend for CudaBackend {
             diag,
         ]);
         let grid = (grid_of(op, blocks)?, grid_of(op, splits)?, 1);
-        self.launch(&kernels[variant], grid, ATTENTION_THREADS, &all)
+        self.launch(kernel, grid, ATTENTION_THREADS, &all)
     }
 
     fn moe_route(
@@ -1255,6 +1291,7 @@ impl Backend for CudaBackend {
         routing: MoeRouting<'_>,
         num_experts: usize,
         expert_offsets: &mut DeviceBuffer,
+        hit_experts: &mut DeviceBuffer,
         sorted_pairs: &mut DeviceBuffer,
         pair_positions: &mut DeviceBuffer,
     ) -> Result<()> {
@@ -1277,6 +1314,7 @@ impl Backend for CudaBackend {
                 DType::U32,
                 num_experts + 1,
             )?,
+            buf(op, "hit_experts", hit_experts, DType::U32, num_experts + 1)?,
             buf(op, "sorted_pairs", sorted_pairs, DType::U32, pairs)?,
             buf(op, "pair_positions", pair_positions, DType::U32, pairs)?,
             self.diag(),
@@ -1321,6 +1359,13 @@ impl Backend for CudaBackend {
                 op,
                 "expert_offsets",
                 sorted.expert_offsets,
+                DType::U32,
+                num_experts + 1,
+            )?,
+            buf(
+                op,
+                "hit_experts",
+                sorted.hit_experts,
                 DType::U32,
                 num_experts + 1,
             )?,
@@ -1389,6 +1434,13 @@ impl Backend for CudaBackend {
                 DType::U32,
                 num_experts + 1,
             )?,
+            buf(
+                op,
+                "hit_experts",
+                sorted.hit_experts,
+                DType::U32,
+                num_experts + 1,
+            )?,
             buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
             u32_of(op, pairs)?,
             u32_of(op, num_experts)?,
@@ -1404,9 +1456,10 @@ impl Backend for CudaBackend {
             vec,
             few_rows_variant(pairs, num_experts),
         ) {
-            // A block row per expert that can have rows: at most one per routed pair.
+            // A block row per expert that can have rows: at most one per routed pair; a
+            // block per DOWN_MVM_FEATURES features.
             let grid = (
-                grid_of(op, hidden.div_ceil(16))?,
+                grid_of(op, hidden.div_ceil(DOWN_MVM_FEATURES))?,
                 grid_of(op, num_experts.min(pairs))?,
                 1,
             );
@@ -1765,5 +1818,29 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{}: {e}", source.name));
             assert!(ptx.len() > 100, "{}: empty PTX", source.name);
         }
+    }
+
+    /// Kernels are launched with programmatic dependent launch, so every kernel must wait
+    /// for its predecessor before it reads or writes anything: its first statement is
+    /// `begin_kernel();` (a kernel without it could read a buffer still being written).
+    #[test]
+    fn every_kernel_begins_by_waiting_for_the_one_before() {
+        let mut kernels = 0;
+        for source in &SOURCES {
+            let body = source.body;
+            for (at, _) in body.match_indices("__global__") {
+                let open = at + body[at..].find('{').expect("a kernel body");
+                let first =
+                    body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                assert!(
+                    first.starts_with("begin_kernel();"),
+                    "{}:{}: the kernel does not begin with begin_kernel()",
+                    source.name,
+                    body[..at].lines().count()
+                );
+                kernels += 1;
+            }
+        }
+        assert!(kernels >= 30, "only {kernels} kernels found");
     }
 }

@@ -41,6 +41,8 @@ pub(crate) struct HybridScratch {
 /// Scratch of the grouped MoE strategy, in sorted-pair order.
 pub(crate) struct MoeScratch {
     pub(crate) expert_offsets: DeviceBuffer,
+    /// `[experts + 1]`: how many experts have pairs, then their ids.
+    pub(crate) hit_experts: DeviceBuffer,
     pub(crate) sorted_pairs: DeviceBuffer,
     pub(crate) pair_positions: DeviceBuffer,
     /// `[pairs, moe_intermediate]`.
@@ -93,6 +95,7 @@ macro_rules! for_each_buffer {
             $($by)* ws.expert_ids,
             $($by)* ws.expert_weights,
             $($by)* ws.moe.expert_offsets,
+            $($by)* ws.moe.hit_experts,
             $($by)* ws.moe.sorted_pairs,
             $($by)* ws.moe.pair_positions,
             $($by)* ws.moe.act,
@@ -226,6 +229,7 @@ impl Workspace {
             expert_weights: f32_buf(pairs)?,
             moe: MoeScratch {
                 expert_offsets: u32_buf(experts + 1)?,
+                hit_experts: u32_buf(experts + 1)?,
                 sorted_pairs: u32_buf(pairs)?,
                 pair_positions: u32_buf(pairs)?,
                 act: f32_buf(pairs * moe_inter)?,

@@ -23,11 +23,13 @@ pub(super) fn forward(
         routing,
         num_experts,
         &mut scratch.expert_offsets,
+        &mut scratch.hit_experts,
         &mut scratch.sorted_pairs,
         &mut scratch.pair_positions,
     )?;
     let sorted = MoeSorted {
         expert_offsets: &scratch.expert_offsets,
+        hit_experts: &scratch.hit_experts,
         sorted_pairs: &scratch.sorted_pairs,
         pair_positions: &scratch.pair_positions,
     };

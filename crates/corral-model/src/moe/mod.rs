@@ -207,6 +207,7 @@ mod tests {
             let take = |dtype, n| b.take_buffer(dtype, n, BufferUsage::Activations).unwrap();
             let mut scratch = MoeScratch {
                 expert_offsets: take(DType::U32, num_experts + 1),
+                hit_experts: take(DType::U32, num_experts + 1),
                 sorted_pairs: take(DType::U32, pairs),
                 pair_positions: take(DType::U32, pairs),
                 act: take(DType::F32, pairs * inter),

@@ -169,6 +169,19 @@ pub(crate) fn experts_hit(offsets: &[u32]) -> usize {
     offsets.windows(2).filter(|w| w[1] > w[0]).count()
 }
 
+/// `hit[0]` = the number of experts with pairs, then their ids ascending (the rest is 0).
+pub(crate) fn list_hit_experts(offsets: &[u32], hit: &mut [u32]) {
+    hit.fill(0);
+    let mut n = 0;
+    for (e, w) in offsets.windows(2).enumerate() {
+        if w[1] > w[0] {
+            n += 1;
+            hit[n] = e as u32;
+        }
+    }
+    hit[0] = n as u32;
+}
+
 /// Grouped gate/up and activation over all experts at once:
 /// `act[s] = silu(gate[e] x[t]) ⊙ up[e] x[t]` for each sorted position `s` of pair
 /// `(t, j)` routed to expert `e`. Work items are (expert, pair tile, intermediate tile).
@@ -298,4 +311,19 @@ pub(crate) fn combine(y: &[f32], positions: &[u32], top_k: usize, hidden: usize,
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hit_experts_lists_each_expert_with_pairs_once_in_order() {
+        let ids = [5u32, 0, 5, 2, 0, 5];
+        let (mut offsets, mut sorted, mut positions) = ([0u32; 8], [0u32; 6], [0u32; 6]);
+        sort_by_expert(&ids, &mut offsets, &mut sorted, &mut positions);
+        let mut hit = [9u32; 8];
+        list_hit_experts(&offsets, &mut hit);
+        assert_eq!(hit, [3, 0, 2, 5, 0, 0, 0, 0]);
+    }
 }

@@ -28,6 +28,7 @@ __device__ void kv_store_impl(const float* k, const float* v, const u32* slots, 
                                                  const u32* slots, u32 tokens, u32 kv_dim,    \
                                                  u64 cache_slots, C* cache_k, C* cache_v,     \
                                                  Diag* diag) {                                \
+        begin_kernel();                                                                       \
         kv_store_impl<C>(k, v, slots, tokens, kv_dim, cache_slots, cache_k, cache_v, diag);   \
     }
 KV_STORE(bf16, u16)
@@ -105,6 +106,7 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
                                      u32 head_dim, u32 rotary_dim, float theta, float eps,    \
                                      u64 cache_slots, float* q_out, C* cache_k, C* cache_v,   \
                                      Diag* diag) {                                            \
+        begin_kernel();                                                                       \
         qkv_norm_rope_store_impl<C>(qkv, q_weight, k_weight, positions, slots, tokens, heads, \
                                     kv_heads, head_dim, rotary_dim, theta, eps, cache_slots,  \
                                     q_out, cache_k, cache_v, diag);                           \
@@ -163,15 +165,70 @@ __device__ __forceinline__ float merge_scale(float& m, float& l, float m2, float
     return b;
 }
 
-// Decode-shaped attention: one block per (token, KV head, split of the keys). Each warp
+#define ATTN_MERGE_SLOTS 1024  // (head, split) pairs that one merge holds: heads × splits
+
+// The last of a (token, KV head)'s splits to finish (a ticket per block row in `counters`,
+// reset by that block) merges every split of the group's heads, all heads at once: the
+// splits' (max, sum) pairs are read in one pass, each head's weights e^(m_s - m) are
+// formed in shared memory, then each thread sums its (head, dim) outputs over the splits:
+// out = Σ_s e^(m_s - m) o_s / Σ_s e^(m_s - m) l_s. Block-wide: every thread calls it;
+// group × splits <= ATTN_MERGE_SLOTS (the host caps the splits).
+__device__ void merge_splits(const float* partial, u32* counters, u32 t, u32 kvh, u32 group,
+                             u32 num_heads, u32 head_dim, u32 splits, float* out) {
+    __shared__ float2 ml[ATTN_MERGE_SLOTS];  // (max, sum), then (weight, sum)
+    __shared__ u32 is_last;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    size_t item0 = (size_t)t * num_heads + kvh * group;
+    u32 stride = head_dim + 2;
+    for (u32 i = threadIdx.x; i < group * splits; i += blockDim.x) {
+        const float* ps = partial + (item0 * splits + i) * stride;
+        ml[i] = make_float2(__ldcg(ps), __ldcg(ps + 1));
+    }
+    __syncthreads();
+    for (u32 h = warp; h < group; h += warps) {
+        float m_all = NEG_INF;
+        for (u32 s = lane; s < splits; s += 32) {
+            float2 v = ml[h * splits + s];
+            if (v.y > 0.f) m_all = fmaxf(m_all, v.x);
+        }
+        m_all = warp_max(m_all);
+        __syncwarp();
+        for (u32 s = lane; s < splits; s += 32) {
+            float2 v = ml[h * splits + s];
+            ml[h * splits + s].x = v.y > 0.f ? expf(v.x - m_all) : 0.f;
+        }
+    }
+    __syncthreads();
+    for (u32 idx = threadIdx.x; idx < group * head_dim; idx += blockDim.x) {
+        u32 h = idx / head_dim, d = idx % head_dim;
+        const float* p = partial + (item0 + h) * splits * stride + 2 + d;
+        const float2* w = ml + h * splits;
+        float o = 0.f, l = 0.f;
+#pragma unroll 8
+        for (u32 s = 0; s < splits; s++) {
+            o += w[s].x * __ldcg(p + (size_t)s * stride);
+            l += w[s].x * w[s].y;
+        }
+        out[(item0 + h) * head_dim + d] = o / l;
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+}
+
+// Decode-shaped attention on CUDA cores (an f32 cache, groups of more than 8 heads, other
+// head dims): one block per (token, KV head, split of the keys). Each warp
 // takes alternate chunks of the split's keys for up to AttnHeads query heads of the group at
 // once (more heads: more passes), so each K and V row is read once per pass; its lanes hold
 // D dims each of q and of the output and load a chunk's K and V rows together, with the next
 // chunk's block-table entries already fetched. The block's warps then merge their softmax
 // states in shared memory. With one split the block writes the normalised output; with
 // several, each writes (max, sum, unnormalised output) to `partial`, and the last of a
-// (token, KV head)'s splits to finish (a ticket per block row in `counters`, reset by that
-// block) merges them: out = Σ_s e^(m_s - m) o_s / Σ_s e^(m_s - m) l_s.
+// (token, KV head)'s splits to finish merges them (merge_splits).
 // Keys 0..=position of the token's run, through its block table.
 template <typename C, int D>
 __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* cache_v,
@@ -183,8 +240,6 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
     const int HG = AttnHeads<D>::value, KEYS = AttnKeys<D>::value;
     __shared__ float merge_o[ATTN_WARPS][ATTN_HEAD_SLOTS];
     __shared__ float merge_ml[ATTN_WARPS][2][8];
-    __shared__ float split_f[ATTN_WARPS][ATTN_MAX_SPLITS];
-    __shared__ u32 is_last;
     u32 t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads;
     u32 split = blockIdx.y, splits = gridDim.y;
     if (t >= tokens) return;
@@ -315,52 +370,235 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
             }
         }
     }
-    if (splits == 1) return;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    // The last split merges every split of the group's heads, a warp per head: the lanes
-    // read the splits' (max, sum) in parallel, then each lane sums its dims over the splits.
-    for (u32 g = warp; g < group; g += ATTN_WARPS) {
-        u32 item = t * num_heads + kvh * group + g;
-        const float* p = partial + (size_t)item * splits * (head_dim + 2);
-        float m_all = NEG_INF;
-        for (u32 s = lane; s < splits; s += 32) {
-            const float* ps = p + s * (head_dim + 2);
-            if (__ldcg(ps + 1) > 0.f) m_all = fmaxf(m_all, __ldcg(ps));
-        }
-        m_all = warp_max(m_all);
-        float l_part = 0.f;
-        for (u32 s = lane; s < splits; s += 32) {
-            const float* ps = p + s * (head_dim + 2);
-            float ls = __ldcg(ps + 1);
-            float f = ls > 0.f ? expf(__ldcg(ps) - m_all) : 0.f;
-            split_f[warp][s] = f;
-            l_part += ls * f;
-        }
-        float l_all = warp_sum(l_part);
-        __syncwarp();
-        float o[D];
-#pragma unroll
-        for (int i = 0; i < D; i++) o[i] = 0.f;
-#pragma unroll 4
-        for (u32 s = 0; s < splits; s++) {
-            const float* ps = p + s * (head_dim + 2) + 2;
-            float f = split_f[warp][s];
-#pragma unroll
-            for (int i = 0; i < D; i++)
-                if (d0 + i < head_dim) o[i] += __ldcg(ps + d0 + i) * f;
-        }
-#pragma unroll
-        for (int i = 0; i < D; i++)
-            if (d0 + i < head_dim) out[(size_t)item * head_dim + d0 + i] = o[i] / l_all;
-        __syncwarp();
-    }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+    if (splits > 1)
+        merge_splits(partial, counters, t, kvh, group, num_heads, head_dim, splits, out);
 }
+
+// mma.sync m16n8k16 (bf16, f32 accumulation) whose A rows 8-15 are zero: only the
+// accumulators of rows 0-7 (c0, c1: row g, columns 2 tq and 2 tq + 1) are kept.
+__device__ __forceinline__ void mma_rows_lo(float& c0, float& c1, u32 a0, u32 a2, u32 b0, u32 b1) {
+    float d2, d3;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};"
+        : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
+          "f"(0.f));
+}
+
+__device__ __forceinline__ uint4 load16(const u16* p) { return *reinterpret_cast<const uint4*>(p); }
+
+__device__ __forceinline__ u32 word(uint4 v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+#define DECODE_MMA_MAX_GROUP 8  // query heads per KV head that fit the m16 tile's rows 0-7
+
+// Decode-shaped attention on tensor cores over the bf16 cache, for groups of at most 8
+// query heads; grid, splits and merging as paged_attention. The group's heads are rows 0-7
+// of an m16 tile and each warp takes alternate chunks of 16 keys: S = Q·Kᵀ, the online
+// softmax in base 2 (q pre-scaled by log2 e), O += P·V, with S's accumulators as the A
+// operand of P·V. Both B operands come straight from global memory. For S, lane (g, tq)
+// loads 8 consecutive dims of key g with one 16-byte load and uses them as two k16 steps
+// (the k index mapped onto memory that way, q packed through the same map). For P·V, n is
+// the head dim, mapped so that lane g loads dims 64 c + 8 g .. + 8 of each of its 4 keys
+// (2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9); byte permutes pair two keys' values per register.
+template <int HD>
+__device__ void decode_attention_mma_impl(
+    const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,
+    const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks, u32 block_size,
+    u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads, float scale, u32 split_keys,
+    float* partial, u32* counters, float* out, Diag* diag) {
+    const int KC = HD / 32;  // 16-byte pieces of a K row per lane, two k16 steps each
+    const int VC = HD / 64;  // 16-byte pieces of a V row per lane, eight n8 tiles each
+    const int DT = HD / 8;   // n8 tiles of the output
+    __shared__ float merge_o[ATTN_WARPS][DECODE_MMA_MAX_GROUP][HD];
+    __shared__ float merge_ml[ATTN_WARPS][2][DECODE_MMA_MAX_GROUP];
+    u32 t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads;
+    u32 split = blockIdx.y, splits = gridDim.y;
+    if (t >= tokens) return;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    u32 group = num_heads / num_kv_heads;
+    u32 kv_dim = num_kv_heads * HD;
+    u32 run = token_runs[t];
+    if (run >= runs) {
+        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_BLOCK_TABLE);
+        run = 0;
+    }
+    u32 len = positions[t] + 1;
+    if (len > max_blocks * block_size) {
+        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_POSITION);
+        len = max_blocks * block_size;
+    }
+    u32 begin = split * split_keys, end = min(len, begin + split_keys);
+    const u32* table = block_tables + (size_t)run * max_blocks;
+    // Q row g (head g of the group; zero past it), pre-scaled, packed through the k map.
+    u32 qa[KC][4];
+    {
+        bool ok = g < group;
+        const float* qh = q + ((size_t)t * num_heads + kvh * group + (ok ? g : 0)) * HD;
+        float f = scale * 1.4426950408889634f;
+#pragma unroll
+        for (int c = 0; c < KC; c++) {
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+            if (ok) {
+                a = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq);
+                b = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq + 4);
+            }
+            qa[c][0] = pack_bf16(a.x * f, a.y * f);
+            qa[c][1] = pack_bf16(a.z * f, a.w * f);
+            qa[c][2] = pack_bf16(b.x * f, b.y * f);
+            qa[c][3] = pack_bf16(b.z * f, b.w * f);
+        }
+    }
+    auto key_row = [&](u32 j) -> size_t {
+        j = min(j, end - 1);
+        u32 block = table[j / block_size];
+        if (block >= num_blocks) {
+            raise_error(diag, ERR_BLOCK_TABLE);
+            block = 0;
+        }
+        return ((size_t)block * block_size + j % block_size) * kv_dim + (size_t)kvh * HD;
+    };
+    float o[DT][2];
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = 0.f;
+    float m = NEG_INF, l = 0.f;  // row g, base 2; l sums this lane's columns only
+    // This lane's cache rows of a chunk: K of keys g and 8 + g, V of its four keys.
+    size_t rk[2], rv[4];
+    auto fetch_rows = [&](u32 j0) {
+        rk[0] = key_row(j0 + g);
+        rk[1] = key_row(j0 + 8 + g);
+        rv[0] = key_row(j0 + 2 * tq);
+        rv[1] = key_row(j0 + 2 * tq + 1);
+        rv[2] = key_row(j0 + 8 + 2 * tq);
+        rv[3] = key_row(j0 + 9 + 2 * tq);
+    };
+    const u32 stride = ATTN_WARPS * 16;
+    u32 j0 = begin + warp * 16;
+    if (j0 < end) fetch_rows(j0);
+    for (; j0 < end; j0 += stride) {
+        uint4 k0[KC], k1[KC], v[4][VC];
+#pragma unroll
+        for (int c = 0; c < KC; c++) {
+            k0[c] = load16(cache_k + rk[0] + 32 * c + 8 * tq);
+            k1[c] = load16(cache_k + rk[1] + 32 * c + 8 * tq);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+            for (int c = 0; c < VC; c++) v[kk][c] = load16(cache_v + rv[kk] + 64 * c + 8 * g);
+        // The next chunk's block-table entries, while this chunk's rows are in flight.
+        if (j0 + stride < end) fetch_rows(j0 + stride);
+        // S for keys j0 + 2 tq, + 1 (s[0]) and j0 + 8 + 2 tq, + 1 (s[1]).
+        float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+        for (int c = 0; c < KC; c++) {
+            mma_rows_lo(s[0][0], s[0][1], qa[c][0], qa[c][1], k0[c].x, k0[c].y);
+            mma_rows_lo(s[1][0], s[1][1], qa[c][0], qa[c][1], k1[c].x, k1[c].y);
+            mma_rows_lo(s[0][0], s[0][1], qa[c][2], qa[c][3], k0[c].z, k0[c].w);
+            mma_rows_lo(s[1][0], s[1][1], qa[c][2], qa[c][3], k1[c].z, k1[c].w);
+        }
+        float mx = NEG_INF;
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                if (j0 + 8 * h + 2 * tq + c >= end) s[h][c] = NEG_INF;
+                mx = fmaxf(mx, s[h][c]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float m_new = fmaxf(m, mx);  // finite: key j0 is in range
+        float corr = exp2f(m - m_new);
+        l *= corr;
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++) {
+            o[dt][0] *= corr;
+            o[dt][1] *= corr;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                s[h][c] = exp2f(s[h][c] - m_new);
+                l += s[h][c];
+            }
+        m = m_new;
+        u32 pa0 = pack_bf16(s[0][0], s[0][1]), pa2 = pack_bf16(s[1][0], s[1][1]);
+#pragma unroll
+        for (int c = 0; c < VC; c++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                u32 sel = (i & 1) ? 0x7632u : 0x5410u;
+                u32 b0 = __byte_perm(word(v[0][c], i >> 1), word(v[1][c], i >> 1), sel);
+                u32 b1 = __byte_perm(word(v[2][c], i >> 1), word(v[3][c], i >> 1), sel);
+                mma_rows_lo(o[8 * c + i][0], o[8 * c + i][1], pa0, pa2, b0, b1);
+            }
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    // Merge the warps: o[8 c + i][e] is head g's dim 64 c + 16 tq + 8 e + i.
+    if (g < group) {
+        if (tq == 0) {
+            merge_ml[warp][0][g] = m;
+            merge_ml[warp][1][g] = l;
+        }
+#pragma unroll
+        for (int c = 0; c < VC; c++)
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    merge_o[warp][g][64 * c + 16 * tq + 8 * e + i] = o[8 * c + i][e];
+    }
+    __syncthreads();
+    for (u32 idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
+        u32 h = idx / HD, d = idx % HD;
+        float m_all = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++)
+            if (merge_ml[w][1][h] > 0.f) m_all = fmaxf(m_all, merge_ml[w][0][h]);
+        float acc = 0.f, l_all = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            float lw = merge_ml[w][1][h];
+            float f = lw > 0.f ? exp2f(merge_ml[w][0][h] - m_all) : 0.f;
+            acc += f * merge_o[w][h][d];
+            l_all += f * lw;
+        }
+        size_t item = (size_t)t * num_heads + kvh * group + h;
+        if (splits == 1) {
+            out[item * HD + d] = acc / l_all;
+        } else {
+            // Partial states in natural-log units, as merge_splits reads them.
+            float* part = partial + (item * splits + split) * (HD + 2);
+            if (d == 0) {
+                part[0] = m_all * 0.6931471805599453f;
+                part[1] = l_all;
+            }
+            part[2 + d] = acc;
+        }
+    }
+    if (splits > 1) merge_splits(partial, counters, t, kvh, group, num_heads, HD, splits, out);
+}
+
+#define DECODE_ATTENTION_MMA(HD)                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) decode_attention_mma_hd##HD( \
+        const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,         \
+        const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
+        u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
+        u32 head_dim, float scale, u32 split_keys, float* partial, u32* counters,             \
+        float* out, Diag* diag) {                                                             \
+        begin_kernel();                                                                       \
+        decode_attention_mma_impl<HD>(q, cache_k, cache_v, positions, token_runs, runs,       \
+                                      block_tables, max_blocks, block_size, num_blocks,       \
+                                      tokens, num_heads, num_kv_heads, scale, split_keys,     \
+                                      partial, counters, out, diag);                          \
+    }
+DECODE_ATTENTION_MMA(64)
+DECODE_ATTENTION_MMA(128)
+DECODE_ATTENTION_MMA(256)
 
 #define PAGED_ATTENTION(SUFFIX, C, D)                                                         \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                         \
@@ -370,6 +608,7 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
             u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,      \
             u32 head_dim, float scale, u32 split_keys, float* partial, u32* counters,         \
             float* out, Diag* diag) {                                                         \
+        begin_kernel();                                                                       \
         paged_attention_impl<C, D>(q, cache_k, cache_v, positions, token_runs, runs,          \
                                    block_tables, max_blocks, block_size, num_blocks, tokens,  \
                                    num_heads, num_kv_heads, head_dim, scale, split_keys,      \

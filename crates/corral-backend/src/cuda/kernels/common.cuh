@@ -8,6 +8,18 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// Every kernel's first statement. Kernels are launched with programmatic dependent launch
+// (sm_90+): one may be scheduled while the kernel before it on the stream is finishing, and
+// waits here until that kernel has completed and its writes are visible; it then lets the
+// next kernel be scheduled in turn. Before sm_90 (and without the launch attribute) it is a
+// no-op and kernels run back to back as usual.
+__device__ __forceinline__ void begin_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 struct bf16w { u16 bits; };
 struct f16w { u16 bits; };
 
@@ -145,6 +157,78 @@ __device__ __forceinline__ void warp_dot2(const float* x, const W* w0, const W* 
     }
     *d0 = warp_sum(acc0);
     *d1 = warp_sum(acc1);
+}
+
+// x[0..8) · (8 weights unpacked from a 16-byte load).
+template <typename W>
+__device__ __forceinline__ float dot8(const float* x, uint4 raw) {
+    float w[8];
+    load_w8(reinterpret_cast<const W*>(&raw), w);
+    float4 a = *reinterpret_cast<const float4*>(x);
+    float4 b = *reinterpret_cast<const float4*>(x + 4);
+    return a.x * w[0] + a.y * w[1] + a.z * w[2] + a.w * w[3] + b.x * w[4] + b.y * w[5] +
+           b.z * w[6] + b.w * w[7];
+}
+
+// Sums over the warp of xs[r] · ws[r] over [0, K) for R pairs of rows (16-bit weights,
+// 16-byte aligned, K % 8 == 0): every 16-byte weight load of a pass of P pieces of 256
+// elements is issued before the first is used, so a row of up to 256 P elements costs one
+// trip to memory. Every lane gets the sums.
+template <typename W, int R, int P>
+__device__ __forceinline__ void warp_dots16(const float* const (&xs)[R], const W* const (&ws)[R],
+                                            u32 K, float (&out)[R]) {
+    u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < R; r++) out[r] = 0.f;
+    for (u32 k0 = lane * 8; k0 < K; k0 += P * 256) {
+        uint4 raw[R][P];
+#pragma unroll
+        for (int u = 0; u < P; u++)
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                raw[r][u] = k0 + u * 256 < K
+                                ? *reinterpret_cast<const uint4*>(ws[r] + k0 + u * 256)
+                                : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < P; u++) {
+            if (k0 + u * 256 >= K) break;
+#pragma unroll
+            for (int r = 0; r < R; r++) out[r] += dot8<W>(xs[r] + k0 + u * 256, raw[r][u]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) out[r] = warp_sum(out[r]);
+}
+
+// As warp_dots16, any weight type and layout (vec: 16-bit weights 16-byte aligned, K % 8 == 0).
+template <typename W, int R, int P>
+__device__ __forceinline__ void warp_dots(const float* const (&xs)[R], const W* const (&ws)[R],
+                                          u32 K, bool vec, float (&out)[R]) {
+    if constexpr (sizeof(W) == 2) {
+        if (vec) {
+            warp_dots16<W, R, P>(xs, ws, K, out);
+            return;
+        }
+    }
+    u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < R; r++) out[r] = 0.f;
+    if (vec) {
+        for (u32 k = lane * 8; k < K; k += 256)
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float w[8];
+                load_w8(ws[r] + k, w);
+#pragma unroll
+                for (int i = 0; i < 8; i++) out[r] += xs[r][k + i] * w[i];
+            }
+    } else {
+        for (u32 k = lane; k < K; k += 32)
+#pragma unroll
+            for (int r = 0; r < R; r++) out[r] += xs[r][k] * load_w(ws[r], k);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) out[r] = warp_sum(out[r]);
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }

@@ -26,6 +26,7 @@ __device__ __forceinline__ bool run_of(const u32* runs, u32 r, u32 tokens, u32 s
 extern "C" __global__ void causal_conv1d(const float* x, const float* weight, u32 channels,
                                          u32 kernel, const u32* runs, u32 tokens, u32 slots,
                                          float* state, float* out, Diag* diag) {
+    begin_kernel();
     u32 c = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
     u32 start, len, slot;
     bool fresh;
@@ -67,6 +68,7 @@ extern "C" __global__ void causal_conv1d(const float* x, const float* weight, u3
 extern "C" __global__ void delta_net_gates(const float* a, const float* b, const float* a_log,
                                            const float* dt_bias, u32 tokens, u32 heads, float* g,
                                            float* beta) {
+    begin_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)tokens * heads) return;
     u32 j = (u32)(i % heads);
@@ -86,6 +88,7 @@ extern "C" __global__ void delta_net_gates(const float* a, const float* b, const
 extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
     const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,
     const u32* runs, u32 tokens, u32 slots, float* state, float* out, Diag* diag) {
+    begin_kernel();
     __shared__ float q_s[2 * DR_MAX_ROWS], k_s[2 * DR_MAX_ROWS];
     __shared__ float scratch[32];
     u32 r = blockIdx.x, j = blockIdx.y;

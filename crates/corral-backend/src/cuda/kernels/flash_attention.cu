@@ -248,6 +248,7 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
         u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
         float scale, float* out, Diag* diag) {                                                \
+        begin_kernel();                                                                       \
         flash_attention_impl<HD>(q, cache_k, cache_v, positions, token_runs, runs,            \
                                  block_tables,                                                \
                                  max_blocks, block_size, num_blocks, tokens, num_heads,       \

@@ -23,6 +23,24 @@ __device__ void matvec_impl(const float* x, u32 rows, const W* w, u32 N, u32 K, 
     }
     if (n0 >= N) return;
     u32 nv = min((u32)MATVEC_FEATURES, N - n0);
+    if constexpr (ROWS == 1 && sizeof(W) == 2) {
+        if (vec) {
+            // One row of x: each feature's whole weight row in flight at once.
+            const float* xs[MATVEC_FEATURES];
+            const W* ws[MATVEC_FEATURES];
+#pragma unroll
+            for (int j = 0; j < MATVEC_FEATURES; j++) {
+                xs[j] = x;
+                ws[j] = w + (size_t)(n0 + min((u32)j, nv - 1)) * K;
+            }
+            float dots[MATVEC_FEATURES];
+            warp_dots16<W, MATVEC_FEATURES, 8>(xs, ws, K, dots);
+#pragma unroll
+            for (int j = 0; j < MATVEC_FEATURES; j++)
+                if (lane == 0 && rows > 0 && j < nv) out[n0 + j] = dots[j];
+            return;
+        }
+    }
     float acc[ROWS][MATVEC_FEATURES];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
@@ -139,6 +157,7 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
 #define MATVEC(SUFFIX, W, ROWS)                                                               \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) matvec_##SUFFIX##_r##ROWS(   \
         const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag) {   \
+        begin_kernel();                                                                          \
         matvec_impl<W, ROWS>(x, rows, w, N, K, vec, out, diag);                                  \
     }
 #define MATMUL(SUFFIX, W)                                                                     \
@@ -150,6 +169,7 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
     MATVEC(SUFFIX, W, 32)                                                                     \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS) matmul_tiled_##SUFFIX(         \
         const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag) {\
+        begin_kernel();                                                                       \
         matmul_tiled_impl<W>(x, rows, w, N, K, vec, out, diag);                               \
     }
 MATMUL(bf16, bf16w)
@@ -159,6 +179,7 @@ MATMUL(f32, float)
 #define MATVEC_MMA(SUFFIX, W, NT)                                                             \
     extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) matvec_mma_##SUFFIX##_n##NT( \
         const float* x, u32 rows, const W* w, u32 N, u32 K, float* out, Diag* diag) {          \
+        begin_kernel();                                                                        \
         matvec_mma_impl<W, NT>(x, rows, w, N, K, out, diag);                                   \
     }
 MATVEC_MMA(bf16, bf16w, 1)

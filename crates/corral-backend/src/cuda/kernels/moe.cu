@@ -7,6 +7,7 @@
 #define ROUTE_THREADS 256
 #define PT_DOWN_SLOTS 8  // routed slots whose down rows the per-token path reads at once
 #define SORT_THREADS 1024
+#define DOWN_MVM_GROUPS 4  // groups of 16 output features per block of the few-row grouped down
 #define MAX_SORT_EXPERTS 4096
 
 // Softmax over each token's expert logits, then its top_k experts (ties to the lower id) and
@@ -15,6 +16,7 @@
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
     const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32* ids,
     float* weights) {
+    begin_kernel();
     u32 lane = threadIdx.x & 31;
     u32 t = blockIdx.x * (ROUTE_THREADS / 32) + (threadIdx.x >> 5);
     if (t >= tokens) return;
@@ -67,7 +69,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
 }
 
 // Stable counting sort of the routed pairs by expert, in one block: counts, exclusive
-// offsets [E + 1], the sorted order and its inverse. An id out of range raises the error
+// offsets [E + 1], the experts with pairs ([count, ids ascending]), the sorted order and its
+// inverse. An id out of range raises the error
 // flag and is sorted as expert 0, so that every later index stays in bounds. Each of the
 // first `lanes_used` warps owns a contiguous run of pairs and keeps its own count per expert
 // in shared memory; __match_any_sync ranks equal ids within a step of 32 pairs, so a second
@@ -75,10 +78,11 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
 // expert.
 #define SORT_COUNTERS 8192
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
-    const u32* ids, u32 pairs, u32 num_experts, u32* offsets, u32* sorted_pairs,
-    u32* pair_positions, Diag* diag) {
+    const u32* ids, u32 pairs, u32 num_experts, u32* offsets, u32* hit_experts,
+    u32* sorted_pairs, u32* pair_positions, Diag* diag) {
+    begin_kernel();
     __shared__ u32 counts[SORT_COUNTERS];  // [warp][expert]: count, then first position
-    __shared__ u32 partial[SORT_THREADS];
+    __shared__ u64 partial[SORT_THREADS];  // scanned: experts hit (high half), pairs (low)
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     u32 warps = min((u32)(SORT_THREADS / 32), (u32)SORT_COUNTERS / max(num_experts, 1u));
     u32 run = (pairs + warps - 1) / warps;
@@ -107,27 +111,34 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
     // Exclusive scan over experts: each thread owns a contiguous run of experts.
     u32 per = (num_experts + blockDim.x - 1) / blockDim.x;
     u32 e0 = min(tid * per, num_experts), e1 = min(e0 + per, num_experts);
-    u32 sum = 0;
-    for (u32 e = e0; e < e1; e++)
-        for (u32 w = 0; w < warps; w++) sum += counts[w * num_experts + e];
-    partial[tid] = sum;
+    u64 mine = 0;
+    for (u32 e = e0; e < e1; e++) {
+        u32 c = 0;
+        for (u32 w = 0; w < warps; w++) c += counts[w * num_experts + e];
+        mine += (c > 0 ? 1ull << 32 : 0ull) + c;
+    }
+    partial[tid] = mine;
     __syncthreads();
     for (u32 stride = 1; stride < blockDim.x; stride <<= 1) {
-        u32 v = tid >= stride ? partial[tid - stride] : 0;
+        u64 v = tid >= stride ? partial[tid - stride] : 0;
         __syncthreads();
         partial[tid] += v;
         __syncthreads();
     }
-    u32 running = partial[tid] - sum;
+    u64 before = partial[tid] - mine;
+    u32 running = (u32)before, hit_rank = (u32)(before >> 32);
     for (u32 e = e0; e < e1; e++) {
         offsets[e] = running;
+        u32 first = running;
         for (u32 w = 0; w < warps; w++) {
             u32 c = counts[w * num_experts + e];
             counts[w * num_experts + e] = running;
             running += c;
         }
+        if (running > first) hit_experts[1 + hit_rank++] = e;
     }
     if (tid == 0) offsets[num_experts] = pairs;
+    if (tid == blockDim.x - 1) hit_experts[0] = (u32)(partial[tid] >> 32);
     __syncthreads();
     if (warp < warps) {
         u32 p_begin = min(warp * run, pairs), p_end = min(p_begin + run, pairs);
@@ -305,7 +316,6 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
     // order.
     float total = 0.f;
     for (u32 j0 = 0; j0 < top_k; j0 += PT_DOWN_SLOTS) {
-        float part[PT_DOWN_SLOTS] = {};
         const W* rows[PT_DOWN_SLOTS];
         const float* acts[PT_DOWN_SLOTS];
 #pragma unroll
@@ -320,60 +330,29 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
             rows[u] = reinterpret_cast<const W*>(down_table[e]) + (size_t)h * inter;
             acts[u] = act + (size_t)p * inter;
         }
-        if (vec) {
-            for (u32 k = lane * 8; k < inter; k += 256) {
-                float wv[PT_DOWN_SLOTS][8];
+        float dots[PT_DOWN_SLOTS];
+        warp_dots<W, PT_DOWN_SLOTS, 4>(acts, rows, inter, vec != 0, dots);
 #pragma unroll
-                for (int u = 0; u < PT_DOWN_SLOTS; u++) load_w8(rows[u] + k, wv[u]);
-#pragma unroll
-                for (int u = 0; u < PT_DOWN_SLOTS; u++) {
-                    float4 a = *reinterpret_cast<const float4*>(acts[u] + k);
-                    float4 b = *reinterpret_cast<const float4*>(acts[u] + k + 4);
-                    part[u] += a.x * wv[u][0] + a.y * wv[u][1] + a.z * wv[u][2] +
-                               a.w * wv[u][3] + b.x * wv[u][4] + b.y * wv[u][5] +
-                               b.z * wv[u][6] + b.w * wv[u][7];
-                }
-            }
-        } else {
-            for (u32 k = lane; k < inter; k += 32)
-#pragma unroll
-                for (int u = 0; u < PT_DOWN_SLOTS; u++) part[u] += acts[u][k] * load_w(rows[u], k);
-        }
-#pragma unroll
-        for (int u = 0; u < PT_DOWN_SLOTS; u++) {
-            float dot = warp_sum(part[u]);
-            if (j0 + u < top_k) total += route_weights[t * top_k + j0 + u] * dot;
-        }
+        for (int u = 0; u < PT_DOWN_SLOTS; u++)
+            if (j0 + u < top_k) total += route_weights[t * top_k + j0 + u] * dots[u];
     }
     if (lane == 0) out[(size_t)t * hidden + h] = total;
 }
 
 // The n-th expert (in id order) that has rows, and its sorted rows [lo, hi); false when
-// fewer experts have rows. Block-wide: warp 0 scans the offsets 32 experts at a time.
-__device__ bool nth_hit_expert(const u32* offsets, u32 num_experts, u32 pairs, u32 n, u32* expert,
-                               u32* lo, u32* hi) {
-    __shared__ u32 s_expert;
-    u32 lane = threadIdx.x & 31;
-    if (threadIdx.x < 32) {
-        if (lane == 0) s_expert = 0xffffffffu;
-        u32 before = 0;
-        for (u32 c = 0; c < num_experts; c += 32) {
-            u32 e = c + lane;
-            bool hit = e < num_experts && min(offsets[e + 1], pairs) > min(offsets[e], pairs);
-            u32 mask = __ballot_sync(0xffffffffu, hit);
-            u32 count = __popc(mask);
-            if (n < before + count) {
-                if (hit && before + __popc(mask & ((1u << lane) - 1u)) == n) s_expert = e;
-                break;
-            }
-            before += count;
-        }
+// fewer experts have rows. From the sort's list of hit experts: two loads, no scan.
+__device__ __forceinline__ bool nth_hit_expert(const u32* offsets, const u32* hit_experts,
+                                               u32 num_experts, u32 pairs, u32 n, u32* expert,
+                                               u32* lo, u32* hi, Diag* diag) {
+    if (n >= min(hit_experts[0], num_experts)) return false;
+    u32 e = hit_experts[1 + n];
+    if (e >= num_experts) {
+        if (threadIdx.x == 0) raise_error(diag, ERR_EXPERT_ID);
+        return false;
     }
-    __syncthreads();
-    *expert = s_expert;
-    if (s_expert == 0xffffffffu) return false;
-    *lo = min(offsets[s_expert], pairs);
-    *hi = min(offsets[s_expert + 1], pairs);
+    *expert = e;
+    *lo = min(offsets[e], pairs);
+    *hi = min(offsets[e + 1], pairs);
     return true;
 }
 
@@ -384,13 +363,14 @@ __device__ bool nth_hit_expert(const u32* offsets, u32 num_experts, u32 pairs, u
 // y-th expert with rows (the spare ones return at once).
 template <typename W, int NT>
 __device__ void grouped_gate_up_mvm_impl(const float* x, u32 hidden, u32 top_k,
-                                         const u32* offsets, const u32* sorted_pairs, u32 pairs,
+                                         const u32* offsets, const u32* hit_experts,
+                                         const u32* sorted_pairs, u32 pairs,
                                          u32 num_experts, const u64* gate_table,
                                          const u64* up_table, u32 inter, float* act, Diag* diag) {
     __shared__ float red[(MVM_WARPS - 1) * 2 * NT * 4 * 32];
     u32 n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
     u32 e, lo, hi;
-    if (!nth_hit_expert(offsets, num_experts, pairs, blockIdx.y, &e, &lo, &hi)) return;
+    if (!nth_hit_expert(offsets, hit_experts, num_experts, pairs, blockIdx.y, &e, &lo, &hi, diag)) return;
     u32 chunks = (hi - lo + 8 * NT - 1) / (8 * NT);
     if (threadIdx.x == 0)
         count_weight_bytes(diag, 2ull * chunks * min(16u, inter - n0) * hidden * sizeof(W));
@@ -423,20 +403,19 @@ __device__ void grouped_gate_up_mvm_impl(const float* x, u32 hidden, u32 top_k,
 
 template <typename W, int NT>
 __device__ void grouped_down_mvm_impl(const float* act, u32 inter, const float* route_weights,
-                                      const u32* offsets, const u32* sorted_pairs, u32 pairs,
+                                      const u32* offsets, const u32* hit_experts,
+                                      const u32* sorted_pairs, u32 pairs,
                                       u32 num_experts, const u64* down_table, u32 hidden,
                                       float* y, Diag* diag) {
     __shared__ float red[(MVM_WARPS - 1) * NT * 4 * 32];
-    u32 n0 = blockIdx.x * 16, g = (threadIdx.x & 31) >> 2;
+    u32 base = blockIdx.x * 16 * DOWN_MVM_GROUPS, g = (threadIdx.x & 31) >> 2;
     u32 e, lo, hi;
-    if (!nth_hit_expert(offsets, num_experts, pairs, blockIdx.y, &e, &lo, &hi)) return;
+    if (!nth_hit_expert(offsets, hit_experts, num_experts, pairs, blockIdx.y, &e, &lo, &hi, diag)) return;
     u32 chunks = (hi - lo + 8 * NT - 1) / (8 * NT);
     if (threadIdx.x == 0)
-        count_weight_bytes(diag, (u64)chunks * min(16u, hidden - n0) * inter * sizeof(W));
-    bool lo_ok = n0 + g < hidden, hi_ok = n0 + g + 8 < hidden;
+        count_weight_bytes(diag, (u64)chunks * min(16u * DOWN_MVM_GROUPS, hidden - base) * inter *
+                                     sizeof(W));
     const u16* down = reinterpret_cast<const u16*>(down_table[e]);
-    const u16* w_lo[1] = {down + (size_t)(lo_ok ? n0 + g : 0) * inter};
-    const u16* w_hi[1] = {down + (size_t)(hi_ok ? n0 + g + 8 : 0) * inter};
     for (u32 c0 = lo; c0 < hi; c0 += 8 * NT) {
         const float* xr[NT];
 #pragma unroll
@@ -444,37 +423,47 @@ __device__ void grouped_down_mvm_impl(const float* act, u32 inter, const float* 
             u32 s = c0 + j * 8 + g;
             xr[j] = s < hi ? act + (size_t)s * inter : nullptr;
         }
-        float acc[1][NT][4];
-        mvm_accumulate<F16Operands<W>::value, NT, 1>(xr, w_lo, w_hi, lo_ok, hi_ok, inter, acc,
-                                                     diag);
-        if (!mvm_reduce<NT * 4>(&acc[0][0][0], red)) continue;
+        // The block's groups of 16 features in turn, each over the same rows of act.
+        for (u32 n0 = base; n0 < min(hidden, base + 16 * DOWN_MVM_GROUPS); n0 += 16) {
+            bool lo_ok = n0 + g < hidden, hi_ok = n0 + g + 8 < hidden;
+            const u16* w_lo[1] = {down + (size_t)(lo_ok ? n0 + g : 0) * inter};
+            const u16* w_hi[1] = {down + (size_t)(hi_ok ? n0 + g + 8 : 0) * inter};
+            float acc[1][NT][4];
+            mvm_accumulate<F16Operands<W>::value, NT, 1>(xr, w_lo, w_hi, lo_ok, hi_ok, inter, acc,
+                                                         diag);
+            if (!mvm_reduce<NT * 4>(&acc[0][0][0], red)) continue;
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+            for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                u32 n = n0 + mvm_feature(i), s = c0 + mvm_row(j, i);
-                if (n < hidden && s < hi)
-                    y[(size_t)s * hidden + n] = route_weights[sorted_pairs[s]] * acc[0][j][i];
-            }
+                for (int i = 0; i < 4; i++) {
+                    u32 n = n0 + mvm_feature(i), s = c0 + mvm_row(j, i);
+                    if (n < hidden && s < hi)
+                        y[(size_t)s * hidden + n] = route_weights[sorted_pairs[s]] * acc[0][j][i];
+                }
+        }
     }
 }
 
 #define MOE_MVM_KERNELS(SUFFIX, W, NT)                                                         \
     extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32)                               \
         moe_grouped_gate_up_mvm_##SUFFIX##_n##NT(                                              \
-            const float* x, u32 hidden, u32 top_k, const u32* offsets, const u32* sorted_pairs, \
-            u32 pairs, u32 num_experts, const u64* gate_table, const u64* up_table, u32 inter, \
-            u32 vec, float* act, Diag* diag) {                                                 \
-        grouped_gate_up_mvm_impl<W, NT>(x, hidden, top_k, offsets, sorted_pairs, pairs,        \
-                                        num_experts, gate_table, up_table, inter, act, diag);  \
+            const float* x, u32 hidden, u32 top_k, const u32* offsets, const u32* hit_experts, \
+            const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* gate_table,        \
+            const u64* up_table, u32 inter, u32 vec, float* act, Diag* diag) {                 \
+        begin_kernel();                                                                        \
+        grouped_gate_up_mvm_impl<W, NT>(x, hidden, top_k, offsets, hit_experts, sorted_pairs,  \
+                                        pairs, num_experts, gate_table, up_table, inter, act,  \
+                                        diag);                                                 \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32)                               \
         moe_grouped_down_mvm_##SUFFIX##_n##NT(                                                 \
             const float* act, u32 inter, const float* route_weights, const u32* offsets,       \
-            const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* down_table,        \
-            u32 hidden, u32 vec, float* y, Diag* diag) {                                       \
-        grouped_down_mvm_impl<W, NT>(act, inter, route_weights, offsets, sorted_pairs, pairs,  \
-                                     num_experts, down_table, hidden, y, diag);                \
+            const u32* hit_experts, const u32* sorted_pairs, u32 pairs, u32 num_experts,       \
+            const u64* down_table, u32 hidden, u32 vec, float* y, Diag* diag) {                \
+        begin_kernel();                                                                        \
+        grouped_down_mvm_impl<W, NT>(act, inter, route_weights, offsets, hit_experts,          \
+                                     sorted_pairs, pairs, num_experts, down_table, hidden, y,  \
+                                     diag);                                                    \
     }
 MOE_MVM_KERNELS(bf16, bf16w, 1)
 MOE_MVM_KERNELS(bf16, bf16w, 4)
@@ -483,16 +472,18 @@ MOE_MVM_KERNELS(f16, f16w, 4)
 
 #define MOE_KERNELS(SUFFIX, W)                                                                 \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS) moe_grouped_gate_up_##SUFFIX(   \
-        const float* x, u32 hidden, u32 top_k, const u32* offsets, const u32* sorted_pairs,    \
-        u32 pairs, u32 num_experts, const u64* gate_table, const u64* up_table, u32 inter,     \
-        u32 vec, float* act, Diag* diag) {                                                     \
+        const float* x, u32 hidden, u32 top_k, const u32* offsets, const u32* /*hit_experts*/, \
+        const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* gate_table,            \
+        const u64* up_table, u32 inter, u32 vec, float* act, Diag* diag) {                     \
+        begin_kernel();                                                                        \
         grouped_gate_up_impl<W>(x, hidden, top_k, offsets, sorted_pairs, pairs, num_experts,   \
                                 gate_table, up_table, inter, vec, act, diag);                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS) moe_grouped_down_##SUFFIX(      \
         const float* act, u32 inter, const float* route_weights, const u32* offsets,           \
-        const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* down_table,            \
-        u32 hidden, u32 vec, float* y, Diag* diag) {                                           \
+        const u32* /*hit_experts*/, const u32* sorted_pairs, u32 pairs, u32 num_experts,       \
+        const u64* down_table, u32 hidden, u32 vec, float* y, Diag* diag) {                    \
+        begin_kernel();                                                                        \
         grouped_down_impl<W>(act, inter, route_weights, offsets, sorted_pairs, pairs,          \
                              num_experts, down_table, hidden, vec, y, diag);                   \
     }                                                                                          \
@@ -500,6 +491,7 @@ MOE_MVM_KERNELS(f16, f16w, 4)
         const float* x, u32 hidden, const u32* ids, u32 top_k, u32 num_experts,                \
         const u64* gate_table, const u64* up_table, u32 inter, u32 vec, float* act,            \
         Diag* diag) {                                                                          \
+        begin_kernel();                                                                        \
         per_token_gate_up_impl<W>(x, hidden, ids, top_k, num_experts, gate_table, up_table,    \
                                   inter, vec, act, diag);                                      \
     }                                                                                          \
@@ -507,6 +499,7 @@ MOE_MVM_KERNELS(f16, f16w, 4)
         const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,    \
         u32 num_experts, const u64* down_table, u32 hidden, u32 vec, float* out,               \
         Diag* diag) {                                                                          \
+        begin_kernel();                                                                        \
         per_token_down_impl<W>(act, inter, ids, route_weights, top_k, num_experts, down_table, \
                                hidden, vec, out, diag);                                        \
     }
@@ -517,6 +510,7 @@ MOE_KERNELS(f32, float)
 // out[t] = sum_j y[pair_positions[t*k + j]], summed in slot order.
 extern "C" __global__ void moe_combine(const float* y, const u32* pair_positions, u32 tokens,
                                        u32 top_k, u32 hidden, u32 pairs, float* out, Diag* diag) {
+    begin_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)tokens * hidden) return;
     u32 t = (u32)(i / hidden), d = (u32)(i % hidden);
