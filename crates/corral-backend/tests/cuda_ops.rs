@@ -655,16 +655,18 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(5);
-    for case in 0..27 {
+    for case in 0..28 {
         let tokens = [1, 3, 10, 70, 200][case % 5];
         let e = [4, 8, 33, 128][case % 4];
         let top_k = 1 + rng.below(e.min(8));
         // The last cases fix the rows per expert on each side of where the grouped kernels
-        // change (up to 8 and up to 24 rows per expert: few-row products; more: tiles).
+        // change (up to 8 and up to 24 rows per expert: few-row products; more: tiles), and
+        // route over more experts than the routing kernel holds in registers (512).
         let (tokens, e, top_k) = match case {
             24 => (200, 128, 8),
             25 => (70, 33, 8),
             26 => (200, 8, 4),
+            27 => (10, 600, 8),
             _ => (tokens, e, top_k),
         };
         let h = 8 * (1 + rng.below(12));

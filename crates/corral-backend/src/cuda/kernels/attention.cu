@@ -167,53 +167,60 @@ __device__ __forceinline__ float merge_scale(float& m, float& l, float m2, float
 
 #define ATTN_MERGE_SLOTS 1024  // (head, split) pairs that one merge holds: heads × splits
 
-// The last of a (token, KV head)'s splits to finish (a ticket per block row in `counters`,
-// reset by that block) merges every split of the group's heads, all heads at once: the
-// splits' (max, sum) pairs are read in one pass, each head's weights e^(m_s - m) are
-// formed in shared memory, then each thread sums its (head, dim) outputs over the splits:
-// out = Σ_s e^(m_s - m) o_s / Σ_s e^(m_s - m) l_s. Block-wide: every thread calls it;
-// group × splits <= ATTN_MERGE_SLOTS (the host caps the splits).
+// The splits of a (token, KV head) that hold keys: split_keys each over the run's len keys.
+__device__ __forceinline__ u32 active_splits(u32 len, u32 split_keys, u32 splits) {
+    return min(splits, max(1u, (len + split_keys - 1) / split_keys));
+}
+
+// The last of a (token, KV head)'s `active` splits to finish (a ticket per block row in
+// `counters`, reset by that block) merges them for all the group's heads at once: the
+// splits' (max, sum) pairs are read in one pass, each head's weights e^(m_s - m) are formed
+// in shared memory, then each thread sums its (head, dim) outputs over the splits:
+// out = Σ_s e^(m_s - m) o_s / Σ_s e^(m_s - m) l_s. Partial states are laid out `splits` to a
+// head. Block-wide: every thread calls it; group × active <= ATTN_MERGE_SLOTS (the host
+// caps the splits).
 __device__ void merge_splits(const float* partial, u32* counters, u32 t, u32 kvh, u32 group,
-                             u32 num_heads, u32 head_dim, u32 splits, float* out) {
+                             u32 num_heads, u32 head_dim, u32 splits, u32 active, float* out) {
     __shared__ float2 ml[ATTN_MERGE_SLOTS];  // (max, sum), then (weight, sum)
     __shared__ u32 is_last;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1;
+    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == active - 1;
     __syncthreads();
     if (!is_last) return;
     __threadfence();
     size_t item0 = (size_t)t * num_heads + kvh * group;
     u32 stride = head_dim + 2;
-    for (u32 i = threadIdx.x; i < group * splits; i += blockDim.x) {
-        const float* ps = partial + (item0 * splits + i) * stride;
+    for (u32 i = threadIdx.x; i < group * active; i += blockDim.x) {
+        u32 h = i / active, sp = i % active;
+        const float* ps = partial + ((item0 + h) * splits + sp) * stride;
         ml[i] = make_float2(__ldcg(ps), __ldcg(ps + 1));
     }
     __syncthreads();
     for (u32 h = warp; h < group; h += warps) {
         float m_all = NEG_INF;
-        for (u32 s = lane; s < splits; s += 32) {
-            float2 v = ml[h * splits + s];
+        for (u32 sp = lane; sp < active; sp += 32) {
+            float2 v = ml[h * active + sp];
             if (v.y > 0.f) m_all = fmaxf(m_all, v.x);
         }
         m_all = warp_max(m_all);
         __syncwarp();
-        for (u32 s = lane; s < splits; s += 32) {
-            float2 v = ml[h * splits + s];
-            ml[h * splits + s].x = v.y > 0.f ? expf(v.x - m_all) : 0.f;
+        for (u32 sp = lane; sp < active; sp += 32) {
+            float2 v = ml[h * active + sp];
+            ml[h * active + sp].x = v.y > 0.f ? expf(v.x - m_all) : 0.f;
         }
     }
     __syncthreads();
     for (u32 idx = threadIdx.x; idx < group * head_dim; idx += blockDim.x) {
         u32 h = idx / head_dim, d = idx % head_dim;
         const float* p = partial + (item0 + h) * splits * stride + 2 + d;
-        const float2* w = ml + h * splits;
+        const float2* w = ml + h * active;
         float o = 0.f, l = 0.f;
 #pragma unroll 8
-        for (u32 s = 0; s < splits; s++) {
-            o += w[s].x * __ldcg(p + (size_t)s * stride);
-            l += w[s].x * w[s].y;
+        for (u32 sp = 0; sp < active; sp++) {
+            o += w[sp].x * __ldcg(p + (size_t)sp * stride);
+            l += w[sp].x * w[sp].y;
         }
         out[(item0 + h) * head_dim + d] = o / l;
     }
@@ -258,6 +265,9 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
         if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_POSITION);
         len = max_blocks * block_size;
     }
+    // Splits past the run's keys (the grid is sized for the widest block table) do nothing.
+    u32 active = active_splits(len, split_keys, splits);
+    if (split >= active) return;
     u32 begin = split * split_keys, end = min(len, begin + split_keys);
     const u32* table = block_tables + (size_t)run * max_blocks;
     const u32 stride = ATTN_WARPS * KEYS;
@@ -354,7 +364,7 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
                     o[i] = o[i] * a + (d0 + i < head_dim ? merge_o[w][h * head_dim + d0 + i] * b : 0.f);
             }
             u32 item = t * num_heads + kvh * group + h0 + h;
-            if (splits > 1) {
+            if (active > 1) {
                 float* part = partial + ((size_t)item * splits + split) * (head_dim + 2);
                 if (lane == 0) {
                     part[0] = mm;
@@ -370,8 +380,8 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
             }
         }
     }
-    if (splits > 1)
-        merge_splits(partial, counters, t, kvh, group, num_heads, head_dim, splits, out);
+    if (active > 1)
+        merge_splits(partial, counters, t, kvh, group, num_heads, head_dim, splits, active, out);
 }
 
 // mma.sync m16n8k16 (bf16, f32 accumulation) whose A rows 8-15 are zero: only the
@@ -414,6 +424,8 @@ __device__ void decode_attention_mma_impl(
     const int DT = HD / 8;   // n8 tiles of the output
     __shared__ float merge_o[ATTN_WARPS][DECODE_MMA_MAX_GROUP][HD];
     __shared__ float merge_ml[ATTN_WARPS][2][DECODE_MMA_MAX_GROUP];
+    __shared__ float head_f[DECODE_MMA_MAX_GROUP][ATTN_WARPS];
+    __shared__ float head_m[DECODE_MMA_MAX_GROUP], head_l[DECODE_MMA_MAX_GROUP];
     u32 t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads;
     u32 split = blockIdx.y, splits = gridDim.y;
     if (t >= tokens) return;
@@ -430,6 +442,9 @@ __device__ void decode_attention_mma_impl(
         if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_POSITION);
         len = max_blocks * block_size;
     }
+    // Splits past the run's keys (the grid is sized for the widest block table) do nothing.
+    u32 active = active_splits(len, split_keys, splits);
+    if (split >= active) return;
     u32 begin = split * split_keys, end = min(len, begin + split_keys);
     const u32* table = block_tables + (size_t)run * max_blocks;
     // Q row g (head g of the group; zero past it), pre-scaled, packed through the k map.
@@ -451,8 +466,14 @@ __device__ void decode_attention_mma_impl(
             qa[c][3] = pack_bf16(b.z * f, b.w * f);
         }
     }
-    auto key_row = [&](u32 j) -> size_t {
+    // Keys past the end read the last key's row (their scores are masked; their rows must
+    // still be finite). A chunk starts at a multiple of 16 keys, so with blocks of a multiple
+    // of 16 keys its keys share one block-table entry.
+    bool chunk_in_one_block = block_size % 16 == 0;
+    u32 chunk_row0 = 0;  // cache row of the current chunk's first key (one-block chunks)
+    auto key_row = [&](u32 j0, u32 j) -> size_t {
         j = min(j, end - 1);
+        if (chunk_in_one_block) return ((size_t)chunk_row0 + (j - j0)) * kv_dim + (size_t)kvh * HD;
         u32 block = table[j / block_size];
         if (block >= num_blocks) {
             raise_error(diag, ERR_BLOCK_TABLE);
@@ -467,12 +488,20 @@ __device__ void decode_attention_mma_impl(
     // This lane's cache rows of a chunk: K of keys g and 8 + g, V of its four keys.
     size_t rk[2], rv[4];
     auto fetch_rows = [&](u32 j0) {
-        rk[0] = key_row(j0 + g);
-        rk[1] = key_row(j0 + 8 + g);
-        rv[0] = key_row(j0 + 2 * tq);
-        rv[1] = key_row(j0 + 2 * tq + 1);
-        rv[2] = key_row(j0 + 8 + 2 * tq);
-        rv[3] = key_row(j0 + 9 + 2 * tq);
+        if (chunk_in_one_block) {
+            u32 block = table[j0 / block_size];
+            if (block >= num_blocks) {
+                raise_error(diag, ERR_BLOCK_TABLE);
+                block = 0;
+            }
+            chunk_row0 = block * block_size + j0 % block_size;
+        }
+        rk[0] = key_row(j0, j0 + g);
+        rk[1] = key_row(j0, j0 + 8 + g);
+        rv[0] = key_row(j0, j0 + 2 * tq);
+        rv[1] = key_row(j0, j0 + 2 * tq + 1);
+        rv[2] = key_row(j0, j0 + 8 + 2 * tq);
+        rv[3] = key_row(j0, j0 + 9 + 2 * tq);
     };
     const u32 stride = ATTN_WARPS * 16;
     u32 j0 = begin + warp * 16;
@@ -553,22 +582,33 @@ __device__ void decode_attention_mma_impl(
                     merge_o[warp][g][64 * c + 16 * tq + 8 * e + i] = o[8 * c + i][e];
     }
     __syncthreads();
-    for (u32 idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
-        u32 h = idx / HD, d = idx % HD;
+    // Each head's weight per warp, e^(m_w - m), and merged sum, once per head.
+    if (threadIdx.x < group) {
+        u32 h = threadIdx.x;
         float m_all = NEG_INF;
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; w++)
             if (merge_ml[w][1][h] > 0.f) m_all = fmaxf(m_all, merge_ml[w][0][h]);
-        float acc = 0.f, l_all = 0.f;
+        float l_all = 0.f;
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; w++) {
             float lw = merge_ml[w][1][h];
             float f = lw > 0.f ? exp2f(merge_ml[w][0][h] - m_all) : 0.f;
-            acc += f * merge_o[w][h][d];
+            head_f[h][w] = f;
             l_all += f * lw;
         }
+        head_m[h] = m_all;
+        head_l[h] = l_all;
+    }
+    __syncthreads();
+    for (u32 idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
+        u32 h = idx / HD, d = idx % HD;
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) acc += head_f[h][w] * merge_o[w][h][d];
+        float m_all = head_m[h], l_all = head_l[h];
         size_t item = (size_t)t * num_heads + kvh * group + h;
-        if (splits == 1) {
+        if (active == 1) {
             out[item * HD + d] = acc / l_all;
         } else {
             // Partial states in natural-log units, as merge_splits reads them.
@@ -580,7 +620,8 @@ __device__ void decode_attention_mma_impl(
             part[2 + d] = acc;
         }
     }
-    if (splits > 1) merge_splits(partial, counters, t, kvh, group, num_heads, HD, splits, out);
+    if (active > 1)
+        merge_splits(partial, counters, t, kvh, group, num_heads, HD, splits, active, out);
 }
 
 #define DECODE_ATTENTION_MMA(HD)                                                              \

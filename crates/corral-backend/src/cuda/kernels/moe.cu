@@ -10,9 +10,12 @@
 #define DOWN_MVM_GROUPS 4  // groups of 16 output features per block of the few-row grouped down
 #define MAX_SORT_EXPERTS 4096
 
+#define ROUTE_LANE_EXPERTS 16  // a lane's experts held in registers (tokens of up to 512)
+
 // Softmax over each token's expert logits, then its top_k experts (ties to the lower id) and
-// their probabilities, renormalised to sum 1 when asked. One warp per token; each lane keeps
-// a bitmask of which of its experts are chosen.
+// their probabilities, renormalised to sum 1 when asked. One warp per token. Up to 512
+// experts, each lane holds its experts' logits (lane + 32 i) in registers, read once, and a
+// bitmask of which are chosen; with more, the logits are re-read for each choice.
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
     const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32* ids,
     float* weights) {
@@ -23,25 +26,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
     const float* l = logits + (size_t)t * num_experts;
     u32* out_ids = ids + (size_t)t * top_k;
     float* out_w = weights + (size_t)t * top_k;
-    float m = NEG_INF;
-    for (u32 e = lane; e < num_experts; e += 32) m = fmaxf(m, l[e]);
-    m = warp_max(m);
-    float s = 0.f;
-    for (u32 e = lane; e < num_experts; e += 32) s += expf(l[e] - m);
-    s = warp_sum(s);
-    float total = 0.f;
-    // Bit i of taken[i / 32]: this lane's expert lane + 32 i is chosen already.
-    u32 taken[MAX_SORT_EXPERTS / 32 / 32] = {0};
-    for (u32 j = 0; j < top_k; j++) {
-        float bv = NEG_INF;
-        u32 bi = 0xffffffffu;
-        for (u32 e = lane, i = 0; e < num_experts; e += 32, i++) {
-            bool is_taken = (taken[i >> 5] >> (i & 31)) & 1u;
-            if (!is_taken && (bi == 0xffffffffu || l[e] > bv)) {
-                bv = l[e];
-                bi = e;
-            }
-        }
+    // The warp's best (value, id) pair, ties to the lower id; id 0xffffffff: none.
+    auto warp_best = [&](float& bv, u32& bi) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -53,16 +39,75 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
                 bi = oi;
             }
         }
-        float w = expf(bv - m) / s;
-        if (lane == 0) {
-            out_ids[j] = bi;
-            out_w[j] = w;
+    };
+    float total = 0.f;
+    if (num_experts <= 32 * ROUTE_LANE_EXPERTS) {
+        float v[ROUTE_LANE_EXPERTS];
+        float m = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < ROUTE_LANE_EXPERTS; i++) {
+            u32 e = lane + 32 * i;
+            v[i] = e < num_experts ? l[e] : NEG_INF;
+            m = fmaxf(m, v[i]);
         }
-        if (lane == (bi & 31)) {
-            u32 i = bi >> 5;
-            taken[i >> 5] |= 1u << (i & 31);
+        m = warp_max(m);
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROUTE_LANE_EXPERTS; i++)
+            if (lane + 32 * i < num_experts) s += expf(v[i] - m);
+        s = warp_sum(s);
+        u32 taken = 0;  // bit i: expert lane + 32 i is chosen already
+        for (u32 j = 0; j < top_k; j++) {
+            float bv = NEG_INF;
+            u32 bi = 0xffffffffu;
+#pragma unroll
+            for (int i = 0; i < ROUTE_LANE_EXPERTS; i++) {
+                u32 e = lane + 32 * i;
+                if (e < num_experts && !((taken >> i) & 1u) && (bi == 0xffffffffu || v[i] > bv)) {
+                    bv = v[i];
+                    bi = e;
+                }
+            }
+            warp_best(bv, bi);
+            float w = expf(bv - m) / s;
+            if (lane == 0) {
+                out_ids[j] = bi;
+                out_w[j] = w;
+            }
+            if (lane == (bi & 31)) taken |= 1u << (bi >> 5);
+            total += w;
         }
-        total += w;
+    } else {
+        float m = NEG_INF;
+        for (u32 e = lane; e < num_experts; e += 32) m = fmaxf(m, l[e]);
+        m = warp_max(m);
+        float s = 0.f;
+        for (u32 e = lane; e < num_experts; e += 32) s += expf(l[e] - m);
+        s = warp_sum(s);
+        // Bit i of taken[i / 32]: this lane's expert lane + 32 i is chosen already.
+        u32 taken[MAX_SORT_EXPERTS / 32 / 32] = {0};
+        for (u32 j = 0; j < top_k; j++) {
+            float bv = NEG_INF;
+            u32 bi = 0xffffffffu;
+            for (u32 e = lane, i = 0; e < num_experts; e += 32, i++) {
+                bool is_taken = (taken[i >> 5] >> (i & 31)) & 1u;
+                if (!is_taken && (bi == 0xffffffffu || l[e] > bv)) {
+                    bv = l[e];
+                    bi = e;
+                }
+            }
+            warp_best(bv, bi);
+            float w = expf(bv - m) / s;
+            if (lane == 0) {
+                out_ids[j] = bi;
+                out_w[j] = w;
+            }
+            if (lane == (bi & 31)) {
+                u32 i = bi >> 5;
+                taken[i >> 5] |= 1u << (i & 31);
+            }
+            total += w;
+        }
     }
     if (renormalize && lane == 0)
         for (u32 j = 0; j < top_k; j++) out_w[j] /= total;
@@ -331,7 +376,7 @@ __device__ void per_token_down_impl(const float* act, u32 inter, const u32* ids,
             acts[u] = act + (size_t)p * inter;
         }
         float dots[PT_DOWN_SLOTS];
-        warp_dots<W, PT_DOWN_SLOTS, 4>(acts, rows, inter, vec != 0, dots);
+        warp_dots<W, PT_DOWN_SLOTS, 2>(acts, rows, inter, vec != 0, dots);
 #pragma unroll
         for (int u = 0; u < PT_DOWN_SLOTS; u++)
             if (j0 + u < top_k) total += route_weights[t * top_k + j0 + u] * dots[u];
@@ -495,7 +540,7 @@ MOE_MVM_KERNELS(f16, f16w, 4)
         per_token_gate_up_impl<W>(x, hidden, ids, top_k, num_experts, gate_table, up_table,    \
                                   inter, vec, act, diag);                                      \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) moe_per_token_down_##SUFFIX(             \
+    extern "C" __global__ void __launch_bounds__(256, 2) moe_per_token_down_##SUFFIX(          \
         const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,    \
         u32 num_experts, const u64* down_table, u32 hidden, u32 vec, float* out,               \
         Diag* diag) {                                                                          \
