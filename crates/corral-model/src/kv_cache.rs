@@ -82,6 +82,7 @@ pub struct RecurrentStateCache {
     pub recurrent: Vec<DeviceBuffer>,
     /// Slots.
     pub num_slots: usize,
+    id: u64,
 }
 
 impl RecurrentStateCache {
@@ -96,11 +97,18 @@ impl RecurrentStateCache {
                 recurrent.push(backend.alloc_zeroed(DType::F32, r, BufferUsage::KvCache)?);
             }
         }
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Self {
             conv,
             recurrent,
             num_slots,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
+    }
+
+    /// This cache's identity, unique in the process (recorded decode graphs are bound to it).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Bytes of state per sequence (all linear layers).

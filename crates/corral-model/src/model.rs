@@ -53,6 +53,8 @@ struct GraphKey {
     logit_rows: usize,
     strategy: MoeStrategy,
     cache: u64,
+    /// The recurrent-state cache's id (hybrids), else 0.
+    state: u64,
 }
 
 /// A decode shape's workspace and, once recorded, its graph.
@@ -357,11 +359,10 @@ impl Model {
         let (mut tables, mut width) = batch.padded_block_tables();
         let tokens = batch.num_tokens();
         let max_run_tokens = batch.runs().iter().map(|r| r.len).max().unwrap_or(1);
-        // Decode steps (every run one token) of a non-hybrid model replay a recorded graph
-        // per shape; the table width is padded so that a graph lasts GRAPH_WIDTH_STEP blocks.
-        // (Padded also with graphs off, so that eager steps run the very same kernels.)
+        // Decode steps (every run one token) replay a recorded graph per shape; the table
+        // width is padded so that a graph lasts GRAPH_WIDTH_STEP blocks. (Padded also with
+        // graphs off, so that eager steps run the very same kernels.)
         let decode_shaped = backend.records_graphs()
-            && matches!(self.inner, FamilyModel::Qwen3(_))
             && max_run_tokens == 1
             && !self.moe_strategy.syncs_host(tokens);
         let graphable = decode_shaped && self.graphs_enabled;
@@ -416,12 +417,15 @@ impl Model {
                 logit_rows: rows.len(),
                 strategy: self.moe_strategy,
                 cache: cache.id(),
+                state: state.as_deref().map_or(0, RecurrentStateCache::id),
             };
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-            // Graphs of another cache are dead (each is bound to its cache's memory); past the
+            // Graphs of another cache are dead (each is bound to its caches' memory); past the
             // count or byte bound the cache starts afresh.
             if !graphs.contains_key(&key)
-                && (graphs.keys().any(|k| k.cache != key.cache)
+                && (graphs
+                    .keys()
+                    .any(|k| k.cache != key.cache || k.state != key.state)
                     || graphs.len() >= MAX_GRAPHS
                     || graphs.values().map(|e| e.ws.size_bytes()).sum::<usize>() >= MAX_GRAPH_BYTES)
             {
@@ -453,7 +457,7 @@ impl Model {
                     // Ends the recording even if the forward unwinds.
                     let mut capture = Capture::new(backend);
                     let mut recorded = DispatchStats::default();
-                    let ran = forward(&mut entry.ws, cache, None, &mut recorded);
+                    let ran = forward(&mut entry.ws, cache, state.as_deref_mut(), &mut recorded);
                     let graph = capture.end();
                     ran?;
                     entry.graph = Some(graph?);
@@ -464,7 +468,7 @@ impl Model {
                         backend.replay(graph)?;
                         moe_stats = entry.moe_stats;
                     }
-                    None => forward(&mut entry.ws, cache, None, &mut moe_stats)?,
+                    None => forward(&mut entry.ws, cache, state.as_deref_mut(), &mut moe_stats)?,
                 }
                 logits.resize(rows.len() * config.vocab_size, 0.0);
                 if !rows.is_empty() {

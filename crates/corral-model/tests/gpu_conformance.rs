@@ -236,13 +236,19 @@ fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// Decode steps replayed from recorded graphs give the eager steps' logits bit for bit and
-/// count the same kernels; only the replays differ.
+/// count the same kernels; only the replays differ. Hybrids too: the graphs carry the
+/// recurrent-state updates of their slots.
 #[test]
 fn graph_replay_equals_eager_launches_bit_for_bit() {
     let Some(backend) = gpu(DType::BF16) else {
         return;
     };
-    for name in ["qwen3_moe_fused", "qwen3_dense"] {
+    for name in [
+        "qwen3_moe_fused",
+        "qwen3_dense",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+    ] {
         for strategy in [MoeStrategy::PerToken, MoeStrategy::Grouped] {
             let mut model = load_on(name, Arc::clone(&backend));
             model.set_moe_strategy(strategy);

@@ -535,16 +535,18 @@ impl HybridModel {
             tokens,
             &mut ws.x,
         )?;
-        for layer in &self.layers {
+        if let Some(first) = self.layers.first() {
             backend.rms_norm(
                 &ws.x,
-                &layer.input_layernorm,
+                &first.input_layernorm,
                 tokens,
                 h,
                 eps,
                 true,
                 &mut ws.h,
             )?;
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
             match &layer.mixer {
                 Mixer::Linear(net, i) => {
                     net.forward(backend, cfg, hy, ws, tokens, num_runs, state, *i)?
@@ -556,9 +558,9 @@ impl HybridModel {
                     attn.forward(backend, cfg, ws, tokens, kv, cache.block_size)?;
                 }
             }
-            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
-            backend.rms_norm(
-                &ws.x,
+            backend.add_rms_norm(
+                &mut ws.x,
+                &ws.out,
                 &layer.post_attention_layernorm,
                 tokens,
                 h,
@@ -590,7 +592,20 @@ impl HybridModel {
                     *moe_stats = *moe_stats + (backend.stats() - before);
                 }
             }
-            backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
+            // The residual add, fused with the next layer's input norm.
+            match self.layers.get(i + 1) {
+                Some(next) => backend.add_rms_norm(
+                    &mut ws.x,
+                    &ws.out,
+                    &next.input_layernorm,
+                    tokens,
+                    h,
+                    eps,
+                    true,
+                    &mut ws.h,
+                )?,
+                None => backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?,
+            }
         }
         self.head.forward(backend, cfg, ws, &self.embed_tokens)
     }
