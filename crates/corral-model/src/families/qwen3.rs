@@ -5,10 +5,10 @@ use corral_backend::{Backend, DeviceBuffer, DispatchStats, WeightView};
 
 use crate::batch::RaggedBatch;
 use crate::kv_cache::PagedKvCache;
-use crate::layers::Workspace;
 use crate::layers::attention::Attention;
 use crate::layers::mlp::Mlp;
 use crate::layers::output_head::OutputHead;
+use crate::layers::{Workspace, residual_and_next_norm};
 use crate::moe::{MoeStrategy, SparseMoe};
 use crate::weights::WeightSource;
 use crate::{ModelConfig, ModelError, Result};
@@ -175,20 +175,8 @@ impl Qwen3Model {
                     *moe_stats = *moe_stats + (backend.stats() - before);
                 }
             }
-            // The residual add, fused with the next layer's input norm.
-            match self.layers.get(i + 1) {
-                Some(next) => backend.add_rms_norm(
-                    &mut ws.x,
-                    &ws.out,
-                    &next.input_layernorm,
-                    tokens,
-                    h,
-                    eps,
-                    false,
-                    &mut ws.h,
-                )?,
-                None => backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?,
-            }
+            let next_norm = self.layers.get(i + 1).map(|next| &next.input_layernorm);
+            residual_and_next_norm(backend, ws, next_norm, tokens, h, eps, false)?;
         }
         self.head.forward(backend, cfg, ws, &self.embed_tokens)
     }

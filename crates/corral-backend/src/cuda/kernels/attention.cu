@@ -172,6 +172,33 @@ __device__ __forceinline__ u32 active_splits(u32 len, u32 split_keys, u32 splits
     return min(splits, max(1u, (len + split_keys - 1) / split_keys));
 }
 
+// A decode-attention block's keys: split `split` of token t's run, [begin, end) of its
+// `active` splits that hold keys, through the run's block table. False for a split past the
+// run's keys (the grid is sized for the widest table): the block has nothing to do. A run or
+// position beyond the tables raises the flag (once, from split 0) and is clamped.
+__device__ __forceinline__ bool split_keys_of(const u32* positions, const u32* token_runs,
+                                              u32 runs, const u32* block_tables, u32 max_blocks,
+                                              u32 block_size, u32 t, u32 split, u32 split_keys,
+                                              u32 splits, Diag* diag, const u32** table,
+                                              u32* begin, u32* end, u32* active) {
+    u32 run = token_runs[t];
+    if (run >= runs) {
+        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_BLOCK_TABLE);
+        run = 0;
+    }
+    u32 len = positions[t] + 1;
+    if (len > max_blocks * block_size) {
+        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_POSITION);
+        len = max_blocks * block_size;
+    }
+    *active = active_splits(len, split_keys, splits);
+    if (split >= *active) return false;
+    *begin = split * split_keys;
+    *end = min(len, *begin + split_keys);
+    *table = block_tables + (size_t)run * max_blocks;
+    return true;
+}
+
 // The last of a (token, KV head)'s `active` splits to finish (a ticket per block row in
 // `counters`, reset by that block) merges them for all the group's heads at once: the
 // splits' (max, sum) pairs are read in one pass, each head's weights e^(m_s - m) are formed
@@ -255,21 +282,11 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
     u32 kv_dim = num_kv_heads * head_dim;
     u32 d0 = lane * D;
     bool vec = head_dim == 32 * D;
-    u32 run = token_runs[t];
-    if (run >= runs) {
-        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_BLOCK_TABLE);
-        run = 0;
-    }
-    u32 len = positions[t] + 1;
-    if (len > max_blocks * block_size) {
-        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_POSITION);
-        len = max_blocks * block_size;
-    }
-    // Splits past the run's keys (the grid is sized for the widest block table) do nothing.
-    u32 active = active_splits(len, split_keys, splits);
-    if (split >= active) return;
-    u32 begin = split * split_keys, end = min(len, begin + split_keys);
-    const u32* table = block_tables + (size_t)run * max_blocks;
+    u32 begin, end, active;
+    const u32* table;
+    if (!split_keys_of(positions, token_runs, runs, block_tables, max_blocks, block_size, t,
+                       split, split_keys, splits, diag, &table, &begin, &end, &active))
+        return;
     const u32 stride = ATTN_WARPS * KEYS;
     for (u32 h0 = 0; h0 < group; h0 += HG) {
         u32 heads = min((u32)HG, group - h0);
@@ -432,21 +449,11 @@ __device__ void decode_attention_mma_impl(
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 group = num_heads / num_kv_heads;
     u32 kv_dim = num_kv_heads * HD;
-    u32 run = token_runs[t];
-    if (run >= runs) {
-        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_BLOCK_TABLE);
-        run = 0;
-    }
-    u32 len = positions[t] + 1;
-    if (len > max_blocks * block_size) {
-        if (threadIdx.x == 0 && split == 0) raise_error(diag, ERR_POSITION);
-        len = max_blocks * block_size;
-    }
-    // Splits past the run's keys (the grid is sized for the widest block table) do nothing.
-    u32 active = active_splits(len, split_keys, splits);
-    if (split >= active) return;
-    u32 begin = split * split_keys, end = min(len, begin + split_keys);
-    const u32* table = block_tables + (size_t)run * max_blocks;
+    u32 begin, end, active;
+    const u32* table;
+    if (!split_keys_of(positions, token_runs, runs, block_tables, max_blocks, block_size, t,
+                       split, split_keys, splits, diag, &table, &begin, &end, &active))
+        return;
     // Q row g (head g of the group; zero past it), pre-scaled, packed through the k map.
     u32 qa[KC][4];
     {

@@ -41,6 +41,15 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
         }
     };
     float total = 0.f;
+    // Choice j is expert bi of logit bv: its probability out of the softmax's sum s.
+    auto choose = [&](u32 j, float bv, u32 bi, float m, float s) {
+        float w = expf(bv - m) / s;
+        if (lane == 0) {
+            out_ids[j] = bi;
+            out_w[j] = w;
+        }
+        total += w;
+    };
     if (num_experts <= 32 * ROUTE_LANE_EXPERTS) {
         float v[ROUTE_LANE_EXPERTS];
         float m = NEG_INF;
@@ -69,13 +78,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
                 }
             }
             warp_best(bv, bi);
-            float w = expf(bv - m) / s;
-            if (lane == 0) {
-                out_ids[j] = bi;
-                out_w[j] = w;
-            }
+            choose(j, bv, bi, m, s);
             if (lane == (bi & 31)) taken |= 1u << (bi >> 5);
-            total += w;
         }
     } else {
         float m = NEG_INF;
@@ -97,16 +101,11 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
                 }
             }
             warp_best(bv, bi);
-            float w = expf(bv - m) / s;
-            if (lane == 0) {
-                out_ids[j] = bi;
-                out_w[j] = w;
-            }
+            choose(j, bv, bi, m, s);
             if (lane == (bi & 31)) {
                 u32 i = bi >> 5;
                 taken[i >> 5] |= 1u << (i & 31);
             }
-            total += w;
         }
     }
     if (renormalize && lane == 0)
