@@ -15,7 +15,8 @@ i.e. the repository root):
                                         (tiny vision tower), model.language_model.* keys,
                                         fused experts, bf16, untied
   tests/fixtures/qwen3_5_moe_text/      qwen3_5_moe_text (text-only), per-expert tensors, f32,
-                                        untied, dk == dv
+                                        untied, dk == dv, the shared expert of the routed
+                                        experts' size (Corral folds it into the routed ops)
   tests/fixtures/qwen3_5_dense/         qwen3_5_text (dense hybrid), bf16, tied
   tests/fixtures/qwen3_next/            qwen3_next, per-expert tensors, f16, untied,
                                         nv/nk = 3, dk != dv, norm_topk_prob=True
@@ -243,7 +244,7 @@ FIXTURES = [
         config_class=Qwen3_5MoeTextConfig,
         config=dict(
             vocab_size=256, hidden_size=64, **dict(HYBRID_LAYERS, linear_value_head_dim=16),
-            **HYBRID_MOE, **QWEN3_5_ROPE,
+            **dict(HYBRID_MOE, shared_expert_intermediate_size=32), **QWEN3_5_ROPE,
             tie_word_embeddings=False, bos_token_id=254, eos_token_id=255,
         ),
         seed=18,

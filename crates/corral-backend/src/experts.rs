@@ -24,6 +24,8 @@ enum ExpertStorage {
 #[derive(Debug)]
 pub struct ExpertMatrices {
     storage: ExpertStorage,
+    /// One more expert after those of `storage` (a shared expert folded in), `[rows, cols]`.
+    extra: Option<DeviceBuffer>,
     num_experts: usize,
     rows: usize,
     cols: usize,
@@ -57,6 +59,7 @@ impl ExpertMatrices {
                 offset: row_start * cols,
                 expert_stride: stacked_rows * cols,
             },
+            extra: None,
             num_experts,
             rows,
             cols,
@@ -77,10 +80,38 @@ impl ExpertMatrices {
         Ok(Self {
             num_experts: buffers.len(),
             storage: ExpertStorage::PerExpert(buffers),
+            extra: None,
             rows,
             cols,
             device_table: OnceLock::new(),
         })
+    }
+
+    /// These experts and one more, `matrix` (`[rows, cols]`, stored like the others), as
+    /// expert `num_experts()`: a shared expert that every token is routed to, run by the
+    /// same grouped and per-token ops as the routed ones.
+    pub fn with_extra(mut self, matrix: DeviceBuffer) -> Result<Self> {
+        if matrix.len() < self.rows * self.cols {
+            return Err(BackendError::TooSmall {
+                op: "expert matrices",
+                what: "extra expert",
+                len: matrix.len(),
+                needed: self.rows * self.cols,
+            });
+        }
+        if self.extra.is_some() || self.dtype().is_some_and(|d| d != matrix.dtype()) {
+            return Err(BackendError::BadArgument {
+                op: "expert matrices",
+                detail: format!(
+                    "an extra expert stored as {} beside experts stored as {:?}, or a second one",
+                    matrix.dtype(),
+                    self.dtype()
+                ),
+            });
+        }
+        self.extra = Some(matrix);
+        self.num_experts += 1;
+        Ok(self)
     }
 
     /// Number of experts.
@@ -102,6 +133,16 @@ impl ExpertMatrices {
     /// router, which never yields one out of range.
     pub fn view(&self, expert: usize) -> WeightView<'_> {
         assert!(expert < self.num_experts, "expert id out of range");
+        if let Some(extra) = &self.extra
+            && expert + 1 == self.num_experts
+        {
+            return WeightView {
+                buffer: extra,
+                offset: 0,
+                rows: self.rows,
+                cols: self.cols,
+            };
+        }
         match &self.storage {
             ExpertStorage::Stacked {
                 buffer,

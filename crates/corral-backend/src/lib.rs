@@ -417,6 +417,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Softmax router: from `[tokens, num_experts]` logits, each token's `top_k` experts and
     /// weights (renormalised to sum 1 when `renormalize`). Ties go to the lower expert id.
+    /// With `shared_gate`, each logits row has one more column, a shared expert's gate logit,
+    /// and each token one more choice after its `top_k`: expert `num_experts` with weight
+    /// sigmoid(that logit) (ids and weights are `[tokens, top_k + 1]`).
     #[allow(clippy::too_many_arguments)]
     fn moe_route(
         &self,
@@ -425,6 +428,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         num_experts: usize,
         top_k: usize,
         renormalize: bool,
+        shared_gate: bool,
         expert_ids: &mut DeviceBuffer,
         expert_weights: &mut DeviceBuffer,
     ) -> Result<()>;

@@ -205,7 +205,7 @@ fn route_breaks_ties_to_the_lower_expert_and_renormalises() {
         .take_buffer(DType::F32, 6, BufferUsage::Activations)
         .unwrap();
     for renormalize in [false, true] {
-        b.moe_route(&logits, 2, 4, 3, renormalize, &mut ids, &mut weights)
+        b.moe_route(&logits, 2, 4, 3, renormalize, false, &mut ids, &mut weights)
             .unwrap();
         let mut got_ids = vec![0u32; 6];
         let mut got_w = vec![0f32; 6];
@@ -230,5 +230,37 @@ fn route_breaks_ties_to_the_lower_expert_and_renormalises() {
         for (g, e) in got_w.iter().zip(&expected) {
             assert!((g - e).abs() < 1e-6, "{got_w:?} vs {expected:?}");
         }
+    }
+}
+
+#[test]
+fn route_with_a_shared_gate_adds_the_shared_expert_after_the_top_k() {
+    let b = CpuBackend::new();
+    // Two tokens of 3 experts and a shared gate logit each (the 4th column).
+    let logits = upload(&b, &[3.0, 1.0, 2.0, 0.0, 0.5, 1.5, 1.0, -2.0]);
+    let mut ids = b.take_buffer(DType::U32, 6, BufferUsage::Metadata).unwrap();
+    let mut weights = b
+        .take_buffer(DType::F32, 6, BufferUsage::Activations)
+        .unwrap();
+    b.moe_route(&logits, 2, 3, 2, true, true, &mut ids, &mut weights)
+        .unwrap();
+    let (mut got_ids, mut got_w) = (vec![0u32; 6], vec![0f32; 6]);
+    b.download_u32(&ids, &mut got_ids).unwrap();
+    b.download_f32(&weights, &mut got_w).unwrap();
+    assert_eq!(got_ids, vec![0, 2, 3, 1, 2, 3]);
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    // The routed pair renormalised to 1; the shared expert weighted by its gate alone.
+    let (a, c) = (3f32.exp(), 2f32.exp());
+    let (d, e) = (1.5f32.exp(), 1f32.exp());
+    let expected = [
+        a / (a + c),
+        c / (a + c),
+        sigmoid(0.0),
+        d / (d + e),
+        e / (d + e),
+        sigmoid(-2.0),
+    ];
+    for (g, w) in got_w.iter().zip(&expected) {
+        assert!((g - w).abs() < 1e-6, "{got_w:?} vs {expected:?}");
     }
 }

@@ -678,10 +678,13 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
         let dtype = DTYPES[case % 3];
         let fused = case % 2 == 0;
         let renormalize = case % 4 < 2;
+        // Some cases fold a shared expert in: one more logit column (its gate) and expert e.
+        let shared = case % 5 == 3;
+        let (row, choices) = (e + shared as usize, top_k + shared as usize);
         let x = rng.values(tokens * h);
         // A few logit levels, so that ties (broken towards the lower id) are common.
         let logits: Vec<f32> = rng
-            .values(tokens * e)
+            .values(tokens * row)
             .iter()
             .map(|v| if case % 3 == 0 { (v * 3.0).floor() } else { *v })
             .collect();
@@ -690,23 +693,44 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
             rng.values(e * i * h),
             rng.values(e * h * i),
         ];
-        let pairs = tokens * top_k;
+        let extra = [rng.values(i * h), rng.values(i * h), rng.values(h * i)];
+        let pairs = tokens * choices;
         let mut results = Vec::new();
         for b in [&c as &dyn Backend, g] {
-            let w = experts(b, &values, e, i, h, fused, dtype);
+            let mut w = experts(b, &values, e, i, h, fused, dtype);
+            if shared {
+                let add = |m: ExpertMatrices, v: &[f32]| {
+                    m.with_extra(b.weight_from_f32(v, dtype).unwrap()).unwrap()
+                };
+                w = ExpertWeights {
+                    gate: add(w.gate, &extra[0]),
+                    up: add(w.up, &extra[1]),
+                    down: add(w.down, &extra[2]),
+                };
+            }
             let (xb, lb) = (f32_buf(b, &x), f32_buf(b, &logits));
             let mut ids = b
                 .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
                 .unwrap();
             let mut weights = out_buf(b, pairs);
-            b.moe_route(&lb, tokens, e, top_k, renormalize, &mut ids, &mut weights)
-                .unwrap();
+            b.moe_route(
+                &lb,
+                tokens,
+                e,
+                top_k,
+                renormalize,
+                shared,
+                &mut ids,
+                &mut weights,
+            )
+            .unwrap();
             let routing = MoeRouting {
                 expert_ids: &ids,
                 expert_weights: &weights,
                 tokens,
-                top_k,
+                top_k: choices,
             };
+            let e = w.gate.num_experts();
             let mut offsets = b
                 .take_buffer(DType::U32, e + 1, BufferUsage::Metadata)
                 .unwrap();
@@ -764,7 +788,7 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
             ));
         }
         let what = format!(
-            "case {case}: {tokens} tokens, top {top_k} of {e}, h {h} i {i} {dtype} fused {fused}"
+            "case {case}: {tokens} tokens, top {top_k} of {e}, h {h} i {i} {dtype} fused {fused} shared {shared}"
         );
         let (cpu, gpu) = (&results[0], &results[1]);
         assert_eq!(cpu.0, gpu.0, "{what}: expert ids");

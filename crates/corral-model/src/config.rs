@@ -326,6 +326,18 @@ impl ModelConfig {
         Ok(config)
     }
 
+    /// Whether the MoE blocks run their shared expert as one more expert of the routed ops
+    /// (a shared expert of the routed experts' intermediate size, as in every Qwen3.5/3.6 and
+    /// Qwen3-Next checkpoint); otherwise it runs as a separate MLP.
+    pub fn folds_shared_expert(&self) -> bool {
+        match (&self.moe, &self.hybrid) {
+            (Some(m), Some(h)) => {
+                h.shared_expert_intermediate_size == Some(m.moe_intermediate_size)
+            }
+            _ => false,
+        }
+    }
+
     /// Whether layer `layer` runs the sparse MoE block (else the dense MLP).
     pub fn is_sparse_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| is_sparse(m, layer))

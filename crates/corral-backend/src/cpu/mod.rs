@@ -860,6 +860,7 @@ impl Backend for CpuBackend {
         num_experts: usize,
         top_k: usize,
         renormalize: bool,
+        shared_gate: bool,
         expert_ids: &mut DeviceBuffer,
         expert_weights: &mut DeviceBuffer,
     ) -> Result<()> {
@@ -867,11 +868,23 @@ impl Backend for CpuBackend {
         if top_k == 0 || top_k > num_experts {
             return Err(bad(op, format!("top-{top_k} of {num_experts} experts")));
         }
-        let logits = f32s(op, "logits", logits, tokens * num_experts)?;
-        let ids = u32s_mut(op, "expert_ids", expert_ids, tokens * top_k)?;
-        let weights = f32s_mut(op, "expert_weights", expert_weights, tokens * top_k)?;
+        let (row, choices) = (
+            num_experts + shared_gate as usize,
+            top_k + shared_gate as usize,
+        );
+        let logits = f32s(op, "logits", logits, tokens * row)?;
+        let ids = u32s_mut(op, "expert_ids", expert_ids, tokens * choices)?;
+        let weights = f32s_mut(op, "expert_weights", expert_weights, tokens * choices)?;
         self.stats.dispatch(1);
-        ops::moe::route(logits, num_experts, top_k, renormalize, ids, weights);
+        ops::moe::route(
+            &logits[..tokens * row],
+            num_experts,
+            top_k,
+            renormalize,
+            shared_gate,
+            &mut ids[..tokens * choices],
+            &mut weights[..tokens * choices],
+        );
         Ok(())
     }
 

@@ -1225,6 +1225,7 @@ impl Backend for CudaBackend {
         num_experts: usize,
         top_k: usize,
         renormalize: bool,
+        shared_gate: bool,
         expert_ids: &mut DeviceBuffer,
         expert_weights: &mut DeviceBuffer,
     ) -> Result<()> {
@@ -1235,19 +1236,24 @@ impl Backend for CudaBackend {
         if tokens == 0 {
             return Ok(());
         }
+        let (row, choices) = (
+            num_experts + shared_gate as usize,
+            top_k + shared_gate as usize,
+        );
         let args = [
-            buf(op, "logits", logits, DType::F32, tokens * num_experts)?,
+            buf(op, "logits", logits, DType::F32, tokens * row)?,
             u32_of(op, tokens)?,
             u32_of(op, num_experts)?,
             u32_of(op, top_k)?,
             Arg::U32(renormalize as u32),
-            buf(op, "expert_ids", expert_ids, DType::U32, tokens * top_k)?,
+            Arg::U32(shared_gate as u32),
+            buf(op, "expert_ids", expert_ids, DType::U32, tokens * choices)?,
             buf(
                 op,
                 "expert_weights",
                 expert_weights,
                 DType::F32,
-                tokens * top_k,
+                tokens * choices,
             )?,
         ];
         // A warp per token, eight to a block.

@@ -437,6 +437,18 @@ impl HybridModel {
                 }
             };
             let ffn = match &config.moe {
+                Some(moe) if config.is_sparse_layer(i) && config.folds_shared_expert() => {
+                    FeedForward::Sparse {
+                        moe: Box::new(SparseMoe::load_with_shared(
+                            src,
+                            backend,
+                            &format!("{p}mlp."),
+                            h,
+                            moe,
+                        )?),
+                        shared: None,
+                    }
+                }
                 Some(moe) if config.is_sparse_layer(i) => {
                     let shared = match hy.shared_expert_intermediate_size {
                         Some(si) if si > 0 => Some((

@@ -180,8 +180,14 @@ impl Workspace {
         });
         let hybrid = config.hybrid.is_some();
         let t = |n: usize| if hybrid { tokens * n } else { 1 };
+        // A shared expert folded into the MoE is one more expert and one more choice a token.
+        let folded = config.folds_shared_expert() as usize;
         let (experts, top_k, moe_inter) = config.moe.as_ref().map_or((1, 1, 1), |m| {
-            (m.num_experts, m.top_k, m.moe_intermediate_size)
+            (
+                m.num_experts + folded,
+                m.top_k + folded,
+                m.moe_intermediate_size,
+            )
         });
         let pairs = tokens * top_k;
         Ok(Self {

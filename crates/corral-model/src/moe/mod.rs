@@ -26,12 +26,17 @@ pub use strategy::{DEFAULT_GROUPED_MIN_TOKENS, MoeStrategy, UnknownStrategy};
 /// Weights of one sparse MoE block.
 #[derive(Debug)]
 pub(crate) struct SparseMoe {
+    /// `[num_experts (+ 1 with a shared expert: its gate), hidden]`.
     router: DeviceBuffer,
+    /// The routed experts, and the shared expert as one more when `shared`.
     experts: ExpertWeights,
     hidden: usize,
     num_experts: usize,
     top_k: usize,
     renormalize: bool,
+    /// A shared expert folded in: every token also goes to expert `num_experts`, weighted
+    /// sigmoid(its gate logit), through the same ops as the routed experts.
+    shared: bool,
 }
 
 impl SparseMoe {
@@ -51,6 +56,49 @@ impl SparseMoe {
             num_experts: e,
             top_k: moe.top_k,
             renormalize: moe.norm_topk_prob,
+            shared: false,
+        })
+    }
+
+    /// As [`SparseMoe::load`], with the shared expert `{prefix}shared_expert.` (of the routed
+    /// experts' intermediate size and type) and its gate `{prefix}shared_expert_gate.weight`
+    /// folded in: the gate becomes the router's last row and the expert the last expert.
+    pub(crate) fn load_with_shared(
+        source: &dyn WeightSource,
+        backend: &dyn Backend,
+        prefix: &str,
+        hidden: usize,
+        moe: &MoeConfig,
+    ) -> Result<Self> {
+        let (e, i, h) = (moe.num_experts, moe.moe_intermediate_size, hidden);
+        let router = source.weight_stacked(
+            backend,
+            &[
+                (&format!("{prefix}gate.weight"), &[e, h]),
+                (&format!("{prefix}shared_expert_gate.weight"), &[1, h]),
+            ],
+        )?;
+        let experts = layout::load_experts(source, backend, prefix, e, i, h)?;
+        let shared = |name: &str, shape: &[usize]| {
+            source.weight(
+                backend,
+                &format!("{prefix}shared_expert.{name}.weight"),
+                shape,
+            )
+        };
+        let experts = ExpertWeights {
+            gate: experts.gate.with_extra(shared("gate_proj", &[i, h])?)?,
+            up: experts.up.with_extra(shared("up_proj", &[i, h])?)?,
+            down: experts.down.with_extra(shared("down_proj", &[h, i])?)?,
+        };
+        Ok(Self {
+            router,
+            experts,
+            hidden,
+            num_experts: e,
+            top_k: moe.top_k,
+            renormalize: moe.norm_topk_prob,
+            shared: true,
         })
     }
 
@@ -62,7 +110,8 @@ impl SparseMoe {
         tokens: usize,
         strategy: MoeStrategy,
     ) -> Result<()> {
-        let router = WeightView::new(&self.router, self.num_experts, self.hidden)?;
+        let shared = self.shared as usize;
+        let router = WeightView::new(&self.router, self.num_experts + shared, self.hidden)?;
         backend.matmul(&ws.h, tokens, router, &mut ws.router_logits)?;
         backend.moe_route(
             &ws.router_logits,
@@ -70,6 +119,7 @@ impl SparseMoe {
             self.num_experts,
             self.top_k,
             self.renormalize,
+            self.shared,
             &mut ws.expert_ids,
             &mut ws.expert_weights,
         )?;
@@ -77,7 +127,7 @@ impl SparseMoe {
             expert_ids: &ws.expert_ids,
             expert_weights: &ws.expert_weights,
             tokens,
-            top_k: self.top_k,
+            top_k: self.top_k + shared,
         };
         match strategy.resolve(tokens) {
             MoeStrategy::PerExpert => {
@@ -200,7 +250,7 @@ mod tests {
             let logits = f32_buffer(&b, &logits);
             let mut ids = b.take_buffer(DType::U32, tokens * top_k, BufferUsage::Metadata).unwrap();
             let mut weights = b.take_buffer(DType::F32, tokens * top_k, BufferUsage::Activations).unwrap();
-            b.moe_route(&logits, tokens, num_experts, top_k, renormalize, &mut ids, &mut weights).unwrap();
+            b.moe_route(&logits, tokens, num_experts, top_k, renormalize, false, &mut ids, &mut weights).unwrap();
             let routing = MoeRouting { expert_ids: &ids, expert_weights: &weights, tokens, top_k };
             let experts = experts(&b, num_experts, inter, hidden, fused, dtype, seed ^ 9);
             let pairs = tokens * top_k;

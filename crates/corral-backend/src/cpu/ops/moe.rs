@@ -10,19 +10,27 @@ use super::{WeightRows, dot, with_scratch};
 const ROW_TILE: usize = 64;
 
 /// Softmax over each token's `num_experts` logits, then its `top_k` largest probabilities
-/// (ties to the lower expert id), optionally renormalised to sum 1.
+/// (ties to the lower expert id), optionally renormalised to sum 1. With `shared_gate`, each
+/// row holds one more logit, a shared expert's gate, and each token one more choice: expert
+/// `num_experts` weighted sigmoid(that logit).
 pub(crate) fn route(
     logits: &[f32],
     num_experts: usize,
     top_k: usize,
     renormalize: bool,
+    shared_gate: bool,
     ids: &mut [u32],
     weights: &mut [f32],
 ) {
-    ids.par_chunks_mut(top_k)
-        .zip(weights.par_chunks_mut(top_k))
-        .zip(logits.par_chunks(num_experts))
-        .for_each(|((ids, weights), l)| {
+    let (row, choices) = (
+        num_experts + shared_gate as usize,
+        top_k + shared_gate as usize,
+    );
+    ids.par_chunks_mut(choices)
+        .zip(weights.par_chunks_mut(choices))
+        .zip(logits.par_chunks(row))
+        .for_each(|((ids, weights), row)| {
+            let l = &row[..num_experts];
             let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let sum: f32 = l.iter().map(|v| (v - max).exp()).sum();
             for j in 0..top_k {
@@ -37,8 +45,12 @@ pub(crate) fn route(
                 weights[j] = (l[best] - max).exp() / sum;
             }
             if renormalize {
-                let total: f32 = weights.iter().sum();
-                weights.iter_mut().for_each(|w| *w /= total);
+                let total: f32 = weights[..top_k].iter().sum();
+                weights[..top_k].iter_mut().for_each(|w| *w /= total);
+            }
+            if shared_gate {
+                ids[top_k] = num_experts as u32;
+                weights[top_k] = 1.0 / (1.0 + (-row[num_experts]).exp());
             }
         });
 }

@@ -15,17 +15,19 @@
 // Softmax over each token's expert logits, then its top_k experts (ties to the lower id) and
 // their probabilities, renormalised to sum 1 when asked. One warp per token. Up to 512
 // experts, each lane holds its experts' logits (lane + 32 i) in registers, read once, and a
-// bitmask of which are chosen; with more, the logits are re-read for each choice.
+// bitmask of which are chosen; with more, the logits are re-read for each choice. With
+// `shared`, a row holds one more logit (a shared expert's gate) and the token one more
+// choice: expert num_experts, weighted sigmoid(that logit).
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
-    const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32* ids,
-    float* weights) {
+    const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32 shared,
+    u32* ids, float* weights) {
     begin_kernel();
     u32 lane = threadIdx.x & 31;
     u32 t = blockIdx.x * (ROUTE_THREADS / 32) + (threadIdx.x >> 5);
     if (t >= tokens) return;
-    const float* l = logits + (size_t)t * num_experts;
-    u32* out_ids = ids + (size_t)t * top_k;
-    float* out_w = weights + (size_t)t * top_k;
+    const float* l = logits + (size_t)t * (num_experts + shared);
+    u32* out_ids = ids + (size_t)t * (top_k + shared);
+    float* out_w = weights + (size_t)t * (top_k + shared);
     // The warp's best (value, id) pair, ties to the lower id; id 0xffffffff: none.
     auto warp_best = [&](float& bv, u32& bi) {
 #pragma unroll
@@ -110,6 +112,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
     }
     if (renormalize && lane == 0)
         for (u32 j = 0; j < top_k; j++) out_w[j] /= total;
+    if (shared && lane == 0) {
+        out_ids[top_k] = num_experts;
+        out_w[top_k] = sigmoid(l[num_experts]);
+    }
 }
 
 // Stable counting sort of the routed pairs by expert, in one block: counts, exclusive
