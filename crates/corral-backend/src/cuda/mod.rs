@@ -1596,11 +1596,11 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let grid = (
-            grid_of(op, channels.div_ceil(128))?,
+            grid_of(op, channels.div_ceil(32))?,
             grid_of(op, runs.num_runs)?,
             1,
         );
-        self.launch(&self.kernels.causal_conv1d, grid, 128, &args)
+        self.launch(&self.kernels.causal_conv1d, grid, 256, &args)
     }
 
     fn delta_net_gates(

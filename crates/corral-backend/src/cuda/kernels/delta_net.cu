@@ -20,48 +20,50 @@ __device__ __forceinline__ bool run_of(const u32* runs, u32 r, u32 tokens, u32 s
     return true;
 }
 
-// out[t, c] = silu(Σ_i w[c, i] · window[i]) where the window is the previous kernel - 1
-// inputs of channel c followed by x[t, c]; a thread per (run, channel), the window in
-// registers, written back to the state at the end. Grid: (ceil(channels / 128), runs).
-extern "C" __global__ void causal_conv1d(const float* x, const float* weight, u32 channels,
-                                         u32 kernel, const u32* runs, u32 tokens, u32 slots,
-                                         float* state, float* out, Diag* diag) {
+#define CONV_CHANNELS 32     // channels of a block (one per lane)
+#define CONV_TOKEN_LANES 8   // tokens a block computes at once (one per warp)
+
+// out[t, c] = silu(Σ_i w[c, i] · in[t - (kernel - 1) + i]) where `in` is channel c's stored
+// history (the previous kernel - 1 inputs; zero for a fresh sequence) followed by the run's
+// x[., c]. A block takes 32 channels of one run and its warps alternate tokens, every token
+// independent of the others; the old history is staged in shared memory, and the run's last
+// kernel - 1 inputs are written back once every token is done. Grid: (ceil(channels / 32),
+// runs); block: 256 threads.
+extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) causal_conv1d(
+    const float* x, const float* weight, u32 channels, u32 kernel, const u32* runs, u32 tokens,
+    u32 slots, float* state, float* out, Diag* diag) {
     begin_kernel();
-    u32 c = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
+    __shared__ float old_history[CONV_MAX_KERNEL][CONV_CHANNELS];
+    u32 lane = threadIdx.x % CONV_CHANNELS, tl = threadIdx.x / CONV_CHANNELS;
+    u32 c = blockIdx.x * CONV_CHANNELS + lane, r = blockIdx.y;
     u32 start, len, slot;
     bool fresh;
     if (!run_of(runs, r, tokens, slots, &start, &len, &slot, &fresh, diag)) return;
-    if (c >= channels) return;
+    bool ok = c < channels;
     u32 hist = kernel - 1;
-    float* history = state + ((size_t)slot * channels + c) * hist;
-    float w[CONV_MAX_KERNEL], window[CONV_MAX_KERNEL];
-#pragma unroll
-    for (int i = 0; i < CONV_MAX_KERNEL; i++) {
-        w[i] = i < (int)kernel ? weight[(size_t)c * kernel + i] : 0.f;
-        window[i] = i < (int)hist && !fresh ? history[i] : 0.f;
-    }
-    for (u32 t = start; t < start + len; t++) {
-        float y = 0.f;
-#pragma unroll
-        for (int i = 0; i < CONV_MAX_KERNEL; i++) {
-            if (i < (int)hist) y += w[i] * window[i];
-        }
-        float xt = x[(size_t)t * channels + c];
-        // The window's last slot is the current input (index hist).
-#pragma unroll
-        for (int i = 0; i < CONV_MAX_KERNEL; i++)
-            if (i == (int)hist) y += w[i] * xt;
-        out[(size_t)t * channels + c] = silu(y);
-#pragma unroll
-        for (int i = 0; i + 1 < CONV_MAX_KERNEL; i++)
-            if (i + 1 < (int)hist) window[i] = window[i + 1];
-#pragma unroll
-        for (int i = 0; i < CONV_MAX_KERNEL; i++)
-            if (i + 1 == (int)hist) window[i] = xt;
-    }
+    float* history = state + ((size_t)slot * channels + (ok ? c : 0)) * hist;
+    for (u32 i = tl; i < hist; i += CONV_TOKEN_LANES)
+        old_history[i][lane] = ok && !fresh ? history[i] : 0.f;
+    float w[CONV_MAX_KERNEL];
 #pragma unroll
     for (int i = 0; i < CONV_MAX_KERNEL; i++)
-        if (i < (int)hist) history[i] = window[i];
+        w[i] = ok && i < (int)kernel ? weight[(size_t)c * kernel + i] : 0.f;
+    __syncthreads();
+    // Input `i` of the run's window sequence: history below hist, then x from the run start.
+    auto input = [&](u32 i) -> float {
+        return i < hist ? old_history[i][lane] : x[(size_t)(start + i - hist) * channels + c];
+    };
+    if (ok)
+        for (u32 t = tl; t < len; t += CONV_TOKEN_LANES) {
+            float y = 0.f;
+#pragma unroll
+            for (int i = 0; i < CONV_MAX_KERNEL; i++)
+                if (i < (int)kernel) y += w[i] * input(t + i);
+            out[(size_t)(start + t) * channels + c] = silu(y);
+        }
+    __syncthreads();
+    if (ok)
+        for (u32 i = tl; i < hist; i += CONV_TOKEN_LANES) history[i] = input(len + i);
 }
 
 // g = -exp(a_log) · softplus(a + dt_bias) and beta = σ(b), per (token, head).
@@ -108,12 +110,24 @@ extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
         s[i] = live && i < (int)rows && a < dk && !fresh ? s_global[(size_t)a * dv + e] : 0.f;
     }
     float scale = rsqrtf((float)dk);
-    for (u32 t = start; t < start + len; t++) {
+    // This thread's inputs of token t: q and k element threadIdx.x, v element e, the gates.
+    struct TokenIn { float q, k, v, g, b; };
+    auto load_token = [&](u32 t) {
         const float* row = qkv + (size_t)t * width;
-        const float* qh = row + kh * dk;
-        const float* kh_row = row + nk * dk + kh * dk;
-        float qv = threadIdx.x < dk ? qh[threadIdx.x] : 0.f;
-        float kv = threadIdx.x < dk ? kh_row[threadIdx.x] : 0.f;
+        TokenIn in;
+        in.q = threadIdx.x < dk ? row[kh * dk + threadIdx.x] : 0.f;
+        in.k = threadIdx.x < dk ? row[nk * dk + kh * dk + threadIdx.x] : 0.f;
+        in.v = live ? row[2 * nk * dk + j * dv + e] : 0.f;
+        in.g = g[(size_t)t * nv + j];
+        in.b = beta[(size_t)t * nv + j];
+        return in;
+    };
+    // Each token's inputs are loaded while the previous token is computed.
+    TokenIn next = len > 0 ? load_token(start) : TokenIn{0.f, 0.f, 0.f, 0.f, 0.f};
+    for (u32 t = start; t < start + len; t++) {
+        TokenIn cur = next;
+        if (t + 1 < start + len) next = load_token(t + 1);
+        float qv = cur.q, kv = cur.k;
         float q_norm = block_sum(qv * qv, scratch);
         float k_norm = block_sum(kv * kv, scratch);
         __syncthreads();
@@ -122,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
             k_s[threadIdx.x] = kv * rsqrtf(k_norm + 1e-6f);
         }
         __syncthreads();
-        float decay = expf(g[(size_t)t * nv + j]), b = beta[(size_t)t * nv + j];
+        float decay = expf(cur.g), b = cur.b;
         float p = 0.f;
 #pragma unroll
         for (int i = 0; i < DR_MAX_ROWS; i++) {
@@ -132,8 +146,7 @@ extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
             }
         }
         p += __shfl_xor_sync(0xffffffffu, p, 1);
-        float v = live ? row[2 * nk * dk + j * dv + e] : 0.f;
-        p = b * (v - p);
+        p = b * (cur.v - p);
         float o = 0.f;
 #pragma unroll
         for (int i = 0; i < DR_MAX_ROWS; i++) {
