@@ -64,6 +64,8 @@ pub(crate) struct Kernels {
     pub(crate) moe_combine: Kernel,
     pub(crate) causal_conv1d: Kernel,
     pub(crate) delta_net_gates: Kernel,
+    /// The delta rule for blocks of up to 256 threads (value dims up to 128), and any.
+    pub(crate) gated_delta_rule_256: Kernel,
     pub(crate) gated_delta_rule: Kernel,
     _modules: Vec<Arc<CudaModule>>,
 }
@@ -233,6 +235,7 @@ impl Kernels {
             moe_combine: find("moe_combine")?,
             causal_conv1d: find("causal_conv1d")?,
             delta_net_gates: find("delta_net_gates")?,
+            gated_delta_rule_256: find("gated_delta_rule_256")?,
             gated_delta_rule: find("gated_delta_rule")?,
             _modules: modules,
         };

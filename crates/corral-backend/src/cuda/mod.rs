@@ -1693,7 +1693,12 @@ impl Backend for CudaBackend {
         // Two threads per state column, and at least one per key dim, in whole warps.
         let threads = (2 * dv).max(dk).div_ceil(32) * 32;
         let grid = (grid_of(op, runs.num_runs)?, grid_of(op, nv)?, 1);
-        self.launch(&self.kernels.gated_delta_rule, grid, threads as u32, &args)
+        let kernel = if threads <= 256 {
+            &self.kernels.gated_delta_rule_256
+        } else {
+            &self.kernels.gated_delta_rule
+        };
+        self.launch(kernel, grid, threads as u32, &args)
     }
 
     fn gated_rms_norm(

@@ -82,17 +82,32 @@ extern "C" __global__ void delta_net_gates(const float* a, const float* b, const
 
 #define DR_MAX_ROWS 64  // state rows a thread keeps: key dims up to 128 over two threads
 
+// Sums of a and of b over the block (blockDim.x a multiple of 32); every thread gets both.
+// Begins with a barrier, so shared memory read before it may be rewritten after it.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float2* scratch32) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    __syncthreads();
+    if (lane == 0) scratch32[warp] = make_float2(a, b);
+    __syncthreads();
+    float2 v = lane < warps ? scratch32[lane] : make_float2(0.f, 0.f);
+    return make_float2(warp_sum(v.x), warp_sum(v.y));
+}
+
 // The gated delta rule for one (run, value head) per block, token by token. Thread 2e + h
 // holds rows [h R, h R + R) of column e of the state S [dk, dv] in registers (R = dk / 2
 // rounded up); the pair sums its halves with one shuffle. Per token: q and k L2-normalised
 // (q also by dk^-1/2) into shared memory, S ← exp(g) S, p = β (v − Sᵀk), S += k pᵀ, and
-// out = Sᵀq. Grid: (runs, nv); block: 2 dv threads rounded up to whole warps.
-extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
-    const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,
-    const u32* runs, u32 tokens, u32 slots, float* state, float* out, Diag* diag) {
-    begin_kernel();
+// out = Sᵀq. Grid: (runs, nv); block: 2 dv threads rounded up to whole warps. Two entry
+// points: up to 256 threads (dv <= 128), whose register budget keeps the state without
+// spilling, and up to 1024.
+__device__ __forceinline__ void gated_delta_rule_impl(const float* qkv, const float* g, const float* beta,
+                                      u32 nk, u32 nv, u32 dk, u32 dv, const u32* runs,
+                                      u32 tokens, u32 slots, float* state, float* out,
+                                      Diag* diag) {
     __shared__ float q_s[2 * DR_MAX_ROWS], k_s[2 * DR_MAX_ROWS];
-    __shared__ float scratch[32];
+    __shared__ float2 scratch[32];
     u32 r = blockIdx.x, j = blockIdx.y;
     u32 start, len, slot;
     bool fresh;
@@ -128,12 +143,11 @@ extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
         TokenIn cur = next;
         if (t + 1 < start + len) next = load_token(t + 1);
         float qv = cur.q, kv = cur.k;
-        float q_norm = block_sum(qv * qv, scratch);
-        float k_norm = block_sum(kv * kv, scratch);
-        __syncthreads();
+        // Its barrier also ends the previous token's reads of q_s and k_s.
+        float2 norms = block_sum2(qv * qv, kv * kv, scratch);
         if (threadIdx.x < dk) {
-            q_s[threadIdx.x] = qv * rsqrtf(q_norm + 1e-6f) * scale;
-            k_s[threadIdx.x] = kv * rsqrtf(k_norm + 1e-6f);
+            q_s[threadIdx.x] = qv * rsqrtf(norms.x + 1e-6f) * scale;
+            k_s[threadIdx.x] = kv * rsqrtf(norms.y + 1e-6f);
         }
         __syncthreads();
         float decay = expf(cur.g), b = cur.b;
@@ -164,3 +178,14 @@ extern "C" __global__ void __launch_bounds__(1024) gated_delta_rule(
         if (live && i < (int)rows && a < dk) s_global[(size_t)a * dv + e] = s[i];
     }
 }
+
+#define GATED_DELTA_RULE(NAME, MAX_THREADS)                                                   \
+    extern "C" __global__ void __launch_bounds__(MAX_THREADS) NAME(                           \
+        const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,  \
+        const u32* runs, u32 tokens, u32 slots, float* state, float* out, Diag* diag) {       \
+        begin_kernel();                                                                       \
+        gated_delta_rule_impl(qkv, g, beta, nk, nv, dk, dv, runs, tokens, slots, state, out,  \
+                              diag);                                                          \
+    }
+GATED_DELTA_RULE(gated_delta_rule_256, 256)
+GATED_DELTA_RULE(gated_delta_rule, 1024)
