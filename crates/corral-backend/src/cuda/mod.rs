@@ -1833,7 +1833,8 @@ mod tests {
 
     /// Kernels are launched with programmatic dependent launch, so every kernel must wait
     /// for its predecessor before it reads or writes anything: its first statement is
-    /// `begin_kernel();` (a kernel without it could read a buffer still being written).
+    /// `begin_kernel();` or `begin_small_kernel();` (a kernel without either could read a
+    /// buffer still being written).
     #[test]
     fn every_kernel_begins_by_waiting_for_the_one_before() {
         let mut kernels = 0;
@@ -1844,8 +1845,9 @@ mod tests {
                 let first =
                     body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
                 assert!(
-                    first.starts_with("begin_kernel();"),
-                    "{}:{}: the kernel does not begin with begin_kernel()",
+                    first.starts_with("begin_kernel();")
+                        || first.starts_with("begin_small_kernel();"),
+                    "{}:{}: the kernel does not begin with begin_kernel() or begin_small_kernel()",
                     source.name,
                     body[..at].lines().count()
                 );

@@ -28,7 +28,7 @@ __device__ void kv_store_impl(const float* k, const float* v, const u32* slots, 
                                                  const u32* slots, u32 tokens, u32 kv_dim,    \
                                                  u64 cache_slots, C* cache_k, C* cache_v,     \
                                                  Diag* diag) {                                \
-        begin_kernel();                                                                       \
+        begin_small_kernel();                                                                 \
         kv_store_impl<C>(k, v, slots, tokens, kv_dim, cache_slots, cache_k, cache_v, diag);   \
     }
 KV_STORE(bf16, u16)
@@ -106,7 +106,7 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
                                      u32 head_dim, u32 rotary_dim, float theta, float eps,    \
                                      u64 cache_slots, float* q_out, C* cache_k, C* cache_v,   \
                                      Diag* diag) {                                            \
-        begin_kernel();                                                                       \
+        begin_small_kernel();                                                                 \
         qkv_norm_rope_store_impl<C>(qkv, q_weight, k_weight, positions, slots, tokens, heads, \
                                     kv_heads, head_dim, rotary_dim, theta, eps, cache_slots,  \
                                     q_out, cache_k, cache_v, diag);                           \
@@ -638,7 +638,7 @@ __device__ void decode_attention_mma_impl(
         u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
         u32 head_dim, float scale, u32 split_keys, float* partial, u32* counters,             \
         float* out, Diag* diag) {                                                             \
-        begin_kernel();                                                                       \
+        begin_small_kernel();                                                                 \
         decode_attention_mma_impl<HD>(q, cache_k, cache_v, positions, token_runs, runs,       \
                                       block_tables, max_blocks, block_size, num_blocks,       \
                                       tokens, num_heads, num_kv_heads, scale, split_keys,     \
@@ -656,7 +656,7 @@ DECODE_ATTENTION_MMA(256)
             u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,      \
             u32 head_dim, float scale, u32 split_keys, float* partial, u32* counters,         \
             float* out, Diag* diag) {                                                         \
-        begin_kernel();                                                                       \
+        begin_small_kernel();                                                                 \
         paged_attention_impl<C, D>(q, cache_k, cache_v, positions, token_runs, runs,          \
                                    block_tables, max_blocks, block_size, num_blocks, tokens,  \
                                    num_heads, num_kv_heads, head_dim, scale, split_keys,      \

@@ -10,10 +10,19 @@ typedef unsigned long long u64;
 
 // Every kernel's first statement. Kernels are launched with programmatic dependent launch
 // (sm_90+): one may be scheduled while the kernel before it on the stream is finishing, and
-// waits here until that kernel has completed and its writes are visible; it then lets the
-// next kernel be scheduled in turn. Before sm_90 (and without the launch attribute) it is a
-// no-op and kernels run back to back as usual.
+// waits here until that kernel has completed and its writes are visible. Before sm_90 (and
+// without the launch attribute) it is a no-op and kernels run back to back as usual.
+// begin_kernel() lets the next kernel be scheduled once this one's blocks have exited, so
+// that a kernel of many waves keeps its SMs; begin_small_kernel() lets it be scheduled at
+// once, so that its blocks are resident and waiting when a short kernel (a norm, the
+// routing, a recurrence) ends. Which kernels are short was measured on the H200.
 __device__ __forceinline__ void begin_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void begin_small_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -32,7 +32,7 @@ __device__ __forceinline__ bool run_of(const u32* runs, u32 r, u32 tokens, u32 s
 extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) causal_conv1d(
     const float* x, const float* weight, u32 channels, u32 kernel, const u32* runs, u32 tokens,
     u32 slots, float* state, float* out, Diag* diag) {
-    begin_kernel();
+    begin_small_kernel();
     __shared__ float old_history[CONV_MAX_KERNEL][CONV_CHANNELS];
     u32 lane = threadIdx.x % CONV_CHANNELS, tl = threadIdx.x / CONV_CHANNELS;
     u32 c = blockIdx.x * CONV_CHANNELS + lane, r = blockIdx.y;
@@ -70,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) c
 extern "C" __global__ void delta_net_gates(const float* a, const float* b, const float* a_log,
                                            const float* dt_bias, u32 tokens, u32 heads, float* g,
                                            float* beta) {
-    begin_kernel();
+    begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)tokens * heads) return;
     u32 j = (u32)(i % heads);
@@ -183,7 +183,7 @@ __device__ __forceinline__ void gated_delta_rule_impl(const float* qkv, const fl
     extern "C" __global__ void __launch_bounds__(MAX_THREADS) NAME(                           \
         const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,  \
         const u32* runs, u32 tokens, u32 slots, float* state, float* out, Diag* diag) {       \
-        begin_kernel();                                                                       \
+        begin_small_kernel();                                                                 \
         gated_delta_rule_impl(qkv, g, beta, nk, nv, dk, dv, runs, tokens, slots, state, out,  \
                               diag);                                                          \
     }

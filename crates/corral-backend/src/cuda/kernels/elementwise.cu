@@ -16,7 +16,7 @@ __device__ void embedding_impl(const W* table, const u32* ids, u32 tokens, u32 h
     extern "C" __global__ void embedding_##SUFFIX(const W* table, const u32* ids, u32 tokens,  \
                                                   u32 hidden, u32 vocab, float* out,           \
                                                   Diag* diag) {                                \
-        begin_kernel();                                                                        \
+        begin_small_kernel();                                                                  \
         embedding_impl<W>(table, ids, tokens, hidden, vocab, out, diag);                       \
     }
 EMBEDDING(bf16, bf16w)
@@ -26,7 +26,7 @@ EMBEDDING(f32, float)
 // out[i] = x[rows[i]] for rows of `dim`; `src_rows` bounds the indices.
 extern "C" __global__ void gather_rows(const float* x, const u32* rows, u32 num_rows, u32 dim,
                                        u32 src_rows, float* out, Diag* diag) {
-    begin_kernel();
+    begin_small_kernel();
     u32 i = blockIdx.x;
     if (i >= num_rows) return;
     u32 r = rows[i];
@@ -37,19 +37,19 @@ extern "C" __global__ void gather_rows(const float* x, const u32* rows, u32 num_
 }
 
 extern "C" __global__ void add_in_place(float* acc, const float* x, u64 len) {
-    begin_kernel();
+    begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) acc[i] += x[i];
 }
 
 extern "C" __global__ void silu_mul(const float* gate, const float* up, u64 len, float* out) {
-    begin_kernel();
+    begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) out[i] = silu(gate[i]) * up[i];
 }
 
 extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, u64 len, float* out) {
-    begin_kernel();
+    begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) out[i] = x[i] * sigmoid(gate[i]);
 }
@@ -57,7 +57,7 @@ extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, u64 le
 // acc[t, d] += sigmoid(gate[t]) * x[t, d]
 extern "C" __global__ void add_sigmoid_gated(float* acc, const float* x, const float* gate,
                                              u32 rows, u32 dim) {
-    begin_kernel();
+    begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < (u64)rows * dim) acc[i] += sigmoid(gate[i / dim]) * x[i];
 }
@@ -66,7 +66,7 @@ extern "C" __global__ void add_sigmoid_gated(float* acc, const float* x, const f
 extern "C" __global__ void scale_scatter_add(const float* y, const u32* rows, const float* scales,
                                              u32 num_rows, u32 dim, u32 out_rows, float* out,
                                              Diag* diag) {
-    begin_kernel();
+    begin_small_kernel();
     u32 i = blockIdx.x;
     if (i >= num_rows) return;
     u32 r = rows[i];
@@ -123,7 +123,7 @@ NORMAL_FILL(f32, STORE_F32)
 // weight bytes (each read once, the least cuBLAS can read) to the step's counter.
 extern "C" __global__ void to_bf16(const float* x, u64 len, u16* out, u64 weight_bytes,
                                    Diag* diag) {
-    begin_kernel();
+    begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) count_weight_bytes(diag, weight_bytes);
     if (i < len) out[i] = f32_to_bf16(x[i]);

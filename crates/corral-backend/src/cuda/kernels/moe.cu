@@ -21,7 +21,7 @@
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
     const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32 shared,
     u32* ids, float* weights) {
-    begin_kernel();
+    begin_small_kernel();
     u32 lane = threadIdx.x & 31;
     u32 t = blockIdx.x * (ROUTE_THREADS / 32) + (threadIdx.x >> 5);
     if (t >= tokens) return;
@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
     const u32* ids, u32 pairs, u32 num_experts, u32* offsets, u32* hit_experts,
     u32* sorted_pairs, u32* pair_positions, Diag* diag) {
-    begin_kernel();
+    begin_small_kernel();
     __shared__ u32 counts[SORT_COUNTERS];  // [warp][expert]: count, then first position
     __shared__ u64 partial[SORT_THREADS];  // scanned: experts hit (high half), pairs (low)
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -560,7 +560,7 @@ MOE_KERNELS(f32, float)
 // out[t] = sum_j y[pair_positions[t*k + j]], summed in slot order.
 extern "C" __global__ void moe_combine(const float* y, const u32* pair_positions, u32 tokens,
                                        u32 top_k, u32 hidden, u32 pairs, float* out, Diag* diag) {
-    begin_kernel();
+    begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)tokens * hidden) return;
     u32 t = (u32)(i / hidden), d = (u32)(i % hidden);

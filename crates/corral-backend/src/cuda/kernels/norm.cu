@@ -42,7 +42,7 @@ __device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
 // out = x / sqrt(mean(x^2) + eps) * w, with w = weight or 1 + weight; one block per row.
 extern "C" __global__ void rms_norm(const float* x, const float* weight, u32 rows, u32 dim,
                                     float eps, u32 offset_one, float* out) {
-    begin_kernel();
+    begin_small_kernel();
     u32 r = blockIdx.x;
     if (r >= rows) return;
     norm_row(const_cast<float*>(x) + (size_t)r * dim, nullptr, false, weight, dim, eps,
@@ -52,7 +52,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, u32 row
 // out = (w * rmsnorm(x)) * silu(z), plain weight; one block per row.
 extern "C" __global__ void gated_rms_norm(const float* x, const float* z, const float* weight,
                                           u32 rows, u32 dim, float eps, float* out) {
-    begin_kernel();
+    begin_small_kernel();
     __shared__ float scratch[32];
     u32 r = blockIdx.x;
     if (r >= rows) return;
@@ -71,7 +71,7 @@ extern "C" __global__ void gated_rms_norm(const float* x, const float* z, const 
 // (token, head, pair). inv_freq and angles in f32, as the reference computes them.
 extern "C" __global__ void rope(float* x, const u32* positions, u32 tokens, u32 heads,
                                 u32 head_dim, u32 rotary_dim, float theta) {
-    begin_kernel();
+    begin_small_kernel();
     u32 half = rotary_dim / 2;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)tokens * heads * half) return;
@@ -90,7 +90,7 @@ extern "C" __global__ void rope(float* x, const u32* positions, u32 tokens, u32 
 // acc += x, then out = rms_norm(acc) (weight or 1 + weight); one block per row.
 extern "C" __global__ void add_rms_norm(float* acc, const float* x, const float* weight, u32 rows,
                                         u32 dim, float eps, u32 offset_one, float* out) {
-    begin_kernel();
+    begin_small_kernel();
     u32 r = blockIdx.x;
     if (r >= rows) return;
     norm_row(acc + (size_t)r * dim, x + (size_t)r * dim, true, weight, dim, eps,
