@@ -49,15 +49,27 @@ impl SparseMoe {
         moe: &MoeConfig,
     ) -> Result<Self> {
         let (e, i) = (moe.num_experts, moe.moe_intermediate_size);
-        Ok(Self {
-            router: source.weight(backend, &format!("{prefix}gate.weight"), &[e, hidden])?,
-            experts: layout::load_experts(source, backend, prefix, e, i, hidden)?,
+        let router = source.weight(backend, &format!("{prefix}gate.weight"), &[e, hidden])?;
+        let experts = layout::load_experts(source, backend, prefix, e, i, hidden)?;
+        Ok(Self::new(router, experts, hidden, moe, false))
+    }
+
+    fn new(
+        router: DeviceBuffer,
+        experts: ExpertWeights,
+        hidden: usize,
+        moe: &MoeConfig,
+        shared: bool,
+    ) -> Self {
+        Self {
+            router,
+            experts,
             hidden,
-            num_experts: e,
+            num_experts: moe.num_experts,
             top_k: moe.top_k,
             renormalize: moe.norm_topk_prob,
-            shared: false,
-        })
+            shared,
+        }
     }
 
     /// As [`SparseMoe::load`], with the shared expert `{prefix}shared_expert.` (of the routed
@@ -91,15 +103,7 @@ impl SparseMoe {
             up: experts.up.with_extra(shared("up_proj", &[i, h])?)?,
             down: experts.down.with_extra(shared("down_proj", &[h, i])?)?,
         };
-        Ok(Self {
-            router,
-            experts,
-            hidden,
-            num_experts: e,
-            top_k: moe.top_k,
-            renormalize: moe.norm_topk_prob,
-            shared: true,
-        })
+        Ok(Self::new(router, experts, hidden, moe, true))
     }
 
     /// `ws.out = moe(ws.h)` for `tokens` tokens, run with `strategy`.
