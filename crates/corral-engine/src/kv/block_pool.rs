@@ -54,6 +54,11 @@ impl KvBlockPool {
         self.num_blocks() - self.num_free()
     }
 
+    /// How many holders (sequences, and the prefix cache) `block` has.
+    pub fn holders(&self, block: BlockId) -> u32 {
+        self.ref_counts.get(block.0 as usize).copied().unwrap_or(0)
+    }
+
     /// Extends `table` with fresh blocks until it covers `tokens` positions; all or nothing.
     pub fn grow(&mut self, table: &mut BlockTable, tokens: usize) -> Result<(), OutOfBlocks> {
         let needed = tokens
