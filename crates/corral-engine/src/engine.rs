@@ -30,6 +30,9 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Longest sequence (prompt plus generated tokens).
     pub max_context: usize,
+    /// Keep computed KV blocks for later requests that share their prefix (models without
+    /// recurrent state; hybrids run without until state checkpoints are cached too).
+    pub prefix_cache: bool,
 }
 
 enum Command {
@@ -114,6 +117,12 @@ pub fn spawn_engine(
         },
         KvBlockPool::new(config.kv_blocks, config.block_size),
     );
+    // A hybrid model's prefix also needs its recurrent state, which is not cached yet.
+    let scheduler = if config.prefix_cache && !model.is_hybrid() {
+        scheduler.with_prefix_cache()
+    } else {
+        scheduler
+    };
     metrics.engine_alive.store(true, Ordering::Relaxed);
     let thread_metrics = Arc::clone(&metrics);
     let thread = std::thread::Builder::new()
@@ -225,7 +234,8 @@ fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
     };
     store(&metrics.queue_depth, scheduler.num_waiting());
     store(&metrics.running, scheduler.num_running());
-    store(&metrics.kv_blocks_used, scheduler.pool().num_used());
+    store(&metrics.kv_blocks_used, scheduler.blocks_in_use());
+    store(&metrics.kv_blocks_cached, scheduler.cached_blocks());
     metrics
         .preemptions
         .store(scheduler.preemptions(), Ordering::Relaxed);

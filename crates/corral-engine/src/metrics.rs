@@ -65,6 +65,8 @@ pub struct EngineMetrics {
     pub running: AtomicU64,
     /// KV cache blocks held by sequences.
     pub kv_blocks_used: AtomicU64,
+    /// KV cache blocks the prefix cache indexes (some may be held by sequences too).
+    pub kv_blocks_cached: AtomicU64,
     /// KV cache blocks in the pool.
     pub kv_blocks_total: AtomicU64,
     /// Prompt tokens prefilled (recomputation after preemption included).
@@ -91,6 +93,7 @@ impl Default for EngineMetrics {
             queue_depth: AtomicU64::new(0),
             running: AtomicU64::new(0),
             kv_blocks_used: AtomicU64::new(0),
+            kv_blocks_cached: AtomicU64::new(0),
             kv_blocks_total: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),

@@ -41,6 +41,9 @@ pub struct EngineRequest {
 pub struct TokenEvent {
     /// The token.
     pub id: u32,
+    /// Prompt tokens the request took from the prefix cache instead of computing (the same
+    /// on every token of a request).
+    pub cached_prompt_tokens: usize,
     /// Its log-probability, when asked for.
     pub logprob: Option<f32>,
     /// The most likely alternatives and their log-probabilities, when asked for.

@@ -6,7 +6,10 @@
 //! the youngest running sequence is preempted by recompute (its blocks freed, its tokens kept,
 //! re-queued at the front). There is no prefill or decode phase: a sequence simply has tokens
 //! not yet in the cache. [`Scheduler::step`] returns a [`StepPlan`]; the engine runs it and
-//! hands the logits back to [`Scheduler::finish_step`].
+//! hands the logits back to [`Scheduler::finish_step`]. With a [`PrefixCache`], a sequence
+//! starts from the longest cached run of whole blocks of its tokens, and a sequence that ends
+//! or is preempted leaves its computed blocks in the cache, which gives them back when the
+//! pool runs short.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -16,7 +19,7 @@ use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::request::{EngineRequest, Event, Finished, TokenEvent};
-use crate::{FinishReason, KvBlockPool, Sampler, StateSlotPool};
+use crate::{FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool};
 
 /// Limits of the scheduler.
 #[derive(Clone, Copy, Debug)]
@@ -36,6 +39,8 @@ struct Sequence {
     prompt_len: usize,
     /// Tokens whose KV is in the cache.
     computed: usize,
+    /// Prompt tokens taken from the prefix cache before its first token.
+    cached: usize,
     table: BlockTable,
     /// Recurrent-state slot while running.
     slot: Option<SlotId>,
@@ -87,6 +92,7 @@ pub struct Scheduler {
     running: Vec<Sequence>,
     next_id: u64,
     preemptions: u64,
+    prefix: Option<PrefixCache>,
 }
 
 /// What a step did, for metrics.
@@ -116,7 +122,29 @@ impl Scheduler {
             running: Vec::new(),
             next_id: 0,
             preemptions: 0,
+            prefix: None,
         }
+    }
+
+    /// Keeps computed blocks in a prefix cache for later sequences (models without recurrent
+    /// state only: the cache does not hold state checkpoints).
+    pub fn with_prefix_cache(mut self) -> Self {
+        self.prefix = Some(PrefixCache::new(self.pool.block_size()));
+        self
+    }
+
+    /// KV blocks the prefix cache indexes (none without a cache).
+    pub fn cached_blocks(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixCache::num_blocks)
+    }
+
+    /// KV blocks held by sequences (the cache's idle blocks excluded).
+    pub fn blocks_in_use(&self) -> usize {
+        let idle = self
+            .prefix
+            .as_ref()
+            .map_or(0, |p| p.num_idle_blocks(&self.pool));
+        self.pool.num_used() - idle
     }
 
     /// Queues a request. The caller has checked that its prompt plus `max_tokens` fits the
@@ -129,6 +157,7 @@ impl Scheduler {
             prompt_len: request.prompt.len(),
             tokens: request.prompt,
             computed: 0,
+            cached: 0,
             table: BlockTable::default(),
             slot: None,
             sampler: Sampler::new(request.params),
@@ -197,6 +226,19 @@ impl Scheduler {
                 break;
             };
             seq.slot = Some(slot);
+            if let Some(prefix) = &mut self.prefix
+                && seq.table.blocks.is_empty()
+            {
+                // At least the last token is computed, for its logits.
+                let usable = (seq.tokens.len() - 1) / self.pool.block_size();
+                seq.table = prefix.lookup(&seq.tokens, usable, &mut self.pool);
+                seq.computed = seq.table.blocks.len() * self.pool.block_size();
+                // What the client's first token waited for; a re-admission after preemption
+                // recomputes from the cache but does not change what is reported.
+                if seq.first_token.is_none() {
+                    seq.cached = seq.computed.min(seq.prompt_len);
+                }
+            }
             self.running.push(seq);
         }
         let mut budget = self.config.max_prefill_tokens.max(1);
@@ -215,6 +257,15 @@ impl Scheduler {
                 continue;
             }
             let need = seq.computed + n;
+            if let Some(prefix) = &mut self.prefix {
+                // Cached blocks nobody holds go before any sequence is preempted.
+                let short = need
+                    .div_ceil(self.pool.block_size())
+                    .saturating_sub(self.running[i].table.blocks.len());
+                if short > self.pool.num_free() {
+                    prefix.evict(&mut self.pool, short);
+                }
+            }
             if self.pool.grow(&mut self.running[i].table, need).is_err() {
                 // Preempt the youngest sequence holding blocks (freeing them), or else this
                 // one, which then waits at the front of the queue.
@@ -261,8 +312,12 @@ impl Scheduler {
         Some(StepPlan { batch, runs })
     }
 
-    /// Returns a sequence's KV blocks and state slot.
+    /// Returns a sequence's KV blocks and state slot; with a prefix cache, its computed full
+    /// blocks stay indexed there.
     fn release(&mut self, seq: &mut Sequence) {
+        if let Some(prefix) = &mut self.prefix {
+            prefix.insert(&seq.tokens[..seq.computed], &seq.table, &mut self.pool);
+        }
         self.pool.release(&mut seq.table);
         if let Some(slot) = seq.slot.take() {
             self.slots.release(slot);
@@ -286,6 +341,8 @@ impl Scheduler {
         for run in plan.runs {
             if let Some(index) = self.running.iter().position(|s| s.id == run.seq) {
                 let mut seq = self.running.remove(index);
+                // The failed step's KV is not trusted: nothing of it is cached.
+                seq.computed = 0;
                 self.release(&mut seq);
                 let _ = seq.events.send(Event::Failed(message.to_string()));
             }
@@ -340,6 +397,7 @@ impl Scheduler {
                 counts.generated_tokens += 1;
                 let event = Event::Token(TokenEvent {
                     id: token,
+                    cached_prompt_tokens: seq.cached,
                     logprob,
                     top_logprobs: top,
                 });
@@ -367,7 +425,7 @@ impl Scheduler {
                     reason,
                     prompt_tokens: seq.prompt_len,
                     completion_tokens: seq.generated(),
-                    cached_tokens: 0,
+                    cached_tokens: seq.cached,
                     prompt_ms: (first - seq.arrived).as_secs_f64() * 1e3,
                     decode_ms: (now - first).as_secs_f64() * 1e3,
                     prefill_stats: seq.prefill_stats,

@@ -45,6 +45,7 @@ fn alone(name: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
         kv_blocks: 256,
         block_size: 16,
         max_context: 4096,
+        prefix_cache: false,
     };
     let (engine, thread) = spawn_engine(model_named(name), single).unwrap();
     let mut rx = submit(&engine, prompt, max_tokens);
@@ -89,6 +90,7 @@ fn config(kv_blocks: usize) -> EngineConfig {
         kv_blocks,
         block_size: 4,
         max_context: 4096,
+        prefix_cache: false,
     }
 }
 
@@ -151,4 +153,80 @@ fn dropped_receiver_cancels_and_frees_blocks() {
     assert_eq!(collect(&mut rx).0.len(), 4);
     engine.shutdown();
     thread.join().unwrap();
+}
+
+/// Greedy tokens and the prompt tokens taken from the prefix cache.
+fn collect_cached(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, usize) {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("engine ended the stream") {
+            Event::Token(t) => tokens.push(t.id),
+            Event::Finished(f) => return (tokens, f.cached_tokens),
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Turns that re-send an earlier prompt (plus more) start from its cached blocks and still
+/// generate what they generate alone; with a pool too small for everything, cached blocks are
+/// evicted rather than wrong. Hybrids run without the cache (their state is not cached yet).
+#[test]
+fn prefix_cache_hits_generate_what_uncached_runs_do() {
+    let base: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
+    let longer: Vec<u32> = base
+        .iter()
+        .copied()
+        .chain([7, 8, 9, 10, 11, 12, 13, 14, 15])
+        .collect();
+    let branch: Vec<u32> = base[..22]
+        .iter()
+        .copied()
+        .chain([200, 201, 202, 203])
+        .collect();
+    let other: Vec<u32> = (0..30).map(|j| (j * 13 + 5) % 250).collect();
+    for name in ["qwen3_moe_fused", "qwen3_next"] {
+        // An agent's next turn: the history, the reply it got, and more.
+        let reply = alone(name, &base, 12);
+        let resumed: Vec<u32> = base
+            .iter()
+            .chain(&reply)
+            .copied()
+            .chain([50, 51, 52])
+            .collect();
+        let turns = [&base, &longer, &branch, &other, &longer, &base, &resumed];
+        let expected: Vec<Vec<u32>> = turns.iter().map(|p| alone(name, p, 12)).collect();
+        for kv_blocks in [256, 30] {
+            let config = EngineConfig {
+                prefix_cache: true,
+                ..config(kv_blocks)
+            };
+            let (engine, thread) = spawn_engine(model_named(name), config).unwrap();
+            let mut cached = Vec::new();
+            for (i, prompt) in turns.iter().enumerate() {
+                let (tokens, hit) = collect_cached(&mut submit(&engine, prompt, 12));
+                assert_eq!(
+                    tokens, expected[i],
+                    "{name}: turn {i} with {kv_blocks} blocks"
+                );
+                cached.push(hit);
+            }
+            wait_for_zero_blocks(&engine);
+            engine.shutdown();
+            thread.join().unwrap();
+            if name == "qwen3_next" {
+                assert_eq!(
+                    cached, [0; 7],
+                    "{name}: a hybrid must not take cached KV alone"
+                );
+            } else if kv_blocks == 256 {
+                // Blocks of 4: the 40-token base is 10 whole blocks; the branch shares 5 of
+                // them (20 tokens); a turn never takes its last token from the cache; the
+                // resumed turn finds the base and the 8 reply tokens of whole computed blocks
+                // (the reply's last token was sampled, never computed).
+                assert_eq!(cached, [0, 40, 20, 0, 48, 36, 48], "{name}");
+            } else {
+                assert!(cached.iter().all(|&c| c % 4 == 0), "{name}: {cached:?}");
+            }
+        }
+    }
 }

@@ -39,6 +39,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             kv_blocks: 256,
             block_size: 16,
             max_context,
+            prefix_cache: true,
         },
     )
     .unwrap();
@@ -136,6 +137,43 @@ async fn chat_completion_non_streaming() {
             "timings.{key} missing: {body}"
         );
     }
+}
+
+/// A client that re-sends its conversation gets the same reply, and the usage says how
+/// much of the prompt came from the prefix cache; `/metrics` counts the blocks kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_conversation_reports_its_cached_tokens() {
+    let s = server(None, 16, 512);
+    let history =
+        "You are a careful assistant. Answer briefly and cite the tool output. ".repeat(3);
+    let body = chat_body(json!({"messages": [{"role": "user", "content": history}]}));
+    let (status, first, _) = call(&s.app, post("/v1/chat/completions", body.clone())).await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (status, second, _) = call(&s.app, post("/v1/chat/completions", body)).await;
+    assert_eq!(status, StatusCode::OK, "{second}");
+    assert_eq!(
+        second["choices"][0]["message"]["content"],
+        first["choices"][0]["message"]["content"]
+    );
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // Blocks of 16: every whole block before the prompt's last token.
+    assert_eq!(cached, (prompt - 1) / 16 * 16, "prompt of {prompt}");
+    assert!(cached > 0);
+    wait_for_zero_blocks(&s.engine).await;
+    let (_, metrics, _) = call(
+        &s.app,
+        Request::get("/metrics").body(Body::empty()).unwrap(),
+    )
+    .await;
+    let text = metrics.as_str().unwrap().to_string();
+    assert!(
+        !text.contains("corral_kv_blocks_cached 0\n"),
+        "the cache keeps blocks:\n{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

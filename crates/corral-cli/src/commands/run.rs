@@ -138,6 +138,8 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         kv_blocks: total.div_ceil(BLOCK_SIZE),
         block_size: BLOCK_SIZE,
         max_context: total,
+        // One request: nothing to share.
+        prefix_cache: false,
     };
     let (engine, thread) = spawn_engine(model, config)?;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();

@@ -52,6 +52,19 @@ pub(crate) struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, env = "CORRAL_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Keep computed KV blocks so that a request re-sending a history skips that prefix
+    /// (models without recurrent state; hybrids always recompute for now).
+    #[arg(long, env = "CORRAL_PREFIX_CACHE", default_value = "on", value_parser = parse_on_off)]
+    prefix_cache: bool,
+}
+
+/// `on` or `off`.
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("expected on or off, got `{s}`")),
+    }
 }
 
 /// `123`, `64K`, `512M`, `8G` (binary multiples).
@@ -131,6 +144,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             kv_blocks,
             block_size: BLOCK_SIZE,
             max_context,
+            prefix_cache: args.prefix_cache,
         },
     )?;
     let state = AppState {

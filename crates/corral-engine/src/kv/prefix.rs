@@ -66,6 +66,16 @@ impl PrefixCache {
         self.cached
     }
 
+    /// Indexed blocks that no sequence holds besides the cache.
+    pub fn num_idle_blocks(&self, pool: &KvBlockPool) -> usize {
+        self.nodes
+            .iter()
+            .skip(1)
+            .flatten()
+            .filter(|n| pool.holders(n.block) == 1)
+            .count()
+    }
+
     /// The longest cached prefix of `tokens` in whole blocks, at most `max_blocks` of them: a
     /// table of those blocks in order, each with one more holder taken for the caller (who
     /// releases it like any table). The blocks count as used now.

@@ -41,6 +41,8 @@ pub(crate) struct Generation {
     decoder: IncrementalDecoder,
     parser: OutputParser,
     prompt_tokens: usize,
+    /// Prompt tokens taken from the prefix cache, as the engine reports them.
+    cached_tokens: usize,
     completion_tokens: usize,
     started: Instant,
     first_token: Option<Instant>,
@@ -118,6 +120,7 @@ impl Generation {
             decoder: IncrementalDecoder::default(),
             parser,
             prompt_tokens,
+            cached_tokens: 0,
             completion_tokens: 0,
             started: Instant::now(),
             first_token: None,
@@ -134,6 +137,7 @@ impl Generation {
         match event {
             Some(Event::Token(token)) => {
                 self.completion_tokens += 1;
+                self.cached_tokens = token.cached_prompt_tokens;
                 self.first_token.get_or_insert_with(Instant::now);
                 let text = self
                     .decoder
@@ -168,6 +172,7 @@ impl Generation {
                     FinishReason::Length => "length",
                     FinishReason::Stop | FinishReason::Cancelled => "stop",
                 };
+                self.cached_tokens = done.cached_tokens;
                 Ok(Some(self.finish(deltas, reason)))
             }
             Some(Event::Failed(message)) => {
@@ -198,7 +203,7 @@ impl Generation {
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": 0},
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             }),
             timings: json!({
                 "prompt_n": self.prompt_tokens,

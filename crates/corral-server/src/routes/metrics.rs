@@ -94,6 +94,13 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_kv_blocks_cached",
+        "gauge",
+        "KV cache blocks kept by the prefix cache.",
+        load(&m.kv_blocks_cached),
+    );
+    scalar(
+        &mut out,
         "corral_kv_blocks_total",
         "gauge",
         "KV cache blocks in the pool.",
