@@ -54,7 +54,7 @@ pub(crate) struct ServeArgs {
     max_body_bytes: usize,
     /// Keep computed KV blocks so that a request re-sending a history skips that prefix
     /// (models without recurrent state; hybrids always recompute for now).
-    #[arg(long, env = "CORRAL_PREFIX_CACHE", default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, env = "CORRAL_PREFIX_CACHE", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     prefix_cache: bool,
 }
 

@@ -5,6 +5,7 @@ pub(crate) mod decode;
 mod plot;
 pub(crate) mod prefill;
 pub(crate) mod serve;
+pub(crate) mod sessions;
 mod summary;
 
 use anyhow::Result;
@@ -28,6 +29,9 @@ enum BenchCommand {
     /// Concurrency sweep against a running server: aggregate tok/s, TTFT and inter-token
     /// latency percentiles, errors.
     Serve(serve::ServeBenchArgs),
+    /// Interleaved multi-turn agent sessions against a running server: per turn, TTFT of the
+    /// re-sent conversation, cached prompt tokens, and TTFT of the turn's new text alone.
+    Sessions(sessions::SessionsArgs),
 }
 
 /// The strategies named on a bench's command line, `auto` as the model was loaded with it (its
@@ -79,5 +83,6 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Prefill(args) => prefill::run(args),
         BenchCommand::Decode(args) => decode::run(args),
         BenchCommand::Serve(args) => serve::run(args),
+        BenchCommand::Sessions(args) => sessions::run(args),
     }
 }

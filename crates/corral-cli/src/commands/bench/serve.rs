@@ -56,7 +56,7 @@ struct Outcome {
 }
 
 /// Host and port of an `http://host:port` URL.
-fn authority(url: &str) -> Result<String> {
+pub(super) fn authority(url: &str) -> Result<String> {
     let rest = url
         .strip_prefix("http://")
         .context("--url must start with http://")?;
@@ -111,6 +111,85 @@ async fn post(
     Ok((status, stream, buffer[header_end..].to_vec()))
 }
 
+/// What a streamed chat completion returned.
+#[derive(Debug, Default)]
+pub(super) struct Streamed {
+    /// The generated text.
+    pub(super) text: String,
+    /// Seconds from `start` to the first event with text.
+    pub(super) ttft: Option<f64>,
+    /// Seconds between later events with text.
+    pub(super) gaps: Vec<f64>,
+    /// Seconds from `start` to the end of the stream.
+    pub(super) end: f64,
+    /// The final usage object (`null` if none came).
+    pub(super) usage: Value,
+}
+
+/// Reads an SSE chat-completion stream to `[DONE]`, timing its text events from `start`.
+async fn read_stream(
+    status: u16,
+    mut conn: TcpStream,
+    mut pending: Vec<u8>,
+    start: Instant,
+) -> Result<Streamed> {
+    if status != 200 {
+        conn.read_to_end(&mut pending).await?;
+        bail!("HTTP {status}: {}", String::from_utf8_lossy(&pending));
+    }
+    let mut out = Streamed::default();
+    let mut last: Option<Instant> = None;
+    let mut chunk = [0u8; 8192];
+    loop {
+        while let Some(i) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..i + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            let Some(data) = text.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                out.end = start.elapsed().as_secs_f64();
+                return Ok(out);
+            }
+            let v: Value = serde_json::from_str(data)?;
+            if v.get("error").is_some() {
+                bail!("stream error: {data}");
+            }
+            if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+                out.usage = usage.clone();
+            }
+            if let Some(delta) = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .filter(|c| !c.is_empty())
+            {
+                out.text.push_str(delta);
+                let now = Instant::now();
+                match last {
+                    None => out.ttft = Some((now - start).as_secs_f64()),
+                    Some(prev) => out.gaps.push((now - prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+        }
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            bail!("stream ended without [DONE]");
+        }
+        pending.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Streams the chat completion `body` (which asks for streaming with usage) and reads it.
+pub(super) async fn stream_chat(
+    address: &str,
+    api_key: Option<&str>,
+    body: &Value,
+) -> Result<Streamed> {
+    let start = Instant::now();
+    let (status, conn, bytes) = post(address, "/v1/chat/completions", body, api_key).await?;
+    read_stream(status, conn, bytes, start).await
+}
+
 async fn one_request(
     address: &str,
     api_key: Option<&str>,
@@ -144,49 +223,12 @@ async fn one_request(
                 v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
             return Ok(outcome);
         }
-        if status != 200 {
-            conn.read_to_end(&mut body_bytes).await?;
-            bail!("HTTP {status}: {}", String::from_utf8_lossy(&body_bytes));
-        }
-        let mut pending = body_bytes;
-        let mut last: Option<Instant> = None;
-        let mut chunk = [0u8; 8192];
-        loop {
-            while let Some(i) = pending.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = pending.drain(..i + 2).collect();
-                let text = String::from_utf8_lossy(&event);
-                let Some(data) = text.trim().strip_prefix("data: ") else {
-                    continue;
-                };
-                if data == "[DONE]" {
-                    return Ok(outcome);
-                }
-                let v: Value = serde_json::from_str(data)?;
-                if v.get("error").is_some() {
-                    bail!("stream error: {data}");
-                }
-                if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
-                    outcome.completion_tokens =
-                        usage["completion_tokens"].as_u64().unwrap_or(0) as usize;
-                }
-                let has_text = v["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .is_some_and(|c| !c.is_empty());
-                if has_text {
-                    let now = Instant::now();
-                    match last {
-                        None => outcome.ttft = Some((now - start).as_secs_f64()),
-                        Some(prev) => outcome.gaps.push((now - prev).as_secs_f64()),
-                    }
-                    last = Some(now);
-                }
-            }
-            let n = conn.read(&mut chunk).await?;
-            if n == 0 {
-                bail!("stream ended without [DONE]");
-            }
-            pending.extend_from_slice(&chunk[..n]);
-        }
+        let streamed = read_stream(status, conn, body_bytes, start).await?;
+        outcome.completion_tokens =
+            streamed.usage["completion_tokens"].as_u64().unwrap_or(0) as usize;
+        outcome.ttft = streamed.ttft;
+        outcome.gaps = streamed.gaps;
+        Ok(outcome)
     }
     .await;
     result.unwrap_or_else(|e| Outcome {

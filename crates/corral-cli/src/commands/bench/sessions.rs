@@ -1,0 +1,212 @@
+//! `corral bench sessions`: interleaved multi-turn agent sessions against a running server.
+//! Every session shares a system prompt (tool definitions); each turn re-sends the whole
+//! conversation, as agents do, with the previous reply and a tool result appended. Per turn:
+//! the TTFT of the whole prompt, the prompt tokens the server took from its prefix cache, and
+//! the TTFT of a request holding only the turn's new text (measured right after, not
+//! estimated), so that a revisit's cost can be compared with its new tokens alone. Run it
+//! against servers started with `--prefix-cache on` and `off` to compare the two.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde_json::{Value, json};
+
+use super::serve::{authority, stream_chat};
+use super::summary::median;
+
+/// Arguments of `corral bench sessions`.
+#[derive(Debug, Args)]
+pub(crate) struct SessionsArgs {
+    /// Base URL of the server, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    url: String,
+    /// Sessions, visited in turn.
+    #[arg(long, default_value_t = 3)]
+    sessions: usize,
+    /// Turns per session.
+    #[arg(long, default_value_t = 8)]
+    turns: usize,
+    /// Words of the shared system prompt (tool definitions).
+    #[arg(long, default_value_t = 400)]
+    system_words: usize,
+    /// Words of each tool result appended after a reply.
+    #[arg(long, default_value_t = 60)]
+    tool_words: usize,
+    /// Tokens generated per turn.
+    #[arg(long, default_value_t = 24)]
+    reply_tokens: usize,
+    /// Visit the sessions in a seeded random order instead of round-robin.
+    #[arg(long)]
+    random_order: bool,
+    /// Bearer token, if the server needs one.
+    #[arg(long, env = "CORRAL_API_KEY")]
+    api_key: Option<String>,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// `n` words of deterministic filler text, different for each `seed`.
+fn words(n: usize, seed: u64) -> String {
+    const VOCAB: [&str; 16] = [
+        "file", "search", "result", "path", "line", "error", "test", "build", "value", "config",
+        "output", "module", "function", "query", "status", "table",
+    ];
+    let mut s = seed.wrapping_mul(6364136223846793005) | 1;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            VOCAB[(s >> 60) as usize]
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// One measured turn.
+#[derive(Debug)]
+struct Turn {
+    session: usize,
+    turn: usize,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    ttft_ms: f64,
+    new_alone_ttft_ms: f64,
+}
+
+pub(crate) fn run(args: SessionsArgs) -> Result<()> {
+    if args.sessions == 0 || args.turns == 0 || args.reply_tokens == 0 {
+        bail!("--sessions, --turns and --reply-tokens must be positive");
+    }
+    let address = authority(&args.url)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let system = format!("You can call these tools: {}", words(args.system_words, 1));
+    let mut conversations: Vec<Vec<Value>> = (0..args.sessions)
+        .map(|i| {
+            vec![
+                json!({"role": "system", "content": system}),
+                json!({"role": "user", "content": format!("Task {i}: {}", words(30, 100 + i as u64))}),
+            ]
+        })
+        .collect();
+    let mut visits: Vec<usize> = (0..args.turns).flat_map(|_| 0..args.sessions).collect();
+    if args.random_order {
+        let mut s: u64 = 7;
+        for i in (1..visits.len()).rev() {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            visits.swap(i, (s >> 33) as usize % (i + 1));
+        }
+    }
+    let mut turns_done = vec![0usize; args.sessions];
+    let mut new_text = vec![String::new(); args.sessions];
+    let request = |messages: &[Value], max_tokens: usize| {
+        json!({
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+    };
+    println!(
+        "{:>7} {:>4} {:>8} {:>8} {:>10} {:>12} {:>7}",
+        "session", "turn", "prompt", "cached", "TTFT ms", "new alone ms", "ratio"
+    );
+    let mut rows = Vec::new();
+    for &i in &visits {
+        let turn = turns_done[i];
+        turns_done[i] += 1;
+        let key = args.api_key.as_deref();
+        let whole = runtime
+            .block_on(stream_chat(
+                &address,
+                key,
+                &request(&conversations[i], args.reply_tokens),
+            ))
+            .with_context(|| format!("session {i} turn {turn}"))?;
+        // The turn's new text alone (the first turn's is its task), as a prompt of its own.
+        let fresh = if turn == 0 {
+            conversations[i][1]["content"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        } else {
+            new_text[i].clone()
+        };
+        let alone = runtime
+            .block_on(stream_chat(
+                &address,
+                key,
+                &request(&[json!({"role": "user", "content": fresh})], 1),
+            ))
+            .with_context(|| format!("session {i} turn {turn}, new text alone"))?;
+        let row = Turn {
+            session: i,
+            turn,
+            prompt_tokens: whole.usage["prompt_tokens"].as_u64().unwrap_or(0),
+            cached_tokens: whole.usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0),
+            // A reply with no text (a stop token first) counts to the end of its stream.
+            ttft_ms: whole.ttft.unwrap_or(whole.end) * 1e3,
+            new_alone_ttft_ms: alone.ttft.unwrap_or(alone.end) * 1e3,
+        };
+        println!(
+            "{:>7} {:>4} {:>8} {:>8} {:>10.2} {:>12.2} {:>7.2}",
+            row.session,
+            row.turn,
+            row.prompt_tokens,
+            row.cached_tokens,
+            row.ttft_ms,
+            row.new_alone_ttft_ms,
+            row.ttft_ms / row.new_alone_ttft_ms.max(1e-9)
+        );
+        // The reply goes back into the history, then a tool result: the next turn's new text.
+        let tool = format!(
+            "Tool result: {}",
+            words(args.tool_words, (i * 1000 + turn) as u64)
+        );
+        conversations[i].push(json!({"role": "assistant", "content": whole.text}));
+        conversations[i].push(json!({"role": "user", "content": tool}));
+        new_text[i] = format!("{}\n{}", whole.text, tool);
+        rows.push(row);
+    }
+    let revisits: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.turn > 0)
+        .map(|r| r.ttft_ms / r.new_alone_ttft_ms.max(1e-9))
+        .collect();
+    if !revisits.is_empty() {
+        println!(
+            "revisits: TTFT / TTFT of the new text alone, median {:.2}, worst {:.2}",
+            median(&revisits),
+            revisits.iter().copied().fold(0.0, f64::max)
+        );
+    }
+    if let Some(path) = &args.json {
+        let turns: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                json!({
+                    "session": r.session,
+                    "turn": r.turn,
+                    "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "ttft_ms": r.ttft_ms,
+                    "new_alone_ttft_ms": r.new_alone_ttft_ms,
+                })
+            })
+            .collect();
+        let doc = json!({"url": args.url, "sessions": args.sessions, "turns": turns});
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
