@@ -217,6 +217,12 @@ fn run(
                         .for_each(|s| metrics.inter_token.observe(*s));
                     update_gauges(&scheduler, metrics);
                     for (events, finished) in counts.finished {
+                        if finished.cached_tokens > 0 {
+                            metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
+                            metrics
+                                .cached_prompt_tokens
+                                .fetch_add(finished.cached_tokens as u64, Ordering::Relaxed);
+                        }
                         let _ = events.send(Event::Finished(finished));
                     }
                 }

@@ -71,6 +71,10 @@ pub struct EngineMetrics {
     pub kv_blocks_total: AtomicU64,
     /// Prompt tokens prefilled (recomputation after preemption included).
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens of finished requests taken from the prefix cache instead of computed.
+    pub cached_prompt_tokens: AtomicU64,
+    /// Finished requests that took any prompt tokens from the prefix cache.
+    pub prefix_cache_hits: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
     /// Tokens run through forward passes.
@@ -96,6 +100,8 @@ impl Default for EngineMetrics {
             kv_blocks_cached: AtomicU64::new(0),
             kv_blocks_total: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
+            cached_prompt_tokens: AtomicU64::new(0),
+            prefix_cache_hits: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             forward_tokens: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),

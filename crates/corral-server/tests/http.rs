@@ -174,6 +174,11 @@ async fn a_resent_conversation_reports_its_cached_tokens() {
         !text.contains("corral_kv_blocks_cached 0\n"),
         "the cache keeps blocks:\n{text}"
     );
+    assert!(
+        text.contains("corral_prefix_cache_hits_total 1\n")
+            && text.contains(&format!("corral_prompt_tokens_cached_total {cached}\n")),
+        "one hit of {cached} tokens:\n{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,6 +54,20 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_prompt_tokens_cached_total",
+        "counter",
+        "Prompt tokens of finished requests taken from the prefix cache.",
+        load(&m.cached_prompt_tokens),
+    );
+    scalar(
+        &mut out,
+        "corral_prefix_cache_hits_total",
+        "counter",
+        "Finished requests that took prompt tokens from the prefix cache.",
+        load(&m.prefix_cache_hits),
+    );
+    scalar(
+        &mut out,
         "corral_generated_tokens_total",
         "counter",
         "Tokens generated.",
