@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use corral_backend::CpuBackend;
 use corral_engine::{
-    EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, SamplingParams, spawn_engine,
+    EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, Finished, SamplingParams,
+    spawn_engine,
 };
 use corral_model::Model;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -71,12 +72,13 @@ fn submit(engine: &EngineHandle, prompt: &[u32], max_tokens: usize) -> Unbounded
     rx
 }
 
-fn collect(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, FinishReason) {
+/// The generated tokens and the request's final event.
+fn collect(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, Finished) {
     let mut tokens = Vec::new();
     loop {
         match rx.blocking_recv().expect("engine ended the stream") {
             Event::Token(t) => tokens.push(t.id),
-            Event::Finished(f) => return (tokens, f.reason),
+            Event::Finished(f) => return (tokens, f),
             Event::Failed(e) => panic!("{e}"),
         }
     }
@@ -118,7 +120,7 @@ fn concurrent_requests_match_each_alone_for(name: &str) {
         let (engine, thread) = spawn_engine(model_named(name), config(kv_blocks)).unwrap();
         let mut receivers: Vec<_> = prompts().iter().map(|p| submit(&engine, p, 12)).collect();
         for (i, rx) in receivers.iter_mut().enumerate() {
-            let (tokens, reason) = collect(rx);
+            let (tokens, Finished { reason, .. }) = collect(rx);
             assert_eq!(
                 tokens, expected[i],
                 "{name}: request {i} with {kv_blocks} blocks"
@@ -153,18 +155,6 @@ fn dropped_receiver_cancels_and_frees_blocks() {
     assert_eq!(collect(&mut rx).0.len(), 4);
     engine.shutdown();
     thread.join().unwrap();
-}
-
-/// Greedy tokens and the prompt tokens taken from the prefix cache.
-fn collect_cached(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, usize) {
-    let mut tokens = Vec::new();
-    loop {
-        match rx.blocking_recv().expect("engine ended the stream") {
-            Event::Token(t) => tokens.push(t.id),
-            Event::Finished(f) => return (tokens, f.cached_tokens),
-            Event::Failed(e) => panic!("{e}"),
-        }
-    }
 }
 
 /// Turns that re-send an earlier prompt (plus more) start from its cached blocks and still
@@ -203,12 +193,12 @@ fn prefix_cache_hits_generate_what_uncached_runs_do() {
             let (engine, thread) = spawn_engine(model_named(name), config).unwrap();
             let mut cached = Vec::new();
             for (i, prompt) in turns.iter().enumerate() {
-                let (tokens, hit) = collect_cached(&mut submit(&engine, prompt, 12));
+                let (tokens, done) = collect(&mut submit(&engine, prompt, 12));
                 assert_eq!(
                     tokens, expected[i],
                     "{name}: turn {i} with {kv_blocks} blocks"
                 );
-                cached.push(hit);
+                cached.push(done.cached_tokens);
             }
             wait_for_zero_blocks(&engine);
             engine.shutdown();

@@ -1161,6 +1161,7 @@ impl Backend for CudaBackend {
         // Decode-shaped: tensor cores over a bf16 cache for groups of up to 8 heads of 64,
         // 128 or 256 dims; otherwise lanes own D consecutive dims of a head (the kernel for
         // the next power of two).
+        let group = num_heads / num_kv_heads;
         let mma = match head_dim {
             64 => Some(&self.kernels.decode_attention_mma[0]),
             128 => Some(&self.kernels.decode_attention_mma[1]),
@@ -1168,7 +1169,7 @@ impl Backend for CudaBackend {
             _ => None,
         };
         let kernel = match (dtype, mma) {
-            (DType::BF16, Some(mma)) if num_heads / num_kv_heads <= DECODE_MMA_MAX_GROUP => mma,
+            (DType::BF16, Some(mma)) if group <= DECODE_MMA_MAX_GROUP => mma,
             (DType::BF16 | DType::F32, _) => {
                 let lane_dims = head_dim.div_ceil(32).next_power_of_two();
                 let variant = lane_dims.trailing_zeros() as usize;
@@ -1188,7 +1189,6 @@ impl Backend for CudaBackend {
         let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
         let wanted = (8 * self.gpu.multiprocessors.max(1) as usize).div_ceil(blocks);
         let fit = ATTENTION_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
-        let group = num_heads / num_kv_heads;
         let splits = max_context
             .div_ceil(ATTENTION_MIN_SPLIT_KEYS)
             .min(wanted)

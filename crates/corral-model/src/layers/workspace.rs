@@ -165,10 +165,12 @@ impl Workspace {
         let h = config.hidden_size;
         let q_dim = config.num_heads * config.head_dim;
         let kv_dim = config.kv_dim();
+        // The shared expert's own MLP buffers, unless it runs folded into the routed ops.
         let shared_inter = config
             .hybrid
             .as_ref()
             .and_then(|h| h.shared_expert_intermediate_size)
+            .filter(|_| !config.folds_shared_expert())
             .unwrap_or(0);
         let inter = config.intermediate_size.max(shared_inter).max(1);
         let (channels, value_dim, value_heads) = config.hybrid.as_ref().map_or((1, 1, 1), |h| {
