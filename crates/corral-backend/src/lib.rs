@@ -460,7 +460,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Grouped gate and up projections and SwiGLU of every routed pair, all experts in one
     /// dispatch: `act[s] = silu(gate[e] x[t]) ⊙ up[e] x[t]` for the pair `(t, j)` at sorted
-    /// position `s`, `e` its expert. `act` is `[pairs, intermediate]` in sorted order.
+    /// position `s`, `e` its expert. `act` is `[pairs, intermediate]` f32 in sorted order;
+    /// it is scratch for [`Backend::moe_grouped_down`], which may find it in a layout of the
+    /// backend's own (the CUDA backend's prefill tiles leave it in bf16).
     fn moe_grouped_gate_up(
         &self,
         x: &DeviceBuffer,

@@ -660,27 +660,43 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(5);
-    for case in 0..28 {
+    for case in 0..30 {
         let tokens = [1, 3, 10, 70, 200][case % 5];
         let e = [4, 8, 33, 128][case % 4];
         let top_k = 1 + rng.below(e.min(8));
         // The last cases fix the rows per expert on each side of where the grouped kernels
         // change (up to 8 and up to 24 rows per expert: few-row products; more: tiles), and
-        // route over more experts than the routing kernel holds in registers (512).
+        // route over more experts than the routing kernel holds in registers (512). Cases
+        // 28 and 29 run bf16 experts of several 128-row tiles each, the last one partial,
+        // with more than one block of output features and K not a multiple of 64. Case 27's
+        // hidden size is odd (unaligned rows; the combine a feature a thread).
         let (tokens, e, top_k) = match case {
             24 => (200, 128, 8),
             25 => (70, 33, 8),
             26 => (200, 8, 4),
             27 => (10, 600, 8),
+            28 => (300, 4, 3),
+            29 => (170, 8, 8),
             _ => (tokens, e, top_k),
         };
-        let h = 8 * (1 + rng.below(12));
-        let i = if case % 6 == 5 {
-            1 + rng.below(70)
-        } else {
-            8 * (1 + rng.below(12))
+        let (h, i) = match case {
+            27 => (37, 24),
+            28 => (136, 72),
+            29 => (72, 200),
+            _ => (
+                8 * (1 + rng.below(12)),
+                if case % 6 == 5 {
+                    1 + rng.below(70)
+                } else {
+                    8 * (1 + rng.below(12))
+                },
+            ),
         };
-        let dtype = DTYPES[case % 3];
+        let dtype = if case >= 28 {
+            DType::BF16
+        } else {
+            DTYPES[case % 3]
+        };
         let fused = case % 2 == 0;
         let renormalize = case % 4 < 2;
         // Some cases fold a shared expert in: one more logit column (its gate) and expert e.

@@ -36,6 +36,7 @@ impl KernelSource {
 const COMMON: &str = include_str!("kernels/common.cuh");
 const MMA_TILE: &str = include_str!("kernels/mma_tile.cuh");
 const MMA_VEC: &str = include_str!("kernels/mma_vec.cuh");
+const MMA_BIG_TILE: &str = include_str!("kernels/mma_big_tile.cuh");
 
 /// Every kernel file, one per op family.
 pub(crate) const SOURCES: [KernelSource; 7] = [
@@ -66,7 +67,7 @@ pub(crate) const SOURCES: [KernelSource; 7] = [
     },
     KernelSource {
         name: "moe.cu",
-        headers: &[COMMON, MMA_TILE, MMA_VEC],
+        headers: &[COMMON, MMA_TILE, MMA_VEC, MMA_BIG_TILE],
         body: include_str!("kernels/moe.cu"),
     },
     KernelSource {

@@ -183,7 +183,7 @@ impl Gpu {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: kernel.2,
             hStream: self.stream.cu_stream(),
             attrs: &mut overlap,
             numAttrs: u32::from(self.overlap_launches),
@@ -202,9 +202,38 @@ impl Gpu {
     }
 }
 
-/// A kernel's handle and name.
+/// A kernel's handle, name and the dynamic shared memory each launch gives it.
 #[derive(Debug)]
-pub(crate) struct Kernel(pub(crate) sys::CUfunction, pub(crate) &'static str);
+pub(crate) struct Kernel(
+    pub(crate) sys::CUfunction,
+    pub(crate) &'static str,
+    pub(crate) u32,
+);
+
+impl Kernel {
+    /// This kernel with `bytes` of dynamic shared memory per block (beyond the 48 KiB a
+    /// kernel gets without asking).
+    pub(crate) fn with_dynamic_smem(mut self, bytes: u32) -> Result<Self> {
+        let value = i32::try_from(bytes).map_err(|_| BackendError::Device {
+            what: self.1.to_string(),
+            detail: format!("{bytes} bytes of shared memory"),
+        })?;
+        // SAFETY: the handle is a loaded function of a live module; the attribute takes a
+        // byte count.
+        #[allow(unsafe_code)]
+        unsafe {
+            sys::cuFuncSetAttribute(
+                self.0,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                value,
+            )
+        }
+        .result()
+        .map_err(|e| driver_err(self.1, e))?;
+        self.2 = bytes;
+        Ok(self)
+    }
+}
 
 // SAFETY: a CUfunction is a handle valid on every thread that binds its context; launching
 // it does not mutate the handle.

@@ -23,8 +23,21 @@ pub(crate) struct WeightKernels {
     /// Grouped experts for few tokens, 8 and 32 rows at a time (16-bit weights):
     /// `[gate_up, down]`.
     pub(crate) grouped_mvm: Option<[[Kernel; 2]; 2]>,
+    /// Grouped experts in 128-row tiles for prefill-sized groups (bf16 weights):
+    /// `[gate_up, down]`.
+    pub(crate) grouped_big: Option<[Kernel; 2]>,
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
+}
+
+/// Dynamic shared memory of the 128-row expert tiles: BT_SMEM_BYTES of mma_big_tile.cuh
+/// (three stages of 128 activation rows and 128 weight rows, 72 bf16 values each).
+const BIG_TILE_SMEM_BYTES: u32 = 3 * (128 + 128) * 72 * 2;
+
+/// Dynamic shared memory of prefill attention for `head_dim`: FA_SMEM_BYTES of
+/// flash_attention.cu (two stages of 64 keys of K and V, rows of head_dim + 8 bf16 values).
+const fn flash_attention_smem_bytes(head_dim: u32) -> u32 {
+    2 * 2 * 64 * (head_dim + 8) * 2
 }
 
 /// Every kernel Corral launches.
@@ -120,7 +133,7 @@ impl Kernels {
         let find = |name: &'static str| -> Result<Kernel> {
             for m in &modules {
                 if let Ok(f) = m.load_function(name) {
-                    return Ok(Kernel(f.cu_function(), name));
+                    return Ok(Kernel(f.cu_function(), name, 0));
                 }
             }
             Err(BackendError::Device {
@@ -147,6 +160,15 @@ impl Kernels {
             Ok(Some([
                 [find(names[0])?, find(names[1])?],
                 [find(names[2])?, find(names[3])?],
+            ]))
+        };
+        let grouped_big = |s: &'static str| -> Result<Option<[Kernel; 2]>> {
+            if s != "bf16" {
+                return Ok(None);
+            }
+            Ok(Some([
+                find("moe_grouped_gate_up_big_bf16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
+                find("moe_grouped_down_big_bf16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
             ]))
         };
         let mma = |s: &'static str| -> Result<Option<[Kernel; 3]>> {
@@ -182,6 +204,7 @@ impl Kernels {
                     grouped_gate_up: find(concat!("moe_grouped_gate_up_", $s))?,
                     grouped_down: find(concat!("moe_grouped_down_", $s))?,
                     grouped_mvm: grouped_mvm($s)?,
+                    grouped_big: grouped_big($s)?,
                     per_token_gate_up: find(concat!("moe_per_token_gate_up_", $s))?,
                     per_token_down: find(concat!("moe_per_token_down_", $s))?,
                 }
@@ -228,8 +251,10 @@ impl Kernels {
                 find("decode_attention_mma_hd128")?,
                 find("decode_attention_mma_hd256")?,
             ],
-            flash_attention_hd64: find("flash_attention_bf16_hd64")?,
-            flash_attention_hd128: find("flash_attention_bf16_hd128")?,
+            flash_attention_hd64: find("flash_attention_bf16_hd64")?
+                .with_dynamic_smem(flash_attention_smem_bytes(64))?,
+            flash_attention_hd128: find("flash_attention_bf16_hd128")?
+                .with_dynamic_smem(flash_attention_smem_bytes(128))?,
             moe_route: find("moe_route")?,
             moe_sort: find("moe_sort")?,
             moe_combine: find("moe_combine")?,

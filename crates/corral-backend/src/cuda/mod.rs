@@ -37,7 +37,7 @@ use blas::Blas;
 use compile::KernelCache;
 use cudarc::driver::CudaEvent;
 use device::{Gpu, Kernel};
-use kernels::Kernels;
+use kernels::{Kernels, WeightKernels};
 
 /// How to open the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -164,6 +164,9 @@ const MVM_THREADS: u32 = 256;
 /// Rows per expert on average up to which grouped experts run as few-row products (each
 /// hit expert read once) rather than 64-row tiles.
 const GROUPED_FEW_ROWS: usize = 24;
+/// Sorted rows per tile, and threads per block, of the prefill-sized expert tiles.
+const BIG_TILE_ROWS: usize = 128;
+const BIG_TILE_THREADS: u32 = 256;
 
 /// The few-row grouped-expert kernel for `pairs` routed rows over `experts`: 8 rows at a
 /// time (index 0) or 32 (index 1); `None`: enough rows for tiles.
@@ -424,6 +427,32 @@ impl CudaBackend {
             Ok((table, vec))
         })?;
         Ok((Arg::Ptr(ptr_of(op, table)?), dtype, *vec))
+    }
+
+    /// The 128-row expert tiles, when they run: bf16 experts whose three projections have
+    /// 16-byte rows, and more sorted rows per expert than the few-row products take. Gate/up
+    /// and down decide alike, for the first leaves `act` in the bf16 layout the second reads.
+    fn big_tiles<'k>(
+        &self,
+        op: &'static str,
+        kernels: &'k WeightKernels,
+        experts: &ExpertWeights,
+        pairs: usize,
+    ) -> Result<Option<&'k [Kernel; 2]>> {
+        let Some(big) = &kernels.grouped_big else {
+            return Ok(None);
+        };
+        let num_experts = experts.gate.num_experts();
+        if few_rows_variant(pairs, num_experts).is_some() {
+            return Ok(None);
+        }
+        for m in [&experts.gate, &experts.up, &experts.down] {
+            let (_, dtype, vec) = self.experts(op, m)?;
+            if dtype != DType::BF16 || !vec {
+                return Ok(None);
+            }
+        }
+        Ok(Some(big))
     }
 
     fn elementwise_grid(op: &'static str, len: usize) -> Result<(u32, u32, u32)> {
@@ -837,7 +866,7 @@ impl Backend for CudaBackend {
             let queued = self
                 .launch(
                     &self.kernels.to_bf16,
-                    Self::elementwise_grid(op, len)?,
+                    Self::elementwise_grid(op, len.div_ceil(4))?,
                     256,
                     &convert,
                 )
@@ -1151,9 +1180,10 @@ impl Backend for CudaBackend {
             // Every argument but head_dim (the kernel's template parameter).
             let mut flash_args = args.to_vec();
             flash_args.remove(13);
+            // Heads along x, so that the heaviest tiles (the last) start first.
             let grid = (
-                grid_of(op, tokens.div_ceil(64))?,
                 grid_of(op, num_heads)?,
+                grid_of(op, tokens.div_ceil(64))?,
                 1,
             );
             return self.launch(kernel, grid, 128, &flash_args);
@@ -1399,6 +1429,33 @@ impl Backend for CudaBackend {
             );
             return self.launch(&mvm[0][variant], grid, MVM_THREADS, &args);
         }
+        if let Some(big) = self.big_tiles(op, kernels, experts, pairs)? {
+            // x rounded to bf16 once (the tiles would round it the same way as they stage
+            // it), into a pooled buffer given back at once: later users queue behind.
+            let len = routing.tokens * hidden;
+            let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
+            let convert = [
+                args[0],
+                Arg::U64(len as u64),
+                Arg::Ptr(ptr_of(op, &x16)?),
+                Arg::U64(0),
+                self.diag(),
+            ];
+            let mut big_args = args;
+            big_args[0] = Arg::Ptr(ptr_of(op, &x16)?);
+            let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
+            let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);
+            let queued = self
+                .launch(
+                    &self.kernels.to_bf16,
+                    Self::elementwise_grid(op, len.div_ceil(4))?,
+                    256,
+                    &convert,
+                )
+                .and_then(|()| self.launch(&big[0], grid, BIG_TILE_THREADS, &big_args));
+            self.give_buffer(x16);
+            return queued;
+        }
         let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
         let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);
         self.launch(&kernels.grouped_gate_up, grid, 128, &args)
@@ -1471,6 +1528,11 @@ impl Backend for CudaBackend {
             );
             return self.launch(&mvm[1][variant], grid, MVM_THREADS, &args);
         }
+        if let Some(big) = self.big_tiles(op, kernels, experts, pairs)? {
+            let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
+            let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(128))?, 1);
+            return self.launch(&big[1], grid, BIG_TILE_THREADS, &args);
+        }
         let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
         let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(64))?, 1);
         self.launch(&kernels.grouped_down, grid, 128, &args)
@@ -1506,7 +1568,9 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * hidden)?,
             self.diag(),
         ];
-        let grid = Self::elementwise_grid(op, tokens * hidden)?;
+        // Four features a thread when the rows allow (as the kernel decides).
+        let per = if hidden.is_multiple_of(4) { 4 } else { 1 };
+        let grid = Self::elementwise_grid(op, (tokens * hidden).div_ceil(per))?;
         self.launch(&self.kernels.moe_combine, grid, 256, &args)
     }
 

@@ -1,10 +1,11 @@
 // Causal attention for prefill on tensor cores (mma.sync m16n8k16, bf16 operands, f32
 // accumulation and softmax), over the paged bf16 KV cache. A block takes 64 consecutive
 // tokens of the batch and one query head: each warp holds 16 query rows, and the block walks
-// the run's keys 64 at a time through its block table, staging K (row-major) and V
-// (transposed) in shared memory. S = Q·Kᵀ stays in registers and its accumulators become the
-// A operand of P·V directly; the online softmax keeps each row's max and sum. No T×T matrix
-// exists anywhere. A tile whose tokens are not one run at consecutive positions (decode rows
+// the run's keys 64 at a time through its block table, K and V rows streamed into shared
+// memory by cp.async (the next 64 keys in flight while these compute) and read as operands
+// by ldmatrix (V transposed on the way). S = Q·Kᵀ stays in registers and its accumulators
+// become the A operand of P·V directly; the online softmax keeps each row's max and sum. No
+// T×T matrix exists anywhere. A tile whose tokens are not one run at consecutive positions (decode rows
 // mixed into the batch) is computed a token at a time by the block's warps instead.
 
 #define FA_ROWS 64
@@ -56,6 +57,31 @@ __device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cac
     for (int i = 0; i < D; i++) out[d0 + i] = acc[i] / l;
 }
 
+// Shared memory of one block: two stages of 64 keys of K and of V, rows of HD + 8 values.
+#define FA_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* smem) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_plain(u32* r, const u16* smem) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Tiles run heaviest first: grid (heads, tiles), the last tile of the batch (the most keys
+// under the causal mask) in the first block row.
 template <int HD>
 __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u16* cache_v,
                                      const u32* positions, const u32* token_runs, u32 runs,
@@ -64,11 +90,11 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
                                      float scale, float* out, Diag* diag) {
     const int KT = HD / 16;  // k16 steps of Q·Kᵀ
     const int DT = HD / 8;   // n8 tiles of the output
-    const int KS = HD + 8;   // staged K row stride (u16)
-    const int VS = FA_KEYS + 8;
-    __shared__ __align__(16) u16 k_s[FA_KEYS * KS];
-    __shared__ __align__(16) u16 vt_s[HD * VS];
-    u32 t0 = blockIdx.x * FA_ROWS, h = blockIdx.y;
+    const int KS = HD + 8;   // staged K and V row stride (u16): conflict-free ldmatrix rows
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    u16* k_s = reinterpret_cast<u16*>(fa_smem);         // [2][FA_KEYS * KS]
+    u16* v_s = k_s + 2 * FA_KEYS * KS;                    // [2][FA_KEYS * KS]
+    u32 t0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, h = blockIdx.x;
     if (t0 >= tokens) return;
     u32 rows = min((u32)FA_ROWS, tokens - t0), t_last = t0 + rows - 1;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -97,9 +123,38 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         }
         return;
     }
-    // This warp's two query rows (g and g + 8 of its 16) and their positions.
+    u32 key_end = pos0 + rows;  // keys 0 .. last position
+    // 64 keys of K and V from j0 into stage `stage`, 16-byte pieces by cp.async; keys past
+    // the end are zero.
+    auto issue = [&](u32 j0, int stage) {
+        u16* ks = k_s + stage * FA_KEYS * KS;
+        u16* vs = v_s + stage * FA_KEYS * KS;
+#pragma unroll
+        for (int it = 0; it < FA_KEYS * (HD / 8) / FA_THREADS; it++) {
+            u32 piece = threadIdx.x + it * FA_THREADS;
+            u32 kr = piece / (HD / 8), d = (piece % (HD / 8)) * 8;
+            u32 j = j0 + kr;
+            size_t row = 0;
+            bool live = j < key_end;
+            if (live) {
+                u32 block = table[j / block_size];
+                if (block >= num_blocks) {
+                    raise_error(diag, ERR_BLOCK_TABLE);
+                    block = 0;
+                }
+                row = ((size_t)block * block_size + j % block_size) * kv_dim + kv_off + d;
+            }
+            cp_async16(ks + kr * KS + d, cache_k + row, live ? 16u : 0u);
+            cp_async16(vs + kr * KS + d, cache_v + row, live ? 16u : 0u);
+        }
+    };
+    issue(0, 0);
+    cp_async_commit();
+    // This warp's two query rows (g and g + 8 of its 16) and their positions. Scores are
+    // kept in log2 units (the scale times log2 e folded into Q) so that exp2 applies.
     u32 r_lo = warp * 16 + g, r_hi = r_lo + 8;
     u32 qp_lo = pos0 + r_lo, qp_hi = pos0 + r_hi;
+    float qscale = scale * 1.4426950408889634f;
     u32 qa[KT][4];
     {
         const float* q_lo = q + ((size_t)(t0 + r_lo) * num_heads + h) * HD;
@@ -108,10 +163,10 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
 #pragma unroll
         for (int kk = 0; kk < KT; kk++) {
             int c = kk * 16 + 2 * tq;
-            qa[kk][0] = lo_ok ? pack_bf16(q_lo[c] * scale, q_lo[c + 1] * scale) : 0u;
-            qa[kk][1] = hi_ok ? pack_bf16(q_hi[c] * scale, q_hi[c + 1] * scale) : 0u;
-            qa[kk][2] = lo_ok ? pack_bf16(q_lo[c + 8] * scale, q_lo[c + 9] * scale) : 0u;
-            qa[kk][3] = hi_ok ? pack_bf16(q_hi[c + 8] * scale, q_hi[c + 9] * scale) : 0u;
+            qa[kk][0] = lo_ok ? pack_bf16(q_lo[c] * qscale, q_lo[c + 1] * qscale) : 0u;
+            qa[kk][1] = hi_ok ? pack_bf16(q_hi[c] * qscale, q_hi[c + 1] * qscale) : 0u;
+            qa[kk][2] = lo_ok ? pack_bf16(q_lo[c + 8] * qscale, q_lo[c + 9] * qscale) : 0u;
+            qa[kk][3] = hi_ok ? pack_bf16(q_hi[c + 8] * qscale, q_hi[c + 9] * qscale) : 0u;
         }
     }
     float o[DT][4];
@@ -120,61 +175,53 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
 #pragma unroll
         for (int i = 0; i < 4; i++) o[dt][i] = 0.f;
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
-    u32 key_end = pos0 + rows;  // keys 0 .. last position
-    for (u32 j0 = 0; j0 < key_end; j0 += FA_KEYS) {
-        __syncthreads();
-        // Stage 64 keys: each thread copies 8-dim pieces of K rows and V rows (transposed).
-#pragma unroll
-        for (int it = 0; it < FA_KEYS * (HD / 8) / FA_THREADS; it++) {
-            u32 piece = threadIdx.x + it * FA_THREADS;
-            u32 kr = piece / (HD / 8), d = (piece % (HD / 8)) * 8;
-            u32 j = j0 + kr;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (j < key_end) {
-                u32 block = table[j / block_size];
-                if (block >= num_blocks) {
-                    raise_error(diag, ERR_BLOCK_TABLE);
-                    block = 0;
-                }
-                size_t row = ((size_t)block * block_size + j % block_size) * kv_dim + kv_off + d;
-                kv = *reinterpret_cast<const uint4*>(cache_k + row);
-                vv = *reinterpret_cast<const uint4*>(cache_v + row);
-            }
-            *reinterpret_cast<uint4*>(k_s + kr * KS + d) = kv;
-            u32 vw[4] = {vv.x, vv.y, vv.z, vv.w};
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                vt_s[(d + 2 * i) * VS + kr] = (u16)(vw[i] & 0xffffu);
-                vt_s[(d + 2 * i + 1) * VS + kr] = (u16)(vw[i] >> 16);
-            }
+    int stage = 0;
+    for (u32 j0 = 0; j0 < key_end; j0 += FA_KEYS, stage ^= 1) {
+        // The next 64 keys load while these compute.
+        if (j0 + FA_KEYS < key_end) {
+            issue(j0 + FA_KEYS, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        // S = Q·Kᵀ for this warp's 16 rows and the 64 keys.
+        const u16* ks = k_s + stage * FA_KEYS * KS;
+        const u16* vs = v_s + stage * FA_KEYS * KS;
+        // S = Q·Kᵀ for this warp's 16 rows and the 64 keys; K fragments by ldmatrix, two
+        // k16 steps at a time.
         float s[8][4];
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
-            const u16* kb = k_s + (nt * 8 + g) * KS + 2 * tq;
+            const u16* kb = ks + (nt * 8 + (lane & 7)) * KS + (lane >> 3) * 8;
 #pragma unroll
-            for (int kk = 0; kk < KT; kk++) {
-                u32 b0 = *reinterpret_cast<const u32*>(kb + kk * 16);
-                u32 b1 = *reinterpret_cast<const u32*>(kb + kk * 16 + 8);
-                fa_mma<HD>(s[nt], qa[kk], b0, b1);
+            for (int kp = 0; kp < KT / 2; kp++) {
+                u32 b[4];
+                ldmatrix_x4_plain(b, kb + kp * 32);
+                fa_mma<HD>(s[nt], qa[2 * kp], b[0], b[1]);
+                fa_mma<HD>(s[nt], qa[2 * kp + 1], b[2], b[3]);
             }
         }
-        // Causal mask and the online softmax, rows lo (entries 0, 1) and hi (2, 3).
+        // Causal mask (only the tiles that reach past a row's position) and the online
+        // softmax, rows lo (entries 0, 1) and hi (2, 3).
+        if (j0 + FA_KEYS > pos0) {
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    u32 kp = j0 + nt * 8 + 2 * tq + c;
+                    if (kp > qp_lo || kp >= key_end) s[nt][c] = NEG_INF;
+                    if (kp > qp_hi || kp >= key_end) s[nt][2 + c] = NEG_INF;
+                }
+            }
+        }
         float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                u32 kp = j0 + nt * 8 + 2 * tq + c;
-                if (kp > qp_lo || kp >= key_end) s[nt][c] = NEG_INF;
-                if (kp > qp_hi || kp >= key_end) s[nt][2 + c] = NEG_INF;
-                mx_lo = fmaxf(mx_lo, s[nt][c]);
-                mx_hi = fmaxf(mx_hi, s[nt][2 + c]);
-            }
+            mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
         }
 #pragma unroll
         for (int o_ = 1; o_ <= 2; o_ <<= 1) {
@@ -185,7 +232,7 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         // A row with nothing unmasked yet keeps a finite base, so that exp gives 0, not NaN.
         float base_lo = new_lo == NEG_INF ? 0.f : new_lo;
         float base_hi = new_hi == NEG_INF ? 0.f : new_hi;
-        float corr_lo = expf(m_lo - base_lo), corr_hi = expf(m_hi - base_hi);
+        float corr_lo = fast_exp2(m_lo - base_lo), corr_hi = fast_exp2(m_hi - base_hi);
         l_lo *= corr_lo;
         l_hi *= corr_hi;
 #pragma unroll
@@ -197,29 +244,33 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         }
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
-            s[nt][0] = expf(s[nt][0] - base_lo);
-            s[nt][1] = expf(s[nt][1] - base_lo);
-            s[nt][2] = expf(s[nt][2] - base_hi);
-            s[nt][3] = expf(s[nt][3] - base_hi);
+            s[nt][0] = fast_exp2(s[nt][0] - base_lo);
+            s[nt][1] = fast_exp2(s[nt][1] - base_lo);
+            s[nt][2] = fast_exp2(s[nt][2] - base_hi);
+            s[nt][3] = fast_exp2(s[nt][3] - base_hi);
             l_lo += s[nt][0] + s[nt][1];
             l_hi += s[nt][2] + s[nt][3];
         }
         m_lo = new_lo;
         m_hi = new_hi;
-        // O += P·V: the S accumulators of two key tiles are one A operand of 16 keys.
+        // O += P·V: the S accumulators of two key tiles are one A operand of 16 keys; V
+        // fragments by transposing ldmatrix, two n8 tiles of dims at a time.
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {
             u32 pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
                          pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
                          pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+            const u16* vb = vs + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * KS + (lane >> 4) * 8;
 #pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                const u16* vb = vt_s + (dt * 8 + g) * VS + kc * 16 + 2 * tq;
-                u32 b0 = *reinterpret_cast<const u32*>(vb);
-                u32 b1 = *reinterpret_cast<const u32*>(vb + 8);
-                fa_mma<HD>(o[dt], pa, b0, b1);
+            for (int dp = 0; dp < DT / 2; dp++) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vb + dp * 16);
+                fa_mma<HD>(o[2 * dp], pa, b[0], b[1]);
+                fa_mma<HD>(o[2 * dp + 1], pa, b[2], b[3]);
             }
         }
+        // Every warp is done with this stage before the next iteration loads into it.
+        __syncthreads();
     }
 #pragma unroll
     for (int o_ = 1; o_ <= 2; o_ <<= 1) {
@@ -231,13 +282,11 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         u32 d = dt * 8 + 2 * tq;
         if (r_lo < rows) {
             float* dst = out + ((size_t)(t0 + r_lo) * num_heads + h) * HD + d;
-            dst[0] = o[dt][0] / l_lo;
-            dst[1] = o[dt][1] / l_lo;
+            *reinterpret_cast<float2*>(dst) = make_float2(o[dt][0] / l_lo, o[dt][1] / l_lo);
         }
         if (r_hi < rows) {
             float* dst = out + ((size_t)(t0 + r_hi) * num_heads + h) * HD + d;
-            dst[0] = o[dt][2] / l_hi;
-            dst[1] = o[dt][3] / l_hi;
+            *reinterpret_cast<float2*>(dst) = make_float2(o[dt][2] / l_hi, o[dt][3] / l_hi);
         }
     }
 }

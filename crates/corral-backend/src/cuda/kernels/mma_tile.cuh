@@ -10,12 +10,17 @@
 #define TILE_THREADS 128
 #define SMEM_STRIDE 40  // u16 per staged row: 32 + 8 of padding, conflict-free fragments
 
+// Two values rounded to nearest even and packed, `lo` in the low half: one instruction.
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
 __device__ __forceinline__ u32 pack_f16(float lo, float hi) {
-    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
 // The tensor-core operand type for weights of type W: bf16 weights run as bf16, f16 and

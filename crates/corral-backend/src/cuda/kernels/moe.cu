@@ -213,11 +213,11 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
     }
 }
 
-// Finds which expert tile of TILE_M sorted rows this block computes: expert e's rows
-// offsets[e]..offsets[e+1] form ceil(count / TILE_M) tiles, laid out expert after expert.
+// Finds which expert tile of tile_m sorted rows this block computes: expert e's rows
+// offsets[e]..offsets[e+1] form ceil(count / tile_m) tiles, laid out expert after expert.
 // Returns false for the spare blocks of a grid sized for the worst case.
-__device__ bool find_expert_tile(const u32* offsets, u32 num_experts, u32 pairs, u32* expert,
-                                 u32* row0, u32* rows) {
+__device__ bool find_expert_tile(const u32* offsets, u32 num_experts, u32 pairs, u32 tile_m,
+                                 u32* expert, u32* row0, u32* rows) {
     __shared__ u32 s_expert, s_row0, s_rows;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 tile = blockIdx.x;
@@ -230,7 +230,7 @@ __device__ bool find_expert_tile(const u32* offsets, u32 num_experts, u32 pairs,
             u32 lo = e < num_experts ? offsets[e] : 0, hi = e < num_experts ? offsets[e + 1] : 0;
             hi = min(hi, pairs);
             u32 count = hi > lo ? hi - lo : 0;
-            u32 tiles = (count + TILE_M - 1) / TILE_M;
+            u32 tiles = (count + tile_m - 1) / tile_m;
             u32 inc = tiles;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -240,8 +240,8 @@ __device__ bool find_expert_tile(const u32* offsets, u32 num_experts, u32 pairs,
             u32 first = before + inc - tiles;
             if (tiles && tile >= first && tile < first + tiles) {
                 s_expert = e;
-                s_row0 = lo + (tile - first) * TILE_M;
-                s_rows = min((u32)TILE_M, hi - s_row0);
+                s_row0 = lo + (tile - first) * tile_m;
+                s_rows = min(tile_m, hi - s_row0);
             }
             before += __shfl_sync(0xffffffffu, inc, 31);
             if (before > tile) break;
@@ -263,7 +263,7 @@ __device__ void grouped_gate_up_impl(const float* x, u32 hidden, u32 top_k, cons
                                      u32 vec, float* act, Diag* diag) {
     __shared__ const float* a_rows[TILE_M];
     u32 expert, row0, rows;
-    if (!find_expert_tile(offsets, num_experts, pairs, &expert, &row0, &rows)) return;
+    if (!find_expert_tile(offsets, num_experts, pairs, TILE_M, &expert, &row0, &rows)) return;
     u32 n0 = blockIdx.y * TILE_N;
     if (threadIdx.x < TILE_M) {
         const float* ptr = nullptr;
@@ -296,7 +296,7 @@ __device__ void grouped_down_impl(const float* act, u32 inter, const float* rout
     __shared__ const float* a_rows[TILE_M];
     __shared__ float scale[TILE_M];
     u32 expert, row0, rows;
-    if (!find_expert_tile(offsets, num_experts, pairs, &expert, &row0, &rows)) return;
+    if (!find_expert_tile(offsets, num_experts, pairs, TILE_M, &expert, &row0, &rows)) return;
     u32 n0 = blockIdx.y * TILE_N;
     if (threadIdx.x < TILE_M) {
         bool live = threadIdx.x < rows;
@@ -315,6 +315,71 @@ __device__ void grouped_down_impl(const float* act, u32 inter, const float* rout
             float* dst = y + (size_t)(row0 + m) * hidden;
             if (n < hidden) dst[n] = scale[m] * acc[0][mi][ni][r0];
             if (n + 1 < hidden) dst[n + 1] = scale[m] * acc[0][mi][ni][r0 + 1];
+        }
+    });
+}
+
+// The gate/up half for prefill-sized groups (bf16 weights; x given in bf16): 128 sorted rows
+// by 64 columns of gate and up per block (mma_big_tile.cuh); act is written in bf16, rows of
+// I values, for grouped_down_big. Grid: (worst-case tiles, ceil(I / 64)).
+__device__ void grouped_gate_up_big_impl(const u16* x, u32 hidden, u32 top_k, const u32* offsets,
+                                         const u32* sorted_pairs, u32 pairs, u32 num_experts,
+                                         const u64* gate_table, const u64* up_table, u32 inter,
+                                         u16* act, Diag* diag) {
+    __shared__ const u16* a_rows[BT_M];
+    u32 expert, row0, rows;
+    if (!find_expert_tile(offsets, num_experts, pairs, BT_M, &expert, &row0, &rows)) return;
+    u32 n0 = blockIdx.y * (BT_W_ROWS / 2);
+    if (threadIdx.x < BT_M) {
+        const u16* ptr = nullptr;
+        if (threadIdx.x < rows) ptr = x + (size_t)(sorted_pairs[row0 + threadIdx.x] / top_k) * hidden;
+        a_rows[threadIdx.x] = ptr;
+    }
+    int n_valid = (int)min((u32)(BT_W_ROWS / 2), inter - n0);
+    if (threadIdx.x == 0) count_weight_bytes(diag, 2ull * n_valid * hidden * sizeof(bf16w));
+    __syncthreads();
+    const bf16w* wt[2] = {reinterpret_cast<const bf16w*>(gate_table[expert]) + (size_t)n0 * hidden,
+                          reinterpret_cast<const bf16w*>(up_table[expert]) + (size_t)n0 * hidden};
+    float acc[2][2][BT_W_ROWS / 32][4];
+    big_tile_mma<2>(a_rows, x, wt, n_valid, (int)hidden, (int)rows, acc);
+    big_tile_for_each<2>([&](int mi, int ni, int r0, int tile_row, int tile_col) {
+        u32 m = tile_row, n = n0 + tile_col;
+        if (m < rows && n < inter) {
+            float lo = silu(acc[0][mi][ni][r0]) * acc[1][mi][ni][r0];
+            float hi = silu(acc[0][mi][ni][r0 + 1]) * acc[1][mi][ni][r0 + 1];
+            *reinterpret_cast<u32*>(act + (size_t)(row0 + m) * inter + n) = pack_bf16(lo, hi);
+        }
+    });
+}
+
+// The down half for prefill-sized groups (bf16 weights, act in bf16 from
+// grouped_gate_up_big): 128 sorted rows by 128 features per block. Grid: (worst-case
+// tiles, ceil(H / 128)).
+__device__ void grouped_down_big_impl(const u16* act, u32 inter, const float* route_weights,
+                                      const u32* offsets, const u32* sorted_pairs, u32 pairs,
+                                      u32 num_experts, const u64* down_table, u32 hidden,
+                                      float* y, Diag* diag) {
+    __shared__ const u16* a_rows[BT_M];
+    __shared__ float scale[BT_M];
+    u32 expert, row0, rows;
+    if (!find_expert_tile(offsets, num_experts, pairs, BT_M, &expert, &row0, &rows)) return;
+    u32 n0 = blockIdx.y * BT_W_ROWS;
+    if (threadIdx.x < BT_M) {
+        bool live = threadIdx.x < rows;
+        a_rows[threadIdx.x] = live ? act + (size_t)(row0 + threadIdx.x) * inter : nullptr;
+        scale[threadIdx.x] = live ? route_weights[sorted_pairs[row0 + threadIdx.x]] : 0.f;
+    }
+    int n_valid = (int)min((u32)BT_W_ROWS, hidden - n0);
+    if (threadIdx.x == 0) count_weight_bytes(diag, (u64)n_valid * inter * sizeof(bf16w));
+    __syncthreads();
+    const bf16w* wt[1] = {reinterpret_cast<const bf16w*>(down_table[expert]) + (size_t)n0 * inter};
+    float acc[1][2][BT_W_ROWS / 16][4];
+    big_tile_mma<1>(a_rows, act, wt, n_valid, (int)inter, (int)rows, acc);
+    big_tile_for_each<1>([&](int mi, int ni, int r0, int tile_row, int tile_col) {
+        u32 m = tile_row, n = n0 + tile_col;
+        if (m < rows && n < hidden) {
+            *reinterpret_cast<float2*>(y + (size_t)(row0 + m) * hidden + n) =
+                make_float2(scale[m] * acc[0][mi][ni][r0], scale[m] * acc[0][mi][ni][r0 + 1]);
         }
     });
 }
@@ -557,21 +622,54 @@ MOE_KERNELS(bf16, bf16w)
 MOE_KERNELS(f16, f16w)
 MOE_KERNELS(f32, float)
 
-// out[t] = sum_j y[pair_positions[t*k + j]], summed in slot order.
+// x (bf16 here, a copy the host made), act (bf16) and y: see the impls above.
+extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) moe_grouped_gate_up_big_bf16(
+    const u16* x, u32 hidden, u32 top_k, const u32* offsets, const u32* /*hit_experts*/,
+    const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* gate_table,
+    const u64* up_table, u32 inter, u32 /*vec*/, u16* act, Diag* diag) {
+    begin_kernel();
+    grouped_gate_up_big_impl(x, hidden, top_k, offsets, sorted_pairs, pairs, num_experts,
+                             gate_table, up_table, inter, act, diag);
+}
+extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) moe_grouped_down_big_bf16(
+    const u16* act, u32 inter, const float* route_weights, const u32* offsets,
+    const u32* /*hit_experts*/, const u32* sorted_pairs, u32 pairs, u32 num_experts,
+    const u64* down_table, u32 hidden, u32 /*vec*/, float* y, Diag* diag) {
+    begin_kernel();
+    grouped_down_big_impl(act, inter, route_weights, offsets, sorted_pairs, pairs, num_experts,
+                          down_table, hidden, y, diag);
+}
+
+// out[t] = sum_j y[pair_positions[t*k + j]], summed in slot order; four features a thread
+// when hidden % 4 == 0 (one otherwise).
 extern "C" __global__ void moe_combine(const float* y, const u32* pair_positions, u32 tokens,
                                        u32 top_k, u32 hidden, u32 pairs, float* out, Diag* diag) {
     begin_small_kernel();
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 per = (hidden & 3u) == 0 ? 4u : 1u;
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * per;
     if (i >= (u64)tokens * hidden) return;
     u32 t = (u32)(i / hidden), d = (u32)(i % hidden);
-    float total = 0.f;
+    float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
     for (u32 j = 0; j < top_k; j++) {
         u32 s = pair_positions[t * top_k + j];
         if (s >= pairs) {
             raise_error(diag, ERR_ROW_INDEX);
             continue;
         }
-        total += y[(size_t)s * hidden + d];
+        const float* src = y + (size_t)s * hidden + d;
+        if (per == 4) {
+            float4 v = *reinterpret_cast<const float4*>(src);
+            total.x += v.x;
+            total.y += v.y;
+            total.z += v.z;
+            total.w += v.w;
+        } else {
+            total.x += src[0];
+        }
     }
-    out[i] = total;
+    if (per == 4) {
+        *reinterpret_cast<float4*>(out + i) = total;
+    } else {
+        out[i] = total.x;
+    }
 }
