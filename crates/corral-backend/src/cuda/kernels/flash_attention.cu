@@ -292,7 +292,7 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
 }
 
 #define FLASH_ATTENTION(HD)                                                                   \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_bf16_hd##HD(     \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 3) flash_attention_bf16_hd##HD(  \
         const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,         \
         const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
         u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
