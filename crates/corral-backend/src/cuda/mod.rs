@@ -162,20 +162,28 @@ const ATTENTION_THREADS: u32 = 128;
 const MVM_THREADS: u32 = 256;
 
 /// Rows per expert on average up to which grouped experts run as few-row products (each
-/// hit expert read once) rather than 64-row tiles.
+/// hit expert read once) rather than 64-row tiles, or rather than 128-row tiles where those
+/// run (bf16 experts with 16-byte rows).
 const GROUPED_FEW_ROWS: usize = 24;
+const FEW_ROWS_BEFORE_BIG_TILES: usize = 1;
 /// Sorted rows per tile, and threads per block, of the prefill-sized expert tiles.
 const BIG_TILE_ROWS: usize = 128;
 const BIG_TILE_THREADS: u32 = 256;
 
 /// The few-row grouped-expert kernel for `pairs` routed rows over `experts`: 8 rows at a
-/// time (index 0) or 32 (index 1); `None`: enough rows for tiles.
-fn few_rows_variant(pairs: usize, experts: usize) -> Option<usize> {
+/// time (index 0) or 32 (index 1); `None`: enough rows for tiles (128-row ones when
+/// `big_tiles`).
+fn few_rows_variant(pairs: usize, experts: usize, big_tiles: bool) -> Option<usize> {
     let average = pairs.div_ceil(experts.max(1));
+    let last = if big_tiles {
+        FEW_ROWS_BEFORE_BIG_TILES
+    } else {
+        GROUPED_FEW_ROWS
+    };
     match average {
+        _ if average > last => None,
         0..=8 => Some(0),
-        9..=GROUPED_FEW_ROWS => Some(1),
-        _ => None,
+        _ => Some(1),
     }
 }
 
@@ -429,23 +437,18 @@ impl CudaBackend {
         Ok((Arg::Ptr(ptr_of(op, table)?), dtype, *vec))
     }
 
-    /// The 128-row expert tiles, when they run: bf16 experts whose three projections have
-    /// 16-byte rows, and more sorted rows per expert than the few-row products take. Gate/up
-    /// and down decide alike, for the first leaves `act` in the bf16 layout the second reads.
+    /// The 128-row expert tiles, where they run for enough rows: bf16 experts whose three
+    /// projections have 16-byte rows. Gate/up and down decide alike (and so pick few-row
+    /// products alike), for the first leaves `act` in the bf16 layout the second reads.
     fn big_tiles<'k>(
         &self,
         op: &'static str,
         kernels: &'k WeightKernels,
         experts: &ExpertWeights,
-        pairs: usize,
     ) -> Result<Option<&'k [Kernel; 2]>> {
         let Some(big) = &kernels.grouped_big else {
             return Ok(None);
         };
-        let num_experts = experts.gate.num_experts();
-        if few_rows_variant(pairs, num_experts).is_some() {
-            return Ok(None);
-        }
         for m in [&experts.gate, &experts.up, &experts.down] {
             let (_, dtype, vec) = self.experts(op, m)?;
             if dtype != DType::BF16 || !vec {
@@ -1416,10 +1419,11 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let kernels = self.kernels.for_weights(op, gate_dtype)?;
+        let big = self.big_tiles(op, kernels, experts)?;
         if let (Some(mvm), true, Some(variant)) = (
             &kernels.grouped_mvm,
             gate_vec && up_vec,
-            few_rows_variant(pairs, num_experts),
+            few_rows_variant(pairs, num_experts, big.is_some()),
         ) {
             // A block row per expert that can have rows: at most one per routed pair.
             let grid = (
@@ -1429,7 +1433,7 @@ impl Backend for CudaBackend {
             );
             return self.launch(&mvm[0][variant], grid, MVM_THREADS, &args);
         }
-        if let Some(big) = self.big_tiles(op, kernels, experts, pairs)? {
+        if let Some(big) = big {
             // x rounded to bf16 once (the tiles would round it the same way as they stage
             // it), into a pooled buffer given back at once: later users queue behind.
             let len = routing.tokens * hidden;
@@ -1514,10 +1518,11 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let kernels = self.kernels.for_weights(op, dtype)?;
+        let big = self.big_tiles(op, kernels, experts)?;
         if let (Some(mvm), true, Some(variant)) = (
             &kernels.grouped_mvm,
             vec,
-            few_rows_variant(pairs, num_experts),
+            few_rows_variant(pairs, num_experts, big.is_some()),
         ) {
             // A block row per expert that can have rows: at most one per routed pair; a
             // block per DOWN_MVM_FEATURES features.
@@ -1528,7 +1533,7 @@ impl Backend for CudaBackend {
             );
             return self.launch(&mvm[1][variant], grid, MVM_THREADS, &args);
         }
-        if let Some(big) = self.big_tiles(op, kernels, experts, pairs)? {
+        if let Some(big) = big {
             let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
             let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(128))?, 1);
             return self.launch(&big[1], grid, BIG_TILE_THREADS, &args);
