@@ -229,6 +229,44 @@ async fn chat_completion_streaming_with_usage_and_logprobs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_sends_a_chunk_for_every_token() {
+    // Tokens whose text is held back (byte pieces of a character, the start of a possible
+    // stop string) still get a chunk, empty, so that clients can time every token. The
+    // stop string is one the output's first characters often begin.
+    let s = server(None, 16, 512);
+    let body = chat_body(json!({
+        "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 40,
+        "temperature": 1.0, "seed": 3, "stop": ["\u{1}never"]
+    }));
+    let response = s
+        .app
+        .clone()
+        .oneshot(post("/v1/chat/completions", body))
+        .await
+        .unwrap();
+    let events = sse_events(response).await;
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let token_chunks = chunks
+        .iter()
+        .filter(|c| {
+            let delta = &c["choices"][0]["delta"];
+            delta["content"].is_string() && delta.get("role").is_none()
+        })
+        .count();
+    let tokens = chunks.last().unwrap()["usage"]["completion_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    // The end may flush held-back text in one more chunk.
+    assert!(
+        token_chunks == tokens || token_chunks == tokens + 1,
+        "{token_chunks} chunks for {tokens} tokens"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_completion_with_token_ids_and_streaming() {
     let s = server(None, 16, 512);
     let (status, body, _) = call(

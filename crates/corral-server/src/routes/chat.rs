@@ -214,23 +214,25 @@ impl StreamState {
         match g.next().await {
             Ok(Some(Step::Deltas { deltas, logprobs })) => {
                 let lps: Vec<Value> = logprobs.iter().map(|t| logprob_entry(g, t)).collect();
-                let delta = self.delta_json(deltas);
-                if delta.is_some() || !lps.is_empty() {
-                    let lps = if lps.is_empty() {
-                        Value::Null
-                    } else {
-                        json!({"content": lps})
-                    };
-                    let delta = delta.unwrap_or_else(|| json!({"content": ""}));
-                    self.pending.push_back(chunk(
-                        &self.id,
-                        &self.model,
-                        self.created,
-                        delta,
-                        lps,
-                        Value::Null,
-                    ));
-                }
+                // A chunk for every token, empty when its text is held back (an incomplete
+                // character, a possible stop string or tool call), so that clients can time
+                // tokens.
+                let lps = if lps.is_empty() {
+                    Value::Null
+                } else {
+                    json!({"content": lps})
+                };
+                let delta = self
+                    .delta_json(deltas)
+                    .unwrap_or_else(|| json!({"content": ""}));
+                self.pending.push_back(chunk(
+                    &self.id,
+                    &self.model,
+                    self.created,
+                    delta,
+                    lps,
+                    Value::Null,
+                ));
             }
             Ok(Some(Step::Finished {
                 deltas,

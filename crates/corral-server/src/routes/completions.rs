@@ -129,11 +129,10 @@ fn stream(
                 let data = |v: Value| SseEvent::default().data(v.to_string());
                 match gen_ref.next().await {
                     Ok(Some(Step::Deltas { deltas, logprobs })) => {
+                        // A chunk for every token, empty when its text is held back.
                         let text = text_of(deltas);
-                        if !text.is_empty() || !logprobs.is_empty() {
-                            let lps = logprobs_json(gen_ref, &logprobs);
-                            pending.push(data(body(&id, &model, text, lps, Value::Null)));
-                        }
+                        let lps = logprobs_json(gen_ref, &logprobs);
+                        pending.push(data(body(&id, &model, text, lps, Value::Null)));
                     }
                     Ok(Some(Step::Finished {
                         deltas,

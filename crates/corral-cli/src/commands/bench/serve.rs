@@ -116,9 +116,9 @@ async fn post(
 pub(super) struct Streamed {
     /// The generated text.
     pub(super) text: String,
-    /// Seconds from `start` to the first event with text.
+    /// Seconds from `start` to the first token's event (its text may be held back).
     pub(super) ttft: Option<f64>,
-    /// Seconds between later events with text.
+    /// Seconds between later tokens' events.
     pub(super) gaps: Vec<f64>,
     /// Seconds from `start` to the end of the stream.
     pub(super) end: f64,
@@ -126,7 +126,7 @@ pub(super) struct Streamed {
     pub(super) usage: Value,
 }
 
-/// Reads an SSE chat-completion stream to `[DONE]`, timing its text events from `start`.
+/// Reads an SSE chat-completion stream to `[DONE]`, timing its token events from `start`.
 async fn read_stream(
     status: u16,
     mut conn: TcpStream,
@@ -158,11 +158,11 @@ async fn read_stream(
             if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
                 out.usage = usage.clone();
             }
-            if let Some(delta) = v["choices"][0]["delta"]["content"]
-                .as_str()
-                .filter(|c| !c.is_empty())
-            {
-                out.text.push_str(delta);
+            // A token's chunk: content (maybe empty, its text held back), and not the
+            // opening chunk that names the role.
+            let delta = &v["choices"][0]["delta"];
+            if let (Some(content), None) = (delta["content"].as_str(), delta.get("role")) {
+                out.text.push_str(content);
                 let now = Instant::now();
                 match last {
                     None => out.ttft = Some((now - start).as_secs_f64()),
