@@ -665,7 +665,7 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
         let e = [4, 8, 33, 128][case % 4];
         let top_k = 1 + rng.below(e.min(8));
         // The last cases fix the rows per expert on each side of where the grouped kernels
-        // change (few-row products up to 1 row per expert for bf16, up to 8 and up to 24 for
+        // change (few-row products up to 2 rows per expert for bf16, up to 8 and up to 24 for
         // other types; more: tiles), and
         // route over more experts than the routing kernel holds in registers (512). Cases
         // 28 and 29 run bf16 experts of several 128-row tiles each, the last one partial,

@@ -165,7 +165,7 @@ const MVM_THREADS: u32 = 256;
 /// hit expert read once) rather than 64-row tiles, or rather than 128-row tiles where those
 /// run (bf16 experts with 16-byte rows).
 const GROUPED_FEW_ROWS: usize = 24;
-const FEW_ROWS_BEFORE_BIG_TILES: usize = 1;
+const FEW_ROWS_BEFORE_BIG_TILES: usize = 2;
 /// Sorted rows per tile, and threads per block, of the prefill-sized expert tiles.
 const BIG_TILE_ROWS: usize = 128;
 const BIG_TILE_THREADS: u32 = 256;
