@@ -301,6 +301,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
+    /// Copies elements `src .. src + len` of the f32 buffer `x` to `dst .. dst + len` (ranges
+    /// that do not overlap): one recurrent-state slot into another, for checkpoints.
+    fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()>;
+
     /// RMSNorm over each of `rows` rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w`, where
     /// `w = weight` or, with `offset_one`, `w = 1 + weight` (zero-centred norms).
     #[allow(clippy::too_many_arguments)]
@@ -585,4 +589,27 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
+}
+
+/// Checks [`Backend::copy_within`]'s ranges against a buffer of `len` elements.
+pub(crate) fn check_copy_ranges(
+    op: &'static str,
+    len: usize,
+    src: usize,
+    dst: usize,
+    count: usize,
+) -> Result<()> {
+    let fits = |start: usize| start.checked_add(count).is_some_and(|end| end <= len);
+    let apart = src.abs_diff(dst) >= count;
+    if fits(src) && fits(dst) && apart {
+        Ok(())
+    } else {
+        Err(BackendError::BadArgument {
+            op,
+            detail: format!(
+                "copying {count} elements from {src} to {dst} in a buffer of {len}: out of \
+                 range or overlapping"
+            ),
+        })
+    }
 }

@@ -264,3 +264,23 @@ fn route_with_a_shared_gate_adds_the_shared_expert_after_the_top_k() {
         assert!((g - w).abs() < 1e-6, "{got_w:?} vs {expected:?}");
     }
 }
+
+#[test]
+fn copy_within_copies_a_range_and_rejects_overlap_and_overflow() {
+    let b = CpuBackend::new();
+    let v = values(12, 9);
+    let mut buf = upload(&b, &v);
+    b.copy_within(&mut buf, 1, 8, 4).unwrap();
+    let mut expected = v.clone();
+    expected.copy_within(1..5, 8);
+    assert_eq!(download(&b, &buf, 12), expected);
+    for (src, dst, len) in [(0, 2, 4), (0, 10, 4), (usize::MAX, 0, 2)] {
+        let err = b.copy_within(&mut buf, src, dst, len).unwrap_err();
+        assert!(err.to_string().contains("copy_within"), "{err}");
+    }
+    assert_eq!(
+        download(&b, &buf, 12),
+        expected,
+        "a refused copy changes nothing"
+    );
+}

@@ -822,6 +822,26 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
 }
 
 #[test]
+fn copy_within_matches_cpu() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let v = Rng(7).values(1000);
+    let mut outs = Vec::new();
+    for b in [&c as &dyn Backend, g] {
+        let mut buf = f32_buf(b, &v);
+        b.copy_within(&mut buf, 3, 500, 400).unwrap();
+        b.copy_within(&mut buf, 900, 0, 100).unwrap();
+        assert!(b.copy_within(&mut buf, 0, 50, 100).is_err(), "overlapping");
+        assert!(
+            b.copy_within(&mut buf, 950, 0, 100).is_err(),
+            "past the end"
+        );
+        outs.push(read(b, &buf, 1000));
+    }
+    assert_eq!(outs[0], outs[1]);
+}
+
+#[test]
 fn scale_scatter_add_matches_cpu() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();

@@ -12,7 +12,7 @@ use corral_model::{Model, PagedKvCache, RecurrentStateCache};
 
 use crate::metrics::EngineMetrics;
 use crate::request::{EngineRequest, Event};
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::scheduler::{Scheduler, SchedulerConfig, StepPlan};
 use crate::{EngineError, KvBlockPool};
 
 /// Sizes and limits of the engine.
@@ -30,9 +30,12 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Longest sequence (prompt plus generated tokens).
     pub max_context: usize,
-    /// Keep computed KV blocks for later requests that share their prefix (models without
-    /// recurrent state; hybrids run without until state checkpoints are cached too).
+    /// Keep computed KV blocks for later requests that share their prefix (and, for hybrid
+    /// models, recurrent-state checkpoints where those prefixes end).
     pub prefix_cache: bool,
+    /// State slots for checkpoints (hybrid models with the prefix cache), beyond one per
+    /// running sequence.
+    pub state_checkpoints: usize,
 }
 
 enum Command {
@@ -100,10 +103,15 @@ pub fn spawn_engine(
         config.kv_blocks,
         config.block_size,
     )?;
+    let checkpoints = if config.prefix_cache && model.is_hybrid() {
+        config.state_checkpoints
+    } else {
+        0
+    };
     let state = RecurrentStateCache::new(
         model.backend().as_ref(),
         model.config(),
-        config.max_batch.max(1),
+        config.max_batch.max(1) + checkpoints,
     )?;
     let metrics = Arc::new(EngineMetrics::default());
     metrics
@@ -118,10 +126,10 @@ pub fn spawn_engine(
         KvBlockPool::new(config.kv_blocks, config.block_size),
     );
     // A hybrid model's prefix also needs its recurrent state, which is not cached yet.
-    let scheduler = if config.prefix_cache && !model.is_hybrid() {
-        scheduler.with_prefix_cache()
-    } else {
-        scheduler
+    let scheduler = match (config.prefix_cache, model.is_hybrid()) {
+        (true, false) => scheduler.with_prefix_cache(),
+        (true, true) => scheduler.with_state_checkpoints(config.max_batch.max(1), checkpoints),
+        (false, _) => scheduler,
     };
     metrics.engine_alive.store(true, Ordering::Relaxed);
     let thread_metrics = Arc::clone(&metrics);
@@ -186,8 +194,10 @@ fn run(
             .queue_depth
             .store(scheduler.num_waiting() as u64, Ordering::Relaxed);
         if let Some(plan) = plan {
+            let backend = model.backend().as_ref();
             // A panic in a forward pass (a bug) fails the step's requests, not the engine.
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                restore(backend, &mut state, &scheduler, &plan, metrics)?;
                 model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits)
             }))
             .unwrap_or_else(|_| {
@@ -204,6 +214,19 @@ fn run(
                         .dispatches
                         .fetch_add(report.stats.dispatches, Ordering::Relaxed);
                     let counts = scheduler.finish_step(plan, &mut logits, vocab, report.stats);
+                    for &(src, dst) in &counts.checkpoint_copies {
+                        match state.copy_slot(backend, src, dst) {
+                            Ok(()) => {
+                                metrics
+                                    .state_checkpoints_taken
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "a state checkpoint could not be copied");
+                                scheduler.forget_checkpoint(dst);
+                            }
+                        }
+                    }
                     metrics
                         .prompt_tokens
                         .fetch_add(counts.prefill_tokens as u64, Ordering::Relaxed);
@@ -234,6 +257,33 @@ fn run(
 }
 
 /// Queue, running, KV and preemption gauges from the scheduler's current state.
+/// Copies each resumed sequence's checkpoint into its own slot before the step, one log line
+/// a restore.
+fn restore(
+    backend: &dyn corral_backend::Backend,
+    state: &mut RecurrentStateCache,
+    scheduler: &Scheduler,
+    plan: &StepPlan,
+    metrics: &EngineMetrics,
+) -> Result<(), corral_model::ModelError> {
+    for &(seq, src, dst) in &plan.restores {
+        let start = std::time::Instant::now();
+        state.copy_slot(backend, src, dst)?;
+        let tokens = scheduler.computed_tokens(seq);
+        metrics.state_restores.fetch_add(1, Ordering::Relaxed);
+        metrics
+            .state_restored_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        tracing::info!(
+            seq = seq.0,
+            tokens,
+            ms = start.elapsed().as_secs_f64() * 1e3,
+            "restored a state checkpoint from memory"
+        );
+    }
+    Ok(())
+}
+
 fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
     let store = |gauge: &std::sync::atomic::AtomicU64, value: usize| {
         gauge.store(value as u64, Ordering::Relaxed)
@@ -242,6 +292,10 @@ fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
     store(&metrics.running, scheduler.num_running());
     store(&metrics.kv_blocks_used, scheduler.blocks_in_use());
     store(&metrics.kv_blocks_cached, scheduler.cached_blocks());
+    store(
+        &metrics.state_checkpoints_cached,
+        scheduler.cached_checkpoints(),
+    );
     metrics
         .preemptions
         .store(scheduler.preemptions(), Ordering::Relaxed);

@@ -21,7 +21,7 @@ pub use chat_template::{ChatTemplate, TokenizerConfig};
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
 pub use generation_config::stop_token_ids;
-pub use kv::{KvBlockPool, OutOfBlocks, PrefixCache, StateSlotPool};
+pub use kv::{KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, StateSlotPool};
 pub use metrics::EngineMetrics;
 pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};

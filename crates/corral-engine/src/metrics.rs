@@ -75,6 +75,14 @@ pub struct EngineMetrics {
     pub cached_prompt_tokens: AtomicU64,
     /// Finished requests that took any prompt tokens from the prefix cache.
     pub prefix_cache_hits: AtomicU64,
+    /// Recurrent-state checkpoints taken (hybrid models).
+    pub state_checkpoints_taken: AtomicU64,
+    /// Checkpoints the prefix cache holds.
+    pub state_checkpoints_cached: AtomicU64,
+    /// Sequences that resumed from a checkpoint.
+    pub state_restores: AtomicU64,
+    /// Tokens those sequences did not recompute.
+    pub state_restored_tokens: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
     /// Tokens run through forward passes.
@@ -102,6 +110,10 @@ impl Default for EngineMetrics {
             prompt_tokens: AtomicU64::new(0),
             cached_prompt_tokens: AtomicU64::new(0),
             prefix_cache_hits: AtomicU64::new(0),
+            state_checkpoints_taken: AtomicU64::new(0),
+            state_checkpoints_cached: AtomicU64::new(0),
+            state_restores: AtomicU64::new(0),
+            state_restored_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             forward_tokens: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),

@@ -10,6 +10,15 @@
 //! starts from the longest cached run of whole blocks of its tokens, and a sequence that ends
 //! or is preempted leaves its computed blocks in the cache, which gives them back when the
 //! pool runs short.
+//!
+//! For hybrid models the cache also keeps recurrent-state checkpoints, taken at whole blocks:
+//! at the end of each prompt (its last whole block: the next turn usually re-sends the prompt
+//! and diverges where the reply starts), where a prompt leaves the cached tree (a branch
+//! point), and at the last whole block of a turn's output. A prefill chunk ends at such a
+//! point so that the state exists there; the copy into a checkpoint slot is queued for the
+//! engine after the step ([`StepCounts::checkpoint_copies`]), and a sequence that starts from
+//! a checkpoint gets a private copy in its own slot before its first step
+//! ([`StepPlan::restores`]).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -44,6 +53,10 @@ struct Sequence {
     table: BlockTable,
     /// Recurrent-state slot while running.
     slot: Option<SlotId>,
+    /// Tokens computed at which a state checkpoint is to be taken (hybrids, prefill).
+    checkpoint_at: Vec<usize>,
+    /// State checkpoints taken, `(tokens covered, checkpoint slot)`, for the prefix cache.
+    checkpoints: Vec<(usize, SlotId)>,
     sampler: Sampler,
     max_tokens: usize,
     max_context: usize,
@@ -80,6 +93,8 @@ pub struct StepPlan {
     /// The ragged batch for the model.
     pub batch: RaggedBatch,
     runs: Vec<PlannedRun>,
+    /// State copies to make before the forward: `(sequence, checkpoint slot, its slot)`.
+    pub restores: Vec<(SeqId, SlotId, SlotId)>,
 }
 
 /// Waiting and running sequences, and the KV blocks they hold.
@@ -109,6 +124,8 @@ pub struct StepCounts {
     /// Sequences that ended, with their final event: the engine sends these after updating
     /// its metrics, so a client that sees the end also sees it counted.
     pub finished: Vec<(UnboundedSender<Event>, Finished)>,
+    /// State copies to make before the next forward: `(running slot, checkpoint slot)`.
+    pub checkpoint_copies: Vec<(SlotId, SlotId)>,
 }
 
 impl Scheduler {
@@ -127,10 +144,50 @@ impl Scheduler {
     }
 
     /// Keeps computed blocks in a prefix cache for later sequences (models without recurrent
-    /// state only: the cache does not hold state checkpoints).
+    /// state).
     pub fn with_prefix_cache(mut self) -> Self {
         self.prefix = Some(PrefixCache::new(self.pool.block_size()));
         self
+    }
+
+    /// Keeps computed blocks and recurrent-state checkpoints in a prefix cache (hybrid
+    /// models): `checkpoints` state slots from `first_slot` on (after the running ones).
+    pub fn with_state_checkpoints(mut self, first_slot: usize, checkpoints: usize) -> Self {
+        self.prefix = Some(PrefixCache::with_checkpoints(
+            self.pool.block_size(),
+            StateSlotPool::range(first_slot, checkpoints),
+        ));
+        self
+    }
+
+    /// Tokens sequence `id` has computed (resumed ones: what it took from the cache).
+    pub fn computed_tokens(&self, id: SeqId) -> usize {
+        self.running
+            .iter()
+            .find(|s| s.id == id)
+            .map_or(0, |s| s.computed)
+    }
+
+    /// State checkpoints the prefix cache holds.
+    pub fn cached_checkpoints(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixCache::num_checkpoints)
+    }
+
+    /// Drops the checkpoint in `slot`, wherever it is held (its copy failed, so it must not
+    /// be resumed from).
+    pub fn forget_checkpoint(&mut self, slot: SlotId) {
+        for seq in &mut self.running {
+            if let Some(i) = seq.checkpoints.iter().position(|c| c.1 == slot) {
+                seq.checkpoints.remove(i);
+                if let Some(prefix) = &mut self.prefix {
+                    prefix.release_checkpoint(slot);
+                }
+                return;
+            }
+        }
+        if let Some(prefix) = &mut self.prefix {
+            prefix.forget_checkpoint(slot);
+        }
     }
 
     /// KV blocks the prefix cache indexes (none without a cache).
@@ -160,6 +217,8 @@ impl Scheduler {
             cached: 0,
             table: BlockTable::default(),
             slot: None,
+            checkpoint_at: Vec::new(),
+            checkpoints: Vec::new(),
             sampler: Sampler::new(request.params),
             max_tokens: request.max_tokens,
             max_context: request.max_context,
@@ -203,13 +262,18 @@ impl Scheduler {
     /// Drops sequences whose client has gone, freeing their blocks.
     pub fn drop_cancelled(&mut self) {
         self.waiting.retain(|s| !s.events.is_closed());
-        let (pool, slots) = (&mut self.pool, &mut self.slots);
+        let (pool, slots, prefix) = (&mut self.pool, &mut self.slots, &mut self.prefix);
         self.running.retain_mut(|s| {
             let gone = s.events.is_closed();
             if gone {
                 pool.release(&mut s.table);
                 if let Some(slot) = s.slot.take() {
                     slots.release(slot);
+                }
+                if let Some(prefix) = prefix {
+                    for (_, slot) in s.checkpoints.drain(..) {
+                        prefix.release_checkpoint(slot);
+                    }
                 }
             }
             !gone
@@ -218,6 +282,7 @@ impl Scheduler {
 
     /// Plans the next step; `None` when there is nothing to run.
     pub fn step(&mut self) -> Option<StepPlan> {
+        let mut restores = Vec::new();
         while self.running.len() < self.config.max_batch && !self.waiting.is_empty() {
             let Some(slot) = self.slots.acquire() else {
                 break;
@@ -230,9 +295,24 @@ impl Scheduler {
                 && seq.table.blocks.is_empty()
             {
                 // At least the last token is computed, for its logits.
-                let usable = (seq.tokens.len() - 1) / self.pool.block_size();
-                seq.table = prefix.lookup(&seq.tokens, usable, &mut self.pool);
-                seq.computed = seq.table.blocks.len() * self.pool.block_size();
+                let bs = self.pool.block_size();
+                let usable = (seq.tokens.len() - 1) / bs;
+                if prefix.keeps_checkpoints() {
+                    let hit = prefix.lookup_resumable(&seq.tokens, usable, &mut self.pool);
+                    seq.table = hit.table;
+                    if let Some(checkpoint) = hit.checkpoint {
+                        restores.push((seq.id, checkpoint, slot));
+                    }
+                    seq.computed = seq.table.blocks.len() * bs;
+                    // Where the prompt leaves the cached tree, and its last whole block.
+                    let points = [hit.matched_blocks * bs, seq.prompt_len / bs * bs];
+                    seq.checkpoint_at = points.into_iter().filter(|&p| p > seq.computed).collect();
+                    seq.checkpoint_at.sort_unstable();
+                    seq.checkpoint_at.dedup();
+                } else {
+                    seq.table = prefix.lookup(&seq.tokens, usable, &mut self.pool);
+                    seq.computed = seq.table.blocks.len() * bs;
+                }
                 // What the client's first token waited for; a re-admission after preemption
                 // recomputes from the cache but does not change what is reported.
                 if seq.first_token.is_none() {
@@ -247,11 +327,19 @@ impl Scheduler {
         while i < self.running.len() {
             let seq = &self.running[i];
             let remaining = seq.tokens.len() - seq.computed;
-            let n = if remaining == 1 {
+            let mut n = if remaining == 1 {
                 1
             } else {
                 remaining.min(budget)
             };
+            // A chunk ends where a state checkpoint is to be taken.
+            if let Some(&point) = seq
+                .checkpoint_at
+                .iter()
+                .find(|&&p| p > seq.computed && p < seq.computed + n)
+            {
+                n = point - seq.computed;
+            }
             if n == 0 {
                 i += 1;
                 continue;
@@ -287,7 +375,19 @@ impl Scheduler {
             });
             i += 1;
         }
+        // A restore is made before this step's forward even for a sequence without a run in
+        // it (out of budget); a preempted sequence looks its prefix up again.
+        restores.retain(|r: &(SeqId, SlotId, SlotId)| {
+            self.running
+                .iter()
+                .any(|s| s.id == r.0 && s.slot == Some(r.2))
+        });
         if runs.is_empty() {
+            for (id, _, _) in restores {
+                if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                    self.preempt(i);
+                }
+            }
             return None;
         }
         let mut batch = RaggedBatch::new(self.pool.block_size());
@@ -309,14 +409,29 @@ impl Scheduler {
                 batch.set_state_slot(seq.id, slot).ok()?;
             }
         }
-        Some(StepPlan { batch, runs })
+        Some(StepPlan {
+            batch,
+            runs,
+            restores,
+        })
     }
 
     /// Returns a sequence's KV blocks and state slot; with a prefix cache, its computed full
     /// blocks stay indexed there.
     fn release(&mut self, seq: &mut Sequence) {
         if let Some(prefix) = &mut self.prefix {
-            prefix.insert(&seq.tokens[..seq.computed], &seq.table, &mut self.pool);
+            // Checkpoints past what is computed (a failed step's) are not trusted.
+            let (kept, dropped): (Vec<_>, Vec<_>) =
+                seq.checkpoints.drain(..).partition(|c| c.0 <= seq.computed);
+            prefix.insert_with_checkpoints(
+                &seq.tokens[..seq.computed],
+                &seq.table,
+                &kept,
+                &mut self.pool,
+            );
+            for (_, slot) in dropped {
+                prefix.release_checkpoint(slot);
+            }
         }
         self.pool.release(&mut seq.table);
         if let Some(slot) = seq.slot.take() {
@@ -333,6 +448,7 @@ impl Scheduler {
         }
         self.release(&mut seq);
         seq.computed = 0;
+        seq.checkpoint_at.clear();
         self.waiting.push_front(seq);
     }
 
@@ -375,6 +491,9 @@ impl Scheduler {
                 seq.decode_steps += 1;
             }
             seq.computed += run.tokens;
+            if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
+                take_checkpoint(prefix, seq, slot, self.pool.block_size(), &mut counts);
+            }
             if !run.wants_logits {
                 continue;
             }
@@ -437,6 +556,36 @@ impl Scheduler {
         }
         counts
     }
+}
+
+/// After a step: a hybrid sequence that has just computed a planned checkpoint point, or the
+/// next whole block of its output (replacing its previous output checkpoint), gets a
+/// checkpoint slot and a copy of its state queued into it.
+fn take_checkpoint(
+    prefix: &mut PrefixCache,
+    seq: &mut Sequence,
+    slot: SlotId,
+    block_size: usize,
+    counts: &mut StepCounts,
+) {
+    let at = seq.computed;
+    if !prefix.keeps_checkpoints() || at == 0 || !at.is_multiple_of(block_size) {
+        return;
+    }
+    let planned = seq.checkpoint_at.contains(&at);
+    let output = at > seq.prompt_len;
+    if !planned && !output {
+        return;
+    }
+    let Some(dst) = prefix.take_checkpoint_slot() else {
+        return;
+    };
+    if output && let Some(i) = seq.checkpoints.iter().position(|c| c.0 > seq.prompt_len) {
+        let (_, old) = seq.checkpoints.remove(i);
+        prefix.release_checkpoint(old);
+    }
+    seq.checkpoints.push((at, dst));
+    counts.checkpoint_copies.push((slot, dst));
 }
 
 /// `(log-sum-exp of logits, the n most likely tokens with their log-probabilities)`.

@@ -4,7 +4,7 @@
 
 use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
 
-use crate::{ModelConfig, Result};
+use crate::{ModelConfig, ModelError, Result, SlotId};
 
 /// K and V of one attention layer.
 #[derive(Debug)]
@@ -109,6 +109,26 @@ impl RecurrentStateCache {
     /// This cache's identity, unique in the process (recorded decode graphs are bound to it).
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Copies slot `src`'s state (every linear layer's convolution and recurrent state) into
+    /// slot `dst`: a checkpoint taken, or one restored for a sequence to continue.
+    pub fn copy_slot(&mut self, backend: &dyn Backend, src: SlotId, dst: SlotId) -> Result<()> {
+        let (s, d) = (src.0 as usize, dst.0 as usize);
+        if s >= self.num_slots || d >= self.num_slots {
+            return Err(ModelError::InvalidBatch(format!(
+                "state slot {} or {} is out of range for {} slots",
+                src.0, dst.0, self.num_slots
+            )));
+        }
+        if s == d {
+            return Ok(());
+        }
+        for buffer in self.conv.iter_mut().chain(self.recurrent.iter_mut()) {
+            let per = buffer.len() / self.num_slots;
+            backend.copy_within(buffer, s * per, d * per, per)?;
+        }
+        Ok(())
     }
 
     /// Bytes of state per sequence (all linear layers).

@@ -40,6 +40,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             block_size: 16,
             max_context,
             prefix_cache: true,
+            state_checkpoints: 16,
         },
     )
     .unwrap();

@@ -12,6 +12,7 @@ use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
     MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView,
+    check_copy_ranges,
 };
 use ops::WeightRows;
 
@@ -603,6 +604,15 @@ impl Backend for CpuBackend {
         let out = f32s_mut(op, "out", out, num_rows * dim)?;
         self.stats.dispatch(1);
         ops::elementwise::gather_rows(x, rows, dim, out);
+        Ok(())
+    }
+
+    fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
+        let op = "copy_within";
+        check_copy_ranges(op, x.len(), src, dst, len)?;
+        let x = f32s_mut(op, "x", x, x.len())?;
+        self.stats.dispatch(1);
+        x.copy_within(src..src + len, dst);
         Ok(())
     }
 

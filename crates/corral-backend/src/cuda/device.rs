@@ -132,6 +132,16 @@ impl Gpu {
             .map_err(|e| driver_err("copying from the device", e))
     }
 
+    /// Queues a copy of `bytes` bytes of device memory from `src` to `dst`.
+    pub(crate) fn copy_device(&self, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller checked that both ranges lie in one allocation and do not
+        // overlap.
+        #[allow(unsafe_code)]
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_err("copying within the device", e))
+    }
+
     /// Queues a fill of `bytes` bytes at `dst` with zero.
     pub(crate) fn memset_zero(&self, dst: u64, bytes: usize) -> Result<()> {
         self.bind()?;

@@ -32,6 +32,7 @@ use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
     MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView,
+    check_copy_ranges,
 };
 use blas::Blas;
 use compile::KernelCache;
@@ -780,6 +781,24 @@ impl Backend for CudaBackend {
             256,
             &args,
         )
+    }
+
+    fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
+        let op = "copy_within";
+        check_copy_ranges(op, x.len(), src, dst, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        if x.dtype() != DType::F32 {
+            return Err(bad(op, format!("x is {:?}, not f32", x.dtype())));
+        }
+        self.not_capturing(op)?;
+        let base = ptr_of(op, x)?;
+        let bytes = 4 * len;
+        self.counted(op, || {
+            self.gpu
+                .copy_device(base + 4 * src as u64, base + 4 * dst as u64, bytes)
+        })
     }
 
     fn rms_norm(

@@ -140,6 +140,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         max_context: total,
         // One request: nothing to share.
         prefix_cache: false,
+        state_checkpoints: 0,
     };
     let (engine, thread) = spawn_engine(model, config)?;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();

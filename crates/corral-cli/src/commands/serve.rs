@@ -13,6 +13,9 @@ use corral_server::{AppState, RequestCounts, ServerConfig};
 
 use crate::loading::{ModelArgs, load_model};
 
+/// Most recurrent-state checkpoints the prefix cache keeps, whatever memory they are given.
+const MAX_STATE_CHECKPOINTS: usize = 256;
+
 /// Arguments of `corral serve`.
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
@@ -52,10 +55,14 @@ pub(crate) struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, env = "CORRAL_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     max_body_bytes: usize,
-    /// Keep computed KV blocks so that a request re-sending a history skips that prefix
-    /// (models without recurrent state; hybrids always recompute for now).
+    /// Keep computed KV blocks (and, for hybrid models, recurrent-state checkpoints) so that a
+    /// request re-sending a history skips that prefix.
     #[arg(long, env = "CORRAL_PREFIX_CACHE", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     prefix_cache: bool,
+    /// Memory for recurrent-state checkpoints of the prefix cache (hybrid models), in bytes
+    /// or with a K/M/G suffix.
+    #[arg(long, env = "CORRAL_STATE_CACHE_BYTES", default_value = "2G", value_parser = parse_bytes)]
+    state_cache_bytes: usize,
 }
 
 /// `on` or `off`.
@@ -122,6 +129,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         );
     }
     let capacity = kv_blocks * BLOCK_SIZE;
+    let state_bytes = corral_model::RecurrentStateCache::bytes_per_slot(&config);
+    let state_checkpoints = args
+        .state_cache_bytes
+        .checked_div(state_bytes)
+        .map_or(0, |n| n.min(MAX_STATE_CHECKPOINTS));
     let max_context = args
         .max_context
         .unwrap_or(config.max_position_embeddings)
@@ -145,6 +157,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             block_size: BLOCK_SIZE,
             max_context,
             prefix_cache: args.prefix_cache,
+            state_checkpoints,
         },
     )?;
     let state = AppState {
@@ -175,9 +188,10 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding {address}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
-        let state_bytes = corral_model::RecurrentStateCache::bytes_per_slot(&config) * args.max_batch.max(1);
+        let state_bytes = state_bytes * (args.max_batch.max(1) + state_checkpoints);
         tracing::info!(
-            model = %served_model_name, kv_blocks, max_context, state_bytes, "listening on http://{local}"
+            model = %served_model_name, kv_blocks, max_context, state_bytes, state_checkpoints,
+            "listening on http://{local}"
         );
         // On a signal, stop the engine first: live sequences end, so streams close and the
         // graceful shutdown does not wait for them to run to completion.

@@ -5,5 +5,5 @@ mod prefix;
 mod state_slots;
 
 pub use block_pool::{KvBlockPool, OutOfBlocks};
-pub use prefix::PrefixCache;
+pub use prefix::{PrefixCache, PrefixHit};
 pub use state_slots::StateSlotPool;

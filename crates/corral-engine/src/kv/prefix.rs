@@ -4,15 +4,19 @@
 //! A tree of full blocks: each node is one block of `block_size` token ids that follows its
 //! parent's, found among its siblings by those exact ids (no hash to collide). The cache holds
 //! one reference, in the [`KvBlockPool`], to every block it indexes, so a finished sequence's
-//! blocks outlive it; eviction drops least recently used leaves that no sequence holds. It
-//! indexes attention KV only: a hybrid model's prefix is reusable only where a recurrent-state
-//! checkpoint also exists, which this index does not record.
+//! blocks outlive it; eviction drops least recently used leaves that no sequence holds.
+//!
+//! For hybrid models a prefix is reusable only where the recurrent state at its end exists
+//! too: a node may hold a state checkpoint (a slot of the model's state cache, from the
+//! cache's own pool of checkpoint slots), and [`PrefixCache::lookup_resumable`] stops at the
+//! deepest node on the path that has one. When the pool is empty, the least recently used
+//! checkpoint gives its slot up (its blocks stay).
 
 use std::collections::{BTreeSet, HashMap};
 
-use corral_model::{BlockId, BlockTable};
+use corral_model::{BlockId, BlockTable, SlotId};
 
-use super::KvBlockPool;
+use super::{KvBlockPool, StateSlotPool};
 
 type NodeId = usize;
 
@@ -26,6 +30,20 @@ struct Node {
     block: BlockId,
     children: HashMap<Box<[u32]>, NodeId>,
     last_used: u64,
+    /// The recurrent state after this node's last token.
+    checkpoint: Option<SlotId>,
+}
+
+/// What [`PrefixCache::lookup_resumable`] found.
+#[derive(Debug, Default)]
+pub struct PrefixHit {
+    /// The blocks to start from, up to the deepest checkpoint (a holder taken for each).
+    pub table: BlockTable,
+    /// The state at the end of `table`, to copy into the sequence's own slot.
+    pub checkpoint: Option<SlotId>,
+    /// Whole blocks of the tokens the index holds, checkpoint or not: where the tokens leave
+    /// the cached tree, the place for a new checkpoint.
+    pub matched_blocks: usize,
 }
 
 /// An index of cached full KV blocks by the token ids they hold, with the cache's own
@@ -39,6 +57,9 @@ pub struct PrefixCache {
     block_size: usize,
     clock: u64,
     cached: usize,
+    /// Free checkpoint slots (hybrid models only).
+    checkpoint_slots: Option<StateSlotPool>,
+    checkpoints: usize,
 }
 
 impl PrefixCache {
@@ -50,6 +71,7 @@ impl PrefixCache {
             block: BlockId(u32::MAX),
             children: HashMap::new(),
             last_used: 0,
+            checkpoint: None,
         };
         Self {
             nodes: vec![Some(root)],
@@ -58,7 +80,99 @@ impl PrefixCache {
             block_size: block_size.max(1),
             clock: 0,
             cached: 0,
+            checkpoint_slots: None,
+            checkpoints: 0,
         }
+    }
+
+    /// An empty index that also keeps recurrent-state checkpoints in `slots`.
+    pub fn with_checkpoints(block_size: usize, slots: StateSlotPool) -> Self {
+        Self {
+            checkpoint_slots: Some(slots),
+            ..Self::new(block_size)
+        }
+    }
+
+    /// Whether this index keeps state checkpoints (a hybrid model's).
+    pub fn keeps_checkpoints(&self) -> bool {
+        self.checkpoint_slots.is_some()
+    }
+
+    /// Checkpoints held by nodes.
+    pub fn num_checkpoints(&self) -> usize {
+        self.checkpoints
+    }
+
+    /// A free checkpoint slot for a new checkpoint; with none free, the least recently used
+    /// node's checkpoint gives its slot up. `None` without checkpoint slots.
+    pub fn take_checkpoint_slot(&mut self) -> Option<SlotId> {
+        if let Some(slot) = self.checkpoint_slots.as_mut()?.acquire() {
+            return Some(slot);
+        }
+        let oldest = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(id, n)| {
+                n.as_ref()
+                    .filter(|n| n.checkpoint.is_some())
+                    .map(|n| (n.last_used, id))
+            })
+            .min()?;
+        self.checkpoints -= 1;
+        self.node_mut(oldest.1).checkpoint.take()
+    }
+
+    /// Returns a checkpoint slot that no node holds.
+    pub fn release_checkpoint(&mut self, slot: SlotId) {
+        if let Some(pool) = &mut self.checkpoint_slots {
+            pool.release(slot);
+        }
+    }
+
+    /// Drops the checkpoint in `slot` if a node holds it (its copy failed); true if one did.
+    pub fn forget_checkpoint(&mut self, slot: SlotId) -> bool {
+        let held = self
+            .nodes
+            .iter()
+            .position(|n| n.as_ref().is_some_and(|n| n.checkpoint == Some(slot)));
+        match held {
+            Some(id) => {
+                self.node_mut(id).checkpoint = None;
+                self.checkpoints -= 1;
+                self.release_checkpoint(slot);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// [`PrefixCache::lookup`] for a sequence that must also resume the recurrent state: the
+    /// blocks stop at the deepest node on the path with a checkpoint.
+    pub fn lookup_resumable(
+        &mut self,
+        tokens: &[u32],
+        max_blocks: usize,
+        pool: &mut KvBlockPool,
+    ) -> PrefixHit {
+        let mut hit = PrefixHit::default();
+        let mut at = ROOT;
+        let mut blocks = Vec::new();
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let Some(&child) = self.node(at).children.get(chunk) else {
+                break;
+            };
+            self.touch(child);
+            blocks.push(self.node(child).block);
+            if let Some(slot) = self.node(child).checkpoint {
+                hit.table.blocks = blocks.clone();
+                hit.checkpoint = Some(slot);
+            }
+            at = child;
+        }
+        hit.matched_blocks = blocks.len();
+        pool.share(&hit.table);
+        hit
     }
 
     /// Blocks indexed (each holding one reference in the pool).
@@ -104,8 +218,26 @@ impl PrefixCache {
     /// same tokens are indexed already, the cached block stays and the sequence's stays its
     /// own, released with the sequence.
     pub fn insert(&mut self, tokens: &[u32], table: &BlockTable, pool: &mut KvBlockPool) {
+        self.insert_with_checkpoints(tokens, table, &[], pool);
+    }
+
+    /// [`PrefixCache::insert`], and the state checkpoints `(tokens covered, slot)` of the
+    /// sequence (at whole blocks) go to the nodes they end at; a node that has one already
+    /// keeps it, and the extra slot goes back to the pool, as does one past the blocks.
+    pub fn insert_with_checkpoints(
+        &mut self,
+        tokens: &[u32],
+        table: &BlockTable,
+        checkpoints: &[(usize, SlotId)],
+        pool: &mut KvBlockPool,
+    ) {
         let mut at = ROOT;
-        for (chunk, &block) in tokens.chunks_exact(self.block_size).zip(&table.blocks) {
+        let mut placed = vec![false; checkpoints.len()];
+        for (i, (chunk, &block)) in tokens
+            .chunks_exact(self.block_size)
+            .zip(&table.blocks)
+            .enumerate()
+        {
             let next = match self.node(at).children.get(chunk) {
                 Some(&child) => child,
                 None => {
@@ -116,7 +248,20 @@ impl PrefixCache {
                 }
             };
             self.touch(next);
+            let covered = (i + 1) * self.block_size;
+            for (k, &(at_tokens, slot)) in checkpoints.iter().enumerate() {
+                if at_tokens == covered && self.node(next).checkpoint.is_none() {
+                    self.node_mut(next).checkpoint = Some(slot);
+                    self.checkpoints += 1;
+                    placed[k] = true;
+                }
+            }
             at = next;
+        }
+        for (k, &(_, slot)) in checkpoints.iter().enumerate() {
+            if !placed[k] {
+                self.release_checkpoint(slot);
+            }
         }
     }
 
@@ -170,6 +315,7 @@ impl PrefixCache {
             block,
             children: HashMap::new(),
             last_used: self.clock,
+            checkpoint: None,
         };
         let id = match self.free_nodes.pop() {
             Some(id) => {
@@ -200,6 +346,10 @@ impl PrefixCache {
         };
         self.free_nodes.push(id);
         self.cached -= 1;
+        if let Some(slot) = node.checkpoint {
+            self.checkpoints -= 1;
+            self.release_checkpoint(slot);
+        }
         let parent = self.node_mut(node.parent);
         parent.children.remove(&node.tokens);
         if parent.children.is_empty() && node.parent != ROOT {
@@ -276,6 +426,58 @@ mod tests {
             "the first block is still held by the lookup above"
         );
         assert_eq!(cache.num_blocks(), 1);
+    }
+
+    #[test]
+    fn a_hybrid_resumes_at_its_deepest_checkpoint_and_slots_come_back() {
+        let mut pool = KvBlockPool::new(32, 2);
+        let mut cache = PrefixCache::with_checkpoints(2, StateSlotPool::range(10, 2));
+        let turn: Vec<u32> = (0..8).collect();
+        let mut table = computed(&mut pool, &turn);
+        let (c1, c2) = (
+            cache.take_checkpoint_slot().unwrap(),
+            cache.take_checkpoint_slot().unwrap(),
+        );
+        assert!([c1, c2].iter().all(|s| (10..12).contains(&s.0)));
+        // Checkpoints after 4 and 8 tokens; one past the blocks goes back to the pool.
+        cache.insert_with_checkpoints(&turn, &table, &[(4, c1), (8, c2)], &mut pool);
+        pool.release(&mut table);
+        assert_eq!(cache.num_checkpoints(), 2);
+        // The whole turn and more: the deepest checkpoint (8) within the blocks asked for.
+        let longer: Vec<u32> = (0..11).collect();
+        let mut hit = cache.lookup_resumable(&longer, 5, &mut pool);
+        assert_eq!(
+            (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
+            (4, Some(c2), 4)
+        );
+        pool.release(&mut hit.table);
+        // At most 3 blocks: the checkpoint at 4 tokens, though 3 blocks match.
+        let mut hit = cache.lookup_resumable(&longer, 3, &mut pool);
+        assert_eq!(
+            (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
+            (2, Some(c1), 3)
+        );
+        pool.release(&mut hit.table);
+        // Diverging in the first block: nothing to resume from.
+        let hit = cache.lookup_resumable(&[0, 9, 9], 1, &mut pool);
+        assert!(hit.table.blocks.is_empty() && hit.checkpoint.is_none());
+        // The pool is empty: the least recently used checkpoint (at 8: the lookups since
+        // touched the first two blocks last) gives its slot up, its blocks stay.
+        assert_eq!(cache.take_checkpoint_slot(), Some(c2));
+        assert_eq!(cache.num_checkpoints(), 1);
+        let mut hit = cache.lookup_resumable(&longer, 5, &mut pool);
+        assert_eq!(
+            (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
+            (2, Some(c1), 4)
+        );
+        pool.release(&mut hit.table);
+        cache.release_checkpoint(c2);
+        // Evicting everything returns the remaining checkpoint's slot too.
+        cache.evict(&mut pool, usize::MAX);
+        assert_eq!((cache.num_blocks(), cache.num_checkpoints()), (0, 0));
+        let slots = [cache.take_checkpoint_slot(), cache.take_checkpoint_slot()];
+        assert!(slots.iter().all(Option::is_some));
+        assert_eq!(cache.take_checkpoint_slot(), None);
     }
 
     proptest! {

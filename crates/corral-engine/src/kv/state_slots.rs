@@ -14,8 +14,16 @@ pub struct StateSlotPool {
 impl StateSlotPool {
     /// `num_slots` free slots.
     pub fn new(num_slots: usize) -> Self {
+        Self::range(0, num_slots)
+    }
+
+    /// Slots `first .. first + num_slots`, free (checkpoint slots follow the running ones).
+    pub fn range(first: usize, num_slots: usize) -> Self {
         Self {
-            free: (0..num_slots as u32).rev().map(SlotId).collect(),
+            free: (first as u32..(first + num_slots) as u32)
+                .rev()
+                .map(SlotId)
+                .collect(),
             total: num_slots,
         }
     }

@@ -68,6 +68,34 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_state_checkpoints_taken_total",
+        "counter",
+        "Recurrent-state checkpoints taken (hybrid models).",
+        load(&m.state_checkpoints_taken),
+    );
+    scalar(
+        &mut out,
+        "corral_state_checkpoints_cached",
+        "gauge",
+        "Recurrent-state checkpoints the prefix cache holds.",
+        load(&m.state_checkpoints_cached),
+    );
+    scalar(
+        &mut out,
+        "corral_state_restores_total",
+        "counter",
+        "Sequences that resumed from a recurrent-state checkpoint.",
+        load(&m.state_restores),
+    );
+    scalar(
+        &mut out,
+        "corral_state_restored_tokens_total",
+        "counter",
+        "Tokens those sequences did not recompute.",
+        load(&m.state_restored_tokens),
+    );
+    scalar(
+        &mut out,
         "corral_generated_tokens_total",
         "counter",
         "Tokens generated.",
