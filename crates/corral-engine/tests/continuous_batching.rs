@@ -228,3 +228,84 @@ fn prefix_cache_hits_generate_what_uncached_runs_do() {
         }
     }
 }
+
+/// State poisoning: interleaved agent sessions of a hybrid model, several running at once,
+/// each turn re-sending its history with the reply and more (one session branching from an
+/// earlier turn), with a KV pool and a checkpoint pool too small for everything (eviction,
+/// stolen checkpoints, preemption): every turn generates what it generates from scratch.
+#[test]
+fn interleaved_hybrid_sessions_resume_exactly_under_eviction_and_preemption() {
+    let name = "qwen3_next";
+    let sessions: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| {
+            // A shared system prompt, then the session's own task.
+            (0..24)
+                .map(|j| (j * 29 + 7) % 250)
+                .chain((0..9).map(|j| (s * 71 + j * 13 + 1) % 250))
+                .collect()
+        })
+        .collect();
+    // Rounds of turns: each session's next prompt is its history, its reply and new tokens;
+    // session 2 branches in round 2 from its round-0 prompt.
+    let mut expected_rounds: Vec<Vec<(Vec<u32>, Vec<u32>)>> = Vec::new();
+    let mut histories = sessions.clone();
+    for round in 0..3u32 {
+        let mut turns = Vec::new();
+        for (s, history) in histories.iter_mut().enumerate() {
+            let prompt = if round == 2 && s == 2 {
+                expected_rounds[0][2]
+                    .0
+                    .iter()
+                    .copied()
+                    .chain([240, 241])
+                    .collect()
+            } else {
+                history.clone()
+            };
+            let reply = alone(name, &prompt, 6);
+            *history = prompt
+                .iter()
+                .chain(&reply)
+                .copied()
+                .chain([100 + round, 110 + s as u32])
+                .collect();
+            turns.push((prompt, reply));
+        }
+        expected_rounds.push(turns);
+    }
+    for (kv_blocks, checkpoints) in [(256, 16), (20, 3)] {
+        let config = EngineConfig {
+            prefix_cache: true,
+            state_checkpoints: checkpoints,
+            ..config(kv_blocks)
+        };
+        let (engine, thread) = spawn_engine(model_named(name), config).unwrap();
+        let mut cached = 0;
+        for (round, turns) in expected_rounds.iter().enumerate() {
+            let mut receivers: Vec<_> = turns.iter().map(|(p, _)| submit(&engine, p, 6)).collect();
+            for (s, rx) in receivers.iter_mut().enumerate() {
+                let (tokens, done) = collect(rx);
+                assert_eq!(
+                    tokens, turns[s].1,
+                    "round {round} session {s}, {kv_blocks} blocks, {checkpoints} checkpoints"
+                );
+                cached += done.cached_tokens;
+            }
+        }
+        let metrics = engine.metrics();
+        let restores = metrics.state_restores.load(Ordering::Relaxed);
+        assert!(
+            cached > 0 && restores > 0,
+            "{kv_blocks} blocks: nothing resumed"
+        );
+        if kv_blocks == 20 {
+            assert!(
+                metrics.preemptions.load(Ordering::Relaxed) > 0,
+                "expected preemption"
+            );
+        }
+        wait_for_zero_blocks(&engine);
+        engine.shutdown();
+        thread.join().unwrap();
+    }
+}
