@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::{Value, json};
 
+use super::plot::{Series, png, svg};
 use super::serve::{authority, stream_chat};
 use super::summary::median;
 
@@ -45,6 +46,17 @@ pub(crate) struct SessionsArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// This run's name in the JSON and the plot (default: whether it hit the prefix cache).
+    #[arg(long)]
+    label: Option<String>,
+    /// An earlier run's JSON (e.g. against a server with `--prefix-cache off`) to plot beside
+    /// this one.
+    #[arg(long)]
+    compare: Option<PathBuf>,
+    /// Plot every turn's TTFT against its prompt length (this run, its new text alone, and
+    /// the compared run) as SVG, or PNG for a `.png` name.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 /// `n` words of deterministic filler text, different for each `seed`.
@@ -190,6 +202,44 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
             revisits.iter().copied().fold(0.0, f64::max)
         );
     }
+    let label = args.label.clone().unwrap_or_else(|| {
+        if rows.iter().any(|r| r.cached_tokens > 0) {
+            "prefix cache hits".to_string()
+        } else {
+            "no prefix cache hits".to_string()
+        }
+    });
+    if let Some(path) = &args.plot {
+        let mut series = vec![
+            Series {
+                name: label.clone(),
+                points: rows
+                    .iter()
+                    .map(|r| (r.prompt_tokens as f64, r.ttft_ms))
+                    .collect(),
+            },
+            Series {
+                name: "new text alone".to_string(),
+                points: rows
+                    .iter()
+                    .map(|r| (r.prompt_tokens as f64, r.new_alone_ttft_ms))
+                    .collect(),
+            },
+        ];
+        if let Some(other) = &args.compare {
+            series.push(compared_series(other)?);
+        }
+        let title = format!(
+            "TTFT per turn: {} sessions against {}",
+            args.sessions, args.url
+        );
+        let bytes = if path.extension().and_then(|e| e.to_str()) == Some("png") {
+            png(&title, &series).context("encoding the PNG plot")?
+        } else {
+            svg(&title, &series).into_bytes()
+        };
+        std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    }
     if let Some(path) = &args.json {
         let turns: Vec<Value> = rows
             .iter()
@@ -204,9 +254,39 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
                 })
             })
             .collect();
-        let doc = json!({"url": args.url, "sessions": args.sessions, "turns": turns});
+        let doc = json!({
+            "url": args.url, "sessions": args.sessions, "label": label, "turns": turns,
+        });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The TTFT per turn of an earlier run's JSON, under its label.
+fn compared_series(path: &std::path::Path) -> Result<Series> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let doc: Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let Some(turns) = doc["turns"].as_array() else {
+        bail!(
+            "{}: no \"turns\" array (not a bench sessions JSON)",
+            path.display()
+        );
+    };
+    let points = turns
+        .iter()
+        .map(
+            |t| match (t["prompt_tokens"].as_f64(), t["ttft_ms"].as_f64()) {
+                (Some(x), Some(y)) => Ok((x, y)),
+                _ => bail!(
+                    "{}: a turn without prompt_tokens and ttft_ms",
+                    path.display()
+                ),
+            },
+        )
+        .collect::<Result<Vec<_>>>()?;
+    let name = doc["label"].as_str().unwrap_or("compared run").to_string();
+    Ok(Series { name, points })
 }
