@@ -301,6 +301,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
+    /// Copies elements from `offset` of `src` to host memory as they are stored (`out.len()`
+    /// bytes, a whole number of elements): KV blocks and state for a session file. Waits.
+    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()>;
+
+    /// Writes `bytes` (elements as stored) into `dst` from element `offset`: a session file
+    /// read back.
+    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()>;
+
     /// Copies elements `src .. src + len` of the f32 buffer `x` to `dst .. dst + len` (ranges
     /// that do not overlap): one recurrent-state slot into another, for checkpoints.
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()>;
@@ -612,4 +620,28 @@ pub(crate) fn check_copy_ranges(
             ),
         })
     }
+}
+
+/// Checks a byte range of [`Backend::read_bytes`] / [`Backend::write_bytes`] against a buffer:
+/// the element range it covers, `(first byte, bytes)`.
+pub(crate) fn byte_range(
+    op: &'static str,
+    b: &DeviceBuffer,
+    offset: usize,
+    bytes: usize,
+) -> Result<(usize, usize)> {
+    let size = b.dtype().size_bytes();
+    let elems = bytes / size;
+    let fits = offset.checked_add(elems).is_some_and(|end| end <= b.len());
+    if !bytes.is_multiple_of(size) || !fits {
+        return Err(BackendError::BadArgument {
+            op,
+            detail: format!(
+                "{bytes} bytes from element {offset} of a buffer of {} {:?} elements",
+                b.len(),
+                b.dtype()
+            ),
+        });
+    }
+    Ok((offset * size, bytes))
 }

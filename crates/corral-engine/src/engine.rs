@@ -8,15 +8,15 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
 
-use corral_model::{Model, PagedKvCache, RecurrentStateCache};
+use corral_model::{Model, PagedKvCache, RecurrentStateCache, SlotId};
 
 use crate::metrics::EngineMetrics;
 use crate::request::{EngineRequest, Event};
-use crate::scheduler::{Scheduler, SchedulerConfig, StepPlan};
+use crate::scheduler::{Scheduler, SchedulerConfig, SessionStore, StepPlan};
 use crate::{EngineError, KvBlockPool};
 
 /// Sizes and limits of the engine.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct EngineConfig {
     /// Most sequences running at once.
     pub max_batch: usize,
@@ -36,6 +36,11 @@ pub struct EngineConfig {
     /// State slots for checkpoints (hybrid models with the prefix cache), beyond one per
     /// running sequence.
     pub state_checkpoints: usize,
+    /// A folder where prefixes the cache evicts are written, and read back by later
+    /// requests that extend them (with the prefix cache).
+    pub session_dir: Option<std::path::PathBuf>,
+    /// Most bytes of session files in `session_dir` (oldest deleted first).
+    pub session_dir_bytes: u64,
 }
 
 enum Command {
@@ -113,6 +118,18 @@ pub fn spawn_engine(
         model.config(),
         config.max_batch.max(1) + checkpoints,
     )?;
+    let spill = match (&config.session_dir, config.prefix_cache) {
+        (Some(dir), true) => {
+            let fp = crate::kv::fingerprint(&[
+                &format!("{:?}", model.config()),
+                &format!("{:?}", model.backend().kv_dtype()),
+                &config.block_size.to_string(),
+                env!("CARGO_PKG_VERSION"),
+            ]);
+            Some(crate::SpillDir::open(dir, fp, config.session_dir_bytes)?)
+        }
+        _ => None,
+    };
     let metrics = Arc::new(EngineMetrics::default());
     metrics
         .kv_blocks_total
@@ -136,7 +153,7 @@ pub fn spawn_engine(
     let thread = std::thread::Builder::new()
         .name("corral-engine".to_string())
         .spawn(move || {
-            run(model, (cache, state), scheduler, rx, &thread_metrics);
+            run(model, (cache, state), scheduler, spill, rx, &thread_metrics);
             thread_metrics.engine_alive.store(false, Ordering::Relaxed);
         })
         .map_err(|source| EngineError::Io {
@@ -157,6 +174,7 @@ fn run(
     model: Model,
     (mut cache, mut state): (PagedKvCache, RecurrentStateCache),
     mut scheduler: Scheduler,
+    mut spill: Option<crate::SpillDir>,
     commands: Receiver<Command>,
     metrics: &EngineMetrics,
 ) {
@@ -189,7 +207,17 @@ fn run(
             }
         }
         scheduler.drop_cancelled();
-        let plan = scheduler.step();
+        let plan = match &mut spill {
+            Some(dir) => scheduler.step_with(Some(&mut DiskSessions {
+                backend: model.backend().as_ref(),
+                cache: &mut cache,
+                state: &mut state,
+                dir,
+                hybrid: model.is_hybrid(),
+                metrics,
+            })),
+            None => scheduler.step(),
+        };
         metrics
             .queue_depth
             .store(scheduler.num_waiting() as u64, Ordering::Relaxed);
@@ -257,6 +285,122 @@ fn run(
 }
 
 /// Queue, running, KV and preemption gauges from the scheduler's current state.
+/// Sessions on disk over the engine's caches (see [`SessionStore`]).
+struct DiskSessions<'a> {
+    backend: &'a dyn corral_backend::Backend,
+    cache: &'a mut PagedKvCache,
+    state: &'a mut RecurrentStateCache,
+    dir: &'a mut crate::SpillDir,
+    hybrid: bool,
+    metrics: &'a EngineMetrics,
+}
+
+impl SessionStore for DiskSessions<'_> {
+    fn spill(&mut self, prefix: &crate::EvictedPrefix<'_>) {
+        // A hybrid prefix is worth keeping only with the state at its end (and a file of
+        // exactly its tokens has that); otherwise a spilled prefix that starts with these
+        // tokens holds them already.
+        if prefix.tokens.is_empty()
+            || (self.hybrid && prefix.checkpoint.is_none())
+            || (self.hybrid && self.dir.holds(prefix.tokens))
+            || (!self.hybrid && self.dir.covers(prefix.tokens))
+        {
+            return;
+        }
+        let start = std::time::Instant::now();
+        let written = (|| -> Result<u64, EngineError> {
+            let kv = self.cache.read_blocks(self.backend, prefix.blocks)?;
+            let state = match prefix.checkpoint {
+                Some(slot) if self.hybrid => self.state.read_slot(self.backend, slot)?,
+                _ => Vec::new(),
+            };
+            self.dir.add(&crate::SpilledPrefix {
+                fingerprint: self.dir.fingerprint(),
+                block_size: self.cache.block_size,
+                tokens: prefix.tokens.to_vec(),
+                kv,
+                state,
+            })
+        })();
+        match written {
+            Ok(bytes) => {
+                self.metrics.session_spills.fetch_add(1, Ordering::Relaxed);
+                self.metrics
+                    .session_spill_bytes
+                    .fetch_add(bytes, Ordering::Relaxed);
+                tracing::info!(
+                    tokens = prefix.tokens.len(),
+                    bytes,
+                    ms = start.elapsed().as_secs_f64() * 1e3,
+                    "spilled a cached prefix to disk"
+                );
+            }
+            Err(e) => tracing::warn!(error = %e, "a cached prefix could not be spilled"),
+        }
+    }
+
+    fn find(&self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)> {
+        self.dir.longest_prefix(tokens, max_tokens)
+    }
+
+    fn load(
+        &mut self,
+        path: &std::path::Path,
+        blocks: &[corral_model::BlockId],
+        slot: Option<SlotId>,
+    ) -> Result<(), String> {
+        let start = std::time::Instant::now();
+        let loaded = (|| -> Result<(usize, f64), EngineError> {
+            let prefix = crate::SpilledPrefix::read(path, self.dir.fingerprint())?;
+            let read_ms = start.elapsed().as_secs_f64() * 1e3;
+            let bad = |detail: String| EngineError::Spill {
+                path: path.to_path_buf(),
+                detail,
+            };
+            if prefix.tokens.len() != blocks.len() * self.cache.block_size {
+                return Err(bad(format!(
+                    "{} tokens for {} blocks",
+                    prefix.tokens.len(),
+                    blocks.len()
+                )));
+            }
+            self.cache.write_blocks(self.backend, blocks, &prefix.kv)?;
+            if let Some(slot) = slot {
+                if prefix.state.is_empty() {
+                    return Err(bad("no recurrent state".to_string()));
+                }
+                self.state.write_slot(self.backend, slot, &prefix.state)?;
+            }
+            Ok((prefix.tokens.len(), read_ms))
+        })();
+        match loaded {
+            Ok((tokens, read_ms)) => {
+                self.metrics
+                    .session_restores
+                    .fetch_add(1, Ordering::Relaxed);
+                self.metrics
+                    .session_restored_tokens
+                    .fetch_add(tokens as u64, Ordering::Relaxed);
+                tracing::info!(
+                    tokens,
+                    read_ms,
+                    ms = start.elapsed().as_secs_f64() * 1e3,
+                    "restored a session from disk"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "deleting a session file that could not be restored; recomputing");
+                self.metrics
+                    .session_restore_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                self.dir.remove(path);
+                Err(e.to_string())
+            }
+        }
+    }
+}
+
 /// Copies each resumed sequence's checkpoint into its own slot before the step, one log line
 /// a restore.
 fn restore(

@@ -44,6 +44,15 @@ pub enum EngineError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] corral_model::ModelError),
+    /// A spilled session file could not be written, or is unusable (short, corrupt, from
+    /// another model or layout).
+    #[error("session file {}: {detail}", path.display())]
+    Spill {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
     /// A file could not be read.
     #[error("{}: {source}", path.display())]
     Io {

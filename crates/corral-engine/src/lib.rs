@@ -21,11 +21,14 @@ pub use chat_template::{ChatTemplate, TokenizerConfig};
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
 pub use generation_config::stop_token_ids;
-pub use kv::{KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, StateSlotPool};
+pub use kv::{
+    EvictedPrefix, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir, SpilledPrefix,
+    StateSlotPool,
+};
 pub use metrics::EngineMetrics;
 pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};
-pub use scheduler::{Scheduler, SchedulerConfig, StepPlan};
+pub use scheduler::{Scheduler, SchedulerConfig, SessionStore, StepPlan};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// Tokens per KV block.

@@ -83,6 +83,16 @@ pub struct EngineMetrics {
     pub state_restores: AtomicU64,
     /// Tokens those sequences did not recompute.
     pub state_restored_tokens: AtomicU64,
+    /// Prefixes written to the session folder.
+    pub session_spills: AtomicU64,
+    /// Bytes of those files.
+    pub session_spill_bytes: AtomicU64,
+    /// Sequences that started from a session file.
+    pub session_restores: AtomicU64,
+    /// Tokens those sequences read from disk instead of computing.
+    pub session_restored_tokens: AtomicU64,
+    /// Session files that could not be restored (deleted; the request recomputed).
+    pub session_restore_failures: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
     /// Tokens run through forward passes.
@@ -114,6 +124,11 @@ impl Default for EngineMetrics {
             state_checkpoints_cached: AtomicU64::new(0),
             state_restores: AtomicU64::new(0),
             state_restored_tokens: AtomicU64::new(0),
+            session_spills: AtomicU64::new(0),
+            session_spill_bytes: AtomicU64::new(0),
+            session_restores: AtomicU64::new(0),
+            session_restored_tokens: AtomicU64::new(0),
+            session_restore_failures: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             forward_tokens: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),

@@ -28,7 +28,26 @@ use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::request::{EngineRequest, Event, Finished, TokenEvent};
-use crate::{FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool};
+use crate::{EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool};
+
+/// Sessions on disk as the scheduler uses them: the engine implements it over its caches, so
+/// that a cold prefix is written out when the cache evicts it and read back into a new
+/// sequence's blocks (and state slot) at admission.
+pub trait SessionStore {
+    /// Writes an evicted prefix to disk if worth it; failures are the store's to log.
+    fn spill(&mut self, prefix: &EvictedPrefix<'_>);
+    /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens: its length and
+    /// file.
+    fn find(&self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)>;
+    /// Reads the spilled prefix at `path` into `blocks`, and its state into `slot` (hybrid
+    /// models). On an error the file is deleted and nothing it held may be used.
+    fn load(
+        &mut self,
+        path: &std::path::Path,
+        blocks: &[corral_model::BlockId],
+        slot: Option<SlotId>,
+    ) -> Result<(), String>;
+}
 
 /// Limits of the scheduler.
 #[derive(Clone, Copy, Debug)]
@@ -282,6 +301,13 @@ impl Scheduler {
 
     /// Plans the next step; `None` when there is nothing to run.
     pub fn step(&mut self) -> Option<StepPlan> {
+        self.step_with(None)
+    }
+
+    /// [`Scheduler::step`] with sessions on disk: evicted prefixes are shown to `store`, and
+    /// a new sequence whose tokens extend a spilled prefix longer than its cached one starts
+    /// from the spilled one (falling back to the cache and recompute if it cannot be read).
+    pub fn step_with(&mut self, mut store: Option<&mut dyn SessionStore>) -> Option<StepPlan> {
         let mut restores = Vec::new();
         while self.running.len() < self.config.max_batch && !self.waiting.is_empty() {
             let Some(slot) = self.slots.acquire() else {
@@ -312,6 +338,32 @@ impl Scheduler {
                 } else {
                     seq.table = prefix.lookup(&seq.tokens, usable, &mut self.pool);
                     seq.computed = seq.table.blocks.len() * bs;
+                }
+                if let Some(store) = store.as_deref_mut()
+                    && let Some((len, path)) = store.find(&seq.tokens, usable * bs)
+                    && len > seq.computed
+                {
+                    let mut table = BlockTable::default();
+                    let short = len.div_ceil(bs).saturating_sub(self.pool.num_free());
+                    if short > 0 {
+                        prefix
+                            .evict_with(&mut self.pool, len.div_ceil(bs), &mut |e| store.spill(e));
+                    }
+                    let hybrid = prefix.keeps_checkpoints();
+                    if self.pool.grow(&mut table, len).is_ok()
+                        && store
+                            .load(&path, &table.blocks, hybrid.then_some(slot))
+                            .is_ok()
+                    {
+                        self.pool.release(&mut seq.table);
+                        seq.table = table;
+                        seq.computed = len;
+                        seq.checkpoint_at.retain(|&p| p > len);
+                        // The state came from the file: no checkpoint copy over it.
+                        restores.retain(|r: &(SeqId, SlotId, SlotId)| r.0 != seq.id);
+                    } else {
+                        self.pool.release(&mut table);
+                    }
                 }
                 // What the client's first token waited for; a re-admission after preemption
                 // recomputes from the cache but does not change what is reported.
@@ -351,7 +403,14 @@ impl Scheduler {
                     .div_ceil(self.pool.block_size())
                     .saturating_sub(self.running[i].table.blocks.len());
                 if short > self.pool.num_free() {
-                    prefix.evict(&mut self.pool, short);
+                    match store.as_deref_mut() {
+                        Some(store) => {
+                            prefix.evict_with(&mut self.pool, short, &mut |e| store.spill(e));
+                        }
+                        None => {
+                            prefix.evict(&mut self.pool, short);
+                        }
+                    }
                 }
             }
             if self.pool.grow(&mut self.running[i].table, need).is_err() {

@@ -48,6 +48,8 @@ fn alone(name: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
         max_context: 4096,
         prefix_cache: false,
         state_checkpoints: 0,
+        session_dir: None,
+        session_dir_bytes: 0,
     };
     let (engine, thread) = spawn_engine(model_named(name), single).unwrap();
     let mut rx = submit(&engine, prompt, max_tokens);
@@ -95,6 +97,8 @@ fn config(kv_blocks: usize) -> EngineConfig {
         max_context: 4096,
         prefix_cache: false,
         state_checkpoints: 16,
+        session_dir: None,
+        session_dir_bytes: 0,
     }
 }
 
@@ -277,6 +281,8 @@ fn interleaved_hybrid_sessions_resume_exactly_under_eviction_and_preemption() {
         let config = EngineConfig {
             prefix_cache: true,
             state_checkpoints: checkpoints,
+            session_dir: None,
+            session_dir_bytes: 0,
             ..config(kv_blocks)
         };
         let (engine, thread) = spawn_engine(model_named(name), config).unwrap();
@@ -307,5 +313,95 @@ fn interleaved_hybrid_sessions_resume_exactly_under_eviction_and_preemption() {
         wait_for_zero_blocks(&engine);
         engine.shutdown();
         thread.join().unwrap();
+    }
+}
+
+/// Sessions on disk: a history the cache had to evict is written to the session folder and
+/// read back by the turn that extends it, in the same engine and after a restart; a corrupt
+/// file is deleted and the turn recomputes. Every turn generates what it does from scratch.
+#[test]
+fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
+    for name in ["qwen3_moe_fused", "qwen3_next"] {
+        let dir =
+            std::env::temp_dir().join(format!("corral-sessions-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let history: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
+        let others: Vec<Vec<u32>> = (0..3u32)
+            .map(|i| (0..40).map(|j| (i * 97 + j * 13 + 5) % 250).collect())
+            .collect();
+        let reply = alone(name, &history, 6);
+        let next: Vec<u32> = history
+            .iter()
+            .chain(&reply)
+            .copied()
+            .chain([60, 61, 62])
+            .collect();
+        let expected = alone(name, &next, 6);
+        let config = EngineConfig {
+            prefix_cache: true,
+            session_dir: Some(dir.clone()),
+            session_dir_bytes: 1 << 30,
+            ..config(16)
+        };
+        let run = |corrupt: bool| {
+            if corrupt {
+                for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+                    let mut bytes = std::fs::read(entry.path()).unwrap();
+                    let at = bytes.len() / 2;
+                    bytes[at] ^= 0x40;
+                    std::fs::write(entry.path(), bytes).unwrap();
+                }
+            }
+            let (engine, thread) = spawn_engine(model_named(name), config.clone()).unwrap();
+            let (tokens, done) = collect(&mut submit(&engine, &next, 6));
+            let m = engine.metrics();
+            let counts = (
+                m.session_restores.load(Ordering::Relaxed),
+                m.session_restore_failures.load(Ordering::Relaxed),
+            );
+            engine.shutdown();
+            thread.join().unwrap();
+            (tokens, done.cached_tokens, counts)
+        };
+        // The history, then other prompts that need its blocks (16 blocks of 4 tokens).
+        let (engine, thread) = spawn_engine(model_named(name), config.clone()).unwrap();
+        assert_eq!(
+            collect(&mut submit(&engine, &history, 6)).0,
+            reply,
+            "{name}"
+        );
+        for other in &others {
+            collect(&mut submit(&engine, other, 6));
+        }
+        let spills = engine.metrics().session_spills.load(Ordering::Relaxed);
+        assert!(spills > 0, "{name}: nothing was spilled");
+        let (tokens, done) = collect(&mut submit(&engine, &next, 6));
+        assert_eq!(tokens, expected, "{name}: resumed from disk");
+        assert!(
+            done.cached_tokens >= 40,
+            "{name}: {} cached",
+            done.cached_tokens
+        );
+        assert!(
+            engine.metrics().session_restores.load(Ordering::Relaxed) > 0,
+            "{name}"
+        );
+        engine.shutdown();
+        thread.join().unwrap();
+        // A new engine on the same folder: the session survives the restart.
+        let (tokens, cached, (restores, failures)) = run(false);
+        assert_eq!(tokens, expected, "{name}: after a restart");
+        assert!(
+            cached >= 40 && restores > 0 && failures == 0,
+            "{name}: {cached} {restores}"
+        );
+        // Corrupt files: detected, deleted, recomputed.
+        let (tokens, cached, (restores, failures)) = run(true);
+        assert_eq!(tokens, expected, "{name}: from corrupt files");
+        assert!(
+            failures > 0 && restores == 0 && cached == 0,
+            "{name}: {cached} {failures}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

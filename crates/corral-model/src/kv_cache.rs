@@ -4,7 +4,7 @@
 
 use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
 
-use crate::{ModelConfig, ModelError, Result, SlotId};
+use crate::{BlockId, ModelConfig, ModelError, Result, SlotId};
 
 /// K and V of one attention layer.
 #[derive(Debug)]
@@ -68,6 +68,79 @@ impl PagedKvCache {
             .map(|l| l.k.size_bytes() + l.v.size_bytes())
             .sum()
     }
+
+    /// Elements of one block in one layer's K (or V).
+    fn block_elems(&self) -> usize {
+        self.layers
+            .first()
+            .map_or(0, |l| l.k.len() / self.num_blocks.max(1))
+    }
+
+    fn check_blocks(&self, blocks: &[BlockId]) -> Result<()> {
+        match blocks.iter().find(|b| b.0 as usize >= self.num_blocks) {
+            Some(b) => Err(ModelError::InvalidBatch(format!(
+                "block {} is out of range for {} blocks",
+                b.0, self.num_blocks
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The bytes of `blocks` in every layer, as stored: per layer, the K of each block in
+    /// order, then the V of each (a session written to disk).
+    pub fn read_blocks(&self, backend: &dyn Backend, blocks: &[BlockId]) -> Result<Vec<Vec<u8>>> {
+        self.check_blocks(blocks)?;
+        let elems = self.block_elems();
+        self.layers
+            .iter()
+            .map(|layer| {
+                let size = elems * layer.k.dtype().size_bytes();
+                let mut out = vec![0u8; 2 * size * blocks.len()];
+                let (k_part, v_part) = out.split_at_mut(size * blocks.len());
+                for (i, b) in blocks.iter().enumerate() {
+                    let at = b.0 as usize * elems;
+                    backend.read_bytes(&layer.k, at, &mut k_part[i * size..(i + 1) * size])?;
+                    backend.read_bytes(&layer.v, at, &mut v_part[i * size..(i + 1) * size])?;
+                }
+                Ok(out)
+            })
+            .collect()
+    }
+
+    /// Writes what [`PagedKvCache::read_blocks`] read into `blocks` (a session read back).
+    pub fn write_blocks(
+        &mut self,
+        backend: &dyn Backend,
+        blocks: &[BlockId],
+        bytes: &[Vec<u8>],
+    ) -> Result<()> {
+        self.check_blocks(blocks)?;
+        let elems = self.block_elems();
+        if bytes.len() != self.layers.len() {
+            return Err(ModelError::InvalidBatch(format!(
+                "KV bytes for {} layers, the cache has {}",
+                bytes.len(),
+                self.layers.len()
+            )));
+        }
+        for (layer, data) in self.layers.iter_mut().zip(bytes) {
+            let size = elems * layer.k.dtype().size_bytes();
+            if data.len() != 2 * size * blocks.len() {
+                return Err(ModelError::InvalidBatch(format!(
+                    "{} KV bytes for {} blocks of {size}",
+                    data.len(),
+                    blocks.len()
+                )));
+            }
+            let (k_part, v_part) = data.split_at(size * blocks.len());
+            for (i, b) in blocks.iter().enumerate() {
+                let at = b.0 as usize * elems;
+                backend.write_bytes(&k_part[i * size..(i + 1) * size], &mut layer.k, at)?;
+                backend.write_bytes(&v_part[i * size..(i + 1) * size], &mut layer.v, at)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Recurrent state of every Gated DeltaNet layer, in slots: per layer, the last
@@ -129,6 +202,56 @@ impl RecurrentStateCache {
             backend.copy_within(buffer, s * per, d * per, per)?;
         }
         Ok(())
+    }
+
+    /// Slot `slot`'s state as stored, every layer's convolution state then every layer's
+    /// recurrent state (a session written to disk).
+    pub fn read_slot(&self, backend: &dyn Backend, slot: SlotId) -> Result<Vec<u8>> {
+        let s = self.slot_index(slot)?;
+        let mut out = Vec::new();
+        for buffer in self.conv.iter().chain(&self.recurrent) {
+            let per = buffer.len() / self.num_slots;
+            let mut part = vec![0u8; per * 4];
+            backend.read_bytes(buffer, s * per, &mut part)?;
+            out.extend_from_slice(&part);
+        }
+        Ok(out)
+    }
+
+    /// Writes what [`RecurrentStateCache::read_slot`] read into `slot`.
+    pub fn write_slot(&mut self, backend: &dyn Backend, slot: SlotId, bytes: &[u8]) -> Result<()> {
+        let s = self.slot_index(slot)?;
+        let total: usize = self
+            .conv
+            .iter()
+            .chain(&self.recurrent)
+            .map(|b| b.len() / self.num_slots * 4)
+            .sum();
+        if bytes.len() != total {
+            return Err(ModelError::InvalidBatch(format!(
+                "{} state bytes, a slot holds {total}",
+                bytes.len()
+            )));
+        }
+        let mut at = 0;
+        let num_slots = self.num_slots;
+        for buffer in self.conv.iter_mut().chain(self.recurrent.iter_mut()) {
+            let per = buffer.len() / num_slots;
+            backend.write_bytes(&bytes[at..at + per * 4], buffer, s * per)?;
+            at += per * 4;
+        }
+        Ok(())
+    }
+
+    fn slot_index(&self, slot: SlotId) -> Result<usize> {
+        let s = slot.0 as usize;
+        if s >= self.num_slots {
+            return Err(ModelError::InvalidBatch(format!(
+                "state slot {} is out of range for {} slots",
+                slot.0, self.num_slots
+            )));
+        }
+        Ok(s)
     }
 
     /// Bytes of state per sequence (all linear layers).

@@ -41,6 +41,8 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             max_context,
             prefix_cache: true,
             state_checkpoints: 16,
+            session_dir: None,
+            session_dir_bytes: 0,
         },
     )
     .unwrap();

@@ -11,7 +11,7 @@ use crate::buffer::Storage;
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView,
+    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView, byte_range,
     check_copy_ranges,
 };
 use ops::WeightRows;
@@ -607,6 +607,45 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        let op = "read_bytes";
+        let (start, len) = byte_range(op, src, offset, out.len())?;
+        let elem = src.dtype().size_bytes();
+        let first = start / elem;
+        match &src.storage {
+            Storage::F32(v) => put_le(&v[first..first + len / 4], out, f32::to_le_bytes),
+            Storage::U32(v) => put_le(&v[first..first + len / 4], out, u32::to_le_bytes),
+            Storage::Half(v) => put_le(&v[first..first + len / 2], out, u16::to_le_bytes),
+            Storage::Mapped {
+                file, byte_offset, ..
+            } => out.copy_from_slice(&file.bytes()[byte_offset + start..byte_offset + start + len]),
+            _ => return Err(BackendError::ForeignBuffer { op }),
+        }
+        self.stats.host_sync();
+        self.stats.transfer(len);
+        Ok(())
+    }
+
+    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
+        let op = "write_bytes";
+        let (start, len) = byte_range(op, dst, offset, bytes.len())?;
+        let elem = dst.dtype().size_bytes();
+        let first = start / elem;
+        match &mut dst.storage {
+            Storage::F32(v) => take_le(bytes, &mut v[first..first + len / 4], f32::from_le_bytes),
+            Storage::U32(v) => take_le(bytes, &mut v[first..first + len / 4], u32::from_le_bytes),
+            Storage::Half(v) => take_le(bytes, &mut v[first..first + len / 2], u16::from_le_bytes),
+            _ => {
+                return Err(bad(
+                    op,
+                    "the buffer is read-only or not the CPU's".to_string(),
+                ));
+            }
+        }
+        self.stats.transfer(len);
+        Ok(())
+    }
+
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
         let op = "copy_within";
         check_copy_ranges(op, x.len(), src, dst, len)?;
@@ -1091,4 +1130,20 @@ pub fn process_cpu_time() -> std::time::Duration {
     };
     let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
     std::time::Duration::from_micros(micros(usage.ru_utime) + micros(usage.ru_stime))
+}
+
+/// Elements to little-endian bytes.
+fn put_le<T: Copy, const N: usize>(v: &[T], out: &mut [u8], f: fn(T) -> [u8; N]) {
+    for (chunk, &x) in out.chunks_exact_mut(N).zip(v) {
+        chunk.copy_from_slice(&f(x));
+    }
+}
+
+/// Little-endian bytes to elements.
+fn take_le<T, const N: usize>(bytes: &[u8], v: &mut [T], f: fn([u8; N]) -> T) {
+    for (x, chunk) in v.iter_mut().zip(bytes.chunks_exact(N)) {
+        let mut b = [0u8; N];
+        b.copy_from_slice(chunk);
+        *x = f(b);
+    }
 }

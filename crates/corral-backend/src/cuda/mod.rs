@@ -31,7 +31,7 @@ use crate::buffer::Storage;
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView,
+    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView, byte_range,
     check_copy_ranges,
 };
 use blas::Blas;
@@ -781,6 +781,27 @@ impl Backend for CudaBackend {
             256,
             &args,
         )
+    }
+
+    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        let op = "read_bytes";
+        let (start, _) = byte_range(op, src, offset, out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.read_back(ptr_of(op, src)? + start as u64, out)
+    }
+
+    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
+        let op = "write_bytes";
+        let (start, len) = byte_range(op, dst, offset, bytes.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.not_capturing(op)?;
+        self.gpu.upload(bytes, ptr_of(op, dst)? + start as u64)?;
+        self.stats.transfer(len);
+        Ok(())
     }
 
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {

@@ -141,6 +141,8 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         // One request: nothing to share.
         prefix_cache: false,
         state_checkpoints: 0,
+        session_dir: None,
+        session_dir_bytes: 0,
     };
     let (engine, thread) = spawn_engine(model, config)?;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();

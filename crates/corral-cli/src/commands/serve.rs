@@ -63,6 +63,14 @@ pub(crate) struct ServeArgs {
     /// or with a K/M/G suffix.
     #[arg(long, env = "CORRAL_STATE_CACHE_BYTES", default_value = "2G", value_parser = parse_bytes)]
     state_cache_bytes: usize,
+    /// Write prefixes the cache evicts to this folder and read them back for requests that
+    /// extend them, across restarts (with the prefix cache).
+    #[arg(long, env = "CORRAL_SESSION_DIR")]
+    session_dir: Option<std::path::PathBuf>,
+    /// Most bytes of session files in `--session-dir` (oldest deleted first), in bytes or
+    /// with a K/M/G suffix.
+    #[arg(long, env = "CORRAL_SESSION_DIR_BYTES", default_value = "16G", value_parser = parse_bytes)]
+    session_dir_bytes: usize,
 }
 
 /// `on` or `off`.
@@ -158,6 +166,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             max_context,
             prefix_cache: args.prefix_cache,
             state_checkpoints,
+            session_dir: args.session_dir.clone(),
+            session_dir_bytes: args.session_dir_bytes as u64,
         },
     )?;
     let state = AppState {

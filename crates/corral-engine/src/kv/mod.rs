@@ -2,8 +2,10 @@
 
 mod block_pool;
 mod prefix;
+mod spill;
 mod state_slots;
 
 pub use block_pool::{KvBlockPool, OutOfBlocks};
-pub use prefix::{PrefixCache, PrefixHit};
+pub use prefix::{EvictedPrefix, PrefixCache, PrefixHit};
+pub use spill::{SpillDir, SpilledPrefix, fingerprint};
 pub use state_slots::StateSlotPool;

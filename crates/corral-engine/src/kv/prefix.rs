@@ -46,6 +46,18 @@ pub struct PrefixHit {
     pub matched_blocks: usize,
 }
 
+/// A cached prefix about to be evicted: its tokens, its blocks (root first) and the state
+/// checkpoint at its end, if any.
+#[derive(Debug)]
+pub struct EvictedPrefix<'a> {
+    /// Token ids, whole blocks.
+    pub tokens: &'a [u32],
+    /// The blocks holding them.
+    pub blocks: &'a [BlockId],
+    /// The recurrent state after the last token (hybrid models).
+    pub checkpoint: Option<SlotId>,
+}
+
 /// An index of cached full KV blocks by the token ids they hold, with the cache's own
 /// reference to each block.
 #[derive(Debug)]
@@ -269,6 +281,17 @@ impl PrefixCache {
     /// blocks or nothing more may go; a block that a sequence still holds is never freed (nor
     /// its ancestors). Returns how many blocks were freed.
     pub fn evict(&mut self, pool: &mut KvBlockPool, free: usize) -> usize {
+        self.evict_with(pool, free, &mut |_: &EvictedPrefix<'_>| {})
+    }
+
+    /// [`PrefixCache::evict`], showing `spill` each leaf's whole prefix before its block is
+    /// freed (its blocks' contents are intact until the next forward).
+    pub fn evict_with(
+        &mut self,
+        pool: &mut KvBlockPool,
+        free: usize,
+        spill: &mut dyn FnMut(&EvictedPrefix<'_>),
+    ) -> usize {
         let mut freed = 0;
         let mut skipped = Vec::new();
         while pool.num_free() < free {
@@ -280,6 +303,12 @@ impl PrefixCache {
                 skipped.push((used, id));
                 continue;
             }
+            let (tokens, blocks) = self.path(id);
+            spill(&EvictedPrefix {
+                tokens: &tokens,
+                blocks: &blocks,
+                checkpoint: self.node(id).checkpoint,
+            });
             self.remove_leaf(id);
             pool.release(&mut BlockTable {
                 blocks: vec![block],
@@ -288,6 +317,23 @@ impl PrefixCache {
         }
         self.leaves.extend(skipped);
         freed
+    }
+
+    /// The token ids and blocks from the root to node `id`.
+    fn path(&self, id: NodeId) -> (Vec<u32>, Vec<BlockId>) {
+        let mut nodes = Vec::new();
+        let mut at = id;
+        while at != ROOT {
+            nodes.push(at);
+            at = self.node(at).parent;
+        }
+        nodes.reverse();
+        let tokens = nodes
+            .iter()
+            .flat_map(|&n| self.node(n).tokens.iter().copied())
+            .collect();
+        let blocks = nodes.iter().map(|&n| self.node(n).block).collect();
+        (tokens, blocks)
     }
 
     fn node(&self, id: NodeId) -> &Node {

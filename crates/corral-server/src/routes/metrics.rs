@@ -96,6 +96,41 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_session_spills_total",
+        "counter",
+        "Cached prefixes written to the session folder.",
+        load(&m.session_spills),
+    );
+    scalar(
+        &mut out,
+        "corral_session_spill_bytes_total",
+        "counter",
+        "Bytes of those session files.",
+        load(&m.session_spill_bytes),
+    );
+    scalar(
+        &mut out,
+        "corral_session_restores_total",
+        "counter",
+        "Sequences that started from a session file.",
+        load(&m.session_restores),
+    );
+    scalar(
+        &mut out,
+        "corral_session_restored_tokens_total",
+        "counter",
+        "Tokens read from session files instead of computed.",
+        load(&m.session_restored_tokens),
+    );
+    scalar(
+        &mut out,
+        "corral_session_restore_failures_total",
+        "counter",
+        "Session files that could not be restored (deleted; the request recomputed).",
+        load(&m.session_restore_failures),
+    );
+    scalar(
+        &mut out,
         "corral_generated_tokens_total",
         "counter",
         "Tokens generated.",

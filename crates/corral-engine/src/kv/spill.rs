@@ -1,0 +1,411 @@
+//! Sessions on disk: a cached prefix (its token ids, the KV bytes of its whole blocks in every
+//! attention layer, and for hybrid models the recurrent state at its end) written to one file
+//! when the prefix cache lets it go, and read back when a later prompt extends it.
+//!
+//! A file is written to a temporary name and renamed into place, so a reader sees a whole
+//! file or none. It starts with a magic, Corral's format version and a fingerprint of what the
+//! bytes mean (model, KV dtype, block size, layouts); it ends with a checksum of everything
+//! before it. A file that is short, corrupt or from another model or layout is refused with
+//! an error naming what is wrong, and the caller deletes it and recomputes.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::EngineError;
+
+const MAGIC: &[u8; 8] = b"CRLSPILL";
+const VERSION: u32 = 1;
+/// Header: magic, version, fingerprint, block size, tokens, layers, bytes per layer, state bytes.
+const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 4 + 4 + 8 + 8;
+
+/// One spilled prefix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpilledPrefix {
+    /// What the bytes mean: model, KV dtype, block size, layouts (see [`fingerprint`]).
+    pub fingerprint: u64,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// The prefix's token ids, whole blocks.
+    pub tokens: Vec<u32>,
+    /// Per attention layer, the K then V bytes of the prefix's blocks, as the cache stores them.
+    pub kv: Vec<Vec<u8>>,
+    /// The recurrent state after the last token (hybrid models), as the state cache stores it.
+    pub state: Vec<u8>,
+}
+
+/// A fingerprint of everything that decides how spilled bytes are read: FNV-1a over `parts`.
+pub fn fingerprint(parts: &[&str]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for &b in part.as_bytes().iter().chain(&[0u8]) {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn checksum(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
+    EngineError::Spill {
+        path: path.to_path_buf(),
+        detail: detail.into(),
+    }
+}
+
+impl SpilledPrefix {
+    /// Writes the prefix to `path` atomically (a temporary file in the same folder, renamed).
+    pub fn write(&self, path: &Path) -> Result<u64, EngineError> {
+        let per_layer = self.kv.first().map_or(0, Vec::len);
+        if self.kv.iter().any(|l| l.len() != per_layer) {
+            return Err(bad(path, "layers of different sizes"));
+        }
+        let mut bytes = Vec::with_capacity(
+            HEADER_BYTES + 4 * self.tokens.len() + per_layer * self.kv.len() + self.state.len() + 8,
+        );
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&VERSION.to_le_bytes());
+        bytes.extend_from_slice(&self.fingerprint.to_le_bytes());
+        for n in [self.block_size, self.tokens.len(), self.kv.len()] {
+            let n =
+                u32::try_from(n).map_err(|_| bad(path, format!("{n} does not fit the header")))?;
+            bytes.extend_from_slice(&n.to_le_bytes());
+        }
+        bytes.extend_from_slice(&(per_layer as u64).to_le_bytes());
+        bytes.extend_from_slice(&(self.state.len() as u64).to_le_bytes());
+        for t in &self.tokens {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        for layer in &self.kv {
+            bytes.extend_from_slice(layer);
+        }
+        bytes.extend_from_slice(&self.state);
+        let sum = checksum(&bytes);
+        bytes.extend_from_slice(&sum.to_le_bytes());
+        let tmp = path.with_extension("tmp");
+        let io = |e: std::io::Error| bad(path, e.to_string());
+        let mut file = std::fs::File::create(&tmp).map_err(io)?;
+        file.write_all(&bytes).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        std::fs::rename(&tmp, path).map_err(io)?;
+        Ok(bytes.len() as u64)
+    }
+
+    /// Reads and checks the file at `path` against `expected_fingerprint`.
+    pub fn read(path: &Path, expected_fingerprint: u64) -> Result<Self, EngineError> {
+        let bytes = std::fs::read(path).map_err(|e| bad(path, e.to_string()))?;
+        let (tokens, header) = Self::header(path, &bytes, expected_fingerprint)?;
+        let body_end = bytes.len() - 8;
+        let stored = u64::from_le_bytes(bytes[body_end..].try_into().unwrap_or_default());
+        if checksum(&bytes[..body_end]) != stored {
+            return Err(bad(path, "checksum mismatch (a corrupt file)"));
+        }
+        let mut at = HEADER_BYTES + 4 * tokens.len();
+        let mut kv = Vec::with_capacity(header.layers);
+        for _ in 0..header.layers {
+            kv.push(bytes[at..at + header.per_layer].to_vec());
+            at += header.per_layer;
+        }
+        let state = bytes[at..at + header.state].to_vec();
+        Ok(Self {
+            fingerprint: expected_fingerprint,
+            block_size: header.block_size,
+            tokens,
+            kv,
+            state,
+        })
+    }
+
+    /// The token ids of the file at `path` (its header and token list only, checked for size
+    /// and fingerprint, not the checksum): what an index of spilled prefixes needs.
+    pub fn read_tokens(path: &Path, expected_fingerprint: u64) -> Result<Vec<u32>, EngineError> {
+        let bytes = std::fs::read(path).map_err(|e| bad(path, e.to_string()))?;
+        Ok(Self::header(path, &bytes, expected_fingerprint)?.0)
+    }
+
+    fn header(
+        path: &Path,
+        bytes: &[u8],
+        expected_fingerprint: u64,
+    ) -> Result<(Vec<u32>, Header), EngineError> {
+        if bytes.len() < HEADER_BYTES + 8 {
+            return Err(bad(
+                path,
+                format!("{} bytes: shorter than a header", bytes.len()),
+            ));
+        }
+        if &bytes[..8] != MAGIC {
+            return Err(bad(path, "not a Corral spill file (bad magic)"));
+        }
+        let u32_at =
+            |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+        let u64_at = |o: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&bytes[o..o + 8]);
+            u64::from_le_bytes(b)
+        };
+        let version = u32_at(8);
+        if version != VERSION {
+            return Err(bad(
+                path,
+                format!("format version {version}, this build reads {VERSION}"),
+            ));
+        }
+        if u64_at(12) != expected_fingerprint {
+            return Err(bad(path, "written for another model, KV type or layout"));
+        }
+        let header = Header {
+            block_size: u32_at(20) as usize,
+            layers: u32_at(28) as usize,
+            per_layer: usize::try_from(u64_at(32)).unwrap_or(usize::MAX),
+            state: usize::try_from(u64_at(40)).unwrap_or(usize::MAX),
+        };
+        let num_tokens = u32_at(24) as usize;
+        let expected = (|| {
+            HEADER_BYTES
+                .checked_add(num_tokens.checked_mul(4)?)?
+                .checked_add(header.per_layer.checked_mul(header.layers)?)?
+                .checked_add(header.state)?
+                .checked_add(8)
+        })();
+        if expected != Some(bytes.len()) {
+            return Err(bad(
+                path,
+                format!(
+                    "{} bytes where the header describes {expected:?} (a truncated file)",
+                    bytes.len()
+                ),
+            ));
+        }
+        let tokens = bytes[HEADER_BYTES..HEADER_BYTES + 4 * num_tokens]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok((tokens, header))
+    }
+}
+
+struct Header {
+    block_size: usize,
+    layers: usize,
+    per_layer: usize,
+    state: usize,
+}
+
+/// The spilled prefixes of a folder, by token ids, with a byte cap (oldest out first).
+#[derive(Debug)]
+pub struct SpillDir {
+    dir: PathBuf,
+    fingerprint: u64,
+    max_bytes: u64,
+    /// `(tokens, file, bytes)`, oldest first.
+    files: Vec<(Vec<u32>, PathBuf, u64)>,
+    next: u64,
+}
+
+impl SpillDir {
+    /// Opens (creating) `dir` and indexes the spill files in it that match `fingerprint`;
+    /// unreadable or mismatched files are deleted.
+    pub fn open(dir: &Path, fingerprint: u64, max_bytes: u64) -> Result<Self, EngineError> {
+        std::fs::create_dir_all(dir).map_err(|e| bad(dir, e.to_string()))?;
+        let mut found = Vec::new();
+        let entries = std::fs::read_dir(dir).map_err(|e| bad(dir, e.to_string()))?;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("spill") {
+                continue;
+            }
+            let meta = entry.metadata().ok();
+            match SpilledPrefix::read_tokens(&path, fingerprint) {
+                Ok(tokens) => {
+                    let modified = meta.as_ref().and_then(|m| m.modified().ok());
+                    let bytes = meta.map_or(0, |m| m.len());
+                    found.push((modified, tokens, path, bytes));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "deleting an unusable spill file");
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        found.sort_by_key(|a| a.0);
+        let mut spill = Self {
+            dir: dir.to_path_buf(),
+            fingerprint,
+            max_bytes,
+            files: found.into_iter().map(|(_, t, p, b)| (t, p, b)).collect(),
+            next: 0,
+        };
+        spill.trim(0);
+        Ok(spill)
+    }
+
+    /// The fingerprint files must carry.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Prefixes on disk.
+    pub fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Whether none are.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// Bytes on disk.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.2).sum()
+    }
+
+    /// Whether a spilled prefix holds exactly these tokens.
+    pub fn holds(&self, tokens: &[u32]) -> bool {
+        self.files.iter().any(|f| f.0 == tokens)
+    }
+
+    /// Whether a spilled prefix starts with `tokens` (so they are on disk already).
+    pub fn covers(&self, tokens: &[u32]) -> bool {
+        self.files.iter().any(|f| f.0.starts_with(tokens))
+    }
+
+    /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens, and its file.
+    pub fn longest_prefix(&self, tokens: &[u32], max_tokens: usize) -> Option<(usize, PathBuf)> {
+        self.files
+            .iter()
+            .filter(|f| f.0.len() <= max_tokens && tokens.starts_with(&f.0))
+            .max_by_key(|f| f.0.len())
+            .map(|f| (f.0.len(), f.1.clone()))
+    }
+
+    /// Writes `prefix` to a new file, deleting the oldest files past the byte cap.
+    pub fn add(&mut self, prefix: &SpilledPrefix) -> Result<u64, EngineError> {
+        let name = format!(
+            "{:016x}-{}-{}.spill",
+            fingerprint_tokens(&prefix.tokens),
+            std::process::id(),
+            self.next
+        );
+        self.next += 1;
+        let path = self.dir.join(name);
+        let bytes = prefix.write(&path)?;
+        self.trim(bytes);
+        self.files.push((prefix.tokens.clone(), path, bytes));
+        Ok(bytes)
+    }
+
+    /// Forgets and deletes the file at `path` (corrupt, or restored from and superseded).
+    pub fn remove(&mut self, path: &Path) {
+        self.files.retain(|f| f.1 != path);
+        let _ = std::fs::remove_file(path);
+    }
+
+    /// Deletes the oldest files until `incoming` more bytes fit the cap.
+    fn trim(&mut self, incoming: u64) {
+        while !self.files.is_empty() && self.bytes() + incoming > self.max_bytes {
+            let (_, path, _) = self.files.remove(0);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn fingerprint_tokens(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
+        (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prefix() -> SpilledPrefix {
+        SpilledPrefix {
+            fingerprint: fingerprint(&["model", "bf16", "16"]),
+            block_size: 4,
+            tokens: (0..8).collect(),
+            kv: vec![(0..64).collect(), (64..128).collect()],
+            state: vec![7; 24],
+        }
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("corral-spill-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn a_spilled_prefix_reads_back_and_bad_files_are_refused() {
+        let d = dir("roundtrip");
+        std::fs::create_dir_all(&d).unwrap();
+        let p = prefix();
+        let path = d.join("a.spill");
+        let bytes = p.write(&path).unwrap();
+        assert_eq!(SpilledPrefix::read(&path, p.fingerprint).unwrap(), p);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), bytes);
+        assert!(
+            !path.with_extension("tmp").exists(),
+            "the temporary file is renamed"
+        );
+        let all = std::fs::read(&path).unwrap();
+        let refused = |bytes: &[u8], fp: u64, what: &str| {
+            std::fs::write(&path, bytes).unwrap();
+            let err = SpilledPrefix::read(&path, fp).unwrap_err().to_string();
+            assert!(err.contains(what), "{what}: {err}");
+        };
+        refused(&all, p.fingerprint ^ 1, "another model");
+        refused(&all[..all.len() - 3], p.fingerprint, "truncated");
+        refused(&all[..10], p.fingerprint, "shorter than a header");
+        let mut flipped = all.clone();
+        flipped[HEADER_BYTES + 40] ^= 0x10;
+        refused(&flipped, p.fingerprint, "checksum");
+        let mut magic = all.clone();
+        magic[0] = b'X';
+        refused(&magic, p.fingerprint, "bad magic");
+        let mut absurd = all.clone();
+        absurd[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
+        refused(&absurd, p.fingerprint, "truncated");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_spill_folder_finds_prefixes_survives_a_restart_and_keeps_its_cap() {
+        let d = dir("folder");
+        let p = prefix();
+        let mut spill = SpillDir::open(&d, p.fingerprint, 10_000).unwrap();
+        let size = spill.add(&p).unwrap();
+        let longer = SpilledPrefix {
+            tokens: (0..12).collect(),
+            ..p.clone()
+        };
+        spill.add(&longer).unwrap();
+        let prompt: Vec<u32> = (0..20).collect();
+        assert_eq!(spill.longest_prefix(&prompt, 100).map(|h| h.0), Some(12));
+        assert_eq!(spill.longest_prefix(&prompt, 11).map(|h| h.0), Some(8));
+        assert_eq!(spill.longest_prefix(&[0, 1, 9], 100), None);
+        // A corrupt file and a foreign one are dropped when the folder is opened again.
+        std::fs::write(d.join("junk.spill"), b"not a spill file").unwrap();
+        let reopened = SpillDir::open(&d, p.fingerprint, 10_000).unwrap();
+        assert_eq!(reopened.len(), 2);
+        assert!(reopened.holds(&longer.tokens));
+        assert!(!d.join("junk.spill").exists());
+        assert_eq!(
+            SpillDir::open(&d, p.fingerprint ^ 1, 10_000).unwrap().len(),
+            0
+        );
+        // Room for one file: the oldest goes first.
+        let mut small = SpillDir::open(&d, p.fingerprint, size + 10).unwrap();
+        small.add(&p).unwrap();
+        small.add(&longer).unwrap();
+        assert_eq!(small.len(), 1);
+        assert!(small.holds(&longer.tokens));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
