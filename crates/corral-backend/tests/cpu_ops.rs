@@ -284,3 +284,20 @@ fn copy_within_copies_a_range_and_rejects_overlap_and_overflow() {
         "a refused copy changes nothing"
     );
 }
+
+#[test]
+fn read_and_write_bytes_round_trip_and_reject_bad_ranges() {
+    let b = CpuBackend::new();
+    let v = values(10, 4);
+    let buf = upload(&b, &v);
+    let mut bytes = vec![0u8; 16];
+    b.read_bytes(&buf, 2, &mut bytes).unwrap();
+    let mut other = upload(&b, &[0.0; 10]);
+    b.write_bytes(&bytes, &mut other, 6).unwrap();
+    assert_eq!(&download(&b, &other, 10)[6..], &v[2..6]);
+    assert!(b.read_bytes(&buf, 8, &mut bytes).is_err(), "past the end");
+    assert!(
+        b.write_bytes(&bytes[..5], &mut other, 0).is_err(),
+        "part of an element"
+    );
+}

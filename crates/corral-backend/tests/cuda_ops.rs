@@ -842,6 +842,37 @@ fn copy_within_matches_cpu() {
 }
 
 #[test]
+fn read_and_write_bytes_match_cpu() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let v = Rng(8).values(600);
+    let mut outs = Vec::new();
+    for b in [&c as &dyn Backend, g] {
+        let mut f32s = f32_buf(b, &v);
+        let mut bf16 = b
+            .take_buffer(DType::BF16, 600, BufferUsage::KvCache)
+            .unwrap();
+        let halves: Vec<u8> = (0..1200).map(|i| (i * 7 % 251) as u8).collect();
+        b.write_bytes(&halves, &mut bf16, 0).unwrap();
+        let mut back = vec![0u8; 400];
+        b.read_bytes(&bf16, 100, &mut back).unwrap();
+        let mut floats = vec![0u8; 800];
+        b.read_bytes(&f32s, 50, &mut floats).unwrap();
+        b.write_bytes(&floats, &mut f32s, 300).unwrap();
+        assert!(
+            b.read_bytes(&f32s, 500, &mut vec![0u8; 800]).is_err(),
+            "past the end"
+        );
+        assert!(
+            b.write_bytes(&[0u8; 3], &mut f32s, 0).is_err(),
+            "part of an element"
+        );
+        outs.push((back, read(b, &f32s, 600)));
+    }
+    assert_eq!(outs[0], outs[1]);
+}
+
+#[test]
 fn scale_scatter_add_matches_cpu() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();

@@ -340,7 +340,8 @@ impl SessionStore for DiskSessions<'_> {
     }
 
     fn find(&self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)> {
-        self.dir.longest_prefix(tokens, max_tokens)
+        self.dir
+            .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid)
     }
 
     fn load(
@@ -357,21 +358,29 @@ impl SessionStore for DiskSessions<'_> {
                 path: path.to_path_buf(),
                 detail,
             };
-            if prefix.tokens.len() != blocks.len() * self.cache.block_size {
-                return Err(bad(format!(
-                    "{} tokens for {} blocks",
-                    prefix.tokens.len(),
-                    blocks.len()
-                )));
+            // The file's first blocks (all of them where a state is restored too).
+            let in_file = prefix.tokens.len() / self.cache.block_size.max(1);
+            let used = blocks.len();
+            if used > in_file || (slot.is_some() && used != in_file) {
+                return Err(bad(format!("{used} blocks asked of a file of {in_file}")));
             }
-            self.cache.write_blocks(self.backend, blocks, &prefix.kv)?;
+            let kv: Vec<Vec<u8>> = prefix
+                .kv
+                .iter()
+                .map(|layer| {
+                    let size = layer.len() / (2 * in_file).max(1);
+                    let (k, v) = layer.split_at(size * in_file);
+                    [&k[..size * used], &v[..size * used]].concat()
+                })
+                .collect();
+            self.cache.write_blocks(self.backend, blocks, &kv)?;
             if let Some(slot) = slot {
                 if prefix.state.is_empty() {
                     return Err(bad("no recurrent state".to_string()));
                 }
                 self.state.write_slot(self.backend, slot, &prefix.state)?;
             }
-            Ok((prefix.tokens.len(), read_ms))
+            Ok((used * self.cache.block_size, read_ms))
         })();
         match loaded {
             Ok((tokens, read_ms)) => {

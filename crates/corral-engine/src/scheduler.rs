@@ -323,46 +323,32 @@ impl Scheduler {
                 // At least the last token is computed, for its logits.
                 let bs = self.pool.block_size();
                 let usable = (seq.tokens.len() - 1) / bs;
-                if prefix.keeps_checkpoints() {
-                    let hit = prefix.lookup_resumable(&seq.tokens, usable, &mut self.pool);
-                    seq.table = hit.table;
-                    if let Some(checkpoint) = hit.checkpoint {
-                        restores.push((seq.id, checkpoint, slot));
-                    }
-                    seq.computed = seq.table.blocks.len() * bs;
-                    // Where the prompt leaves the cached tree, and its last whole block.
-                    let points = [hit.matched_blocks * bs, seq.prompt_len / bs * bs];
-                    seq.checkpoint_at = points.into_iter().filter(|&p| p > seq.computed).collect();
-                    seq.checkpoint_at.sort_unstable();
-                    seq.checkpoint_at.dedup();
-                } else {
-                    seq.table = prefix.lookup(&seq.tokens, usable, &mut self.pool);
-                    seq.computed = seq.table.blocks.len() * bs;
-                }
+                take_cached_prefix(prefix, &mut self.pool, &mut seq, slot, &mut restores);
                 if let Some(store) = store.as_deref_mut()
                     && let Some((len, path)) = store.find(&seq.tokens, usable * bs)
                     && len > seq.computed
                 {
-                    let mut table = BlockTable::default();
-                    let short = len.div_ceil(bs).saturating_sub(self.pool.num_free());
-                    if short > 0 {
-                        prefix
-                            .evict_with(&mut self.pool, len.div_ceil(bs), &mut |e| store.spill(e));
+                    // The file holds the whole prefix: the cached blocks go back first (and
+                    // may be evicted to make room), then are looked up again if it fails.
+                    self.pool.release(&mut seq.table);
+                    restores.retain(|r: &(SeqId, SlotId, SlotId)| r.0 != seq.id);
+                    let need = len.div_ceil(bs);
+                    if need > self.pool.num_free() {
+                        prefix.evict_with(&mut self.pool, need, &mut |e| store.spill(e));
                     }
+                    let mut table = BlockTable::default();
                     let hybrid = prefix.keeps_checkpoints();
                     if self.pool.grow(&mut table, len).is_ok()
                         && store
                             .load(&path, &table.blocks, hybrid.then_some(slot))
                             .is_ok()
                     {
-                        self.pool.release(&mut seq.table);
                         seq.table = table;
                         seq.computed = len;
                         seq.checkpoint_at.retain(|&p| p > len);
-                        // The state came from the file: no checkpoint copy over it.
-                        restores.retain(|r: &(SeqId, SlotId, SlotId)| r.0 != seq.id);
                     } else {
                         self.pool.release(&mut table);
+                        take_cached_prefix(prefix, &mut self.pool, &mut seq, slot, &mut restores);
                     }
                 }
                 // What the client's first token waited for; a re-admission after preemption
@@ -614,6 +600,35 @@ impl Scheduler {
             }
         }
         counts
+    }
+}
+
+/// Starts `seq` from its longest cached prefix: the blocks (a holder taken for each), and for
+/// a hybrid the checkpoint to restore into `slot` and the points at which to take new ones.
+fn take_cached_prefix(
+    prefix: &mut PrefixCache,
+    pool: &mut KvBlockPool,
+    seq: &mut Sequence,
+    slot: SlotId,
+    restores: &mut Vec<(SeqId, SlotId, SlotId)>,
+) {
+    let bs = pool.block_size();
+    let usable = (seq.tokens.len() - 1) / bs;
+    if prefix.keeps_checkpoints() {
+        let hit = prefix.lookup_resumable(&seq.tokens, usable, pool);
+        seq.table = hit.table;
+        if let Some(checkpoint) = hit.checkpoint {
+            restores.push((seq.id, checkpoint, slot));
+        }
+        seq.computed = seq.table.blocks.len() * bs;
+        // Where the prompt leaves the cached tree, and its last whole block.
+        let points = [hit.matched_blocks * bs, seq.prompt_len / bs * bs];
+        seq.checkpoint_at = points.into_iter().filter(|&p| p > seq.computed).collect();
+        seq.checkpoint_at.sort_unstable();
+        seq.checkpoint_at.dedup();
+    } else {
+        seq.table = prefix.lookup(&seq.tokens, usable, pool);
+        seq.computed = seq.table.blocks.len() * bs;
     }
 }
 

@@ -284,6 +284,32 @@ impl SpillDir {
             .map(|f| (f.0.len(), f.1.clone()))
     }
 
+    /// The most whole blocks of `block_size` tokens (at most `max_tokens` tokens) that a file
+    /// shares with the start of `tokens`, and the file: a file's first blocks are usable alone
+    /// (a history re-sent with its reply re-tokenized). With `whole_file` only files that are
+    /// entirely a prefix count (a recurrent state exists only at a file's end).
+    pub fn best_prefix(
+        &self,
+        tokens: &[u32],
+        max_tokens: usize,
+        block_size: usize,
+        whole_file: bool,
+    ) -> Option<(usize, PathBuf)> {
+        let bs = block_size.max(1);
+        self.files
+            .iter()
+            .filter_map(|f| {
+                let common = f.0.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+                let usable = if whole_file {
+                    (common == f.0.len() && f.0.len() <= max_tokens).then_some(common)?
+                } else {
+                    common.min(max_tokens) / bs * bs
+                };
+                (usable > 0).then(|| (usable, f.1.clone()))
+            })
+            .max_by_key(|c| c.0)
+    }
+
     /// Writes `prefix` to a new file, deleting the oldest files past the byte cap.
     pub fn add(&mut self, prefix: &SpilledPrefix) -> Result<u64, EngineError> {
         let name = format!(
@@ -390,6 +416,32 @@ mod tests {
         assert_eq!(spill.longest_prefix(&prompt, 100).map(|h| h.0), Some(12));
         assert_eq!(spill.longest_prefix(&prompt, 11).map(|h| h.0), Some(8));
         assert_eq!(spill.longest_prefix(&[0, 1, 9], 100), None);
+        // Whole blocks of a file that leaves the prompt partway: usable without the state.
+        let branch: Vec<u32> = (0..10).chain([99, 98]).collect();
+        assert_eq!(
+            spill.longest_prefix(&branch, 100),
+            Some((8, spill.files[0].1.clone()))
+        );
+        assert_eq!(
+            spill.best_prefix(&branch, 100, 4, false).map(|h| h.0),
+            Some(8)
+        );
+        assert_eq!(
+            spill
+                .best_prefix(&(0..11).collect::<Vec<_>>(), 100, 4, false)
+                .map(|h| h.0),
+            Some(8)
+        );
+        assert_eq!(
+            spill
+                .best_prefix(&(0..11).collect::<Vec<_>>(), 100, 4, true)
+                .map(|h| h.0),
+            Some(8)
+        );
+        assert_eq!(
+            spill.best_prefix(&prompt, 9, 4, false).map(|h| h.0),
+            Some(8)
+        );
         // A corrupt file and a foreign one are dropped when the folder is opened again.
         std::fs::write(d.join("junk.spill"), b"not a spill file").unwrap();
         let reopened = SpillDir::open(&d, p.fingerprint, 10_000).unwrap();

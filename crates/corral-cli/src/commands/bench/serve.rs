@@ -111,6 +111,22 @@ async fn post(
     Ok((status, stream, buffer[header_end..].to_vec()))
 }
 
+/// `GET path` on the server; the body as text (`/metrics`).
+pub(super) async fn get_text(address: &str, path: &str) -> Result<String> {
+    let mut stream = TcpStream::connect(address)
+        .await
+        .with_context(|| format!("connecting to {address}"))?;
+    let head = format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n");
+    stream.write_all(head.as_bytes()).await?;
+    let mut bytes = Vec::new();
+    stream.read_to_end(&mut bytes).await?;
+    let text = String::from_utf8_lossy(&bytes);
+    match text.split_once("\r\n\r\n") {
+        Some((_, body)) => Ok(body.to_string()),
+        None => bail!("GET {path}: malformed response"),
+    }
+}
+
 /// What a streamed chat completion returned.
 #[derive(Debug, Default)]
 pub(super) struct Streamed {

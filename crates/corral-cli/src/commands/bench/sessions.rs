@@ -13,7 +13,7 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use super::plot::{Series, png, svg};
-use super::serve::{authority, stream_chat};
+use super::serve::{authority, get_text, stream_chat};
 use super::summary::median;
 
 /// Arguments of `corral bench sessions`.
@@ -57,6 +57,12 @@ pub(crate) struct SessionsArgs {
     /// the compared run) as SVG, or PNG for a `.png` name.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Also time, for prompts of about these many tokens, a cold prefill against its restore
+    /// from the server's `--session-dir` (other prompts of the same size are sent until the
+    /// server spills the first, then the first comes back as a history with a reply and a
+    /// new message).
+    #[arg(long, value_delimiter = ',')]
+    restore_tokens: Vec<usize>,
 }
 
 /// `n` words of deterministic filler text, different for each `seed`.
@@ -89,8 +95,12 @@ struct Turn {
 }
 
 pub(crate) fn run(args: SessionsArgs) -> Result<()> {
-    if args.sessions == 0 || args.turns == 0 || args.reply_tokens == 0 {
-        bail!("--sessions, --turns and --reply-tokens must be positive");
+    if args.reply_tokens == 0
+        || (args.restore_tokens.is_empty() && (args.sessions == 0 || args.turns == 0))
+    {
+        bail!(
+            "--sessions, --turns and --reply-tokens must be positive (sessions may be 0 with --restore-tokens)"
+        );
     }
     let address = authority(&args.url)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -190,6 +200,11 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
         new_text[i] = format!("{}\n{}", whole.text, tool);
         rows.push(row);
     }
+    let restores = args
+        .restore_tokens
+        .iter()
+        .map(|&n| runtime.block_on(restore_from_disk(&address, args.api_key.as_deref(), n)))
+        .collect::<Result<Vec<_>>>()?;
     let revisits: Vec<f64> = rows
         .iter()
         .filter(|r| r.turn > 0)
@@ -256,6 +271,7 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
             .collect();
         let doc = json!({
             "url": args.url, "sessions": args.sessions, "label": label, "turns": turns,
+            "restores": restores,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
@@ -289,4 +305,78 @@ fn compared_series(path: &std::path::Path) -> Result<Series> {
         .collect::<Result<Vec<_>>>()?;
     let name = doc["label"].as_str().unwrap_or("compared run").to_string();
     Ok(Series { name, points })
+}
+
+/// A counter's value in the server's `/metrics` (0 if absent).
+async fn counter(address: &str, name: &str) -> Result<u64> {
+    let text = get_text(address, "/metrics").await?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0))
+}
+
+/// Cold prefill of a prompt of about `tokens` tokens against its restore from disk: other
+/// prompts of that size until the server reports a spill, then the prompt again as the
+/// history of a next turn.
+async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> Result<Value> {
+    let one = |text: String| {
+        json!({
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 1, "temperature": 0, "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+    };
+    // The tokenizer decides how many words make `tokens`: measure once and scale.
+    let probe = stream_chat(address, key, &one(words(tokens / 2, 9_000))).await?;
+    let per_word =
+        probe.usage["prompt_tokens"].as_f64().unwrap_or(1.0) / (tokens / 2).max(1) as f64;
+    let n_words = ((tokens as f64 / per_word.max(1e-3)) as usize).max(1);
+    let text = words(n_words, 9_001 + tokens as u64);
+    let cold = stream_chat(address, key, &one(text.clone())).await?;
+    let spills = counter(address, "corral_session_spills_total").await?;
+    let mut fillers = 0;
+    while counter(address, "corral_session_spills_total").await? == spills {
+        if fillers == 8 {
+            bail!(
+                "no spill after 8 other prompts of {tokens} tokens: is --session-dir set and the KV cache smaller?"
+            );
+        }
+        stream_chat(address, key, &one(words(n_words, 9_100 + fillers))).await?;
+        fillers += 1;
+    }
+    let restores = counter(address, "corral_session_restores_total").await?;
+    // The next turn, as an agent sends it: the history, a reply and a new message.
+    let next = json!({
+        "messages": [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": words(20, 9_999)},
+        ],
+        "max_tokens": 1, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let again = stream_chat(address, key, &next).await?;
+    let restored = counter(address, "corral_session_restores_total").await? > restores;
+    let ms = |s: &super::serve::Streamed| s.ttft.unwrap_or(s.end) * 1e3;
+    let prompt = cold.usage["prompt_tokens"].as_u64().unwrap_or(0);
+    let cached = again.usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    println!(
+        "restore: {prompt} tokens cold {:.1} ms; after {fillers} other prompts, the next turn ({cached} cached{}) {:.1} ms: {:.1}x",
+        ms(&cold),
+        if restored {
+            ", from disk"
+        } else {
+            ", not from disk"
+        },
+        ms(&again),
+        ms(&cold) / ms(&again).max(1e-9)
+    );
+    Ok(json!({
+        "prompt_tokens": prompt, "cold_ttft_ms": ms(&cold), "restored_ttft_ms": ms(&again),
+        "cached_tokens": cached, "from_disk": restored, "fillers": fillers,
+    }))
 }
