@@ -352,6 +352,12 @@ impl SessionStore for DiskSessions<'_> {
     ) -> Result<(), String> {
         let start = std::time::Instant::now();
         let loaded = (|| -> Result<(usize, f64), EngineError> {
+            if !self.dir.finish_write(path) {
+                return Err(EngineError::Spill {
+                    path: path.to_path_buf(),
+                    detail: "its write failed".to_string(),
+                });
+            }
             let prefix = crate::SpilledPrefix::read(path, self.dir.fingerprint())?;
             let read_ms = start.elapsed().as_secs_f64() * 1e3;
             let bad = |detail: String| EngineError::Spill {

@@ -97,10 +97,10 @@ impl PagedKvCache {
                 let size = elems * layer.k.dtype().size_bytes();
                 let mut out = vec![0u8; 2 * size * blocks.len()];
                 let (k_part, v_part) = out.split_at_mut(size * blocks.len());
-                for (i, b) in blocks.iter().enumerate() {
-                    let at = b.0 as usize * elems;
-                    backend.read_bytes(&layer.k, at, &mut k_part[i * size..(i + 1) * size])?;
-                    backend.read_bytes(&layer.v, at, &mut v_part[i * size..(i + 1) * size])?;
+                for (i, first, n) in block_runs(blocks) {
+                    let (at, range) = (first * elems, i * size..(i + n) * size);
+                    backend.read_bytes(&layer.k, at, &mut k_part[range.clone()])?;
+                    backend.read_bytes(&layer.v, at, &mut v_part[range])?;
                 }
                 Ok(out)
             })
@@ -133,14 +133,26 @@ impl PagedKvCache {
                 )));
             }
             let (k_part, v_part) = data.split_at(size * blocks.len());
-            for (i, b) in blocks.iter().enumerate() {
-                let at = b.0 as usize * elems;
-                backend.write_bytes(&k_part[i * size..(i + 1) * size], &mut layer.k, at)?;
-                backend.write_bytes(&v_part[i * size..(i + 1) * size], &mut layer.v, at)?;
+            for (i, first, n) in block_runs(blocks) {
+                let (at, range) = (first * elems, i * size..(i + n) * size);
+                backend.write_bytes(&k_part[range.clone()], &mut layer.k, at)?;
+                backend.write_bytes(&v_part[range], &mut layer.v, at)?;
             }
         }
         Ok(())
     }
+}
+
+/// `blocks` as runs of consecutive ids, `(index in blocks, first id, length)`: one copy a run.
+fn block_runs(blocks: &[BlockId]) -> Vec<(usize, usize, usize)> {
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, b) in blocks.iter().enumerate() {
+        match runs.last_mut() {
+            Some((_, first, n)) if *first + *n == b.0 as usize => *n += 1,
+            _ => runs.push((i, b.0 as usize, 1)),
+        }
+    }
+    runs
 }
 
 /// Recurrent state of every Gated DeltaNet layer, in slots: per layer, the last

@@ -44,10 +44,17 @@ pub fn fingerprint(parts: &[&str]) -> u64 {
     h
 }
 
+/// FNV-1a over 8-byte words (then the tail bytes): a corruption check, gigabytes a second.
 fn checksum(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    let words = bytes.chunks_exact(8);
+    let tail = words.remainder();
+    let h = words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        (h ^ u64::from_le_bytes(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    tail.iter()
+        .fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
@@ -60,6 +67,13 @@ fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
 impl SpilledPrefix {
     /// Writes the prefix to `path` atomically (a temporary file in the same folder, renamed).
     pub fn write(&self, path: &Path) -> Result<u64, EngineError> {
+        let bytes = self.encode(path)?;
+        write_atomic(path, &bytes)?;
+        Ok(bytes.len() as u64)
+    }
+
+    /// The file's bytes.
+    fn encode(&self, path: &Path) -> Result<Vec<u8>, EngineError> {
         let per_layer = self.kv.first().map_or(0, Vec::len);
         if self.kv.iter().any(|l| l.len() != per_layer) {
             return Err(bad(path, "layers of different sizes"));
@@ -86,14 +100,7 @@ impl SpilledPrefix {
         bytes.extend_from_slice(&self.state);
         let sum = checksum(&bytes);
         bytes.extend_from_slice(&sum.to_le_bytes());
-        let tmp = path.with_extension("tmp");
-        let io = |e: std::io::Error| bad(path, e.to_string());
-        let mut file = std::fs::File::create(&tmp).map_err(io)?;
-        file.write_all(&bytes).map_err(io)?;
-        file.sync_all().map_err(io)?;
-        drop(file);
-        std::fs::rename(&tmp, path).map_err(io)?;
-        Ok(bytes.len() as u64)
+        Ok(bytes)
     }
 
     /// Reads and checks the file at `path` against `expected_fingerprint`.
@@ -190,6 +197,17 @@ impl SpilledPrefix {
     }
 }
 
+/// `bytes` to a temporary file beside `path`, flushed, then renamed to `path`.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), EngineError> {
+    let tmp = path.with_extension("tmp");
+    let io = |e: std::io::Error| bad(path, e.to_string());
+    let mut file = std::fs::File::create(&tmp).map_err(io)?;
+    file.write_all(bytes).map_err(io)?;
+    file.sync_all().map_err(io)?;
+    drop(file);
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
 struct Header {
     block_size: usize,
     layers: usize,
@@ -206,6 +224,8 @@ pub struct SpillDir {
     /// `(tokens, file, bytes)`, oldest first.
     files: Vec<(Vec<u32>, PathBuf, u64)>,
     next: u64,
+    /// Files being written by a background thread (the engine does not wait for the disk).
+    writing: Vec<(PathBuf, std::thread::JoinHandle<Result<(), EngineError>>)>,
 }
 
 impl SpillDir {
@@ -240,6 +260,7 @@ impl SpillDir {
             max_bytes,
             files: found.into_iter().map(|(_, t, p, b)| (t, p, b)).collect(),
             next: 0,
+            writing: Vec::new(),
         };
         spill.trim(0);
         Ok(spill)
@@ -320,23 +341,64 @@ impl SpillDir {
         );
         self.next += 1;
         let path = self.dir.join(name);
-        let bytes = prefix.write(&path)?;
-        self.trim(bytes);
-        self.files.push((prefix.tokens.clone(), path, bytes));
-        Ok(bytes)
+        let bytes = prefix.encode(&path)?;
+        let size = bytes.len() as u64;
+        self.trim(size);
+        self.files.push((prefix.tokens.clone(), path.clone(), size));
+        let target = path.clone();
+        let writer = std::thread::Builder::new()
+            .name("corral-spill".to_string())
+            .spawn(move || write_atomic(&target, &bytes))
+            .map_err(|e| bad(&path, e.to_string()))?;
+        self.writing.push((path, writer));
+        Ok(size)
+    }
+
+    /// Waits for the background write of `path`, if one is running; false if it failed (the
+    /// file is then forgotten).
+    pub fn finish_write(&mut self, path: &Path) -> bool {
+        let Some(i) = self.writing.iter().position(|w| w.0 == path) else {
+            return true;
+        };
+        let (_, writer) = self.writing.swap_remove(i);
+        match writer.join() {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "a session file could not be written");
+                self.remove(path);
+                false
+            }
+            Err(_) => {
+                self.remove(path);
+                false
+            }
+        }
     }
 
     /// Forgets and deletes the file at `path` (corrupt, or restored from and superseded).
     pub fn remove(&mut self, path: &Path) {
         self.files.retain(|f| f.1 != path);
+        if let Some(i) = self.writing.iter().position(|w| w.0 == path) {
+            let (_, writer) = self.writing.swap_remove(i);
+            let _ = writer.join();
+        }
         let _ = std::fs::remove_file(path);
     }
 
     /// Deletes the oldest files until `incoming` more bytes fit the cap.
     fn trim(&mut self, incoming: u64) {
         while !self.files.is_empty() && self.bytes() + incoming > self.max_bytes {
-            let (_, path, _) = self.files.remove(0);
-            let _ = std::fs::remove_file(path);
+            let path = self.files[0].1.clone();
+            self.remove(&path);
+        }
+    }
+}
+
+impl Drop for SpillDir {
+    /// Files still being written are finished, so that they survive the engine.
+    fn drop(&mut self) {
+        for (_, writer) in self.writing.drain(..) {
+            let _ = writer.join();
         }
     }
 }
@@ -442,7 +504,9 @@ mod tests {
             spill.best_prefix(&prompt, 9, 4, false).map(|h| h.0),
             Some(8)
         );
-        // A corrupt file and a foreign one are dropped when the folder is opened again.
+        // A corrupt file and a foreign one are dropped when the folder is opened again (after
+        // the first index is gone, its background writes finished).
+        drop(spill);
         std::fs::write(d.join("junk.spill"), b"not a spill file").unwrap();
         let reopened = SpillDir::open(&d, p.fingerprint, 10_000).unwrap();
         assert_eq!(reopened.len(), 2);
