@@ -39,8 +39,12 @@ pub struct EngineConfig {
     /// A folder where prefixes the cache evicts are written, and read back by later
     /// requests that extend them (with the prefix cache).
     pub session_dir: Option<std::path::PathBuf>,
-    /// Most bytes of session files in `session_dir` (oldest deleted first).
+    /// Most bytes of session files in `session_dir` (least recently used deleted first).
     pub session_dir_bytes: u64,
+    /// What the weights are (their files' names, sizes and times, or a synthetic model's
+    /// config): part of session files' fingerprint, so that another checkpoint of the same
+    /// shape never reads them.
+    pub model_identity: String,
 }
 
 enum Command {
@@ -121,6 +125,8 @@ pub fn spawn_engine(
     let spill = match (&config.session_dir, config.prefix_cache) {
         (Some(dir), true) => {
             let fp = crate::kv::fingerprint(&[
+                &config.model_identity,
+                &model.backend().device_name(),
                 &format!("{:?}", model.config()),
                 &format!("{:?}", model.backend().kv_dtype()),
                 &config.block_size.to_string(),
@@ -142,7 +148,7 @@ pub fn spawn_engine(
         },
         KvBlockPool::new(config.kv_blocks, config.block_size),
     );
-    // A hybrid model's prefix also needs its recurrent state, which is not cached yet.
+    // A hybrid model's prefix also needs its recurrent state: checkpoints in their own slots.
     let scheduler = match (config.prefix_cache, model.is_hybrid()) {
         (true, false) => scheduler.with_prefix_cache(),
         (true, true) => scheduler.with_state_checkpoints(config.max_batch.max(1), checkpoints),
@@ -284,7 +290,6 @@ fn run(
     }
 }
 
-/// Queue, running, KV and preemption gauges from the scheduler's current state.
 /// Sessions on disk over the engine's caches (see [`SessionStore`]).
 struct DiskSessions<'a> {
     backend: &'a dyn corral_backend::Backend,
@@ -339,9 +344,13 @@ impl SessionStore for DiskSessions<'_> {
         }
     }
 
-    fn find(&self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)> {
-        self.dir
-            .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid)
+    fn find(&mut self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)> {
+        let found = self
+            .dir
+            .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid);
+        // Kept through the spills that make room for it.
+        self.dir.pin(found.as_ref().map(|f| f.1.clone()));
+        found
     }
 
     fn load(
@@ -388,8 +397,10 @@ impl SessionStore for DiskSessions<'_> {
             }
             Ok((used * self.cache.block_size, read_ms))
         })();
+        self.dir.pin(None);
         match loaded {
             Ok((tokens, read_ms)) => {
+                self.dir.touch(path);
                 self.metrics
                     .session_restores
                     .fetch_add(1, Ordering::Relaxed);
@@ -443,6 +454,7 @@ fn restore(
     Ok(())
 }
 
+/// Queue, running, KV and preemption gauges from the scheduler's current state.
 fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
     let store = |gauge: &std::sync::atomic::AtomicU64, value: usize| {
         gauge.store(value as u64, Ordering::Relaxed)

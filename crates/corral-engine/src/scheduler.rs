@@ -38,7 +38,7 @@ pub trait SessionStore {
     fn spill(&mut self, prefix: &EvictedPrefix<'_>);
     /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens: its length and
     /// file.
-    fn find(&self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)>;
+    fn find(&mut self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)>;
     /// Reads the spilled prefix at `path` into `blocks`, and its state into `slot` (hybrid
     /// models). On an error the file is deleted and nothing it held may be used.
     fn load(
@@ -497,10 +497,17 @@ impl Scheduler {
         self.waiting.push_front(seq);
     }
 
-    /// Ends every sequence of a failed step with `Failed`, freeing its blocks.
+    /// Ends every sequence of a failed step with `Failed` (those with a state restore planned
+    /// too: it may not have been made), freeing its blocks.
     pub fn fail_step(&mut self, plan: StepPlan, message: &str) {
-        for run in plan.runs {
-            if let Some(index) = self.running.iter().position(|s| s.id == run.seq) {
+        let ids: Vec<SeqId> = plan
+            .runs
+            .iter()
+            .map(|r| r.seq)
+            .chain(plan.restores.iter().map(|r| r.0))
+            .collect();
+        for id in ids {
+            if let Some(index) = self.running.iter().position(|s| s.id == id) {
                 let mut seq = self.running.remove(index);
                 // The failed step's KV is not trusted: nothing of it is cached.
                 seq.computed = 0;

@@ -50,6 +50,7 @@ fn alone(name: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
         state_checkpoints: 0,
         session_dir: None,
         session_dir_bytes: 0,
+        model_identity: String::new(),
     };
     let (engine, thread) = spawn_engine(model_named(name), single).unwrap();
     let mut rx = submit(&engine, prompt, max_tokens);
@@ -99,6 +100,7 @@ fn config(kv_blocks: usize) -> EngineConfig {
         state_checkpoints: 16,
         session_dir: None,
         session_dir_bytes: 0,
+        model_identity: String::new(),
     }
 }
 
@@ -283,6 +285,7 @@ fn interleaved_hybrid_sessions_resume_exactly_under_eviction_and_preemption() {
             state_checkpoints: checkpoints,
             session_dir: None,
             session_dir_bytes: 0,
+            model_identity: String::new(),
             ..config(kv_blocks)
         };
         let (engine, thread) = spawn_engine(model_named(name), config).unwrap();

@@ -43,6 +43,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             state_checkpoints: 16,
             session_dir: None,
             session_dir_bytes: 0,
+            model_identity: String::new(),
         },
     )
     .unwrap();

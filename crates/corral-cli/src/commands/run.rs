@@ -143,6 +143,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         state_checkpoints: 0,
         session_dir: None,
         session_dir_bytes: 0,
+        model_identity: String::new(),
     };
     let (engine, thread) = spawn_engine(model, config)?;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();

@@ -168,6 +168,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             state_checkpoints,
             session_dir: args.session_dir.clone(),
             session_dir_bytes: args.session_dir_bytes as u64,
+            model_identity: model_identity(&args.model),
         },
     )?;
     let state = AppState {
@@ -239,6 +240,46 @@ async fn shutdown_signal() {
         () = interrupt => {},
         () = terminate => {},
     }
+}
+
+/// What the weights are, for session files' fingerprint: a checkpoint's weight files (names,
+/// sizes, modification times) or a synthetic model's config (its weights follow from it).
+fn model_identity(model: &ModelArgs) -> String {
+    let describe = |path: &std::path::Path| {
+        let meta = std::fs::metadata(path).ok();
+        let modified = meta
+            .as_ref()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        format!(
+            "{}:{}:{modified}",
+            path.display(),
+            meta.map_or(0, |m| m.len())
+        )
+    };
+    if let Some(config) = &model.synthetic {
+        let text = std::fs::read_to_string(config).unwrap_or_default();
+        return format!("synthetic {text}");
+    }
+    let Some(dir) = &model.model else {
+        return String::new();
+    };
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().and_then(|e| e.to_str()) == Some("safetensors"))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
+        .iter()
+        .map(|f| describe(f))
+        .collect::<Vec<_>>()
+        .join(";")
 }
 
 #[cfg(test)]

@@ -17,6 +17,8 @@ const MAGIC: &[u8; 8] = b"CRLSPILL";
 const VERSION: u32 = 1;
 /// Header: magic, version, fingerprint, block size, tokens, layers, bytes per layer, state bytes.
 const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 4 + 4 + 8 + 8;
+/// More attention layers than any model has: a header claiming more is refused.
+const MAX_LAYERS: usize = 4096;
 
 /// One spilled prefix.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +115,7 @@ impl SpilledPrefix {
             return Err(bad(path, "checksum mismatch (a corrupt file)"));
         }
         let mut at = HEADER_BYTES + 4 * tokens.len();
-        let mut kv = Vec::with_capacity(header.layers);
+        let mut kv = Vec::with_capacity(header.layers.min(MAX_LAYERS));
         for _ in 0..header.layers {
             kv.push(bytes[at..at + header.per_layer].to_vec());
             at += header.per_layer;
@@ -131,8 +133,23 @@ impl SpilledPrefix {
     /// The token ids of the file at `path` (its header and token list only, checked for size
     /// and fingerprint, not the checksum): what an index of spilled prefixes needs.
     pub fn read_tokens(path: &Path, expected_fingerprint: u64) -> Result<Vec<u32>, EngineError> {
-        let bytes = std::fs::read(path).map_err(|e| bad(path, e.to_string()))?;
-        Ok(Self::header(path, &bytes, expected_fingerprint)?.0)
+        use std::io::Read;
+        let io = |e: std::io::Error| bad(path, e.to_string());
+        let mut file = std::fs::File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let mut head = vec![0u8; HEADER_BYTES];
+        file.read_exact(&mut head)
+            .map_err(|_| bad(path, format!("{len} bytes: shorter than a header")))?;
+        let num_tokens = u32::from_le_bytes([head[24], head[25], head[26], head[27]]) as usize;
+        if (HEADER_BYTES + 4 * num_tokens) as u64 > len {
+            return Err(bad(
+                path,
+                format!("{len} bytes: shorter than its token list (a truncated file)"),
+            ));
+        }
+        head.resize(HEADER_BYTES + 4 * num_tokens, 0);
+        file.read_exact(&mut head[HEADER_BYTES..]).map_err(io)?;
+        Self::header_of_len(path, &head, len, expected_fingerprint).map(|(t, _)| t)
     }
 
     fn header(
@@ -140,11 +157,19 @@ impl SpilledPrefix {
         bytes: &[u8],
         expected_fingerprint: u64,
     ) -> Result<(Vec<u32>, Header), EngineError> {
-        if bytes.len() < HEADER_BYTES + 8 {
-            return Err(bad(
-                path,
-                format!("{} bytes: shorter than a header", bytes.len()),
-            ));
+        Self::header_of_len(path, bytes, bytes.len() as u64, expected_fingerprint)
+    }
+
+    /// The header and token list at the start of `bytes`, checked against a file of `len`
+    /// bytes.
+    fn header_of_len(
+        path: &Path,
+        bytes: &[u8],
+        len: u64,
+        expected_fingerprint: u64,
+    ) -> Result<(Vec<u32>, Header), EngineError> {
+        if len < (HEADER_BYTES + 8) as u64 || bytes.len() < HEADER_BYTES {
+            return Err(bad(path, format!("{len} bytes: shorter than a header")));
         }
         if &bytes[..8] != MAGIC {
             return Err(bad(path, "not a Corral spill file (bad magic)"));
@@ -173,6 +198,9 @@ impl SpilledPrefix {
             state: usize::try_from(u64_at(40)).unwrap_or(usize::MAX),
         };
         let num_tokens = u32_at(24) as usize;
+        if header.layers > MAX_LAYERS {
+            return Err(bad(path, format!("{} layers", header.layers)));
+        }
         let expected = (|| {
             HEADER_BYTES
                 .checked_add(num_tokens.checked_mul(4)?)?
@@ -180,13 +208,10 @@ impl SpilledPrefix {
                 .checked_add(header.state)?
                 .checked_add(8)
         })();
-        if expected != Some(bytes.len()) {
+        if expected.map(|e| e as u64) != Some(len) {
             return Err(bad(
                 path,
-                format!(
-                    "{} bytes where the header describes {expected:?} (a truncated file)",
-                    bytes.len()
-                ),
+                format!("{len} bytes where the header describes {expected:?} (a truncated file)"),
             ));
         }
         let tokens = bytes[HEADER_BYTES..HEADER_BYTES + 4 * num_tokens]
@@ -226,6 +251,8 @@ pub struct SpillDir {
     next: u64,
     /// Files being written by a background thread (the engine does not wait for the disk).
     writing: Vec<(PathBuf, std::thread::JoinHandle<Result<(), EngineError>>)>,
+    /// A file about to be restored from, which the byte cap must not delete.
+    pinned: Option<PathBuf>,
 }
 
 impl SpillDir {
@@ -237,8 +264,14 @@ impl SpillDir {
         let entries = std::fs::read_dir(dir).map_err(|e| bad(dir, e.to_string()))?;
         for entry in entries.flatten() {
             let path = entry.path();
-            if path.extension().and_then(|e| e.to_str()) != Some("spill") {
-                continue;
+            match path.extension().and_then(|e| e.to_str()) {
+                // A write that a crash cut short.
+                Some("tmp") => {
+                    let _ = std::fs::remove_file(&path);
+                    continue;
+                }
+                Some("spill") => {}
+                _ => continue,
             }
             let meta = entry.metadata().ok();
             match SpilledPrefix::read_tokens(&path, fingerprint) {
@@ -261,6 +294,7 @@ impl SpillDir {
             files: found.into_iter().map(|(_, t, p, b)| (t, p, b)).collect(),
             next: 0,
             writing: Vec::new(),
+            pinned: None,
         };
         spill.trim(0);
         Ok(spill)
@@ -331,8 +365,31 @@ impl SpillDir {
             .max_by_key(|c| c.0)
     }
 
-    /// Writes `prefix` to a new file, deleting the oldest files past the byte cap.
+    /// Keeps `path` (a file about to be restored from) from the byte cap; `None` releases it.
+    pub fn pin(&mut self, path: Option<PathBuf>) {
+        self.pinned = path;
+    }
+
+    /// Marks `path` as just used: the byte cap deletes least recently used files first.
+    pub fn touch(&mut self, path: &Path) {
+        if let Some(i) = self.files.iter().position(|f| f.1 == path) {
+            let file = self.files.remove(i);
+            self.files.push(file);
+        }
+    }
+
+    /// Writes `prefix` to a new file, deleting the least recently used files past the byte
+    /// cap.
     pub fn add(&mut self, prefix: &SpilledPrefix) -> Result<u64, EngineError> {
+        // Writers that are done give their threads back.
+        let (done, running): (Vec<_>, Vec<_>) =
+            self.writing.drain(..).partition(|w| w.1.is_finished());
+        self.writing = running;
+        for (path, writer) in done {
+            if !matches!(writer.join(), Ok(Ok(()))) {
+                self.files.retain(|f| f.1 != path);
+            }
+        }
         let name = format!(
             "{:016x}-{}-{}.spill",
             fingerprint_tokens(&prefix.tokens),
@@ -387,9 +444,16 @@ impl SpillDir {
 
     /// Deletes the oldest files until `incoming` more bytes fit the cap.
     fn trim(&mut self, incoming: u64) {
-        while !self.files.is_empty() && self.bytes() + incoming > self.max_bytes {
-            let path = self.files[0].1.clone();
-            self.remove(&path);
+        while self.bytes() + incoming > self.max_bytes {
+            let Some(oldest) = self
+                .files
+                .iter()
+                .find(|f| Some(&f.1) != self.pinned.as_ref())
+                .map(|f| f.1.clone())
+            else {
+                break;
+            };
+            self.remove(&oldest);
         }
     }
 }
@@ -516,12 +580,23 @@ mod tests {
             SpillDir::open(&d, p.fingerprint ^ 1, 10_000).unwrap().len(),
             0
         );
-        // Room for one file: the oldest goes first.
+        // Room for one file: the least recently used goes first, but not a pinned one
+        // (about to be restored from), and a cut-short write is cleaned up at open.
+        std::fs::write(d.join("cut.tmp"), b"partial").unwrap();
         let mut small = SpillDir::open(&d, p.fingerprint, size + 10).unwrap();
+        assert!(!d.join("cut.tmp").exists());
         small.add(&p).unwrap();
         small.add(&longer).unwrap();
         assert_eq!(small.len(), 1);
         assert!(small.holds(&longer.tokens));
+        let (_, pinned) = small.longest_prefix(&prompt, 100).unwrap();
+        small.pin(Some(pinned));
+        small.add(&p).unwrap();
+        assert!(
+            small.holds(&longer.tokens) && small.holds(&p.tokens),
+            "the pinned file stays"
+        );
+        small.pin(None);
         let _ = std::fs::remove_dir_all(&d);
     }
 }
