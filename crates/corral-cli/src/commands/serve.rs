@@ -67,8 +67,8 @@ pub(crate) struct ServeArgs {
     /// extend them, across restarts (with the prefix cache).
     #[arg(long, env = "CORRAL_SESSION_DIR")]
     session_dir: Option<std::path::PathBuf>,
-    /// Most bytes of session files in `--session-dir` (oldest deleted first), in bytes or
-    /// with a K/M/G suffix.
+    /// Most bytes of session files in `--session-dir` (least recently used deleted first),
+    /// in bytes or with a K/M/G suffix.
     #[arg(long, env = "CORRAL_SESSION_DIR_BYTES", default_value = "16G", value_parser = parse_bytes)]
     session_dir_bytes: usize,
 }
