@@ -153,7 +153,12 @@ pub fn spawn_engine(
         (true, false) => scheduler.with_prefix_cache(),
         (true, true) => scheduler.with_state_checkpoints(config.max_batch.max(1), checkpoints),
         (false, _) => scheduler,
-    };
+    }
+    .with_eviction_cost(eviction_cost(
+        model.config(),
+        model.backend().kv_dtype().size_bytes(),
+        config.block_size,
+    ));
     metrics.engine_alive.store(true, Ordering::Relaxed);
     let thread_metrics = Arc::clone(&metrics);
     let thread = std::thread::Builder::new()
@@ -287,6 +292,35 @@ fn run(
             }
         }
         update_gauges(&scheduler, metrics);
+    }
+}
+
+/// What a cached block saves, from the model's shape: 2 FLOPs per active parameter a token
+/// (the embedding lookup and the experts a token does not use excluded), and 4 per head
+/// dimension of every attention layer for each earlier position.
+fn eviction_cost(
+    config: &corral_model::ModelConfig,
+    kv_elem: usize,
+    block_size: usize,
+) -> crate::EvictionCost {
+    let h = config.hidden_size;
+    let idle_experts = config.moe.as_ref().map_or(0, |m| {
+        let sparse = (0..config.num_layers)
+            .filter(|&l| config.is_sparse_layer(l))
+            .count();
+        sparse * m.num_experts.saturating_sub(m.top_k) * 3 * h * m.moe_intermediate_size
+    });
+    let active = config
+        .num_parameters()
+        .saturating_sub(idle_experts + config.vocab_size * h);
+    crate::EvictionCost {
+        flops_per_token: 2.0 * active as f64,
+        attention_flops_per_position: (4
+            * config.num_heads
+            * config.head_dim
+            * config.num_attention_layers()) as f64,
+        block_bytes: (config.kv_bytes_per_token(kv_elem) * block_size) as f64,
+        checkpoint_bytes: RecurrentStateCache::bytes_per_slot(config) as f64,
     }
 }
 

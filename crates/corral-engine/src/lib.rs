@@ -22,8 +22,8 @@ pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
 pub use generation_config::stop_token_ids;
 pub use kv::{
-    EvictedPrefix, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir, SpilledPrefix,
-    StateSlotPool,
+    EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir,
+    SpilledPrefix, StateSlotPool,
 };
 pub use metrics::EngineMetrics;
 pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};

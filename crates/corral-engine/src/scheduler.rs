@@ -187,6 +187,12 @@ impl Scheduler {
             .map_or(0, |s| s.computed)
     }
 
+    /// The prefix cache evicts by recency and prefill FLOPs saved per byte (`cost`).
+    pub fn with_eviction_cost(mut self, cost: crate::EvictionCost) -> Self {
+        self.prefix = self.prefix.map(|p| p.with_eviction_cost(cost));
+        self
+    }
+
     /// State checkpoints the prefix cache holds.
     pub fn cached_checkpoints(&self) -> usize {
         self.prefix.as_ref().map_or(0, PrefixCache::num_checkpoints)

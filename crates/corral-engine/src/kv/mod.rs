@@ -6,6 +6,6 @@ mod spill;
 mod state_slots;
 
 pub use block_pool::{KvBlockPool, OutOfBlocks};
-pub use prefix::{EvictedPrefix, PrefixCache, PrefixHit};
+pub use prefix::{EvictedPrefix, EvictionCost, PrefixCache, PrefixHit};
 pub use spill::{SpillDir, SpilledPrefix, fingerprint};
 pub use state_slots::StateSlotPool;

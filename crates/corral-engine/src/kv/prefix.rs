@@ -22,6 +22,9 @@ type NodeId = usize;
 
 const ROOT: NodeId = 0;
 
+/// How much FLOPs saved per byte counts against recency in eviction scores.
+const FLOPS_WEIGHT: f64 = 2.0;
+
 #[derive(Debug)]
 struct Node {
     parent: NodeId,
@@ -44,6 +47,36 @@ pub struct PrefixHit {
     /// Whole blocks of the tokens the index holds, checkpoint or not: where the tokens leave
     /// the cached tree, the place for a new checkpoint.
     pub matched_blocks: usize,
+}
+
+/// What keeping a cached block is worth, for eviction: the prefill FLOPs it saves per byte
+/// it holds (Marconi's measure), from the model's shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvictionCost {
+    /// FLOPs to prefill one token, attention over earlier tokens excluded.
+    pub flops_per_token: f64,
+    /// Attention FLOPs a token spends per earlier position.
+    pub attention_flops_per_position: f64,
+    /// Bytes of one KV block (every layer).
+    pub block_bytes: f64,
+    /// Bytes of one recurrent-state checkpoint.
+    pub checkpoint_bytes: f64,
+}
+
+impl EvictionCost {
+    /// FLOPs per byte of the block at `depth` (1 = the first) of `block_size` tokens.
+    fn value(&self, depth: usize, block_size: usize, checkpoint: bool) -> f64 {
+        let bs = block_size as f64;
+        let mean_position = (depth as f64 - 0.5) * bs;
+        let flops = bs * (self.flops_per_token + self.attention_flops_per_position * mean_position);
+        let bytes = self.block_bytes
+            + if checkpoint {
+                self.checkpoint_bytes
+            } else {
+                0.0
+            };
+        flops / bytes.max(1.0)
+    }
 }
 
 /// A cached prefix about to be evicted: its tokens, its blocks (root first) and the state
@@ -72,6 +105,9 @@ pub struct PrefixCache {
     /// Free checkpoint slots (hybrid models only).
     checkpoint_slots: Option<StateSlotPool>,
     checkpoints: usize,
+    /// With a cost, eviction weighs FLOPs saved per byte against recency; without, least
+    /// recently used first.
+    cost: Option<EvictionCost>,
 }
 
 impl PrefixCache {
@@ -94,7 +130,15 @@ impl PrefixCache {
             cached: 0,
             checkpoint_slots: None,
             checkpoints: 0,
+            cost: None,
         }
+    }
+
+    /// Eviction from now on scores leaves by recency and by the prefill FLOPs they save per
+    /// byte: of two equally recent leaves, the one that saves less per byte goes first.
+    pub fn with_eviction_cost(mut self, cost: EvictionCost) -> Self {
+        self.cost = Some(cost);
+        self
     }
 
     /// An empty index that also keeps recurrent-state checkpoints in `slots`.
@@ -295,7 +339,11 @@ impl PrefixCache {
         let mut freed = 0;
         let mut skipped = Vec::new();
         while pool.num_free() < free {
-            let Some((used, id)) = self.leaves.pop_first() else {
+            let next = match self.cost {
+                Some(cost) => self.cheapest_leaf(&cost, pool),
+                None => self.leaves.pop_first(),
+            };
+            let Some((used, id)) = next else {
                 break;
             };
             let block = self.node(id).block;
@@ -317,6 +365,48 @@ impl PrefixCache {
         }
         self.leaves.extend(skipped);
         freed
+    }
+
+    /// The evictable leaf (no holder but the cache) with the lowest score, taken out of
+    /// `leaves`: recency and FLOPs saved per byte, each scaled to 0..1 over the candidates,
+    /// the second weighed `FLOPS_WEIGHT` times the first (long histories are what agents
+    /// come back to).
+    fn cheapest_leaf(&mut self, cost: &EvictionCost, pool: &KvBlockPool) -> Option<(u64, NodeId)> {
+        let candidates: Vec<(u64, NodeId, f64)> = self
+            .leaves
+            .iter()
+            .filter(|&&(_, id)| pool.holders(self.node(id).block) <= 1)
+            .map(|&(used, id)| {
+                let node = self.node(id);
+                let value = cost.value(self.depth(id), self.block_size, node.checkpoint.is_some());
+                (used, id, value)
+            })
+            .collect();
+        let (oldest, newest) = candidates
+            .iter()
+            .fold((u64::MAX, 0), |(lo, hi), c| (lo.min(c.0), hi.max(c.0)));
+        let top = candidates.iter().map(|c| c.2).fold(0.0, f64::max);
+        let span = newest.saturating_sub(oldest).max(1) as f64;
+        let score = |c: &(u64, NodeId, f64)| {
+            let value = if top > 0.0 { c.2 / top } else { 0.0 };
+            (c.0 - oldest) as f64 / span + FLOPS_WEIGHT * value
+        };
+        let pick = candidates
+            .iter()
+            .min_by(|a, b| score(a).total_cmp(&score(b)))
+            .map(|c| (c.0, c.1))?;
+        self.leaves.remove(&pick);
+        Some(pick)
+    }
+
+    /// Blocks from the root to node `id`, `id` included.
+    fn depth(&self, id: NodeId) -> usize {
+        let (mut depth, mut at) = (0, id);
+        while at != ROOT {
+            depth += 1;
+            at = self.node(at).parent;
+        }
+        depth
     }
 
     /// The token ids and blocks from the root to node `id`.
@@ -524,6 +614,46 @@ mod tests {
         let slots = [cache.take_checkpoint_slot(), cache.take_checkpoint_slot()];
         assert!(slots.iter().all(Option::is_some));
         assert_eq!(cache.take_checkpoint_slot(), None);
+    }
+
+    #[test]
+    fn eviction_weighs_flops_saved_per_byte_against_recency() {
+        // Two histories of one and of four blocks; the short one is used last.
+        let run = |cost: Option<EvictionCost>| {
+            let mut pool = KvBlockPool::new(16, 2);
+            let mut cache = PrefixCache::new(2);
+            if let Some(c) = cost {
+                cache = cache.with_eviction_cost(c);
+            }
+            let long: Vec<u32> = (0..8).collect();
+            let short: Vec<u32> = vec![9, 9];
+            for tokens in [&long, &short] {
+                let mut table = computed(&mut pool, tokens);
+                cache.insert(tokens, &table, &mut pool);
+                pool.release(&mut table);
+            }
+            let want = pool.num_free() + 1;
+            cache.evict(&mut pool, want);
+            let mut probe = cache.lookup(&short, 1, &mut pool);
+            let short_kept = probe.blocks.len() == 1;
+            pool.release(&mut probe);
+            short_kept
+        };
+        assert!(
+            run(None),
+            "least recently used first: the long history's leaf goes"
+        );
+        // Attention makes the deep leaf save far more per byte than the short history.
+        let cost = EvictionCost {
+            flops_per_token: 1.0,
+            attention_flops_per_position: 100.0,
+            block_bytes: 1.0,
+            checkpoint_bytes: 0.0,
+        };
+        assert!(
+            !run(Some(cost)),
+            "the short history's block saves least per byte and goes first"
+        );
     }
 
     proptest! {
