@@ -4,7 +4,9 @@
 //! A tree of full blocks: each node is one block of `block_size` token ids that follows its
 //! parent's, found among its siblings by those exact ids (no hash to collide). The cache holds
 //! one reference, in the [`KvBlockPool`], to every block it indexes, so a finished sequence's
-//! blocks outlive it; eviction drops least recently used leaves that no sequence holds.
+//! blocks outlive it; eviction drops leaves that no sequence holds, least recently used
+//! first or, given an [`EvictionCost`], scored by recency and the prefill FLOPs they save per
+//! byte.
 //!
 //! For hybrid models a prefix is reusable only where the recurrent state at its end exists
 //! too: a node may hold a state checkpoint (a slot of the model's state cache, from the
@@ -321,9 +323,10 @@ impl PrefixCache {
         }
     }
 
-    /// Frees cached blocks, least recently used leaves first, until `pool` has `free` free
-    /// blocks or nothing more may go; a block that a sequence still holds is never freed (nor
-    /// its ancestors). Returns how many blocks were freed.
+    /// Frees cached blocks, leaves in eviction order (least recently used first, or by the
+    /// eviction cost's score), until `pool` has `free` free blocks or nothing more may go; a
+    /// block that a sequence still holds is never freed (nor its ancestors). Returns how many
+    /// blocks were freed.
     pub fn evict(&mut self, pool: &mut KvBlockPool, free: usize) -> usize {
         self.evict_with(pool, free, &mut |_: &EvictedPrefix<'_>| {})
     }
