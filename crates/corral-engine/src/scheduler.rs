@@ -340,7 +340,7 @@ impl Scheduler {
                     restores.retain(|r: &(SeqId, SlotId, SlotId)| r.0 != seq.id);
                     let need = len.div_ceil(bs);
                     if need > self.pool.num_free() {
-                        prefix.evict_with(&mut self.pool, need, &mut |e| store.spill(e));
+                        evict(prefix, &mut self.pool, need, Some(&mut *store));
                     }
                     let mut table = BlockTable::default();
                     let hybrid = prefix.keeps_checkpoints();
@@ -395,14 +395,7 @@ impl Scheduler {
                     .div_ceil(self.pool.block_size())
                     .saturating_sub(self.running[i].table.blocks.len());
                 if short > self.pool.num_free() {
-                    match store.as_deref_mut() {
-                        Some(store) => {
-                            prefix.evict_with(&mut self.pool, short, &mut |e| store.spill(e));
-                        }
-                        None => {
-                            prefix.evict(&mut self.pool, short);
-                        }
-                    }
+                    evict(prefix, &mut self.pool, short, store.as_deref_mut());
                 }
             }
             if self.pool.grow(&mut self.running[i].table, need).is_err() {
@@ -614,6 +607,19 @@ impl Scheduler {
         }
         counts
     }
+}
+
+/// Evicts cached blocks until `free` are free, writing what goes to `store` if there is one.
+fn evict<'s>(
+    prefix: &mut PrefixCache,
+    pool: &mut KvBlockPool,
+    free: usize,
+    store: Option<&mut (dyn SessionStore + 's)>,
+) {
+    match store {
+        Some(store) => prefix.evict_with(pool, free, Some(&mut |e| store.spill(e))),
+        None => prefix.evict(pool, free),
+    };
 }
 
 /// Starts `seq` from its longest cached prefix: the blocks (a holder taken for each), and for

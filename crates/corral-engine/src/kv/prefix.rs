@@ -37,6 +37,8 @@ struct Node {
     last_used: u64,
     /// The recurrent state after this node's last token.
     checkpoint: Option<SlotId>,
+    /// Blocks from the root to this node, itself included.
+    depth: usize,
 }
 
 /// What [`PrefixCache::lookup_resumable`] found.
@@ -122,6 +124,7 @@ impl PrefixCache {
             children: HashMap::new(),
             last_used: 0,
             checkpoint: None,
+            depth: 0,
         };
         Self {
             nodes: vec![Some(root)],
@@ -213,24 +216,39 @@ impl PrefixCache {
         max_blocks: usize,
         pool: &mut KvBlockPool,
     ) -> PrefixHit {
-        let mut hit = PrefixHit::default();
+        let path = self.walk(tokens, max_blocks);
+        let deepest = path
+            .iter()
+            .rposition(|n| self.node(*n).checkpoint.is_some());
+        let resumed = deepest.map_or(0, |i| i + 1);
+        let hit = PrefixHit {
+            table: BlockTable {
+                blocks: path[..resumed]
+                    .iter()
+                    .map(|&n| self.node(n).block)
+                    .collect(),
+            },
+            checkpoint: deepest.and_then(|i| self.node(path[i]).checkpoint),
+            matched_blocks: path.len(),
+        };
+        pool.share(&hit.table);
+        hit
+    }
+
+    /// The nodes of the cached blocks of `tokens` from the root, at most `max_blocks`, each
+    /// marked as used now.
+    fn walk(&mut self, tokens: &[u32], max_blocks: usize) -> Vec<NodeId> {
+        let mut path = Vec::new();
         let mut at = ROOT;
-        let mut blocks = Vec::new();
         for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
             let Some(&child) = self.node(at).children.get(chunk) else {
                 break;
             };
             self.touch(child);
-            blocks.push(self.node(child).block);
-            if let Some(slot) = self.node(child).checkpoint {
-                hit.table.blocks = blocks.clone();
-                hit.checkpoint = Some(slot);
-            }
+            path.push(child);
             at = child;
         }
-        hit.matched_blocks = blocks.len();
-        pool.share(&hit.table);
-        hit
+        path
     }
 
     /// Blocks indexed (each holding one reference in the pool).
@@ -257,16 +275,13 @@ impl PrefixCache {
         max_blocks: usize,
         pool: &mut KvBlockPool,
     ) -> BlockTable {
-        let mut table = BlockTable::default();
-        let mut at = ROOT;
-        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let Some(&child) = self.node(at).children.get(chunk) else {
-                break;
-            };
-            self.touch(child);
-            table.blocks.push(self.node(child).block);
-            at = child;
-        }
+        let table = BlockTable {
+            blocks: self
+                .walk(tokens, max_blocks)
+                .iter()
+                .map(|&n| self.node(n).block)
+                .collect(),
+        };
         pool.share(&table);
         table
     }
@@ -328,16 +343,16 @@ impl PrefixCache {
     /// block that a sequence still holds is never freed (nor its ancestors). Returns how many
     /// blocks were freed.
     pub fn evict(&mut self, pool: &mut KvBlockPool, free: usize) -> usize {
-        self.evict_with(pool, free, &mut |_: &EvictedPrefix<'_>| {})
+        self.evict_with(pool, free, None)
     }
 
-    /// [`PrefixCache::evict`], showing `spill` each leaf's whole prefix before its block is
-    /// freed (its blocks' contents are intact until the next forward).
+    /// [`PrefixCache::evict`], showing `spill` (if any) each leaf's whole prefix before its
+    /// block is freed (its blocks' contents are intact until the next forward).
     pub fn evict_with(
         &mut self,
         pool: &mut KvBlockPool,
         free: usize,
-        spill: &mut dyn FnMut(&EvictedPrefix<'_>),
+        mut spill: Option<&mut dyn FnMut(&EvictedPrefix<'_>)>,
     ) -> usize {
         let mut freed = 0;
         let mut skipped = Vec::new();
@@ -354,12 +369,14 @@ impl PrefixCache {
                 skipped.push((used, id));
                 continue;
             }
-            let (tokens, blocks) = self.path(id);
-            spill(&EvictedPrefix {
-                tokens: &tokens,
-                blocks: &blocks,
-                checkpoint: self.node(id).checkpoint,
-            });
+            if let Some(spill) = spill.as_deref_mut() {
+                let (tokens, blocks) = self.path(id);
+                spill(&EvictedPrefix {
+                    tokens: &tokens,
+                    blocks: &blocks,
+                    checkpoint: self.node(id).checkpoint,
+                });
+            }
             self.remove_leaf(id);
             pool.release(&mut BlockTable {
                 blocks: vec![block],
@@ -381,7 +398,7 @@ impl PrefixCache {
             .filter(|&&(_, id)| pool.holders(self.node(id).block) <= 1)
             .map(|&(used, id)| {
                 let node = self.node(id);
-                let value = cost.value(self.depth(id), self.block_size, node.checkpoint.is_some());
+                let value = cost.value(node.depth, self.block_size, node.checkpoint.is_some());
                 (used, id, value)
             })
             .collect();
@@ -400,16 +417,6 @@ impl PrefixCache {
             .map(|c| (c.0, c.1))?;
         self.leaves.remove(&pick);
         Some(pick)
-    }
-
-    /// Blocks from the root to node `id`, `id` included.
-    fn depth(&self, id: NodeId) -> usize {
-        let (mut depth, mut at) = (0, id);
-        while at != ROOT {
-            depth += 1;
-            at = self.node(at).parent;
-        }
-        depth
     }
 
     /// The token ids and blocks from the root to node `id`.
@@ -455,6 +462,7 @@ impl PrefixCache {
             children: HashMap::new(),
             last_used: self.clock,
             checkpoint: None,
+            depth: self.node(parent).depth + 1,
         };
         let id = match self.free_nodes.pop() {
             Some(id) => {
