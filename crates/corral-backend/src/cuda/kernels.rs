@@ -73,6 +73,7 @@ pub(crate) struct Kernels {
     pub(crate) flash_attention_hd64: Kernel,
     pub(crate) flash_attention_hd128: Kernel,
     pub(crate) moe_route: Kernel,
+    pub(crate) moe_route_ranked: Kernel,
     pub(crate) moe_sort: Kernel,
     pub(crate) moe_combine: Kernel,
     pub(crate) causal_conv1d: Kernel,
@@ -256,6 +257,7 @@ impl Kernels {
             flash_attention_hd128: find("flash_attention_bf16_hd128")?
                 .with_dynamic_smem(flash_attention_smem_bytes(128))?,
             moe_route: find("moe_route")?,
+            moe_route_ranked: find("moe_route_ranked")?,
             moe_sort: find("moe_sort")?,
             moe_combine: find("moe_combine")?,
             causal_conv1d: find("causal_conv1d")?,

@@ -159,6 +159,12 @@ const ATTENTION_MIN_SPLIT_KEYS: usize = 64;
 const ATTENTION_MAX_SPLITS: usize = 64;
 const ATTENTION_THREADS: u32 = 128;
 
+/// Tokens up to which routing ranks each token's experts in a block of its own, and the
+/// experts and choices that kernel holds (moe.cu's RANKED_MAX_EXPERTS, RANKED_MAX_CHOICES).
+const RANKED_ROUTE_MAX_TOKENS: usize = 64;
+const RANKED_ROUTE_MAX_EXPERTS: usize = 1024;
+const RANKED_ROUTE_MAX_CHOICES: usize = 64;
+
 /// Threads of the few-row tensor-core kernels (mma_vec.cuh's MVM_WARPS warps).
 const MVM_THREADS: u32 = 256;
 
@@ -1329,7 +1335,15 @@ impl Backend for CudaBackend {
                 tokens * choices,
             )?,
         ];
-        // A warp per token, eight to a block.
+        // A few tokens: a block per token ranking its experts in one pass; more: a warp per
+        // token, eight to a block.
+        if tokens <= RANKED_ROUTE_MAX_TOKENS
+            && num_experts <= RANKED_ROUTE_MAX_EXPERTS
+            && top_k <= RANKED_ROUTE_MAX_CHOICES
+        {
+            let grid = (grid_of(op, tokens)?, 1, 1);
+            return self.launch(&self.kernels.moe_route_ranked, grid, 256, &args);
+        }
         let grid = (grid_of(op, tokens.div_ceil(8))?, 1, 1);
         self.launch(&self.kernels.moe_route, grid, 256, &args)
     }

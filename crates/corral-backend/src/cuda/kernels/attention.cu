@@ -239,17 +239,45 @@ __device__ void merge_splits(const float* partial, u32* counters, u32 t, u32 kvh
         }
     }
     __syncthreads();
-    for (u32 idx = threadIdx.x; idx < group * head_dim; idx += blockDim.x) {
-        u32 h = idx / head_dim, d = idx % head_dim;
-        const float* p = partial + (item0 + h) * splits * stride + 2 + d;
-        const float2* w = ml + h * active;
-        float o = 0.f, l = 0.f;
-#pragma unroll 8
-        for (u32 sp = 0; sp < active; sp++) {
-            o += w[sp].x * __ldcg(p + (size_t)sp * stride);
-            l += w[sp].x * w[sp].y;
+    // MERGE_OUTPUTS (head, dim) outputs a thread, MERGE_SPLITS splits' reads of each in
+    // flight at once: a few trips to the L2 rather than one per output and split.
+    const int MERGE_OUTPUTS = 8, MERGE_SPLITS = 4;
+    u32 total = group * head_dim;
+    for (u32 base = 0; base < total; base += MERGE_OUTPUTS * blockDim.x) {
+        const float* p[MERGE_OUTPUTS];
+        const float2* w[MERGE_OUTPUTS];
+        float o[MERGE_OUTPUTS], l[MERGE_OUTPUTS];
+#pragma unroll
+        for (int r = 0; r < MERGE_OUTPUTS; r++) {
+            u32 idx = min(base + r * blockDim.x + threadIdx.x, total - 1);
+            u32 h = idx / head_dim, d = idx % head_dim;
+            p[r] = partial + (item0 + h) * splits * stride + 2 + d;
+            w[r] = ml + h * active;
+            o[r] = l[r] = 0.f;
         }
-        out[(item0 + h) * head_dim + d] = o / l;
+        for (u32 sp0 = 0; sp0 < active; sp0 += MERGE_SPLITS) {
+            float v[MERGE_SPLITS][MERGE_OUTPUTS];
+#pragma unroll
+            for (int s = 0; s < MERGE_SPLITS; s++)
+#pragma unroll
+                for (int r = 0; r < MERGE_OUTPUTS; r++)
+                    v[s][r] = sp0 + s < active ? __ldcg(p[r] + (size_t)(sp0 + s) * stride) : 0.f;
+#pragma unroll
+            for (int s = 0; s < MERGE_SPLITS; s++)
+#pragma unroll
+                for (int r = 0; r < MERGE_OUTPUTS; r++) {
+                    if (sp0 + s < active) {
+                        float2 ws = w[r][sp0 + s];
+                        o[r] += ws.x * v[s][r];
+                        l[r] += ws.x * ws.y;
+                    }
+                }
+        }
+#pragma unroll
+        for (int r = 0; r < MERGE_OUTPUTS; r++) {
+            u32 idx = base + r * blockDim.x + threadIdx.x;
+            if (idx < total) out[item0 * head_dim + idx] = o[r] / l[r];
+        }
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
@@ -449,12 +477,8 @@ __device__ void decode_attention_mma_impl(
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 group = num_heads / num_kv_heads;
     u32 kv_dim = num_kv_heads * HD;
-    u32 begin, end, active;
-    const u32* table;
-    if (!split_keys_of(positions, token_runs, runs, block_tables, max_blocks, block_size, t,
-                       split, split_keys, splits, diag, &table, &begin, &end, &active))
-        return;
-    // Q row g (head g of the group; zero past it), pre-scaled, packed through the k map.
+    // Q row g (head g of the group; zero past it), pre-scaled, packed through the k map; read
+    // before the run's length is known, so that both reads are in flight together.
     u32 qa[KC][4];
     {
         bool ok = g < group;
@@ -473,6 +497,11 @@ __device__ void decode_attention_mma_impl(
             qa[c][3] = pack_bf16(b.z * f, b.w * f);
         }
     }
+    u32 begin, end, active;
+    const u32* table;
+    if (!split_keys_of(positions, token_runs, runs, block_tables, max_blocks, block_size, t,
+                       split, split_keys, splits, diag, &table, &begin, &end, &active))
+        return;
     // Keys past the end read the last key's row (their scores are masked; their rows must
     // still be finite). A chunk starts at a multiple of 16 keys, so with blocks of a multiple
     // of 16 keys its keys share one block-table entry.

@@ -118,6 +118,68 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
     }
 }
 
+#define RANKED_MAX_EXPERTS 1024  // experts of a token that moe_route_ranked holds
+#define RANKED_MAX_CHOICES 64
+
+// moe_route for a few tokens (decode): a block per token, and each expert's place among the
+// token's logits counted by one thread against all of them (ties to the lower id) rather than
+// top_k rounds of warp-wide maxima, so the choices cost one pass, not top_k. Same outputs as
+// moe_route (the renormalising sum may round differently).
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_ranked(
+    const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32 shared,
+    u32* ids, float* weights) {
+    begin_small_kernel();
+    __shared__ float v[RANKED_MAX_EXPERTS];
+    __shared__ u32 chosen[RANKED_MAX_CHOICES];
+    __shared__ float chosen_w[RANKED_MAX_CHOICES];
+    __shared__ float scratch[32];
+    u32 t = blockIdx.x;
+    if (t >= tokens) return;
+    const float* l = logits + (size_t)t * (num_experts + shared);
+    float m = NEG_INF;
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        v[e] = l[e];
+        m = fmaxf(m, v[e]);
+    }
+    if (threadIdx.x < top_k) {
+        chosen[threadIdx.x] = 0;
+        chosen_w[threadIdx.x] = 0.f;
+    }
+    m = block_max(m, scratch);
+    float s = 0.f;
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) s += expf(v[e] - m);
+    s = block_sum(s, scratch);
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        float x = v[e];
+        u32 rank = 0;
+        for (u32 o = 0; o < num_experts; o++) {
+            float y = v[o];
+            rank += (y > x) | ((y == x) & (o < e));
+        }
+        if (rank < top_k) {
+            chosen[rank] = e;
+            chosen_w[rank] = expf(x - m) / s;
+        }
+    }
+    __syncthreads();
+    float total = 0.f;
+    if (threadIdx.x < 32) {
+        for (u32 j = threadIdx.x; j < top_k; j += 32) total += chosen_w[j];
+        total = warp_sum(total);
+    }
+    u32* out_ids = ids + (size_t)t * (top_k + shared);
+    float* out_w = weights + (size_t)t * (top_k + shared);
+    if (threadIdx.x < 32)
+        for (u32 j = threadIdx.x; j < top_k; j += 32) {
+            out_ids[j] = chosen[j];
+            out_w[j] = renormalize ? chosen_w[j] / total : chosen_w[j];
+        }
+    if (shared && threadIdx.x == 0) {
+        out_ids[top_k] = num_experts;
+        out_w[top_k] = sigmoid(l[num_experts]);
+    }
+}
+
 // Stable counting sort of the routed pairs by expert, in one block: counts, exclusive
 // offsets [E + 1], the experts with pairs ([count, ids ascending]), the sorted order and its
 // inverse. An id out of range raises the error
