@@ -125,7 +125,7 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(1);
-    for case in 0..60 {
+    for case in 0..66 {
         let rows = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 130][case % 12];
         let n = 1 + rng.below(150);
         let k = if case % 3 == 0 {
@@ -134,6 +134,14 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
             8 * (1 + rng.below(40))
         };
         let dtype = DTYPES[case % 3];
+        // The last cases run rows of 4096 elements and more (an attention output's), 16-bit
+        // weights, over one row, one 8-row tile and two.
+        let (rows, k, dtype) = if case >= 60 {
+            let rows = [1, 2, 5, 8, 1, 9][case - 60];
+            (rows, 4096 + 8 * rng.below(100), DTYPES[case % 2])
+        } else {
+            (rows, k, dtype)
+        };
         let offset = rng.below(3);
         let x = rng.values(rows * k);
         let w = rng.values((n + offset) * k);
