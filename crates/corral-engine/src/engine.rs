@@ -236,7 +236,7 @@ fn run(
             let backend = model.backend().as_ref();
             // A panic in a forward pass (a bug) fails the step's requests, not the engine.
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                restore(backend, &mut state, &scheduler, &plan, metrics)?;
+                restore(backend, &mut cache, &mut state, &scheduler, &plan, metrics)?;
                 model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits)
             }))
             .unwrap_or_else(|_| {
@@ -407,8 +407,9 @@ impl SessionStore for DiskSessions<'_> {
                 path: path.to_path_buf(),
                 detail,
             };
-            // The file's first blocks (all of them where a state is restored too).
-            let in_file = prefix.tokens.len() / self.cache.block_size.max(1);
+            // The file's first blocks (all of them where a state is restored too); its last
+            // may be partly filled.
+            let in_file = prefix.tokens.len().div_ceil(self.cache.block_size.max(1));
             let used = blocks.len();
             if used > in_file || (slot.is_some() && used != in_file) {
                 return Err(bad(format!("{used} blocks asked of a file of {in_file}")));
@@ -429,7 +430,10 @@ impl SessionStore for DiskSessions<'_> {
                 }
                 self.state.write_slot(self.backend, slot, &prefix.state)?;
             }
-            Ok((used * self.cache.block_size, read_ms))
+            Ok((
+                (used * self.cache.block_size).min(prefix.tokens.len()),
+                read_ms,
+            ))
         })();
         self.dir.pin(None);
         match loaded {
@@ -465,11 +469,16 @@ impl SessionStore for DiskSessions<'_> {
 /// a restore.
 fn restore(
     backend: &dyn corral_backend::Backend,
+    cache: &mut PagedKvCache,
     state: &mut RecurrentStateCache,
     scheduler: &Scheduler,
     plan: &StepPlan,
     metrics: &EngineMetrics,
 ) -> Result<(), corral_model::ModelError> {
+    for &(_, src, dst) in &plan.block_copies {
+        cache.copy_block(backend, src, dst)?;
+        metrics.kv_block_copies.fetch_add(1, Ordering::Relaxed);
+    }
     for &(seq, src, dst) in &plan.restores {
         let start = std::time::Instant::now();
         state.copy_slot(backend, src, dst)?;

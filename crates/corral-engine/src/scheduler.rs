@@ -7,24 +7,25 @@
 //! re-queued at the front). There is no prefill or decode phase: a sequence simply has tokens
 //! not yet in the cache. [`Scheduler::step`] returns a [`StepPlan`]; the engine runs it and
 //! hands the logits back to [`Scheduler::finish_step`]. With a [`PrefixCache`], a sequence
-//! starts from the longest cached run of whole blocks of its tokens, and a sequence that ends
-//! or is preempted leaves its computed blocks in the cache, which gives them back when the
-//! pool runs short.
+//! starts from the longest cached prefix of its tokens, down to a token: shared whole blocks,
+//! then a partly matching block copied into its own ([`StepPlan::block_copies`]); a sequence
+//! that ends or is preempted leaves its computed blocks in the cache, which gives them back
+//! when the pool runs short.
 //!
-//! For hybrid models the cache also keeps recurrent-state checkpoints, taken at whole blocks:
-//! at the end of each prompt (its last whole block: the next turn usually re-sends the prompt
-//! and diverges where the reply starts), where a prompt leaves the cached tree (a branch
-//! point), and at the last whole block of a turn's output. A prefill chunk ends at such a
-//! point so that the state exists there; the copy into a checkpoint slot is queued for the
-//! engine after the step ([`StepCounts::checkpoint_copies`]), and a sequence that starts from
-//! a checkpoint gets a private copy in its own slot before its first step
-//! ([`StepPlan::restores`]).
+//! For hybrid models the cache also keeps recurrent-state checkpoints, at exact tokens: at
+//! the end of each prompt (the next turn usually re-sends the prompt and diverges where the
+//! reply starts), where a prompt leaves the cached tree (a branch point), at each whole
+//! block of a turn's output as it decodes, and at its last token when it ends. A prefill
+//! chunk ends at such a point so that the state exists there; the copy into a checkpoint slot
+//! is queued for the engine after the step ([`StepCounts::checkpoint_copies`]), and a
+//! sequence that starts from a checkpoint gets a private copy in its own slot before its
+//! first step ([`StepPlan::restores`]).
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
 use corral_backend::DispatchStats;
-use corral_model::{BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId};
+use corral_model::{BlockId, BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::request::{EngineRequest, Event, Finished, TokenEvent};
@@ -114,7 +115,13 @@ pub struct StepPlan {
     runs: Vec<PlannedRun>,
     /// State copies to make before the forward: `(sequence, checkpoint slot, its slot)`.
     pub restores: Vec<(SeqId, SlotId, SlotId)>,
+    /// KV block copies to make before the forward: `(sequence, cached block, its block)`,
+    /// a cached block's first tokens continuing the sequence's shared ones.
+    pub block_copies: Vec<(SeqId, BlockId, BlockId)>,
 }
+
+/// A block copy planned for a sequence: `(sequence, cached block, its block)`.
+type BlockCopy = (SeqId, BlockId, BlockId);
 
 /// Waiting and running sequences, and the KV blocks they hold.
 #[derive(Debug)]
@@ -315,6 +322,7 @@ impl Scheduler {
     /// from the spilled one (falling back to the cache and recompute if it cannot be read).
     pub fn step_with(&mut self, mut store: Option<&mut dyn SessionStore>) -> Option<StepPlan> {
         let mut restores = Vec::new();
+        let mut copies: Vec<BlockCopy> = Vec::new();
         while self.running.len() < self.config.max_batch && !self.waiting.is_empty() {
             let Some(slot) = self.slots.acquire() else {
                 break;
@@ -328,16 +336,24 @@ impl Scheduler {
             {
                 // At least the last token is computed, for its logits.
                 let bs = self.pool.block_size();
-                let usable = (seq.tokens.len() - 1) / bs;
-                take_cached_prefix(prefix, &mut self.pool, &mut seq, slot, &mut restores);
+                let usable = seq.tokens.len() - 1;
+                take_cached_prefix(
+                    prefix,
+                    &mut self.pool,
+                    &mut seq,
+                    slot,
+                    &mut restores,
+                    &mut copies,
+                );
                 if let Some(store) = store.as_deref_mut()
-                    && let Some((len, path)) = store.find(&seq.tokens, usable * bs)
+                    && let Some((len, path)) = store.find(&seq.tokens, usable)
                     && len > seq.computed
                 {
                     // The file holds the whole prefix: the cached blocks go back first (and
                     // may be evicted to make room), then are looked up again if it fails.
                     self.pool.release(&mut seq.table);
                     restores.retain(|r: &(SeqId, SlotId, SlotId)| r.0 != seq.id);
+                    drop_copies(&mut copies, &mut self.pool, |c| c.0 == seq.id);
                     let need = len.div_ceil(bs);
                     if need > self.pool.num_free() {
                         evict(prefix, &mut self.pool, need, Some(&mut *store));
@@ -354,7 +370,14 @@ impl Scheduler {
                         seq.checkpoint_at.retain(|&p| p > len);
                     } else {
                         self.pool.release(&mut table);
-                        take_cached_prefix(prefix, &mut self.pool, &mut seq, slot, &mut restores);
+                        take_cached_prefix(
+                            prefix,
+                            &mut self.pool,
+                            &mut seq,
+                            slot,
+                            &mut restores,
+                            &mut copies,
+                        );
                     }
                 }
                 // What the client's first token waited for; a re-admission after preemption
@@ -426,8 +449,20 @@ impl Scheduler {
                 .iter()
                 .any(|s| s.id == r.0 && s.slot == Some(r.2))
         });
+        let running = &self.running;
+        drop_copies(&mut copies, &mut self.pool, |c| {
+            !running
+                .iter()
+                .any(|s| s.id == c.0 && s.table.blocks.contains(&c.2))
+        });
         if runs.is_empty() {
-            for (id, _, _) in restores {
+            let ids: Vec<SeqId> = restores
+                .iter()
+                .map(|r| r.0)
+                .chain(copies.iter().map(|c| c.0))
+                .collect();
+            drop_copies(&mut copies, &mut self.pool, |_| true);
+            for id in ids {
                 if let Some(i) = self.running.iter().position(|s| s.id == id) {
                     self.preempt(i);
                 }
@@ -457,6 +492,7 @@ impl Scheduler {
             batch,
             runs,
             restores,
+            block_copies: copies,
         })
     }
 
@@ -504,7 +540,10 @@ impl Scheduler {
             .iter()
             .map(|r| r.seq)
             .chain(plan.restores.iter().map(|r| r.0))
+            .chain(plan.block_copies.iter().map(|c| c.0))
             .collect();
+        let mut copies = plan.block_copies;
+        drop_copies(&mut copies, &mut self.pool, |_| true);
         for id in ids {
             if let Some(index) = self.running.iter().position(|s| s.id == id) {
                 let mut seq = self.running.remove(index);
@@ -528,6 +567,8 @@ impl Scheduler {
         let mut counts = StepCounts::default();
         let mut row = 0;
         let now = Instant::now();
+        let mut copies = plan.block_copies;
+        drop_copies(&mut copies, &mut self.pool, |_| true);
         for run in plan.runs {
             let Some(index) = self.running.iter().position(|s| s.id == run.seq) else {
                 row += usize::from(run.wants_logits);
@@ -589,6 +630,9 @@ impl Scheduler {
             seq.last_token = Some(now);
             if let Some(reason) = finish {
                 let mut seq = self.running.remove(index);
+                if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
+                    take_final_checkpoint(prefix, &mut seq, slot, &mut counts);
+                }
                 self.release(&mut seq);
                 let first = seq.first_token.unwrap_or(now);
                 let finished = Finished {
@@ -622,32 +666,74 @@ fn evict<'s>(
     };
 }
 
-/// Starts `seq` from its longest cached prefix: the blocks (a holder taken for each), and for
-/// a hybrid the checkpoint to restore into `slot` and the points at which to take new ones.
+/// Drops the planned block copies that `gone` picks, returning the holder each took on its
+/// cached block.
+fn drop_copies(
+    copies: &mut Vec<BlockCopy>,
+    pool: &mut KvBlockPool,
+    mut gone: impl FnMut(&BlockCopy) -> bool,
+) {
+    copies.retain(|c| {
+        let drop = gone(c);
+        if drop {
+            pool.release(&mut BlockTable { blocks: vec![c.1] });
+        }
+        !drop
+    });
+}
+
+/// Starts `seq` from its longest cached prefix: the shared blocks (a holder taken for each),
+/// a partly matching block to copy into its own next block, and for a hybrid the checkpoint
+/// to restore into `slot` and the points at which to take new ones.
 fn take_cached_prefix(
     prefix: &mut PrefixCache,
     pool: &mut KvBlockPool,
     seq: &mut Sequence,
     slot: SlotId,
     restores: &mut Vec<(SeqId, SlotId, SlotId)>,
+    copies: &mut Vec<BlockCopy>,
 ) {
     let bs = pool.block_size();
-    let usable = (seq.tokens.len() - 1) / bs;
-    if prefix.keeps_checkpoints() {
-        let hit = prefix.lookup_resumable(&seq.tokens, usable, pool);
-        seq.table = hit.table;
-        if let Some(checkpoint) = hit.checkpoint {
+    let hybrid = prefix.keeps_checkpoints();
+    // At least the last token is computed, for its logits.
+    let hit = prefix.lookup_hit(&seq.tokens, seq.tokens.len() - 1, pool);
+    seq.table = hit.table;
+    seq.computed = seq.table.blocks.len() * bs;
+    let mut checkpoint = hit.checkpoint;
+    if let Some((src, used)) = hit.copy {
+        if pool.grow(&mut seq.table, seq.computed + 1).is_ok() {
+            let dst = seq.table.blocks[seq.table.blocks.len() - 1];
+            copies.push((seq.id, src, dst));
+            seq.computed += used;
+        } else {
+            pool.release(&mut BlockTable { blocks: vec![src] });
+            if hybrid {
+                // The checkpoint is the copied block's end: without it, from scratch.
+                pool.release(&mut seq.table);
+                seq.computed = 0;
+                checkpoint = None;
+            }
+        }
+    }
+    if hybrid {
+        if let Some(checkpoint) = checkpoint {
             restores.push((seq.id, checkpoint, slot));
         }
-        seq.computed = seq.table.blocks.len() * bs;
-        // Where the prompt leaves the cached tree, and its last whole block.
-        let points = [hit.matched_blocks * bs, seq.prompt_len / bs * bs];
-        seq.checkpoint_at = points.into_iter().filter(|&p| p > seq.computed).collect();
+        // Where the prompt leaves the cached tree (unless within a block of where it resumes:
+        // a checkpoint there would save little and cost the prefill a chunk of its own), and
+        // its end.
+        let branch = hit.matched_tokens;
+        let points = [
+            (branch >= seq.computed + bs).then_some(branch),
+            Some(seq.prompt_len),
+        ];
+        seq.checkpoint_at = points
+            .into_iter()
+            .flatten()
+            .filter(|&p| p > seq.computed)
+            .collect();
         seq.checkpoint_at.sort_unstable();
         seq.checkpoint_at.dedup();
-    } else {
-        seq.table = prefix.lookup(&seq.tokens, usable, pool);
-        seq.computed = seq.table.blocks.len() * bs;
     }
 }
 
@@ -662,11 +748,11 @@ fn take_checkpoint(
     counts: &mut StepCounts,
 ) {
     let at = seq.computed;
-    if !prefix.keeps_checkpoints() || at == 0 || !at.is_multiple_of(block_size) {
+    if !prefix.keeps_checkpoints() || at == 0 {
         return;
     }
     let planned = seq.checkpoint_at.contains(&at);
-    let output = at > seq.prompt_len;
+    let output = at > seq.prompt_len && at.is_multiple_of(block_size);
     if !planned && !output {
         return;
     }
@@ -674,6 +760,32 @@ fn take_checkpoint(
         return;
     };
     if output && let Some(i) = seq.checkpoints.iter().position(|c| c.0 > seq.prompt_len) {
+        let (_, old) = seq.checkpoints.remove(i);
+        prefix.release_checkpoint(old);
+    }
+    seq.checkpoints.push((at, dst));
+    counts.checkpoint_copies.push((slot, dst));
+}
+
+/// A hybrid sequence that ends past its prompt gets a checkpoint at its last computed token
+/// (replacing its previous output checkpoint): the next turn re-sends all of it.
+fn take_final_checkpoint(
+    prefix: &mut PrefixCache,
+    seq: &mut Sequence,
+    slot: SlotId,
+    counts: &mut StepCounts,
+) {
+    let at = seq.computed;
+    if !prefix.keeps_checkpoints()
+        || at <= seq.prompt_len
+        || seq.checkpoints.iter().any(|c| c.0 == at)
+    {
+        return;
+    }
+    let Some(dst) = prefix.take_checkpoint_slot() else {
+        return;
+    };
+    if let Some(i) = seq.checkpoints.iter().position(|c| c.0 > seq.prompt_len) {
         let (_, old) = seq.checkpoints.remove(i);
         prefix.release_checkpoint(old);
     }

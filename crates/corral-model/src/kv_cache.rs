@@ -107,6 +107,14 @@ impl PagedKvCache {
             .collect()
     }
 
+    /// Copies block `src` into block `dst` in every layer: a cached block's first tokens
+    /// continuing a sequence that writes on in its own block (copy-on-write). Through the
+    /// host, once per hit.
+    pub fn copy_block(&mut self, backend: &dyn Backend, src: BlockId, dst: BlockId) -> Result<()> {
+        let bytes = self.read_blocks(backend, &[src])?;
+        self.write_blocks(backend, &[dst], &bytes)
+    }
+
     /// Writes what [`PagedKvCache::read_blocks`] read into `blocks` (a session read back).
     pub fn write_blocks(
         &mut self,

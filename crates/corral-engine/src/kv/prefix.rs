@@ -8,9 +8,15 @@
 //! first or, given an [`EvictionCost`], scored by recency and the prefill FLOPs they save per
 //! byte.
 //!
+//! A node may also be a *tail*: fewer than `block_size` ids, a leaf beside its parent's full
+//! children, indexing the first ids of a block (a sequence's partly filled last block, or the
+//! block a checkpoint falls inside, which a full node may reference too). A tail is never
+//! shared by reference: a hit copies its block into the sequence's own (copy-on-write), and
+//! the sequence writes on from there. Matching part of a full child works the same way.
+//!
 //! For hybrid models a prefix is reusable only where the recurrent state at its end exists
 //! too: a node may hold a state checkpoint (a slot of the model's state cache, from the
-//! cache's own pool of checkpoint slots), and [`PrefixCache::lookup_resumable`] stops at the
+//! cache's own pool of checkpoint slots), and [`PrefixCache::lookup_hit`] stops at the
 //! deepest node on the path that has one. When the pool is empty, the least recently used
 //! checkpoint gives its slot up (its blocks stay).
 
@@ -41,16 +47,29 @@ struct Node {
     depth: usize,
 }
 
-/// What [`PrefixCache::lookup_resumable`] found.
+/// What [`PrefixCache::lookup_hit`] found.
 #[derive(Debug, Default)]
 pub struct PrefixHit {
     /// The blocks to start from, up to the deepest checkpoint (a holder taken for each).
     pub table: BlockTable,
-    /// The state at the end of `table`, to copy into the sequence's own slot.
+    /// A block whose first tokens continue `table` (copy-on-write: a holder is taken on it
+    /// until it is copied into the sequence's own next block), and how many of them count.
+    pub copy: Option<(BlockId, usize)>,
+    /// The state at the end of the hit (`table` and `copy`), to copy into the sequence's own
+    /// slot.
     pub checkpoint: Option<SlotId>,
-    /// Whole blocks of the tokens the index holds, checkpoint or not: where the tokens leave
-    /// the cached tree, the place for a new checkpoint.
+    /// Whole blocks of the tokens the index holds, checkpoint or not.
     pub matched_blocks: usize,
+    /// Tokens the index holds, checkpoint or not (a tail or part of a child included): where
+    /// the tokens leave the cached tree, the place for a new checkpoint.
+    pub matched_tokens: usize,
+}
+
+impl PrefixHit {
+    /// Tokens the hit saves: its whole blocks and the copied block's part.
+    pub fn tokens(&self, block_size: usize) -> usize {
+        self.table.blocks.len() * block_size + self.copy.map_or(0, |c| c.1)
+    }
 }
 
 /// What keeping a cached block is worth, for eviction: the prefill FLOPs it saves per byte
@@ -87,7 +106,7 @@ impl EvictionCost {
 /// checkpoint at its end, if any.
 #[derive(Debug)]
 pub struct EvictedPrefix<'a> {
-    /// Token ids, whole blocks.
+    /// Token ids (the last block partly filled where the leaf is a tail).
     pub tokens: &'a [u32],
     /// The blocks holding them.
     pub blocks: &'a [BlockId],
@@ -105,7 +124,9 @@ pub struct PrefixCache {
     leaves: BTreeSet<(u64, NodeId)>,
     block_size: usize,
     clock: u64,
-    cached: usize,
+    /// Nodes referencing each indexed block (a tail may share its full sibling's), each
+    /// holding one pool reference.
+    refs: HashMap<BlockId, u32>,
     /// Free checkpoint slots (hybrid models only).
     checkpoint_slots: Option<StateSlotPool>,
     checkpoints: usize,
@@ -132,7 +153,7 @@ impl PrefixCache {
             leaves: BTreeSet::new(),
             block_size: block_size.max(1),
             clock: 0,
-            cached: 0,
+            refs: HashMap::new(),
             checkpoint_slots: None,
             checkpoints: 0,
             cost: None,
@@ -208,30 +229,80 @@ impl PrefixCache {
         }
     }
 
-    /// [`PrefixCache::lookup`] for a sequence that must also resume the recurrent state: the
-    /// blocks stop at the deepest node on the path with a checkpoint.
-    pub fn lookup_resumable(
+    /// The longest cached prefix of at most `max_tokens` of `tokens`, down to a token: the
+    /// whole blocks, then the child (a tail or a full block) that shares the most of the ids
+    /// after them, to be copied. With checkpoints (a hybrid model), only as far as the
+    /// deepest checkpoint: on a whole block of the path, or on a tail hanging off it (or off
+    /// the root) that matches entirely.
+    pub fn lookup_hit(
         &mut self,
         tokens: &[u32],
-        max_blocks: usize,
+        max_tokens: usize,
         pool: &mut KvBlockPool,
     ) -> PrefixHit {
-        let path = self.walk(tokens, max_blocks);
-        let deepest = path
-            .iter()
-            .rposition(|n| self.node(*n).checkpoint.is_some());
-        let resumed = deepest.map_or(0, |i| i + 1);
+        let bs = self.block_size;
+        let max_tokens = max_tokens.min(tokens.len());
+        let path = self.walk(tokens, max_tokens / bs);
+        let base = path.len() * bs;
+        let last = path.last().copied().unwrap_or(ROOT);
+        let rest = &tokens[base..max_tokens.max(base)];
+        // Ids after the whole blocks that some child shares: where the tokens leave the tree.
+        let shared = self
+            .node(last)
+            .children
+            .keys()
+            .map(|key| key.iter().zip(rest).take_while(|(a, b)| a == b).count())
+            .max()
+            .unwrap_or(0);
+        // (tokens, whole blocks, node to copy from and its tokens used, checkpoint).
+        let mut best: (usize, usize, Option<(NodeId, usize)>, Option<SlotId>) = (0, 0, None, None);
+        if self.keeps_checkpoints() {
+            for (i, &n) in path.iter().enumerate() {
+                if let Some(slot) = self.node(n).checkpoint {
+                    best = ((i + 1) * bs, i + 1, None, Some(slot));
+                }
+            }
+            for i in 0..=path.len() {
+                let parent = if i == 0 { ROOT } else { path[i - 1] };
+                for (key, &child) in &self.node(parent).children {
+                    let end = i * bs + key.len();
+                    let tail = key.len() < bs && end <= max_tokens;
+                    if let (true, Some(slot)) = (tail, self.node(child).checkpoint)
+                        && end > best.0
+                        && tokens[i * bs..].starts_with(key)
+                    {
+                        best = (end, i, Some((child, key.len())), Some(slot));
+                    }
+                }
+            }
+        } else {
+            best = (base, path.len(), None, None);
+            for (key, &child) in &self.node(last).children {
+                let common = key.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                if common > 0 && base + common > best.0 {
+                    best = (base + common, path.len(), Some((child, common)), None);
+                }
+            }
+        }
+        let (_, blocks, copy, checkpoint) = best;
+        if let Some((child, _)) = copy {
+            self.touch(child);
+        }
         let hit = PrefixHit {
             table: BlockTable {
-                blocks: path[..resumed]
-                    .iter()
-                    .map(|&n| self.node(n).block)
-                    .collect(),
+                blocks: path[..blocks].iter().map(|&n| self.node(n).block).collect(),
             },
-            checkpoint: deepest.and_then(|i| self.node(path[i]).checkpoint),
+            copy: copy.map(|(child, used)| (self.node(child).block, used)),
+            checkpoint,
             matched_blocks: path.len(),
+            matched_tokens: base + shared,
         };
         pool.share(&hit.table);
+        if let Some((block, _)) = hit.copy {
+            pool.share(&BlockTable {
+                blocks: vec![block],
+            });
+        }
         hit
     }
 
@@ -251,19 +322,22 @@ impl PrefixCache {
         path
     }
 
-    /// Blocks indexed (each holding one reference in the pool).
+    /// Distinct blocks indexed (each holding one pool reference per node on it).
     pub fn num_blocks(&self) -> usize {
-        self.cached
+        self.refs.len()
     }
 
     /// Indexed blocks that no sequence holds besides the cache.
     pub fn num_idle_blocks(&self, pool: &KvBlockPool) -> usize {
-        self.nodes
+        self.refs
             .iter()
-            .skip(1)
-            .flatten()
-            .filter(|n| pool.holders(n.block) == 1)
+            .filter(|&(&block, &refs)| pool.holders(block) <= refs)
             .count()
+    }
+
+    /// Whether only the cache holds `block`.
+    fn idle(&self, block: BlockId, pool: &KvBlockPool) -> bool {
+        pool.holders(block) <= self.refs.get(&block).copied().unwrap_or(0)
     }
 
     /// The longest cached prefix of `tokens` in whole blocks, at most `max_blocks` of them: a
@@ -291,12 +365,13 @@ impl PrefixCache {
     /// same tokens are indexed already, the cached block stays and the sequence's stays its
     /// own, released with the sequence.
     pub fn insert(&mut self, tokens: &[u32], table: &BlockTable, pool: &mut KvBlockPool) {
-        self.insert_with_checkpoints(tokens, table, &[], pool);
+        self.insert_blocks(tokens, table, &[], false, pool);
     }
 
-    /// [`PrefixCache::insert`], and the state checkpoints `(tokens covered, slot)` of the
-    /// sequence (at whole blocks) go to the nodes they end at; a node that has one already
-    /// keeps it, and the extra slot goes back to the pool, as does one past the blocks.
+    /// [`PrefixCache::insert`], and tails: the partly filled end of `tokens`, and the block
+    /// each checkpoint inside a block falls in. The state checkpoints `(tokens covered, slot)`
+    /// of the sequence go to the nodes they end at; a node that has one already keeps it, and
+    /// the extra slot goes back to the pool, as does one past the blocks.
     pub fn insert_with_checkpoints(
         &mut self,
         tokens: &[u32],
@@ -304,36 +379,90 @@ impl PrefixCache {
         checkpoints: &[(usize, SlotId)],
         pool: &mut KvBlockPool,
     ) {
-        let mut at = ROOT;
+        self.insert_blocks(tokens, table, checkpoints, true, pool);
+    }
+
+    fn insert_blocks(
+        &mut self,
+        tokens: &[u32],
+        table: &BlockTable,
+        checkpoints: &[(usize, SlotId)],
+        tails: bool,
+        pool: &mut KvBlockPool,
+    ) {
+        let bs = self.block_size;
         let mut placed = vec![false; checkpoints.len()];
-        for (i, (chunk, &block)) in tokens
-            .chunks_exact(self.block_size)
-            .zip(&table.blocks)
-            .enumerate()
-        {
-            let next = match self.node(at).children.get(chunk) {
-                Some(&child) => child,
-                None => {
-                    pool.share(&BlockTable {
-                        blocks: vec![block],
-                    });
-                    self.add_child(at, chunk, block)
-                }
-            };
-            self.touch(next);
-            let covered = (i + 1) * self.block_size;
-            for (k, &(at_tokens, slot)) in checkpoints.iter().enumerate() {
-                if at_tokens == covered && self.node(next).checkpoint.is_none() {
-                    self.node_mut(next).checkpoint = Some(slot);
-                    self.checkpoints += 1;
-                    placed[k] = true;
-                }
+        // The node after each number of whole blocks, the root first.
+        let mut path = vec![ROOT];
+        for (i, (chunk, &block)) in tokens.chunks_exact(bs).zip(&table.blocks).enumerate() {
+            let next = self.child_or_add(path[i], chunk, block, pool);
+            self.place(next, (i + 1) * bs, checkpoints, &mut placed);
+            path.push(next);
+        }
+        if tails {
+            let mut ends: Vec<usize> = checkpoints
+                .iter()
+                .map(|c| c.0)
+                .filter(|&at| !at.is_multiple_of(bs))
+                .chain((!tokens.len().is_multiple_of(bs)).then_some(tokens.len()))
+                .filter(|&at| {
+                    at <= tokens.len() && at / bs < path.len() && at / bs < table.blocks.len()
+                })
+                .collect();
+            ends.sort_unstable();
+            ends.dedup();
+            for end in ends {
+                let q = end / bs;
+                // The whole block's node shares its block; past the whole blocks, the table's.
+                let block = path
+                    .get(q + 1)
+                    .map_or(table.blocks[q], |&n| self.node(n).block);
+                let tail = self.child_or_add(path[q], &tokens[q * bs..end], block, pool);
+                self.place(tail, end, checkpoints, &mut placed);
             }
-            at = next;
         }
         for (k, &(_, slot)) in checkpoints.iter().enumerate() {
             if !placed[k] {
                 self.release_checkpoint(slot);
+            }
+        }
+    }
+
+    /// The child of `parent` indexing `tokens`, added on `block` (the cache's reference
+    /// taken) if there is none; marked as used now.
+    fn child_or_add(
+        &mut self,
+        parent: NodeId,
+        tokens: &[u32],
+        block: BlockId,
+        pool: &mut KvBlockPool,
+    ) -> NodeId {
+        let id = match self.node(parent).children.get(tokens) {
+            Some(&child) => child,
+            None => {
+                pool.share(&BlockTable {
+                    blocks: vec![block],
+                });
+                self.add_child(parent, tokens, block)
+            }
+        };
+        self.touch(id);
+        id
+    }
+
+    /// Gives node `id` (ending at `covered` tokens) the first checkpoint there, if it has none.
+    fn place(
+        &mut self,
+        id: NodeId,
+        covered: usize,
+        checkpoints: &[(usize, SlotId)],
+        placed: &mut [bool],
+    ) {
+        for (k, &(at, slot)) in checkpoints.iter().enumerate() {
+            if at == covered && !placed[k] && self.node(id).checkpoint.is_none() {
+                self.node_mut(id).checkpoint = Some(slot);
+                self.checkpoints += 1;
+                placed[k] = true;
             }
         }
     }
@@ -365,7 +494,7 @@ impl PrefixCache {
                 break;
             };
             let block = self.node(id).block;
-            if pool.holders(block) > 1 {
+            if !self.idle(block, pool) {
                 skipped.push((used, id));
                 continue;
             }
@@ -381,7 +510,9 @@ impl PrefixCache {
             pool.release(&mut BlockTable {
                 blocks: vec![block],
             });
-            freed += 1;
+            if pool.holders(block) == 0 {
+                freed += 1;
+            }
         }
         self.leaves.extend(skipped);
         freed
@@ -395,7 +526,7 @@ impl PrefixCache {
         let candidates: Vec<(u64, NodeId, f64)> = self
             .leaves
             .iter()
-            .filter(|&&(_, id)| pool.holders(self.node(id).block) <= 1)
+            .filter(|&&(_, id)| self.idle(self.node(id).block, pool))
             .map(|&(used, id)| {
                 let node = self.node(id);
                 let value = cost.value(node.depth, self.block_size, node.checkpoint.is_some());
@@ -482,7 +613,7 @@ impl PrefixCache {
             self.leaves.remove(&(parent_used, parent));
         }
         self.leaves.insert((self.clock, id));
-        self.cached += 1;
+        *self.refs.entry(block).or_default() += 1;
         id
     }
 
@@ -492,7 +623,12 @@ impl PrefixCache {
             return;
         };
         self.free_nodes.push(id);
-        self.cached -= 1;
+        if let Some(refs) = self.refs.get_mut(&node.block) {
+            *refs -= 1;
+            if *refs == 0 {
+                self.refs.remove(&node.block);
+            }
+        }
         if let Some(slot) = node.checkpoint {
             self.checkpoints -= 1;
             self.release_checkpoint(slot);
@@ -592,27 +728,27 @@ mod tests {
         assert_eq!(cache.num_checkpoints(), 2);
         // The whole turn and more: the deepest checkpoint (8) within the blocks asked for.
         let longer: Vec<u32> = (0..11).collect();
-        let mut hit = cache.lookup_resumable(&longer, 5, &mut pool);
+        let mut hit = cache.lookup_hit(&longer, 10, &mut pool);
         assert_eq!(
             (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
             (4, Some(c2), 4)
         );
         pool.release(&mut hit.table);
         // At most 3 blocks: the checkpoint at 4 tokens, though 3 blocks match.
-        let mut hit = cache.lookup_resumable(&longer, 3, &mut pool);
+        let mut hit = cache.lookup_hit(&longer, 6, &mut pool);
         assert_eq!(
             (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
             (2, Some(c1), 3)
         );
         pool.release(&mut hit.table);
         // Diverging in the first block: nothing to resume from.
-        let hit = cache.lookup_resumable(&[0, 9, 9], 1, &mut pool);
+        let hit = cache.lookup_hit(&[0, 9, 9], 2, &mut pool);
         assert!(hit.table.blocks.is_empty() && hit.checkpoint.is_none());
         // The pool is empty: the least recently used checkpoint (at 8: the lookups since
         // touched the first two blocks last) gives its slot up, its blocks stay.
         assert_eq!(cache.take_checkpoint_slot(), Some(c2));
         assert_eq!(cache.num_checkpoints(), 1);
-        let mut hit = cache.lookup_resumable(&longer, 5, &mut pool);
+        let mut hit = cache.lookup_hit(&longer, 10, &mut pool);
         assert_eq!(
             (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
             (2, Some(c1), 4)
@@ -625,6 +761,104 @@ mod tests {
         let slots = [cache.take_checkpoint_slot(), cache.take_checkpoint_slot()];
         assert!(slots.iter().all(Option::is_some));
         assert_eq!(cache.take_checkpoint_slot(), None);
+    }
+
+    #[test]
+    fn a_prefix_ending_inside_a_block_is_copied_not_shared() {
+        let mut pool = KvBlockPool::new(16, 4);
+        let mut cache = PrefixCache::new(4);
+        let turn: Vec<u32> = (0..10).collect();
+        let mut table = computed(&mut pool, &turn);
+        cache.insert_with_checkpoints(&turn, &table, &[], &mut pool);
+        assert_eq!(
+            cache.num_blocks(),
+            3,
+            "two whole blocks and the partly filled third"
+        );
+        pool.release(&mut table);
+        // The next turn extends the history: two shared blocks, the third's 2 ids copied.
+        let next: Vec<u32> = (0..17).collect();
+        let mut hit = cache.lookup_hit(&next, 16, &mut pool);
+        assert_eq!(hit.table.blocks.len(), 2);
+        let (src, used) = hit.copy.unwrap();
+        assert_eq!((used, hit.tokens(4), hit.matched_tokens), (2, 10, 10));
+        assert_eq!(
+            pool.holders(src),
+            2,
+            "the copy's source is held until it is made"
+        );
+        pool.release(&mut hit.table);
+        pool.release(&mut BlockTable { blocks: vec![src] });
+        // Diverging inside the second block: the first shared, 2 ids of the second copied.
+        let branch = [0, 1, 2, 3, 4, 5, 99, 98];
+        let mut hit = cache.lookup_hit(&branch, 7, &mut pool);
+        assert_eq!((hit.table.blocks.len(), hit.tokens(4)), (1, 6));
+        let (src, _) = hit.copy.unwrap();
+        pool.release(&mut hit.table);
+        pool.release(&mut BlockTable { blocks: vec![src] });
+        // Never the last token: the same history again takes 9 of its 10.
+        let mut hit = cache.lookup_hit(&turn, 9, &mut pool);
+        assert_eq!(hit.tokens(4), 9);
+        pool.release(&mut hit.table);
+        pool.release(&mut BlockTable {
+            blocks: vec![hit.copy.unwrap().0],
+        });
+        cache.evict(&mut pool, usize::MAX);
+        assert_eq!((cache.num_blocks(), pool.num_used()), (0, 0));
+    }
+
+    #[test]
+    fn a_hybrid_resumes_at_a_checkpoint_inside_a_block() {
+        let mut pool = KvBlockPool::new(32, 4);
+        let mut cache = PrefixCache::with_checkpoints(4, StateSlotPool::range(0, 4));
+        let turn: Vec<u32> = (0..13).collect();
+        // The turn cached once without checkpoints, then again (other blocks) with a branch
+        // point after 6 tokens and its last token (13).
+        let mut first = computed(&mut pool, &turn);
+        cache.insert_with_checkpoints(&turn, &first, &[], &mut pool);
+        pool.release(&mut first);
+        let mut table = computed(&mut pool, &turn);
+        let (c6, c13) = (
+            cache.take_checkpoint_slot().unwrap(),
+            cache.take_checkpoint_slot().unwrap(),
+        );
+        cache.insert_with_checkpoints(&turn, &table, &[(6, c6), (13, c13)], &mut pool);
+        pool.release(&mut table);
+        assert_eq!(cache.num_checkpoints(), 2);
+        // 3 whole blocks and the 13th token's, all the first's: the tail at 6 shares the
+        // cached second block, not the second table's.
+        assert_eq!((cache.num_blocks(), pool.num_used()), (4, 4));
+        // Extending the turn: resumed at its last token, the fourth block's first id copied.
+        let next: Vec<u32> = (0..20).collect();
+        let mut hit = cache.lookup_hit(&next, 19, &mut pool);
+        assert_eq!(
+            (hit.table.blocks.len(), hit.checkpoint, hit.tokens(4)),
+            (3, Some(c13), 13)
+        );
+        pool.release(&mut hit.table);
+        pool.release(&mut BlockTable {
+            blocks: vec![hit.copy.unwrap().0],
+        });
+        // Diverging after 8 tokens: the checkpoint at 6, inside the second block, is the
+        // deepest; the tokens leave the tree at 8.
+        let branch = [0, 1, 2, 3, 4, 5, 6, 7, 50, 51];
+        let mut hit = cache.lookup_hit(&branch, 9, &mut pool);
+        assert_eq!(
+            (
+                hit.table.blocks.len(),
+                hit.checkpoint,
+                hit.tokens(4),
+                hit.matched_tokens
+            ),
+            (1, Some(c6), 6, 8)
+        );
+        let (src, _) = hit.copy.unwrap();
+        pool.release(&mut hit.table);
+        pool.release(&mut BlockTable { blocks: vec![src] });
+        // A block held by a tail and a whole node goes back only when both are evicted.
+        cache.evict(&mut pool, usize::MAX);
+        assert_eq!((cache.num_blocks(), cache.num_checkpoints()), (0, 0));
+        assert_eq!(pool.num_used(), 0);
     }
 
     #[test]
@@ -723,6 +957,69 @@ mod tests {
             }
             // Only the cache's references remain.
             prop_assert_eq!(pool.num_used(), cache.num_blocks());
+        }
+
+        /// Histories indexed with their partly filled blocks, hits taken down to a token and
+        /// copied as a sequence would: every block a hit shares, and the copied part of the
+        /// one it copies, hold exactly the ids they stand for (each block records what was
+        /// written into it); references stay exactly the cache's once callers let go, and
+        /// evicting everything frees every block.
+        #[test]
+        fn hits_down_to_a_token_hold_the_ids_they_stand_for(
+            ops in proptest::collection::vec((0u8..4, proptest::collection::vec(0u32..3, 1..12)), 1..40)
+        ) {
+            let bs = 2;
+            let mut pool = KvBlockPool::new(64, bs);
+            let mut cache = PrefixCache::new(bs);
+            let mut written: HashMap<BlockId, Vec<u32>> = HashMap::new();
+            let mut held: Vec<PrefixHit> = Vec::new();
+            let release = |pool: &mut KvBlockPool, mut hit: PrefixHit| {
+                pool.release(&mut hit.table);
+                if let Some((src, _)) = hit.copy {
+                    pool.release(&mut BlockTable { blocks: vec![src] });
+                }
+            };
+            for (op, tokens) in ops {
+                if op == 3 {
+                    cache.evict(&mut pool, usize::MAX);
+                    continue;
+                }
+                let most = tokens.len() - 1;
+                let mut hit = cache.lookup_hit(&tokens, most, &mut pool);
+                let base = hit.table.blocks.len() * bs;
+                for (i, b) in hit.table.blocks.iter().enumerate() {
+                    prop_assert_eq!(&written[b][..], &tokens[i * bs..(i + 1) * bs]);
+                }
+                if let Some((src, used)) = hit.copy {
+                    prop_assert!(used > 0 && base + used <= most);
+                    prop_assert_eq!(&written[&src][..used], &tokens[base..base + used]);
+                }
+                prop_assert!(hit.tokens(bs) <= most);
+                if op == 1 {
+                    held.push(hit);
+                    continue;
+                }
+                let mut table = std::mem::take(&mut hit.table);
+                if pool.grow(&mut table, tokens.len()).is_err() {
+                    pool.release(&mut table);
+                    release(&mut pool, hit);
+                    continue;
+                }
+                // The copy's part and every later position written, as a forward would.
+                for (i, b) in table.blocks.iter().enumerate().skip(base / bs) {
+                    let end = ((i + 1) * bs).min(tokens.len());
+                    written.insert(*b, tokens[i * bs..end].to_vec());
+                }
+                release(&mut pool, hit);
+                cache.insert_with_checkpoints(&tokens, &table, &[], &mut pool);
+                pool.release(&mut table);
+            }
+            for hit in held.drain(..) {
+                release(&mut pool, hit);
+            }
+            prop_assert_eq!(pool.num_used(), cache.num_blocks());
+            cache.evict(&mut pool, usize::MAX);
+            prop_assert_eq!((pool.num_used(), cache.num_blocks()), (0, 0));
         }
     }
 }

@@ -27,7 +27,7 @@ pub struct SpilledPrefix {
     pub fingerprint: u64,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// The prefix's token ids, whole blocks.
+    /// The prefix's token ids (its last block may be partly filled).
     pub tokens: Vec<u32>,
     /// Per attention layer, the K then V bytes of the prefix's blocks, as the cache stores them.
     pub kv: Vec<Vec<u8>>,

@@ -82,6 +82,13 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_kv_block_copies_total",
+        "counter",
+        "Cached KV blocks copied into a sequence's own block (a prefix ending inside a block).",
+        load(&m.kv_block_copies),
+    );
+    scalar(
+        &mut out,
         "corral_state_restores_total",
         "counter",
         "Sequences that resumed from a recurrent-state checkpoint.",
