@@ -31,6 +31,7 @@ impl WeightRows<'_> {
 }
 
 /// `Σ a[i]·b[i]` with eight independent accumulators, which the compiler vectorises.
+#[inline]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (a8, a_tail) = a.split_at(a.len() / 8 * 8);
