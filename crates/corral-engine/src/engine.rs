@@ -45,6 +45,9 @@ pub struct EngineConfig {
     /// config): part of session files' fingerprint, so that another checkpoint of the same
     /// shape never reads them.
     pub model_identity: String,
+    /// How long a request's session id (`X-Session-Id`, or `user`) keeps its prefix from
+    /// eviction after its turn; zero for not at all.
+    pub session_pin: std::time::Duration,
 }
 
 enum Command {
@@ -145,6 +148,7 @@ pub fn spawn_engine(
         SchedulerConfig {
             max_batch: config.max_batch.max(1),
             max_prefill_tokens: config.max_prefill_tokens.max(1),
+            session_pin: config.session_pin,
         },
         KvBlockPool::new(config.kv_blocks, config.block_size),
     );
@@ -510,6 +514,7 @@ fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
         &metrics.state_checkpoints_cached,
         scheduler.cached_checkpoints(),
     );
+    store(&metrics.session_pins, scheduler.session_pins());
     metrics
         .preemptions
         .store(scheduler.preemptions(), Ordering::Relaxed);

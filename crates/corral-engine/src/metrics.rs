@@ -79,6 +79,8 @@ pub struct EngineMetrics {
     pub state_checkpoints_taken: AtomicU64,
     /// Checkpoints the prefix cache holds.
     pub state_checkpoints_cached: AtomicU64,
+    /// Clients' session ids whose prefix eviction passes by.
+    pub session_pins: AtomicU64,
     /// Cached KV blocks copied into a sequence's own block (a partly matching block).
     pub kv_block_copies: AtomicU64,
     /// Sequences that resumed from a checkpoint.
@@ -124,6 +126,7 @@ impl Default for EngineMetrics {
             prefix_cache_hits: AtomicU64::new(0),
             state_checkpoints_taken: AtomicU64::new(0),
             state_checkpoints_cached: AtomicU64::new(0),
+            session_pins: AtomicU64::new(0),
             kv_block_copies: AtomicU64::new(0),
             state_restores: AtomicU64::new(0),
             state_restored_tokens: AtomicU64::new(0),

@@ -34,6 +34,9 @@ pub struct EngineRequest {
     pub top_logprobs: Option<usize>,
     /// Where the request's events go.
     pub events: UnboundedSender<Event>,
+    /// The client's session id (`X-Session-Id`, or the `user` field): the prefix its turn
+    /// leaves in the cache is kept from eviction for a while. Nothing depends on it.
+    pub session: Option<String>,
 }
 
 /// A generated token.

@@ -57,6 +57,8 @@ pub struct SchedulerConfig {
     pub max_batch: usize,
     /// Most prompt tokens prefilled per step.
     pub max_prefill_tokens: usize,
+    /// How long a session's prefix is kept from eviction after its turn (with a session id).
+    pub session_pin: std::time::Duration,
 }
 
 /// A sequence owned by the scheduler.
@@ -66,6 +68,8 @@ struct Sequence {
     /// Prompt, then generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
+    /// The client's session id, if it gave one: its prefix is pinned when it ends.
+    session: Option<String>,
     /// Tokens whose KV is in the cache.
     computed: usize,
     /// Prompt tokens taken from the prefix cache before its first token.
@@ -222,6 +226,12 @@ impl Scheduler {
         }
     }
 
+    /// Session pins in force (clients' session ids whose prefix eviction passes by).
+    pub fn session_pins(&self) -> usize {
+        let now = Instant::now();
+        self.prefix.as_ref().map_or(0, |p| p.num_pins(now))
+    }
+
     /// KV blocks the prefix cache indexes (none without a cache).
     pub fn cached_blocks(&self) -> usize {
         self.prefix.as_ref().map_or(0, PrefixCache::num_blocks)
@@ -245,6 +255,7 @@ impl Scheduler {
             id,
             prompt_len: request.prompt.len(),
             tokens: request.prompt,
+            session: request.session,
             computed: 0,
             cached: 0,
             table: BlockTable::default(),
@@ -503,12 +514,17 @@ impl Scheduler {
             // Checkpoints past what is computed (a failed step's) are not trusted.
             let (kept, dropped): (Vec<_>, Vec<_>) =
                 seq.checkpoints.drain(..).partition(|c| c.0 <= seq.computed);
-            prefix.insert_with_checkpoints(
+            let end = prefix.insert_with_checkpoints(
                 &seq.tokens[..seq.computed],
                 &seq.table,
                 &kept,
                 &mut self.pool,
             );
+            if let (Some(session), Some(end), false) =
+                (&seq.session, end, self.config.session_pin.is_zero())
+            {
+                prefix.pin(session, end, Instant::now() + self.config.session_pin);
+            }
             for (_, slot) in dropped {
                 prefix.release_checkpoint(slot);
             }

@@ -51,6 +51,7 @@ fn alone(name: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
         session_dir: None,
         session_dir_bytes: 0,
         model_identity: String::new(),
+        session_pin: Duration::ZERO,
     };
     let (engine, thread) = spawn_engine(model_named(name), single).unwrap();
     let mut rx = submit(&engine, prompt, max_tokens);
@@ -61,6 +62,15 @@ fn alone(name: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 }
 
 fn submit(engine: &EngineHandle, prompt: &[u32], max_tokens: usize) -> UnboundedReceiver<Event> {
+    submit_in(engine, prompt, max_tokens, None)
+}
+
+fn submit_in(
+    engine: &EngineHandle,
+    prompt: &[u32],
+    max_tokens: usize,
+    session: Option<&str>,
+) -> UnboundedReceiver<Event> {
     let (tx, rx) = unbounded_channel();
     engine
         .submit(EngineRequest {
@@ -71,6 +81,7 @@ fn submit(engine: &EngineHandle, prompt: &[u32], max_tokens: usize) -> Unbounded
             stop_token_ids: Vec::new(),
             top_logprobs: None,
             events: tx,
+            session: session.map(str::to_string),
         })
         .unwrap();
     rx
@@ -101,6 +112,7 @@ fn config(kv_blocks: usize) -> EngineConfig {
         session_dir: None,
         session_dir_bytes: 0,
         model_identity: String::new(),
+        session_pin: Duration::ZERO,
     }
 }
 
@@ -417,4 +429,47 @@ fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// Session pins: a turn sent with a session id keeps its prefix through the eviction that
+/// other requests cause, where the same turn without one loses it; and pins give way when
+/// nothing else is left to evict (a request larger than the unpinned room still runs).
+#[test]
+fn a_session_id_keeps_its_prefix_through_eviction() {
+    let history: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
+    let next: Vec<u32> = history.iter().copied().chain([5, 6, 7]).collect();
+    let fillers: Vec<Vec<u32>> = (0..4u32)
+        .map(|f| (0..40).map(|j| (j * 13 + 17 * f + 3) % 250).collect())
+        .collect();
+    let expected = alone("qwen3_moe_fused", &next, 4);
+    let mut cached = Vec::new();
+    for session in [None, Some("agent-1")] {
+        let config = EngineConfig {
+            prefix_cache: true,
+            session_pin: Duration::from_secs(600),
+            ..config(40)
+        };
+        let (engine, thread) = spawn_engine(model_named("qwen3_moe_fused"), config).unwrap();
+        collect(&mut submit_in(&engine, &history, 4, session));
+        // Other requests, one at a time, need most of the 40 blocks: the cache evicts.
+        for filler in &fillers {
+            collect(&mut submit(&engine, filler, 4));
+        }
+        let pins = engine.metrics().session_pins.load(Ordering::Relaxed);
+        let (tokens, done) = collect(&mut submit_in(&engine, &next, 4, session));
+        assert_eq!(tokens, expected, "{session:?}");
+        cached.push((done.cached_tokens, pins));
+        // A prompt of nearly the whole pool runs, pinned prefix or not.
+        let long: Vec<u32> = (0..150).map(|j| (j * 7 + 1) % 250).collect();
+        assert_eq!(collect(&mut submit(&engine, &long, 4)).0.len(), 4);
+        wait_for_zero_blocks(&engine);
+        engine.shutdown();
+        thread.join().unwrap();
+    }
+    assert_eq!(
+        cached[0],
+        (0, 0),
+        "without a session id the history is evicted"
+    );
+    assert_eq!(cached[1], (40, 1), "pinned, all of the history");
 }

@@ -24,6 +24,38 @@ pub(crate) struct Settings {
     pub(crate) include_usage: bool,
     /// Alternatives per token when log-probabilities are wanted; `None` for none.
     pub(crate) top_logprobs: Option<usize>,
+    /// The client's session id: an `X-Session-Id` header, else the `user` field.
+    pub(crate) session: Option<String>,
+}
+
+/// Longest session id accepted, in bytes.
+const MAX_SESSION_ID: usize = 256;
+
+/// Takes an `X-Session-Id` header, if any, as the request's session id (in place of `user`):
+/// visible ASCII, at most [`MAX_SESSION_ID`] bytes.
+pub(crate) fn with_session_header(
+    mut settings: Settings,
+    headers: &axum::http::HeaderMap,
+) -> Result<Settings, ApiError> {
+    let Some(value) = headers.get("x-session-id") else {
+        return Ok(settings);
+    };
+    let id = value
+        .to_str()
+        .ok()
+        .filter(|v| {
+            !v.is_empty() && v.len() <= MAX_SESSION_ID && v.bytes().all(|b| b.is_ascii_graphic())
+        })
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "X-Session-Id",
+                format!(
+                    "the X-Session-Id header must be 1 to {MAX_SESSION_ID} visible ASCII characters"
+                ),
+            )
+        })?;
+    settings.session = Some(id.to_string());
+    Ok(settings)
 }
 
 /// A validated chat completion request.
@@ -262,11 +294,14 @@ fn settings(body: &Map<String, Value>, chat: bool) -> Result<Settings, ApiError>
             }
         }
     };
-    if let Some(user) = f.get("user")
-        && !user.is_string()
-    {
-        return Err(Fields::wrong("user", "a string", user));
-    }
+    // `user` doubles as the session id where it is short enough to be one.
+    let session = match f.get("user") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(user)) => {
+            (!user.is_empty() && user.len() <= MAX_SESSION_ID).then(|| user.clone())
+        }
+        Some(user) => return Err(Fields::wrong("user", "a string", user)),
+    };
     Ok(Settings {
         model,
         params,
@@ -275,6 +310,7 @@ fn settings(body: &Map<String, Value>, chat: bool) -> Result<Settings, ApiError>
         stream,
         include_usage,
         top_logprobs,
+        session,
     })
 }
 

@@ -44,6 +44,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             session_dir: None,
             session_dir_bytes: 0,
             model_identity: String::new(),
+            session_pin: std::time::Duration::from_secs(600),
         },
     )
     .unwrap();
@@ -558,4 +559,51 @@ async fn disconnect_of_a_non_streaming_request_frees_blocks() {
     // The client goes away: the handler future is dropped with its event receiver.
     task.abort();
     wait_for_zero_blocks(&s.engine).await;
+}
+
+/// A session id comes from an `X-Session-Id` header (or `user`) and pins the turn's prefix
+/// (`corral_session_pins`); a malformed header is an OpenAI-style error naming it, and the
+/// server keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_id_header_pins_the_turn_and_a_bad_one_is_refused() {
+    let s = server(None, 64, 4096);
+    let mut req = post("/v1/chat/completions", chat_body(json!({})));
+    req.headers_mut()
+        .insert("x-session-id", "agent-7".parse().unwrap());
+    let (status, _, _) = call(&s.app, req).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, _) = call(
+        &s.app,
+        post(
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "user": "agent-8"})
+                .to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let metrics = s
+        .app
+        .clone()
+        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let text = String::from_utf8(
+        to_bytes(metrics.into_body(), usize::MAX)
+            .await
+            .unwrap()
+            .to_vec(),
+    )
+    .unwrap();
+    assert!(text.contains("corral_session_pins 2"), "{text}");
+    for bad in ["", "has space", &"x".repeat(300)] {
+        let mut req = post("/v1/chat/completions", chat_body(json!({})));
+        req.headers_mut()
+            .insert("x-session-id", bad.parse().unwrap());
+        let (status, body, _) = call(&s.app, req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad:?}: {body}");
+        assert_eq!(body["error"]["param"], "X-Session-Id", "{body}");
+    }
+    let (status, _, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::OK);
 }

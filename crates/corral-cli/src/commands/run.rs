@@ -144,6 +144,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         session_dir: None,
         session_dir_bytes: 0,
         model_identity: String::new(),
+        session_pin: std::time::Duration::ZERO,
     };
     let (engine, thread) = spawn_engine(model, config)?;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
@@ -157,6 +158,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
             stop_token_ids: stop,
             top_logprobs: None,
             events: events_tx,
+            session: None,
         })
         .context("starting generation")?;
     let mut stdout = std::io::stdout().lock();

@@ -71,6 +71,11 @@ pub(crate) struct ServeArgs {
     /// in bytes or with a K/M/G suffix.
     #[arg(long, env = "CORRAL_SESSION_DIR_BYTES", default_value = "16G", value_parser = parse_bytes)]
     session_dir_bytes: usize,
+    /// Seconds a request's session id (an `X-Session-Id` header, or the `user` field) keeps
+    /// the prefix its turn leaves from eviction, unless nothing else is left to evict; 0
+    /// turns pinning off.
+    #[arg(long, env = "CORRAL_SESSION_PIN_SECONDS", default_value_t = 600)]
+    session_pin_seconds: u64,
 }
 
 /// `on` or `off`.
@@ -169,6 +174,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             session_dir: args.session_dir.clone(),
             session_dir_bytes: args.session_dir_bytes as u64,
             model_identity: model_identity(&args.model),
+            session_pin: std::time::Duration::from_secs(args.session_pin_seconds),
         },
     )?;
     let state = AppState {

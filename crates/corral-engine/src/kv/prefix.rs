@@ -20,7 +20,8 @@
 //! deepest node on the path that has one. When the pool is empty, the least recently used
 //! checkpoint gives its slot up (its blocks stay).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::Instant;
 
 use corral_model::{BlockId, BlockTable, SlotId};
 
@@ -46,6 +47,10 @@ struct Node {
     /// Blocks from the root to this node, itself included.
     depth: usize,
 }
+
+/// A node of the cache (where a sequence's tokens ended), for [`PrefixCache::pin`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixNode(NodeId);
 
 /// What [`PrefixCache::lookup_hit`] found.
 #[derive(Debug, Default)]
@@ -133,6 +138,9 @@ pub struct PrefixCache {
     /// With a cost, eviction weighs FLOPs saved per byte against recency; without, least
     /// recently used first.
     cost: Option<EvictionCost>,
+    /// Session pins: a client's session id, the node its last turn ended at, and until when
+    /// eviction passes that node by (and so its path).
+    pins: HashMap<String, (NodeId, Instant)>,
 }
 
 impl PrefixCache {
@@ -154,6 +162,7 @@ impl PrefixCache {
             block_size: block_size.max(1),
             clock: 0,
             refs: HashMap::new(),
+            pins: HashMap::new(),
             checkpoint_slots: None,
             checkpoints: 0,
             cost: None,
@@ -191,6 +200,8 @@ impl PrefixCache {
         if let Some(slot) = self.checkpoint_slots.as_mut()?.acquire() {
             return Some(slot);
         }
+        // The least recently used, pinned ones last.
+        let pinned = self.pinned(Instant::now());
         let oldest = self
             .nodes
             .iter()
@@ -198,9 +209,10 @@ impl PrefixCache {
             .filter_map(|(id, n)| {
                 n.as_ref()
                     .filter(|n| n.checkpoint.is_some())
-                    .map(|n| (n.last_used, id))
+                    .map(|n| (pinned.contains(&id), n.last_used, id))
             })
-            .min()?;
+            .min()
+            .map(|(_, used, id)| (used, id))?;
         self.checkpoints -= 1;
         self.node_mut(oldest.1).checkpoint.take()
     }
@@ -372,14 +384,41 @@ impl PrefixCache {
     /// each checkpoint inside a block falls in. The state checkpoints `(tokens covered, slot)`
     /// of the sequence go to the nodes they end at; a node that has one already keeps it, and
     /// the extra slot goes back to the pool, as does one past the blocks.
+    /// Returns the node the tokens end at, for [`PrefixCache::pin`].
     pub fn insert_with_checkpoints(
         &mut self,
         tokens: &[u32],
         table: &BlockTable,
         checkpoints: &[(usize, SlotId)],
         pool: &mut KvBlockPool,
-    ) {
-        self.insert_blocks(tokens, table, checkpoints, true, pool);
+    ) -> Option<PrefixNode> {
+        self.insert_blocks(tokens, table, checkpoints, true, pool)
+            .map(PrefixNode)
+    }
+
+    /// Keeps the path to `node` (a session's last turn) from eviction until `until`, in
+    /// place of the session's previous pin. Eviction drops pins only when nothing else is
+    /// left to free.
+    pub fn pin(&mut self, session: &str, node: PrefixNode, until: Instant) {
+        let now = Instant::now();
+        self.pins.retain(|_, p| p.1 > now);
+        if self.nodes.get(node.0).is_some_and(Option::is_some) {
+            self.pins.insert(session.to_string(), (node.0, until));
+        }
+    }
+
+    /// Session pins in force at `now`.
+    pub fn num_pins(&self, now: Instant) -> usize {
+        self.pins.values().filter(|p| p.1 > now).count()
+    }
+
+    /// Nodes pinned at `now`.
+    fn pinned(&self, now: Instant) -> HashSet<NodeId> {
+        self.pins
+            .values()
+            .filter(|p| p.1 > now)
+            .map(|p| p.0)
+            .collect()
     }
 
     fn insert_blocks(
@@ -389,8 +428,9 @@ impl PrefixCache {
         checkpoints: &[(usize, SlotId)],
         tails: bool,
         pool: &mut KvBlockPool,
-    ) {
+    ) -> Option<NodeId> {
         let bs = self.block_size;
+        let mut end_node = None;
         let mut placed = vec![false; checkpoints.len()];
         // The node after each number of whole blocks, the root first.
         let mut path = vec![ROOT];
@@ -398,6 +438,7 @@ impl PrefixCache {
             let next = self.child_or_add(path[i], chunk, block, pool);
             self.place(next, (i + 1) * bs, checkpoints, &mut placed);
             path.push(next);
+            end_node = Some(next);
         }
         if tails {
             let mut ends: Vec<usize> = checkpoints
@@ -419,6 +460,9 @@ impl PrefixCache {
                     .map_or(table.blocks[q], |&n| self.node(n).block);
                 let tail = self.child_or_add(path[q], &tokens[q * bs..end], block, pool);
                 self.place(tail, end, checkpoints, &mut placed);
+                if end == tokens.len() {
+                    end_node = Some(tail);
+                }
             }
         }
         for (k, &(_, slot)) in checkpoints.iter().enumerate() {
@@ -426,6 +470,7 @@ impl PrefixCache {
                 self.release_checkpoint(slot);
             }
         }
+        end_node
     }
 
     /// The child of `parent` indexing `tokens`, added on `block` (the cache's reference
@@ -485,16 +530,31 @@ impl PrefixCache {
     ) -> usize {
         let mut freed = 0;
         let mut skipped = Vec::new();
-        while pool.num_free() < free {
+        let mut pinned = self.pinned(Instant::now());
+        loop {
+            if pool.num_free() >= free {
+                break;
+            }
             let next = match self.cost {
                 Some(cost) => self.cheapest_leaf(&cost, pool),
                 None => self.leaves.pop_first(),
             };
             let Some((used, id)) = next else {
-                break;
+                // Only held and pinned leaves are left: the pins give way.
+                if pinned.is_empty()
+                    || !skipped
+                        .iter()
+                        .any(|s: &(u64, NodeId)| pinned.contains(&s.1))
+                {
+                    break;
+                }
+                pinned.clear();
+                self.pins.clear();
+                self.leaves.extend(skipped.drain(..));
+                continue;
             };
             let block = self.node(id).block;
-            if !self.idle(block, pool) {
+            if !self.idle(block, pool) || pinned.contains(&id) {
                 skipped.push((used, id));
                 continue;
             }
@@ -622,6 +682,7 @@ impl PrefixCache {
         let Some(node) = self.nodes[id].take() else {
             return;
         };
+        self.pins.retain(|_, p| p.0 != id);
         self.free_nodes.push(id);
         if let Some(refs) = self.refs.get_mut(&node.block) {
             *refs -= 1;

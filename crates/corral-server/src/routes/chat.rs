@@ -23,9 +23,11 @@ use crate::state::AppState;
 /// The handler.
 pub(crate) async fn chat_completions(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    let req = request::chat(&body)?;
+    let mut req = request::chat(&body)?;
+    req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let template = state.chat_template.clone().ok_or_else(|| {
         ApiError::invalid(

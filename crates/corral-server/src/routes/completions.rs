@@ -19,9 +19,11 @@ use crate::state::AppState;
 /// The handler.
 pub(crate) async fn completions(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    let req = request::completion(&body)?;
+    let mut req = request::completion(&body)?;
+    req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let prompt = match req.prompt {
         PromptInput::Tokens(ids) => ids,

@@ -109,6 +109,7 @@ impl Generation {
                 stop_token_ids: state.config.stop_token_ids.clone(),
                 top_logprobs: settings.top_logprobs,
                 events: tx,
+                session: settings.session.clone(),
             })
             .map_err(|e| match e {
                 SubmitError::QueueFull(_) => ApiError::busy(e.to_string()),

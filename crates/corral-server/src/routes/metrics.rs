@@ -75,6 +75,13 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_session_pins",
+        "gauge",
+        "Clients' session ids (X-Session-Id or user) whose cached prefix eviction passes by.",
+        load(&m.session_pins),
+    );
+    scalar(
+        &mut out,
         "corral_state_checkpoints_cached",
         "gauge",
         "Recurrent-state checkpoints the prefix cache holds.",
