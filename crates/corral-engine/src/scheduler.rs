@@ -72,6 +72,9 @@ struct Sequence {
     session: Option<String>,
     /// Tokens whose KV is in the cache.
     computed: usize,
+    /// Tokens of `computed` in a block whose copy from the prefix cache is planned but not
+    /// yet made (before the sequence's first step): not to be cached if it ends first.
+    uncopied: usize,
     /// Prompt tokens taken from the prefix cache before its first token.
     cached: usize,
     table: BlockTable,
@@ -257,6 +260,7 @@ impl Scheduler {
             tokens: request.prompt,
             session: request.session,
             computed: 0,
+            uncopied: 0,
             cached: 0,
             table: BlockTable::default(),
             slot: None,
@@ -355,6 +359,7 @@ impl Scheduler {
                     slot,
                     &mut restores,
                     &mut copies,
+                    store.as_deref_mut(),
                 );
                 if let Some(store) = store.as_deref_mut()
                     && let Some((len, path)) = store.find(&seq.tokens, usable)
@@ -378,6 +383,7 @@ impl Scheduler {
                     {
                         seq.table = table;
                         seq.computed = len;
+                        seq.uncopied = 0;
                         seq.checkpoint_at.retain(|&p| p > len);
                     } else {
                         self.pool.release(&mut table);
@@ -388,6 +394,7 @@ impl Scheduler {
                             slot,
                             &mut restores,
                             &mut copies,
+                            Some(&mut *store),
                         );
                     }
                 }
@@ -512,10 +519,12 @@ impl Scheduler {
     fn release(&mut self, seq: &mut Sequence) {
         if let Some(prefix) = &mut self.prefix {
             // Checkpoints past what is computed (a failed step's) are not trusted.
+            // A block still to be copied holds nothing yet.
+            let computed = seq.computed - std::mem::take(&mut seq.uncopied);
             let (kept, dropped): (Vec<_>, Vec<_>) =
-                seq.checkpoints.drain(..).partition(|c| c.0 <= seq.computed);
+                seq.checkpoints.drain(..).partition(|c| c.0 <= computed);
             let end = prefix.insert_with_checkpoints(
-                &seq.tokens[..seq.computed],
+                &seq.tokens[..computed],
                 &seq.table,
                 &kept,
                 &mut self.pool,
@@ -584,6 +593,11 @@ impl Scheduler {
         let mut row = 0;
         let now = Instant::now();
         let mut copies = plan.block_copies;
+        for &(id, _, _) in &copies {
+            if let Some(seq) = self.running.iter_mut().find(|s| s.id == id) {
+                seq.uncopied = 0;
+            }
+        }
         drop_copies(&mut copies, &mut self.pool, |_| true);
         for run in plan.runs {
             let Some(index) = self.running.iter().position(|s| s.id == run.seq) else {
@@ -699,40 +713,47 @@ fn drop_copies(
 }
 
 /// Starts `seq` from its longest cached prefix: the shared blocks (a holder taken for each),
-/// a partly matching block to copy into its own next block, and for a hybrid the checkpoint
-/// to restore into `slot` and the points at which to take new ones.
-fn take_cached_prefix(
+/// a partly matching block to copy into its own next block (a cached block evicted for it if
+/// none is free, else the hit in whole blocks), and for a hybrid the checkpoint to restore
+/// into `slot` and the points at which to take new ones.
+fn take_cached_prefix<'s>(
     prefix: &mut PrefixCache,
     pool: &mut KvBlockPool,
     seq: &mut Sequence,
     slot: SlotId,
     restores: &mut Vec<(SeqId, SlotId, SlotId)>,
     copies: &mut Vec<BlockCopy>,
+    store: Option<&mut (dyn SessionStore + 's)>,
 ) {
     let bs = pool.block_size();
-    let hybrid = prefix.keeps_checkpoints();
     // At least the last token is computed, for its logits.
-    let hit = prefix.lookup_hit(&seq.tokens, seq.tokens.len() - 1, pool);
-    seq.table = hit.table;
-    seq.computed = seq.table.blocks.len() * bs;
-    let mut checkpoint = hit.checkpoint;
-    if let Some((src, used)) = hit.copy {
-        if pool.grow(&mut seq.table, seq.computed + 1).is_ok() {
-            let dst = seq.table.blocks[seq.table.blocks.len() - 1];
-            copies.push((seq.id, src, dst));
-            seq.computed += used;
+    let usable = seq.tokens.len() - 1;
+    let mut hit = prefix.lookup_hit(&seq.tokens, usable, pool);
+    if hit.copy.is_some() && pool.num_free() == 0 {
+        evict(prefix, pool, 1, store);
+    }
+    let mut dst = None;
+    if let Some((src, _)) = hit.copy {
+        let mut table = BlockTable::default();
+        if pool.grow(&mut table, 1).is_ok() {
+            dst = table.blocks.first().copied();
         } else {
+            pool.release(&mut hit.table);
             pool.release(&mut BlockTable { blocks: vec![src] });
-            if hybrid {
-                // The checkpoint is the copied block's end: without it, from scratch.
-                pool.release(&mut seq.table);
-                seq.computed = 0;
-                checkpoint = None;
-            }
+            hit = prefix.lookup_whole_blocks(&seq.tokens, usable, pool);
         }
     }
-    if hybrid {
-        if let Some(checkpoint) = checkpoint {
+    seq.table = std::mem::take(&mut hit.table);
+    seq.computed = seq.table.blocks.len() * bs;
+    seq.uncopied = 0;
+    if let (Some((src, used)), Some(dst)) = (hit.copy, dst) {
+        seq.table.blocks.push(dst);
+        copies.push((seq.id, src, dst));
+        seq.computed += used;
+        seq.uncopied = used;
+    }
+    if prefix.keeps_checkpoints() {
+        if let Some(checkpoint) = hit.checkpoint {
             restores.push((seq.id, checkpoint, slot));
         }
         // Where the prompt leaves the cached tree (unless within a block of where it resumes:
@@ -833,4 +854,79 @@ fn lse_logprob(logits: &[f32], token: u32, lse: f32) -> f32 {
     logits
         .get(token as usize)
         .map_or(f32::NEG_INFINITY, |l| l - lse)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SamplingParams;
+
+    fn request(tokens: &[u32], max_tokens: usize) -> EngineRequest {
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        EngineRequest {
+            prompt: tokens.to_vec(),
+            params: SamplingParams::default(),
+            max_tokens,
+            max_context: 4096,
+            stop_token_ids: Vec::new(),
+            top_logprobs: None,
+            events,
+            session: None,
+        }
+    }
+
+    /// A sequence that starts from a partly matching cached block and is preempted before
+    /// its first step (so before the copy into its own block is made) leaves only what it
+    /// really holds in the cache: its own, never written, block is not indexed.
+    #[test]
+    fn a_block_whose_copy_was_never_made_is_not_cached() {
+        let config = SchedulerConfig {
+            max_batch: 2,
+            max_prefill_tokens: 64,
+            session_pin: std::time::Duration::ZERO,
+        };
+        let mut s = Scheduler::new(config, KvBlockPool::new(8, 4)).with_prefix_cache();
+        // A: two whole blocks and a tail of 2 cached when it ends.
+        s.add(request(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1));
+        let plan = s.step().unwrap();
+        let _ = s.finish_step(plan, &mut [0.0; 16], 16, DispatchStats::default());
+        assert_eq!(s.cached_blocks(), 3);
+        // B shares the first block and 2 ids of the second (a copy into a block of its
+        // own), but needs more blocks than the pool has: it is preempted in the same step.
+        let b: Vec<u32> = [1, 2, 3, 4, 5, 6].into_iter().chain(90..120).collect();
+        s.add(request(&b, 1));
+        assert!(s.step().is_none());
+        assert!(s.preemptions() > 0);
+        // The tail of A was evicted for B; B's never-written block is not a tail [5, 6].
+        assert_eq!(s.cached_blocks(), 2);
+    }
+
+    /// With every block of the pool cached (a warm server), a partly matching block is still
+    /// copied: a cached block nobody holds is evicted for the copy.
+    #[test]
+    fn a_full_pool_makes_room_for_the_copy() {
+        let config = SchedulerConfig {
+            max_batch: 2,
+            max_prefill_tokens: 64,
+            session_pin: std::time::Duration::ZERO,
+        };
+        let mut s = Scheduler::new(config, KvBlockPool::new(4, 4)).with_prefix_cache();
+        let a: Vec<u32> = (1..=13).collect();
+        s.add(request(&a, 1));
+        let plan = s.step().unwrap();
+        let _ = s.finish_step(plan, &mut [0.0; 16], 16, DispatchStats::default());
+        assert_eq!(
+            s.cached_blocks(),
+            4,
+            "the whole pool: three blocks and a tail"
+        );
+        s.add(request(&[1, 2, 3, 4, 5, 6, 99, 98], 1));
+        let plan = s.step().unwrap();
+        assert_eq!(
+            plan.block_copies.len(),
+            1,
+            "the second block's first 2 ids, copied"
+        );
+        let _ = s.finish_step(plan, &mut [0.0; 16], 16, DispatchStats::default());
+    }
 }

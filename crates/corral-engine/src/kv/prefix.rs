@@ -252,6 +252,27 @@ impl PrefixCache {
         max_tokens: usize,
         pool: &mut KvBlockPool,
     ) -> PrefixHit {
+        self.lookup_in(tokens, max_tokens, true, pool)
+    }
+
+    /// [`PrefixCache::lookup_hit`] in whole blocks only (no block to copy): where there is no
+    /// block free for the copy.
+    pub fn lookup_whole_blocks(
+        &mut self,
+        tokens: &[u32],
+        max_tokens: usize,
+        pool: &mut KvBlockPool,
+    ) -> PrefixHit {
+        self.lookup_in(tokens, max_tokens, false, pool)
+    }
+
+    fn lookup_in(
+        &mut self,
+        tokens: &[u32],
+        max_tokens: usize,
+        partial: bool,
+        pool: &mut KvBlockPool,
+    ) -> PrefixHit {
         let bs = self.block_size;
         let max_tokens = max_tokens.min(tokens.len());
         let path = self.walk(tokens, max_tokens / bs);
@@ -274,7 +295,7 @@ impl PrefixCache {
                     best = ((i + 1) * bs, i + 1, None, Some(slot));
                 }
             }
-            for i in 0..=path.len() {
+            for i in (0..=path.len()).filter(|_| partial) {
                 let parent = if i == 0 { ROOT } else { path[i - 1] };
                 for (key, &child) in &self.node(parent).children {
                     let end = i * bs + key.len();
@@ -289,7 +310,7 @@ impl PrefixCache {
             }
         } else {
             best = (base, path.len(), None, None);
-            for (key, &child) in &self.node(last).children {
+            for (key, &child) in self.node(last).children.iter().filter(|_| partial) {
                 let common = key.iter().zip(rest).take_while(|(a, b)| a == b).count();
                 if common > 0 && base + common > best.0 {
                     best = (base + common, path.len(), Some((child, common)), None);
