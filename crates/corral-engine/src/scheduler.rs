@@ -84,6 +84,8 @@ struct Sequence {
     checkpoint_at: Vec<usize>,
     /// State checkpoints taken, `(tokens covered, checkpoint slot)`, for the prefix cache.
     checkpoints: Vec<(usize, SlotId)>,
+    /// Which of them is the output checkpoint (tokens covered), replaced as decode goes on.
+    output_checkpoint: Option<usize>,
     sampler: Sampler,
     max_tokens: usize,
     max_context: usize,
@@ -266,6 +268,7 @@ impl Scheduler {
             slot: None,
             checkpoint_at: Vec::new(),
             checkpoints: Vec::new(),
+            output_checkpoint: None,
             sampler: Sampler::new(request.params),
             max_tokens: request.max_tokens,
             max_context: request.max_context,
@@ -487,25 +490,40 @@ impl Scheduler {
             }
             return None;
         }
-        let mut batch = RaggedBatch::new(self.pool.block_size());
-        for run in &runs {
-            let seq = self.running.iter().find(|s| s.id == run.seq)?;
-            let ids: Vec<TokenId> = seq.tokens[seq.computed..seq.computed + run.tokens]
-                .iter()
-                .map(|&t| TokenId(t))
-                .collect();
-            let wanted = if run.wants_logits {
-                LogitsWanted::Last
-            } else {
-                LogitsWanted::None
-            };
-            batch
-                .push_run(seq.id, &ids, seq.computed, &seq.table, wanted)
-                .ok()?;
-            if let Some(slot) = seq.slot {
-                batch.set_state_slot(seq.id, slot).ok()?;
+        let built = (|| {
+            let mut batch = RaggedBatch::new(self.pool.block_size());
+            for run in &runs {
+                let seq = self.running.iter().find(|s| s.id == run.seq)?;
+                let ids: Vec<TokenId> = seq.tokens[seq.computed..seq.computed + run.tokens]
+                    .iter()
+                    .map(|&t| TokenId(t))
+                    .collect();
+                let wanted = if run.wants_logits {
+                    LogitsWanted::Last
+                } else {
+                    LogitsWanted::None
+                };
+                batch
+                    .push_run(seq.id, &ids, seq.computed, &seq.table, wanted)
+                    .ok()?;
+                if let Some(slot) = seq.slot {
+                    batch.set_state_slot(seq.id, slot).ok()?;
+                }
             }
-        }
+            Some(batch)
+        })();
+        let Some(batch) = built else {
+            // Not expected (the scheduler made every run): planned copies give their holders
+            // back and their sequences start over.
+            let ids: Vec<SeqId> = copies.iter().map(|c| c.0).collect();
+            drop_copies(&mut copies, &mut self.pool, |_| true);
+            for id in ids {
+                if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                    self.preempt(i);
+                }
+            }
+            return None;
+        };
         Some(StepPlan {
             batch,
             runs,
@@ -521,6 +539,7 @@ impl Scheduler {
             // Checkpoints past what is computed (a failed step's) are not trusted.
             // A block still to be copied holds nothing yet.
             let computed = seq.computed - std::mem::take(&mut seq.uncopied);
+            seq.output_checkpoint = None;
             let (kept, dropped): (Vec<_>, Vec<_>) =
                 seq.checkpoints.drain(..).partition(|c| c.0 <= computed);
             let end = prefix.insert_with_checkpoints(
@@ -796,12 +815,21 @@ fn take_checkpoint(
     let Some(dst) = prefix.take_checkpoint_slot() else {
         return;
     };
-    if output && let Some(i) = seq.checkpoints.iter().position(|c| c.0 > seq.prompt_len) {
-        let (_, old) = seq.checkpoints.remove(i);
-        prefix.release_checkpoint(old);
+    if output && !planned {
+        replace_output_checkpoint(prefix, seq, at);
     }
     seq.checkpoints.push((at, dst));
     counts.checkpoint_copies.push((slot, dst));
+}
+
+/// Makes `at` the sequence's output checkpoint, giving the previous one's slot back.
+fn replace_output_checkpoint(prefix: &mut PrefixCache, seq: &mut Sequence, at: usize) {
+    if let Some(old_at) = seq.output_checkpoint.replace(at)
+        && let Some(i) = seq.checkpoints.iter().position(|c| c.0 == old_at)
+    {
+        let (_, old) = seq.checkpoints.remove(i);
+        prefix.release_checkpoint(old);
+    }
 }
 
 /// A hybrid sequence that ends past its prompt gets a checkpoint at its last computed token
@@ -822,10 +850,7 @@ fn take_final_checkpoint(
     let Some(dst) = prefix.take_checkpoint_slot() else {
         return;
     };
-    if let Some(i) = seq.checkpoints.iter().position(|c| c.0 > seq.prompt_len) {
-        let (_, old) = seq.checkpoints.remove(i);
-        prefix.release_checkpoint(old);
-    }
+    replace_output_checkpoint(prefix, seq, at);
     seq.checkpoints.push((at, dst));
     counts.checkpoint_copies.push((slot, dst));
 }
