@@ -500,16 +500,16 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(4);
-    for case in 0..14 {
+    for case in 0..16 {
         // Groups of up to 8 heads run on tensor cores at head dims 64, 128 and 256 over the
         // bf16 cache; 12 takes the CUDA-core kernel.
         let (nkv, group) = (1 + rng.below(3), [1, 2, 4, 8, 12][rng.below(5)]);
         let nh = nkv * group;
-        // Cases 10.. are prefill chunks of 64+ tokens at head dims 64 and 128 (the tensor-core
-        // kernel), next to a decode row, so that some 64-token tiles mix runs.
+        // Cases 10.. are prefill chunks of 64+ tokens at head dims 64, 128 and 256 (the
+        // tensor-core kernel), next to a decode row, so that some 64-token tiles mix runs.
         let prefill = case >= 10;
         let hd = if prefill {
-            [64, 128][case % 2]
+            [64, 128, 256][case % 3]
         } else {
             [8, 16, 24, 32, 64, 128, 256][case % 7]
         };

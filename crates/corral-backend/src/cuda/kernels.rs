@@ -72,6 +72,7 @@ pub(crate) struct Kernels {
     /// Tensor-core prefill attention over a bf16 cache, head dims 64 and 128.
     pub(crate) flash_attention_hd64: Kernel,
     pub(crate) flash_attention_hd128: Kernel,
+    pub(crate) flash_attention_hd256: Kernel,
     pub(crate) moe_route: Kernel,
     pub(crate) moe_route_ranked: Kernel,
     pub(crate) moe_sort: Kernel,
@@ -256,6 +257,8 @@ impl Kernels {
                 .with_dynamic_smem(flash_attention_smem_bytes(64))?,
             flash_attention_hd128: find("flash_attention_bf16_hd128")?
                 .with_dynamic_smem(flash_attention_smem_bytes(128))?,
+            flash_attention_hd256: find("flash_attention_bf16_hd256")?
+                .with_dynamic_smem(flash_attention_smem_bytes(256))?,
             moe_route: find("moe_route")?,
             moe_route_ranked: find("moe_route_ranked")?,
             moe_sort: find("moe_sort")?,

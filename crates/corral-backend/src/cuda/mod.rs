@@ -1217,10 +1217,12 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * num_heads * head_dim)?,
             self.diag(),
         ];
-        // Prefill chunks of 64 or more tokens: tensor-core tiles (head dims 64 and 128, bf16).
+        // Prefill chunks of 64 or more tokens: tensor-core tiles (head dims 64, 128 and 256,
+        // bf16).
         let flash = match head_dim {
             64 => Some(&self.kernels.flash_attention_hd64),
             128 => Some(&self.kernels.flash_attention_hd128),
+            256 => Some(&self.kernels.flash_attention_hd256),
             _ => None,
         };
         if let (Some(kernel), DType::BF16, true) =

@@ -291,8 +291,10 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
     }
 }
 
-#define FLASH_ATTENTION(HD)                                                                   \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, 3) flash_attention_bf16_hd##HD(  \
+// Blocks an SM holds: 3 at head dims 64 and 128; 1 at 256 (the output and q fragments of a
+// 256-wide head take all of a thread's registers).
+#define FLASH_ATTENTION(HD, BLOCKS)                                                           \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, BLOCKS) flash_attention_bf16_hd##HD( \
         const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,         \
         const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
         u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
@@ -303,5 +305,6 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
                                  max_blocks, block_size, num_blocks, tokens, num_heads,       \
                                  num_kv_heads, scale, out, diag);                             \
     }
-FLASH_ATTENTION(64)
-FLASH_ATTENTION(128)
+FLASH_ATTENTION(64, 3)
+FLASH_ATTENTION(128, 3)
+FLASH_ATTENTION(256, 1)
