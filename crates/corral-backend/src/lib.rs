@@ -309,8 +309,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// read back.
     fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()>;
 
-    /// Copies elements `src .. src + len` of the f32 buffer `x` to `dst .. dst + len` (ranges
-    /// that do not overlap): one recurrent-state slot into another, for checkpoints.
+    /// Copies elements `src .. src + len` of the buffer `x` (any stored type) to
+    /// `dst .. dst + len`, ranges that do not overlap, on the device: one recurrent-state slot
+    /// into another for checkpoints, one KV block into another for copy-on-write.
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()>;
 
     /// RMSNorm over each of `rows` rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w`, where

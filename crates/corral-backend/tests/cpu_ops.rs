@@ -265,6 +265,23 @@ fn route_with_a_shared_gate_adds_the_shared_expert_after_the_top_k() {
     }
 }
 
+/// A 16-bit buffer (a KV cache's) copies its elements as stored.
+#[test]
+fn copy_within_copies_16_bit_elements() {
+    let b = CpuBackend::new();
+    let mut buf = b
+        .take_buffer(DType::BF16, 12, BufferUsage::KvCache)
+        .unwrap();
+    let bytes: Vec<u8> = (1..=24).collect();
+    b.write_bytes(&bytes, &mut buf, 0).unwrap();
+    b.copy_within(&mut buf, 1, 8, 4).unwrap();
+    let mut out = vec![0u8; 24];
+    b.read_bytes(&buf, 0, &mut out).unwrap();
+    let mut expected = bytes.clone();
+    expected.copy_within(2..10, 16);
+    assert_eq!(out, expected);
+}
+
 #[test]
 fn copy_within_copies_a_range_and_rejects_overlap_and_overflow() {
     let b = CpuBackend::new();

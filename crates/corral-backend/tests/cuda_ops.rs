@@ -862,8 +862,10 @@ fn read_and_write_bytes_match_cpu() {
             .unwrap();
         let halves: Vec<u8> = (0..1200).map(|i| (i * 7 % 251) as u8).collect();
         b.write_bytes(&halves, &mut bf16, 0).unwrap();
-        let mut back = vec![0u8; 400];
-        b.read_bytes(&bf16, 100, &mut back).unwrap();
+        // 16-bit elements copied on the device (a KV block's copy-on-write).
+        b.copy_within(&mut bf16, 10, 300, 200).unwrap();
+        let mut back = vec![0u8; 1200];
+        b.read_bytes(&bf16, 0, &mut back).unwrap();
         let mut floats = vec![0u8; 800];
         b.read_bytes(&f32s, 50, &mut floats).unwrap();
         b.write_bytes(&floats, &mut f32s, 300).unwrap();

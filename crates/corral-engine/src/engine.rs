@@ -382,10 +382,16 @@ impl SessionStore for DiskSessions<'_> {
         }
     }
 
-    fn find(&mut self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)> {
+    fn find(
+        &mut self,
+        tokens: &[u32],
+        beyond: usize,
+        max_tokens: usize,
+    ) -> Option<(usize, std::path::PathBuf)> {
         let found = self
             .dir
-            .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid);
+            .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid)
+            .filter(|f| f.0 > beyond);
         // Kept through the spills that make room for it.
         self.dir.pin(found.as_ref().map(|f| f.1.clone()));
         found
@@ -418,15 +424,20 @@ impl SessionStore for DiskSessions<'_> {
             if used > in_file || (slot.is_some() && used != in_file) {
                 return Err(bad(format!("{used} blocks asked of a file of {in_file}")));
             }
-            let kv: Vec<Vec<u8>> = prefix
-                .kv
-                .iter()
-                .map(|layer| {
-                    let size = layer.len() / (2 * in_file).max(1);
-                    let (k, v) = layer.split_at(size * in_file);
-                    [&k[..size * used], &v[..size * used]].concat()
-                })
-                .collect();
+            // The whole file as it is, or each layer's K and V cut to the first blocks.
+            let kv: Vec<Vec<u8>> = if used == in_file {
+                prefix.kv
+            } else {
+                prefix
+                    .kv
+                    .iter()
+                    .map(|layer| {
+                        let size = layer.len() / (2 * in_file).max(1);
+                        let (k, v) = layer.split_at(size * in_file);
+                        [&k[..size * used], &v[..size * used]].concat()
+                    })
+                    .collect()
+            };
             self.cache.write_blocks(self.backend, blocks, &kv)?;
             if let Some(slot) = slot {
                 if prefix.state.is_empty() {

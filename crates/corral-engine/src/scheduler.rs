@@ -37,9 +37,15 @@ use crate::{EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, Stat
 pub trait SessionStore {
     /// Writes an evicted prefix to disk if worth it; failures are the store's to log.
     fn spill(&mut self, prefix: &EvictedPrefix<'_>);
-    /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens: its length and
-    /// file.
-    fn find(&mut self, tokens: &[u32], max_tokens: usize) -> Option<(usize, std::path::PathBuf)>;
+    /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens, if it holds more
+    /// than `beyond` (what the cache gave already): its length and file, kept from the byte
+    /// cap until [`SessionStore::load`] reads it.
+    fn find(
+        &mut self,
+        tokens: &[u32],
+        beyond: usize,
+        max_tokens: usize,
+    ) -> Option<(usize, std::path::PathBuf)>;
     /// Reads the spilled prefix at `path` into `blocks`, and its state into `slot` (hybrid
     /// models). On an error the file is deleted and nothing it held may be used.
     fn load(
@@ -365,8 +371,7 @@ impl Scheduler {
                     store.as_deref_mut(),
                 );
                 if let Some(store) = store.as_deref_mut()
-                    && let Some((len, path)) = store.find(&seq.tokens, usable)
-                    && len > seq.computed
+                    && let Some((len, path)) = store.find(&seq.tokens, seq.computed, usable)
                 {
                     // The file holds the whole prefix: the cached blocks go back first (and
                     // may be evicted to make room), then are looked up again if it fails.
@@ -477,17 +482,7 @@ impl Scheduler {
                 .any(|s| s.id == c.0 && s.table.blocks.contains(&c.2))
         });
         if runs.is_empty() {
-            let ids: Vec<SeqId> = restores
-                .iter()
-                .map(|r| r.0)
-                .chain(copies.iter().map(|c| c.0))
-                .collect();
-            drop_copies(&mut copies, &mut self.pool, |_| true);
-            for id in ids {
-                if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                    self.preempt(i);
-                }
-            }
+            self.abandon(&restores, copies);
             return None;
         }
         let built = (|| {
@@ -513,15 +508,8 @@ impl Scheduler {
             Some(batch)
         })();
         let Some(batch) = built else {
-            // Not expected (the scheduler made every run): planned copies give their holders
-            // back and their sequences start over.
-            let ids: Vec<SeqId> = copies.iter().map(|c| c.0).collect();
-            drop_copies(&mut copies, &mut self.pool, |_| true);
-            for id in ids {
-                if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                    self.preempt(i);
-                }
-            }
+            // Not expected: the scheduler made every run.
+            self.abandon(&restores, copies);
             return None;
         };
         Some(StepPlan {
@@ -530,6 +518,22 @@ impl Scheduler {
             restores,
             block_copies: copies,
         })
+    }
+
+    /// A plan that does not run: its copies give their holders back, and the sequences it
+    /// was to restore state or copy a block for start over (what they counted is not there).
+    fn abandon(&mut self, restores: &[(SeqId, SlotId, SlotId)], mut copies: Vec<BlockCopy>) {
+        let ids: Vec<SeqId> = restores
+            .iter()
+            .map(|r| r.0)
+            .chain(copies.iter().map(|c| c.0))
+            .collect();
+        drop_copies(&mut copies, &mut self.pool, |_| true);
+        for id in ids {
+            if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                self.preempt(i);
+            }
+        }
     }
 
     /// Returns a sequence's KV blocks and state slot; with a prefix cache, its computed full
@@ -812,24 +816,31 @@ fn take_checkpoint(
     if !planned && !output {
         return;
     }
+    queue_checkpoint(prefix, seq, slot, output && !planned, counts);
+}
+
+/// Takes a checkpoint slot and queues a copy of `slot`'s state (after `seq.computed`
+/// tokens) into it; as the output checkpoint, in place of the previous one.
+fn queue_checkpoint(
+    prefix: &mut PrefixCache,
+    seq: &mut Sequence,
+    slot: SlotId,
+    output: bool,
+    counts: &mut StepCounts,
+) {
+    let at = seq.computed;
     let Some(dst) = prefix.take_checkpoint_slot() else {
         return;
     };
-    if output && !planned {
-        replace_output_checkpoint(prefix, seq, at);
-    }
-    seq.checkpoints.push((at, dst));
-    counts.checkpoint_copies.push((slot, dst));
-}
-
-/// Makes `at` the sequence's output checkpoint, giving the previous one's slot back.
-fn replace_output_checkpoint(prefix: &mut PrefixCache, seq: &mut Sequence, at: usize) {
-    if let Some(old_at) = seq.output_checkpoint.replace(at)
+    if output
+        && let Some(old_at) = seq.output_checkpoint.replace(at)
         && let Some(i) = seq.checkpoints.iter().position(|c| c.0 == old_at)
     {
         let (_, old) = seq.checkpoints.remove(i);
         prefix.release_checkpoint(old);
     }
+    seq.checkpoints.push((at, dst));
+    counts.checkpoint_copies.push((slot, dst));
 }
 
 /// A hybrid sequence that ends past its prompt gets a checkpoint at its last computed token
@@ -847,12 +858,7 @@ fn take_final_checkpoint(
     {
         return;
     }
-    let Some(dst) = prefix.take_checkpoint_slot() else {
-        return;
-    };
-    replace_output_checkpoint(prefix, seq, at);
-    seq.checkpoints.push((at, dst));
-    counts.checkpoint_copies.push((slot, dst));
+    queue_checkpoint(prefix, seq, slot, true, counts);
 }
 
 /// `(log-sum-exp of logits, the n most likely tokens with their log-probabilities)`.

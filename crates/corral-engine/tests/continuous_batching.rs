@@ -48,10 +48,7 @@ fn alone(name: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
         max_context: 4096,
         prefix_cache: false,
         state_checkpoints: 0,
-        session_dir: None,
-        session_dir_bytes: 0,
-        model_identity: String::new(),
-        session_pin: Duration::ZERO,
+        ..EngineConfig::default()
     };
     let (engine, thread) = spawn_engine(model_named(name), single).unwrap();
     let mut rx = submit(&engine, prompt, max_tokens);
@@ -109,10 +106,7 @@ fn config(kv_blocks: usize) -> EngineConfig {
         max_context: 4096,
         prefix_cache: false,
         state_checkpoints: 16,
-        session_dir: None,
-        session_dir_bytes: 0,
-        model_identity: String::new(),
-        session_pin: Duration::ZERO,
+        ..EngineConfig::default()
     }
 }
 
@@ -241,10 +235,10 @@ fn prefix_cache_hits_generate_what_uncached_runs_do() {
                 // computed reply tokens (the reply's last token was sampled, never computed).
                 assert_eq!(cached, [0, 40, 22, 0, 48, 39, 51], "{name}");
             } else {
-                let most: Vec<usize> = turns.iter().map(|p| p.len() - 1).collect();
+                // A pool too small for everything: still hits, and for the hybrid restores.
                 assert!(
-                    cached.iter().zip(&most).all(|(c, m)| c <= m),
-                    "{name}: {cached:?}"
+                    cached.iter().any(|&c| c > 0) && (name != "qwen3_next" || restores > 0),
+                    "{name}: {cached:?}, {restores} restores"
                 );
             }
         }
@@ -299,9 +293,6 @@ fn interleaved_hybrid_sessions_resume_exactly_under_eviction_and_preemption() {
         let config = EngineConfig {
             prefix_cache: true,
             state_checkpoints: checkpoints,
-            session_dir: None,
-            session_dir_bytes: 0,
-            model_identity: String::new(),
             ..config(kv_blocks)
         };
         let (engine, thread) = spawn_engine(model_named(name), config).unwrap();

@@ -107,12 +107,17 @@ impl PagedKvCache {
             .collect()
     }
 
-    /// Copies block `src` into block `dst` in every layer: a cached block's first tokens
-    /// continuing a sequence that writes on in its own block (copy-on-write). Through the
-    /// host, once per hit.
+    /// Copies block `src` into block `dst` in every layer, on the device: a cached block's
+    /// first tokens continuing a sequence that writes on in its own block (copy-on-write).
     pub fn copy_block(&mut self, backend: &dyn Backend, src: BlockId, dst: BlockId) -> Result<()> {
-        let bytes = self.read_blocks(backend, &[src])?;
-        self.write_blocks(backend, &[dst], &bytes)
+        self.check_blocks(&[src, dst])?;
+        let elems = self.block_elems();
+        let (s, d) = (src.0 as usize * elems, dst.0 as usize * elems);
+        for layer in &mut self.layers {
+            backend.copy_within(&mut layer.k, s, d, elems)?;
+            backend.copy_within(&mut layer.v, s, d, elems)?;
+        }
+        Ok(())
     }
 
     /// Writes what [`PagedKvCache::read_blocks`] read into `blocks` (a session read back).
@@ -207,13 +212,7 @@ impl RecurrentStateCache {
     /// Copies slot `src`'s state (every linear layer's convolution and recurrent state) into
     /// slot `dst`: a checkpoint taken, or one restored for a sequence to continue.
     pub fn copy_slot(&mut self, backend: &dyn Backend, src: SlotId, dst: SlotId) -> Result<()> {
-        let (s, d) = (src.0 as usize, dst.0 as usize);
-        if s >= self.num_slots || d >= self.num_slots {
-            return Err(ModelError::InvalidBatch(format!(
-                "state slot {} or {} is out of range for {} slots",
-                src.0, dst.0, self.num_slots
-            )));
-        }
+        let (s, d) = (self.slot_index(src)?, self.slot_index(dst)?);
         if s == d {
             return Ok(());
         }

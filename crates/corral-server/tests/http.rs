@@ -41,10 +41,8 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             max_context,
             prefix_cache: true,
             state_checkpoints: 16,
-            session_dir: None,
-            session_dir_bytes: 0,
-            model_identity: String::new(),
             session_pin: std::time::Duration::from_secs(600),
+            ..EngineConfig::default()
         },
     )
     .unwrap();

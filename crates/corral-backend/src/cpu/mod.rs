@@ -649,9 +649,13 @@ impl Backend for CpuBackend {
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
         let op = "copy_within";
         check_copy_ranges(op, x.len(), src, dst, len)?;
-        let x = f32s_mut(op, "x", x, x.len())?;
+        match &mut x.storage {
+            Storage::F32(v) => v.copy_within(src..src + len, dst),
+            Storage::U32(v) => v.copy_within(src..src + len, dst),
+            Storage::Half(v) => v.copy_within(src..src + len, dst),
+            _ => return Err(bad(op, "`x` is not writable".to_string())),
+        }
         self.stats.dispatch(1);
-        x.copy_within(src..src + len, dst);
         Ok(())
     }
 

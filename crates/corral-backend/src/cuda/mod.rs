@@ -816,16 +816,11 @@ impl Backend for CudaBackend {
         if len == 0 {
             return Ok(());
         }
-        if x.dtype() != DType::F32 {
-            return Err(bad(op, format!("x is {:?}, not f32", x.dtype())));
-        }
         self.not_capturing(op)?;
         let base = ptr_of(op, x)?;
-        let bytes = 4 * len;
-        self.counted(op, || {
-            self.gpu
-                .copy_device(base + 4 * src as u64, base + 4 * dst as u64, bytes)
-        })
+        let size = x.dtype().size_bytes();
+        let (from, to) = (base + (size * src) as u64, base + (size * dst) as u64);
+        self.counted(op, || self.gpu.copy_device(from, to, size * len))
     }
 
     fn rms_norm(

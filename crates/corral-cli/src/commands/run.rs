@@ -141,10 +141,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         // One request: nothing to share.
         prefix_cache: false,
         state_checkpoints: 0,
-        session_dir: None,
-        session_dir_bytes: 0,
-        model_identity: String::new(),
-        session_pin: std::time::Duration::ZERO,
+        ..EngineConfig::default()
     };
     let (engine, thread) = spawn_engine(model, config)?;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();

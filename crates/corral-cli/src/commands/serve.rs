@@ -173,7 +173,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             state_checkpoints,
             session_dir: args.session_dir.clone(),
             session_dir_bytes: args.session_dir_bytes as u64,
-            model_identity: model_identity(&args.model),
+            // Only session files carry it.
+            model_identity: args
+                .session_dir
+                .as_ref()
+                .map_or_else(String::new, |_| model_identity(&args.model)),
             session_pin: std::time::Duration::from_secs(args.session_pin_seconds),
         },
     )?;

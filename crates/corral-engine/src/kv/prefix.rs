@@ -48,6 +48,11 @@ struct Node {
     depth: usize,
 }
 
+/// How many ids `a` and `b` share from the start.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// A node of the cache (where a sequence's tokens ended), for [`PrefixCache::pin`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefixNode(NodeId);
@@ -63,8 +68,6 @@ pub struct PrefixHit {
     /// The state at the end of the hit (`table` and `copy`), to copy into the sequence's own
     /// slot.
     pub checkpoint: Option<SlotId>,
-    /// Whole blocks of the tokens the index holds, checkpoint or not.
-    pub matched_blocks: usize,
     /// Tokens the index holds, checkpoint or not (a tail or part of a child included): where
     /// the tokens leave the cached tree, the place for a new checkpoint.
     pub matched_tokens: usize,
@@ -284,7 +287,7 @@ impl PrefixCache {
             .node(last)
             .children
             .keys()
-            .map(|key| key.iter().zip(rest).take_while(|(a, b)| a == b).count())
+            .map(|key| common_prefix(key, rest))
             .max()
             .unwrap_or(0);
         // (tokens, whole blocks, node to copy from and its tokens used, checkpoint).
@@ -311,7 +314,7 @@ impl PrefixCache {
         } else {
             best = (base, path.len(), None, None);
             for (key, &child) in self.node(last).children.iter().filter(|_| partial) {
-                let common = key.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                let common = common_prefix(key, rest);
                 if common > 0 && base + common > best.0 {
                     best = (base + common, path.len(), Some((child, common)), None);
                 }
@@ -327,7 +330,6 @@ impl PrefixCache {
             },
             copy: copy.map(|(child, used)| (self.node(child).block, used)),
             checkpoint,
-            matched_blocks: path.len(),
             matched_tokens: base + shared,
         };
         pool.share(&hit.table);
@@ -373,24 +375,18 @@ impl PrefixCache {
         pool.holders(block) <= self.refs.get(&block).copied().unwrap_or(0)
     }
 
-    /// The longest cached prefix of `tokens` in whole blocks, at most `max_blocks` of them: a
-    /// table of those blocks in order, each with one more holder taken for the caller (who
-    /// releases it like any table). The blocks count as used now.
+    /// The longest cached prefix of `tokens` in whole blocks, at most `max_blocks` of them
+    /// ([`PrefixCache::lookup_whole_blocks`]'s table; with checkpoints, as far as the deepest
+    /// one): those blocks in order, each with one more holder taken for the caller (who
+    /// releases it like any table).
     pub fn lookup(
         &mut self,
         tokens: &[u32],
         max_blocks: usize,
         pool: &mut KvBlockPool,
     ) -> BlockTable {
-        let table = BlockTable {
-            blocks: self
-                .walk(tokens, max_blocks)
-                .iter()
-                .map(|&n| self.node(n).block)
-                .collect(),
-        };
-        pool.share(&table);
-        table
+        let max_tokens = max_blocks.saturating_mul(self.block_size);
+        self.lookup_in(tokens, max_tokens, false, pool).table
     }
 
     /// Indexes the full blocks of `tokens` that `table` holds (a sequence's table once those
@@ -812,15 +808,15 @@ mod tests {
         let longer: Vec<u32> = (0..11).collect();
         let mut hit = cache.lookup_hit(&longer, 10, &mut pool);
         assert_eq!(
-            (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
-            (4, Some(c2), 4)
+            (hit.table.blocks.len(), hit.checkpoint, hit.matched_tokens),
+            (4, Some(c2), 8)
         );
         pool.release(&mut hit.table);
         // At most 3 blocks: the checkpoint at 4 tokens, though 3 blocks match.
         let mut hit = cache.lookup_hit(&longer, 6, &mut pool);
         assert_eq!(
-            (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
-            (2, Some(c1), 3)
+            (hit.table.blocks.len(), hit.checkpoint, hit.matched_tokens),
+            (2, Some(c1), 6)
         );
         pool.release(&mut hit.table);
         // Diverging in the first block: nothing to resume from.
@@ -832,8 +828,8 @@ mod tests {
         assert_eq!(cache.num_checkpoints(), 1);
         let mut hit = cache.lookup_hit(&longer, 10, &mut pool);
         assert_eq!(
-            (hit.table.blocks.len(), hit.checkpoint, hit.matched_blocks),
-            (2, Some(c1), 4)
+            (hit.table.blocks.len(), hit.checkpoint, hit.matched_tokens),
+            (2, Some(c1), 8)
         );
         pool.release(&mut hit.table);
         cache.release_checkpoint(c2);

@@ -354,7 +354,7 @@ impl SpillDir {
         self.files
             .iter()
             .filter_map(|f| {
-                let common = f.0.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+                let common = super::prefix::common_prefix(&f.0, tokens);
                 let usable = if whole_file {
                     (common == f.0.len() && f.0.len() <= max_tokens).then_some(common)?
                 } else {

@@ -4,6 +4,9 @@
 //! an 8×8 bitmap font) and encoded with the `png` crate.
 
 use std::fmt::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
 
 const WIDTH: f64 = 760.0;
 const HEIGHT: f64 = 480.0;
@@ -338,6 +341,30 @@ pub(crate) fn png(title: &str, series: &[Series]) -> Result<Vec<u8>, png::Encodi
     encoder.set_depth(png::BitDepth::Eight);
     encoder.write_header()?.write_image_data(&c.pixels)?;
     Ok(out)
+}
+
+/// Refuses a plot path that is neither .svg nor .png (before a bench runs, not after).
+pub(crate) fn check_path(path: &Path) -> Result<()> {
+    if !matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("svg" | "png")
+    ) {
+        bail!(
+            "--plot {}: the file must end in .svg or .png",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Writes the chart to `path`: PNG for a .png name, SVG otherwise.
+pub(crate) fn write(path: &Path, title: &str, series: &[Series]) -> Result<()> {
+    let bytes = if path.extension().and_then(|e| e.to_str()) == Some("png") {
+        png(title, series).context("encoding the PNG plot")?
+    } else {
+        svg(title, series).into_bytes()
+    };
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 #[cfg(test)]

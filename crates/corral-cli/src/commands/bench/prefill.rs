@@ -18,7 +18,7 @@ use corral_model::{
 };
 use serde_json::json;
 
-use super::plot::{Series, png, svg};
+use super::plot::Series;
 use super::summary::{linear_fit, median, relative_spread};
 use crate::loading::{ModelArgs, load_model};
 
@@ -133,16 +133,8 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
     if !(0.0..=3600.0).contains(&args.idle_seconds) {
         bail!("--idle-seconds must be between 0 and 3600");
     }
-    if let Some(path) = &args.plot
-        && !matches!(
-            path.extension().and_then(|e| e.to_str()),
-            Some("svg" | "png")
-        )
-    {
-        bail!(
-            "--plot {}: the file must end in .svg or .png",
-            path.display()
-        );
+    if let Some(path) = &args.plot {
+        super::plot::check_path(path)?;
     }
     let mut model = load_model(&args.model)?;
     let strategies = super::named_strategies(&args.strategies, &model)?;
@@ -312,12 +304,7 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
     }
     if let Some(path) = &args.plot {
         let title = format!("TTFT vs prompt length: {}", args.model.describe());
-        let bytes = if path.extension().and_then(|e| e.to_str()) == Some("png") {
-            png(&title, &series).context("encoding the PNG plot")?
-        } else {
-            svg(&title, &series).into_bytes()
-        };
-        std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        super::plot::write(path, &title, &series)?;
     }
     Ok(())
 }

@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::{Value, json};
 
-use super::plot::{Series, png, svg};
+use super::plot::Series;
 use super::serve::{authority, get_text, stream_chat};
 use super::summary::median;
 
@@ -101,6 +101,9 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
         bail!(
             "--sessions, --turns and --reply-tokens must be positive (sessions may be 0 with --restore-tokens)"
         );
+    }
+    if let Some(path) = &args.plot {
+        super::plot::check_path(path)?;
     }
     let address = authority(&args.url)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -248,12 +251,7 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
             "TTFT per turn: {} sessions against {}",
             args.sessions, args.url
         );
-        let bytes = if path.extension().and_then(|e| e.to_str()) == Some("png") {
-            png(&title, &series).context("encoding the PNG plot")?
-        } else {
-            svg(&title, &series).into_bytes()
-        };
-        std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        super::plot::write(path, &title, &series)?;
     }
     if let Some(path) = &args.json {
         let turns: Vec<Value> = rows
@@ -321,13 +319,14 @@ async fn counter(address: &str, name: &str) -> Result<u64> {
 /// prompts of that size until the server reports a spill, then the prompt again as the
 /// history of a next turn.
 async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> Result<Value> {
-    let one = |text: String| {
+    let chat = |messages: Value| {
         json!({
-            "messages": [{"role": "user", "content": text}],
+            "messages": messages,
             "max_tokens": 1, "temperature": 0, "stream": true,
             "stream_options": {"include_usage": true},
         })
     };
+    let one = |text: String| chat(json!([{"role": "user", "content": text}]));
     // The tokenizer decides how many words make `tokens`: measure once and scale.
     let probe = stream_chat(address, key, &one(words(tokens / 2, 9_000))).await?;
     let per_word =
@@ -348,15 +347,11 @@ async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> R
     }
     let restores = counter(address, "corral_session_restores_total").await?;
     // The next turn, as an agent sends it: the history, a reply and a new message.
-    let next = json!({
-        "messages": [
-            {"role": "user", "content": text},
-            {"role": "assistant", "content": "Done."},
-            {"role": "user", "content": words(20, 9_999)},
-        ],
-        "max_tokens": 1, "temperature": 0, "stream": true,
-        "stream_options": {"include_usage": true},
-    });
+    let next = chat(json!([
+        {"role": "user", "content": text},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": words(20, 9_999)},
+    ]));
     let again = stream_chat(address, key, &next).await?;
     let restored = counter(address, "corral_session_restores_total").await? > restores;
     let ms = |s: &super::serve::Streamed| s.ttft.unwrap_or(s.end) * 1e3;
