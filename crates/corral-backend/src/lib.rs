@@ -18,6 +18,7 @@ mod error;
 mod experts;
 mod pool;
 pub mod reference;
+pub mod sampling;
 mod stats;
 pub mod synthetic;
 
@@ -583,6 +584,29 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         rows: usize,
         dim: usize,
         eps: f32,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Applies sampling penalties to `logits` (`len` values) in place: `entries` is `[n,
+    /// DRAW_WORDS]` u32 of [`sampling::Penalty::words`], at most one entry per logit.
+    fn logit_penalties(
+        &self,
+        logits: &mut DeviceBuffer,
+        len: usize,
+        entries: &DeviceBuffer,
+        n: usize,
+    ) -> Result<()>;
+
+    /// Reduces each row of `logits` (`[rows, vocab]` f32) to its best candidates, normalisers
+    /// and Gumbel draw (`[rows, CANDIDATE_ROW_WORDS]` u32 into `out`, read with
+    /// [`sampling::RowCandidates::from_words`]); `draws` is `[rows, DRAW_WORDS]` u32 of
+    /// [`sampling::RowDraw::words`].
+    fn top_candidates(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        vocab: usize,
+        draws: &DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 

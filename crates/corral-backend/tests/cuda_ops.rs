@@ -1015,3 +1015,108 @@ fn an_activation_beyond_f16_range_fails_the_step_with_f16_weights() {
     g.matmul(&xb, rows, view, &mut out).unwrap();
     g.download_f32(&out, &mut host).unwrap();
 }
+
+#[test]
+fn sampling_penalties_and_candidates_match_cpu() {
+    use corral_backend::sampling::{CANDIDATE_ROW_WORDS, Penalty, RowCandidates, RowDraw};
+    let g = gpu_or_skip!();
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(71);
+    // (rows, vocab, logits pattern): random, ties on a grid, ascending (every logit beats the
+    // ones before), sparse finite values among -inf and NaN.
+    let cases = [
+        (1, 151_936, 0),
+        (8, 151_936, 1),
+        (3, 50, 0),
+        (2, 248_320, 3),
+        (4, 4096, 2),
+        (5, 1000, 1),
+    ];
+    for (case, &(rows, vocab, pattern)) in cases.iter().enumerate() {
+        let mut logits = rng.values(rows * vocab);
+        for (i, l) in logits.iter_mut().enumerate() {
+            *l = match pattern {
+                1 => (*l * 8.0).round() / 4.0,
+                2 => (i % vocab) as f32 * 1e-3,
+                3 => match rng.below(100) {
+                    0 => f32::NAN,
+                    1..=90 => f32::NEG_INFINITY,
+                    _ => *l * 10.0,
+                },
+                _ => *l * 12.0,
+            };
+        }
+        let draws: Vec<u32> = (0..rows)
+            .flat_map(|r| {
+                RowDraw {
+                    inv_temperature: [1.0, 1.7, 0.4][r % 3],
+                    gumbel_key: (r % 2 == 1).then(|| rng.next() << 20 | rng.next()),
+                }
+                .words()
+            })
+            .collect();
+        let mut at: Vec<u32> = (0..(rows * vocab) as u32).collect();
+        let penalties: Vec<Penalty> = (0..rows * 40)
+            .map(|_| {
+                let j = rng.below(at.len());
+                Penalty {
+                    index: at.swap_remove(j),
+                    subtract: rng.values(1)[0],
+                    repetition: 1.0 + rng.values(1)[0].abs(),
+                }
+            })
+            .collect();
+        let entries: Vec<u32> = penalties.iter().flat_map(Penalty::words).collect();
+        let mut out = Vec::new();
+        let mut penalised = Vec::new();
+        for b in [g as &dyn Backend, &cpu] {
+            let mut x = f32_buf(b, &logits);
+            let e = u32_buf(b, &entries);
+            b.logit_penalties(&mut x, rows * vocab, &e, penalties.len())
+                .unwrap();
+            let d = u32_buf(b, &draws);
+            let mut o = b
+                .take_buffer(
+                    DType::U32,
+                    rows * CANDIDATE_ROW_WORDS,
+                    BufferUsage::Metadata,
+                )
+                .unwrap();
+            b.top_candidates(&x, rows, vocab, &d, &mut o).unwrap();
+            penalised.push(read(b, &x, rows * vocab));
+            out.push(read_u32(b, &o, rows * CANDIDATE_ROW_WORDS));
+        }
+        // Bit for bit, any NaN as one.
+        let bits = |v: &[f32]| {
+            v.iter()
+                .map(|l| if l.is_nan() { u32::MAX } else { l.to_bits() })
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            bits(&penalised[0]) == bits(&penalised[1]),
+            "case {case}: penalised logits differ"
+        );
+        for r in 0..rows {
+            let words = |o: &[u32]| {
+                RowCandidates::from_words(
+                    &o[r * CANDIDATE_ROW_WORDS..(r + 1) * CANDIDATE_ROW_WORDS],
+                )
+            };
+            let (gc, cc) = (words(&out[0]), words(&out[1]));
+            assert_eq!(gc.top, cc.top, "case {case} row {r}: candidates");
+            assert_eq!(
+                gc.max.to_bits(),
+                cc.max.to_bits(),
+                "case {case} row {r}: max"
+            );
+            assert_eq!(gc.gumbel, cc.gumbel, "case {case} row {r}: Gumbel draw");
+            for (what, a, b) in [
+                ("log-sum-exp", gc.log_sum_exp, cc.log_sum_exp),
+                ("tempered", gc.tempered_log_sum_exp, cc.tempered_log_sum_exp),
+            ] {
+                let ok = (a == b) || (a - b).abs() <= 1e-4 * b.abs().max(1.0);
+                assert!(ok, "case {case} row {r}: {what} {a} against {b}");
+            }
+        }
+    }
+}

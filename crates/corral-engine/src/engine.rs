@@ -195,6 +195,7 @@ fn run(
 ) {
     let vocab = model.config().vocab_size;
     let mut logits = Vec::new();
+    let mut sampling = corral_model::SampledStep::default();
     // Queues a submitted request; false on shutdown.
     let receive = |scheduler: &mut Scheduler, command: Command| match command {
         Command::Submit(request) => {
@@ -239,9 +240,15 @@ fn run(
         if let Some(plan) = plan {
             let backend = model.backend().as_ref();
             // A panic in a forward pass (a bug) fails the step's requests, not the engine.
+            // Rows are sampled where the logits are unless one needs them whole.
+            let sampled = scheduler.prepare_sampling(&plan, vocab, &mut sampling);
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 restore(backend, &mut cache, &mut state, &scheduler, &plan, metrics)?;
-                model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits)
+                if sampled {
+                    model.forward_sampled(&plan.batch, &mut cache, Some(&mut state), &mut sampling)
+                } else {
+                    model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits)
+                }
             }))
             .unwrap_or_else(|_| {
                 Err(corral_model::ModelError::Unsupported(
@@ -256,7 +263,11 @@ fn run(
                     metrics
                         .dispatches
                         .fetch_add(report.stats.dispatches, Ordering::Relaxed);
-                    let counts = scheduler.finish_step(plan, &mut logits, vocab, report.stats);
+                    let counts = if sampled {
+                        scheduler.finish_sampled_step(plan, &mut sampling, report.stats)
+                    } else {
+                        scheduler.finish_step(plan, &mut logits, vocab, report.stats)
+                    };
                     for &(src, dst) in &counts.checkpoint_copies {
                         match state.copy_slot(backend, src, dst) {
                             Ok(()) => {

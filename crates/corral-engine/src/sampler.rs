@@ -3,6 +3,10 @@
 //! top-p and min-p filtering (the order llama.cpp and vLLM apply them), then a seeded draw. Temperature 0
 //! is greedy.
 
+use corral_backend::sampling::{
+    Filter, MIN_TEMPERATURE, Penalty, RowCandidates, RowDraw, TOP_CANDIDATES,
+};
+
 use crate::EngineError;
 
 /// How to pick tokens; checked by [`SamplingParams::validate`].
@@ -74,9 +78,6 @@ impl SamplingParams {
     }
 }
 
-/// Below this temperature sampling is greedy.
-const MIN_TEMPERATURE: f32 = 1e-5;
-
 /// SplitMix64: a small, well-mixed, seedable generator.
 #[derive(Clone, Debug)]
 struct SplitMix64(u64);
@@ -124,13 +125,117 @@ impl Sampler {
     /// (prompt and generated) for the repetition penalty. `logits` is modified.
     pub fn sample(&mut self, logits: &mut [f32], seen: &[u32]) -> u32 {
         let token = self.pick(logits, seen);
-        if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
-            *self.output_counts.entry(token).or_insert(0) += 1;
-        }
+        self.count_output(token);
         token
     }
 
+    /// Whether this row must come back whole: the device's candidates cannot serve a top-k
+    /// beyond them, nor log-probabilities of logits before penalties the device applied.
+    pub fn needs_whole_logits(&self, top_logprobs: Option<usize>) -> bool {
+        self.params.top_k > TOP_CANDIDATES
+            || top_logprobs.is_some_and(|n| n > TOP_CANDIDATES || self.has_penalties())
+    }
+
+    fn has_penalties(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
+    }
+
+    /// The row's filters.
+    pub fn filter(&self) -> Filter {
+        let p = &self.params;
+        Filter {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+        }
+    }
+
+    /// How the device reduces this row (a plain draw takes its key from the random stream).
+    pub fn device_draw(&mut self) -> RowDraw {
+        let filter = self.filter();
+        let key = if filter.is_plain_draw() {
+            self.rng.next_u64()
+        } else {
+            0
+        };
+        filter.draw(key)
+    }
+
+    /// This row's penalties on the device, for logits row `row` of `vocab`: the adjustments
+    /// [`Sampler::sample`] makes on the host.
+    pub fn device_penalties(
+        &mut self,
+        seen: &[u32],
+        row: usize,
+        vocab: usize,
+        out: &mut Vec<Penalty>,
+    ) {
+        if !self.has_penalties() {
+            return;
+        }
+        let p = &self.params;
+        let repeats = p.repetition_penalty != 1.0;
+        let subtract = |t: u32| {
+            self.output_counts.get(&t).map_or(0.0, |&n| {
+                p.presence_penalty + p.frequency_penalty * n as f32
+            })
+        };
+        let mut push = |t: u32, subtract: f32, repetition: f32| {
+            if (t as usize) < vocab {
+                out.push(Penalty {
+                    index: (row * vocab) as u32 + t,
+                    subtract,
+                    repetition,
+                });
+            }
+        };
+        self.seen_scratch.clear();
+        if repeats {
+            self.seen_scratch.extend_from_slice(seen);
+            self.seen_scratch.sort_unstable();
+            self.seen_scratch.dedup();
+            for &t in &self.seen_scratch {
+                push(t, subtract(t), p.repetition_penalty);
+            }
+        }
+        for &t in self.output_counts.keys() {
+            if !(repeats && self.seen_scratch.binary_search(&t).is_ok()) {
+                push(t, subtract(t), 1.0);
+            }
+        }
+    }
+
+    /// Picks the next token from the device's candidates of this row (whose penalties were
+    /// applied there); `None` if they do not decide it and the whole row is needed.
+    pub fn sample_candidates(&mut self, candidates: &RowCandidates) -> Option<u32> {
+        let filter = self.filter();
+        let rng = &mut self.rng;
+        let token = candidates.choose(&filter, || rng.next_f64())?;
+        self.count_output(token);
+        Some(token)
+    }
+
+    /// Picks the next token from a row whose penalties were already applied.
+    pub fn sample_penalised(&mut self, logits: &mut [f32]) -> u32 {
+        let token = self.pick_filtered(logits);
+        self.count_output(token);
+        token
+    }
+
+    fn count_output(&mut self, token: u32) {
+        if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
+            *self.output_counts.entry(token).or_insert(0) += 1;
+        }
+    }
+
     fn pick(&mut self, logits: &mut [f32], seen: &[u32]) -> u32 {
+        self.apply_penalties(logits, seen);
+        self.pick_filtered(logits)
+    }
+
+    fn apply_penalties(&mut self, logits: &mut [f32], seen: &[u32]) {
         let p = &self.params;
         for (&t, &n) in &self.output_counts {
             if let Some(l) = logits.get_mut(t as usize) {
@@ -153,6 +258,10 @@ impl Sampler {
                 }
             }
         }
+    }
+
+    fn pick_filtered(&mut self, logits: &mut [f32]) -> u32 {
+        let p = &self.params;
         // Temperatures this small would overflow `logit / T`; they mean greedy anyway.
         if p.temperature < MIN_TEMPERATURE {
             return argmax(logits);
@@ -169,13 +278,22 @@ impl Sampler {
         if c.is_empty() {
             return argmax(logits);
         }
-        // Most likely first, ties to the lower id. Only top-k and top-p need that order:
-        // top-k selects its candidates in linear time, top-p sorts what is left, and a plain
-        // draw over the whole vocabulary sorts nothing.
+        // Most likely first, ties to the lower id: what is left after a filter is drawn from
+        // in that order (the order of the device's candidates, so both paths draw the same
+        // token from the same seed). Top-k selects its candidates in linear time and min-p
+        // sorts only what it keeps; a plain draw over the whole vocabulary sorts nothing.
         let by_rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < c.len() {
-            c.select_nth_unstable_by(p.top_k - 1, by_rank);
-            c.truncate(p.top_k);
+        let mut sorted = false;
+        if p.top_k > 0 {
+            if p.top_k < c.len() {
+                c.select_nth_unstable_by(p.top_k - 1, by_rank);
+                c.truncate(p.top_k);
+            }
+            c.sort_unstable_by(by_rank);
+            sorted = true;
+        } else if p.top_p < 1.0 {
+            c.sort_unstable_by(by_rank);
+            sorted = true;
         }
         let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
         let mut total = 0.0f64;
@@ -184,7 +302,6 @@ impl Sampler {
             total += *l as f64;
         }
         if p.top_p < 1.0 {
-            c.sort_unstable_by(by_rank);
             let mut cumulative = 0.0;
             let mut keep = c.len();
             for (i, (_, w)) in c.iter().enumerate() {
@@ -199,6 +316,9 @@ impl Sampler {
         if p.min_p > 0.0 {
             // Weights are relative to the top token's, which is exp(0) = 1.
             c.retain(|(_, w)| *w >= p.min_p);
+            if !sorted {
+                c.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            }
         }
         let total: f64 = c.iter().map(|(_, w)| *w as f64).sum();
         let mut target = self.rng.next_f64() * total;
@@ -339,7 +459,170 @@ mod tests {
         assert!(err.to_string().contains("temperature"), "{err}");
     }
 
+    /// One row through the device path on the CPU backend: penalties, reduction, pick (or
+    /// the whole penalised row when the candidates do not decide it).
+    fn device_sample(s: &mut Sampler, row: &[f32], seen: &[u32]) -> (u32, bool) {
+        use corral_backend::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS};
+        use corral_backend::{Backend, BufferUsage, CpuBackend, DType};
+        let b = CpuBackend::new();
+        let vocab = row.len();
+        let mut logits = b.weight_from_f32(row, DType::F32).unwrap();
+        let mut penalties = Vec::new();
+        let draw = s.device_draw();
+        s.device_penalties(seen, 0, vocab, &mut penalties);
+        let words: Vec<u32> = penalties.iter().flat_map(Penalty::words).collect();
+        let mut entries = b
+            .take_buffer(DType::U32, words.len().max(1), BufferUsage::Metadata)
+            .unwrap();
+        b.upload_u32(&words, &mut entries).unwrap();
+        b.logit_penalties(&mut logits, vocab, &entries, penalties.len())
+            .unwrap();
+        let mut draws = b
+            .take_buffer(DType::U32, DRAW_WORDS, BufferUsage::Metadata)
+            .unwrap();
+        b.upload_u32(&draw.words(), &mut draws).unwrap();
+        let mut out = b
+            .take_buffer(DType::U32, CANDIDATE_ROW_WORDS, BufferUsage::Metadata)
+            .unwrap();
+        b.top_candidates(&logits, 1, vocab, &draws, &mut out)
+            .unwrap();
+        let mut words = vec![0; CANDIDATE_ROW_WORDS];
+        b.download_u32(&out, &mut words).unwrap();
+        let candidates = RowCandidates::from_words(&words);
+        match s.sample_candidates(&candidates) {
+            Some(t) => (t, true),
+            None => {
+                let mut full = vec![0.0; vocab];
+                b.download_f32(&logits, &mut full).unwrap();
+                (s.sample_penalised(&mut full), false)
+            }
+        }
+    }
+
+    #[test]
+    fn device_path_needs_the_whole_row_only_when_its_candidates_fall_short() {
+        // 200 equal logits: top-p 0.9 needs 180 of them, beyond the 64 candidates.
+        let flat = vec![1.0f32; 200];
+        let mut s = Sampler::new(SamplingParams {
+            top_p: 0.9,
+            ..params(1.0)
+        });
+        let (t, decided) = device_sample(&mut s, &flat, &[]);
+        assert!(!decided && t < 180, "{t}");
+        // One dominant logit: the nucleus is one candidate.
+        let mut peaked = flat.clone();
+        peaked[77] = 30.0;
+        let (t, decided) = device_sample(&mut s, &peaked, &[]);
+        assert!(decided && t == 77, "{t}");
+        // min-p over a flat row keeps everything; over a peaked one, one token.
+        let mut s = Sampler::new(SamplingParams {
+            min_p: 0.5,
+            ..params(1.0)
+        });
+        assert!(!device_sample(&mut s, &flat, &[]).1);
+        assert_eq!(device_sample(&mut s, &peaked, &[]), (77, true));
+        let s = Sampler::new(SamplingParams {
+            top_k: TOP_CANDIDATES + 1,
+            ..params(1.0)
+        });
+        assert!(s.needs_whole_logits(None));
+        let s = Sampler::new(SamplingParams {
+            repetition_penalty: 1.1,
+            ..params(1.0)
+        });
+        assert!(s.needs_whole_logits(Some(5)) && !s.needs_whole_logits(None));
+    }
+
+    #[test]
+    fn device_plain_draws_follow_the_distribution() {
+        let mut s = Sampler::new(SamplingParams {
+            seed: 5,
+            ..params(1.0)
+        });
+        let logits = [0.0f32, (3.0f32).ln()];
+        let ones = (0..4000)
+            .filter(|_| device_sample(&mut s, &logits, &[]).0 == 1)
+            .count();
+        assert!((2890..3110).contains(&ones), "{ones}");
+    }
+
+    fn filter_params() -> impl Strategy<Value = SamplingParams> {
+        (
+            any::<u64>(),
+            prop_oneof![Just(0.0f32), 0.3f32..2.0],
+            prop_oneof![Just(0usize), 1usize..=70],
+            prop_oneof![Just(1.0f32), 0.05f32..1.0],
+            prop_oneof![Just(0.0f32), 0.0f32..0.9],
+            prop_oneof![Just(1.0f32), 0.5f32..2.0],
+            prop_oneof![Just(0.0f32), -2.0f32..2.0],
+            prop_oneof![Just(0.0f32), -2.0f32..2.0],
+        )
+            .prop_map(|(seed, t, k, top_p, min_p, rep, presence, frequency)| {
+                SamplingParams {
+                    temperature: t,
+                    top_k: k,
+                    top_p,
+                    min_p,
+                    repetition_penalty: rep,
+                    presence_penalty: presence,
+                    frequency_penalty: frequency,
+                    seed,
+                }
+            })
+    }
+
     proptest! {
+        /// Device and host paths draw the same tokens from the same seed, except plain draws
+        /// (the device's is a Gumbel-max draw over the whole vocabulary). Logits on a grid
+        /// of quarters, so that ties are exact on both paths.
+        #[test]
+        fn device_and_host_paths_pick_the_same_tokens(
+            p in filter_params(),
+            logits in proptest::collection::vec((-24i32..24).prop_map(|q| q as f32 * 0.25), 2..300),
+            seen in proptest::collection::vec(0u32..300, 0..20),
+        ) {
+            let seen: Vec<u32> = seen.into_iter().filter(|&t| (t as usize) < logits.len()).collect();
+            let filter = Sampler::new(p.clone()).filter();
+            prop_assume!(!filter.is_plain_draw());
+            let mut host = Sampler::new(p.clone());
+            let mut device = Sampler::new(p);
+            for _ in 0..4 {
+                let h = host.sample(&mut logits.clone(), &seen);
+                let (d, _) = device_sample(&mut device, &logits, &seen);
+                prop_assert_eq!(h, d);
+            }
+        }
+
+        #[test]
+        fn device_penalties_equal_the_hosts(
+            p in filter_params(),
+            logits in proptest::collection::vec(-5.0f32..5.0, 2..100),
+            seen in proptest::collection::vec(0u32..100, 0..40),
+        ) {
+            use corral_backend::{Backend, BufferUsage, CpuBackend, DType};
+            let seen: Vec<u32> = seen.into_iter().filter(|&t| (t as usize) < logits.len()).collect();
+            let mut s = Sampler::new(p);
+            for &t in &seen[..seen.len() / 2] {
+                s.count_output(t);
+            }
+            let mut host = logits.clone();
+            s.clone().apply_penalties(&mut host, &seen);
+            let mut entries = Vec::new();
+            s.device_penalties(&seen, 0, logits.len(), &mut entries);
+            let b = CpuBackend::new();
+            let mut device = b.weight_from_f32(&logits, DType::F32).unwrap();
+            let words: Vec<u32> = entries.iter().flat_map(Penalty::words).collect();
+            let mut buf = b.take_buffer(DType::U32, words.len().max(1), BufferUsage::Metadata).unwrap();
+            b.upload_u32(&words, &mut buf).unwrap();
+            b.logit_penalties(&mut device, logits.len(), &buf, entries.len()).unwrap();
+            let mut back = vec![0.0; logits.len()];
+            b.download_f32(&device, &mut back).unwrap();
+            prop_assert_eq!(
+                host.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+                back.iter().map(|l| l.to_bits()).collect::<Vec<_>>()
+            );
+        }
+
         #[test]
         fn same_seed_same_tokens(seed in any::<u64>(), logits in proptest::collection::vec(-5.0f32..5.0, 2..50)) {
             let p = SamplingParams { seed, top_k: 10, top_p: 0.9, min_p: 0.01, ..params(0.8) };

@@ -25,7 +25,10 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use corral_backend::DispatchStats;
-use corral_model::{BlockId, BlockTable, LogitsWanted, RaggedBatch, SeqId, SlotId, TokenId};
+use corral_backend::sampling::Filter;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, RaggedBatch, SampledStep, SeqId, SlotId, TokenId,
+};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::request::{EngineRequest, Event, Finished, TokenEvent};
@@ -612,6 +615,64 @@ impl Scheduler {
         vocab: usize,
         stats: DispatchStats,
     ) -> StepCounts {
+        self.finish(plan, StepLogits::Whole(logits, vocab), stats)
+    }
+
+    /// Fills `step` with the sampling of `plan`'s logits rows, for the device to reduce them
+    /// ([`corral_model::Model::forward_sampled`]); false, touching nothing, if a row needs its
+    /// whole logits (a top-k beyond the device's candidates, log-probabilities before
+    /// penalties): then the step reads them back whole for [`Scheduler::finish_step`].
+    pub fn prepare_sampling(
+        &mut self,
+        plan: &StepPlan,
+        vocab: usize,
+        step: &mut SampledStep,
+    ) -> bool {
+        let index = |running: &[Sequence], id: SeqId| running.iter().position(|s| s.id == id);
+        let wanted = plan.runs.iter().filter(|r| r.wants_logits);
+        if wanted.clone().any(|r| {
+            index(&self.running, r.seq).is_some_and(|i| {
+                let seq = &self.running[i];
+                seq.sampler.needs_whole_logits(seq.top_logprobs)
+            })
+        }) {
+            return false;
+        }
+        step.rows.clear();
+        step.penalties.clear();
+        for (row, run) in wanted.enumerate() {
+            match index(&self.running, run.seq) {
+                Some(i) => {
+                    let seq = &mut self.running[i];
+                    step.rows
+                        .push((seq.sampler.filter(), seq.sampler.device_draw()));
+                    seq.sampler
+                        .device_penalties(&seq.tokens, row, vocab, &mut step.penalties);
+                }
+                None => {
+                    step.rows.push((Filter::GREEDY, Filter::GREEDY.draw(0)));
+                }
+            }
+        }
+        true
+    }
+
+    /// [`Scheduler::finish_step`] for a step whose rows the device reduced.
+    pub fn finish_sampled_step(
+        &mut self,
+        plan: StepPlan,
+        step: &mut SampledStep,
+        stats: DispatchStats,
+    ) -> StepCounts {
+        self.finish(plan, StepLogits::Sampled(step), stats)
+    }
+
+    fn finish(
+        &mut self,
+        plan: StepPlan,
+        mut logits: StepLogits<'_>,
+        stats: DispatchStats,
+    ) -> StepCounts {
         let mut counts = StepCounts::default();
         let mut row = 0;
         let now = Instant::now();
@@ -642,18 +703,23 @@ impl Scheduler {
             if !run.wants_logits {
                 continue;
             }
-            let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
-            row += 1;
-            // Log-probabilities are the model's, before any penalty the sampler applies.
-            let raw = seq.top_logprobs.map(|n| (row_logits.to_vec(), n));
-            let token = seq.sampler.sample(row_logits, &seq.tokens);
-            let (logprob, top) = match raw {
-                Some((raw, n)) => {
-                    let (lse, top) = log_softmax_top(&raw, n);
-                    (Some(lse_logprob(&raw, token, lse)), top)
+            let (token, logprob, top) = match &mut logits {
+                StepLogits::Whole(logits, vocab) => {
+                    let row_logits = &mut logits[row * *vocab..(row + 1) * *vocab];
+                    // Log-probabilities are the model's, before any penalty the sampler applies.
+                    let raw = seq.top_logprobs.map(|n| (row_logits.to_vec(), n));
+                    let token = seq.sampler.sample(row_logits, &seq.tokens);
+                    match raw {
+                        Some((raw, n)) => {
+                            let (lse, top) = log_softmax_top(&raw, n);
+                            (token, Some(lse_logprob(&raw, token, lse)), top)
+                        }
+                        None => (token, None, Vec::new()),
+                    }
                 }
-                None => (None, Vec::new()),
+                StepLogits::Sampled(step) => sampled_token(seq, step, row),
             };
+            row += 1;
             let finish = if seq.stop_token_ids.contains(&token) {
                 Some(FinishReason::Stop)
             } else {
@@ -859,6 +925,58 @@ fn take_final_checkpoint(
         return;
     }
     queue_checkpoint(prefix, seq, slot, true, counts);
+}
+
+/// A step's logits as read back.
+enum StepLogits<'a> {
+    /// Every row whole, `[rows, vocab]`.
+    Whole(&'a mut [f32], usize),
+    /// Every row reduced on the device.
+    Sampled(&'a mut SampledStep),
+}
+
+/// `(token, its log-probability, the top ones)` of logits row `row` of a sampled step. Rows
+/// asking for log-probabilities have no penalties here ([`Sampler::needs_whole_logits`]), so
+/// the candidates' logits are the model's.
+fn sampled_token(
+    seq: &mut Sequence,
+    step: &mut SampledStep,
+    row: usize,
+) -> (u32, Option<f32>, Vec<(u32, f32)>) {
+    let Some(candidates) = step.candidates.get(row) else {
+        return (0, None, Vec::new());
+    };
+    let full = step.full_rows.get_mut(row).and_then(Option::as_mut);
+    let (token, logit) = match full {
+        Some(full) => {
+            let token = seq.sampler.sample_penalised(full);
+            (token, full.get(token as usize).copied())
+        }
+        None => {
+            let token = seq.sampler.sample_candidates(candidates).unwrap_or(0);
+            let logit = candidates
+                .top
+                .iter()
+                .chain(candidates.gumbel.as_ref())
+                .find(|(id, _)| *id == token)
+                .map(|&(_, l)| l);
+            (token, logit)
+        }
+    };
+    match seq.top_logprobs {
+        Some(n) => {
+            let lse = candidates.log_sum_exp;
+            let top = candidates
+                .top
+                .iter()
+                .take(n)
+                .map(|&(id, l)| (id, l - lse))
+                .collect();
+            let logprob = logit.map_or(f32::NEG_INFINITY, |l| l - lse);
+            (token, Some(logprob), top)
+        }
+        None => (token, None, Vec::new()),
+    }
 }
 
 /// `(log-sum-exp of logits, the n most likely tokens with their log-probabilities)`.

@@ -26,7 +26,7 @@ pub use checkpoint::Checkpoint;
 pub use config::{Family, HybridConfig, LayerKind, LinearAttentionConfig, ModelConfig, MoeConfig};
 pub use error::{ModelError, Result};
 pub use kv_cache::{LayerKv, PagedKvCache, RecurrentStateCache};
-pub use model::{ForwardReport, Model};
+pub use model::{ForwardReport, Model, SampledStep};
 pub use moe::{
     CALIBRATION_TOKENS, DEFAULT_GROUPED_MIN_TOKENS, MoeCalibration, MoeStrategy, UnknownStrategy,
     crossover,

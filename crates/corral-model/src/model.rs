@@ -4,7 +4,10 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use corral_backend::{Backend, DType, DispatchStats, Graph};
+use corral_backend::sampling::{
+    CANDIDATE_ROW_WORDS, DRAW_WORDS, Filter, Penalty, RowCandidates, RowDraw,
+};
+use corral_backend::{Backend, BufferUsage, DType, DispatchStats, Graph};
 
 use crate::batch::RaggedBatch;
 use crate::checkpoint::Checkpoint;
@@ -273,7 +276,7 @@ impl Model {
         cache: &mut PagedKvCache,
         logits: &mut Vec<f32>,
     ) -> Result<ForwardReport> {
-        self.run(batch, cache, None, logits)
+        self.run(batch, cache, None, &mut StepOutput::Logits(logits))
     }
 
     /// [`Model::forward`] for models with recurrent layers: every run of `batch` has a state
@@ -285,7 +288,20 @@ impl Model {
         state: &mut RecurrentStateCache,
         logits: &mut Vec<f32>,
     ) -> Result<ForwardReport> {
-        self.run(batch, cache, Some(state), logits)
+        self.run(batch, cache, Some(state), &mut StepOutput::Logits(logits))
+    }
+
+    /// A forward pass whose logits rows are reduced for sampling where they are
+    /// ([`SampledStep`]) instead of read back whole; `state` as [`Model::forward_with_state`]
+    /// asks (`None` for models without recurrent layers).
+    pub fn forward_sampled(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        state: Option<&mut RecurrentStateCache>,
+        step: &mut SampledStep,
+    ) -> Result<ForwardReport> {
+        self.run(batch, cache, state, &mut StepOutput::Sampled(step))
     }
 
     fn run(
@@ -293,7 +309,7 @@ impl Model {
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
         mut state: Option<&mut RecurrentStateCache>,
-        logits: &mut Vec<f32>,
+        out: &mut StepOutput<'_>,
     ) -> Result<ForwardReport> {
         let backend = self.backend.as_ref();
         let before = backend.stats();
@@ -470,11 +486,7 @@ impl Model {
                     }
                     None => forward(&mut entry.ws, cache, state.as_deref_mut(), &mut moe_stats)?,
                 }
-                logits.resize(rows.len() * config.vocab_size, 0.0);
-                if !rows.is_empty() {
-                    backend.download_f32(&entry.ws.logits, logits)?;
-                }
-                Ok(())
+                read_out(backend, &mut entry.ws, rows.len(), config.vocab_size, out)
             })()
         } else {
             let mut ws = Workspace::take(
@@ -489,11 +501,7 @@ impl Model {
             let result = (|| {
                 upload(&mut ws)?;
                 forward(&mut ws, cache, state.as_deref_mut(), &mut moe_stats)?;
-                logits.resize(rows.len() * config.vocab_size, 0.0);
-                if !rows.is_empty() {
-                    backend.download_f32(&ws.logits, logits)?;
-                }
-                Ok(())
+                read_out(backend, &mut ws, rows.len(), config.vocab_size, out)
             })();
             ws.give(backend);
             result
@@ -505,4 +513,104 @@ impl Model {
             moe_layers: self.num_sparse_layers(),
         })
     }
+}
+
+/// What a forward pass reads back.
+enum StepOutput<'a> {
+    /// Every wanted row's logits, `[rows, vocab]`.
+    Logits(&'a mut Vec<f32>),
+    /// Every wanted row reduced on the device.
+    Sampled(&'a mut SampledStep),
+}
+
+/// A step's sampling on the device: penalties applied to the logits where they are, each row
+/// reduced to its candidates ([`RowCandidates`]), and only the rows whose filters those do
+/// not decide read back whole.
+#[derive(Debug, Default)]
+pub struct SampledStep {
+    /// In: per logits row (in [`RaggedBatch::logit_rows`] order), its filters and draw.
+    pub rows: Vec<(Filter, RowDraw)>,
+    /// In: penalties, indexed into `[rows, vocab]`.
+    pub penalties: Vec<Penalty>,
+    /// Out: per row, its candidates.
+    pub candidates: Vec<RowCandidates>,
+    /// Out: per row, its whole penalised logits when the candidates do not decide its pick.
+    pub full_rows: Vec<Option<Vec<f32>>>,
+    words: Vec<u32>,
+}
+
+/// Entries of a penalty buffer: powers of two from this, so that steady steps reuse buffers.
+const MIN_PENALTY_ENTRIES: usize = 1024;
+
+fn read_out(
+    backend: &dyn Backend,
+    ws: &mut Workspace,
+    rows: usize,
+    vocab: usize,
+    out: &mut StepOutput<'_>,
+) -> Result<()> {
+    let step = match out {
+        StepOutput::Logits(logits) => {
+            logits.resize(rows * vocab, 0.0);
+            if rows > 0 {
+                backend.download_f32(&ws.logits, logits)?;
+            }
+            return Ok(());
+        }
+        StepOutput::Sampled(step) => step,
+    };
+    if step.rows.len() != rows {
+        return Err(ModelError::InvalidBatch(format!(
+            "sampling asks for {} rows, the batch has {rows}",
+            step.rows.len()
+        )));
+    }
+    step.candidates.clear();
+    step.full_rows.clear();
+    if rows == 0 {
+        return Ok(());
+    }
+    if !step.penalties.is_empty() {
+        let n = step.penalties.len();
+        let mut entries = backend.take_buffer(
+            DType::U32,
+            (n * DRAW_WORDS)
+                .next_power_of_two()
+                .max(MIN_PENALTY_ENTRIES * DRAW_WORDS),
+            BufferUsage::Metadata,
+        )?;
+        step.words.clear();
+        step.words
+            .extend(step.penalties.iter().flat_map(Penalty::words));
+        let applied = backend
+            .upload_u32(&step.words, &mut entries)
+            .and_then(|()| backend.logit_penalties(&mut ws.logits, rows * vocab, &entries, n));
+        backend.give_buffer(entries);
+        applied?;
+    }
+    step.words.clear();
+    step.words
+        .extend(step.rows.iter().flat_map(|(_, draw)| draw.words()));
+    backend.upload_u32(&step.words, &mut ws.draws)?;
+    backend.top_candidates(&ws.logits, rows, vocab, &ws.draws, &mut ws.candidates)?;
+    step.words.resize(rows * CANDIDATE_ROW_WORDS, 0);
+    backend.download_u32(&ws.candidates, &mut step.words)?;
+    for (i, words) in step.words.chunks_exact(CANDIDATE_ROW_WORDS).enumerate() {
+        let candidates = RowCandidates::from_words(words);
+        let full = if candidates.decides(&step.rows[i].0) {
+            None
+        } else {
+            let mut bytes = vec![0u8; vocab * 4];
+            backend.read_bytes(&ws.logits, i * vocab, &mut bytes)?;
+            Some(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            )
+        };
+        step.candidates.push(candidates);
+        step.full_rows.push(full);
+    }
+    Ok(())
 }

@@ -7,7 +7,10 @@ pub(crate) mod ops;
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use crate::buffer::Storage;
+use crate::sampling::{self, CANDIDATE_ROW_WORDS, DRAW_WORDS, Penalty};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
@@ -1079,6 +1082,63 @@ impl Backend for CpuBackend {
         let out = f32s_mut(op, "out", out, rows * dim)?;
         self.stats.dispatch(1);
         ops::delta_net::gated_rms_norm(x, z, weight, dim, eps, out);
+        Ok(())
+    }
+
+    fn logit_penalties(
+        &self,
+        logits: &mut DeviceBuffer,
+        len: usize,
+        entries: &DeviceBuffer,
+        n: usize,
+    ) -> Result<()> {
+        let op = "logit_penalties";
+        let entries = u32s(op, "entries", entries, n * DRAW_WORDS)?;
+        let logits = f32s_mut(op, "logits", logits, len)?;
+        if let Some(e) = entries
+            .chunks_exact(DRAW_WORDS)
+            .find(|e| e[0] as usize >= len)
+        {
+            return Err(bad(
+                op,
+                format!("index {} is out of range for {len} logits", e[0]),
+            ));
+        }
+        self.stats.dispatch(1);
+        for e in entries.chunks_exact(DRAW_WORDS) {
+            let penalty = Penalty {
+                index: e[0],
+                subtract: f32::from_bits(e[1]),
+                repetition: f32::from_bits(e[2]),
+            };
+            let l = &mut logits[e[0] as usize];
+            *l = penalty.apply(*l);
+        }
+        Ok(())
+    }
+
+    fn top_candidates(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        vocab: usize,
+        draws: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "top_candidates";
+        let logits = f32s(op, "logits", logits, rows * vocab)?;
+        let draws = u32s(op, "draws", draws, rows * DRAW_WORDS)?;
+        let out = u32s_mut(op, "out", out, rows * CANDIDATE_ROW_WORDS)?;
+        if vocab == 0 {
+            return Err(bad(op, "an empty vocabulary".to_string()));
+        }
+        self.stats.dispatch(1);
+        out.par_chunks_mut(CANDIDATE_ROW_WORDS)
+            .zip(logits.par_chunks(vocab))
+            .zip(draws.par_chunks(DRAW_WORDS))
+            .for_each_init(Vec::new, |keys, ((out, row), draw)| {
+                sampling::reduce_row(row, draw, keys, out);
+            });
         Ok(())
     }
 

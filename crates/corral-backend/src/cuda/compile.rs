@@ -39,7 +39,7 @@ const MMA_VEC: &str = include_str!("kernels/mma_vec.cuh");
 const MMA_BIG_TILE: &str = include_str!("kernels/mma_big_tile.cuh");
 
 /// Every kernel file, one per op family.
-pub(crate) const SOURCES: [KernelSource; 7] = [
+pub(crate) const SOURCES: [KernelSource; 8] = [
     KernelSource {
         name: "elementwise.cu",
         headers: &[COMMON],
@@ -74,6 +74,11 @@ pub(crate) const SOURCES: [KernelSource; 7] = [
         name: "delta_net.cu",
         headers: &[COMMON],
         body: include_str!("kernels/delta_net.cu"),
+    },
+    KernelSource {
+        name: "sampling.cu",
+        headers: &[COMMON],
+        body: include_str!("kernels/sampling.cu"),
     },
 ];
 

@@ -82,6 +82,8 @@ pub(crate) struct Kernels {
     /// The delta rule for blocks of up to 256 threads (value dims up to 128), and any.
     pub(crate) gated_delta_rule_256: Kernel,
     pub(crate) gated_delta_rule: Kernel,
+    pub(crate) logit_penalties: Kernel,
+    pub(crate) top_candidates: Kernel,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -267,6 +269,8 @@ impl Kernels {
             delta_net_gates: find("delta_net_gates")?,
             gated_delta_rule_256: find("gated_delta_rule_256")?,
             gated_delta_rule: find("gated_delta_rule")?,
+            logit_penalties: find("logit_penalties")?,
+            top_candidates: find("top_candidates")?,
             _modules: modules,
         };
         report.seconds = start.elapsed().as_secs_f64();

@@ -28,6 +28,7 @@ pub(crate) use device::DeviceMem;
 pub use kernels::KernelCacheReport;
 
 use crate::buffer::Storage;
+use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
@@ -1848,6 +1849,61 @@ impl Backend for CudaBackend {
             &self.kernels.gated_rms_norm,
             (grid_of(op, rows)?, 1, 1),
             128,
+            &args,
+        )
+    }
+
+    fn logit_penalties(
+        &self,
+        logits: &mut DeviceBuffer,
+        len: usize,
+        entries: &DeviceBuffer,
+        n: usize,
+    ) -> Result<()> {
+        let op = "logit_penalties";
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            buf(op, "logits", logits, DType::F32, len)?,
+            u32_of(op, len)?,
+            buf(op, "entries", entries, DType::U32, n * DRAW_WORDS)?,
+            u32_of(op, n)?,
+            self.diag(),
+        ];
+        self.launch(
+            &self.kernels.logit_penalties,
+            (grid_of(op, n.div_ceil(256))?, 1, 1),
+            256,
+            &args,
+        )
+    }
+
+    fn top_candidates(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        vocab: usize,
+        draws: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "top_candidates";
+        if rows == 0 {
+            return Ok(());
+        }
+        if vocab == 0 {
+            return Err(bad(op, "an empty vocabulary".to_string()));
+        }
+        let args = [
+            buf(op, "logits", logits, DType::F32, rows * vocab)?,
+            u32_of(op, vocab)?,
+            buf(op, "draws", draws, DType::U32, rows * DRAW_WORDS)?,
+            buf(op, "out", out, DType::U32, rows * CANDIDATE_ROW_WORDS)?,
+        ];
+        self.launch(
+            &self.kernels.top_candidates,
+            (grid_of(op, rows)?, 1, 1),
+            1024,
             &args,
         )
     }

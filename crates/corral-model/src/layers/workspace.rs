@@ -1,6 +1,7 @@
 //! Activation buffers of one forward pass, taken from the backend's pool at its start and
 //! given back at its end, so that steady-state forwards allocate nothing.
 
+use corral_backend::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS};
 use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
 
 use crate::{ModelConfig, Result};
@@ -103,6 +104,8 @@ macro_rules! for_each_buffer {
             $($by)* ws.rows,
             $($by)* ws.rows_normed,
             $($by)* ws.logits,
+            $($by)* ws.draws,
+            $($by)* ws.candidates,
         ] {
             f(buffer);
         }
@@ -146,6 +149,9 @@ pub(crate) struct Workspace {
     pub(crate) rows: DeviceBuffer,
     pub(crate) rows_normed: DeviceBuffer,
     pub(crate) logits: DeviceBuffer,
+    /// `[R, DRAW_WORDS]` and `[R, CANDIDATE_ROW_WORDS]`: sampling on the device.
+    pub(crate) draws: DeviceBuffer,
+    pub(crate) candidates: DeviceBuffer,
 }
 
 impl Workspace {
@@ -246,6 +252,8 @@ impl Workspace {
             rows: f32_buf(logit_rows * h)?,
             rows_normed: f32_buf(logit_rows * h)?,
             logits: f32_buf(logit_rows * config.vocab_size)?,
+            draws: u32_buf(logit_rows * DRAW_WORDS)?,
+            candidates: u32_buf(logit_rows * CANDIDATE_ROW_WORDS)?,
         })
     }
 

@@ -11,10 +11,11 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_backend::DispatchStats;
+use corral_backend::sampling::Filter;
 use corral_engine::{BLOCK_SIZE, argmax};
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
-    SeqId, SlotId, TokenId,
+    SampledStep, SeqId, SlotId, TokenId,
 };
 use serde_json::json;
 
@@ -50,11 +51,16 @@ pub(crate) struct DecodeArgs {
     /// After each cell, time one more step kernel by kernel (launched eagerly).
     #[arg(long)]
     profile: bool,
+    /// Pick each greedy token where the logits are (`device`: the reduction serving runs),
+    /// or read every row back and pick on the host (`host`), or both in one run.
+    #[arg(long, value_delimiter = ',', default_value = "device")]
+    sampling: Vec<String>,
 }
 
 struct Cell {
     strategy: String,
     graphs: bool,
+    on_device: bool,
     batch: usize,
     context: usize,
     step_ms: Vec<f64>,
@@ -67,8 +73,12 @@ fn run_cell(
     context: usize,
     steps: usize,
     profile_last: bool,
+    on_device: bool,
     logits: &mut Vec<f32>,
 ) -> Result<(Vec<f64>, DispatchStats)> {
+    let greedy = Filter::GREEDY;
+    let mut sampled = SampledStep::default();
+    sampled.rows = vec![(greedy, greedy.draw(0)); batch_size];
     let config = model.config().clone();
     let backend = Arc::clone(model.backend());
     let per_seq = (context + steps).div_ceil(BLOCK_SIZE);
@@ -105,15 +115,26 @@ fn run_cell(
             batch.set_state_slot(seq, SlotId(s as u32))?;
         }
         let start = Instant::now();
-        let report = if model.is_hybrid() {
-            model.forward_with_state(&batch, &mut cache, &mut state, logits)?
+        let hybrid = model.is_hybrid();
+        let report = if on_device {
+            let state = hybrid.then_some(&mut state);
+            let report = model.forward_sampled(&batch, &mut cache, state, &mut sampled)?;
+            for (token, c) in next.iter_mut().zip(&sampled.candidates) {
+                *token = c.top.first().map_or(0, |&(id, _)| id);
+            }
+            report
         } else {
-            model.forward(&batch, &mut cache, logits)?
+            let report = if hybrid {
+                model.forward_with_state(&batch, &mut cache, &mut state, logits)?
+            } else {
+                model.forward(&batch, &mut cache, logits)?
+            };
+            let vocab = config.vocab_size;
+            for (s, token) in next.iter_mut().enumerate() {
+                *token = argmax(&logits[s * vocab..(s + 1) * vocab]);
+            }
+            report
         };
-        let vocab = config.vocab_size;
-        for (s, token) in next.iter_mut().enumerate() {
-            *token = argmax(&logits[s * vocab..(s + 1) * vocab]);
-        }
         if step < steps {
             times.push(start.elapsed().as_secs_f64() * 1e3);
             stats = report.stats;
@@ -148,20 +169,37 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
             other => bail!("--graphs: `{other}` is neither on nor off"),
         })
         .collect::<Result<_>>()?;
+    let sampling_modes: Vec<bool> = args
+        .sampling
+        .iter()
+        .map(|g| match g.as_str() {
+            "device" => Ok(true),
+            "host" => Ok(false),
+            other => bail!("--sampling: `{other}` is neither device nor host"),
+        })
+        .collect::<Result<_>>()?;
     let mut cells = Vec::new();
     let mut logits = Vec::new();
     for &context in &args.context {
         for &batch in &args.batch {
-            for ((name, strategy), &graphs) in strategies
+            for (((name, strategy), &graphs), &on_device) in strategies
                 .iter()
                 .flat_map(|s| graph_modes.iter().map(move |g| (s, g)))
+                .flat_map(|c| sampling_modes.iter().map(move |d| (c, d)))
             {
                 model.set_moe_strategy(*strategy);
                 model.set_graphs(graphs);
                 let steps = args.warmup + args.steps;
-                let (times, stats) =
-                    run_cell(&mut model, batch, context, steps, args.profile, &mut logits)
-                        .with_context(|| format!("batch {batch} at context {context}"))?;
+                let (times, stats) = run_cell(
+                    &mut model,
+                    batch,
+                    context,
+                    steps,
+                    args.profile,
+                    on_device,
+                    &mut logits,
+                )
+                .with_context(|| format!("batch {batch} at context {context}"))?;
                 if args.profile {
                     let title = format!("{name}, batch {batch}, context {context}");
                     super::print_kernel_profile(&title, &model)?;
@@ -170,6 +208,7 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
                 cells.push(Cell {
                     strategy: name.clone(),
                     graphs,
+                    on_device,
                     batch,
                     context,
                     step_ms: times[args.warmup..].to_vec(),
@@ -186,9 +225,10 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         args.warmup
     );
     println!(
-        "{:<11} {:>6} {:>6} {:>8} {:>9} {:>7} {:>10} {:>9} {:>7} {:>6} {:>7} {:>12}",
+        "{:<11} {:>6} {:>8} {:>6} {:>8} {:>9} {:>7} {:>10} {:>9} {:>7} {:>6} {:>7} {:>12}",
         "strategy",
         "graphs",
+        "sampling",
         "batch",
         "context",
         "ms/step",
@@ -205,9 +245,10 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         let ms = median(&c.step_ms);
         let tok_s = c.batch as f64 / (ms / 1e3);
         println!(
-            "{:<11} {:>6} {:>6} {:>8} {:>9.3} {:>6.1}% {:>10.1} {:>9} {:>7} {:>6} {:>7} {:>12.1}",
+            "{:<11} {:>6} {:>8} {:>6} {:>8} {:>9.3} {:>6.1}% {:>10.1} {:>9} {:>7} {:>6} {:>7} {:>12.1}",
             c.strategy,
             if c.graphs { "on" } else { "off" },
+            if c.on_device { "device" } else { "host" },
             c.batch,
             c.context,
             ms,
@@ -222,6 +263,7 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         rows.push(json!({
             "strategy": c.strategy,
             "graphs": c.graphs,
+            "sampling": if c.on_device { "device" } else { "host" },
             "batch": c.batch,
             "context": c.context,
             "ms_per_step_median": ms,
