@@ -11,7 +11,8 @@
 pub const TOP_CANDIDATES: usize = 64;
 
 /// `u32` words a row of [`Backend::top_candidates`](crate::Backend::top_candidates) writes:
-/// ids, logits, then count, max, log-sum-exp, tempered log-sum-exp, Gumbel id and logit.
+/// ids, logits, then count, max, log-sum-exp, tempered log-sum-exp, Gumbel id and logit,
+/// whether it is truncated.
 pub const CANDIDATE_ROW_WORDS: usize = 2 * TOP_CANDIDATES + 8;
 
 /// `u32` words of one row's draw parameters and of one penalty entry.
@@ -95,6 +96,9 @@ pub struct RowCandidates {
     pub tempered_log_sum_exp: f32,
     /// The Gumbel-max draw `(id, logit)`, if the row asked for one.
     pub gumbel: Option<(u32, f32)>,
+    /// Whether only the first candidate is sure to be the row's best (the device's
+    /// reduction met too many near-equal logits); the normalisers and the draw are exact.
+    pub truncated: bool,
 }
 
 impl RowCandidates {
@@ -113,12 +117,13 @@ impl RowCandidates {
             log_sum_exp: f32::from_bits(w[2 * k + 2]),
             tempered_log_sum_exp: f32::from_bits(w[2 * k + 3]),
             gumbel,
+            truncated: w[2 * k + 6] != 0,
         }
     }
 
     /// Whether every finite logit of the row is among the candidates.
     pub fn is_whole_row(&self) -> bool {
-        self.top.len() < TOP_CANDIDATES
+        self.top.len() < TOP_CANDIDATES && !self.truncated
     }
 }
 
@@ -215,6 +220,9 @@ impl RowCandidates {
         }
         if f.is_plain_draw() {
             return self.gumbel.map(|(id, _)| Kept::Token(id));
+        }
+        if self.truncated {
+            return None;
         }
         let whole = self.is_whole_row();
         let mut top = &self.top[..];

@@ -946,37 +946,35 @@ fn sampled_token(
     let Some(candidates) = step.candidates.get(row) else {
         return (0, None, Vec::new());
     };
-    let full = step.full_rows.get_mut(row).and_then(Option::as_mut);
-    let (token, logit) = match full {
-        Some(full) => {
-            let token = seq.sampler.sample_penalised(full);
-            (token, full.get(token as usize).copied())
-        }
-        None => {
-            let token = seq.sampler.sample_candidates(candidates).unwrap_or(0);
-            let logit = candidates
-                .top
-                .iter()
-                .chain(candidates.gumbel.as_ref())
-                .find(|(id, _)| *id == token)
-                .map(|&(_, l)| l);
-            (token, logit)
-        }
-    };
-    match seq.top_logprobs {
-        Some(n) => {
-            let lse = candidates.log_sum_exp;
-            let top = candidates
-                .top
-                .iter()
-                .take(n)
-                .map(|&(id, l)| (id, l - lse))
-                .collect();
-            let logprob = logit.map_or(f32::NEG_INFINITY, |l| l - lse);
-            (token, Some(logprob), top)
-        }
-        None => (token, None, Vec::new()),
+    if let Some(full) = step.full_rows.get_mut(row).and_then(Option::as_mut) {
+        let raw = seq.top_logprobs.map(|n| (full.clone(), n));
+        let token = seq.sampler.sample_penalised(full);
+        return match raw {
+            Some((raw, n)) => {
+                let (lse, top) = log_softmax_top(&raw, n);
+                (token, Some(lse_logprob(&raw, token, lse)), top)
+            }
+            None => (token, None, Vec::new()),
+        };
     }
+    let token = seq.sampler.sample_candidates(candidates).unwrap_or(0);
+    let Some(n) = seq.top_logprobs else {
+        return (token, None, Vec::new());
+    };
+    let lse = candidates.log_sum_exp;
+    let logit = candidates
+        .top
+        .iter()
+        .chain(candidates.gumbel.as_ref())
+        .find(|(id, _)| *id == token)
+        .map_or(f32::NEG_INFINITY, |&(_, l)| l);
+    let top = candidates
+        .top
+        .iter()
+        .take(n)
+        .map(|&(id, l)| (id, l - lse))
+        .collect();
+    (token, Some(logit - lse), top)
 }
 
 /// `(log-sum-exp of logits, the n most likely tokens with their log-probabilities)`.

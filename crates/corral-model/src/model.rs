@@ -534,7 +534,8 @@ pub struct SampledStep {
     pub penalties: Vec<Penalty>,
     /// Out: per row, its candidates.
     pub candidates: Vec<RowCandidates>,
-    /// Out: per row, its whole penalised logits when the candidates do not decide its pick.
+    /// Out: per row, its whole penalised logits when the candidates do not decide its pick
+    /// or are truncated.
     pub full_rows: Vec<Option<Vec<f32>>>,
     words: Vec<u32>,
 }
@@ -597,7 +598,8 @@ fn read_out(
     backend.download_u32(&ws.candidates, &mut step.words)?;
     for (i, words) in step.words.chunks_exact(CANDIDATE_ROW_WORDS).enumerate() {
         let candidates = RowCandidates::from_words(words);
-        let full = if candidates.decides(&step.rows[i].0) {
+        // A truncated row's later candidates (and log-probabilities) are not exact.
+        let full = if candidates.decides(&step.rows[i].0) && !candidates.truncated {
             None
         } else {
             let mut bytes = vec![0u8; vocab * 4];

@@ -91,6 +91,10 @@ pub struct CudaBackend {
     attention_scratch: DeviceBuffer,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
+    /// Per-block partial results of the sampling reduction (fixed size: allocated once),
+    /// and its zeroed tickets, one per row of a launch.
+    sampling_scratch: DeviceBuffer,
+    sampling_tickets: DeviceBuffer,
     /// What [`Backend::kernels_id`] reports: the kernel sources' hash, and whether cuBLAS runs.
     kernels_id: u64,
     /// Event pairs around each launch while profiling.
@@ -159,6 +163,13 @@ const ATTENTION_MERGE_SLOTS: usize = 1024;
 const ATTENTION_MIN_SPLIT_KEYS: usize = 64;
 const ATTENTION_MAX_SPLITS: usize = 64;
 const ATTENTION_THREADS: u32 = 128;
+
+/// Logits one block of the sampling reduction covers, most blocks a row, and rows a launch
+/// (sampling.cu's SAMPLE_CHUNK, SAMPLE_MAX_PARTS; the scratch's and tickets' rows).
+const SAMPLE_CHUNK: usize = 1024 * 16;
+const SAMPLE_MAX_PARTS: usize = 32;
+const SAMPLE_MAX_ROWS: usize = 256;
+const SAMPLE_THREADS: u32 = 1024;
 
 /// Tokens up to which routing ranks each token's experts in a block of its own, and the
 /// experts and choices that kernel holds (moe.cu's RANKED_MAX_EXPERTS, RANKED_MAX_CHOICES).
@@ -300,6 +311,22 @@ impl CudaBackend {
             BufferUsage::Metadata,
             Storage::Cuda(counters_mem),
         );
+        let sample_words = SAMPLE_MAX_ROWS * SAMPLE_MAX_PARTS * CANDIDATE_ROW_WORDS;
+        let sampling_scratch = DeviceBuffer::new(
+            DType::U32,
+            sample_words,
+            BufferUsage::Metadata,
+            Storage::Cuda(gpu.alloc(sample_words * 4)?),
+        );
+        let tickets_mem = gpu.alloc(SAMPLE_MAX_ROWS * 4)?;
+        gpu.memset_zero(tickets_mem.ptr(), SAMPLE_MAX_ROWS * 4)?;
+        gpu.sync()?;
+        let sampling_tickets = DeviceBuffer::new(
+            DType::U32,
+            SAMPLE_MAX_ROWS,
+            BufferUsage::Metadata,
+            Storage::Cuda(tickets_mem),
+        );
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
         if !matches!(kv_dtype, DType::BF16 | DType::F32) {
             return Err(bad(
@@ -329,6 +356,8 @@ impl CudaBackend {
             capture_start: AtomicU64::new(0),
             attention_scratch,
             attention_counters,
+            sampling_scratch,
+            sampling_tickets,
             kernels_id: compile::sources_id() ^ blas_present as u64,
         })
     }
@@ -1881,7 +1910,7 @@ impl Backend for CudaBackend {
 
     fn top_candidates(
         &self,
-        logits: &DeviceBuffer,
+        logits_buf: &DeviceBuffer,
         rows: usize,
         vocab: usize,
         draws: &DeviceBuffer,
@@ -1894,18 +1923,41 @@ impl Backend for CudaBackend {
         if vocab == 0 {
             return Err(bad(op, "an empty vocabulary".to_string()));
         }
-        let args = [
-            buf(op, "logits", logits, DType::F32, rows * vocab)?,
-            u32_of(op, vocab)?,
-            buf(op, "draws", draws, DType::U32, rows * DRAW_WORDS)?,
-            buf(op, "out", out, DType::U32, rows * CANDIDATE_ROW_WORDS)?,
-        ];
-        self.launch(
-            &self.kernels.top_candidates,
-            (grid_of(op, rows)?, 1, 1),
-            1024,
-            &args,
-        )
+        let parts = vocab.div_ceil(SAMPLE_CHUNK);
+        if parts > SAMPLE_MAX_PARTS {
+            return Err(bad(
+                op,
+                format!(
+                    "a vocabulary of {vocab} is beyond the {} the reduction holds",
+                    SAMPLE_CHUNK * SAMPLE_MAX_PARTS
+                ),
+            ));
+        }
+        let logits = ptr_of(op, logits_buf)?;
+        let draws_at = ptr_of(op, draws)?;
+        let out_at = ptr_of(op, out)?;
+        buf(op, "logits", logits_buf, DType::F32, rows * vocab)?;
+        buf(op, "draws", draws, DType::U32, rows * DRAW_WORDS)?;
+        buf(op, "out", out, DType::U32, rows * CANDIDATE_ROW_WORDS)?;
+        // Rows in launches of at most SAMPLE_MAX_ROWS, the scratch's and tickets' rows.
+        for first in (0..rows).step_by(SAMPLE_MAX_ROWS) {
+            let n = (rows - first).min(SAMPLE_MAX_ROWS);
+            let args = [
+                Arg::Ptr(logits + (first * vocab * 4) as u64),
+                u32_of(op, vocab)?,
+                Arg::Ptr(draws_at + (first * DRAW_WORDS * 4) as u64),
+                Arg::Ptr(ptr_of(op, &self.sampling_scratch)?),
+                Arg::Ptr(ptr_of(op, &self.sampling_tickets)?),
+                Arg::Ptr(out_at + (first * CANDIDATE_ROW_WORDS * 4) as u64),
+            ];
+            self.launch(
+                &self.kernels.top_candidates,
+                (grid_of(op, parts)?, grid_of(op, n)?, 1),
+                SAMPLE_THREADS,
+                &args,
+            )?;
+        }
+        Ok(())
     }
 
     fn moe_experts_per_token(

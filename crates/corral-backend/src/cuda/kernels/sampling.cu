@@ -6,10 +6,15 @@
 #define ROW_WORDS (2 * CAND + 8)
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
-// Each warp keeps its best CAND keys and up to CAND pending ones.
-#define WARP_KEYS (2 * CAND)
-// Logits a lane loads before it looks at any (loads in flight).
-#define SAMPLE_UNROLL 16
+// Logits a thread holds: a block reduces SAMPLE_CHUNK of a row, at most SAMPLE_MAX_PARTS
+// blocks a row (the host's SAMPLE_CHUNK and SAMPLE_MAX_PARTS).
+#define SAMPLE_PER_THREAD 16
+#define SAMPLE_CHUNK (SAMPLE_THREADS * SAMPLE_PER_THREAD)
+#define SAMPLE_MAX_PARTS 32
+// Groups of 16 threads whose maxima bound a block's threshold, and the keys a block keeps
+// above it (more and the row is marked truncated: only its best candidate is exact).
+#define SAMPLE_GROUPS (SAMPLE_THREADS / 16)
+#define SURVIVORS 2048
 
 // entries: [n, 4] u32 of (index into the `len` logits, subtracted, repetition penalty, 0).
 extern "C" __global__ void logit_penalties(float* logits, u32 len, const u32* entries, u32 n,
@@ -53,25 +58,7 @@ __device__ __forceinline__ float gumbel(u64 key, u32 id) {
     return -logf(-logf(u));
 }
 
-// Sorts n (a power of two) keys in descending order, by one warp.
-__device__ void warp_sort_desc(u64* a, u32 n, u32 lane) {
-    for (u32 k = 2; k <= n; k <<= 1)
-        for (u32 j = k >> 1; j > 0; j >>= 1) {
-            for (u32 i = lane; i < n; i += 32) {
-                u32 p = i ^ j;
-                if (p > i) {
-                    u64 x = a[i], y = a[p];
-                    if ((i & k) == 0 ? x < y : x > y) {
-                        a[i] = y;
-                        a[p] = x;
-                    }
-                }
-            }
-            __syncwarp();
-        }
-}
-
-// As warp_sort_desc, by the whole block.
+// Sorts n (a power of two) keys in descending order, by the whole block.
 __device__ void block_sort_desc(u64* a, u32 n) {
     for (u32 k = 2; k <= n; k <<= 1)
         for (u32 j = k >> 1; j > 0; j >>= 1) {
@@ -121,129 +108,197 @@ __device__ __forceinline__ Draw better(Draw a, Draw b) {
     return (b.score > a.score || (b.score == a.score && b.id < a.id)) ? b : a;
 }
 
-// One block a row: out[row] gets the row's CAND best (id, logit), how many there are, the
-// max, ln Σ exp(l), ln Σ exp(l / T) and, if the row asks, argmax(l / T + Gumbel noise).
-// params: [rows, 4] u32 of (1/T bits, key low, key high, draw?).
+__device__ __forceinline__ u64 max_u64(u64 a, u64 b) { return a > b ? a : b; }
+__device__ __forceinline__ u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
+
+// A block's (or a row's) result in the row layout: keys [0, 2 CAND) as pairs of words,
+// then m, s, st, draw score, id, logit, truncated.
+#define PART_M (2 * CAND)
+
+// Reduces every thread's normaliser and draw; thread 0 gets the block's.
+__device__ void block_reduce(Normaliser& norm, Draw& draw, float inv_t, Normaliser* norms,
+                             Draw* draws) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int round = 0; round < 2; round++) {
+        for (int o = 16; o > 0; o >>= 1) {
+            Normaliser other = {__shfl_xor_sync(0xffffffffu, norm.m, o),
+                                __shfl_xor_sync(0xffffffffu, norm.s, o),
+                                __shfl_xor_sync(0xffffffffu, norm.st, o)};
+            norm = merge(norm, other, inv_t);
+            Draw d = {__shfl_xor_sync(0xffffffffu, draw.score, o),
+                      __shfl_xor_sync(0xffffffffu, draw.id, o),
+                      __shfl_xor_sync(0xffffffffu, draw.logit, o)};
+            draw = better(draw, d);
+        }
+        if (round == 1) break;
+        if (lane == 0) {
+            norms[warp] = norm;
+            draws[warp] = draw;
+        }
+        __syncthreads();
+        if (warp != 0) return;
+        norm = lane < blockDim.x / 32 ? norms[lane] : Normaliser{NEG_INF, 0.f, 0.f};
+        draw = lane < blockDim.x / 32 ? draws[lane] : Draw{0.f, 0xffffffffu, 0.f};
+    }
+}
+
+// Sorts the block's first n keys (padded with no-keys to a power of two of at least CAND).
+__device__ void sort_kept(u64* keys, u32 n) {
+    u32 size = CAND;
+    while (size < n) size <<= 1;
+    for (u32 i = n + threadIdx.x; i < size; i += blockDim.x) keys[i] = 0;
+    __syncthreads();
+    block_sort_desc(keys, size);
+}
+
+// Row `blockIdx.y`'s logits reduced over blockIdx.x-th SAMPLE_CHUNK: its best CAND keys,
+// normaliser and draw into scratch; the row's last block to finish merges the parts into
+// out[row]: the CAND best (id, logit), how many there are, the max, ln Σ exp(l),
+// ln Σ exp(l / T), the Gumbel-max draw argmax(l / T + G) if the row asks, and whether a
+// block had more than SURVIVORS keys at its threshold (then only the best is exact).
+// A block keeps the keys at or above the least of its 64 groups' maxima: at least 64 keys
+// are, so its best CAND are among them. params: [rows, 4] u32 of (1/T bits, key low, key
+// high, draw?); tickets: one a row, zero between launches.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    top_candidates(const float* logits, u32 vocab, const u32* params, u32* out) {
+    top_candidates(const float* logits, u32 vocab, const u32* params, u32* scratch,
+                   u32* tickets, u32* out) {
     begin_kernel();
-    __shared__ u64 keys[SAMPLE_WARPS * WARP_KEYS];
+    __shared__ u64 keys[SURVIVORS];
+    __shared__ u64 group_max[SAMPLE_GROUPS];
     __shared__ Normaliser norms[SAMPLE_WARPS];
     __shared__ Draw draws[SAMPLE_WARPS];
-    const u32 row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ u32 kept;
+    __shared__ u32 last;
+    const u32 row = blockIdx.y, part = blockIdx.x, parts = gridDim.x;
+    const u32 lane = threadIdx.x & 31;
     const float* x = logits + (size_t)row * vocab;
     const float inv_t = __uint_as_float(params[4 * row]);
     const u64 gkey = (u64)params[4 * row + 1] | ((u64)params[4 * row + 2] << 32);
     const bool drawing = params[4 * row + 3] != 0;
+    const u32 base = part * SAMPLE_CHUNK;
 
-    u64* mine = keys + warp * WARP_KEYS;
-    for (u32 i = lane; i < WARP_KEYS; i += 32) mine[i] = 0;
-    __syncwarp();
-    // Each warp scans a contiguous slice, a whole number of 32-wide steps long.
-    const u32 slice = ((vocab + SAMPLE_WARPS - 1) / SAMPLE_WARPS + 31) / 32 * 32;
-    const u32 start = min(warp * slice, vocab), end = min(start + slice, vocab);
+    float v[SAMPLE_PER_THREAD];
+#pragma unroll
+    for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) {
+        u32 i = base + j * SAMPLE_THREADS + threadIdx.x;
+        v[j] = i < vocab ? x[i] : NEG_INF;
+    }
     Normaliser norm = {NEG_INF, 0.f, 0.f};
     Draw draw = {0.f, 0xffffffffu, 0.f};
-    u64 threshold = 0;
-    u32 pending = 0;
-    for (u32 base = start; base < end; base += 32 * SAMPLE_UNROLL) {
-        float v[SAMPLE_UNROLL];
+    u64 mine = 0;
 #pragma unroll
-        for (u32 j = 0; j < SAMPLE_UNROLL; j++) {
-            u32 i = base + j * 32 + lane;
-            v[j] = i < end ? x[i] : NEG_INF;
-        }
-#pragma unroll
-        for (u32 j = 0; j < SAMPLE_UNROLL; j++) {
-            u32 i = base + j * 32 + lane;
-            float l = v[j];
-            u64 key = 0;
-            if (i < end && is_finite(l)) {
-                key = candidate_key(l, i);
-                if (l > norm.m) {
-                    norm.s = norm.s * rescale(norm.m, l, 1.f) + 1.f;
-                    norm.st = norm.st * rescale(norm.m, l, inv_t) + 1.f;
-                    norm.m = l;
-                } else {
-                    norm.s += __expf(l - norm.m);
-                    norm.st += __expf((l - norm.m) * inv_t);
-                }
-                if (drawing) {
-                    Draw d = {__fadd_rn(__fmul_rn(l, inv_t), gumbel(gkey, i)), i, l};
-                    draw = better(draw, d);
-                }
+    for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) {
+        u32 i = base + j * SAMPLE_THREADS + threadIdx.x;
+        float l = v[j];
+        if (i < vocab && is_finite(l)) {
+            mine = max_u64(mine, candidate_key(l, i));
+            if (l > norm.m) {
+                norm.s = norm.s * rescale(norm.m, l, 1.f) + 1.f;
+                norm.st = norm.st * rescale(norm.m, l, inv_t) + 1.f;
+                norm.m = l;
+            } else {
+                norm.s += __expf(l - norm.m);
+                norm.st += __expf((l - norm.m) * inv_t);
             }
-            bool take = key > threshold;
-            u32 mask = __ballot_sync(0xffffffffu, take);
-            if (take) mine[CAND + pending + __popc(mask & ((1u << lane) - 1))] = key;
-            pending += __popc(mask);
-            if (pending > 32) {
-                __syncwarp();
-                warp_sort_desc(mine, WARP_KEYS, lane);
-                threshold = mine[CAND - 1];
-                for (u32 i = CAND + lane; i < WARP_KEYS; i += 32) mine[i] = 0;
-                pending = 0;
-                __syncwarp();
+            if (drawing) {
+                Draw d = {__fadd_rn(__fmul_rn(l, inv_t), gumbel(gkey, i)), i, l};
+                draw = better(draw, d);
             }
         }
     }
-    if (pending > 0) {
-        __syncwarp();
-        warp_sort_desc(mine, WARP_KEYS, lane);
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        Normaliser other = {__shfl_xor_sync(0xffffffffu, norm.m, o),
-                            __shfl_xor_sync(0xffffffffu, norm.s, o),
-                            __shfl_xor_sync(0xffffffffu, norm.st, o)};
-        norm = merge(norm, other, inv_t);
-        Draw d = {__shfl_xor_sync(0xffffffffu, draw.score, o),
-                  __shfl_xor_sync(0xffffffffu, draw.id, o),
-                  __shfl_xor_sync(0xffffffffu, draw.logit, o)};
-        draw = better(draw, d);
-    }
-    if (lane == 0) {
-        norms[warp] = norm;
-        draws[warp] = draw;
-    }
-    // Each warp's best CAND keys, side by side, then sorted together.
-    u64 a = mine[lane], b = mine[lane + 32];
+    for (int o = 8; o > 0; o >>= 1) mine = max_u64(mine, __shfl_xor_sync(0xffffffffu, mine, o));
+    if ((lane & 15) == 0) group_max[threadIdx.x >> 4] = mine;
+    if (threadIdx.x == 0) kept = 0;
     __syncthreads();
-    keys[warp * CAND + lane] = a;
-    keys[warp * CAND + lane + 32] = b;
+    // The least group maximum (0, every finite key, if a group has none).
+    u64 threshold = min_u64(group_max[lane], group_max[lane + 32]);
+    for (int o = 16; o > 0; o >>= 1)
+        threshold = min_u64(threshold, __shfl_xor_sync(0xffffffffu, threshold, o));
+#pragma unroll
+    for (u32 j = 0; j < SAMPLE_PER_THREAD; j++) {
+        u32 i = base + j * SAMPLE_THREADS + threadIdx.x;
+        u64 key = i < vocab && is_finite(v[j]) ? candidate_key(v[j], i) : 0;
+        bool take = key != 0 && key >= threshold;
+        u32 mask = __ballot_sync(0xffffffffu, take);
+        if (mask == 0) continue;
+        u32 first = 0;
+        if (lane == 0) first = atomicAdd(&kept, (u32)__popc(mask));
+        first = __shfl_sync(0xffffffffu, first, 0);
+        u32 at = first + __popc(mask & ((1u << lane) - 1));
+        if (take && at < SURVIVORS) keys[at] = key;
+    }
     __syncthreads();
-    block_sort_desc(keys, SAMPLE_WARPS * CAND);
+    const u32 n = kept;
+    const bool truncated = n > SURVIVORS;
+    if (truncated) {
+        // Only the block's best is known: its groups' largest maximum.
+        __syncthreads();
+        if (threadIdx.x < CAND) keys[threadIdx.x] = 0;
+        __syncthreads();
+        if (threadIdx.x < SAMPLE_GROUPS) atomicMax(&keys[0], group_max[threadIdx.x]);
+        __syncthreads();
+    } else {
+        sort_kept(keys, n);
+    }
+    u32* part_out = scratch + ((size_t)row * SAMPLE_MAX_PARTS + part) * ROW_WORDS;
+    if (threadIdx.x < CAND) {
+        part_out[2 * threadIdx.x] = (u32)keys[threadIdx.x];
+        part_out[2 * threadIdx.x + 1] = (u32)(keys[threadIdx.x] >> 32);
+    }
+    block_reduce(norm, draw, inv_t, norms, draws);
+    if (threadIdx.x == 0) {
+        part_out[PART_M] = __float_as_uint(norm.m);
+        part_out[PART_M + 1] = __float_as_uint(norm.s);
+        part_out[PART_M + 2] = __float_as_uint(norm.st);
+        part_out[PART_M + 3] = __float_as_uint(draw.score);
+        part_out[PART_M + 4] = draw.id;
+        part_out[PART_M + 5] = __float_as_uint(draw.logit);
+        part_out[PART_M + 6] = truncated;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&tickets[row], 1u) == parts - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
 
+    // The row's last block: merge every part.
+    const u32* parts_in = scratch + (size_t)row * SAMPLE_MAX_PARTS * ROW_WORDS;
+    for (u32 i = threadIdx.x; i < parts * CAND; i += blockDim.x) {
+        const u32* p = parts_in + (i / CAND) * ROW_WORDS + 2 * (i % CAND);
+        keys[i] = (u64)__ldcg(p) | ((u64)__ldcg(p + 1) << 32);
+    }
+    __syncthreads();
+    sort_kept(keys, parts * CAND);
+    norm = Normaliser{NEG_INF, 0.f, 0.f};
+    draw = Draw{0.f, 0xffffffffu, 0.f};
+    bool any_truncated = false;
+    if (threadIdx.x < parts) {
+        const u32* p = parts_in + threadIdx.x * ROW_WORDS + PART_M;
+        norm = Normaliser{__uint_as_float(__ldcg(p)), __uint_as_float(__ldcg(p + 1)),
+                          __uint_as_float(__ldcg(p + 2))};
+        draw = Draw{__uint_as_float(__ldcg(p + 3)), __ldcg(p + 4), __uint_as_float(__ldcg(p + 5))};
+        any_truncated = __ldcg(p + 6) != 0;
+    }
+    any_truncated = __syncthreads_or(any_truncated);
     u32* o = out + (size_t)row * ROW_WORDS;
     if (threadIdx.x < CAND) {
         u64 key = keys[threadIdx.x];
         o[threadIdx.x] = key == 0 ? 0u : ~(u32)key;
         o[CAND + threadIdx.x] = key == 0 ? 0u : __float_as_uint(candidate_logit(key));
     }
-    if (warp == 0) {
-        Normaliser n = norms[lane];
-        Draw d = draws[lane];
-        for (int s = 16; s > 0; s >>= 1) {
-            Normaliser other = {__shfl_xor_sync(0xffffffffu, n.m, s),
-                                __shfl_xor_sync(0xffffffffu, n.s, s),
-                                __shfl_xor_sync(0xffffffffu, n.st, s)};
-            n = merge(n, other, inv_t);
-            Draw e = {__shfl_xor_sync(0xffffffffu, d.score, s),
-                      __shfl_xor_sync(0xffffffffu, d.id, s),
-                      __shfl_xor_sync(0xffffffffu, d.logit, s)};
-            d = better(d, e);
-        }
-        u32 count = __popc(__ballot_sync(0xffffffffu, keys[lane] != 0)) +
-                    __popc(__ballot_sync(0xffffffffu, keys[lane + 32] != 0));
-        if (lane == 0) {
-            bool any = n.m != NEG_INF;
-            o[2 * CAND] = count;
-            o[2 * CAND + 1] = __float_as_uint(n.m);
-            o[2 * CAND + 2] = __float_as_uint(any ? n.m + logf(n.s) : NEG_INF);
-            o[2 * CAND + 3] = __float_as_uint(any ? n.m * inv_t + logf(n.st) : NEG_INF);
-            o[2 * CAND + 4] = d.id;
-            o[2 * CAND + 5] = __float_as_uint(d.id == 0xffffffffu ? 0.f : d.logit);
-            o[2 * CAND + 6] = 0;
-            o[2 * CAND + 7] = 0;
-        }
+    u32 count = __syncthreads_count(threadIdx.x < CAND && keys[threadIdx.x] != 0);
+    block_reduce(norm, draw, inv_t, norms, draws);
+    if (threadIdx.x == 0) {
+        bool any = norm.m != NEG_INF;
+        o[2 * CAND] = count;
+        o[2 * CAND + 1] = __float_as_uint(norm.m);
+        o[2 * CAND + 2] = __float_as_uint(any ? norm.m + logf(norm.s) : NEG_INF);
+        o[2 * CAND + 3] = __float_as_uint(any ? norm.m * inv_t + logf(norm.st) : NEG_INF);
+        o[2 * CAND + 4] = draw.id;
+        o[2 * CAND + 5] = __float_as_uint(draw.id == 0xffffffffu ? 0.f : draw.logit);
+        o[2 * CAND + 6] = any_truncated;
+        o[2 * CAND + 7] = 0;
+        tickets[row] = 0;
     }
 }
