@@ -1135,3 +1135,128 @@ fn sampling_penalties_and_candidates_match_cpu() {
         }
     }
 }
+
+#[test]
+fn residual_norms_fused_into_matmul_and_per_token_experts_match_cpu() {
+    use corral_backend::ResidualNorm;
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(23);
+    // (rows or tokens, n or hidden, k or intermediate): one row fuses on the GPU (n a
+    // multiple of 4; the norm kernel's rows of more than 16 per thread read twice); others
+    // and odd widths launch the norm after.
+    let cases = [
+        (1, 2048, 4096),
+        (1, 64, 40),
+        (1, 4100, 128),
+        (1, 37, 64),
+        (3, 256, 64),
+    ];
+    for (case, &(rows, n, k)) in cases.iter().enumerate() {
+        let dtype = DTYPES[case % 2];
+        let x = rng.values(rows * k);
+        let w = rng.values(n * k);
+        let residual = rng.values(rows * n);
+        let norm_w = rng.values(n);
+        let offset_one = case % 2 == 1;
+        let mut outs = Vec::new();
+        for b in [&c as &dyn Backend, g] {
+            let wb = b.weight_from_f32(&w, dtype).unwrap();
+            let xb = f32_buf(b, &x);
+            let nw = f32_buf(b, &norm_w);
+            let mut res = f32_buf(b, &residual);
+            let mut normed = out_buf(b, rows * n);
+            let mut out = out_buf(b, rows * n);
+            let before = b.stats();
+            let norm = ResidualNorm {
+                residual: &mut res,
+                weight: &nw,
+                eps: 1e-6,
+                offset_one,
+                normed: &mut normed,
+            };
+            let view = WeightView::new(&wb, n, k).unwrap();
+            b.matmul_add_rms_norm(&xb, rows, view, &mut out, norm)
+                .unwrap();
+            let launches = (b.stats() - before).dispatches;
+            outs.push((
+                read(b, &out, rows * n),
+                read(b, &res, rows * n),
+                read(b, &normed, rows * n),
+                launches,
+            ));
+        }
+        let what = format!("matmul case {case}: rows {rows} n {n} k {k} {dtype}");
+        // More rows run on tensor cores, which round the activations to 16 bits.
+        let tol = if rows == 1 { 1e-5 } else { 1e-2 };
+        assert_close(&format!("{what} out"), &outs[1].0, &outs[0].0, tol);
+        assert_close(&format!("{what} residual"), &outs[1].1, &outs[0].1, tol);
+        assert_close(&format!("{what} normed"), &outs[1].2, &outs[0].2, tol.max(1e-4));
+        let fused = rows == 1 && n % 4 == 0;
+        assert_eq!(outs[1].3, if fused { 1 } else { 2 }, "{what}: launches");
+    }
+    // The per-token experts of one token (fused) and of two (the norm after).
+    for (case, &(tokens, e, top_k, h, i)) in
+        [(1, 16, 4, 256, 64), (1, 8, 8, 2048, 96), (2, 8, 2, 64, 32)]
+            .iter()
+            .enumerate()
+    {
+        let dtype = DTYPES[case % 2];
+        let values = [
+            rng.values(e * i * h),
+            rng.values(e * i * h),
+            rng.values(e * h * i),
+        ];
+        let x = rng.values(tokens * h);
+        let ids: Vec<u32> = (0..tokens * top_k)
+            .map(|p| ((p % top_k) * 3 + p / top_k) as u32 % e as u32)
+            .collect();
+        let weights = rng.values(tokens * top_k);
+        let residual = rng.values(tokens * h);
+        let norm_w = rng.values(h);
+        let mut outs = Vec::new();
+        for b in [&c as &dyn Backend, g] {
+            let ex = experts(b, &values, e, i, h, case % 2 == 0, dtype);
+            let xb = f32_buf(b, &x);
+            let idb = u32_buf(b, &ids);
+            let wb = f32_buf(b, &weights);
+            let nw = f32_buf(b, &norm_w);
+            let mut res = f32_buf(b, &residual);
+            let mut normed = out_buf(b, tokens * h);
+            let mut act = out_buf(b, tokens * top_k * i);
+            let mut out = out_buf(b, tokens * h);
+            let routing = MoeRouting {
+                expert_ids: &idb,
+                expert_weights: &wb,
+                tokens,
+                top_k,
+            };
+            let before = b.stats();
+            let norm = ResidualNorm {
+                residual: &mut res,
+                weight: &nw,
+                eps: 1e-6,
+                offset_one: false,
+                normed: &mut normed,
+            };
+            b.moe_experts_per_token_add_rms_norm(&xb, routing, &ex, &mut act, &mut out, norm)
+                .unwrap();
+            let launches = (b.stats() - before).dispatches;
+            outs.push((
+                read(b, &out, tokens * h),
+                read(b, &res, tokens * h),
+                read(b, &normed, tokens * h),
+                launches,
+            ));
+        }
+        let what = format!("experts case {case}: tokens {tokens} hidden {h} {dtype}");
+        assert_close(&format!("{what} out"), &outs[1].0, &outs[0].0, 1e-5);
+        assert_close(&format!("{what} residual"), &outs[1].1, &outs[0].1, 1e-5);
+        assert_close(&format!("{what} normed"), &outs[1].2, &outs[0].2, 1e-4);
+        assert_eq!(
+            outs[1].3,
+            if tokens == 1 { 2 } else { 3 },
+            "{what}: launches"
+        );
+    }
+}

@@ -265,3 +265,77 @@ __device__ __forceinline__ void raise_error(Diag* d, u32 code) { atomicCAS(&d->e
 __device__ __forceinline__ void count_weight_bytes(Diag* d, u64 bytes) {
     if (bytes) atomicAdd(&d->weight_bytes, bytes);
 }
+
+// Whether this block is the last of its grid to get here, counted on `ticket` (zero between
+// launches; the last block leaves it zero). The last block sees every block's writes made
+// before the call. Every thread of every block calls it.
+__device__ __forceinline__ bool last_block(u32* ticket) {
+    __shared__ u32 is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 blocks = gridDim.x * gridDim.y * gridDim.z;
+        is_last = atomicAdd(ticket, 1u) == blocks - 1;
+        if (is_last) atomicExch(ticket, 0u);
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
+// Float4s of a row a thread holds in residual_norm_row (rows longer are read twice).
+#define RN_VEC 4
+
+// x += d; out = rmsnorm(x) ⊙ w (1 + w with offset_one), by the whole block, d read through
+// L2 (other blocks wrote it). 16-byte aligned rows, dim % 4 == 0.
+__device__ void residual_norm_row(float* x, const float* d, const float* w, u32 dim, float eps,
+                                  bool offset_one, float* out) {
+    __shared__ float scratch[32];
+    float4 v[RN_VEC];
+    float ss = 0.f;
+    const u32 step = blockDim.x * 4;
+#pragma unroll
+    for (int k = 0; k < RN_VEC; k++) {
+        u32 i = threadIdx.x * 4 + k * step;
+        if (i < dim) {
+            float4 a = *reinterpret_cast<const float4*>(x + i);
+            float4 b = __ldcg(reinterpret_cast<const float4*>(d + i));
+            v[k] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+            *reinterpret_cast<float4*>(x + i) = v[k];
+            ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+        }
+    }
+    for (u32 i = threadIdx.x * 4 + RN_VEC * step; i < dim; i += step) {
+        float4 a = *reinterpret_cast<const float4*>(x + i);
+        float4 b = __ldcg(reinterpret_cast<const float4*>(d + i));
+        float4 s = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        *reinterpret_cast<float4*>(x + i) = s;
+        ss += s.x * s.x + s.y * s.y + s.z * s.z + s.w * s.w;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)dim + eps);
+    auto put = [&](u32 i, float4 s) {
+        float4 g = *reinterpret_cast<const float4*>(w + i);
+        if (offset_one) g = make_float4(1.f + g.x, 1.f + g.y, 1.f + g.z, 1.f + g.w);
+        *reinterpret_cast<float4*>(out + i) =
+            make_float4(s.x * inv * g.x, s.y * inv * g.y, s.z * inv * g.z, s.w * inv * g.w);
+    };
+#pragma unroll
+    for (int k = 0; k < RN_VEC; k++) {
+        u32 i = threadIdx.x * 4 + k * step;
+        if (i < dim) put(i, v[k]);
+    }
+    for (u32 i = threadIdx.x * 4 + RN_VEC * step; i < dim; i += step)
+        put(i, *reinterpret_cast<const float4*>(x + i));
+}
+
+// The residual add and norm after a kernel that wrote `delta` ([rows, dim]): its last block
+// runs it, a row at a time.
+__device__ void residual_norm_epilogue(u32* ticket, float* residual, const float* delta,
+                                       const float* w, u32 rows, u32 dim, float eps,
+                                       u32 offset_one, float* normed) {
+    if (!last_block(ticket)) return;
+    for (u32 r = 0; r < rows; r++)
+        residual_norm_row(residual + (size_t)r * dim, delta + (size_t)r * dim, w, dim, eps,
+                          offset_one != 0, normed + (size_t)r * dim);
+}
