@@ -587,35 +587,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
-    /// [`Backend::matmul`] into `out` (`[rows, w.rows]`), then [`Backend::add_rms_norm`] of
-    /// `out` into `norm` (one dispatch where the backend fuses them).
-    fn matmul_add_rms_norm(
-        &self,
-        x: &DeviceBuffer,
-        rows: usize,
-        w: WeightView<'_>,
-        out: &mut DeviceBuffer,
-        norm: ResidualNorm<'_>,
-    ) -> Result<()> {
-        self.matmul(x, rows, w, out)?;
-        norm.apply(self, out, rows, w.rows)
-    }
-
-    /// [`Backend::moe_experts_per_token`], then [`Backend::add_rms_norm`] of `out` into
-    /// `norm` (fused where the backend can).
-    fn moe_experts_per_token_add_rms_norm(
-        &self,
-        x: &DeviceBuffer,
-        routing: MoeRouting<'_>,
-        experts: &ExpertWeights,
-        act: &mut DeviceBuffer,
-        out: &mut DeviceBuffer,
-        norm: ResidualNorm<'_>,
-    ) -> Result<()> {
-        self.moe_experts_per_token(x, routing, experts, act, out)?;
-        norm.apply(self, out, routing.tokens, experts.down.rows())
-    }
-
     /// Applies sampling penalties to `logits` (`len` values) in place: `entries` is `[n,
     /// DRAW_WORDS]` u32 of [`sampling::Penalty::words`], at most one entry per logit.
     fn logit_penalties(
@@ -651,44 +622,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
-}
-
-/// The residual add and RMSNorm that follow an op: `residual += out`, then `normed =
-/// rmsnorm(residual) ⊙ weight` (`offset_one`: the weight is stored as `w - 1`), as
-/// [`Backend::add_rms_norm`] does.
-pub struct ResidualNorm<'a> {
-    /// The residual stream `[rows, dim]`, added to in place.
-    pub residual: &'a mut DeviceBuffer,
-    /// The norm's weight `[dim]`.
-    pub weight: &'a DeviceBuffer,
-    /// The norm's epsilon.
-    pub eps: f32,
-    /// Whether the weight is stored as `w - 1`.
-    pub offset_one: bool,
-    /// The normalised rows `[rows, dim]`.
-    pub normed: &'a mut DeviceBuffer,
-}
-
-impl ResidualNorm<'_> {
-    /// The add and norm as their own dispatch, over `rows` rows of `dim` of `out`.
-    pub fn apply<B: Backend + ?Sized>(
-        self,
-        backend: &B,
-        out: &DeviceBuffer,
-        rows: usize,
-        dim: usize,
-    ) -> Result<()> {
-        backend.add_rms_norm(
-            self.residual,
-            out,
-            self.weight,
-            rows,
-            dim,
-            self.eps,
-            self.offset_one,
-            self.normed,
-        )
-    }
 }
 
 /// Checks [`Backend::copy_within`]'s ranges against a buffer of `len` elements.

@@ -28,10 +28,6 @@ pub(crate) struct WeightKernels {
     pub(crate) grouped_big: Option<[Kernel; 2]>,
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
-    /// One-row matmul and the per-token down projection, each with the residual add and
-    /// RMSNorm after it run by its last block.
-    pub(crate) matvec_norm: Kernel,
-    pub(crate) per_token_down_norm: Kernel,
 }
 
 /// Dynamic shared memory of the 128-row expert tiles: BT_SMEM_BYTES of mma_big_tile.cuh
@@ -215,8 +211,6 @@ impl Kernels {
                     grouped_big: grouped_big($s)?,
                     per_token_gate_up: find(concat!("moe_per_token_gate_up_", $s))?,
                     per_token_down: find(concat!("moe_per_token_down_", $s))?,
-                    matvec_norm: find(concat!("matvec_norm_", $s))?,
-                    per_token_down_norm: find(concat!("moe_per_token_down_norm_", $s))?,
                 }
             };
         }

@@ -32,8 +32,8 @@ use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, QkShape, RecurrentRuns, ResidualNorm, Result, StatsCounter, WeightView,
-    byte_range, check_copy_ranges,
+    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView, byte_range,
+    check_copy_ranges,
 };
 use blas::Blas;
 use compile::KernelCache;
@@ -91,12 +91,10 @@ pub struct CudaBackend {
     attention_scratch: DeviceBuffer,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
-    /// Per-block partial results of the sampling reduction (fixed size: allocated once).
+    /// Per-block partial results of the sampling reduction (fixed size: allocated once),
+    /// and its zeroed tickets, one per row of a launch.
     sampling_scratch: DeviceBuffer,
-    /// Zeroed tickets of kernels whose last block finishes their work (one per row of the
-    /// sampling reduction; the first for the fused residual norms); each kernel leaves
-    /// them zero.
-    tickets: DeviceBuffer,
+    sampling_tickets: DeviceBuffer,
     /// What [`Backend::kernels_id`] reports: the kernel sources' hash, and whether cuBLAS runs.
     kernels_id: u64,
     /// Event pairs around each launch while profiling.
@@ -323,7 +321,7 @@ impl CudaBackend {
         let tickets_mem = gpu.alloc(SAMPLE_MAX_ROWS * 4)?;
         gpu.memset_zero(tickets_mem.ptr(), SAMPLE_MAX_ROWS * 4)?;
         gpu.sync()?;
-        let tickets = DeviceBuffer::new(
+        let sampling_tickets = DeviceBuffer::new(
             DType::U32,
             SAMPLE_MAX_ROWS,
             BufferUsage::Metadata,
@@ -359,7 +357,7 @@ impl CudaBackend {
             attention_scratch,
             attention_counters,
             sampling_scratch,
-            tickets,
+            sampling_tickets,
             kernels_id: compile::sources_id() ^ blas_present as u64,
         })
     }
@@ -1949,7 +1947,7 @@ impl Backend for CudaBackend {
                 u32_of(op, vocab)?,
                 Arg::Ptr(draws_at + (first * DRAW_WORDS * 4) as u64),
                 Arg::Ptr(ptr_of(op, &self.sampling_scratch)?),
-                Arg::Ptr(ptr_of(op, &self.tickets)?),
+                Arg::Ptr(ptr_of(op, &self.sampling_tickets)?),
                 Arg::Ptr(out_at + (first * CANDIDATE_ROW_WORDS * 4) as u64),
             ];
             self.launch(
@@ -1969,83 +1967,6 @@ impl Backend for CudaBackend {
         experts: &ExpertWeights,
         act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        self.per_token(x, routing, experts, act, out, None)
-    }
-
-    fn moe_experts_per_token_add_rms_norm(
-        &self,
-        x: &DeviceBuffer,
-        routing: MoeRouting<'_>,
-        experts: &ExpertWeights,
-        act: &mut DeviceBuffer,
-        out: &mut DeviceBuffer,
-        norm: ResidualNorm<'_>,
-    ) -> Result<()> {
-        self.per_token(x, routing, experts, act, out, Some(norm))
-    }
-
-    fn matmul_add_rms_norm(
-        &self,
-        x: &DeviceBuffer,
-        rows: usize,
-        w: WeightView<'_>,
-        out: &mut DeviceBuffer,
-        norm: ResidualNorm<'_>,
-    ) -> Result<()> {
-        let op = "matmul_add_rms_norm";
-        // One row: the matrix-vector kernel's last block adds and normalises.
-        if rows != 1 || !w.rows.is_multiple_of(4) {
-            self.matmul(x, rows, w, out)?;
-            return norm.apply(self, out, rows, w.rows);
-        }
-        let (w_addr, dtype, vec) = weight(op, w)?;
-        let mut args = vec![
-            buf(op, "x", x, DType::F32, w.cols)?,
-            u32_of(op, rows)?,
-            Arg::Ptr(w_addr),
-            u32_of(op, w.rows)?,
-            u32_of(op, w.cols)?,
-            Arg::U32(vec as u32),
-            buf(op, "out", out, DType::F32, w.rows)?,
-            self.diag(),
-        ];
-        args.extend(self.norm_args(op, norm, rows, w.rows)?);
-        let kernels = self.kernels.for_weights(op, dtype)?;
-        let grid = (grid_of(op, w.rows.div_ceil(8))?, 1, 1);
-        self.launch(&kernels.matvec_norm, grid, 128, &args)
-    }
-}
-
-impl CudaBackend {
-    /// The trailing arguments of a kernel with the residual add and norm fused after it.
-    fn norm_args(
-        &self,
-        op: &'static str,
-        norm: ResidualNorm<'_>,
-        rows: usize,
-        dim: usize,
-    ) -> Result<[Arg; 6]> {
-        Ok([
-            buf(op, "residual", norm.residual, DType::F32, rows * dim)?,
-            buf(op, "norm weight", norm.weight, DType::F32, dim)?,
-            Arg::F32(norm.eps),
-            Arg::U32(norm.offset_one as u32),
-            buf(op, "normed", norm.normed, DType::F32, rows * dim)?,
-            Arg::Ptr(ptr_of(op, &self.tickets)?),
-        ])
-    }
-
-    /// [`Backend::moe_experts_per_token`], with the residual add and norm after it fused into
-    /// its last kernel for one token.
-    fn per_token(
-        &self,
-        x: &DeviceBuffer,
-        routing: MoeRouting<'_>,
-        experts: &ExpertWeights,
-        act: &mut DeviceBuffer,
-        out: &mut DeviceBuffer,
-        norm: Option<ResidualNorm<'_>>,
     ) -> Result<()> {
         let op = "moe_experts_per_token";
         let (tokens, top_k) = (routing.tokens, routing.top_k);
@@ -2115,19 +2036,7 @@ impl CudaBackend {
             self.diag(),
         ];
         let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
-        match norm {
-            Some(norm) if tokens == 1 && hidden.is_multiple_of(4) => {
-                let mut args = second.to_vec();
-                args.push(u32_of(op, tokens)?);
-                args.extend(self.norm_args(op, norm, tokens, hidden)?);
-                self.launch(&kernels.per_token_down_norm, grid, 256, &args)
-            }
-            Some(norm) => {
-                self.launch(&kernels.per_token_down, grid, 256, &second)?;
-                norm.apply(self, out, tokens, hidden)
-            }
-            None => self.launch(&kernels.per_token_down, grid, 256, &second),
-        }
+        self.launch(&kernels.per_token_down, grid, 256, &second)
     }
 }
 

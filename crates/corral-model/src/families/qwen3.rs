@@ -154,38 +154,29 @@ impl Qwen3Model {
             )?;
         }
         for (i, (layer, kv)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            layer.self_attn.forward(
-                backend,
-                ws,
-                tokens,
-                cache.block_size,
-                kv,
+            layer
+                .self_attn
+                .forward(backend, ws, tokens, cache.block_size, kv)?;
+            backend.add_rms_norm(
+                &mut ws.x,
+                &ws.out,
                 &layer.post_attention_layernorm,
+                tokens,
+                h,
+                eps,
+                false,
+                &mut ws.h,
             )?;
-            let next_norm = self.layers.get(i + 1).map(|next| &next.input_layernorm);
             match &layer.mlp {
-                FeedForward::Dense(mlp) => {
-                    mlp.forward(backend, ws, tokens)?;
-                    residual_and_next_norm(backend, ws, next_norm, tokens, h, eps, false)?;
-                }
+                FeedForward::Dense(mlp) => mlp.forward(backend, ws, tokens)?,
                 FeedForward::Sparse(moe) => {
                     let before = backend.stats();
-                    let normed = match next_norm {
-                        Some(norm) => {
-                            moe.forward_then_norm(backend, ws, tokens, strategy, norm, eps)?
-                        }
-                        None => {
-                            moe.forward(backend, ws, tokens, strategy)?;
-                            false
-                        }
-                    };
-                    // A fused norm counts with the MoE: it runs in the MoE's last kernel.
+                    moe.forward(backend, ws, tokens, strategy)?;
                     *moe_stats = *moe_stats + (backend.stats() - before);
-                    if !normed {
-                        residual_and_next_norm(backend, ws, next_norm, tokens, h, eps, false)?;
-                    }
                 }
             }
+            let next_norm = self.layers.get(i + 1).map(|next| &next.input_layernorm);
+            residual_and_next_norm(backend, ws, next_norm, tokens, h, eps, false)?;
         }
         self.head.forward(backend, cfg, ws, &self.embed_tokens)
     }

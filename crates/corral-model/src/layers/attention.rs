@@ -1,9 +1,7 @@
 //! Qwen3 attention: one fused q/k/v projection, per-head q/k RMSNorm with RoPE and the KV
 //! store in one op, paged GQA attention, o_proj.
 
-use corral_backend::{
-    AttentionMeta, AttentionShape, Backend, DeviceBuffer, QkShape, ResidualNorm, WeightView,
-};
+use corral_backend::{AttentionMeta, AttentionShape, Backend, DeviceBuffer, QkShape, WeightView};
 
 use super::Workspace;
 use crate::kv_cache::LayerKv;
@@ -59,10 +57,8 @@ impl Attention {
         })
     }
 
-    /// `ws.out = o_proj(attention(ws.h))`, storing this batch's K and V in `kv` first (the
-    /// fused projection goes through `ws.q`); then the residual add into `ws.x` and the
-    /// post-attention norm (`post_norm`, plain weight) into `ws.h`, fused with the
-    /// projection where the backend can.
+    /// `ws.out = o_proj(attention(ws.h))`, storing this batch's K and V in `kv` first; the
+    /// fused projection goes through `ws.q`.
     pub(crate) fn forward(
         &self,
         backend: &dyn Backend,
@@ -70,7 +66,6 @@ impl Attention {
         tokens: usize,
         block_size: usize,
         kv: &mut LayerKv,
-        post_norm: &DeviceBuffer,
     ) -> Result<()> {
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let h = self.hidden;
@@ -102,19 +97,11 @@ impl Attention {
             &mut kv.v,
         )?;
         paged_attention(backend, ws, tokens, block_size, (nh, nkv, hd), kv)?;
-        let norm = ResidualNorm {
-            residual: &mut ws.x,
-            weight: post_norm,
-            eps: self.eps,
-            offset_one: false,
-            normed: &mut ws.h,
-        };
-        backend.matmul_add_rms_norm(
+        backend.matmul(
             &ws.attn,
             tokens,
             WeightView::new(&self.o_proj, h, nh * hd)?,
             &mut ws.out,
-            norm,
         )?;
         Ok(())
     }

@@ -82,7 +82,6 @@ macro_rules! for_each_buffer {
             $($by)* ws.shared_out,
             $($by)* ws.x,
             $($by)* ws.h,
-            $($by)* ws.h_next,
             $($by)* ws.out,
             $($by)* ws.q,
             $($by)* ws.k,
@@ -126,8 +125,6 @@ pub(crate) struct Workspace {
     pub(crate) x: DeviceBuffer,
     /// Normalised input of a sub-block `[T, H]`.
     pub(crate) h: DeviceBuffer,
-    /// The next sub-block's normalised input while `h` is still read, then swapped in.
-    pub(crate) h_next: DeviceBuffer,
     /// Output of a sub-block `[T, H]`.
     pub(crate) out: DeviceBuffer,
     /// Query projection `[T, heads · head_dim]`; for Qwen3 attention the fused q/k/v
@@ -231,7 +228,6 @@ impl Workspace {
             shared_out: f32_buf(if shared_inter > 0 { tokens * h } else { 1 })?,
             x: f32_buf(tokens * h)?,
             h: f32_buf(tokens * h)?,
-            h_next: f32_buf(tokens * h)?,
             out: f32_buf(tokens * h)?,
             q: f32_buf(tokens * (q_dim + 2 * kv_dim))?,
             k: f32_buf(tokens * kv_dim)?,

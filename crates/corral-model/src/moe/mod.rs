@@ -14,7 +14,7 @@ mod per_expert;
 mod per_token;
 mod strategy;
 
-use corral_backend::{Backend, DeviceBuffer, ExpertWeights, MoeRouting, ResidualNorm, WeightView};
+use corral_backend::{Backend, DeviceBuffer, ExpertWeights, MoeRouting, WeightView};
 
 use crate::layers::Workspace;
 use crate::weights::WeightSource;
@@ -106,65 +106,6 @@ impl SparseMoe {
         Ok(Self::new(router, experts, hidden, moe, true))
     }
 
-    /// `ws.out = moe(ws.h)`; with the per-token strategy also the residual add into `ws.x`
-    /// and the next layer's input norm (`next_norm`, plain weight) into `ws.h`, fused with
-    /// its last op where the backend can. Whether it did the norm.
-    pub(crate) fn forward_then_norm(
-        &self,
-        backend: &dyn Backend,
-        ws: &mut Workspace,
-        tokens: usize,
-        strategy: MoeStrategy,
-        next_norm: &DeviceBuffer,
-        eps: f32,
-    ) -> Result<bool> {
-        if strategy.resolve(tokens) != MoeStrategy::PerToken {
-            self.forward(backend, ws, tokens, strategy)?;
-            return Ok(false);
-        }
-        self.route(backend, ws, tokens)?;
-        let routing = MoeRouting {
-            expert_ids: &ws.expert_ids,
-            expert_weights: &ws.expert_weights,
-            tokens,
-            top_k: self.top_k + self.shared as usize,
-        };
-        let norm = ResidualNorm {
-            residual: &mut ws.x,
-            weight: next_norm,
-            eps,
-            offset_one: false,
-            normed: &mut ws.h_next,
-        };
-        backend.moe_experts_per_token_add_rms_norm(
-            &ws.h,
-            routing,
-            &self.experts,
-            &mut ws.moe.act,
-            &mut ws.out,
-            norm,
-        )?;
-        std::mem::swap(&mut ws.h, &mut ws.h_next);
-        Ok(true)
-    }
-
-    /// The router and the routing into `ws.expert_ids` / `ws.expert_weights`.
-    fn route(&self, backend: &dyn Backend, ws: &mut Workspace, tokens: usize) -> Result<()> {
-        let shared = self.shared as usize;
-        let router = WeightView::new(&self.router, self.num_experts + shared, self.hidden)?;
-        backend.matmul(&ws.h, tokens, router, &mut ws.router_logits)?;
-        Ok(backend.moe_route(
-            &ws.router_logits,
-            tokens,
-            self.num_experts,
-            self.top_k,
-            self.renormalize,
-            self.shared,
-            &mut ws.expert_ids,
-            &mut ws.expert_weights,
-        )?)
-    }
-
     /// `ws.out = moe(ws.h)` for `tokens` tokens, run with `strategy`.
     pub(crate) fn forward(
         &self,
@@ -173,12 +114,24 @@ impl SparseMoe {
         tokens: usize,
         strategy: MoeStrategy,
     ) -> Result<()> {
-        self.route(backend, ws, tokens)?;
+        let shared = self.shared as usize;
+        let router = WeightView::new(&self.router, self.num_experts + shared, self.hidden)?;
+        backend.matmul(&ws.h, tokens, router, &mut ws.router_logits)?;
+        backend.moe_route(
+            &ws.router_logits,
+            tokens,
+            self.num_experts,
+            self.top_k,
+            self.renormalize,
+            self.shared,
+            &mut ws.expert_ids,
+            &mut ws.expert_weights,
+        )?;
         let routing = MoeRouting {
             expert_ids: &ws.expert_ids,
             expert_weights: &ws.expert_weights,
             tokens,
-            top_k: self.top_k + self.shared as usize,
+            top_k: self.top_k + shared,
         };
         match strategy.resolve(tokens) {
             MoeStrategy::PerExpert => {

@@ -160,20 +160,7 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
         begin_kernel();                                                                          \
         matvec_impl<W, ROWS>(x, rows, w, N, K, vec, out, diag);                                  \
     }
-// A one-row product whose last block adds it to the residual stream and normalises that:
-// residual += out; normed = rmsnorm(residual) ⊙ norm_w. The add_rms_norm after it fused.
-#define MATVEC_NORM(SUFFIX, W)                                                                \
-    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) matvec_norm_##SUFFIX(     \
-        const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag,  \
-        float* residual, const float* norm_w, float eps, u32 offset_one, float* normed,       \
-        u32* ticket) {                                                                        \
-        begin_kernel();                                                                       \
-        matvec_impl<W, 1>(x, rows, w, N, K, vec, out, diag);                                  \
-        residual_norm_epilogue(ticket, residual, out, norm_w, rows, N, eps, offset_one,       \
-                               normed);                                                       \
-    }
 #define MATMUL(SUFFIX, W)                                                                     \
-    MATVEC_NORM(SUFFIX, W)                                                                    \
     MATVEC(SUFFIX, W, 1)                                                                      \
     MATVEC(SUFFIX, W, 2)                                                                      \
     MATVEC(SUFFIX, W, 4)                                                                      \

@@ -679,18 +679,6 @@ MOE_MVM_KERNELS(f16, f16w, 4)
         begin_kernel();                                                                        \
         per_token_down_impl<W>(act, inter, ids, route_weights, top_k, num_experts, down_table, \
                                hidden, vec, out, diag);                                        \
-    }                                                                                          \
-    /* The same, its last block then adding out to the residual stream and normalising. */     \
-    extern "C" __global__ void __launch_bounds__(256, 2) moe_per_token_down_norm_##SUFFIX(     \
-        const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,    \
-        u32 num_experts, const u64* down_table, u32 hidden, u32 vec, float* out,               \
-        Diag* diag, u32 tokens, float* residual, const float* norm_w, float eps,               \
-        u32 offset_one, float* normed, u32* ticket) {                                          \
-        begin_kernel();                                                                        \
-        per_token_down_impl<W>(act, inter, ids, route_weights, top_k, num_experts, down_table, \
-                               hidden, vec, out, diag);                                        \
-        residual_norm_epilogue(ticket, residual, out, norm_w, tokens, hidden, eps, offset_one, \
-                               normed);                                                        \
     }
 MOE_KERNELS(bf16, bf16w)
 MOE_KERNELS(f16, f16w)
