@@ -1023,7 +1023,7 @@ fn sampling_penalties_and_candidates_match_cpu() {
     let cpu = CpuBackend::new();
     let mut rng = Rng(71);
     // (rows, vocab, logits pattern): random, ties on a grid of quarters, ascending, sparse
-    // finite values among -inf and NaN, ties on the integers.
+    // finite values among -inf and NaN, one low group (truncated).
     let cases = [
         (1, 151_936, 0),
         (8, 151_936, 4),
@@ -1040,7 +1040,15 @@ fn sampling_penalties_and_candidates_match_cpu() {
         for (i, l) in logits.iter_mut().enumerate() {
             *l = match pattern {
                 1 => (*l * 8.0).round() / 4.0,
-                4 => l.round(),
+                // The first 16 of every 1024 (one group of 16 threads of the kernel) at -5:
+                // its threshold lets every other logit through.
+                4 => {
+                    if i % 1024 < 16 {
+                        -5.0
+                    } else {
+                        *l
+                    }
+                }
                 2 => (i % vocab) as f32 * 1e-3,
                 3 => match rng.below(100) {
                     0 => f32::NAN,
@@ -1107,8 +1115,8 @@ fn sampling_penalties_and_candidates_match_cpu() {
                 )
             };
             let (gc, cc) = (words(&out[0]), words(&out[1]));
-            // Three values over 150k logits leave thousands tied at the top: the device
-            // keeps the best only (and says so); elsewhere every candidate.
+            // A block whose threshold passes more than it holds keeps its best only (and
+            // says so); elsewhere every candidate.
             assert_eq!(
                 gc.truncated,
                 pattern == 4,
