@@ -42,6 +42,20 @@ pub(crate) fn paged_attention(
     scale: f32,
     out: &mut [f32],
 ) {
+    let shape = (num_heads, num_kv_heads, head_dim, scale);
+    attention_with(has_avx2_fma(), q, cache_k, cache_v, layout, shape, out);
+}
+
+/// [`paged_attention`], with the AVX2/FMA loops if `simd` (and the CPU has them).
+fn attention_with(
+    simd: bool,
+    q: &[f32],
+    cache_k: &[f32],
+    cache_v: &[f32],
+    layout: &PagedLayout<'_>,
+    (num_heads, num_kv_heads, head_dim, scale): (usize, usize, usize, f32),
+    out: &mut [f32],
+) {
     let group = num_heads / num_kv_heads;
     let kv_dim = num_kv_heads * head_dim;
     let tokens = layout
@@ -63,7 +77,7 @@ pub(crate) fn paged_attention(
         .iter()
         .flat_map(|&(t0, t1)| (0..num_kv_heads).map(move |kvh| (t0, t1, kvh)))
         .collect();
-    let avx2 = has_avx2();
+    let simd = simd && has_avx2_fma();
     let results: Vec<Vec<f32>> = items
         .par_iter()
         .map(|&(t0, t1, kvh)| {
@@ -83,10 +97,11 @@ pub(crate) fn paged_attention(
                 .unwrap_or(0);
             with_scratch((t1 - t0) * group * longest, |scores| {
                 #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    // SAFETY: the CPU has AVX2 (has_avx2 checked it).
+                if simd && head_dim.is_multiple_of(8) {
+                    // SAFETY: the CPU has AVX2 and FMA (has_avx2_fma checked it) and the
+                    // head dim is a multiple of 8.
                     #[allow(unsafe_code)]
-                    return unsafe { attend_tile_avx2(&tile, q, cache_k, cache_v, layout, scores) };
+                    return unsafe { attend_tile_fma(&tile, q, cache_k, cache_v, layout, scores) };
                 }
                 attend_tile(&tile, q, cache_k, cache_v, layout, scores)
             })
@@ -113,12 +128,12 @@ struct Tile {
     scale: f32,
 }
 
-/// Whether the CPU runs AVX2 (the attention loops are compiled for it too, and picked at run
-/// time: the build targets the baseline x86-64).
-fn has_avx2() -> bool {
+/// Whether the CPU runs AVX2 and FMA (the attention loops have a version for them, picked at
+/// run time: the build targets the baseline x86-64).
+fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -126,11 +141,18 @@ fn has_avx2() -> bool {
     }
 }
 
-/// [`attend_tile`] compiled for AVX2: the same operations in the same order, eight lanes
-/// wide.
+/// [`attend_tile`] with AVX2 and FMA, for head dims of a multiple of 8: each score a fused
+/// dot product over eight lanes summed in a fixed order, four query rows against two keys;
+/// the outputs accumulated in registers, two rows and up to 32 dims at a time, over the keys
+/// in order. A row's arithmetic does not depend on the rows beside it (a row shorter than
+/// its neighbour adds zero-weighted values, which leaves its sums as they are).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, and `tile.head_dim` is a multiple of 8.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn attend_tile_avx2(
+#[target_feature(enable = "avx2,fma")]
+#[allow(unsafe_code)]
+unsafe fn attend_tile_fma(
     tile: &Tile,
     q: &[f32],
     cache_k: &[f32],
@@ -138,7 +160,278 @@ fn attend_tile_avx2(
     layout: &PagedLayout<'_>,
     scores: &mut [f32],
 ) -> Vec<f32> {
-    attend_tile(tile, q, cache_k, cache_v, layout, scores)
+    let &Tile {
+        t0,
+        t1,
+        kvh,
+        group,
+        num_heads,
+        head_dim,
+        kv_dim,
+        scale,
+    } = tile;
+    let run = layout.token_runs[t0] as usize;
+    let rows = (t1 - t0) * group;
+    let longest = scores.len() / rows.max(1);
+    let kv_off = kvh * head_dim;
+    let chunks = head_dim / 8;
+    let len = |r: usize| layout.positions[t0 + r / group] as usize + 1;
+    let q_row = |r: usize| {
+        let at = ((t0 + r / group) * num_heads + kvh * group + r % group) * head_dim;
+        &q[at..at + head_dim]
+    };
+    // Each key's row offset, found once (a slot is a division by the block size).
+    let bases: Vec<usize> = (0..longest)
+        .map(|j| layout.slot(run, j) * kv_dim + kv_off)
+        .collect();
+    let key = |cache: &[f32], j: usize| cache[bases[j]..bases[j] + head_dim].as_ptr();
+    // Two keys at a time (the second the first again past the end, its scores dropped).
+    for j in (0..longest).step_by(2) {
+        let pair = (j + 1 < longest) as usize + 1;
+        let ks = [key(cache_k, j), key(cache_k, (j + 1).min(longest - 1))];
+        let mut r = 0;
+        while r < rows {
+            let n = (rows - r).min(4);
+            let mut dots = [[0.0f32; 2]; 4];
+            // SAFETY: both keys and every q row hold head_dim = 8 · chunks floats.
+            unsafe {
+                match n {
+                    4 => {
+                        dots = score_block::<4>(
+                            &[q_row(r), q_row(r + 1), q_row(r + 2), q_row(r + 3)],
+                            ks,
+                            chunks,
+                        )
+                    }
+                    3 => dots[..3].copy_from_slice(&score_block::<3>(
+                        &[q_row(r), q_row(r + 1), q_row(r + 2)],
+                        ks,
+                        chunks,
+                    )),
+                    2 => dots[..2].copy_from_slice(&score_block::<2>(
+                        &[q_row(r), q_row(r + 1)],
+                        ks,
+                        chunks,
+                    )),
+                    _ => dots[..1].copy_from_slice(&score_block::<1>(&[q_row(r)], ks, chunks)),
+                }
+            }
+            for (i, d) in dots[..n].iter().enumerate() {
+                let row = &mut scores[(r + i) * longest + j..];
+                for (s, d) in row[..pair].iter_mut().zip(d) {
+                    *s = d * scale;
+                }
+            }
+            r += n;
+        }
+    }
+    let mut inv = vec![0.0f32; rows];
+    for (r, inv) in inv.iter_mut().enumerate() {
+        // SAFETY: AVX2 and FMA (this function's contract).
+        *inv = 1.0 / unsafe { exp_in_place(&mut scores[r * longest..r * longest + len(r)]) };
+    }
+    // Probabilities in place, zero past each row's own length.
+    for r in 0..rows {
+        let row = &mut scores[r * longest..(r + 1) * longest];
+        let (kept, past) = row.split_at_mut(len(r).min(longest));
+        kept.iter_mut().for_each(|p| *p *= inv[r]);
+        past.fill(0.0);
+    }
+    let mut o = vec![0.0f32; rows * head_dim];
+    for c0 in (0..chunks).step_by(4) {
+        let nc = (chunks - c0).min(4);
+        let mut r = 0;
+        while r < rows {
+            let nr = (rows - r).min(2);
+            let keys = (r..r + nr).map(len).max().unwrap_or(0).min(longest);
+            let probs = [&scores[r * longest..], &scores[(r + nr - 1) * longest..]];
+            let out = &mut o[r * head_dim + 8 * c0..];
+            let v_at = |j: usize| key(cache_v, j).wrapping_add(8 * c0);
+            // SAFETY: each value row holds head_dim floats from 8 · c0 on, nc chunks of them
+            // in range; probs rows hold `keys` floats; out holds the rows' chunks.
+            unsafe {
+                match (nr, nc) {
+                    (2, 4) => sum_values::<2, 4, _>(probs, &v_at, keys, head_dim, out),
+                    (2, 3) => sum_values::<2, 3, _>(probs, &v_at, keys, head_dim, out),
+                    (2, 2) => sum_values::<2, 2, _>(probs, &v_at, keys, head_dim, out),
+                    (2, _) => sum_values::<2, 1, _>(probs, &v_at, keys, head_dim, out),
+                    (_, 4) => sum_values::<1, 4, _>(probs, &v_at, keys, head_dim, out),
+                    (_, 3) => sum_values::<1, 3, _>(probs, &v_at, keys, head_dim, out),
+                    (_, 2) => sum_values::<1, 2, _>(probs, &v_at, keys, head_dim, out),
+                    _ => sum_values::<1, 1, _>(probs, &v_at, keys, head_dim, out),
+                }
+            }
+            r += nr;
+        }
+    }
+    o
+}
+
+/// `s = exp(s - max(s))` in place, eight lanes at a time (a degree-6 polynomial after
+/// range reduction, within 2 ulp of `expf`; the last `len % 8` by `expf`); returns their sum.
+///
+/// # Safety
+/// AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(unsafe_code)]
+unsafe fn exp_in_place(s: &mut [f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let (body, tail) = s.split_at_mut(s.len() / 8 * 8);
+    let mut lanes = _mm256_set1_ps(f32::NEG_INFINITY);
+    for chunk in body.chunks_exact(8) {
+        // SAFETY: chunk holds 8 floats.
+        lanes = _mm256_max_ps(lanes, unsafe { _mm256_loadu_ps(chunk.as_ptr()) });
+    }
+    let mut l8 = [0.0f32; 8];
+    // SAFETY: l8 holds 8 floats.
+    unsafe { _mm256_storeu_ps(l8.as_mut_ptr(), lanes) };
+    let max = l8
+        .iter()
+        .chain(tail.iter())
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    let m = _mm256_set1_ps(max);
+    let mut acc = _mm256_setzero_ps();
+    for chunk in body.chunks_exact_mut(8) {
+        // SAFETY: chunk holds 8 floats.
+        let x = _mm256_sub_ps(unsafe { _mm256_loadu_ps(chunk.as_ptr()) }, m);
+        let e = exp8(x);
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), e) };
+        acc = _mm256_add_ps(acc, e);
+    }
+    let half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let mut l = [0.0f32; 4];
+    // SAFETY: l holds 4 floats.
+    unsafe { _mm_storeu_ps(l.as_mut_ptr(), half) };
+    let mut sum = (l[0] + l[1]) + (l[2] + l[3]);
+    for x in tail {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    sum
+}
+
+/// `e^x` for eight lanes of `x <= 0` (larger ones are clamped to 88): `x = n ln 2 + r`, the
+/// Cephes polynomial for `e^r`, times `2^n` built in the exponent bits (below -87 the
+/// result is clamped to about 1e-38).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+        _mm256_set1_ps(88.0),
+    );
+    let n = _mm256_round_ps(
+        _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let p = _mm256_fmadd_ps(
+        p,
+        _mm256_mul_ps(r, r),
+        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+    );
+    let bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+        23,
+    );
+    _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
+}
+
+/// `q_r · k_c` for N rows and two keys: eight lanes of fused multiply-adds over `chunks` of
+/// 8, then the lanes summed as (0+4)+(1+5)+((2+6)+(3+7)).
+///
+/// # Safety
+/// AVX2 and FMA; both keys and each row hold `8 · chunks` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(unsafe_code, clippy::needless_range_loop)]
+unsafe fn score_block<const N: usize>(
+    q: &[&[f32]; N],
+    k: [*const f32; 2],
+    chunks: usize,
+) -> [[f32; 2]; N] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    for c in 0..chunks {
+        // SAFETY: c < chunks, so 8 floats from 8 c are in each row and key.
+        unsafe {
+            let k0 = _mm256_loadu_ps(k[0].add(8 * c));
+            let k1 = _mm256_loadu_ps(k[1].add(8 * c));
+            for i in 0..N {
+                let qv = _mm256_loadu_ps(q[i].as_ptr().add(8 * c));
+                acc[i][0] = _mm256_fmadd_ps(qv, k0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(qv, k1, acc[i][1]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; 2]; N];
+    for i in 0..N {
+        for c in 0..2 {
+            let a = acc[i][c];
+            let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            let mut l = [0.0f32; 4];
+            // SAFETY: l holds 4 floats.
+            unsafe { _mm_storeu_ps(l.as_mut_ptr(), s) };
+            out[i][c] = (l[0] + l[1]) + (l[2] + l[3]);
+        }
+    }
+    out
+}
+
+/// `out[i] += Σ_j probs[i][j] · v_j` over `keys` keys in order, for NR rows (`head_dim`
+/// apart in `out`) and NC chunks of 8 dims, in registers.
+///
+/// # Safety
+/// AVX2 and FMA; `v_at(j)` points at NC · 8 floats for every j < keys; each probs row holds
+/// `keys` floats; `out` holds `(NR - 1) · head_dim + 8 · NC` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(unsafe_code, clippy::needless_range_loop)]
+unsafe fn sum_values<const NR: usize, const NC: usize, V: Fn(usize) -> *const f32>(
+    probs: [&[f32]; 2],
+    v_at: &V,
+    keys: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); NC]; NR];
+    for j in 0..keys {
+        let v = v_at(j);
+        for i in 0..NR {
+            let p = _mm256_set1_ps(probs[i][j]);
+            for c in 0..NC {
+                // SAFETY: v points at NC · 8 floats (the caller's contract).
+                acc[i][c] = _mm256_fmadd_ps(p, unsafe { _mm256_loadu_ps(v.add(8 * c)) }, acc[i][c]);
+            }
+        }
+    }
+    for i in 0..NR {
+        for c in 0..NC {
+            let dst = &mut out[i * head_dim + 8 * c..i * head_dim + 8 * c + 8];
+            // SAFETY: dst holds 8 floats.
+            unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), acc[i][c]) };
+        }
+    }
 }
 
 /// The outputs of a tile's query rows (row r: token t0 + r / group, head kvh · group + r %
@@ -273,5 +566,117 @@ pub(crate) fn kv_store(
         let dst = slot as usize * kv_dim;
         cache_k[dst..dst + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
         cache_v[dst..dst + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Plain softmax attention in f64 for token t of `runs` (tokens laid out run by run).
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        layout: &PagedLayout<'_>,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+        scale: f32,
+    ) -> Vec<f32> {
+        let tokens = layout.positions.len();
+        let group = heads / kv_heads;
+        let kv_dim = kv_heads * hd;
+        let mut out = vec![0.0f32; tokens * heads * hd];
+        for t in 0..tokens {
+            let run = layout.token_runs[t] as usize;
+            let len = layout.positions[t] as usize + 1;
+            for h in 0..heads {
+                let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+                let at = |j: usize| layout.slot(run, j) * kv_dim + (h / group) * hd;
+                let s: Vec<f64> = (0..len)
+                    .map(|j| {
+                        let kj = &k[at(j)..at(j) + hd];
+                        qh.iter()
+                            .zip(kj)
+                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                            .sum::<f64>()
+                            * f64::from(scale)
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let o: f64 = (0..len).map(|j| w[j] * f64::from(v[at(j) + d])).sum();
+                    out[(t * heads + h) * hd + d] = (o / z) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Both loops (AVX2/FMA where the CPU has them, and the plain ones) match plain f64
+        /// attention over runs of several tokens with histories, shuffled block tables and
+        /// any head dim.
+        #[test]
+        fn attention_matches_plain_softmax_attention(
+            hd in prop_oneof![Just(8usize), Just(16), Just(24), Just(40), Just(64), Just(128), Just(256), Just(12)],
+            kv_heads in 1usize..3,
+            group in prop_oneof![Just(1usize), Just(2), Just(3), Just(4), Just(8)],
+            block_size in prop_oneof![Just(4usize), Just(16)],
+            runs in proptest::collection::vec((0usize..60, 1usize..20), 1..4),
+            seed in any::<u64>(),
+        ) {
+            let heads = kv_heads * group;
+            let kv_dim = kv_heads * hd;
+            let width = runs.iter().map(|(p, n)| (p + n).div_ceil(block_size)).max().unwrap_or(1);
+            let blocks = runs.len() * width;
+            let mut order: Vec<u32> = (0..blocks as u32).collect();
+            let mut x = seed | 1;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for i in (1..order.len()).rev() {
+                order.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            let (mut positions, mut token_runs) = (vec![], vec![]);
+            for (r, &(past, n)) in runs.iter().enumerate() {
+                for p in past..past + n {
+                    positions.push(p as u32);
+                    token_runs.push(r as u32);
+                }
+            }
+            let mut values = |n: usize| -> Vec<f32> {
+                (0..n).map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0).collect()
+            };
+            let k = values(blocks * block_size * kv_dim);
+            let v = values(blocks * block_size * kv_dim);
+            let q = values(positions.len() * heads * hd);
+            let layout = PagedLayout {
+                positions: &positions,
+                token_runs: &token_runs,
+                block_tables: &order,
+                max_blocks_per_run: width,
+                block_size,
+            };
+            let scale = 1.0 / (hd as f32).sqrt();
+            let expected = reference(&q, &k, &v, &layout, heads, kv_heads, hd, scale);
+            for simd in [true, false] {
+                let mut out = vec![f32::NAN; expected.len()];
+                attention_with(simd, &q, &k, &v, &layout, (heads, kv_heads, hd, scale), &mut out);
+                for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+                    prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "simd {simd}: {i}: {a} against {b}");
+                }
+            }
+        }
     }
 }
