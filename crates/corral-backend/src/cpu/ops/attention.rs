@@ -27,9 +27,9 @@ const TILE_TOKENS: usize = 8;
 
 /// Causal GQA attention over the paged cache. A work item is (up to [`TILE_TOKENS`] tokens
 /// of one run, one KV head): every key row it reads meets each of its tokens' query heads of
-/// that group, then every value row each of their outputs. Per (token, head) the arithmetic
-/// is the plain loop's, in the same order: scores by one dot product each, softmax, values
-/// summed in key order.
+/// that group, then every value row each of their outputs. Per (token, head): scores by one
+/// dot product each, softmax, values summed in key order, on AVX2 and FMA where the CPU has
+/// them; a token's arithmetic never depends on the tile it falls in.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention(
     q: &[f32],
@@ -128,6 +128,29 @@ struct Tile {
     scale: f32,
 }
 
+impl Tile {
+    /// The tile's run, query rows, and keys (its longest row's) given `scores` of room.
+    fn shape(&self, layout: &PagedLayout<'_>, scores: &[f32]) -> (usize, usize, usize) {
+        let rows = (self.t1 - self.t0) * self.group;
+        (
+            layout.token_runs[self.t0] as usize,
+            rows,
+            scores.len() / rows.max(1),
+        )
+    }
+
+    /// Keys query row `r` attends to.
+    fn len(&self, layout: &PagedLayout<'_>, r: usize) -> usize {
+        layout.positions[self.t0 + r / self.group] as usize + 1
+    }
+
+    /// Where query row `r` starts in `q`.
+    fn q_at(&self, r: usize) -> usize {
+        let t = self.t0 + r / self.group;
+        (t * self.num_heads + self.kvh * self.group + r % self.group) * self.head_dim
+    }
+}
+
 /// Whether the CPU runs AVX2 and FMA (the attention loops have a version for them, picked at
 /// run time: the build targets the baseline x86-64).
 fn has_avx2_fma() -> bool {
@@ -161,25 +184,17 @@ unsafe fn attend_tile_fma(
     scores: &mut [f32],
 ) -> Vec<f32> {
     let &Tile {
-        t0,
-        t1,
         kvh,
-        group,
-        num_heads,
         head_dim,
         kv_dim,
         scale,
+        ..
     } = tile;
-    let run = layout.token_runs[t0] as usize;
-    let rows = (t1 - t0) * group;
-    let longest = scores.len() / rows.max(1);
+    let (run, rows, longest) = tile.shape(layout, scores);
     let kv_off = kvh * head_dim;
     let chunks = head_dim / 8;
-    let len = |r: usize| layout.positions[t0 + r / group] as usize + 1;
-    let q_row = |r: usize| {
-        let at = ((t0 + r / group) * num_heads + kvh * group + r % group) * head_dim;
-        &q[at..at + head_dim]
-    };
+    let len = |r: usize| tile.len(layout, r);
+    let q_row = |r: usize| &q[tile.q_at(r)..tile.q_at(r) + head_dim];
     // Each key's row offset, found once (a slot is a division by the block size).
     let bases: Vec<usize> = (0..longest)
         .map(|j| layout.slot(run, j) * kv_dim + kv_off)
@@ -446,21 +461,16 @@ fn attend_tile(
     scores: &mut [f32],
 ) -> Vec<f32> {
     let &Tile {
-        t0,
-        t1,
         kvh,
-        group,
-        num_heads,
         head_dim,
         kv_dim,
         scale,
+        ..
     } = tile;
-    let run = layout.token_runs[t0] as usize;
-    let rows = (t1 - t0) * group;
-    let longest = scores.len() / rows.max(1);
+    let (run, rows, longest) = tile.shape(layout, scores);
     let kv_off = kvh * head_dim;
-    let len = |r: usize| layout.positions[t0 + r / group] as usize + 1;
-    let q_at = |r: usize| ((t0 + r / group) * num_heads + kvh * group + r % group) * head_dim;
+    let len = |r: usize| tile.len(layout, r);
+    let q_at = |r: usize| tile.q_at(r);
     let mut o = vec![0.0f32; rows * head_dim];
     for j in 0..longest {
         let base = layout.slot(run, j) * kv_dim + kv_off;

@@ -143,6 +143,18 @@ fn run_cell(
     Ok((times, stats))
 }
 
+/// Each of `values` as true (`names[0]`) or false (`names[1]`), for the error naming `flag`.
+fn two_way(flag: &str, values: &[String], names: [&str; 2]) -> Result<Vec<bool>> {
+    values
+        .iter()
+        .map(|v| match v.as_str() {
+            v if v == names[0] => Ok(true),
+            v if v == names[1] => Ok(false),
+            other => bail!("{flag}: `{other}` is neither {} nor {}", names[0], names[1]),
+        })
+        .collect()
+}
+
 pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     if args.batch.is_empty() || args.batch.contains(&0) {
         bail!("--batch needs positive sizes");
@@ -160,24 +172,8 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     {
         bail!("--context {c} plus the steps exceeds the model's {max_position} positions");
     }
-    let graph_modes: Vec<bool> = args
-        .graphs
-        .iter()
-        .map(|g| match g.as_str() {
-            "on" => Ok(true),
-            "off" => Ok(false),
-            other => bail!("--graphs: `{other}` is neither on nor off"),
-        })
-        .collect::<Result<_>>()?;
-    let sampling_modes: Vec<bool> = args
-        .sampling
-        .iter()
-        .map(|g| match g.as_str() {
-            "device" => Ok(true),
-            "host" => Ok(false),
-            other => bail!("--sampling: `{other}` is neither device nor host"),
-        })
-        .collect::<Result<_>>()?;
+    let graph_modes = two_way("--graphs", &args.graphs, ["on", "off"])?;
+    let sampling_modes = two_way("--sampling", &args.sampling, ["device", "host"])?;
     let mut cells = Vec::new();
     let mut logits = Vec::new();
     for &context in &args.context {
