@@ -301,12 +301,28 @@ pub(crate) fn reduce_row(row: &[f32], draw_words: &[u32], keys: &mut Vec<u64>, o
     keys.clear();
     let mut max = f32::NEG_INFINITY;
     let mut best: Option<(f32, u32, f32)> = None;
+    let mut finite = 0usize;
+    // Keys below the k-th best so far are never kept: a bounded buffer, cut back to the best
+    // k whenever it fills.
+    let mut threshold = 0u64;
+    let keep_best = |keys: &mut Vec<u64>| {
+        keys.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+        keys.truncate(k);
+        keys.iter().copied().min().unwrap_or(0)
+    };
     for (i, &l) in row.iter().enumerate() {
         if !l.is_finite() {
             continue;
         }
         let id = i as u32;
-        keys.push(key(l, id));
+        finite += 1;
+        let key = key(l, id);
+        if key > threshold {
+            keys.push(key);
+            if keys.len() == 64 * k {
+                threshold = keep_best(keys);
+            }
+        }
         max = max.max(l);
         if let Some(gk) = draw.gumbel_key {
             let score = l * draw.inv_temperature + gumbel_noise(gk, id);
@@ -316,8 +332,7 @@ pub(crate) fn reduce_row(row: &[f32], draw_words: &[u32], keys: &mut Vec<u64>, o
         }
     }
     if keys.len() > k {
-        keys.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
-        keys.truncate(k);
+        keep_best(keys);
     }
     keys.sort_unstable_by(|a, b| b.cmp(a));
     out.fill(0);
@@ -328,9 +343,15 @@ pub(crate) fn reduce_row(row: &[f32], draw_words: &[u32], keys: &mut Vec<u64>, o
     }
     let (mut sum, mut tempered) = (0.0f64, 0.0f64);
     if max.is_finite() {
+        let tempering = draw.inv_temperature != 1.0;
         for &l in row.iter().filter(|l| l.is_finite()) {
-            sum += f64::from(l - max).exp();
-            tempered += f64::from((l - max) * draw.inv_temperature).exp();
+            sum += f64::from((l - max).exp());
+            if tempering {
+                tempered += f64::from(((l - max) * draw.inv_temperature).exp());
+            }
+        }
+        if !tempering {
+            tempered = sum;
         }
     }
     let lse = |m: f32, s: f64| {
@@ -340,7 +361,7 @@ pub(crate) fn reduce_row(row: &[f32], draw_words: &[u32], keys: &mut Vec<u64>, o
             f32::NEG_INFINITY
         }
     };
-    out[2 * k] = keys.len() as u32;
+    out[2 * k] = finite.min(k) as u32;
     out[2 * k + 1] = max.to_bits();
     out[2 * k + 2] = lse(max, sum).to_bits();
     out[2 * k + 3] = lse(max * draw.inv_temperature, tempered).to_bits();
@@ -383,6 +404,26 @@ mod tests {
         assert_eq!(c.max, 10.0);
         assert!(c.gumbel.is_none());
         assert!(!c.is_whole_row());
+    }
+
+    #[test]
+    fn long_rows_keep_the_best_through_the_buffer_cuts() {
+        // Ascending (every logit beats the ones before), descending and scattered, with ties.
+        for pattern in 0..3 {
+            let row: Vec<f32> = (0..20_000u32)
+                .map(|i| match pattern {
+                    0 => i as f32,
+                    1 => -(i as f32),
+                    _ => ((i * 7919) % 1009) as f32 * 0.5,
+                })
+                .collect();
+            let c = reduce(&row, GREEDY);
+            let mut expected: Vec<(u32, f32)> =
+                row.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+            expected.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            expected.truncate(TOP_CANDIDATES);
+            assert_eq!(c.top, expected, "pattern {pattern}");
+        }
     }
 
     #[test]
