@@ -15,6 +15,10 @@ pub const TOP_CANDIDATES: usize = 64;
 /// whether it is truncated.
 pub const CANDIDATE_ROW_WORDS: usize = 2 * TOP_CANDIDATES + 8;
 
+/// The largest vocabulary the device reduction takes (the CUDA kernel's 32 blocks of 16k
+/// logits a row); larger ones are read back whole.
+pub const MAX_REDUCED_VOCAB: usize = 32 * 16 * 1024;
+
 /// `u32` words of one row's draw parameters and of one penalty entry.
 pub const DRAW_WORDS: usize = 4;
 
@@ -246,11 +250,18 @@ impl RowCandidates {
                 f64::from(self.tempered_log_sum_exp - self.max / f.temperature).exp()
             };
             let mut cumulative = 0.0;
+            // Without every token in play the total is the device's, a little off the host's
+            // sum: a nucleus ending within that of `top_p` is left to the whole row.
+            let margin = if complete { 0.0 } else { 1e-4 };
+            let top_p = f64::from(f.top_p);
+            let mut before = 0.0;
             let keep = c.iter().position(|&(_, w)| {
+                before = cumulative;
                 cumulative += f64::from(w) / total;
-                cumulative >= f64::from(f.top_p)
+                cumulative >= top_p
             });
             match keep {
+                Some(_) if cumulative < top_p + margin || before > top_p - margin => return None,
                 Some(i) => c.truncate(i + 1),
                 None if !complete => return None,
                 None => {}
@@ -267,7 +278,7 @@ impl RowCandidates {
     }
 }
 
-/// Gumbel noise for `id` under `key`: SplitMix64 of the pair, 24 bits of it as a uniform
+/// Gumbel noise for `id` under `key`: SplitMix64 of the pair, 23 bits of it as a uniform
 /// `u` in (0, 1), `-ln(-ln u)`. Mirrors `gumbel` of sampling.cu.
 pub fn gumbel_noise(key: u64, id: u32) -> f32 {
     let mut z = key.wrapping_add(
@@ -278,8 +289,13 @@ pub fn gumbel_noise(key: u64, id: u32) -> f32 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
-    let u = ((z >> 40) as u32 as f32 + 0.5) * (1.0 / 16_777_216.0);
-    -(-u.ln()).ln()
+    -(-uniform_of(z).ln()).ln()
+}
+
+/// 23 bits of `z` as a uniform in (0, 1): `(x + 1/2) / 2^23`, exact in f32, so never 0 or 1
+/// (24 bits would round the largest to 1, and `-ln(-ln 1)` is infinite).
+fn uniform_of(z: u64) -> f32 {
+    ((z >> 41) as u32 as f32 + 0.5) * (1.0 / 8_388_608.0)
 }
 
 /// Order-preserving key of a finite logit: larger logit first, then lower id.
@@ -418,8 +434,11 @@ mod tests {
                 })
                 .collect();
             let c = reduce(&row, GREEDY);
-            let mut expected: Vec<(u32, f32)> =
-                row.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+            let mut expected: Vec<(u32, f32)> = row
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l))
+                .collect();
             expected.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             expected.truncate(TOP_CANDIDATES);
             assert_eq!(c.top, expected, "pattern {pattern}");
@@ -478,6 +497,15 @@ mod tests {
                 "token {i}: {n} of 6000, expected {:.0}",
                 6000.0 * p
             );
+        }
+    }
+
+    #[test]
+    fn gumbel_uniforms_stay_inside_zero_and_one() {
+        for z in [0, u64::MAX, u64::MAX >> 1, 1 << 41] {
+            let u = uniform_of(z);
+            assert!(u > 0.0 && u < 1.0, "{z:#x}: {u}");
+            assert!(-(-u.ln()).ln() < f32::INFINITY);
         }
     }
 

@@ -25,7 +25,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use corral_backend::DispatchStats;
-use corral_backend::sampling::Filter;
+use corral_backend::sampling::{Filter, MAX_REDUCED_VOCAB};
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, RaggedBatch, SampledStep, SeqId, SlotId, TokenId,
 };
@@ -628,6 +628,9 @@ impl Scheduler {
         vocab: usize,
         step: &mut SampledStep,
     ) -> bool {
+        if vocab > MAX_REDUCED_VOCAB {
+            return false;
+        }
         let index = |running: &[Sequence], id: SeqId| running.iter().position(|s| s.id == id);
         let wanted = plan.runs.iter().filter(|r| r.wants_logits);
         if wanted.clone().any(|r| {
@@ -640,17 +643,20 @@ impl Scheduler {
         }
         step.rows.clear();
         step.penalties.clear();
+        step.logprobs.clear();
         for (row, run) in wanted.enumerate() {
             match index(&self.running, run.seq) {
                 Some(i) => {
                     let seq = &mut self.running[i];
                     step.rows
                         .push((seq.sampler.filter(), seq.sampler.device_draw()));
+                    step.logprobs.push(seq.top_logprobs.is_some());
                     seq.sampler
                         .device_penalties(&seq.tokens, row, vocab, &mut step.penalties);
                 }
                 None => {
                     step.rows.push((Filter::GREEDY, Filter::GREEDY.draw(0)));
+                    step.logprobs.push(false);
                 }
             }
         }

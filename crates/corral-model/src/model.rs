@@ -532,10 +532,13 @@ pub struct SampledStep {
     pub rows: Vec<(Filter, RowDraw)>,
     /// In: penalties, indexed into `[rows, vocab]`.
     pub penalties: Vec<Penalty>,
+    /// In: the rows that report log-probabilities (read whole if their reduction is
+    /// truncated; missing entries count as false).
+    pub logprobs: Vec<bool>,
     /// Out: per row, its candidates.
     pub candidates: Vec<RowCandidates>,
     /// Out: per row, its whole penalised logits when the candidates do not decide its pick
-    /// or are truncated.
+    /// (or are truncated and it reports log-probabilities).
     pub full_rows: Vec<Option<Vec<f32>>>,
     words: Vec<u32>,
 }
@@ -598,8 +601,9 @@ fn read_out(
     backend.download_u32(&ws.candidates, &mut step.words)?;
     for (i, words) in step.words.chunks_exact(CANDIDATE_ROW_WORDS).enumerate() {
         let candidates = RowCandidates::from_words(words);
-        // A truncated row's later candidates (and log-probabilities) are not exact.
-        let full = if candidates.decides(&step.rows[i].0) && !candidates.truncated {
+        // A truncated row's later candidates (and so its top log-probabilities) are not exact.
+        let wants_top = step.logprobs.get(i).copied().unwrap_or(false);
+        let full = if candidates.decides(&step.rows[i].0) && !(candidates.truncated && wants_top) {
             None
         } else {
             let mut bytes = vec![0u8; vocab * 4];

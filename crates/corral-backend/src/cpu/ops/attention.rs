@@ -411,7 +411,7 @@ unsafe fn score_block<const N: usize>(
     out
 }
 
-/// `out[i] += Σ_j probs[i][j] · v_j` over `keys` keys in order, for NR rows (`head_dim`
+/// `out[i] = Σ_j probs[i][j] · v_j` over `keys` keys in order, for NR rows (`head_dim`
 /// apart in `out`) and NC chunks of 8 dims, in registers.
 ///
 /// # Safety

@@ -54,7 +54,7 @@ __device__ __forceinline__ float gumbel(u64 key, u32 id) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
-    float u = ((float)(u32)(z >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    float u = ((float)(u32)(z >> 41) + 0.5f) * (1.0f / 8388608.0f);
     return -logf(-logf(u));
 }
 
