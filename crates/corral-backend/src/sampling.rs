@@ -75,6 +75,15 @@ impl Penalty {
         ]
     }
 
+    /// The entry of [`Penalty::words`].
+    pub(crate) fn from_words(w: &[u32]) -> Self {
+        Self {
+            index: w[0],
+            subtract: f32::from_bits(w[1]),
+            repetition: f32::from_bits(w[2]),
+        }
+    }
+
     /// The penalised logit.
     pub fn apply(&self, l: f32) -> f32 {
         let l = l - self.subtract;

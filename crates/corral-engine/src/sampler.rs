@@ -219,7 +219,7 @@ impl Sampler {
     }
 
     /// Picks the next token from a row whose penalties were already applied.
-    pub fn sample_penalised(&mut self, logits: &mut [f32]) -> u32 {
+    pub fn sample_penalised(&mut self, logits: &[f32]) -> u32 {
         let token = self.pick_filtered(logits);
         self.count_output(token);
         token
@@ -261,7 +261,7 @@ impl Sampler {
         }
     }
 
-    fn pick_filtered(&mut self, logits: &mut [f32]) -> u32 {
+    fn pick_filtered(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         // Temperatures this small would overflow `logit / T`; they mean greedy anyway.
         if p.temperature < MIN_TEMPERATURE {
@@ -292,7 +292,7 @@ impl Sampler {
         // sorts only what it keeps; a plain draw over the whole vocabulary sorts nothing.
         // By the logits themselves (as the device ranks them): `l / T` can tie where they
         // do not.
-        let raw = &*logits;
+        let raw = logits;
         let by_rank = |a: &(u32, f32), b: &(u32, f32)| {
             raw[b.0 as usize]
                 .total_cmp(&raw[a.0 as usize])
@@ -523,7 +523,7 @@ mod tests {
             None => {
                 let mut full = vec![0.0; vocab];
                 b.download_f32(&logits, &mut full).unwrap();
-                (s.sample_penalised(&mut full), false)
+                (s.sample_penalised(&full), false)
             }
         }
     }

@@ -946,19 +946,18 @@ enum StepLogits<'a> {
 /// the candidates' logits are the model's.
 fn sampled_token(
     seq: &mut Sequence,
-    step: &mut SampledStep,
+    step: &SampledStep,
     row: usize,
 ) -> (u32, Option<f32>, Vec<(u32, f32)>) {
     let Some(candidates) = step.candidates.get(row) else {
         return (0, None, Vec::new());
     };
-    if let Some(full) = step.full_rows.get_mut(row).and_then(Option::as_mut) {
-        let raw = seq.top_logprobs.map(|n| (full.clone(), n));
+    if let Some(full) = step.full_rows.get(row).and_then(Option::as_ref) {
         let token = seq.sampler.sample_penalised(full);
-        return match raw {
-            Some((raw, n)) => {
-                let (lse, top) = log_softmax_top(&raw, n);
-                (token, Some(lse_logprob(&raw, token, lse)), top)
+        return match seq.top_logprobs {
+            Some(n) => {
+                let (lse, top) = log_softmax_top(full, n);
+                (token, Some(lse_logprob(full, token, lse)), top)
             }
             None => (token, None, Vec::new()),
         };

@@ -1105,13 +1105,8 @@ impl Backend for CpuBackend {
             ));
         }
         self.stats.dispatch(1);
-        for e in entries.chunks_exact(DRAW_WORDS) {
-            let penalty = Penalty {
-                index: e[0],
-                subtract: f32::from_bits(e[1]),
-                repetition: f32::from_bits(e[2]),
-            };
-            let l = &mut logits[e[0] as usize];
+        for penalty in entries.chunks_exact(DRAW_WORDS).map(Penalty::from_words) {
+            let l = &mut logits[penalty.index as usize];
             *l = penalty.apply(*l);
         }
         Ok(())

@@ -28,7 +28,7 @@ pub(crate) use device::DeviceMem;
 pub use kernels::KernelCacheReport;
 
 use crate::buffer::Storage;
-use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS};
+use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS, MAX_REDUCED_VOCAB};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
@@ -168,6 +168,7 @@ const ATTENTION_THREADS: u32 = 128;
 /// (sampling.cu's SAMPLE_CHUNK, SAMPLE_MAX_PARTS; the scratch's and tickets' rows).
 const SAMPLE_CHUNK: usize = 1024 * 16;
 const SAMPLE_MAX_PARTS: usize = 32;
+const _: () = assert!(SAMPLE_CHUNK * SAMPLE_MAX_PARTS == MAX_REDUCED_VOCAB);
 const SAMPLE_MAX_ROWS: usize = 256;
 const SAMPLE_THREADS: u32 = 1024;
 
@@ -1923,16 +1924,15 @@ impl Backend for CudaBackend {
         if vocab == 0 {
             return Err(bad(op, "an empty vocabulary".to_string()));
         }
-        let parts = vocab.div_ceil(SAMPLE_CHUNK);
-        if parts > SAMPLE_MAX_PARTS {
+        if vocab > MAX_REDUCED_VOCAB {
             return Err(bad(
                 op,
                 format!(
-                    "a vocabulary of {vocab} is beyond the {} the reduction holds",
-                    SAMPLE_CHUNK * SAMPLE_MAX_PARTS
+                    "a vocabulary of {vocab} is beyond the {MAX_REDUCED_VOCAB} the reduction holds"
                 ),
             ));
         }
+        let parts = vocab.div_ceil(SAMPLE_CHUNK);
         let logits = ptr_of(op, logits_buf)?;
         let draws_at = ptr_of(op, draws)?;
         let out_at = ptr_of(op, out)?;

@@ -144,6 +144,15 @@ impl Tile {
         layout.positions[self.t0 + r / self.group] as usize + 1
     }
 
+    /// Each of the run's first `keys` keys' row offset in the cache (found once: a slot is a
+    /// division by the block size).
+    fn key_offsets(&self, layout: &PagedLayout<'_>, run: usize, keys: usize) -> Vec<usize> {
+        let kv_off = self.kvh * self.head_dim;
+        (0..keys)
+            .map(|j| layout.slot(run, j) * self.kv_dim + kv_off)
+            .collect()
+    }
+
     /// Where query row `r` starts in `q`.
     fn q_at(&self, r: usize) -> usize {
         let t = self.t0 + r / self.group;
@@ -184,21 +193,13 @@ unsafe fn attend_tile_fma(
     scores: &mut [f32],
 ) -> Vec<f32> {
     let &Tile {
-        kvh,
-        head_dim,
-        kv_dim,
-        scale,
-        ..
+        head_dim, scale, ..
     } = tile;
     let (run, rows, longest) = tile.shape(layout, scores);
-    let kv_off = kvh * head_dim;
     let chunks = head_dim / 8;
     let len = |r: usize| tile.len(layout, r);
     let q_row = |r: usize| &q[tile.q_at(r)..tile.q_at(r) + head_dim];
-    // Each key's row offset, found once (a slot is a division by the block size).
-    let bases: Vec<usize> = (0..longest)
-        .map(|j| layout.slot(run, j) * kv_dim + kv_off)
-        .collect();
+    let bases = tile.key_offsets(layout, run, longest);
     let key = |cache: &[f32], j: usize| cache[bases[j]..bases[j] + head_dim].as_ptr();
     // Two keys at a time (the second the first again past the end, its scores dropped).
     for j in (0..longest).step_by(2) {
@@ -461,19 +462,14 @@ fn attend_tile(
     scores: &mut [f32],
 ) -> Vec<f32> {
     let &Tile {
-        kvh,
-        head_dim,
-        kv_dim,
-        scale,
-        ..
+        head_dim, scale, ..
     } = tile;
     let (run, rows, longest) = tile.shape(layout, scores);
-    let kv_off = kvh * head_dim;
     let len = |r: usize| tile.len(layout, r);
     let q_at = |r: usize| tile.q_at(r);
     let mut o = vec![0.0f32; rows * head_dim];
-    for j in 0..longest {
-        let base = layout.slot(run, j) * kv_dim + kv_off;
+    let bases = tile.key_offsets(layout, run, longest);
+    for (j, &base) in bases.iter().enumerate() {
         let k = &cache_k[base..base + head_dim];
         for r in 0..rows {
             if j < len(r) {
@@ -492,8 +488,7 @@ fn attend_tile(
         }
         *inv = 1.0 / sum;
     }
-    for j in 0..longest {
-        let base = layout.slot(run, j) * kv_dim + kv_off;
+    for (j, &base) in bases.iter().enumerate() {
         let v = &cache_v[base..base + head_dim];
         for r in 0..rows {
             if j < len(r) {
