@@ -82,7 +82,8 @@ pub struct AttentionMeta<'a> {
     pub block_size: usize,
     /// Tokens in the batch.
     pub tokens: usize,
-    /// Tokens of the longest run (1 for a batch of decode rows): a hint for choosing kernels.
+    /// Tokens of the longest run (1 for a batch of decode rows): chooses kernels, and 1
+    /// promises that only each token's own key is stored in this step.
     pub max_run_tokens: usize,
 }
 

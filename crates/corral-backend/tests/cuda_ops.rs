@@ -500,15 +500,19 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(4);
-    for case in 0..16 {
+    for case in 0..22 {
         // Groups of up to 8 heads run on tensor cores at head dims 64, 128 and 256 over the
         // bf16 cache; 12 takes the CUDA-core kernel.
         let (nkv, group) = (1 + rng.below(3), [1, 2, 4, 8, 12][rng.below(5)]);
-        let nh = nkv * group;
-        // Cases 10.. are prefill chunks of 64+ tokens at head dims 64, 128 and 256 (the
+        // Cases 10..16 are prefill chunks of 64+ tokens at head dims 64, 128 and 256 (the
         // tensor-core kernel), next to a decode row, so that some 64-token tiles mix runs.
-        let prefill = case >= 10;
-        let hd = if prefill {
+        // Cases 16.. are batches of decode rows (every run one token) on tensor cores, where
+        // a token's earlier keys are read before the kernel storing its own has ended.
+        let prefill = (10..16).contains(&case);
+        let decode_rows = case >= 16;
+        let group = if decode_rows { group.min(8) } else { group };
+        let nh = nkv * group;
+        let hd = if prefill || decode_rows {
             [64, 128, 256][case % 3]
         } else {
             [8, 16, 24, 32, 64, 128, 256][case % 7]
@@ -517,8 +521,8 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
         let kv_dim = nkv * hd;
         // Runs of different lengths, each continuing a history of `past` cached tokens.
         // The last cases have long histories, so that attention splits over the keys.
-        let long = (7..10).contains(&case);
-        let mut runs: Vec<(usize, usize)> = (0..1 + rng.below(3))
+        let long = (7..10).contains(&case) || case >= 19;
+        let mut runs: Vec<(usize, usize)> = (0..1 + rng.below(if decode_rows { 5 } else { 3 }))
             .map(|_| {
                 let past = if long {
                     600 + rng.below(1400)
@@ -527,6 +531,8 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
                 };
                 let new = if prefill {
                     64 + rng.below(150)
+                } else if decode_rows {
+                    1
                 } else {
                     1 + rng.below(40)
                 };
@@ -552,23 +558,33 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
             t.copy_from_slice(&order[r * width..(r + 1) * width]);
         }
         let (mut positions, mut token_runs, mut slots) = (vec![], vec![], vec![]);
-        let mut all_slots = vec![];
+        let mut past_slots = vec![];
         for (r, &(past, n)) in runs.iter().enumerate() {
             for p in 0..past + n {
                 let slot = tables[r * width + p / block_size] * block_size as u32
                     + (p % block_size) as u32;
-                all_slots.push(slot);
                 if p >= past {
                     positions.push(p as u32);
                     token_runs.push(r as u32);
                     slots.push(slot);
+                } else {
+                    past_slots.push(slot);
                 }
             }
         }
         let tokens = positions.len();
-        let history = all_slots.len();
-        let k_all = rng.values(history * kv_dim);
-        let v_all = rng.values(history * kv_dim);
+        let history = past_slots.len();
+        let k_past = rng.values(history * kv_dim);
+        let v_past = rng.values(history * kv_dim);
+        // For decode rows the store before the attention first writes many dummy rows to a
+        // spare slot, so that the batch's own keys land while the attention has begun: a
+        // kernel reading them early would see the zeroed cache.
+        let dummies = if decode_rows { 8192 } else { 0 };
+        let spare = order[runs.len() * width] * block_size as u32;
+        let mut store_slots = vec![spare; dummies];
+        store_slots.extend_from_slice(&slots);
+        let k_new = rng.values((dummies + tokens) * kv_dim);
+        let v_new = rng.values((dummies + tokens) * kv_dim);
         let q = rng.values(tokens * nh * hd);
         let mut outs = Vec::new();
         for (b, kv_dtype) in [
@@ -579,14 +595,17 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
             let len = num_blocks * block_size * kv_dim;
             let mut ck = b.alloc_zeroed(kv_dtype, len, BufferUsage::KvCache).unwrap();
             let mut cv = b.alloc_zeroed(kv_dtype, len, BufferUsage::KvCache).unwrap();
-            // Whole histories are stored, then this batch's queries attend over them.
+            // Earlier steps' keys are stored; this batch's own are stored by the kernel just
+            // before the attention, as in a forward step.
             let (kb, vb, sb) = (
-                f32_buf(b, &k_all),
-                f32_buf(b, &v_all),
-                u32_buf(b, &all_slots),
+                f32_buf(b, &k_past),
+                f32_buf(b, &v_past),
+                u32_buf(b, &past_slots),
             );
-            b.kv_store(&kb, &vb, &sb, history, kv_dim, &mut ck, &mut cv)
-                .unwrap();
+            if history > 0 {
+                b.kv_store(&kb, &vb, &sb, history, kv_dim, &mut ck, &mut cv)
+                    .unwrap();
+            }
             let (pb, rb, tb, slb) = (
                 u32_buf(b, &positions),
                 u32_buf(b, &token_runs),
@@ -611,6 +630,13 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
             };
             let qb = f32_buf(b, &q);
             let mut out = out_buf(b, tokens * nh * hd);
+            let (knb, vnb, ssb) = (
+                f32_buf(b, &k_new),
+                f32_buf(b, &v_new),
+                u32_buf(b, &store_slots),
+            );
+            b.kv_store(&knb, &vnb, &ssb, dummies + tokens, kv_dim, &mut ck, &mut cv)
+                .unwrap();
             b.paged_attention(&qb, &ck, &cv, &meta, shape, &mut out)
                 .unwrap();
             outs.push(read(b, &out, tokens * nh * hd));

@@ -137,7 +137,7 @@ impl Arg {
     }
 }
 
-const MAX_ARGS: usize = 20;
+const MAX_ARGS: usize = 24;
 
 /// Rows up to which projections stream weights through matrix-vector products rather than
 /// 64x64 tensor-core tiles.
@@ -1180,8 +1180,8 @@ impl Backend for CudaBackend {
             DType::F32 => &self.kernels.qkv_norm_rope_store_f32,
             other => return Err(bad(op, format!("KV cache of {other}"))),
         };
-        // A warp per (token, head), eight to a block.
-        let grid = (grid_of(op, (tokens * per_token).div_ceil(8))?, 1, 1);
+        // A block per (token, eight of its heads), a warp per head.
+        let grid = (grid_of(op, tokens)?, grid_of(op, per_token.div_ceil(8))?, 1);
         self.launch(kernel, grid, 256, &args)
     }
 
@@ -1275,6 +1275,8 @@ impl Backend for CudaBackend {
             256 => Some(&self.kernels.decode_attention_mma[2]),
             _ => None,
         };
+        let on_tensor_cores =
+            dtype == DType::BF16 && mma.is_some() && group <= DECODE_MMA_MAX_GROUP;
         let kernel = match (dtype, mma) {
             (DType::BF16, Some(mma)) if group <= DECODE_MMA_MAX_GROUP => mma,
             (DType::BF16 | DType::F32, _) => {
@@ -1314,8 +1316,13 @@ impl Backend for CudaBackend {
         let (out_arg, diag) = (args[15], args[16]);
         let mut all = args.to_vec();
         all.truncate(args.len() - 2);
+        all.push(u32_of(op, split_keys)?);
+        if on_tensor_cores {
+            // Whether every run is one token: the kernel then reads a token's earlier keys
+            // before waiting for the kernel that stores its own.
+            all.push(Arg::U32(u32::from(meta.max_run_tokens == 1)));
+        }
         all.extend([
-            u32_of(op, split_keys)?,
             Arg::Ptr(ptr_of(op, &self.attention_scratch)?),
             Arg::Ptr(ptr_of(op, &self.attention_counters)?),
             out_arg,
@@ -2061,8 +2068,9 @@ mod tests {
 
     /// Kernels are launched with programmatic dependent launch, so every kernel must wait
     /// for its predecessor before it reads or writes anything: its first statement is
-    /// `begin_kernel();` or `begin_small_kernel();` (a kernel without either could read a
-    /// buffer still being written).
+    /// `begin_kernel();`, `begin_small_kernel();` or `begin_deferred_kernel();` (the last
+    /// reads only what no kernel of the step writes before it waits; a kernel without any of
+    /// them could read a buffer still being written).
     #[test]
     fn every_kernel_begins_by_waiting_for_the_one_before() {
         let mut kernels = 0;
@@ -2074,8 +2082,10 @@ mod tests {
                     body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
                 assert!(
                     first.starts_with("begin_kernel();")
-                        || first.starts_with("begin_small_kernel();"),
-                    "{}:{}: the kernel does not begin with begin_kernel() or begin_small_kernel()",
+                        || first.starts_with("begin_small_kernel();")
+                        || first.starts_with("begin_deferred_kernel();"),
+                    "{}:{}: the kernel does not begin with begin_kernel(), begin_small_kernel() \
+                     or begin_deferred_kernel()",
                     source.name,
                     body[..at].lines().count()
                 );

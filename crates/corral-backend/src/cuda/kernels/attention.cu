@@ -34,10 +34,12 @@ __device__ void kv_store_impl(const float* k, const float* v, const u32* slots, 
 KV_STORE(bf16, u16)
 KV_STORE(f32, float)
 
-// From a fused q/k/v projection ([tokens, (heads + 2 kv_heads) * head_dim]): one warp per
-// (token, head) over the token's q, k and v heads. q and k heads are RMSNorm'd and rotated
-// (the head staged in shared memory so that each rotated pair reads both halves); q goes to
-// q_out, k and v into the cache at the token's slot.
+// From a fused q/k/v projection ([tokens, (heads + 2 kv_heads) * head_dim]): a block per
+// (token, QKV_WARPS of its q, k and v heads), a warp per head. The block first forms the
+// token's rotary (cos, sin) pairs once in shared memory (one angle a thread, rather than
+// each of the token's heads its own); q and k heads are RMSNorm'd and rotated (the head
+// staged in shared memory so that each rotated pair reads both halves); q goes to q_out, k
+// and v into the cache at the token's slot.
 #define QKV_WARPS 8
 template <typename C>
 __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight,
@@ -47,35 +49,66 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
                                          u64 cache_slots, float* q_out, C* cache_k, C* cache_v,
                                          Diag* diag) {
     __shared__ float staged[QKV_WARPS][512];
+    __shared__ float2 rotation[256];  // (cos, sin) of pair p: rotary_dim / 2 <= 256
+    const int DIMS = 512 / 32;        // a lane's dims d = lane + 32 i of a head
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 item = blockIdx.x * QKV_WARPS + warp;
+    u32 t = blockIdx.x, h = blockIdx.y * QKV_WARPS + warp;
     u32 per_token = heads + 2 * kv_heads;
-    if (item >= tokens * per_token) return;
-    u32 t = item / per_token, h = item % per_token;
+    if (t >= tokens) return;
     u32 kv_dim = kv_heads * head_dim;
-    const float* src = qkv + ((size_t)t * per_token + h) * head_dim;
-    bool is_q = h < heads;
+    bool is_q = h < heads, is_v = h >= heads + kv_heads;
+    bool live = h < per_token;
+    // The head's values in flight first, so that the angles are formed meanwhile.
+    const float* src = qkv + ((size_t)t * per_token + (live ? h : 0)) * head_dim;
+    float vals[DIMS];
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) {
+        u32 d = lane + 32 * i;
+        vals[i] = live && d < head_dim ? src[d] : 0.f;
+    }
     u32 slot = 0;
-    if (!is_q) {
+    if (live && !is_q) {
         slot = slots[t];
         if (slot >= cache_slots) {
             if (lane == 0) raise_error(diag, ERR_KV_SLOT);
-            return;
+            live = false;
         }
     }
-    if (h >= heads + kv_heads) {
-        size_t dst = (size_t)slot * kv_dim + (size_t)(h - heads - kv_heads) * head_dim;
-        for (u32 d = lane; d < head_dim; d += 32) store_kv(cache_v, dst + d, src[d]);
-        return;
+    u32 half = rotary_dim / 2;
+    if (blockIdx.y * QKV_WARPS < heads + kv_heads) {
+        float pos = (float)positions[t];
+        for (u32 p = threadIdx.x; p < half; p += blockDim.x) {
+            float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
+            float s, c;
+            sincosf(pos * inv_freq, &s, &c);
+            rotation[p] = make_float2(c, s);
+        }
     }
-    const float* w = is_q ? q_weight : k_weight;
-    float ss = 0.f;
-    for (u32 d = lane; d < head_dim; d += 32) ss += src[d] * src[d];
-    ss = warp_sum(ss);
-    float inv = rsqrtf(ss / (float)head_dim + eps);
     float* row = staged[warp];
-    for (u32 d = lane; d < head_dim; d += 32) row[d] = src[d] * inv * w[d];
-    __syncwarp();
+    if (live && is_v) {
+        size_t dst = (size_t)slot * kv_dim + (size_t)(h - heads - kv_heads) * head_dim;
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) {
+            u32 d = lane + 32 * i;
+            if (d < head_dim) store_kv(cache_v, dst + d, vals[i]);
+        }
+        live = false;
+    }
+    if (live) {
+        const float* w = is_q ? q_weight : k_weight;
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) ss += vals[i] * vals[i];
+        ss = warp_sum(ss);
+        float inv = rsqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) {
+            u32 d = lane + 32 * i;
+            if (d < head_dim) row[d] = vals[i] * inv * w[d];
+        }
+    }
+    __syncthreads();  // every thread: the angles, and each warp's staged head
+    if (!live) return;
     float* q_dst = q_out + ((size_t)t * heads + h) * head_dim;
     size_t k_dst = (size_t)slot * kv_dim + (size_t)(h - heads) * head_dim;
     auto emit = [&](u32 d, float v) {
@@ -84,16 +117,12 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
         else
             store_kv(cache_k, k_dst + d, v);
     };
-    // Each lane rotates whole pairs (d, d + half): one angle, one sincos per pair.
-    u32 half = rotary_dim / 2;
-    float pos = (float)positions[t];
+    // Each lane rotates whole pairs (d, d + half).
     for (u32 p = lane; p < half; p += 32) {
-        float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
-        float s, c;
-        sincosf(pos * inv_freq, &s, &c);
+        float2 cs = rotation[p];
         float a = row[p], b = row[p + half];
-        emit(p, a * c - b * s);
-        emit(p + half, b * c + a * s);
+        emit(p, a * cs.x - b * cs.y);
+        emit(p + half, b * cs.x + a * cs.y);
     }
     for (u32 d = rotary_dim + lane; d < head_dim; d += 32) emit(d, row[d]);
 }
@@ -458,12 +487,15 @@ __device__ __forceinline__ u32 word(uint4 v, int i) {
 // (the k index mapped onto memory that way, q packed through the same map). For P·V, n is
 // the head dim, mapped so that lane g loads dims 64 c + 8 g .. + 8 of each of its 4 keys
 // (2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9); byte permutes pair two keys' values per register.
+// The kernel begins deferred: the block tables, and with `one_token_runs` (every run of the
+// batch one token, so that only a token's own key is this step's) a warp's first chunk of
+// keys when it ends before the token's own, are read before it waits for the kernel before.
 template <int HD>
 __device__ void decode_attention_mma_impl(
     const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,
     const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks, u32 block_size,
     u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads, float scale, u32 split_keys,
-    float* partial, u32* counters, float* out, Diag* diag) {
+    u32 one_token_runs, float* partial, u32* counters, float* out, Diag* diag) {
     const int KC = HD / 32;  // 16-byte pieces of a K row per lane, two k16 steps each
     const int VC = HD / 64;  // 16-byte pieces of a V row per lane, eight n8 tiles each
     const int DT = HD / 8;   // n8 tiles of the output
@@ -477,26 +509,6 @@ __device__ void decode_attention_mma_impl(
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 group = num_heads / num_kv_heads;
     u32 kv_dim = num_kv_heads * HD;
-    // Q row g (head g of the group; zero past it), pre-scaled, packed through the k map; read
-    // before the run's length is known, so that both reads are in flight together.
-    u32 qa[KC][4];
-    {
-        bool ok = g < group;
-        const float* qh = q + ((size_t)t * num_heads + kvh * group + (ok ? g : 0)) * HD;
-        float f = scale * 1.4426950408889634f;
-#pragma unroll
-        for (int c = 0; c < KC; c++) {
-            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-            if (ok) {
-                a = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq);
-                b = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq + 4);
-            }
-            qa[c][0] = pack_bf16(a.x * f, a.y * f);
-            qa[c][1] = pack_bf16(a.z * f, a.w * f);
-            qa[c][2] = pack_bf16(b.x * f, b.y * f);
-            qa[c][3] = pack_bf16(b.z * f, b.w * f);
-        }
-    }
     u32 begin, end, active;
     const u32* table;
     if (!split_keys_of(positions, token_runs, runs, block_tables, max_blocks, block_size, t,
@@ -541,9 +553,8 @@ __device__ void decode_attention_mma_impl(
     };
     const u32 stride = ATTN_WARPS * 16;
     u32 j0 = begin + warp * 16;
-    if (j0 < end) fetch_rows(j0);
-    for (; j0 < end; j0 += stride) {
-        uint4 k0[KC], k1[KC], v[4][VC];
+    uint4 k0[KC], k1[KC], v[4][VC];
+    auto load_chunk = [&]() {
 #pragma unroll
         for (int c = 0; c < KC; c++) {
             k0[c] = load16(cache_k + rk[0] + 32 * c + 8 * tq);
@@ -553,6 +564,41 @@ __device__ void decode_attention_mma_impl(
         for (int kk = 0; kk < 4; kk++)
 #pragma unroll
             for (int c = 0; c < VC; c++) v[kk][c] = load16(cache_v + rv[kk] + 64 * c + 8 * g);
+    };
+    // The first chunk in flight before the wait when all its rows are earlier steps' (keys
+    // past the end read the last key's row, so the chunk must end before the token's own).
+    bool loaded = false;
+    if (j0 < end) {
+        fetch_rows(j0);
+        if (one_token_runs && min(j0 + 15, end - 1) < positions[t]) {
+            load_chunk();
+            loaded = true;
+        }
+    }
+    wait_for_previous_kernel();
+    release_dependents();
+    // Q row g (head g of the group; zero past it), pre-scaled, packed through the k map.
+    u32 qa[KC][4];
+    {
+        bool ok = g < group;
+        const float* qh = q + ((size_t)t * num_heads + kvh * group + (ok ? g : 0)) * HD;
+        float f = scale * 1.4426950408889634f;
+#pragma unroll
+        for (int c = 0; c < KC; c++) {
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+            if (ok) {
+                a = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq);
+                b = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq + 4);
+            }
+            qa[c][0] = pack_bf16(a.x * f, a.y * f);
+            qa[c][1] = pack_bf16(a.z * f, a.w * f);
+            qa[c][2] = pack_bf16(b.x * f, b.y * f);
+            qa[c][3] = pack_bf16(b.z * f, b.w * f);
+        }
+    }
+    for (; j0 < end; j0 += stride) {
+        if (!loaded) load_chunk();
+        loaded = false;
         // The next chunk's block-table entries, while this chunk's rows are in flight.
         if (j0 + stride < end) fetch_rows(j0 + stride);
         // S for keys j0 + 2 tq, + 1 (s[0]) and j0 + 8 + 2 tq, + 1 (s[1]).
@@ -665,13 +711,13 @@ __device__ void decode_attention_mma_impl(
         const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,         \
         const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
         u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
-        u32 head_dim, float scale, u32 split_keys, float* partial, u32* counters,             \
-        float* out, Diag* diag) {                                                             \
-        begin_small_kernel();                                                                 \
+        u32 head_dim, float scale, u32 split_keys, u32 one_token_runs, float* partial,        \
+        u32* counters, float* out, Diag* diag) {                                              \
+        begin_deferred_kernel();                                                              \
         decode_attention_mma_impl<HD>(q, cache_k, cache_v, positions, token_runs, runs,       \
                                       block_tables, max_blocks, block_size, num_blocks,       \
                                       tokens, num_heads, num_kv_heads, scale, split_keys,     \
-                                      partial, counters, out, diag);                          \
+                                      one_token_runs, partial, counters, out, diag);          \
     }
 DECODE_ATTENTION_MMA(64)
 DECODE_ATTENTION_MMA(128)

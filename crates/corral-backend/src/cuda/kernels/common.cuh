@@ -29,6 +29,25 @@ __device__ __forceinline__ void begin_small_kernel() {
 #endif
 }
 
+// A kernel that begins with begin_deferred_kernel() reads, before its own
+// wait_for_previous_kernel(), only what no kernel of the step writes (weights; the step's
+// positions and block tables, uploaded before it; KV cached by earlier steps), so that those
+// reads overlap the kernel before. It releases its dependents where it calls
+// release_dependents(), else at exit.
+__device__ __forceinline__ void begin_deferred_kernel() {}
+
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void release_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 struct bf16w { u16 bits; };
 struct f16w { u16 bits; };
 
@@ -181,8 +200,9 @@ __device__ __forceinline__ float dot8(const float* x, uint4 raw) {
 // Sums over the warp of xs[r] · ws[r] over [0, K) for R pairs of rows (16-bit weights,
 // 16-byte aligned, K % 8 == 0): every 16-byte weight load of a pass of P pieces of 256
 // elements is issued before the first is used, so a row of up to 256 P elements costs one
-// trip to memory. Every lane gets the sums.
-template <typename W, int R, int P>
+// trip to memory. Every lane gets the sums. WAIT: the kernel began deferred, and each pass
+// waits for the kernel before between its weight loads and its reads of x.
+template <typename W, int R, int P, bool WAIT = false>
 __device__ __forceinline__ void warp_dots16(const float* const (&xs)[R], const W* const (&ws)[R],
                                             u32 K, float (&out)[R]) {
     u32 lane = threadIdx.x & 31;
@@ -197,6 +217,7 @@ __device__ __forceinline__ void warp_dots16(const float* const (&xs)[R], const W
                 raw[r][u] = k0 + u * 256 < K
                                 ? *reinterpret_cast<const uint4*>(ws[r] + k0 + u * 256)
                                 : make_uint4(0, 0, 0, 0);
+        if constexpr (WAIT) wait_for_previous_kernel();
 #pragma unroll
         for (int u = 0; u < P; u++) {
             if (k0 + u * 256 >= K) break;

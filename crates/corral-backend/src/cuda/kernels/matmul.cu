@@ -1,6 +1,7 @@
 // Dense projections out[rows, N] = x[rows, K] · Wᵀ with W [N, K] in its stored type.
 // Few rows (decode): each weight row is read once for every row of x, on CUDA cores in f32
-// (one row, or f32 weights) or on tensor cores (16-bit weights, 2 to 32 rows).
+// (one row, or f32 weights) or on tensor cores (16-bit weights, 2 to 32 rows); those kernels
+// begin deferred, their first weight loads in flight while the kernel before ends.
 // Many rows: 64x64 tensor-core tiles (mma_tile.cuh).
 
 #define MATVEC_WARPS 4
@@ -34,13 +35,15 @@ __device__ void matvec_impl(const float* x, u32 rows, const W* w, u32 N, u32 K, 
                 ws[j] = w + (size_t)(n0 + min((u32)j, nv - 1)) * K;
             }
             float dots[MATVEC_FEATURES];
-            warp_dots16<W, MATVEC_FEATURES, 8>(xs, ws, K, dots);
+            warp_dots16<W, MATVEC_FEATURES, 8, true>(xs, ws, K, dots);
+            wait_for_previous_kernel();  // waited already unless K is 0
 #pragma unroll
             for (int j = 0; j < MATVEC_FEATURES; j++)
                 if (lane == 0 && rows > 0 && j < nv) out[n0 + j] = dots[j];
             return;
         }
     }
+    wait_for_previous_kernel();
     float acc[ROWS][MATVEC_FEATURES];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
@@ -119,7 +122,9 @@ __device__ void matvec_mma_impl(const float* x, u32 rows, const W* w, u32 N, u32
 #pragma unroll
     for (int j = 0; j < NT; j++) xr[j] = j * 8 + g < rows ? x + (size_t)(j * 8 + g) * K : nullptr;
     float acc[1][NT][4];
-    mvm_accumulate<F16Operands<W>::value, NT, 1>(xr, w_lo, w_hi, lo_ok, hi_ok, K, acc, diag);
+    mvm_accumulate<F16Operands<W>::value, NT, 1, true>(xr, w_lo, w_hi, lo_ok, hi_ok, K, acc,
+                                                         diag);
+    wait_for_previous_kernel();  // waited already unless the warp had no span of K
     if (!mvm_reduce<NT * 4>(&acc[0][0][0], red)) return;
 #pragma unroll
     for (int j = 0; j < NT; j++)
@@ -157,7 +162,7 @@ __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u
 #define MATVEC(SUFFIX, W, ROWS)                                                               \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32) matvec_##SUFFIX##_r##ROWS(   \
         const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec, float* out, Diag* diag) {   \
-        begin_kernel();                                                                          \
+        begin_deferred_kernel();                                                                 \
         matvec_impl<W, ROWS>(x, rows, w, N, K, vec, out, diag);                                  \
     }
 #define MATMUL(SUFFIX, W)                                                                     \
@@ -179,7 +184,7 @@ MATMUL(f32, float)
 #define MATVEC_MMA(SUFFIX, W, NT)                                                             \
     extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) matvec_mma_##SUFFIX##_n##NT( \
         const float* x, u32 rows, const W* w, u32 N, u32 K, float* out, Diag* diag) {          \
-        begin_kernel();                                                                        \
+        begin_deferred_kernel();                                                               \
         matvec_mma_impl<W, NT>(x, rows, w, N, K, out, diag);                                   \
     }
 MATVEC_MMA(bf16, bf16w, 1)

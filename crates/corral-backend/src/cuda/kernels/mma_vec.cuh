@@ -12,8 +12,9 @@
 // which order K is summed, so the mma's k index is mapped onto memory such that those 8
 // elements are exactly what the lane holds for two k16 steps; x (row g + 8j, the B operand,
 // at xr[j], null past the last row) is read and rounded to the operand type through the same
-// map. Each weight element is read once and meets every row.
-template <bool F16, int NT, int NW>
+// map. Each weight element is read once and meets every row. WAIT: the kernel began
+// deferred, and each pass waits for the kernel before between its weight loads and x's.
+template <bool F16, int NT, int NW, bool WAIT = false>
 __device__ __forceinline__ void mvm_accumulate(const float* const (&xr)[NT],
                                                const u16* const (&w_lo)[NW],
                                                const u16* const (&w_hi)[NW], bool lo_ok,
@@ -42,6 +43,7 @@ __device__ __forceinline__ void mvm_accumulate(const float* const (&xr)[NT],
                                        : make_uint4(0, 0, 0, 0);
             }
         }
+        if constexpr (WAIT) wait_for_previous_kernel();
 #pragma unroll
         for (int u = 0; u < MVM_UNROLL; u++) {
             // mma.sync needs the whole warp: only whole spans are skipped (warp-uniform); a
