@@ -311,6 +311,29 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// read back.
     fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()>;
 
+    /// Copies block `ids[i]` of `paged` (blocks of `block_elems` elements, any stored type)
+    /// to block `i` of `packed` (the same type), for `count` blocks: a session's KV blocks
+    /// gathered on the device so that they cross to the host in one copy.
+    fn gather_blocks(
+        &self,
+        paged: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        count: usize,
+        block_elems: usize,
+        packed: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// Copies block `i` of `packed` to block `ids[i]` of `paged`, for `count` blocks: the
+    /// inverse of [`Backend::gather_blocks`], a session's KV read back.
+    fn scatter_blocks(
+        &self,
+        packed: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        count: usize,
+        block_elems: usize,
+        paged: &mut DeviceBuffer,
+    ) -> Result<()>;
+
     /// Copies elements `src .. src + len` of the buffer `x` (any stored type) to
     /// `dst .. dst + len`, ranges that do not overlap, on the device: one recurrent-state slot
     /// into another for checkpoints, one KV block into another for copy-on-write.
@@ -626,6 +649,38 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 }
 
 /// Checks [`Backend::copy_within`]'s ranges against a buffer of `len` elements.
+/// Checks a copy of `count` whole blocks of `block_elems` elements between `paged` and
+/// `packed` (one stored type, `packed` long enough); the blocks `paged` holds.
+pub(crate) fn check_block_copy(
+    op: &'static str,
+    paged: &DeviceBuffer,
+    packed: &DeviceBuffer,
+    count: usize,
+    block_elems: usize,
+) -> Result<usize> {
+    let bad = |detail: String| BackendError::BadArgument { op, detail };
+    if paged.dtype() != packed.dtype() {
+        return Err(bad(format!(
+            "blocks of {} copied to or from a buffer of {}",
+            paged.dtype(),
+            packed.dtype()
+        )));
+    }
+    if block_elems == 0 {
+        return Err(bad("blocks of 0 elements".to_string()));
+    }
+    if count
+        .checked_mul(block_elems)
+        .is_none_or(|n| n > packed.len())
+    {
+        return Err(bad(format!(
+            "{count} blocks of {block_elems} elements in a packed buffer of {}",
+            packed.len()
+        )));
+    }
+    Ok(paged.len() / block_elems)
+}
+
 pub(crate) fn check_copy_ranges(
     op: &'static str,
     len: usize,

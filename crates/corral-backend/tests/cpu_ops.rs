@@ -302,6 +302,64 @@ fn copy_within_copies_a_range_and_rejects_overlap_and_overflow() {
     );
 }
 
+/// Blocks gathered from a paged buffer land in order; scattered back into a zeroed buffer
+/// they land at their ids and nowhere else; bad ids, types and sizes are refused.
+#[test]
+fn gather_and_scatter_blocks_move_whole_blocks_by_id() {
+    let b = CpuBackend::new();
+    let (blocks, n) = (6, 4);
+    let paged: Vec<u8> = (0..blocks * n * 2).map(|i| (i * 5 % 251) as u8).collect();
+    let mut src = b
+        .alloc_zeroed(DType::BF16, blocks * n, BufferUsage::KvCache)
+        .unwrap();
+    b.write_bytes(&paged, &mut src, 0).unwrap();
+    let ids = [4u32, 0, 5];
+    let mut id_buf = b.take_buffer(DType::U32, 3, BufferUsage::Metadata).unwrap();
+    b.upload_u32(&ids, &mut id_buf).unwrap();
+    let mut packed = b
+        .alloc_zeroed(DType::BF16, 3 * n, BufferUsage::KvCache)
+        .unwrap();
+    b.gather_blocks(&src, &id_buf, 3, n, &mut packed).unwrap();
+    let mut got = vec![0u8; 3 * n * 2];
+    b.read_bytes(&packed, 0, &mut got).unwrap();
+    let block = |id: u32| &paged[id as usize * n * 2..(id as usize + 1) * n * 2];
+    assert_eq!(got, [block(4), block(0), block(5)].concat());
+    let mut dst = b
+        .alloc_zeroed(DType::BF16, blocks * n, BufferUsage::KvCache)
+        .unwrap();
+    b.scatter_blocks(&packed, &id_buf, 3, n, &mut dst).unwrap();
+    let mut back = vec![0u8; blocks * n * 2];
+    b.read_bytes(&dst, 0, &mut back).unwrap();
+    for id in 0..blocks as u32 {
+        let want: Vec<u8> = if ids.contains(&id) {
+            block(id).to_vec()
+        } else {
+            vec![0; n * 2]
+        };
+        assert_eq!(
+            &back[id as usize * n * 2..(id as usize + 1) * n * 2],
+            &want[..],
+            "block {id}"
+        );
+    }
+    b.upload_u32(&[4, 6, 0], &mut id_buf).unwrap();
+    let err = b
+        .gather_blocks(&src, &id_buf, 3, n, &mut packed)
+        .unwrap_err();
+    assert!(err.to_string().contains("block 6"), "{err}");
+    let mut f32s = b
+        .alloc_zeroed(DType::F32, 3 * n, BufferUsage::KvCache)
+        .unwrap();
+    assert!(
+        b.gather_blocks(&src, &id_buf, 3, n, &mut f32s).is_err(),
+        "types differ"
+    );
+    assert!(
+        b.gather_blocks(&src, &id_buf, 4, n, &mut packed).is_err(),
+        "packed too short"
+    );
+}
+
 #[test]
 fn read_and_write_bytes_round_trip_and_reject_bad_ranges() {
     let b = CpuBackend::new();

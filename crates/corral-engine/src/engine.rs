@@ -231,6 +231,7 @@ fn run(
                 dir,
                 hybrid: model.is_hybrid(),
                 metrics,
+                prefetch: None,
             })),
             None => scheduler.step(),
         };
@@ -347,6 +348,21 @@ struct DiskSessions<'a> {
     dir: &'a mut crate::SpillDir,
     hybrid: bool,
     metrics: &'a EngineMetrics,
+    /// The file `find` chose, being read and checked by a thread while the eviction that
+    /// makes room for it spills.
+    prefetch: Option<(std::path::PathBuf, SpillRead)>,
+}
+
+/// A session file's read and check, and its milliseconds.
+type SpillRead = std::thread::JoinHandle<(Result<crate::SpillFile, EngineError>, f64)>;
+
+fn read_spill(
+    path: &std::path::Path,
+    fingerprint: u64,
+) -> (Result<crate::SpillFile, EngineError>, f64) {
+    let start = std::time::Instant::now();
+    let file = crate::SpillFile::read(path, fingerprint);
+    (file, start.elapsed().as_secs_f64() * 1e3)
 }
 
 impl SessionStore for DiskSessions<'_> {
@@ -363,12 +379,15 @@ impl SessionStore for DiskSessions<'_> {
         }
         let start = std::time::Instant::now();
         let written = (|| -> Result<u64, EngineError> {
-            let kv = self.cache.read_blocks(self.backend, prefix.blocks)?;
+            let buffers = self.dir.take_buffers();
+            let kv = self
+                .cache
+                .read_blocks(self.backend, prefix.blocks, buffers)?;
             let state = match prefix.checkpoint {
                 Some(slot) if self.hybrid => self.state.read_slot(self.backend, slot)?,
                 _ => Vec::new(),
             };
-            self.dir.add(&crate::SpilledPrefix {
+            self.dir.add(crate::SpilledPrefix {
                 fingerprint: self.dir.fingerprint(),
                 block_size: self.cache.block_size,
                 tokens: prefix.tokens.to_vec(),
@@ -405,6 +424,17 @@ impl SessionStore for DiskSessions<'_> {
             .filter(|f| f.0 > beyond);
         // Kept through the spills that make room for it.
         self.dir.pin(found.as_ref().map(|f| f.1.clone()));
+        self.prefetch = None;
+        if let Some((_, path)) = &found
+            && self.dir.finish_write(path)
+        {
+            let (file, fingerprint) = (path.clone(), self.dir.fingerprint());
+            self.prefetch = std::thread::Builder::new()
+                .name("corral-restore".to_string())
+                .spawn(move || read_spill(&file, fingerprint))
+                .ok()
+                .map(|reader| (path.clone(), reader));
+        }
         found
     }
 
@@ -415,55 +445,63 @@ impl SessionStore for DiskSessions<'_> {
         slot: Option<SlotId>,
     ) -> Result<(), String> {
         let start = std::time::Instant::now();
-        let loaded = (|| -> Result<(usize, f64), EngineError> {
+        // (tokens restored, ms of the read and check, ms waited for them, ms copying).
+        let loaded = (|| -> Result<(usize, f64, f64, f64), EngineError> {
             if !self.dir.finish_write(path) {
                 return Err(EngineError::Spill {
                     path: path.to_path_buf(),
                     detail: "its write failed".to_string(),
                 });
             }
-            let prefix = crate::SpilledPrefix::read(path, self.dir.fingerprint())?;
-            let read_ms = start.elapsed().as_secs_f64() * 1e3;
+            let (file, read_ms) = match self.prefetch.take() {
+                Some((read, reader)) if read == path => reader.join().unwrap_or_else(|_| {
+                    let failed = EngineError::Spill {
+                        path: path.to_path_buf(),
+                        detail: "its reader failed".to_string(),
+                    };
+                    (Err(failed), 0.0)
+                }),
+                _ => read_spill(path, self.dir.fingerprint()),
+            };
+            let file = file?;
+            let waited_ms = start.elapsed().as_secs_f64() * 1e3;
             let bad = |detail: String| EngineError::Spill {
                 path: path.to_path_buf(),
                 detail,
             };
             // The file's first blocks (all of them where a state is restored too); its last
             // may be partly filled.
-            let in_file = prefix.tokens.len().div_ceil(self.cache.block_size.max(1));
+            let in_file = file.tokens().len().div_ceil(self.cache.block_size.max(1));
             let used = blocks.len();
             if used > in_file || (slot.is_some() && used != in_file) {
                 return Err(bad(format!("{used} blocks asked of a file of {in_file}")));
             }
-            // The whole file as it is, or each layer's K and V cut to the first blocks.
-            let kv: Vec<Vec<u8>> = if used == in_file {
-                prefix.kv
-            } else {
-                prefix
-                    .kv
-                    .iter()
-                    .map(|layer| {
-                        let size = layer.len() / (2 * in_file).max(1);
-                        let (k, v) = layer.split_at(size * in_file);
-                        [&k[..size * used], &v[..size * used]].concat()
-                    })
-                    .collect()
-            };
+            // Each layer's K and V, cut to the first blocks, where they lie in the file.
+            let kv: Vec<(&[u8], &[u8])> = (0..file.layers())
+                .map(|i| {
+                    let layer = file.layer(i);
+                    let size = layer.len() / (2 * in_file).max(1);
+                    let (k, v) = layer.split_at(size * in_file);
+                    (&k[..size * used], &v[..size * used])
+                })
+                .collect();
             self.cache.write_blocks(self.backend, blocks, &kv)?;
             if let Some(slot) = slot {
-                if prefix.state.is_empty() {
+                if file.state().is_empty() {
                     return Err(bad("no recurrent state".to_string()));
                 }
-                self.state.write_slot(self.backend, slot, &prefix.state)?;
+                self.state.write_slot(self.backend, slot, file.state())?;
             }
             Ok((
-                (used * self.cache.block_size).min(prefix.tokens.len()),
+                (used * self.cache.block_size).min(file.tokens().len()),
                 read_ms,
+                waited_ms,
+                start.elapsed().as_secs_f64() * 1e3 - waited_ms,
             ))
         })();
         self.dir.pin(None);
         match loaded {
-            Ok((tokens, read_ms)) => {
+            Ok((tokens, read_ms, waited_ms, copy_ms)) => {
                 self.dir.touch(path);
                 self.metrics
                     .session_restores
@@ -474,6 +512,8 @@ impl SessionStore for DiskSessions<'_> {
                 tracing::info!(
                     tokens,
                     read_ms,
+                    waited_ms,
+                    copy_ms,
                     ms = start.elapsed().as_secs_f64() * 1e3,
                     "restored a session from disk"
                 );

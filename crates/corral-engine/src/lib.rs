@@ -23,7 +23,7 @@ pub use error::EngineError;
 pub use generation_config::stop_token_ids;
 pub use kv::{
     EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir,
-    SpilledPrefix, StateSlotPool,
+    SpillFile, SpilledPrefix, StateSlotPool,
 };
 pub use metrics::EngineMetrics;
 pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};

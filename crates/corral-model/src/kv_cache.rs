@@ -87,24 +87,60 @@ impl PagedKvCache {
     }
 
     /// The bytes of `blocks` in every layer, as stored: per layer, the K of each block in
-    /// order, then the V of each (a session written to disk).
-    pub fn read_blocks(&self, backend: &dyn Backend, blocks: &[BlockId]) -> Result<Vec<Vec<u8>>> {
+    /// order, then the V of each (a session written to disk), read into `reuse`'s buffers
+    /// where it has them (their bytes are overwritten). Each layer's K and V are gathered on
+    /// the device and cross to the host in one copy each.
+    pub fn read_blocks(
+        &self,
+        backend: &dyn Backend,
+        blocks: &[BlockId],
+        reuse: Vec<Vec<u8>>,
+    ) -> Result<Vec<Vec<u8>>> {
         self.check_blocks(blocks)?;
         let elems = self.block_elems();
-        self.layers
+        let count = blocks.len();
+        let ids = self.upload_ids(backend, blocks)?;
+        let mut reuse = reuse.into_iter();
+        let read = self
+            .layers
             .iter()
             .map(|layer| {
                 let size = elems * layer.k.dtype().size_bytes();
-                let mut out = vec![0u8; 2 * size * blocks.len()];
-                let (k_part, v_part) = out.split_at_mut(size * blocks.len());
-                for (i, first, n) in block_runs(blocks) {
-                    let (at, range) = (first * elems, i * size..(i + n) * size);
-                    backend.read_bytes(&layer.k, at, &mut k_part[range.clone()])?;
-                    backend.read_bytes(&layer.v, at, &mut v_part[range])?;
+                let mut out = reuse.next().unwrap_or_default();
+                out.truncate(2 * size * count);
+                out.resize(2 * size * count, 0);
+                if count == 0 || elems == 0 {
+                    return Ok(out);
                 }
+                let mut packed = backend.take_buffer(
+                    layer.k.dtype(),
+                    count * elems,
+                    BufferUsage::Activations,
+                )?;
+                let (k_part, v_part) = out.split_at_mut(size * count);
+                let copied = backend
+                    .gather_blocks(&layer.k, &ids, count, elems, &mut packed)
+                    .and_then(|()| backend.read_bytes(&packed, 0, k_part))
+                    .and_then(|()| backend.gather_blocks(&layer.v, &ids, count, elems, &mut packed))
+                    .and_then(|()| backend.read_bytes(&packed, 0, v_part));
+                backend.give_buffer(packed);
+                copied?;
                 Ok(out)
             })
-            .collect()
+            .collect();
+        backend.give_buffer(ids);
+        read
+    }
+
+    /// `blocks`' ids in a device buffer from the pool (given back by the caller).
+    fn upload_ids(&self, backend: &dyn Backend, blocks: &[BlockId]) -> Result<DeviceBuffer> {
+        let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+        let mut buffer =
+            backend.take_buffer(DType::U32, ids.len().max(1), BufferUsage::Metadata)?;
+        if !ids.is_empty() {
+            backend.upload_u32(&ids, &mut buffer)?;
+        }
+        Ok(buffer)
     }
 
     /// Copies block `src` into block `dst` in every layer, on the device: a cached block's
@@ -120,52 +156,64 @@ impl PagedKvCache {
         Ok(())
     }
 
-    /// Writes what [`PagedKvCache::read_blocks`] read into `blocks` (a session read back).
+    /// Writes into `blocks` what [`PagedKvCache::read_blocks`] read: per layer, the K and
+    /// the V bytes of those blocks in order (a session read back). Each crosses to the device
+    /// in one copy and is scattered there.
     pub fn write_blocks(
         &mut self,
         backend: &dyn Backend,
         blocks: &[BlockId],
-        bytes: &[Vec<u8>],
+        layers: &[(&[u8], &[u8])],
     ) -> Result<()> {
         self.check_blocks(blocks)?;
         let elems = self.block_elems();
-        if bytes.len() != self.layers.len() {
+        let count = blocks.len();
+        if layers.len() != self.layers.len() {
             return Err(ModelError::InvalidBatch(format!(
                 "KV bytes for {} layers, the cache has {}",
-                bytes.len(),
+                layers.len(),
                 self.layers.len()
             )));
         }
-        for (layer, data) in self.layers.iter_mut().zip(bytes) {
+        for (layer, (k, v)) in self.layers.iter().zip(layers) {
             let size = elems * layer.k.dtype().size_bytes();
-            if data.len() != 2 * size * blocks.len() {
+            if k.len() != size * count || v.len() != size * count {
                 return Err(ModelError::InvalidBatch(format!(
-                    "{} KV bytes for {} blocks of {size}",
-                    data.len(),
-                    blocks.len()
+                    "{} K and {} V bytes for {count} blocks of {size}",
+                    k.len(),
+                    v.len()
                 )));
             }
-            let (k_part, v_part) = data.split_at(size * blocks.len());
-            for (i, first, n) in block_runs(blocks) {
-                let (at, range) = (first * elems, i * size..(i + n) * size);
-                backend.write_bytes(&k_part[range.clone()], &mut layer.k, at)?;
-                backend.write_bytes(&v_part[range], &mut layer.v, at)?;
+        }
+        if count == 0 || elems == 0 {
+            return Ok(());
+        }
+        let ids = self.upload_ids(backend, blocks)?;
+        let written = (|| -> Result<()> {
+            for (layer, (k, v)) in self.layers.iter_mut().zip(layers) {
+                let mut packed = backend.take_buffer(
+                    layer.k.dtype(),
+                    count * elems,
+                    BufferUsage::Activations,
+                )?;
+                // One stream: the V bytes land after the K scatter has read the buffer.
+                let copied = backend
+                    .write_bytes(k, &mut packed, 0)
+                    .and_then(|()| {
+                        backend.scatter_blocks(&packed, &ids, count, elems, &mut layer.k)
+                    })
+                    .and_then(|()| backend.write_bytes(v, &mut packed, 0))
+                    .and_then(|()| {
+                        backend.scatter_blocks(&packed, &ids, count, elems, &mut layer.v)
+                    });
+                backend.give_buffer(packed);
+                copied?;
             }
-        }
-        Ok(())
+            Ok(())
+        })();
+        backend.give_buffer(ids);
+        written
     }
-}
-
-/// `blocks` as runs of consecutive ids, `(index in blocks, first id, length)`: one copy a run.
-fn block_runs(blocks: &[BlockId]) -> Vec<(usize, usize, usize)> {
-    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, b) in blocks.iter().enumerate() {
-        match runs.last_mut() {
-            Some((_, first, n)) if *first + *n == b.0 as usize => *n += 1,
-            _ => runs.push((i, b.0 as usize, 1)),
-        }
-    }
-    runs
 }
 
 /// Recurrent state of every Gated DeltaNet layer, in slots: per layer, the last

@@ -15,7 +15,7 @@ use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
     MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView, byte_range,
-    check_copy_ranges,
+    check_block_copy, check_copy_ranges,
 };
 use ops::WeightRows;
 
@@ -649,6 +649,50 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn gather_blocks(
+        &self,
+        paged: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        count: usize,
+        block_elems: usize,
+        packed: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "gather_blocks";
+        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        let ids = block_ids(op, ids, count, blocks)?;
+        let n = block_elems;
+        match (&paged.storage, &mut packed.storage) {
+            (Storage::F32(src), Storage::F32(dst)) => copy_blocks(src, dst, &ids, n, true),
+            (Storage::U32(src), Storage::U32(dst)) => copy_blocks(src, dst, &ids, n, true),
+            (Storage::Half(src), Storage::Half(dst)) => copy_blocks(src, dst, &ids, n, true),
+            _ => return Err(bad(op, "buffers not the CPU's, or read-only".to_string())),
+        }
+        self.stats.dispatch(1);
+        Ok(())
+    }
+
+    fn scatter_blocks(
+        &self,
+        packed: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        count: usize,
+        block_elems: usize,
+        paged: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "scatter_blocks";
+        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        let ids = block_ids(op, ids, count, blocks)?;
+        let n = block_elems;
+        match (&packed.storage, &mut paged.storage) {
+            (Storage::F32(src), Storage::F32(dst)) => copy_blocks(src, dst, &ids, n, false),
+            (Storage::U32(src), Storage::U32(dst)) => copy_blocks(src, dst, &ids, n, false),
+            (Storage::Half(src), Storage::Half(dst)) => copy_blocks(src, dst, &ids, n, false),
+            _ => return Err(bad(op, "buffers not the CPU's, or read-only".to_string())),
+        }
+        self.stats.dispatch(1);
+        Ok(())
+    }
+
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
         let op = "copy_within";
         check_copy_ranges(op, x.len(), src, dst, len)?;
@@ -1204,5 +1248,44 @@ fn take_le<T, const N: usize>(bytes: &[u8], v: &mut [T], f: fn([u8; N]) -> T) {
         let mut b = [0u8; N];
         b.copy_from_slice(chunk);
         *x = f(b);
+    }
+}
+
+/// The first `count` block ids of `ids`, each checked below `blocks`.
+fn block_ids(
+    op: &'static str,
+    ids: &DeviceBuffer,
+    count: usize,
+    blocks: usize,
+) -> Result<Vec<usize>> {
+    let Storage::U32(v) = &ids.storage else {
+        return Err(bad(op, "block ids are not a CPU U32 buffer".to_string()));
+    };
+    let ids = v.get(..count).ok_or_else(|| {
+        bad(
+            op,
+            format!("{count} block ids from a buffer of {}", v.len()),
+        )
+    })?;
+    ids.iter()
+        .map(|&id| {
+            let id = id as usize;
+            (id < blocks)
+                .then_some(id)
+                .ok_or_else(|| bad(op, format!("block {id} of a buffer of {blocks} blocks")))
+        })
+        .collect()
+}
+
+/// Block `ids[i]` of `src` to block `i` of `dst` (`gather`), or block `i` of `src` to block
+/// `ids[i]` of `dst`; blocks of `n` elements.
+fn copy_blocks<T: Copy>(src: &[T], dst: &mut [T], ids: &[usize], n: usize, gather: bool) {
+    for (i, &id) in ids.iter().enumerate() {
+        let (from, to) = if gather {
+            (id * n, i * n)
+        } else {
+            (i * n, id * n)
+        };
+        dst[to..to + n].copy_from_slice(&src[from..from + n]);
     }
 }

@@ -39,7 +39,12 @@ pub(crate) struct Gpu {
     /// Whether kernels are launched with programmatic dependent launch (sm_90+): each may
     /// be scheduled while the one before it finishes, and waits in `begin_kernel()`.
     pub(crate) overlap_launches: bool,
+    /// Page-locked staging for large read-backs, made on the first.
+    staging: std::sync::Mutex<Option<PinnedHost>>,
 }
+
+/// Bytes of the page-locked staging buffer.
+const STAGING_BYTES: usize = 16 << 20;
 
 impl Gpu {
     /// Opens device `ordinal`; `overlap_launches` asks for programmatic dependent launch
@@ -88,7 +93,70 @@ impl Gpu {
             multiprocessors,
             total_memory,
             overlap_launches: overlap_launches && compute_capability.0 >= 9,
+            staging: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Copies `src` to device address `dst` through the page-locked buffer, 16 MiB at a
+    /// time, waiting for each piece: a session's KV restored. The host syncs it made.
+    pub(crate) fn upload_staged(&self, src: &[u8], dst: u64) -> Result<usize> {
+        self.bind()?;
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let pinned = match &mut *staging {
+            Some(pinned) => pinned,
+            empty => empty.insert(PinnedHost::new(&self.ctx, STAGING_BYTES)?),
+        };
+        let mut syncs = 0;
+        for (i, piece) in src.chunks(STAGING_BYTES).enumerate() {
+            let buf = pinned.bytes_mut(piece.len());
+            buf.copy_from_slice(piece);
+            // SAFETY: the caller checked that `dst` has room for `src`; the stream is synced
+            // before `buf` is written again.
+            #[allow(unsafe_code)]
+            unsafe {
+                result::memcpy_htod_async(
+                    dst + (i * STAGING_BYTES) as u64,
+                    &*buf,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| driver_err("copying to the device", e))?;
+            self.sync()?;
+            syncs += 1;
+        }
+        Ok(syncs)
+    }
+
+    /// Copies device memory at `src` into `dst` through a page-locked buffer, 16 MiB at a
+    /// time, waiting for each piece (the driver copies pageable memory through a small
+    /// staging of its own at a fraction of the bus's rate): a session's KV read back. The
+    /// host syncs it made.
+    pub(crate) fn download_staged(&self, src: u64, dst: &mut [u8]) -> Result<usize> {
+        self.bind()?;
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let pinned = match &mut *staging {
+            Some(pinned) => pinned,
+            empty => empty.insert(PinnedHost::new(&self.ctx, STAGING_BYTES)?),
+        };
+        let mut syncs = 0;
+        for (i, piece) in dst.chunks_mut(STAGING_BYTES).enumerate() {
+            let buf = pinned.bytes_mut(piece.len());
+            // SAFETY: the caller checked that `src` holds `dst.len()` bytes; the stream is
+            // synced before `buf` is read.
+            #[allow(unsafe_code)]
+            unsafe {
+                result::memcpy_dtoh_async(
+                    buf,
+                    src + (i * STAGING_BYTES) as u64,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| driver_err("copying from the device", e))?;
+            self.sync()?;
+            syncs += 1;
+            piece.copy_from_slice(buf);
+        }
+        Ok(syncs)
     }
 
     /// Makes the context current on the calling thread (the engine runs on its own).
@@ -252,6 +320,66 @@ unsafe impl Send for Kernel {}
 // SAFETY: as above.
 #[allow(unsafe_code)]
 unsafe impl Sync for Kernel {}
+
+/// Page-locked host memory, freed on drop.
+struct PinnedHost {
+    ptr: *mut u8,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the allocation is owned by this value alone (freed once, in drop) and only used
+// through `&mut self`.
+#[allow(unsafe_code)]
+unsafe impl Send for PinnedHost {}
+
+impl PinnedHost {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| driver_err("binding the CUDA context", e))?;
+        // SAFETY: the context is current; the memory is zeroed before any view of it exists
+        // and freed once, by drop.
+        #[allow(unsafe_code)]
+        let ptr: *mut u8 = unsafe {
+            let ptr = result::malloc_host(bytes, 0)
+                .map_err(|e| driver_err(&format!("allocating {bytes} page-locked bytes"), e))?
+                .cast::<u8>();
+            std::ptr::write_bytes(ptr, 0, bytes);
+            ptr
+        };
+        Ok(Self {
+            ptr,
+            bytes,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// The first `len` bytes (at most the allocation's).
+    fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        // SAFETY: `ptr` holds `bytes` initialised bytes for as long as self lives, borrowed
+        // mutably here.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr, len.min(self.bytes))
+        }
+    }
+}
+
+impl std::fmt::Debug for PinnedHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedHost({} bytes)", self.bytes)
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_host in this context, freed exactly once here.
+            #[allow(unsafe_code)]
+            let _ = unsafe { result::free_host(self.ptr.cast()) };
+        }
+    }
+}
 
 /// One device allocation, freed on drop.
 pub(crate) struct DeviceMem {

@@ -33,7 +33,7 @@ use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
     MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView, byte_range,
-    check_copy_ranges,
+    check_block_copy, check_copy_ranges,
 };
 use blas::Blas;
 use compile::KernelCache;
@@ -138,6 +138,10 @@ impl Arg {
 }
 
 const MAX_ARGS: usize = 24;
+
+/// Byte copies to or from the host of at least this many bytes go through page-locked
+/// staging.
+const STAGED_COPY_BYTES: usize = 1 << 20;
 
 /// Rows up to which projections stream weights through matrix-vector products rather than
 /// 64x64 tensor-core tiles.
@@ -405,6 +409,46 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Launches copy_blocks from `src` to `dst` (checked by check_block_copy): `gather` from
+    /// the paged `src`, else into the paged `dst`.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_blocks(
+        &self,
+        op: &'static str,
+        src: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        count: usize,
+        block_elems: usize,
+        paged_blocks: usize,
+        dst: &mut DeviceBuffer,
+        gather: bool,
+    ) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        self.not_capturing(op)?;
+        let block_bytes = block_elems * src.dtype().size_bytes();
+        if block_bytes.div_ceil(4096) > 65_535 {
+            return Err(bad(op, format!("blocks of {block_bytes} bytes")));
+        }
+        let args = [
+            Arg::Ptr(ptr_of(op, src)?),
+            Arg::Ptr(ptr_of(op, dst)?),
+            buf(op, "ids", ids, DType::U32, count)?,
+            u32_of(op, count)?,
+            Arg::U64(block_bytes as u64),
+            u32_of(op, paged_blocks)?,
+            Arg::U32(u32::from(gather)),
+            self.diag(),
+        ];
+        let grid = (
+            grid_of(op, count)?,
+            grid_of(op, block_bytes.div_ceil(4096))?,
+            1,
+        );
+        self.launch(&self.kernels.copy_blocks, grid, 256, &args)
+    }
+
     fn not_capturing(&self, op: &'static str) -> Result<()> {
         if self.capturing.load(Ordering::Relaxed) {
             return Err(bad(
@@ -429,13 +473,29 @@ impl CudaBackend {
     /// waits. One host sync; a raised error flag turns into an error.
     fn read_back<T>(&self, src: u64, dst: &mut [T]) -> Result<()> {
         self.not_capturing("read-back")?;
-        let mut diag = [0u64; 2];
         self.gpu.download(src, dst)?;
+        self.finish_read_back(std::mem::size_of_val(dst))
+    }
+
+    /// As read_back, for bytes through page-locked staging (a session's KV: hundreds of MB).
+    fn read_back_staged(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.not_capturing("read-back")?;
+        let syncs = self.gpu.download_staged(src, dst)?;
+        for _ in 0..syncs {
+            self.stats.host_sync();
+        }
+        self.finish_read_back(dst.len())
+    }
+
+    /// The diagnostics of a read-back queued before: waits, counts `bytes` moved, and turns a
+    /// raised error flag into an error.
+    fn finish_read_back(&self, bytes: usize) -> Result<()> {
+        let mut diag = [0u64; 2];
         self.gpu.download(self.diag.ptr(), &mut diag)?;
         self.gpu.memset_zero(self.diag.ptr(), 16)?;
         self.gpu.sync()?;
         self.stats.host_sync();
-        self.stats.transfer(std::mem::size_of_val(dst));
+        self.stats.transfer(bytes);
         self.stats.weight_read(diag[1] as usize);
         let code = (diag[0] & 0xffff_ffff) as u32;
         if code != 0 {
@@ -826,7 +886,12 @@ impl Backend for CudaBackend {
         if out.is_empty() {
             return Ok(());
         }
-        self.read_back(ptr_of(op, src)? + start as u64, out)
+        let at = ptr_of(op, src)? + start as u64;
+        if out.len() >= STAGED_COPY_BYTES {
+            self.read_back_staged(at, out)
+        } else {
+            self.read_back(at, out)
+        }
     }
 
     fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
@@ -836,9 +901,42 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.not_capturing(op)?;
-        self.gpu.upload(bytes, ptr_of(op, dst)? + start as u64)?;
+        let at = ptr_of(op, dst)? + start as u64;
+        if len >= STAGED_COPY_BYTES {
+            for _ in 0..self.gpu.upload_staged(bytes, at)? {
+                self.stats.host_sync();
+            }
+        } else {
+            self.gpu.upload(bytes, at)?;
+        }
         self.stats.transfer(len);
         Ok(())
+    }
+
+    fn gather_blocks(
+        &self,
+        paged: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        count: usize,
+        block_elems: usize,
+        packed: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "gather_blocks";
+        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        self.copy_blocks(op, paged, ids, count, block_elems, blocks, packed, true)
+    }
+
+    fn scatter_blocks(
+        &self,
+        packed: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        count: usize,
+        block_elems: usize,
+        paged: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "scatter_blocks";
+        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        self.copy_blocks(op, packed, ids, count, block_elems, blocks, paged, false)
     }
 
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {

@@ -7,5 +7,5 @@ mod state_slots;
 
 pub use block_pool::{KvBlockPool, OutOfBlocks};
 pub use prefix::{EvictedPrefix, EvictionCost, PrefixCache, PrefixHit};
-pub use spill::{SpillDir, SpilledPrefix, fingerprint};
+pub use spill::{SpillDir, SpillFile, SpilledPrefix, fingerprint};
 pub use state_slots::StateSlotPool;

@@ -14,13 +14,16 @@ use std::path::{Path, PathBuf};
 use crate::EngineError;
 
 const MAGIC: &[u8; 8] = b"CRLSPILL";
-const VERSION: u32 = 1;
+/// 2: the checksum in four interleaved lanes.
+const VERSION: u32 = 2;
 /// Header: magic, version, fingerprint, block size, tokens, layers, bytes per layer, state bytes.
 const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 4 + 4 + 8 + 8;
 /// More attention layers than any model has: a header claiming more is refused.
 const MAX_LAYERS: usize = 4096;
+/// Bytes of finished writes' buffers kept for the next spill.
+const SPARE_BYTES: usize = 2 << 30;
 
-/// One spilled prefix.
+/// One prefix to spill.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SpilledPrefix {
     /// What the bytes mean: model, KV dtype, block size, layouts (see [`fingerprint`]).
@@ -46,17 +49,68 @@ pub fn fingerprint(parts: &[&str]) -> u64 {
     h
 }
 
-/// FNV-1a over 8-byte words (then the tail bytes): a corruption check, gigabytes a second.
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0100_0000_01b3;
+
+/// A corruption check fed in pieces: FNV-1a over 8-byte words in four interleaved lanes (so
+/// that their multiplies overlap), folded together with the tail bytes.
+struct Checksum {
+    lanes: [u64; 4],
+    pending: Vec<u8>,
+}
+
+impl Checksum {
+    fn new() -> Self {
+        Self {
+            lanes: [0, 1, 2, 3].map(|i| FNV_OFFSET ^ i),
+            pending: Vec::with_capacity(32),
+        }
+    }
+
+    fn update(&mut self, mut bytes: &[u8]) {
+        if !self.pending.is_empty() {
+            let take = (32 - self.pending.len()).min(bytes.len());
+            self.pending.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if self.pending.len() < 32 {
+                return;
+            }
+            let chunk = std::mem::take(&mut self.pending);
+            self.chunk(&chunk);
+            self.pending = chunk;
+            self.pending.clear();
+        }
+        let chunks = bytes.chunks_exact(32);
+        let rest = chunks.remainder();
+        for chunk in chunks {
+            self.chunk(chunk);
+        }
+        self.pending.extend_from_slice(rest);
+    }
+
+    fn chunk(&mut self, chunk: &[u8]) {
+        for (lane, word) in self.lanes.iter_mut().zip(chunk.chunks_exact(8)) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(word);
+            *lane = (*lane ^ u64::from_le_bytes(b)).wrapping_mul(FNV_PRIME);
+        }
+    }
+
+    fn finish(self) -> u64 {
+        let h = self
+            .lanes
+            .iter()
+            .fold(FNV_OFFSET, |h, &l| (h ^ l).wrapping_mul(FNV_PRIME));
+        self.pending
+            .iter()
+            .fold(h, |h, &b| (h ^ b as u64).wrapping_mul(FNV_PRIME))
+    }
+}
+
 fn checksum(bytes: &[u8]) -> u64 {
-    let words = bytes.chunks_exact(8);
-    let tail = words.remainder();
-    let h = words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(w);
-        (h ^ u64::from_le_bytes(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    tail.iter()
-        .fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    let mut sum = Checksum::new();
+    sum.update(bytes);
+    sum.finish()
 }
 
 fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
@@ -67,67 +121,116 @@ fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
 }
 
 impl SpilledPrefix {
-    /// Writes the prefix to `path` atomically (a temporary file in the same folder, renamed).
+    /// Writes the prefix to `path` atomically (a temporary file in the same folder, flushed,
+    /// then renamed), straight from its buffers; the file's size.
     pub fn write(&self, path: &Path) -> Result<u64, EngineError> {
-        let bytes = self.encode(path)?;
-        write_atomic(path, &bytes)?;
-        Ok(bytes.len() as u64)
+        let (head, size) = self.head(path)?;
+        let tmp = path.with_extension("tmp");
+        let io = |e: std::io::Error| bad(path, e.to_string());
+        let mut file = std::fs::File::create(&tmp).map_err(io)?;
+        let mut sum = Checksum::new();
+        let pieces = std::iter::once(&head[..])
+            .chain(self.kv.iter().map(Vec::as_slice))
+            .chain(std::iter::once(&self.state[..]));
+        for piece in pieces {
+            sum.update(piece);
+            file.write_all(piece).map_err(io)?;
+        }
+        file.write_all(&sum.finish().to_le_bytes()).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        std::fs::rename(&tmp, path).map_err(io)?;
+        Ok(size)
     }
 
-    /// The file's bytes.
-    fn encode(&self, path: &Path) -> Result<Vec<u8>, EngineError> {
+    /// The file's header and token list, and the size of the whole file; refuses layers of
+    /// different sizes and counts beyond the header's fields.
+    fn head(&self, path: &Path) -> Result<(Vec<u8>, u64), EngineError> {
         let per_layer = self.kv.first().map_or(0, Vec::len);
         if self.kv.iter().any(|l| l.len() != per_layer) {
             return Err(bad(path, "layers of different sizes"));
         }
-        let mut bytes = Vec::with_capacity(
-            HEADER_BYTES + 4 * self.tokens.len() + per_layer * self.kv.len() + self.state.len() + 8,
-        );
-        bytes.extend_from_slice(MAGIC);
-        bytes.extend_from_slice(&VERSION.to_le_bytes());
-        bytes.extend_from_slice(&self.fingerprint.to_le_bytes());
+        let mut head = Vec::with_capacity(HEADER_BYTES + 4 * self.tokens.len());
+        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(&VERSION.to_le_bytes());
+        head.extend_from_slice(&self.fingerprint.to_le_bytes());
         for n in [self.block_size, self.tokens.len(), self.kv.len()] {
             let n =
                 u32::try_from(n).map_err(|_| bad(path, format!("{n} does not fit the header")))?;
-            bytes.extend_from_slice(&n.to_le_bytes());
+            head.extend_from_slice(&n.to_le_bytes());
         }
-        bytes.extend_from_slice(&(per_layer as u64).to_le_bytes());
-        bytes.extend_from_slice(&(self.state.len() as u64).to_le_bytes());
+        head.extend_from_slice(&(per_layer as u64).to_le_bytes());
+        head.extend_from_slice(&(self.state.len() as u64).to_le_bytes());
         for t in &self.tokens {
-            bytes.extend_from_slice(&t.to_le_bytes());
+            head.extend_from_slice(&t.to_le_bytes());
         }
-        for layer in &self.kv {
-            bytes.extend_from_slice(layer);
-        }
-        bytes.extend_from_slice(&self.state);
-        let sum = checksum(&bytes);
-        bytes.extend_from_slice(&sum.to_le_bytes());
-        Ok(bytes)
+        let size = head.len() + per_layer * self.kv.len() + self.state.len() + 8;
+        Ok((head, size as u64))
     }
+}
 
+/// A spill file mapped and checked: its tokens, and its KV and state bytes where they lie in
+/// the file (no copy into the process; the checksum's pass brings them in from the page cache).
+#[derive(Debug)]
+pub struct SpillFile {
+    map: std::sync::Arc<corral_backend::MappedFile>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    layers: usize,
+    per_layer: usize,
+    state: usize,
+}
+
+impl SpillFile {
     /// Reads and checks the file at `path` against `expected_fingerprint`.
     pub fn read(path: &Path, expected_fingerprint: u64) -> Result<Self, EngineError> {
-        let bytes = std::fs::read(path).map_err(|e| bad(path, e.to_string()))?;
-        let (tokens, header) = Self::header(path, &bytes, expected_fingerprint)?;
+        // Files are written under a temporary name and renamed, never changed in place.
+        let map = corral_backend::MappedFile::open(path).map_err(|e| bad(path, e.to_string()))?;
+        let bytes = map.bytes();
+        let (tokens, header) = Self::header(path, bytes, expected_fingerprint)?;
         let body_end = bytes.len() - 8;
         let stored = u64::from_le_bytes(bytes[body_end..].try_into().unwrap_or_default());
         if checksum(&bytes[..body_end]) != stored {
             return Err(bad(path, "checksum mismatch (a corrupt file)"));
         }
-        let mut at = HEADER_BYTES + 4 * tokens.len();
-        let mut kv = Vec::with_capacity(header.layers.min(MAX_LAYERS));
-        for _ in 0..header.layers {
-            kv.push(bytes[at..at + header.per_layer].to_vec());
-            at += header.per_layer;
-        }
-        let state = bytes[at..at + header.state].to_vec();
         Ok(Self {
-            fingerprint: expected_fingerprint,
-            block_size: header.block_size,
+            map,
             tokens,
-            kv,
-            state,
+            block_size: header.block_size,
+            layers: header.layers,
+            per_layer: header.per_layer,
+            state: header.state,
         })
+    }
+
+    /// The prefix's token ids.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Attention layers.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// Layer `i`'s K then V bytes (empty past the last layer).
+    pub fn layer(&self, i: usize) -> &[u8] {
+        if i >= self.layers {
+            return &[];
+        }
+        let at = HEADER_BYTES + 4 * self.tokens.len() + i * self.per_layer;
+        &self.map.bytes()[at..at + self.per_layer]
+    }
+
+    /// The recurrent state bytes (empty for non-hybrids).
+    pub fn state(&self) -> &[u8] {
+        let at = HEADER_BYTES + 4 * self.tokens.len() + self.layers * self.per_layer;
+        &self.map.bytes()[at..at + self.state]
     }
 
     /// The token ids of the file at `path` (its header and token list only, checked for size
@@ -222,23 +325,15 @@ impl SpilledPrefix {
     }
 }
 
-/// `bytes` to a temporary file beside `path`, flushed, then renamed to `path`.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), EngineError> {
-    let tmp = path.with_extension("tmp");
-    let io = |e: std::io::Error| bad(path, e.to_string());
-    let mut file = std::fs::File::create(&tmp).map_err(io)?;
-    file.write_all(bytes).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(io)
-}
-
 struct Header {
     block_size: usize,
     layers: usize,
     per_layer: usize,
     state: usize,
 }
+
+/// A background write of a spill file, giving back the prefix's KV buffers.
+type Writer = std::thread::JoinHandle<Result<Vec<Vec<u8>>, EngineError>>;
 
 /// The spilled prefixes of a folder, by token ids, with a byte cap (oldest out first).
 #[derive(Debug)]
@@ -249,8 +344,12 @@ pub struct SpillDir {
     /// `(tokens, file, bytes)`, oldest first.
     files: Vec<(Vec<u32>, PathBuf, u64)>,
     next: u64,
-    /// Files being written by a background thread (the engine does not wait for the disk).
-    writing: Vec<(PathBuf, std::thread::JoinHandle<Result<(), EngineError>>)>,
+    /// Files being written by a background thread (the engine does not wait for the disk);
+    /// each gives its KV buffers back when done.
+    writing: Vec<(PathBuf, Writer)>,
+    /// KV buffers of finished writes, for the next spill to read into: memory the process
+    /// has touched already (a fresh buffer of hundreds of MB costs its page faults).
+    spare: Vec<Vec<u8>>,
     /// A file about to be restored from, which the byte cap must not delete.
     pinned: Option<PathBuf>,
 }
@@ -274,7 +373,7 @@ impl SpillDir {
                 _ => continue,
             }
             let meta = entry.metadata().ok();
-            match SpilledPrefix::read_tokens(&path, fingerprint) {
+            match SpillFile::read_tokens(&path, fingerprint) {
                 Ok(tokens) => {
                     let modified = meta.as_ref().and_then(|m| m.modified().ok());
                     let bytes = meta.map_or(0, |m| m.len());
@@ -294,6 +393,7 @@ impl SpillDir {
             files: found.into_iter().map(|(_, t, p, b)| (t, p, b)).collect(),
             next: 0,
             writing: Vec::new(),
+            spare: Vec::new(),
             pinned: None,
         };
         spill.trim(0);
@@ -380,16 +480,8 @@ impl SpillDir {
 
     /// Writes `prefix` to a new file, deleting the least recently used files past the byte
     /// cap.
-    pub fn add(&mut self, prefix: &SpilledPrefix) -> Result<u64, EngineError> {
-        // Writers that are done give their threads back.
-        let (done, running): (Vec<_>, Vec<_>) =
-            self.writing.drain(..).partition(|w| w.1.is_finished());
-        self.writing = running;
-        for (path, writer) in done {
-            if !matches!(writer.join(), Ok(Ok(()))) {
-                self.files.retain(|f| f.1 != path);
-            }
-        }
+    pub fn add(&mut self, prefix: SpilledPrefix) -> Result<u64, EngineError> {
+        self.reap();
         let name = format!(
             "{:016x}-{}-{}.spill",
             fingerprint_tokens(&prefix.tokens),
@@ -398,17 +490,45 @@ impl SpillDir {
         );
         self.next += 1;
         let path = self.dir.join(name);
-        let bytes = prefix.encode(&path)?;
-        let size = bytes.len() as u64;
+        let (_, size) = prefix.head(&path)?;
         self.trim(size);
         self.files.push((prefix.tokens.clone(), path.clone(), size));
         let target = path.clone();
         let writer = std::thread::Builder::new()
             .name("corral-spill".to_string())
-            .spawn(move || write_atomic(&target, &bytes))
+            .spawn(move || prefix.write(&target).map(|_| prefix.kv))
             .map_err(|e| bad(&path, e.to_string()))?;
         self.writing.push((path, writer));
         Ok(size)
+    }
+
+    /// Joins the writers that are done, keeping their buffers (at most SPARE_BYTES) and
+    /// forgetting the files whose write failed.
+    fn reap(&mut self) {
+        let (done, running): (Vec<_>, Vec<_>) =
+            self.writing.drain(..).partition(|w| w.1.is_finished());
+        self.writing = running;
+        for (path, writer) in done {
+            match writer.join() {
+                Ok(Ok(buffers)) => self.keep_spare(buffers),
+                _ => self.files.retain(|f| f.1 != path),
+            }
+        }
+    }
+
+    fn keep_spare(&mut self, buffers: Vec<Vec<u8>>) {
+        self.spare = buffers;
+        let mut kept = 0;
+        self.spare.retain(|b| {
+            kept += b.capacity();
+            kept <= SPARE_BYTES
+        });
+    }
+
+    /// Buffers for the next spill to read its KV into (see `spare`); empty when none are.
+    pub fn take_buffers(&mut self) -> Vec<Vec<u8>> {
+        self.reap();
+        std::mem::take(&mut self.spare)
     }
 
     /// Waits for the background write of `path`, if one is running; false if it failed (the
@@ -419,7 +539,10 @@ impl SpillDir {
         };
         let (_, writer) = self.writing.swap_remove(i);
         match writer.join() {
-            Ok(Ok(())) => true,
+            Ok(Ok(buffers)) => {
+                self.keep_spare(buffers);
+                true
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "a session file could not be written");
                 self.remove(path);
@@ -500,7 +623,16 @@ mod tests {
         let p = prefix();
         let path = d.join("a.spill");
         let bytes = p.write(&path).unwrap();
-        assert_eq!(SpilledPrefix::read(&path, p.fingerprint).unwrap(), p);
+        let back = SpillFile::read(&path, p.fingerprint).unwrap();
+        assert_eq!(back.tokens(), &p.tokens[..]);
+        assert_eq!(
+            (back.block_size(), back.layers()),
+            (p.block_size, p.kv.len())
+        );
+        for (i, layer) in p.kv.iter().enumerate() {
+            assert_eq!(back.layer(i), &layer[..]);
+        }
+        assert_eq!(back.state(), &p.state[..]);
         assert_eq!(std::fs::metadata(&path).unwrap().len(), bytes);
         assert!(
             !path.with_extension("tmp").exists(),
@@ -509,7 +641,7 @@ mod tests {
         let all = std::fs::read(&path).unwrap();
         let refused = |bytes: &[u8], fp: u64, what: &str| {
             std::fs::write(&path, bytes).unwrap();
-            let err = SpilledPrefix::read(&path, fp).unwrap_err().to_string();
+            let err = SpillFile::read(&path, fp).unwrap_err().to_string();
             assert!(err.contains(what), "{what}: {err}");
         };
         refused(&all, p.fingerprint ^ 1, "another model");
@@ -527,17 +659,46 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
     }
 
+    /// The checksum fed in pieces (as a file is written) equals it over the whole, and any
+    /// flipped bit or swapped pair of words changes it.
+    #[test]
+    fn the_checksum_in_pieces_equals_the_whole_and_sees_changes() {
+        let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let whole = checksum(&bytes);
+        for cuts in [
+            vec![0, 1000],
+            vec![3, 40, 41, 999],
+            vec![31, 32, 33, 64, 95, 500],
+        ] {
+            let mut sum = Checksum::new();
+            let mut at = 0;
+            for cut in cuts.into_iter().chain([1000]) {
+                sum.update(&bytes[at..cut]);
+                at = cut;
+            }
+            assert_eq!(sum.finish(), whole);
+        }
+        for i in [0, 7, 31, 32, 500, 999] {
+            let mut flipped = bytes.clone();
+            flipped[i] ^= 1;
+            assert_ne!(checksum(&flipped), whole, "byte {i}");
+        }
+        let mut swapped = bytes.clone();
+        swapped[..16].rotate_left(8);
+        assert_ne!(checksum(&swapped), whole, "two words swapped");
+    }
+
     #[test]
     fn a_spill_folder_finds_prefixes_survives_a_restart_and_keeps_its_cap() {
         let d = dir("folder");
         let p = prefix();
         let mut spill = SpillDir::open(&d, p.fingerprint, 10_000).unwrap();
-        let size = spill.add(&p).unwrap();
+        let size = spill.add(p.clone()).unwrap();
         let longer = SpilledPrefix {
             tokens: (0..12).collect(),
             ..p.clone()
         };
-        spill.add(&longer).unwrap();
+        spill.add(longer.clone()).unwrap();
         let prompt: Vec<u32> = (0..20).collect();
         assert_eq!(spill.longest_prefix(&prompt, 100).map(|h| h.0), Some(12));
         assert_eq!(spill.longest_prefix(&prompt, 11).map(|h| h.0), Some(8));
@@ -585,13 +746,13 @@ mod tests {
         std::fs::write(d.join("cut.tmp"), b"partial").unwrap();
         let mut small = SpillDir::open(&d, p.fingerprint, size + 10).unwrap();
         assert!(!d.join("cut.tmp").exists());
-        small.add(&p).unwrap();
-        small.add(&longer).unwrap();
+        small.add(p.clone()).unwrap();
+        small.add(longer.clone()).unwrap();
         assert_eq!(small.len(), 1);
         assert!(small.holds(&longer.tokens));
         let (_, pinned) = small.longest_prefix(&prompt, 100).unwrap();
         small.pin(Some(pinned));
-        small.add(&p).unwrap();
+        small.add(p.clone()).unwrap();
         assert!(
             small.holds(&longer.tokens) && small.holds(&p.tokens),
             "the pinned file stays"

@@ -36,6 +36,32 @@ extern "C" __global__ void gather_rows(const float* x, const u32* rows, u32 num_
         out[(size_t)i * dim + d] = ok ? x[(size_t)r * dim + d] : 0.f;
 }
 
+// Whole blocks of `block_bytes` bytes between a paged buffer and a packed one: packed block
+// i is paged block ids[i] (gather: paged to packed; else packed to paged). A block of threads
+// per (block, 4096-byte piece), 16 bytes a thread when blocks are 16-byte multiples; an id
+// past `paged_blocks` raises the flag and its block is skipped.
+extern "C" __global__ void copy_blocks(const unsigned char* src, unsigned char* dst,
+                                       const u32* ids, u32 count, u64 block_bytes,
+                                       u32 paged_blocks, u32 gather, Diag* diag) {
+    begin_kernel();
+    u32 i = blockIdx.x;
+    if (i >= count) return;
+    u32 id = ids[i];
+    if (id >= paged_blocks) {
+        if (threadIdx.x == 0 && blockIdx.y == 0) raise_error(diag, ERR_BLOCK_TABLE);
+        return;
+    }
+    u64 from = (u64)(gather ? id : i) * block_bytes, to = (u64)(gather ? i : id) * block_bytes;
+    u64 piece = (u64)blockIdx.y * 4096;
+    u64 end = min(block_bytes, piece + 4096);
+    if (block_bytes % 16 == 0) {
+        for (u64 b = piece + threadIdx.x * 16; b < end; b += blockDim.x * 16)
+            *reinterpret_cast<uint4*>(dst + to + b) = *reinterpret_cast<const uint4*>(src + from + b);
+    } else {
+        for (u64 b = piece + threadIdx.x; b < end; b += blockDim.x) dst[to + b] = src[from + b];
+    }
+}
+
 extern "C" __global__ void add_in_place(float* acc, const float* x, u64 len) {
     begin_small_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
