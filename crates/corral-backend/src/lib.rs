@@ -648,7 +648,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Result<()>;
 }
 
-/// Checks [`Backend::copy_within`]'s ranges against a buffer of `len` elements.
 /// Checks a copy of `count` whole blocks of `block_elems` elements between `paged` and
 /// `packed` (one stored type, `packed` long enough); the blocks `paged` holds.
 pub(crate) fn check_block_copy(
@@ -681,6 +680,7 @@ pub(crate) fn check_block_copy(
     Ok(paged.len() / block_elems)
 }
 
+/// Checks [`Backend::copy_within`]'s ranges against a buffer of `len` elements.
 pub(crate) fn check_copy_ranges(
     op: &'static str,
     len: usize,

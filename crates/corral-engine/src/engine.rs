@@ -422,12 +422,17 @@ impl SessionStore for DiskSessions<'_> {
             .dir
             .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid)
             .filter(|f| f.0 > beyond);
+        self.prefetch = None;
+        self.dir.pin(None);
+        // A file whose write failed is gone (and forgotten): nothing to restore.
+        if let Some((_, path)) = &found
+            && !self.dir.finish_write(path)
+        {
+            return None;
+        }
         // Kept through the spills that make room for it.
         self.dir.pin(found.as_ref().map(|f| f.1.clone()));
-        self.prefetch = None;
-        if let Some((_, path)) = &found
-            && self.dir.finish_write(path)
-        {
+        if let Some((_, path)) = &found {
             let (file, fingerprint) = (path.clone(), self.dir.fingerprint());
             self.prefetch = std::thread::Builder::new()
                 .name("corral-restore".to_string())

@@ -26,9 +26,19 @@ pub struct PagedKvCache {
     pub num_blocks: usize,
     /// Distinguishes caches (recorded graphs are bound to one cache's memory).
     id: u64,
+    /// Most bytes of one layer's K (or V) a session copy moves at once.
+    copy_piece_bytes: usize,
 }
 
 impl PagedKvCache {
+    /// Sets the most bytes of one layer's K (or V) that [`PagedKvCache::read_blocks`] and
+    /// [`PagedKvCache::write_blocks`] move at once: the device memory they need beside the
+    /// cache (default 16 MiB).
+    pub fn with_copy_piece_bytes(mut self, bytes: usize) -> Self {
+        self.copy_piece_bytes = bytes.max(1);
+        self
+    }
+
     /// Allocates `num_blocks` blocks of `block_size` tokens for every attention layer, in the
     /// backend's KV type.
     pub fn new(
@@ -53,6 +63,7 @@ impl PagedKvCache {
             block_size,
             num_blocks,
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            copy_piece_bytes: COPY_PIECE_BYTES,
         })
     }
 
@@ -88,8 +99,8 @@ impl PagedKvCache {
 
     /// The bytes of `blocks` in every layer, as stored: per layer, the K of each block in
     /// order, then the V of each (a session written to disk), read into `reuse`'s buffers
-    /// where it has them (their bytes are overwritten). Each layer's K and V are gathered on
-    /// the device and cross to the host in one copy each.
+    /// where it has them (their bytes are overwritten). The blocks are gathered on the device
+    /// and cross to the host a piece at a time (see [`PagedKvCache::with_copy_piece_bytes`]).
     pub fn read_blocks(
         &self,
         backend: &dyn Backend,
@@ -99,48 +110,47 @@ impl PagedKvCache {
         self.check_blocks(blocks)?;
         let elems = self.block_elems();
         let count = blocks.len();
-        let ids = self.upload_ids(backend, blocks)?;
         let mut reuse = reuse.into_iter();
-        let read = self
-            .layers
-            .iter()
-            .map(|layer| {
-                let size = elems * layer.k.dtype().size_bytes();
-                let mut out = reuse.next().unwrap_or_default();
-                out.truncate(2 * size * count);
-                out.resize(2 * size * count, 0);
-                if count == 0 || elems == 0 {
-                    return Ok(out);
-                }
-                let mut packed = backend.take_buffer(
-                    layer.k.dtype(),
-                    count * elems,
-                    BufferUsage::Activations,
-                )?;
-                let (k_part, v_part) = out.split_at_mut(size * count);
-                let copied = backend
-                    .gather_blocks(&layer.k, &ids, count, elems, &mut packed)
-                    .and_then(|()| backend.read_bytes(&packed, 0, k_part))
-                    .and_then(|()| backend.gather_blocks(&layer.v, &ids, count, elems, &mut packed))
-                    .and_then(|()| backend.read_bytes(&packed, 0, v_part));
-                backend.give_buffer(packed);
-                copied?;
-                Ok(out)
-            })
-            .collect();
-        backend.give_buffer(ids);
-        read
-    }
-
-    /// `blocks`' ids in a device buffer from the pool (given back by the caller).
-    fn upload_ids(&self, backend: &dyn Backend, blocks: &[BlockId]) -> Result<DeviceBuffer> {
-        let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
-        let mut buffer =
-            backend.take_buffer(DType::U32, ids.len().max(1), BufferUsage::Metadata)?;
-        if !ids.is_empty() {
-            backend.upload_u32(&ids, &mut buffer)?;
+        let mut outs = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let size = elems * layer.k.dtype().size_bytes();
+            let mut out = reuse.next().unwrap_or_default();
+            out.truncate(2 * size * count);
+            out.resize(2 * size * count, 0);
+            outs.push(out);
         }
-        Ok(buffer)
+        let Some(first) = self.layers.first() else {
+            return Ok(outs);
+        };
+        if count == 0 || elems == 0 {
+            return Ok(outs);
+        }
+        let (dtype, size) = (first.k.dtype(), elems * first.k.dtype().size_bytes());
+        let pieces = PiecesOf::upload(backend, blocks, size, self.copy_piece_bytes)?;
+        let mut packed =
+            match backend.take_buffer(dtype, pieces.blocks * elems, BufferUsage::Activations) {
+                Ok(p) => p,
+                Err(e) => {
+                    pieces.give(backend);
+                    return Err(e.into());
+                }
+            };
+        let copied = (|| -> Result<()> {
+            for (layer, out) in self.layers.iter().zip(&mut outs) {
+                let (k_part, v_part) = out.split_at_mut(size * count);
+                for (at, n, ids) in pieces.iter() {
+                    let range = at * size..(at + n) * size;
+                    backend.gather_blocks(&layer.k, ids, n, elems, &mut packed)?;
+                    backend.read_bytes(&packed, 0, &mut k_part[range.clone()])?;
+                    backend.gather_blocks(&layer.v, ids, n, elems, &mut packed)?;
+                    backend.read_bytes(&packed, 0, &mut v_part[range])?;
+                }
+            }
+            Ok(())
+        })();
+        backend.give_buffer(packed);
+        pieces.give(backend);
+        copied.map(|()| outs)
     }
 
     /// Copies block `src` into block `dst` in every layer, on the device: a cached block's
@@ -157,8 +167,8 @@ impl PagedKvCache {
     }
 
     /// Writes into `blocks` what [`PagedKvCache::read_blocks`] read: per layer, the K and
-    /// the V bytes of those blocks in order (a session read back). Each crosses to the device
-    /// in one copy and is scattered there.
+    /// the V bytes of those blocks in order (a session read back). They cross to the device
+    /// a piece at a time and are scattered there.
     pub fn write_blocks(
         &mut self,
         backend: &dyn Backend,
@@ -185,33 +195,37 @@ impl PagedKvCache {
                 )));
             }
         }
+        let Some(first) = self.layers.first() else {
+            return Ok(());
+        };
         if count == 0 || elems == 0 {
             return Ok(());
         }
-        let ids = self.upload_ids(backend, blocks)?;
+        let (dtype, size) = (first.k.dtype(), elems * first.k.dtype().size_bytes());
+        let pieces = PiecesOf::upload(backend, blocks, size, self.copy_piece_bytes)?;
+        let mut packed =
+            match backend.take_buffer(dtype, pieces.blocks * elems, BufferUsage::Activations) {
+                Ok(p) => p,
+                Err(e) => {
+                    pieces.give(backend);
+                    return Err(e.into());
+                }
+            };
         let written = (|| -> Result<()> {
             for (layer, (k, v)) in self.layers.iter_mut().zip(layers) {
-                let mut packed = backend.take_buffer(
-                    layer.k.dtype(),
-                    count * elems,
-                    BufferUsage::Activations,
-                )?;
-                // One stream: the V bytes land after the K scatter has read the buffer.
-                let copied = backend
-                    .write_bytes(k, &mut packed, 0)
-                    .and_then(|()| {
-                        backend.scatter_blocks(&packed, &ids, count, elems, &mut layer.k)
-                    })
-                    .and_then(|()| backend.write_bytes(v, &mut packed, 0))
-                    .and_then(|()| {
-                        backend.scatter_blocks(&packed, &ids, count, elems, &mut layer.v)
-                    });
-                backend.give_buffer(packed);
-                copied?;
+                for (at, n, ids) in pieces.iter() {
+                    let range = at * size..(at + n) * size;
+                    // One stream: each piece lands after the scatter before it read the buffer.
+                    backend.write_bytes(&k[range.clone()], &mut packed, 0)?;
+                    backend.scatter_blocks(&packed, ids, n, elems, &mut layer.k)?;
+                    backend.write_bytes(&v[range], &mut packed, 0)?;
+                    backend.scatter_blocks(&packed, ids, n, elems, &mut layer.v)?;
+                }
             }
             Ok(())
         })();
-        backend.give_buffer(ids);
+        backend.give_buffer(packed);
+        pieces.give(backend);
         written
     }
 }
@@ -328,5 +342,60 @@ impl RecurrentStateCache {
                 * (h.linear.conv_state_len() + h.linear.recurrent_state_len())
                 * 4
         })
+    }
+}
+
+/// The default of [`PagedKvCache::with_copy_piece_bytes`].
+const COPY_PIECE_BYTES: usize = 16 << 20;
+
+/// A session copy's blocks in pieces of at most a number of bytes, each piece's ids in a
+/// device buffer from the pool.
+struct PiecesOf {
+    /// Blocks of the largest piece.
+    blocks: usize,
+    /// (index of the piece's first block, its blocks, their ids).
+    pieces: Vec<(usize, usize, DeviceBuffer)>,
+}
+
+impl PiecesOf {
+    fn upload(
+        backend: &dyn Backend,
+        blocks: &[BlockId],
+        block_bytes: usize,
+        piece_bytes: usize,
+    ) -> Result<Self> {
+        let per_piece = (piece_bytes / block_bytes.max(1)).max(1);
+        let mut out = Self {
+            blocks: per_piece.min(blocks.len()),
+            pieces: Vec::new(),
+        };
+        for (i, chunk) in blocks.chunks(per_piece).enumerate() {
+            let ids: Vec<u32> = chunk.iter().map(|b| b.0).collect();
+            let uploaded = backend
+                .take_buffer(DType::U32, ids.len(), BufferUsage::Metadata)
+                .and_then(|mut buffer| {
+                    backend.upload_u32(&ids, &mut buffer)?;
+                    Ok(buffer)
+                });
+            match uploaded {
+                Ok(buffer) => out.pieces.push((i * per_piece, chunk.len(), buffer)),
+                Err(e) => {
+                    out.give(backend);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (usize, usize, &DeviceBuffer)> {
+        self.pieces.iter().map(|(at, n, ids)| (*at, *n, ids))
+    }
+
+    /// Gives the id buffers back to the pool.
+    fn give(self, backend: &dyn Backend) {
+        for (_, _, ids) in self.pieces {
+            backend.give_buffer(ids);
+        }
     }
 }

@@ -184,3 +184,42 @@ fn a_cache_with_fewer_layers_than_the_model_is_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("attention layers"), "{err}");
 }
+
+/// A session's KV blocks read off the cache and written into other blocks come back byte for
+/// byte, whole or in pieces of two blocks (the pieces bound the device memory a copy needs),
+/// and the blocks not written stay as they were.
+#[test]
+fn session_blocks_read_and_written_in_pieces_round_trip() {
+    let model = load("qwen3_moe_fused");
+    let backend = model.backend().as_ref();
+    let config = model.config();
+    let mut source = PagedKvCache::new(backend, config, 12, BLOCK_SIZE).unwrap();
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 50).collect();
+    let table = BlockTable {
+        blocks: [9, 2, 5, 11, 0, 7, 3, 8, 1, 6].map(BlockId).to_vec(),
+    };
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    batch
+        .push_run(SeqId(0), &ids(&tokens), 0, &table, LogitsWanted::Last)
+        .unwrap();
+    let _ = model.forward(&batch, &mut source, &mut Vec::new()).unwrap();
+    let read = &table.blocks[..7];
+    let whole = source.read_blocks(backend, read, Vec::new()).unwrap();
+    let block_bytes = whole[0].len() / (2 * read.len());
+    let pieced = PagedKvCache::new(backend, config, 12, BLOCK_SIZE)
+        .unwrap()
+        .with_copy_piece_bytes(2 * block_bytes);
+    // Buffers of another size to read into: overwritten, cut and grown.
+    let reuse = vec![vec![0xab; 5], vec![0xcd; whole[1].len() + 9]];
+    let again = source.read_blocks(backend, read, reuse).unwrap();
+    assert_eq!(again, whole);
+    let mut target = pieced;
+    let into = [4, 10, 0, 3, 7, 1, 8].map(BlockId);
+    let layers: Vec<(&[u8], &[u8])> = whole.iter().map(|l| l.split_at(l.len() / 2)).collect();
+    target.write_blocks(backend, &into, &layers).unwrap();
+    let target = target.with_copy_piece_bytes(3 * block_bytes);
+    let back = target.read_blocks(backend, &into, Vec::new()).unwrap();
+    assert_eq!(back, whole);
+    let untouched = target.read_blocks(backend, &[BlockId(2), BlockId(11)], Vec::new());
+    assert!(untouched.unwrap().iter().flatten().all(|&b| b == 0));
+}

@@ -660,13 +660,7 @@ impl Backend for CpuBackend {
         let op = "gather_blocks";
         let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
         let ids = block_ids(op, ids, count, blocks)?;
-        let n = block_elems;
-        match (&paged.storage, &mut packed.storage) {
-            (Storage::F32(src), Storage::F32(dst)) => copy_blocks(src, dst, &ids, n, true),
-            (Storage::U32(src), Storage::U32(dst)) => copy_blocks(src, dst, &ids, n, true),
-            (Storage::Half(src), Storage::Half(dst)) => copy_blocks(src, dst, &ids, n, true),
-            _ => return Err(bad(op, "buffers not the CPU's, or read-only".to_string())),
-        }
+        copy_blocks(op, paged, packed, &ids, block_elems, true)?;
         self.stats.dispatch(1);
         Ok(())
     }
@@ -682,13 +676,7 @@ impl Backend for CpuBackend {
         let op = "scatter_blocks";
         let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
         let ids = block_ids(op, ids, count, blocks)?;
-        let n = block_elems;
-        match (&packed.storage, &mut paged.storage) {
-            (Storage::F32(src), Storage::F32(dst)) => copy_blocks(src, dst, &ids, n, false),
-            (Storage::U32(src), Storage::U32(dst)) => copy_blocks(src, dst, &ids, n, false),
-            (Storage::Half(src), Storage::Half(dst)) => copy_blocks(src, dst, &ids, n, false),
-            _ => return Err(bad(op, "buffers not the CPU's, or read-only".to_string())),
-        }
+        copy_blocks(op, packed, paged, &ids, block_elems, false)?;
         self.stats.dispatch(1);
         Ok(())
     }
@@ -1278,14 +1266,30 @@ fn block_ids(
 }
 
 /// Block `ids[i]` of `src` to block `i` of `dst` (`gather`), or block `i` of `src` to block
-/// `ids[i]` of `dst`; blocks of `n` elements.
-fn copy_blocks<T: Copy>(src: &[T], dst: &mut [T], ids: &[usize], n: usize, gather: bool) {
-    for (i, &id) in ids.iter().enumerate() {
-        let (from, to) = if gather {
-            (id * n, i * n)
-        } else {
-            (i * n, id * n)
-        };
-        dst[to..to + n].copy_from_slice(&src[from..from + n]);
+/// `ids[i]` of `dst`; blocks of `n` elements of one stored type (checked by the caller).
+fn copy_blocks(
+    op: &'static str,
+    src: &DeviceBuffer,
+    dst: &mut DeviceBuffer,
+    ids: &[usize],
+    n: usize,
+    gather: bool,
+) -> Result<()> {
+    fn each<T: Copy>(src: &[T], dst: &mut [T], ids: &[usize], n: usize, gather: bool) {
+        for (i, &id) in ids.iter().enumerate() {
+            let (from, to) = if gather {
+                (id * n, i * n)
+            } else {
+                (i * n, id * n)
+            };
+            dst[to..to + n].copy_from_slice(&src[from..from + n]);
+        }
     }
+    match (&src.storage, &mut dst.storage) {
+        (Storage::F32(s), Storage::F32(d)) => each(s, d, ids, n, gather),
+        (Storage::U32(s), Storage::U32(d)) => each(s, d, ids, n, gather),
+        (Storage::Half(s), Storage::Half(d)) => each(s, d, ids, n, gather),
+        _ => return Err(bad(op, "buffers not the CPU's, or read-only".to_string())),
+    }
+    Ok(())
 }

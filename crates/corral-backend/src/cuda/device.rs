@@ -97,15 +97,23 @@ impl Gpu {
         })
     }
 
+    /// The page-locked staging buffer, made on first use.
+    fn staging_buffer<'a>(
+        &self,
+        staging: &'a mut Option<PinnedHost>,
+    ) -> Result<&'a mut PinnedHost> {
+        Ok(match staging {
+            Some(pinned) => pinned,
+            empty => empty.insert(PinnedHost::new(&self.ctx, STAGING_BYTES)?),
+        })
+    }
+
     /// Copies `src` to device address `dst` through the page-locked buffer, 16 MiB at a
     /// time, waiting for each piece: a session's KV restored. The host syncs it made.
     pub(crate) fn upload_staged(&self, src: &[u8], dst: u64) -> Result<usize> {
         self.bind()?;
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        let pinned = match &mut *staging {
-            Some(pinned) => pinned,
-            empty => empty.insert(PinnedHost::new(&self.ctx, STAGING_BYTES)?),
-        };
+        let pinned = self.staging_buffer(&mut staging)?;
         let mut syncs = 0;
         for (i, piece) in src.chunks(STAGING_BYTES).enumerate() {
             let buf = pinned.bytes_mut(piece.len());
@@ -134,10 +142,7 @@ impl Gpu {
     pub(crate) fn download_staged(&self, src: u64, dst: &mut [u8]) -> Result<usize> {
         self.bind()?;
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        let pinned = match &mut *staging {
-            Some(pinned) => pinned,
-            empty => empty.insert(PinnedHost::new(&self.ctx, STAGING_BYTES)?),
-        };
+        let pinned = self.staging_buffer(&mut staging)?;
         let mut syncs = 0;
         for (i, piece) in dst.chunks_mut(STAGING_BYTES).enumerate() {
             let buf = pinned.bytes_mut(piece.len());

@@ -32,7 +32,8 @@ __device__ __forceinline__ void begin_small_kernel() {
 // A kernel that begins with begin_deferred_kernel() reads, before its own
 // wait_for_previous_kernel(), only what no kernel of the step writes (weights; the step's
 // positions and block tables, uploaded before it; KV cached by earlier steps), so that those
-// reads overlap the kernel before. It releases its dependents where it calls
+// reads overlap the kernel before; it writes nothing before then but the diagnostics block's
+// atomic counters and error flag. It releases its dependents where it calls
 // release_dependents(), else at exit.
 __device__ __forceinline__ void begin_deferred_kernel() {}
 
