@@ -1,4 +1,4 @@
-//! Causal GQA attention over a paged KV cache, one work item per (token, head).
+//! Causal GQA attention over a paged KV cache, one work item per (tile of tokens, KV head).
 
 use rayon::prelude::*;
 
@@ -25,11 +25,31 @@ impl PagedLayout<'_> {
 /// the query heads of a KV head: each K and V row is read once for all of them.
 const TILE_TOKENS: usize = 8;
 
+/// Query rows of a tile from which its scores and outputs are GEMM calls over blocks of keys
+/// (below it, the FMA loops, which read each key once without packing it: decode rows).
+const GEMM_MIN_QUERY_ROWS: usize = 16;
+
+/// Keys a GEMM tile takes at once (its online softmax rescales between blocks): K and V of
+/// 256 keys at head dim 128 stay in L2.
+const KEY_BLOCK: usize = 256;
+
+/// Which loops [`attention_with`] runs.
+#[derive(Clone, Copy, Debug)]
+struct Loops {
+    /// AVX2 and FMA where the CPU has them.
+    simd: bool,
+    /// Tiles of at least this many query rows take the GEMM path.
+    gemm_min_rows: usize,
+    /// Keys per block of the GEMM path.
+    key_block: usize,
+}
+
 /// Causal GQA attention over the paged cache. A work item is (up to [`TILE_TOKENS`] tokens
 /// of one run, one KV head): every key row it reads meets each of its tokens' query heads of
-/// that group, then every value row each of their outputs. Per (token, head): scores by one
-/// dot product each, softmax, values summed in key order, on AVX2 and FMA where the CPU has
-/// them; a token's arithmetic never depends on the tile it falls in.
+/// that group, then every value row each of their outputs. A tile of a few rows (decode)
+/// runs loops of one dot product per score, softmax, and values summed in key order, on AVX2
+/// and FMA where the CPU has them; a larger one (prefill) runs GEMM calls over blocks of
+/// keys with an online softmax.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention(
     q: &[f32],
@@ -43,12 +63,17 @@ pub(crate) fn paged_attention(
     out: &mut [f32],
 ) {
     let shape = (num_heads, num_kv_heads, head_dim, scale);
-    attention_with(has_avx2_fma(), q, cache_k, cache_v, layout, shape, out);
+    let loops = Loops {
+        simd: has_avx2_fma(),
+        gemm_min_rows: GEMM_MIN_QUERY_ROWS,
+        key_block: KEY_BLOCK,
+    };
+    attention_with(loops, q, cache_k, cache_v, layout, shape, out);
 }
 
-/// [`paged_attention`], with the AVX2/FMA loops if `simd` (and the CPU has them).
+/// [`paged_attention`] with the given loops.
 fn attention_with(
-    simd: bool,
+    loops: Loops,
     q: &[f32],
     cache_k: &[f32],
     cache_v: &[f32],
@@ -77,7 +102,7 @@ fn attention_with(
         .iter()
         .flat_map(|&(t0, t1)| (0..num_kv_heads).map(move |kvh| (t0, t1, kvh)))
         .collect();
-    let simd = simd && has_avx2_fma();
+    let simd = loops.simd && has_avx2_fma();
     let results: Vec<Vec<f32>> = items
         .par_iter()
         .map(|&(t0, t1, kvh)| {
@@ -95,7 +120,20 @@ fn attention_with(
                 .map(|t| layout.positions[t] as usize + 1)
                 .max()
                 .unwrap_or(0);
-            with_scratch((t1 - t0) * group * longest, |scores| {
+            let rows = (t1 - t0) * group;
+            if rows >= loops.gemm_min_rows {
+                return attend_tile_gemm(
+                    &tile,
+                    q,
+                    cache_k,
+                    cache_v,
+                    layout,
+                    longest,
+                    loops.key_block,
+                    simd,
+                );
+            }
+            with_scratch(rows * longest, |scores| {
                 #[cfg(target_arch = "x86_64")]
                 if simd && head_dim.is_multiple_of(8) {
                     // SAFETY: the CPU has AVX2 and FMA (has_avx2_fma checked it) and the
@@ -158,6 +196,178 @@ impl Tile {
         let t = self.t0 + r / self.group;
         (t * self.num_heads + self.kvh * self.group + r % self.group) * self.head_dim
     }
+}
+
+/// A row-major operand of [`gemm_into`]: `rows × cols` elements of `data`, element (i, j)
+/// at `i * row_stride + j * col_stride`.
+struct Operand<'a> {
+    data: &'a [f32],
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl Operand<'_> {
+    /// Whether every element of a `rows × cols` matrix lies in `data`.
+    fn holds(&self, rows: usize, cols: usize) -> bool {
+        rows == 0
+            || cols == 0
+            || (rows - 1) * self.row_stride + (cols - 1) * self.col_stride < self.data.len()
+    }
+}
+
+/// `dst[m × n] (row-major, contiguous) = lhs[m × k] · rhs[k × n]`, added to what `dst` holds
+/// when `accumulate`: one single-threaded GEMM call (the caller is a parallel work item).
+fn gemm_into(
+    dst: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: Operand<'_>,
+    rhs: Operand<'_>,
+    accumulate: bool,
+) {
+    assert!(
+        dst.len() >= m * n && lhs.holds(m, k) && rhs.holds(k, n),
+        "attention GEMM operands shorter than their shapes"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: every element the call reads or writes is in bounds (checked above), and dst
+    // is a unique borrow, disjoint from lhs and rhs.
+    #[allow(unsafe_code)]
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr(),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// The outputs of a tile's query rows (as [`attend_tile`]) by GEMM calls: per block of
+/// `key_block` keys (gathered from their pages), `S = (scale · Q) Kᵀ`, each row's scores
+/// past its own length dropped, an online softmax (the running max and sum, the outputs
+/// rescaled when the max grows), and `O += P V`; the outputs divided by the sums at the end.
+#[allow(clippy::too_many_arguments)]
+fn attend_tile_gemm(
+    tile: &Tile,
+    q: &[f32],
+    cache_k: &[f32],
+    cache_v: &[f32],
+    layout: &PagedLayout<'_>,
+    longest: usize,
+    key_block: usize,
+    simd: bool,
+) -> Vec<f32> {
+    let &Tile {
+        head_dim: hd,
+        scale,
+        ..
+    } = tile;
+    let run = layout.token_runs[tile.t0] as usize;
+    let rows = (tile.t1 - tile.t0) * tile.group;
+    let block = key_block.clamp(1, longest.max(1));
+    let bases = tile.key_offsets(layout, run, longest);
+    let mut o = vec![0.0f32; rows * hd];
+    let mut max = vec![f32::NEG_INFINITY; rows];
+    let mut sum = vec![0.0f32; rows];
+    with_scratch(rows * hd + 2 * block * hd + rows * block, |scratch| {
+        let (qs, rest) = scratch.split_at_mut(rows * hd);
+        let (kb, rest) = rest.split_at_mut(block * hd);
+        let (vb, s) = rest.split_at_mut(block * hd);
+        for (r, qr) in qs.chunks_exact_mut(hd).enumerate() {
+            let at = tile.q_at(r);
+            for (d, x) in qr.iter_mut().zip(&q[at..at + hd]) {
+                *d = x * scale;
+            }
+        }
+        for j0 in (0..longest).step_by(block) {
+            let n = block.min(longest - j0);
+            for (j, &base) in bases[j0..j0 + n].iter().enumerate() {
+                kb[j * hd..(j + 1) * hd].copy_from_slice(&cache_k[base..base + hd]);
+                vb[j * hd..(j + 1) * hd].copy_from_slice(&cache_v[base..base + hd]);
+            }
+            let lhs = Operand {
+                data: qs,
+                row_stride: hd,
+                col_stride: 1,
+            };
+            let keys = Operand {
+                data: kb,
+                row_stride: 1,
+                col_stride: hd,
+            };
+            gemm_into(s, rows, n, hd, lhs, keys, false);
+            for r in 0..rows {
+                let valid = tile.len(layout, r).saturating_sub(j0).min(n);
+                let row = &mut s[r * n..(r + 1) * n];
+                let (kept, past) = row.split_at_mut(valid);
+                past.fill(0.0);
+                if valid == 0 {
+                    continue;
+                }
+                let new_max = kept.iter().copied().fold(max[r], f32::max);
+                let rescale = (max[r] - new_max).exp();
+                sum[r] = sum[r] * rescale + exp_shifted(kept, new_max, simd);
+                if rescale != 1.0 {
+                    o[r * hd..(r + 1) * hd]
+                        .iter_mut()
+                        .for_each(|x| *x *= rescale);
+                }
+                max[r] = new_max;
+            }
+            let probs = Operand {
+                data: s,
+                row_stride: n,
+                col_stride: 1,
+            };
+            let values = Operand {
+                data: vb,
+                row_stride: hd,
+                col_stride: 1,
+            };
+            gemm_into(&mut o, rows, hd, n, probs, values, true);
+        }
+    });
+    for (orow, total) in o.chunks_exact_mut(hd).zip(&sum) {
+        let inv = 1.0 / total;
+        orow.iter_mut().for_each(|x| *x *= inv);
+    }
+    o
+}
+
+/// `s = exp(s - shift)` in place, returning their sum; eight lanes at a time where `simd`.
+fn exp_shifted(s: &mut [f32], shift: f32, simd: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is set only when the CPU has AVX2 and FMA.
+        #[allow(unsafe_code)]
+        return unsafe { exp_shifted_fma(s, shift) };
+    }
+    let _ = simd;
+    let mut total = 0.0;
+    for x in s.iter_mut() {
+        *x = (*x - shift).exp();
+        total += *x;
+    }
+    total
 }
 
 /// Whether the CPU runs AVX2 and FMA (the attention loops have a version for them, picked at
@@ -283,8 +493,7 @@ unsafe fn attend_tile_fma(
     o
 }
 
-/// `s = exp(s - max(s))` in place, eight lanes at a time (a degree-6 polynomial after
-/// range reduction, within 2 ulp of `expf`; the last `len % 8` by `expf`); returns their sum.
+/// `s = exp(s - max(s))` in place, eight lanes at a time; returns their sum.
 ///
 /// # Safety
 /// AVX2 and FMA.
@@ -294,7 +503,7 @@ unsafe fn attend_tile_fma(
 #[allow(unsafe_code)]
 unsafe fn exp_in_place(s: &mut [f32]) -> f32 {
     use std::arch::x86_64::*;
-    let (body, tail) = s.split_at_mut(s.len() / 8 * 8);
+    let (body, tail) = s.split_at(s.len() / 8 * 8);
     let mut lanes = _mm256_set1_ps(f32::NEG_INFINITY);
     for chunk in body.chunks_exact(8) {
         // SAFETY: chunk holds 8 floats.
@@ -308,7 +517,24 @@ unsafe fn exp_in_place(s: &mut [f32]) -> f32 {
         .chain(tail.iter())
         .copied()
         .fold(f32::NEG_INFINITY, f32::max);
-    let m = _mm256_set1_ps(max);
+    // SAFETY: AVX2 and FMA (this function's contract).
+    unsafe { exp_shifted_fma(s, max) }
+}
+
+/// `s = exp(s - shift)` in place for `s <= shift`, eight lanes at a time (a degree-6
+/// polynomial after range reduction, within 2 ulp of `expf`; the last `len % 8` by `expf`);
+/// returns their sum.
+///
+/// # Safety
+/// AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(unsafe_code)]
+unsafe fn exp_shifted_fma(s: &mut [f32], shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (body, tail) = s.split_at_mut(s.len() / 8 * 8);
+    let m = _mm256_set1_ps(shift);
     let mut acc = _mm256_setzero_ps();
     for chunk in body.chunks_exact_mut(8) {
         // SAFETY: chunk holds 8 floats.
@@ -324,7 +550,7 @@ unsafe fn exp_in_place(s: &mut [f32]) -> f32 {
     unsafe { _mm_storeu_ps(l.as_mut_ptr(), half) };
     let mut sum = (l[0] + l[1]) + (l[2] + l[3]);
     for x in tail {
-        *x = (*x - max).exp();
+        *x = (*x - shift).exp();
         sum += *x;
     }
     sum
@@ -626,8 +852,8 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
-        /// Both loops (AVX2/FMA where the CPU has them, and the plain ones) match plain f64
-        /// attention over runs of several tokens with histories, shuffled block tables and
+        /// Every path (the dot-product loops and the GEMM tiles, on AVX2/FMA where the CPU has
+        /// them and plain) matches plain f64 attention over runs of several tokens with histories, shuffled block tables and
         /// any head dim.
         #[test]
         fn attention_matches_plain_softmax_attention(
@@ -675,11 +901,16 @@ mod tests {
             };
             let scale = 1.0 / (hd as f32).sqrt();
             let expected = reference(&q, &k, &v, &layout, heads, kv_heads, hd, scale);
+            // The dot-product loops, and the GEMM path over whole and over small key blocks
+            // (the online softmax's rescaling between blocks), each with and without SIMD.
             for simd in [true, false] {
-                let mut out = vec![f32::NAN; expected.len()];
-                attention_with(simd, &q, &k, &v, &layout, (heads, kv_heads, hd, scale), &mut out);
-                for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
-                    prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "simd {simd}: {i}: {a} against {b}");
+                for (gemm_min_rows, key_block) in [(usize::MAX, KEY_BLOCK), (1, KEY_BLOCK), (1, 7)] {
+                    let loops = Loops { simd, gemm_min_rows, key_block };
+                    let mut out = vec![f32::NAN; expected.len()];
+                    attention_with(loops, &q, &k, &v, &layout, (heads, kv_heads, hd, scale), &mut out);
+                    for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+                        prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{loops:?}: {i}: {a} against {b}");
+                    }
                 }
             }
         }

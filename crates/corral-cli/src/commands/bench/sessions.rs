@@ -3,7 +3,8 @@
 //! conversation, as agents do, with the previous reply and a tool result appended. Per turn:
 //! the TTFT of the whole prompt, the prompt tokens the server took from its prefix cache, and
 //! the TTFT of a request holding only the turn's new text (measured right after, not
-//! estimated), so that a revisit's cost can be compared with its new tokens alone. Run it
+//! estimated), so that a revisit's cost can be compared with its new tokens alone; both are
+//! medians of a few repeats, this machine's noise being larger than what is compared. Run it
 //! against servers started with `--prefix-cache on` and `off` to compare the two.
 
 use std::path::PathBuf;
@@ -40,6 +41,12 @@ pub(crate) struct SessionsArgs {
     /// Visit the sessions in a seeded random order instead of round-robin.
     #[arg(long)]
     random_order: bool,
+    /// Times each revisit and each turn's new text alone are measured, the medians compared:
+    /// a revisit as the session goes on, then again with its reply opened by other words (the
+    /// same cached history, as many new tokens); the new text alone each time opened by its
+    /// own two words, so that none finds more than a few tokens of another in the cache.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
     /// Bearer token, if the server needs one.
     #[arg(long, env = "CORRAL_API_KEY")]
     api_key: Option<String>,
@@ -65,12 +72,14 @@ pub(crate) struct SessionsArgs {
     restore_tokens: Vec<usize>,
 }
 
+/// The filler text's words.
+const VOCAB: [&str; 16] = [
+    "file", "search", "result", "path", "line", "error", "test", "build", "value", "config",
+    "output", "module", "function", "query", "status", "table",
+];
+
 /// `n` words of deterministic filler text, different for each `seed`.
 fn words(n: usize, seed: u64) -> String {
-    const VOCAB: [&str; 16] = [
-        "file", "search", "result", "path", "line", "error", "test", "build", "value", "config",
-        "output", "module", "function", "query", "status", "table",
-    ];
     let mut s = seed.wrapping_mul(6364136223846793005) | 1;
     (0..n)
         .map(|_| {
@@ -83,6 +92,17 @@ fn words(n: usize, seed: u64) -> String {
         .join(" ")
 }
 
+/// The words that open the `n`-th new-text-alone prompt of a run: two of the filler
+/// vocabulary, so that one prompt shares at most the chat template's opening and a word with
+/// any other in the server's cache.
+fn alone_opening(n: usize) -> String {
+    format!(
+        "{} {}:",
+        VOCAB[n % VOCAB.len()],
+        VOCAB[n / VOCAB.len() % VOCAB.len()]
+    )
+}
+
 /// One measured turn.
 #[derive(Debug)]
 struct Turn {
@@ -90,16 +110,24 @@ struct Turn {
     turn: usize,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// The median of `ttft_samples_ms`.
     ttft_ms: f64,
+    /// The turn's TTFT as the session goes on, then its repeats (revisits only).
+    ttft_samples_ms: Vec<f64>,
+    /// The median of `new_alone_samples_ms`.
     new_alone_ttft_ms: f64,
+    new_alone_samples_ms: Vec<f64>,
+    /// The most prompt tokens any repeat of the new text alone found cached.
+    new_alone_cached_tokens: u64,
 }
 
 pub(crate) fn run(args: SessionsArgs) -> Result<()> {
     if args.reply_tokens == 0
+        || args.repeats == 0
         || (args.restore_tokens.is_empty() && (args.sessions == 0 || args.turns == 0))
     {
         bail!(
-            "--sessions, --turns and --reply-tokens must be positive (sessions may be 0 with --restore-tokens)"
+            "--sessions, --turns, --reply-tokens and --repeats must be positive (sessions may be 0 with --restore-tokens)"
         );
     }
     if let Some(path) = &args.plot {
@@ -145,6 +173,7 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
         "session", "turn", "prompt", "cached", "TTFT ms", "new alone ms", "ratio"
     );
     let mut rows = Vec::new();
+    let mut alone_sent = 0;
     for &i in &visits {
         let turn = turns_done[i];
         turns_done[i] += 1;
@@ -165,23 +194,48 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
         } else {
             new_text[i].clone()
         };
-        let alone = runtime
-            .block_on(stream_chat(
-                &address,
-                key,
-                &request(&[json!({"role": "user", "content": fresh})], 1),
-            ))
-            .with_context(|| format!("session {i} turn {turn}, new text alone"))?;
+        // A revisit again: the same history, its reply opened by other words.
+        let mut ttft_ms = vec![whole.ttft.unwrap_or(whole.end) * 1e3];
+        let reply_at = conversations[i].len().saturating_sub(2);
+        for _ in (1..args.repeats).filter(|_| turn > 0) {
+            let mut again = conversations[i].clone();
+            let reply = again[reply_at]["content"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
+            again[reply_at]["content"] = json!(format!("{} {reply}", alone_opening(alone_sent)));
+            alone_sent += 1;
+            let repeat = runtime
+                .block_on(stream_chat(&address, key, &request(&again, 1)))
+                .with_context(|| format!("session {i} turn {turn}, repeated"))?;
+            ttft_ms.push(repeat.ttft.unwrap_or(repeat.end) * 1e3);
+        }
+        let mut alone_ms = Vec::with_capacity(args.repeats);
+        let mut alone_cached = 0;
+        for _ in 0..args.repeats {
+            let content = format!("{} {fresh}", alone_opening(alone_sent));
+            alone_sent += 1;
+            let alone = runtime
+                .block_on(stream_chat(
+                    &address,
+                    key,
+                    &request(&[json!({"role": "user", "content": content})], 1),
+                ))
+                .with_context(|| format!("session {i} turn {turn}, new text alone"))?;
+            alone_ms.push(alone.ttft.unwrap_or(alone.end) * 1e3);
+            alone_cached = alone_cached.max(cached_tokens(&alone.usage));
+        }
         let row = Turn {
             session: i,
             turn,
             prompt_tokens: whole.usage["prompt_tokens"].as_u64().unwrap_or(0),
-            cached_tokens: whole.usage["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0),
+            cached_tokens: cached_tokens(&whole.usage),
             // A reply with no text (a stop token first) counts to the end of its stream.
-            ttft_ms: whole.ttft.unwrap_or(whole.end) * 1e3,
-            new_alone_ttft_ms: alone.ttft.unwrap_or(alone.end) * 1e3,
+            ttft_ms: median(&ttft_ms),
+            ttft_samples_ms: ttft_ms,
+            new_alone_ttft_ms: median(&alone_ms),
+            new_alone_samples_ms: alone_ms,
+            new_alone_cached_tokens: alone_cached,
         };
         println!(
             "{:>7} {:>4} {:>8} {:>8} {:>10.2} {:>12.2} {:>7.2}",
@@ -213,11 +267,21 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
         .filter(|r| r.turn > 0)
         .map(|r| r.ttft_ms / r.new_alone_ttft_ms.max(1e-9))
         .collect();
+    let first_revisits: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.turn > 0)
+        .map(|r| r.ttft_samples_ms[0] / r.new_alone_ttft_ms.max(1e-9))
+        .collect();
     if !revisits.is_empty() {
+        let worst = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
         println!(
-            "revisits: TTFT / TTFT of the new text alone, median {:.2}, worst {:.2}",
+            "revisits: TTFT / TTFT of the new text alone (medians of {}), median {:.2}, worst {:.2}; \
+             the first sample of each revisit: median {:.2}, worst {:.2}",
+            args.repeats,
             median(&revisits),
-            revisits.iter().copied().fold(0.0, f64::max)
+            worst(&revisits),
+            median(&first_revisits),
+            worst(&first_revisits)
         );
     }
     let label = args.label.clone().unwrap_or_else(|| {
@@ -263,7 +327,10 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
                     "prompt_tokens": r.prompt_tokens,
                     "cached_tokens": r.cached_tokens,
                     "ttft_ms": r.ttft_ms,
+                    "ttft_samples_ms": r.ttft_samples_ms,
                     "new_alone_ttft_ms": r.new_alone_ttft_ms,
+                    "new_alone_samples_ms": r.new_alone_samples_ms,
+                    "new_alone_cached_tokens": r.new_alone_cached_tokens,
                 })
             })
             .collect();
@@ -275,6 +342,13 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The prompt tokens a response's usage says came from the prefix cache.
+fn cached_tokens(usage: &Value) -> u64 {
+    usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
 }
 
 /// The TTFT per turn of an earlier run's JSON, under its label.
