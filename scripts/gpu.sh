@@ -7,8 +7,10 @@
 #   scripts/gpu.sh remote    on the GPU machine, from the repository root with .gpu/ beside
 #                            it: runs the GPU tests, then the benchmarks, writing logs and JSON
 #                            to $OUT (default: .gpu/out). STAGES picks parts: tests,run,prefill,
-#                            decode,decode-serial,serve (default: all but decode-serial, which
-#                            repeats decode with CORRAL_SERIAL_LAUNCHES=1); TEST_LOGS puts the
+#                            prefill-recurrent,decode,decode-serial,serve (default: all but
+#                            prefill-recurrent, which repeats prefill with
+#                            CORRAL_RECURRENT_DELTA_RULE=1, and decode-serial, which repeats
+#                            decode with CORRAL_SERIAL_LAUNCHES=1); TEST_LOGS puts the
 #                            test logs elsewhere; MODEL picks the synthetic config.
 #
 # The test binaries find the fixtures through the path they were built at; `remote` links
@@ -61,11 +63,18 @@ remote() {
       --max-tokens 16 --temperature 0 2>&1 | tee "$out/run.log" | tail -12 || true
   fi
   local model="${MODEL:-bench/configs/qwen3-30b-a3b.json}"
-  if has prefill; then
-    echo "== bench prefill"
+  prefill() {
     timeout 420 $corral bench prefill --synthetic "$model" --device cuda \
       --prompt-lens "${PREFILL_LENS:-10,32,300,2048}" --strategies "${PREFILL_STRATEGIES:-grouped,per-expert}" \
-      --reps "${REPS:-5}" --idle-seconds 0 ${PROFILE:+--profile} --json "$out/prefill.json" 2>&1 | tee "$out/prefill.txt" || true
+      --reps "${REPS:-5}" --idle-seconds 0 ${PROFILE:+--profile} --json "$out/$1.json" 2>&1 | tee "$out/$1.txt" || true
+  }
+  if has prefill; then
+    echo "== bench prefill"
+    prefill prefill
+  fi
+  if has prefill-recurrent; then
+    echo "== bench prefill, the delta rule token by token"
+    CORRAL_RECURRENT_DELTA_RULE=1 prefill prefill-recurrent
   fi
   decode() {
     timeout 420 $corral bench decode --synthetic "$model" --device cuda \

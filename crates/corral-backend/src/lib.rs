@@ -156,6 +156,9 @@ pub struct RecurrentRuns<'a> {
     pub runs: &'a DeviceBuffer,
     /// Runs in the batch.
     pub num_runs: usize,
+    /// No run is longer (a promise: a backend may pick its kernels by it, e.g. the
+    /// recurrence for single tokens and the chunked form for prefill).
+    pub max_run_tokens: usize,
 }
 
 /// Head layout of a Gated DeltaNet layer.
@@ -581,7 +584,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         beta: &mut DeviceBuffer,
     ) -> Result<()>;
 
-    /// The gated delta rule, token by token within each run: q and k are L2-normalised per
+    /// The gated delta rule, as if token by token within each run (backends may compute it in
+    /// the chunked form, picked by `runs.max_run_tokens`): q and k are L2-normalised per
     /// head (q then scaled by `key_dim^-1/2`), and per value head the fp32 state
     /// `S` (`[key_dim, value_dim]` in slot `recurrent_state[slot]`) is decayed by `exp(g)`,
     /// corrected by `beta (v - kᵀS)` along `k`, and read as `out = qᵀS`. `qkv` is the conv

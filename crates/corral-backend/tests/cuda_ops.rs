@@ -389,6 +389,7 @@ fn delta_net_ops_match_cpu() {
             let rr = RecurrentRuns {
                 runs: &rb,
                 num_runs: lens.len(),
+                max_run_tokens: lens.iter().copied().max().unwrap_or(1),
             };
             let wb = be.weight_from_f32(&w, DType::F32).unwrap();
             let mut conv_state = f32_buf(be, &conv0);
@@ -452,7 +453,7 @@ fn delta_net_ops_match_cpu() {
                 1e-5,
             );
         }
-        // The CPU runs prefill runs in the chunked form, the GPU token by token.
+        // Both run prefill runs in the chunked form (the GPU from 16 tokens, in other orders).
         assert_close(
             &format!("{what}: delta out"),
             &results[1][4],
@@ -465,6 +466,134 @@ fn delta_net_ops_match_cpu() {
             &results[0][5],
             1e-3,
         );
+    }
+}
+
+/// The chunked delta rule (one launch for runs of any length) equals the recurrence fed one
+/// token at a time, at the Qwen3.5 shape, with live incoming states, across chunk boundaries
+/// and across the launch pairs a long run needs (the op scratch holds 50 chunks of 32 heads),
+/// and equals the CPU.
+#[test]
+fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(29);
+    let (nk, nv, dk, dv) = (16, 32, 128, 128);
+    let shape = DeltaNetShape {
+        num_key_heads: nk,
+        num_value_heads: nv,
+        key_dim: dk,
+        value_dim: dv,
+    };
+    let width = 2 * nk * dk + nv * dv;
+    for lens in [vec![130, 1, 64, 7, 65, 200], vec![3300, 20]] {
+        let tokens: usize = lens.iter().sum();
+        let slots = lens.len() + 1;
+        let runs = recurrent_runs(&lens, slots);
+        let qkv = rng.values(tokens * width);
+        let gate: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| -0.3 * v.abs())
+            .collect();
+        let beta: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| 0.5 + 0.5 * v)
+            .collect();
+        let state0: Vec<f32> = rng
+            .values(slots * nv * dk * dv)
+            .iter()
+            .map(|v| 0.1 * v)
+            .collect();
+        let longest = lens.iter().copied().max().unwrap_or(1);
+        let whole = |be: &dyn Backend| {
+            let rb = u32_buf(be, &runs);
+            let rr = RecurrentRuns {
+                runs: &rb,
+                num_runs: lens.len(),
+                max_run_tokens: longest,
+            };
+            let mut state = f32_buf(be, &state0);
+            let mut out = out_buf(be, tokens * nv * dv);
+            be.gated_delta_rule(
+                &f32_buf(be, &qkv),
+                &f32_buf(be, &gate),
+                &f32_buf(be, &beta),
+                shape,
+                rr,
+                &mut state,
+                &mut out,
+            )
+            .unwrap();
+            (
+                read(be, &out, tokens * nv * dv),
+                read(be, &state, state0.len()),
+            )
+        };
+        let (chunked_out, chunked_state) = whole(g);
+        let (cpu_out, cpu_state) = whole(&c);
+        // Step s: token s of every run that long, each a one-token run in its own slot.
+        let (qkv_b, gate_b, beta_b) = (f32_buf(g, &qkv), f32_buf(g, &gate), f32_buf(g, &beta));
+        let mut state = f32_buf(g, &state0);
+        let mut out = out_buf(g, tokens * nv * dv);
+        for step in 0..longest {
+            let step_runs: Vec<u32> = runs
+                .chunks_exact(4)
+                .filter(|r| (r[1] as usize) > step)
+                .flat_map(|r| {
+                    [
+                        r[0] + step as u32,
+                        1,
+                        r[2],
+                        u32::from(step == 0 && r[3] != 0),
+                    ]
+                })
+                .collect();
+            let rb = u32_buf(g, &step_runs);
+            let rr = RecurrentRuns {
+                runs: &rb,
+                num_runs: step_runs.len() / 4,
+                max_run_tokens: 1,
+            };
+            g.gated_delta_rule(&qkv_b, &gate_b, &beta_b, shape, rr, &mut state, &mut out)
+                .unwrap();
+        }
+        let stepped_out = read(g, &out, tokens * nv * dv);
+        let stepped_state = read(g, &state, state0.len());
+        // Each run on its own, so that a short run's error cannot hide in a long one's norm.
+        let per_token = nv * dv;
+        let per_slot = nv * dk * dv;
+        for r in runs.chunks_exact(4) {
+            let (start, len, slot) = (r[0] as usize, r[1] as usize, r[2] as usize);
+            let what = format!("runs {lens:?}: the run of {len} in slot {slot}");
+            let out = start * per_token..(start + len) * per_token;
+            let st = slot * per_slot..(slot + 1) * per_slot;
+            for (name, a, b) in [
+                (
+                    "out, chunked against stepped",
+                    &chunked_out[out.clone()],
+                    &stepped_out[out.clone()],
+                ),
+                (
+                    "state, chunked against stepped",
+                    &chunked_state[st.clone()],
+                    &stepped_state[st.clone()],
+                ),
+                (
+                    "out, against the CPU",
+                    &chunked_out[out.clone()],
+                    &cpu_out[out],
+                ),
+                (
+                    "state, against the CPU",
+                    &chunked_state[st.clone()],
+                    &cpu_state[st],
+                ),
+            ] {
+                assert_close(&format!("{what}: {name}"), a, b, 1e-3);
+            }
+        }
     }
 }
 
@@ -1038,6 +1167,38 @@ fn an_index_out_of_range_raises_the_error_flag_and_the_next_step_is_clean() {
     g.embedding(view, &ok, 2, &mut out).unwrap();
     g.download_f32(&out, &mut host).unwrap();
     assert!(host.iter().all(|v| *v == 1.0));
+}
+
+/// A run longer than the batch's promised longest run (which sizes the convolution's and the
+/// chunked delta rule's grids) fails the step instead of leaving tokens uncomputed.
+#[test]
+fn a_run_longer_than_promised_fails_the_step() {
+    let g = gpu_or_skip!();
+    let (channels, kernel, tokens) = (32, 4, 100);
+    let runs = u32_buf(g, &[0, tokens as u32, 0, 1]);
+    let weight = g
+        .weight_from_f32(&vec![0.25; channels * kernel], DType::F32)
+        .unwrap();
+    let mut state = out_buf(g, channels * (kernel - 1));
+    let mut out = out_buf(g, tokens * channels);
+    for (promised, fails) in [(64, true), (tokens, false)] {
+        let rr = RecurrentRuns {
+            runs: &runs,
+            num_runs: 1,
+            max_run_tokens: promised,
+        };
+        let x = f32_buf(g, &vec![1.0; tokens * channels]);
+        g.causal_conv1d(&x, &weight, channels, kernel, rr, &mut state, &mut out)
+            .unwrap();
+        let mut host = vec![0.0; tokens * channels];
+        match g.download_f32(&out, &mut host) {
+            Err(BackendError::DeviceIndex { what }) if fails => {
+                assert!(what.contains("promised"), "{what}")
+            }
+            Ok(()) if !fails => assert!(host.iter().all(|v| v.is_finite() && *v > 0.0)),
+            other => panic!("promised {promised}: {other:?}"),
+        }
+    }
 }
 
 #[test]

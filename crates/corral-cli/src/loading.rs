@@ -69,10 +69,14 @@ pub(crate) fn open_backend(choice: DeviceChoice) -> Result<Arc<dyn Backend>> {
     // CORRAL_SERIAL_LAUNCHES=1 turns off overlapped (programmatic dependent) launches, to
     // measure what they save.
     let serial_launches = std::env::var("CORRAL_SERIAL_LAUNCHES").is_ok_and(|v| v == "1");
+    // CORRAL_RECURRENT_DELTA_RULE=1 runs hybrid prefill's delta rule token by token, to
+    // measure what the chunked form saves.
+    let recurrent_delta_rule = std::env::var("CORRAL_RECURRENT_DELTA_RULE").is_ok_and(|v| v == "1");
     let cuda = |ordinal| {
         CudaBackend::new(CudaOptions {
             ordinal,
             serial_launches,
+            recurrent_delta_rule,
             ..Default::default()
         })
     };

@@ -255,6 +255,15 @@ fn recurrent_runs(
                 ),
             ));
         }
+        if run.len > runs.max_run_tokens {
+            return Err(bad(
+                op,
+                format!(
+                    "a run of {} tokens, beyond the batch's promised longest run of {}",
+                    run.len, runs.max_run_tokens
+                ),
+            ));
+        }
         // Work items write per run and slot: runs must not share either.
         let overlaps = |o: &ops::delta_net::Run| {
             o.slot == run.slot || (run.start < o.start + o.len && o.start < run.start + run.len)

@@ -40,6 +40,11 @@ const fn flash_attention_smem_bytes(head_dim: u32) -> u32 {
     2 * 2 * 64 * (head_dim + 8) * 2
 }
 
+/// Dynamic shared memory of the chunked delta rule's kernels (delta_net.cu's
+/// GDR_PREP_SMEM_FLOATS and GDR_SCAN_SMEM_FLOATS, 4 bytes each).
+const GDR_PREP_SMEM_BYTES: u32 = (2 * 64 * (128 + 1) + 2 * 64 * (64 + 1)) * 4;
+const GDR_SCAN_SMEM_BYTES: u32 = (3 * 64 * 128 + 64 * 64 + 64 * 32 + 128 * 32) * 4;
+
 /// Every kernel Corral launches.
 #[derive(Debug)]
 pub(crate) struct Kernels {
@@ -83,6 +88,8 @@ pub(crate) struct Kernels {
     /// The delta rule for blocks of up to 256 threads (value dims up to 128), and any.
     pub(crate) gated_delta_rule_256: Kernel,
     pub(crate) gated_delta_rule: Kernel,
+    pub(crate) gdr_chunk_prepare: Kernel,
+    pub(crate) gdr_chunk_scan: Kernel,
     pub(crate) logit_penalties: Kernel,
     pub(crate) top_candidates: Kernel,
     _modules: Vec<Arc<CudaModule>>,
@@ -271,6 +278,8 @@ impl Kernels {
             delta_net_gates: find("delta_net_gates")?,
             gated_delta_rule_256: find("gated_delta_rule_256")?,
             gated_delta_rule: find("gated_delta_rule")?,
+            gdr_chunk_prepare: find("gdr_chunk_prepare")?.with_dynamic_smem(GDR_PREP_SMEM_BYTES)?,
+            gdr_chunk_scan: find("gdr_chunk_scan")?.with_dynamic_smem(GDR_SCAN_SMEM_BYTES)?,
             logit_penalties: find("logit_penalties")?,
             top_candidates: find("top_candidates")?,
             _modules: modules,

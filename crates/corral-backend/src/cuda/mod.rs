@@ -56,6 +56,9 @@ pub struct CudaOptions {
     /// Launch kernels strictly one after another, without programmatic dependent launch
     /// (which lets a kernel be scheduled while the one before it finishes, on sm_90+).
     pub serial_launches: bool,
+    /// Run the gated delta rule token by token for prefill too, not in the chunked form (to
+    /// measure what the chunked form saves).
+    pub recurrent_delta_rule: bool,
 }
 
 /// The number of usable CUDA devices, or why there are none (no driver, no device).
@@ -87,8 +90,12 @@ pub struct CudaBackend {
     /// Whether a graph is being recorded, and the dispatch count when it began.
     capturing: AtomicBool,
     capture_start: AtomicU64,
-    /// Partial results of attention split over the keys (fixed size: allocated once).
-    attention_scratch: DeviceBuffer,
+    /// Workspace of single ops, fixed size (allocated once): the partial results of attention
+    /// split over the keys, and the chunked delta rule's per-chunk matrices. Ops run one
+    /// after another on the stream, so they share it.
+    op_scratch: DeviceBuffer,
+    /// [`CudaOptions::recurrent_delta_rule`].
+    recurrent_delta_rule: bool,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
     /// Per-block partial results of the sampling reduction (fixed size: allocated once),
@@ -147,8 +154,19 @@ const STAGED_COPY_BYTES: usize = 1 << 20;
 /// 64x64 tensor-core tiles.
 const MATVEC_MAX_ROWS: usize = 32;
 
-/// Floats of the attention split scratch (128 MiB): bounds how far attention splits.
-const ATTENTION_SCRATCH_FLOATS: usize = 32 << 20;
+/// Tokens per chunk of the chunked delta rule (delta_net.cu's GDR_CHUNK).
+const GDR_CHUNK: usize = 64;
+/// State columns per scan block of the chunked delta rule (GDR_SLICE), and its blocks' threads
+/// (GDR_THREADS).
+const GDR_SLICE: usize = 32;
+const GDR_THREADS: u32 = 256;
+/// Runs from which the delta rule takes the chunked form rather than the token-by-token
+/// recurrence.
+const CHUNKED_DELTA_MIN_RUN: usize = 16;
+
+/// Floats of the op scratch (128 MiB): bounds how far attention splits, and how many chunks
+/// one launch pair of the chunked delta rule takes.
+const OP_SCRATCH_FLOATS: usize = 32 << 20;
 /// Block rows (tokens × KV heads) up to which decode attention may split over the keys.
 const ATTENTION_COUNTERS: usize = 1 << 16;
 /// Output features per block of the few-row grouped down projection (moe.cu's
@@ -287,6 +305,7 @@ fn index_error(code: u32) -> &'static str {
             "tensor-core projection: an activation beyond f16's range (|x| > 65504) with f16/f32 weights"
         }
         8 => "Gated DeltaNet: a run beyond the batch or a state slot beyond the pool",
+        9 => "Gated DeltaNet: a run longer than the batch's promised longest run",
         _ => "unknown device error",
     }
 }
@@ -300,10 +319,10 @@ impl CudaBackend {
         let diag = gpu.alloc(16)?;
         gpu.memset_zero(diag.ptr(), 16)?;
         gpu.sync()?;
-        let scratch_mem = gpu.alloc(ATTENTION_SCRATCH_FLOATS * 4)?;
-        let attention_scratch = DeviceBuffer::new(
+        let scratch_mem = gpu.alloc(OP_SCRATCH_FLOATS * 4)?;
+        let op_scratch = DeviceBuffer::new(
             DType::F32,
-            ATTENTION_SCRATCH_FLOATS,
+            OP_SCRATCH_FLOATS,
             BufferUsage::Activations,
             Storage::Cuda(scratch_mem),
         );
@@ -359,7 +378,8 @@ impl CudaBackend {
             profiling: AtomicBool::new(false),
             capturing: AtomicBool::new(false),
             capture_start: AtomicU64::new(0),
-            attention_scratch,
+            op_scratch,
+            recurrent_delta_rule: options.recurrent_delta_rule,
             attention_counters,
             sampling_scratch,
             sampling_tickets,
@@ -554,6 +574,74 @@ impl CudaBackend {
             }
         }
         Ok(Some(big))
+    }
+
+    /// The chunked gated delta rule (delta_net.cu's gdr_chunk_prepare and gdr_chunk_scan) over
+    /// at most `chunks` chunks, in launch pairs of `per_wave`: `args` are
+    /// [`Backend::gated_delta_rule`]'s kernel arguments.
+    fn chunked_delta_rule(
+        &self,
+        args: [Arg; 13],
+        chunks: usize,
+        (nv, dv): (usize, usize),
+        num_runs: usize,
+        per_wave: usize,
+    ) -> Result<()> {
+        let op = "gated_delta_rule";
+        let [
+            qkv,
+            g,
+            beta,
+            nk_a,
+            nv_a,
+            dk_a,
+            dv_a,
+            runs,
+            tokens_a,
+            slots,
+            state,
+            out,
+            diag,
+        ] = args;
+        let scratch = Arg::Ptr(ptr_of(op, &self.op_scratch)?);
+        for first in (0..chunks).step_by(per_wave) {
+            let wave = per_wave.min(chunks - first);
+            let (first_a, num_runs_a) = (u32_of(op, first)?, u32_of(op, num_runs)?);
+            let prepare = [
+                qkv, g, beta, nk_a, nv_a, dk_a, dv_a, runs, num_runs_a, tokens_a, slots, first_a,
+                scratch, diag,
+            ];
+            self.launch(
+                &self.kernels.gdr_chunk_prepare,
+                (grid_of(op, wave)?, grid_of(op, nv)?, 1),
+                GDR_THREADS,
+                &prepare,
+            )?;
+            let scan = [
+                qkv,
+                nk_a,
+                nv_a,
+                dk_a,
+                dv_a,
+                runs,
+                num_runs_a,
+                tokens_a,
+                slots,
+                first_a,
+                u32_of(op, per_wave)?,
+                scratch,
+                state,
+                out,
+                diag,
+            ];
+            let grid = (
+                grid_of(op, num_runs)?,
+                grid_of(op, nv)?,
+                grid_of(op, dv.div_ceil(GDR_SLICE))?,
+            );
+            self.launch(&self.kernels.gdr_chunk_scan, grid, GDR_THREADS, &scan)?;
+        }
+        Ok(())
     }
 
     fn elementwise_grid(op: &'static str, len: usize) -> Result<(u32, u32, u32)> {
@@ -1395,7 +1483,7 @@ impl Backend for CudaBackend {
         let blocks = tokens * num_kv_heads;
         let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
         let wanted = (8 * self.gpu.multiprocessors.max(1) as usize).div_ceil(blocks);
-        let fit = ATTENTION_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
+        let fit = OP_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
         let splits = max_context
             .div_ceil(ATTENTION_MIN_SPLIT_KEYS)
             .min(wanted)
@@ -1421,7 +1509,7 @@ impl Backend for CudaBackend {
             all.push(Arg::U32(u32::from(meta.max_run_tokens == 1)));
         }
         all.extend([
-            Arg::Ptr(ptr_of(op, &self.attention_scratch)?),
+            Arg::Ptr(ptr_of(op, &self.op_scratch)?),
             Arg::Ptr(ptr_of(op, &self.attention_counters)?),
             out_arg,
             diag,
@@ -1851,10 +1939,11 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * channels)?,
             self.diag(),
         ];
+        // Tiles of CONV_TILE tokens (delta_net.cu) of the longest run.
         let grid = (
             grid_of(op, channels.div_ceil(32))?,
+            grid_of(op, runs.max_run_tokens.div_ceil(64).max(1))?,
             grid_of(op, runs.num_runs)?,
-            1,
         );
         self.launch(&self.kernels.causal_conv1d, grid, 256, &args)
     }
@@ -1946,6 +2035,16 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * nv * dv)?,
             self.diag(),
         ];
+        if runs.max_run_tokens >= CHUNKED_DELTA_MIN_RUN && !self.recurrent_delta_rule {
+            let per_chunk = GDR_CHUNK * (dk + dv + GDR_CHUNK + 3);
+            let per_wave = OP_SCRATCH_FLOATS / (nv * per_chunk);
+            if per_wave > 0 {
+                // Every run has at most one partial chunk.
+                let chunks = (tokens.div_ceil(GDR_CHUNK) + runs.num_runs)
+                    .min(runs.num_runs * runs.max_run_tokens.div_ceil(GDR_CHUNK));
+                return self.chunked_delta_rule(args, chunks, (nv, dv), runs.num_runs, per_wave);
+            }
+        }
         // Two threads per state column, and at least one per key dim, in whole warps.
         let threads = (2 * dv).max(dk).div_ceil(32) * 32;
         let grid = (grid_of(op, runs.num_runs)?, grid_of(op, nv)?, 1);

@@ -334,6 +334,7 @@ impl GatedDeltaNet {
         let runs = RecurrentRuns {
             runs: &ws.batch.recurrent_runs,
             num_runs,
+            max_run_tokens: ws.max_run_tokens,
         };
         let (conv_state, recurrent_state) =
             match (state.conv.get_mut(index), state.recurrent.get_mut(index)) {
