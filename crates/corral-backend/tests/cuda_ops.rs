@@ -1191,13 +1191,50 @@ fn a_run_longer_than_promised_fails_the_step() {
         g.causal_conv1d(&x, &weight, channels, kernel, rr, &mut state, &mut out)
             .unwrap();
         let mut host = vec![0.0; tokens * channels];
-        match g.download_f32(&out, &mut host) {
-            Err(BackendError::DeviceIndex { what }) if fails => {
-                assert!(what.contains("promised"), "{what}")
-            }
-            Ok(()) if !fails => assert!(host.iter().all(|v| v.is_finite() && *v > 0.0)),
-            other => panic!("promised {promised}: {other:?}"),
+        expect_promise_error_or_outputs(promised, fails, g.download_f32(&out, &mut host), &host);
+    }
+    // The chunked delta rule alone: one value head of 16 over one key head of 16.
+    let width = 2 * 16 + 16;
+    let qkv = f32_buf(g, &vec![0.5; tokens * width]);
+    let (gate, beta) = (
+        f32_buf(g, &vec![-0.1; tokens]),
+        f32_buf(g, &vec![0.5; tokens]),
+    );
+    let shape = DeltaNetShape {
+        num_key_heads: 1,
+        num_value_heads: 1,
+        key_dim: 16,
+        value_dim: 16,
+    };
+    let mut state = out_buf(g, 16 * 16);
+    let mut out = out_buf(g, tokens * 16);
+    for (promised, fails) in [(64, true), (tokens, false)] {
+        let rr = RecurrentRuns {
+            runs: &runs,
+            num_runs: 1,
+            max_run_tokens: promised,
+        };
+        g.gated_delta_rule(&qkv, &gate, &beta, shape, rr, &mut state, &mut out)
+            .unwrap();
+        let mut host = vec![0.0; tokens * 16];
+        expect_promise_error_or_outputs(promised, fails, g.download_f32(&out, &mut host), &host);
+    }
+}
+
+/// A read-back after a step whose longest run was `promised`: the promise's error when it
+/// `fails`, else positive outputs everywhere (every token computed).
+fn expect_promise_error_or_outputs(
+    promised: usize,
+    fails: bool,
+    read: Result<(), BackendError>,
+    host: &[f32],
+) {
+    match read {
+        Err(BackendError::DeviceIndex { what }) if fails => {
+            assert!(what.contains("promised"), "{what}")
         }
+        Ok(()) if !fails => assert!(host.iter().all(|v| v.is_finite() && *v > 0.0)),
+        other => panic!("promised {promised}: {other:?}"),
     }
 }
 

@@ -368,12 +368,12 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
 }
 
 // Grid: (runs, nv, ceil(dv / GDR_SLICE)); block: GDR_THREADS; dynamic shared memory
-// GDR_SCAN_SMEM_FLOATS. Thread (warp w, lane e) owns state column e of the block's slice:
+// GDR_SCAN_SMEM_FLOATS. Takes the `wave` chunks from `first` that gdr_chunk_prepare made. Thread (warp w, lane e) owns state column e of the block's slice:
 // rows w, w + 8, ... of V' and O and rows w, w + 8, ... of S.
 extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
     const float* qkv, u32 nk, u32 nv, u32 dk, u32 dv, const u32* runs, u32 num_runs,
-    u32 tokens, u32 slots, u32 first, u32 per_wave, const float* ws, float* state, float* out,
-    Diag* diag) {
+    u32 tokens, u32 slots, u32 first, u32 wave, u32 total, const float* ws, float* state,
+    float* out, Diag* diag) {
     begin_kernel();
     extern __shared__ __align__(16) float gdr_scan[];
     float* wsh = gdr_scan;                        // [64][dk]: W
@@ -390,8 +390,11 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
     u32 g0 = 0;
     for (u32 q = 0; q < r; q++) g0 += gdr_chunks(min(runs[q * 4 + 1], tokens));
     u32 chunks = gdr_chunks(len);
+    // The host planned `total` chunks from the promised longest run; a longer run has
+    // chunks no launch prepares.
+    if (g0 + chunks > total && threadIdx.x == 0) raise_error(diag, ERR_RUN_LENGTH);
     u32 c_begin = first > g0 ? first - g0 : 0;
-    u32 c_end = min(chunks, first + per_wave > g0 ? first + per_wave - g0 : 0);
+    u32 c_end = min(chunks, first + wave > g0 ? first + wave - g0 : 0);
     bool zero_run = chunks == 0 && first == 0 && fresh;
     if (c_begin >= c_end && !zero_run) return;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
