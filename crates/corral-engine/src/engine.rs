@@ -75,16 +75,20 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Queues a request, unless the queue is full.
+    /// Queues a request, unless the queue is full (checked and counted in one atomic step,
+    /// so that submissions at once never overfill it).
     pub fn submit(&self, request: EngineRequest) -> Result<(), SubmitError> {
-        let waiting = self.metrics.queue_depth.load(Ordering::Relaxed) as usize;
-        if waiting >= self.config.max_queue {
-            return Err(SubmitError::QueueFull(waiting));
-        }
-        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
-        self.commands
-            .send(Command::Submit(request))
-            .map_err(|_| SubmitError::Stopped)
+        let max = self.config.max_queue as u64;
+        self.metrics
+            .queue_depth
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (w < max).then_some(w + 1)
+            })
+            .map_err(|w| SubmitError::QueueFull(w as usize))?;
+        self.commands.send(Command::Submit(request)).map_err(|_| {
+            leave_queue(&self.metrics, 1);
+            SubmitError::Stopped
+        })
     }
 
     /// Asks the engine thread to stop after its current step; live requests end with
@@ -168,8 +172,8 @@ pub fn spawn_engine(
     let thread = std::thread::Builder::new()
         .name("corral-engine".to_string())
         .spawn(move || {
+            let _alive = AliveFlag(&thread_metrics);
             run(model, (cache, state), scheduler, spill, rx, &thread_metrics);
-            thread_metrics.engine_alive.store(false, Ordering::Relaxed);
         })
         .map_err(|source| EngineError::Io {
             path: "engine thread".into(),
@@ -183,6 +187,16 @@ pub fn spawn_engine(
         },
         thread,
     ))
+}
+
+/// Clears `engine_alive` when the engine thread ends, by returning or by unwinding from a
+/// panic outside a forward pass (which `/health` must then report).
+struct AliveFlag<'a>(&'a EngineMetrics);
+
+impl Drop for AliveFlag<'_> {
+    fn drop(&mut self) {
+        self.0.engine_alive.store(false, Ordering::Relaxed);
+    }
 }
 
 fn run(
@@ -235,9 +249,7 @@ fn run(
             })),
             None => scheduler.step(),
         };
-        metrics
-            .queue_depth
-            .store(scheduler.num_waiting() as u64, Ordering::Relaxed);
+        leave_queue(metrics, scheduler.take_departures());
         if let Some(plan) = plan {
             let backend = model.backend().as_ref();
             // A panic in a forward pass (a bug) fails the step's requests, not the engine.
@@ -568,12 +580,20 @@ fn restore(
     Ok(())
 }
 
-/// Queue, running, KV and preemption gauges from the scheduler's current state.
+/// Takes `n` requests off the count of waiting ones.
+fn leave_queue(metrics: &EngineMetrics, n: usize) {
+    let _ = metrics
+        .queue_depth
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+            Some(w.saturating_sub(n as u64))
+        });
+}
+
+/// Running, KV and preemption gauges from the scheduler's current state.
 fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
     let store = |gauge: &std::sync::atomic::AtomicU64, value: usize| {
         gauge.store(value as u64, Ordering::Relaxed)
     };
-    store(&metrics.queue_depth, scheduler.num_waiting());
     store(&metrics.running, scheduler.num_running());
     store(&metrics.kv_blocks_used, scheduler.blocks_in_use());
     store(&metrics.kv_blocks_cached, scheduler.cached_blocks());
@@ -585,4 +605,72 @@ fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
     metrics
         .preemptions
         .store(scheduler.preemptions(), Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SamplingParams;
+
+    fn request() -> EngineRequest {
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        EngineRequest {
+            prompt: vec![1, 2, 3],
+            params: SamplingParams::default(),
+            max_tokens: 1,
+            max_context: 64,
+            stop_token_ids: Vec::new(),
+            top_logprobs: None,
+            events,
+            session: None,
+        }
+    }
+
+    /// Submissions from many threads at once never fill the queue past its limit: the check
+    /// and the count are one atomic step (they were a load, then an add).
+    #[test]
+    fn concurrent_submissions_stop_exactly_at_the_queue_limit() {
+        let (commands, received) = std::sync::mpsc::channel();
+        let handle = EngineHandle {
+            commands,
+            metrics: Arc::new(EngineMetrics::default()),
+            config: EngineConfig {
+                max_queue: 10,
+                ..Default::default()
+            },
+        };
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (handle, start) = (handle.clone(), Arc::clone(&start));
+                std::thread::spawn(move || {
+                    start.wait();
+                    (0..4).filter(|_| handle.submit(request()).is_ok()).count()
+                })
+            })
+            .collect();
+        let accepted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(accepted, 10);
+        assert_eq!(received.try_iter().count(), 10);
+        assert!(matches!(
+            handle.submit(request()),
+            Err(SubmitError::QueueFull(10))
+        ));
+    }
+
+    /// The engine thread's liveness flag clears when the thread unwinds, not only when it
+    /// returns.
+    #[test]
+    fn the_alive_flag_clears_when_the_thread_panics() {
+        let metrics = Arc::new(EngineMetrics::default());
+        metrics.engine_alive.store(true, Ordering::Relaxed);
+        let inner = Arc::clone(&metrics);
+        let joined = std::thread::spawn(move || {
+            let _alive = AliveFlag(&inner);
+            panic!("a scheduler bug");
+        })
+        .join();
+        assert!(joined.is_err());
+        assert!(!metrics.engine_alive.load(Ordering::Relaxed));
+    }
 }

@@ -59,7 +59,7 @@ impl Histogram {
 /// Counters and gauges of the engine.
 #[derive(Debug)]
 pub struct EngineMetrics {
-    /// Requests waiting for admission.
+    /// Requests submitted and not yet admitted (counted as they are submitted).
     pub queue_depth: AtomicU64,
     /// Sequences being generated.
     pub running: AtomicU64,

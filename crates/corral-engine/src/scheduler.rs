@@ -74,6 +74,8 @@ pub struct SchedulerConfig {
 #[derive(Debug)]
 struct Sequence {
     id: SeqId,
+    /// Not yet admitted since it was added (a preempted sequence waits again, unqueued).
+    queued: bool,
     /// Prompt, then generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -152,6 +154,9 @@ pub struct Scheduler {
     next_id: u64,
     preemptions: u64,
     prefix: Option<PrefixCache>,
+    /// Queued requests that left the queue (first admitted, or cancelled while waiting)
+    /// since [`Scheduler::take_departures`] last read them.
+    departures: usize,
 }
 
 /// What a step did, for metrics.
@@ -184,6 +189,7 @@ impl Scheduler {
             next_id: 0,
             preemptions: 0,
             prefix: None,
+            departures: 0,
         }
     }
 
@@ -267,6 +273,7 @@ impl Scheduler {
         self.next_id += 1;
         self.waiting.push_back(Sequence {
             id,
+            queued: true,
             prompt_len: request.prompt.len(),
             tokens: request.prompt,
             session: request.session,
@@ -318,9 +325,20 @@ impl Scheduler {
         self.preemptions
     }
 
+    /// Queued requests that have left the queue since the last call: the engine's count of
+    /// waiting requests, which submissions add to, goes down by these.
+    pub fn take_departures(&mut self) -> usize {
+        std::mem::take(&mut self.departures)
+    }
+
     /// Drops sequences whose client has gone, freeing their blocks.
     pub fn drop_cancelled(&mut self) {
-        self.waiting.retain(|s| !s.events.is_closed());
+        let departures = &mut self.departures;
+        self.waiting.retain(|s| {
+            let gone = s.events.is_closed();
+            *departures += usize::from(gone && s.queued);
+            !gone
+        });
         let (pool, slots, prefix) = (&mut self.pool, &mut self.slots, &mut self.prefix);
         self.running.retain_mut(|s| {
             let gone = s.events.is_closed();
@@ -357,6 +375,9 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            if std::mem::take(&mut seq.queued) {
+                self.departures += 1;
+            }
             seq.slot = Some(slot);
             if let Some(prefix) = &mut self.prefix
                 && seq.table.blocks.is_empty()
@@ -441,6 +462,18 @@ impl Scheduler {
                 continue;
             }
             let need = seq.computed + n;
+            let blocks = need.div_ceil(self.pool.block_size());
+            if blocks > self.pool.num_blocks() {
+                // More than the whole cache: preempting it would bring it back for ever.
+                let mut seq = self.running.remove(i);
+                let message = format!(
+                    "the sequence needs {blocks} KV blocks ({need} tokens) and the cache has {}",
+                    self.pool.num_blocks()
+                );
+                self.release(&mut seq);
+                let _ = seq.events.send(Event::Failed(message));
+                continue;
+            }
             if let Some(prefix) = &mut self.prefix {
                 // Cached blocks nobody holds go before any sequence is preempted.
                 let short = need
@@ -491,7 +524,9 @@ impl Scheduler {
         let built = (|| {
             let mut batch = RaggedBatch::new(self.pool.block_size());
             for run in &runs {
-                let seq = self.running.iter().find(|s| s.id == run.seq)?;
+                let Some(seq) = self.running.iter().find(|s| s.id == run.seq) else {
+                    return Err(format!("sequence {} is not running", run.seq.0));
+                };
                 let ids: Vec<TokenId> = seq.tokens[seq.computed..seq.computed + run.tokens]
                     .iter()
                     .map(|&t| TokenId(t))
@@ -503,24 +538,30 @@ impl Scheduler {
                 };
                 batch
                     .push_run(seq.id, &ids, seq.computed, &seq.table, wanted)
-                    .ok()?;
+                    .map_err(|e| e.to_string())?;
                 if let Some(slot) = seq.slot {
-                    batch.set_state_slot(seq.id, slot).ok()?;
+                    batch
+                        .set_state_slot(seq.id, slot)
+                        .map_err(|e| e.to_string())?;
                 }
             }
-            Some(batch)
+            Ok(batch)
         })();
-        let Some(batch) = built else {
-            // Not expected: the scheduler made every run.
-            self.abandon(&restores, copies);
-            return None;
-        };
-        Some(StepPlan {
-            batch,
+        let plan = StepPlan {
+            batch: RaggedBatch::new(self.pool.block_size()),
             runs,
             restores,
             block_copies: copies,
-        })
+        };
+        match built {
+            Ok(batch) => Some(StepPlan { batch, ..plan }),
+            Err(e) => {
+                // Not expected (the scheduler made every run), but never planned again and
+                // again: the step's sequences end with the error.
+                self.fail_step(plan, &format!("the step could not be built: {e}"));
+                None
+            }
+        }
     }
 
     /// A plan that does not run: its copies give their holders back, and the sequences it
@@ -1027,6 +1068,53 @@ mod tests {
         }
     }
 
+    fn config(max_batch: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            max_batch,
+            max_prefill_tokens: 64,
+            session_pin: std::time::Duration::ZERO,
+        }
+    }
+
+    /// A request whose prompt needs more blocks than the whole cache fails at once (before,
+    /// it was preempted and re-admitted for ever); the others run.
+    #[test]
+    fn a_sequence_larger_than_the_whole_cache_fails() {
+        let mut s = Scheduler::new(config(2), KvBlockPool::new(4, 4));
+        let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        s.add(EngineRequest {
+            events,
+            ..request(&(0..17).collect::<Vec<u32>>(), 1)
+        });
+        s.add(request(&[1, 2, 3], 1));
+        let plan = s.step().expect("the small request runs");
+        assert_eq!(plan.runs.len(), 1);
+        match rx.try_recv() {
+            Ok(Event::Failed(message)) => assert!(message.contains("5 KV blocks"), "{message}"),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
+    /// A step whose batch cannot be built fails its sequences instead of being planned again
+    /// and again (the engine loop spun on it).
+    #[test]
+    fn a_step_that_cannot_be_built_fails_its_sequences() {
+        let mut s = Scheduler::new(config(2), KvBlockPool::new(8, 4));
+        let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        s.add(EngineRequest {
+            events,
+            ..request(&[1, 2, 3], 1)
+        });
+        s.add(request(&[4, 5, 6], 1));
+        // Two sequences under one id: the batch refuses the second run.
+        let id = s.waiting[0].id;
+        s.waiting[1].id = id;
+        assert!(s.step().is_none());
+        assert!(matches!(rx.try_recv(), Ok(Event::Failed(_))));
+        assert!(s.is_idle(), "the failed sequences are gone");
+        assert_eq!(s.pool().num_free(), 8, "their blocks are free");
+    }
+
     /// A sequence that starts from a partly matching cached block and is preempted before
     /// its first step (so before the copy into its own block is made) leaves only what it
     /// really holds in the cache: its own, never written, block is not indexed.
@@ -1044,13 +1132,17 @@ mod tests {
         let _ = s.finish_step(plan, &mut [0.0; 16], 16, DispatchStats::default());
         assert_eq!(s.cached_blocks(), 3);
         // B shares the first block and 2 ids of the second (a copy into a block of its
-        // own), but needs more blocks than the pool has: it is preempted in the same step.
+        // own), but needs more blocks than the pool has: it fails in the same step.
         let b: Vec<u32> = [1, 2, 3, 4, 5, 6].into_iter().chain(90..120).collect();
-        s.add(request(&b, 1));
+        let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        s.add(EngineRequest {
+            events,
+            ..request(&b, 1)
+        });
         assert!(s.step().is_none());
-        assert!(s.preemptions() > 0);
-        // The tail of A was evicted for B; B's never-written block is not a tail [5, 6].
-        assert_eq!(s.cached_blocks(), 2);
+        assert!(matches!(rx.try_recv(), Ok(Event::Failed(_))));
+        // A's blocks stay; B's never-written block is not a tail [5, 6].
+        assert_eq!(s.cached_blocks(), 3);
     }
 
     /// With every block of the pool cached (a warm server), a partly matching block is still
