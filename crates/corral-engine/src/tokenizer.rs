@@ -9,6 +9,11 @@ use crate::EngineError;
 #[derive(Debug)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Added (special) tokens' text by id.
+    added: std::collections::HashMap<u32, String>,
+    /// For a byte-level BPE vocabulary, the byte each character of a token string stands
+    /// for (GPT-2's alphabet, indexed by the character's code point).
+    byte_of_char: Option<Vec<Option<u8>>>,
 }
 
 impl Tokenizer {
@@ -24,7 +29,39 @@ impl Tokenizer {
             path: path.to_path_buf(),
             detail: e.to_string(),
         })?;
-        Ok(Self { inner })
+        let added = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, token)| (id, token.content))
+            .collect();
+        let byte_level = matches!(
+            inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        Ok(Self {
+            inner,
+            added,
+            byte_of_char: byte_level.then(byte_level_alphabet),
+        })
+    }
+
+    /// The bytes token `id` stands for: one token of a byte-level vocabulary may hold part
+    /// of a UTF-8 character, which decoding it alone replaces by U+FFFD. Other vocabularies
+    /// (and unknown ids) give their decoded text's bytes.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>, EngineError> {
+        if let Some(text) = self.added.get(&id) {
+            return Ok(text.as_bytes().to_vec());
+        }
+        if let (Some(table), Some(token)) = (&self.byte_of_char, self.inner.id_to_token(id)) {
+            let bytes: Option<Vec<u8>> = token
+                .chars()
+                .map(|c| table.get(c as usize).copied().flatten())
+                .collect();
+            if let Some(bytes) = bytes {
+                return Ok(bytes);
+            }
+        }
+        Ok(self.decode(&[id])?.into_bytes())
     }
 
     /// Token ids of `text`; special tokens written in the text (`<|im_start|>`) are
@@ -48,6 +85,23 @@ impl Tokenizer {
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+}
+
+/// GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the other 68
+/// for code points 256 onwards in byte order.
+fn byte_level_alphabet() -> Vec<Option<u8>> {
+    let mut table = vec![None; 256 + 68];
+    let mut next = 256;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        if printable {
+            table[b as usize] = Some(b);
+        } else {
+            table[next] = Some(b);
+            next += 1;
+        }
+    }
+    table
 }
 
 /// Turns a growing list of generated ids into text pieces as they become complete.
@@ -85,5 +139,38 @@ impl IncrementalDecoder {
             return Ok(Some(full[prefix.len()..].to_string()));
         }
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> Tokenizer {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/tiny-qwen3-moe/tokenizer.json");
+        Tokenizer::from_file(&path).unwrap()
+    }
+
+    /// Each token's bytes, concatenated, are the text's UTF-8 bytes, also where a token holds
+    /// part of a character (its text alone is U+FFFD) and for special tokens.
+    #[test]
+    fn token_bytes_rebuild_the_text_exactly() {
+        let t = tokenizer();
+        for text in ["Grüße, 世界! 🙂🦀 ok", "<|im_start|>user\n\tcafé<|im_end|>"] {
+            let ids = t.encode(text).unwrap();
+            let bytes: Vec<u8> = ids
+                .iter()
+                .flat_map(|&id| t.token_bytes(id).unwrap())
+                .collect();
+            assert_eq!(bytes, text.as_bytes(), "{text}");
+            assert!(
+                !text.starts_with('G')
+                    || ids
+                        .iter()
+                        .any(|&id| t.decode(&[id]).unwrap().contains('\u{FFFD}')),
+                "the test text should split a character across tokens"
+            );
+        }
     }
 }

@@ -64,14 +64,12 @@ pub(crate) async fn chat_completions(
 }
 
 fn logprob_entry(g: &Generation, token: &TokenEvent) -> Value {
-    let text = g.token_text(token.id);
     json!({
-        "token": text,
+        "token": g.token_text(token.id),
         "logprob": token.logprob,
-        "bytes": text.as_bytes(),
+        "bytes": g.token_bytes(token.id),
         "top_logprobs": token.top_logprobs.iter().map(|(id, lp)| {
-            let t = g.token_text(*id);
-            json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+            json!({"token": g.token_text(*id), "logprob": lp, "bytes": g.token_bytes(*id)})
         }).collect::<Vec<_>>(),
     })
 }

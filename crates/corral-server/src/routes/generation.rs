@@ -148,7 +148,12 @@ impl Generation {
                 if self.parser.stopped() {
                     self.finished = true;
                     self.rx.close();
-                    return Ok(Some(self.finish(deltas, "stop")));
+                    let reason = if self.parser.num_tool_calls() > 0 {
+                        "tool_calls"
+                    } else {
+                        "stop"
+                    };
+                    return Ok(Some(self.finish(deltas, reason)));
                 }
                 let logprobs = if token.logprob.is_some() {
                     vec![token]
@@ -223,6 +228,12 @@ impl Generation {
     pub(crate) fn token_text(&self, id: u32) -> String {
         self.tokenizer.decode(&[id]).unwrap_or_default()
     }
+
+    /// The exact bytes of a token (part of a character, perhaps), for log-probability
+    /// entries.
+    pub(crate) fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.tokenizer.token_bytes(id).unwrap_or_default()
+    }
 }
 
 /// Seconds since the Unix epoch.
@@ -237,4 +248,63 @@ pub(crate) fn response_id(prefix: &str) -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     format!("{prefix}-{:x}{n:04x}", unix_now())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A generation fed `text` token by token, parsing tool calls and cutting at `stop`.
+    fn finish_reason_of(text: &str, stop: &str) -> &'static str {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/tiny-qwen3-moe/tokenizer.json");
+        let tokenizer = Arc::new(Tokenizer::from_file(&path).unwrap());
+        let (tx, rx) = unbounded_channel();
+        for id in tokenizer.encode(text).unwrap() {
+            let token = TokenEvent {
+                id,
+                cached_prompt_tokens: 0,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            };
+            tx.send(Event::Token(token)).unwrap();
+        }
+        let mut g = Generation {
+            rx,
+            tokenizer,
+            decoder: IncrementalDecoder::default(),
+            parser: OutputParser::new(false, vec![stop.to_string()], true),
+            prompt_tokens: 1,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            started: Instant::now(),
+            first_token: None,
+            finished: false,
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            loop {
+                match g.next().await.unwrap() {
+                    Some(Step::Finished { finish_reason, .. }) => return finish_reason,
+                    Some(Step::Deltas { .. }) => {}
+                    None => panic!("no end"),
+                }
+            }
+        })
+    }
+
+    /// A stop string reached after a tool call ends the turn with "tool_calls" (the client
+    /// must run the call), one reached before any with "stop".
+    #[test]
+    fn a_stop_string_after_a_tool_call_finishes_with_tool_calls() {
+        let call =
+            "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        assert_eq!(
+            finish_reason_of(&format!("{call} HALT more"), "HALT"),
+            "tool_calls"
+        );
+        assert_eq!(finish_reason_of("plain text HALT more", "HALT"), "stop");
+    }
 }
