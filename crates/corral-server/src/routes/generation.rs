@@ -47,6 +47,8 @@ pub(crate) struct Generation {
     started: Instant,
     first_token: Option<Instant>,
     finished: bool,
+    /// What max_tokens was clamped to, when it asked for more than the context leaves.
+    clamped_to: Option<usize>,
 }
 
 impl Generation {
@@ -83,20 +85,11 @@ impl Generation {
                 ),
             ));
         }
+        // As llama.cpp's server: a max_tokens beyond the context is clamped to what is left
+        // (agents ask for the whole context), and the usage says so.
         let room = context - prompt.len();
-        let max_tokens = match settings.max_tokens {
-            Some(n) if n > room => {
-                return Err(ApiError::invalid(
-                    "max_tokens",
-                    format!(
-                        "this model's context is {context} tokens; the prompt has {} tokens and max_tokens asks for {n} more",
-                        prompt.len()
-                    ),
-                ));
-            }
-            Some(n) => n,
-            None => room,
-        };
+        let clamped_to = settings.max_tokens.filter(|&n| n > room).map(|_| room);
+        let max_tokens = settings.max_tokens.map_or(room, |n| n.min(room));
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = prompt.len();
         state
@@ -126,6 +119,7 @@ impl Generation {
             started: Instant::now(),
             first_token: None,
             finished: false,
+            clamped_to,
         })
     }
 
@@ -202,15 +196,19 @@ impl Generation {
         // The first token comes with the prefill; decode rate counts the ones after it.
         let decoded = self.completion_tokens.saturating_sub(1);
         let per_second = |n: usize, ms: f64| if ms > 0.0 { n as f64 / (ms / 1e3) } else { 0.0 };
+        let mut usage = json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        });
+        if let Some(n) = self.clamped_to {
+            usage["max_tokens_clamped_to"] = json!(n);
+        }
         Step::Finished {
             deltas,
             finish_reason,
-            usage: json!({
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            }),
+            usage,
             timings: json!({
                 "prompt_n": self.prompt_tokens,
                 "prompt_ms": prompt_ms,
@@ -280,6 +278,7 @@ mod tests {
             started: Instant::now(),
             first_token: None,
             finished: false,
+            clamped_to: None,
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
