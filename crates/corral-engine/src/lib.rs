@@ -20,7 +20,7 @@ mod tokenizer;
 pub use chat_template::{ChatTemplate, TokenizerConfig};
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
-pub use generation_config::stop_token_ids;
+pub use generation_config::{SamplingDefaults, sampling_defaults, stop_token_ids};
 pub use kv::{
     EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir,
     SpillFile, SpilledPrefix, StateSlotPool,

@@ -2,7 +2,7 @@
 //! as JSON objects; every field clients send is then checked here, once, and each bad one is
 //! reported by name. Nothing downstream checks again.
 
-use corral_engine::SamplingParams;
+use corral_engine::{SamplingDefaults, SamplingParams};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -170,7 +170,11 @@ impl Fields<'_> {
     }
 }
 
-fn settings(body: &Map<String, Value>, chat: bool) -> Result<Settings, ApiError> {
+fn settings(
+    body: &Map<String, Value>,
+    chat: bool,
+    defaults: &SamplingDefaults,
+) -> Result<Settings, ApiError> {
     let f = Fields(body);
     let model = f.string("model")?;
     if let Some(n) = f.integer("n")?
@@ -194,7 +198,8 @@ fn settings(body: &Map<String, Value>, chat: bool) -> Result<Settings, ApiError>
         }
     }
     let top_k = match f.integer("top_k")? {
-        None | Some(-1) | Some(0) => 0,
+        None => defaults.top_k.unwrap_or(0),
+        Some(-1) | Some(0) => 0,
         Some(k) if k > 0 => k as usize,
         Some(k) => {
             return Err(ApiError::invalid(
@@ -204,16 +209,20 @@ fn settings(body: &Map<String, Value>, chat: bool) -> Result<Settings, ApiError>
         }
     };
     let params = SamplingParams {
-        temperature: f.number("temperature", 0.0..=2.0)?.unwrap_or(1.0) as f32,
+        temperature: f
+            .number("temperature", 0.0..=2.0)?
+            .map_or(defaults.temperature.unwrap_or(1.0), |t| t as f32),
         top_k,
         top_p: match f.number("top_p", 0.0..=1.0)? {
             Some(p) if p <= 0.0 => {
                 return Err(ApiError::invalid("top_p", "`top_p` must be greater than 0"));
             }
             Some(p) => p as f32,
-            None => 1.0,
+            None => defaults.top_p.unwrap_or(1.0),
         },
-        min_p: f.number("min_p", 0.0..=1.0)?.unwrap_or(0.0) as f32,
+        min_p: f
+            .number("min_p", 0.0..=1.0)?
+            .map_or(defaults.min_p.unwrap_or(0.0), |p| p as f32),
         repetition_penalty: match f.number("repetition_penalty", 0.0..=10.0)? {
             Some(r) if r <= 0.0 => {
                 return Err(ApiError::invalid(
@@ -222,7 +231,7 @@ fn settings(body: &Map<String, Value>, chat: bool) -> Result<Settings, ApiError>
                 ));
             }
             Some(r) => r as f32,
-            None => 1.0,
+            None => defaults.repetition_penalty.unwrap_or(1.0),
         },
         presence_penalty: f.number("presence_penalty", -2.0..=2.0)?.unwrap_or(0.0) as f32,
         frequency_penalty: f.number("frequency_penalty", -2.0..=2.0)?.unwrap_or(0.0) as f32,
@@ -354,8 +363,11 @@ fn message_text(content: &Value, index: usize) -> Result<Value, ApiError> {
 }
 
 /// Validates a `/v1/chat/completions` body.
-pub(crate) fn chat(body: &Map<String, Value>) -> Result<ChatRequest, ApiError> {
-    let settings = settings(body, true)?;
+pub(crate) fn chat(
+    body: &Map<String, Value>,
+    defaults: &SamplingDefaults,
+) -> Result<ChatRequest, ApiError> {
+    let settings = settings(body, true, defaults)?;
     let messages = match body.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m,
         Some(Value::Array(_)) => {
@@ -436,8 +448,11 @@ pub(crate) fn chat(body: &Map<String, Value>) -> Result<ChatRequest, ApiError> {
 }
 
 /// Validates a `/v1/completions` body.
-pub(crate) fn completion(body: &Map<String, Value>) -> Result<CompletionRequest, ApiError> {
-    let settings = settings(body, false)?;
+pub(crate) fn completion(
+    body: &Map<String, Value>,
+    defaults: &SamplingDefaults,
+) -> Result<CompletionRequest, ApiError> {
+    let settings = settings(body, false, defaults)?;
     let prompt = match body.get("prompt") {
         Some(Value::String(s)) => PromptInput::Text(s.clone()),
         Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
@@ -518,7 +533,7 @@ mod tests {
             ),
         ];
         for (body, param) in cases {
-            let err = chat(&obj(body.clone())).unwrap_err();
+            let err = chat(&obj(body.clone()), &SamplingDefaults::default()).unwrap_err();
             assert_eq!(err.param.as_deref(), Some(param), "{body}: {err:?}");
             assert_eq!(err.status, 400);
         }
@@ -538,7 +553,7 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
             "user": "u", "chat_template_kwargs": {"enable_thinking": false}
         });
-        let r = chat(&obj(body)).unwrap();
+        let r = chat(&obj(body), &SamplingDefaults::default()).unwrap();
         assert_eq!(r.messages[0]["role"], "system");
         assert_eq!(r.messages[1]["content"], "ab");
         assert_eq!(r.settings.max_tokens, Some(5));
@@ -548,17 +563,51 @@ mod tests {
         assert_eq!(r.template_kwargs["enable_thinking"], false);
     }
 
+    /// Fields a request leaves out take the model's defaults; the ones it sends win, and an
+    /// explicit top_k of -1 or 0 turns the default off.
+    #[test]
+    fn sampling_defaults_fill_what_a_request_leaves_out() {
+        let defaults = SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            min_p: Some(0.05),
+            repetition_penalty: Some(1.1),
+        };
+        let messages = json!([{"role": "user", "content": "x"}]);
+        let bare = chat(&obj(json!({"messages": messages})), &defaults).unwrap();
+        let p = &bare.settings.params;
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.6, 0.95, 20));
+        assert_eq!((p.min_p, p.repetition_penalty), (0.05, 1.1));
+        let sent = json!({"messages": messages, "temperature": 0, "top_k": -1, "top_p": 0.5});
+        let p = chat(&obj(sent), &defaults).unwrap().settings.params;
+        assert_eq!(
+            (p.temperature, p.top_p, p.top_k, p.min_p),
+            (0.0, 0.5, 0, 0.05)
+        );
+        let p = chat(
+            &obj(json!({"messages": messages})),
+            &SamplingDefaults::default(),
+        )
+        .unwrap()
+        .settings
+        .params;
+        assert_eq!((p.temperature, p.top_p, p.top_k), (1.0, 1.0, 0));
+    }
+
     #[test]
     fn completion_prompts() {
         assert!(
-            matches!(completion(&obj(json!({"prompt": [1, 2]}))).unwrap().prompt, PromptInput::Tokens(t) if t == [1, 2])
+            matches!(completion(&obj(json!({"prompt": [1, 2]})), &SamplingDefaults::default()).unwrap().prompt, PromptInput::Tokens(t) if t == [1, 2])
         );
         assert!(matches!(
-            completion(&obj(json!({"prompt": "hi"}))).unwrap().prompt,
+            completion(&obj(json!({"prompt": "hi"})), &SamplingDefaults::default())
+                .unwrap()
+                .prompt,
             PromptInput::Text(_)
         ));
         assert_eq!(
-            completion(&obj(json!({"prompt": 5})))
+            completion(&obj(json!({"prompt": 5})), &SamplingDefaults::default())
                 .unwrap_err()
                 .param
                 .as_deref(),

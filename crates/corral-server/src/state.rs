@@ -21,6 +21,8 @@ pub struct ServerConfig {
     pub vocab_size: usize,
     /// Ids that end generation.
     pub stop_token_ids: Vec<u32>,
+    /// Sampling values for the fields a request leaves out.
+    pub sampling_defaults: corral_engine::SamplingDefaults,
 }
 
 /// Request counts by endpoint and HTTP status.

@@ -59,6 +59,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             max_context,
             vocab_size: config.vocab_size,
             stop_token_ids: stop_token_ids(&dir, &config.eos_token_ids).unwrap(),
+            sampling_defaults: Default::default(),
         }),
         requests: Arc::new(RequestCounts::default()),
         created: 0,

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{
-    BLOCK_SIZE, ChatTemplate, EngineConfig, Tokenizer, TokenizerConfig, spawn_engine,
-    stop_token_ids,
+    BLOCK_SIZE, ChatTemplate, EngineConfig, Tokenizer, TokenizerConfig, sampling_defaults,
+    spawn_engine, stop_token_ids,
 };
 use corral_server::{AppState, RequestCounts, ServerConfig};
 
@@ -55,6 +55,10 @@ pub(crate) struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, env = "CORRAL_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Sampling values for the fields a request leaves out, over the model's
+    /// generation_config.json: `temperature=0.7,top_p=0.8,top_k=20,min_p=0,repetition_penalty=1`.
+    #[arg(long, env = "CORRAL_SAMPLING_DEFAULTS")]
+    sampling_defaults: Option<String>,
     /// Keep computed KV blocks (and, for hybrid models, recurrent-state checkpoints) so that a
     /// request re-sending a history skips that prefix.
     #[arg(long, env = "CORRAL_PREFIX_CACHE", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
@@ -156,6 +160,17 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         bail!("the context ({max_context} tokens) is too short to serve");
     }
     let stop_ids = stop_token_ids(&dir, &config.eos_token_ids)?;
+    let shipped = sampling_defaults(&dir)?;
+    let sampling = match &args.sampling_defaults {
+        Some(text) => shipped
+            .parse_over(text)
+            .map_err(|e| anyhow::anyhow!("--sampling-defaults: {e}"))?,
+        None => shipped,
+    };
+    tracing::info!(
+        defaults = %sampling.describe(),
+        "sampling defaults for fields a request leaves out (generation_config.json, then --sampling-defaults)"
+    );
     let served_model_name = args.served_model_name.clone().unwrap_or_else(|| {
         dir.file_name()
             .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
@@ -192,6 +207,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             max_context,
             vocab_size: config.vocab_size,
             stop_token_ids: stop_ids,
+            sampling_defaults: sampling,
         }),
         requests: Arc::new(RequestCounts::default()),
         created: std::time::SystemTime::now()

@@ -26,7 +26,7 @@ pub(crate) async fn chat_completions(
     headers: axum::http::HeaderMap,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    let mut req = request::chat(&body)?;
+    let mut req = request::chat(&body, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let template = state.chat_template.clone().ok_or_else(|| {

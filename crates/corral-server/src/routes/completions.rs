@@ -22,7 +22,7 @@ pub(crate) async fn completions(
     headers: axum::http::HeaderMap,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    let mut req = request::completion(&body)?;
+    let mut req = request::completion(&body, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let prompt = match req.prompt {
