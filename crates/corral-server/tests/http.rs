@@ -347,6 +347,57 @@ async fn disconnect_mid_stream_frees_blocks() {
     assert_eq!(status, StatusCode::OK);
 }
 
+/// Log output captured by a test's subscriber.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Every finished request is one INFO line naming its id, model, tokens, TTFT, decode rate
+/// and finish reason.
+#[tokio::test(flavor = "current_thread")]
+async fn every_finished_request_is_one_log_line() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let s = server(None, 16, 512);
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::OK);
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("request finished"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    let id = body["id"].as_str().unwrap();
+    for field in [
+        format!("id={id}"),
+        "model=tiny".to_string(),
+        format!("prompt_tokens={}", body["usage"]["prompt_tokens"]),
+        format!("completion_tokens={}", body["usage"]["completion_tokens"]),
+        "ttft_ms=".to_string(),
+        "decode_tok_s=".to_string(),
+        format!(
+            "finish_reason={}",
+            body["choices"][0]["finish_reason"].as_str().unwrap()
+        ),
+    ] {
+        assert!(lines[0].contains(&field), "{field} not in {}", lines[0]);
+    }
+}
+
 /// A max_tokens beyond what the context leaves (agents ask for the whole context) is clamped
 /// to it, as llama.cpp's server does, and the usage says so; before, it was a 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

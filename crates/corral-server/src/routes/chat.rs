@@ -54,7 +54,14 @@ pub(crate) async fn chat_completions(
     .await
     .map_err(|e| ApiError::internal(format!("prompt preparation failed: {e}")))??;
     let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some());
-    let generation = Generation::start(&state, prompt, &req.settings, parser, "messages")?;
+    let generation = Generation::start(
+        &state,
+        prompt,
+        &req.settings,
+        parser,
+        "messages",
+        "chatcmpl",
+    )?;
     let model = state.config.served_model_name.clone();
     if req.settings.stream {
         Ok(stream(generation, model, req.settings.include_usage).into_response())
@@ -137,7 +144,7 @@ async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
                     json!({"content": logprobs})
                 };
                 return Ok(json!({
-                    "id": response_id("chatcmpl"),
+                    "id": g.id(),
                     "object": "chat.completion",
                     "created": unix_now(),
                     "model": model,
@@ -287,9 +294,9 @@ fn stream(
     include_usage: bool,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let mut state = StreamState {
+        id: generation.id().to_string(),
         generation: Some(generation),
         pending: VecDeque::new(),
-        id: response_id("chatcmpl"),
         model,
         created: unix_now(),
         include_usage,

@@ -9,7 +9,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::generation::{Generation, Step, response_id, unix_now};
+use super::generation::{Generation, Step, unix_now};
 use crate::error::ApiError;
 use crate::extract::OpenAiJson;
 use crate::output::{Delta, OutputParser};
@@ -37,7 +37,7 @@ pub(crate) async fn completions(
         }
     };
     let parser = OutputParser::plain(req.settings.stop.clone());
-    let generation = Generation::start(&state, prompt, &req.settings, parser, "prompt")?;
+    let generation = Generation::start(&state, prompt, &req.settings, parser, "prompt", "cmpl")?;
     let model = state.config.served_model_name.clone();
     if req.settings.stream {
         Ok(stream(generation, model, req.settings.include_usage).into_response())
@@ -97,7 +97,7 @@ async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
             }) => {
                 text.push_str(&text_of(deltas));
                 let mut out = body(
-                    &response_id("cmpl"),
+                    g.id(),
                     &model,
                     text,
                     logprobs_json(&g, &tokens),
@@ -117,7 +117,7 @@ fn stream(
     model: String,
     include_usage: bool,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let id = response_id("cmpl");
+    let id = generation.id().to_string();
     let state = (Some(generation), Vec::<SseEvent>::new());
     let events = futures_util::stream::unfold(state, move |(mut g, mut pending)| {
         let (id, model) = (id.clone(), model.clone());

@@ -36,6 +36,9 @@ pub(crate) enum Step {
 
 /// A request running in the engine.
 pub(crate) struct Generation {
+    /// The response id (logged with the request's end).
+    id: String,
+    model: String,
     rx: UnboundedReceiver<Event>,
     tokenizer: Arc<Tokenizer>,
     decoder: IncrementalDecoder,
@@ -51,6 +54,21 @@ pub(crate) struct Generation {
     clamped_to: Option<usize>,
 }
 
+impl Drop for Generation {
+    /// A request whose client went away before its end is logged too.
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::info!(
+                id = %self.id,
+                model = %self.model,
+                prompt_tokens = self.prompt_tokens,
+                completion_tokens = self.completion_tokens,
+                "request cancelled by the client"
+            );
+        }
+    }
+}
+
 impl Generation {
     /// Checks the prompt and length against the context and submits the request.
     pub(crate) fn start(
@@ -59,6 +77,7 @@ impl Generation {
         settings: &Settings,
         parser: OutputParser,
         prompt_param: &str,
+        id_prefix: &str,
     ) -> Result<Self, ApiError> {
         let context = state.config.max_context;
         if prompt.is_empty() {
@@ -109,6 +128,8 @@ impl Generation {
                 SubmitError::Stopped => ApiError::unavailable(e.to_string()),
             })?;
         Ok(Self {
+            id: response_id(id_prefix),
+            model: state.config.served_model_name.clone(),
             rx,
             tokenizer: Arc::clone(&state.tokenizer),
             decoder: IncrementalDecoder::default(),
@@ -177,6 +198,7 @@ impl Generation {
             }
             Some(Event::Failed(message)) => {
                 self.finished = true;
+                tracing::warn!(id = %self.id, model = %self.model, error = %message, "request failed");
                 Err(ApiError::internal(format!("generation failed: {message}")))
             }
             None => {
@@ -196,6 +218,17 @@ impl Generation {
         // The first token comes with the prefill; decode rate counts the ones after it.
         let decoded = self.completion_tokens.saturating_sub(1);
         let per_second = |n: usize, ms: f64| if ms > 0.0 { n as f64 / (ms / 1e3) } else { 0.0 };
+        tracing::info!(
+            id = %self.id,
+            model = %self.model,
+            prompt_tokens = self.prompt_tokens,
+            cached_tokens = self.cached_tokens,
+            completion_tokens = self.completion_tokens,
+            ttft_ms = format_args!("{prompt_ms:.1}"),
+            decode_tok_s = format_args!("{:.1}", per_second(decoded, predicted_ms)),
+            finish_reason = %finish_reason,
+            "request finished"
+        );
         let mut usage = json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -220,6 +253,11 @@ impl Generation {
                 "decoding_speed_tps": per_second(decoded, predicted_ms),
             }),
         }
+    }
+
+    /// The response id.
+    pub(crate) fn id(&self) -> &str {
+        &self.id
     }
 
     /// The text of a token, for log-probability entries.
@@ -268,6 +306,8 @@ mod tests {
             tx.send(Event::Token(token)).unwrap();
         }
         let mut g = Generation {
+            id: "test".to_string(),
+            model: "tiny".to_string(),
             rx,
             tokenizer,
             decoder: IncrementalDecoder::default(),
