@@ -236,7 +236,10 @@ fn run(
                 Err(TryRecvError::Disconnected) => return,
             }
         }
-        scheduler.drop_cancelled();
+        let gone = scheduler.drop_cancelled();
+        metrics
+            .finished_abort
+            .fetch_add(gone as u64, Ordering::Relaxed);
         let plan = match &mut spill {
             Some(dir) => scheduler.step_with(Some(&mut DiskSessions {
                 backend: model.backend().as_ref(),
@@ -307,6 +310,18 @@ fn run(
                         .for_each(|s| metrics.inter_token.observe(*s));
                     update_gauges(&scheduler, metrics);
                     for (events, finished) in counts.finished {
+                        metrics
+                            .e2e
+                            .observe((finished.prompt_ms + finished.decode_ms) / 1e3);
+                        let by_reason = match finished.reason {
+                            crate::FinishReason::Stop => &metrics.finished_stop,
+                            crate::FinishReason::Length => &metrics.finished_length,
+                            crate::FinishReason::Cancelled => &metrics.finished_abort,
+                        };
+                        by_reason.fetch_add(1, Ordering::Relaxed);
+                        metrics
+                            .finished_prompt_tokens
+                            .fetch_add(finished.prompt_tokens as u64, Ordering::Relaxed);
                         if finished.cached_tokens > 0 {
                             metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
                             metrics

@@ -111,6 +111,16 @@ pub struct EngineMetrics {
     pub ttft: Histogram,
     /// Time between consecutive tokens of a sequence.
     pub inter_token: Histogram,
+    /// Time from arrival to the last token, of finished requests.
+    pub e2e: Histogram,
+    /// Requests that ended on a stop token.
+    pub finished_stop: AtomicU64,
+    /// Requests that ended on `max_tokens`.
+    pub finished_length: AtomicU64,
+    /// Requests that ended by the client going away, or a cancel.
+    pub finished_abort: AtomicU64,
+    /// Prompt tokens of finished requests, cached or computed (the prefix cache's queries).
+    pub finished_prompt_tokens: AtomicU64,
 }
 
 impl Default for EngineMetrics {
@@ -142,6 +152,11 @@ impl Default for EngineMetrics {
             engine_alive: std::sync::atomic::AtomicBool::new(false),
             ttft: Histogram::new(LATENCY_BUCKETS),
             inter_token: Histogram::new(LATENCY_BUCKETS),
+            e2e: Histogram::new(LATENCY_BUCKETS),
+            finished_stop: AtomicU64::new(0),
+            finished_length: AtomicU64::new(0),
+            finished_abort: AtomicU64::new(0),
+            finished_prompt_tokens: AtomicU64::new(0),
         }
     }
 }

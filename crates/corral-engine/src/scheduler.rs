@@ -331,8 +331,9 @@ impl Scheduler {
         std::mem::take(&mut self.departures)
     }
 
-    /// Drops sequences whose client has gone, freeing their blocks.
-    pub fn drop_cancelled(&mut self) {
+    /// Drops sequences whose client has gone, freeing their blocks; returns how many.
+    pub fn drop_cancelled(&mut self) -> usize {
+        let before = self.waiting.len() + self.running.len();
         let departures = &mut self.departures;
         self.waiting.retain(|s| {
             let gone = s.events.is_closed();
@@ -355,6 +356,7 @@ impl Scheduler {
             }
             !gone
         });
+        before - self.waiting.len() - self.running.len()
     }
 
     /// Plans the next step; `None` when there is nothing to run.

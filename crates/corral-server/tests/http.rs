@@ -601,9 +601,36 @@ async fn models_and_metrics() {
         "corral_kv_blocks_used 0",
         "corral_kv_blocks_total 256",
         "corral_dispatches_per_token",
+        // vLLM's names, as dashboards and the Gateway API Inference Extension read them.
+        "vllm:num_requests_running{model_name=\"tiny\"} 0",
+        "vllm:num_requests_waiting{model_name=\"tiny\"} 0",
+        "vllm:kv_cache_usage_perc{model_name=\"tiny\"} 0",
+        "vllm:cache_config_info{model_name=\"tiny\",block_size=\"16\",num_gpu_blocks=\"256\"} 1",
+        "vllm:generation_tokens_total{model_name=\"tiny\"} 6",
+        "vllm:request_success_total{model_name=\"tiny\",finished_reason=\"length\"} 1",
+        "vllm:request_success_total{model_name=\"tiny\",finished_reason=\"stop\"} 0",
+        "vllm:time_to_first_token_seconds_bucket{le=\"+Inf\",model_name=\"tiny\"} 1",
+        "vllm:inter_token_latency_seconds_count{model_name=\"tiny\"} 5",
+        "vllm:e2e_request_latency_seconds_count{model_name=\"tiny\"} 1",
+        "# TYPE vllm:prefix_cache_hits_total counter",
     ] {
         assert!(text.contains(name), "missing `{name}` in:\n{text}");
     }
+    let prompt_tokens = body_prompt_tokens(&text);
+    assert!(
+        text.contains(&format!(
+            "vllm:prefix_cache_queries_total{{model_name=\"tiny\"}} {prompt_tokens}"
+        )),
+        "{text}"
+    );
+}
+
+/// The prompt tokens `corral_prompt_tokens_total` reports.
+fn body_prompt_tokens(text: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix("corral_prompt_tokens_total "))
+        .and_then(|v| v.parse().ok())
+        .expect("corral_prompt_tokens_total")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

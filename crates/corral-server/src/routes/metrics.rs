@@ -1,5 +1,6 @@
 //! `GET /metrics`: Prometheus text exposition of request counts, token counts, latency
-//! histograms, queue depth, running sequences, KV blocks and dispatches per token.
+//! histograms, queue depth, running sequences, KV blocks and dispatches per token, under
+//! Corral's names and (the ones routers and dashboards read) under vLLM's.
 
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
@@ -12,15 +13,156 @@ use corral_engine::metrics::Histogram;
 use crate::state::AppState;
 
 fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
+    labelled_histogram(out, name, help, h, "");
+}
+
+/// A histogram whose series carry `labels` (`key="value",...`, or empty) beside `le`.
+fn labelled_histogram(out: &mut String, name: &str, help: &str, h: &Histogram, labels: &str) {
     let (buckets, sum, count) = h.snapshot();
+    let (sep, set) = if labels.is_empty() {
+        ("", String::new())
+    } else {
+        (",", format!("{{{labels}}}"))
+    };
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
     for (bound, n) in buckets {
-        let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
+        let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"{sep}{labels}}} {n}");
     }
     let _ = writeln!(
         out,
-        "{name}_bucket{{le=\"+Inf\"}} {count}\n{name}_sum {sum}\n{name}_count {count}"
+        "{name}_bucket{{le=\"+Inf\"{sep}{labels}}} {count}\n{name}_sum{set} {sum}\n{name}_count{set} {count}"
     );
+}
+
+/// A gauge or counter whose one series carries `labels`.
+fn labelled(out: &mut String, name: &str, kind: &str, help: &str, labels: &str, value: f64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}"
+    );
+}
+
+/// A Prometheus label value: backslashes, quotes and newlines escaped.
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The metrics under vLLM's names and `model_name` label, which dashboards and the routers
+/// that balance vLLM fleets read (the Gateway API Inference Extension's model-server
+/// protocol: queued and running requests, KV-cache utilisation, the cache's block size and
+/// size).
+fn vllm_compatible(out: &mut String, state: &AppState) {
+    let m = state.engine.metrics();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    let model = format!(
+        "model_name=\"{}\"",
+        label_value(&state.config.served_model_name)
+    );
+    let total = load(&m.kv_blocks_total);
+    let usage = if total > 0.0 {
+        load(&m.kv_blocks_used) / total
+    } else {
+        0.0
+    };
+    let gauges: [(&str, &str, f64); 3] = [
+        (
+            "vllm:num_requests_running",
+            "Requests being generated.",
+            load(&m.running),
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "Requests waiting for admission.",
+            load(&m.queue_depth),
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV cache blocks held by requests (1 = full).",
+            usage,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        labelled(out, name, "gauge", help, &model, value);
+    }
+    labelled(
+        out,
+        "vllm:cache_config_info",
+        "gauge",
+        "The KV cache's block size and number of blocks.",
+        &format!(
+            "{model},block_size=\"{}\",num_gpu_blocks=\"{}\"",
+            state.engine.config().block_size,
+            total
+        ),
+        1.0,
+    );
+    let counters: [(&str, &str, f64); 5] = [
+        (
+            "vllm:prompt_tokens_total",
+            "Prompt tokens prefilled.",
+            load(&m.prompt_tokens),
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "Tokens generated.",
+            load(&m.generated_tokens),
+        ),
+        (
+            "vllm:num_preemptions_total",
+            "Requests preempted for KV blocks.",
+            load(&m.preemptions),
+        ),
+        (
+            "vllm:prefix_cache_queries_total",
+            "Prompt tokens of finished requests looked up in the prefix cache.",
+            load(&m.finished_prompt_tokens),
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "Prompt tokens of finished requests found in the prefix cache.",
+            load(&m.cached_prompt_tokens),
+        ),
+    ];
+    for (name, help, value) in counters {
+        labelled(out, name, "counter", help, &model, value);
+    }
+    let name = "vllm:request_success_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Finished requests by finish reason.\n# TYPE {name} counter"
+    );
+    for (reason, n) in [
+        ("stop", &m.finished_stop),
+        ("length", &m.finished_length),
+        ("abort", &m.finished_abort),
+    ] {
+        let _ = writeln!(
+            out,
+            "{name}{{{model},finished_reason=\"{reason}\"}} {}",
+            load(n)
+        );
+    }
+    for (name, help, h) in [
+        (
+            "vllm:time_to_first_token_seconds",
+            "Time from arrival to first token.",
+            &m.ttft,
+        ),
+        (
+            "vllm:inter_token_latency_seconds",
+            "Time between tokens of a request.",
+            &m.inter_token,
+        ),
+        (
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            &m.e2e,
+        ),
+    ] {
+        labelled_histogram(out, name, help, h, &model);
+    }
 }
 
 fn scalar(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
@@ -217,5 +359,17 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
         "Dispatches per token run through the model, since start.",
         per_token,
     );
+    vllm_compatible(&mut out, &state);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(label_value(r#"a"b\c"#), r#"a\"b\\c"#);
+        assert_eq!(label_value("x\ny"), "x\\ny");
+    }
 }
