@@ -1,7 +1,8 @@
 //! The server layer: an OpenAI-compatible HTTP API over the engine thread.
 //!
 //! [`router`] builds the axum router (testable without a socket): `POST /v1/chat/completions`,
-//! `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`. Bodies are read by
+//! `POST /v1/completions`, `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`,
+//! `GET /metrics`. Bodies are read by
 //! one extractor and validated into engine requests by `request.rs`; every failure is an
 //! [`ApiError`] rendered as OpenAI's error object. Generated text is split into content,
 //! reasoning and tool calls by `output.rs`. [`serve`] runs the router until a shutdown signal.
@@ -45,6 +46,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat::chat_completions))
         .route("/v1/completions", post(routes::completions::completions))
         .route("/v1/models", get(routes::models))
+        .route("/tokenize", post(routes::tokenize::tokenize))
+        .route("/detokenize", post(routes::tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             extract::require_api_key,

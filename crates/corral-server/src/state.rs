@@ -9,8 +9,10 @@ use corral_engine::{ChatTemplate, EngineHandle, Tokenizer};
 /// Limits and identity of the server.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// Name under which the model is listed and accepted in requests.
+    /// Name under which the model is listed, accepted in requests and named in responses.
     pub served_model_name: String,
+    /// Other names accepted in requests (and listed).
+    pub model_aliases: Vec<String>,
     /// Required bearer token, if any.
     pub api_key: Option<String>,
     /// Largest request body in bytes.

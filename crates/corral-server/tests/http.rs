@@ -54,6 +54,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
         )),
         config: Arc::new(ServerConfig {
             served_model_name: "tiny".to_string(),
+            model_aliases: vec!["tiny-alias".to_string()],
             api_key: api_key.map(str::to_string),
             max_body_bytes: 64 * 1024,
             max_context,
@@ -345,6 +346,98 @@ async fn disconnect_mid_stream_frees_blocks() {
     wait_for_zero_blocks(&s.engine).await;
     let (status, _, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
     assert_eq!(status, StatusCode::OK);
+}
+
+/// `/tokenize` turns text or a conversation into ids (the conversation exactly as a chat
+/// completion renders it: its prompt_tokens), `/detokenize` ids back into text; bad input is
+/// a 400 naming the field. A model alias is accepted and listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_detokenize_and_model_aliases() {
+    let s = server(None, 16, 512);
+    let text = "Hello, wörld";
+    let (status, body, _) = call(
+        &s.app,
+        post("/tokenize", json!({"prompt": text}).to_string()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        body["count"],
+        json!(body["tokens"].as_array().unwrap().len())
+    );
+    assert_eq!(body["max_model_len"], 512);
+    let (status, back, _) = call(
+        &s.app,
+        post("/detokenize", json!({"tokens": body["tokens"]}).to_string()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{back}");
+    assert_eq!(back["prompt"], text);
+    assert_eq!(back["content"], text);
+    // llama.cpp's field name.
+    let (_, again, _) = call(
+        &s.app,
+        post("/tokenize", json!({"content": text}).to_string()),
+    )
+    .await;
+    assert_eq!(again["tokens"], body["tokens"]);
+    // A conversation counts what a chat completion's prompt is.
+    let messages = json!([{"role": "user", "content": "Hello"}]);
+    let (_, chat, _) = call(
+        &s.app,
+        post(
+            "/tokenize",
+            json!({"messages": messages, "model": "tiny-alias"}).to_string(),
+        ),
+    )
+    .await;
+    let (status, done, _) = call(
+        &s.app,
+        post(
+            "/v1/chat/completions",
+            chat_body(json!({"messages": messages, "model": "tiny-alias"})),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{done}");
+    assert_eq!(chat["count"], done["usage"]["prompt_tokens"], "{chat}");
+    assert_eq!(done["model"], "tiny");
+    for (path, bad, field) in [
+        ("/tokenize", json!({}), "prompt"),
+        ("/tokenize", json!({"prompt": 5}), "prompt"),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "messages": messages}),
+            "prompt",
+        ),
+        ("/detokenize", json!({"tokens": [1, 999_999_999]}), "tokens"),
+        ("/detokenize", json!({"tokens": "1 2"}), "tokens"),
+    ] {
+        let (status, body, _) = call(&s.app, post(path, bad.to_string())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {bad}: {body}");
+        assert_eq!(body["error"]["param"], field, "{path} {bad}: {body}");
+    }
+    let (_, models, _) = call(
+        &s.app,
+        Request::get("/v1/models").body(Body::empty()).unwrap(),
+    )
+    .await;
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["tiny", "tiny-alias"]);
+    let (status, _, _) = call(
+        &s.app,
+        post(
+            "/tokenize",
+            json!({"prompt": "x", "model": "other"}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }
 
 /// Log output captured by a test's subscriber.

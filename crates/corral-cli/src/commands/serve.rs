@@ -45,9 +45,10 @@ pub(crate) struct ServeArgs {
     /// Longest sequence, prompt plus output (default: the model's, within the KV cache).
     #[arg(long, env = "CORRAL_MAX_CONTEXT")]
     max_context: Option<usize>,
-    /// Model name clients use (default: the checkpoint directory's name).
-    #[arg(long, env = "CORRAL_SERVED_MODEL_NAME")]
-    served_model_name: Option<String>,
+    /// Model names clients use, comma-separated: the first is named in responses, the others
+    /// are aliases (default: the checkpoint directory's name).
+    #[arg(long, env = "CORRAL_SERVED_MODEL_NAME", value_delimiter = ',')]
+    served_model_name: Vec<String>,
     /// Folder with tokenizer.json and tokenizer_config.json (default: the model's); needed
     /// with `--synthetic`.
     #[arg(long, env = "CORRAL_TOKENIZER")]
@@ -171,10 +172,16 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         defaults = %sampling.describe(),
         "sampling defaults for fields a request leaves out (generation_config.json, then --sampling-defaults)"
     );
-    let served_model_name = args.served_model_name.clone().unwrap_or_else(|| {
+    let mut names = args
+        .served_model_name
+        .iter()
+        .map(|n| n.trim().to_string())
+        .filter(|n| !n.is_empty());
+    let served_model_name = names.next().unwrap_or_else(|| {
         dir.file_name()
             .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
     });
+    let model_aliases: Vec<String> = names.collect();
     let (engine, engine_thread) = spawn_engine(
         model,
         EngineConfig {
@@ -202,6 +209,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         chat_template,
         config: Arc::new(ServerConfig {
             served_model_name: served_model_name.clone(),
+            model_aliases,
             api_key: args.api_key.clone(),
             max_body_bytes: args.max_body_bytes,
             max_context,

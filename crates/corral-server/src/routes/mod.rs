@@ -4,6 +4,7 @@ pub(crate) mod chat;
 pub(crate) mod completions;
 mod generation;
 pub(crate) mod metrics;
+pub(crate) mod tokenize;
 
 use axum::Json;
 use axum::extract::State;
@@ -12,28 +13,35 @@ use serde_json::{Value, json};
 use crate::error::ApiError;
 use crate::state::AppState;
 
-/// Accepts the served model name (or no name).
+/// Accepts the served model name, any of its aliases, or no name.
 pub(crate) fn check_model(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
     match requested {
-        Some(name) if name != state.config.served_model_name => {
+        Some(name)
+            if name != state.config.served_model_name
+                && !state.config.model_aliases.iter().any(|a| a == name) =>
+        {
             Err(ApiError::model_not_found(name))
         }
         _ => Ok(()),
     }
 }
 
-/// `GET /v1/models`.
+/// `GET /v1/models`: the served name, then its aliases.
 pub(crate) async fn models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.served_model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "corral",
-            "max_model_len": state.config.max_context,
-        }],
-    }))
+    let names = std::iter::once(&state.config.served_model_name).chain(&state.config.model_aliases);
+    let data: Vec<Value> = names
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "corral",
+                "root": state.config.served_model_name,
+                "max_model_len": state.config.max_context,
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 /// `GET /health`: 200 while the engine thread runs, 503 once it has stopped.
