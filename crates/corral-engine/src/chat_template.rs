@@ -1,6 +1,8 @@
 //! Rendering the checkpoint's own Jinja chat template (from `tokenizer_config.json` or
-//! `chat_template.jinja`) with minijinja, with Python string methods available as the
-//! templates expect. Template variables such as `enable_thinking` pass straight through.
+//! `chat_template.jinja`) with minijinja, set up as transformers sets up Jinja: blocks trimmed
+//! and stripped, Python string methods, `tojson` as Python's `json.dumps`, and maps in the
+//! order the request gave them. Template variables such as `enable_thinking` pass straight
+//! through.
 
 use std::path::Path;
 
@@ -105,15 +107,62 @@ fn raise_exception(message: String) -> Result<JinjaValue, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
+/// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)` (Jinja's own escapes `<>&'` and writes compact
+/// JSON, which is not the prompt the model was trained on).
+fn tojson(
+    value: JinjaValue,
+    indent: Option<JinjaValue>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<JinjaValue, Error> {
+    let bad = |what: &str| Error::new(ErrorKind::InvalidOperation, format!("tojson: {what}"));
+    let indent = match kwargs.get::<Option<JinjaValue>>("indent")?.or(indent) {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => Some(
+            usize::try_from(v.clone())
+                .map_err(|_| bad(&format!("indent must be a whole number, got {v}")))?,
+        ),
+    };
+    let mut style = crate::pyjson::PyJsonStyle::new(indent);
+    if let Some(separators) = kwargs.get::<Option<JinjaValue>>("separators")?
+        && !separators.is_none()
+    {
+        let parts: Vec<String> = separators
+            .try_iter()
+            .map_err(|_| bad("separators must be a pair of strings"))?
+            .map(|s| s.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("separators must be a pair of strings"))?;
+        let [item, key] = <[String; 2]>::try_from(parts)
+            .map_err(|_| bad("separators must be a pair of strings"))?;
+        style.item_separator = item;
+        style.key_separator = key;
+    }
+    style.sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    // ensure_ascii=True is not offered by the templates Corral runs; refuse it rather than
+    // write something else.
+    if kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false) {
+        return Err(bad("ensure_ascii=True is not supported"));
+    }
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value).map_err(|e| bad(&e.to_string()))?;
+    Ok(JinjaValue::from(crate::pyjson::dumps(&json, &style)))
+}
+
 impl ChatTemplate {
     /// Compiles the template of a [`TokenizerConfig`].
     pub fn new(config: &TokenizerConfig) -> Result<Self, EngineError> {
         let source = config.chat_template.clone().ok_or_else(|| {
             EngineError::ChatTemplate("the checkpoint has no chat template".to_string())
         })?;
+        // The environment transformers renders chat templates in.
         let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
         Ok(Self {
@@ -184,6 +233,63 @@ mod tests {
         kwargs.insert("enable_thinking".to_string(), json!(false));
         let out = t.render(&msgs, None, true, &kwargs).unwrap();
         assert!(out.ends_with("<think>\n\n</think>\n\n"), "{out:?}");
+    }
+
+    /// A template in the shape of Qwen's tool sections, rendered as transformers renders it
+    /// (the expected text is what jinja2 3.1 wrote with transformers' environment and
+    /// `tojson`): blocks trimmed and stripped, tool schemas as `json.dumps` writes them with
+    /// `<>&` and non-ASCII as they are and keys in the request's order, `arguments|items`.
+    #[test]
+    fn renders_as_transformers_does() {
+        let source = r##"{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools><|im_end|>\n" }}
+{%- endif %}
+{% for message in messages %}
+    {% if message.role == "user" %}
+<|im_start|>user
+{{ message.content }}<|im_end|>
+    {% elif message.role == "assistant" %}
+<|im_start|>assistant
+{% for call in message.tool_calls %}
+<tool_call>
+<function={{ call.function.name }}>
+{% for name, value in call.function.arguments|items %}
+<parameter={{ name }}>
+{{ value if value is string else value | tojson }}
+</parameter>
+{% endfor %}
+</function>
+</tool_call>
+{% endfor %}
+<|im_end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"##;
+        let context: Value = serde_json::from_str(r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wetter in Köln?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Köln", "days": 2, "units": {"temp": "C", "wind": "km/h"}}}}]}], "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "object"}}, "required": ["city"]}}}], "add_generation_prompt": true}"#).unwrap();
+        let t = ChatTemplate::new(&TokenizerConfig {
+            chat_template: Some(source.to_string()),
+            ..TokenizerConfig::default()
+        })
+        .unwrap();
+        let messages = context["messages"].as_array().unwrap();
+        let tools = context["tools"].as_array().unwrap();
+        let out = t.render(messages, Some(tools), true, &Map::new()).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.\n\n# Tools\n\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Weather <now> & later\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"days\": {\"type\": \"integer\"}, \"units\": {\"type\": \"object\"}}, \"required\": [\"city\"]}}}\n</tools><|im_end|>\n<|im_start|>user\nWetter in Köln?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nKöln\n</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=units>\n{\"temp\": \"C\", \"wind\": \"km/h\"}\n</parameter>\n</function>\n</tool_call>\n<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod error;
 mod generation_config;
 pub mod kv;
 pub mod metrics;
+mod pyjson;
 mod request;
 mod sampler;
 mod scheduler;

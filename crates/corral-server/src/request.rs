@@ -362,6 +362,20 @@ fn message_text(content: &Value, index: usize) -> Result<Value, ApiError> {
     }
 }
 
+/// A tool call's `arguments` sent back as a JSON string (as OpenAI returns them) becomes the
+/// object it holds, which templates iterate (`arguments|items`); a string that is not a JSON
+/// object is left as it is.
+fn parse_arguments(call: &mut Value) {
+    let Some(Value::Object(function)) = call.get_mut("function") else {
+        return;
+    };
+    if let Some(Value::String(text)) = function.get("arguments")
+        && let Ok(Value::Object(object)) = serde_json::from_str::<Value>(text)
+    {
+        function.insert("arguments".to_string(), Value::Object(object));
+    }
+}
+
 /// Validates a `/v1/chat/completions` body.
 pub(crate) fn chat(
     body: &Map<String, Value>,
@@ -411,6 +425,9 @@ pub(crate) fn chat(
             ));
         }
         m.insert("content".to_string(), message_text(&content, i)?);
+        if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
+            calls.iter_mut().for_each(parse_arguments);
+        }
         normalized.push(Value::Object(m));
     }
     let tool_choice_none = matches!(body.get("tool_choice"), Some(Value::String(s)) if s == "none");
@@ -593,6 +610,27 @@ mod tests {
         .settings
         .params;
         assert_eq!((p.temperature, p.top_p, p.top_k), (1.0, 1.0, 0));
+    }
+
+    /// Tool-call arguments sent back as JSON strings become objects, in their key order; a
+    /// string that is not a JSON object stays a string.
+    #[test]
+    fn tool_call_arguments_strings_become_objects() {
+        let call = |arguments: &str| json!({"type": "function", "function": {"name": "f", "arguments": arguments}});
+        let body = json!({"messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                call(r#"{"zeta": 1, "alpha": {"b": 2, "a": 3}}"#), call("not json"), call("[1]"),
+            ]},
+        ]});
+        let r = chat(&obj(body), &SamplingDefaults::default()).unwrap();
+        let calls = &r.messages[1]["tool_calls"];
+        let first = &calls[0]["function"]["arguments"];
+        assert_eq!(first, &json!({"zeta": 1, "alpha": {"b": 2, "a": 3}}));
+        let keys: Vec<&String> = first.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["zeta", "alpha"], "the client's key order is kept");
+        assert_eq!(calls[1]["function"]["arguments"], "not json");
+        assert_eq!(calls[2]["function"]["arguments"], "[1]");
     }
 
     #[test]
