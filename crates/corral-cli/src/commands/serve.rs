@@ -56,6 +56,9 @@ pub(crate) struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, env = "CORRAL_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// A Jinja chat template file to use instead of the model's.
+    #[arg(long, env = "CORRAL_CHAT_TEMPLATE")]
+    chat_template: Option<std::path::PathBuf>,
     /// Sampling values for the fields a request leaves out, over the model's
     /// generation_config.json: `temperature=0.7,top_p=0.8,top_k=20,min_p=0,repetition_penalty=1`.
     #[arg(long, env = "CORRAL_SAMPLING_DEFAULTS")]
@@ -125,8 +128,15 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         bail!("serve needs --model DIR (with tokenizer.json), or --tokenizer DIR with --synthetic");
     };
     let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
-    let chat_template = match ChatTemplate::new(&TokenizerConfig::from_dir(&dir)?) {
+    let mut template_config = TokenizerConfig::from_dir(&dir)?;
+    if let Some(path) = &args.chat_template {
+        let source = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the chat template {}", path.display()))?;
+        template_config.chat_template = Some(source);
+    }
+    let chat_template = match ChatTemplate::new(&template_config) {
         Ok(t) => Some(Arc::new(t)),
+        Err(e) if args.chat_template.is_some() => bail!("--chat-template: {e}"),
         Err(e) => {
             tracing::warn!("{e}: /v1/chat/completions is unavailable");
             None
