@@ -425,6 +425,13 @@ pub(crate) fn chat(
             ));
         }
         m.insert("content".to_string(), message_text(&content, i)?);
+        // Earlier reasoning comes back as `reasoning_content` or `reasoning`; the templates
+        // read the former.
+        if !m.contains_key("reasoning_content")
+            && let Some(reasoning) = m.remove("reasoning")
+        {
+            m.insert("reasoning_content".to_string(), reasoning);
+        }
         if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
             calls.iter_mut().for_each(parse_arguments);
         }
@@ -451,11 +458,28 @@ pub(crate) fn chat(
         }
         Some(other) => return Err(Fields::wrong("tools", "an array", other)),
     };
-    let template_kwargs = match body.get("chat_template_kwargs") {
+    let mut template_kwargs = match body.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(o)) => o.clone(),
         Some(other) => return Err(Fields::wrong("chat_template_kwargs", "an object", other)),
     };
+    // OpenAI's reasoning_effort "none" turns thinking off (unless the template kwargs say).
+    match Fields(body).string("reasoning_effort")?.as_deref() {
+        None | Some("minimal" | "low" | "medium" | "high") => {}
+        Some("none") => {
+            template_kwargs
+                .entry("enable_thinking")
+                .or_insert(Value::Bool(false));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                format!(
+                    "`reasoning_effort` must be none, minimal, low, medium or high, got `{other}`"
+                ),
+            ));
+        }
+    }
     Ok(ChatRequest {
         settings,
         messages: normalized,
@@ -631,6 +655,43 @@ mod tests {
         assert_eq!(keys, ["zeta", "alpha"], "the client's key order is kept");
         assert_eq!(calls[1]["function"]["arguments"], "not json");
         assert_eq!(calls[2]["function"]["arguments"], "[1]");
+    }
+
+    /// `reasoning_effort: "none"` turns thinking off unless `chat_template_kwargs` says
+    /// otherwise; an assistant message's `reasoning` reaches the template as
+    /// `reasoning_content`.
+    #[test]
+    fn reasoning_fields_in() {
+        let messages = json!([
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y", "reasoning": "because"},
+        ]);
+        let d = SamplingDefaults::default();
+        let r = chat(
+            &obj(json!({"messages": messages, "reasoning_effort": "none"})),
+            &d,
+        )
+        .unwrap();
+        assert_eq!(r.template_kwargs["enable_thinking"], false);
+        assert_eq!(r.messages[1]["reasoning_content"], "because");
+        assert!(r.messages[1].get("reasoning").is_none());
+        let kept = json!({"messages": messages, "reasoning_effort": "none",
+            "chat_template_kwargs": {"enable_thinking": true}});
+        assert_eq!(
+            chat(&obj(kept), &d).unwrap().template_kwargs["enable_thinking"],
+            true
+        );
+        let high = chat(
+            &obj(json!({"messages": messages, "reasoning_effort": "high"})),
+            &d,
+        )
+        .unwrap();
+        assert!(high.template_kwargs.get("enable_thinking").is_none());
+        let bad = chat(
+            &obj(json!({"messages": messages, "reasoning_effort": "max"})),
+            &d,
+        );
+        assert_eq!(bad.unwrap_err().param.as_deref(), Some("reasoning_effort"));
     }
 
     #[test]

@@ -125,7 +125,9 @@ async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
                 add(deltas, &mut tool_calls);
                 let mut message = json!({"role": "assistant", "content": content});
                 if !reasoning.is_empty() {
+                    // Both names clients read (vLLM's older and newer).
                     message["reasoning_content"] = json!(reasoning);
+                    message["reasoning"] = json!(reasoning);
                 }
                 if !tool_calls.is_empty() {
                     for call in &mut tool_calls {
@@ -206,6 +208,7 @@ impl StreamState {
         }
         if !reasoning.is_empty() {
             delta.insert("reasoning_content".into(), json!(reasoning));
+            delta.insert("reasoning".into(), json!(reasoning));
         }
         if !calls.is_empty() {
             delta.insert("tool_calls".into(), json!(calls));
@@ -321,4 +324,20 @@ fn stream(
         }
     });
     Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reply's reasoning comes back under both names clients read.
+    #[tokio::test(flavor = "current_thread")]
+    async fn reasoning_is_returned_as_reasoning_content_and_reasoning() {
+        let g = Generation::fed("<think>plan it</think>The answer.", "");
+        let body = complete(g, "tiny".to_string()).await.unwrap();
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["reasoning_content"], "plan it", "{body}");
+        assert_eq!(message["reasoning"], "plan it", "{body}");
+        assert_eq!(message["content"], "The answer.", "{body}");
+    }
 }

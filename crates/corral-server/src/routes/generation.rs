@@ -287,16 +287,16 @@ pub(crate) fn response_id(prefix: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A generation fed `text` token by token, parsing tool calls and cutting at `stop`.
-    fn finish_reason_of(text: &str, stop: &str) -> &'static str {
+impl Generation {
+    /// A generation fed `text` token by token by the demo model's tokenizer, then finished on
+    /// a stop token; it parses tool calls and cuts at `stop`.
+    pub(crate) fn fed(text: &str, stop: &str) -> Self {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../models/tiny-qwen3-moe/tokenizer.json");
         let tokenizer = Arc::new(Tokenizer::from_file(&path).unwrap());
         let (tx, rx) = unbounded_channel();
-        for id in tokenizer.encode(text).unwrap() {
+        let ids = tokenizer.encode(text).unwrap();
+        for &id in &ids {
             let token = TokenEvent {
                 id,
                 cached_prompt_tokens: 0,
@@ -305,13 +305,30 @@ mod tests {
             };
             tx.send(Event::Token(token)).unwrap();
         }
-        let mut g = Generation {
+        tx.send(Event::Finished(corral_engine::Finished {
+            reason: FinishReason::Stop,
+            prompt_tokens: 1,
+            completion_tokens: ids.len(),
+            cached_tokens: 0,
+            prompt_ms: 0.0,
+            decode_ms: 0.0,
+            prefill_stats: Default::default(),
+            decode_steps: 0,
+            decode_stats: Default::default(),
+        }))
+        .unwrap();
+        let stops = if stop.is_empty() {
+            Vec::new()
+        } else {
+            vec![stop.to_string()]
+        };
+        Generation {
             id: "test".to_string(),
             model: "tiny".to_string(),
             rx,
             tokenizer,
             decoder: IncrementalDecoder::default(),
-            parser: OutputParser::new(false, vec![stop.to_string()], true),
+            parser: OutputParser::new(false, stops, true),
             prompt_tokens: 1,
             cached_tokens: 0,
             completion_tokens: 0,
@@ -319,7 +336,17 @@ mod tests {
             first_token: None,
             finished: false,
             clamped_to: None,
-        };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stop string's finish reason for a generation fed `text`.
+    fn finish_reason_of(text: &str, stop: &str) -> &'static str {
+        let mut g = Generation::fed(text, stop);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
