@@ -76,8 +76,15 @@ impl Tokenizer {
 
     /// Text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.decode_with(ids, false)
+    }
+
+    /// Text of `ids`, without the vocabulary's special tokens (`<|im_start|>`,
+    /// `<|endoftext|>`; not `<think>` or `<tool_call>`, which are plain added tokens) when
+    /// `skip_special`.
+    pub fn decode_with(&self, ids: &[u32], skip_special: bool) -> Result<String, EngineError> {
         self.inner
-            .decode(ids, false)
+            .decode(ids, skip_special)
             .map_err(|e| EngineError::Tokenize(e.to_string()))
     }
 
@@ -110,14 +117,29 @@ pub struct IncrementalDecoder {
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
+    /// Whether special tokens stay in the text.
+    keep_special: bool,
 }
 
 impl IncrementalDecoder {
+    /// A decoder that drops special tokens from the text (as clients expect), or keeps
+    /// them (`skip_special_tokens: false`).
+    pub fn new(skip_special: bool) -> Self {
+        Self {
+            keep_special: !skip_special,
+            ..Self::default()
+        }
+    }
+
+    fn text(&self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<String, EngineError> {
+        tokenizer.decode_with(ids, !self.keep_special)
+    }
+
     /// Adds `id`; returns the text it completes, if any.
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>, EngineError> {
         self.ids.push(id);
-        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
-        let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        let prefix = self.text(tokenizer, &self.ids[self.prefix_offset..self.read_offset])?;
+        let full = self.text(tokenizer, &self.ids[self.prefix_offset..])?;
         if full.len() > prefix.len()
             && !full.ends_with('\u{FFFD}')
             && full.is_char_boundary(prefix.len())
@@ -131,8 +153,8 @@ impl IncrementalDecoder {
 
     /// Whatever text is still held back at the end of generation.
     pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>, EngineError> {
-        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
-        let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        let prefix = self.text(tokenizer, &self.ids[self.prefix_offset..self.read_offset])?;
+        let full = self.text(tokenizer, &self.ids[self.prefix_offset..])?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {
@@ -150,6 +172,27 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../models/tiny-qwen3-moe/tokenizer.json");
         Tokenizer::from_file(&path).unwrap()
+    }
+
+    /// Generated special tokens leave the text unless asked for; `<think>` stays.
+    #[test]
+    fn special_tokens_are_skipped_unless_kept() {
+        let t = tokenizer();
+        let ids = t
+            .encode("<think>a</think>b<|im_start|>c<|endoftext|>")
+            .unwrap();
+        for (skip, expected) in [
+            (true, "<think>a</think>bc"),
+            (false, "<think>a</think>b<|im_start|>c<|endoftext|>"),
+        ] {
+            let mut d = IncrementalDecoder::new(skip);
+            let mut text = String::new();
+            for &id in &ids {
+                text.extend(d.push(&t, id).unwrap());
+            }
+            text.extend(d.finish(&t).unwrap());
+            assert_eq!(text, expected, "skip {skip}");
+        }
     }
 
     /// Each token's bytes, concatenated, are the text's UTF-8 bytes, also where a token holds

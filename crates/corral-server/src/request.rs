@@ -26,6 +26,9 @@ pub(crate) struct Settings {
     pub(crate) top_logprobs: Option<usize>,
     /// The client's session id: an `X-Session-Id` header, else the `user` field.
     pub(crate) session: Option<String>,
+    /// Drop special tokens (`<|im_start|>`, ...) from the text (vLLM's
+    /// `skip_special_tokens`, default true).
+    pub(crate) skip_special_tokens: bool,
 }
 
 /// Longest session id accepted, in bytes.
@@ -320,6 +323,7 @@ fn settings(
         include_usage,
         top_logprobs,
         session,
+        skip_special_tokens: f.boolean("skip_special_tokens")?.unwrap_or(true),
     })
 }
 
@@ -692,6 +696,24 @@ mod tests {
             &d,
         );
         assert_eq!(bad.unwrap_err().param.as_deref(), Some("reasoning_effort"));
+    }
+
+    #[test]
+    fn skip_special_tokens_defaults_to_true() {
+        let d = SamplingDefaults::default();
+        let messages = json!([{"role": "user", "content": "x"}]);
+        let with = |extra: Value| {
+            let mut body = json!({"messages": messages});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat(&obj(body), &d)
+        };
+        assert!(with(json!({})).unwrap().settings.skip_special_tokens);
+        let kept = with(json!({"skip_special_tokens": false})).unwrap();
+        assert!(!kept.settings.skip_special_tokens);
+        let bad = with(json!({"skip_special_tokens": "no"})).unwrap_err();
+        assert_eq!(bad.param.as_deref(), Some("skip_special_tokens"));
     }
 
     #[test]

@@ -132,7 +132,7 @@ impl Generation {
             model: state.config.served_model_name.clone(),
             rx,
             tokenizer: Arc::clone(&state.tokenizer),
-            decoder: IncrementalDecoder::default(),
+            decoder: IncrementalDecoder::new(settings.skip_special_tokens),
             parser,
             prompt_tokens,
             cached_tokens: 0,
