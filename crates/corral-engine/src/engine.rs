@@ -48,6 +48,8 @@ pub struct EngineConfig {
     /// How long a request's session id (`X-Session-Id`, or `user`) keeps its prefix from
     /// eviction after its turn; zero for not at all.
     pub session_pin: std::time::Duration,
+    /// How often a throughput line is logged while there is work; zero for never.
+    pub throughput_log_interval: std::time::Duration,
 }
 
 enum Command {
@@ -169,11 +171,21 @@ pub fn spawn_engine(
     ));
     metrics.engine_alive.store(true, Ordering::Relaxed);
     let thread_metrics = Arc::clone(&metrics);
+    let config_interval = config.throughput_log_interval;
     let thread = std::thread::Builder::new()
         .name("corral-engine".to_string())
         .spawn(move || {
             let _alive = AliveFlag(&thread_metrics);
-            run(model, (cache, state), scheduler, spill, rx, &thread_metrics);
+            let log = ThroughputLog::new(config_interval);
+            run(
+                model,
+                (cache, state),
+                scheduler,
+                spill,
+                rx,
+                &thread_metrics,
+                log,
+            );
         })
         .map_err(|source| EngineError::Io {
             path: "engine thread".into(),
@@ -206,6 +218,7 @@ fn run(
     mut spill: Option<crate::SpillDir>,
     commands: Receiver<Command>,
     metrics: &EngineMetrics,
+    mut log: ThroughputLog,
 ) {
     let vocab = model.config().vocab_size;
     let mut logits = Vec::new();
@@ -224,6 +237,7 @@ fn run(
             if !receive(&mut scheduler, command) {
                 return;
             }
+            log.restart(metrics);
         }
         loop {
             match commands.try_recv() {
@@ -335,7 +349,77 @@ fn run(
             }
         }
         update_gauges(&scheduler, metrics);
+        log.tick(metrics);
     }
+}
+
+/// A throughput line every `interval` while the engine works (as vLLM logs one): prompt and
+/// generation tokens per second since the last line, running and waiting requests, KV use.
+struct ThroughputLog {
+    interval: std::time::Duration,
+    last: std::time::Instant,
+    tokens: (u64, u64),
+}
+
+impl ThroughputLog {
+    fn new(interval: std::time::Duration) -> Self {
+        Self {
+            interval,
+            last: std::time::Instant::now(),
+            tokens: (0, 0),
+        }
+    }
+
+    /// Starts measuring afresh (work arrived after idling: the idle time is not averaged in).
+    fn restart(&mut self, metrics: &EngineMetrics) {
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        self.tokens = (
+            load(&metrics.prompt_tokens),
+            load(&metrics.generated_tokens),
+        );
+        self.last = std::time::Instant::now();
+    }
+
+    fn tick(&mut self, metrics: &EngineMetrics) {
+        let elapsed = self.last.elapsed();
+        if self.interval.is_zero() || elapsed < self.interval {
+            return;
+        }
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let now = (
+            load(&metrics.prompt_tokens),
+            load(&metrics.generated_tokens),
+        );
+        if let Some(line) = throughput_line(self.tokens, now, elapsed.as_secs_f64(), metrics) {
+            tracing::info!("{line}");
+        }
+        self.tokens = now;
+        self.last = std::time::Instant::now();
+    }
+}
+
+/// The throughput line for token counters going from `before` to `now` over `seconds`;
+/// `None` when nothing ran.
+fn throughput_line(
+    before: (u64, u64),
+    now: (u64, u64),
+    seconds: f64,
+    metrics: &EngineMetrics,
+) -> Option<String> {
+    let (prompt, generated) = (now.0 - before.0, now.1 - before.1);
+    if prompt == 0 && generated == 0 {
+        return None;
+    }
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let total = load(&metrics.kv_blocks_total).max(1);
+    Some(format!(
+        "throughput: prompt {:.1} tok/s, generation {:.1} tok/s, {} running, {} waiting, KV cache {:.1}% used",
+        prompt as f64 / seconds.max(1e-9),
+        generated as f64 / seconds.max(1e-9),
+        load(&metrics.running),
+        load(&metrics.queue_depth),
+        100.0 * load(&metrics.kv_blocks_used) as f64 / total as f64,
+    ))
 }
 
 /// What a cached block saves, from the model's shape: 2 FLOPs per active parameter a token
@@ -671,6 +755,20 @@ mod tests {
             handle.submit(request()),
             Err(SubmitError::QueueFull(10))
         ));
+    }
+
+    #[test]
+    fn the_throughput_line_gives_rates_and_gauges() {
+        let m = EngineMetrics::default();
+        m.kv_blocks_total.store(200, Ordering::Relaxed);
+        m.kv_blocks_used.store(50, Ordering::Relaxed);
+        m.running.store(3, Ordering::Relaxed);
+        m.queue_depth.store(1, Ordering::Relaxed);
+        assert_eq!(throughput_line((10, 10), (10, 10), 10.0, &m), None);
+        assert_eq!(
+            throughput_line((10, 10), (1010, 260), 10.0, &m).unwrap(),
+            "throughput: prompt 100.0 tok/s, generation 25.0 tok/s, 3 running, 1 waiting, KV cache 25.0% used"
+        );
     }
 
     /// The engine thread's liveness flag clears when the thread unwinds, not only when it

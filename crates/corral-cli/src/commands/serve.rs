@@ -211,6 +211,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 .as_ref()
                 .map_or_else(String::new, |_| model_identity(&args.model)),
             session_pin: std::time::Duration::from_secs(args.session_pin_seconds),
+            throughput_log_interval: std::time::Duration::from_secs(10),
         },
     )?;
     let state = AppState {
