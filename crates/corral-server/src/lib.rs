@@ -37,6 +37,60 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
     response
 }
 
+/// CORS for the origins `--allowed-origins` names: a preflight (`OPTIONS` with an
+/// `Origin`) from one of them is answered here, before the API key is asked for, and other
+/// responses to them carry `Access-Control-Allow-Origin`. Other origins get no CORS headers,
+/// so browsers keep them out.
+async fn cors(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    use axum::http::{HeaderValue, Method, StatusCode, header};
+    let allowed = &state.config.allowed_origins;
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|o| o.to_str().ok())
+        .map(str::to_string);
+    let allow = origin.as_deref().and_then(|o| {
+        if allowed.iter().any(|a| a == "*") {
+            Some("*".to_string())
+        } else {
+            allowed.iter().any(|a| a == o).then(|| o.to_string())
+        }
+    });
+    let Some(allow) = allow.and_then(|a| HeaderValue::from_str(&a).ok()) else {
+        return next.run(req).await;
+    };
+    let preflight = req.method() == Method::OPTIONS
+        && req
+            .headers()
+            .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    let mut response = if preflight {
+        let mut r = Response::new(axum::body::Body::empty());
+        *r.status_mut() = StatusCode::NO_CONTENT;
+        let h = r.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static(
+                "authorization, content-type, x-api-key, x-session-id, anthropic-version",
+            ),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("600"),
+        );
+        r
+    } else {
+        next.run(req).await
+    };
+    let h = response.headers_mut();
+    h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, allow);
+    h.append(header::VARY, HeaderValue::from_static("Origin"));
+    response
+}
+
 /// The API's router. Responses are counted per matched route (route layers see the route);
 /// paths that match nothing are plain 404s and not counted, so clients cannot grow the
 /// metrics with made-up paths.
@@ -61,6 +115,7 @@ pub fn router(state: AppState) -> Router {
         .merge(api)
         .merge(service)
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), cors))
         .with_state(state)
 }
 

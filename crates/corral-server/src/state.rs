@@ -23,6 +23,8 @@ pub struct ServerConfig {
     pub vocab_size: usize,
     /// Ids that end generation.
     pub stop_token_ids: Vec<u32>,
+    /// Browser origins allowed to call the API (CORS), `*` for any; empty for none.
+    pub allowed_origins: Vec<String>,
     /// Sampling values for the fields a request leaves out.
     pub sampling_defaults: corral_engine::SamplingDefaults,
 }

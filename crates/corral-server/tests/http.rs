@@ -61,6 +61,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             vocab_size: config.vocab_size,
             stop_token_ids: stop_token_ids(&dir, &config.eos_token_ids).unwrap(),
             sampling_defaults: Default::default(),
+            allowed_origins: vec!["https://app.example".to_string()],
         }),
         requests: Arc::new(RequestCounts::default()),
         created: 0,
@@ -438,6 +439,56 @@ async fn tokenize_detokenize_and_model_aliases() {
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+/// CORS for the allowed origin only: its preflight is answered without the API key, its
+/// responses carry the allow header; another origin gets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_answers_the_allowed_origin_only() {
+    let s = server(Some("sekrit"), 16, 512);
+    let preflight = |origin: &str| {
+        Request::builder()
+            .method("OPTIONS")
+            .uri("/v1/chat/completions")
+            .header(header::ORIGIN, origin)
+            .header(header::ACCESS_CONTROL_REQUEST_METHOD, "POST")
+            .header(
+                header::ACCESS_CONTROL_REQUEST_HEADERS,
+                "authorization, content-type",
+            )
+            .body(Body::empty())
+            .unwrap()
+    };
+    let (status, _, headers) = call(&s.app, preflight("https://app.example")).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert_eq!(
+        headers[header::ACCESS_CONTROL_ALLOW_ORIGIN],
+        "https://app.example"
+    );
+    assert!(
+        headers[header::ACCESS_CONTROL_ALLOW_HEADERS]
+            .to_str()
+            .unwrap()
+            .contains("authorization")
+    );
+    let (status, _, headers) = call(&s.app, preflight("https://evil.example")).await;
+    assert_ne!(status, StatusCode::NO_CONTENT);
+    assert!(headers.get(header::ACCESS_CONTROL_ALLOW_ORIGIN).is_none());
+    let get = |origin: &str| {
+        Request::get("/v1/models")
+            .header(header::ORIGIN, origin)
+            .header(header::AUTHORIZATION, "Bearer sekrit")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let (status, _, headers) = call(&s.app, get("https://app.example")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        headers[header::ACCESS_CONTROL_ALLOW_ORIGIN],
+        "https://app.example"
+    );
+    let (_, _, headers) = call(&s.app, get("https://evil.example")).await;
+    assert!(headers.get(header::ACCESS_CONTROL_ALLOW_ORIGIN).is_none());
 }
 
 /// Log output captured by a test's subscriber.

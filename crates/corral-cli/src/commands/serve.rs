@@ -56,6 +56,9 @@ pub(crate) struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, env = "CORRAL_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Browser origins allowed to call the API (CORS), comma-separated; `*` for any.
+    #[arg(long, env = "CORRAL_ALLOWED_ORIGINS", value_delimiter = ',')]
+    allowed_origins: Vec<String>,
     /// A Jinja chat template file to use instead of the model's.
     #[arg(long, env = "CORRAL_CHAT_TEMPLATE")]
     chat_template: Option<std::path::PathBuf>,
@@ -227,6 +230,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             vocab_size: config.vocab_size,
             stop_token_ids: stop_ids,
             sampling_defaults: sampling,
+            allowed_origins: args.allowed_origins.clone(),
         }),
         requests: Arc::new(RequestCounts::default()),
         created: std::time::SystemTime::now()
