@@ -1,10 +1,14 @@
 //! Splitting generated text into what the OpenAI API returns: `content`, `reasoning_content`
-//! (text inside `<think>…</think>`) and `tool_calls` (Qwen's `<tool_call>{json}</tool_call>`),
-//! and cutting it at the first stop string. Text that may be the start of a tag or of a stop
+//! (text inside `<think>…</think>`) and `tool_calls` in both of Qwen's forms (Qwen3's
+//! `<tool_call>{json}</tool_call>`, and Qwen3.5's and Qwen3-Coder's
+//! `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`, its
+//! values typed by the tool's JSON schema), and cutting it at the first stop string. Text that may be the start of a tag or of a stop
 //! string is held back until the next piece settles it, so streamed deltas never leak half a
 //! tag.
 
-use serde_json::Value;
+use std::collections::HashMap;
+
+use serde_json::{Map, Value};
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
@@ -44,6 +48,8 @@ pub struct OutputParser {
     parse_tools: bool,
     stopped: bool,
     tool_calls: usize,
+    /// Each tool's parameter types (`"integer"`, `"object"`, ...) by tool and parameter name.
+    schemas: HashMap<String, HashMap<String, String>>,
 }
 
 impl OutputParser {
@@ -61,7 +67,29 @@ impl OutputParser {
             parse_tools,
             stopped: false,
             tool_calls: 0,
+            schemas: HashMap::new(),
         }
+    }
+
+    /// The request's tools (OpenAI's `{"type": "function", "function": {"name", "parameters"}}`),
+    /// whose parameter types type the values of XML-form calls.
+    pub fn with_tool_schemas(mut self, tools: &[Value]) -> Self {
+        for tool in tools {
+            let function = tool.get("function").unwrap_or(tool);
+            let Some(name) = function.get("name").and_then(Value::as_str) else {
+                continue;
+            };
+            let properties = function
+                .pointer("/parameters/properties")
+                .and_then(Value::as_object);
+            let types = properties
+                .into_iter()
+                .flatten()
+                .filter_map(|(param, schema)| Some((param.clone(), schema_type(schema)?)))
+                .collect();
+            self.schemas.insert(name.to_string(), types);
+        }
+        self
     }
 
     /// A parser that only cuts at stop strings (text completions).
@@ -128,17 +156,24 @@ impl OutputParser {
                     // Stop strings apply to the reasoning text too, as to all generated text.
                     let stops: Vec<String> = self.stops.clone();
                     let mut markers: Vec<(&str, usize)> = vec![(THINK_CLOSE, 0)];
+                    // A tool call ends the reasoning (models call tools before `</think>`).
+                    if self.parse_tools {
+                        markers.push((TOOL_OPEN, 1));
+                    }
                     markers.extend(stops.iter().map(|s| (s.as_str(), 2)));
                     match earliest(&self.buffer, &markers) {
                         Some((at, len, kind)) => {
                             emit(&mut out, Delta::Reasoning(self.buffer[..at].to_string()));
                             self.buffer.drain(..at + len);
-                            if kind == 2 {
-                                self.stopped = true;
-                                self.buffer.clear();
-                                return out;
+                            match kind {
+                                0 => self.mode = Mode::Content,
+                                1 => self.mode = Mode::ToolCall,
+                                _ => {
+                                    self.stopped = true;
+                                    self.buffer.clear();
+                                    return out;
+                                }
                             }
-                            self.mode = Mode::Content;
                         }
                         None => {
                             let keep = held_back(&self.buffer, &markers);
@@ -154,15 +189,20 @@ impl OutputParser {
                         let inner = self.buffer[..at].to_string();
                         self.buffer.drain(..at + TOOL_CLOSE.len());
                         self.mode = Mode::Content;
-                        match parse_tool_call(&inner) {
+                        match parse_tool_call(&inner, &self.schemas) {
                             Some(call) => {
                                 self.tool_calls += 1;
                                 out.push(call);
                             }
-                            None => emit(
-                                &mut out,
-                                Delta::Content(format!("{TOOL_OPEN}{inner}{TOOL_CLOSE}")),
-                            ),
+                            None => {
+                                tracing::warn!(
+                                    "a tool call the model wrote could not be parsed; it is returned as content"
+                                );
+                                emit(
+                                    &mut out,
+                                    Delta::Content(format!("{TOOL_OPEN}{inner}{TOOL_CLOSE}")),
+                                )
+                            }
                         }
                     }
                     None => return out,
@@ -218,9 +258,29 @@ fn held_back(text: &str, markers: &[(&str, usize)]) -> usize {
     keep
 }
 
-/// `{"name": ..., "arguments": {...}}` → a tool call with arguments as a JSON string.
-fn parse_tool_call(inner: &str) -> Option<Delta> {
-    let value: Value = serde_json::from_str(inner.trim()).ok()?;
+/// The type a parameter's JSON schema names (the first that is not `null` of a list).
+fn schema_type(schema: &Value) -> Option<String> {
+    match schema.get("type")? {
+        Value::String(t) => Some(t.clone()),
+        Value::Array(types) => types
+            .iter()
+            .filter_map(Value::as_str)
+            .find(|t| *t != "null")
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+/// A tool call's inside, in either form, as a call with its arguments as a JSON string.
+fn parse_tool_call(
+    inner: &str,
+    schemas: &HashMap<String, HashMap<String, String>>,
+) -> Option<Delta> {
+    let inner = inner.trim();
+    if inner.starts_with("<function=") {
+        return parse_xml_call(inner, schemas);
+    }
+    let value: Value = serde_json::from_str(inner).ok()?;
     let name = value.get("name")?.as_str()?.to_string();
     let arguments = match value.get("arguments") {
         None | Some(Value::Null) => "{}".to_string(),
@@ -228,6 +288,61 @@ fn parse_tool_call(inner: &str) -> Option<Delta> {
         Some(other) => other.to_string(),
     };
     Some(Delta::ToolCall { name, arguments })
+}
+
+/// `<function=NAME>` then `<parameter=KEY>VALUE</parameter>`s then `</function>`: each value
+/// without the newline on either side, typed by the tool's schema (a string where the schema
+/// says so or says nothing).
+fn parse_xml_call(
+    inner: &str,
+    schemas: &HashMap<String, HashMap<String, String>>,
+) -> Option<Delta> {
+    let (name, rest) = inner.strip_prefix("<function=")?.split_once('>')?;
+    let name = name.trim();
+    let mut body = rest.trim_end().strip_suffix("</function>")?;
+    let types = schemas.get(name);
+    let mut arguments = Map::new();
+    loop {
+        body = body.trim_start();
+        if body.is_empty() {
+            break;
+        }
+        let (key, rest) = body.strip_prefix("<parameter=")?.split_once('>')?;
+        let end = rest.find("</parameter>")?;
+        let raw = &rest[..end];
+        let raw = raw.strip_prefix('\n').unwrap_or(raw);
+        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+        let key = key.trim();
+        let kind = types.and_then(|t| t.get(key)).map(String::as_str);
+        arguments.insert(key.to_string(), typed_value(raw, kind));
+        body = &rest[end + "</parameter>".len()..];
+    }
+    Some(Delta::ToolCall {
+        name: name.to_string(),
+        arguments: Value::Object(arguments).to_string(),
+    })
+}
+
+/// An XML-form parameter's text as the JSON value its schema type asks for; the text itself
+/// when it does not parse as that type, or the schema names none.
+fn typed_value(raw: &str, kind: Option<&str>) -> Value {
+    let text = || Value::String(raw.to_string());
+    let trimmed = raw.trim();
+    match kind {
+        None | Some("string" | "str" | "text") => text(),
+        Some("integer" | "int") => trimmed.parse::<i64>().map_or_else(|_| text(), Value::from),
+        Some("number" | "float") => match trimmed.parse::<f64>() {
+            Ok(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Value::from(f as i64),
+            Ok(f) => serde_json::Number::from_f64(f).map_or_else(text, Value::Number),
+            Err(_) => text(),
+        },
+        Some("boolean" | "bool") => match trimmed.to_ascii_lowercase().as_str() {
+            "true" => Value::Bool(true),
+            "false" => Value::Bool(false),
+            _ => text(),
+        },
+        Some(_) => serde_json::from_str(trimmed).unwrap_or_else(|_| text()),
+    }
 }
 
 #[cfg(test)]
@@ -300,6 +415,100 @@ mod tests {
             vec![Delta::Content("abc ".into())]
         );
         assert!(p.stopped());
+    }
+
+    fn weather_tool() -> Vec<Value> {
+        vec![
+            serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {
+                "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+                "ratio": {"type": ["number", "null"]}, "units": {"type": "object"}, "tags": {"type": "array"}
+            }}}}),
+        ]
+    }
+
+    /// Qwen3.5's XML form, split across pieces anywhere: values typed by the schema (a
+    /// string parameter keeps its text, inner newlines included), keys in the model's order,
+    /// and several calls in one turn.
+    #[test]
+    fn xml_tool_calls_are_parsed_and_typed() {
+        let fresh = || OutputParser::new(false, vec![], true).with_tool_schemas(&weather_tool());
+        let text = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\nCR\n</parameter>\n\
+            <parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n\
+            <parameter=units>\n{\"temp\": \"C\"}\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n\
+            <parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n\
+            <parameter=city>\nOslo\n</parameter>\n<parameter=days>\nsoon\n</parameter>\n</function>\n</tool_call>";
+        let mut p = fresh();
+        let deltas = run(&mut p, &[text]);
+        // Split anywhere, no tag is torn.
+        for cut in (0..text.len()).filter(|&i| text.is_char_boundary(i)) {
+            assert_eq!(
+                run(&mut fresh(), &[&text[..cut], &text[cut..]]),
+                deltas,
+                "cut at {cut}"
+            );
+        }
+        assert_eq!(deltas.len(), 4, "{deltas:?}");
+        assert_eq!(
+            deltas[2],
+            Delta::Content("\n".into()),
+            "the text between the calls"
+        );
+        assert_eq!(deltas[0], Delta::Content("Let me check.\n".into()));
+        let Delta::ToolCall { name, arguments } = &deltas[1] else {
+            panic!("{deltas:?}")
+        };
+        assert_eq!(name, "get_weather");
+        assert_eq!(
+            arguments,
+            r#"{"city":"San José\nCR","days":3,"metric":true,"ratio":0.5,"units":{"temp":"C"},"tags":["a",1],"extra":"42"}"#
+        );
+        // A value that is not its type stays text.
+        let Delta::ToolCall { arguments, .. } = &deltas[3] else {
+            panic!("{deltas:?}")
+        };
+        assert_eq!(arguments, r#"{"city":"Oslo","days":"soon"}"#);
+        assert_eq!(p.num_tool_calls(), 2);
+    }
+
+    /// A tool call written before `</think>` ends the reasoning and is a call.
+    #[test]
+    fn a_tool_call_inside_reasoning_ends_it() {
+        let mut p = OutputParser::new(true, vec![], true).with_tool_schemas(&weather_tool());
+        let deltas = run(
+            &mut p,
+            &[
+                "I should look it up.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+            ],
+        );
+        assert_eq!(
+            deltas,
+            vec![
+                Delta::Reasoning("I should look it up.\n".into()),
+                Delta::ToolCall {
+                    name: "get_weather".into(),
+                    arguments: r#"{"city":"Rome"}"#.into()
+                },
+            ]
+        );
+    }
+
+    /// Malformed XML calls come back as content, never as a wrong call.
+    #[test]
+    fn malformed_xml_calls_stay_text() {
+        for bad in [
+            "<tool_call><function=f><parameter=a>1</function></tool_call>",
+            "<tool_call><function=f><parameter=a>1</parameter></tool_call>",
+            "<tool_call><function f><parameter=a>1</parameter></function></tool_call>",
+        ] {
+            let mut p = OutputParser::new(false, vec![], true);
+            assert_eq!(
+                run(&mut p, &[bad]),
+                vec![Delta::Content(bad.into())],
+                "{bad}"
+            );
+            assert_eq!(p.num_tool_calls(), 0);
+        }
     }
 
     #[test]

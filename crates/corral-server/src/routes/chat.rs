@@ -53,7 +53,8 @@ pub(crate) async fn chat_completions(
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt preparation failed: {e}")))??;
-    let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some());
+    let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some())
+        .with_tool_schemas(req.tools.as_deref().unwrap_or(&[]));
     let generation = Generation::start(
         &state,
         prompt,
