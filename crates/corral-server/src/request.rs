@@ -380,12 +380,79 @@ fn parse_arguments(call: &mut Value) {
     }
 }
 
+/// Request fields both completion endpoints read.
+const SHARED_FIELDS: &[&str] = &[
+    "model",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "user",
+    "skip_special_tokens",
+];
+/// Fields only `/v1/chat/completions` reads.
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "tools",
+    "tool_choice",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "reasoning_effort",
+];
+/// Fields only `/v1/completions` reads.
+const COMPLETION_FIELDS: &[&str] = &["prompt"];
+
+/// The fields of `body` that Corral does not act on (unknown ones, and ones such as
+/// `response_format` or `logit_bias` it does not honour yet), sorted; each request logs them
+/// once, so that nothing is dropped silently.
+pub(crate) fn unacted_fields(body: &Map<String, Value>, chat: bool) -> Vec<String> {
+    let endpoint = if chat { CHAT_FIELDS } else { COMPLETION_FIELDS };
+    let mut fields: Vec<String> = body
+        .keys()
+        .filter(|k| !SHARED_FIELDS.contains(&k.as_str()) && !endpoint.contains(&k.as_str()))
+        .cloned()
+        .collect();
+    // tool_choice is read for "none" and "auto"; "required" and a named function are not
+    // enforced yet.
+    if chat
+        && let Some(choice) = body.get("tool_choice")
+        && !matches!(choice, Value::String(s) if s == "none" || s == "auto")
+    {
+        fields.push("tool_choice (only none and auto are honoured)".to_string());
+    }
+    fields.sort();
+    fields
+}
+
+/// Logs the fields of a request that Corral does not act on, if any.
+fn warn_unacted(body: &Map<String, Value>, chat: bool) {
+    let fields = unacted_fields(body, chat);
+    if !fields.is_empty() {
+        tracing::warn!(
+            fields = %fields.join(", "),
+            "request fields that are not acted on (ignored)"
+        );
+    }
+}
+
 /// Validates a `/v1/chat/completions` body.
 pub(crate) fn chat(
     body: &Map<String, Value>,
     defaults: &SamplingDefaults,
 ) -> Result<ChatRequest, ApiError> {
     let settings = settings(body, true, defaults)?;
+    warn_unacted(body, true);
     let messages = match body.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m,
         Some(Value::Array(_)) => {
@@ -498,6 +565,7 @@ pub(crate) fn completion(
     defaults: &SamplingDefaults,
 ) -> Result<CompletionRequest, ApiError> {
     let settings = settings(body, false, defaults)?;
+    warn_unacted(body, false);
     let prompt = match body.get("prompt") {
         Some(Value::String(s)) => PromptInput::Text(s.clone()),
         Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
@@ -714,6 +782,30 @@ mod tests {
         assert!(!kept.settings.skip_special_tokens);
         let bad = with(json!({"skip_special_tokens": "no"})).unwrap_err();
         assert_eq!(bad.param.as_deref(), Some("skip_special_tokens"));
+    }
+
+    /// Unknown and not-yet-honoured fields are named (and logged), known ones not.
+    #[test]
+    fn fields_not_acted_on_are_named() {
+        let body = json!({"messages": [], "temperature": 0, "response_format": {"type": "json_object"},
+            "logit_bias": {}, "frobnicate": 1, "tool_choice": "required", "tools": []});
+        assert_eq!(
+            unacted_fields(&obj(body), true),
+            [
+                "frobnicate",
+                "logit_bias",
+                "response_format",
+                "tool_choice (only none and auto are honoured)"
+            ]
+        );
+        let fine =
+            json!({"messages": [], "tool_choice": "auto", "reasoning_effort": "none", "seed": 1});
+        assert!(unacted_fields(&obj(fine), true).is_empty());
+        // Chat-only fields are not read by /v1/completions.
+        assert_eq!(
+            unacted_fields(&obj(json!({"prompt": "x", "messages": []})), false),
+            ["messages"]
+        );
     }
 
     #[test]
