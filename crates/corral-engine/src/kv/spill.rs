@@ -127,20 +127,26 @@ impl SpilledPrefix {
         let (head, size) = self.head(path)?;
         let tmp = path.with_extension("tmp");
         let io = |e: std::io::Error| bad(path, e.to_string());
-        let mut file = std::fs::File::create(&tmp).map_err(io)?;
-        let mut sum = Checksum::new();
-        let pieces = std::iter::once(&head[..])
-            .chain(self.kv.iter().map(Vec::as_slice))
-            .chain(std::iter::once(&self.state[..]));
-        for piece in pieces {
-            sum.update(piece);
-            file.write_all(piece).map_err(io)?;
+        let written = (|| {
+            let mut file = std::fs::File::create(&tmp).map_err(io)?;
+            let mut sum = Checksum::new();
+            let pieces = std::iter::once(&head[..])
+                .chain(self.kv.iter().map(Vec::as_slice))
+                .chain(std::iter::once(&self.state[..]));
+            for piece in pieces {
+                sum.update(piece);
+                file.write_all(piece).map_err(io)?;
+            }
+            file.write_all(&sum.finish().to_le_bytes()).map_err(io)?;
+            file.sync_all().map_err(io)?;
+            drop(file);
+            std::fs::rename(&tmp, path).map_err(io)
+        })();
+        if written.is_err() {
+            // A failed write leaves no partial file behind (a full disk stays usable).
+            let _ = std::fs::remove_file(&tmp);
         }
-        file.write_all(&sum.finish().to_le_bytes()).map_err(io)?;
-        file.sync_all().map_err(io)?;
-        drop(file);
-        std::fs::rename(&tmp, path).map_err(io)?;
-        Ok(size)
+        written.map(|()| size)
     }
 
     /// The file's header and token list, and the size of the whole file; refuses layers of
@@ -614,6 +620,19 @@ mod tests {
         let d = std::env::temp_dir().join(format!("corral-spill-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    #[test]
+    fn a_failed_write_leaves_no_temporary_file() {
+        let d = dir("failed-write");
+        let path = d.join("a.spill");
+        // The rename fails: a folder with something in it has the file's name.
+        std::fs::create_dir_all(path.join("inside")).unwrap();
+        assert!(prefix().write(&path).is_err());
+        assert!(
+            !path.with_extension("tmp").exists(),
+            "the temporary file is removed"
+        );
     }
 
     #[test]
