@@ -48,11 +48,13 @@ pub(crate) async fn require_api_key(
     next: Next,
 ) -> Response {
     if let Some(key) = &state.config.api_key {
+        // OpenAI's `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`.
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         if given != Some(key.as_str()) {
             return ApiError::unauthorized().into_response();
         }

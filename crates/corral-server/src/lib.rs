@@ -1,7 +1,7 @@
 //! The server layer: an OpenAI-compatible HTTP API over the engine thread.
 //!
 //! [`router`] builds the axum router (testable without a socket): `POST /v1/chat/completions`,
-//! `POST /v1/completions`, `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`,
+//! `POST /v1/completions`, `POST /v1/messages` (Anthropic's), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`,
 //! `GET /metrics`. Bodies are read by
 //! one extractor and validated into engine requests by `request.rs`; every failure is an
 //! [`ApiError`] rendered as OpenAI's error object. Generated text is split into content,
@@ -100,6 +100,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat::chat_completions))
         .route("/v1/completions", post(routes::completions::completions))
         .route("/v1/models", get(routes::models))
+        .route("/v1/messages", post(routes::messages::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(routes::messages::count_tokens),
+        )
         .route("/tokenize", post(routes::tokenize::tokenize))
         .route("/detokenize", post(routes::tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(

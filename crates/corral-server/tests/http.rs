@@ -491,6 +491,107 @@ async fn cors_answers_the_allowed_origin_only() {
     assert!(headers.get(header::ACCESS_CONTROL_ALLOW_ORIGIN).is_none());
 }
 
+/// Anthropic's Messages API: x-api-key, a reply as content blocks with Anthropic's stop
+/// reason and usage, the same reply streamed as Anthropic's events, and count_tokens equal to
+/// the prompt the reply was generated from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_answer_and_stream() {
+    let s = server(Some("sekrit"), 16, 512);
+    let body = json!({"model": "tiny", "max_tokens": 5, "temperature": 0,
+        "system": "Be brief.", "messages": [{"role": "user", "content": "Hello"}]});
+    let req = |path: &str, body: &Value| {
+        Request::post(path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("x-api-key", "sekrit")
+            .header("anthropic-version", "2023-06-01")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let (status, reply, _) = call(&s.app, req("/v1/messages", &body)).await;
+    assert_eq!(status, StatusCode::OK, "{reply}");
+    assert_eq!(reply["type"], "message");
+    assert_eq!(reply["role"], "assistant");
+    assert!(reply["id"].as_str().unwrap().starts_with("msg"));
+    let stop = reply["stop_reason"].as_str().unwrap();
+    assert!(stop == "max_tokens" || stop == "end_turn", "{reply}");
+    let output = reply["usage"]["output_tokens"].as_u64().unwrap();
+    assert!(
+        output <= 5 && (stop != "max_tokens" || output == 5),
+        "{reply}"
+    );
+    let (_, counted, _) = call(&s.app, req("/v1/messages/count_tokens", &body)).await;
+    assert_eq!(
+        counted["input_tokens"].as_u64().unwrap(),
+        reply["usage"]["input_tokens"].as_u64().unwrap()
+            + reply["usage"]["cache_read_input_tokens"].as_u64().unwrap(),
+        "{counted} {reply}"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let response = s
+        .app
+        .clone()
+        .oneshot(req("/v1/messages", &streamed))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let bytes = to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    let events: Vec<(String, Value)> = text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let name = e
+                .lines()
+                .find_map(|l| l.strip_prefix("event: "))
+                .unwrap()
+                .to_string();
+            let data = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+            (name, serde_json::from_str(data).unwrap())
+        })
+        .collect();
+    let names: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+    assert_eq!(names.first(), Some(&"message_start"), "{names:?}");
+    assert_eq!(
+        &names[names.len() - 2..],
+        ["message_delta", "message_stop"],
+        "{names:?}"
+    );
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str());
+    }
+    // Block starts and stops pair up; the streamed text is the whole reply's.
+    let starts = names
+        .iter()
+        .filter(|n| **n == "content_block_start")
+        .count();
+    let stops = names.iter().filter(|n| **n == "content_block_stop").count();
+    assert_eq!(starts, stops, "{names:?}");
+    let streamed_text: String = events
+        .iter()
+        .filter_map(|e| e.1["delta"]["text"].as_str())
+        .collect();
+    let whole: String = reply["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["text"].as_str())
+        .collect();
+    assert_eq!(streamed_text, whole);
+    let last = &events[events.len() - 2].1;
+    assert_eq!(last["delta"]["stop_reason"], reply["stop_reason"]);
+    let (status, _, _) = call(
+        &s.app,
+        Request::post("/v1/messages")
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("x-api-key", "wrong")
+            .body(Body::from(body.to_string()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
 /// Log output captured by a test's subscriber.
 #[derive(Clone, Default)]
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);

@@ -20,22 +20,19 @@ use crate::output::{Delta, OutputParser};
 use crate::request;
 use crate::state::AppState;
 
-/// The handler.
-pub(crate) async fn chat_completions(
-    State(state): State<AppState>,
-    headers: axum::http::HeaderMap,
-    OpenAiJson(body): OpenAiJson,
-) -> Result<Response, ApiError> {
-    let mut req = request::chat(&body, &state.config.sampling_defaults)?;
-    req.settings = request::with_session_header(req.settings, &headers)?;
-    super::check_model(&state, req.settings.model.as_deref())?;
+/// A conversation's prompt, rendered with the chat template and tokenized off the runtime
+/// (CPU work for a large conversation), and the parser of its reply (opened in reasoning
+/// when the prompt ends in `<think>`).
+pub(crate) async fn prepare(
+    state: &AppState,
+    req: &request::ChatRequest,
+) -> Result<(Vec<u32>, OutputParser), ApiError> {
     let template = state.chat_template.clone().ok_or_else(|| {
         ApiError::invalid(
             "messages",
             "this model has no chat template; use /v1/completions",
         )
     })?;
-    // Rendering and tokenizing a large conversation is CPU work: keep it off the runtime.
     let tokenizer = Arc::clone(&state.tokenizer);
     let (messages, tools, kwargs) = (
         req.messages.clone(),
@@ -55,6 +52,19 @@ pub(crate) async fn chat_completions(
     .map_err(|e| ApiError::internal(format!("prompt preparation failed: {e}")))??;
     let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some())
         .with_tool_schemas(req.tools.as_deref().unwrap_or(&[]));
+    Ok((prompt, parser))
+}
+
+/// The handler.
+pub(crate) async fn chat_completions(
+    State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
+    OpenAiJson(body): OpenAiJson,
+) -> Result<Response, ApiError> {
+    let mut req = request::chat(&body, &state.config.sampling_defaults)?;
+    req.settings = request::with_session_header(req.settings, &headers)?;
+    super::check_model(&state, req.settings.model.as_deref())?;
+    let (prompt, parser) = prepare(&state, &req).await?;
     let generation = Generation::start(
         &state,
         prompt,

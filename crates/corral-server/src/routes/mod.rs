@@ -3,6 +3,7 @@
 pub(crate) mod chat;
 pub(crate) mod completions;
 mod generation;
+pub(crate) mod messages;
 pub(crate) mod metrics;
 pub(crate) mod tokenize;
 
