@@ -9,11 +9,10 @@ Prints one line per check and a final `N passed, M failed` line; exits non-zero 
 """
 
 import sys
-import traceback
 
 import anthropic
 
-from check_openai import API_KEY, MODEL, free_port, start_server
+from check_openai import API_KEY, MODEL, free_port, run_checks, start_server
 
 # This client version has no temperature argument; the server reads it from the body.
 GREEDY = {"temperature": 0}
@@ -104,22 +103,7 @@ def main():
         ("tool_use / tool_result round trip", lambda: check_tool_round_trip(client)),
         ("errors", lambda: check_errors(port)),
     ]
-    passed = failed = 0
-    try:
-        for name, check in checks:
-            try:
-                check()
-                passed += 1
-                print(f"anthropic client: {name} ... ok")
-            except Exception:
-                failed += 1
-                print(f"anthropic client: {name} ... FAILED")
-                traceback.print_exc()
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
-    print(f"anthropic client: {passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    sys.exit(run_checks("anthropic client", checks, server))
 
 
 if __name__ == "__main__":

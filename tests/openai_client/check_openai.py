@@ -144,16 +144,22 @@ def main():
         ("text completion", lambda: check_completion(client)),
         ("errors and models", lambda: check_errors(client, port)),
     ]
+    sys.exit(run_checks("openai client", checks, server))
+
+
+def run_checks(label, checks, server):
+    """Runs `checks` (name, function) one by one, then stops `server` with SIGTERM (which it
+    must survive gracefully); prints a line per check and a summary; returns the exit code."""
     passed = failed = 0
     try:
         for name, check in checks:
             try:
                 check()
                 passed += 1
-                print(f"openai client: {name} ... ok")
+                print(f"{label}: {name} ... ok")
             except Exception:
                 failed += 1
-                print(f"openai client: {name} ... FAILED")
+                print(f"{label}: {name} ... FAILED")
                 traceback.print_exc()
     finally:
         server.terminate()
@@ -162,9 +168,9 @@ def main():
         except subprocess.TimeoutExpired:
             server.kill()
             failed += 1
-            print("openai client: graceful shutdown on SIGTERM ... FAILED")
-    print(f"openai client: {passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+            print(f"{label}: graceful shutdown on SIGTERM ... FAILED")
+    print(f"{label}: {passed} passed, {failed} failed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

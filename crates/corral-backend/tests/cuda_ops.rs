@@ -330,6 +330,20 @@ fn recurrent_runs(lens: &[usize], slots: usize) -> Vec<u32> {
     out
 }
 
+/// The delta rule's gates `g` in `[-decay, 0]` and `beta` in `[0, 1]` for `n` (token, head)
+/// pairs, and a small incoming state of `state_len` floats.
+fn delta_inputs(
+    rng: &mut Rng,
+    n: usize,
+    state_len: usize,
+    decay: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let gate = rng.values(n).iter().map(|v| -decay * v.abs()).collect();
+    let beta = rng.values(n).iter().map(|v| 0.5 + 0.5 * v).collect();
+    let state = rng.values(state_len).iter().map(|v| 0.1 * v).collect();
+    (gate, beta, state)
+}
+
 #[test]
 fn delta_net_ops_match_cpu() {
     let g = gpu_or_skip!();
@@ -368,21 +382,7 @@ fn delta_net_ops_match_cpu() {
             value_dim: dv,
         };
         let qkv = rng.values(tokens * (2 * nk * dk + nv * dv));
-        let gate: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| -0.5 * v.abs())
-            .collect();
-        let beta: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| 0.5 + 0.5 * v)
-            .collect();
-        let state0: Vec<f32> = rng
-            .values(slots * nv * dk * dv)
-            .iter()
-            .map(|v| 0.1 * v)
-            .collect();
+        let (gate, beta, state0) = delta_inputs(&mut rng, tokens * nv, slots * nv * dk * dv, 0.5);
         let mut results = Vec::new();
         for be in [&c as &dyn Backend, g] {
             let rb = u32_buf(be, &runs);
@@ -491,21 +491,7 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
         let slots = lens.len() + 1;
         let runs = recurrent_runs(&lens, slots);
         let qkv = rng.values(tokens * width);
-        let gate: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| -0.3 * v.abs())
-            .collect();
-        let beta: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| 0.5 + 0.5 * v)
-            .collect();
-        let state0: Vec<f32> = rng
-            .values(slots * nv * dk * dv)
-            .iter()
-            .map(|v| 0.1 * v)
-            .collect();
+        let (gate, beta, state0) = delta_inputs(&mut rng, tokens * nv, slots * nv * dk * dv, 0.3);
         let longest = lens.iter().copied().max().unwrap_or(1);
         let whole = |be: &dyn Backend| {
             let rb = u32_buf(be, &runs);

@@ -206,7 +206,25 @@ struct Operand<'a> {
     col_stride: usize,
 }
 
-impl Operand<'_> {
+impl<'a> Operand<'a> {
+    /// Rows of `stride` elements one after another.
+    fn row_major(data: &'a [f32], stride: usize) -> Self {
+        Self {
+            data,
+            row_stride: stride,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose of rows of `stride` elements: element (i, j) at `j * stride + i`.
+    fn col_major(data: &'a [f32], stride: usize) -> Self {
+        Self {
+            data,
+            row_stride: 1,
+            col_stride: stride,
+        }
+    }
+
     /// Whether every element of a `rows × cols` matrix lies in `data`.
     fn holds(&self, rows: usize, cols: usize) -> bool {
         rows == 0
@@ -304,17 +322,8 @@ fn attend_tile_gemm(
                 kb[j * hd..(j + 1) * hd].copy_from_slice(&cache_k[base..base + hd]);
                 vb[j * hd..(j + 1) * hd].copy_from_slice(&cache_v[base..base + hd]);
             }
-            let lhs = Operand {
-                data: qs,
-                row_stride: hd,
-                col_stride: 1,
-            };
-            let keys = Operand {
-                data: kb,
-                row_stride: 1,
-                col_stride: hd,
-            };
-            gemm_into(s, rows, n, hd, lhs, keys, false);
+            let (queries, keys) = (Operand::row_major(qs, hd), Operand::col_major(kb, hd));
+            gemm_into(s, rows, n, hd, queries, keys, false);
             for r in 0..rows {
                 let valid = tile.len(layout, r).saturating_sub(j0).min(n);
                 let row = &mut s[r * n..(r + 1) * n];
@@ -333,16 +342,7 @@ fn attend_tile_gemm(
                 }
                 max[r] = new_max;
             }
-            let probs = Operand {
-                data: s,
-                row_stride: n,
-                col_stride: 1,
-            };
-            let values = Operand {
-                data: vb,
-                row_stride: hd,
-                col_stride: 1,
-            };
+            let (probs, values) = (Operand::row_major(s, n), Operand::row_major(vb, hd));
             gemm_into(&mut o, rows, hd, n, probs, values, true);
         }
     });
