@@ -106,6 +106,30 @@ def check_tool_round_trip(client):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10, (second.usage, first.usage)
 
 
+def check_responses(client):
+    first = client.responses.create(
+        model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    assert first.object == "response" and isinstance(first.output_text, str), first
+    assert first.status in ("completed", "incomplete"), first
+    # A turn that continues the stored one: its prompt holds the first turn.
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input=[{"role": "user", "content": "And then?"}],
+        max_output_tokens=4)
+    assert second.usage.input_tokens > first.usage.input_tokens + 4, (first.usage, second.usage)
+    assert client.responses.retrieve(first.id).id == first.id
+    tools = [{"type": "function", "name": "get_weather", "description": "Current weather in a city.",
+              "parameters": WEATHER_TOOL["function"]["parameters"]}]
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    asked = client.responses.create(model=MODEL, input=question, tools=tools, max_output_tokens=4)
+    answered = client.responses.create(model=MODEL, tools=tools, max_output_tokens=4, input=question + [
+        {"type": "function_call", "call_id": "call_weather_1", "name": "get_weather",
+         "arguments": json.dumps({"city": "Oslo"})},
+        {"type": "function_call_output", "call_id": "call_weather_1", "output": json.dumps({"temperature_c": 7})},
+    ])
+    # The call and its output are rendered into the prompt.
+    assert answered.usage.input_tokens > asked.usage.input_tokens + 10, (asked.usage, answered.usage)
+
+
 def check_completion(client):
     r = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5, temperature=0)
     assert r.object == "text_completion" and isinstance(r.choices[0].text, str), r
@@ -141,6 +165,7 @@ def main():
         ("chat completion", lambda: check_chat(client)),
         ("streamed chat completion with include_usage", lambda: check_stream(client)),
         ("tool call round trip", lambda: check_tool_round_trip(client)),
+        ("responses: input, previous_response_id, function-call round trip", lambda: check_responses(client)),
         ("text completion", lambda: check_completion(client)),
         ("errors and models", lambda: check_errors(client, port)),
     ]

@@ -66,6 +66,17 @@ impl ApiError {
         }
     }
 
+    /// 404: a stored object that does not exist (or is no longer kept).
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("not_found"),
+        }
+    }
+
     /// 413: the body exceeds the limit.
     pub fn too_large(limit: usize) -> Self {
         Self {

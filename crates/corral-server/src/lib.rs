@@ -24,6 +24,7 @@ use axum::routing::{get, post};
 
 pub use error::ApiError;
 pub use output::{Delta, OutputParser};
+pub use routes::responses::ResponseStore;
 pub use state::{AppState, RequestCounts, ServerConfig};
 
 /// Counts a response by its matched route and status.
@@ -100,6 +101,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat::chat_completions))
         .route("/v1/completions", post(routes::completions::completions))
         .route("/v1/models", get(routes::models))
+        .route("/v1/responses", post(routes::responses::create))
+        .route("/v1/responses/{id}", get(routes::responses::retrieve))
         .route("/v1/messages", post(routes::messages::messages))
         .route(
             "/v1/messages/count_tokens",

@@ -68,4 +68,6 @@ pub struct AppState {
     pub requests: Arc<RequestCounts>,
     /// Unix time the server started, for `/v1/models`.
     pub created: u64,
+    /// Responses kept for `previous_response_id`.
+    pub responses: Arc<crate::ResponseStore>,
 }

@@ -233,6 +233,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             allowed_origins: args.allowed_origins.clone(),
         }),
         requests: Arc::new(RequestCounts::default()),
+        responses: Default::default(),
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),

@@ -5,6 +5,7 @@ pub(crate) mod completions;
 mod generation;
 pub(crate) mod messages;
 pub(crate) mod metrics;
+pub(crate) mod responses;
 pub(crate) mod tokenize;
 
 use axum::Json;
