@@ -117,6 +117,19 @@ def check_responses(client):
         max_output_tokens=4)
     assert second.usage.input_tokens > first.usage.input_tokens + 4, (first.usage, second.usage)
     assert client.responses.retrieve(first.id).id == first.id
+    # Streamed, the same reply: its text deltas, and the response its last event carries
+    # (response.incomplete where max_output_tokens cut it, as the API sends it).
+    events = list(client.responses.create(
+        model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=8, temperature=0,
+        stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert [e.sequence_number for e in events] == list(range(len(events))), kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == first.output_text, (deltas, final.output_text, first.output_text)
+    assert final.status == first.status, (final.status, first.status)
     tools = [{"type": "function", "name": "get_weather", "description": "Current weather in a city.",
               "parameters": WEATHER_TOOL["function"]["parameters"]}]
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]

@@ -1,4 +1,4 @@
-//! `POST /v1/responses` (OpenAI's Responses API, which current agents speak) and
+//! `POST /v1/responses` (OpenAI's Responses API, which current agents speak; streamed or not) and
 //! `GET /v1/responses/{id}`: input items (messages, `function_call`, `function_call_output`),
 //! `instructions`, tools and `previous_response_id` are translated into a chat conversation
 //! and run on the chat path; the reply comes back as output items. Stored responses (`store`,
@@ -186,6 +186,7 @@ fn to_chat(body: &Map<String, Value>, history: Vec<Value>) -> Result<Map<String,
         ("temperature", "temperature"),
         ("top_p", "top_p"),
         ("user", "user"),
+        ("stream", "stream"),
     ] {
         if let Some(v) = body.get(from).filter(|v| !v.is_null()) {
             chat.insert(to.to_string(), v.clone());
@@ -228,18 +229,151 @@ fn to_chat(body: &Map<String, Value>, history: Vec<Value>) -> Result<Map<String,
     Ok(chat)
 }
 
+/// A reply as it is put together: its text, reasoning and calls, with the ids its output
+/// items get (the same in the stream's events and in the final response).
+#[derive(Default)]
+struct Turn {
+    text: String,
+    reasoning: String,
+    /// `(item id, call id, name, arguments)`.
+    calls: Vec<(String, String, String, String)>,
+    message_id: String,
+    reasoning_id: String,
+}
+
+impl Turn {
+    fn new() -> Self {
+        Self {
+            message_id: response_id("msg"),
+            reasoning_id: response_id("rs"),
+            ..Self::default()
+        }
+    }
+
+    fn reasoning_item(&self) -> Value {
+        json!({"type": "reasoning", "id": self.reasoning_id,
+            "summary": [{"type": "summary_text", "text": self.reasoning}]})
+    }
+
+    fn text_part(&self) -> Value {
+        json!({"type": "output_text", "text": self.text, "annotations": []})
+    }
+
+    fn message_item(&self, status: &str) -> Value {
+        let content = if status == "completed" {
+            json!([self.text_part()])
+        } else {
+            json!([])
+        };
+        json!({"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+            "content": content})
+    }
+
+    fn call_item(call: &(String, String, String, String), status: &str) -> Value {
+        let (id, call_id, name, arguments) = call;
+        json!({"type": "function_call", "id": id, "call_id": call_id, "name": name,
+            "arguments": if status == "completed" { arguments.as_str() } else { "" },
+            "status": status})
+    }
+
+    /// The output items, in the order they were made.
+    fn output(&self) -> Vec<Value> {
+        let mut output = Vec::new();
+        if !self.reasoning.is_empty() {
+            output.push(self.reasoning_item());
+        }
+        if !self.text.is_empty() || self.calls.is_empty() {
+            output.push(self.message_item("completed"));
+        }
+        output.extend(self.calls.iter().map(|c| Self::call_item(c, "completed")));
+        output
+    }
+}
+
+/// What a request's reply needs besides the reply: its body, and where it is stored.
+struct Request {
+    id: String,
+    body: Map<String, Value>,
+    model: Value,
+    /// The conversation that was prompted, for storing with the reply.
+    messages: Vec<Value>,
+    store: Option<std::sync::Arc<ResponseStore>>,
+}
+
+impl Request {
+    /// The response object for `turn`, `status` "in_progress" while streaming.
+    fn response(&self, turn: Option<&Turn>, status: &str, usage: Option<&Value>) -> Value {
+        let field = |k: &str| self.body.get(k).cloned().unwrap_or(Value::Null);
+        let usage = usage.map(|u| {
+            let prompt = u["prompt_tokens"].as_u64().unwrap_or(0);
+            let completion = u["completion_tokens"].as_u64().unwrap_or(0);
+            json!({
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion,
+            })
+        });
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": unix_now(),
+            "status": status,
+            "incomplete_details": if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null },
+            "error": null,
+            "model": self.model,
+            "instructions": field("instructions"),
+            "previous_response_id": field("previous_response_id"),
+            "output": turn.map_or_else(Vec::new, Turn::output),
+            "parallel_tool_calls": true,
+            "tool_choice": self.body.get("tool_choice").cloned().unwrap_or(json!("auto")),
+            "tools": self.body.get("tools").cloned().unwrap_or(json!([])),
+            "temperature": field("temperature"),
+            "top_p": field("top_p"),
+            "max_output_tokens": field("max_output_tokens"),
+            "usage": usage,
+        })
+    }
+
+    /// Keeps the finished response and its conversation, unless `store` is false.
+    fn keep(&self, turn: &Turn, response: &Value) {
+        let Some(store) = &self.store else { return };
+        let mut messages = self.messages.clone();
+        let mut reply = json!({"role": "assistant", "content": turn.text});
+        if !turn.calls.is_empty() {
+            reply["tool_calls"] = turn
+                .calls
+                .iter()
+                .map(|(_, call_id, name, arguments)| {
+                    json!({"id": call_id, "type": "function",
+                        "function": {"name": name, "arguments": arguments}})
+                })
+                .collect();
+        }
+        messages.push(reply);
+        store.put(Stored {
+            id: self.id.clone(),
+            messages,
+            body: response.clone(),
+        });
+    }
+}
+
+fn status_of(finish_reason: &str) -> &'static str {
+    if finish_reason == "length" {
+        "incomplete"
+    } else {
+        "completed"
+    }
+}
+
 /// `POST /v1/responses`.
 pub(crate) async fn create(
     State(state): State<AppState>,
     headers: axum::http::HeaderMap,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    if body.get("stream").and_then(Value::as_bool) == Some(true) {
-        return Err(ApiError::invalid(
-            "stream",
-            "streamed responses are not supported yet",
-        ));
-    }
     let previous = match body.get("previous_response_id") {
         None | Some(Value::Null) => None,
         Some(Value::String(id)) => Some(state.responses.get(id).ok_or_else(|| {
@@ -261,94 +395,276 @@ pub(crate) async fn create(
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = super::chat::prepare(&state, &req).await?;
-    let mut g = Generation::start(&state, prompt, &req.settings, parser, "input", "resp")?;
-    let (mut text, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
-    let mut add = |deltas: Vec<Delta>| {
+    let g = Generation::start(&state, prompt, &req.settings, parser, "input", "resp")?;
+    let keep = body.get("store").and_then(Value::as_bool) != Some(false);
+    let request = Request {
+        id: g.id().to_string(),
+        model: body
+            .get("model")
+            .cloned()
+            .unwrap_or_else(|| json!(state.config.served_model_name)),
+        body,
+        messages: req.messages.clone(),
+        store: keep.then(|| std::sync::Arc::clone(&state.responses)),
+    };
+    if req.settings.stream {
+        Ok(stream(g, request).into_response())
+    } else {
+        Ok(Json(complete(g, request).await?).into_response())
+    }
+}
+
+async fn complete(mut g: Generation, request: Request) -> Result<Value, ApiError> {
+    let mut turn = Turn::new();
+    let add = |turn: &mut Turn, deltas: Vec<Delta>| {
         for d in deltas {
             match d {
-                Delta::Content(t) => text.push_str(&t),
-                Delta::Reasoning(t) => reasoning.push_str(&t),
-                Delta::ToolCall { name, arguments } => calls.push((name, arguments)),
+                Delta::Content(t) => turn.text.push_str(&t),
+                Delta::Reasoning(t) => turn.reasoning.push_str(&t),
+                Delta::ToolCall { name, arguments } => {
+                    turn.calls
+                        .push((response_id("fc"), response_id("call"), name, arguments))
+                }
             }
         }
     };
-    let (finish_reason, usage) = loop {
+    loop {
         match g.next().await? {
-            Some(Step::Deltas { deltas, .. }) => add(deltas),
+            Some(Step::Deltas { deltas, .. }) => add(&mut turn, deltas),
             Some(Step::Finished {
                 deltas,
                 finish_reason,
                 usage,
                 ..
             }) => {
-                add(deltas);
-                break (finish_reason, usage);
+                add(&mut turn, deltas);
+                let response =
+                    request.response(Some(&turn), status_of(finish_reason), Some(&usage));
+                request.keep(&turn, &response);
+                return Ok(response);
             }
             None => return Err(ApiError::internal("generation ended without a result")),
         }
-    };
-    let id = g.id().to_string();
-    let mut output = Vec::new();
-    if !reasoning.is_empty() {
-        output.push(json!({"type": "reasoning", "id": response_id("rs"),
-            "summary": [{"type": "summary_text", "text": reasoning}]}));
     }
-    if !text.is_empty() || calls.is_empty() {
-        output.push(json!({"type": "message", "id": response_id("msg"), "status": "completed",
-            "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}));
-    }
-    let mut tool_calls = Vec::new();
-    for (name, arguments) in calls {
-        let call_id = response_id("call");
-        output.push(
-            json!({"type": "function_call", "id": response_id("fc"), "call_id": call_id,
-            "name": name, "arguments": arguments, "status": "completed"}),
+}
+
+/// The open output item of a stream.
+#[derive(Clone, Copy, PartialEq)]
+enum Open {
+    Nothing,
+    Reasoning,
+    Message,
+}
+
+struct StreamState {
+    generation: Option<Generation>,
+    request: Request,
+    turn: Turn,
+    open: Open,
+    /// Output items begun so far (the next one's index).
+    items: usize,
+    sequence: u64,
+    pending: VecDeque<axum::response::sse::Event>,
+}
+
+impl StreamState {
+    fn emit(&mut self, kind: &str, mut data: Value) {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        self.pending.push_back(
+            axum::response::sse::Event::default()
+                .event(kind)
+                .data(data.to_string()),
         );
-        tool_calls.push(json!({"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": arguments}}));
     }
-    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-    let completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
-    let incomplete = finish_reason == "length";
-    let response = json!({
-        "id": id,
-        "object": "response",
-        "created_at": unix_now(),
-        "status": if incomplete { "incomplete" } else { "completed" },
-        "incomplete_details": if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null },
-        "error": null,
-        "model": body.get("model").cloned().unwrap_or_else(|| json!(state.config.served_model_name)),
-        "instructions": body.get("instructions").cloned().unwrap_or(Value::Null),
-        "previous_response_id": body.get("previous_response_id").cloned().unwrap_or(Value::Null),
-        "output": output,
-        "parallel_tool_calls": true,
-        "tool_choice": body.get("tool_choice").cloned().unwrap_or(json!("auto")),
-        "tools": body.get("tools").cloned().unwrap_or(json!([])),
-        "temperature": body.get("temperature").cloned().unwrap_or(Value::Null),
-        "top_p": body.get("top_p").cloned().unwrap_or(Value::Null),
-        "max_output_tokens": body.get("max_output_tokens").cloned().unwrap_or(Value::Null),
-        "usage": {
-            "input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    });
-    if body.get("store").and_then(Value::as_bool) != Some(false) {
-        let mut messages = req.messages.clone();
-        let mut reply = json!({"role": "assistant", "content": text});
-        if !tool_calls.is_empty() {
-            reply["tool_calls"] = json!(tool_calls);
+
+    /// Ends the open item: the reasoning item whole, or the message's text and part.
+    fn close(&mut self) {
+        let index = self.items.saturating_sub(1);
+        match self.open {
+            Open::Nothing => {}
+            Open::Reasoning => {
+                let item = self.turn.reasoning_item();
+                self.emit(
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": item}),
+                );
+            }
+            Open::Message => {
+                let id = self.turn.message_id.clone();
+                let ids = json!({"item_id": id, "output_index": index, "content_index": 0});
+                let mut done = ids.clone();
+                done["text"] = json!(self.turn.text);
+                self.emit("response.output_text.done", done);
+                let mut part = ids;
+                part["part"] = self.turn.text_part();
+                self.emit("response.content_part.done", part);
+                let item = self.turn.message_item("completed");
+                self.emit(
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": item}),
+                );
+            }
         }
-        messages.push(reply);
-        state.responses.put(Stored {
-            id: id.clone(),
-            messages,
-            body: response.clone(),
-        });
+        self.open = Open::Nothing;
     }
-    Ok(Json(response).into_response())
+
+    fn begin(&mut self, open: Open) {
+        self.close();
+        let index = self.items;
+        self.items += 1;
+        self.open = open;
+        match open {
+            Open::Reasoning => {
+                let item =
+                    json!({"type": "reasoning", "id": self.turn.reasoning_id, "summary": []});
+                self.emit(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": item}),
+                );
+            }
+            Open::Message => {
+                let item = self.turn.message_item("in_progress");
+                self.emit(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": item}),
+                );
+                self.emit(
+                    "response.content_part.added",
+                    json!({"item_id": self.turn.message_id, "output_index": index, "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": []}}),
+                );
+            }
+            Open::Nothing => {}
+        }
+    }
+
+    fn deltas(&mut self, deltas: Vec<Delta>) {
+        for d in deltas {
+            match d {
+                Delta::Reasoning(t) => {
+                    if self.open != Open::Reasoning {
+                        self.begin(Open::Reasoning);
+                    }
+                    self.turn.reasoning.push_str(&t);
+                }
+                Delta::Content(t) => {
+                    if self.open != Open::Message {
+                        self.begin(Open::Message);
+                    }
+                    self.turn.text.push_str(&t);
+                    let index = self.items - 1;
+                    let id = self.turn.message_id.clone();
+                    self.emit(
+                        "response.output_text.delta",
+                        json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}),
+                    );
+                }
+                Delta::ToolCall { name, arguments } => {
+                    self.close();
+                    let index = self.items;
+                    self.items += 1;
+                    let call = (response_id("fc"), response_id("call"), name, arguments);
+                    let id = call.0.clone();
+                    self.emit(
+                        "response.output_item.added",
+                        json!({"output_index": index, "item": Turn::call_item(&call, "in_progress")}),
+                    );
+                    self.emit(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": id, "output_index": index, "delta": call.3}),
+                    );
+                    self.emit(
+                        "response.function_call_arguments.done",
+                        json!({"item_id": id, "output_index": index, "arguments": call.3}),
+                    );
+                    self.emit(
+                        "response.output_item.done",
+                        json!({"output_index": index, "item": Turn::call_item(&call, "completed")}),
+                    );
+                    self.turn.calls.push(call);
+                }
+            }
+        }
+    }
+
+    async fn advance(&mut self) -> bool {
+        let Some(g) = self.generation.as_mut() else {
+            return false;
+        };
+        match g.next().await {
+            Ok(Some(Step::Deltas { deltas, .. })) => self.deltas(deltas),
+            Ok(Some(Step::Finished {
+                deltas,
+                finish_reason,
+                usage,
+                ..
+            })) => {
+                self.deltas(deltas);
+                // A reply with no text and no call still has its (empty) message.
+                if self.turn.text.is_empty()
+                    && self.turn.calls.is_empty()
+                    && self.open != Open::Message
+                {
+                    self.begin(Open::Message);
+                }
+                self.close();
+                let status = status_of(finish_reason);
+                let response = self
+                    .request
+                    .response(Some(&self.turn), status, Some(&usage));
+                self.request.keep(&self.turn, &response);
+                let kind = if status == "completed" {
+                    "response.completed"
+                } else {
+                    "response.incomplete"
+                };
+                self.emit(kind, json!({"response": response}));
+                self.generation = None;
+            }
+            Ok(None) => self.generation = None,
+            Err(e) => {
+                let mut failed = self.request.response(Some(&self.turn), "failed", None);
+                failed["error"] =
+                    json!({"code": "server_error", "message": e.body()["error"]["message"]});
+                self.emit("response.failed", json!({"response": failed}));
+                self.generation = None;
+            }
+        }
+        true
+    }
+}
+
+fn stream(
+    generation: Generation,
+    request: Request,
+) -> axum::response::sse::Sse<
+    impl futures_util::Stream<Item = Result<axum::response::sse::Event, std::convert::Infallible>>,
+> {
+    let mut state = StreamState {
+        generation: Some(generation),
+        request,
+        turn: Turn::new(),
+        open: Open::Nothing,
+        items: 0,
+        sequence: 0,
+        pending: VecDeque::new(),
+    };
+    let started = state.request.response(None, "in_progress", None);
+    state.emit("response.created", json!({"response": started.clone()}));
+    state.emit("response.in_progress", json!({"response": started}));
+    let events = futures_util::stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some(e) = state.pending.pop_front() {
+                return Some((Ok(e), state));
+            }
+            if !state.advance().await {
+                return None;
+            }
+        }
+    });
+    axum::response::sse::Sse::new(events).keep_alive(axum::response::sse::KeepAlive::default())
 }
 
 /// `GET /v1/responses/{id}`: a stored response.
