@@ -689,6 +689,27 @@ async fn responses_answer_continue_and_store() {
     assert_eq!(got, StatusCode::NOT_FOUND);
 }
 
+/// Once the engine thread has stopped, /health says so and requests get 503s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reports_a_stopped_engine() {
+    let s = server(None, 16, 512);
+    let health = || Request::get("/health").body(Body::empty()).unwrap();
+    assert_eq!(call(&s.app, health()).await.0, StatusCode::OK);
+    s.engine.shutdown();
+    for _ in 0..200 {
+        if !s.engine.metrics().engine_alive.load(Ordering::Relaxed) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        call(&s.app, health()).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+}
+
 /// Log output captured by a test's subscriber.
 #[derive(Clone, Default)]
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);

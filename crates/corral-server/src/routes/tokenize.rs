@@ -26,7 +26,10 @@ pub(crate) async fn tokenize(
     ) {
         (Some(Value::String(text)), None) => text.clone(),
         (None, Some(_)) => {
-            let chat = request::chat(&body, &state.config.sampling_defaults)?;
+            // add_generation_prompt is this endpoint's, not a chat field.
+            let mut as_chat = body.clone();
+            as_chat.remove("add_generation_prompt");
+            let chat = request::chat(&as_chat, &state.config.sampling_defaults)?;
             let template = state
                 .chat_template
                 .clone()
