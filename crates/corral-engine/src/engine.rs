@@ -461,18 +461,63 @@ struct DiskSessions<'a> {
     metrics: &'a EngineMetrics,
     /// The file `find` chose, being read and checked by a thread while the eviction that
     /// makes room for it spills.
-    prefetch: Option<(std::path::PathBuf, SpillRead)>,
+    prefetch: Option<Prefetch>,
 }
 
 /// A session file's read and check, and its milliseconds.
 type SpillRead = std::thread::JoinHandle<(Result<crate::SpillFile, EngineError>, f64)>;
 
+/// A read of a session file on its own thread; dropped unjoined (the prompt went elsewhere),
+/// it tells the thread to stop reading.
+struct Prefetch {
+    path: std::path::PathBuf,
+    reader: Option<SpillRead>,
+    cancel: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Prefetch {
+    fn start(path: &std::path::Path, fingerprint: u64) -> Option<Self> {
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (file, flag) = (path.to_path_buf(), Arc::clone(&cancel));
+        let reader = std::thread::Builder::new()
+            .name("corral-restore".to_string())
+            .spawn(move || read_spill(&file, fingerprint, &flag))
+            .ok()?;
+        Some(Self {
+            path: path.to_path_buf(),
+            reader: Some(reader),
+            cancel,
+        })
+    }
+
+    /// The read's result (waiting for it).
+    fn join(mut self) -> (Result<crate::SpillFile, EngineError>, f64) {
+        let failed = || EngineError::Spill {
+            path: self.path.clone(),
+            detail: "its reader failed".to_string(),
+        };
+        match self.reader.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(read)) => read,
+            _ => (Err(failed()), 0.0),
+        }
+    }
+}
+
+impl Drop for Prefetch {
+    fn drop(&mut self) {
+        if self.reader.is_some() {
+            self.cancel.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 fn read_spill(
     path: &std::path::Path,
     fingerprint: u64,
+    cancel: &std::sync::atomic::AtomicBool,
 ) -> (Result<crate::SpillFile, EngineError>, f64) {
     let start = std::time::Instant::now();
-    let file = crate::SpillFile::read(path, fingerprint);
+    let file = crate::SpillFile::read_unless(path, fingerprint, cancel);
     (file, start.elapsed().as_secs_f64() * 1e3)
 }
 
@@ -544,12 +589,7 @@ impl SessionStore for DiskSessions<'_> {
         // Kept through the spills that make room for it.
         self.dir.pin(found.as_ref().map(|f| f.1.clone()));
         if let Some((_, path)) = &found {
-            let (file, fingerprint) = (path.clone(), self.dir.fingerprint());
-            self.prefetch = std::thread::Builder::new()
-                .name("corral-restore".to_string())
-                .spawn(move || read_spill(&file, fingerprint))
-                .ok()
-                .map(|reader| (path.clone(), reader));
+            self.prefetch = Prefetch::start(path, self.dir.fingerprint());
         }
         found
     }
@@ -569,15 +609,15 @@ impl SessionStore for DiskSessions<'_> {
                     detail: "its write failed".to_string(),
                 });
             }
-            let (file, read_ms) = match self.prefetch.take() {
-                Some((read, reader)) if read == path => reader.join().unwrap_or_else(|_| {
-                    let failed = EngineError::Spill {
-                        path: path.to_path_buf(),
-                        detail: "its reader failed".to_string(),
-                    };
-                    (Err(failed), 0.0)
-                }),
-                _ => read_spill(path, self.dir.fingerprint()),
+            // Another file's read is dropped here, which stops it, before this one's.
+            let prefetched = self.prefetch.take().filter(|p| p.path == path);
+            let (file, read_ms) = match prefetched {
+                Some(prefetch) => prefetch.join(),
+                None => read_spill(
+                    path,
+                    self.dir.fingerprint(),
+                    &std::sync::atomic::AtomicBool::new(false),
+                ),
             };
             let file = file?;
             let waited_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -10,6 +10,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::EngineError;
 
@@ -107,11 +108,15 @@ impl Checksum {
     }
 }
 
+#[cfg(test)]
 fn checksum(bytes: &[u8]) -> u64 {
     let mut sum = Checksum::new();
     sum.update(bytes);
     sum.finish()
 }
+
+/// Bytes of a session file checked between looks at a read's cancel flag.
+const READ_PIECE_BYTES: usize = 16 << 20;
 
 fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
     EngineError::Spill {
@@ -190,13 +195,30 @@ pub struct SpillFile {
 impl SpillFile {
     /// Reads and checks the file at `path` against `expected_fingerprint`.
     pub fn read(path: &Path, expected_fingerprint: u64) -> Result<Self, EngineError> {
+        Self::read_unless(path, expected_fingerprint, &AtomicBool::new(false))
+    }
+
+    /// [`SpillFile::read`], given up (an error) once `cancel` is set: the file is checked a
+    /// piece at a time, so that a read nobody waits for any more stops reading the disk.
+    pub fn read_unless(
+        path: &Path,
+        expected_fingerprint: u64,
+        cancel: &AtomicBool,
+    ) -> Result<Self, EngineError> {
         // Files are written under a temporary name and renamed, never changed in place.
         let map = corral_backend::MappedFile::open(path).map_err(|e| bad(path, e.to_string()))?;
         let bytes = map.bytes();
         let (tokens, header) = Self::header(path, bytes, expected_fingerprint)?;
         let body_end = bytes.len() - 8;
         let stored = u64::from_le_bytes(bytes[body_end..].try_into().unwrap_or_default());
-        if checksum(&bytes[..body_end]) != stored {
+        let mut sum = Checksum::new();
+        for piece in bytes[..body_end].chunks(READ_PIECE_BYTES) {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(bad(path, "the read was cancelled"));
+            }
+            sum.update(piece);
+        }
+        if sum.finish() != stored {
             return Err(bad(path, "checksum mismatch (a corrupt file)"));
         }
         Ok(Self {
@@ -620,6 +642,20 @@ mod tests {
         let d = std::env::temp_dir().join(format!("corral-spill-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    #[test]
+    fn a_cancelled_read_gives_up() {
+        let d = dir("cancelled");
+        std::fs::create_dir_all(&d).unwrap();
+        let p = prefix();
+        let path = d.join("a.spill");
+        p.write(&path).unwrap();
+        let cancel = AtomicBool::new(true);
+        let err = SpillFile::read_unless(&path, p.fingerprint, &cancel).unwrap_err();
+        assert!(err.to_string().contains("cancelled"), "{err}");
+        cancel.store(false, Ordering::Relaxed);
+        assert!(SpillFile::read_unless(&path, p.fingerprint, &cancel).is_ok());
     }
 
     #[test]
