@@ -437,13 +437,39 @@ pub(crate) fn unacted_fields(body: &Map<String, Value>, chat: bool) -> Vec<Strin
 
 /// Logs the fields of a request that Corral does not act on, if any.
 fn warn_unacted(body: &Map<String, Value>, chat: bool) {
-    let fields = unacted_fields(body, chat);
+    warn_ignored(&unacted_fields(body, chat));
+}
+
+/// The one log line naming a request's fields that are not acted on, if any.
+pub(crate) fn warn_ignored<S: AsRef<str>>(fields: &[S]) {
     if !fields.is_empty() {
+        let names: Vec<&str> = fields.iter().map(AsRef::as_ref).collect();
         tracing::warn!(
-            fields = %fields.join(", "),
+            fields = %names.join(", "),
             "request fields that are not acted on (ignored)"
         );
     }
+}
+
+/// Logs the fields of another API's request (Messages, Responses) that its translation into
+/// a chat request does not read.
+pub(crate) fn warn_fields_outside(body: &Map<String, Value>, read: &[&str]) {
+    let ignored: Vec<&str> = body
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !read.contains(k))
+        .collect();
+    warn_ignored(&ignored);
+}
+
+/// A chat request's function tool; a missing description is empty, missing parameters an
+/// object schema.
+pub(crate) fn function_tool(tool: &Value, parameters_key: &str) -> Value {
+    serde_json::json!({"type": "function", "function": {
+        "name": tool.get("name").cloned().unwrap_or(Value::Null),
+        "description": tool.get("description").cloned().unwrap_or(serde_json::json!("")),
+        "parameters": tool.get(parameters_key).cloned().unwrap_or(serde_json::json!({"type": "object"})),
+    }})
 }
 
 /// Validates a `/v1/chat/completions` body.

@@ -70,14 +70,7 @@ const MESSAGES_FIELDS: &[&str] = &[
 
 /// The chat completion body a Messages request stands for.
 pub(crate) fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
-    let ignored: Vec<&str> = body
-        .keys()
-        .map(String::as_str)
-        .filter(|k| !MESSAGES_FIELDS.contains(k))
-        .collect();
-    if !ignored.is_empty() {
-        tracing::warn!(fields = %ignored.join(", "), "request fields that are not acted on (ignored)");
-    }
+    request::warn_fields_outside(body, MESSAGES_FIELDS);
     let mut chat = Map::new();
     for (from, to) in [
         ("model", "model"),
@@ -183,13 +176,7 @@ pub(crate) fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, A
     if let Some(Value::Array(tools)) = body.get("tools") {
         let tools: Vec<Value> = tools
             .iter()
-            .map(|t| {
-                json!({"type": "function", "function": {
-                    "name": t.get("name").cloned().unwrap_or(Value::Null),
-                    "description": t.get("description").cloned().unwrap_or(json!("")),
-                    "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
-                }})
-            })
+            .map(|t| request::function_tool(t, "input_schema"))
             .collect();
         chat.insert("tools".to_string(), Value::Array(tools));
     }

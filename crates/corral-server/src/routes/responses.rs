@@ -171,14 +171,7 @@ const RESPONSES_FIELDS: &[&str] = &[
 /// The chat completion body a Responses request stands for, given the stored conversation
 /// it continues.
 fn to_chat(body: &Map<String, Value>, history: Vec<Value>) -> Result<Map<String, Value>, ApiError> {
-    let ignored: Vec<&str> = body
-        .keys()
-        .map(String::as_str)
-        .filter(|k| !RESPONSES_FIELDS.contains(k))
-        .collect();
-    if !ignored.is_empty() {
-        tracing::warn!(fields = %ignored.join(", "), "request fields that are not acted on (ignored)");
-    }
+    request::warn_fields_outside(body, RESPONSES_FIELDS);
     let mut chat = Map::new();
     for (from, to) in [
         ("model", "model"),
@@ -206,13 +199,7 @@ fn to_chat(body: &Map<String, Value>, history: Vec<Value>) -> Result<Map<String,
         let tools: Vec<Value> = tools
             .iter()
             .filter(|t| t.get("type").and_then(Value::as_str) == Some("function"))
-            .map(|t| {
-                json!({"type": "function", "function": {
-                    "name": t.get("name").cloned().unwrap_or(Value::Null),
-                    "description": t.get("description").cloned().unwrap_or(json!("")),
-                    "parameters": t.get("parameters").cloned().unwrap_or(json!({"type": "object"})),
-                }})
-            })
+            .map(|t| request::function_tool(t, "parameters"))
             .collect();
         chat.insert("tools".to_string(), Value::Array(tools));
     }
