@@ -365,6 +365,28 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
+    /// Several projections of one input: `outs[i] = x · weights[i]ᵀ`, as [`Backend::matmul`]
+    /// each; a backend that prepares its input for a projection (a GPU's rounding to bf16)
+    /// does so once for all of them.
+    fn matmuls(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        weights: &[WeightView<'_>],
+        outs: &mut [&mut DeviceBuffer],
+    ) -> Result<()> {
+        if weights.len() != outs.len() {
+            return Err(BackendError::BadArgument {
+                op: "matmuls",
+                detail: format!("{} weights for {} outputs", weights.len(), outs.len()),
+            });
+        }
+        for (w, out) in weights.iter().zip(outs.iter_mut()) {
+            self.matmul(x, rows, *w, out)?;
+        }
+        Ok(())
+    }
+
     /// `acc[i] += x[i]` for the first `len` elements.
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()>;
 

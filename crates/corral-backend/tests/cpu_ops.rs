@@ -169,6 +169,43 @@ fn pool_reuses_buffers_and_counts_only_misses() {
     b.give_buffer(other);
 }
 
+/// Several projections of one input equal one `matmul` each, and weights without as many
+/// outputs are an error.
+#[test]
+fn matmuls_equal_each_matmul() {
+    let b = CpuBackend::new();
+    let (rows, k, ns) = (5, 24, [7, 16, 3]);
+    let x = upload(&b, &values(rows * k, 9));
+    let weights: Vec<_> = ns
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            b.weight_from_f32(&values(n * k, 10 + i as u64), DType::BF16)
+                .unwrap()
+        })
+        .collect();
+    let views: Vec<WeightView> = weights
+        .iter()
+        .zip(ns)
+        .map(|(w, n)| WeightView::new(w, n, k).unwrap())
+        .collect();
+    let take = |n: usize| {
+        b.take_buffer(DType::F32, rows * n, BufferUsage::Activations)
+            .unwrap()
+    };
+    let mut joint: Vec<_> = ns.iter().map(|&n| take(n)).collect();
+    let mut outs: Vec<&mut corral_backend::DeviceBuffer> = joint.iter_mut().collect();
+    b.matmuls(&x, rows, &views, &mut outs).unwrap();
+    for ((view, out), n) in views.iter().zip(&joint).zip(ns) {
+        let mut each = take(n);
+        b.matmul(&x, rows, *view, &mut each).unwrap();
+        assert_eq!(download(&b, out, rows * n), download(&b, &each, rows * n));
+    }
+    let mut one = take(7);
+    let err = b.matmuls(&x, rows, &views, &mut [&mut one]).unwrap_err();
+    assert!(err.to_string().contains("3 weights for 1 outputs"), "{err}");
+}
+
 #[test]
 fn ops_reject_bad_arguments_without_panicking() {
     let b = CpuBackend::new();

@@ -453,25 +453,38 @@ fn delta_net_ops_match_cpu() {
                 1e-5,
             );
         }
-        // Both run prefill runs in the chunked form (the GPU from 16 tokens, in other orders).
+        // Both run prefill runs in the chunked form (the GPU from 16 tokens, on tensor cores
+        // with bf16 operands: CHUNKED_TOLERANCE).
+        let tol = if lens.iter().any(|&l| l >= 16) {
+            CHUNKED_TOLERANCE
+        } else {
+            1e-3
+        };
         assert_close(
             &format!("{what}: delta out"),
             &results[1][4],
             &results[0][4],
-            1e-3,
+            tol,
         );
         assert_close(
             &format!("{what}: delta state"),
             &results[1][5],
             &results[0][5],
-            1e-3,
+            tol,
         );
     }
 }
 
+/// Relative error allowed the chunked delta rule against f32 arithmetic: its products take
+/// bf16 operands (q̂, k̂, M, W, U's T and V, the state's and V''s copies; f32 accumulation and
+/// an f32 state), each rounding about 2e-3 of its terms, as the production chunked kernels of
+/// these models do. An emulation of the kernels' math in f64 with those roundings measured
+/// 3.6e-3 to 4.3e-3 at this test's shapes, at every run length up to 3,300 tokens (no drift).
+const CHUNKED_TOLERANCE: f64 = 1e-2;
+
 /// The chunked delta rule (one launch for runs of any length) equals the recurrence fed one
 /// token at a time, at the Qwen3.5 shape, with live incoming states, across chunk boundaries
-/// and across the launch pairs a long run needs (the op scratch holds 50 chunks of 32 heads),
+/// and across the launch pairs a long run needs (the op scratch holds 46 chunks of 32 heads),
 /// and equals the CPU.
 #[test]
 fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
@@ -577,7 +590,8 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
                     &cpu_state[st],
                 ),
             ] {
-                assert_close(&format!("{what}: {name}"), a, b, 1e-3);
+                eprintln!("{what}: {name}: relative error {:.2e}", rel(a, b));
+                assert_close(&format!("{what}: {name}"), a, b, CHUNKED_TOLERANCE);
             }
         }
     }
@@ -1252,6 +1266,52 @@ fn launches_syncs_and_allocations_are_counted_exactly() {
     assert_eq!(spent.weight_bytes_read, 2 * 64 * 32 * 2);
     assert!(host.iter().all(|v| (*v - 16.0).abs() < 1e-3), "{}", host[0]);
     g.give_buffer(again);
+}
+
+/// Projections of one input through `matmuls` equal `matmul` each, bit for bit: on the cuBLAS
+/// path (rows past the matrix-vector kernels) the input is rounded once for all of them (one
+/// conversion and a GEMM each); below it, each is its own matrix-vector launch.
+#[test]
+fn matmuls_equal_each_matmul_and_round_the_input_once() {
+    let g = gpu_or_skip!();
+    let mut rng = Rng(41);
+    let (k, ns) = (96, [64, 40, 8]);
+    let weights: Vec<DeviceBuffer> = ns
+        .iter()
+        .map(|&n| g.weight_from_f32(&rng.values(n * k), DType::BF16).unwrap())
+        .collect();
+    let views: Vec<WeightView> = weights
+        .iter()
+        .zip(ns)
+        .map(|(w, n)| WeightView::new(w, n, k).unwrap())
+        .collect();
+    for rows in [20, 100] {
+        let x = f32_buf(g, &rng.values(rows * k));
+        let mut each: Vec<DeviceBuffer> = ns.iter().map(|&n| out_buf(g, rows * n)).collect();
+        for (v, out) in views.iter().zip(each.iter_mut()) {
+            g.matmul(&x, rows, *v, out).unwrap();
+        }
+        let mut joint: Vec<DeviceBuffer> = ns.iter().map(|&n| out_buf(g, rows * n)).collect();
+        let before = g.stats();
+        let mut outs: Vec<&mut DeviceBuffer> = joint.iter_mut().collect();
+        g.matmuls(&x, rows, &views, &mut outs).unwrap();
+        let spent = g.stats() - before;
+        let blas = rows > 32 && g.device_name().contains("cuBLAS");
+        let expected = if blas { 1 + ns.len() } else { ns.len() };
+        assert_eq!(spent.dispatches, expected as u64, "rows {rows}");
+        for ((a, b), n) in each.iter().zip(&joint).zip(ns) {
+            assert_eq!(
+                read(g, a, rows * n),
+                read(g, b, rows * n),
+                "rows {rows}, n {n}"
+            );
+        }
+    }
+    let mut one = out_buf(g, 4);
+    assert!(
+        g.matmuls(&f32_buf(g, &[0.0; 96]), 1, &views, &mut [&mut one])
+            .is_err()
+    );
 }
 
 #[test]

@@ -72,7 +72,7 @@ pub(crate) const SOURCES: [KernelSource; 8] = [
     },
     KernelSource {
         name: "delta_net.cu",
-        headers: &[COMMON],
+        headers: &[COMMON, MMA_TILE],
         body: include_str!("kernels/delta_net.cu"),
     },
     KernelSource {

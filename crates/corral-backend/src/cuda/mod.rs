@@ -160,6 +160,14 @@ const GDR_CHUNK: usize = 64;
 /// (GDR_THREADS).
 const GDR_SLICE: usize = 32;
 const GDR_THREADS: u32 = 256;
+
+/// Bytes of the chunked delta rule's workspace per (chunk, value head) (delta_net.cu's
+/// gdr_chunk_bytes): −W, q̂ and k̂ (bf16 [64][dk rounded up to 16]) and M (bf16 [64][64]),
+/// then 132 tail floats and U (f32 [64][dv]).
+fn gdr_chunk_bytes(dk: usize, dv: usize) -> usize {
+    2 * (3 * GDR_CHUNK * dk.next_multiple_of(16) + GDR_CHUNK * GDR_CHUNK)
+        + 4 * (132 + GDR_CHUNK * dv)
+}
 /// Runs from which the delta rule takes the chunked form rather than the token-by-token
 /// recurrence.
 const CHUNKED_DELTA_MIN_RUN: usize = 16;
@@ -618,8 +626,6 @@ impl CudaBackend {
                 &prepare,
             )?;
             let scan = [
-                qkv,
-                nk_a,
                 nv_a,
                 dk_a,
                 dv_a,
@@ -1154,6 +1160,69 @@ impl Backend for CudaBackend {
             );
             self.launch(&kernels.matmul_tiled, grid, 128, &args)
         }
+    }
+
+    fn matmuls(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        weights: &[WeightView<'_>],
+        outs: &mut [&mut DeviceBuffer],
+    ) -> Result<()> {
+        let op = "matmul";
+        if weights.len() != outs.len() {
+            return Err(bad(
+                "matmuls",
+                format!("{} weights for {} outputs", weights.len(), outs.len()),
+            ));
+        }
+        let cols = weights.first().map_or(0, |w| w.cols);
+        let all_blas = rows > MATVEC_MAX_ROWS
+            && self.blas.is_some()
+            && weights.iter().all(|w| {
+                w.cols == cols && w.rows > 0 && matches!(weight(op, *w), Ok((_, DType::BF16, true)))
+            });
+        let Some(blas) = self.blas.as_ref().filter(|_| all_blas && weights.len() > 1) else {
+            for (w, out) in weights.iter().zip(outs.iter_mut()) {
+                self.matmul(x, rows, *w, out)?;
+            }
+            return Ok(());
+        };
+        // x rounded to bf16 once, then one cuBLAS GEMM per projection.
+        let len = rows * cols;
+        let x_arg = buf(op, "x", x, DType::F32, len)?;
+        let mut targets = Vec::with_capacity(weights.len());
+        for (w, out) in weights.iter().zip(outs.iter()) {
+            let (w_addr, _, _) = weight(op, *w)?;
+            buf(op, "out", out, DType::F32, rows * w.rows)?;
+            targets.push((w_addr, w.rows, ptr_of(op, out)?));
+        }
+        let weight_bytes: usize = weights.iter().map(|w| w.rows * w.cols * 2).sum();
+        let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
+        let x16_ptr = ptr_of(op, &x16)?;
+        let convert = [
+            x_arg,
+            Arg::U64(len as u64),
+            Arg::Ptr(x16_ptr),
+            Arg::U64(weight_bytes as u64),
+            self.diag(),
+        ];
+        let queued = self
+            .launch(
+                &self.kernels.to_bf16,
+                Self::elementwise_grid(op, len.div_ceil(4))?,
+                256,
+                &convert,
+            )
+            .and_then(|()| {
+                targets.iter().try_for_each(|&(w_addr, n, out_addr)| {
+                    self.counted("cublas_gemm_bf16", || {
+                        blas.gemm_bf16(x16_ptr, rows, w_addr, n, cols, out_addr)
+                    })
+                })
+            });
+        self.give_buffer(x16);
+        queued
     }
 
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
@@ -2037,8 +2106,7 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         if runs.max_run_tokens >= CHUNKED_DELTA_MIN_RUN && !self.recurrent_delta_rule {
-            let per_chunk = GDR_CHUNK * (dk + dv + GDR_CHUNK + 3);
-            let per_wave = OP_SCRATCH_FLOATS / (nv * per_chunk);
+            let per_wave = OP_SCRATCH_FLOATS * 4 / (nv * gdr_chunk_bytes(dk, dv));
             if per_wave > 0 {
                 // Every run has at most one partial chunk.
                 let chunks = (tokens.div_ceil(GDR_CHUNK) + runs.num_runs)
@@ -2082,8 +2150,8 @@ impl Backend for CudaBackend {
         ];
         self.launch(
             &self.kernels.gated_rms_norm,
-            (grid_of(op, rows)?, 1, 1),
-            128,
+            (grid_of(op, rows.div_ceil(8))?, 1, 1),
+            256,
             &args,
         )
     }

@@ -145,29 +145,16 @@ impl GatedAttention {
             cfg.num_kv_heads,
         );
         let (eps, rot) = (cfg.rms_norm_eps, cfg.rotary_dim());
-        backend.matmul(
+        backend.matmuls(
             &ws.h,
             tokens,
-            WeightView::new(&self.q_proj, nh * hd, h)?,
-            &mut ws.q,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.gate_proj, nh * hd, h)?,
-            &mut ws.hybrid.attn_gate,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.k_proj, nkv * hd, h)?,
-            &mut ws.k,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.v_proj, nkv * hd, h)?,
-            &mut ws.v,
+            &[
+                WeightView::new(&self.q_proj, nh * hd, h)?,
+                WeightView::new(&self.gate_proj, nh * hd, h)?,
+                WeightView::new(&self.k_proj, nkv * hd, h)?,
+                WeightView::new(&self.v_proj, nkv * hd, h)?,
+            ],
+            &mut [&mut ws.q, &mut ws.hybrid.attn_gate, &mut ws.k, &mut ws.v],
         )?;
         backend.rms_norm(
             &ws.q,
@@ -307,29 +294,16 @@ impl GatedDeltaNet {
         let (nv, dv) = (l.num_value_heads, l.value_head_dim);
         let c = l.conv_channels();
         let s = &mut ws.hybrid;
-        backend.matmul(
+        backend.matmuls(
             &ws.h,
             tokens,
-            WeightView::new(&self.in_proj_qkv, c, h)?,
-            &mut s.qkv,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.in_proj_z, nv * dv, h)?,
-            &mut s.z,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.in_proj_b, nv, h)?,
-            &mut s.b,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.in_proj_a, nv, h)?,
-            &mut s.a,
+            &[
+                WeightView::new(&self.in_proj_qkv, c, h)?,
+                WeightView::new(&self.in_proj_z, nv * dv, h)?,
+                WeightView::new(&self.in_proj_b, nv, h)?,
+                WeightView::new(&self.in_proj_a, nv, h)?,
+            ],
+            &mut [&mut s.qkv, &mut s.z, &mut s.b, &mut s.a],
         )?;
         let runs = RecurrentRuns {
             runs: &ws.batch.recurrent_runs,

@@ -66,17 +66,14 @@ impl Mlp {
         shared: bool,
     ) -> Result<()> {
         let (h, i) = (self.hidden, self.inter);
-        backend.matmul(
+        backend.matmuls(
             &ws.h,
             tokens,
-            WeightView::new(&self.gate_proj, i, h)?,
-            &mut ws.gate,
-        )?;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.up_proj, i, h)?,
-            &mut ws.up,
+            &[
+                WeightView::new(&self.gate_proj, i, h)?,
+                WeightView::new(&self.up_proj, i, h)?,
+            ],
+            &mut [&mut ws.gate, &mut ws.up],
         )?;
         backend.silu_mul(&ws.gate, &ws.up, tokens * i, &mut ws.act)?;
         let out = if shared {

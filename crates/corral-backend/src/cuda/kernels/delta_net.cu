@@ -20,22 +20,23 @@ __device__ __forceinline__ bool run_of(const u32* runs, u32 r, u32 tokens, u32 s
 }
 
 #define CONV_CHANNELS 32     // channels of a block (one per lane)
-#define CONV_TOKEN_LANES 8   // tokens a block computes at once (one per warp)
+#define CONV_TOKEN_LANES 8   // warps of a block
 #define CONV_TILE 64         // tokens of a block
+#define CONV_SPAN (CONV_TILE / CONV_TOKEN_LANES)  // consecutive tokens of a warp
 
 // out[t, c] = silu(Σ_i w[c, i] · in[t - (kernel - 1) + i]) where `in` is channel c's stored
 // history (the previous kernel - 1 inputs; zero for a fresh sequence) followed by the run's
-// x[., c]. A block takes 32 channels of one run's tile of CONV_TILE tokens, its warps
-// alternating tokens, every token independent of the others. The first tile's block stages
-// the old history in shared memory and alone writes the new one (the run's last kernel - 1
-// inputs), after its reads, so no block reads a history another has replaced. Grid:
-// (ceil(channels / 32), tiles of the longest run, runs); block: 256 threads.
+// x[., c]. A block takes 32 channels of one run's tile of CONV_TILE tokens; each warp
+// computes CONV_SPAN consecutive tokens from a window of inputs it loads once into registers.
+// The first tile's block stages the old history in shared memory and alone writes the new one
+// (the run's last kernel - 1 inputs), after its reads, so no block reads a history another has
+// replaced. Grid: (ceil(channels / 32), tiles of the longest run, runs); block: 256 threads.
 extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) causal_conv1d(
     const float* x, const float* weight, u32 channels, u32 kernel, const u32* runs, u32 tokens,
     u32 slots, float* state, float* out, Diag* diag) {
     begin_small_kernel();
     __shared__ float old_history[CONV_MAX_KERNEL][CONV_CHANNELS];
-    u32 lane = threadIdx.x % CONV_CHANNELS, tl = threadIdx.x / CONV_CHANNELS;
+    u32 lane = threadIdx.x % CONV_CHANNELS, warp = threadIdx.x / CONV_CHANNELS;
     u32 c = blockIdx.x * CONV_CHANNELS + lane, tile = blockIdx.y, r = blockIdx.z;
     u32 start, len, slot;
     bool fresh;
@@ -44,12 +45,11 @@ extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) c
     if (tile + 1 == gridDim.y && len > t_begin + CONV_TILE && threadIdx.x == 0)
         raise_error(diag, ERR_RUN_LENGTH);
     if (tile > 0 && t_begin >= len) return;
-    u32 t_end = min(len, t_begin + CONV_TILE);
     bool ok = c < channels, first = tile == 0;
     u32 hist = kernel - 1;
     float* history = state + ((size_t)slot * channels + (ok ? c : 0)) * hist;
     if (first)
-        for (u32 i = tl; i < hist; i += CONV_TOKEN_LANES)
+        for (u32 i = warp; i < hist; i += CONV_TOKEN_LANES)
             old_history[i][lane] = ok && !fresh ? history[i] : 0.f;
     float w[CONV_MAX_KERNEL];
 #pragma unroll
@@ -61,17 +61,25 @@ extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) c
     auto input = [&](u32 i) -> float {
         return i < hist ? old_history[i][lane] : x[(size_t)(start + i - hist) * channels + c];
     };
-    if (ok)
-        for (u32 t = t_begin + tl; t < t_end; t += CONV_TOKEN_LANES) {
+    u32 t0 = t_begin + warp * CONV_SPAN;
+    if (ok && t0 < len) {
+        // Inputs t0 .. t0 + CONV_SPAN - 1 + hist: token t0 + s reads win[s .. s + hist].
+        float win[CONV_MAX_KERNEL - 1 + CONV_SPAN];
+#pragma unroll
+        for (u32 q = 0; q < CONV_MAX_KERNEL - 1 + CONV_SPAN; q++)
+            win[q] = q < hist + CONV_SPAN && t0 + q < len + hist ? input(t0 + q) : 0.f;
+#pragma unroll
+        for (u32 s = 0; s < CONV_SPAN; s++) {
+            if (t0 + s >= len) break;
             float y = 0.f;
 #pragma unroll
-            for (int i = 0; i < CONV_MAX_KERNEL; i++)
-                if (i < (int)kernel) y += w[i] * input(t + i);
-            out[(size_t)(start + t) * channels + c] = silu(y);
+            for (u32 i = 0; i < CONV_MAX_KERNEL; i++) y += w[i] * win[s + i];
+            out[(size_t)(start + t0 + s) * channels + c] = silu(y);
         }
+    }
     __syncthreads();
     if (ok && first)
-        for (u32 i = tl; i < hist; i += CONV_TOKEN_LANES) history[i] = input(len + i);
+        for (u32 i = warp; i < hist; i += CONV_TOKEN_LANES) history[i] = input(len + i);
 }
 
 // g = -exp(a_log) · softplus(a + dt_bias) and beta = σ(b), per (token, head).
@@ -198,33 +206,45 @@ __device__ __forceinline__ void gated_delta_rule_impl(const float* qkv, const fl
 GATED_DELTA_RULE(gated_delta_rule_256, 256)
 GATED_DELTA_RULE(gated_delta_rule, 1024)
 
-// The chunked form of the gated delta rule for prefill (the math of the CPU's `chunked`):
-// per chunk of 64 tokens of a run and value head, with cumulative log-decay γ,
+// The chunked form of the gated delta rule for prefill (the math of the CPU's `chunked`), on
+// tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation, the state f32 throughout).
+// Per chunk of 64 tokens of a run and value head, with cumulative log-decay γ:
 // A = diag(β) K Kᵀ ⊙ e^{γ_i − γ_l} (strictly lower), T = (I + A)⁻¹, W = T diag(β e^γ) K,
 // U = T diag(β) V and M = (Q Kᵀ) ⊙ e^{γ_i − γ_l} (lower, diagonal included) depend only on
 // the chunk's inputs and are made for every chunk at once (gdr_chunk_prepare); a run's state
 // then goes through its chunks in order (gdr_chunk_scan): V' = U − W S,
-// O = (Q e^γ) S + M V' and S ← e^{γ_last} S + (K e^{γ_last − γ})ᵀ V', with the state's value
-// columns split over blocks (they evolve independently). The runs' chunks are numbered in
-// run order; a launch pair takes the chunks [first, first + per_wave) (the workspace holds
+// O = e^γ ⊙ (Q S) + M V' and S ← e^{γ_last} S + Kᵀ (e^{γ_last − γ} ⊙ V'), with the state's
+// value columns split over blocks (they evolve independently). The runs' chunks are numbered
+// in run order; a launch pair takes the chunks [first, first + per_wave) (the workspace holds
 // that many chunks of every value head), carrying states in their slots between launches.
 
 #define GDR_CHUNK 64
 #define GDR_MAX_DK 128
 #define GDR_SLICE 32     // state columns a scan block carries
 #define GDR_THREADS 256
-// Floats of the prepare kernel's dynamic shared memory: K and Q (or a V piece) rows of
-// GDR_MAX_DK + 1, A and T rows of 65.
-#define GDR_PREP_SMEM_FLOATS (2 * GDR_CHUNK * (GDR_MAX_DK + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1))
-// Floats of the scan kernel's: W, Q e^γ and K e^{γ_last − γ} (64 × dk each), M (64 × 64),
-// V' (64 × 32) and the state slice (dk × 32).
-#define GDR_SCAN_SMEM_FLOATS \
-    (3 * GDR_CHUNK * GDR_MAX_DK + GDR_CHUNK * GDR_CHUNK + GDR_CHUNK * GDR_SLICE + GDR_MAX_DK * GDR_SLICE)
+#define GDR_KS (GDR_MAX_DK + 8)  // u16 stride of staged [64][dk] rows: conflict-free fragments
+#define GDR_LS (GDR_CHUNK + 8)   // u16 stride of staged [.][64] rows
+#define GDR_TAIL 132             // floats of a chunk's e^γ, e^{γ_last − γ}, e^{γ_last}, padding
+#define GDR_PIECE 128            // value columns of U made at a time
 
-// The workspace of one (chunk, value head): W [64, dk], U [64, dv], M [64, 64], then per token
-// γ, the query's scale (1 / |q| · dk^-1/2 · e^γ) and the key's (1 / |k| · e^{γ_last − γ}).
-__device__ __forceinline__ size_t gdr_chunk_floats(u32 dk, u32 dv) {
-    return (size_t)GDR_CHUNK * (dk + dv + GDR_CHUNK + 3);
+// Bytes of the prepare kernel's dynamic shared memory: q and k rows (bf16, the rows of V
+// later), A and T (f32 [64][65]).
+#define GDR_PREP_SMEM_BYTES (2 * GDR_CHUNK * GDR_KS * 2 + 2 * GDR_CHUNK * (GDR_CHUNK + 1) * 4)
+// Bytes of one scan stage: −W, q and k rows (bf16 [64][GDR_KS]), M (bf16 [64][GDR_LS]) and
+// the tail; then the state slice and V' transposed (bf16) and V' scaled by e^{γ_last − γ}.
+#define GDR_STAGE_BYTES (3 * GDR_CHUNK * GDR_KS * 2 + GDR_CHUNK * GDR_LS * 2 + GDR_TAIL * 4)
+#define GDR_SCAN_SMEM_BYTES \
+    (2 * GDR_STAGE_BYTES + GDR_SLICE * GDR_KS * 2 + 2 * GDR_SLICE * GDR_LS * 2)
+
+// Key dims rounded up to a k16 step.
+__device__ __forceinline__ u32 gdr_dkp(u32 dk) { return (dk + 15) & ~15u; }
+
+// The workspace of one (chunk, value head), bf16 then f32: −W, q̂ and k̂ [64][dkp], M [64][64];
+// the tail (e^γ [64], e^{γ_last − γ} [64], e^{γ_last}, 3 of padding) and U [64][dv]. Rows past
+// the chunk's tokens and key dims past dk are zero.
+__device__ __forceinline__ size_t gdr_chunk_bytes(u32 dk, u32 dv) {
+    return 2 * ((size_t)3 * GDR_CHUNK * gdr_dkp(dk) + GDR_CHUNK * GDR_CHUNK) +
+           4 * ((size_t)GDR_TAIL + (size_t)GDR_CHUNK * dv);
 }
 
 __device__ __forceinline__ u32 gdr_chunks(u32 len) { return (len + GDR_CHUNK - 1) / GDR_CHUNK; }
@@ -246,143 +266,286 @@ __device__ bool gdr_chunk_of(const u32* runs, u32 num_runs, u32 tokens, u32 g, u
     return false;
 }
 
-// Grid: (per_wave, nv); block: GDR_THREADS; dynamic shared memory GDR_PREP_SMEM_FLOATS.
+// A fragment (16 rows from r0, k16 step from k0) of a row-major bf16 tile of stride `ld`.
+__device__ __forceinline__ void gdr_a_frag(u32* a, const u16* x, u32 ld, u32 r0, u32 k0) {
+    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u16* p = x + (r0 + g) * ld + k0 + 2 * t;
+    a[0] = *reinterpret_cast<const u32*>(p);
+    a[1] = *reinterpret_cast<const u32*>(p + 8 * ld);
+    a[2] = *reinterpret_cast<const u32*>(p + 8);
+    a[3] = *reinterpret_cast<const u32*>(p + 8 * ld + 8);
+}
+
+// B fragment (k16 step from k0, 8 columns from n0) of B[k][n] = x[n][k], x row-major bf16.
+__device__ __forceinline__ void gdr_b_frag(u32* b, const u16* x, u32 ld, u32 n0, u32 k0) {
+    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u16* p = x + (n0 + g) * ld + k0 + 2 * t;
+    b[0] = *reinterpret_cast<const u32*>(p);
+    b[1] = *reinterpret_cast<const u32*>(p + 8);
+}
+
+// B fragments of two n8 tiles (n0, n0 + 8) for the k16 step from k0 of B = x, x row-major bf16
+// [k][n]: {b0, b1} of the first tile, then of the second.
+__device__ __forceinline__ void gdr_b_frags_trans(u32* b, const u16* x, u32 ld, u32 k0, u32 n0) {
+    u32 lane = threadIdx.x & 31;
+    ldmatrix_x4_trans(b, x + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+}
+
+// A fragment (16 rows from r0, k16 step from k0) of A = xᵀ, x row-major bf16 [k][rows].
+__device__ __forceinline__ void gdr_a_frag_trans(u32* a, const u16* x, u32 ld, u32 r0, u32 k0) {
+    u32 lane = threadIdx.x & 31;
+    ldmatrix_x4_trans(a, x + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + r0 + ((lane >> 3) & 1) * 8);
+}
+
+// Calls f(row, col, v0, v1) for the two adjacent columns of each half of a 16x8 accumulator.
+template <typename F>
+__device__ __forceinline__ void gdr_acc_each(const float* c, u32 r0, u32 n0, F f) {
+    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    f(r0 + g, n0 + 2 * t, c[0], c[1]);
+    f(r0 + g + 8, n0 + 2 * t, c[2], c[3]);
+}
+
+// Grid: (per_wave, nv); block: GDR_THREADS; dynamic shared memory GDR_PREP_SMEM_BYTES.
+// Warp w computes 16 rows (w / 2) of each 64-row product, half (w % 2) of its columns.
 extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
     const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,
-    const u32* runs, u32 num_runs, u32 tokens, u32 slots, u32 first, float* ws, Diag* diag) {
+    const u32* runs, u32 num_runs, u32 tokens, u32 slots, u32 first, unsigned char* ws,
+    Diag* diag) {
     begin_kernel();
-    extern __shared__ __align__(16) float gdr_prep[];
-    __shared__ float gamma[GDR_CHUNK], bt[GDR_CHUNK], bg[GDR_CHUNK], qinv[GDR_CHUNK],
-        kinv[GDR_CHUNK];
-    const u32 kst = GDR_MAX_DK + 1, ast = GDR_CHUNK + 1;
-    float* ks = gdr_prep;                     // [64][kst]: normalised keys
-    float* qs = ks + GDR_CHUNK * kst;         // [64][kst]: normalised queries, then V pieces
-    float* as = qs + GDR_CHUNK * kst;         // [64][ast]: A
-    float* ts = as + GDR_CHUNK * ast;         // [64][ast]: T
+    extern __shared__ __align__(16) unsigned char gdr_prep[];
+    u16* qh = reinterpret_cast<u16*>(gdr_prep);           // [64][GDR_KS]: q̂, then V rows
+    u16* kh = qh + GDR_CHUNK * GDR_KS;                    // [64][GDR_KS]: k̂
+    float* as = reinterpret_cast<float*>(kh + GDR_CHUNK * GDR_KS);  // [64][65]: A, then T·diag
+    float* ts = as + GDR_CHUNK * (GDR_CHUNK + 1);         // [64][65]: T
+    u16* tb = reinterpret_cast<u16*>(as);                 // [64][GDR_LS]: T scaled, bf16
+    __shared__ float gamma[GDR_CHUNK], bt[GDR_CHUNK], bg[GDR_CHUNK];
+    __shared__ float xs[3][16][16];
+    const u32 ast = GDR_CHUNK + 1;
     u32 run, chunk;
     if (!gdr_chunk_of(runs, num_runs, tokens, first + blockIdx.x, &run, &chunk)) return;
     u32 start, len, slot;
     bool fresh;
     if (!run_of(runs, run, tokens, slots, &start, &len, &slot, &fresh, diag)) return;
-    u32 j = blockIdx.y, kh = j / (nv / nk);
+    u32 j = blockIdx.y, kh_j = j / (nv / nk), dkp = gdr_dkp(dk);
     u32 t0 = start + chunk * GDR_CHUNK, m = min(GDR_CHUNK, len - chunk * GDR_CHUNK);
     u32 width = 2 * nk * dk + nv * dv;
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (u32 x = threadIdx.x; x < GDR_CHUNK * dk; x += GDR_THREADS) {
-        u32 i = x / dk, d = x % dk;
-        const float* row = qkv + (size_t)(t0 + i) * width;
-        qs[i * kst + d] = i < m ? row[kh * dk + d] : 0.f;
-        ks[i * kst + d] = i < m ? row[nk * dk + kh * dk + d] : 0.f;
-    }
-    if (threadIdx.x == 0) {
-        float acc = 0.f;
-        for (u32 i = 0; i < GDR_CHUNK; i++) {
-            acc += i < m ? g[(size_t)(t0 + i) * nv + j] : 0.f;
-            gamma[i] = acc;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mt = warp >> 1, half = warp & 1;
+    unsigned char* base = ws + ((size_t)blockIdx.x * nv + j) * gdr_chunk_bytes(dk, dv);
+    u16* w_out = reinterpret_cast<u16*>(base);
+    u16* q_out = w_out + GDR_CHUNK * dkp;
+    u16* k_out = q_out + GDR_CHUNK * dkp;
+    u16* m_out = k_out + GDR_CHUNK * dkp;
+    float* tail = reinterpret_cast<float*>(m_out + GDR_CHUNK * GDR_CHUNK);
+    float* u_out = tail + GDR_TAIL;
+    // γ: an inclusive scan of the gates, two tokens a lane (zero past the chunk's tokens).
+    if (warp == 0) {
+        float a = 2 * lane < m ? g[(size_t)(t0 + 2 * lane) * nv + j] : 0.f;
+        float b = 2 * lane + 1 < m ? g[(size_t)(t0 + 2 * lane + 1) * nv + j] : 0.f;
+        float s = a + b;
+#pragma unroll
+        for (u32 o = 1; o < 32; o <<= 1) {
+            float y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
         }
+        gamma[2 * lane] = s - b;
+        gamma[2 * lane + 1] = s;
     }
     if (threadIdx.x < GDR_CHUNK)
         bt[threadIdx.x] = threadIdx.x < m ? beta[(size_t)(t0 + threadIdx.x) * nv + j] : 0.f;
-    __syncthreads();
-    if (threadIdx.x < GDR_CHUNK) bg[threadIdx.x] = bt[threadIdx.x] * expf(gamma[threadIdx.x]);
+    // q̂ and k̂ rows, L2-normalised (q also by dk^-1/2), as bf16; zero past dk and m.
     for (u32 i = warp; i < GDR_CHUNK; i += GDR_THREADS / 32) {
+        const float* row = qkv + (size_t)(t0 + i) * width;
+        float qv[GDR_MAX_DK / 32], kv[GDR_MAX_DK / 32];
         float sq = 0.f, sk = 0.f;
-        for (u32 d = lane; d < dk; d += 32) {
-            sq += qs[i * kst + d] * qs[i * kst + d];
-            sk += ks[i * kst + d] * ks[i * kst + d];
+#pragma unroll
+        for (u32 c = 0; c < GDR_MAX_DK / 32; c++) {
+            u32 d = lane + 32 * c;
+            bool live = i < m && d < dk;
+            qv[c] = live ? row[kh_j * dk + d] : 0.f;
+            kv[c] = live ? row[nk * dk + kh_j * dk + d] : 0.f;
+            sq += qv[c] * qv[c];
+            sk += kv[c] * kv[c];
         }
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
-        if (lane == 0) {
-            qinv[i] = rsqrtf(sq + 1e-6f) * rsqrtf((float)dk);
-            kinv[i] = rsqrtf(sk + 1e-6f);
-        }
-    }
-    __syncthreads();
-    for (u32 x = threadIdx.x; x < GDR_CHUNK * dk; x += GDR_THREADS) {
-        u32 i = x / dk, d = x % dk;
-        qs[i * kst + d] *= qinv[i];
-        ks[i * kst + d] *= kinv[i];
-    }
-    __syncthreads();
-    float* w_out = ws + ((size_t)blockIdx.x * nv + j) * gdr_chunk_floats(dk, dv);
-    float* u_out = w_out + (size_t)GDR_CHUNK * dk;
-    float* m_out = u_out + (size_t)GDR_CHUNK * dv;
-    float* tail = m_out + GDR_CHUNK * GDR_CHUNK;
-    // A and M, a (row, column) pair per thread and step: a warp shares its row.
-    for (u32 x = threadIdx.x; x < GDR_CHUNK * GDR_CHUNK; x += GDR_THREADS) {
-        u32 i = x / GDR_CHUNK, l = x % GDR_CHUNK;
-        float kk = 0.f, qk = 0.f;
-        if (l <= i && i < m)
-            for (u32 d = 0; d < dk; d++) {
-                float kl = ks[l * kst + d];
-                kk += ks[i * kst + d] * kl;
-                qk += qs[i * kst + d] * kl;
+        float qinv = rsqrtf(warp_sum(sq) + 1e-6f) * rsqrtf((float)dk);
+        float kinv = rsqrtf(warp_sum(sk) + 1e-6f);
+#pragma unroll
+        for (u32 c = 0; c < GDR_MAX_DK / 32; c++) {
+            u32 d = lane + 32 * c;
+            if (d < dkp) {
+                qh[i * GDR_KS + d] = f32_to_bf16(qv[c] * qinv);
+                kh[i * GDR_KS + d] = f32_to_bf16(kv[c] * kinv);
             }
-        float decay = l <= i && i < m ? expf(gamma[i] - gamma[l]) : 0.f;
-        as[i * ast + l] = l < i ? bt[i] * kk * decay : 0.f;
-        m_out[i * GDR_CHUNK + l] = qk * decay;
-    }
-    __syncthreads();
-    // T = (I + A)⁻¹ by forward substitution, a column per thread: T[i][c] = δ_ic − Σ_l A[i][l]
-    // T[l][c] over c <= l < i.
-    if (threadIdx.x < GDR_CHUNK) {
-        u32 c = threadIdx.x;
-        for (u32 i = 0; i < GDR_CHUNK; i++) {
-            float v = i == c ? 1.f : 0.f;
-            for (u32 l = 0; l < i; l++) v -= as[i * ast + l] * ts[l * ast + c];
-            ts[i * ast + c] = i >= c ? v : 0.f;
         }
     }
     __syncthreads();
-    // W = T diag(β e^γ) K.
-    for (u32 x = threadIdx.x; x < m * dk; x += GDR_THREADS) {
-        u32 i = x / dk, d = x % dk;
-        float acc = 0.f;
-        for (u32 l = 0; l <= i; l++) acc += ts[i * ast + l] * bg[l] * ks[l * kst + d];
-        w_out[(size_t)i * dk + d] = acc;
-    }
-    // U = T diag(β) V, V staged in pieces of up to kst columns where the queries were.
-    for (u32 e0 = 0; e0 < dv; e0 += kst) {
-        u32 piece = min(kst, dv - e0);
-        __syncthreads();
-        for (u32 x = threadIdx.x; x < m * piece; x += GDR_THREADS) {
-            u32 l = x / piece, e = x % piece;
-            qs[l * kst + e] = qkv[(size_t)(t0 + l) * width + 2 * nk * dk + j * dv + e0 + e];
-        }
-        __syncthreads();
-        for (u32 x = threadIdx.x; x < m * piece; x += GDR_THREADS) {
-            u32 i = x / piece, e = x % piece;
-            float acc = 0.f;
-            for (u32 l = 0; l <= i; l++) acc += ts[i * ast + l] * bt[l] * qs[l * kst + e];
-            u_out[(size_t)i * dv + e0 + e] = acc;
-        }
-    }
+    float last = gamma[GDR_CHUNK - 1];
     if (threadIdx.x < GDR_CHUNK) {
         u32 i = threadIdx.x;
-        float last = gamma[m - 1];
-        tail[i] = gamma[i];
-        tail[GDR_CHUNK + i] = qinv[i] * expf(gamma[i]);
-        tail[2 * GDR_CHUNK + i] = kinv[i] * expf(last - gamma[i]);
+        bool live = i < m;
+        bg[i] = bt[i] * expf(gamma[i]);
+        tail[i] = live ? expf(gamma[i]) : 0.f;
+        tail[GDR_CHUNK + i] = live ? expf(last - gamma[i]) : 0.f;
+    }
+    if (threadIdx.x == 0) {
+        tail[2 * GDR_CHUNK] = expf(last);
+        tail[2 * GDR_CHUNK + 1] = tail[2 * GDR_CHUNK + 2] = tail[2 * GDR_CHUNK + 3] = 0.f;
+    }
+    // q̂ and k̂ to the workspace, 16 bytes at a time.
+    for (u32 x = threadIdx.x; x < GDR_CHUNK * dkp / 8; x += GDR_THREADS) {
+        u32 i = x / (dkp / 8), d = (x % (dkp / 8)) * 8;
+        *reinterpret_cast<uint4*>(q_out + i * dkp + d) =
+            *reinterpret_cast<const uint4*>(qh + i * GDR_KS + d);
+        *reinterpret_cast<uint4*>(k_out + i * dkp + d) =
+            *reinterpret_cast<const uint4*>(kh + i * GDR_KS + d);
+    }
+    // K Kᵀ and Q Kᵀ: rows 16 mt, columns 32 half .. + 31 (tiles above the diagonal are zero).
+    {
+        float kk[4][4], qk[4][4];
+#pragma unroll
+        for (u32 n = 0; n < 4; n++)
+#pragma unroll
+            for (u32 r = 0; r < 4; r++) kk[n][r] = qk[n][r] = 0.f;
+        for (u32 k0 = 0; k0 < dkp; k0 += 16) {
+            u32 ak[4], aq[4];
+            gdr_a_frag(ak, kh, GDR_KS, 16 * mt, k0);
+            gdr_a_frag(aq, qh, GDR_KS, 16 * mt, k0);
+#pragma unroll
+            for (u32 n = 0; n < 4; n++) {
+                u32 n0 = 32 * half + 8 * n;
+                if (n0 > 16 * mt + 15) continue;
+                u32 b[2];
+                gdr_b_frag(b, kh, GDR_KS, n0, k0);
+                mma16816<false>(kk[n], ak, b);
+                mma16816<false>(qk[n], aq, b);
+            }
+        }
+#pragma unroll
+        for (u32 n = 0; n < 4; n++) {
+            u32 n0 = 32 * half + 8 * n;
+            auto put = [&](u32 i, u32 l, float* kkv, float* qkv_) {
+                float d0 = l <= i && i < m ? expf(gamma[i] - gamma[l]) : 0.f;
+                float d1 = l + 1 <= i && i < m ? expf(gamma[i] - gamma[l + 1]) : 0.f;
+                as[i * ast + l] = l < i ? bt[i] * kkv[0] * d0 : 0.f;
+                as[i * ast + l + 1] = l + 1 < i ? bt[i] * kkv[1] * d1 : 0.f;
+                *reinterpret_cast<u32*>(m_out + i * GDR_CHUNK + l) =
+                    pack_bf16(qkv_[0] * d0, qkv_[1] * d1);
+            };
+            u32 g8 = lane >> 2, t2 = 2 * (lane & 3);
+            put(16 * mt + g8, n0 + t2, &kk[n][0], &qk[n][0]);
+            put(16 * mt + g8 + 8, n0 + t2, &kk[n][2], &qk[n][2]);
+        }
+    }
+    __syncthreads();
+    // T = (I + A)⁻¹ in 16x16 blocks: the diagonal blocks by forward substitution, a column
+    // per thread; then block row a: T_ab = −T_aa Σ_{b<=l<a} A_al T_lb.
+    if (threadIdx.x < GDR_CHUNK) {
+        u32 a = threadIdx.x / 16, c = threadIdx.x % 16, o = 16 * a;
+        float v[16];
+#pragma unroll
+        for (u32 i = 0; i < 16; i++) {
+            float x = i == c ? 1.f : 0.f;
+#pragma unroll
+            for (u32 l = 0; l < i; l++) x -= as[(o + i) * ast + o + l] * v[l];
+            v[i] = i >= c ? x : 0.f;
+            ts[(o + i) * ast + o + c] = v[i];
+        }
+    }
+    for (u32 a = 1; a < 4; a++) {
+        __syncthreads();
+        for (u32 e = threadIdx.x; e < a * 256; e += GDR_THREADS) {
+            u32 b = e / 256, i = (e / 16) % 16, c = e % 16;
+            float x = 0.f;
+            for (u32 l = b; l < a; l++)
+#pragma unroll
+                for (u32 k = 0; k < 16; k++)
+                    x += as[(16 * a + i) * ast + 16 * l + k] * ts[(16 * l + k) * ast + 16 * b + c];
+            xs[b][i][c] = x;
+        }
+        __syncthreads();
+        for (u32 e = threadIdx.x; e < a * 256; e += GDR_THREADS) {
+            u32 b = e / 256, i = (e / 16) % 16, c = e % 16;
+            float x = 0.f;
+#pragma unroll
+            for (u32 k = 0; k < 16; k++) x += ts[(16 * a + i) * ast + 16 * a + k] * xs[b][k][c];
+            ts[(16 * a + i) * ast + 16 * b + c] = -x;
+        }
+    }
+    __syncthreads();
+    // −W = −T diag(β e^γ) K: T scaled to bf16 (over A), K̂ from its rows by ldmatrix.
+    for (u32 x = threadIdx.x; x < GDR_CHUNK * GDR_CHUNK; x += GDR_THREADS) {
+        u32 i = x / GDR_CHUNK, l = x % GDR_CHUNK;
+        tb[i * GDR_LS + l] = f32_to_bf16(l <= i ? -ts[i * ast + l] * bg[l] : 0.f);
+    }
+    __syncthreads();
+    {
+        // Columns 16 b .. 16 b + 15 for b = half, half + 2, ...
+        for (u32 b16 = half; b16 < dkp / 16; b16 += 2) {
+            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            u32 n0 = 16 * b16;
+            for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
+                u32 a[4], b[4];
+                gdr_a_frag(a, tb, GDR_LS, 16 * mt, k0);
+                gdr_b_frags_trans(b, kh, GDR_KS, k0, n0);
+                mma16816<false>(acc[0], a, b);
+                mma16816<false>(acc[1], a, b + 2);
+            }
+#pragma unroll
+            for (u32 h = 0; h < 2; h++)
+                gdr_acc_each(acc[h], 16 * mt, n0 + 8 * h, [&](u32 i, u32 d, float v0, float v1) {
+                    *reinterpret_cast<u32*>(w_out + i * dkp + d) = pack_bf16(v0, v1);
+                });
+        }
+    }
+    __syncthreads();
+    // U = T diag(β) V, V's rows staged (bf16) where q̂ was, GDR_PIECE columns at a time.
+    for (u32 x = threadIdx.x; x < GDR_CHUNK * GDR_CHUNK; x += GDR_THREADS) {
+        u32 i = x / GDR_CHUNK, l = x % GDR_CHUNK;
+        tb[i * GDR_LS + l] = f32_to_bf16(l <= i ? ts[i * ast + l] * bt[l] : 0.f);
+    }
+    for (u32 e0 = 0; e0 < dv; e0 += GDR_PIECE) {
+        u32 piece = min(GDR_PIECE, dv - e0), width16 = (piece + 15) & ~15u;
+        __syncthreads();  // the previous piece's reads are done
+        for (u32 x = threadIdx.x; x < GDR_CHUNK * width16; x += GDR_THREADS) {
+            u32 l = x / width16, e = x % width16;
+            float v = l < m && e < piece
+                          ? qkv[(size_t)(t0 + l) * width + 2 * nk * dk + j * dv + e0 + e]
+                          : 0.f;
+            qh[l * GDR_KS + e] = f32_to_bf16(v);
+        }
+        __syncthreads();
+        for (u32 b16 = half; b16 < width16 / 16; b16 += 2) {
+            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            u32 n0 = 16 * b16;
+            for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
+                u32 a[4], b[4];
+                gdr_a_frag(a, tb, GDR_LS, 16 * mt, k0);
+                gdr_b_frags_trans(b, qh, GDR_KS, k0, n0);
+                mma16816<false>(acc[0], a, b);
+                mma16816<false>(acc[1], a, b + 2);
+            }
+#pragma unroll
+            for (u32 h = 0; h < 2; h++)
+                gdr_acc_each(acc[h], 16 * mt, n0 + 8 * h, [&](u32 i, u32 e, float v0, float v1) {
+                    if (e < piece) u_out[(size_t)i * dv + e0 + e] = v0;
+                    if (e + 1 < piece) u_out[(size_t)i * dv + e0 + e + 1] = v1;
+                });
+        }
     }
 }
 
 // Grid: (runs, nv, ceil(dv / GDR_SLICE)); block: GDR_THREADS; dynamic shared memory
-// GDR_SCAN_SMEM_FLOATS. Takes the `wave` chunks from `first` that gdr_chunk_prepare made. Thread (warp w, lane e) owns state column e of the block's slice:
-// rows w, w + 8, ... of V' and O and rows w, w + 8, ... of S.
+// GDR_SCAN_SMEM_BYTES. Takes the `wave` chunks from `first` that gdr_chunk_prepare made, each
+// staged by cp.async while the one before computes. Warp w computes rows 16 (w / 2) ..
+// + 15 and columns 16 (w % 2) .. + 15 of the slice's V' and O, and holds rows 16 w .. + 15
+// of the state slice in its accumulators (a bf16 copy in shared memory is the operand).
 extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
-    const float* qkv, u32 nk, u32 nv, u32 dk, u32 dv, const u32* runs, u32 num_runs,
-    u32 tokens, u32 slots, u32 first, u32 wave, u32 total, const float* ws, float* state,
-    float* out, Diag* diag) {
+    u32 nv, u32 dk, u32 dv, const u32* runs, u32 num_runs, u32 tokens, u32 slots, u32 first,
+    u32 wave, u32 total, const unsigned char* ws, float* state, float* out, Diag* diag) {
     begin_kernel();
-    extern __shared__ __align__(16) float gdr_scan[];
-    float* wsh = gdr_scan;                        // [64][dk]: W
-    float* qg = wsh + GDR_CHUNK * dk;             // [64][dk]: q e^γ (normalised, scaled)
-    float* kd = qg + GDR_CHUNK * dk;              // [64][dk]: k e^{γ_last − γ} (normalised)
-    float* msh = kd + GDR_CHUNK * dk;             // [64][64]: M
-    float* vp = msh + GDR_CHUNK * GDR_CHUNK;      // [64][32]: U, then V'
-    float* s = vp + GDR_CHUNK * GDR_SLICE;        // [dk][32]: the state slice
-    __shared__ float tail[3 * GDR_CHUNK];
+    extern __shared__ __align__(16) unsigned char gdr_scan[];
+    u16* st = reinterpret_cast<u16*>(gdr_scan + 2 * GDR_STAGE_BYTES);  // [32][GDR_KS]: Sᵀ
+    u16* vt = st + GDR_SLICE * GDR_KS;  // [32][GDR_LS]: V'ᵀ
+    u16* vs = vt + GDR_SLICE * GDR_LS;  // [32][GDR_LS]: (e^{γ_last − γ} ⊙ V')ᵀ
     u32 r = blockIdx.x, j = blockIdx.y, e0 = blockIdx.z * GDR_SLICE;
     u32 start, len, slot;
     bool fresh;
@@ -397,58 +560,179 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
     u32 c_end = min(chunks, first + wave > g0 ? first + wave - g0 : 0);
     bool zero_run = chunks == 0 && first == 0 && fresh;
     if (c_begin >= c_end && !zero_run) return;
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 e = e0 + lane;
-    bool live = e < dv;
-    u32 kh = j / (nv / nk), width = 2 * nk * dk + nv * dv;
+    u32 dkp = gdr_dkp(dk);
+    size_t chunk_bytes = gdr_chunk_bytes(dk, dv);
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mt = warp >> 1, half = warp & 1;
+    u32 g8 = lane >> 2, t2 = 2 * (lane & 3);
     float* s_global = state + ((size_t)slot * nv + j) * dk * dv;
-    bool zero = fresh && c_begin == 0;
-    for (u32 d = warp; d < dk; d += GDR_THREADS / 32)
-        s[d * GDR_SLICE + lane] = live && !zero ? s_global[(size_t)d * dv + e] : 0.f;
-    for (u32 c = c_begin; c < c_end; c++) {
-        u32 t0 = start + c * GDR_CHUNK, m = min(GDR_CHUNK, len - c * GDR_CHUNK);
-        const float* w_in = ws + ((size_t)(g0 + c - first) * nv + j) * gdr_chunk_floats(dk, dv);
-        const float* u_in = w_in + (size_t)GDR_CHUNK * dk;
-        const float* m_in = u_in + (size_t)GDR_CHUNK * dv;
-        const float* t_in = m_in + GDR_CHUNK * GDR_CHUNK;
-        __syncthreads();  // the previous chunk's reads are done
-        for (u32 x = threadIdx.x; x < 3 * GDR_CHUNK; x += GDR_THREADS) tail[x] = t_in[x];
-        __syncthreads();
-        for (u32 x = threadIdx.x; x < m * dk; x += GDR_THREADS) {
-            u32 i = x / dk, d = x % dk;
-            const float* row = qkv + (size_t)(t0 + i) * width;
-            wsh[x] = w_in[x];
-            qg[x] = row[kh * dk + d] * tail[GDR_CHUNK + i];
-            kd[x] = row[nk * dk + kh * dk + d] * tail[2 * GDR_CHUNK + i];
+    bool zero = fresh && c_begin == 0, s_rows = 16 * warp < dkp;
+    float sacc[4][4];
+#pragma unroll
+    for (u32 n = 0; n < 4; n++)
+#pragma unroll
+        for (u32 x = 0; x < 4; x++) {
+            u32 d = 16 * warp + g8 + 8 * (x >> 1), e = e0 + 8 * n + t2 + (x & 1);
+            sacc[n][x] = !zero && d < dk && e < dv ? s_global[(size_t)d * dv + e] : 0.f;
         }
-        for (u32 x = threadIdx.x; x < m * GDR_CHUNK; x += GDR_THREADS) msh[x] = m_in[x];
-        for (u32 i = warp; i < m; i += GDR_THREADS / 32)
-            vp[i * GDR_SLICE + lane] = live ? u_in[(size_t)i * dv + e] : 0.f;
-        __syncthreads();
-        // V' = U − W S.
-        for (u32 i = warp; i < m; i += GDR_THREADS / 32) {
-            float acc = 0.f;
-            for (u32 d = 0; d < dk; d++) acc += wsh[i * dk + d] * s[d * GDR_SLICE + lane];
-            vp[i * GDR_SLICE + lane] -= acc;
+    auto store_st = [&]() {
+        if (!s_rows) return;
+#pragma unroll
+        for (u32 n = 0; n < 4; n++)
+#pragma unroll
+            for (u32 x = 0; x < 4; x++)
+                st[(8 * n + t2 + (x & 1)) * GDR_KS + 16 * warp + g8 + 8 * (x >> 1)] =
+                    f32_to_bf16(sacc[n][x]);
+    };
+    store_st();
+    auto chunk_src = [&](u32 c) { return ws + ((size_t)(g0 + c - first) * nv + j) * chunk_bytes; };
+    // Chunk c's −W, q̂, k̂, M and tail into stage `s`, 16 bytes a copy.
+    auto issue = [&](u32 c, u32 s) {
+        const unsigned char* src = chunk_src(c);
+        unsigned char* dst = gdr_scan + s * GDR_STAGE_BYTES;
+        const u16* src16 = reinterpret_cast<const u16*>(src);
+        u16* dst16 = reinterpret_cast<u16*>(dst);
+        u32 per_row = dkp / 8, per_mat = GDR_CHUNK * per_row;
+        for (u32 x = threadIdx.x; x < 3 * per_mat; x += GDR_THREADS) {
+            u32 which = x / per_mat, i = (x % per_mat) / per_row, d = (x % per_row) * 8;
+            cp_async16(dst16 + (which * GDR_CHUNK + i) * GDR_KS + d,
+                       src16 + (which * GDR_CHUNK + i) * dkp + d, 16);
         }
-        __syncthreads();
-        // O = (Q e^γ) S + M V'.
-        for (u32 i = warp; i < m; i += GDR_THREADS / 32) {
-            float acc = 0.f;
-            for (u32 d = 0; d < dk; d++) acc += qg[i * dk + d] * s[d * GDR_SLICE + lane];
-            for (u32 l = 0; l <= i; l++) acc += msh[i * GDR_CHUNK + l] * vp[l * GDR_SLICE + lane];
-            if (live) out[((size_t)(t0 + i) * nv + j) * dv + e] = acc;
-        }
-        __syncthreads();
-        // S ← e^{γ_last} S + (K e^{γ_last − γ})ᵀ V'.
-        float decay = expf(tail[m - 1]);
-        for (u32 d = warp; d < dk; d += GDR_THREADS / 32) {
-            float acc = s[d * GDR_SLICE + lane] * decay;
-            for (u32 l = 0; l < m; l++) acc += kd[l * dk + d] * vp[l * GDR_SLICE + lane];
-            s[d * GDR_SLICE + lane] = acc;
-        }
+        const u16* m_src = src16 + 3 * GDR_CHUNK * dkp;
+        u16* m_dst = dst16 + 3 * GDR_CHUNK * GDR_KS;
+        for (u32 x = threadIdx.x; x < GDR_CHUNK * 8; x += GDR_THREADS)
+            cp_async16(m_dst + (x / 8) * GDR_LS + (x % 8) * 8, m_src + (x / 8) * GDR_CHUNK + (x % 8) * 8,
+                       16);
+        const float* t_src = reinterpret_cast<const float*>(m_src + GDR_CHUNK * GDR_CHUNK);
+        float* t_dst = reinterpret_cast<float*>(m_dst + GDR_CHUNK * GDR_LS);
+        for (u32 x = threadIdx.x; x < GDR_TAIL / 4; x += GDR_THREADS)
+            cp_async16(t_dst + 4 * x, t_src + 4 * x, 16);
+        cp_async_commit();
+    };
+    // This thread's entries of chunk c's U: rows 16 mt + g8 (+ 8), columns 16 half + 8 n + t2.
+    auto load_u = [&](u32 c, float (*u)[4]) {
+        const float* u_src = reinterpret_cast<const float*>(
+                                 chunk_src(c) + 2 * ((size_t)3 * GDR_CHUNK * dkp + GDR_CHUNK * GDR_CHUNK)) +
+                             GDR_TAIL;
+#pragma unroll
+        for (u32 n = 0; n < 2; n++)
+#pragma unroll
+            for (u32 x = 0; x < 4; x++) {
+                u32 i = 16 * mt + g8 + 8 * (x >> 1), e = e0 + 16 * half + 8 * n + t2 + (x & 1);
+                u[n][x] = e < dv ? u_src[(size_t)i * dv + e] : 0.f;
+            }
+    };
+    float u_next[2][4];
+    if (c_begin < c_end) {
+        issue(c_begin, 0);
+        load_u(c_begin, u_next);
     }
-    __syncthreads();
-    for (u32 d = warp; d < dk; d += GDR_THREADS / 32)
-        if (live) s_global[(size_t)d * dv + e] = s[d * GDR_SLICE + lane];
+    for (u32 c = c_begin; c < c_end; c++) {
+        u32 s = (c - c_begin) & 1;
+        float v[2][4];
+#pragma unroll
+        for (u32 n = 0; n < 2; n++)
+#pragma unroll
+            for (u32 x = 0; x < 4; x++) v[n][x] = u_next[n][x];
+        if (c + 1 < c_end) {
+            issue(c + 1, s ^ 1);
+            load_u(c + 1, u_next);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // chunk c's stage and the state's copy are in place
+        const u16* wn = reinterpret_cast<const u16*>(gdr_scan + s * GDR_STAGE_BYTES);
+        const u16* qs = wn + GDR_CHUNK * GDR_KS;
+        const u16* ks = qs + GDR_CHUNK * GDR_KS;
+        const u16* ms = ks + GDR_CHUNK * GDR_KS;
+        const float* tl = reinterpret_cast<const float*>(ms + GDR_CHUNK * GDR_LS);
+        u32 t0 = start + c * GDR_CHUNK, m = min(GDR_CHUNK, len - c * GDR_CHUNK);
+        // V' = U + (−W) S.
+        for (u32 k0 = 0; k0 < dkp; k0 += 16) {
+            u32 a[4];
+            gdr_a_frag(a, wn, GDR_KS, 16 * mt, k0);
+#pragma unroll
+            for (u32 n = 0; n < 2; n++) {
+                u32 b[2];
+                gdr_b_frag(b, st, GDR_KS, 16 * half + 8 * n, k0);
+                mma16816<false>(v[n], a, b);
+            }
+        }
+#pragma unroll
+        for (u32 n = 0; n < 2; n++)
+            gdr_acc_each(v[n], 16 * mt, 16 * half + 8 * n, [&](u32 i, u32 e, float v0, float v1) {
+                float ek = tl[GDR_CHUNK + i];
+                vt[e * GDR_LS + i] = f32_to_bf16(v0);
+                vt[(e + 1) * GDR_LS + i] = f32_to_bf16(v1);
+                vs[e * GDR_LS + i] = f32_to_bf16(v0 * ek);
+                vs[(e + 1) * GDR_LS + i] = f32_to_bf16(v1 * ek);
+            });
+        __syncthreads();
+        // O = e^γ ⊙ (Q̂ S) + M V' (M is lower triangular: k steps up to the diagonal).
+        float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        for (u32 k0 = 0; k0 < dkp; k0 += 16) {
+            u32 a[4];
+            gdr_a_frag(a, qs, GDR_KS, 16 * mt, k0);
+#pragma unroll
+            for (u32 n = 0; n < 2; n++) {
+                u32 b[2];
+                gdr_b_frag(b, st, GDR_KS, 16 * half + 8 * n, k0);
+                mma16816<false>(o[n], a, b);
+            }
+        }
+        float eg_lo = tl[16 * mt + g8], eg_hi = tl[16 * mt + g8 + 8];
+#pragma unroll
+        for (u32 n = 0; n < 2; n++) {
+            o[n][0] *= eg_lo;
+            o[n][1] *= eg_lo;
+            o[n][2] *= eg_hi;
+            o[n][3] *= eg_hi;
+        }
+        for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
+            u32 a[4];
+            gdr_a_frag(a, ms, GDR_LS, 16 * mt, k0);
+#pragma unroll
+            for (u32 n = 0; n < 2; n++) {
+                u32 b[2];
+                gdr_b_frag(b, vt, GDR_LS, 16 * half + 8 * n, k0);
+                mma16816<false>(o[n], a, b);
+            }
+        }
+#pragma unroll
+        for (u32 n = 0; n < 2; n++)
+            gdr_acc_each(o[n], 16 * mt, 16 * half + 8 * n, [&](u32 i, u32 e, float v0, float v1) {
+                if (i >= m) return;
+                float* row = out + ((size_t)(t0 + i) * nv + j) * dv + e0;
+                if (e0 + e < dv) row[e] = v0;
+                if (e0 + e + 1 < dv) row[e + 1] = v1;
+            });
+        // S ← e^{γ_last} S + K̂ᵀ (e^{γ_last − γ} ⊙ V'), K̂ᵀ by transposing ldmatrix.
+        if (s_rows) {
+            float decay = tl[2 * GDR_CHUNK];
+#pragma unroll
+            for (u32 n = 0; n < 4; n++)
+#pragma unroll
+                for (u32 x = 0; x < 4; x++) sacc[n][x] *= decay;
+#pragma unroll
+            for (u32 k0 = 0; k0 < GDR_CHUNK; k0 += 16) {
+                u32 a[4];
+                gdr_a_frag_trans(a, ks, GDR_KS, 16 * warp, k0);
+#pragma unroll
+                for (u32 n = 0; n < 4; n++) {
+                    u32 b[2];
+                    gdr_b_frag(b, vs, GDR_LS, 8 * n, k0);
+                    mma16816<false>(sacc[n], a, b);
+                }
+            }
+        }
+        __syncthreads();  // every read of Sᵀ, V' and this stage is done
+        store_st();
+    }
+#pragma unroll
+    for (u32 n = 0; n < 4; n++)
+#pragma unroll
+        for (u32 x = 0; x < 4; x++) {
+            u32 d = 16 * warp + g8 + 8 * (x >> 1), e = e0 + 8 * n + t2 + (x & 1);
+            if (d < dk && e < dv) s_global[(size_t)d * dv + e] = sacc[n][x];
+        }
 }

@@ -60,20 +60,6 @@ __device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cac
 // Shared memory of one block: two stages of 64 keys of K and of V, rows of HD + 8 values.
 #define FA_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
 
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* smem) {
-    u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_plain(u32* r, const u16* smem) {
-    u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -199,7 +185,7 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
 #pragma unroll
             for (int kp = 0; kp < KT / 2; kp++) {
                 u32 b[4];
-                ldmatrix_x4_plain(b, kb + kp * 32);
+                ldmatrix_x4(b, kb + kp * 32);
                 fa_mma<HD>(s[nt], qa[2 * kp], b[0], b[1]);
                 fa_mma<HD>(s[nt], qa[2 * kp + 1], b[2], b[3]);
             }

@@ -15,13 +15,6 @@
 #define BT_STAGE ((BT_M + BT_W_ROWS) * BT_STRIDE)
 #define BT_SMEM_BYTES (BT_STAGES * BT_STAGE * 2)
 
-__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* smem) {
-    u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
 // acc[x][mi][ni][4]: weight x, rows wm*32 + mi*16 + {g, g+8}, columns (of that weight's
 // BT_W_ROWS / NW) wn*WC + ni*8 + 2*tq + {0,1}, WC = BT_W_ROWS / NW / 2.
 // a_rows: shared [BT_M] bf16 row pointers (null past the tile's rows); a_any: any readable

@@ -100,6 +100,24 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
     }
 }
 
+// Four 8x8 16-bit matrices from shared memory: lanes 8i .. 8i + 7 give the row addresses of
+// matrix i, whose fragment lands in r[i].
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* smem) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+// Four 8x8 16-bit matrices from shared memory, transposed: lanes 8i .. 8i + 7 give the row
+// addresses of matrix i, whose transpose's fragment lands in r[i].
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* smem) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
 // Asynchronous 16-byte copy global -> shared; bytes < 16 zero-fills the rest (0: no read).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
     u32 s = (u32)__cvta_generic_to_shared(smem);

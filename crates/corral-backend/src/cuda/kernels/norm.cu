@@ -49,19 +49,18 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, u32 row
              offset_one != 0, out + (size_t)r * dim);
 }
 
-// out = (w * rmsnorm(x)) * silu(z), plain weight; one block per row.
+// out = (w * rmsnorm(x)) * silu(z), plain weight; one warp per row (rows are one head's
+// values: a hundred or so), eight rows a block.
 extern "C" __global__ void gated_rms_norm(const float* x, const float* z, const float* weight,
                                           u32 rows, u32 dim, float eps, float* out) {
     begin_small_kernel();
-    __shared__ float scratch[32];
-    u32 r = blockIdx.x;
+    u32 lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (r >= rows) return;
     const float* xr = x + (size_t)r * dim;
     float ss = 0.f;
-    for (u32 d = threadIdx.x; d < dim; d += blockDim.x) ss += xr[d] * xr[d];
-    ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss / (float)dim + eps);
-    for (u32 d = threadIdx.x; d < dim; d += blockDim.x) {
+    for (u32 d = lane; d < dim; d += 32) ss += xr[d] * xr[d];
+    float inv = rsqrtf(warp_sum(ss) / (float)dim + eps);
+    for (u32 d = lane; d < dim; d += 32) {
         size_t i = (size_t)r * dim + d;
         out[i] = xr[d] * inv * weight[d] * silu(z[i]);
     }
