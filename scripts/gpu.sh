@@ -11,7 +11,9 @@
 #                            prefill-recurrent, which repeats prefill with
 #                            CORRAL_RECURRENT_DELTA_RULE=1, and decode-serial, which repeats
 #                            decode with CORRAL_SERIAL_LAUNCHES=1); TEST_LOGS puts the
-#                            test logs elsewhere; MODEL picks the synthetic config.
+#                            test logs elsewhere; MODEL picks the synthetic config; the serve
+#                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
+#                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS.
 #
 # The test binaries find the fixtures through the path they were built at; `remote` links
 # that path to the repository when it differs.
@@ -94,16 +96,17 @@ remote() {
   if has serve; then
     echo "== serve + bench serve"
     $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device cuda \
-      --port 18181 --max-batch 32 --kv-memory 16G \
+      --port 18181 --max-batch "${MAX_BATCH:-32}" --kv-memory 16G \
       > "$out/serve.log" 2>&1 &
     local pid=$!
     for _ in $(seq 1 240); do
       python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:18181/health', timeout=2)" 2>/dev/null && break
       sleep 1
     done
-    timeout 300 $corral bench serve --url http://127.0.0.1:18181 --concurrency 1,8,32 \
-      --requests "${SERVE_REQUESTS:-64}" --max-tokens 64 --json "$out/serve.json" 2>&1 \
-      | tee "$out/serve.txt" || true
+    timeout 300 $corral bench serve --url http://127.0.0.1:18181 \
+      --concurrency "${SERVE_CONCURRENCY:-1,8,32}" --requests "${SERVE_REQUESTS:-64}" \
+      --max-tokens "${SERVE_MAX_TOKENS:-64}" ${PROMPT_TOKENS:+--prompt-tokens "$PROMPT_TOKENS"} \
+      ${HANGUPS:+--hangups "$HANGUPS"} --json "$out/serve.json" 2>&1 | tee "$out/serve.txt" || true
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   fi

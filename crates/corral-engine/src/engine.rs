@@ -735,6 +735,7 @@ fn update_gauges(scheduler: &Scheduler, metrics: &EngineMetrics) {
     };
     store(&metrics.running, scheduler.num_running());
     store(&metrics.kv_blocks_used, scheduler.blocks_in_use());
+    store(&metrics.state_slots_used, scheduler.slots_in_use());
     store(&metrics.kv_blocks_cached, scheduler.cached_blocks());
     store(
         &metrics.state_checkpoints_cached,

@@ -69,6 +69,8 @@ pub struct EngineMetrics {
     pub kv_blocks_cached: AtomicU64,
     /// KV cache blocks in the pool.
     pub kv_blocks_total: AtomicU64,
+    /// Recurrent-state slots held by running sequences (hybrid models).
+    pub state_slots_used: AtomicU64,
     /// Prompt tokens prefilled (recomputation after preemption included).
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens of finished requests taken from the prefix cache instead of computed.
@@ -131,6 +133,7 @@ impl Default for EngineMetrics {
             kv_blocks_used: AtomicU64::new(0),
             kv_blocks_cached: AtomicU64::new(0),
             kv_blocks_total: AtomicU64::new(0),
+            state_slots_used: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             cached_prompt_tokens: AtomicU64::new(0),
             prefix_cache_hits: AtomicU64::new(0),

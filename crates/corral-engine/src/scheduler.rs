@@ -257,6 +257,11 @@ impl Scheduler {
         self.prefix.as_ref().map_or(0, PrefixCache::num_blocks)
     }
 
+    /// Recurrent-state slots held by running sequences.
+    pub fn slots_in_use(&self) -> usize {
+        self.slots.num_used()
+    }
+
     /// KV blocks held by sequences (the cache's idle blocks excluded).
     pub fn blocks_in_use(&self) -> usize {
         let idle = self

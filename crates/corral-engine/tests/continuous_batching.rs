@@ -110,12 +110,16 @@ fn config(kv_blocks: usize) -> EngineConfig {
     }
 }
 
+/// Waits until every KV block and state slot is back (the gauges say so).
 fn wait_for_zero_blocks(engine: &EngineHandle) {
     let start = Instant::now();
-    while engine.metrics().kv_blocks_used.load(Ordering::Relaxed) != 0 {
+    let m = engine.metrics();
+    while m.kv_blocks_used.load(Ordering::Relaxed) != 0
+        || m.state_slots_used.load(Ordering::Relaxed) != 0
+    {
         assert!(
             start.elapsed() < Duration::from_secs(10),
-            "blocks never returned"
+            "blocks or slots never returned"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -162,6 +166,7 @@ fn dropped_receiver_cancels_and_frees_blocks() {
         assert!(matches!(rx.blocking_recv(), Some(Event::Token(_))));
     }
     assert!(engine.metrics().kv_blocks_used.load(Ordering::Relaxed) > 0);
+    assert_eq!(engine.metrics().state_slots_used.load(Ordering::Relaxed), 1);
     drop(rx);
     wait_for_zero_blocks(&engine);
     // The engine keeps serving.

@@ -341,6 +341,13 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_state_slots_used",
+        "gauge",
+        "Recurrent-state slots held by running sequences (hybrid models).",
+        load(&m.state_slots_used),
+    );
+    scalar(
+        &mut out,
         "corral_preemptions_total",
         "counter",
         "Sequences preempted for KV blocks.",

@@ -1,7 +1,11 @@
 //! `corral bench serve`: a sweep of concurrency levels against a running server. At each level
-//! C, C clients send short chat requests back to back (a share of them streamed) until the
-//! level's request count is done; reported per level: aggregate generated tok/s, client-side
-//! TTFT and inter-token latency percentiles (streamed requests), and errors.
+//! C, C clients send chat requests back to back (a share of them streamed) until the level's
+//! request count is done; reported per level: aggregate generated tok/s, client-side TTFT and
+//! inter-token latency percentiles (streamed requests), errors, and the KV blocks and state
+//! slots the server still holds once the level is over (all should be free). With
+//! `--prompt-tokens`, each request's prompt is that many tokens of its own filler text; with
+//! `--hangups`, clients that leave mid-stream follow the sweep, and the server must free what
+//! they held.
 //!
 //! The client speaks plain HTTP/1.0 over TCP, so response bodies arrive unchunked and end at
 //! connection close; that keeps it dependency-free and lets it time each streamed event.
@@ -38,6 +42,14 @@ pub(crate) struct ServeBenchArgs {
     /// Share of requests that stream (0 to 1).
     #[arg(long, default_value_t = 0.5)]
     stream_fraction: f64,
+    /// Prompt tokens of each request (filler text of its own, sized with the server's
+    /// /tokenize); without it, a short question.
+    #[arg(long)]
+    prompt_tokens: Option<usize>,
+    /// After the sweep, this many streamed requests whose clients hang up at their first
+    /// token; the server must then hold no KV block or state slot.
+    #[arg(long, default_value_t = 0)]
+    hangups: usize,
     /// Bearer token, if the server needs one.
     #[arg(long, env = "CORRAL_API_KEY")]
     api_key: Option<String>,
@@ -49,6 +61,7 @@ pub(crate) struct ServeBenchArgs {
 /// What one request measured.
 #[derive(Debug, Default)]
 struct Outcome {
+    prompt_tokens: usize,
     completion_tokens: usize,
     ttft: Option<f64>,
     gaps: Vec<f64>,
@@ -206,18 +219,84 @@ pub(super) async fn stream_chat(
     read_stream(status, conn, bytes, start).await
 }
 
+/// The short question of request `index` when no prompt size is asked for.
+fn question(index: usize) -> String {
+    let topics = [
+        "rivers", "clocks", "bread", "comets", "maps", "owls", "glass", "tides",
+    ];
+    format!(
+        "Tell me about {} in a few words.",
+        topics[index % topics.len()]
+    )
+}
+
+/// `POST path` with a JSON body; the JSON answer of a 200, else an error with the body.
+async fn post_json(
+    address: &str,
+    path: &str,
+    body: &Value,
+    api_key: Option<&str>,
+) -> Result<Value> {
+    let (status, mut conn, mut bytes) = post(address, path, body, api_key).await?;
+    conn.read_to_end(&mut bytes).await?;
+    if status != 200 {
+        bail!("{path}: HTTP {status}: {}", String::from_utf8_lossy(&bytes));
+    }
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
+/// Tokens of the chat prompt of one user message `text`, as the server renders it.
+async fn prompt_tokens(address: &str, api_key: Option<&str>, text: &str) -> Result<usize> {
+    let body = json!({"messages": [{"role": "user", "content": text}]});
+    let v = post_json(address, "/tokenize", &body, api_key).await?;
+    v["count"]
+        .as_u64()
+        .map(|n| n as usize)
+        .context("/tokenize answered without a count")
+}
+
+/// A user message of filler words (its own for each `seed`) whose chat prompt is `tokens`
+/// tokens, or as near as whole words come in a few tries.
+async fn sized_message(
+    address: &str,
+    api_key: Option<&str>,
+    tokens: usize,
+    seed: u64,
+) -> Result<String> {
+    let mut n = tokens.max(1);
+    let mut best: Option<(usize, String)> = None;
+    for _ in 0..8 {
+        let text = super::sessions::words(n, seed);
+        let count = prompt_tokens(address, api_key, &text).await?;
+        let off = count.abs_diff(tokens);
+        if best.as_ref().is_none_or(|(b, _)| off < *b) {
+            best = Some((off, text));
+        }
+        if off == 0 {
+            break;
+        }
+        // Scale by the words per token seen so far.
+        let next = (n as f64 + (tokens as f64 - count as f64) * n as f64 / count.max(1) as f64)
+            .round()
+            .max(1.0) as usize;
+        if next == n {
+            break;
+        }
+        n = next;
+    }
+    Ok(best.map(|(_, t)| t).unwrap_or_default())
+}
+
 async fn one_request(
     address: &str,
     api_key: Option<&str>,
     index: usize,
+    message: &str,
     max_tokens: usize,
     stream: bool,
 ) -> Outcome {
-    let topics = [
-        "rivers", "clocks", "bread", "comets", "maps", "owls", "glass", "tides",
-    ];
     let body = json!({
-        "messages": [{"role": "user", "content": format!("Tell me about {} in a few words.", topics[index % topics.len()])}],
+        "messages": [{"role": "user", "content": message}],
         "max_tokens": max_tokens,
         "temperature": 0.7,
         "seed": index,
@@ -235,11 +314,13 @@ async fn one_request(
                 bail!("HTTP {status}: {}", String::from_utf8_lossy(&body_bytes));
             }
             let v: Value = serde_json::from_slice(&body_bytes)?;
+            outcome.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
             outcome.completion_tokens =
                 v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
             return Ok(outcome);
         }
         let streamed = read_stream(status, conn, body_bytes, start).await?;
+        outcome.prompt_tokens = streamed.usage["prompt_tokens"].as_u64().unwrap_or(0) as usize;
         outcome.completion_tokens =
             streamed.usage["completion_tokens"].as_u64().unwrap_or(0) as usize;
         outcome.ttft = streamed.ttft;
@@ -263,12 +344,101 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     v[rank.min(v.len() - 1)]
 }
 
+/// A gauge's value in Prometheus text (0 if absent).
+fn gauge(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+/// Waits (up to 30 s) until the server runs and queues nothing, then reads the KV blocks and
+/// state slots it still holds.
+async fn held_after(address: &str) -> Result<(u64, u64)> {
+    let start = Instant::now();
+    loop {
+        let m = get_text(address, "/metrics").await?;
+        let busy = gauge(&m, "corral_running_sequences") + gauge(&m, "corral_queue_depth");
+        if busy == 0 || start.elapsed() > Duration::from_secs(30) {
+            return Ok((
+                gauge(&m, "corral_kv_blocks_used"),
+                gauge(&m, "corral_state_slots_used"),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Streams `message` and closes the connection at the first token's event.
+async fn hang_up_after_first_token(
+    address: &str,
+    api_key: Option<&str>,
+    message: &str,
+    max_tokens: usize,
+) -> Result<()> {
+    let body = json!({
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": max_tokens, "temperature": 0.7, "stream": true,
+    });
+    let (status, mut conn, mut pending) =
+        post(address, "/v1/chat/completions", &body, api_key).await?;
+    if status != 200 {
+        conn.read_to_end(&mut pending).await?;
+        bail!("HTTP {status}: {}", String::from_utf8_lossy(&pending));
+    }
+    let mut chunk = [0u8; 8192];
+    loop {
+        while let Some(i) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..i + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            let Some(Ok(v)) = text
+                .trim()
+                .strip_prefix("data: ")
+                .map(serde_json::from_str::<Value>)
+            else {
+                continue;
+            };
+            let delta = &v["choices"][0]["delta"];
+            if delta["content"].is_string() && delta.get("role").is_none() {
+                drop(conn);
+                return Ok(());
+            }
+        }
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            bail!("the stream ended before its first token");
+        }
+        pending.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The user messages of one level's requests (seeds distinct per level, so that no level
+/// finds another's prompts in a prefix cache).
+async fn level_messages(args: &ServeBenchArgs, address: &str, level: usize) -> Result<Vec<String>> {
+    let mut out = Vec::with_capacity(args.requests);
+    for i in 0..args.requests {
+        out.push(match args.prompt_tokens {
+            Some(tokens) => {
+                let seed = 1_000_003 * (level as u64 + 1) + i as u64;
+                sized_message(address, args.api_key.as_deref(), tokens, seed).await?
+            }
+            None => question(i),
+        });
+    }
+    Ok(out)
+}
+
 pub(crate) fn run(args: ServeBenchArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&args.stream_fraction) {
         bail!("--stream-fraction must be between 0 and 1");
     }
-    if args.concurrency.contains(&0) || args.requests == 0 || args.max_tokens == 0 {
-        bail!("--concurrency, --requests and --max-tokens must be positive");
+    if args.concurrency.contains(&0)
+        || args.requests == 0
+        || args.max_tokens == 0
+        || args.prompt_tokens == Some(0)
+    {
+        bail!("--concurrency, --requests, --max-tokens and --prompt-tokens must be positive");
     }
     let address = authority(&args.url)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -277,19 +447,34 @@ pub(crate) fn run(args: ServeBenchArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     println!(
-        "{:>4} {:>9} {:>7} {:>12} {:>10} {:>10} {:>10} {:>10}",
-        "C", "requests", "errors", "agg tok/s", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90"
+        "{:>4} {:>9} {:>7} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>9}",
+        "C",
+        "requests",
+        "errors",
+        "prompt",
+        "agg tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "KV/slots"
     );
     let mut levels = Vec::new();
-    for &c in &args.concurrency {
+    let mut held_total = 0;
+    for (level, &c) in args.concurrency.iter().enumerate() {
+        let messages = Arc::new(runtime.block_on(level_messages(&args, &address, level))?);
         let outcomes = Arc::new(Mutex::new(Vec::new()));
         let next = Arc::new(AtomicUsize::new(0));
         let start = Instant::now();
         runtime.block_on(async {
             let mut workers = Vec::new();
             for _ in 0..c {
-                let (outcomes, next, address) =
-                    (Arc::clone(&outcomes), Arc::clone(&next), address.clone());
+                let (outcomes, next, address, messages) = (
+                    Arc::clone(&outcomes),
+                    Arc::clone(&next),
+                    address.clone(),
+                    Arc::clone(&messages),
+                );
                 let key = args.api_key.clone();
                 let (total, max_tokens, share) =
                     (args.requests, args.max_tokens, args.stream_fraction);
@@ -301,8 +486,15 @@ pub(crate) fn run(args: ServeBenchArgs) -> Result<()> {
                         }
                         // Every request i streams when the running share of streamed ones is behind.
                         let stream = ((i + 1) as f64 * share).floor() > (i as f64 * share).floor();
-                        let outcome =
-                            one_request(&address, key.as_deref(), i, max_tokens, stream).await;
+                        let outcome = one_request(
+                            &address,
+                            key.as_deref(),
+                            i,
+                            &messages[i],
+                            max_tokens,
+                            stream,
+                        )
+                        .await;
                         outcomes.lock().await.push(outcome);
                     }
                 }));
@@ -312,9 +504,14 @@ pub(crate) fn run(args: ServeBenchArgs) -> Result<()> {
             }
         });
         let wall = start.elapsed().max(Duration::from_micros(1)).as_secs_f64();
+        let (kv_left, slots_left) = runtime.block_on(held_after(&address))?;
+        held_total += kv_left + slots_left;
         let outcomes = runtime.block_on(async { std::mem::take(&mut *outcomes.lock().await) });
         let errors: Vec<&String> = outcomes.iter().filter_map(|o| o.error.as_ref()).collect();
         let tokens: usize = outcomes.iter().map(|o| o.completion_tokens).sum();
+        let answered = outcomes.iter().filter(|o| o.error.is_none()).count().max(1);
+        let prompt =
+            outcomes.iter().map(|o| o.prompt_tokens).sum::<usize>() as f64 / answered as f64;
         let ttfts: Vec<f64> = outcomes.iter().filter_map(|o| o.ttft).collect();
         let gaps: Vec<f64> = outcomes
             .iter()
@@ -323,13 +520,14 @@ pub(crate) fn run(args: ServeBenchArgs) -> Result<()> {
         let tok_s = tokens as f64 / wall;
         let ms = |v: f64| v * 1e3;
         println!(
-            "{c:>4} {:>9} {:>7} {tok_s:>12.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms",
+            "{c:>4} {:>9} {:>7} {prompt:>8.0} {tok_s:>12.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms {:>9}",
             outcomes.len(),
             errors.len(),
             ms(percentile(&ttfts, 50.0)),
-            ms(percentile(&ttfts, 90.0)),
+            ms(percentile(&ttfts, 99.0)),
             ms(percentile(&gaps, 50.0)),
-            ms(percentile(&gaps, 90.0)),
+            ms(percentile(&gaps, 99.0)),
+            format!("{kv_left}/{slots_left}"),
         );
         if let Some(first) = errors.first() {
             eprintln!("  first error at C={c}: {first}");
@@ -338,20 +536,63 @@ pub(crate) fn run(args: ServeBenchArgs) -> Result<()> {
             "concurrency": c,
             "requests": outcomes.len(),
             "errors": errors.len(),
+            "mean_prompt_tokens": prompt,
             "generated_tokens": tokens,
             "wall_seconds": wall,
             "aggregate_tok_s": tok_s,
             "ttft_ms_p50": ms(percentile(&ttfts, 50.0)),
             "ttft_ms_p90": ms(percentile(&ttfts, 90.0)),
+            "ttft_ms_p99": ms(percentile(&ttfts, 99.0)),
             "itl_ms_p50": ms(percentile(&gaps, 50.0)),
             "itl_ms_p90": ms(percentile(&gaps, 90.0)),
+            "itl_ms_p99": ms(percentile(&gaps, 99.0)),
             "ttft_ms_median": ms(median(&ttfts)),
+            "kv_blocks_held_after": kv_left,
+            "state_slots_held_after": slots_left,
         }));
     }
+    let mut hangup = Value::Null;
+    if args.hangups > 0 {
+        let messages = runtime.block_on(level_messages(&args, &address, args.concurrency.len()))?;
+        let failed = runtime.block_on(async {
+            let mut clients = Vec::new();
+            for i in 0..args.hangups {
+                let (address, key) = (address.clone(), args.api_key.clone());
+                let message = messages[i % messages.len()].clone();
+                let max_tokens = args.max_tokens;
+                clients.push(tokio::spawn(async move {
+                    hang_up_after_first_token(&address, key.as_deref(), &message, max_tokens).await
+                }));
+            }
+            let mut failed = 0;
+            for c in clients {
+                if !matches!(c.await, Ok(Ok(()))) {
+                    failed += 1;
+                }
+            }
+            failed
+        });
+        let (kv_left, slots_left) = runtime.block_on(held_after(&address))?;
+        held_total += kv_left + slots_left;
+        println!(
+            "after {} clients hung up at their first token ({failed} failed before it): {kv_left} KV blocks and {slots_left} state slots held",
+            args.hangups
+        );
+        hangup = json!({
+            "clients": args.hangups, "failed_before_first_token": failed,
+            "kv_blocks_held_after": kv_left, "state_slots_held_after": slots_left,
+        });
+    }
     if let Some(path) = &args.json {
-        let doc = json!({"url": args.url, "max_tokens": args.max_tokens, "stream_fraction": args.stream_fraction, "levels": levels});
+        let doc = json!({
+            "url": args.url, "max_tokens": args.max_tokens, "stream_fraction": args.stream_fraction,
+            "prompt_tokens": args.prompt_tokens, "levels": levels, "hangups": hangup,
+        });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if held_total > 0 {
+        bail!("the server still held KV blocks or state slots after a level or the hang-ups");
     }
     Ok(())
 }

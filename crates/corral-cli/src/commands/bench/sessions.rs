@@ -79,7 +79,7 @@ const VOCAB: [&str; 16] = [
 ];
 
 /// `n` words of deterministic filler text, different for each `seed`.
-fn words(n: usize, seed: u64) -> String {
+pub(super) fn words(n: usize, seed: u64) -> String {
     let mut s = seed.wrapping_mul(6364136223846793005) | 1;
     (0..n)
         .map(|_| {
