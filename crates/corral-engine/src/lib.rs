@@ -16,6 +16,7 @@ mod pyjson;
 mod request;
 mod sampler;
 mod scheduler;
+mod segment_cache;
 mod tokenizer;
 
 pub use chat_template::{ChatTemplate, TokenizerConfig};

@@ -2,8 +2,16 @@
 //! that never emits half a UTF-8 character.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use crate::EngineError;
+use crate::segment_cache::{MIN_CACHED_BYTES, SegmentCache, split_before};
+
+/// Where chat prompts split into separately tokenized segments.
+const SEGMENT_DELIMITER: &str = "<|im_start|>";
+
+/// Bytes of prompt segments (text and ids) whose tokenization is kept.
+const SEGMENT_CACHE_BYTES: usize = 64 << 20;
 
 /// The checkpoint's tokenizer.
 #[derive(Debug)]
@@ -14,6 +22,10 @@ pub struct Tokenizer {
     /// For a byte-level BPE vocabulary, the byte each character of a token string stands
     /// for (GPT-2's alphabet, indexed by the character's code point).
     byte_of_char: Option<Vec<Option<u8>>>,
+    /// Ids of segments of earlier prompts, when the vocabulary has SEGMENT_DELIMITER as an
+    /// added token matched as written (then the text on either side of it is tokenized on
+    /// its own, and a segment's ids do not depend on what surrounds it).
+    segments: Option<Mutex<SegmentCache>>,
 }
 
 impl Tokenizer {
@@ -38,10 +50,18 @@ impl Tokenizer {
             inner.get_decoder(),
             Some(tokenizers::DecoderWrapper::ByteLevel(_))
         );
+        let splits = inner.get_added_tokens_decoder().values().any(|t| {
+            t.content == SEGMENT_DELIMITER
+                && !t.normalized
+                && !t.lstrip
+                && !t.rstrip
+                && !t.single_word
+        });
         Ok(Self {
             inner,
             added,
             byte_of_char: byte_level.then(byte_level_alphabet),
+            segments: splits.then(|| Mutex::new(SegmentCache::new(SEGMENT_CACHE_BYTES))),
         })
     }
 
@@ -66,7 +86,35 @@ impl Tokenizer {
 
     /// Token ids of `text`; special tokens written in the text (`<|im_start|>`) are
     /// recognised, and no BOS or other tokens are added.
+    /// A chat prompt's segments seen in earlier prompts (the re-sent history) are not
+    /// tokenized again.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        let Some(cache) = &self.segments else {
+            return self.encode_whole(text);
+        };
+        let mut ids = Vec::new();
+        for piece in split_before(text, SEGMENT_DELIMITER) {
+            if piece.len() < MIN_CACHED_BYTES {
+                ids.extend(self.encode_whole(piece)?);
+                continue;
+            }
+            let cached = cache.lock().ok().and_then(|mut c| c.get(piece));
+            match cached {
+                Some(hit) => ids.extend_from_slice(&hit),
+                None => {
+                    let fresh: Arc<[u32]> = self.encode_whole(piece)?.into();
+                    ids.extend_from_slice(&fresh);
+                    if let Ok(mut c) = cache.lock() {
+                        c.insert(piece, fresh);
+                    }
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Token ids of `text` through the tokenizer, no cache.
+    fn encode_whole(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         let encoding = self
             .inner
             .encode(text, false)
@@ -172,6 +220,103 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../models/tiny-qwen3-moe/tokenizer.json");
         Tokenizer::from_file(&path).unwrap()
+    }
+
+    /// Pieces of text that stress the segment split: added tokens, whitespace at the
+    /// borders, combining marks (NFC composes across them), multi-byte characters.
+    const PIECES: [&str; 16] = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<think>",
+        "</tool_call>",
+        "user\n",
+        "assistant",
+        " the file",
+        "  ",
+        "\n\n",
+        "\t",
+        "e\u{301}",
+        "\u{301}",
+        "世界",
+        "🦀",
+        "Grüße",
+        " search result path line error test build value config output",
+    ];
+
+    proptest::proptest! {
+        /// With the segment cache, a prompt's ids are the tokenizer's for the whole text,
+        /// the first time, the second (every segment cached) and when it extends an earlier
+        /// prompt.
+        #[test]
+        fn segment_cached_ids_equal_the_whole_texts(
+            picks in proptest::collection::vec(0..PIECES.len(), 0..120),
+            cut in 0usize..120,
+        ) {
+            let t = tokenizer();
+            let text: String = picks.iter().map(|&i| PIECES[i]).collect();
+            let earlier: String = picks[..cut.min(picks.len())].iter().map(|&i| PIECES[i]).collect();
+            let whole = t.encode_whole(&text).unwrap();
+            t.encode(&earlier).unwrap();
+            proptest::prop_assert_eq!(&t.encode(&text).unwrap(), &whole);
+            proptest::prop_assert_eq!(&t.encode(&text).unwrap(), &whole);
+        }
+    }
+
+    /// A conversation's earlier segments are served from the cache: tokenizing the next turn
+    /// adds only its new segments.
+    #[test]
+    fn a_resent_history_is_not_tokenized_again() {
+        let t = tokenizer();
+        let turn = |n: usize| -> String {
+            (0..n)
+                .map(|i| {
+                    format!(
+                        "<|im_start|>user\n{}<|im_end|>\n",
+                        "a long message ".repeat(20 + i)
+                    )
+                })
+                .collect()
+        };
+        let cached = |t: &Tokenizer| t.segments.as_ref().unwrap().lock().unwrap().bytes();
+        t.encode(&turn(3)).unwrap();
+        let after_three = cached(&t);
+        assert!(after_three > 0);
+        assert_eq!(
+            t.encode(&turn(4)).unwrap(),
+            t.encode_whole(&turn(4)).unwrap()
+        );
+        let added = cached(&t) - after_three;
+        let fourth = format!(
+            "<|im_start|>user\n{}<|im_end|>\n",
+            "a long message ".repeat(23)
+        );
+        let fourth_ids = t.encode_whole(&fourth).unwrap();
+        assert_eq!(
+            added,
+            fourth.len() + 4 * fourth_ids.len(),
+            "only the new segment was added"
+        );
+    }
+
+    /// A delimiter that strips whitespace around it is not a clean split: no segments then.
+    #[test]
+    fn no_segments_when_the_delimiter_strips_around_it() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/tiny-qwen3-moe/tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        for token in json["added_tokens"].as_array_mut().unwrap() {
+            if token["content"] == SEGMENT_DELIMITER {
+                token["lstrip"] = serde_json::Value::Bool(true);
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokenizer.json");
+        std::fs::write(&file, json.to_string()).unwrap();
+        let t = Tokenizer::from_file(&file).unwrap();
+        assert!(t.segments.is_none());
+        let text = format!("{}  <|im_start|>x", "y ".repeat(100));
+        assert_eq!(t.encode(&text).unwrap(), t.encode_whole(&text).unwrap());
     }
 
     /// Generated special tokens leave the text unless asked for; `<think>` stays.
