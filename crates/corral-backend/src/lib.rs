@@ -174,6 +174,17 @@ pub struct DeltaNetShape {
     pub value_dim: usize,
 }
 
+/// [`Backend::matmuls`]'s check: as many outputs as weights.
+pub(crate) fn matmuls_arity(weights: usize, outs: usize) -> Result<()> {
+    if weights != outs {
+        return Err(BackendError::BadArgument {
+            op: "matmuls",
+            detail: format!("{weights} weights for {outs} outputs"),
+        });
+    }
+    Ok(())
+}
+
 /// The op table. Every model family is written against it; a backend implements each op as
 /// one dispatch (or says in the op's doc how many it takes). Outputs are passed in, never
 /// returned, so ops allocate nothing.
@@ -375,12 +386,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         weights: &[WeightView<'_>],
         outs: &mut [&mut DeviceBuffer],
     ) -> Result<()> {
-        if weights.len() != outs.len() {
-            return Err(BackendError::BadArgument {
-                op: "matmuls",
-                detail: format!("{} weights for {} outputs", weights.len(), outs.len()),
-            });
-        }
+        matmuls_arity(weights.len(), outs.len())?;
         for (w, out) in weights.iter().zip(outs.iter_mut()) {
             self.matmul(x, rows, *w, out)?;
         }

@@ -584,6 +584,47 @@ impl CudaBackend {
         Ok(Some(big))
     }
 
+    /// Projections of x `[rows, cols]` by cuBLAS GEMMs with x rounded to bf16 once (into a
+    /// pooled buffer): `targets` are (weight address, output features, output address);
+    /// `weight_bytes` goes to the step's counter with the rounding.
+    fn blas_projections(
+        &self,
+        blas: &Blas,
+        x: Arg,
+        (rows, cols): (usize, usize),
+        targets: &[(u64, usize, u64)],
+        weight_bytes: u64,
+    ) -> Result<()> {
+        let op = "matmul";
+        let len = rows * cols;
+        let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
+        let x16_ptr = ptr_of(op, &x16)?;
+        let convert = [
+            x,
+            Arg::U64(len as u64),
+            Arg::Ptr(x16_ptr),
+            Arg::U64(weight_bytes),
+            self.diag(),
+        ];
+        let queued = self
+            .launch(
+                &self.kernels.to_bf16,
+                Self::elementwise_grid(op, len.div_ceil(4))?,
+                256,
+                &convert,
+            )
+            .and_then(|()| {
+                targets.iter().try_for_each(|&(w_addr, n, out_addr)| {
+                    self.counted("cublas_gemm_bf16", || {
+                        blas.gemm_bf16(x16_ptr, rows, w_addr, n, cols, out_addr)
+                    })
+                })
+            });
+        // Back to the pool at once: later users queue behind the GEMMs on the one stream.
+        self.give_buffer(x16);
+        queued
+    }
+
     /// The chunked gated delta rule (delta_net.cu's gdr_chunk_prepare and gdr_chunk_scan) over
     /// at most `chunks` chunks, in launch pairs of `per_wave`: `args` are
     /// [`Backend::gated_delta_rule`]'s kernel arguments.
@@ -1120,32 +1161,14 @@ impl Backend for CudaBackend {
             (&self.blas, dtype, vec, rows > MATVEC_MAX_ROWS)
         {
             // cuBLAS on x rounded to bf16 (the tiles round it the same way).
-            let len = rows * w.cols;
-            let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
-            let x16_ptr = ptr_of(op, &x16)?;
             let weight_bytes = (w.rows * w.cols * dtype.size_bytes()) as u64;
-            let convert = [
+            return self.blas_projections(
+                blas,
                 args[0],
-                Arg::U64(len as u64),
-                Arg::Ptr(x16_ptr),
-                Arg::U64(weight_bytes),
-                self.diag(),
-            ];
-            let queued = self
-                .launch(
-                    &self.kernels.to_bf16,
-                    Self::elementwise_grid(op, len.div_ceil(4))?,
-                    256,
-                    &convert,
-                )
-                .and_then(|()| {
-                    self.counted("cublas_gemm_bf16", || {
-                        blas.gemm_bf16(x16_ptr, rows, w_addr, w.rows, w.cols, out_addr)
-                    })
-                });
-            // Back to the pool at once: later users queue behind the GEMM on the one stream.
-            self.give_buffer(x16);
-            return queued;
+                (rows, w.cols),
+                &[(w_addr, w.rows, out_addr)],
+                weight_bytes,
+            );
         }
         if rows <= MATVEC_MAX_ROWS {
             // The variant for the next power of two of rows; 8 output features a block.
@@ -1170,12 +1193,7 @@ impl Backend for CudaBackend {
         outs: &mut [&mut DeviceBuffer],
     ) -> Result<()> {
         let op = "matmul";
-        if weights.len() != outs.len() {
-            return Err(bad(
-                "matmuls",
-                format!("{} weights for {} outputs", weights.len(), outs.len()),
-            ));
-        }
+        crate::matmuls_arity(weights.len(), outs.len())?;
         let cols = weights.first().map_or(0, |w| w.cols);
         let all_blas = rows > MATVEC_MAX_ROWS
             && self.blas.is_some()
@@ -1189,8 +1207,7 @@ impl Backend for CudaBackend {
             return Ok(());
         };
         // x rounded to bf16 once, then one cuBLAS GEMM per projection.
-        let len = rows * cols;
-        let x_arg = buf(op, "x", x, DType::F32, len)?;
+        let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
         let mut targets = Vec::with_capacity(weights.len());
         for (w, out) in weights.iter().zip(outs.iter()) {
             let (w_addr, _, _) = weight(op, *w)?;
@@ -1198,31 +1215,7 @@ impl Backend for CudaBackend {
             targets.push((w_addr, w.rows, ptr_of(op, out)?));
         }
         let weight_bytes: usize = weights.iter().map(|w| w.rows * w.cols * 2).sum();
-        let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
-        let x16_ptr = ptr_of(op, &x16)?;
-        let convert = [
-            x_arg,
-            Arg::U64(len as u64),
-            Arg::Ptr(x16_ptr),
-            Arg::U64(weight_bytes as u64),
-            self.diag(),
-        ];
-        let queued = self
-            .launch(
-                &self.kernels.to_bf16,
-                Self::elementwise_grid(op, len.div_ceil(4))?,
-                256,
-                &convert,
-            )
-            .and_then(|()| {
-                targets.iter().try_for_each(|&(w_addr, n, out_addr)| {
-                    self.counted("cublas_gemm_bf16", || {
-                        blas.gemm_bf16(x16_ptr, rows, w_addr, n, cols, out_addr)
-                    })
-                })
-            });
-        self.give_buffer(x16);
-        queued
+        self.blas_projections(blas, x_arg, (rows, cols), &targets, weight_bytes as u64)
     }
 
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {

@@ -297,6 +297,23 @@ __device__ __forceinline__ void gdr_a_frag_trans(u32* a, const u16* x, u32 ld, u
     ldmatrix_x4_trans(a, x + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + r0 + ((lane >> 3) & 1) * 8);
 }
 
+// acc = rows 16 mt .. + 15 of the lower-triangular t (bf16 [64][GDR_LS]) times columns
+// n0 .. n0 + 15 of x (bf16 rows [64][GDR_KS]): k steps up to the diagonal, two n8 tiles.
+__device__ __forceinline__ void gdr_lower_times(float (*acc)[4], const u16* t, const u16* x,
+                                                u32 mt, u32 n0) {
+#pragma unroll
+    for (u32 h = 0; h < 2; h++)
+#pragma unroll
+        for (u32 r = 0; r < 4; r++) acc[h][r] = 0.f;
+    for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
+        u32 a[4], b[4];
+        gdr_a_frag(a, t, GDR_LS, 16 * mt, k0);
+        gdr_b_frags_trans(b, x, GDR_KS, k0, n0);
+        mma16816<false>(acc[0], a, b);
+        mma16816<false>(acc[1], a, b + 2);
+    }
+}
+
 // Calls f(row, col, v0, v1) for the two adjacent columns of each half of a 16x8 accumulator.
 template <typename F>
 __device__ __forceinline__ void gdr_acc_each(const float* c, u32 r0, u32 n0, F f) {
@@ -480,15 +497,9 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
     {
         // Columns 16 b .. 16 b + 15 for b = half, half + 2, ...
         for (u32 b16 = half; b16 < dkp / 16; b16 += 2) {
-            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float acc[2][4];
             u32 n0 = 16 * b16;
-            for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
-                u32 a[4], b[4];
-                gdr_a_frag(a, tb, GDR_LS, 16 * mt, k0);
-                gdr_b_frags_trans(b, kh, GDR_KS, k0, n0);
-                mma16816<false>(acc[0], a, b);
-                mma16816<false>(acc[1], a, b + 2);
-            }
+            gdr_lower_times(acc, tb, kh, mt, n0);
 #pragma unroll
             for (u32 h = 0; h < 2; h++)
                 gdr_acc_each(acc[h], 16 * mt, n0 + 8 * h, [&](u32 i, u32 d, float v0, float v1) {
@@ -514,21 +525,31 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
         }
         __syncthreads();
         for (u32 b16 = half; b16 < width16 / 16; b16 += 2) {
-            float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float acc[2][4];
             u32 n0 = 16 * b16;
-            for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
-                u32 a[4], b[4];
-                gdr_a_frag(a, tb, GDR_LS, 16 * mt, k0);
-                gdr_b_frags_trans(b, qh, GDR_KS, k0, n0);
-                mma16816<false>(acc[0], a, b);
-                mma16816<false>(acc[1], a, b + 2);
-            }
+            gdr_lower_times(acc, tb, qh, mt, n0);
 #pragma unroll
             for (u32 h = 0; h < 2; h++)
                 gdr_acc_each(acc[h], 16 * mt, n0 + 8 * h, [&](u32 i, u32 e, float v0, float v1) {
                     if (e < piece) u_out[(size_t)i * dv + e0 + e] = v0;
                     if (e + 1 < piece) u_out[(size_t)i * dv + e0 + e + 1] = v1;
                 });
+        }
+    }
+}
+
+// acc += rows 16 mt .. + 15 of x (bf16 [64][GDR_KS], dkp columns) times the state slice's
+// columns 16 half .. + 15, the state transposed in st (bf16 [32][GDR_KS]).
+__device__ __forceinline__ void gdr_times_state(float (*acc)[4], const u16* x, const u16* st,
+                                                u32 dkp, u32 mt, u32 half) {
+    for (u32 k0 = 0; k0 < dkp; k0 += 16) {
+        u32 a[4];
+        gdr_a_frag(a, x, GDR_KS, 16 * mt, k0);
+#pragma unroll
+        for (u32 n = 0; n < 2; n++) {
+            u32 b[2];
+            gdr_b_frag(b, st, GDR_KS, 16 * half + 8 * n, k0);
+            mma16816<false>(acc[n], a, b);
         }
     }
 }
@@ -648,16 +669,7 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
         const float* tl = reinterpret_cast<const float*>(ms + GDR_CHUNK * GDR_LS);
         u32 t0 = start + c * GDR_CHUNK, m = min(GDR_CHUNK, len - c * GDR_CHUNK);
         // V' = U + (−W) S.
-        for (u32 k0 = 0; k0 < dkp; k0 += 16) {
-            u32 a[4];
-            gdr_a_frag(a, wn, GDR_KS, 16 * mt, k0);
-#pragma unroll
-            for (u32 n = 0; n < 2; n++) {
-                u32 b[2];
-                gdr_b_frag(b, st, GDR_KS, 16 * half + 8 * n, k0);
-                mma16816<false>(v[n], a, b);
-            }
-        }
+        gdr_times_state(v, wn, st, dkp, mt, half);
 #pragma unroll
         for (u32 n = 0; n < 2; n++)
             gdr_acc_each(v[n], 16 * mt, 16 * half + 8 * n, [&](u32 i, u32 e, float v0, float v1) {
@@ -670,16 +682,7 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
         __syncthreads();
         // O = e^γ ⊙ (Q̂ S) + M V' (M is lower triangular: k steps up to the diagonal).
         float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        for (u32 k0 = 0; k0 < dkp; k0 += 16) {
-            u32 a[4];
-            gdr_a_frag(a, qs, GDR_KS, 16 * mt, k0);
-#pragma unroll
-            for (u32 n = 0; n < 2; n++) {
-                u32 b[2];
-                gdr_b_frag(b, st, GDR_KS, 16 * half + 8 * n, k0);
-                mma16816<false>(o[n], a, b);
-            }
-        }
+        gdr_times_state(o, qs, st, dkp, mt, half);
         float eg_lo = tl[16 * mt + g8], eg_hi = tl[16 * mt + g8 + 8];
 #pragma unroll
         for (u32 n = 0; n < 2; n++) {
