@@ -69,7 +69,8 @@ pub struct EngineMetrics {
     pub kv_blocks_cached: AtomicU64,
     /// KV cache blocks in the pool.
     pub kv_blocks_total: AtomicU64,
-    /// Recurrent-state slots held by running sequences (hybrid models).
+    /// State slots held by running sequences (one each; the hybrids keep their recurrent
+    /// state there).
     pub state_slots_used: AtomicU64,
     /// Prompt tokens prefilled (recomputation after preemption included).
     pub prompt_tokens: AtomicU64,

@@ -3,16 +3,22 @@
 //! tokenizes the text between two of them on its own), and every segment but the new ones
 //! comes back from here instead of through BPE again.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// Segments shorter than this are tokenized every time (cheaper than keeping them).
 pub(crate) const MIN_CACHED_BYTES: usize = 128;
 
+/// Bytes an entry costs beyond its text and ids (its key, handle and table slots), counted
+/// against the budget.
+const ENTRY_OVERHEAD: usize = 96;
+
 /// Segments' ids, the least recently used dropped beyond a byte budget.
 #[derive(Debug)]
 pub(crate) struct SegmentCache {
     entries: HashMap<String, Entry>,
+    /// Segments by last use, oldest first.
+    by_use: BTreeMap<u64, String>,
     bytes: usize,
     budget: usize,
     clock: u64,
@@ -25,10 +31,11 @@ struct Entry {
 }
 
 impl SegmentCache {
-    /// An empty cache holding at most about `budget` bytes (segment text and ids).
+    /// An empty cache holding at most about `budget` bytes.
     pub(crate) fn new(budget: usize) -> Self {
         Self {
             entries: HashMap::new(),
+            by_use: BTreeMap::new(),
             bytes: 0,
             budget,
             clock: 0,
@@ -37,8 +44,11 @@ impl SegmentCache {
 
     /// The ids of `segment`, if cached.
     pub(crate) fn get(&mut self, segment: &str) -> Option<Arc<[u32]>> {
-        self.clock += 1;
         let entry = self.entries.get_mut(segment)?;
+        self.clock += 1;
+        if let Some(key) = self.by_use.remove(&entry.last_used) {
+            self.by_use.insert(self.clock, key);
+        }
         entry.last_used = self.clock;
         Some(Arc::clone(&entry.ids))
     }
@@ -49,21 +59,17 @@ impl SegmentCache {
         if size > self.budget || self.entries.contains_key(segment) {
             return;
         }
-        self.clock += 1;
         while self.bytes + size > self.budget {
-            let Some(oldest) = self
-                .entries
-                .iter()
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(k, _)| k.clone())
-            else {
+            let Some((_, oldest)) = self.by_use.pop_first() else {
                 break;
             };
             if let Some(e) = self.entries.remove(&oldest) {
                 self.bytes -= Self::size(&oldest, &e.ids);
             }
         }
+        self.clock += 1;
         self.bytes += size;
+        self.by_use.insert(self.clock, segment.to_string());
         self.entries.insert(
             segment.to_string(),
             Entry {
@@ -74,13 +80,19 @@ impl SegmentCache {
     }
 
     fn size(segment: &str, ids: &[u32]) -> usize {
-        segment.len() + 4 * ids.len()
+        segment.len() + 4 * ids.len() + ENTRY_OVERHEAD
     }
 
     /// Bytes held.
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The bytes `insert` counts for an entry.
+    #[cfg(test)]
+    pub(crate) fn entry_bytes(segment: &str, ids: &[u32]) -> usize {
+        Self::size(segment, ids)
     }
 }
 
@@ -122,8 +134,8 @@ mod tests {
     #[test]
     fn the_least_recently_used_go_first_and_the_budget_holds() {
         let ids: Arc<[u32]> = Arc::from(vec![1u32; 10]);
-        // Each entry: 10 bytes of text + 40 of ids.
-        let mut cache = SegmentCache::new(120);
+        let one = SegmentCache::entry_bytes("aaaaaaaaaa", &ids);
+        let mut cache = SegmentCache::new(2 * one + one / 2);
         cache.insert("aaaaaaaaaa", Arc::clone(&ids));
         cache.insert("bbbbbbbbbb", Arc::clone(&ids));
         assert!(cache.get("aaaaaaaaaa").is_some());
@@ -134,12 +146,34 @@ mod tests {
         );
         assert!(cache.get("aaaaaaaaaa").is_some());
         assert!(cache.get("cccccccccc").is_some());
-        assert_eq!(cache.bytes(), 100);
-        cache.insert(&"x".repeat(200), ids);
+        assert_eq!(cache.bytes(), 2 * one);
+        cache.insert(&"x".repeat(4 * one), ids);
         assert_eq!(
             cache.bytes(),
-            100,
+            2 * one,
             "an entry over the whole budget is not kept"
         );
+    }
+
+    /// Many small entries evicted by one large one: each eviction takes the oldest at once.
+    #[test]
+    fn a_large_entry_evicts_the_oldest_small_ones() {
+        let small: Arc<[u32]> = Arc::from(vec![7u32; 1]);
+        let one = SegmentCache::entry_bytes(&format!("{:08}", 0), &small);
+        let mut cache = SegmentCache::new(1000 * one);
+        for i in 0..1000 {
+            cache.insert(&format!("{i:08}"), Arc::clone(&small));
+        }
+        assert!(cache.get(&format!("{:08}", 0)).is_some());
+        let big: Arc<[u32]> = Arc::from(vec![1u32; 100]);
+        let text = "y".repeat(10 * one);
+        cache.insert(&text, big);
+        assert!(cache.get(&text).is_some());
+        assert!(cache.get(&format!("{:08}", 0)).is_some(), "used recently");
+        assert!(
+            cache.get(&format!("{:08}", 1)).is_none(),
+            "the oldest unused"
+        );
+        assert!(cache.bytes() <= 1000 * one);
     }
 }

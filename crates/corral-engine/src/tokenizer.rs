@@ -50,13 +50,7 @@ impl Tokenizer {
             inner.get_decoder(),
             Some(tokenizers::DecoderWrapper::ByteLevel(_))
         );
-        let splits = inner.get_added_tokens_decoder().values().any(|t| {
-            t.content == SEGMENT_DELIMITER
-                && !t.normalized
-                && !t.lstrip
-                && !t.rstrip
-                && !t.single_word
-        });
+        let splits = splits_cleanly(&inner);
         Ok(Self {
             inner,
             added,
@@ -98,15 +92,19 @@ impl Tokenizer {
                 ids.extend(self.encode_whole(piece)?);
                 continue;
             }
-            let cached = cache.lock().ok().and_then(|mut c| c.get(piece));
+            // The cache holds no invariant a panic could break: a poisoned lock is used as is.
+            let lock = || {
+                cache
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+            };
+            let cached = lock().get(piece);
             match cached {
                 Some(hit) => ids.extend_from_slice(&hit),
                 None => {
                     let fresh: Arc<[u32]> = self.encode_whole(piece)?.into();
                     ids.extend_from_slice(&fresh);
-                    if let Ok(mut c) = cache.lock() {
-                        c.insert(piece, fresh);
-                    }
+                    lock().insert(piece, fresh);
                 }
             }
         }
@@ -140,6 +138,30 @@ impl Tokenizer {
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+}
+
+/// Whether a text's ids are its segments' ids (split before each SEGMENT_DELIMITER)
+/// concatenated: the delimiter is an added token matched as written, with no stripping
+/// around it; no other added token contains it or ends with its beginning (the tokenizer
+/// matches the leftmost, longest added token, which would then win over the delimiter);
+/// and nothing is truncated or padded per call.
+fn splits_cleanly(inner: &tokenizers::Tokenizer) -> bool {
+    let added = inner.get_added_tokens_decoder();
+    let delimiter_plain = added.values().any(|t| {
+        t.content == SEGMENT_DELIMITER && !t.normalized && !t.lstrip && !t.rstrip && !t.single_word
+    });
+    let overlaps = added.values().any(|t| {
+        t.content != SEGMENT_DELIMITER
+            && (t.content.contains(SEGMENT_DELIMITER)
+                || (1..SEGMENT_DELIMITER.len()).any(|n| {
+                    SEGMENT_DELIMITER.is_char_boundary(n)
+                        && t.content.ends_with(&SEGMENT_DELIMITER[..n])
+                }))
+    });
+    delimiter_plain
+        && !overlaps
+        && inner.get_truncation().is_none()
+        && inner.get_padding().is_none()
 }
 
 /// GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the other 68
@@ -293,30 +315,60 @@ mod tests {
         let fourth_ids = t.encode_whole(&fourth).unwrap();
         assert_eq!(
             added,
-            fourth.len() + 4 * fourth_ids.len(),
+            SegmentCache::entry_bytes(&fourth, &fourth_ids),
             "only the new segment was added"
         );
     }
 
-    /// A delimiter that strips whitespace around it is not a clean split: no segments then.
+    /// No segments where splitting could change the ids: a delimiter that strips whitespace
+    /// around it, another added token that ends with the delimiter's start (it would win the
+    /// match), or truncation; the ids are the whole text's all the same.
     #[test]
-    fn no_segments_when_the_delimiter_strips_around_it() {
+    fn no_segments_where_the_split_is_not_clean() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../models/tiny-qwen3-moe/tokenizer.json");
-        let mut json: serde_json::Value =
+        let original: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        for token in json["added_tokens"].as_array_mut().unwrap() {
-            if token["content"] == SEGMENT_DELIMITER {
-                token["lstrip"] = serde_json::Value::Bool(true);
-            }
+        let text = format!("{}  \n<|im_start|>x <|im_start|>y", "y ".repeat(100));
+        type Change = fn(&mut serde_json::Value);
+        let variants: [(&str, Change); 3] = [
+            ("lstrip", |json| {
+                for token in json["added_tokens"].as_array_mut().unwrap() {
+                    if token["content"] == SEGMENT_DELIMITER {
+                        token["lstrip"] = serde_json::Value::Bool(true);
+                    }
+                }
+            }),
+            ("an overlapping added token", |json| {
+                json["added_tokens"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(serde_json::json!({
+                        "id": 1543, "content": "\n<|im", "single_word": false, "lstrip": false,
+                        "rstrip": false, "normalized": false, "special": true,
+                    }));
+            }),
+            ("truncation", |json| {
+                json["truncation"] = serde_json::json!({
+                    "direction": "Right", "max_length": 64, "strategy": "LongestFirst",
+                    "stride": 0,
+                });
+            }),
+        ];
+        for (what, change) in variants {
+            let mut json = original.clone();
+            change(&mut json);
+            let dir = tempfile::tempdir().unwrap();
+            let file = dir.path().join("tokenizer.json");
+            std::fs::write(&file, json.to_string()).unwrap();
+            let t = Tokenizer::from_file(&file).unwrap();
+            assert!(t.segments.is_none(), "{what}");
+            assert_eq!(
+                t.encode(&text).unwrap(),
+                t.encode_whole(&text).unwrap(),
+                "{what}"
+            );
         }
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("tokenizer.json");
-        std::fs::write(&file, json.to_string()).unwrap();
-        let t = Tokenizer::from_file(&file).unwrap();
-        assert!(t.segments.is_none());
-        let text = format!("{}  <|im_start|>x", "y ".repeat(100));
-        assert_eq!(t.encode(&text).unwrap(), t.encode_whole(&text).unwrap());
     }
 
     /// Generated special tokens leave the text unless asked for; `<think>` stays.

@@ -343,7 +343,7 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
         &mut out,
         "corral_state_slots_used",
         "gauge",
-        "Recurrent-state slots held by running sequences (hybrid models).",
+        "State slots held by running sequences (one each; the hybrids' recurrent state).",
         load(&m.state_slots_used),
     );
     scalar(

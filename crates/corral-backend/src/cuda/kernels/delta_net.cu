@@ -72,8 +72,11 @@ extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) c
         for (u32 s = 0; s < CONV_SPAN; s++) {
             if (t0 + s >= len) break;
             float y = 0.f;
+            // Only the kernel's taps: the window's later inputs belong to later tokens (a
+            // non-finite one times a zero weight would still reach this token).
 #pragma unroll
-            for (u32 i = 0; i < CONV_MAX_KERNEL; i++) y += w[i] * win[s + i];
+            for (u32 i = 0; i < CONV_MAX_KERNEL; i++)
+                if (i < kernel) y += w[i] * win[s + i];
             out[(size_t)(start + t0 + s) * channels + c] = silu(y);
         }
     }

@@ -134,10 +134,14 @@ pub(super) async fn get_text(address: &str, path: &str) -> Result<String> {
     let mut bytes = Vec::new();
     stream.read_to_end(&mut bytes).await?;
     let text = String::from_utf8_lossy(&bytes);
-    match text.split_once("\r\n\r\n") {
-        Some((_, body)) => Ok(body.to_string()),
-        None => bail!("GET {path}: malformed response"),
+    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+        bail!("GET {path}: malformed response");
+    };
+    let status = head.split_whitespace().nth(1).unwrap_or("");
+    if status != "200" {
+        bail!("GET {path}: HTTP {status}: {body}");
     }
+    Ok(body.to_string())
 }
 
 /// What a streamed chat completion returned.
@@ -359,12 +363,22 @@ async fn held_after(address: &str) -> Result<(u64, u64)> {
     let start = Instant::now();
     loop {
         let m = get_text(address, "/metrics").await?;
+        if !m.contains("corral_state_slots_used") {
+            bail!(
+                "the server's /metrics has no corral_state_slots_used: is it Corral, and this version?"
+            );
+        }
         let busy = gauge(&m, "corral_running_sequences") + gauge(&m, "corral_queue_depth");
-        if busy == 0 || start.elapsed() > Duration::from_secs(30) {
+        if busy == 0 {
             return Ok((
                 gauge(&m, "corral_kv_blocks_used"),
                 gauge(&m, "corral_state_slots_used"),
             ));
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "the server still runs or queues {busy} requests 30 s after its clients finished"
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -578,6 +592,9 @@ pub(crate) fn run(args: ServeBenchArgs) -> Result<()> {
             "after {} clients hung up at their first token ({failed} failed before it): {kv_left} KV blocks and {slots_left} state slots held",
             args.hangups
         );
+        if failed == args.hangups {
+            bail!("none of the {failed} hang-up clients got a first token: nothing was tested");
+        }
         hangup = json!({
             "clients": args.hangups, "failed_before_first_token": failed,
             "kv_blocks_held_after": kv_left, "state_slots_held_after": slots_left,
