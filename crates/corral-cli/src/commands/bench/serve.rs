@@ -159,6 +159,43 @@ pub(super) struct Streamed {
     pub(super) usage: Value,
 }
 
+/// The `data:` payloads of a server-sent event stream, read off its connection.
+struct SseReader {
+    conn: TcpStream,
+    pending: Vec<u8>,
+}
+
+impl SseReader {
+    /// The next event's data; `None` when the connection closes first.
+    async fn next_data(&mut self) -> Result<Option<String>> {
+        let mut chunk = [0u8; 8192];
+        loop {
+            while let Some(i) = self.pending.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = self.pending.drain(..i + 2).collect();
+                let text = String::from_utf8_lossy(&event);
+                if let Some(data) = text.trim().strip_prefix("data: ") {
+                    return Ok(Some(data.to_string()));
+                }
+            }
+            let n = self.conn.read(&mut chunk).await?;
+            if n == 0 {
+                return Ok(None);
+            }
+            self.pending.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
+
+/// A token's text in a chat-completion chunk: its content (maybe empty, the text held
+/// back), and not the opening chunk that names the role.
+fn token_text(chunk: &Value) -> Option<&str> {
+    let delta = &chunk["choices"][0]["delta"];
+    match (delta["content"].as_str(), delta.get("role")) {
+        (Some(content), None) => Some(content),
+        _ => None,
+    }
+}
+
 /// Reads an SSE chat-completion stream to `[DONE]`, timing its token events from `start`.
 async fn read_stream(
     status: u16,
@@ -172,44 +209,30 @@ async fn read_stream(
     }
     let mut out = Streamed::default();
     let mut last: Option<Instant> = None;
-    let mut chunk = [0u8; 8192];
-    loop {
-        while let Some(i) = pending.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = pending.drain(..i + 2).collect();
-            let text = String::from_utf8_lossy(&event);
-            let Some(data) = text.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                out.end = start.elapsed().as_secs_f64();
-                return Ok(out);
-            }
-            let v: Value = serde_json::from_str(data)?;
-            if v.get("error").is_some() {
-                bail!("stream error: {data}");
-            }
-            if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
-                out.usage = usage.clone();
-            }
-            // A token's chunk: content (maybe empty, its text held back), and not the
-            // opening chunk that names the role.
-            let delta = &v["choices"][0]["delta"];
-            if let (Some(content), None) = (delta["content"].as_str(), delta.get("role")) {
-                out.text.push_str(content);
-                let now = Instant::now();
-                match last {
-                    None => out.ttft = Some((now - start).as_secs_f64()),
-                    Some(prev) => out.gaps.push((now - prev).as_secs_f64()),
-                }
-                last = Some(now);
-            }
+    let mut events = SseReader { conn, pending };
+    while let Some(data) = events.next_data().await? {
+        if data == "[DONE]" {
+            out.end = start.elapsed().as_secs_f64();
+            return Ok(out);
         }
-        let n = conn.read(&mut chunk).await?;
-        if n == 0 {
-            bail!("stream ended without [DONE]");
+        let v: Value = serde_json::from_str(&data)?;
+        if v.get("error").is_some() {
+            bail!("stream error: {data}");
         }
-        pending.extend_from_slice(&chunk[..n]);
+        if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+            out.usage = usage.clone();
+        }
+        if let Some(content) = token_text(&v) {
+            out.text.push_str(content);
+            let now = Instant::now();
+            match last {
+                None => out.ttft = Some((now - start).as_secs_f64()),
+                Some(prev) => out.gaps.push((now - prev).as_secs_f64()),
+            }
+            last = Some(now);
+        }
     }
+    bail!("stream ended without [DONE]")
 }
 
 /// Streams the chat completion `body` (which asks for streaming with usage) and reads it.
@@ -307,29 +330,24 @@ async fn one_request(
         "stream": stream,
         "stream_options": {"include_usage": true},
     });
-    let start = Instant::now();
+    let count = |usage: &Value, field: &str| usage[field].as_u64().unwrap_or(0) as usize;
     let result: Result<Outcome> = async {
-        let (status, mut conn, mut body_bytes) =
-            post(address, "/v1/chat/completions", &body, api_key).await?;
-        let mut outcome = Outcome::default();
         if !stream {
-            conn.read_to_end(&mut body_bytes).await?;
-            if status != 200 {
-                bail!("HTTP {status}: {}", String::from_utf8_lossy(&body_bytes));
-            }
-            let v: Value = serde_json::from_slice(&body_bytes)?;
-            outcome.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
-            outcome.completion_tokens =
-                v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
-            return Ok(outcome);
+            let v = post_json(address, "/v1/chat/completions", &body, api_key).await?;
+            return Ok(Outcome {
+                prompt_tokens: count(&v["usage"], "prompt_tokens"),
+                completion_tokens: count(&v["usage"], "completion_tokens"),
+                ..Outcome::default()
+            });
         }
-        let streamed = read_stream(status, conn, body_bytes, start).await?;
-        outcome.prompt_tokens = streamed.usage["prompt_tokens"].as_u64().unwrap_or(0) as usize;
-        outcome.completion_tokens =
-            streamed.usage["completion_tokens"].as_u64().unwrap_or(0) as usize;
-        outcome.ttft = streamed.ttft;
-        outcome.gaps = streamed.gaps;
-        Ok(outcome)
+        let streamed = stream_chat(address, api_key, &body).await?;
+        Ok(Outcome {
+            prompt_tokens: count(&streamed.usage, "prompt_tokens"),
+            completion_tokens: count(&streamed.usage, "completion_tokens"),
+            ttft: streamed.ttft,
+            gaps: streamed.gaps,
+            error: None,
+        })
     }
     .await;
     result.unwrap_or_else(|e| Outcome {
@@ -348,8 +366,8 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     v[rank.min(v.len() - 1)]
 }
 
-/// A gauge's value in Prometheus text (0 if absent).
-fn gauge(metrics: &str, name: &str) -> u64 {
+/// An unlabelled metric's value in Prometheus text (0 if absent).
+pub(super) fn metric(metrics: &str, name: &str) -> u64 {
     metrics
         .lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
@@ -368,11 +386,11 @@ async fn held_after(address: &str) -> Result<(u64, u64)> {
                 "the server's /metrics has no corral_state_slots_used: is it Corral, and this version?"
             );
         }
-        let busy = gauge(&m, "corral_running_sequences") + gauge(&m, "corral_queue_depth");
+        let busy = metric(&m, "corral_running_sequences") + metric(&m, "corral_queue_depth");
         if busy == 0 {
             return Ok((
-                gauge(&m, "corral_kv_blocks_used"),
-                gauge(&m, "corral_state_slots_used"),
+                metric(&m, "corral_kv_blocks_used"),
+                metric(&m, "corral_state_slots_used"),
             ));
         }
         if start.elapsed() > Duration::from_secs(30) {
@@ -401,30 +419,17 @@ async fn hang_up_after_first_token(
         conn.read_to_end(&mut pending).await?;
         bail!("HTTP {status}: {}", String::from_utf8_lossy(&pending));
     }
-    let mut chunk = [0u8; 8192];
-    loop {
-        while let Some(i) = pending.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = pending.drain(..i + 2).collect();
-            let text = String::from_utf8_lossy(&event);
-            let Some(Ok(v)) = text
-                .trim()
-                .strip_prefix("data: ")
-                .map(serde_json::from_str::<Value>)
-            else {
-                continue;
-            };
-            let delta = &v["choices"][0]["delta"];
-            if delta["content"].is_string() && delta.get("role").is_none() {
-                drop(conn);
-                return Ok(());
-            }
+    let mut events = SseReader { conn, pending };
+    while let Some(data) = events.next_data().await? {
+        let Ok(v) = serde_json::from_str::<Value>(&data) else {
+            continue;
+        };
+        if token_text(&v).is_some() {
+            // Dropping the reader closes the connection.
+            return Ok(());
         }
-        let n = conn.read(&mut chunk).await?;
-        if n == 0 {
-            bail!("the stream ended before its first token");
-        }
-        pending.extend_from_slice(&chunk[..n]);
     }
+    bail!("the stream ended before its first token")
 }
 
 /// The user messages of one level's requests (seeds distinct per level, so that no level
@@ -629,5 +634,20 @@ mod tests {
         assert!(authority("http://x/v1").is_err());
         assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0, 5.0], 50.0), 3.0);
         assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0, 5.0], 90.0), 5.0);
+    }
+
+    #[test]
+    fn metrics_and_token_chunks_are_read() {
+        let text = "# TYPE corral_kv_blocks_used gauge\ncorral_kv_blocks_used_total 9\ncorral_kv_blocks_used 3\nvllm:x{a=\"b\"} 4\n";
+        assert_eq!(metric(text, "corral_kv_blocks_used"), 3);
+        assert_eq!(metric(text, "corral_state_slots_used"), 0);
+        let chunk = |delta: Value| json!({"choices": [{"delta": delta}]});
+        assert_eq!(token_text(&chunk(json!({"content": "hi"}))), Some("hi"));
+        assert_eq!(token_text(&chunk(json!({"content": ""}))), Some(""));
+        assert_eq!(
+            token_text(&chunk(json!({"role": "assistant", "content": ""}))),
+            None
+        );
+        assert_eq!(token_text(&chunk(json!({"tool_calls": []}))), None);
     }
 }

@@ -14,7 +14,7 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use super::plot::Series;
-use super::serve::{authority, get_text, stream_chat};
+use super::serve::{authority, get_text, metric, stream_chat};
 use super::summary::median;
 
 /// Arguments of `corral bench sessions`.
@@ -381,12 +381,7 @@ fn compared_series(path: &std::path::Path) -> Result<Series> {
 
 /// A counter's value in the server's `/metrics` (0 if absent).
 async fn counter(address: &str, name: &str) -> Result<u64> {
-    let text = get_text(address, "/metrics").await?;
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0))
+    Ok(metric(&get_text(address, "/metrics").await?, name))
 }
 
 /// Cold prefill of a prompt of about `tokens` tokens against its restore from disk: other
