@@ -710,7 +710,7 @@ async fn health_reports_a_stopped_engine() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
 }
 
-/// Log output captured by a test's subscriber.
+/// Log output captured by a subscriber.
 #[derive(Clone, Default)]
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
 
@@ -724,27 +724,38 @@ impl std::io::Write for Captured {
     }
 }
 
+/// The log of the whole test binary, captured by one global subscriber: a subscriber set for
+/// one test only (`set_default`) races with the other tests' threads over tracing's cached
+/// per-callsite interest, and its events were sometimes dropped.
+fn captured_log() -> &'static Captured {
+    static LOG: std::sync::OnceLock<Captured> = std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        captured
+    })
+}
+
 /// Every finished request is one INFO line naming its id, model, tokens, TTFT, decode rate
 /// and finish reason.
 #[tokio::test(flavor = "current_thread")]
 async fn every_finished_request_is_one_log_line() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let captured = captured_log();
     let s = server(None, 16, 512);
     let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
     assert_eq!(status, StatusCode::OK);
+    let id = body["id"].as_str().unwrap();
     let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("request finished"))
+        .filter(|l| l.contains("request finished") && l.contains(&format!("id={id} ")))
         .collect();
     assert_eq!(lines.len(), 1, "{log}");
-    let id = body["id"].as_str().unwrap();
     for field in [
         format!("id={id}"),
         "model=tiny".to_string(),
