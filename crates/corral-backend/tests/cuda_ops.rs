@@ -125,7 +125,7 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(1);
-    for case in 0..66 {
+    for case in 0..72 {
         let rows = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 130][case % 12];
         let n = 1 + rng.below(150);
         let k = if case % 3 == 0 {
@@ -135,8 +135,12 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
         };
         let dtype = DTYPES[case % 3];
         // The last cases run rows of 4096 elements and more (an attention output's), 16-bit
-        // weights, over one row, one 8-row tile and two.
-        let (rows, k, dtype) = if case >= 60 {
+        // weights, over one row, one 8-row tile and two; then 2 to 32 rows of 1,024 to 4,224
+        // elements: with so few output features, K is split over blocks.
+        let (rows, k, dtype) = if case >= 66 {
+            let rows = [17, 32, 3, 24, 16, 12][case - 66];
+            (rows, 1024 + 8 * rng.below(400), DTYPES[case % 2])
+        } else if case >= 60 {
             let rows = [1, 2, 5, 8, 1, 9][case - 60];
             (rows, 4096 + 8 * rng.below(100), DTYPES[case % 2])
         } else {
@@ -157,7 +161,14 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
             let xb = f32_buf(b, &x);
             let mut out = out_buf(b, rows * n);
             b.matmul(&xb, rows, view, &mut out).unwrap();
-            outs.push(read(b, &out, rows * n));
+            let first = read(b, &out, rows * n);
+            // Again into a new buffer (of NaN), bit for bit: a split's last block adds the
+            // parts in a fixed order and leaves its ticket at zero for the next launch.
+            let mut again = out_buf(b, rows * n);
+            b.matmul(&xb, rows, view, &mut again).unwrap();
+            let second = read(b, &again, rows * n);
+            assert_eq!(second, first, "{what}: a second launch differs");
+            outs.push(first);
         }
         // One row, f32 weights and unaligned rows run in f32 up to 32 rows; tensor cores
         // (small-row mma, tiles, cuBLAS) round activations and f16/f32 weights to 16 bits.

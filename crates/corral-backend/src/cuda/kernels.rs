@@ -15,8 +15,9 @@ pub(crate) struct WeightKernels {
     pub(crate) embedding: Kernel,
     /// Matrix-vector products for at most 1, 2, 4, 8, 16 and 32 rows.
     pub(crate) matvec: [Kernel; 6],
-    /// Tensor-core matrix-vector products for at most 8, 16 and 32 rows (16-bit weights).
-    pub(crate) matvec_mma: Option<[Kernel; 3]>,
+    /// Tensor-core matrix-vector products for at most 8, 16 and 32 rows (16-bit weights):
+    /// `[whole K, K split over blocks]`.
+    pub(crate) matvec_mma: Option<[[Kernel; 3]; 2]>,
     pub(crate) matmul_tiled: Kernel,
     pub(crate) grouped_gate_up: Kernel,
     pub(crate) grouped_down: Kernel,
@@ -187,21 +188,38 @@ impl Kernels {
                 find("moe_grouped_down_big_bf16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
             ]))
         };
-        let mma = |s: &'static str| -> Result<Option<[Kernel; 3]>> {
-            let names: [&'static str; 3] = match s {
+        let mma = |s: &'static str| -> Result<Option<[[Kernel; 3]; 2]>> {
+            let names: [[&'static str; 3]; 2] = match s {
                 "bf16" => [
-                    "matvec_mma_bf16_n1",
-                    "matvec_mma_bf16_n2",
-                    "matvec_mma_bf16_n4",
+                    [
+                        "matvec_mma_bf16_n1",
+                        "matvec_mma_bf16_n2",
+                        "matvec_mma_bf16_n4",
+                    ],
+                    [
+                        "matvec_mma_split_bf16_n1",
+                        "matvec_mma_split_bf16_n2",
+                        "matvec_mma_split_bf16_n4",
+                    ],
                 ],
                 "f16" => [
-                    "matvec_mma_f16_n1",
-                    "matvec_mma_f16_n2",
-                    "matvec_mma_f16_n4",
+                    [
+                        "matvec_mma_f16_n1",
+                        "matvec_mma_f16_n2",
+                        "matvec_mma_f16_n4",
+                    ],
+                    [
+                        "matvec_mma_split_f16_n1",
+                        "matvec_mma_split_f16_n2",
+                        "matvec_mma_split_f16_n4",
+                    ],
                 ],
                 _ => return Ok(None),
             };
-            Ok(Some([find(names[0])?, find(names[1])?, find(names[2])?]))
+            let three = |n: [&'static str; 3]| -> Result<[Kernel; 3]> {
+                Ok([find(n[0])?, find(n[1])?, find(n[2])?])
+            };
+            Ok(Some([three(names[0])?, three(names[1])?]))
         };
         macro_rules! weight_kernels {
             ($s:literal) => {

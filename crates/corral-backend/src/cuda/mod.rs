@@ -98,6 +98,8 @@ pub struct CudaBackend {
     recurrent_delta_rule: bool,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
+    /// Tickets of the few-row projections that split K (zero between launches).
+    projection_counters: DeviceBuffer,
     /// Per-block partial results of the sampling reduction (fixed size: allocated once),
     /// and its zeroed tickets, one per row of a launch.
     sampling_scratch: DeviceBuffer,
@@ -210,6 +212,24 @@ const RANKED_ROUTE_MAX_CHOICES: usize = 64;
 
 /// Threads of the few-row tensor-core kernels (mma_vec.cuh's MVM_WARPS warps).
 const MVM_THREADS: u32 = 256;
+/// Blocks an SM from which a few-row projection reads whole rows of K in each block; with
+/// fewer 16-feature tiles than that, K is split over blocks (matvec_mma_split).
+const MVM_SPLIT_BLOCKS_PER_SM: usize = 4;
+/// The least of K a split takes: a span of 32 for each of the block's 8 warps.
+const MVM_SPLIT_MIN_K: usize = 256;
+/// Tiles up to which a projection may split K: the tickets of their last blocks.
+const PROJECTION_COUNTERS: usize = 4096;
+
+/// The elements of K each block of a few-row projection of `tiles` 16-feature tiles takes,
+/// where splitting K fills more of `multiprocessors`; `None`: whole rows in each block.
+fn projection_split_k(tiles: usize, k: usize, multiprocessors: usize) -> Option<usize> {
+    let target = MVM_SPLIT_BLOCKS_PER_SM * multiprocessors;
+    if tiles == 0 || tiles >= target || tiles > PROJECTION_COUNTERS {
+        return None;
+    }
+    let split_k = k.div_ceil(target.div_ceil(tiles)).div_ceil(MVM_SPLIT_MIN_K) * MVM_SPLIT_MIN_K;
+    (split_k < k).then_some(split_k)
+}
 
 /// Rows per expert on average up to which grouped experts run as few-row products (each
 /// hit expert read once) rather than 64-row tiles, or rather than 128-row tiles where those
@@ -343,6 +363,15 @@ impl CudaBackend {
             BufferUsage::Metadata,
             Storage::Cuda(counters_mem),
         );
+        let projection_mem = gpu.alloc(PROJECTION_COUNTERS * 4)?;
+        gpu.memset_zero(projection_mem.ptr(), PROJECTION_COUNTERS * 4)?;
+        gpu.sync()?;
+        let projection_counters = DeviceBuffer::new(
+            DType::U32,
+            PROJECTION_COUNTERS,
+            BufferUsage::Metadata,
+            Storage::Cuda(projection_mem),
+        );
         let sample_words = SAMPLE_MAX_ROWS * SAMPLE_MAX_PARTS * CANDIDATE_ROW_WORDS;
         let sampling_scratch = DeviceBuffer::new(
             DType::U32,
@@ -389,6 +418,7 @@ impl CudaBackend {
             op_scratch,
             recurrent_delta_rule: options.recurrent_delta_rule,
             attention_counters,
+            projection_counters,
             sampling_scratch,
             sampling_tickets,
             kernels_id: compile::sources_id() ^ blas_present as u64,
@@ -1149,13 +1179,37 @@ impl Backend for CudaBackend {
             vec,
             (2..=MATVEC_MAX_ROWS).contains(&rows),
         ) {
-            // Tensor cores for the next power of two of 8-row tiles; 16 features a block.
+            // Tensor cores for the next power of two of 8-row tiles; 16 features a block,
+            // K split over blocks where the tiles alone would leave SMs idle.
             let variant = rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize;
+            let tiles = w.rows.div_ceil(16);
+            let multiprocessors = self.gpu.multiprocessors.max(1) as usize;
+            if let Some(split_k) = projection_split_k(tiles, w.cols, multiprocessors) {
+                let splits = w.cols.div_ceil(split_k);
+                // Each (tile, split) leaves 4 sums of each 8-row tile in each of 32 lanes.
+                let partial_floats = tiles * splits * (4 << variant) * 32;
+                if partial_floats <= OP_SCRATCH_FLOATS {
+                    let split_args = [
+                        args[0],
+                        args[1],
+                        args[2],
+                        args[3],
+                        args[4],
+                        u32_of(op, split_k)?,
+                        Arg::Ptr(ptr_of(op, &self.op_scratch)?),
+                        Arg::Ptr(ptr_of(op, &self.projection_counters)?),
+                        args[6],
+                        args[7],
+                    ];
+                    let grid = (grid_of(op, tiles)?, grid_of(op, splits)?, 1);
+                    return self.launch(&mma[1][variant], grid, MVM_THREADS, &split_args);
+                }
+            }
             let mma_args = [
                 args[0], args[1], args[2], args[3], args[4], args[6], args[7],
             ];
-            let grid = (grid_of(op, w.rows.div_ceil(16))?, 1, 1);
-            return self.launch(&mma[variant], grid, MVM_THREADS, &mma_args);
+            let grid = (grid_of(op, tiles)?, 1, 1);
+            return self.launch(&mma[0][variant], grid, MVM_THREADS, &mma_args);
         }
         if let (Some(blas), DType::BF16, true, true) =
             (&self.blas, dtype, vec, rows > MATVEC_MAX_ROWS)
@@ -2352,5 +2406,25 @@ mod tests {
             }
         }
         assert!(kernels >= 30, "only {kernels} kernels found");
+    }
+
+    /// Projections of few tiles split K into whole multiples of 256 until the blocks reach
+    /// four an SM; enough tiles, or a K of one split, read whole rows.
+    #[test]
+    fn few_tile_projections_split_k_to_fill_the_device() {
+        use super::projection_split_k as split;
+        // Qwen3-30B-A3B on 132 SMs: q/k/v (320 tiles), output (128), router (8), LM head.
+        assert_eq!(split(320, 2048, 132), Some(1024));
+        assert_eq!(split(128, 4096, 132), Some(1024));
+        assert_eq!(split(8, 2048, 132), Some(256));
+        assert_eq!(split(9496, 2048, 132), None);
+        assert_eq!(split(528, 2048, 132), None);
+        assert_eq!(split(8, 256, 132), None);
+        assert_eq!(split(8, 300, 132), Some(256));
+        for (tiles, k) in [(1, 4104), (40, 777), (127, 4096), (300, 8192)] {
+            let split_k = split(tiles, k, 132).expect("a split");
+            assert_eq!(split_k % 256, 0);
+            assert!(split_k < k && tiles * k.div_ceil(split_k) <= 2 * 4 * 132);
+        }
     }
 }

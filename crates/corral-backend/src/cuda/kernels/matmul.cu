@@ -135,6 +135,61 @@ __device__ void matvec_mma_impl(const float* x, u32 rows, const W* w, u32 N, u32
         }
 }
 
+// matvec_mma with K split over gridDim.y blocks, for projections of too few 16-feature tiles
+// to fill the device: a block sums split_k elements of K (a multiple of 256) and writes its
+// partial sums; the tile's last block to finish (a ticket in `counters`, zero between
+// launches) adds the tile's partials in split order, so the result does not depend on which
+// block finished last, and writes out.
+template <typename W, int NT>
+__device__ void matvec_mma_split_impl(const float* x, u32 rows, const W* w, u32 N, u32 K,
+                                      u32 split_k, float* partial, u32* counters, float* out,
+                                      Diag* diag) {
+    const int ACC = NT * 4;
+    __shared__ float red[(MVM_WARPS - 1) * ACC * 32];
+    u32 lane = threadIdx.x & 31, g = lane >> 2;
+    u32 tile = blockIdx.x, n0 = tile * 16, split = blockIdx.y, splits = gridDim.y;
+    u32 k0 = min(split * split_k, K), klen = min(split_k, K - k0);
+    if (threadIdx.x == 0) count_weight_bytes(diag, (u64)min(16u, N - n0) * klen * sizeof(W));
+    bool lo_ok = n0 + g < N, hi_ok = n0 + g + 8 < N;
+    const u16* w16 = reinterpret_cast<const u16*>(w);
+    const u16* w_lo[1] = {w16 + (size_t)(lo_ok ? n0 + g : 0) * K + k0};
+    const u16* w_hi[1] = {w16 + (size_t)(hi_ok ? n0 + g + 8 : 0) * K + k0};
+    const float* xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        xr[j] = j * 8 + g < rows ? x + (size_t)(j * 8 + g) * K + k0 : nullptr;
+    float acc[1][NT][4];
+    mvm_accumulate<F16Operands<W>::value, NT, 1, true>(xr, w_lo, w_hi, lo_ok, hi_ok, klen, acc,
+                                                         diag);
+    wait_for_previous_kernel();  // waited already unless the warp had no span of K
+    if (!mvm_reduce<ACC>(&acc[0][0][0], red)) return;
+    const float* sums = &acc[0][0][0];
+    float* mine = partial + ((size_t)tile * splits + split) * (ACC * 32);
+#pragma unroll
+    for (int i = 0; i < ACC; i++) mine[i * 32 + lane] = sums[i];
+    __threadfence();
+    u32 ticket = 0;
+    if (lane == 0) ticket = atomicAdd(&counters[tile], 1u);
+    if (__shfl_sync(0xffffffffu, ticket, 0) != splits - 1) return;
+    __threadfence();
+    float total[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; i++) total[i] = 0.f;
+    for (u32 s = 0; s < splits; s++) {
+        const float* theirs = partial + ((size_t)tile * splits + s) * (ACC * 32);
+#pragma unroll
+        for (int i = 0; i < ACC; i++) total[i] += __ldcg(theirs + i * 32 + lane);
+    }
+    if (lane == 0) counters[tile] = 0;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 n = n0 + mvm_feature(i), r = mvm_row(j, i);
+            if (n < N && r < rows) out[(size_t)r * N + n] = total[j * 4 + i];
+        }
+}
+
 template <typename W>
 __device__ void matmul_tiled_impl(const float* x, u32 rows, const W* w, u32 N, u32 K, u32 vec,
                                   float* out, Diag* diag) {
@@ -186,6 +241,13 @@ MATMUL(f32, float)
         const float* x, u32 rows, const W* w, u32 N, u32 K, float* out, Diag* diag) {          \
         begin_deferred_kernel();                                                               \
         matvec_mma_impl<W, NT>(x, rows, w, N, K, out, diag);                                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32)                               \
+        matvec_mma_split_##SUFFIX##_n##NT(const float* x, u32 rows, const W* w, u32 N, u32 K,  \
+                                          u32 split_k, float* partial, u32* counters,          \
+                                          float* out, Diag* diag) {                            \
+        begin_deferred_kernel();                                                               \
+        matvec_mma_split_impl<W, NT>(x, rows, w, N, K, split_k, partial, counters, out, diag); \
     }
 MATVEC_MMA(bf16, bf16w, 1)
 MATVEC_MMA(bf16, bf16w, 2)
