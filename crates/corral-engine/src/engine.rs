@@ -131,6 +131,7 @@ pub fn spawn_engine(
         model.config(),
         config.max_batch.max(1) + checkpoints,
     )?;
+    let metrics = Arc::new(EngineMetrics::default());
     let spill = match (&config.session_dir, config.prefix_cache) {
         (Some(dir), true) => {
             let fp = crate::kv::fingerprint(&[
@@ -141,11 +142,15 @@ pub fn spawn_engine(
                 &config.block_size.to_string(),
                 env!("CARGO_PKG_VERSION"),
             ]);
-            Some(crate::SpillDir::open(dir, fp, config.session_dir_bytes)?)
+            Some(crate::SpillDir::open(
+                dir,
+                fp,
+                config.session_dir_bytes,
+                Arc::clone(&metrics.session_spill_writes),
+            )?)
         }
         _ => None,
     };
-    let metrics = Arc::new(EngineMetrics::default());
     metrics
         .kv_blocks_total
         .store(config.kv_blocks as u64, Ordering::Relaxed);

@@ -94,6 +94,8 @@ pub struct EngineMetrics {
     pub session_spills: AtomicU64,
     /// Bytes of those files.
     pub session_spill_bytes: AtomicU64,
+    /// Those files whose background write has finished (on disk, renamed into place).
+    pub session_spill_writes: std::sync::Arc<AtomicU64>,
     /// Sequences that started from a session file.
     pub session_restores: AtomicU64,
     /// Tokens those sequences read from disk instead of computing.
@@ -146,6 +148,7 @@ impl Default for EngineMetrics {
             state_restored_tokens: AtomicU64::new(0),
             session_spills: AtomicU64::new(0),
             session_spill_bytes: AtomicU64::new(0),
+            session_spill_writes: std::sync::Arc::default(),
             session_restores: AtomicU64::new(0),
             session_restored_tokens: AtomicU64::new(0),
             session_restore_failures: AtomicU64::new(0),

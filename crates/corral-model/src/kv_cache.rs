@@ -33,7 +33,8 @@ pub struct PagedKvCache {
 impl PagedKvCache {
     /// Sets the most bytes of one layer's K (or V) that [`PagedKvCache::read_blocks`] and
     /// [`PagedKvCache::write_blocks`] move at once: the device memory they need beside the
-    /// cache (default 16 MiB).
+    /// cache (default 64 MiB: a 32k-token layer of a large model in one piece, which the
+    /// staged copies stream through without a wait between pieces).
     pub fn with_copy_piece_bytes(mut self, bytes: usize) -> Self {
         self.copy_piece_bytes = bytes.max(1);
         self
@@ -346,7 +347,7 @@ impl RecurrentStateCache {
 }
 
 /// The default of [`PagedKvCache::with_copy_piece_bytes`].
-const COPY_PIECE_BYTES: usize = 16 << 20;
+const COPY_PIECE_BYTES: usize = 64 << 20;
 
 /// A session copy's blocks in pieces of at most a number of bytes, each piece's ids in a
 /// device buffer from the pool.

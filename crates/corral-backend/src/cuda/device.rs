@@ -43,8 +43,21 @@ pub(crate) struct Gpu {
     staging: std::sync::Mutex<Option<PinnedHost>>,
 }
 
-/// Bytes of the page-locked staging buffer.
+/// Bytes of the page-locked staging buffer, and of each of its slots: a staged copy keeps
+/// one slot's bus transfer in flight while the host fills or empties another.
 const STAGING_BYTES: usize = 16 << 20;
+const STAGING_SLOTS: usize = 4;
+const STAGING_SLOT_BYTES: usize = STAGING_BYTES / STAGING_SLOTS;
+
+/// Copies `src` into `dst` (equal lengths) on several threads: a staged copy's host half,
+/// which one thread makes slower than the bus.
+fn parallel_copy(dst: &mut [u8], src: &[u8]) {
+    use rayon::prelude::*;
+    const PIECE: usize = 1 << 20;
+    dst.par_chunks_mut(PIECE)
+        .zip(src.par_chunks(PIECE))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
 
 impl Gpu {
     /// Opens device `ordinal`; `overlap_launches` asks for programmatic dependent launch
@@ -108,58 +121,86 @@ impl Gpu {
         })
     }
 
-    /// Copies `src` to device address `dst` through the page-locked buffer, 16 MiB at a
-    /// time, waiting for each piece: a session's KV restored. The host syncs it made.
+    /// Copies `src` to device address `dst` through the page-locked buffer's slots in turn:
+    /// the host fills one while the bus carries the ones before (each slot's event waited
+    /// for before it is filled again), then waits for the last. A session's KV restored. The
+    /// host syncs it made.
     pub(crate) fn upload_staged(&self, src: &[u8], dst: u64) -> Result<usize> {
         self.bind()?;
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let pinned = self.staging_buffer(&mut staging)?;
+        let mut in_flight: [Option<cudarc::driver::CudaEvent>; STAGING_SLOTS] = Default::default();
         let mut syncs = 0;
-        for (i, piece) in src.chunks(STAGING_BYTES).enumerate() {
-            let buf = pinned.bytes_mut(piece.len());
-            buf.copy_from_slice(piece);
-            // SAFETY: the caller checked that `dst` has room for `src`; the stream is synced
-            // before `buf` is written again.
+        for (i, piece) in src.chunks(STAGING_SLOT_BYTES).enumerate() {
+            let slot = i % STAGING_SLOTS;
+            if let Some(event) = in_flight[slot].take() {
+                event
+                    .synchronize()
+                    .map_err(|e| driver_err("waiting for a copy to the device", e))?;
+                syncs += 1;
+            }
+            let buf = pinned.slot_mut(slot, piece.len());
+            parallel_copy(buf, piece);
+            // SAFETY: the caller checked that `dst` has room for `src`; the slot is written
+            // again only after this copy's event (or the final sync) has completed.
             #[allow(unsafe_code)]
             unsafe {
                 result::memcpy_htod_async(
-                    dst + (i * STAGING_BYTES) as u64,
+                    dst + (i * STAGING_SLOT_BYTES) as u64,
                     &*buf,
                     self.stream.cu_stream(),
                 )
             }
             .map_err(|e| driver_err("copying to the device", e))?;
-            self.sync()?;
-            syncs += 1;
+            in_flight[slot] = Some(self.record_event()?);
         }
-        Ok(syncs)
+        self.sync()?;
+        Ok(syncs + 1)
     }
 
-    /// Copies device memory at `src` into `dst` through a page-locked buffer, 16 MiB at a
-    /// time, waiting for each piece (the driver copies pageable memory through a small
-    /// staging of its own at a fraction of the bus's rate): a session's KV read back. The
+    /// Copies device memory at `src` into `dst` through the page-locked buffer's slots (the
+    /// driver copies pageable memory through a small staging of its own at a fraction of the
+    /// bus's rate): every slot's transfer is queued, and each slot, once its event completes,
+    /// is copied out by the host and given the next piece. A session's KV read back. The
     /// host syncs it made.
     pub(crate) fn download_staged(&self, src: u64, dst: &mut [u8]) -> Result<usize> {
         self.bind()?;
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let pinned = self.staging_buffer(&mut staging)?;
-        let mut syncs = 0;
-        for (i, piece) in dst.chunks_mut(STAGING_BYTES).enumerate() {
-            let buf = pinned.bytes_mut(piece.len());
-            // SAFETY: the caller checked that `src` holds `dst.len()` bytes; the stream is
-            // synced before `buf` is read.
+        let total = dst.len();
+        let pieces = total.div_ceil(STAGING_SLOT_BYTES);
+        let piece_len = |i: usize| STAGING_SLOT_BYTES.min(total - i * STAGING_SLOT_BYTES);
+        let queue = |pinned: &mut PinnedHost, i: usize| -> Result<cudarc::driver::CudaEvent> {
+            let buf = pinned.slot_mut(i % STAGING_SLOTS, piece_len(i));
+            // SAFETY: the caller checked that `src` holds `dst.len()` bytes; the slot is read
+            // only after this copy's event has completed, and refilled only after that read.
             #[allow(unsafe_code)]
             unsafe {
                 result::memcpy_dtoh_async(
                     buf,
-                    src + (i * STAGING_BYTES) as u64,
+                    src + (i * STAGING_SLOT_BYTES) as u64,
                     self.stream.cu_stream(),
                 )
             }
             .map_err(|e| driver_err("copying from the device", e))?;
-            self.sync()?;
-            syncs += 1;
-            piece.copy_from_slice(buf);
+            self.record_event()
+        };
+        let mut in_flight = std::collections::VecDeque::with_capacity(STAGING_SLOTS);
+        for i in 0..pieces.min(STAGING_SLOTS) {
+            in_flight.push_back(queue(pinned, i)?);
+        }
+        let mut syncs = 0;
+        for (i, piece) in dst.chunks_mut(STAGING_SLOT_BYTES).enumerate() {
+            if let Some(event) = in_flight.pop_front() {
+                event
+                    .synchronize()
+                    .map_err(|e| driver_err("waiting for a copy from the device", e))?;
+                syncs += 1;
+            }
+            parallel_copy(piece, pinned.slot_mut(i % STAGING_SLOTS, piece.len()));
+            if i + STAGING_SLOTS < pieces {
+                in_flight.push_back(queue(pinned, i + STAGING_SLOTS)?);
+            }
         }
         Ok(syncs)
     }
@@ -359,13 +400,15 @@ impl PinnedHost {
         })
     }
 
-    /// The first `len` bytes (at most the allocation's).
-    fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
-        // SAFETY: `ptr` holds `bytes` initialised bytes for as long as self lives, borrowed
-        // mutably here.
+    /// The first `len` bytes (at most a slot's) of staging slot `slot`.
+    fn slot_mut(&mut self, slot: usize, len: usize) -> &mut [u8] {
+        let start = (slot * STAGING_SLOT_BYTES).min(self.bytes);
+        let len = len.min(STAGING_SLOT_BYTES).min(self.bytes - start);
+        // SAFETY: `ptr` holds `bytes` initialised bytes for as long as self lives, and
+        // start + len stays within them; borrowed mutably here.
         #[allow(unsafe_code)]
         unsafe {
-            std::slice::from_raw_parts_mut(self.ptr, len.min(self.bytes))
+            std::slice::from_raw_parts_mut(self.ptr.add(start), len)
         }
     }
 }

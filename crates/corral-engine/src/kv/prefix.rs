@@ -538,7 +538,10 @@ impl PrefixCache {
     }
 
     /// [`PrefixCache::evict`], showing `spill` (if any) each leaf's whole prefix before its
-    /// block is freed (its blocks' contents are intact until the next forward).
+    /// block is freed (its blocks' contents are intact until the next forward). Once a path
+    /// was shown, the nodes on it are shown again only where they carry a checkpoint (a
+    /// hybrid prefix's own state): the rest are prefixes of what `spill` just took, and
+    /// building each one's path again would cost a chain of n blocks n² token copies.
     pub fn evict_with(
         &mut self,
         pool: &mut KvBlockPool,
@@ -548,6 +551,7 @@ impl PrefixCache {
         let mut freed = 0;
         let mut skipped = Vec::new();
         let mut pinned = self.pinned(Instant::now());
+        let mut shown = HashSet::new();
         loop {
             if pool.num_free() >= free {
                 break;
@@ -575,13 +579,17 @@ impl PrefixCache {
                 skipped.push((used, id));
                 continue;
             }
-            if let Some(spill) = spill.as_deref_mut() {
-                let (tokens, blocks) = self.path(id);
+            if let Some(spill) = spill.as_deref_mut()
+                && (!shown.contains(&id) || self.node(id).checkpoint.is_some())
+            {
+                let nodes = self.path_nodes(id);
+                let (tokens, blocks) = self.path_of(&nodes);
                 spill(&EvictedPrefix {
                     tokens: &tokens,
                     blocks: &blocks,
                     checkpoint: self.node(id).checkpoint,
                 });
+                shown = nodes.into_iter().collect();
             }
             self.remove_leaf(id);
             pool.release(&mut BlockTable {
@@ -627,8 +635,8 @@ impl PrefixCache {
         Some(pick)
     }
 
-    /// The token ids and blocks from the root to node `id`.
-    fn path(&self, id: NodeId) -> (Vec<u32>, Vec<BlockId>) {
+    /// The nodes from the root (excluded) to `id`.
+    fn path_nodes(&self, id: NodeId) -> Vec<NodeId> {
         let mut nodes = Vec::new();
         let mut at = id;
         while at != ROOT {
@@ -636,6 +644,11 @@ impl PrefixCache {
             at = self.node(at).parent;
         }
         nodes.reverse();
+        nodes
+    }
+
+    /// The token ids and blocks of `nodes`, a path from the root.
+    fn path_of(&self, nodes: &[NodeId]) -> (Vec<u32>, Vec<BlockId>) {
         let tokens = nodes
             .iter()
             .flat_map(|&n| self.node(n).tokens.iter().copied())
@@ -839,6 +852,41 @@ mod tests {
         let slots = [cache.take_checkpoint_slot(), cache.take_checkpoint_slot()];
         assert!(slots.iter().all(Option::is_some));
         assert_eq!(cache.take_checkpoint_slot(), None);
+    }
+
+    /// Evicting a chain shows the store its whole path once, then only the nodes on it that
+    /// carry a checkpoint (their own prefixes); another branch is shown whole.
+    #[test]
+    fn eviction_shows_a_spilled_path_once_and_its_checkpoints_again() {
+        let mut pool = KvBlockPool::new(16, 2);
+        let mut cache = PrefixCache::with_checkpoints(2, StateSlotPool::range(10, 2));
+        let long: Vec<u32> = (0..10).collect();
+        let mut table = computed(&mut pool, &long);
+        let (c4, c10) = (
+            cache.take_checkpoint_slot().unwrap(),
+            cache.take_checkpoint_slot().unwrap(),
+        );
+        cache.insert_with_checkpoints(&long, &table, &[(4, c4), (10, c10)], &mut pool);
+        pool.release(&mut table);
+        let branch: Vec<u32> = vec![0, 1, 7, 7];
+        let mut tb = cache.lookup(&branch, usize::MAX, &mut pool);
+        pool.grow(&mut tb, 4).unwrap();
+        cache.insert(&branch, &tb, &mut pool);
+        pool.release(&mut tb);
+        let mut shown = Vec::new();
+        let mut record = |e: &EvictedPrefix<'_>| {
+            assert_eq!(e.blocks.len() * 2, e.tokens.len());
+            shown.push((e.tokens.len(), e.checkpoint));
+        };
+        cache.evict_with(&mut pool, usize::MAX, Some(&mut record));
+        assert_eq!(cache.num_blocks(), 0);
+        shown.sort_unstable();
+        assert_eq!(
+            shown,
+            vec![(4, None), (4, Some(c4)), (10, Some(c10))],
+            "the chain's 10 tokens, its checkpoint at 4 again, the branch's 4; not the chain's \
+             other nodes"
+        );
     }
 
     #[test]

@@ -10,13 +10,14 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::EngineError;
 
 const MAGIC: &[u8; 8] = b"CRLSPILL";
-/// 2: the checksum in four interleaved lanes.
-const VERSION: u32 = 2;
+/// 3: the checksum over pieces of 16 MiB, each in four interleaved lanes (read on all cores).
+const VERSION: u32 = 3;
 /// Header: magic, version, fingerprint, block size, tokens, layers, bytes per layer, state bytes.
 const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 4 + 4 + 8 + 8;
 /// More attention layers than any model has: a header claiming more is refused.
@@ -53,14 +54,14 @@ pub fn fingerprint(parts: &[&str]) -> u64 {
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0100_0000_01b3;
 
-/// A corruption check fed in pieces: FNV-1a over 8-byte words in four interleaved lanes (so
-/// that their multiplies overlap), folded together with the tail bytes.
-struct Checksum {
+/// FNV-1a over 8-byte words in four interleaved lanes (so that their multiplies overlap),
+/// folded together with the tail bytes: the hash of one piece of a file.
+struct LaneSum {
     lanes: [u64; 4],
     pending: Vec<u8>,
 }
 
-impl Checksum {
+impl LaneSum {
     fn new() -> Self {
         Self {
             lanes: [0, 1, 2, 3].map(|i| FNV_OFFSET ^ i),
@@ -106,17 +107,81 @@ impl Checksum {
             .iter()
             .fold(h, |h, &b| (h ^ b as u64).wrapping_mul(FNV_PRIME))
     }
+
+    fn of(bytes: &[u8]) -> u64 {
+        let mut sum = Self::new();
+        sum.update(bytes);
+        sum.finish()
+    }
+}
+
+/// Bytes of each piece of a file hashed on its own ([`LaneSum`]): a reader checks the pieces
+/// on all cores.
+const CHECK_PIECE_BYTES: usize = 16 << 20;
+
+/// A corruption check fed in pieces of any size (as a file is written): the [`LaneSum`] of
+/// each `piece`-byte piece of the stream, those hashes folded in order by FNV-1a.
+struct Checksum {
+    piece: usize,
+    filled: usize,
+    current: LaneSum,
+    total: u64,
+}
+
+impl Checksum {
+    fn new(piece: usize) -> Self {
+        Self {
+            piece: piece.max(1),
+            filled: 0,
+            current: LaneSum::new(),
+            total: FNV_OFFSET,
+        }
+    }
+
+    fn update(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let take = (self.piece - self.filled).min(bytes.len());
+            self.current.update(&bytes[..take]);
+            self.filled += take;
+            bytes = &bytes[take..];
+            if self.filled == self.piece {
+                let done = std::mem::replace(&mut self.current, LaneSum::new());
+                self.total = fold(self.total, done.finish());
+                self.filled = 0;
+            }
+        }
+    }
+
+    fn finish(self) -> u64 {
+        if self.filled == 0 {
+            self.total
+        } else {
+            fold(self.total, self.current.finish())
+        }
+    }
+}
+
+fn fold(total: u64, piece: u64) -> u64 {
+    (total ^ piece).wrapping_mul(FNV_PRIME)
+}
+
+/// [`Checksum`] of `bytes` in `piece`-byte pieces hashed on all cores; `None` once `cancel`
+/// is set.
+fn parallel_checksum(bytes: &[u8], piece: usize, cancel: &AtomicBool) -> Option<u64> {
+    use rayon::prelude::*;
+    let sums: Option<Vec<u64>> = bytes
+        .par_chunks(piece.max(1))
+        .map(|p| (!cancel.load(Ordering::Relaxed)).then(|| LaneSum::of(p)))
+        .collect();
+    Some(sums?.into_iter().fold(FNV_OFFSET, fold))
 }
 
 #[cfg(test)]
 fn checksum(bytes: &[u8]) -> u64 {
-    let mut sum = Checksum::new();
+    let mut sum = Checksum::new(CHECK_PIECE_BYTES);
     sum.update(bytes);
     sum.finish()
 }
-
-/// Bytes of a session file checked between looks at a read's cancel flag.
-const READ_PIECE_BYTES: usize = 16 << 20;
 
 fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
     EngineError::Spill {
@@ -134,7 +199,7 @@ impl SpilledPrefix {
         let io = |e: std::io::Error| bad(path, e.to_string());
         let written = (|| {
             let mut file = std::fs::File::create(&tmp).map_err(io)?;
-            let mut sum = Checksum::new();
+            let mut sum = Checksum::new(CHECK_PIECE_BYTES);
             let pieces = std::iter::once(&head[..])
                 .chain(self.kv.iter().map(Vec::as_slice))
                 .chain(std::iter::once(&self.state[..]));
@@ -211,14 +276,10 @@ impl SpillFile {
         let (tokens, header) = Self::header(path, bytes, expected_fingerprint)?;
         let body_end = bytes.len() - 8;
         let stored = u64::from_le_bytes(bytes[body_end..].try_into().unwrap_or_default());
-        let mut sum = Checksum::new();
-        for piece in bytes[..body_end].chunks(READ_PIECE_BYTES) {
-            if cancel.load(Ordering::Relaxed) {
-                return Err(bad(path, "the read was cancelled"));
-            }
-            sum.update(piece);
-        }
-        if sum.finish() != stored {
+        let Some(sum) = parallel_checksum(&bytes[..body_end], CHECK_PIECE_BYTES, cancel) else {
+            return Err(bad(path, "the read was cancelled"));
+        };
+        if sum != stored {
             return Err(bad(path, "checksum mismatch (a corrupt file)"));
         }
         Ok(Self {
@@ -380,12 +441,20 @@ pub struct SpillDir {
     spare: Vec<Vec<u8>>,
     /// A file about to be restored from, which the byte cap must not delete.
     pinned: Option<PathBuf>,
+    /// Files whose background write has finished (flushed and renamed into place).
+    written: Arc<AtomicU64>,
 }
 
 impl SpillDir {
     /// Opens (creating) `dir` and indexes the spill files in it that match `fingerprint`;
     /// unreadable or mismatched files are deleted.
-    pub fn open(dir: &Path, fingerprint: u64, max_bytes: u64) -> Result<Self, EngineError> {
+    /// `written` counts each file whose background write finishes.
+    pub fn open(
+        dir: &Path,
+        fingerprint: u64,
+        max_bytes: u64,
+        written: Arc<AtomicU64>,
+    ) -> Result<Self, EngineError> {
         std::fs::create_dir_all(dir).map_err(|e| bad(dir, e.to_string()))?;
         let mut found = Vec::new();
         let entries = std::fs::read_dir(dir).map_err(|e| bad(dir, e.to_string()))?;
@@ -423,6 +492,7 @@ impl SpillDir {
             writing: Vec::new(),
             spare: Vec::new(),
             pinned: None,
+            written,
         };
         spill.trim(0);
         Ok(spill)
@@ -521,10 +591,14 @@ impl SpillDir {
         let (_, size) = prefix.head(&path)?;
         self.trim(size);
         self.files.push((prefix.tokens.clone(), path.clone(), size));
-        let target = path.clone();
+        let (target, written) = (path.clone(), Arc::clone(&self.written));
         let writer = std::thread::Builder::new()
             .name("corral-spill".to_string())
-            .spawn(move || prefix.write(&target).map(|_| prefix.kv))
+            .spawn(move || {
+                prefix.write(&target)?;
+                written.fetch_add(1, Ordering::Relaxed);
+                Ok(prefix.kv)
+            })
             .map_err(|e| bad(&path, e.to_string()))?;
         self.writing.push((path, writer));
         Ok(size)
@@ -714,25 +788,55 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
     }
 
-    /// The checksum fed in pieces (as a file is written) equals it over the whole, and any
+    /// The checksum fed in pieces of any size (as a file is written) equals it over the
+    /// whole and the parallel one over its hashing pieces (as a file is read), and any
     /// flipped bit or swapped pair of words changes it.
     #[test]
     fn the_checksum_in_pieces_equals_the_whole_and_sees_changes() {
         let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 7 + i / 13) as u8).collect();
         let whole = checksum(&bytes);
+        let go = AtomicBool::new(false);
+        assert_eq!(
+            parallel_checksum(&bytes, CHECK_PIECE_BYTES, &go),
+            Some(whole)
+        );
+        for piece in [8, 64, 100, 999, 1000] {
+            let mut sum = Checksum::new(piece);
+            sum.update(&bytes);
+            let expected = sum.finish();
+            assert_eq!(
+                parallel_checksum(&bytes, piece, &go),
+                Some(expected),
+                "{piece}"
+            );
+            if piece < 1000 {
+                assert_ne!(expected, whole, "pieces of {piece} hash differently");
+            }
+        }
         for cuts in [
             vec![0, 1000],
             vec![3, 40, 41, 999],
             vec![31, 32, 33, 64, 95, 500],
         ] {
-            let mut sum = Checksum::new();
-            let mut at = 0;
-            for cut in cuts.into_iter().chain([1000]) {
-                sum.update(&bytes[at..cut]);
-                at = cut;
+            for piece in [64, CHECK_PIECE_BYTES] {
+                let mut sum = Checksum::new(piece);
+                let mut at = 0;
+                for cut in cuts.iter().copied().chain([1000]) {
+                    sum.update(&bytes[at..cut]);
+                    at = cut;
+                }
+                assert_eq!(
+                    Some(sum.finish()),
+                    parallel_checksum(&bytes, piece, &go),
+                    "cuts {cuts:?}, pieces of {piece}"
+                );
             }
-            assert_eq!(sum.finish(), whole);
         }
+        assert_eq!(
+            parallel_checksum(&bytes, 64, &AtomicBool::new(true)),
+            None,
+            "cancelled"
+        );
         for i in [0, 7, 31, 32, 500, 999] {
             let mut flipped = bytes.clone();
             flipped[i] ^= 1;
@@ -747,7 +851,8 @@ mod tests {
     fn a_spill_folder_finds_prefixes_survives_a_restart_and_keeps_its_cap() {
         let d = dir("folder");
         let p = prefix();
-        let mut spill = SpillDir::open(&d, p.fingerprint, 10_000).unwrap();
+        let written = Arc::new(AtomicU64::new(0));
+        let mut spill = SpillDir::open(&d, p.fingerprint, 10_000, Arc::clone(&written)).unwrap();
         let size = spill.add(p.clone()).unwrap();
         let longer = SpilledPrefix {
             tokens: (0..12).collect(),
@@ -787,19 +892,22 @@ mod tests {
         // A corrupt file and a foreign one are dropped when the folder is opened again (after
         // the first index is gone, its background writes finished).
         drop(spill);
+        assert_eq!(written.load(Ordering::Relaxed), 2, "both writes counted");
         std::fs::write(d.join("junk.spill"), b"not a spill file").unwrap();
-        let reopened = SpillDir::open(&d, p.fingerprint, 10_000).unwrap();
+        let reopened = SpillDir::open(&d, p.fingerprint, 10_000, Arc::default()).unwrap();
         assert_eq!(reopened.len(), 2);
         assert!(reopened.holds(&longer.tokens));
         assert!(!d.join("junk.spill").exists());
         assert_eq!(
-            SpillDir::open(&d, p.fingerprint ^ 1, 10_000).unwrap().len(),
+            SpillDir::open(&d, p.fingerprint ^ 1, 10_000, Arc::default())
+                .unwrap()
+                .len(),
             0
         );
         // Room for one file: the least recently used goes first, but not a pinned one
         // (about to be restored from), and a cut-short write is cleaned up at open.
         std::fs::write(d.join("cut.tmp"), b"partial").unwrap();
-        let mut small = SpillDir::open(&d, p.fingerprint, size + 10).unwrap();
+        let mut small = SpillDir::open(&d, p.fingerprint, size + 10, Arc::default()).unwrap();
         assert!(!d.join("cut.tmp").exists());
         small.add(p.clone()).unwrap();
         small.add(longer.clone()).unwrap();

@@ -266,6 +266,13 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_session_spill_writes_total",
+        "counter",
+        "Those session files whose background write has finished.",
+        load(&m.session_spill_writes),
+    );
+    scalar(
+        &mut out,
         "corral_session_restores_total",
         "counter",
         "Sequences that started from a session file.",

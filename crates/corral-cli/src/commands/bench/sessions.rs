@@ -414,6 +414,23 @@ async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> R
         stream_chat(address, key, &one(words(n_words, 9_100 + fillers))).await?;
         fillers += 1;
     }
+    // The session's file on disk before its next turn, as after an agent's pause: the
+    // background writes of the spills finished (a turn sent sooner waits for its file's).
+    let waited = std::time::Instant::now();
+    loop {
+        let m = get_text(address, "/metrics").await?;
+        let written = "corral_session_spill_writes_total";
+        // A server that does not count its writes is not waited for.
+        if !m.contains(written) || metric(&m, written) >= metric(&m, "corral_session_spills_total")
+        {
+            break;
+        }
+        if waited.elapsed().as_secs() >= 120 {
+            bail!("the server's session files were not written within 120 s");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let writes_ms = waited.elapsed().as_secs_f64() * 1e3;
     let restores = counter(address, "corral_session_restores_total").await?;
     // The next turn, as an agent sends it: the history, a reply and a new message.
     let next = chat(json!([
@@ -429,7 +446,7 @@ async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> R
         .as_u64()
         .unwrap_or(0);
     println!(
-        "restore: {prompt} tokens cold {:.1} ms; after {fillers} other prompts, the next turn ({cached} cached{}) {:.1} ms: {:.1}x",
+        "restore: {prompt} tokens cold {:.1} ms; after {fillers} other prompts and {writes_ms:.0} ms for the files' writes, the next turn ({cached} cached{}) {:.1} ms: {:.1}x",
         ms(&cold),
         if restored {
             ", from disk"
@@ -442,5 +459,6 @@ async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> R
     Ok(json!({
         "prompt_tokens": prompt, "cold_ttft_ms": ms(&cold), "restored_ttft_ms": ms(&again),
         "cached_tokens": cached, "from_disk": restored, "fillers": fillers,
+        "waited_for_writes_ms": writes_ms,
     }))
 }
