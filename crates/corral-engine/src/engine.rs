@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::JoinHandle;
 
 use corral_model::{Model, PagedKvCache, RecurrentStateCache, SlotId};
@@ -238,7 +238,47 @@ fn run(
     };
     loop {
         if scheduler.is_idle() {
-            let Ok(command) = commands.recv() else { return };
+            // Idle with sessions on disk, for a pause that back-to-back requests do not
+            // leave: cached prefixes are written out one at a time until a command comes,
+            // so that evictions later find them on disk.
+            let mut command = None;
+            if let Some(dir) = &mut spill {
+                match commands.recv_timeout(WRITE_AHEAD_AFTER) {
+                    Ok(c) => command = Some(c),
+                    Err(RecvTimeoutError::Disconnected) => return,
+                    Err(RecvTimeoutError::Timeout) => {}
+                }
+                let backend = model.backend().as_ref();
+                while command.is_none() {
+                    match commands.try_recv() {
+                        Ok(c) => {
+                            command = Some(c);
+                            break;
+                        }
+                        Err(TryRecvError::Disconnected) => return,
+                        Err(TryRecvError::Empty) => {}
+                    }
+                    let mut store = DiskSessions {
+                        backend,
+                        cache: &mut cache,
+                        state: &mut state,
+                        dir: &mut *dir,
+                        hybrid: model.is_hybrid(),
+                        metrics,
+                        prefetch: None,
+                    };
+                    if !scheduler.write_ahead(&mut store) {
+                        break;
+                    }
+                }
+            }
+            let command = match command {
+                Some(c) => c,
+                None => match commands.recv() {
+                    Ok(c) => c,
+                    Err(_) => return,
+                },
+            };
             if !receive(&mut scheduler, command) {
                 return;
             }
@@ -456,6 +496,10 @@ fn eviction_cost(
     }
 }
 
+/// How long the engine stays idle before it writes cached prefixes to the session folder
+/// (see [`Scheduler::write_ahead`]): longer than the gap between back-to-back requests.
+const WRITE_AHEAD_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Sessions on disk over the engine's caches (see [`SessionStore`]).
 struct DiskSessions<'a> {
     backend: &'a dyn corral_backend::Backend,
@@ -526,8 +570,11 @@ fn read_spill(
     (file, start.elapsed().as_secs_f64() * 1e3)
 }
 
-impl SessionStore for DiskSessions<'_> {
-    fn spill(&mut self, prefix: &crate::EvictedPrefix<'_>) {
+impl DiskSessions<'_> {
+    /// Writes `prefix` to a session file unless the folder has it already (or, for a hybrid,
+    /// it has no state at its end); `ahead`: the prefix stays cached (written while idle),
+    /// and is written only if the folder has room without dropping another file.
+    fn write_out(&mut self, prefix: &crate::EvictedPrefix<'_>, ahead: bool) {
         // A hybrid prefix is worth keeping only with the state at its end (and a file of
         // exactly its tokens has that); otherwise a spilled prefix that starts with these
         // tokens holds them already.
@@ -538,8 +585,19 @@ impl SessionStore for DiskSessions<'_> {
         {
             return;
         }
+        if ahead {
+            let state = if self.hybrid {
+                self.state.slot_bytes()
+            } else {
+                0
+            };
+            let bytes = prefix.blocks.len() * self.cache.block_bytes() + state;
+            if !self.dir.has_room(bytes as u64) {
+                return;
+            }
+        }
         let start = std::time::Instant::now();
-        let written = (|| -> Result<u64, EngineError> {
+        let written = (|| -> Result<(u64, f64), EngineError> {
             let buffers = self.dir.take_buffers();
             let kv = self
                 .cache
@@ -548,16 +606,18 @@ impl SessionStore for DiskSessions<'_> {
                 Some(slot) if self.hybrid => self.state.read_slot(self.backend, slot)?,
                 _ => Vec::new(),
             };
-            self.dir.add(crate::SpilledPrefix {
+            let copy_ms = start.elapsed().as_secs_f64() * 1e3;
+            let bytes = self.dir.add(crate::SpilledPrefix {
                 fingerprint: self.dir.fingerprint(),
                 block_size: self.cache.block_size,
                 tokens: prefix.tokens.to_vec(),
                 kv,
                 state,
-            })
+            })?;
+            Ok((bytes, copy_ms))
         })();
         match written {
-            Ok(bytes) => {
+            Ok((bytes, copy_ms)) => {
                 self.metrics.session_spills.fetch_add(1, Ordering::Relaxed);
                 self.metrics
                     .session_spill_bytes
@@ -565,12 +625,28 @@ impl SessionStore for DiskSessions<'_> {
                 tracing::info!(
                     tokens = prefix.tokens.len(),
                     bytes,
+                    copy_ms,
                     ms = start.elapsed().as_secs_f64() * 1e3,
-                    "spilled a cached prefix to disk"
+                    "{}",
+                    if ahead {
+                        "wrote a cached prefix to disk while idle"
+                    } else {
+                        "spilled a cached prefix to disk"
+                    }
                 );
             }
             Err(e) => tracing::warn!(error = %e, "a cached prefix could not be spilled"),
         }
+    }
+}
+
+impl SessionStore for DiskSessions<'_> {
+    fn spill(&mut self, prefix: &crate::EvictedPrefix<'_>) {
+        self.write_out(prefix, false);
+    }
+
+    fn write_ahead(&mut self, prefix: &crate::EvictedPrefix<'_>) {
+        self.write_out(prefix, true);
     }
 
     fn find(

@@ -40,6 +40,9 @@ use crate::{EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, Stat
 pub trait SessionStore {
     /// Writes an evicted prefix to disk if worth it; failures are the store's to log.
     fn spill(&mut self, prefix: &EvictedPrefix<'_>);
+    /// Writes a cached prefix that stays cached, while the engine is idle, if worth it and
+    /// the folder has room for it without dropping another file.
+    fn write_ahead(&mut self, prefix: &EvictedPrefix<'_>);
     /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens, if it holds more
     /// than `beyond` (what the cache gave already): its length and file, kept from the byte
     /// cap until [`SessionStore::load`] reads it.
@@ -367,6 +370,24 @@ impl Scheduler {
     /// Plans the next step; `None` when there is nothing to run.
     pub fn step(&mut self) -> Option<StepPlan> {
         self.step_with(None)
+    }
+
+    /// While idle: shows `store` the next cached prefix not yet shown (see
+    /// [`PrefixCache::next_unwritten`]), so that the eviction that later needs its blocks
+    /// does not copy them out on the admission path. False when there is none.
+    pub fn write_ahead(&mut self, store: &mut dyn SessionStore) -> bool {
+        let Some(prefix) = &mut self.prefix else {
+            return false;
+        };
+        let Some((tokens, blocks, checkpoint)) = prefix.next_unwritten() else {
+            return false;
+        };
+        store.write_ahead(&EvictedPrefix {
+            tokens: &tokens,
+            blocks: &blocks,
+            checkpoint,
+        });
+        true
     }
 
     /// [`Scheduler::step`] with sessions on disk: evicted prefixes are shown to `store`, and

@@ -427,6 +427,76 @@ fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
     }
 }
 
+/// An idle engine writes its cached history to the session folder after a pause (no
+/// eviction asked for it); the eviction that later needs its blocks finds the files there and
+/// writes nothing more for it (as many files in all as without the pause), and the turn that
+/// extends the history restores it from disk.
+#[test]
+fn an_idle_engine_writes_its_cached_histories_ahead() {
+    for name in ["qwen3_moe_fused", "qwen3_next"] {
+        let history: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
+        let filler: Vec<u32> = (0..44).map(|j| (j * 13 + 5) % 250).collect();
+        let reply = alone(name, &history, 6);
+        let next: Vec<u32> = history
+            .iter()
+            .chain(&reply)
+            .copied()
+            .chain([60, 61])
+            .collect();
+        let expected = alone(name, &next, 6);
+        let mut totals = Vec::new();
+        for pause in [false, true] {
+            let dir = std::env::temp_dir().join(format!(
+                "corral-ahead-{name}-{pause}-{}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            let config = EngineConfig {
+                prefix_cache: true,
+                session_dir: Some(dir.clone()),
+                session_dir_bytes: 1 << 30,
+                ..config(16)
+            };
+            let (engine, thread) = spawn_engine(model_named(name), config).unwrap();
+            let spills = || engine.metrics().session_spills.load(Ordering::Relaxed);
+            collect(&mut submit(&engine, &history, 6));
+            if pause {
+                let waited = std::time::Instant::now();
+                while spills() == 0 && waited.elapsed() < Duration::from_secs(10) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                assert!(spills() > 0, "{name}: the idle engine wrote nothing");
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            // A filler that needs the history's blocks, the next turn queued behind it (its
+            // admission evicts the filler in turn).
+            let mut first = submit(&engine, &filler, 6);
+            let mut second = submit(&engine, &next, 6);
+            collect(&mut first);
+            let (tokens, done) = collect(&mut second);
+            assert_eq!(tokens, expected, "{name}, pause {pause}: resumed from disk");
+            assert!(
+                done.cached_tokens >= 40,
+                "{name}: {} cached",
+                done.cached_tokens
+            );
+            assert!(
+                engine.metrics().session_restores.load(Ordering::Relaxed) > 0,
+                "{name}, pause {pause}"
+            );
+            totals.push(spills());
+            engine.shutdown();
+            thread.join().unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        assert_eq!(
+            totals[1], totals[0],
+            "{name}: files written with the pause against without (the eviction wrote the \
+             history again)"
+        );
+    }
+}
+
 /// Session pins: a turn sent with a session id keeps its prefix through the eviction that
 /// other requests cause, where the same turn without one loses it; and pins give way when
 /// nothing else is left to evict (a request larger than the unpinned room still runs).

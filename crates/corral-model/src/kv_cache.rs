@@ -81,6 +81,11 @@ impl PagedKvCache {
             .sum()
     }
 
+    /// Bytes of one block in every layer, K and V.
+    pub fn block_bytes(&self) -> usize {
+        self.size_bytes() / self.num_blocks.max(1)
+    }
+
     /// Elements of one block in one layer's K (or V).
     fn block_elems(&self) -> usize {
         self.layers
@@ -284,6 +289,15 @@ impl RecurrentStateCache {
             backend.copy_within(buffer, s * per, d * per, per)?;
         }
         Ok(())
+    }
+
+    /// Bytes of one slot's state in every layer ([`RecurrentStateCache::read_slot`]'s).
+    pub fn slot_bytes(&self) -> usize {
+        self.conv
+            .iter()
+            .chain(&self.recurrent)
+            .map(|b| b.len() / self.num_slots.max(1) * 4)
+            .sum()
     }
 
     /// Slot `slot`'s state as stored, every layer's convolution state then every layer's

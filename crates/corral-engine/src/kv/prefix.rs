@@ -46,6 +46,9 @@ struct Node {
     checkpoint: Option<SlotId>,
     /// Blocks from the root to this node, itself included.
     depth: usize,
+    /// Shown to a store while idle ([`PrefixCache::next_unwritten`]): its prefix is on disk,
+    /// or the store declined it.
+    written: bool,
 }
 
 /// How many ids `a` and `b` share from the start.
@@ -157,6 +160,7 @@ impl PrefixCache {
             last_used: 0,
             checkpoint: None,
             depth: 0,
+            written: true,
         };
         Self {
             nodes: vec![Some(root)],
@@ -522,7 +526,10 @@ impl PrefixCache {
     ) {
         for (k, &(at, slot)) in checkpoints.iter().enumerate() {
             if at == covered && !placed[k] && self.node(id).checkpoint.is_none() {
-                self.node_mut(id).checkpoint = Some(slot);
+                let node = self.node_mut(id);
+                node.checkpoint = Some(slot);
+                // A state to keep on disk with the prefix it ends, in a file of its own.
+                node.written = false;
                 self.checkpoints += 1;
                 placed[k] = true;
             }
@@ -601,6 +608,32 @@ impl PrefixCache {
         }
         self.leaves.extend(skipped);
         freed
+    }
+
+    /// The least recently used prefix not yet shown to a store while the engine is idle (write-
+    /// behind: the eviction that later needs its blocks then finds it on disk already): a
+    /// leaf's, or one ending at a checkpoint; its tokens, blocks and checkpoint. It and the
+    /// nodes on its path without a checkpoint (which its file covers) are marked shown.
+    pub fn next_unwritten(&mut self) -> Option<(Vec<u32>, Vec<BlockId>, Option<SlotId>)> {
+        let id = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(id, n)| n.as_ref().map(|n| (id, n)))
+            .filter(|(_, n)| !n.written && (n.children.is_empty() || n.checkpoint.is_some()))
+            .min_by_key(|(_, n)| n.last_used)
+            .map(|(id, _)| id)?;
+        let nodes = self.path_nodes(id);
+        let (tokens, blocks) = self.path_of(&nodes);
+        let checkpoint = self.node(id).checkpoint;
+        self.node_mut(id).written = true;
+        for &n in &nodes {
+            let node = self.node_mut(n);
+            if node.checkpoint.is_none() {
+                node.written = true;
+            }
+        }
+        Some((tokens, blocks, checkpoint))
     }
 
     /// The evictable leaf (no holder but the cache) with the lowest score, taken out of
@@ -684,6 +717,7 @@ impl PrefixCache {
             last_used: self.clock,
             checkpoint: None,
             depth: self.node(parent).depth + 1,
+            written: false,
         };
         let id = match self.free_nodes.pop() {
             Some(id) => {
@@ -886,6 +920,58 @@ mod tests {
             vec![(4, None), (4, Some(c4)), (10, Some(c10))],
             "the chain's 10 tokens, its checkpoint at 4 again, the branch's 4; not the chain's \
              other nodes"
+        );
+    }
+
+    /// While idle, each leaf's prefix and each checkpoint's is shown once, least recently
+    /// used first; a new checkpoint on a shown node, or a longer history, is shown again.
+    #[test]
+    fn idle_write_behind_shows_each_prefix_once() {
+        let mut pool = KvBlockPool::new(16, 2);
+        let mut cache = PrefixCache::with_checkpoints(2, StateSlotPool::range(10, 3));
+        let long: Vec<u32> = (0..10).collect();
+        let mut table = computed(&mut pool, &long);
+        let c4 = cache.take_checkpoint_slot().unwrap();
+        cache.insert_with_checkpoints(&long, &table, &[(4, c4)], &mut pool);
+        pool.release(&mut table);
+        let other: Vec<u32> = vec![9, 9, 8, 8];
+        let mut tb = computed(&mut pool, &other);
+        cache.insert(&other, &tb, &mut pool);
+        pool.release(&mut tb);
+        let mut shown = Vec::new();
+        while let Some((tokens, blocks, checkpoint)) = cache.next_unwritten() {
+            assert_eq!(blocks.len() * 2, tokens.len());
+            shown.push((tokens, checkpoint));
+        }
+        assert_eq!(
+            shown,
+            vec![
+                (long[..4].to_vec(), Some(c4)),
+                (long.clone(), None),
+                (other.clone(), None)
+            ],
+            "the older history's checkpoint and leaf, then the newer leaf; nothing twice"
+        );
+        // A checkpoint taken later on a shown node, and a longer history: shown again.
+        let longer: Vec<u32> = (0..12).collect();
+        let mut hit = cache.lookup(&longer, usize::MAX, &mut pool);
+        pool.grow(&mut hit, 12).unwrap();
+        let c12 = cache.take_checkpoint_slot().unwrap();
+        cache.insert_with_checkpoints(&longer, &hit, &[(12, c12)], &mut pool);
+        pool.release(&mut hit);
+        let again: Vec<_> = std::iter::from_fn(|| cache.next_unwritten()).collect();
+        assert_eq!(again.len(), 1);
+        assert_eq!((again[0].0.clone(), again[0].2), (longer, Some(c12)));
+        // The same history again (its own blocks), now with a state after 8 tokens.
+        let mut same = computed(&mut pool, &long);
+        let c8 = cache.take_checkpoint_slot().unwrap();
+        cache.insert_with_checkpoints(&long, &same, &[(8, c8)], &mut pool);
+        pool.release(&mut same);
+        let again: Vec<_> = std::iter::from_fn(|| cache.next_unwritten()).collect();
+        assert_eq!(again.len(), 1, "the node that now ends at a checkpoint");
+        assert_eq!(
+            (again[0].0.clone(), again[0].2),
+            (long[..8].to_vec(), Some(c8))
         );
     }
 

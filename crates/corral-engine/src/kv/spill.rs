@@ -523,6 +523,11 @@ impl SpillDir {
         self.files.iter().any(|f| f.0 == tokens)
     }
 
+    /// Whether a file of `bytes` more fits under the byte cap without dropping another.
+    pub fn has_room(&self, bytes: u64) -> bool {
+        self.bytes() + bytes <= self.max_bytes
+    }
+
     /// Whether a spilled prefix starts with `tokens` (so they are on disk already).
     pub fn covers(&self, tokens: &[u32]) -> bool {
         self.files.iter().any(|f| f.0.starts_with(tokens))

@@ -70,6 +70,11 @@ pub(crate) struct SessionsArgs {
     /// new message).
     #[arg(long, value_delimiter = ',')]
     restore_tokens: Vec<usize>,
+    /// Milliseconds between the last other prompt and the restored turn (an agent's tool
+    /// call or a user's reading): a server idle that long writes cached sessions to disk
+    /// ahead of the eviction that needs their blocks.
+    #[arg(long, default_value_t = 0)]
+    restore_pause_ms: u64,
 }
 
 /// The filler text's words.
@@ -260,7 +265,14 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
     let restores = args
         .restore_tokens
         .iter()
-        .map(|&n| runtime.block_on(restore_from_disk(&address, args.api_key.as_deref(), n)))
+        .map(|&n| {
+            runtime.block_on(restore_from_disk(
+                &address,
+                args.api_key.as_deref(),
+                n,
+                args.restore_pause_ms,
+            ))
+        })
         .collect::<Result<Vec<_>>>()?;
     let revisits: Vec<f64> = rows
         .iter()
@@ -387,7 +399,12 @@ async fn counter(address: &str, name: &str) -> Result<u64> {
 /// Cold prefill of a prompt of about `tokens` tokens against its restore from disk: other
 /// prompts of that size until the server reports a spill, then the prompt again as the
 /// history of a next turn.
-async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> Result<Value> {
+async fn restore_from_disk(
+    address: &str,
+    key: Option<&str>,
+    tokens: usize,
+    pause_ms: u64,
+) -> Result<Value> {
     let chat = |messages: Value| {
         json!({
             "messages": messages,
@@ -414,8 +431,9 @@ async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> R
         stream_chat(address, key, &one(words(n_words, 9_100 + fillers))).await?;
         fillers += 1;
     }
-    // The session's file on disk before its next turn, as after an agent's pause: the
-    // background writes of the spills finished (a turn sent sooner waits for its file's).
+    tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+    // The session's file on disk before its next turn: the background writes of the spills
+    // finished (a turn sent sooner waits for its file's).
     let waited = std::time::Instant::now();
     loop {
         let m = get_text(address, "/metrics").await?;
@@ -446,7 +464,7 @@ async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> R
         .as_u64()
         .unwrap_or(0);
     println!(
-        "restore: {prompt} tokens cold {:.1} ms; after {fillers} other prompts and {writes_ms:.0} ms for the files' writes, the next turn ({cached} cached{}) {:.1} ms: {:.1}x",
+        "restore: {prompt} tokens cold {:.1} ms; after {fillers} other prompts, a pause of {pause_ms} ms and {writes_ms:.0} ms for the files' writes, the next turn ({cached} cached{}) {:.1} ms: {:.1}x",
         ms(&cold),
         if restored {
             ", from disk"
@@ -459,6 +477,6 @@ async fn restore_from_disk(address: &str, key: Option<&str>, tokens: usize) -> R
     Ok(json!({
         "prompt_tokens": prompt, "cold_ttft_ms": ms(&cold), "restored_ttft_ms": ms(&again),
         "cached_tokens": cached, "from_disk": restored, "fillers": fillers,
-        "waited_for_writes_ms": writes_ms,
+        "waited_for_writes_ms": writes_ms, "pause_ms": pause_ms,
     }))
 }
