@@ -21,9 +21,20 @@ impl PagedLayout<'_> {
     }
 }
 
-/// Consecutive tokens of one run that one work item of [`paged_attention`] takes, with all
-/// the query heads of a KV head: each K and V row is read once for all of them.
+/// Consecutive tokens of one run that one work item of [`paged_attention`] takes at least,
+/// with all the query heads of a KV head: each K and V row is read once for all of them.
 const TILE_TOKENS: usize = 8;
+
+/// Most tokens of one run a work item takes: a tile gathers every key block of its run, so
+/// fewer, larger tiles of a long run gather less and call larger GEMMs.
+const MAX_TILE_TOKENS: usize = 64;
+
+/// Tokens of a run of `run_tokens` that each of its work items takes: as many as still
+/// leave two items for each of `threads` (over `num_kv_heads` heads), within
+/// [`TILE_TOKENS`]..=[`MAX_TILE_TOKENS`].
+fn tile_tokens(run_tokens: usize, num_kv_heads: usize, threads: usize) -> usize {
+    (run_tokens * num_kv_heads / (2 * threads).max(1)).clamp(TILE_TOKENS, MAX_TILE_TOKENS)
+}
 
 /// Query rows of a tile from which its scores and outputs are GEMM calls over blocks of keys
 /// (below it, the FMA loops, which read each key once without packing it: decode rows).
@@ -42,6 +53,8 @@ struct Loops {
     gemm_min_rows: usize,
     /// Keys per block of the GEMM path.
     key_block: usize,
+    /// Tokens of a run per work item; `None`: [`tile_tokens`]'s choice.
+    tile_tokens: Option<usize>,
 }
 
 /// Causal GQA attention over the paged cache. A work item is (up to [`TILE_TOKENS`] tokens
@@ -67,6 +80,7 @@ pub(crate) fn paged_attention(
         simd: has_avx2_fma(),
         gemm_min_rows: GEMM_MIN_QUERY_ROWS,
         key_block: KEY_BLOCK,
+        tile_tokens: None,
     };
     attention_with(loops, q, cache_k, cache_v, layout, shape, out);
 }
@@ -89,14 +103,22 @@ fn attention_with(
         .min(out.len() / (num_heads * head_dim).max(1));
     let mut tiles = Vec::new();
     let mut t0 = 0;
+    let threads = rayon::current_num_threads();
     while t0 < tokens {
         let run = layout.token_runs[t0];
-        let mut t1 = t0 + 1;
-        while t1 < tokens && t1 - t0 < TILE_TOKENS && layout.token_runs[t1] == run {
-            t1 += 1;
+        let mut end = t0 + 1;
+        while end < tokens && layout.token_runs[end] == run {
+            end += 1;
         }
-        tiles.push((t0, t1));
-        t0 = t1;
+        let per = loops
+            .tile_tokens
+            .unwrap_or_else(|| tile_tokens(end - t0, num_kv_heads, threads))
+            .max(1);
+        while t0 < end {
+            let t1 = (t0 + per).min(end);
+            tiles.push((t0, t1));
+            t0 = t1;
+        }
     }
     let items: Vec<(usize, usize, usize)> = tiles
         .iter()
@@ -852,8 +874,9 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
-        /// Every path (the dot-product loops and the GEMM tiles, on AVX2/FMA where the CPU has
-        /// them and plain) matches plain f64 attention over runs of several tokens with histories, shuffled block tables and
+        /// Every path (the dot-product loops and the GEMM tiles of 8, 13, 64 or the chosen
+        /// number of tokens, on AVX2/FMA where the CPU has them and plain) matches plain f64
+        /// attention over runs of several tokens with histories, shuffled block tables and
         /// any head dim.
         #[test]
         fn attention_matches_plain_softmax_attention(
@@ -861,7 +884,7 @@ mod tests {
             kv_heads in 1usize..3,
             group in prop_oneof![Just(1usize), Just(2), Just(3), Just(4), Just(8)],
             block_size in prop_oneof![Just(4usize), Just(16)],
-            runs in proptest::collection::vec((0usize..60, 1usize..20), 1..4),
+            runs in proptest::collection::vec((0usize..60, 1usize..40), 1..4),
             seed in any::<u64>(),
         ) {
             let heads = kv_heads * group;
@@ -904,8 +927,15 @@ mod tests {
             // The dot-product loops, and the GEMM path over whole and over small key blocks
             // (the online softmax's rescaling between blocks), each with and without SIMD.
             for simd in [true, false] {
-                for (gemm_min_rows, key_block) in [(usize::MAX, KEY_BLOCK), (1, KEY_BLOCK), (1, 7)] {
-                    let loops = Loops { simd, gemm_min_rows, key_block };
+                for (gemm_min_rows, key_block, tile_tokens) in [
+                    (usize::MAX, KEY_BLOCK, Some(TILE_TOKENS)),
+                    (1, KEY_BLOCK, Some(TILE_TOKENS)),
+                    (1, 7, Some(TILE_TOKENS)),
+                    (1, KEY_BLOCK, Some(MAX_TILE_TOKENS)),
+                    (1, 7, Some(13)),
+                    (GEMM_MIN_QUERY_ROWS, KEY_BLOCK, None),
+                ] {
+                    let loops = Loops { simd, gemm_min_rows, key_block, tile_tokens };
                     let mut out = vec![f32::NAN; expected.len()];
                     attention_with(loops, &q, &k, &v, &layout, (heads, kv_heads, hd, scale), &mut out);
                     for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
