@@ -194,6 +194,13 @@ const ATTENTION_MERGE_SLOTS: usize = 1024;
 /// ATTN_MAX_SPLITS); threads of its blocks (ATTN_WARPS warps).
 const ATTENTION_MIN_SPLIT_KEYS: usize = 64;
 const ATTENTION_MAX_SPLITS: usize = 64;
+/// Blocks decode attention aims for over all its (token, KV head) rows, and the most keys a
+/// split takes beyond that aim: more and smaller splits cost more to merge than their
+/// parallelism gains (measured on the H200, Qwen3-30B-A3B, batch 1 to 32, context 512 and
+/// 8192: against splits filling 8 blocks an SM, the same or faster everywhere, batch 8 at
+/// context 8192 by 10%).
+const ATTENTION_TARGET_BLOCKS: usize = 128;
+const ATTENTION_SPLIT_MAX_KEYS: usize = 1024;
 const ATTENTION_THREADS: u32 = 128;
 
 /// Logits one block of the sampling reduction covers, most blocks a row, and rows a launch
@@ -239,6 +246,18 @@ const FEW_ROWS_BEFORE_BIG_TILES: usize = 2;
 /// Sorted rows per tile, and threads per block, of the prefill-sized expert tiles.
 const BIG_TILE_ROWS: usize = 128;
 const BIG_TILE_THREADS: u32 = 256;
+
+/// Splits of the keys for decode attention over `blocks` (token, KV head) rows of up to
+/// `max_context` keys: about ATTENTION_TARGET_BLOCKS blocks in all, splits of at most
+/// ATTENTION_SPLIT_MAX_KEYS keys and at least ATTENTION_MIN_SPLIT_KEYS, at most
+/// ATTENTION_MAX_SPLITS of them.
+fn attention_splits(blocks: usize, max_context: usize) -> usize {
+    ATTENTION_TARGET_BLOCKS
+        .div_ceil(blocks.max(1))
+        .max(max_context.div_ceil(ATTENTION_SPLIT_MAX_KEYS))
+        .min(max_context.div_ceil(ATTENTION_MIN_SPLIT_KEYS))
+        .clamp(1, ATTENTION_MAX_SPLITS)
+}
 
 /// The few-row grouped-expert kernel for `pairs` routed rows over `experts`: 8 rows at a
 /// time (index 0) or 32 (index 1); `None`: enough rows for tiles (128-row ones when
@@ -1593,20 +1612,16 @@ impl Backend for CudaBackend {
             }
             (other, _) => return Err(bad(op, format!("KV cache of {other}"))),
         };
-        // Split the keys over enough blocks to fill the device (decode), in pieces of at
-        // least ATTENTION_MIN_SPLIT_KEYS, at most ATTENTION_MAX_SPLITS of them, as far as
-        // the fixed scratch and one merge's shared memory allow.
+        // Split the keys (decode), as far as the fixed scratch and one merge's shared
+        // memory allow.
         let items = tokens * num_heads;
         let blocks = tokens * num_kv_heads;
         let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
-        let wanted = (8 * self.gpu.multiprocessors.max(1) as usize).div_ceil(blocks);
         let fit = OP_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
-        let splits = max_context
-            .div_ceil(ATTENTION_MIN_SPLIT_KEYS)
-            .min(wanted)
+        let splits = attention_splits(blocks, max_context)
             .min(fit)
             .min(ATTENTION_MERGE_SLOTS / group.max(1))
-            .clamp(1, ATTENTION_MAX_SPLITS);
+            .max(1);
         // The last split of each block row merges them, counting on one ticket per row.
         let splits = if blocks > ATTENTION_COUNTERS {
             1
@@ -2406,6 +2421,24 @@ mod tests {
             }
         }
         assert!(kernels >= 30, "only {kernels} kernels found");
+    }
+
+    /// Decode attention's splits for Qwen3-30B-A3B's 4 KV heads: as many as fill 128 blocks,
+    /// no split under 64 keys or over 1,024, at most 64.
+    #[test]
+    fn decode_attention_splits_aim_at_128_blocks() {
+        use super::attention_splits as splits;
+        assert_eq!(splits(4, 512), 8, "batch 1, context 512: 64-key splits");
+        assert_eq!(splits(32, 512), 4, "batch 8, context 512");
+        assert_eq!(splits(128, 512), 1, "batch 32, context 512");
+        assert_eq!(splits(4, 8192), 32, "batch 1, context 8192");
+        assert_eq!(
+            splits(32, 8192),
+            8,
+            "batch 8, context 8192: 1,024-key splits"
+        );
+        assert_eq!(splits(4, 131_072), 64, "at most 64");
+        assert_eq!(splits(1, 16), 1);
     }
 
     /// Projections of few tiles split K into whole multiples of 256 until the blocks reach
