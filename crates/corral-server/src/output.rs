@@ -22,13 +22,19 @@ pub enum Delta {
     Content(String),
     /// Reasoning text.
     Reasoning(String),
-    /// A complete tool call.
+    /// A complete tool call; where calls are streamed, the end of the one whose name and
+    /// argument pieces came before.
     ToolCall {
         /// Function name.
         name: String,
         /// Arguments as a JSON string.
         arguments: String,
     },
+    /// A streamed tool call's start, as soon as its name is written.
+    ToolCallName(String),
+    /// More of the streamed call's arguments: the pieces of a call join to the start of its
+    /// `arguments` (the rest comes with [`Delta::ToolCall`]).
+    ToolCallArguments(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,6 +56,11 @@ pub struct OutputParser {
     tool_calls: usize,
     /// Each tool's parameter types (`"integer"`, `"object"`, ...) by tool and parameter name.
     schemas: HashMap<String, HashMap<String, String>>,
+    /// Whether tool calls are streamed as they are written ([`Delta::ToolCallName`], then
+    /// [`Delta::ToolCallArguments`]).
+    stream_calls: bool,
+    /// The arguments sent so far of the call being streamed, once its name was.
+    streamed: Option<String>,
 }
 
 impl OutputParser {
@@ -68,7 +79,17 @@ impl OutputParser {
             stopped: false,
             tool_calls: 0,
             schemas: HashMap::new(),
+            stream_calls: false,
+            streamed: None,
         }
+    }
+
+    /// Streams tool calls as they are written: the name first, then the arguments in
+    /// pieces, as OpenAI streams them (a string parameter of the XML form as its characters
+    /// come, any other value once it is whole).
+    pub fn streaming_tool_calls(mut self) -> Self {
+        self.stream_calls = true;
+        self
     }
 
     /// The request's tools (OpenAI's `{"type": "function", "function": {"name", "parameters"}}`),
@@ -189,12 +210,24 @@ impl OutputParser {
                         let inner = self.buffer[..at].to_string();
                         self.buffer.drain(..at + TOOL_CLOSE.len());
                         self.mode = Mode::Content;
+                        let streamed = self.streamed.take();
                         match parse_tool_call(&inner, &self.schemas) {
-                            Some(call) => {
+                            Some(Delta::ToolCall { name, arguments }) => {
                                 self.tool_calls += 1;
-                                out.push(call);
+                                if let Some(sent) = streamed {
+                                    match arguments.strip_prefix(sent.as_str()) {
+                                        Some(rest) if !rest.is_empty() => {
+                                            out.push(Delta::ToolCallArguments(rest.to_string()))
+                                        }
+                                        Some(_) => {}
+                                        None => tracing::warn!(
+                                            "a streamed tool call's arguments differ from the whole call's"
+                                        ),
+                                    }
+                                }
+                                out.push(Delta::ToolCall { name, arguments });
                             }
-                            None => {
+                            _ => {
                                 tracing::warn!(
                                     "a tool call the model wrote could not be parsed; it is returned as content"
                                 );
@@ -205,9 +238,32 @@ impl OutputParser {
                             }
                         }
                     }
-                    None => return out,
+                    None => {
+                        if self.stream_calls {
+                            self.stream_call(&mut out);
+                        }
+                        return out;
+                    }
                 },
             }
+        }
+    }
+
+    /// The deltas of the call being written that its text so far settles: its name once,
+    /// then what its arguments have grown by.
+    fn stream_call(&mut self, out: &mut Vec<Delta>) {
+        let Some((name, arguments)) = partial_call(&self.buffer, &self.schemas) else {
+            return;
+        };
+        let sent = self.streamed.get_or_insert_with(|| {
+            out.push(Delta::ToolCallName(name));
+            String::new()
+        });
+        if let Some(more) = arguments.strip_prefix(sent.as_str())
+            && !more.is_empty()
+        {
+            out.push(Delta::ToolCallArguments(more.to_string()));
+            *sent = arguments;
         }
     }
 
@@ -229,8 +285,8 @@ impl OutputParser {
 
 fn emit(out: &mut Vec<Delta>, delta: Delta) {
     let empty = match &delta {
-        Delta::Content(s) | Delta::Reasoning(s) => s.is_empty(),
-        Delta::ToolCall { .. } => false,
+        Delta::Content(s) | Delta::Reasoning(s) | Delta::ToolCallArguments(s) => s.is_empty(),
+        Delta::ToolCall { .. } | Delta::ToolCallName(_) => false,
     };
     if !empty {
         out.push(delta);
@@ -285,9 +341,139 @@ fn parse_tool_call(
     let arguments = match value.get("arguments") {
         None | Some(Value::Null) => "{}".to_string(),
         Some(Value::String(s)) => s.clone(),
-        Some(other) => other.to_string(),
+        // The model's own text without the spaces between tokens (what a stream of the call
+        // sent), where the usual layout holds it; else the value written anew.
+        Some(other) => match partial_json_call(inner) {
+            Some((n, compact)) if n == name && compact_complete(&compact) => compact,
+            _ => other.to_string(),
+        },
     };
     Some(Delta::ToolCall { name, arguments })
+}
+
+/// A call being written: its name, once whole, and the start of its arguments that the rest
+/// of the call cannot change (the whole of them once written).
+fn partial_call(
+    buffer: &str,
+    schemas: &HashMap<String, HashMap<String, String>>,
+) -> Option<(String, String)> {
+    let inner = buffer.trim_start();
+    if let Some(rest) = inner.strip_prefix("<function=") {
+        let (name, body) = rest.split_once('>')?;
+        let name = name.trim();
+        return Some((
+            name.to_string(),
+            partial_xml_arguments(body, schemas.get(name)),
+        ));
+    }
+    partial_json_call(inner)
+}
+
+/// `{"name": "NAME", "arguments": {…` so far: the name, and the arguments' text without the
+/// spaces between tokens, up to where it is written (empty when the arguments are not an
+/// object, which then come whole at the end).
+fn partial_json_call(inner: &str) -> Option<(String, String)> {
+    let field = |text: &str, key: &str| -> Option<usize> {
+        let rest = text
+            .trim_start()
+            .strip_prefix(key)?
+            .trim_start()
+            .strip_prefix(':')?;
+        Some(text.len() - rest.trim_start().len())
+    };
+    let text = inner.trim_start().strip_prefix('{')?;
+    let text = &text[field(text, "\"name\"")?..];
+    let (name, text) = text.strip_prefix('"')?.split_once('"')?;
+    if name.contains('\\') {
+        return None;
+    }
+    let text = text.trim_start().strip_prefix(',')?;
+    let text = &text[field(text, "\"arguments\"")?..];
+    if !text.starts_with('{') {
+        return Some((name.to_string(), String::new()));
+    }
+    Some((name.to_string(), compact_json_prefix(text)))
+}
+
+/// The JSON value that `text` starts with, as far as written, without the whitespace
+/// between its tokens; it ends at the value's last character.
+fn compact_json_prefix(text: &str) -> String {
+    let (mut out, mut depth, mut in_string, mut escaped) = (String::new(), 0usize, false, false);
+    for c in text.chars() {
+        if in_string {
+            out.push(c);
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        if c.is_whitespace() {
+            continue;
+        }
+        out.push(c);
+        match c {
+            '"' => in_string = true,
+            '{' | '[' => depth += 1,
+            '}' | ']' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Whether a compacted value is whole (its brackets balance, no string left open).
+fn compact_complete(compact: &str) -> bool {
+    serde_json::from_str::<Value>(compact).is_ok()
+}
+
+/// The XML form's parameters so far as the start of the arguments' JSON: each whole
+/// parameter typed, then a string parameter being written as far as its text is settled
+/// (not what may yet be the newline and tag that close it).
+fn partial_xml_arguments(mut body: &str, types: Option<&HashMap<String, String>>) -> String {
+    let mut out = String::from("{");
+    let mut first = true;
+    loop {
+        body = body.trim_start();
+        let Some((key, rest)) = body
+            .strip_prefix("<parameter=")
+            .and_then(|b| b.split_once('>'))
+        else {
+            return out;
+        };
+        let key = key.trim();
+        let kind = types.and_then(|t| t.get(key)).map(String::as_str);
+        let start = format!("{}{}:", if first { "" } else { "," }, Value::from(key));
+        match rest.find("</parameter>") {
+            Some(end) => {
+                let raw = &rest[..end];
+                let raw = raw.strip_prefix('\n').unwrap_or(raw);
+                let raw = raw.strip_suffix('\n').unwrap_or(raw);
+                out.push_str(&start);
+                out.push_str(&typed_value(raw, kind).to_string());
+                first = false;
+                body = &rest[end + "</parameter>".len()..];
+            }
+            None => {
+                if matches!(kind, None | Some("string" | "str" | "text")) {
+                    let value = rest.strip_prefix('\n').unwrap_or(rest);
+                    let closing = [("\n</parameter>", 0), ("</parameter>", 0)];
+                    let settled = &value[..value.len() - held_back(value, &closing)];
+                    let quoted = Value::from(settled).to_string();
+                    out.push_str(&start);
+                    out.push_str(&quoted[..quoted.len() - 1]);
+                }
+                return out;
+            }
+        }
+    }
 }
 
 /// `<function=NAME>` then `<parameter=KEY>VALUE</parameter>`s then `</function>`: each value
@@ -509,6 +695,97 @@ mod tests {
             );
             assert_eq!(p.num_tool_calls(), 0);
         }
+    }
+
+    /// What a stream of `text` cut at `cuts` sends: each call's name, its argument pieces
+    /// joined, and the pieces that came before its closing tag was written.
+    fn streamed(text: &str, cuts: &[usize]) -> (Vec<(String, String, usize)>, Vec<Delta>) {
+        let mut p = OutputParser::new(false, vec![], true)
+            .with_tool_schemas(&weather_tool())
+            .streaming_tool_calls();
+        let (mut calls, mut whole) = (Vec::new(), Vec::new());
+        let (mut at, mut open) = (0, false);
+        for &cut in cuts.iter().chain([&text.len()]) {
+            for d in p.push(&text[at..cut]) {
+                match d {
+                    Delta::ToolCallName(name) => {
+                        assert!(!open, "a call opened before the last ended");
+                        calls.push((name, String::new(), 0));
+                        open = true;
+                    }
+                    Delta::ToolCallArguments(more) => {
+                        assert!(open, "arguments before a name");
+                        let call = calls.last_mut().expect("a name first");
+                        call.1.push_str(&more);
+                        if !text[..cut].ends_with(TOOL_CLOSE) {
+                            call.2 += 1;
+                        }
+                    }
+                    Delta::ToolCall { name, arguments } => {
+                        // A call written within one piece comes whole.
+                        if !std::mem::take(&mut open) {
+                            calls.push((name.clone(), arguments.clone(), 0));
+                        }
+                        whole.push(Delta::ToolCall { name, arguments });
+                    }
+                    other => whole.push(other),
+                }
+            }
+            at = cut;
+        }
+        whole.extend(p.finish());
+        (calls, whole)
+    }
+
+    /// Streamed calls in both forms, cut anywhere: the name first, then argument pieces that
+    /// join to exactly the whole call's arguments (the same as without streaming), most of
+    /// them sent before the call's closing tag when the text comes a character at a time.
+    #[test]
+    fn tool_calls_stream_their_name_then_their_arguments() {
+        let xml = "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\nCR\n</parameter>\n\
+            <parameter=days>\n3\n</parameter>\n<parameter=units>\n{\"temp\": \"C\"}\n</parameter>\n</function>\n</tool_call>";
+        let json = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa ris \\\"x\\\"\", \"days\": [1, 2]}}\n</tool_call>\
+            <tool_call>\n{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": 1}\"}\n</tool_call>";
+        for (text, calls) in [(xml, 1), (json, 2)] {
+            let plain = run(
+                &mut OutputParser::new(false, vec![], true).with_tool_schemas(&weather_tool()),
+                &[text],
+            );
+            let expected: Vec<(String, String)> = plain
+                .iter()
+                .filter_map(|d| match d {
+                    Delta::ToolCall { name, arguments } => Some((name.clone(), arguments.clone())),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(expected.len(), calls, "{plain:?}");
+            let bounds: Vec<usize> = (1..text.len())
+                .filter(|&i| text.is_char_boundary(i))
+                .collect();
+            let mut cut_sets: Vec<Vec<usize>> = bounds.iter().map(|&c| vec![c]).collect();
+            cut_sets.push(bounds.clone());
+            for cuts in &cut_sets {
+                let (got, whole) = streamed(text, cuts);
+                let joined: Vec<(String, String)> =
+                    got.iter().map(|c| (c.0.clone(), c.1.clone())).collect();
+                assert_eq!(joined, expected, "cuts {cuts:?}");
+                let ends: Vec<&Delta> = whole
+                    .iter()
+                    .filter(|d| matches!(d, Delta::ToolCall { .. }))
+                    .collect();
+                assert_eq!(ends.len(), calls, "each call ends with the whole call");
+            }
+            let (by_char, _) = streamed(text, &bounds);
+            assert!(
+                by_char[0].2 >= 3,
+                "the first call's arguments came in {} pieces before its end",
+                by_char[0].2
+            );
+        }
+        assert_eq!(
+            compact_json_prefix("{ \"a\" : [1, {\"b\": \"x y\"}] } trailing"),
+            r#"{"a":[1,{"b":"x y"}]}"#
+        );
     }
 
     #[test]

@@ -65,6 +65,11 @@ pub(crate) async fn chat_completions(
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = prepare(&state, &req).await?;
+    let parser = if req.settings.stream {
+        parser.streaming_tool_calls()
+    } else {
+        parser
+    };
     let generation = Generation::start(
         &state,
         prompt,
@@ -92,6 +97,19 @@ fn logprob_entry(g: &Generation, token: &TokenEvent) -> Value {
     })
 }
 
+/// A streamed call's next argument piece, joined to the chunk's last entry where that is the
+/// same call (one entry a call a chunk, as OpenAI sends them).
+fn add_arguments(calls: &mut Vec<Value>, index: usize, more: &str) {
+    if let Some(last) = calls.last_mut()
+        && last["index"] == json!(index)
+        && let Some(Value::String(arguments)) = last.pointer_mut("/function/arguments")
+    {
+        arguments.push_str(more);
+        return;
+    }
+    calls.push(json!({"index": index, "function": {"arguments": more}}));
+}
+
 fn tool_call_json(index: usize, name: &str, arguments: &str) -> Value {
     json!({
         "index": index,
@@ -115,6 +133,8 @@ async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
                     let call = tool_call_json(tool_calls.len(), &name, &arguments);
                     tool_calls.push(call);
                 }
+                // Only a streamed response's parser streams calls.
+                Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
             }
         }
     };
@@ -198,17 +218,27 @@ struct StreamState {
     created: u64,
     include_usage: bool,
     tool_calls: usize,
+    /// Whether the call at index `tool_calls` has been opened by its name.
+    call_open: bool,
 }
 
 impl StreamState {
     fn delta_json(&mut self, deltas: Vec<Delta>) -> Option<Value> {
-        let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+        let (mut content, mut reasoning) = (String::new(), String::new());
+        let mut calls: Vec<Value> = Vec::new();
         for d in deltas {
             match d {
                 Delta::Content(t) => content.push_str(&t),
                 Delta::Reasoning(t) => reasoning.push_str(&t),
+                Delta::ToolCallName(name) => {
+                    calls.push(tool_call_json(self.tool_calls, &name, ""));
+                    self.call_open = true;
+                }
+                Delta::ToolCallArguments(more) => add_arguments(&mut calls, self.tool_calls, &more),
                 Delta::ToolCall { name, arguments } => {
-                    calls.push(tool_call_json(self.tool_calls, &name, &arguments));
+                    if !std::mem::take(&mut self.call_open) {
+                        calls.push(tool_call_json(self.tool_calls, &name, &arguments));
+                    }
                     self.tool_calls += 1;
                 }
             }
@@ -315,6 +345,7 @@ fn stream(
         created: unix_now(),
         include_usage,
         tool_calls: 0,
+        call_open: false,
     };
     state.pending.push_back(chunk(
         &state.id,
@@ -340,6 +371,64 @@ fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Streamed tool calls go out as OpenAI streams them: the first chunk of a call has its
+    /// index, id, type and name with empty arguments; later chunks add arguments under the
+    /// same index; a call written within one step comes whole; the next call takes the next
+    /// index.
+    #[test]
+    fn streamed_tool_calls_open_with_the_name_then_add_arguments() {
+        let mut state = StreamState {
+            generation: None,
+            pending: VecDeque::new(),
+            id: "chatcmpl-1".into(),
+            model: "tiny".into(),
+            created: 0,
+            include_usage: false,
+            tool_calls: 0,
+            call_open: false,
+        };
+        let call = |d: Option<Value>| d.expect("a delta")["tool_calls"].clone();
+        let first = call(state.delta_json(vec![
+            Delta::Content("ok".into()),
+            Delta::ToolCallName("f".into()),
+            Delta::ToolCallArguments("{\"a\":".into()),
+            Delta::ToolCallArguments("\"x".into()),
+        ]));
+        assert_eq!(first.as_array().map(Vec::len), Some(1), "{first}");
+        assert_eq!(first[0]["index"], 0);
+        assert_eq!(first[0]["type"], "function");
+        assert!(
+            first[0]["id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with("call_"))
+        );
+        assert_eq!(
+            first[0]["function"],
+            json!({"name": "f", "arguments": "{\"a\":\"x"})
+        );
+        let more = call(state.delta_json(vec![
+            Delta::ToolCallArguments("\"}".into()),
+            Delta::ToolCall {
+                name: "f".into(),
+                arguments: "{\"a\":\"x\"}".into(),
+            },
+        ]));
+        assert_eq!(
+            more,
+            json!([{"index": 0, "function": {"arguments": "\"}"}}])
+        );
+        let whole = call(state.delta_json(vec![Delta::ToolCall {
+            name: "g".into(),
+            arguments: "{}".into(),
+        }]));
+        assert_eq!(whole[0]["index"], 1);
+        assert_eq!(
+            whole[0]["function"],
+            json!({"name": "g", "arguments": "{}"})
+        );
+        assert_eq!(state.tool_calls, 2);
+    }
 
     /// A reply's reasoning comes back under both names clients read.
     #[tokio::test(flavor = "current_thread")]

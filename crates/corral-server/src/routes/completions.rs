@@ -51,7 +51,7 @@ fn text_of(deltas: Vec<Delta>) -> String {
         .into_iter()
         .filter_map(|d| match d {
             Delta::Content(t) | Delta::Reasoning(t) => Some(t),
-            Delta::ToolCall { .. } => None,
+            Delta::ToolCall { .. } | Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => None,
         })
         .collect()
 }

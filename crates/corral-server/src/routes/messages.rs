@@ -286,6 +286,8 @@ async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
             match d {
                 Delta::Content(t) => text.push_str(&t),
                 Delta::Reasoning(t) => thinking.push_str(&t),
+                // Calls are streamed whole here (their parser is not streaming_tool_calls).
+                Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
                 Delta::ToolCall { name, arguments } => {
                     tools.push(tool_use_block(tools.len(), &name, &arguments))
                 }
@@ -393,6 +395,8 @@ impl StreamState {
             match d {
                 Delta::Content(t) => self.text(Block::Text, &t),
                 Delta::Reasoning(t) => self.text(Block::Thinking, &t),
+                // Calls are streamed whole here (their parser is not streaming_tool_calls).
+                Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
                 Delta::ToolCall { name, arguments } => {
                     self.close();
                     let index = self.next_index;

@@ -408,6 +408,8 @@ async fn complete(mut g: Generation, request: Request) -> Result<Value, ApiError
             match d {
                 Delta::Content(t) => turn.text.push_str(&t),
                 Delta::Reasoning(t) => turn.reasoning.push_str(&t),
+                // Calls are streamed whole here (their parser is not streaming_tool_calls).
+                Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
                 Delta::ToolCall { name, arguments } => {
                     turn.calls
                         .push((response_id("fc"), response_id("call"), name, arguments))
@@ -548,6 +550,8 @@ impl StreamState {
                         json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}),
                     );
                 }
+                // Calls are streamed whole here (their parser is not streaming_tool_calls).
+                Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
                 Delta::ToolCall { name, arguments } => {
                     self.close();
                     let index = self.items;
