@@ -382,6 +382,11 @@ pub(crate) async fn create(
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = super::chat::prepare(&state, &req).await?;
+    let parser = if req.settings.stream {
+        parser.streaming_tool_calls()
+    } else {
+        parser
+    };
     let g = Generation::start(&state, prompt, &req.settings, parser, "input", "resp")?;
     let keep = body.get("store").and_then(Value::as_bool) != Some(false);
     let request = Request {
@@ -443,6 +448,8 @@ enum Open {
     Nothing,
     Reasoning,
     Message,
+    /// A function call being streamed (see `StreamState::call`).
+    Call,
 }
 
 struct StreamState {
@@ -450,10 +457,13 @@ struct StreamState {
     request: Request,
     turn: Turn,
     open: Open,
+    /// The function call being streamed: (item id, call id, name, arguments so far).
+    call: (String, String, String, String),
     /// Output items begun so far (the next one's index).
     items: usize,
     sequence: u64,
-    pending: VecDeque<axum::response::sse::Event>,
+    /// Events to send, each its data with its `type`.
+    pending: VecDeque<Value>,
 }
 
 impl StreamState {
@@ -461,11 +471,7 @@ impl StreamState {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
-        self.pending.push_back(
-            axum::response::sse::Event::default()
-                .event(kind)
-                .data(data.to_string()),
-        );
+        self.pending.push_back(data);
     }
 
     /// Ends the open item: the reasoning item whole, or the message's text and part.
@@ -479,6 +485,11 @@ impl StreamState {
                     "response.output_item.done",
                     json!({"output_index": index, "item": item}),
                 );
+            }
+            // A call whose end never came (the model's text broke off it): what was sent.
+            Open::Call => {
+                let call = std::mem::take(&mut self.call);
+                self.end_call(index, &call, "incomplete");
             }
             Open::Message => {
                 let id = self.turn.message_id.clone();
@@ -525,8 +536,43 @@ impl StreamState {
                         "part": {"type": "output_text", "text": "", "annotations": []}}),
                 );
             }
-            Open::Nothing => {}
+            Open::Nothing | Open::Call => {}
         }
+    }
+
+    /// A function call's item begun, its arguments to follow.
+    fn begin_call(&mut self, call: (String, String, String, String)) {
+        self.close();
+        let index = self.items;
+        self.items += 1;
+        self.emit(
+            "response.output_item.added",
+            json!({"output_index": index, "item": Turn::call_item(&call, "in_progress")}),
+        );
+        self.call = call;
+        self.open = Open::Call;
+    }
+
+    fn call_arguments(&mut self, more: &str) {
+        let (index, id) = (self.items - 1, self.call.0.clone());
+        self.call.3.push_str(more);
+        self.emit(
+            "response.function_call_arguments.delta",
+            json!({"item_id": id, "output_index": index, "delta": more}),
+        );
+    }
+
+    fn end_call(&mut self, index: usize, call: &(String, String, String, String), status: &str) {
+        self.emit(
+            "response.function_call_arguments.done",
+            json!({"item_id": call.0, "output_index": index, "arguments": call.3}),
+        );
+        let mut item = Turn::call_item(call, "completed");
+        item["status"] = json!(status);
+        self.emit(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        );
     }
 
     fn deltas(&mut self, deltas: Vec<Delta>) {
@@ -550,30 +596,25 @@ impl StreamState {
                         json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}),
                     );
                 }
-                // Calls are streamed whole here (their parser is not streaming_tool_calls).
-                Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
+                Delta::ToolCallName(name) => {
+                    let call = (response_id("fc"), response_id("call"), name, String::new());
+                    self.begin_call(call);
+                }
+                Delta::ToolCallArguments(more) if self.open == Open::Call => {
+                    self.call_arguments(&more)
+                }
+                Delta::ToolCallArguments(_) => {}
                 Delta::ToolCall { name, arguments } => {
-                    self.close();
-                    let index = self.items;
-                    self.items += 1;
-                    let call = (response_id("fc"), response_id("call"), name, arguments);
-                    let id = call.0.clone();
-                    self.emit(
-                        "response.output_item.added",
-                        json!({"output_index": index, "item": Turn::call_item(&call, "in_progress")}),
-                    );
-                    self.emit(
-                        "response.function_call_arguments.delta",
-                        json!({"item_id": id, "output_index": index, "delta": call.3}),
-                    );
-                    self.emit(
-                        "response.function_call_arguments.done",
-                        json!({"item_id": id, "output_index": index, "arguments": call.3}),
-                    );
-                    self.emit(
-                        "response.output_item.done",
-                        json!({"output_index": index, "item": Turn::call_item(&call, "completed")}),
-                    );
+                    if self.open != Open::Call {
+                        let call = (response_id("fc"), response_id("call"), name, String::new());
+                        self.begin_call(call);
+                        self.call_arguments(&arguments);
+                    }
+                    // The whole call's arguments, which the pieces sent begin.
+                    let mut call = std::mem::take(&mut self.call);
+                    call.3 = arguments;
+                    self.end_call(self.items - 1, &call, "completed");
+                    self.open = Open::Nothing;
                     self.turn.calls.push(call);
                 }
             }
@@ -638,6 +679,7 @@ fn stream(
         request,
         turn: Turn::new(),
         open: Open::Nothing,
+        call: Default::default(),
         items: 0,
         sequence: 0,
         pending: VecDeque::new(),
@@ -647,8 +689,12 @@ fn stream(
     state.emit("response.in_progress", json!({"response": started}));
     let events = futures_util::stream::unfold(state, |mut state| async move {
         loop {
-            if let Some(e) = state.pending.pop_front() {
-                return Some((Ok(e), state));
+            if let Some(data) = state.pending.pop_front() {
+                let kind = data["type"].as_str().unwrap_or("message").to_string();
+                let event = axum::response::sse::Event::default()
+                    .event(kind)
+                    .data(data.to_string());
+                return Some((Ok(event), state));
             }
             if !state.advance().await {
                 return None;
@@ -668,4 +714,101 @@ pub(crate) async fn retrieve(
         .get(&id)
         .map(|s| Json(s.body))
         .ok_or_else(|| ApiError::not_found(format!("no stored response `{id}`")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> StreamState {
+        StreamState {
+            generation: None,
+            request: Request {
+                id: "resp_1".into(),
+                body: Map::new(),
+                model: json!("tiny"),
+                messages: Vec::new(),
+                store: None,
+            },
+            turn: Turn::new(),
+            open: Open::Nothing,
+            call: Default::default(),
+            items: 0,
+            sequence: 0,
+            pending: VecDeque::new(),
+        }
+    }
+
+    fn kinds(state: &StreamState) -> Vec<String> {
+        state
+            .pending
+            .iter()
+            .map(|e| e["type"].as_str().unwrap_or("").to_string())
+            .collect()
+    }
+
+    /// A streamed call opens its item as its name comes, sends its arguments as
+    /// `response.function_call_arguments.delta` pieces, and ends with the whole arguments; a
+    /// call that comes whole gets the same events at once; each is one output item.
+    #[test]
+    fn function_calls_stream_their_arguments_as_they_come() {
+        let mut s = state();
+        s.deltas(vec![
+            Delta::Content("Checking.".into()),
+            Delta::ToolCallName("get_weather".into()),
+            Delta::ToolCallArguments("{\"city\":\"Pa".into()),
+        ]);
+        s.deltas(vec![
+            Delta::ToolCallArguments("ris\"}".into()),
+            Delta::ToolCall {
+                name: "get_weather".into(),
+                arguments: "{\"city\":\"Paris\"}".into(),
+            },
+            Delta::ToolCall {
+                name: "g".into(),
+                arguments: "{}".into(),
+            },
+        ]);
+        let calls = |kind: &str| -> Vec<Value> {
+            s.pending
+                .iter()
+                .filter(|e| e["type"] == kind)
+                .cloned()
+                .collect()
+        };
+        let deltas: Vec<String> = calls("response.function_call_arguments.delta")
+            .iter()
+            .map(|e| e["delta"].as_str().unwrap_or("").to_string())
+            .collect();
+        assert_eq!(deltas, ["{\"city\":\"Pa", "ris\"}", "{}"]);
+        let done = calls("response.function_call_arguments.done");
+        assert_eq!(done[0]["arguments"], "{\"city\":\"Paris\"}");
+        assert_eq!(done[0]["output_index"], 1, "after the message");
+        assert_eq!(done[1]["output_index"], 2);
+        let added = calls("response.output_item.added");
+        assert_eq!(added[1]["item"]["name"], "get_weather");
+        assert_eq!(added[1]["item"]["arguments"], "");
+        let items = calls("response.output_item.done");
+        assert_eq!(items[1]["item"]["arguments"], "{\"city\":\"Paris\"}");
+        assert_eq!(items[1]["item"]["status"], "completed");
+        assert_eq!(s.turn.calls.len(), 2);
+        // The call's item is added (after the message's) before its first argument piece,
+        // and that piece comes before the call's end.
+        let order = kinds(&s);
+        let at = |kind: &str, nth: usize| {
+            order
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| *k == kind)
+                .nth(nth)
+                .map(|(i, _)| i)
+        };
+        assert!(
+            at("response.output_item.added", 1) < at("response.function_call_arguments.delta", 0)
+        );
+        assert!(
+            at("response.function_call_arguments.delta", 1)
+                < at("response.function_call_arguments.done", 0)
+        );
+    }
 }
