@@ -255,6 +255,11 @@ pub(crate) async fn messages(
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = super::chat::prepare(&state, &req).await?;
+    let parser = if req.settings.stream {
+        parser.streaming_tool_calls()
+    } else {
+        parser
+    };
     let generation = Generation::start(&state, prompt, &req.settings, parser, "messages", "msg")?;
     let model = body
         .get("model")
@@ -330,22 +335,25 @@ async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
 }
 
 /// The open content block of a stream: its index and kind.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq, Debug)]
 enum Block {
     Text,
     Thinking,
+    /// A tool call being streamed.
+    ToolUse,
 }
 
 struct StreamState {
     generation: Option<Generation>,
-    pending: std::collections::VecDeque<SseEvent>,
+    /// Events to send: name and data.
+    pending: std::collections::VecDeque<(String, Value)>,
     open: Option<(usize, Block)>,
     next_index: usize,
     tools: usize,
 }
 
-fn event(name: &str, data: Value) -> SseEvent {
-    SseEvent::default().event(name).data(data.to_string())
+fn event(name: &str, data: Value) -> (String, Value) {
+    (name.to_string(), data)
 }
 
 impl StreamState {
@@ -369,8 +377,8 @@ impl StreamState {
                 let index = self.next_index;
                 self.next_index += 1;
                 let block = match kind {
-                    Block::Text => json!({"type": "text", "text": ""}),
                     Block::Thinking => json!({"type": "thinking", "thinking": ""}),
+                    Block::Text | Block::ToolUse => json!({"type": "text", "text": ""}),
                 };
                 self.pending.push_back(event(
                     "content_block_start",
@@ -381,12 +389,37 @@ impl StreamState {
             }
         };
         let delta = match kind {
-            Block::Text => json!({"type": "text_delta", "text": piece}),
             Block::Thinking => json!({"type": "thinking_delta", "thinking": piece}),
+            Block::Text | Block::ToolUse => json!({"type": "text_delta", "text": piece}),
         };
         self.pending.push_back(event(
             "content_block_delta",
             json!({"type": "content_block_delta", "index": index, "delta": delta}),
+        ));
+    }
+
+    /// A `tool_use` block opened (its input `{}`), the input's JSON to follow in pieces.
+    fn begin_tool_use(&mut self, name: &str) {
+        self.close();
+        let index = self.next_index;
+        self.next_index += 1;
+        let block = tool_use_block(self.tools, name, "{}");
+        self.pending.push_back(event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": block}),
+        ));
+        self.open = Some((index, Block::ToolUse));
+    }
+
+    /// More of the open `tool_use` block's input, as `input_json_delta`.
+    fn tool_input(&mut self, more: &str) {
+        let Some((index, Block::ToolUse)) = self.open else {
+            return;
+        };
+        self.pending.push_back(event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": more}}),
         ));
     }
 
@@ -395,28 +428,15 @@ impl StreamState {
             match d {
                 Delta::Content(t) => self.text(Block::Text, &t),
                 Delta::Reasoning(t) => self.text(Block::Thinking, &t),
-                // Calls are streamed whole here (their parser is not streaming_tool_calls).
-                Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
+                Delta::ToolCallName(name) => self.begin_tool_use(&name),
+                Delta::ToolCallArguments(more) => self.tool_input(&more),
                 Delta::ToolCall { name, arguments } => {
+                    if !matches!(self.open, Some((_, Block::ToolUse))) {
+                        self.begin_tool_use(&name);
+                        self.tool_input(&arguments);
+                    }
                     self.close();
-                    let index = self.next_index;
-                    self.next_index += 1;
-                    let mut block = tool_use_block(self.tools, &name, &arguments);
                     self.tools += 1;
-                    block["input"] = json!({});
-                    self.pending.push_back(event(
-                        "content_block_start",
-                        json!({"type": "content_block_start", "index": index, "content_block": block}),
-                    ));
-                    self.pending.push_back(event(
-                        "content_block_delta",
-                        json!({"type": "content_block_delta", "index": index,
-                            "delta": {"type": "input_json_delta", "partial_json": arguments}}),
-                    ));
-                    self.pending.push_back(event(
-                        "content_block_stop",
-                        json!({"type": "content_block_stop", "index": index}),
-                    ));
                 }
             }
         }
@@ -476,7 +496,8 @@ fn stream(
     state.pending.push_back(event("message_start", start));
     let events = futures_util::stream::unfold(state, |mut state| async move {
         loop {
-            if let Some(e) = state.pending.pop_front() {
+            if let Some((name, data)) = state.pending.pop_front() {
+                let e = SseEvent::default().event(name).data(data.to_string());
                 return Some((Ok(e), state));
             }
             if !state.advance().await {
@@ -490,6 +511,67 @@ fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A streamed tool call is a `tool_use` block opened with its name and an empty input,
+    /// then `input_json_delta` pieces as the arguments are written, then closed; one that
+    /// comes whole gets the same events at once, with the next tool id.
+    #[test]
+    fn tool_use_blocks_stream_their_input_as_it_is_written() {
+        let mut s = StreamState {
+            generation: None,
+            pending: std::collections::VecDeque::new(),
+            open: None,
+            next_index: 0,
+            tools: 0,
+        };
+        s.deltas(vec![
+            Delta::Content("Checking.".into()),
+            Delta::ToolCallName("get_weather".into()),
+            Delta::ToolCallArguments("{\"city\":".into()),
+        ]);
+        s.deltas(vec![
+            Delta::ToolCallArguments("\"Rome\"}".into()),
+            Delta::ToolCall {
+                name: "get_weather".into(),
+                arguments: "{\"city\":\"Rome\"}".into(),
+            },
+            Delta::ToolCall {
+                name: "g".into(),
+                arguments: "{}".into(),
+            },
+        ]);
+        let events: Vec<(String, Value)> = s.pending.iter().cloned().collect();
+        let names: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+            ]
+        );
+        let block = &events[3].1["content_block"];
+        assert_eq!(
+            (&block["type"], &block["name"], &block["input"]),
+            (&json!("tool_use"), &json!("get_weather"), &json!({}))
+        );
+        let pieces: Vec<&Value> = events[4..6]
+            .iter()
+            .map(|e| &e.1["delta"]["partial_json"])
+            .collect();
+        assert_eq!(pieces, [&json!("{\"city\":"), &json!("\"Rome\"}")]);
+        assert_eq!(events[3].1["index"], 1);
+        assert_eq!(events[7].1["content_block"]["id"], "toolu_00000001");
+        assert_eq!(events[8].1["delta"]["partial_json"], "{}");
+        assert_eq!(s.tools, 2);
+    }
 
     /// A Messages conversation with a system prompt, thinking, a tool call and its result
     /// becomes the chat conversation the template renders.
