@@ -276,6 +276,20 @@ fn few_rows_variant(pairs: usize, experts: usize, big_tiles: bool) -> Option<usi
     }
 }
 
+/// `len` u32 tickets on the device, zero: a split kernel's last block takes its row's and
+/// leaves it zero again for the next launch.
+fn zeroed_tickets(gpu: &Gpu, len: usize) -> Result<DeviceBuffer> {
+    let mem = gpu.alloc(len * 4)?;
+    gpu.memset_zero(mem.ptr(), len * 4)?;
+    gpu.sync()?;
+    Ok(DeviceBuffer::new(
+        DType::U32,
+        len,
+        BufferUsage::Metadata,
+        Storage::Cuda(mem),
+    ))
+}
+
 fn bad(op: &'static str, detail: String) -> BackendError {
     BackendError::BadArgument { op, detail }
 }
@@ -373,24 +387,8 @@ impl CudaBackend {
             BufferUsage::Activations,
             Storage::Cuda(scratch_mem),
         );
-        let counters_mem = gpu.alloc(ATTENTION_COUNTERS * 4)?;
-        gpu.memset_zero(counters_mem.ptr(), ATTENTION_COUNTERS * 4)?;
-        gpu.sync()?;
-        let attention_counters = DeviceBuffer::new(
-            DType::U32,
-            ATTENTION_COUNTERS,
-            BufferUsage::Metadata,
-            Storage::Cuda(counters_mem),
-        );
-        let projection_mem = gpu.alloc(PROJECTION_COUNTERS * 4)?;
-        gpu.memset_zero(projection_mem.ptr(), PROJECTION_COUNTERS * 4)?;
-        gpu.sync()?;
-        let projection_counters = DeviceBuffer::new(
-            DType::U32,
-            PROJECTION_COUNTERS,
-            BufferUsage::Metadata,
-            Storage::Cuda(projection_mem),
-        );
+        let attention_counters = zeroed_tickets(&gpu, ATTENTION_COUNTERS)?;
+        let projection_counters = zeroed_tickets(&gpu, PROJECTION_COUNTERS)?;
         let sample_words = SAMPLE_MAX_ROWS * SAMPLE_MAX_PARTS * CANDIDATE_ROW_WORDS;
         let sampling_scratch = DeviceBuffer::new(
             DType::U32,
@@ -398,15 +396,7 @@ impl CudaBackend {
             BufferUsage::Metadata,
             Storage::Cuda(gpu.alloc(sample_words * 4)?),
         );
-        let tickets_mem = gpu.alloc(SAMPLE_MAX_ROWS * 4)?;
-        gpu.memset_zero(tickets_mem.ptr(), SAMPLE_MAX_ROWS * 4)?;
-        gpu.sync()?;
-        let sampling_tickets = DeviceBuffer::new(
-            DType::U32,
-            SAMPLE_MAX_ROWS,
-            BufferUsage::Metadata,
-            Storage::Cuda(tickets_mem),
-        );
+        let sampling_tickets = zeroed_tickets(&gpu, SAMPLE_MAX_ROWS)?;
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
         if !matches!(kv_dtype, DType::BF16 | DType::F32) {
             return Err(bad(

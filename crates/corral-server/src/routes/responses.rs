@@ -467,6 +467,19 @@ struct StreamState {
 }
 
 impl StreamState {
+    fn new(generation: Option<Generation>, request: Request) -> Self {
+        Self {
+            generation,
+            request,
+            turn: Turn::new(),
+            open: Open::Nothing,
+            call: Default::default(),
+            items: 0,
+            sequence: 0,
+            pending: VecDeque::new(),
+        }
+    }
+
     fn emit(&mut self, kind: &str, mut data: Value) {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
@@ -674,16 +687,7 @@ fn stream(
 ) -> axum::response::sse::Sse<
     impl futures_util::Stream<Item = Result<axum::response::sse::Event, std::convert::Infallible>>,
 > {
-    let mut state = StreamState {
-        generation: Some(generation),
-        request,
-        turn: Turn::new(),
-        open: Open::Nothing,
-        call: Default::default(),
-        items: 0,
-        sequence: 0,
-        pending: VecDeque::new(),
-    };
+    let mut state = StreamState::new(Some(generation), request);
     let started = state.request.response(None, "in_progress", None);
     state.emit("response.created", json!({"response": started.clone()}));
     state.emit("response.in_progress", json!({"response": started}));
@@ -721,22 +725,14 @@ mod tests {
     use super::*;
 
     fn state() -> StreamState {
-        StreamState {
-            generation: None,
-            request: Request {
-                id: "resp_1".into(),
-                body: Map::new(),
-                model: json!("tiny"),
-                messages: Vec::new(),
-                store: None,
-            },
-            turn: Turn::new(),
-            open: Open::Nothing,
-            call: Default::default(),
-            items: 0,
-            sequence: 0,
-            pending: VecDeque::new(),
-        }
+        let request = Request {
+            id: "resp_1".into(),
+            body: Map::new(),
+            model: json!("tiny"),
+            messages: Vec::new(),
+            store: None,
+        };
+        StreamState::new(None, request)
     }
 
     fn kinds(state: &StreamState) -> Vec<String> {
