@@ -238,46 +238,24 @@ fn run(
     };
     loop {
         if scheduler.is_idle() {
-            // Idle with sessions on disk, for a pause that back-to-back requests do not
-            // leave: cached prefixes are written out one at a time until a command comes,
-            // so that evictions later find them on disk.
-            let mut command = None;
-            if let Some(dir) = &mut spill {
-                match commands.recv_timeout(WRITE_AHEAD_AFTER) {
-                    Ok(c) => command = Some(c),
-                    Err(RecvTimeoutError::Disconnected) => return,
-                    Err(RecvTimeoutError::Timeout) => {}
-                }
-                let backend = model.backend().as_ref();
-                while command.is_none() {
-                    match commands.try_recv() {
-                        Ok(c) => {
-                            command = Some(c);
-                            break;
-                        }
-                        Err(TryRecvError::Disconnected) => return,
-                        Err(TryRecvError::Empty) => {}
-                    }
-                    let mut store = DiskSessions {
-                        backend,
+            let ahead = match &mut spill {
+                Some(dir) => write_ahead_until_command(
+                    &commands,
+                    &mut scheduler,
+                    &mut DiskSessions {
+                        backend: model.backend().as_ref(),
                         cache: &mut cache,
                         state: &mut state,
-                        dir: &mut *dir,
+                        dir,
                         hybrid: model.is_hybrid(),
                         metrics,
                         prefetch: None,
-                    };
-                    if !scheduler.write_ahead(&mut store) {
-                        break;
-                    }
-                }
-            }
-            let command = match command {
-                Some(c) => c,
-                None => match commands.recv() {
-                    Ok(c) => c,
-                    Err(_) => return,
-                },
+                    },
+                ),
+                None => Ok(None),
+            };
+            let Ok(Some(command)) = ahead.map(|c| c.or_else(|| commands.recv().ok())) else {
+                return;
             };
             if !receive(&mut scheduler, command) {
                 return;
@@ -499,6 +477,30 @@ fn eviction_cost(
 /// How long the engine stays idle before it writes cached prefixes to the session folder
 /// (see [`Scheduler::write_ahead`]): longer than the gap between back-to-back requests.
 const WRITE_AHEAD_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Idle with sessions on disk: after a pause that back-to-back requests do not leave, writes
+/// cached prefixes out one at a time until a command comes (so that evictions later find
+/// them on disk); the command, `None` when nothing is left to write, `Err` when the sender
+/// is gone.
+fn write_ahead_until_command(
+    commands: &Receiver<Command>,
+    scheduler: &mut Scheduler,
+    store: &mut dyn SessionStore,
+) -> Result<Option<Command>, ()> {
+    match commands.recv_timeout(WRITE_AHEAD_AFTER) {
+        Ok(c) => return Ok(Some(c)),
+        Err(RecvTimeoutError::Disconnected) => return Err(()),
+        Err(RecvTimeoutError::Timeout) => {}
+    }
+    loop {
+        match commands.try_recv() {
+            Ok(c) => return Ok(Some(c)),
+            Err(TryRecvError::Disconnected) => return Err(()),
+            Err(TryRecvError::Empty) if !scheduler.write_ahead(store) => return Ok(None),
+            Err(TryRecvError::Empty) => {}
+        }
+    }
+}
 
 /// Sessions on disk over the engine's caches (see [`SessionStore`]).
 struct DiskSessions<'a> {

@@ -337,6 +337,27 @@ fn interleaved_hybrid_sessions_resume_exactly_under_eviction_and_preemption() {
     }
 }
 
+/// A turn that resumed from a session file: what a from-scratch run generates, at least
+/// `history` tokens cached, and a restore counted.
+fn assert_resumed_from_disk(
+    engine: &EngineHandle,
+    (tokens, done): (Vec<u32>, Finished),
+    expected: &[u32],
+    history: usize,
+    what: &str,
+) {
+    assert_eq!(tokens, expected, "{what}: resumed from disk");
+    assert!(
+        done.cached_tokens >= history,
+        "{what}: {} cached",
+        done.cached_tokens
+    );
+    assert!(
+        engine.metrics().session_restores.load(Ordering::Relaxed) > 0,
+        "{what}: no restore"
+    );
+}
+
 /// Sessions on disk: a history the cache had to evict is written to the session folder and
 /// read back by the turn that extends it, in the same engine and after a restart; a corrupt
 /// file is deleted and the turn recomputes. Every turn generates what it does from scratch.
@@ -396,17 +417,8 @@ fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
         }
         let spills = engine.metrics().session_spills.load(Ordering::Relaxed);
         assert!(spills > 0, "{name}: nothing was spilled");
-        let (tokens, done) = collect(&mut submit(&engine, &next, 6));
-        assert_eq!(tokens, expected, "{name}: resumed from disk");
-        assert!(
-            done.cached_tokens >= 40,
-            "{name}: {} cached",
-            done.cached_tokens
-        );
-        assert!(
-            engine.metrics().session_restores.load(Ordering::Relaxed) > 0,
-            "{name}"
-        );
+        let turn = collect(&mut submit(&engine, &next, 6));
+        assert_resumed_from_disk(&engine, turn, &expected, 40, name);
         engine.shutdown();
         thread.join().unwrap();
         // A new engine on the same folder: the session survives the restart.
@@ -473,16 +485,13 @@ fn an_idle_engine_writes_its_cached_histories_ahead() {
             let mut first = submit(&engine, &filler, 6);
             let mut second = submit(&engine, &next, 6);
             collect(&mut first);
-            let (tokens, done) = collect(&mut second);
-            assert_eq!(tokens, expected, "{name}, pause {pause}: resumed from disk");
-            assert!(
-                done.cached_tokens >= 40,
-                "{name}: {} cached",
-                done.cached_tokens
-            );
-            assert!(
-                engine.metrics().session_restores.load(Ordering::Relaxed) > 0,
-                "{name}, pause {pause}"
+            let turn = collect(&mut second);
+            assert_resumed_from_disk(
+                &engine,
+                turn,
+                &expected,
+                40,
+                &format!("{name}, pause {pause}"),
             );
             totals.push(spills());
             engine.shutdown();

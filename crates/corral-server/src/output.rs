@@ -84,11 +84,11 @@ impl OutputParser {
         }
     }
 
-    /// Streams tool calls as they are written: the name first, then the arguments in
-    /// pieces, as OpenAI streams them (a string parameter of the XML form as its characters
-    /// come, any other value once it is whole).
-    pub fn streaming_tool_calls(mut self) -> Self {
-        self.stream_calls = true;
+    /// With `on`, streams tool calls as they are written: the name first, then the
+    /// arguments in pieces, as OpenAI streams them (a string parameter of the XML form as
+    /// its characters come, any other value once it is whole).
+    pub fn streaming_tool_calls(mut self, on: bool) -> Self {
+        self.stream_calls = on;
         self
     }
 
@@ -702,7 +702,7 @@ mod tests {
     fn streamed(text: &str, cuts: &[usize]) -> (Vec<(String, String, usize)>, Vec<Delta>) {
         let mut p = OutputParser::new(false, vec![], true)
             .with_tool_schemas(&weather_tool())
-            .streaming_tool_calls();
+            .streaming_tool_calls(true);
         let (mut calls, mut whole) = (Vec::new(), Vec::new());
         let (mut at, mut open) = (0, false);
         for &cut in cuts.iter().chain([&text.len()]) {

@@ -623,9 +623,37 @@ impl CudaBackend {
         Ok(Some(big))
     }
 
-    /// Projections of x `[rows, cols]` by cuBLAS GEMMs with x rounded to bf16 once (into a
-    /// pooled buffer): `targets` are (weight address, output features, output address);
-    /// `weight_bytes` goes to the step's counter with the rounding.
+    /// Rounds `len` f32 values at `x` to bf16 in a pooled buffer (its weight-byte count
+    /// `weight_bytes`), then queues `use_copy` on that buffer's address; the buffer goes back
+    /// to the pool at once (later users queue behind `use_copy`'s work on the one stream).
+    fn with_bf16_copy(
+        &self,
+        op: &'static str,
+        x: Arg,
+        len: usize,
+        weight_bytes: u64,
+        use_copy: impl FnOnce(u64) -> Result<()>,
+    ) -> Result<()> {
+        let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
+        let queued = ptr_of(op, &x16).and_then(|x16_ptr| {
+            let convert = [
+                x,
+                Arg::U64(len as u64),
+                Arg::Ptr(x16_ptr),
+                Arg::U64(weight_bytes),
+                self.diag(),
+            ];
+            let grid = Self::elementwise_grid(op, len.div_ceil(4))?;
+            self.launch(&self.kernels.to_bf16, grid, 256, &convert)?;
+            use_copy(x16_ptr)
+        });
+        self.give_buffer(x16);
+        queued
+    }
+
+    /// Projections of x `[rows, cols]` by cuBLAS GEMMs with x rounded to bf16 once:
+    /// `targets` are (weight address, output features, output address); `weight_bytes` goes
+    /// to the step's counter with the rounding.
     fn blas_projections(
         &self,
         blas: &Blas,
@@ -634,34 +662,13 @@ impl CudaBackend {
         targets: &[(u64, usize, u64)],
         weight_bytes: u64,
     ) -> Result<()> {
-        let op = "matmul";
-        let len = rows * cols;
-        let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
-        let x16_ptr = ptr_of(op, &x16)?;
-        let convert = [
-            x,
-            Arg::U64(len as u64),
-            Arg::Ptr(x16_ptr),
-            Arg::U64(weight_bytes),
-            self.diag(),
-        ];
-        let queued = self
-            .launch(
-                &self.kernels.to_bf16,
-                Self::elementwise_grid(op, len.div_ceil(4))?,
-                256,
-                &convert,
-            )
-            .and_then(|()| {
-                targets.iter().try_for_each(|&(w_addr, n, out_addr)| {
-                    self.counted("cublas_gemm_bf16", || {
-                        blas.gemm_bf16(x16_ptr, rows, w_addr, n, cols, out_addr)
-                    })
+        self.with_bf16_copy("matmul", x, rows * cols, weight_bytes, |x16_ptr| {
+            targets.iter().try_for_each(|&(w_addr, n, out_addr)| {
+                self.counted("cublas_gemm_bf16", || {
+                    blas.gemm_bf16(x16_ptr, rows, w_addr, n, cols, out_addr)
                 })
-            });
-        // Back to the pool at once: later users queue behind the GEMMs on the one stream.
-        self.give_buffer(x16);
-        queued
+            })
+        })
     }
 
     /// The chunked gated delta rule (delta_net.cu's gdr_chunk_prepare and gdr_chunk_scan) over
@@ -1831,31 +1838,15 @@ impl Backend for CudaBackend {
             return self.launch(&mvm[0][variant], grid, MVM_THREADS, &args);
         }
         if let Some(big) = big {
-            // x rounded to bf16 once (the tiles would round it the same way as they stage
-            // it), into a pooled buffer given back at once: later users queue behind.
-            let len = routing.tokens * hidden;
-            let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
-            let convert = [
-                args[0],
-                Arg::U64(len as u64),
-                Arg::Ptr(ptr_of(op, &x16)?),
-                Arg::U64(0),
-                self.diag(),
-            ];
-            let mut big_args = args;
-            big_args[0] = Arg::Ptr(ptr_of(op, &x16)?);
+            // x rounded to bf16 once (the tiles would round it the same way as they stage it).
             let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
             let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);
-            let queued = self
-                .launch(
-                    &self.kernels.to_bf16,
-                    Self::elementwise_grid(op, len.div_ceil(4))?,
-                    256,
-                    &convert,
-                )
-                .and_then(|()| self.launch(&big[0], grid, BIG_TILE_THREADS, &big_args));
-            self.give_buffer(x16);
-            return queued;
+            let len = routing.tokens * hidden;
+            return self.with_bf16_copy(op, args[0], len, 0, |x16_ptr| {
+                let mut big_args = args;
+                big_args[0] = Arg::Ptr(x16_ptr);
+                self.launch(&big[0], grid, BIG_TILE_THREADS, &big_args)
+            });
         }
         let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
         let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);

@@ -51,7 +51,8 @@ pub(crate) async fn prepare(
     .await
     .map_err(|e| ApiError::internal(format!("prompt preparation failed: {e}")))??;
     let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some())
-        .with_tool_schemas(req.tools.as_deref().unwrap_or(&[]));
+        .with_tool_schemas(req.tools.as_deref().unwrap_or(&[]))
+        .streaming_tool_calls(req.settings.stream);
     Ok((prompt, parser))
 }
 
@@ -65,11 +66,6 @@ pub(crate) async fn chat_completions(
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = prepare(&state, &req).await?;
-    let parser = if req.settings.stream {
-        parser.streaming_tool_calls()
-    } else {
-        parser
-    };
     let generation = Generation::start(
         &state,
         prompt,

@@ -255,11 +255,6 @@ pub(crate) async fn messages(
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = super::chat::prepare(&state, &req).await?;
-    let parser = if req.settings.stream {
-        parser.streaming_tool_calls()
-    } else {
-        parser
-    };
     let generation = Generation::start(&state, prompt, &req.settings, parser, "messages", "msg")?;
     let model = body
         .get("model")
@@ -291,7 +286,7 @@ async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
             match d {
                 Delta::Content(t) => text.push_str(&t),
                 Delta::Reasoning(t) => thinking.push_str(&t),
-                // Calls are streamed whole here (their parser is not streaming_tool_calls).
+                // Only a streamed response's parser streams calls.
                 Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
                 Delta::ToolCall { name, arguments } => {
                     tools.push(tool_use_block(tools.len(), &name, &arguments))

@@ -382,11 +382,6 @@ pub(crate) async fn create(
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = super::chat::prepare(&state, &req).await?;
-    let parser = if req.settings.stream {
-        parser.streaming_tool_calls()
-    } else {
-        parser
-    };
     let g = Generation::start(&state, prompt, &req.settings, parser, "input", "resp")?;
     let keep = body.get("store").and_then(Value::as_bool) != Some(false);
     let request = Request {
@@ -413,7 +408,7 @@ async fn complete(mut g: Generation, request: Request) -> Result<Value, ApiError
             match d {
                 Delta::Content(t) => turn.text.push_str(&t),
                 Delta::Reasoning(t) => turn.reasoning.push_str(&t),
-                // Calls are streamed whole here (their parser is not streaming_tool_calls).
+                // Only a streamed response's parser streams calls.
                 Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => {}
                 Delta::ToolCall { name, arguments } => {
                     turn.calls
