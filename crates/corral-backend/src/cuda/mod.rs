@@ -1829,9 +1829,10 @@ impl Backend for CudaBackend {
             gate_vec && up_vec,
             few_rows_variant(pairs, num_experts, big.is_some()),
         ) {
-            // A block row per expert that can have rows: at most one per routed pair.
+            // A block row per expert that can have rows: at most one per routed pair; a
+            // block per 8 features of gate and up.
             let grid = (
-                grid_of(op, inter.div_ceil(16))?,
+                grid_of(op, inter.div_ceil(8))?,
                 grid_of(op, num_experts.min(pairs))?,
                 1,
             );
