@@ -4,8 +4,11 @@ Usage: python check_openai.py CORRAL_BINARY MODEL_DIR
 
 Starts the server on a free port with an API key, then runs a chat completion, a streamed
 chat completion with `include_usage`, a tool-call round trip (tool definitions in, an
-assistant tool call and its result back), a text completion, and error mapping. The demo
-model has random weights, so the text itself is gibberish; the checks are on the protocol.
+assistant tool call and its result back), a call forced by `tool_choice="required"` and
+answered, structured output parsed by the client (`chat.completions.parse`,
+`responses.parse`, LangChain's `with_structured_output`), a text completion, and error
+mapping. The demo model has random weights, so the text itself is gibberish; the checks are
+on the protocol, and on the grammar holding the gibberish to the schema.
 Prints one line per check and a final `N passed, M failed` line; exits non-zero on failure.
 """
 
@@ -17,7 +20,10 @@ import time
 import traceback
 import urllib.request
 
+from typing import Literal
+
 import openai
+from pydantic import BaseModel, Field
 
 API_KEY = "corral-test-key"
 MODEL = "tiny-qwen3-moe"
@@ -106,6 +112,67 @@ def check_tool_round_trip(client):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10, (second.usage, first.usage)
 
 
+class Forecast(BaseModel):
+    """A reply with bounded fields, so that a random model's document ends."""
+    city: str = Field(max_length=12)
+    days: int = Field(ge=1, le=14)
+    units: Literal["metric", "imperial"]
+
+
+BOUNDED_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def check_required_tool_call(client):
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=question, tools=[BOUNDED_WEATHER_TOOL], tool_choice="required",
+        max_tokens=64, temperature=0.8, seed=7)
+    assert first.choices[0].finish_reason == "tool_calls", first
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather", call
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 12, arguments
+    followup = question + [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 7})},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=followup, tools=[BOUNDED_WEATHER_TOOL], max_tokens=4)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10, (second.usage, first.usage)
+    named = client.chat.completions.create(
+        model=MODEL, messages=question, tools=[WEATHER_TOOL, BOUNDED_WEATHER_TOOL | {
+            "function": BOUNDED_WEATHER_TOOL["function"] | {"name": "get_time"}}],
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=64)
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"], named
+
+
+def check_structured_output(client, port):
+    messages = [{"role": "user", "content": "Forecast for Oslo, as JSON."}]
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    parsed = parse(model=MODEL, messages=messages, response_format=Forecast, max_tokens=64)
+    assert isinstance(parsed.choices[0].message.parsed, Forecast), parsed
+    response = client.responses.parse(
+        model=MODEL, input="Forecast for Oslo.", text_format=Forecast, max_output_tokens=64)
+    assert isinstance(response.output_parsed, Forecast), response
+    from langchain_openai import ChatOpenAI
+    llm = ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
+                     max_tokens=64, max_retries=0)
+    forecast = llm.with_structured_output(Forecast).invoke("Forecast for Oslo.")
+    assert isinstance(forecast, Forecast), forecast
+
+
 def check_responses(client):
     first = client.responses.create(
         model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=8, temperature=0)
@@ -178,6 +245,8 @@ def main():
         ("chat completion", lambda: check_chat(client)),
         ("streamed chat completion with include_usage", lambda: check_stream(client)),
         ("tool call round trip", lambda: check_tool_round_trip(client)),
+        ("tool_choice required and named, answered", lambda: check_required_tool_call(client)),
+        ("structured output: chat parse, responses parse, LangChain", lambda: check_structured_output(client, port)),
         ("responses: input, previous_response_id, function-call round trip", lambda: check_responses(client)),
         ("text completion", lambda: check_completion(client)),
         ("errors and models", lambda: check_errors(client, port)),

@@ -8,7 +8,7 @@ venv=target/openai-venv
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c "import openai, anthropic" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import openai, anthropic, langchain_openai" 2>/dev/null; then
   "$venv/bin/pip" install --quiet -r tests/openai_client/requirements.txt
 fi
 cargo build --quiet -p corral-cli

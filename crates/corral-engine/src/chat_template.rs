@@ -19,6 +19,17 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    tool_call_format: ToolCallFormat,
+}
+
+/// How the model writes a tool call, as its template shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolCallFormat {
+    /// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Qwen3).
+    Json,
+    /// `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`
+    /// (Qwen3.5, Qwen3-Coder).
+    Xml,
 }
 
 /// What `tokenizer_config.json` says about special tokens and the template.
@@ -163,13 +174,24 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
+        let tool_call_format = if source.contains("<function=") {
+            ToolCallFormat::Xml
+        } else {
+            ToolCallFormat::Json
+        };
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
         Ok(Self {
             env,
             bos_token: config.bos_token.clone().unwrap_or_default(),
             eos_token: config.eos_token.clone().unwrap_or_default(),
+            tool_call_format,
         })
+    }
+
+    /// How the model writes tool calls.
+    pub fn tool_call_format(&self) -> ToolCallFormat {
+        self.tool_call_format
     }
 
     /// Renders `messages` (OpenAI-style objects with `role` and `content`), optional `tools`,

@@ -53,7 +53,7 @@ pub struct EngineConfig {
 }
 
 enum Command {
-    Submit(EngineRequest),
+    Submit(Box<EngineRequest>),
     Shutdown,
 }
 
@@ -87,7 +87,7 @@ impl EngineHandle {
                 (w < max).then_some(w + 1)
             })
             .map_err(|w| SubmitError::QueueFull(w as usize))?;
-        self.commands.send(Command::Submit(request)).map_err(|_| {
+        self.commands.send(Command::Submit(Box::new(request))).map_err(|_| {
             leave_queue(&self.metrics, 1);
             SubmitError::Stopped
         })
@@ -231,7 +231,7 @@ fn run(
     // Queues a submitted request; false on shutdown.
     let receive = |scheduler: &mut Scheduler, command: Command| match command {
         Command::Submit(request) => {
-            scheduler.add(request);
+            scheduler.add(*request);
             true
         }
         Command::Shutdown => false,
@@ -846,6 +846,7 @@ mod tests {
             top_logprobs: None,
             events,
             session: None,
+            constraint: None,
         }
     }
 

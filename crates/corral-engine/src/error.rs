@@ -38,6 +38,9 @@ pub enum EngineError {
         /// What is wrong.
         problem: String,
     },
+    /// A response format, JSON schema or grammar cannot be compiled into a constraint.
+    #[error("{0}")]
+    Grammar(String),
     /// The KV cache cannot hold the sequence.
     #[error(transparent)]
     OutOfBlocks(#[from] crate::OutOfBlocks),

@@ -7,6 +7,7 @@
 //! [`Scheduler`] (`serve` many, `run` one).
 
 mod chat_template;
+mod constraint;
 mod engine;
 mod error;
 mod generation_config;
@@ -19,7 +20,8 @@ mod scheduler;
 mod segment_cache;
 mod tokenizer;
 
-pub use chat_template::{ChatTemplate, TokenizerConfig};
+pub use chat_template::{ChatTemplate, TokenizerConfig, ToolCallFormat};
+pub use constraint::{Constraint, ConstraintStats, Grammar, GrammarCompiler, json_style};
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
 pub use generation_config::{SamplingDefaults, sampling_defaults, stop_token_ids};

@@ -37,6 +37,8 @@ pub struct EngineRequest {
     /// The client's session id (`X-Session-Id`, or the `user` field): the prefix its turn
     /// leaves in the cache is kept from eviction for a while. Nothing depends on it.
     pub session: Option<String>,
+    /// The grammar the output must match (`response_format`, a required tool call).
+    pub constraint: Option<crate::Constraint>,
 }
 
 /// A generated token.
@@ -75,6 +77,8 @@ pub struct Finished {
     pub decode_steps: usize,
     /// Counts of those decode steps (shared likewise).
     pub decode_stats: DispatchStats,
+    /// Time its constraint took, if it had one.
+    pub constraint: Option<crate::ConstraintStats>,
 }
 
 /// What the engine sends a request's handler.

@@ -32,7 +32,9 @@ use corral_model::{
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::request::{EngineRequest, Event, Finished, TokenEvent};
-use crate::{EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool};
+use crate::{
+    Constraint, EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool,
+};
 
 /// Sessions on disk as the scheduler uses them: the engine implements it over its caches, so
 /// that a cold prefix is written out when the cache evicts it and read back into a new
@@ -101,6 +103,8 @@ struct Sequence {
     /// Which of them is the output checkpoint (tokens covered), replaced as decode goes on.
     output_checkpoint: Option<usize>,
     sampler: Sampler,
+    /// The grammar its output must match.
+    constraint: Option<Constraint>,
     max_tokens: usize,
     max_context: usize,
     stop_token_ids: Vec<u32>,
@@ -294,6 +298,7 @@ impl Scheduler {
             checkpoints: Vec::new(),
             output_checkpoint: None,
             sampler: Sampler::new(request.params),
+            constraint: request.constraint,
             max_tokens: request.max_tokens,
             max_context: request.max_context,
             stop_token_ids: request.stop_token_ids,
@@ -705,7 +710,7 @@ impl Scheduler {
         if wanted.clone().any(|r| {
             index(&self.running, r.seq).is_some_and(|i| {
                 let seq = &self.running[i];
-                seq.sampler.needs_whole_logits(seq.top_logprobs)
+                seq.constraint.is_some() || seq.sampler.needs_whole_logits(seq.top_logprobs)
             })
         }) {
             return false;
@@ -750,6 +755,7 @@ impl Scheduler {
     ) -> StepCounts {
         let mut counts = StepCounts::default();
         let mut row = 0;
+        let mut failed = Vec::new();
         let now = Instant::now();
         let mut copies = plan.block_copies;
         for &(id, _, _) in &copies {
@@ -783,6 +789,13 @@ impl Scheduler {
                     let row_logits = &mut logits[row * *vocab..(row + 1) * *vocab];
                     // Log-probabilities are the model's, before any penalty the sampler applies.
                     let raw = seq.top_logprobs.map(|n| (row_logits.to_vec(), n));
+                    if let Some(constraint) = &mut seq.constraint
+                        && let Err(e) = constraint.mask_logits(row_logits)
+                    {
+                        failed.push((seq.id, e));
+                        row += 1;
+                        continue;
+                    }
                     let token = seq.sampler.sample(row_logits, &seq.tokens);
                     match raw {
                         Some((raw, n)) => {
@@ -798,6 +811,14 @@ impl Scheduler {
             let finish = if seq.stop_token_ids.contains(&token) {
                 Some(FinishReason::Stop)
             } else {
+                let complete = match seq.constraint.as_mut().map(|c| c.accept(token)) {
+                    Some(Err(e)) => {
+                        failed.push((seq.id, e));
+                        continue;
+                    }
+                    Some(Ok(complete)) => complete,
+                    None => false,
+                };
                 seq.tokens.push(token);
                 counts.generated_tokens += 1;
                 let event = Event::Token(TokenEvent {
@@ -808,6 +829,8 @@ impl Scheduler {
                 });
                 if seq.events.send(event).is_err() {
                     Some(FinishReason::Cancelled)
+                } else if complete {
+                    Some(FinishReason::Stop)
                 } else if seq.generated() >= seq.max_tokens || seq.tokens.len() >= seq.max_context {
                     Some(FinishReason::Length)
                 } else {
@@ -839,8 +862,17 @@ impl Scheduler {
                     prefill_stats: seq.prefill_stats,
                     decode_steps: seq.decode_steps,
                     decode_stats: seq.decode_stats,
+                    constraint: seq.constraint.as_ref().map(Constraint::stats),
                 };
                 counts.finished.push((seq.events, finished));
+            }
+        }
+        for (id, message) in failed {
+            if let Some(index) = self.running.iter().position(|s| s.id == id) {
+                let mut seq = self.running.remove(index);
+                self.release(&mut seq);
+                tracing::warn!(%message, "request failed");
+                let _ = seq.events.send(Event::Failed(message));
             }
         }
         counts
@@ -1093,6 +1125,7 @@ mod tests {
             top_logprobs: None,
             events,
             session: None,
+            constraint: None,
         }
     }
 

@@ -29,6 +29,11 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// The compiler of constraints over this vocabulary; `eos`: the ids that end a document.
+    pub fn grammar_compiler(&self, eos: &[u32]) -> Result<crate::GrammarCompiler, EngineError> {
+        crate::GrammarCompiler::new(&self.inner, eos)
+    }
+
     /// Loads `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self, EngineError> {
         if !path.exists() {

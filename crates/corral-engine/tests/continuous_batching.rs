@@ -79,6 +79,7 @@ fn submit_in(
             top_logprobs: None,
             events: tx,
             session: session.map(str::to_string),
+            constraint: None,
         })
         .unwrap();
     rx

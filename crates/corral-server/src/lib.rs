@@ -9,6 +9,7 @@
 
 mod error;
 mod extract;
+mod grammar;
 mod output;
 mod request;
 mod routes;

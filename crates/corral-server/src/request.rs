@@ -2,10 +2,11 @@
 //! as JSON objects; every field clients send is then checked here, once, and each bad one is
 //! reported by name. Nothing downstream checks again.
 
-use corral_engine::{SamplingDefaults, SamplingParams};
+use corral_engine::{Grammar, SamplingDefaults, SamplingParams};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::grammar::{self, ToolChoice};
 
 /// Settings shared by chat and text completions.
 #[derive(Clone, Debug)]
@@ -29,6 +30,9 @@ pub(crate) struct Settings {
     /// Drop special tokens (`<|im_start|>`, ...) from the text (vLLM's
     /// `skip_special_tokens`, default true).
     pub(crate) skip_special_tokens: bool,
+    /// The grammar the output must match (`response_format`; for chat, a required tool
+    /// call once the prompt is prepared).
+    pub(crate) grammar: Option<Grammar>,
 }
 
 /// Longest session id accepted, in bytes.
@@ -70,6 +74,10 @@ pub(crate) struct ChatRequest {
     pub(crate) messages: Vec<Value>,
     /// Tool definitions, unless `tool_choice` is `none`.
     pub(crate) tools: Option<Vec<Value>>,
+    /// What `tool_choice` asks for.
+    pub(crate) tool_choice: ToolChoice,
+    /// Whether several tool calls may come at once (`parallel_tool_calls`, default true).
+    pub(crate) parallel_tool_calls: bool,
     /// Extra template variables (`chat_template_kwargs`).
     pub(crate) template_kwargs: Map<String, Value>,
 }
@@ -324,6 +332,7 @@ fn settings(
         top_logprobs,
         session,
         skip_special_tokens: f.boolean("skip_special_tokens")?.unwrap_or(true),
+        grammar: grammar::response_format(body)?,
     })
 }
 
@@ -400,12 +409,14 @@ const SHARED_FIELDS: &[&str] = &[
     "logprobs",
     "user",
     "skip_special_tokens",
+    "response_format",
 ];
 /// Fields only `/v1/chat/completions` reads.
 const CHAT_FIELDS: &[&str] = &[
     "messages",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "top_logprobs",
     "chat_template_kwargs",
     "reasoning_effort",
@@ -414,8 +425,8 @@ const CHAT_FIELDS: &[&str] = &[
 const COMPLETION_FIELDS: &[&str] = &["prompt"];
 
 /// The fields of `body` that Corral does not act on (unknown ones, and ones such as
-/// `response_format` or `logit_bias` it does not honour yet), sorted; each request logs them
-/// once, so that nothing is dropped silently.
+/// `logit_bias` it does not honour yet), sorted; each request logs them once, so that nothing
+/// is dropped silently.
 pub(crate) fn unacted_fields(body: &Map<String, Value>, chat: bool) -> Vec<String> {
     let endpoint = if chat { CHAT_FIELDS } else { COMPLETION_FIELDS };
     let mut fields: Vec<String> = body
@@ -423,14 +434,6 @@ pub(crate) fn unacted_fields(body: &Map<String, Value>, chat: bool) -> Vec<Strin
         .filter(|k| !SHARED_FIELDS.contains(&k.as_str()) && !endpoint.contains(&k.as_str()))
         .cloned()
         .collect();
-    // tool_choice is read for "none" and "auto"; "required" and a named function are not
-    // enforced yet.
-    if chat
-        && let Some(choice) = body.get("tool_choice")
-        && !matches!(choice, Value::String(s) if s == "none" || s == "auto")
-    {
-        fields.push("tool_choice (only none and auto are honoured)".to_string());
-    }
     fields.sort();
     fields
 }
@@ -534,7 +537,9 @@ pub(crate) fn chat(
         }
         normalized.push(Value::Object(m));
     }
-    let tool_choice_none = matches!(body.get("tool_choice"), Some(Value::String(s)) if s == "none");
+    let tool_choice = grammar::tool_choice(body)?;
+    let tool_choice_none = tool_choice == ToolChoice::None;
+    let parallel_tool_calls = Fields(body).boolean("parallel_tool_calls")?.unwrap_or(true);
     let tools = match body.get("tools") {
         None | Some(Value::Null) => None,
         Some(Value::Array(tools)) => {
@@ -577,10 +582,18 @@ pub(crate) fn chat(
             ));
         }
     }
+    if matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) && tools.is_none() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "`tool_choice` asks for a tool call but the request has no `tools`",
+        ));
+    }
     Ok(ChatRequest {
         settings,
         messages: normalized,
         tools,
+        tool_choice,
+        parallel_tool_calls,
         template_kwargs,
     })
 }
@@ -817,12 +830,7 @@ mod tests {
             "logit_bias": {}, "frobnicate": 1, "tool_choice": "required", "tools": []});
         assert_eq!(
             unacted_fields(&obj(body), true),
-            [
-                "frobnicate",
-                "logit_bias",
-                "response_format",
-                "tool_choice (only none and auto are honoured)"
-            ]
+            ["frobnicate", "logit_bias"]
         );
         let fine =
             json!({"messages": [], "tool_choice": "auto", "reasoning_effort": "none", "seed": 1});

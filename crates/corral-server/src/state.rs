@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use corral_engine::{ChatTemplate, EngineHandle, Tokenizer};
+use corral_engine::{ChatTemplate, EngineHandle, GrammarCompiler, Tokenizer};
 
 /// Limits and identity of the server.
 #[derive(Clone, Debug)]
@@ -62,6 +62,9 @@ pub struct AppState {
     pub tokenizer: Arc<Tokenizer>,
     /// The checkpoint's chat template, if it has one.
     pub chat_template: Option<Arc<ChatTemplate>>,
+    /// The compiler of constrained-decoding grammars over the tokenizer's vocabulary, or why
+    /// there is none.
+    pub grammars: Result<GrammarCompiler, String>,
     /// Limits and identity.
     pub config: Arc<ServerConfig>,
     /// Responses by endpoint and status.

@@ -46,9 +46,14 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
         },
     )
     .unwrap();
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let stop_ids = stop_token_ids(&dir, &config.eos_token_ids).unwrap();
     let state = AppState {
         engine: engine.clone(),
-        tokenizer: Arc::new(Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap()),
+        grammars: tokenizer
+            .grammar_compiler(&stop_ids)
+            .map_err(|e| e.to_string()),
+        tokenizer: Arc::new(tokenizer),
         chat_template: Some(Arc::new(
             ChatTemplate::new(&TokenizerConfig::from_dir(&dir).unwrap()).unwrap(),
         )),
@@ -59,7 +64,7 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             max_body_bytes: 64 * 1024,
             max_context,
             vocab_size: config.vocab_size,
-            stop_token_ids: stop_token_ids(&dir, &config.eos_token_ids).unwrap(),
+            stop_token_ids: stop_ids,
             sampling_defaults: Default::default(),
             allowed_origins: vec!["https://app.example".to_string()],
         }),
@@ -1082,4 +1087,129 @@ async fn a_session_id_header_pins_the_turn_and_a_bad_one_is_refused() {
     }
     let (status, _, _) = call(&s.app, post("/v1/chat/completions", chat_body(json!({})))).await;
     assert_eq!(status, StatusCode::OK);
+}
+
+/// `response_format` and `tool_choice` hold even the random-weight model to a JSON document
+/// of the schema and to a call of a listed tool with valid arguments, in both the plain
+/// and the streamed answer; a schema or a tool choice that cannot be met is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_and_required_tool_calls_are_held_by_the_grammar() {
+    let s = server(None, 16, 1024);
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "units": {"enum": ["metric", "imperial"]}},
+        "required": ["city", "days", "units"], "additionalProperties": false});
+    let format = json!({"response_format": {"type": "json_schema",
+        "json_schema": {"name": "forecast", "strict": true, "schema": schema}}, "max_tokens": 64});
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(format))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let doc: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{content}: {e}"));
+    let doc = doc.as_object().unwrap();
+    assert_eq!(doc.len(), 3, "{content}");
+    assert!(
+        doc["city"]
+            .as_str()
+            .is_some_and(|c| c.chars().count() <= 12)
+    );
+    assert!(doc["days"].as_i64().is_some_and(|d| (1..=14).contains(&d)));
+    assert!(["metric", "imperial"].contains(&doc["units"].as_str().unwrap()));
+
+    let object = json!({"response_format": {"type": "json_object"}, "max_tokens": 48,
+        "temperature": 0.7, "seed": 3});
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(object))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    if body["choices"][0]["finish_reason"] == "stop" {
+        assert!(
+            serde_json::from_str::<Value>(content).unwrap().is_object(),
+            "{content}"
+        );
+    } else {
+        assert!(content.starts_with('{'), "{content}");
+    }
+
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"], "additionalProperties": false}}}]);
+    for (choice, stream) in [
+        (json!("required"), false),
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            false,
+        ),
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            true,
+        ),
+    ] {
+        let extra = json!({"tools": tools, "tool_choice": choice, "max_tokens": 64,
+            "parallel_tool_calls": false, "stream": stream});
+        let request = post("/v1/chat/completions", chat_body(extra));
+        let (name, arguments, finish) = if stream {
+            let response = s.app.clone().oneshot(request).await.unwrap();
+            let mut name = String::new();
+            let mut arguments = String::new();
+            let mut finish = Value::Null;
+            for event in sse_events(response).await {
+                let Ok(chunk) = serde_json::from_str::<Value>(&event) else {
+                    continue;
+                };
+                let choice = &chunk["choices"][0];
+                if let Some(calls) = choice["delta"]["tool_calls"].as_array() {
+                    for call in calls {
+                        name.push_str(call["function"]["name"].as_str().unwrap_or(""));
+                        arguments.push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+                    }
+                }
+                if !choice["finish_reason"].is_null() {
+                    finish = choice["finish_reason"].clone();
+                }
+            }
+            (name, arguments, finish)
+        } else {
+            let (status, body, _) = call(&s.app, request).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let calls = body["choices"][0]["message"]["tool_calls"]
+                .as_array()
+                .unwrap();
+            assert_eq!(calls.len(), 1, "{body}");
+            let f = &calls[0]["function"];
+            (
+                f["name"].as_str().unwrap().to_string(),
+                f["arguments"].as_str().unwrap().to_string(),
+                body["choices"][0]["finish_reason"].clone(),
+            )
+        };
+        assert_eq!(finish, "tool_calls");
+        let args: Value = serde_json::from_str(&arguments).unwrap();
+        match name.as_str() {
+            "get_weather" => assert!(choice == "required" && args["city"].is_string()),
+            "get_time" => assert!(["UTC", "CET"].contains(&args["zone"].as_str().unwrap())),
+            other => panic!("called {other}"),
+        }
+    }
+
+    for (bad, param) in [
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+    ] {
+        let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(bad))).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(body["error"]["param"], param, "{body}");
+    }
+    wait_for_zero_blocks(&s.engine).await;
 }

@@ -156,6 +156,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
             top_logprobs: None,
             events: events_tx,
             session: None,
+            constraint: None,
         })
         .context("starting generation")?;
     let mut stdout = std::io::stdout().lock();

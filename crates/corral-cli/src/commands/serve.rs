@@ -217,8 +217,13 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             throughput_log_interval: std::time::Duration::from_secs(10),
         },
     )?;
+    let grammars = tokenizer.grammar_compiler(&stop_ids).map_err(|e| {
+        tracing::warn!(error = %e, "constrained decoding (response_format, tool_choice) is unavailable");
+        e.to_string()
+    });
     let state = AppState {
         engine: engine.clone(),
+        grammars,
         tokenizer: Arc::new(tokenizer),
         chat_template,
         config: Arc::new(ServerConfig {

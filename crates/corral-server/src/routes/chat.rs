@@ -16,16 +16,18 @@ use serde_json::{Value, json};
 use super::generation::{Generation, Step, response_id, unix_now};
 use crate::error::ApiError;
 use crate::extract::OpenAiJson;
+use crate::grammar::{self, ToolChoice};
 use crate::output::{Delta, OutputParser};
 use crate::request;
 use crate::state::AppState;
 
 /// A conversation's prompt, rendered with the chat template and tokenized off the runtime
 /// (CPU work for a large conversation), and the parser of its reply (opened in reasoning
-/// when the prompt ends in `<think>`).
+/// when the prompt ends in `<think>`). The request's grammar becomes the whole reply's: a
+/// tool call where `tool_choice` demands one, after the reasoning the prompt opened.
 pub(crate) async fn prepare(
     state: &AppState,
-    req: &request::ChatRequest,
+    req: &mut request::ChatRequest,
 ) -> Result<(Vec<u32>, OutputParser), ApiError> {
     let template = state.chat_template.clone().ok_or_else(|| {
         ApiError::invalid(
@@ -33,6 +35,7 @@ pub(crate) async fn prepare(
             "this model has no chat template; use /v1/completions",
         )
     })?;
+    let format = template.tool_call_format();
     let tokenizer = Arc::clone(&state.tokenizer);
     let (messages, tools, kwargs) = (
         req.messages.clone(),
@@ -50,6 +53,34 @@ pub(crate) async fn prepare(
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt preparation failed: {e}")))??;
+    let special = |text: &str| {
+        state
+            .grammars
+            .as_ref()
+            .is_ok_and(|g| g.is_special_token(text))
+    };
+    if let (ToolChoice::Required | ToolChoice::Named(_), Some(tools)) =
+        (&req.tool_choice, &req.tools)
+    {
+        let only = match &req.tool_choice {
+            ToolChoice::Named(name) => Some(name.as_str()),
+            _ => None,
+        };
+        req.settings.grammar = Some(grammar::tool_calls(
+            tools,
+            only,
+            format,
+            req.parallel_tool_calls,
+            &special,
+        )?);
+    }
+    if in_reasoning {
+        req.settings.grammar = req
+            .settings
+            .grammar
+            .take()
+            .map(|g| grammar::after_reasoning(g, &special));
+    }
     let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some())
         .with_tool_schemas(req.tools.as_deref().unwrap_or(&[]))
         .streaming_tool_calls(req.settings.stream);
@@ -65,7 +96,7 @@ pub(crate) async fn chat_completions(
     let mut req = request::chat(&body, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, parser) = prepare(&state, &req).await?;
+    let (prompt, parser) = prepare(&state, &mut req).await?;
     let generation = Generation::start(
         &state,
         prompt,

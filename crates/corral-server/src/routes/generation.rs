@@ -52,6 +52,8 @@ pub(crate) struct Generation {
     finished: bool,
     /// What max_tokens was clamped to, when it asked for more than the context leaves.
     clamped_to: Option<usize>,
+    /// Time the request's constraint took, once finished.
+    constraint: Option<corral_engine::ConstraintStats>,
 }
 
 impl Drop for Generation {
@@ -109,6 +111,21 @@ impl Generation {
         let room = context - prompt.len();
         let clamped_to = settings.max_tokens.filter(|&n| n > room).map(|_| room);
         let max_tokens = settings.max_tokens.map_or(room, |n| n.min(room));
+        let constraint = match &settings.grammar {
+            None => None,
+            Some(grammar) => {
+                let compiler = state.grammars.as_ref().map_err(|e| {
+                    ApiError::invalid(
+                        "response_format",
+                        format!("constrained decoding is unavailable for this tokenizer: {e}"),
+                    )
+                })?;
+                let constraint = compiler
+                    .compile(grammar)
+                    .map_err(|e| ApiError::invalid("response_format", e.to_string()))?;
+                Some(constraint)
+            }
+        };
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = prompt.len();
         state
@@ -122,6 +139,7 @@ impl Generation {
                 top_logprobs: settings.top_logprobs,
                 events: tx,
                 session: settings.session.clone(),
+                constraint,
             })
             .map_err(|e| match e {
                 SubmitError::QueueFull(_) => ApiError::busy(e.to_string()),
@@ -141,6 +159,7 @@ impl Generation {
             first_token: None,
             finished: false,
             clamped_to,
+            constraint: None,
         })
     }
 
@@ -194,6 +213,7 @@ impl Generation {
                     FinishReason::Stop | FinishReason::Cancelled => "stop",
                 };
                 self.cached_tokens = done.cached_tokens;
+                self.constraint = done.constraint;
                 Ok(Some(self.finish(deltas, reason)))
             }
             Some(Event::Failed(message)) => {
@@ -227,6 +247,12 @@ impl Generation {
             ttft_ms = format_args!("{prompt_ms:.1}"),
             decode_tok_s = format_args!("{:.1}", per_second(decoded, predicted_ms)),
             finish_reason = %finish_reason,
+            grammar = %self.constraint.map_or(String::new(), |c| format!(
+                "{} masks, {:.2} ms computing beside the forward, {:.2} ms waited",
+                c.masks,
+                c.compute.as_secs_f64() * 1e3,
+                c.wait.as_secs_f64() * 1e3
+            )),
             "request finished"
         );
         let mut usage = json!({
@@ -315,6 +341,7 @@ impl Generation {
             prefill_stats: Default::default(),
             decode_steps: 0,
             decode_stats: Default::default(),
+            constraint: None,
         }))
         .unwrap();
         let stops = if stop.is_empty() {
@@ -336,6 +363,7 @@ impl Generation {
             first_token: None,
             finished: false,
             clamped_to: None,
+            constraint: None,
         }
     }
 }

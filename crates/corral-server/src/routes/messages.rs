@@ -254,7 +254,7 @@ pub(crate) async fn messages(
     let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, parser) = super::chat::prepare(&state, &req).await?;
+    let (prompt, parser) = super::chat::prepare(&state, &mut req).await?;
     let generation = Generation::start(&state, prompt, &req.settings, parser, "messages", "msg")?;
     let model = body
         .get("model")
@@ -273,9 +273,9 @@ pub(crate) async fn count_tokens(
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Json<Value>, ApiError> {
     let chat = to_chat(&body)?;
-    let req = request::chat(&chat, &state.config.sampling_defaults)?;
+    let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, _) = super::chat::prepare(&state, &req).await?;
+    let (prompt, _) = super::chat::prepare(&state, &mut req).await?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
 }
 

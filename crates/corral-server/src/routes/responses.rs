@@ -166,6 +166,8 @@ const RESPONSES_FIELDS: &[&str] = &[
     "previous_response_id",
     "store",
     "reasoning",
+    "text",
+    "parallel_tool_calls",
 ];
 
 /// The chat completion body a Responses request stands for, given the stored conversation
@@ -205,6 +207,22 @@ fn to_chat(body: &Map<String, Value>, history: Vec<Value>) -> Result<Map<String,
     }
     if let Some(choice) = body.get("tool_choice") {
         chat.insert("tool_choice".to_string(), choice.clone());
+    }
+    if let Some(parallel) = body.get("parallel_tool_calls") {
+        chat.insert("parallel_tool_calls".to_string(), parallel.clone());
+    }
+    // text.format: {"type": "json_schema", "name", "schema", "strict"} is chat's
+    // response_format with the schema one level down.
+    if let Some(format) = body.get("text").and_then(|t| t.get("format")) {
+        let mapped = match format.get("type").and_then(Value::as_str) {
+            Some("json_schema") => {
+                let mut spec = format.as_object().cloned().unwrap_or_default();
+                spec.remove("type");
+                json!({"type": "json_schema", "json_schema": spec})
+            }
+            _ => format.clone(),
+        };
+        chat.insert("response_format".to_string(), mapped);
     }
     if let Some(effort) = body
         .get("reasoning")
@@ -381,7 +399,7 @@ pub(crate) async fn create(
     let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, parser) = super::chat::prepare(&state, &req).await?;
+    let (prompt, parser) = super::chat::prepare(&state, &mut req).await?;
     let g = Generation::start(&state, prompt, &req.settings, parser, "input", "resp")?;
     let keep = body.get("store").and_then(Value::as_bool) != Some(false);
     let request = Request {

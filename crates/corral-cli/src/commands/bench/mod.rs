@@ -2,6 +2,7 @@
 //! its variants within one run, so that they can be compared as ratios on a noisy machine.
 
 pub(crate) mod decode;
+mod grammar;
 mod plot;
 pub(crate) mod prefill;
 pub(crate) mod serve;
@@ -32,6 +33,9 @@ enum BenchCommand {
     /// Interleaved multi-turn agent sessions against a running server: per turn, TTFT of the
     /// re-sent conversation, cached prompt tokens, and TTFT of the turn's new text alone.
     Sessions(sessions::SessionsArgs),
+    /// What constrained decoding (a JSON schema) costs a generated token: decode ms per
+    /// token with and without it, mask time beside the forward and time waited for it.
+    Grammar(grammar::GrammarArgs),
 }
 
 /// The strategies named on a bench's command line, `auto` as the model was loaded with it (its
@@ -84,5 +88,6 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Decode(args) => decode::run(args),
         BenchCommand::Serve(args) => serve::run(args),
         BenchCommand::Sessions(args) => sessions::run(args),
+        BenchCommand::Grammar(args) => grammar::run(args),
     }
 }

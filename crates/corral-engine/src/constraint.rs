@@ -1,0 +1,213 @@
+//! Constrained decoding: a request's output held to a JSON schema or a Lark grammar by
+//! llguidance, which computes each step's allowed tokens from the tokenizer's trie. The mask
+//! for the next token is computed on a thread of its own while the step's forward runs; the
+//! sampler waits for it only if the forward finished first.
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::SimpleVob;
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+use crate::EngineError;
+
+/// What a request's output must match.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grammar {
+    /// A JSON document valid against this JSON schema (`{"type": "object"}` for any object).
+    JsonSchema(Value),
+    /// Text the Lark grammar (llguidance's dialect, `%json` included) accepts.
+    Lark(String),
+}
+
+/// Compiles grammars for one tokenizer; built once per model, shared by the requests.
+#[derive(Clone)]
+pub struct GrammarCompiler {
+    factory: Arc<ParserFactory>,
+}
+
+impl std::fmt::Debug for GrammarCompiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarCompiler").finish_non_exhaustive()
+    }
+}
+
+impl GrammarCompiler {
+    /// A compiler for `tokenizer`, whose `eos` ids (the request's stop ids) end an accepted
+    /// document.
+    pub(crate) fn new(tokenizer: &tokenizers::Tokenizer, eos: &[u32]) -> Result<Self, EngineError> {
+        let bad = |e: &dyn std::fmt::Display| EngineError::Grammar(format!("tokenizer: {e}"));
+        let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_tokenizer(tokenizer.clone())
+            .map_err(|e| bad(&e))?;
+        if !eos.is_empty() {
+            bytes.set_eos_tokens(eos);
+        }
+        let env = bytes.into_tok_env(None).map_err(|e| bad(&e))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| bad(&e))?;
+        factory.quiet();
+        Ok(Self {
+            factory: Arc::new(factory),
+        })
+    }
+
+    /// Whether `text` (`<tool_call>`, `</think>`) is one special token of the vocabulary
+    /// (llguidance counts every added token of the form `<...>` as one): a grammar names
+    /// it as `<tool_call>`, not as the quoted text.
+    pub fn is_special_token(&self, text: &str) -> bool {
+        self.factory
+            .tok_env()
+            .tok_trie()
+            .get_special_token(text)
+            .is_some()
+    }
+
+    /// The constraint for one request, its first mask already being computed.
+    pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, EngineError> {
+        let top = match grammar {
+            Grammar::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(json_style(schema, false))
+            }
+            Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        };
+        let parser = self
+            .factory
+            .create_parser(top)
+            .map_err(|e| EngineError::Grammar(format!("grammar: {e}")))?;
+        let mut constraint = Constraint {
+            state: State::Idle(Box::new(Matcher::new(Ok(parser)))),
+            stats: ConstraintStats::default(),
+        };
+        constraint.start_mask();
+        Ok(constraint)
+    }
+}
+
+/// `schema` with llguidance's options for how the JSON is written: as transformers'
+/// templates and OpenAI's models write it (`", "`, `": "`), with no freedom in whitespace (a
+/// model cannot wander in it); `lenient`: schema keywords llguidance does not enforce are
+/// ignored rather than refused (for tool schemas written for other engines). A schema that
+/// sets its own `x-guidance` options keeps them.
+pub fn json_style(schema: &Value, lenient: bool) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(map) = &mut schema
+        && !map.contains_key("x-guidance")
+    {
+        map.insert(
+            "x-guidance".to_string(),
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+                "lenient": lenient,
+            }),
+        );
+    }
+    schema
+}
+
+/// Time a request's constraint took, over its generated tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ConstraintStats {
+    /// Masks computed.
+    pub masks: usize,
+    /// Time computing them (beside the forward).
+    pub compute: Duration,
+    /// Time the sampler waited for them (on the step's path).
+    pub wait: Duration,
+}
+
+enum State {
+    Idle(Box<Matcher>),
+    Computing(Receiver<Computed>),
+    Failed(String),
+}
+
+type Computed = (Box<Matcher>, Result<SimpleVob, String>, Duration);
+
+/// One request's grammar state and its next token's mask.
+pub struct Constraint {
+    state: State,
+    stats: ConstraintStats,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Constraint {
+    /// Starts computing the next mask on a thread of its own.
+    fn start_mask(&mut self) {
+        let State::Idle(mut matcher) =
+            std::mem::replace(&mut self.state, State::Failed(String::new()))
+        else {
+            return;
+        };
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mask = matcher.compute_mask().map_err(|e| e.to_string());
+            let _ = tx.send((matcher, mask, start.elapsed()));
+        });
+        self.state = State::Computing(rx);
+    }
+
+    /// Sets every logit the grammar does not allow next to −∞ (ids past the tokenizer's
+    /// vocabulary included), waiting for the mask if it is still being computed.
+    pub fn mask_logits(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let rx = match std::mem::replace(&mut self.state, State::Failed(String::new())) {
+            State::Computing(rx) => rx,
+            State::Failed(e) => return Err(self.fail(e)),
+            State::Idle(_) => return Err(self.fail("no mask was computed".to_string())),
+        };
+        let waited = Instant::now();
+        let received = rx.recv();
+        self.stats.wait += waited.elapsed();
+        let Ok((matcher, mask, took)) = received else {
+            return Err(self.fail("the mask's thread ended".to_string()));
+        };
+        self.stats.masks += 1;
+        self.stats.compute += took;
+        let mask = mask.map_err(|e| self.fail(e))?;
+        self.state = State::Idle(matcher);
+        for (id, logit) in logits.iter_mut().enumerate() {
+            if id >= mask.len() || !mask.is_allowed(id as u32) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances the grammar over the sampled `token`; true when it is complete (nothing may
+    /// follow but the end), else the next mask starts.
+    pub fn accept(&mut self, token: u32) -> Result<bool, String> {
+        let State::Idle(matcher) = &mut self.state else {
+            return Err(self.fail("a token came before its mask".to_string()));
+        };
+        if let Err(e) = matcher.consume_token(token) {
+            return Err(self.fail(e.to_string()));
+        }
+        if matcher.is_stopped() {
+            return Ok(true);
+        }
+        self.start_mask();
+        Ok(false)
+    }
+
+    /// Time the constraint took so far.
+    pub fn stats(&self) -> ConstraintStats {
+        self.stats
+    }
+
+    fn fail(&mut self, error: String) -> String {
+        let message = format!("constrained decoding: {error}");
+        self.state = State::Failed(message.clone());
+        message
+    }
+}

@@ -1,0 +1,374 @@
+//! What a request demands of its output's form, as a grammar for the engine's constrained
+//! decoding: `response_format` (any JSON object, or a document of a JSON schema) and
+//! `tool_choice` "required" or a named function (tool calls in the model's own format).
+
+use corral_engine::{Grammar, ToolCallFormat, json_style};
+use serde_json::{Map, Value, json};
+
+use crate::error::ApiError;
+
+/// The grammar `response_format` asks for, if any.
+pub(crate) fn response_format(body: &Map<String, Value>) -> Result<Option<Grammar>, ApiError> {
+    let format = match body.get("response_format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(format)) => format,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "response_format",
+                "`response_format` must be an object with a `type`",
+            ));
+        }
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonSchema(json!({"type": "object"})))),
+        Some("json_schema") => {
+            let spec = format.get("json_schema").unwrap_or(&Value::Null);
+            match spec.get("schema") {
+                None | Some(Value::Null) => {
+                    Ok(Some(Grammar::JsonSchema(json!({"type": "object"}))))
+                }
+                Some(schema @ Value::Object(_)) => Ok(Some(Grammar::JsonSchema(schema.clone()))),
+                Some(_) => Err(ApiError::invalid(
+                    "response_format.json_schema.schema",
+                    "`response_format.json_schema.schema` must be a JSON schema object",
+                )),
+            }
+        }
+        _ => Err(ApiError::invalid(
+            "response_format.type",
+            "`response_format.type` must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// What `tool_choice` asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum ToolChoice {
+    /// The model decides (the default).
+    Auto,
+    /// No tools: they are left out of the prompt.
+    None,
+    /// At least one call, to any tool.
+    Required,
+    /// A call to this tool.
+    Named(String),
+}
+
+/// Reads `tool_choice`: "auto", "none", "required", or `{"type": "function", "function":
+/// {"name": ...}}` (also the Responses API's `{"type": "function", "name": ...}`).
+pub(crate) fn tool_choice(body: &Map<String, Value>) -> Result<ToolChoice, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "tool_choice",
+            "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        )
+    };
+    match body.get("tool_choice") {
+        None | Some(Value::Null) => Ok(ToolChoice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            _ => Err(bad()),
+        },
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .or_else(|| o.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(bad)?;
+            Ok(ToolChoice::Named(name.to_string()))
+        }
+        Some(_) => Err(bad()),
+    }
+}
+
+/// The grammar of one or more tool calls (only to `only` if given; one call unless
+/// `parallel`), written as the model writes them; `special`: whether a tag is one special
+/// token of the vocabulary.
+pub(crate) fn tool_calls(
+    tools: &[Value],
+    only: Option<&str>,
+    format: ToolCallFormat,
+    parallel: bool,
+    special: &dyn Fn(&str) -> bool,
+) -> Result<Grammar, ApiError> {
+    let (open, close) = (tag("<tool_call>", special), tag("</tool_call>", special));
+    let functions: Vec<(&str, Value)> = tools
+        .iter()
+        .filter_map(|t| {
+            let f = t.get("function")?;
+            let name = f.get("name")?.as_str()?;
+            let parameters = match f.get("parameters") {
+                Some(p @ Value::Object(_)) => p.clone(),
+                _ => json!({"type": "object"}),
+            };
+            Some((name, parameters))
+        })
+        .filter(|(name, _)| only.is_none_or(|o| o == *name))
+        .collect();
+    if functions.is_empty() {
+        return Err(match only {
+            Some(name) => ApiError::invalid(
+                "tool_choice",
+                format!("`tool_choice` names `{name}`, which is not among `tools`"),
+            ),
+            None => ApiError::invalid("tool_choice", "`tool_choice` \"required\" needs `tools`"),
+        });
+    }
+    let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
+    let mut lark = format!("start: call{repeat}\n");
+    match format {
+        ToolCallFormat::Json => {
+            let variants: Vec<Value> = functions
+                .iter()
+                .map(|(name, parameters)| {
+                    json!({
+                        "type": "object",
+                        "properties": {"name": {"const": name}, "arguments": parameters},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": false,
+                    })
+                })
+                .collect();
+            let schema = json_style(&json!({"anyOf": variants}), true);
+            lark.push_str(&format!(
+                "call: {open} \"\\n\" %json {schema} \"\\n\" {close}\n"
+            ));
+        }
+        ToolCallFormat::Xml => {
+            let names: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
+            lark.push_str(&format!(
+                "call: {open} \"\\n\" ({}) {close}\n",
+                names.join(" | ")
+            ));
+            for (i, (name, parameters)) in functions.iter().enumerate() {
+                let keys: Vec<String> = parameters
+                    .get("properties")
+                    .and_then(Value::as_object)
+                    .map(|p| p.keys().cloned().collect())
+                    .unwrap_or_default();
+                let params: Vec<String> = (0..keys.len()).map(|j| format!("p{i}_{j}")).collect();
+                let body = if params.is_empty() {
+                    String::new()
+                } else {
+                    format!("({})* ", params.join(" | "))
+                };
+                lark.push_str(&format!(
+                    "f{i}: {} {body}\"</function>\\n\"\n",
+                    literal(&format!("<function={name}>\n"))
+                ));
+                for (j, key) in keys.iter().enumerate() {
+                    lark.push_str(&format!(
+                        "p{i}_{j}: {} VALUE \"</parameter>\\n\"\n",
+                        literal(&format!("<parameter={key}>\n"))
+                    ));
+                }
+            }
+            // The value and the newline before `</parameter>`, which the output parser trims.
+            lark.push_str("VALUE: /[^<]*/\n");
+        }
+    }
+    Ok(Grammar::Lark(lark))
+}
+
+/// `grammar` after the model closes the reasoning its prompt opened (`</think>` and a blank
+/// line, as the templates write a closed block).
+pub(crate) fn after_reasoning(grammar: Grammar, special: &dyn Fn(&str) -> bool) -> Grammar {
+    let close = format!("{} \"\\n\\n\"", tag("</think>", special));
+    match grammar {
+        Grammar::JsonSchema(schema) => Grammar::Lark(format!(
+            "start: {close} %json {}\n",
+            json_style(&schema, false)
+        )),
+        Grammar::Lark(lark) => Grammar::Lark(format!(
+            "start: {close} body\n{}",
+            lark.replacen("start:", "body:", 1)
+        )),
+    }
+}
+
+/// `text` in a grammar: the special token by name, else the quoted text.
+fn tag(text: &str, special: &dyn Fn(&str) -> bool) -> String {
+    if special(text) {
+        text.to_string()
+    } else {
+        literal(text)
+    }
+}
+
+/// A Lark string literal of `text`.
+fn literal(text: &str) -> String {
+    Value::String(text.to_string()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use corral_engine::{Constraint, Tokenizer};
+
+    use super::*;
+
+    fn tokenizer() -> (Tokenizer, u32) {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/tiny-qwen3-moe");
+        let tok = Tokenizer::from_file(&std::path::Path::new(dir).join("tokenizer.json")).unwrap();
+        let eos = tok.token_id("<|im_end|>").unwrap();
+        (tok, eos)
+    }
+
+    fn special(text: &str) -> bool {
+        let (tok, eos) = tokenizer();
+        tok.grammar_compiler(&[eos]).unwrap().is_special_token(text)
+    }
+
+    /// Whether `grammar` lets `text` through token by token and then allows the end.
+    fn accepts(grammar: &Grammar, text: &str) -> bool {
+        let (tok, eos) = tokenizer();
+        let mut c: Constraint = tok
+            .grammar_compiler(&[eos])
+            .unwrap()
+            .compile(grammar)
+            .unwrap();
+        // The tiny model's vocabulary (config.json), past the tokenizer's.
+        let vocab = 1600;
+        let mut logits = vec![0.0f32; vocab];
+        for t in tok.encode(text).unwrap() {
+            logits.fill(0.0);
+            c.mask_logits(&mut logits).unwrap();
+            if logits[t as usize] == f32::NEG_INFINITY {
+                return false;
+            }
+            if c.accept(t).unwrap() {
+                // Complete: nothing may follow.
+                return true;
+            }
+        }
+        logits.fill(0.0);
+        c.mask_logits(&mut logits).unwrap();
+        logits[eos as usize] != f32::NEG_INFINITY
+    }
+
+    fn weather() -> Vec<Value> {
+        vec![
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"]}}}),
+            json!({"type": "function", "function": {"name": "get_time", "parameters": {
+                "type": "object", "properties": {"zone": {"type": "string"}}}}}),
+        ]
+    }
+
+    #[test]
+    fn json_tool_calls_take_a_known_name_and_valid_arguments() {
+        let any = tool_calls(&weather(), None, ToolCallFormat::Json, true, &special).unwrap();
+        let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>";
+        assert!(accepts(&any, call));
+        assert!(accepts(&any, &format!("{call}\n{call}")));
+        let unknown = call.replace("get_weather", "get_wether");
+        assert!(!accepts(&any, &unknown));
+        let bad_args = call.replace("3}", "\"three\"}");
+        assert!(!accepts(&any, &bad_args));
+        assert!(!accepts(&any, "Sure, let me check."));
+        let named = tool_calls(
+            &weather(),
+            Some("get_time"),
+            ToolCallFormat::Json,
+            false,
+            &special,
+        )
+        .unwrap();
+        assert!(!accepts(&named, call));
+        assert!(accepts(
+            &named,
+            "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"
+        ));
+        assert!(
+            tool_calls(
+                &weather(),
+                Some("nope"),
+                ToolCallFormat::Json,
+                true,
+                &special
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn xml_tool_calls_take_a_known_function_and_parameters() {
+        let any = tool_calls(&weather(), None, ToolCallFormat::Xml, true, &special).unwrap();
+        let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n</function>\n</tool_call>";
+        assert!(accepts(&any, call));
+        assert!(!accepts(&any, &call.replace("=city>", "=town>")));
+        assert!(!accepts(&any, &call.replace("get_weather", "get_wether")));
+    }
+
+    #[test]
+    fn response_formats_read_as_openai_writes_them() {
+        let body = |v: Value| v.as_object().unwrap().clone();
+        assert_eq!(response_format(&body(json!({}))).unwrap(), None);
+        assert_eq!(
+            response_format(&body(json!({"response_format": {"type": "text"}}))).unwrap(),
+            None
+        );
+        assert_eq!(
+            response_format(&body(json!({"response_format": {"type": "json_object"}}))).unwrap(),
+            Some(Grammar::JsonSchema(json!({"type": "object"})))
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(
+            response_format(&body(json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "strict": true, "schema": schema}}})))
+            .unwrap(),
+            Some(Grammar::JsonSchema(schema))
+        );
+        for bad in [
+            json!({"response_format": "json"}),
+            json!({"response_format": {"type": "yaml"}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}),
+        ] {
+            assert!(response_format(&body(bad)).is_err());
+        }
+    }
+
+    #[test]
+    fn a_json_schema_holds_after_the_reasoning_closes() {
+        let schema = Grammar::JsonSchema(json!({"type": "object",
+            "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": false}));
+        assert!(accepts(&schema, "{\"ok\": true}"));
+        assert!(!accepts(&schema, "{\"ok\":true}"));
+        assert!(!accepts(&schema, "{\"ok\": 1}"));
+        assert!(special("</think>") && !special("<function=f>"));
+        let closed = after_reasoning(schema, &special);
+        assert!(accepts(&closed, "</think>\n\n{\"ok\": false}"));
+        assert!(!accepts(&closed, "{\"ok\": false}"));
+    }
+
+    #[test]
+    fn tool_choice_reads_every_form() {
+        let body = |v: Value| v.as_object().unwrap().clone();
+        assert_eq!(tool_choice(&body(json!({}))).unwrap(), ToolChoice::Auto);
+        assert_eq!(
+            tool_choice(&body(json!({"tool_choice": "required"}))).unwrap(),
+            ToolChoice::Required
+        );
+        assert_eq!(
+            tool_choice(&body(
+                json!({"tool_choice": {"type": "function", "function": {"name": "f"}}})
+            ))
+            .unwrap(),
+            ToolChoice::Named("f".to_string())
+        );
+        assert_eq!(
+            tool_choice(&body(
+                json!({"tool_choice": {"type": "function", "name": "g"}})
+            ))
+            .unwrap(),
+            ToolChoice::Named("g".to_string())
+        );
+        assert!(tool_choice(&body(json!({"tool_choice": "always"}))).is_err());
+    }
+}
