@@ -42,8 +42,12 @@ impl GrammarCompiler {
         let bad = |e: &dyn std::fmt::Display| EngineError::Grammar(format!("tokenizer: {e}"));
         let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_tokenizer(tokenizer.clone())
             .map_err(|e| bad(&e))?;
+        // Ids past the tokenizer's vocabulary (a model's config naming tokens this tokenizer
+        // lacks) cannot end a document here; the library refuses them by panicking.
+        let vocab = bytes.tokrx_info().vocab_size;
+        let eos: Vec<u32> = eos.iter().copied().filter(|&t| t < vocab).collect();
         if !eos.is_empty() {
-            bytes.set_eos_tokens(eos);
+            bytes.set_eos_tokens(&eos);
         }
         let env = bytes.into_tok_env(None).map_err(|e| bad(&e))?;
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| bad(&e))?;
@@ -209,5 +213,47 @@ impl Constraint {
         let message = format!("constrained decoding: {error}");
         self.state = State::Failed(message.clone());
         message
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> tokenizers::Tokenizer {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/tiny-qwen3-moe/tokenizer.json"
+        );
+        tokenizers::Tokenizer::from_file(path).unwrap()
+    }
+
+    #[test]
+    fn end_ids_past_the_vocabulary_are_left_out_not_a_panic() {
+        let tok = tokenizer();
+        let inside = tok.token_to_id("<|im_end|>").unwrap();
+        for eos in [vec![151_645], vec![inside, 248_044], vec![]] {
+            let compiler = GrammarCompiler::new(&tok, &eos).unwrap();
+            compiler
+                .compile(&Grammar::JsonSchema(serde_json::json!({"type": "object"})))
+                .unwrap();
+        }
+    }
+
+    #[test]
+    fn a_bad_grammar_is_an_error() {
+        let compiler = GrammarCompiler::new(&tokenizer(), &[]).unwrap();
+        assert!(
+            compiler
+                .compile(&Grammar::Lark("start: (".to_string()))
+                .is_err()
+        );
+        assert!(
+            compiler
+                .compile(&Grammar::JsonSchema(
+                    serde_json::json!({"type": "no-such-type"})
+                ))
+                .is_err()
+        );
     }
 }

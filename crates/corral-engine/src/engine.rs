@@ -87,10 +87,12 @@ impl EngineHandle {
                 (w < max).then_some(w + 1)
             })
             .map_err(|w| SubmitError::QueueFull(w as usize))?;
-        self.commands.send(Command::Submit(Box::new(request))).map_err(|_| {
-            leave_queue(&self.metrics, 1);
-            SubmitError::Stopped
-        })
+        self.commands
+            .send(Command::Submit(Box::new(request)))
+            .map_err(|_| {
+                leave_queue(&self.metrics, 1);
+                SubmitError::Stopped
+            })
     }
 
     /// Asks the engine thread to stop after its current step; live requests end with
