@@ -151,6 +151,19 @@ def check_required_tool_call(client):
     second = client.chat.completions.create(
         model=MODEL, messages=followup, tools=[BOUNDED_WEATHER_TOOL], max_tokens=4)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10, (second.usage, first.usage)
+    # Streamed: the call's name, then its arguments in pieces, add up to a valid call.
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=question, tools=[BOUNDED_WEATHER_TOOL], tool_choice="required",
+            max_tokens=64, stream=True):
+        if not chunk.choices:
+            continue
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            name += (delta.function and delta.function.name) or ""
+            arguments += (delta.function and delta.function.arguments) or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (finish, name) == ("tool_calls", "get_weather"), (finish, name)
+    assert isinstance(json.loads(arguments)["city"], str), arguments
     named = client.chat.completions.create(
         model=MODEL, messages=question, tools=[WEATHER_TOOL, BOUNDED_WEATHER_TOOL | {
             "function": BOUNDED_WEATHER_TOOL["function"] | {"name": "get_time"}}],
@@ -245,7 +258,7 @@ def main():
         ("chat completion", lambda: check_chat(client)),
         ("streamed chat completion with include_usage", lambda: check_stream(client)),
         ("tool call round trip", lambda: check_tool_round_trip(client)),
-        ("tool_choice required and named, answered", lambda: check_required_tool_call(client)),
+        ("tool_choice required (plain and streamed) and named, answered", lambda: check_required_tool_call(client)),
         ("structured output: chat parse, responses parse, LangChain", lambda: check_structured_output(client, port)),
         ("responses: input, previous_response_id, function-call round trip", lambda: check_responses(client)),
         ("text completion", lambda: check_completion(client)),

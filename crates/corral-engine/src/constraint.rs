@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::toktrie::SimpleVob;
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
@@ -76,10 +76,12 @@ impl GrammarCompiler {
             }
             Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         };
-        let parser = self
-            .factory
-            .create_parser(top)
-            .map_err(|e| EngineError::Grammar(format!("grammar: {e}")))?;
+        // A schema the library cannot handle must not take the caller down with it.
+        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.factory.create_parser(top)
+        }))
+        .map_err(|_| EngineError::Grammar("grammar: the compiler failed on it".to_string()))?
+        .map_err(|e| EngineError::Grammar(format!("grammar: {e}")))?;
         let mut constraint = Constraint {
             state: State::Idle(Box::new(Matcher::new(Ok(parser)))),
             stats: ConstraintStats::default(),
@@ -154,12 +156,17 @@ impl Constraint {
             return;
         };
         let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            let start = Instant::now();
-            let mask = matcher.compute_mask().map_err(|e| e.to_string());
-            let _ = tx.send((matcher, mask, start.elapsed()));
-        });
-        self.state = State::Computing(rx);
+        let spawned = std::thread::Builder::new()
+            .name("grammar-mask".to_string())
+            .spawn(move || {
+                let start = Instant::now();
+                let mask = matcher.compute_mask().map_err(|e| e.to_string());
+                let _ = tx.send((matcher, mask, start.elapsed()));
+            });
+        self.state = match spawned {
+            Ok(_) => State::Computing(rx),
+            Err(e) => State::Failed(format!("constrained decoding: no thread for the mask: {e}")),
+        };
     }
 
     /// Sets every logit the grammar does not allow next to −∞ (ids past the tokenizer's
@@ -197,8 +204,12 @@ impl Constraint {
         if let Err(e) = matcher.consume_token(token) {
             return Err(self.fail(e.to_string()));
         }
-        if matcher.is_stopped() {
-            return Ok(true);
+        match matcher.stop_reason() {
+            StopReason::NotStopped => {}
+            StopReason::NoExtension | StopReason::NoExtensionBias | StopReason::EndOfSentence => {
+                return Ok(true);
+            }
+            other => return Err(self.fail(format!("the grammar stopped: {other}"))),
         }
         self.start_mask();
         Ok(false)
@@ -210,7 +221,11 @@ impl Constraint {
     }
 
     fn fail(&mut self, error: String) -> String {
-        let message = format!("constrained decoding: {error}");
+        let message = if error.starts_with("constrained decoding: ") {
+            error
+        } else {
+            format!("constrained decoding: {error}")
+        };
         self.state = State::Failed(message.clone());
         message
     }

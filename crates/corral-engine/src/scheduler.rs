@@ -1137,6 +1137,70 @@ mod tests {
         }
     }
 
+    /// A constrained sequence samples only what its grammar allows, whatever its logits
+    /// favour, and ends when the document is complete; a free one in the same steps samples
+    /// its logits' favourite as before.
+    #[test]
+    fn a_constrained_sequence_follows_its_grammar_beside_a_free_one() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/tiny-qwen3-moe");
+        let tok =
+            crate::Tokenizer::from_file(&std::path::Path::new(dir).join("tokenizer.json")).unwrap();
+        let grammar = crate::Grammar::JsonSchema(serde_json::json!({"enum": ["yes", "no!"]}));
+        let constraint = tok
+            .grammar_compiler(&[])
+            .unwrap()
+            .compile(&grammar)
+            .unwrap();
+        let mut s = Scheduler::new(config(2), KvBlockPool::new(16, 4));
+        let (events_a, mut rx_a) = tokio::sync::mpsc::unbounded_channel();
+        s.add(EngineRequest {
+            events: events_a,
+            constraint: Some(constraint),
+            ..request(&[1, 2, 3], 16)
+        });
+        let (events_b, mut rx_b) = tokio::sync::mpsc::unbounded_channel();
+        s.add(EngineRequest {
+            events: events_b,
+            ..request(&[4, 5, 6], 3)
+        });
+        let (vocab, favourite) = (1600, 7);
+        for _ in 0..20 {
+            let Some(plan) = s.step() else { break };
+            let rows = plan.runs.iter().filter(|r| r.wants_logits).count();
+            let mut logits = vec![0.0f32; rows * vocab];
+            for row in 0..rows {
+                logits[row * vocab + favourite] = 10.0;
+                // Among what the grammar allows, "n" stands out.
+                let n = tok.encode("n").unwrap()[0] as usize;
+                logits[row * vocab + n] = 5.0;
+            }
+            let counts = s.finish_step(plan, &mut logits, vocab, DispatchStats::default());
+            // As the engine does: the end goes to the request's channel.
+            for (events, finished) in counts.finished {
+                let _ = events.send(Event::Finished(finished));
+            }
+        }
+        let drain = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>| {
+            let (mut ids, mut end) = (Vec::new(), None);
+            while let Ok(event) = rx.try_recv() {
+                match event {
+                    Event::Token(t) => ids.push(t.id),
+                    Event::Finished(f) => end = Some(f),
+                    Event::Failed(e) => panic!("{e}"),
+                }
+            }
+            (ids, end.expect("finished"))
+        };
+        let (ids, end) = drain(&mut rx_a);
+        assert_eq!(tok.decode(&ids).unwrap(), "\"no!\"");
+        assert_eq!(end.reason, FinishReason::Stop);
+        assert!(end.constraint.is_some_and(|c| c.masks == ids.len()));
+        let (ids, end) = drain(&mut rx_b);
+        assert_eq!(ids, [favourite as u32; 3]);
+        assert_eq!(end.reason, FinishReason::Length);
+        assert!(s.is_idle());
+    }
+
     /// A request whose prompt needs more blocks than the whole cache fails at once (before,
     /// it was preempted and re-admitted for ever); the others run.
     #[test]

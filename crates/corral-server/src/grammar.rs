@@ -120,58 +120,68 @@ pub(crate) fn tool_calls(
     }
     let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
     let mut lark = format!("start: call{repeat}\n");
-    match format {
-        ToolCallFormat::Json => {
-            let variants: Vec<Value> = functions
-                .iter()
-                .map(|(name, parameters)| {
-                    json!({
-                        "type": "object",
-                        "properties": {"name": {"const": name}, "arguments": parameters},
-                        "required": ["name", "arguments"],
-                        "additionalProperties": false,
-                    })
-                })
-                .collect();
-            let schema = json_style(&json!({"anyOf": variants}), true);
-            lark.push_str(&format!(
-                "call: {open} \"\\n\" %json {schema} \"\\n\" {close}\n"
-            ));
-        }
-        ToolCallFormat::Xml => {
-            let names: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
-            lark.push_str(&format!(
-                "call: {open} \"\\n\" ({}) {close}\n",
-                names.join(" | ")
-            ));
-            for (i, (name, parameters)) in functions.iter().enumerate() {
-                let keys: Vec<String> = parameters
-                    .get("properties")
-                    .and_then(Value::as_object)
-                    .map(|p| p.keys().cloned().collect())
-                    .unwrap_or_default();
-                let params: Vec<String> = (0..keys.len()).map(|j| format!("p{i}_{j}")).collect();
-                let body = if params.is_empty() {
-                    String::new()
-                } else {
-                    format!("({})* ", params.join(" | "))
-                };
+    let names: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
+    let (between, after) = match format {
+        ToolCallFormat::Json => ("\"\\n\"", "\"\\n\""),
+        ToolCallFormat::Xml => ("\"\\n\"", ""),
+    };
+    lark.push_str(&format!(
+        "call: {open} {between} ({}) {after} {close}\n",
+        names.join(" | ")
+    ));
+    for (i, (name, parameters)) in functions.iter().enumerate() {
+        match format {
+            // Each tool's schema is a root of its own, so that its `$ref`s resolve.
+            ToolCallFormat::Json => {
+                let head = format!("{{\"name\": {}, \"arguments\": ", Value::from(*name));
                 lark.push_str(&format!(
-                    "f{i}: {} {body}\"</function>\\n\"\n",
-                    literal(&format!("<function={name}>\n"))
+                    "f{i}: {} %json {} \"}}\"\n",
+                    literal(&head),
+                    json_style(parameters, true)
                 ));
-                for (j, key) in keys.iter().enumerate() {
-                    lark.push_str(&format!(
-                        "p{i}_{j}: {} VALUE \"</parameter>\\n\"\n",
-                        literal(&format!("<parameter={key}>\n"))
-                    ));
-                }
             }
-            // The value and the newline before `</parameter>`, which the output parser trims.
-            lark.push_str("VALUE: /[^<]*/\n");
+            ToolCallFormat::Xml => xml_function(&mut lark, i, name, parameters),
         }
     }
     Ok(Grammar::Lark(lark))
+}
+
+/// Rule `f{i}` of one function in the XML form: its parameters in the schema's order, the
+/// required ones always, each at most once; a string's value is any text up to
+/// `</parameter>`, any other value JSON of its schema (as the output parser types them).
+fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value) {
+    let required: Vec<&str> = parameters
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let properties = parameters.get("properties").and_then(Value::as_object);
+    let mut body = String::new();
+    for (j, (key, schema)) in properties.into_iter().flatten().enumerate() {
+        let open = literal(&format!("<parameter={key}>\n"));
+        let text = schema.get("type").and_then(Value::as_str) == Some("string")
+            || (schema.get("type").is_none() && schema.get("enum").is_none());
+        if text {
+            lark.push_str(&format!(
+                "p{i}_{j}: {open} v{i}_{j}\nv{i}_{j}[suffix=\"\\n</parameter>\\n\"]: /(?s:.*)/\n"
+            ));
+        } else {
+            lark.push_str(&format!(
+                "p{i}_{j}: {open} %json {} \"\\n</parameter>\\n\"\n",
+                json_style(schema, true)
+            ));
+        }
+        let optional = if required.contains(&key.as_str()) {
+            ""
+        } else {
+            "?"
+        };
+        body.push_str(&format!("p{i}_{j}{optional} "));
+    }
+    lark.push_str(&format!(
+        "f{i}: {} {body}\"</function>\\n\"\n",
+        literal(&format!("<function={name}>\n"))
+    ));
 }
 
 /// `grammar` after the model closes the reasoning its prompt opened (`</think>` and a blank
@@ -303,6 +313,38 @@ mod tests {
         assert!(accepts(&any, call));
         assert!(!accepts(&any, &call.replace("=city>", "=town>")));
         assert!(!accepts(&any, &call.replace("get_weather", "get_wether")));
+        // Text values may hold `<` and newlines; other values are JSON of their schema.
+        let code = call.replace("San José", "if a < b:\n    <b>x</b>");
+        assert!(accepts(&any, &code));
+        let days = "<parameter=days>\n3\n</parameter>\n</function>";
+        let with_days = call.replacen("</function>", days, 1);
+        assert!(accepts(&any, &with_days));
+        assert!(!accepts(&any, &with_days.replace("\n3\n", "\nthree\n")));
+        // The required parameter cannot be left out, nor one given twice.
+        let no_city = "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+        assert!(!accepts(&any, no_city));
+        let twice = call.replacen(
+            "</function>",
+            "<parameter=city>\nOslo\n</parameter>\n</function>",
+            1,
+        );
+        assert!(!accepts(&any, &twice));
+    }
+
+    #[test]
+    fn a_tool_schema_with_refs_compiles_and_holds() {
+        // As pydantic writes nested models: `$defs` at the schema's root, `$ref` below.
+        let tools = vec![
+            json!({"type": "function", "function": {"name": "book", "parameters": {
+            "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"], "additionalProperties": false}},
+            "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}},
+            "required": ["to"], "additionalProperties": false}}}),
+        ];
+        let g = tool_calls(&tools, None, ToolCallFormat::Json, false, &special).unwrap();
+        let call = "<tool_call>\n{\"name\": \"book\", \"arguments\": {\"to\": {\"city\": \"Oslo\"}}}\n</tool_call>";
+        assert!(accepts(&g, call));
+        assert!(!accepts(&g, &call.replace("city", "town")));
     }
 
     #[test]

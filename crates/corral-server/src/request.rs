@@ -31,8 +31,9 @@ pub(crate) struct Settings {
     /// `skip_special_tokens`, default true).
     pub(crate) skip_special_tokens: bool,
     /// The grammar the output must match (`response_format`; for chat, a required tool
-    /// call once the prompt is prepared).
+    /// call once the prompt is prepared), and the field errors in it are reported under.
     pub(crate) grammar: Option<Grammar>,
+    pub(crate) grammar_param: &'static str,
 }
 
 /// Longest session id accepted, in bytes.
@@ -333,6 +334,7 @@ fn settings(
         session,
         skip_special_tokens: f.boolean("skip_special_tokens")?.unwrap_or(true),
         grammar: grammar::response_format(body)?,
+        grammar_param: "response_format",
     })
 }
 

@@ -66,6 +66,7 @@ pub(crate) async fn prepare(
             ToolChoice::Named(name) => Some(name.as_str()),
             _ => None,
         };
+        req.settings.grammar_param = "tool_choice";
         req.settings.grammar = Some(grammar::tool_calls(
             tools,
             only,

@@ -114,15 +114,16 @@ impl Generation {
         let constraint = match &settings.grammar {
             None => None,
             Some(grammar) => {
+                let param = settings.grammar_param;
                 let compiler = state.grammars.as_ref().map_err(|e| {
                     ApiError::invalid(
-                        "response_format",
+                        param,
                         format!("constrained decoding is unavailable for this tokenizer: {e}"),
                     )
                 })?;
                 let constraint = compiler
                     .compile(grammar)
-                    .map_err(|e| ApiError::invalid("response_format", e.to_string()))?;
+                    .map_err(|e| ApiError::invalid(param, e.to_string()))?;
                 Some(constraint)
             }
         };

@@ -194,6 +194,9 @@ pub(crate) fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, A
             }
         };
         chat.insert("tool_choice".to_string(), mapped);
+        if choice.get("disable_parallel_tool_use") == Some(&Value::Bool(true)) {
+            chat.insert("parallel_tool_calls".to_string(), Value::Bool(false));
+        }
     }
     if let Some(thinking) = body.get("thinking") {
         let on = thinking.get("type").and_then(Value::as_str) == Some("enabled");

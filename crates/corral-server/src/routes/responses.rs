@@ -205,8 +205,16 @@ fn to_chat(body: &Map<String, Value>, history: Vec<Value>) -> Result<Map<String,
             .collect();
         chat.insert("tools".to_string(), Value::Array(tools));
     }
-    if let Some(choice) = body.get("tool_choice") {
-        chat.insert("tool_choice".to_string(), choice.clone());
+    // Choices of built-in tools (file search, ...) and allowed-tool lists are not held.
+    match body.get("tool_choice") {
+        Some(choice @ Value::String(_)) => {
+            chat.insert("tool_choice".to_string(), choice.clone());
+        }
+        Some(choice) if choice.get("type").and_then(Value::as_str) == Some("function") => {
+            chat.insert("tool_choice".to_string(), choice.clone());
+        }
+        Some(other) => request::warn_ignored(&[format!("tool_choice {other}")]),
+        None => {}
     }
     if let Some(parallel) = body.get("parallel_tool_calls") {
         chat.insert("parallel_tool_calls".to_string(), parallel.clone());
