@@ -6,8 +6,11 @@
 //! string is held back until the next piece settles it, so streamed deltas never leak half a
 //! tag.
 
+mod call_stream;
+
 use std::collections::HashMap;
 
+use call_stream::CallStream;
 use serde_json::{Map, Value};
 
 const THINK_OPEN: &str = "<think>";
@@ -59,8 +62,10 @@ pub struct OutputParser {
     /// Whether tool calls are streamed as they are written ([`Delta::ToolCallName`], then
     /// [`Delta::ToolCallArguments`]).
     stream_calls: bool,
-    /// The arguments sent so far of the call being streamed, once its name was.
-    streamed: Option<String>,
+    /// The call being streamed, once its name was, and its arguments sent so far.
+    streamed: Option<(CallStream, String)>,
+    /// Bytes of the call being written already searched for its closing tag.
+    call_searched: usize,
 }
 
 impl OutputParser {
@@ -81,6 +86,7 @@ impl OutputParser {
             schemas: HashMap::new(),
             stream_calls: false,
             streamed: None,
+            call_searched: 0,
         }
     }
 
@@ -205,7 +211,7 @@ impl OutputParser {
                         }
                     }
                 }
-                Mode::ToolCall => match self.buffer.find(TOOL_CLOSE) {
+                Mode::ToolCall => match self.find_call_close() {
                     Some(at) => {
                         let inner = self.buffer[..at].to_string();
                         self.buffer.drain(..at + TOOL_CLOSE.len());
@@ -214,7 +220,7 @@ impl OutputParser {
                         match parse_tool_call(&inner, &self.schemas) {
                             Some(Delta::ToolCall { name, arguments }) => {
                                 self.tool_calls += 1;
-                                if let Some(sent) = streamed {
+                                if let Some((_, sent)) = streamed {
                                     match arguments.strip_prefix(sent.as_str()) {
                                         Some(rest) if !rest.is_empty() => {
                                             out.push(Delta::ToolCallArguments(rest.to_string()))
@@ -249,21 +255,41 @@ impl OutputParser {
         }
     }
 
+    /// Where the call being written closes, searching only what was not searched before
+    /// (and the bytes the tag may straddle).
+    fn find_call_close(&mut self) -> Option<usize> {
+        let from = call_stream::floor_boundary(
+            &self.buffer,
+            self.call_searched.saturating_sub(TOOL_CLOSE.len() - 1),
+        );
+        let found = self.buffer[from..].find(TOOL_CLOSE).map(|i| from + i);
+        self.call_searched = if found.is_some() {
+            0
+        } else {
+            self.buffer.len()
+        };
+        found
+    }
+
     /// The deltas of the call being written that its text so far settles: its name once,
     /// then what its arguments have grown by.
     fn stream_call(&mut self, out: &mut Vec<Delta>) {
-        let Some((name, arguments)) = partial_call(&self.buffer, &self.schemas) else {
+        let mut more = String::new();
+        if self.streamed.is_none() {
+            let Some((name, stream)) = CallStream::start(&self.buffer, &self.schemas) else {
+                return;
+            };
+            out.push(Delta::ToolCallName(name));
+            more.push_str(stream.opening());
+            self.streamed = Some((stream, String::new()));
+        }
+        let Some((stream, sent)) = self.streamed.as_mut() else {
             return;
         };
-        let sent = self.streamed.get_or_insert_with(|| {
-            out.push(Delta::ToolCallName(name));
-            String::new()
-        });
-        if let Some(more) = arguments.strip_prefix(sent.as_str())
-            && !more.is_empty()
-        {
-            out.push(Delta::ToolCallArguments(more.to_string()));
-            *sent = arguments;
+        more.push_str(&stream.advance(&self.buffer));
+        if !more.is_empty() {
+            sent.push_str(&more);
+            out.push(Delta::ToolCallArguments(more));
         }
     }
 
@@ -351,24 +377,6 @@ fn parse_tool_call(
     Some(Delta::ToolCall { name, arguments })
 }
 
-/// A call being written: its name, once whole, and the start of its arguments that the rest
-/// of the call cannot change (the whole of them once written).
-fn partial_call(
-    buffer: &str,
-    schemas: &HashMap<String, HashMap<String, String>>,
-) -> Option<(String, String)> {
-    let inner = buffer.trim_start();
-    if let Some(rest) = inner.strip_prefix("<function=") {
-        let (name, body) = rest.split_once('>')?;
-        let name = name.trim();
-        return Some((
-            name.to_string(),
-            partial_xml_arguments(body, schemas.get(name)),
-        ));
-    }
-    partial_json_call(inner)
-}
-
 /// `{"name": "NAME", "arguments": {…` so far: the name, and the arguments' text without the
 /// spaces between tokens, up to where it is written (empty when the arguments are not an
 /// object, which then come whole at the end).
@@ -432,48 +440,6 @@ fn compact_json_prefix(text: &str) -> String {
 /// Whether a compacted value is whole (its brackets balance, no string left open).
 fn compact_complete(compact: &str) -> bool {
     serde_json::from_str::<Value>(compact).is_ok()
-}
-
-/// The XML form's parameters so far as the start of the arguments' JSON: each whole
-/// parameter typed, then a string parameter being written as far as its text is settled
-/// (not what may yet be the newline and tag that close it).
-fn partial_xml_arguments(mut body: &str, types: Option<&HashMap<String, String>>) -> String {
-    let mut out = String::from("{");
-    let mut first = true;
-    loop {
-        body = body.trim_start();
-        let Some((key, rest)) = body
-            .strip_prefix("<parameter=")
-            .and_then(|b| b.split_once('>'))
-        else {
-            return out;
-        };
-        let key = key.trim();
-        let kind = types.and_then(|t| t.get(key)).map(String::as_str);
-        let start = format!("{}{}:", if first { "" } else { "," }, Value::from(key));
-        match rest.find("</parameter>") {
-            Some(end) => {
-                let raw = &rest[..end];
-                let raw = raw.strip_prefix('\n').unwrap_or(raw);
-                let raw = raw.strip_suffix('\n').unwrap_or(raw);
-                out.push_str(&start);
-                out.push_str(&typed_value(raw, kind).to_string());
-                first = false;
-                body = &rest[end + "</parameter>".len()..];
-            }
-            None => {
-                if matches!(kind, None | Some("string" | "str" | "text")) {
-                    let value = rest.strip_prefix('\n').unwrap_or(rest);
-                    let closing = [("\n</parameter>", 0), ("</parameter>", 0)];
-                    let settled = &value[..value.len() - held_back(value, &closing)];
-                    let quoted = Value::from(settled).to_string();
-                    out.push_str(&start);
-                    out.push_str(&quoted[..quoted.len() - 1]);
-                }
-                return out;
-            }
-        }
-    }
 }
 
 /// `<function=NAME>` then `<parameter=KEY>VALUE</parameter>`s then `</function>`: each value
@@ -786,6 +752,37 @@ mod tests {
             compact_json_prefix("{ \"a\" : [1, {\"b\": \"x y\"}] } trailing"),
             r#"{"a":[1,{"b":"x y"}]}"#
         );
+    }
+
+    /// A long string parameter (a file an agent writes: tags, `<`, a `</param` that does not
+    /// close, newlines) streamed a character at a time joins to the whole call's arguments;
+    /// so does a long JSON-form call.
+    #[test]
+    fn long_streamed_calls_join_to_the_whole() {
+        let body: String = (0..600)
+            .map(|i| format!("line {i}: if a < b {{ <div>é</div> }} </param\n"))
+            .collect();
+        let xml = format!(
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\n{body}\n</parameter>\n\
+             <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+        );
+        let json = format!(
+            "<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": {}, \"days\": [1, 2]}}}}\n</tool_call>",
+            Value::from(body.as_str())
+        );
+        for text in [xml, json] {
+            let bounds: Vec<usize> = (1..text.len())
+                .filter(|&i| text.is_char_boundary(i))
+                .collect();
+            let (calls, whole) = streamed(&text, &bounds);
+            let Some(Delta::ToolCall { arguments, .. }) = whole.first() else {
+                panic!("no call: {whole:?}");
+            };
+            assert_eq!(calls.len(), 1);
+            assert_eq!(&calls[0].1, arguments);
+            let parsed: Value = serde_json::from_str(arguments).unwrap();
+            assert_eq!(parsed["city"], Value::from(body.as_str()));
+        }
     }
 
     #[test]
