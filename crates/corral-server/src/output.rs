@@ -381,22 +381,7 @@ fn parse_tool_call(
 /// spaces between tokens, up to where it is written (empty when the arguments are not an
 /// object, which then come whole at the end).
 fn partial_json_call(inner: &str) -> Option<(String, String)> {
-    let field = |text: &str, key: &str| -> Option<usize> {
-        let rest = text
-            .trim_start()
-            .strip_prefix(key)?
-            .trim_start()
-            .strip_prefix(':')?;
-        Some(text.len() - rest.trim_start().len())
-    };
-    let text = inner.trim_start().strip_prefix('{')?;
-    let text = &text[field(text, "\"name\"")?..];
-    let (name, text) = text.strip_prefix('"')?.split_once('"')?;
-    if name.contains('\\') {
-        return None;
-    }
-    let text = text.trim_start().strip_prefix(',')?;
-    let text = &text[field(text, "\"arguments\"")?..];
+    let (name, text) = call_stream::json_call_head(inner)?;
     if !text.starts_with('{') {
         return Some((name.to_string(), String::new()));
     }
@@ -406,34 +391,8 @@ fn partial_json_call(inner: &str) -> Option<(String, String)> {
 /// The JSON value that `text` starts with, as far as written, without the whitespace
 /// between its tokens; it ends at the value's last character.
 fn compact_json_prefix(text: &str) -> String {
-    let (mut out, mut depth, mut in_string, mut escaped) = (String::new(), 0usize, false, false);
-    for c in text.chars() {
-        if in_string {
-            out.push(c);
-            match (escaped, c) {
-                (true, _) => escaped = false,
-                (false, '\\') => escaped = true,
-                (false, '"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        if c.is_whitespace() {
-            continue;
-        }
-        out.push(c);
-        match c {
-            '"' => in_string = true,
-            '{' | '[' => depth += 1,
-            '}' | ']' => {
-                depth = depth.saturating_sub(1);
-                if depth == 0 {
-                    break;
-                }
-            }
-            _ => {}
-        }
-    }
+    let mut out = String::new();
+    call_stream::Compactor::default().feed(text, &mut out);
     out
 }
 

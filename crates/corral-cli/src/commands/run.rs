@@ -68,6 +68,23 @@ pub(crate) struct RunArgs {
     ignore_eos: bool,
 }
 
+/// The engine that `serve` runs, with room for one sequence of `total` tokens, prefilled
+/// `prefill_chunk` tokens a step.
+pub(crate) fn one_sequence_engine(total: usize, prefill_chunk: usize) -> EngineConfig {
+    EngineConfig {
+        max_batch: 1,
+        max_prefill_tokens: prefill_chunk.max(1),
+        max_queue: 1,
+        kv_blocks: total.div_ceil(BLOCK_SIZE),
+        block_size: BLOCK_SIZE,
+        max_context: total,
+        // One request: nothing to share.
+        prefix_cache: false,
+        state_checkpoints: 0,
+        ..EngineConfig::default()
+    }
+}
+
 pub(crate) fn run(args: RunArgs) -> Result<()> {
     let params = SamplingParams {
         temperature: args.temperature,
@@ -130,19 +147,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     }
     let device = model.backend().device_name();
     let strategy = model.moe_strategy();
-    // The engine that `serve` runs, with room for this one sequence.
-    let config = EngineConfig {
-        max_batch: 1,
-        max_prefill_tokens: args.prefill_chunk.max(1),
-        max_queue: 1,
-        kv_blocks: total.div_ceil(BLOCK_SIZE),
-        block_size: BLOCK_SIZE,
-        max_context: total,
-        // One request: nothing to share.
-        prefix_cache: false,
-        state_checkpoints: 0,
-        ..EngineConfig::default()
-    };
+    let config = one_sequence_engine(total, args.prefill_chunk);
     let (engine, thread) = spawn_engine(model, config)?;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = prompt_ids.len();

@@ -23,13 +23,7 @@ enum Scan {
     JsonPending { at: usize },
     /// JSON form: compacting the arguments object (it is sent without the whitespace
     /// between tokens), read up to byte `at`.
-    Json {
-        at: usize,
-        depth: usize,
-        in_string: bool,
-        escaped: bool,
-        done: bool,
-    },
+    Json { at: usize, compactor: Compactor },
     /// JSON form whose arguments are not an object: they come whole at the call's end.
     JsonWhole,
     /// XML form: parameters from byte `at` on are not sent yet (`first`: none was).
@@ -76,22 +70,7 @@ impl CallStream {
             };
             return Some((name, stream));
         }
-        let field = |text: &str, key: &str| -> Option<usize> {
-            let rest = text
-                .trim_start()
-                .strip_prefix(key)?
-                .trim_start()
-                .strip_prefix(':')?;
-            Some(text.len() - rest.trim_start().len())
-        };
-        let text = inner.strip_prefix('{')?;
-        let text = &text[field(text, "\"name\"")?..];
-        let (name, text) = text.strip_prefix('"')?.split_once('"')?;
-        if name.contains('\\') {
-            return None;
-        }
-        let text = text.trim_start().strip_prefix(',')?;
-        let text = &text[field(text, "\"arguments\"")?..];
+        let (name, text) = json_call_head(inner)?;
         let stream = Self {
             types: None,
             scan: Scan::JsonPending { at: offset(text) },
@@ -112,25 +91,14 @@ impl CallStream {
                     self.scan = if rest.starts_with('{') {
                         Scan::Json {
                             at: buffer.len() - rest.len(),
-                            depth: 0,
-                            in_string: false,
-                            escaped: false,
-                            done: false,
+                            compactor: Compactor::default(),
                         }
                     } else {
                         Scan::JsonWhole
                     };
                 }
-                Scan::Json {
-                    at,
-                    depth,
-                    in_string,
-                    escaped,
-                    done,
-                } => {
-                    if !*done {
-                        compact_more(&buffer[*at..], depth, in_string, escaped, done, &mut out);
-                    }
+                Scan::Json { at, compactor } => {
+                    compactor.feed(&buffer[*at..], &mut out);
                     *at = buffer.len();
                     return out;
                 }
@@ -192,6 +160,27 @@ impl CallStream {
             _ => "",
         }
     }
+}
+
+/// The head of a JSON-form call, `{"name": "NAME", "arguments":`: the name (unescaped
+/// names only), and the text after the colon (and the whitespace after it).
+pub(super) fn json_call_head(inner: &str) -> Option<(&str, &str)> {
+    let field = |text: &str, key: &str| -> Option<usize> {
+        let rest = text
+            .trim_start()
+            .strip_prefix(key)?
+            .trim_start()
+            .strip_prefix(':')?;
+        Some(text.len() - rest.trim_start().len())
+    };
+    let text = inner.trim_start().strip_prefix('{')?;
+    let text = &text[field(text, "\"name\"")?..];
+    let (name, text) = text.strip_prefix('"')?.split_once('"')?;
+    if name.contains('\\') {
+        return None;
+    }
+    let text = text.trim_start().strip_prefix(',')?;
+    Some((name, &text[field(text, "\"arguments\"")?..]))
 }
 
 /// `"key":`, after a comma unless it is the first member.
@@ -277,42 +266,49 @@ fn escaped(text: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
-/// Compacts more of a JSON value (whitespace between tokens dropped) into `out`, stopping
-/// after the value's last character.
-fn compact_more(
-    text: &str,
-    depth: &mut usize,
-    in_string: &mut bool,
-    escaped: &mut bool,
-    done: &mut bool,
-    out: &mut String,
-) {
-    for c in text.chars() {
-        if *in_string {
+/// A JSON value compacted as it is read (the whitespace between its tokens dropped), up to
+/// its last character.
+#[derive(Debug, Default)]
+pub(super) struct Compactor {
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    done: bool,
+}
+
+impl Compactor {
+    /// Reads more of the value, writing its compacted text to `out`.
+    pub(super) fn feed(&mut self, text: &str, out: &mut String) {
+        if self.done {
+            return;
+        }
+        for c in text.chars() {
+            if self.in_string {
+                out.push(c);
+                match (self.escaped, c) {
+                    (true, _) => self.escaped = false,
+                    (false, '\\') => self.escaped = true,
+                    (false, '"') => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            if c.is_whitespace() {
+                continue;
+            }
             out.push(c);
-            match (*escaped, c) {
-                (true, _) => *escaped = false,
-                (false, '\\') => *escaped = true,
-                (false, '"') => *in_string = false,
+            match c {
+                '"' => self.in_string = true,
+                '{' | '[' => self.depth += 1,
+                '}' | ']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.depth == 0 {
+                        self.done = true;
+                        return;
+                    }
+                }
                 _ => {}
             }
-            continue;
-        }
-        if c.is_whitespace() {
-            continue;
-        }
-        out.push(c);
-        match c {
-            '"' => *in_string = true,
-            '{' | '[' => *depth += 1,
-            '}' | ']' => {
-                *depth = depth.saturating_sub(1);
-                if *depth == 0 {
-                    *done = true;
-                    return;
-                }
-            }
-            _ => {}
         }
     }
 }

@@ -9,8 +9,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{
-    BLOCK_SIZE, Constraint, EngineConfig, EngineHandle, EngineRequest, Event, Finished, Grammar,
-    SamplingParams, Tokenizer, spawn_engine, stop_token_ids,
+    Constraint, EngineHandle, EngineRequest, Event, Finished, Grammar, SamplingParams, Tokenizer,
+    spawn_engine, stop_token_ids,
 };
 use serde_json::{Value, json};
 
@@ -65,16 +65,7 @@ pub(crate) fn run(args: GrammarArgs) -> Result<()> {
     let prompt = tokenizer.encode("Write the list as JSON:")?;
     let device = model.backend().device_name();
     let total = prompt.len() + args.tokens;
-    let config = EngineConfig {
-        max_batch: 1,
-        max_queue: 1,
-        kv_blocks: total.div_ceil(BLOCK_SIZE),
-        block_size: BLOCK_SIZE,
-        max_context: total,
-        prefix_cache: false,
-        state_checkpoints: 0,
-        ..EngineConfig::default()
-    };
+    let config = crate::commands::run::one_sequence_engine(total, 512);
     let (engine, thread) = spawn_engine(model, config)?;
     println!(
         "device {device}  prompt {} tokens  {} tokens a run",
