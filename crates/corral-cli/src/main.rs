@@ -29,6 +29,9 @@ enum Command {
     Logits(commands::logits::LogitsArgs),
     /// Describe a checkpoint: architecture, parameters, weight and KV cache bytes.
     Inspect(commands::inspect::InspectArgs),
+    /// Plan memory: what a context at a concurrency needs, whether it fits a budget, and the
+    /// largest context and concurrency the budget allows.
+    Plan(commands::plan::PlanArgs),
     /// Measure: prefill time to first token across prompt lengths and MoE strategies.
     Bench(commands::bench::BenchArgs),
 }
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
         Command::Run(args) => commands::run::run(args),
         Command::Logits(args) => commands::logits::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
+        Command::Plan(args) => commands::plan::run(args),
         Command::Bench(args) => commands::bench::run(args),
     };
     match result {

@@ -437,3 +437,48 @@ fn bench_decode_writes_table_and_json() {
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("--graphs"), "{}", stderr(&bad));
 }
+
+/// `plan` reads a config alone: Qwen3.5-35B-A3B's 131,072 tokens at C=1 fit 96 GiB (2.5 GiB
+/// of bf16 KV: 10 attention layers x 2 x 2 KV heads x 256 x 2 bytes = 20,480 a token), and
+/// its weights alone do not fit 8 GiB; contexts past the model's and a GPU without a budget
+/// are refused by name.
+#[test]
+fn plan_says_what_fits_and_by_how_much() {
+    let plan = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_corral"))
+            .arg("plan")
+            .args([
+                "--synthetic",
+                "bench/configs/qwen3.5-35b-a3b.json",
+                "--device",
+                "cuda",
+            ])
+            .args(args)
+            .current_dir(repo())
+            .output()
+            .expect("run corral plan")
+    };
+    let out = plan(&["--memory", "96G", "--context", "131072", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["needs"]["kv_per_token"], 20480);
+    assert_eq!(json["kv"], 20480u64 * 131_072);
+    assert_eq!(json["fits"], true);
+    assert_eq!(json["max_context"], 262_144);
+    let out = plan(&["--memory", "8G", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (json["fits"].clone(), json["weights_fit"].clone()),
+        (false.into(), false.into())
+    );
+    let out = plan(&["--memory", "96G", "--context", "300000"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_position_embeddings"));
+    let out = plan(&[]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--memory"));
+}

@@ -13,6 +13,7 @@ mod error;
 mod generation_config;
 pub mod kv;
 pub mod metrics;
+mod plan;
 mod pyjson;
 mod request;
 mod sampler;
@@ -30,6 +31,7 @@ pub use kv::{
     SpillFile, SpilledPrefix, StateSlotPool,
 };
 pub use metrics::EngineMetrics;
+pub use plan::{MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
 pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};
 pub use scheduler::{Scheduler, SchedulerConfig, SessionStore, StepPlan};

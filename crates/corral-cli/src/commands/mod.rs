@@ -3,5 +3,6 @@
 pub(crate) mod bench;
 pub(crate) mod inspect;
 pub(crate) mod logits;
+pub(crate) mod plan;
 pub(crate) mod run;
 pub(crate) mod serve;

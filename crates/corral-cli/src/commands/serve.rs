@@ -99,7 +99,7 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 }
 
 /// `123`, `64K`, `512M`, `8G` (binary multiples).
-fn parse_bytes(s: &str) -> Result<usize, String> {
+pub(crate) fn parse_bytes(s: &str) -> Result<usize, String> {
     let s = s.trim();
     let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
         Some('K') => (&s[..s.len() - 1], 10),

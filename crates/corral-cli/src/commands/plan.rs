@@ -1,0 +1,203 @@
+//! `corral plan`: what serving a model at a context and a concurrency needs in memory, whether
+//! it fits a budget and by how much, and the largest context and concurrency it allows.
+//! Works from `config.json` and the checkpoint's headers; nothing is loaded.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
+use corral_model::{Checkpoint, ModelConfig};
+
+/// Fixed device buffers of the CUDA backend: its op scratch (128 MiB), cuBLAS workspace (32
+/// MiB) and sampling scratch (4.25 MiB). The CUDA context and loaded kernels are not counted.
+const CUDA_FIXED_BYTES: u64 = (128 << 20) + (32 << 20) + (17 << 18);
+/// Share of `MemAvailable` a CPU plan takes when no budget is given.
+const MEM_AVAILABLE_SHARE: f64 = 0.9;
+
+/// Where the model would run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PlanDevice {
+    /// The CPU backend (KV in f32 today).
+    Cpu,
+    /// The CUDA backend (KV in bf16).
+    Cuda,
+}
+
+/// Arguments of `corral plan`.
+#[derive(Debug, Args)]
+pub(crate) struct PlanArgs {
+    /// Hugging Face checkpoint directory (config.json and the safetensors headers are read).
+    #[arg(
+        long,
+        conflicts_with = "synthetic",
+        required_unless_present = "synthetic"
+    )]
+    model: Option<PathBuf>,
+    /// A config.json alone, for a model of synthetic weights (bf16 unless it says float32).
+    #[arg(long)]
+    synthetic: Option<PathBuf>,
+    /// The byte budget (1073741824, 512M, 96G). Default on the CPU: 90% of MemAvailable.
+    #[arg(long, value_parser = super::serve::parse_bytes)]
+    memory: Option<usize>,
+    /// Tokens each sequence may reach (default: the model's max_position_embeddings).
+    #[arg(long)]
+    context: Option<usize>,
+    /// Sequences at once.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Resident sessions whose recurrent-state checkpoints are kept (hybrid models).
+    #[arg(long, default_value_t = 0)]
+    sessions: usize,
+    /// Where it would run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: PlanDevice,
+    /// Most prompt tokens a prefill step takes (its activations are the workspace).
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn run(args: PlanArgs) -> Result<()> {
+    let (config, weights, name) = match (&args.model, &args.synthetic) {
+        (Some(dir), _) => {
+            let path = dir.join("config.json");
+            let config = ModelConfig::from_file(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let weights = Checkpoint::open(dir)
+                .with_context(|| format!("reading the checkpoint in {}", dir.display()))?
+                .total_bytes() as u64;
+            (config, weights, dir.display().to_string())
+        }
+        (None, Some(path)) => {
+            let config = ModelConfig::from_file(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let per = if config.dtype.as_deref() == Some("float32") {
+                4
+            } else {
+                2
+            };
+            let weights = (config.num_parameters() * per) as u64;
+            (config, weights, format!("synthetic {}", path.display()))
+        }
+        (None, None) => bail!("give --model DIR or --synthetic CONFIG"),
+    };
+    let (kv_element, fixed) = match args.device {
+        PlanDevice::Cpu => (4, 0),
+        PlanDevice::Cuda => (2, CUDA_FIXED_BYTES),
+    };
+    let (budget, source) = match (args.memory, args.device) {
+        (Some(bytes), _) => (bytes as u64, "given".to_string()),
+        (None, PlanDevice::Cpu) => {
+            let available = mem_available()
+                .context("no /proc/meminfo to read MemAvailable from: give --memory")?;
+            let budget = (available as f64 * MEM_AVAILABLE_SHARE) as u64;
+            (budget, format!("90% of MemAvailable {}", gib(available)))
+        }
+        (None, PlanDevice::Cuda) => {
+            bail!("give --memory: plan does not read a GPU's free memory")
+        }
+    };
+    if args.concurrency == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    let needs = MemoryNeeds::of(
+        &config,
+        weights,
+        kv_element,
+        args.prefill_chunk.max(1),
+        fixed,
+        BLOCK_SIZE,
+    );
+    let context = args.context.unwrap_or(config.max_position_embeddings);
+    if context > config.max_position_embeddings {
+        bail!(
+            "--context {context} is beyond the model's max_position_embeddings ({})",
+            config.max_position_embeddings
+        );
+    }
+    let checkpoints = if needs.state_per_sequence > 0 {
+        args.sessions
+    } else {
+        0
+    };
+    let request = PlanRequest {
+        budget,
+        context,
+        concurrency: args.concurrency,
+        checkpoints,
+    };
+    let plan = plan(&needs, request);
+    if args.json {
+        let mut value = serde_json::to_value(&plan)?;
+        value["model"] = name.into();
+        value["budget_source"] = source.into();
+        value["fits"] = plan.fits().into();
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        print_plan(&name, &source, &plan, kv_element);
+    }
+    Ok(())
+}
+
+fn print_plan(name: &str, source: &str, p: &MemoryPlan, kv_element: usize) {
+    let n = &p.needs;
+    let r = &p.request;
+    println!("model      {name}");
+    println!("budget     {} ({source})", gib(r.budget));
+    println!("weights    {}", gib(n.weights));
+    println!(
+        "workspace  {} (estimate: a prefill step's activations and fixed buffers)",
+        gib(n.workspace)
+    );
+    println!(
+        "KV         {} bytes a token ({})",
+        n.kv_per_token,
+        if kv_element == 2 { "bf16" } else { "f32" }
+    );
+    if n.state_per_sequence > 0 {
+        println!(
+            "state      {} a sequence, {} checkpoints",
+            gib(n.state_per_sequence),
+            r.checkpoints
+        );
+    }
+    println!(
+        "asked      {} tokens at C={}: KV {}, states {}, total {}",
+        r.context,
+        r.concurrency,
+        gib(p.kv),
+        gib(p.states),
+        gib(p.total)
+    );
+    if p.fits() {
+        println!("fits       yes, {} spare", gib(p.spare as u64));
+    } else if !p.weights_fit {
+        println!(
+            "fits       no: the weights and workspace alone are {} over the budget",
+            gib((n.weights + n.workspace).saturating_sub(r.budget))
+        );
+    } else {
+        println!(
+            "fits       no, short by {}",
+            gib(p.spare.unsigned_abs() as u64)
+        );
+    }
+    println!(
+        "largest    context {} at C={} (model max {}); C={} at {} tokens; {} KV blocks of {}",
+        p.max_context,
+        r.concurrency,
+        n.max_position,
+        p.max_concurrency,
+        r.context,
+        p.kv_blocks,
+        n.block_size
+    );
+}
+
+/// Bytes in GiB with two decimals.
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
