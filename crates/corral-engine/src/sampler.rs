@@ -350,15 +350,44 @@ impl Sampler {
 /// `argmax(l · (1/T) + G)` over the finite logits, `G` the Gumbel noise of `draw`'s key (the
 /// device's draw, computed alike); `None` without a key or a finite logit.
 fn gumbel_argmax(logits: &[f32], draw: &RowDraw) -> Option<u32> {
+    use rayon::prelude::*;
     let key = draw.gumbel_key?;
+    // A noise value a token is two logarithms: a whole vocabulary costs milliseconds on one
+    // core, so pieces of it are drawn on all of them and the best of each kept.
+    logits
+        .par_chunks(GUMBEL_PIECE)
+        .enumerate()
+        .map(|(piece, chunk)| gumbel_best(chunk, piece * GUMBEL_PIECE, key, draw.inv_temperature))
+        .reduce(
+            || None,
+            |a, b| match (a, b) {
+                (Some(x), Some(y)) => Some(if y.0 > x.0 || (y.0 == x.0 && y.1 < x.1) {
+                    y
+                } else {
+                    x
+                }),
+                (x, None) => x,
+                (None, y) => y,
+            },
+        )
+        .map(|(_, id)| id)
+}
+
+/// Logits a piece of [`gumbel_argmax`]'s parallel draw takes.
+const GUMBEL_PIECE: usize = 8192;
+
+/// The best (score, id) of `logits`, ids from `first`: the highest logit / T + noise, ties to
+/// the lower id.
+fn gumbel_best(logits: &[f32], first: usize, key: u64, inv_temperature: f32) -> Option<(f32, u32)> {
     let mut best: Option<(f32, u32)> = None;
     for (i, &l) in logits.iter().enumerate().filter(|(_, l)| l.is_finite()) {
-        let score = l * draw.inv_temperature + gumbel_noise(key, i as u32);
+        let id = (first + i) as u32;
+        let score = l * inv_temperature + gumbel_noise(key, id);
         if best.is_none_or(|(s, _)| score > s) {
-            best = Some((score, i as u32));
+            best = Some((score, id));
         }
     }
-    best.map(|(_, id)| id)
+    best
 }
 
 /// Index of the largest logit; ties go to the lower id.
@@ -376,6 +405,28 @@ pub fn argmax(logits: &[f32]) -> u32 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The parallel draw picks what one pass over the whole row picks, ties and
+        /// masked (-inf) logits included, at lengths across several pieces.
+        #[test]
+        fn the_parallel_gumbel_draw_equals_one_pass(
+            len in 1usize..40_000,
+            key in any::<u64>(),
+            temperature in 0.05f32..4.0,
+            masked in 0usize..4,
+        ) {
+            let logits: Vec<f32> = (0..len)
+                .map(|i| match (i * 7919) % 11 {
+                    n if n < masked => f32::NEG_INFINITY,
+                    n => ((i * 2_654_435_761) % 1000) as f32 / 250.0 - n as f32 * 0.01,
+                })
+                .collect();
+            let draw = Filter { temperature, top_k: 0, top_p: 1.0, min_p: 0.0 }.draw(key);
+            let whole = gumbel_best(&logits, 0, key, draw.inv_temperature).map(|(_, id)| id);
+            prop_assert_eq!(gumbel_argmax(&logits, &draw), whole);
+        }
+    }
 
     fn params(temperature: f32) -> SamplingParams {
         SamplingParams {
