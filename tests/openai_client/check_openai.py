@@ -132,7 +132,7 @@ def check_required_tool_call(client):
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]
     first = client.chat.completions.create(
         model=MODEL, messages=question, tools=[BOUNDED_WEATHER_TOOL], tool_choice="required",
-        max_tokens=64, temperature=0.8, seed=7)
+        parallel_tool_calls=False, max_tokens=64, temperature=0.8, seed=7)
     assert first.choices[0].finish_reason == "tool_calls", first
     call = first.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather", call
@@ -145,23 +145,28 @@ def check_required_tool_call(client):
     second = client.chat.completions.create(
         model=MODEL, messages=followup, tools=[BOUNDED_WEATHER_TOOL], max_tokens=4)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10, (second.usage, first.usage)
-    # Streamed: the call's name, then its arguments in pieces, add up to a valid call.
-    name, arguments, finish = "", "", None
+    # Streamed: each call's name, then its arguments in pieces (by the call's index), add up to
+    # valid calls; one call, so that no second one is cut by max_tokens.
+    calls, finish = {}, None
     for chunk in client.chat.completions.create(
             model=MODEL, messages=question, tools=[BOUNDED_WEATHER_TOOL], tool_choice="required",
-            max_tokens=64, stream=True):
+            parallel_tool_calls=False, max_tokens=64, stream=True):
         if not chunk.choices:
             continue
         for delta in chunk.choices[0].delta.tool_calls or []:
-            name += (delta.function and delta.function.name) or ""
-            arguments += (delta.function and delta.function.arguments) or ""
+            name, arguments = calls.get(delta.index, ("", ""))
+            calls[delta.index] = (name + ((delta.function and delta.function.name) or ""),
+                                  arguments + ((delta.function and delta.function.arguments) or ""))
         finish = chunk.choices[0].finish_reason or finish
-    assert (finish, name) == ("tool_calls", "get_weather"), (finish, name)
-    assert isinstance(json.loads(arguments)["city"], str), arguments
+    assert finish == "tool_calls" and calls, (finish, calls)
+    for name, arguments in calls.values():
+        assert name == "get_weather", calls
+        assert isinstance(json.loads(arguments)["city"], str), arguments
     named = client.chat.completions.create(
         model=MODEL, messages=question, tools=[WEATHER_TOOL, BOUNDED_WEATHER_TOOL | {
             "function": BOUNDED_WEATHER_TOOL["function"] | {"name": "get_time"}}],
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=64)
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False, max_tokens=64)
     assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"], named
 
 
