@@ -26,7 +26,9 @@ use std::sync::Arc;
 
 pub use buffer::{BufferUsage, DeviceBuffer, MappedFile, WeightView};
 pub use cpu::{CpuBackend, process_cpu_time};
-pub use cuda::{CudaBackend, CudaOptions, KernelCacheReport, cuda_available};
+pub use cuda::{
+    CudaBackend, CudaOptions, KernelCacheReport, cuda_available, cuda_fixed_buffer_bytes,
+};
 pub use dtype::DType;
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};

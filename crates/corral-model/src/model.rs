@@ -148,21 +148,26 @@ impl Model {
         seed: u64,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
-        let dtype = match config.dtype.as_deref() {
+        let dtype = Self::synthetic_dtype(&config);
+        let source = SyntheticWeights { dtype, seed };
+        let elements = config.num_parameters();
+        let bytes = Self::synthetic_weight_bytes(&config);
+        Self::bind(&source, config, backend, progress, elements, bytes)
+    }
+
+    /// The type synthetic weights of `config` are stored as: bf16 unless it says float32 or
+    /// float16.
+    pub fn synthetic_dtype(config: &ModelConfig) -> DType {
+        match config.dtype.as_deref() {
             Some("float32") => DType::F32,
             Some("float16") => DType::F16,
             _ => DType::BF16,
-        };
-        let source = SyntheticWeights { dtype, seed };
-        let elements = config.num_parameters();
-        Self::bind(
-            &source,
-            config,
-            backend,
-            progress,
-            elements,
-            elements * dtype.size_bytes(),
-        )
+        }
+    }
+
+    /// The weight bytes of a synthetic model of `config`, without making it.
+    pub fn synthetic_weight_bytes(config: &ModelConfig) -> usize {
+        config.num_parameters() * Self::synthetic_dtype(config).size_bytes()
     }
 
     fn bind(

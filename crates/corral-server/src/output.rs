@@ -329,15 +329,16 @@ fn earliest(text: &str, markers: &[(&str, usize)]) -> Option<(usize, usize, usiz
 
 /// Bytes at the end of `text` that could be the start of a marker.
 fn held_back(text: &str, markers: &[(&str, usize)]) -> usize {
-    let mut keep = 0;
-    for (start, _) in text.char_indices() {
-        let tail = &text[start..];
-        if markers.iter().any(|(m, _)| m.starts_with(tail)) {
-            keep = tail.len();
-            break;
+    // Only the last bytes, as many as the longest marker, can start one.
+    let longest = markers.iter().map(|(m, _)| m.len()).max().unwrap_or(0);
+    let tail = &text[call_stream::floor_boundary(text, text.len().saturating_sub(longest))..];
+    for (start, _) in tail.char_indices() {
+        let rest = &tail[start..];
+        if markers.iter().any(|(m, _)| m.starts_with(rest)) {
+            return rest.len();
         }
     }
-    keep
+    0
 }
 
 /// The type a parameter's JSON schema names (the first that is not `null` of a list).

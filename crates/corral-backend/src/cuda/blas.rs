@@ -10,7 +10,7 @@ use super::device::{DeviceMem, Gpu};
 use crate::{BackendError, Result};
 
 /// Workspace handed to cuBLAS once, so that it never allocates during a step.
-const WORKSPACE_BYTES: usize = 32 << 20;
+pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// A cuBLAS handle bound to the backend's stream.
 pub(crate) struct Blas {

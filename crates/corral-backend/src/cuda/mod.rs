@@ -217,6 +217,15 @@ const RANKED_ROUTE_MAX_TOKENS: usize = 64;
 const RANKED_ROUTE_MAX_EXPERTS: usize = 1024;
 const RANKED_ROUTE_MAX_CHOICES: usize = 64;
 
+/// Bytes of the device buffers the CUDA backend allocates once at start, whatever the model:
+/// its op scratch, cuBLAS workspace and sampling scratch (not the CUDA context or the loaded
+/// kernels), for memory plans.
+pub fn cuda_fixed_buffer_bytes() -> usize {
+    OP_SCRATCH_FLOATS * 4
+        + blas::WORKSPACE_BYTES
+        + SAMPLE_MAX_ROWS * SAMPLE_MAX_PARTS * CANDIDATE_ROW_WORDS * 4
+}
+
 /// Threads of the few-row tensor-core kernels (mma_vec.cuh's MVM_WARPS warps).
 const MVM_THREADS: u32 = 256;
 /// Blocks an SM from which a few-row projection reads whole rows of K in each block; with

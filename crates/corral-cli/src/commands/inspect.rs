@@ -19,13 +19,9 @@ pub(crate) fn run(args: InspectArgs) -> Result<()> {
         Some(path) => {
             let config = ModelConfig::from_file(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            let bytes_per = if config.dtype.as_deref() == Some("float32") {
-                4
-            } else {
-                2
-            };
             let params = config.num_parameters();
-            (config, params, params * bytes_per)
+            let bytes = corral_model::Model::synthetic_weight_bytes(&config);
+            (config, params, bytes)
         }
         None => {
             let model = load_model(&args.model)?;

@@ -9,9 +9,6 @@ use clap::{Args, ValueEnum};
 use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
 use corral_model::{Checkpoint, ModelConfig};
 
-/// Fixed device buffers of the CUDA backend: its op scratch (128 MiB), cuBLAS workspace (32
-/// MiB) and sampling scratch (4.25 MiB). The CUDA context and loaded kernels are not counted.
-const CUDA_FIXED_BYTES: u64 = (128 << 20) + (32 << 20) + (17 << 18);
 /// Share of `MemAvailable` a CPU plan takes when no budget is given.
 const MEM_AVAILABLE_SHARE: f64 = 0.9;
 
@@ -34,7 +31,8 @@ pub(crate) struct PlanArgs {
         required_unless_present = "synthetic"
     )]
     model: Option<PathBuf>,
-    /// A config.json alone, for a model of synthetic weights (bf16 unless it says float32).
+    /// A config.json alone, for a model of synthetic weights (bf16 unless it says float32 or
+    /// float16).
     #[arg(long)]
     synthetic: Option<PathBuf>,
     /// The byte budget (1073741824, 512M, 96G). Default on the CPU: 90% of MemAvailable.
@@ -74,19 +72,14 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         (None, Some(path)) => {
             let config = ModelConfig::from_file(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            let per = if config.dtype.as_deref() == Some("float32") {
-                4
-            } else {
-                2
-            };
-            let weights = (config.num_parameters() * per) as u64;
+            let weights = corral_model::Model::synthetic_weight_bytes(&config) as u64;
             (config, weights, format!("synthetic {}", path.display()))
         }
         (None, None) => bail!("give --model DIR or --synthetic CONFIG"),
     };
     let (kv_element, fixed) = match args.device {
         PlanDevice::Cpu => (4, 0),
-        PlanDevice::Cuda => (2, CUDA_FIXED_BYTES),
+        PlanDevice::Cuda => (2, corral_backend::cuda_fixed_buffer_bytes() as u64),
     };
     let (budget, source) = match (args.memory, args.device) {
         (Some(bytes), _) => (bytes as u64, "given".to_string()),

@@ -227,27 +227,14 @@ fn read_open_param<'b>(
     }
     param.searched = value.len();
     if param.typed.is_none() {
-        let settled = value.len() - held_back_close(value);
+        let settled =
+            value.len() - super::held_back(value, &[("\n</parameter>", 0), (PARAM_CLOSE, 0)]);
         if settled > param.sent {
             out.push_str(&escaped(&value[param.sent..settled]));
             param.sent = settled;
         }
     }
     None
-}
-
-/// Bytes at the end of `value` that may be the start of `\n</parameter>`.
-fn held_back_close(value: &str) -> usize {
-    let markers = ["\n</parameter>", PARAM_CLOSE];
-    let tail_start = floor_boundary(value, value.len().saturating_sub(markers[0].len()));
-    let tail = &value[tail_start..];
-    for (start, _) in tail.char_indices() {
-        let rest = &tail[start..];
-        if markers.iter().any(|m| m.starts_with(rest)) {
-            return rest.len();
-        }
-    }
-    0
 }
 
 /// The largest char boundary of `text` at or below `at`.
