@@ -18,6 +18,7 @@ mod error;
 mod experts;
 mod pool;
 pub mod reference;
+pub mod rope;
 pub mod sampling;
 mod stats;
 pub mod synthetic;
@@ -33,6 +34,7 @@ pub use dtype::DType;
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
 pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
+pub use rope::{RopeParams, Yarn};
 
 pub use stats::{DispatchStats, StatsCounter};
 
@@ -102,8 +104,8 @@ pub struct QkShape {
     pub head_dim: usize,
     /// Leading dims of each head that RoPE rotates.
     pub rotary_dim: usize,
-    /// RoPE base.
-    pub theta: f32,
+    /// RoPE's base and scaling.
+    pub rope: RopeParams,
     /// RMSNorm epsilon.
     pub eps: f32,
 }
@@ -427,7 +429,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Result<()>;
 
     /// Rotate-half RoPE in place on the first `rotary_dim` dims of each head of `x`
-    /// (`[tokens, heads, head_dim]`), at each token's position, with base `theta`.
+    /// (`[tokens, heads, head_dim]`), at each token's position, with `rope`'s frequencies.
     #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,
@@ -437,7 +439,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         heads: usize,
         head_dim: usize,
         rotary_dim: usize,
-        theta: f32,
+        rope: RopeParams,
     ) -> Result<()>;
 
     /// Writes each token's K and V (`[tokens, kv_dim]`) to its slot of a layer's paged cache

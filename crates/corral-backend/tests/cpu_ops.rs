@@ -93,10 +93,18 @@ proptest! {
     #[test]
     fn fused_qkv_norm_rope_store_equals_the_separate_ops(
         tokens in 1usize..9, heads in 1usize..5, kv_heads in 1usize..3, quarter in 1usize..9,
-        partial in any::<bool>(), seed in any::<u64>(),
+        partial in any::<bool>(), yarn in any::<bool>(), seed in any::<u64>(),
     ) {
         let b = CpuBackend::new();
         let head_dim = 4 * quarter;
+        let rope = corral_backend::RopeParams {
+            theta: 1e6,
+            yarn: yarn.then_some(corral_backend::Yarn {
+                factor: 4.0, original_max_position_embeddings: 256, beta_fast: 32.0, beta_slow: 1.0,
+                attention_factor: corral_backend::Yarn::default_attention_factor(4.0, None, None),
+                truncate: true,
+            }),
+        };
         let rotary_dim = if partial { head_dim / 2 } else { head_dim };
         let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
         let width = q_dim + 2 * kv_dim;
@@ -108,7 +116,7 @@ proptest! {
         let slots: Vec<u32> = (0..tokens).map(|t| ((t * 7 + seed as usize) % capacity) as u32).collect();
         prop_assume!({ let mut s = slots.clone(); s.sort(); s.dedup(); s.len() == tokens });
         let shape = corral_backend::QkShape {
-            tokens, heads, kv_heads, head_dim, rotary_dim, theta: 1e6, eps: 1e-6,
+            tokens, heads, kv_heads, head_dim, rotary_dim, rope, eps: 1e-6,
         };
         let (qw_b, kw_b) = (b.weight_from_f32(&qw, DType::F32).unwrap(), b.weight_from_f32(&kw, DType::F32).unwrap());
         let (pos_b, slot_b) = (upload_u32(&b, &positions), upload_u32(&b, &slots));
@@ -125,8 +133,8 @@ proptest! {
         let mut k_out = upload(&b, &vec![0.0; tokens * kv_dim]);
         b.rms_norm(&upload(&b, &q), &qw_b, tokens * heads, head_dim, 1e-6, false, &mut q_out).unwrap();
         b.rms_norm(&upload(&b, &k), &kw_b, tokens * kv_heads, head_dim, 1e-6, false, &mut k_out).unwrap();
-        b.rope(&mut q_out, &pos_b, tokens, heads, head_dim, rotary_dim, 1e6).unwrap();
-        b.rope(&mut k_out, &pos_b, tokens, kv_heads, head_dim, rotary_dim, 1e6).unwrap();
+        b.rope(&mut q_out, &pos_b, tokens, heads, head_dim, rotary_dim, rope).unwrap();
+        b.rope(&mut k_out, &pos_b, tokens, kv_heads, head_dim, rotary_dim, rope).unwrap();
         let (mut k_sep, mut v_sep) = (cache(&b), cache(&b));
         b.kv_store(&k_out, &upload(&b, &v), &slot_b, tokens, kv_dim, &mut k_sep, &mut v_sep).unwrap();
         let n = capacity * kv_dim;

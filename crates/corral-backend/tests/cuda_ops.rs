@@ -6,8 +6,8 @@ use std::sync::{Arc, OnceLock};
 
 use corral_backend::{
     Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeltaNetShape,
-    DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, RecurrentRuns, WeightView,
-    cuda_available,
+    DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, RecurrentRuns, RopeParams,
+    WeightView, Yarn, cuda_available,
 };
 
 fn gpu() -> Option<&'static CudaBackend> {
@@ -65,6 +65,21 @@ impl Rng {
         (0..n)
             .map(|_| (self.next() as f32 / (1u64 << 31) as f32) * 2.0 - 1.0)
             .collect()
+    }
+}
+
+/// YaRN over base 1e6 with transformers' defaults.
+fn yarn(factor: f64, original: usize) -> RopeParams {
+    RopeParams {
+        theta: 1e6,
+        yarn: Some(Yarn {
+            factor,
+            original_max_position_embeddings: original,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: Yarn::default_attention_factor(factor, None, None),
+            truncate: true,
+        }),
     }
 }
 
@@ -222,7 +237,13 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
             r.push(read(b, &out, rows * dim));
             let pos = u32_buf(b, &positions);
             let mut qb = f32_buf(b, &q);
-            b.rope(&mut qb, &pos, rows, heads, head_dim, rotary, 1e6)
+            // Odd cases under YaRN (factor 4 over 1,024 positions: positions reach 5,000).
+            let rope = if case % 2 == 1 {
+                yarn(4.0, 1024)
+            } else {
+                RopeParams::plain(1e6)
+            };
+            b.rope(&mut qb, &pos, rows, heads, head_dim, rotary, rope)
                 .unwrap();
             r.push(read(b, &qb, q.len()));
             let mut acc = f32_buf(b, &y);
@@ -281,7 +302,12 @@ fn fused_qkv_norm_rope_store_matches_cpu() {
             kv_heads,
             head_dim,
             rotary_dim,
-            theta: 1e6,
+            // Cases 1, 4, 7, 10 under YaRN.
+            rope: if case % 3 == 1 {
+                yarn(8.0, 512)
+            } else {
+                RopeParams::plain(1e6)
+            },
             eps: 1e-6,
         };
         let mut results = Vec::new();

@@ -20,7 +20,7 @@ pub struct MemoryNeeds {
     pub workspace: u64,
     /// Tokens per KV block: the KV of a sequence comes in whole blocks.
     pub block_size: usize,
-    /// The longest context the model takes (`max_position_embeddings`).
+    /// The longest context the model takes (`max_position_embeddings`, or YaRN's scaled context).
     pub max_position: usize,
 }
 
@@ -42,7 +42,7 @@ impl MemoryNeeds {
             state_per_sequence: RecurrentStateCache::bytes_per_slot(config) as u64,
             workspace: fixed + activation_bytes(config, prefill_tokens),
             block_size: block_size.max(1),
-            max_position: config.max_position_embeddings,
+            max_position: config.max_context(),
         }
     }
 }

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+use corral_backend::{RopeParams, Yarn};
+
 use crate::{ModelError, Result};
 
 /// The architecture families Corral runs.
@@ -47,6 +49,9 @@ const MAX_LAYERS: usize = 1 << 10;
 const MAX_HEADS: usize = 1 << 10;
 const MAX_HEAD_DIM: usize = 512;
 const MAX_EXPERTS: usize = 1 << 12;
+/// Positions a context may reach (max_position_embeddings, YaRN's original context and their
+/// product): 16M, far past any of these models.
+const MAX_POSITIONS: usize = 1 << 24;
 /// transformers' default `shared_expert_intermediate_size` for Qwen3-Next and Qwen3.5-MoE.
 const DEFAULT_SHARED_EXPERT_SIZE: usize = 512;
 
@@ -151,15 +156,16 @@ pub struct ModelConfig {
     pub hybrid: Option<HybridConfig>,
     /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f32,
-    /// RoPE base.
-    pub rope_theta: f32,
+    /// RoPE's base, and YaRN's scaling when the checkpoint asks for it.
+    pub rope: RopeParams,
     /// Whether the LM head reuses the embedding matrix.
     pub tie_word_embeddings: bool,
     /// Beginning-of-sequence token, if any.
     pub bos_token_id: Option<u32>,
     /// Ids that end generation (config.json; generation_config.json may add more).
     pub eos_token_ids: Vec<u32>,
-    /// Context length the model was trained for.
+    /// Context length the model was trained for (`max_position_embeddings`); see
+    /// [`ModelConfig::max_context`] for how far it runs.
     pub max_position_embeddings: usize,
     /// The checkpoint's declared dtype (`dtype` or `torch_dtype`), informational.
     pub dtype: Option<String>,
@@ -295,6 +301,9 @@ impl ModelConfig {
             Some(t) => t,
             None => f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
         };
+        let max_position_embeddings = f
+            .opt_bounded("max_position_embeddings", MAX_POSITIONS)?
+            .unwrap_or(32768);
         let config = ModelConfig {
             family,
             vocab_size: f.bounded("vocab_size", MAX_VOCAB)?,
@@ -307,11 +316,11 @@ impl ModelConfig {
             moe,
             hybrid,
             rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
-            rope_theta: f.rope_theta()? as f32,
+            rope: f.rope(max_position_embeddings)?,
             tie_word_embeddings,
             bos_token_id: f.opt_usize("bos_token_id")?.map(|v| v as u32),
             eos_token_ids,
-            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+            max_position_embeddings,
             dtype: match f.opt_string("dtype")? {
                 Some(d) => Some(d),
                 None => match f.opt_string("torch_dtype")? {
@@ -320,10 +329,17 @@ impl ModelConfig {
                 },
             },
         };
-        if config.rope_theta <= 0.0 || !config.rope_theta.is_finite() {
-            return Err(f.err("rope_theta", "must be positive"));
-        }
         Ok(config)
+    }
+
+    /// The longest context the model runs: `max_position_embeddings`, or with YaRN its
+    /// original context times the factor where that is longer (as vLLM derives it).
+    pub fn max_context(&self) -> usize {
+        let scaled = self.rope.yarn.map_or(0, |y| {
+            (y.original_max_position_embeddings as f64 * y.factor).min(MAX_POSITIONS as f64)
+                as usize
+        });
+        self.max_position_embeddings.max(scaled)
     }
 
     /// Whether the MoE blocks run their shared expert as one more expert of the routed ops
@@ -575,10 +591,14 @@ impl Fields<'_> {
             .ok_or_else(|| self.err(field, "missing"))
     }
 
-    /// RoPE base from `rope_theta`, or `rope_parameters` / `rope_scaling` objects; only the
-    /// default rope type is supported.
-    fn rope_theta(&self) -> Result<f64> {
+    /// RoPE's base from `rope_theta`, or the `rope_parameters` / `rope_scaling` objects, and
+    /// YaRN's scaling when their `rope_type` is `yarn` (transformers' defaults filled in:
+    /// `original_max_position_embeddings` the model's `max_position`, betas 32 and 1, the
+    /// attention factor from `factor` and the `mscale`s, `truncate` true). Other scaled
+    /// types are refused by name.
+    fn rope(&self, max_position: usize) -> Result<RopeParams> {
         let mut theta = self.opt_f64("rope_theta")?;
+        let mut yarn = None;
         for key in ["rope_parameters", "rope_scaling"] {
             let Some(v) = self.present(key) else { continue };
             let Value::Object(params) = v else {
@@ -589,27 +609,79 @@ impl Fields<'_> {
                 path: self.path,
                 prefix: self.prefix,
             };
+            let named = |field: &str| format!("{key}.{field}");
+            let number = |field: &str| {
+                nested
+                    .opt_f64(field)
+                    .map_err(|_| self.wrong(&named(field), "a number", &params[field]))
+            };
             let kind = match nested.opt_string("rope_type")? {
                 Some(k) => Some(k),
                 None => nested.opt_string("type")?,
             };
-            if let Some(kind) = kind.filter(|k| k != "default") {
-                return Err(self.err(
-                    &format!("{key}.rope_type"),
-                    &format!("rope type `{kind}` is not supported (only `default`)"),
-                ));
+            match kind.as_deref() {
+                None | Some("default") => {}
+                Some("yarn") => {
+                    let factor = number("factor")?
+                        .ok_or_else(|| self.err(&named("factor"), "missing (YaRN needs it)"))?;
+                    if !(factor >= 1.0 && factor.is_finite()) {
+                        return Err(
+                            self.err(&named("factor"), &format!("{factor} must be at least 1"))
+                        );
+                    }
+                    let original = match number("original_max_position_embeddings")? {
+                        Some(o) if o >= 1.0 && o.fract() == 0.0 && o <= MAX_POSITIONS as f64 => {
+                            o as usize
+                        }
+                        Some(o) => {
+                            return Err(self.err(
+                                &named("original_max_position_embeddings"),
+                                &format!("{o} is not a whole number of positions"),
+                            ));
+                        }
+                        None => max_position,
+                    };
+                    let attention_factor = match number("attention_factor")? {
+                        Some(a) => a,
+                        None => Yarn::default_attention_factor(
+                            factor,
+                            number("mscale")?,
+                            number("mscale_all_dim")?,
+                        ),
+                    };
+                    let beta =
+                        |field, default| Ok::<_, ModelError>(number(field)?.unwrap_or(default));
+                    let truncate = nested.opt_bool("truncate")?.unwrap_or(true);
+                    yarn = Some(Yarn {
+                        factor,
+                        original_max_position_embeddings: original,
+                        beta_fast: beta("beta_fast", 32.0)?,
+                        beta_slow: beta("beta_slow", 1.0)?,
+                        attention_factor,
+                        truncate,
+                    });
+                }
+                Some(other) => {
+                    return Err(self.err(
+                        &named("rope_type"),
+                        &format!(
+                            "rope type `{other}` is not supported (only `default` and `yarn`)"
+                        ),
+                    ));
+                }
             }
-            if let Some(t) = nested.opt_f64("rope_theta").map_err(|_| {
-                self.wrong(
-                    &format!("{key}.rope_theta"),
-                    "a number",
-                    &params["rope_theta"],
-                )
-            })? {
+            if let Some(t) = number("rope_theta")? {
                 theta = Some(t);
             }
         }
-        Ok(theta.unwrap_or(10_000.0))
+        let theta = theta.unwrap_or(10_000.0);
+        if theta <= 0.0 || !theta.is_finite() {
+            return Err(self.err("rope_theta", "must be positive"));
+        }
+        Ok(RopeParams {
+            theta: theta as f32,
+            yarn,
+        })
     }
 
     /// Layer pattern, Gated DeltaNet dimensions, partial RoPE and shared expert size.
@@ -797,7 +869,7 @@ mod tests {
             "num_attention_heads": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "dtype": "bfloat16"}"#;
         assert_eq!(parse(hub), parse(v5));
-        assert_eq!(parse(hub).rope_theta, 1e6);
+        assert_eq!(parse(hub).rope, RopeParams::plain(1e6));
     }
 
     #[test]
@@ -828,14 +900,58 @@ mod tests {
 
     #[test]
     fn unsupported_rope_type_is_named() {
-        let yarn = r#"{"model_type": "qwen3", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
-            "num_attention_heads": 4, "intermediate_size": 8, "rope_scaling": {"rope_type": "yarn", "factor": 4}}"#;
-        let err = ModelConfig::from_json(yarn, Path::new("config.json"))
+        let llama3 = r#"{"model_type": "qwen3", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 8, "rope_scaling": {"rope_type": "llama3", "factor": 4}}"#;
+        let err = ModelConfig::from_json(llama3, Path::new("config.json"))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("rope_scaling.rope_type") && err.contains("yarn"),
+            err.contains("rope_scaling.rope_type") && err.contains("llama3"),
             "{err}"
         );
+    }
+
+    /// Qwen3's documented YaRN settings, in both spellings: the context runs to the original
+    /// times the factor, and transformers' defaults fill the rest.
+    #[test]
+    fn yarn_is_read_with_transformers_defaults() {
+        let base = r#""model_type": "qwen3", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 8, "max_position_embeddings": 40960"#;
+        let hub = format!(
+            r#"{{{base}, "rope_theta": 1e6, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768}}}}"#
+        );
+        let v5 = format!(
+            r#"{{{base}, "rope_parameters": {{"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 32768}}}}"#
+        );
+        let c = parse(&hub);
+        assert_eq!(c, parse(&v5));
+        let y = c.rope.yarn.unwrap();
+        assert_eq!((y.factor, y.original_max_position_embeddings), (4.0, 32768));
+        assert_eq!((y.beta_fast, y.beta_slow, y.truncate), (32.0, 1.0, true));
+        assert!((y.attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        assert_eq!(c.max_context(), 131_072);
+        assert_eq!(c.max_position_embeddings, 40_960);
+        // No original context given: transformers takes max_position_embeddings.
+        let bare = format!(r#"{{{base}, "rope_scaling": {{"type": "yarn", "factor": 2}}}}"#);
+        assert_eq!(parse(&bare).max_context(), 81_920);
+        for (bad, field) in [
+            (r#"{"rope_type": "yarn"}"#, "rope_scaling.factor"),
+            (
+                r#"{"rope_type": "yarn", "factor": 0.5}"#,
+                "rope_scaling.factor",
+            ),
+            (
+                r#"{"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 1.5}"#,
+                "rope_scaling.original_max_position_embeddings",
+            ),
+        ] {
+            let json = format!(r#"{{{base}, "rope_scaling": {bad}}}"#);
+            let err = ModelConfig::from_json(&json, Path::new("config.json"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{err}");
+        }
     }
 }

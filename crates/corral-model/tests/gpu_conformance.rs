@@ -16,7 +16,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    fixture_dir, greedy, load, load_on, logits_chunked, read_reference, rel_err, worst_row_rel_err,
+    LONG_TAIL, fixture_dir, greedy, load, load_on, logits_chunked, read_long_reference,
+    read_reference, rel_err, worst_row_rel_err,
 };
 use corral_backend::{Backend, CudaBackend, CudaOptions, DType, DispatchStats, cuda_available};
 use corral_model::{LogitsWanted, Model, MoeStrategy, RaggedBatch, SeqId, SlotId, TokenId};
@@ -49,6 +50,40 @@ fn gpu_logits_match_transformers_with_an_f32_kv_cache() {
 #[test]
 fn gpu_logits_match_transformers_with_the_bf16_kv_cache() {
     check_logits(DType::BF16, TOLERANCE, 1e-1);
+}
+
+/// The long-context fixtures (8,192 tokens: Qwen3 with YaRN, a hybrid's partial RoPE) on the
+/// GPU with an f32 KV cache, whole and in chunks of 3,000: the last positions' logits within
+/// bf16 tolerance of transformers', and the two chunkings within it of each other.
+#[test]
+fn gpu_long_context_logits_match_transformers() {
+    let Some(backend) = gpu(DType::F32) else {
+        return;
+    };
+    for name in ["long_qwen3_yarn", "long_qwen3_5"] {
+        let model = load_on(name, Arc::clone(&backend));
+        let vocab = model.config().vocab_size;
+        let (tokens, reference) = read_long_reference(name);
+        let mut tails = Vec::new();
+        for chunk in [tokens.len(), 3000] {
+            let all = logits_chunked(&model, &tokens, chunk);
+            let tail = all[all.len() - LONG_TAIL * vocab..].to_vec();
+            let (err, worst) = (
+                rel_err(&tail, &reference),
+                worst_row_rel_err(&tail, &reference, vocab),
+            );
+            eprintln!("{name} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e}");
+            assert!(err <= TOLERANCE, "{name} chunk {chunk}: {err:e}");
+            assert!(worst <= TOLERANCE, "{name} chunk {chunk}: row {worst:e}");
+            tails.push(tail);
+        }
+        let apart = rel_err(&tails[1], &tails[0]);
+        eprintln!("{name}: chunks of 3000 against whole {apart:.2e}");
+        assert!(
+            apart <= TOLERANCE,
+            "{name}: chunked against whole {apart:e}"
+        );
+    }
 }
 
 fn check_logits(kv_dtype: DType, all_positions: f64, worst_row: f64) {

@@ -14,8 +14,8 @@ use crate::sampling::{self, CANDIDATE_ROW_WORDS, DRAW_WORDS, Penalty};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView, byte_range,
-    check_block_copy, check_copy_ranges,
+    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView,
+    byte_range, check_block_copy, check_copy_ranges,
 };
 use ops::WeightRows;
 
@@ -778,14 +778,14 @@ impl Backend for CpuBackend {
         heads: usize,
         head_dim: usize,
         rotary_dim: usize,
-        theta: f32,
+        rope: RopeParams,
     ) -> Result<()> {
         let op = "rope";
         check_rotary(op, rotary_dim, head_dim)?;
         let positions = u32s(op, "positions", positions, tokens)?;
         let x = f32s_mut(op, "x", x, tokens * heads * head_dim)?;
         self.stats.dispatch(1);
-        ops::rope::rope(x, positions, heads, head_dim, rotary_dim, theta);
+        ops::rope::rope(x, positions, heads, head_dim, rotary_dim, rope);
         Ok(())
     }
 
@@ -837,7 +837,7 @@ impl Backend for CpuBackend {
             kv_heads,
             head_dim,
             rotary_dim,
-            theta,
+            rope,
             eps,
         } = shape;
         check_rotary(op, rotary_dim, head_dim)?;
@@ -864,7 +864,7 @@ impl Backend for CpuBackend {
             kv_heads,
             head_dim,
             rotary_dim,
-            theta,
+            rope,
             eps,
         };
         ops::attention::qkv_norm_rope_store(

@@ -32,8 +32,8 @@ use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS, MAX_REDUCED_VOCAB};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, StatsCounter, WeightView, byte_range,
-    check_block_copy, check_copy_ranges,
+    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView,
+    byte_range, check_block_copy, check_copy_ranges,
 };
 use blas::Blas;
 use compile::KernelCache;
@@ -359,6 +359,19 @@ fn weight(op: &'static str, w: WeightView<'_>) -> Result<(u64, DType, bool)> {
 }
 
 /// Threads of a block that normalises one row of `dim`.
+/// The kernels' RoPE arguments: theta, YaRN's factor (0: plain), the blend's first pair and
+/// width, and the factor on cos and sin.
+fn rope_args(rope: RopeParams, rotary_dim: usize) -> [Arg; 5] {
+    let a = rope.args(rotary_dim);
+    [
+        Arg::F32(a.theta),
+        Arg::F32(a.factor),
+        Arg::F32(a.ramp_low),
+        Arg::F32(a.ramp_width),
+        Arg::F32(a.attention_factor),
+    ]
+}
+
 fn norm_block(dim: usize) -> u32 {
     if dim <= 256 { 128 } else { 256 }
 }
@@ -1382,7 +1395,7 @@ impl Backend for CudaBackend {
         heads: usize,
         head_dim: usize,
         rotary_dim: usize,
-        theta: f32,
+        rope: RopeParams,
     ) -> Result<()> {
         let op = "rope";
         if rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
@@ -1402,8 +1415,8 @@ impl Backend for CudaBackend {
             u32_of(op, heads)?,
             u32_of(op, head_dim)?,
             u32_of(op, rotary_dim)?,
-            Arg::F32(theta),
         ];
+        let args = [&args[..], &rope_args(rope, rotary_dim)].concat();
         self.launch(
             &self.kernels.rope,
             Self::elementwise_grid(op, items)?,
@@ -1466,7 +1479,7 @@ impl Backend for CudaBackend {
             kv_heads,
             head_dim,
             rotary_dim,
-            theta,
+            rope,
             eps,
         } = shape;
         if head_dim > 512 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
@@ -1495,7 +1508,8 @@ impl Backend for CudaBackend {
             u32_of(op, kv_heads)?,
             u32_of(op, head_dim)?,
             u32_of(op, rotary_dim)?,
-            Arg::F32(theta),
+        ];
+        let rest = [
             Arg::F32(eps),
             Arg::U64(cache_slots as u64),
             buf(op, "q_out", q_out, DType::F32, tokens * heads * head_dim)?,
@@ -1503,6 +1517,7 @@ impl Backend for CudaBackend {
             buf(op, "cache_v", cache_v, dtype, kv_dim)?,
             self.diag(),
         ];
+        let args = [&args[..], &rope_args(rope, rotary_dim), &rest].concat();
         let kernel = match dtype {
             DType::BF16 => &self.kernels.qkv_norm_rope_store_bf16,
             DType::F32 => &self.kernels.qkv_norm_rope_store_f32,

@@ -56,7 +56,14 @@ pub(crate) fn run(args: InspectArgs) -> Result<()> {
     }
     println!("vocab_size           {}", c.vocab_size);
     println!("tied embeddings      {}", c.tie_word_embeddings);
-    println!("rope_theta           {}", c.rope_theta);
+    println!("rope_theta           {}", c.rope.theta);
+    if let Some(y) = c.rope.yarn {
+        println!(
+            "rope scaling         yarn, factor {} over {} positions (attention factor {:.4})",
+            y.factor, y.original_max_position_embeddings, y.attention_factor
+        );
+    }
+    println!("max context          {}", c.max_context());
     println!("parameters           {num_parameters}");
     println!(
         "weight bytes         {weight_bytes} ({:.2} MiB)",

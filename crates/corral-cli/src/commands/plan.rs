@@ -38,7 +38,7 @@ pub(crate) struct PlanArgs {
     /// The byte budget (1073741824, 512M, 96G). Default on the CPU: 90% of MemAvailable.
     #[arg(long, value_parser = super::serve::parse_bytes)]
     memory: Option<usize>,
-    /// Tokens each sequence may reach (default: the model's max_position_embeddings).
+    /// Tokens each sequence may reach (default: the model's context, YaRN's where it scales).
     #[arg(long)]
     context: Option<usize>,
     /// Sequences at once.
@@ -104,11 +104,11 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         fixed,
         BLOCK_SIZE,
     );
-    let context = args.context.unwrap_or(config.max_position_embeddings);
-    if context > config.max_position_embeddings {
+    let context = args.context.unwrap_or(config.max_context());
+    if context > config.max_context() {
         bail!(
-            "--context {context} is beyond the model's max_position_embeddings ({})",
-            config.max_position_embeddings
+            "--context {context} is beyond the model's context ({}: max_position_embeddings, or YaRN's original context times its factor)",
+            config.max_context()
         );
     }
     let checkpoints = if needs.state_per_sequence > 0 {

@@ -136,7 +136,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let context = model.config().max_position_embeddings;
+    let context = model.config().max_context();
     let total = prompt_ids.len().saturating_add(args.max_tokens);
     if total > context {
         bail!(

@@ -151,7 +151,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     let per_block = config.kv_bytes_per_token(kv_elem) * BLOCK_SIZE;
     // More blocks than every batch row at the model's full context could use are waste (and
     // a model without attention layers needs no KV memory at all).
-    let useful = args.max_batch.max(1) * config.max_position_embeddings.div_ceil(BLOCK_SIZE);
+    let useful = args.max_batch.max(1) * config.max_context().div_ceil(BLOCK_SIZE);
     let kv_blocks = (args.kv_memory / per_block.max(1)).min(useful);
     if kv_blocks == 0 {
         bail!(
@@ -167,8 +167,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         .map_or(0, |n| n.min(MAX_STATE_CHECKPOINTS));
     let max_context = args
         .max_context
-        .unwrap_or(config.max_position_embeddings)
-        .min(config.max_position_embeddings)
+        .unwrap_or(config.max_context())
+        .min(config.max_context())
         .min(capacity);
     if max_context < 2 {
         bail!("the context ({max_context} tokens) is too short to serve");

@@ -182,7 +182,7 @@ impl GatedAttention {
             nh,
             hd,
             rot,
-            cfg.rope_theta,
+            cfg.rope,
         )?;
         backend.rope(
             &mut ws.k_normed,
@@ -191,7 +191,7 @@ impl GatedAttention {
             nkv,
             hd,
             rot,
-            cfg.rope_theta,
+            cfg.rope,
         )?;
         backend.kv_store(
             &ws.k_normed,

@@ -1,7 +1,9 @@
 //! Qwen3 attention: one fused q/k/v projection, per-head q/k RMSNorm with RoPE and the KV
 //! store in one op, paged GQA attention, o_proj.
 
-use corral_backend::{AttentionMeta, AttentionShape, Backend, DeviceBuffer, QkShape, WeightView};
+use corral_backend::{
+    AttentionMeta, AttentionShape, Backend, DeviceBuffer, QkShape, RopeParams, WeightView,
+};
 
 use super::Workspace;
 use crate::kv_cache::LayerKv;
@@ -21,7 +23,7 @@ pub(crate) struct Attention {
     head_dim: usize,
     hidden: usize,
     eps: f32,
-    theta: f32,
+    rope: RopeParams,
 }
 
 impl Attention {
@@ -53,7 +55,7 @@ impl Attention {
             head_dim: hd,
             hidden: h,
             eps: config.rms_norm_eps,
-            theta: config.rope_theta,
+            rope: config.rope,
         })
     }
 
@@ -82,7 +84,7 @@ impl Attention {
             kv_heads: nkv,
             head_dim: hd,
             rotary_dim: hd,
-            theta: self.theta,
+            rope: self.rope,
             eps: self.eps,
         };
         backend.qkv_norm_rope_store(

@@ -90,6 +90,31 @@ pub(crate) fn read_reference(dir: &Path) -> Reference {
     }
 }
 
+/// Rows of logits the long-context fixtures keep: the last positions of the sequence.
+pub(crate) const LONG_TAIL: usize = 32;
+
+/// A long-context fixture's tokens and transformers' logits of its last [`LONG_TAIL`]
+/// positions (scripts/make_long_fixtures.py).
+pub(crate) fn read_long_reference(name: &str) -> (Vec<u32>, Vec<f32>) {
+    let bytes = std::fs::read(fixture_dir(name).join("reference.safetensors")).expect("reference");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
+    let ids = st
+        .tensor("token_ids")
+        .expect("token_ids")
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let logits = st
+        .tensor("tail_logits")
+        .expect("tail_logits")
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (ids, logits)
+}
+
 /// `‖ours − reference‖ / ‖reference‖`.
 pub(crate) fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
     assert_eq!(ours.len(), reference.len());

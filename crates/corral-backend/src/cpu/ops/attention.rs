@@ -757,7 +757,7 @@ pub(crate) struct FusedQkv {
     pub(crate) kv_heads: usize,
     pub(crate) head_dim: usize,
     pub(crate) rotary_dim: usize,
-    pub(crate) theta: f32,
+    pub(crate) rope: crate::RopeParams,
     pub(crate) eps: f32,
 }
 
@@ -780,12 +780,12 @@ pub(crate) fn qkv_norm_rope_store(
         kv_heads,
         head_dim: hd,
         rotary_dim,
-        theta,
+        rope,
         eps,
     } = shape;
     let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
     let width = q_dim + 2 * kv_dim;
-    let inv_freq = super::rope::inverse_frequencies(rotary_dim, theta);
+    let freqs = super::rope::Frequencies::new(rope, rotary_dim);
     q_out
         .par_chunks_mut(q_dim)
         .zip(qkv.par_chunks(width))
@@ -794,7 +794,7 @@ pub(crate) fn qkv_norm_rope_store(
             for (dst, src) in q.chunks_mut(hd).zip(row[..q_dim].chunks(hd)) {
                 super::norm::norm_row(src, q_weight, eps, false, dst);
             }
-            super::rope::rotate_heads(q, pos, hd, rotary_dim, &inv_freq);
+            super::rope::rotate_heads(q, pos, hd, rotary_dim, &freqs);
         });
     for ((row, &pos), &slot) in qkv.chunks(width).zip(positions).zip(slots) {
         let dst = slot as usize * kv_dim;
@@ -802,7 +802,7 @@ pub(crate) fn qkv_norm_rope_store(
         for (kh, src) in k.chunks_mut(hd).zip(row[q_dim..q_dim + kv_dim].chunks(hd)) {
             super::norm::norm_row(src, k_weight, eps, false, kh);
         }
-        super::rope::rotate_heads(k, pos, hd, rotary_dim, &inv_freq);
+        super::rope::rotate_heads(k, pos, hd, rotary_dim, &freqs);
         cache_v[dst..dst + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
     }
 }

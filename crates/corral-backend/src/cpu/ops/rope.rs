@@ -2,6 +2,8 @@
 
 use rayon::prelude::*;
 
+use crate::RopeParams;
+
 /// Largest supported rotary dimension (head dims in these families are at most 256).
 pub(crate) const MAX_ROTARY_DIM: usize = 512;
 
@@ -11,21 +13,32 @@ pub(crate) fn rope(
     heads: usize,
     head_dim: usize,
     rotary_dim: usize,
-    theta: f32,
+    params: RopeParams,
 ) {
-    let inv_freq = inverse_frequencies(rotary_dim, theta);
+    let freqs = Frequencies::new(params, rotary_dim);
     x.par_chunks_mut(heads * head_dim)
         .zip(positions.par_iter())
-        .for_each(|(row, &pos)| rotate_heads(row, pos, head_dim, rotary_dim, &inv_freq));
+        .for_each(|(row, &pos)| rotate_heads(row, pos, head_dim, rotary_dim, &freqs));
 }
 
-/// RoPE's inverse frequencies for `rotary_dim` (the first half of the array).
-pub(crate) fn inverse_frequencies(rotary_dim: usize, theta: f32) -> [f32; MAX_ROTARY_DIM / 2] {
-    let mut inv_freq = [0.0f32; MAX_ROTARY_DIM / 2];
-    for (i, f) in inv_freq.iter_mut().take(rotary_dim / 2).enumerate() {
-        *f = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
+/// RoPE's inverse frequencies for `rotary_dim` (the first half of the array) and the factor
+/// on cos and sin (YaRN's attention factor; 1 otherwise).
+pub(crate) struct Frequencies {
+    inv_freq: [f32; MAX_ROTARY_DIM / 2],
+    scale: f32,
+}
+
+impl Frequencies {
+    pub(crate) fn new(params: RopeParams, rotary_dim: usize) -> Self {
+        let mut inv_freq = [0.0f32; MAX_ROTARY_DIM / 2];
+        for (i, f) in inv_freq.iter_mut().take(rotary_dim / 2).enumerate() {
+            *f = params.inverse_frequency(i, rotary_dim);
+        }
+        Self {
+            inv_freq,
+            scale: params.attention_factor(),
+        }
     }
-    inv_freq
 }
 
 /// Rotates every head of `row` (heads of `head_dim`) at position `pos`.
@@ -34,15 +47,15 @@ pub(crate) fn rotate_heads(
     pos: u32,
     head_dim: usize,
     rotary_dim: usize,
-    inv_freq: &[f32; MAX_ROTARY_DIM / 2],
+    freqs: &Frequencies,
 ) {
     let half = rotary_dim / 2;
     let mut cos = [0.0f32; MAX_ROTARY_DIM / 2];
     let mut sin = [0.0f32; MAX_ROTARY_DIM / 2];
     for i in 0..half {
-        let angle = pos as f32 * inv_freq[i];
-        cos[i] = angle.cos();
-        sin[i] = angle.sin();
+        let angle = pos as f32 * freqs.inv_freq[i];
+        cos[i] = angle.cos() * freqs.scale;
+        sin[i] = angle.sin() * freqs.scale;
     }
     for head in row.chunks_mut(head_dim) {
         let (x1, rest) = head.split_at_mut(half);

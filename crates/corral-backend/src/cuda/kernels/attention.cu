@@ -45,9 +45,10 @@ template <typename C>
 __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight,
                                          const float* k_weight, const u32* positions,
                                          const u32* slots, u32 tokens, u32 heads, u32 kv_heads,
-                                         u32 head_dim, u32 rotary_dim, float theta, float eps,
-                                         u64 cache_slots, float* q_out, C* cache_k, C* cache_v,
-                                         Diag* diag) {
+                                         u32 head_dim, u32 rotary_dim, float theta,
+                                         float yarn_factor, float ramp_low, float ramp_width,
+                                         float attention_factor, float eps, u64 cache_slots,
+                                         float* q_out, C* cache_k, C* cache_v, Diag* diag) {
     __shared__ float staged[QKV_WARPS][512];
     __shared__ float2 rotation[256];  // (cos, sin) of pair p: rotary_dim / 2 <= 256
     const int DIMS = 512 / 32;        // a lane's dims d = lane + 32 i of a head
@@ -78,10 +79,11 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
     if (blockIdx.y * QKV_WARPS < heads + kv_heads) {
         float pos = (float)positions[t];
         for (u32 p = threadIdx.x; p < half; p += blockDim.x) {
-            float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
+            float inv_freq =
+                rope_inv_freq(p, rotary_dim, theta, yarn_factor, ramp_low, ramp_width);
             float s, c;
             sincosf(pos * inv_freq, &s, &c);
-            rotation[p] = make_float2(c, s);
+            rotation[p] = make_float2(c * attention_factor, s * attention_factor);
         }
     }
     float* row = staged[warp];
@@ -132,12 +134,14 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
         qkv_norm_rope_store_##SUFFIX(const float* qkv, const float* q_weight,                 \
                                      const float* k_weight, const u32* positions,             \
                                      const u32* slots, u32 tokens, u32 heads, u32 kv_heads,   \
-                                     u32 head_dim, u32 rotary_dim, float theta, float eps,    \
-                                     u64 cache_slots, float* q_out, C* cache_k, C* cache_v,   \
-                                     Diag* diag) {                                            \
+                                     u32 head_dim, u32 rotary_dim, float theta,               \
+                                     float yarn_factor, float ramp_low, float ramp_width,     \
+                                     float attention_factor, float eps, u64 cache_slots,      \
+                                     float* q_out, C* cache_k, C* cache_v, Diag* diag) {      \
         begin_small_kernel();                                                                 \
         qkv_norm_rope_store_impl<C>(qkv, q_weight, k_weight, positions, slots, tokens, heads, \
-                                    kv_heads, head_dim, rotary_dim, theta, eps, cache_slots,  \
+                                    kv_heads, head_dim, rotary_dim, theta, yarn_factor,       \
+                                    ramp_low, ramp_width, attention_factor, eps, cache_slots, \
                                     q_out, cache_k, cache_v, diag);                           \
     }
 QKV_NORM_ROPE_STORE(bf16, u16)

@@ -288,3 +288,18 @@ __device__ __forceinline__ void raise_error(Diag* d, u32 code) { atomicCAS(&d->e
 __device__ __forceinline__ void count_weight_bytes(Diag* d, u64 bytes) {
     if (bytes) atomicAdd(&d->weight_bytes, bytes);
 }
+
+// RoPE's inverse frequency of pair p of rotary_dim rotated dims, in f32 as transformers forms
+// it (rope.rs's RopeArgs::inverse_frequency): 1 / theta^(2p/d), and under YaRN (factor > 0)
+// blended with 1 / (factor theta^(2p/d)) from pair ramp_low over ramp_width pairs. The
+// kernels scale cos and sin by YaRN's attention factor.
+__device__ __forceinline__ float rope_inv_freq(u32 p, u32 rotary_dim, float theta, float factor,
+                                               float ramp_low, float ramp_width) {
+    float pos_freq = powf(theta, (float)(2 * p) / (float)rotary_dim);
+    float extrapolated = 1.f / pos_freq;
+    if (factor == 0.f) return extrapolated;
+    float interpolated = 1.f / (factor * pos_freq);
+    float ramp = fminf(fmaxf(((float)p - ramp_low) / ramp_width, 0.f), 1.f);
+    float extrapolation = 1.f - ramp;
+    return interpolated * (1.f - extrapolation) + extrapolated * extrapolation;
+}

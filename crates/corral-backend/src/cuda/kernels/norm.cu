@@ -67,9 +67,11 @@ extern "C" __global__ void gated_rms_norm(const float* x, const float* z, const 
 }
 
 // Rotate-half RoPE in place on the first `rotary_dim` dims of each head; one thread per
-// (token, head, pair). inv_freq and angles in f32, as the reference computes them.
+// (token, head, pair). inv_freq and angles in f32, as the reference computes them; YaRN's
+// frequencies and factor on cos and sin when yarn_factor > 0 (rope_inv_freq).
 extern "C" __global__ void rope(float* x, const u32* positions, u32 tokens, u32 heads,
-                                u32 head_dim, u32 rotary_dim, float theta) {
+                                u32 head_dim, u32 rotary_dim, float theta, float yarn_factor,
+                                float ramp_low, float ramp_width, float attention_factor) {
     begin_small_kernel();
     u32 half = rotary_dim / 2;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -77,9 +79,9 @@ extern "C" __global__ void rope(float* x, const u32* positions, u32 tokens, u32 
     u32 p = (u32)(i % half);
     u64 th = i / half;
     u32 t = (u32)(th / heads);
-    float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)rotary_dim);
+    float inv_freq = rope_inv_freq(p, rotary_dim, theta, yarn_factor, ramp_low, ramp_width);
     float angle = (float)positions[t] * inv_freq;
-    float c = cosf(angle), s = sinf(angle);
+    float c = cosf(angle) * attention_factor, s = sinf(angle) * attention_factor;
     float* head = x + th * head_dim;
     float a = head[p], b = head[p + half];
     head[p] = a * c - b * s;

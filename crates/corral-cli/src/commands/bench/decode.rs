@@ -164,7 +164,7 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     }
     let mut model = load_model(&args.model)?;
     let strategies = super::named_strategies(&args.strategies, &model)?;
-    let max_position = model.config().max_position_embeddings;
+    let max_position = model.config().max_context();
     if let Some(c) = args
         .context
         .iter()
