@@ -166,7 +166,10 @@ mod tests {
             (15, 5.928_434e-7),
         ] {
             let ours = rope.inverse_frequency(p, 32);
-            assert!((ours - theirs).abs() <= 1e-6 * theirs, "pair {p}: {ours} against {theirs}");
+            assert!(
+                (ours - theirs).abs() <= 1e-6 * theirs,
+                "pair {p}: {ours} against {theirs}"
+            );
         }
         let plain = RopeParams::plain(1e6);
         for p in 0..16 {

@@ -381,6 +381,46 @@ fn bench_prefill_writes_table_json_and_plot() {
     assert_eq!(svg.matches("<polyline").count(), 4);
 }
 
+/// `--chunk` prefills a prompt in forwards of that many tokens: 40 tokens in chunks of 16
+/// take three forwards' dispatches where the whole prompt takes one's (less the output head
+/// of the two chunks that want no logits).
+#[test]
+fn bench_prefill_chunks_a_prompt_into_forwards() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
+    let dispatches = |chunk: &str| {
+        let json = dir.path().join(format!("chunk-{chunk}.json"));
+        let out = corral(&[
+            "bench",
+            "prefill",
+            "--synthetic",
+            config.to_str().unwrap(),
+            "--prompt-lens",
+            "40",
+            "--strategies",
+            "grouped",
+            "--reps",
+            "1",
+            "--idle-seconds",
+            "0",
+            "--chunk",
+            chunk,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        doc["rows"][0]["dispatches"].as_u64().unwrap()
+    };
+    let (whole, chunked) = (dispatches("0"), dispatches("16"));
+    assert!(
+        chunked > 2 * whole && chunked < 3 * whole,
+        "whole {whole}, chunks of 16 {chunked}"
+    );
+}
+
 #[test]
 fn bench_decode_writes_table_and_json() {
     let dir = tempfile::tempdir().unwrap();

@@ -55,6 +55,10 @@ pub(crate) struct PrefillArgs {
     /// Seconds to watch the idle process's CPU use after the runs (0: skip).
     #[arg(long, default_value_t = 2.0)]
     idle_seconds: f64,
+    /// Tokens per forward: a longer prompt is prefilled in chunks of this many, as the
+    /// server does (0: the whole prompt in one forward).
+    #[arg(long, default_value_t = 0)]
+    chunk: usize,
 }
 
 /// One measured request.
@@ -94,11 +98,13 @@ fn prompt(len: usize, vocab: usize) -> Vec<TokenId> {
         .collect()
 }
 
-/// One request: a whole-prompt prefill forward and the first token.
+/// One request: the prompt's prefill, in forwards of `chunk` tokens (0: one), and the first
+/// token.
 fn measure(
     model: &Model,
     (cache, state): (&mut PagedKvCache, &mut RecurrentStateCache),
     tokens: &[TokenId],
+    chunk: usize,
     logits: &mut Vec<f32>,
 ) -> Result<Sample> {
     let table = BlockTable {
@@ -106,20 +112,33 @@ fn measure(
             .map(BlockId)
             .collect(),
     };
-    let mut batch = RaggedBatch::new(BLOCK_SIZE);
-    batch.push_run(SeqId(0), tokens, 0, &table, LogitsWanted::Last)?;
-    batch.set_state_slot(SeqId(0), SlotId(0))?;
+    let chunk = if chunk == 0 { tokens.len() } else { chunk };
     let cpu_start = process_cpu_time();
     let start = Instant::now();
-    let report = model.forward_with_state(&batch, cache, state, logits)?;
+    let (mut stats, mut moe_stats, mut moe_layers) = Default::default();
+    for (i, piece) in tokens.chunks(chunk).enumerate() {
+        let last = (i + 1) * chunk >= tokens.len();
+        let wanted = if last {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::None
+        };
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        batch.push_run(SeqId(0), piece, i * chunk, &table, wanted)?;
+        batch.set_state_slot(SeqId(0), SlotId(0))?;
+        let report = model.forward_with_state(&batch, cache, state, logits)?;
+        stats = stats + report.stats;
+        moe_stats = moe_stats + report.moe_stats;
+        moe_layers = report.moe_layers;
+    }
     let _first = argmax(logits);
     let ttft = start.elapsed();
     Ok(Sample {
         ttft,
         cpu: process_cpu_time().saturating_sub(cpu_start),
-        stats: report.stats,
-        moe_stats: report.moe_stats,
-        moe_layers: report.moe_layers,
+        stats,
+        moe_stats,
+        moe_layers,
     })
 }
 
@@ -170,7 +189,13 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
         for si in (0..strategies.len()).map(|i| (i + rep) % strategies.len()) {
             model.set_moe_strategy(strategies[si].1);
             for (li, tokens) in prompts.iter().enumerate() {
-                let sample = measure(&model, (&mut cache, &mut state), tokens, &mut logits)?;
+                let sample = measure(
+                    &model,
+                    (&mut cache, &mut state),
+                    tokens,
+                    args.chunk,
+                    &mut logits,
+                )?;
                 if rep >= args.warmup {
                     cells[si * prompts.len() + li].samples.push(sample);
                 }
@@ -273,7 +298,13 @@ pub(crate) fn run(args: PrefillArgs) -> Result<()> {
             model.set_moe_strategy(*strategy);
             for tokens in &prompts {
                 model.backend().set_profiling(true);
-                measure(&model, (&mut cache, &mut state), tokens, &mut logits)?;
+                measure(
+                    &model,
+                    (&mut cache, &mut state),
+                    tokens,
+                    args.chunk,
+                    &mut logits,
+                )?;
                 let title = format!("{name}, {} prompt tokens", tokens.len());
                 super::print_kernel_profile(&title, &model)?;
                 model.backend().set_profiling(false);
