@@ -152,6 +152,18 @@ pub struct MoeSorted<'a> {
     pub pair_positions: &'a DeviceBuffer,
 }
 
+/// A device's memory, as its driver reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes free now.
+    pub free: u64,
+    /// Bytes in all.
+    pub total: u64,
+    /// The device shares the host's memory (an integrated GPU or APU): its free memory
+    /// report counts memory the host needs, so budgets come from `MemAvailable` instead.
+    pub unified: bool,
+}
+
 /// Where each run of a ragged batch keeps its recurrent state (linear-attention layers).
 #[derive(Clone, Copy, Debug)]
 pub struct RecurrentRuns<'a> {
@@ -282,6 +294,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// The element type the backend keeps the attention KV cache in.
     fn kv_dtype(&self) -> DType {
         DType::F32
+    }
+
+    /// The memory of the device the backend places buffers on, read now; `None` for host
+    /// memory (the CPU backend: size from `MemAvailable`).
+    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        Ok(None)
     }
 
     /// Copies host values into the first `src.len()` elements of an F32 buffer.

@@ -522,3 +522,58 @@ fn plan_says_what_fits_and_by_how_much() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--memory"));
 }
+
+/// `serve` sizes its KV pool from the memory plan: a budget the weights alone overflow is
+/// refused at start with the plan printed, and the plan's sizes are logged before listening.
+#[test]
+fn serve_sizes_its_kv_pool_from_the_memory_plan() {
+    let model = repo().join("models/tiny-qwen3-moe");
+    let model = model.to_str().unwrap();
+    let out = corral(&["serve", "--model", model, "--port", "0", "--memory", "1M"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("do not fit the memory budget") && err.contains("largest    context 0"),
+        "{err}"
+    );
+    let out = corral(&[
+        "serve",
+        "--model",
+        model,
+        "--port",
+        "0",
+        "--memory",
+        "1M",
+        "--kv-memory",
+        "1M",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("cannot be used with"),
+        "{}",
+        stderr(&out)
+    );
+    // A budget that holds the weights, workspace and 8 blocks of 16 tokens (3,072 bytes a
+    // token): 8 blocks at C=16 is 128 tokens for one sequence and none left over for 16.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args([
+            "serve", "--model", model, "--port", "0", "--memory", "7000K",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut log = String::new();
+    let mut reader = std::io::BufReader::new(child.stderr.take().unwrap());
+    while !log.contains("listening on") {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut reader, &mut line).unwrap() == 0 {
+            break;
+        }
+        log.push_str(&line);
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(log.contains("memory budget: given"), "{log}");
+    assert!(log.contains(" blocks, 16 state slots"), "{log}");
+    assert!(log.contains("fewer than 32,768 tokens"), "{log}");
+}

@@ -205,6 +205,25 @@ impl Gpu {
         Ok(syncs)
     }
 
+    /// Free and total device memory now, and whether the device is integrated (shares the
+    /// host's memory).
+    pub(crate) fn memory(&self) -> Result<crate::DeviceMemory> {
+        self.bind()?;
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| driver_err("cuMemGetInfo", e))?;
+        let integrated = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
+            .map_err(|e| driver_err("cuDeviceGetAttribute(INTEGRATED)", e))?;
+        Ok(crate::DeviceMemory {
+            free: free as u64,
+            total: total as u64,
+            unified: integrated != 0,
+        })
+    }
+
     /// Makes the context current on the calling thread (the engine runs on its own).
     pub(crate) fn bind(&self) -> Result<()> {
         self.ctx

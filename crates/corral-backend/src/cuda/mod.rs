@@ -895,6 +895,10 @@ impl Backend for CudaBackend {
         self.kv_dtype
     }
 
+    fn device_memory(&self) -> Result<Option<crate::DeviceMemory>> {
+        self.gpu.memory().map(Some)
+    }
+
     fn records_graphs(&self) -> bool {
         true
     }

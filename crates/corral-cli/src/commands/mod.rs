@@ -6,3 +6,4 @@ pub(crate) mod logits;
 pub(crate) mod plan;
 pub(crate) mod run;
 pub(crate) mod serve;
+pub(crate) mod serve_plan;

@@ -10,7 +10,7 @@ use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_availa
 use corral_model::{Checkpoint, ModelConfig};
 
 /// Share of `MemAvailable` a CPU plan takes when no budget is given.
-const MEM_AVAILABLE_SHARE: f64 = 0.9;
+pub(crate) const MEM_AVAILABLE_SHARE: f64 = 0.9;
 
 /// Where the model would run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -130,34 +130,41 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         value["fits"] = plan.fits().into();
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        print_plan(&name, &source, &plan, kv_element);
+        print!("{}", plan_text(&name, &source, &plan, kv_element));
     }
     Ok(())
 }
 
-fn print_plan(name: &str, source: &str, p: &MemoryPlan, kv_element: usize) {
+/// The plan as `corral plan` prints it.
+pub(crate) fn plan_text(name: &str, source: &str, p: &MemoryPlan, kv_element: usize) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
     let n = &p.needs;
     let r = &p.request;
-    println!("model      {name}");
-    println!("budget     {} ({source})", gib(r.budget));
-    println!("weights    {}", gib(n.weights));
-    println!(
+    let _ = writeln!(out, "model      {name}");
+    let _ = writeln!(out, "budget     {} ({source})", gib(r.budget));
+    let _ = writeln!(out, "weights    {}", gib(n.weights));
+    let _ = writeln!(
+        out,
         "workspace  {} (estimate: a prefill step's activations and fixed buffers)",
         gib(n.workspace)
     );
-    println!(
+    let _ = writeln!(
+        out,
         "KV         {} bytes a token ({})",
         n.kv_per_token,
         if kv_element == 2 { "bf16" } else { "f32" }
     );
     if n.state_per_sequence > 0 {
-        println!(
+        let _ = writeln!(
+            out,
             "state      {} a sequence, {} checkpoints",
             gib(n.state_per_sequence),
             r.checkpoints
         );
     }
-    println!(
+    let _ = writeln!(
+        out,
         "asked      {} tokens at C={}: KV {}, states {}, total {}",
         r.context,
         r.concurrency,
@@ -166,19 +173,22 @@ fn print_plan(name: &str, source: &str, p: &MemoryPlan, kv_element: usize) {
         gib(p.total)
     );
     if p.fits() {
-        println!("fits       yes, {} spare", gib(p.spare as u64));
+        let _ = writeln!(out, "fits       yes, {} spare", gib(p.spare as u64));
     } else if !p.weights_fit {
-        println!(
+        let _ = writeln!(
+            out,
             "fits       no: the weights and workspace alone are {} over the budget",
             gib((n.weights + n.workspace).saturating_sub(r.budget))
         );
     } else {
-        println!(
+        let _ = writeln!(
+            out,
             "fits       no, short by {}",
             gib(p.spare.unsigned_abs() as u64)
         );
     }
-    println!(
+    let _ = writeln!(
+        out,
         "largest    context {} at C={} (model max {}); C={} at {} tokens; {} KV blocks of {}",
         p.max_context,
         r.concurrency,
@@ -188,9 +198,10 @@ fn print_plan(name: &str, source: &str, p: &MemoryPlan, kv_element: usize) {
         p.kv_blocks,
         n.block_size
     );
+    out
 }
 
 /// Bytes in GiB with two decimals.
-fn gib(bytes: u64) -> String {
+pub(crate) fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }

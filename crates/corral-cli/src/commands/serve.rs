@@ -11,6 +11,7 @@ use corral_engine::{
 };
 use corral_server::{AppState, RequestCounts, ServerConfig};
 
+use super::serve_plan;
 use crate::loading::{ModelArgs, load_model};
 
 /// Most recurrent-state checkpoints the prefix cache keeps, whatever memory they are given.
@@ -39,9 +40,14 @@ pub(crate) struct ServeArgs {
     /// Most requests waiting; more get 429.
     #[arg(long, env = "CORRAL_MAX_QUEUE", default_value_t = 256)]
     max_queue: usize,
-    /// KV cache memory, in bytes or with a K/M/G suffix.
-    #[arg(long, env = "CORRAL_KV_MEMORY", default_value = "1G", value_parser = parse_bytes)]
-    kv_memory: usize,
+    /// Memory the server may use in all (weights, workspace, KV cache, recurrent states), in
+    /// bytes or with a K/M/G suffix; the KV cache gets what the plan leaves. Default: a
+    /// discrete GPU's free memory after loading, else 90% of MemAvailable, less headroom.
+    #[arg(long, env = "CORRAL_MEMORY", value_parser = parse_bytes)]
+    memory: Option<usize>,
+    /// The KV cache's memory exactly, in bytes or with a K/M/G suffix (instead of the plan's).
+    #[arg(long, env = "CORRAL_KV_MEMORY", value_parser = parse_bytes, conflicts_with = "memory")]
+    kv_memory: Option<usize>,
     /// Longest sequence, prompt plus output (default: the model's, within the KV cache).
     #[arg(long, env = "CORRAL_MAX_CONTEXT")]
     max_context: Option<usize>,
@@ -145,34 +151,61 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             None
         }
     };
+    let host_before_load = serve_plan::host_available();
     let model = load_model(&args.model)?;
     let config = model.config().clone();
     let kv_elem = model.backend().kv_dtype().size_bytes();
     let per_block = config.kv_bytes_per_token(kv_elem) * BLOCK_SIZE;
-    // More blocks than every batch row at the model's full context could use are waste (and
-    // a model without attention layers needs no KV memory at all).
-    let useful = args.max_batch.max(1) * config.max_context().div_ceil(BLOCK_SIZE);
-    let kv_blocks = (args.kv_memory / per_block.max(1)).min(useful);
-    if kv_blocks == 0 {
-        bail!(
-            "--kv-memory {} holds no KV block ({per_block} bytes each)",
-            args.kv_memory
-        );
-    }
-    let capacity = kv_blocks * BLOCK_SIZE;
     let state_bytes = corral_model::RecurrentStateCache::bytes_per_slot(&config);
     let state_checkpoints = args
         .state_cache_bytes
         .checked_div(state_bytes)
         .map_or(0, |n| n.min(MAX_STATE_CHECKPOINTS));
-    let max_context = args
+    let context = args
         .max_context
         .unwrap_or(config.max_context())
-        .min(config.max_context())
-        .min(capacity);
+        .min(config.max_context());
+    // More blocks than every batch row at the full context could use are waste (and a model
+    // without attention layers needs no KV memory at all).
+    let useful = args.max_batch.max(1) * context.div_ceil(BLOCK_SIZE);
+    let kv_blocks = match args.kv_memory {
+        Some(bytes) => bytes / per_block.max(1),
+        None => {
+            let shape = serve_plan::ServeShape {
+                memory: args.memory.map(|m| m as u64),
+                max_batch: args.max_batch,
+                context,
+                checkpoints: state_checkpoints,
+                prefill_tokens: args.max_prefill_tokens.max(1),
+            };
+            let sized =
+                serve_plan::plan_serving(&model, &args.model.describe(), &shape, host_before_load)?;
+            let p = &sized.plan;
+            tracing::info!(
+                budget = p.request.budget,
+                weights = p.needs.weights,
+                workspace = p.needs.workspace,
+                "memory budget: {}",
+                sized.source
+            );
+            p.kv_blocks
+        }
+    }
+    .min(useful);
+    if kv_blocks == 0 {
+        bail!("the KV cache holds no block ({per_block} bytes each)");
+    }
+    let capacity = kv_blocks * BLOCK_SIZE;
+    let max_context = context.min(capacity);
     if max_context < 2 {
         bail!("the context ({max_context} tokens) is too short to serve");
     }
+    let batch = args.max_batch.max(1);
+    let at_batch = (kv_blocks / batch * BLOCK_SIZE).min(max_context);
+    tracing::info!(
+        "KV {capacity} tokens in {kv_blocks} blocks, {batch} state slots, {state_checkpoints} state checkpoints; max context {max_context} at C=1, {at_batch} at C={batch}"
+    );
+    serve_plan::warn_short(max_context, args.max_context);
     let stop_ids = stop_token_ids(&dir, &config.eos_token_ids)?;
     let shipped = sampling_defaults(&dir)?;
     let sampling = match &args.sampling_defaults {
