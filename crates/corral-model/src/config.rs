@@ -333,7 +333,8 @@ impl ModelConfig {
     }
 
     /// The longest context the model runs: `max_position_embeddings`, or with YaRN its
-    /// original context times the factor where that is longer (as vLLM derives it).
+    /// original context times the factor where that is longer (vLLM takes the product alone;
+    /// for Qwen3's documented settings both give 131,072).
     pub fn max_context(&self) -> usize {
         let scaled = self.rope.yarn.map_or(0, |y| {
             (y.original_max_position_embeddings as f64 * y.factor).min(MAX_POSITIONS as f64)
@@ -615,50 +616,76 @@ impl Fields<'_> {
                     .opt_f64(field)
                     .map_err(|_| self.wrong(&named(field), "a number", &params[field]))
             };
-            let kind = match nested.opt_string("rope_type")? {
+            let text = |field: &str| {
+                nested
+                    .opt_string(field)
+                    .map_err(|_| self.wrong(&named(field), "a string", &params[field]))
+            };
+            let kind = match text("rope_type")? {
                 Some(k) => Some(k),
-                None => nested.opt_string("type")?,
+                None => text("type")?,
             };
             match kind.as_deref() {
                 None | Some("default") => {}
                 Some("yarn") => {
-                    let factor = number("factor")?
-                        .ok_or_else(|| self.err(&named("factor"), "missing (YaRN needs it)"))?;
-                    if !(factor >= 1.0 && factor.is_finite()) {
-                        return Err(
-                            self.err(&named("factor"), &format!("{factor} must be at least 1"))
-                        );
-                    }
-                    let original = match number("original_max_position_embeddings")? {
+                    // transformers prefers a top-level original context to the nested one.
+                    let (original, original_field) =
+                        match self.opt_f64("original_max_position_embeddings")? {
+                            Some(o) => (Some(o), "original_max_position_embeddings".to_string()),
+                            None => (
+                                number("original_max_position_embeddings")?,
+                                named("original_max_position_embeddings"),
+                            ),
+                        };
+                    let original = match original {
                         Some(o) if o >= 1.0 && o.fract() == 0.0 && o <= MAX_POSITIONS as f64 => {
                             o as usize
                         }
                         Some(o) => {
                             return Err(self.err(
-                                &named("original_max_position_embeddings"),
+                                &original_field,
                                 &format!("{o} is not a whole number of positions"),
                             ));
                         }
                         None => max_position,
                     };
-                    let attention_factor = match number("attention_factor")? {
-                        Some(a) => a,
-                        None => Yarn::default_attention_factor(
-                            factor,
-                            number("mscale")?,
-                            number("mscale_all_dim")?,
-                        ),
+                    // No factor: the model's context over the original, as transformers does.
+                    let factor = number("factor")?.unwrap_or(max_position as f64 / original as f64);
+                    if !(factor >= 1.0 && factor.is_finite()) {
+                        return Err(
+                            self.err(&named("factor"), &format!("{factor} must be at least 1"))
+                        );
+                    }
+                    let positive = |field: &str, value: Option<f64>| match value {
+                        Some(v) if !(v > 0.0 && v.is_finite()) => {
+                            Err(self.err(&named(field), &format!("{v} must be a positive number")))
+                        }
+                        other => Ok(other),
                     };
-                    let beta =
-                        |field, default| Ok::<_, ModelError>(number(field)?.unwrap_or(default));
-                    let truncate = nested.opt_bool("truncate")?.unwrap_or(true);
+                    let attention_factor =
+                        match positive("attention_factor", number("attention_factor")?)? {
+                            Some(a) => a,
+                            None => Yarn::default_attention_factor(
+                                factor,
+                                number("mscale")?,
+                                number("mscale_all_dim")?,
+                            ),
+                        };
+                    // transformers reads `beta or default`: 0 (or none) is the default.
+                    let beta = |field: &str, default: f64| {
+                        let value = number(field)?.filter(|b| *b != 0.0);
+                        Ok::<_, ModelError>(positive(field, value)?.unwrap_or(default))
+                    };
+                    let truncate = nested.opt_bool("truncate").map_err(|_| {
+                        self.wrong(&named("truncate"), "true or false", &params["truncate"])
+                    })?;
                     yarn = Some(Yarn {
                         factor,
                         original_max_position_embeddings: original,
                         beta_fast: beta("beta_fast", 32.0)?,
                         beta_slow: beta("beta_slow", 1.0)?,
                         attention_factor,
-                        truncate,
+                        truncate: truncate.unwrap_or(true),
                     });
                 }
                 Some(other) => {
@@ -936,8 +963,17 @@ mod tests {
         // No original context given: transformers takes max_position_embeddings.
         let bare = format!(r#"{{{base}, "rope_scaling": {{"type": "yarn", "factor": 2}}}}"#);
         assert_eq!(parse(&bare).max_context(), 81_920);
+        // No factor: the model's context over the original (40,960 / 10,240 = 4).
+        let no_factor = format!(
+            r#"{{{base}, "rope_scaling": {{"type": "yarn", "original_max_position_embeddings": 10240}}}}"#
+        );
+        assert_eq!(parse(&no_factor).rope.yarn.unwrap().factor, 4.0);
+        // A zero beta is the default, as transformers reads `beta or default`.
+        let zero_beta = format!(
+            r#"{{{base}, "rope_scaling": {{"type": "yarn", "factor": 2, "beta_fast": 0}}}}"#
+        );
+        assert_eq!(parse(&zero_beta).rope.yarn.unwrap().beta_fast, 32.0);
         for (bad, field) in [
-            (r#"{"rope_type": "yarn"}"#, "rope_scaling.factor"),
             (
                 r#"{"rope_type": "yarn", "factor": 0.5}"#,
                 "rope_scaling.factor",
@@ -945,6 +981,18 @@ mod tests {
             (
                 r#"{"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 1.5}"#,
                 "rope_scaling.original_max_position_embeddings",
+            ),
+            (
+                r#"{"rope_type": "yarn", "factor": 2, "beta_slow": -1}"#,
+                "rope_scaling.beta_slow",
+            ),
+            (
+                r#"{"rope_type": "yarn", "factor": 2, "attention_factor": 0}"#,
+                "rope_scaling.attention_factor",
+            ),
+            (
+                r#"{"rope_type": "yarn", "factor": 2, "truncate": "yes"}"#,
+                "rope_scaling.truncate",
             ),
         ] {
             let json = format!(r#"{{{base}, "rope_scaling": {bad}}}"#);

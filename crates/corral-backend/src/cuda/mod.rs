@@ -358,7 +358,6 @@ fn weight(op: &'static str, w: WeightView<'_>) -> Result<(u64, DType, bool)> {
     Ok((addr, dtype, vec))
 }
 
-/// Threads of a block that normalises one row of `dim`.
 /// The kernels' RoPE arguments: theta, YaRN's factor (0: plain), the blend's first pair and
 /// width, and the factor on cos and sin.
 fn rope_args(rope: RopeParams, rotary_dim: usize) -> [Arg; 5] {
@@ -372,6 +371,7 @@ fn rope_args(rope: RopeParams, rotary_dim: usize) -> [Arg; 5] {
     ]
 }
 
+/// Threads of a block that normalises one row of `dim`.
 fn norm_block(dim: usize) -> u32 {
     if dim <= 256 { 128 } else { 256 }
 }

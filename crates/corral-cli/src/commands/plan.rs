@@ -10,7 +10,7 @@ use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_availa
 use corral_model::{Checkpoint, ModelConfig};
 
 /// Share of `MemAvailable` a CPU plan takes when no budget is given.
-pub(crate) const MEM_AVAILABLE_SHARE: f64 = 0.9;
+const MEM_AVAILABLE_SHARE: f64 = 0.9;
 
 /// Where the model would run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -83,12 +83,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     };
     let (budget, source) = match (args.memory, args.device) {
         (Some(bytes), _) => (bytes as u64, "given".to_string()),
-        (None, PlanDevice::Cpu) => {
-            let available = mem_available()
-                .context("no /proc/meminfo to read MemAvailable from: give --memory")?;
-            let budget = (available as f64 * MEM_AVAILABLE_SHARE) as u64;
-            (budget, format!("90% of MemAvailable {}", gib(available)))
-        }
+        (None, PlanDevice::Cpu) => host_budget(mem_available(), "")?,
         (None, PlanDevice::Cuda) => {
             bail!("give --memory: plan does not read a GPU's free memory")
         }
@@ -199,6 +194,19 @@ pub(crate) fn plan_text(name: &str, source: &str, p: &MemoryPlan, kv_element: us
         n.block_size
     );
     out
+}
+
+/// The budget on the CPU or a unified-memory device when none is given: a share of
+/// `MemAvailable` (`available`; `when` says when it was read, for the source text).
+pub(crate) fn host_budget(available: Option<u64>, when: &str) -> Result<(u64, String)> {
+    let available =
+        available.context("no /proc/meminfo to read MemAvailable from: give --memory")?;
+    let budget = (available as f64 * MEM_AVAILABLE_SHARE) as u64;
+    let share = (MEM_AVAILABLE_SHARE * 100.0).round();
+    Ok((
+        budget,
+        format!("{share}% of MemAvailable {}{when}", gib(available)),
+    ))
 }
 
 /// Bytes in GiB with two decimals.

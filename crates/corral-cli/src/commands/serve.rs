@@ -42,7 +42,8 @@ pub(crate) struct ServeArgs {
     max_queue: usize,
     /// Memory the server may use in all (weights, workspace, KV cache, recurrent states), in
     /// bytes or with a K/M/G suffix; the KV cache gets what the plan leaves. Default: a
-    /// discrete GPU's free memory after loading, else 90% of MemAvailable, less headroom.
+    /// discrete GPU's free memory after loading less 5% (at least 1 GiB), else 90% of
+    /// MemAvailable read before loading.
     #[arg(long, env = "CORRAL_MEMORY", value_parser = parse_bytes)]
     memory: Option<usize>,
     /// The KV cache's memory exactly, in bytes or with a K/M/G suffix (instead of the plan's).
@@ -151,7 +152,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             None
         }
     };
-    let host_before_load = serve_plan::host_available();
+    let host_before_load = corral_engine::mem_available();
     let model = load_model(&args.model)?;
     let config = model.config().clone();
     let kv_elem = model.backend().kv_dtype().size_bytes();
@@ -169,7 +170,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     // without attention layers needs no KV memory at all).
     let useful = args.max_batch.max(1) * context.div_ceil(BLOCK_SIZE);
     let kv_blocks = match args.kv_memory {
-        Some(bytes) => bytes / per_block.max(1),
+        Some(bytes) => bytes.checked_div(per_block).unwrap_or(useful),
         None => {
             let shape = serve_plan::ServeShape {
                 memory: args.memory.map(|m| m as u64),
@@ -188,7 +189,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 "memory budget: {}",
                 sized.source
             );
-            p.kv_blocks
+            if per_block == 0 { useful } else { p.kv_blocks }
         }
     }
     .min(useful);
@@ -205,7 +206,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     tracing::info!(
         "KV {capacity} tokens in {kv_blocks} blocks, {batch} state slots, {state_checkpoints} state checkpoints; max context {max_context} at C=1, {at_batch} at C={batch}"
     );
-    serve_plan::warn_short(max_context, args.max_context);
+    serve_plan::warn_short(max_context, capacity, args.max_context);
     let stop_ids = stop_token_ids(&dir, &config.eos_token_ids)?;
     let shipped = sampling_defaults(&dir)?;
     let sampling = match &args.sampling_defaults {
@@ -363,11 +364,14 @@ fn model_identity(model: &ModelArgs) -> String {
         })
         .unwrap_or_default();
     files.sort();
-    files
+    let weights = files
         .iter()
         .map(|f| describe(f))
         .collect::<Vec<_>>()
-        .join(";")
+        .join(";");
+    // The config too: RoPE scaling (YaRN) added to config.json changes what a saved KV means.
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap_or_default();
+    format!("{weights};config {config}")
 }
 
 #[cfg(test)]

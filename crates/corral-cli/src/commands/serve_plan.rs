@@ -5,10 +5,10 @@
 //! the host needs).
 
 use anyhow::{Result, bail};
-use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
+use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, plan};
 use corral_model::Model;
 
-use super::plan::{MEM_AVAILABLE_SHARE, gib, plan_text};
+use super::plan::{gib, host_budget, plan_text};
 
 /// Device memory a budget read from a discrete GPU leaves free: the larger of 1 GiB and 5%.
 const GPU_HEADROOM_MIN: u64 = 1 << 30;
@@ -16,11 +16,6 @@ const GPU_HEADROOM_SHARE: f64 = 0.05;
 
 /// Contexts below this get a warning: agents' prompts alone run to tens of thousands of tokens.
 const SHORT_CONTEXT: usize = 32_768;
-
-/// The host memory a budget may come from, read before the model is loaded.
-pub(crate) fn host_available() -> Option<u64> {
-    mem_available()
-}
 
 /// What serving needs, sized.
 pub(crate) struct ServePlan {
@@ -50,26 +45,27 @@ pub(crate) fn plan_serving(
     let backend = model.backend();
     let config = model.config();
     let kv_element = backend.kv_dtype().size_bytes();
-    let fixed = if backend.device_name().starts_with("cpu") {
-        0
-    } else {
-        corral_backend::cuda_fixed_buffer_bytes() as u64
-    };
     let weights = model.weight_bytes() as u64;
-    let needs = MemoryNeeds::of(
-        config,
-        weights,
-        kv_element,
-        shape.prefill_tokens,
-        fixed,
-        BLOCK_SIZE,
-    );
     let device = backend.device_memory()?;
-    let (budget, source) = match (shape.memory, device) {
-        (Some(bytes), _) => (bytes, "given".to_string()),
+    // A GPU's fixed buffers are allocated by now: its free memory is read after them.
+    let needs = |fixed: u64| {
+        MemoryNeeds::of(
+            config,
+            weights,
+            kv_element,
+            shape.prefill_tokens,
+            fixed,
+            BLOCK_SIZE,
+        )
+    };
+    let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;
+    let (needs, budget, source) = match (shape.memory, device) {
+        (Some(bytes), Some(_)) => (needs(gpu_fixed), bytes, "given".to_string()),
+        (Some(bytes), None) => (needs(0), bytes, "given".to_string()),
         (None, Some(d)) if !d.unified => {
             let headroom = GPU_HEADROOM_MIN.max((d.total as f64 * GPU_HEADROOM_SHARE) as u64);
             (
+                needs(0),
                 weights + d.free.saturating_sub(headroom),
                 format!(
                     "the weights and the GPU's {} free after loading, less {} headroom",
@@ -78,13 +74,12 @@ pub(crate) fn plan_serving(
                 ),
             )
         }
-        (None, _) => {
-            let Some(available) = host_before_load else {
-                bail!("no /proc/meminfo to read MemAvailable from: give --memory or --kv-memory");
-            };
+        (None, d) => {
+            let (budget, source) = host_budget(host_before_load, " before loading")?;
             (
-                (available as f64 * MEM_AVAILABLE_SHARE) as u64,
-                format!("90% of MemAvailable {} before loading", gib(available)),
+                needs(if d.is_some() { gpu_fixed } else { 0 }),
+                budget,
+                source,
             )
         }
     };
@@ -95,10 +90,15 @@ pub(crate) fn plan_serving(
         checkpoints: shape.checkpoints,
     };
     let planned = plan(&needs, request);
-    if !planned.weights_fit || planned.kv_blocks == 0 {
+    // A model without attention layers needs no KV block.
+    let holds_kv = planned.kv_blocks > 0 || needs.kv_per_token == 0;
+    if !planned.weights_fit || !holds_kv {
         eprint!("{}", plan_text(name, &source, &planned, kv_element));
         if planned.weights_fit {
-            bail!("the memory budget holds no KV block once the weights are placed");
+            bail!(
+                "the memory budget holds no KV block once the weights, workspace and recurrent states ({} checkpoints: --state-cache-bytes) are placed",
+                shape.checkpoints
+            );
         }
         bail!("the weights and workspace alone do not fit the memory budget");
     }
@@ -108,19 +108,21 @@ pub(crate) fn plan_serving(
     })
 }
 
-/// Warns when the contexts the pool allows are short of what agents need or of what was asked.
-pub(crate) fn warn_short(context_at_one: usize, asked: Option<usize>) {
-    if context_at_one < SHORT_CONTEXT {
-        tracing::warn!(
-            context = context_at_one,
-            "the KV pool holds fewer than 32,768 tokens for one sequence; agents' prompts need more"
-        );
+/// Warns when the longest context is short of what agents need, naming what limits it: the
+/// KV pool (`capacity` tokens), the model or `--max-context` (`asked`).
+pub(crate) fn warn_short(max_context: usize, capacity: usize, asked: Option<usize>) {
+    if max_context >= SHORT_CONTEXT {
+        return;
     }
-    if let Some(asked) = asked.filter(|&a| a > context_at_one) {
-        tracing::warn!(
-            asked,
-            context = context_at_one,
-            "--max-context is more than the KV pool holds for one sequence"
-        );
-    }
+    let limit = if capacity <= max_context {
+        "the KV pool: give more --memory"
+    } else if asked == Some(max_context) {
+        "--max-context"
+    } else {
+        "the model's own context"
+    };
+    tracing::warn!(
+        context = max_context,
+        "the longest context is under 32,768 tokens, set by {limit}; agents' prompts need more"
+    );
 }
