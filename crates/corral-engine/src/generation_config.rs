@@ -191,12 +191,10 @@ pub fn sampling_defaults(dir: &Path) -> Result<SamplingDefaults, EngineError> {
 mod tests {
     use super::*;
 
-    fn dir_with(json: &str) -> std::path::PathBuf {
-        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("corral-genconf-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("generation_config.json"), json).unwrap();
+    /// A folder holding `json` as its generation_config.json, removed when dropped.
+    fn dir_with(json: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("generation_config.json"), json).unwrap();
         dir
     }
 
@@ -206,7 +204,7 @@ mod tests {
         let dir = dir_with(
             r#"{"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2]}"#,
         );
-        let d = sampling_defaults(&dir).unwrap();
+        let d = sampling_defaults(dir.path()).unwrap();
         assert_eq!(
             d,
             SamplingDefaults {
@@ -227,14 +225,16 @@ mod tests {
             r#"{"top_p": 0}"#,
             r#"{"top_k": 2.5}"#,
         ] {
-            let err = sampling_defaults(&dir_with(bad)).unwrap_err().to_string();
+            let err = sampling_defaults(dir_with(bad).path())
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("generation_config.json"), "{err}");
         }
         assert!(d.parse_over("temp=1").unwrap_err().contains("unknown"));
         assert!(d.parse_over("top_p").unwrap_err().contains("NAME=VALUE"));
-        let none = std::env::temp_dir().join("corral-genconf-none");
+        let none = tempfile::tempdir().unwrap();
         assert_eq!(
-            sampling_defaults(&none).unwrap(),
+            sampling_defaults(none.path()).unwrap(),
             SamplingDefaults::default()
         );
     }

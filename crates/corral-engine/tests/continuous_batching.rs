@@ -459,11 +459,11 @@ fn an_idle_engine_writes_its_cached_histories_ahead() {
         let expected = alone(name, &next, 6);
         let mut totals = Vec::new();
         for pause in [false, true] {
-            let dir = std::env::temp_dir().join(format!(
-                "corral-ahead-{name}-{pause}-{}",
-                std::process::id()
-            ));
-            let _ = std::fs::remove_dir_all(&dir);
+            let folder = tempfile::Builder::new()
+                .prefix(&format!("corral-ahead-{name}-{pause}-"))
+                .tempdir()
+                .unwrap();
+            let dir = folder.path().join("sessions");
             let config = EngineConfig {
                 prefix_cache: true,
                 session_dir: Some(dir.clone()),
@@ -497,7 +497,6 @@ fn an_idle_engine_writes_its_cached_histories_ahead() {
             totals.push(spills());
             engine.shutdown();
             thread.join().unwrap();
-            let _ = std::fs::remove_dir_all(&dir);
         }
         assert_eq!(
             totals[1], totals[0],

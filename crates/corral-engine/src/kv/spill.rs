@@ -717,10 +717,12 @@ mod tests {
         }
     }
 
-    fn dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("corral-spill-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        d
+    /// A fresh folder, removed when the test ends.
+    fn dir(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("corral-spill-{name}-"))
+            .tempdir()
+            .unwrap()
     }
 
     #[test]
@@ -728,7 +730,7 @@ mod tests {
         let d = dir("cancelled");
         std::fs::create_dir_all(&d).unwrap();
         let p = prefix();
-        let path = d.join("a.spill");
+        let path = d.path().join("a.spill");
         p.write(&path).unwrap();
         let cancel = AtomicBool::new(true);
         let err = SpillFile::read_unless(&path, p.fingerprint, &cancel).unwrap_err();
@@ -740,7 +742,7 @@ mod tests {
     #[test]
     fn a_failed_write_leaves_no_temporary_file() {
         let d = dir("failed-write");
-        let path = d.join("a.spill");
+        let path = d.path().join("a.spill");
         // The rename fails: a folder with something in it has the file's name.
         std::fs::create_dir_all(path.join("inside")).unwrap();
         assert!(prefix().write(&path).is_err());
@@ -755,7 +757,7 @@ mod tests {
         let d = dir("roundtrip");
         std::fs::create_dir_all(&d).unwrap();
         let p = prefix();
-        let path = d.join("a.spill");
+        let path = d.path().join("a.spill");
         let bytes = p.write(&path).unwrap();
         let back = SpillFile::read(&path, p.fingerprint).unwrap();
         assert_eq!(back.tokens(), &p.tokens[..]);
@@ -790,7 +792,6 @@ mod tests {
         let mut absurd = all.clone();
         absurd[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
         refused(&absurd, p.fingerprint, "truncated");
-        let _ = std::fs::remove_dir_all(&d);
     }
 
     /// The checksum fed in pieces of any size (as a file is written) equals it over the
@@ -857,7 +858,8 @@ mod tests {
         let d = dir("folder");
         let p = prefix();
         let written = Arc::new(AtomicU64::new(0));
-        let mut spill = SpillDir::open(&d, p.fingerprint, 10_000, Arc::clone(&written)).unwrap();
+        let mut spill =
+            SpillDir::open(d.path(), p.fingerprint, 10_000, Arc::clone(&written)).unwrap();
         let size = spill.add(p.clone()).unwrap();
         let longer = SpilledPrefix {
             tokens: (0..12).collect(),
@@ -898,22 +900,22 @@ mod tests {
         // the first index is gone, its background writes finished).
         drop(spill);
         assert_eq!(written.load(Ordering::Relaxed), 2, "both writes counted");
-        std::fs::write(d.join("junk.spill"), b"not a spill file").unwrap();
-        let reopened = SpillDir::open(&d, p.fingerprint, 10_000, Arc::default()).unwrap();
+        std::fs::write(d.path().join("junk.spill"), b"not a spill file").unwrap();
+        let reopened = SpillDir::open(d.path(), p.fingerprint, 10_000, Arc::default()).unwrap();
         assert_eq!(reopened.len(), 2);
         assert!(reopened.holds(&longer.tokens));
-        assert!(!d.join("junk.spill").exists());
+        assert!(!d.path().join("junk.spill").exists());
         assert_eq!(
-            SpillDir::open(&d, p.fingerprint ^ 1, 10_000, Arc::default())
+            SpillDir::open(d.path(), p.fingerprint ^ 1, 10_000, Arc::default())
                 .unwrap()
                 .len(),
             0
         );
         // Room for one file: the least recently used goes first, but not a pinned one
         // (about to be restored from), and a cut-short write is cleaned up at open.
-        std::fs::write(d.join("cut.tmp"), b"partial").unwrap();
-        let mut small = SpillDir::open(&d, p.fingerprint, size + 10, Arc::default()).unwrap();
-        assert!(!d.join("cut.tmp").exists());
+        std::fs::write(d.path().join("cut.tmp"), b"partial").unwrap();
+        let mut small = SpillDir::open(d.path(), p.fingerprint, size + 10, Arc::default()).unwrap();
+        assert!(!d.path().join("cut.tmp").exists());
         small.add(p.clone()).unwrap();
         small.add(longer.clone()).unwrap();
         assert_eq!(small.len(), 1);
@@ -926,6 +928,5 @@ mod tests {
             "the pinned file stays"
         );
         small.pin(None);
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
