@@ -1,24 +1,25 @@
 #!/usr/bin/env python3
-"""Long-context conformance fixtures: transformers' logits at the end of an 8,192-token sequence.
+"""Long-context conformance fixtures: transformers' logits at the end of long sequences.
 
 Outputs (relative to --out-dir, default the repository root):
 
-  tests/fixtures/long_qwen3_yarn/     qwen3 (dense), f32, YaRN RoPE scaling (factor 4 over an
-                                      original 2,048 positions, so that 8,192 positions are four
-                                      times the trained length); head_dim 32 puts the blend of
-                                      extrapolated and interpolated frequencies at pairs 2..7
+  tests/fixtures/long_qwen3_yarn/     qwen3 (dense), f32, 32,768 tokens, YaRN RoPE scaling
+                                      (factor 4 over an original 8,192 positions: the sequence is
+                                      four times the trained length); head_dim 32 puts the blend
+                                      of extrapolated and interpolated frequencies at pairs 4..9
                                       of 16, so all three regimes are exercised
-  tests/fixtures/long_qwen3_5/        qwen3_5_text (dense hybrid), f32, partial RoPE (rotary
-                                      dim 8 of 32) at long positions, 3 Gated DeltaNet layers
-                                      and 1 attention layer
+  tests/fixtures/long_qwen3_5/        qwen3_5_text (dense hybrid), f32, 8,192 tokens, partial
+                                      RoPE (rotary dim 8 of 32) at long positions, 3 Gated
+                                      DeltaNet layers and 1 attention layer
 
 Each directory is a checkpoint written by save_pretrained plus reference.safetensors:
 
-  token_ids    I64 [8192]       seeded random ids
+  token_ids    I64 [T]          seeded random ids
   tail_logits  F32 [32, vocab]  the logits of the last 32 positions of one forward pass
 
-Dense models only: no routing decision can flip through rounding over 8,192 tokens. Weights
-are saved in f32 and the reference runs in f32 with eager attention, every parameter
+Dense models only: no routing decision can flip through rounding over so many tokens. Weights
+are saved in f32 and the reference runs in f32 (attention: torch's sdpa at 32,768 tokens,
+where eager's T x T matrix would not fit in memory; eager otherwise), every parameter
 perturbed (make_fixtures.build_model). Run as make_fixtures.py says, in the same virtualenv:
 
     python scripts/make_long_fixtures.py [--out-dir DIR]
@@ -38,7 +39,6 @@ from transformers import Qwen3_5TextConfig, Qwen3Config
 
 import make_fixtures as base
 
-SEQ_LEN = 8192
 TAIL = 32
 
 FIXTURES = [
@@ -52,11 +52,13 @@ FIXTURES = [
             bos_token_id=254, eos_token_id=255,
         ),
         common_config=dict(
-            rms_norm_eps=1e-6, max_position_embeddings=8192,
+            rms_norm_eps=1e-6, max_position_embeddings=32768,
             rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
-                                 original_max_position_embeddings=2048),
+                                 original_max_position_embeddings=8192),
         ),
         seed=21,
+        seq_len=32768,
+        attention="sdpa",
     ),
     dict(
         name="long_qwen3_5",
@@ -67,6 +69,8 @@ FIXTURES = [
         ),
         common_config=dict(rms_norm_eps=1e-6, max_position_embeddings=16384),
         seed=23,
+        seq_len=8192,
+        attention="eager",
     ),
 ]
 
@@ -80,14 +84,17 @@ def make(spec: dict, out_dir: Path) -> None:
     model.save_pretrained(path)
     del model
     vocab = spec["config"]["vocab_size"]
-    token_ids = torch.randint(0, vocab - 2, (SEQ_LEN,), generator=torch.Generator().manual_seed(spec["seed"]))
+    seq_len = spec["seq_len"]
+    token_ids = torch.randint(0, vocab - 2, (seq_len,), generator=torch.Generator().manual_seed(spec["seed"]))
     reference = base.load_reference_model(path)
+    reference.config._attn_implementation = spec["attention"]
+    reference.set_attn_implementation(spec["attention"])
     rope = getattr(reference.model.rotary_emb, "attention_scaling", 1.0)
     logits = reference(input_ids=token_ids[None]).logits[0, -TAIL:].float().contiguous()
     save_file({"token_ids": token_ids.clone(), "tail_logits": logits}, path / "reference.safetensors")
     config = json.loads((path / "config.json").read_text())
     total = sum(p.stat().st_size for p in path.iterdir())
-    print(f"== {spec['name']}: {SEQ_LEN} tokens, rope {config.get('rope_parameters')}, "
+    print(f"== {spec['name']}: {seq_len} tokens, {spec['attention']} attention, rope {config.get('rope_parameters')}, "
           f"attention scaling {rope}, max |logit| {logits.abs().max():.3f}, {total:,} B")
 
 
