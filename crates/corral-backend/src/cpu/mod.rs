@@ -25,16 +25,34 @@ pub struct CpuBackend {
     threads: usize,
     pool: BufferPool,
     stats: StatsCounter,
+    kv_dtype: DType,
 }
 
 impl CpuBackend {
-    /// A backend using the process-wide rayon pool. The binary sizes that pool once, from
-    /// `--threads`, before creating the backend.
+    /// A backend using the process-wide rayon pool, keeping the KV cache in f32 (the
+    /// conformance tests' exact path). The binary sizes that pool once, from `--threads`,
+    /// before creating the backend.
     pub fn new() -> Self {
         Self {
             threads: rayon::current_num_threads(),
             pool: BufferPool::default(),
             stats: StatsCounter::default(),
+            kv_dtype: DType::F32,
+        }
+    }
+
+    /// As [`CpuBackend::new`], keeping the KV cache in `kv_dtype`: F32, or BF16 (half the
+    /// memory; rows widened to f32 as attention reads them).
+    pub fn with_kv_dtype(kv_dtype: DType) -> Result<Self> {
+        match kv_dtype {
+            DType::F32 | DType::BF16 => Ok(Self {
+                kv_dtype,
+                ..Self::new()
+            }),
+            other => Err(bad(
+                "CpuBackend",
+                format!("a KV cache of {other} (f32 or bf16 on the CPU)"),
+            )),
         }
     }
 
@@ -178,6 +196,43 @@ fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'
 }
 
 /// The rows of a weight view as f32 values, when stored as f32 (norm weights).
+/// A KV cache buffer's first `needed` elements, f32 or bf16.
+fn kv_rows<'a>(
+    op: &'static str,
+    what: &'static str,
+    b: &'a DeviceBuffer,
+    needed: usize,
+) -> Result<ops::attention::KvRows<'a>> {
+    check_len(op, what, b, needed)?;
+    match (b.dtype(), &b.storage) {
+        (DType::F32, Storage::F32(v)) => Ok(ops::attention::KvRows::F32(&v[..needed])),
+        (DType::BF16, Storage::Half(v)) => Ok(ops::attention::KvRows::Bf16(&v[..needed])),
+        (dtype, _) => Err(bad(
+            op,
+            format!("`{what}` is a cache of {dtype} (f32 or bf16)"),
+        )),
+    }
+}
+
+/// As [`kv_rows`], to be written.
+fn kv_rows_mut<'a>(
+    op: &'static str,
+    what: &'static str,
+    b: &'a mut DeviceBuffer,
+    needed: usize,
+) -> Result<ops::attention::KvRowsMut<'a>> {
+    check_len(op, what, b, needed)?;
+    let dtype = b.dtype();
+    match (dtype, &mut b.storage) {
+        (DType::F32, Storage::F32(v)) => Ok(ops::attention::KvRowsMut::F32(&mut v[..needed])),
+        (DType::BF16, Storage::Half(v)) => Ok(ops::attention::KvRowsMut::Bf16(&mut v[..needed])),
+        _ => Err(bad(
+            op,
+            format!("`{what}` is a cache of {dtype} (f32 or bf16)"),
+        )),
+    }
+}
+
 fn weight_f32<'a>(op: &'static str, b: &'a DeviceBuffer, needed: usize) -> Result<&'a [f32]> {
     check_len(op, "weight", b, needed)?;
     match weight_rows(op, b)? {
@@ -789,6 +844,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+
     fn kv_store(
         &self,
         k: &DeviceBuffer,
@@ -811,8 +870,8 @@ impl Backend for CpuBackend {
         let k = f32s(op, "k", k, tokens * kv_dim)?;
         let v = f32s(op, "v", v, tokens * kv_dim)?;
         let len = capacity * kv_dim;
-        let cache_k = f32s_mut(op, "cache_k", cache_k, len)?;
-        let cache_v = f32s_mut(op, "cache_v", cache_v, len)?;
+        let cache_k = kv_rows_mut(op, "cache_k", cache_k, len)?;
+        let cache_v = kv_rows_mut(op, "cache_v", cache_v, len)?;
         self.stats.dispatch(1);
         ops::attention::kv_store(k, v, slots, kv_dim, cache_k, cache_v);
         Ok(())
@@ -856,8 +915,8 @@ impl Backend for CpuBackend {
         let k_weight = weight_f32(op, k_weight, head_dim)?;
         let q_out = f32s_mut(op, "q_out", q_out, tokens * heads * head_dim)?;
         let len = capacity * kv_dim;
-        let cache_k = f32s_mut(op, "cache_k", cache_k, len)?;
-        let cache_v = f32s_mut(op, "cache_v", cache_v, len)?;
+        let cache_k = kv_rows_mut(op, "cache_k", cache_k, len)?;
+        let cache_v = kv_rows_mut(op, "cache_v", cache_v, len)?;
         self.stats.dispatch(1);
         let fused = ops::attention::FusedQkv {
             heads,
@@ -932,8 +991,8 @@ impl Backend for CpuBackend {
         };
         let len = num_blocks * meta.block_size * kv_dim;
         let q = f32s(op, "q", q, tokens * num_heads * head_dim)?;
-        let cache_k = f32s(op, "cache_k", cache_k, len)?;
-        let cache_v = f32s(op, "cache_v", cache_v, len)?;
+        let cache_k = kv_rows(op, "cache_k", cache_k, len)?;
+        let cache_v = kv_rows(op, "cache_v", cache_v, len)?;
         let out = f32s_mut(op, "out", out, tokens * num_heads * head_dim)?;
         self.stats.dispatch(1);
         ops::attention::paged_attention(

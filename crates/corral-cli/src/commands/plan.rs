@@ -15,9 +15,9 @@ const MEM_AVAILABLE_SHARE: f64 = 0.9;
 /// Where the model would run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum PlanDevice {
-    /// The CPU backend (KV in f32 today).
+    /// The CPU backend.
     Cpu,
-    /// The CUDA backend (KV in bf16).
+    /// The CUDA backend.
     Cuda,
 }
 
@@ -53,6 +53,9 @@ pub(crate) struct PlanArgs {
     /// Most prompt tokens a prefill step takes (its activations are the workspace).
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// The KV cache's element type (bf16 or f32), as `serve --kv-dtype`.
+    #[arg(long, default_value = "bf16", value_parser = crate::loading::parse_kv_dtype)]
+    kv_dtype: corral_backend::DType,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -77,9 +80,10 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         }
         (None, None) => bail!("give --model DIR or --synthetic CONFIG"),
     };
-    let (kv_element, fixed) = match args.device {
-        PlanDevice::Cpu => (4, 0),
-        PlanDevice::Cuda => (2, corral_backend::cuda_fixed_buffer_bytes() as u64),
+    let kv_element = args.kv_dtype.size_bytes();
+    let fixed = match args.device {
+        PlanDevice::Cpu => 0,
+        PlanDevice::Cuda => corral_backend::cuda_fixed_buffer_bytes() as u64,
     };
     let (budget, source) = match (args.memory, args.device) {
         (Some(bytes), _) => (bytes as u64, "given".to_string()),

@@ -21,6 +21,48 @@ impl PagedLayout<'_> {
     }
 }
 
+/// A layer's paged K or V cache as the CPU keeps it: f32, or bf16 bit patterns.
+#[derive(Clone, Copy)]
+pub(crate) enum KvRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl KvRows<'_> {
+    /// Elements `base..base + dst.len()` as f32.
+    fn read(&self, base: usize, dst: &mut [f32]) {
+        match self {
+            KvRows::F32(v) => dst.copy_from_slice(&v[base..base + dst.len()]),
+            KvRows::Bf16(v) => {
+                let len = dst.len();
+                for (d, &b) in dst.iter_mut().zip(&v[base..base + len]) {
+                    *d = f32::from_bits((b as u32) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// A layer's paged K or V cache, to be written.
+pub(crate) enum KvRowsMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
+}
+
+impl KvRowsMut<'_> {
+    /// `src` into elements `base..base + src.len()` (bf16 rounded to nearest, ties to even).
+    fn write(&mut self, base: usize, src: &[f32]) {
+        match self {
+            KvRowsMut::F32(v) => v[base..base + src.len()].copy_from_slice(src),
+            KvRowsMut::Bf16(v) => {
+                for (d, &x) in v[base..base + src.len()].iter_mut().zip(src) {
+                    *d = half::bf16::from_f32(x).to_bits();
+                }
+            }
+        }
+    }
+}
+
 /// Consecutive tokens of one run that one work item of [`paged_attention`] takes at least,
 /// with all the query heads of a KV head: each K and V row is read once for all of them.
 const TILE_TOKENS: usize = 8;
@@ -62,12 +104,13 @@ struct Loops {
 /// that group, then every value row each of their outputs. A tile of a few rows (decode)
 /// runs loops of one dot product per score, softmax, and values summed in key order, on AVX2
 /// and FMA where the CPU has them; a larger one (prefill) runs GEMM calls over blocks of
-/// keys with an online softmax.
+/// keys with an online softmax. A bf16 cache takes the GEMM calls for every tile, its rows
+/// widened to f32 as they are gathered.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention(
     q: &[f32],
-    cache_k: &[f32],
-    cache_v: &[f32],
+    cache_k: KvRows<'_>,
+    cache_v: KvRows<'_>,
     layout: &PagedLayout<'_>,
     num_heads: usize,
     num_kv_heads: usize,
@@ -89,8 +132,8 @@ pub(crate) fn paged_attention(
 fn attention_with(
     loops: Loops,
     q: &[f32],
-    cache_k: &[f32],
-    cache_v: &[f32],
+    cache_k: KvRows<'_>,
+    cache_v: KvRows<'_>,
     layout: &PagedLayout<'_>,
     (num_heads, num_kv_heads, head_dim, scale): (usize, usize, usize, f32),
     out: &mut [f32],
@@ -143,7 +186,9 @@ fn attention_with(
                 .max()
                 .unwrap_or(0);
             let rows = (t1 - t0) * group;
-            if rows >= loops.gemm_min_rows {
+            let (KvRows::F32(cache_k32), KvRows::F32(cache_v32), true) =
+                (cache_k, cache_v, rows < loops.gemm_min_rows)
+            else {
                 return attend_tile_gemm(
                     &tile,
                     q,
@@ -154,16 +199,18 @@ fn attention_with(
                     loops.key_block,
                     simd,
                 );
-            }
+            };
             with_scratch(rows * longest, |scores| {
                 #[cfg(target_arch = "x86_64")]
                 if simd && head_dim.is_multiple_of(8) {
                     // SAFETY: the CPU has AVX2 and FMA (has_avx2_fma checked it) and the
                     // head dim is a multiple of 8.
                     #[allow(unsafe_code)]
-                    return unsafe { attend_tile_fma(&tile, q, cache_k, cache_v, layout, scores) };
+                    return unsafe {
+                        attend_tile_fma(&tile, q, cache_k32, cache_v32, layout, scores)
+                    };
                 }
-                attend_tile(&tile, q, cache_k, cache_v, layout, scores)
+                attend_tile(&tile, q, cache_k32, cache_v32, layout, scores)
             })
         })
         .collect();
@@ -309,8 +356,8 @@ fn gemm_into(
 fn attend_tile_gemm(
     tile: &Tile,
     q: &[f32],
-    cache_k: &[f32],
-    cache_v: &[f32],
+    cache_k: KvRows<'_>,
+    cache_v: KvRows<'_>,
     layout: &PagedLayout<'_>,
     longest: usize,
     key_block: usize,
@@ -341,8 +388,8 @@ fn attend_tile_gemm(
         for j0 in (0..longest).step_by(block) {
             let n = block.min(longest - j0);
             for (j, &base) in bases[j0..j0 + n].iter().enumerate() {
-                kb[j * hd..(j + 1) * hd].copy_from_slice(&cache_k[base..base + hd]);
-                vb[j * hd..(j + 1) * hd].copy_from_slice(&cache_v[base..base + hd]);
+                cache_k.read(base, &mut kb[j * hd..(j + 1) * hd]);
+                cache_v.read(base, &mut vb[j * hd..(j + 1) * hd]);
             }
             let (queries, keys) = (Operand::row_major(qs, hd), Operand::col_major(kb, hd));
             gemm_into(s, rows, n, hd, queries, keys, false);
@@ -772,8 +819,8 @@ pub(crate) fn qkv_norm_rope_store(
     slots: &[u32],
     shape: FusedQkv,
     q_out: &mut [f32],
-    cache_k: &mut [f32],
-    cache_v: &mut [f32],
+    mut cache_k: KvRowsMut<'_>,
+    mut cache_v: KvRowsMut<'_>,
 ) {
     let FusedQkv {
         heads,
@@ -796,14 +843,15 @@ pub(crate) fn qkv_norm_rope_store(
             }
             super::rope::rotate_heads(q, pos, hd, rotary_dim, &freqs);
         });
+    let mut k = vec![0.0f32; kv_dim];
     for ((row, &pos), &slot) in qkv.chunks(width).zip(positions).zip(slots) {
         let dst = slot as usize * kv_dim;
-        let k = &mut cache_k[dst..dst + kv_dim];
         for (kh, src) in k.chunks_mut(hd).zip(row[q_dim..q_dim + kv_dim].chunks(hd)) {
             super::norm::norm_row(src, k_weight, eps, false, kh);
         }
-        super::rope::rotate_heads(k, pos, hd, rotary_dim, &freqs);
-        cache_v[dst..dst + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+        super::rope::rotate_heads(&mut k, pos, hd, rotary_dim, &freqs);
+        cache_k.write(dst, &k);
+        cache_v.write(dst, &row[q_dim + kv_dim..]);
     }
 }
 
@@ -812,13 +860,13 @@ pub(crate) fn kv_store(
     v: &[f32],
     slots: &[u32],
     kv_dim: usize,
-    cache_k: &mut [f32],
-    cache_v: &mut [f32],
+    mut cache_k: KvRowsMut<'_>,
+    mut cache_v: KvRowsMut<'_>,
 ) {
     for (t, &slot) in slots.iter().enumerate() {
         let dst = slot as usize * kv_dim;
-        cache_k[dst..dst + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
-        cache_v[dst..dst + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+        cache_k.write(dst, &k[t * kv_dim..(t + 1) * kv_dim]);
+        cache_v.write(dst, &v[t * kv_dim..(t + 1) * kv_dim]);
     }
 }
 
@@ -912,8 +960,14 @@ mod tests {
             let mut values = |n: usize| -> Vec<f32> {
                 (0..n).map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0).collect()
             };
-            let k = values(blocks * block_size * kv_dim);
-            let v = values(blocks * block_size * kv_dim);
+            // K and V exactly representable in bf16, so that a bf16 cache holds the same values.
+            let mut bf16_values = |n: usize| -> Vec<f32> {
+                values(n).iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+            };
+            let k = bf16_values(blocks * block_size * kv_dim);
+            let v = bf16_values(blocks * block_size * kv_dim);
+            let bits = |x: &[f32]| -> Vec<u16> { x.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect() };
+            let (k16, v16) = (bits(&k), bits(&v));
             let q = values(positions.len() * heads * hd);
             let layout = PagedLayout {
                 positions: &positions,
@@ -936,10 +990,16 @@ mod tests {
                     (GEMM_MIN_QUERY_ROWS, KEY_BLOCK, None),
                 ] {
                     let loops = Loops { simd, gemm_min_rows, key_block, tile_tokens };
-                    let mut out = vec![f32::NAN; expected.len()];
-                    attention_with(loops, &q, &k, &v, &layout, (heads, kv_heads, hd, scale), &mut out);
-                    for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
-                        prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{loops:?}: {i}: {a} against {b}");
+                    // Each with an f32 and a bf16 cache (the latter always on the GEMM path).
+                    for (cache, ck, cv) in [
+                        ("f32", KvRows::F32(&k), KvRows::F32(&v)),
+                        ("bf16", KvRows::Bf16(&k16), KvRows::Bf16(&v16)),
+                    ] {
+                        let mut out = vec![f32::NAN; expected.len()];
+                        attention_with(loops, &q, ck, cv, &layout, (heads, kv_heads, hd, scale), &mut out);
+                        for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+                            prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{loops:?} {cache}: {i}: {a} against {b}");
+                        }
                     }
                 }
             }
