@@ -104,8 +104,8 @@ struct Loops {
 /// that group, then every value row each of their outputs. A tile of a few rows (decode)
 /// runs loops of one dot product per score, softmax, and values summed in key order, on AVX2
 /// and FMA where the CPU has them; a larger one (prefill) runs GEMM calls over blocks of
-/// keys with an online softmax. A bf16 cache takes the GEMM calls for every tile, its rows
-/// widened to f32 as they are gathered.
+/// keys with an online softmax. A bf16 cache's rows are widened to f32 as they are read
+/// (without AVX2, every tile takes the GEMM calls).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention(
     q: &[f32],
@@ -186,6 +186,22 @@ fn attention_with(
                 .max()
                 .unwrap_or(0);
             let rows = (t1 - t0) * group;
+            #[cfg(target_arch = "x86_64")]
+            if let (KvRows::Bf16(k16), KvRows::Bf16(v16), true, true) = (
+                cache_k,
+                cache_v,
+                rows < loops.gemm_min_rows,
+                simd && head_dim.is_multiple_of(8),
+            ) {
+                return with_scratch(rows * longest, |scores| {
+                    // SAFETY: the CPU has AVX2 and FMA (has_avx2_fma checked it) and the
+                    // head dim is a multiple of 8.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        attend_tile_fma(&tile, q, k16, v16, layout, scores)
+                    }
+                });
+            }
             let (KvRows::F32(cache_k32), KvRows::F32(cache_v32), true) =
                 (cache_k, cache_v, rows < loops.gemm_min_rows)
             else {
@@ -463,11 +479,11 @@ fn has_avx2_fma() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(unsafe_code)]
-unsafe fn attend_tile_fma(
+unsafe fn attend_tile_fma<E: KvElem>(
     tile: &Tile,
     q: &[f32],
-    cache_k: &[f32],
-    cache_v: &[f32],
+    cache_k: &[E],
+    cache_v: &[E],
     layout: &PagedLayout<'_>,
     scores: &mut [f32],
 ) -> Vec<f32> {
@@ -479,7 +495,7 @@ unsafe fn attend_tile_fma(
     let len = |r: usize| tile.len(layout, r);
     let q_row = |r: usize| &q[tile.q_at(r)..tile.q_at(r) + head_dim];
     let bases = tile.key_offsets(layout, run, longest);
-    let key = |cache: &[f32], j: usize| cache[bases[j]..bases[j] + head_dim].as_ptr();
+    let key = |cache: &[E], j: usize| cache[bases[j]..bases[j] + head_dim].as_ptr();
     // Two keys at a time (the second the first again past the end, its scores dropped).
     for j in (0..longest).step_by(2) {
         let pair = (j + 1 < longest) as usize + 1;
@@ -492,23 +508,23 @@ unsafe fn attend_tile_fma(
             unsafe {
                 match n {
                     4 => {
-                        dots = score_block::<4>(
+                        dots = score_block::<4, E>(
                             &[q_row(r), q_row(r + 1), q_row(r + 2), q_row(r + 3)],
                             ks,
                             chunks,
                         )
                     }
-                    3 => dots[..3].copy_from_slice(&score_block::<3>(
+                    3 => dots[..3].copy_from_slice(&score_block::<3, E>(
                         &[q_row(r), q_row(r + 1), q_row(r + 2)],
                         ks,
                         chunks,
                     )),
-                    2 => dots[..2].copy_from_slice(&score_block::<2>(
+                    2 => dots[..2].copy_from_slice(&score_block::<2, E>(
                         &[q_row(r), q_row(r + 1)],
                         ks,
                         chunks,
                     )),
-                    _ => dots[..1].copy_from_slice(&score_block::<1>(&[q_row(r)], ks, chunks)),
+                    _ => dots[..1].copy_from_slice(&score_block::<1, E>(&[q_row(r)], ks, chunks)),
                 }
             }
             for (i, d) in dots[..n].iter().enumerate() {
@@ -546,14 +562,14 @@ unsafe fn attend_tile_fma(
             // in range; probs rows hold `keys` floats; out holds the rows' chunks.
             unsafe {
                 match (nr, nc) {
-                    (2, 4) => sum_values::<2, 4, _>(probs, &v_at, keys, head_dim, out),
-                    (2, 3) => sum_values::<2, 3, _>(probs, &v_at, keys, head_dim, out),
-                    (2, 2) => sum_values::<2, 2, _>(probs, &v_at, keys, head_dim, out),
-                    (2, _) => sum_values::<2, 1, _>(probs, &v_at, keys, head_dim, out),
-                    (_, 4) => sum_values::<1, 4, _>(probs, &v_at, keys, head_dim, out),
-                    (_, 3) => sum_values::<1, 3, _>(probs, &v_at, keys, head_dim, out),
-                    (_, 2) => sum_values::<1, 2, _>(probs, &v_at, keys, head_dim, out),
-                    _ => sum_values::<1, 1, _>(probs, &v_at, keys, head_dim, out),
+                    (2, 4) => sum_values::<2, 4, E, _>(probs, &v_at, keys, head_dim, out),
+                    (2, 3) => sum_values::<2, 3, E, _>(probs, &v_at, keys, head_dim, out),
+                    (2, 2) => sum_values::<2, 2, E, _>(probs, &v_at, keys, head_dim, out),
+                    (2, _) => sum_values::<2, 1, E, _>(probs, &v_at, keys, head_dim, out),
+                    (_, 4) => sum_values::<1, 4, E, _>(probs, &v_at, keys, head_dim, out),
+                    (_, 3) => sum_values::<1, 3, E, _>(probs, &v_at, keys, head_dim, out),
+                    (_, 2) => sum_values::<1, 2, E, _>(probs, &v_at, keys, head_dim, out),
+                    _ => sum_values::<1, 1, E, _>(probs, &v_at, keys, head_dim, out),
                 }
             }
             r += nr;
@@ -665,6 +681,42 @@ fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
 }
 
+/// An element of a cached K or V row, widened to f32 eight at a time.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+trait KvElem: Copy {
+    /// Eight elements from `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// AVX2; `p` points at eight elements.
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl KvElem for f32 {
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+/// bf16 bit patterns: each the high half of its f32.
+#[cfg(target_arch = "x86_64")]
+impl KvElem for u16 {
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn load8(p: *const u16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (eight u16 are 16 bytes; AVX2 for the widening).
+        unsafe {
+            let halves = _mm_loadu_si128(p.cast::<__m128i>());
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
+        }
+    }
+}
+
 /// `q_r · k_c` for N rows and two keys: eight lanes of fused multiply-adds over `chunks` of
 /// 8, then the lanes summed as (0+4)+(1+5)+((2+6)+(3+7)).
 ///
@@ -674,9 +726,9 @@ fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(unsafe_code, clippy::needless_range_loop)]
-unsafe fn score_block<const N: usize>(
+unsafe fn score_block<const N: usize, E: KvElem>(
     q: &[&[f32]; N],
-    k: [*const f32; 2],
+    k: [*const E; 2],
     chunks: usize,
 ) -> [[f32; 2]; N] {
     use std::arch::x86_64::*;
@@ -684,8 +736,8 @@ unsafe fn score_block<const N: usize>(
     for c in 0..chunks {
         // SAFETY: c < chunks, so 8 floats from 8 c are in each row and key.
         unsafe {
-            let k0 = _mm256_loadu_ps(k[0].add(8 * c));
-            let k1 = _mm256_loadu_ps(k[1].add(8 * c));
+            let k0 = E::load8(k[0].add(8 * c));
+            let k1 = E::load8(k[1].add(8 * c));
             for i in 0..N {
                 let qv = _mm256_loadu_ps(q[i].as_ptr().add(8 * c));
                 acc[i][0] = _mm256_fmadd_ps(qv, k0, acc[i][0]);
@@ -717,7 +769,7 @@ unsafe fn score_block<const N: usize>(
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(unsafe_code, clippy::needless_range_loop)]
-unsafe fn sum_values<const NR: usize, const NC: usize, V: Fn(usize) -> *const f32>(
+unsafe fn sum_values<const NR: usize, const NC: usize, E: KvElem, V: Fn(usize) -> *const E>(
     probs: [&[f32]; 2],
     v_at: &V,
     keys: usize,
@@ -732,7 +784,7 @@ unsafe fn sum_values<const NR: usize, const NC: usize, V: Fn(usize) -> *const f3
             let p = _mm256_set1_ps(probs[i][j]);
             for c in 0..NC {
                 // SAFETY: v points at NC · 8 floats (the caller's contract).
-                acc[i][c] = _mm256_fmadd_ps(p, unsafe { _mm256_loadu_ps(v.add(8 * c)) }, acc[i][c]);
+                acc[i][c] = _mm256_fmadd_ps(p, unsafe { E::load8(v.add(8 * c)) }, acc[i][c]);
             }
         }
     }
