@@ -109,6 +109,19 @@ impl RopeArgs {
 }
 
 impl Yarn {
+    /// YaRN by `factor` over `original` positions, transformers' defaults for the rest (betas
+    /// 32 and 1, the attention factor from the factor, the blend's bounds truncated).
+    pub fn new(factor: f64, original: usize) -> Self {
+        Self {
+            factor,
+            original_max_position_embeddings: original,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: Self::default_attention_factor(factor, None, None),
+            truncate: true,
+        }
+    }
+
     /// YaRN's attention factor when the checkpoint gives none: from `mscale` and
     /// `mscale_all_dim` when both are given, else `0.1 ln(factor) + 1`.
     pub fn default_attention_factor(
@@ -137,14 +150,7 @@ mod tests {
     fn yarn(factor: f64, original: usize) -> RopeParams {
         RopeParams {
             theta: 1e6,
-            yarn: Some(Yarn {
-                factor,
-                original_max_position_embeddings: original,
-                beta_fast: 32.0,
-                beta_slow: 1.0,
-                attention_factor: Yarn::default_attention_factor(factor, None, None),
-                truncate: true,
-            }),
+            yarn: Some(Yarn::new(factor, original)),
         }
     }
 

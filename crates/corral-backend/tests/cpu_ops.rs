@@ -99,11 +99,7 @@ proptest! {
         let head_dim = 4 * quarter;
         let rope = corral_backend::RopeParams {
             theta: 1e6,
-            yarn: yarn.then_some(corral_backend::Yarn {
-                factor: 4.0, original_max_position_embeddings: 256, beta_fast: 32.0, beta_slow: 1.0,
-                attention_factor: corral_backend::Yarn::default_attention_factor(4.0, None, None),
-                truncate: true,
-            }),
+            yarn: yarn.then_some(corral_backend::Yarn::new(4.0, 256)),
         };
         let rotary_dim = if partial { head_dim / 2 } else { head_dim };
         let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);

@@ -72,14 +72,7 @@ impl Rng {
 fn yarn(factor: f64, original: usize) -> RopeParams {
     RopeParams {
         theta: 1e6,
-        yarn: Some(Yarn {
-            factor,
-            original_max_position_embeddings: original,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-            attention_factor: Yarn::default_attention_factor(factor, None, None),
-            truncate: true,
-        }),
+        yarn: Some(Yarn::new(factor, original)),
     }
 }
 
