@@ -4,7 +4,7 @@
 //! sampler waits for it only if the forward finished first.
 
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, channel};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::{Duration, Instant};
 
 use llguidance::api::{StopReason, TopLevelGrammar};
@@ -85,6 +85,7 @@ impl GrammarCompiler {
         let mut constraint = Constraint {
             state: State::Idle(Box::new(Matcher::new(Ok(parser)))),
             stats: ConstraintStats::default(),
+            worker: None,
         };
         constraint.start_mask();
         Ok(constraint)
@@ -127,16 +128,45 @@ pub struct ConstraintStats {
 
 enum State {
     Idle(Box<Matcher>),
-    Computing(Receiver<Computed>),
+    /// The matcher is with the worker, computing the next mask.
+    Computing,
     Failed(String),
 }
 
 type Computed = (Box<Matcher>, Result<SimpleVob, String>, Duration);
 
+/// The thread that computes one request's masks, beside the forward, for the request's life:
+/// it takes the matcher, and gives it back with the mask.
+struct MaskWorker {
+    jobs: Sender<Box<Matcher>>,
+    done: Receiver<Computed>,
+}
+
+impl MaskWorker {
+    fn spawn() -> std::io::Result<Self> {
+        let (jobs, todo) = channel::<Box<Matcher>>();
+        let (finished, done) = channel();
+        std::thread::Builder::new()
+            .name("grammar-mask".to_string())
+            .spawn(move || {
+                // Ends when the constraint is dropped (its sender with it).
+                for mut matcher in todo {
+                    let start = Instant::now();
+                    let mask = matcher.compute_mask().map_err(|e| e.to_string());
+                    if finished.send((matcher, mask, start.elapsed())).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Self { jobs, done })
+    }
+}
+
 /// One request's grammar state and its next token's mask.
 pub struct Constraint {
     state: State,
     stats: ConstraintStats,
+    worker: Option<MaskWorker>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -148,39 +178,42 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
-    /// Starts computing the next mask on a thread of its own.
+    /// Starts computing the next mask on the request's worker thread (started the first time).
     fn start_mask(&mut self) {
-        let State::Idle(mut matcher) =
-            std::mem::replace(&mut self.state, State::Failed(String::new()))
-        else {
+        let State::Idle(matcher) = std::mem::replace(&mut self.state, State::Computing) else {
             return;
         };
-        let (tx, rx) = channel();
-        let spawned = std::thread::Builder::new()
-            .name("grammar-mask".to_string())
-            .spawn(move || {
-                let start = Instant::now();
-                let mask = matcher.compute_mask().map_err(|e| e.to_string());
-                let _ = tx.send((matcher, mask, start.elapsed()));
-            });
-        self.state = match spawned {
-            Ok(_) => State::Computing(rx),
-            Err(e) => State::Failed(format!("constrained decoding: no thread for the mask: {e}")),
-        };
+        if self.worker.is_none() {
+            match MaskWorker::spawn() {
+                Ok(w) => self.worker = Some(w),
+                Err(e) => {
+                    self.state =
+                        State::Failed(format!("constrained decoding: no thread for the mask: {e}"));
+                    return;
+                }
+            }
+        }
+        let sent = self.worker.as_ref().map(|w| w.jobs.send(matcher));
+        if !matches!(sent, Some(Ok(()))) {
+            self.state = State::Failed("constrained decoding: the mask's thread ended".to_string());
+        }
     }
 
     /// Sets every logit the grammar does not allow next to −∞ (ids past the tokenizer's
     /// vocabulary included), waiting for the mask if it is still being computed.
     pub fn mask_logits(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let rx = match std::mem::replace(&mut self.state, State::Failed(String::new())) {
-            State::Computing(rx) => rx,
+        match std::mem::replace(&mut self.state, State::Failed(String::new())) {
+            State::Computing => {}
             State::Failed(e) => return Err(self.fail(e)),
             State::Idle(_) => return Err(self.fail("no mask was computed".to_string())),
-        };
+        }
         let waited = Instant::now();
-        let received = rx.recv();
+        let received = match &self.worker {
+            Some(w) => w.done.recv().ok(),
+            None => None,
+        };
         self.stats.wait += waited.elapsed();
-        let Ok((matcher, mask, took)) = received else {
+        let Some((matcher, mask, took)) = received else {
             return Err(self.fail("the mask's thread ended".to_string()));
         };
         self.stats.masks += 1;
