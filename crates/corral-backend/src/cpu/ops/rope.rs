@@ -30,9 +30,11 @@ pub(crate) struct Frequencies {
 
 impl Frequencies {
     pub(crate) fn new(params: RopeParams, rotary_dim: usize) -> Self {
+        // YaRN's blend bounds once for the layer, not once a pair.
+        let args = params.args(rotary_dim);
         let mut inv_freq = [0.0f32; MAX_ROTARY_DIM / 2];
         for (i, f) in inv_freq.iter_mut().take(rotary_dim / 2).enumerate() {
-            *f = params.inverse_frequency(i, rotary_dim);
+            *f = args.inverse_frequency(i, rotary_dim);
         }
         Self {
             inv_freq,
