@@ -43,6 +43,8 @@ pub use stats::{DispatchStats, StatsCounter};
 pub struct Graph {
     inner: cuda::CapturedGraph,
     kernels: u64,
+    /// Weight bytes its library calls read (counted on the host when recorded).
+    host_weight_bytes: u64,
 }
 
 impl Graph {
@@ -376,7 +378,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()>;
 
     /// RMSNorm over each of `rows` rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w`, where
-    /// `w = weight` or, with `offset_one`, `w = 1 + weight` (zero-centred norms).
+    /// `w = weight` or, with `offset_one`, `w = 1 + weight` (zero-centred norms); `out` in F32
+    /// or in [`Backend::gemm_input_dtype`]'s type.
     #[allow(clippy::too_many_arguments)]
     fn rms_norm(
         &self,
@@ -389,7 +392,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
-    /// `out[rows, w.rows] = x[rows, w.cols] · wᵀ`; weights in any float type, F32 in and out.
+    /// The element type projections of `rows` rows by `weights`-typed matrices take their
+    /// input in best: a norm whose only readers are projections (and grouped experts) writes
+    /// it so. F32 unless the backend rounds such inputs anyway (a GPU's bf16 GEMMs), where
+    /// the rounding done once by the norm saves a conversion per projection.
+    fn gemm_input_dtype(&self, _rows: usize, _weights: DType) -> DType {
+        DType::F32
+    }
+
+    /// `out[rows, w.rows] = x[rows, w.cols] · wᵀ`; weights in any float type, F32 out; x in
+    /// F32, or in the type [`Backend::gemm_input_dtype`] names.
     fn matmul(
         &self,
         x: &DeviceBuffer,
@@ -551,9 +563,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Grouped gate and up projections and SwiGLU of every routed pair, all experts in one
     /// dispatch: `act[s] = silu(gate[e] x[t]) ⊙ up[e] x[t]` for the pair `(t, j)` at sorted
-    /// position `s`, `e` its expert. `act` is `[pairs, intermediate]` f32 in sorted order;
-    /// it is scratch for [`Backend::moe_grouped_down`], which may find it in a layout of the
-    /// backend's own (the CUDA backend's prefill tiles leave it in bf16).
+    /// position `s`, `e` its expert; x as [`Backend::matmul`] takes it. `act` is
+    /// `[pairs, intermediate]` f32 in sorted order; it is scratch for
+    /// [`Backend::moe_grouped_down`], which may find it in a layout of the backend's own (the
+    /// CUDA backend's prefill tiles leave it in bf16).
     fn moe_grouped_gate_up(
         &self,
         x: &DeviceBuffer,
@@ -583,6 +596,22 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         hidden: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
+
+    /// [`Backend::moe_grouped_down`] then [`Backend::moe_combine`] into `out`, with `y` scratch
+    /// in a type of the backend's choosing (the CUDA backend's prefill tiles leave it in bf16:
+    /// half the bytes written and read back).
+    fn moe_grouped_down_combine(
+        &self,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        self.moe_grouped_down(act, routing, sorted, experts, y)?;
+        self.moe_combine(y, routing, sorted, experts.down.rows(), out)
+    }
 
     /// `out[i] = x[i] · σ(gate[i])` for the first `len` elements (gated attention output).
     fn sigmoid_mul(

@@ -78,9 +78,18 @@ impl StatsCounter {
         self.dispatches.fetch_sub(n, Ordering::Relaxed);
     }
 
-    /// Counts one replay of a graph holding `kernels` dispatches.
-    pub fn graph_replay(&self, kernels: u64) {
+    /// Takes back weight bytes counted on the host while recording a graph (its replays
+    /// count them).
+    pub fn uncount_weight_bytes(&self, bytes: u64) {
+        self.weight_bytes_read.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// Counts one replay of a graph holding `kernels` dispatches, whose library calls read
+    /// `weight_bytes` that no kernel of ours counts.
+    pub fn graph_replay(&self, kernels: u64, weight_bytes: u64) {
         self.dispatches.fetch_add(kernels, Ordering::Relaxed);
+        self.weight_bytes_read
+            .fetch_add(weight_bytes, Ordering::Relaxed);
         self.graph_replays.fetch_add(1, Ordering::Relaxed);
     }
 

@@ -993,6 +993,9 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
             b.moe_grouped_down(&act, routing, sorted, &w, &mut y)
                 .unwrap();
             b.moe_combine(&y, routing, sorted, h, &mut grouped).unwrap();
+            let mut fused_combine = out_buf(b, tokens * h);
+            b.moe_grouped_down_combine(&act, routing, sorted, &w, &mut y, &mut fused_combine)
+                .unwrap();
             let mut per_token = out_buf(b, tokens * h);
             b.moe_experts_per_token(&xb, routing, &w, &mut act, &mut per_token)
                 .unwrap();
@@ -1012,6 +1015,7 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
                 ],
                 read(b, &grouped, tokens * h),
                 read(b, &per_token, tokens * h),
+                read(b, &fused_combine, tokens * h),
             ));
         }
         let what = format!(
@@ -1023,6 +1027,9 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
         assert_eq!(cpu.2, gpu.2, "{what}: sorting");
         assert_close(&format!("{what}: grouped"), &gpu.3, &cpu.3, 1.5e-2);
         assert_close(&format!("{what}: per-token"), &gpu.4, &cpu.4, 1e-5);
+        // The prefill tiles' bf16 y adds one rounding of each pair's output.
+        assert_close(&format!("{what}: down and combine"), &gpu.5, &cpu.3, 1.5e-2);
+        assert_eq!(cpu.5, cpu.3, "{what}: the default down and combine");
     }
 }
 
@@ -1354,6 +1361,72 @@ fn matmuls_equal_each_matmul_and_round_the_input_once() {
         g.matmuls(&f32_buf(g, &[0.0; 96]), 1, &views, &mut [&mut one])
             .is_err()
     );
+}
+
+/// A norm writes bf16 for projections (`gemm_input_dtype`) exactly as it writes f32 rounded
+/// once, and a projection of that bf16 input equals the projection of the f32 input bit for
+/// bit (every path rounds its input to bf16 first): cuBLAS reading it directly, the few-row
+/// products through a widened copy, one and several projections.
+#[test]
+fn bf16_norm_outputs_feed_projections_as_f32_inputs_do() {
+    let g = gpu_or_skip!();
+    let mut rng = Rng(43);
+    let (k, ns) = (96, [64, 40, 8]);
+    let weights: Vec<DeviceBuffer> = ns
+        .iter()
+        .map(|&n| g.weight_from_f32(&rng.values(n * k), DType::BF16).unwrap())
+        .collect();
+    let views: Vec<WeightView> = weights
+        .iter()
+        .zip(ns)
+        .map(|(w, n)| WeightView::new(w, n, k).unwrap())
+        .collect();
+    let norm = g.weight_from_f32(&rng.values(k), DType::F32).unwrap();
+    assert_eq!(g.gemm_input_dtype(100, DType::F32), DType::F32);
+    for rows in [20, 100] {
+        let x = f32_buf(g, &rng.values(rows * k));
+        let mut normed = out_buf(g, rows * k);
+        g.rms_norm(&x, &norm, rows, k, 1e-6, false, &mut normed)
+            .unwrap();
+        let mut normed16 = g
+            .take_buffer(DType::BF16, rows * k, BufferUsage::Activations)
+            .unwrap();
+        g.rms_norm(&x, &norm, rows, k, 1e-6, false, &mut normed16)
+            .unwrap();
+        let mut bytes = vec![0u8; rows * k * 2];
+        g.read_bytes(&normed16, 0, &mut bytes).unwrap();
+        let rounded: Vec<u16> = read(g, &normed, rows * k)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let written: Vec<u16> = bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        assert_eq!(written, rounded, "rows {rows}: the bf16 norm");
+        for (v, n) in views.iter().zip(ns) {
+            let (mut a, mut b) = (out_buf(g, rows * n), out_buf(g, rows * n));
+            g.matmul(&normed, rows, *v, &mut a).unwrap();
+            g.matmul(&normed16, rows, *v, &mut b).unwrap();
+            assert_eq!(
+                read(g, &a, rows * n),
+                read(g, &b, rows * n),
+                "rows {rows}, n {n}"
+            );
+        }
+        let mut joint: Vec<DeviceBuffer> = ns.iter().map(|&n| out_buf(g, rows * n)).collect();
+        let mut outs: Vec<&mut DeviceBuffer> = joint.iter_mut().collect();
+        g.matmuls(&normed16, rows, &views, &mut outs).unwrap();
+        for (out, (v, n)) in joint.iter().zip(views.iter().zip(ns)) {
+            let mut each = out_buf(g, rows * n);
+            g.matmul(&normed, rows, *v, &mut each).unwrap();
+            assert_eq!(
+                read(g, out, rows * n),
+                read(g, &each, rows * n),
+                "rows {rows} joint"
+            );
+        }
+    }
 }
 
 #[test]

@@ -86,11 +86,15 @@ pub(crate) fn open_backend(choice: DeviceChoice, kv_dtype: DType) -> Result<Arc<
     // CORRAL_RECURRENT_DELTA_RULE=1 runs hybrid prefill's delta rule token by token, to
     // measure what the chunked form saves.
     let recurrent_delta_rule = std::env::var("CORRAL_RECURRENT_DELTA_RULE").is_ok_and(|v| v == "1");
+    // CORRAL_F32_GEMM_INPUTS=1 keeps projections' inputs in f32 (a conversion before each
+    // cuBLAS GEMM), to measure what bf16 inputs from the norms save.
+    let f32_gemm_inputs = std::env::var("CORRAL_F32_GEMM_INPUTS").is_ok_and(|v| v == "1");
     let cuda = |ordinal| {
         CudaBackend::new(CudaOptions {
             ordinal,
             serial_launches,
             recurrent_delta_rule,
+            f32_gemm_inputs,
             kv_dtype: Some(kv_dtype),
             ..Default::default()
         })

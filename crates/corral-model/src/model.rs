@@ -243,6 +243,23 @@ impl Model {
         }
     }
 
+    /// The element type of the norms' outputs (`ws.h`) in a forward of `tokens`: what the
+    /// backend's projections take best, where every reader of `ws.h` takes it (the grouped
+    /// experts do; the per-expert baselines' gathers and the per-token products read f32).
+    fn norm_out_dtype(&self, tokens: usize) -> DType {
+        let weights = match &self.inner {
+            FamilyModel::Qwen3(m) => m.weight_dtype(),
+            FamilyModel::Hybrid(m) => m.weight_dtype(),
+        };
+        let experts_take_it = self.num_sparse_layers() == 0
+            || self.moe_strategy.resolve(tokens) == MoeStrategy::Grouped;
+        if experts_take_it {
+            self.backend.gemm_input_dtype(tokens, weights)
+        } else {
+            DType::F32
+        }
+    }
+
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         match &self.inner {
@@ -457,8 +474,14 @@ impl Model {
             let entry = match graphs.entry(key) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    let mut ws =
-                        Workspace::take(backend, config, tokens, key.runs, width, rows.len())?;
+                    let mut ws = Workspace::take(
+                        backend,
+                        config,
+                        (tokens, self.norm_out_dtype(tokens)),
+                        key.runs,
+                        width,
+                        rows.len(),
+                    )?;
                     ws.max_run_tokens = 1;
                     e.insert(GraphEntry {
                         ws,
@@ -497,7 +520,7 @@ impl Model {
             let mut ws = Workspace::take(
                 backend,
                 config,
-                tokens,
+                (tokens, self.norm_out_dtype(tokens)),
                 batch.runs().len(),
                 width,
                 rows.len(),

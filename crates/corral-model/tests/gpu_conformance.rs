@@ -368,3 +368,57 @@ fn overlapped_launches_equal_serial_launches_bit_for_bit() {
         }
     }
 }
+
+/// A prefill of more than 32 tokens takes its projections' input in bf16 straight from the
+/// norms (`Backend::gemm_input_dtype`), which round it exactly as the conversion before each
+/// cuBLAS GEMM did: the logits equal those of f32 inputs bit for bit, with fewer kernels (the
+/// conversions gone), and the bf16 inputs' fallbacks (few-row experts, f32-only ops) give the
+/// same too. Qwen3 MoE and dense, and a hybrid (Qwen3.5 dense).
+#[test]
+fn bf16_norm_outputs_equal_f32_projection_inputs_bit_for_bit() {
+    if gpu(DType::BF16).is_none() {
+        return;
+    }
+    let open = |f32_gemm_inputs| -> Arc<dyn Backend> {
+        Arc::new(
+            CudaBackend::new(CudaOptions {
+                f32_gemm_inputs,
+                ..Default::default()
+            })
+            .expect("open cuda:0"),
+        )
+    };
+    let (bf16_inputs, f32_inputs) = (open(false), open(true));
+    // The bf16 fixtures (the others' f32 and f16 weights keep f32 inputs).
+    for name in ["qwen3_moe_fused", "qwen3_dense", "qwen3_5_dense"] {
+        let reference = read_reference(&fixture_dir(name));
+        assert!(
+            reference.token_ids.len() > 32,
+            "{name}: a prompt past 32 tokens"
+        );
+        let mut results = Vec::new();
+        for backend in [&bf16_inputs, &f32_inputs] {
+            let mut model = load_on(name, Arc::clone(backend));
+            model.set_moe_strategy(MoeStrategy::Grouped);
+            let _ = logits_chunked(&model, &reference.token_ids, reference.token_ids.len());
+            let before = backend.stats();
+            let logits: Vec<u32> =
+                logits_chunked(&model, &reference.token_ids, reference.token_ids.len())
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+            results.push((logits, (backend.stats() - before).dispatches));
+        }
+        assert_eq!(results[0].0, results[1].0, "{name}: logits differ");
+        assert!(
+            results[0].1 < results[1].1,
+            "{name}: {} kernels with bf16 inputs, {} with f32",
+            results[0].1,
+            results[1].1
+        );
+        eprintln!(
+            "{name}: {} kernels with bf16 projection inputs, {} with f32, logits equal",
+            results[0].1, results[1].1
+        );
+    }
+}

@@ -26,7 +26,8 @@ pub(crate) struct WeightKernels {
     pub(crate) grouped_mvm: Option<[[Kernel; 2]; 2]>,
     /// Grouped experts in 128-row tiles for prefill-sized groups (bf16 weights):
     /// `[gate_up, down]`.
-    pub(crate) grouped_big: Option<[Kernel; 2]>,
+    /// Gate/up, down into f32 y, down into bf16 y (for the combine that reads it so).
+    pub(crate) grouped_big: Option<[Kernel; 3]>,
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
 }
@@ -60,6 +61,7 @@ pub(crate) struct Kernels {
     pub(crate) copy_blocks: Kernel,
     pub(crate) add_in_place: Kernel,
     pub(crate) to_bf16: Kernel,
+    pub(crate) to_f32: Kernel,
     pub(crate) silu_mul: Kernel,
     pub(crate) sigmoid_mul: Kernel,
     pub(crate) add_sigmoid_gated: Kernel,
@@ -68,9 +70,11 @@ pub(crate) struct Kernels {
     pub(crate) normal_fill_f16: Kernel,
     pub(crate) normal_fill_f32: Kernel,
     pub(crate) rms_norm: Kernel,
+    pub(crate) rms_norm_bf16: Kernel,
     pub(crate) gated_rms_norm: Kernel,
     pub(crate) rope: Kernel,
     pub(crate) add_rms_norm: Kernel,
+    pub(crate) add_rms_norm_bf16: Kernel,
     pub(crate) kv_store_bf16: Kernel,
     pub(crate) kv_store_f32: Kernel,
     pub(crate) qkv_norm_rope_store_bf16: Kernel,
@@ -88,6 +92,7 @@ pub(crate) struct Kernels {
     pub(crate) moe_route_ranked: Kernel,
     pub(crate) moe_sort: Kernel,
     pub(crate) moe_combine: Kernel,
+    pub(crate) moe_combine_y16: Kernel,
     pub(crate) causal_conv1d: Kernel,
     pub(crate) delta_net_gates: Kernel,
     /// The delta rule for blocks of up to 256 threads (value dims up to 128), and any.
@@ -179,13 +184,14 @@ impl Kernels {
                 [find(names[2])?, find(names[3])?],
             ]))
         };
-        let grouped_big = |s: &'static str| -> Result<Option<[Kernel; 2]>> {
+        let grouped_big = |s: &'static str| -> Result<Option<[Kernel; 3]>> {
             if s != "bf16" {
                 return Ok(None);
             }
             Ok(Some([
                 find("moe_grouped_gate_up_big_bf16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
                 find("moe_grouped_down_big_bf16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
+                find("moe_grouped_down_big_bf16_y16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
             ]))
         };
         let mma = |s: &'static str| -> Result<Option<[[Kernel; 3]; 2]>> {
@@ -252,6 +258,7 @@ impl Kernels {
             copy_blocks: find("copy_blocks")?,
             add_in_place: find("add_in_place")?,
             to_bf16: find("to_bf16")?,
+            to_f32: find("to_f32")?,
             silu_mul: find("silu_mul")?,
             sigmoid_mul: find("sigmoid_mul")?,
             add_sigmoid_gated: find("add_sigmoid_gated")?,
@@ -260,9 +267,11 @@ impl Kernels {
             normal_fill_f16: find("normal_fill_f16")?,
             normal_fill_f32: find("normal_fill_f32")?,
             rms_norm: find("rms_norm")?,
+            rms_norm_bf16: find("rms_norm_bf16")?,
             gated_rms_norm: find("gated_rms_norm")?,
             rope: find("rope")?,
             add_rms_norm: find("add_rms_norm")?,
+            add_rms_norm_bf16: find("add_rms_norm_bf16")?,
             kv_store_bf16: find("kv_store_bf16")?,
             kv_store_f32: find("kv_store_f32")?,
             qkv_norm_rope_store_bf16: find("qkv_norm_rope_store_bf16")?,
@@ -296,6 +305,7 @@ impl Kernels {
             moe_route_ranked: find("moe_route_ranked")?,
             moe_sort: find("moe_sort")?,
             moe_combine: find("moe_combine")?,
+            moe_combine_y16: find("moe_combine_y16")?,
             causal_conv1d: find("causal_conv1d")?,
             delta_net_gates: find("delta_net_gates")?,
             gated_delta_rule_256: find("gated_delta_rule_256")?,

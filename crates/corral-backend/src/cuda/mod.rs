@@ -59,6 +59,9 @@ pub struct CudaOptions {
     /// Run the gated delta rule token by token for prefill too, not in the chunked form (to
     /// measure what the chunked form saves).
     pub recurrent_delta_rule: bool,
+    /// Keep every projection's input in f32, rounded to bf16 by a conversion before each
+    /// cuBLAS GEMM, instead of in bf16 from the norm (to measure what that saves).
+    pub f32_gemm_inputs: bool,
 }
 
 /// The number of usable CUDA devices, or why there are none (no driver, no device).
@@ -90,12 +93,16 @@ pub struct CudaBackend {
     /// Whether a graph is being recorded, and the dispatch count when it began.
     capturing: AtomicBool,
     capture_start: AtomicU64,
+    /// Weight bytes counted when the recording began.
+    capture_start_bytes: AtomicU64,
     /// Workspace of single ops, fixed size (allocated once): the partial results of attention
     /// split over the keys, and the chunked delta rule's per-chunk matrices. Ops run one
     /// after another on the stream, so they share it.
     op_scratch: DeviceBuffer,
     /// [`CudaOptions::recurrent_delta_rule`].
     recurrent_delta_rule: bool,
+    /// [`CudaOptions::f32_gemm_inputs`].
+    f32_gemm_inputs: bool,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
     /// Tickets of the few-row projections that split K (zero between launches).
@@ -371,6 +378,14 @@ fn rope_args(rope: RopeParams, rotary_dim: usize) -> [Arg; 5] {
     ]
 }
 
+/// A norm's output: F32, or BF16 for projections' input (norm.cu's bf16 variants).
+fn norm_out(op: &'static str, out: &DeviceBuffer, len: usize) -> Result<Arg> {
+    match out.dtype() {
+        DType::BF16 => buf(op, "out", out, DType::BF16, len),
+        _ => buf(op, "out", out, DType::F32, len),
+    }
+}
+
 /// Threads of a block that normalises one row of `dim`.
 fn norm_block(dim: usize) -> u32 {
     if dim <= 256 { 128 } else { 256 }
@@ -446,8 +461,10 @@ impl CudaBackend {
             profiling: AtomicBool::new(false),
             capturing: AtomicBool::new(false),
             capture_start: AtomicU64::new(0),
+            capture_start_bytes: AtomicU64::new(0),
             op_scratch,
             recurrent_delta_rule: options.recurrent_delta_rule,
+            f32_gemm_inputs: options.f32_gemm_inputs,
             attention_counters,
             projection_counters,
             sampling_scratch,
@@ -632,7 +649,7 @@ impl CudaBackend {
         op: &'static str,
         kernels: &'k WeightKernels,
         experts: &ExpertWeights,
-    ) -> Result<Option<&'k [Kernel; 2]>> {
+    ) -> Result<Option<&'k [Kernel; 3]>> {
         let Some(big) = &kernels.grouped_big else {
             return Ok(None);
         };
@@ -673,24 +690,194 @@ impl CudaBackend {
         queued
     }
 
-    /// Projections of x `[rows, cols]` by cuBLAS GEMMs with x rounded to bf16 once:
-    /// `targets` are (weight address, output features, output address); `weight_bytes` goes
-    /// to the step's counter with the rounding.
+    /// Projections of x `[rows, cols]` by cuBLAS GEMMs: x as a norm left it in bf16, or
+    /// rounded to bf16 once here. `targets` are (weight address, output features, output
+    /// address); `weight_bytes` goes to the step's counter, with the rounding or (for bf16 x)
+    /// on the host.
     fn blas_projections(
         &self,
         blas: &Blas,
-        x: Arg,
+        x: &DeviceBuffer,
         (rows, cols): (usize, usize),
         targets: &[(u64, usize, u64)],
         weight_bytes: u64,
     ) -> Result<()> {
-        self.with_bf16_copy("matmul", x, rows * cols, weight_bytes, |x16_ptr| {
+        let op = "matmul";
+        let gemms = |x16_ptr: u64| {
             targets.iter().try_for_each(|&(w_addr, n, out_addr)| {
                 self.counted("cublas_gemm_bf16", || {
                     blas.gemm_bf16(x16_ptr, rows, w_addr, n, cols, out_addr)
                 })
             })
-        })
+        };
+        if x.dtype() == DType::BF16 {
+            buf(op, "x", x, DType::BF16, rows * cols)?;
+            self.stats.weight_read(weight_bytes as usize);
+            return gemms(ptr_of(op, x)?);
+        }
+        let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
+        self.with_bf16_copy(op, x_arg, rows * cols, weight_bytes, gemms)
+    }
+
+    /// The grouped down projection into `y`: f32, or bf16 where `bf16_y` allows and the
+    /// prefill tiles run (half the bytes written and combined); returns y's type.
+    fn grouped_down(
+        &self,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &mut DeviceBuffer,
+        bf16_y: bool,
+    ) -> Result<DType> {
+        let op = "moe_grouped_down";
+        let (num_experts, hidden, inter) = (
+            experts.down.num_experts(),
+            experts.down.rows(),
+            experts.down.cols(),
+        );
+        let pairs = routing.tokens * routing.top_k;
+        if pairs == 0 || hidden == 0 {
+            return Ok(DType::F32);
+        }
+        let (down, dtype, vec) = self.experts(op, &experts.down)?;
+        let args = [
+            buf(op, "act", act, DType::F32, pairs * inter)?,
+            u32_of(op, inter)?,
+            buf(
+                op,
+                "expert_weights",
+                routing.expert_weights,
+                DType::F32,
+                pairs,
+            )?,
+            buf(
+                op,
+                "expert_offsets",
+                sorted.expert_offsets,
+                DType::U32,
+                num_experts + 1,
+            )?,
+            buf(
+                op,
+                "hit_experts",
+                sorted.hit_experts,
+                DType::U32,
+                num_experts + 1,
+            )?,
+            buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
+            u32_of(op, pairs)?,
+            u32_of(op, num_experts)?,
+            down,
+            u32_of(op, hidden)?,
+            Arg::U32(vec as u32),
+            buf(op, "y", y, DType::F32, pairs * hidden)?,
+            self.diag(),
+        ];
+        let kernels = self.kernels.for_weights(op, dtype)?;
+        let big = self.big_tiles(op, kernels, experts)?;
+        if let (Some(mvm), true, Some(variant)) = (
+            &kernels.grouped_mvm,
+            vec,
+            few_rows_variant(pairs, num_experts, big.is_some()),
+        ) {
+            // A block row per expert that can have rows: at most one per routed pair; a
+            // block per DOWN_MVM_FEATURES features.
+            let grid = (
+                grid_of(op, hidden.div_ceil(DOWN_MVM_FEATURES))?,
+                grid_of(op, num_experts.min(pairs))?,
+                1,
+            );
+            return self
+                .launch(&mvm[1][variant], grid, MVM_THREADS, &args)
+                .map(|()| DType::F32);
+        }
+        if let Some(big) = big {
+            let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
+            let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(128))?, 1);
+            let (kernel, y_dtype) = match bf16_y {
+                true => (&big[2], DType::BF16),
+                false => (&big[1], DType::F32),
+            };
+            return self
+                .launch(kernel, grid, BIG_TILE_THREADS, &args)
+                .map(|()| y_dtype);
+        }
+        let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
+        let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(64))?, 1);
+        self.launch(&kernels.grouped_down, grid, 128, &args)
+            .map(|()| DType::F32)
+    }
+
+    /// `out[t] = Σ_j y[pair (t, j)]` from y of `y_dtype` (f32, or bf16 from the tiles).
+    fn combine(
+        &self,
+        y: &DeviceBuffer,
+        y_dtype: DType,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        hidden: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_combine";
+        let (tokens, top_k) = (routing.tokens, routing.top_k);
+        let pairs = tokens * top_k;
+        if tokens == 0 || hidden == 0 {
+            return Ok(());
+        }
+        let args = [
+            // A bf16 y lies in the first half of the f32 scratch.
+            buf(
+                op,
+                "y",
+                y,
+                DType::F32,
+                (pairs * hidden * y_dtype.size_bytes()).div_ceil(4),
+            )?,
+            buf(
+                op,
+                "pair_positions",
+                sorted.pair_positions,
+                DType::U32,
+                pairs,
+            )?,
+            u32_of(op, tokens)?,
+            u32_of(op, top_k)?,
+            u32_of(op, hidden)?,
+            u32_of(op, pairs)?,
+            buf(op, "out", out, DType::F32, tokens * hidden)?,
+            self.diag(),
+        ];
+        // Four features a thread when the rows allow (as the kernel decides).
+        let per = if hidden.is_multiple_of(4) { 4 } else { 1 };
+        let grid = Self::elementwise_grid(op, (tokens * hidden).div_ceil(per))?;
+        let kernel = match y_dtype {
+            DType::BF16 => &self.kernels.moe_combine_y16,
+            _ => &self.kernels.moe_combine,
+        };
+        self.launch(kernel, grid, 256, &args)
+    }
+
+    /// Widens bf16 `x` (`len` values) to f32 in a pooled buffer and runs `use_copy` on it, for
+    /// an op without a bf16-input form; the buffer goes back to the pool at once (later users
+    /// queue behind `use_copy`'s work on the one stream).
+    fn with_f32_copy(
+        &self,
+        op: &'static str,
+        x: &DeviceBuffer,
+        len: usize,
+        use_copy: impl FnOnce(&DeviceBuffer) -> Result<()>,
+    ) -> Result<()> {
+        let x_arg = buf(op, "x", x, DType::BF16, len)?;
+        let x32 = self.take_buffer(DType::F32, len, BufferUsage::Activations)?;
+        let queued = ptr_of(op, &x32).and_then(|x32_ptr| {
+            let args = [x_arg, Arg::U64(len as u64), Arg::Ptr(x32_ptr)];
+            let grid = Self::elementwise_grid(op, len.div_ceil(4))?;
+            self.launch(&self.kernels.to_f32, grid, 256, &args)?;
+            use_copy(&x32)
+        });
+        self.give_buffer(x32);
+        queued
     }
 
     /// The chunked gated delta rule (delta_net.cu's gdr_chunk_prepare and gdr_chunk_scan) over
@@ -895,6 +1082,17 @@ impl Backend for CudaBackend {
         self.kv_dtype
     }
 
+    fn gemm_input_dtype(&self, rows: usize, weights: DType) -> DType {
+        // Where projections run on cuBLAS and the grouped experts on bf16 tiles: both round
+        // their input to bf16 first.
+        let rounded = weights == DType::BF16 && rows > MATVEC_MAX_ROWS && self.blas.is_some();
+        if rounded && !self.f32_gemm_inputs {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
     fn device_memory(&self) -> Result<Option<crate::DeviceMemory>> {
         self.gpu.memory().map(Some)
     }
@@ -911,8 +1109,10 @@ impl Backend for CudaBackend {
                 cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
             .map_err(|e| device::driver_err("beginning a graph capture", e))?;
-        self.capture_start
-            .store(self.stats.snapshot().dispatches, Ordering::Relaxed);
+        let now = self.stats.snapshot();
+        self.capture_start.store(now.dispatches, Ordering::Relaxed);
+        self.capture_start_bytes
+            .store(now.weight_bytes_read, Ordering::Relaxed);
         self.capturing.store(true, Ordering::Relaxed);
         Ok(())
     }
@@ -921,8 +1121,12 @@ impl Backend for CudaBackend {
         if !self.capturing.swap(false, Ordering::Relaxed) {
             return Err(bad("end_capture", "no graph is being recorded".to_string()));
         }
-        let kernels = self.stats.snapshot().dispatches - self.capture_start.load(Ordering::Relaxed);
+        let now = self.stats.snapshot();
+        let kernels = now.dispatches - self.capture_start.load(Ordering::Relaxed);
+        let host_weight_bytes =
+            now.weight_bytes_read - self.capture_start_bytes.load(Ordering::Relaxed);
         self.stats.uncount_dispatches(kernels);
+        self.stats.uncount_weight_bytes(host_weight_bytes);
         let graph = self
             .gpu
             .stream
@@ -932,6 +1136,7 @@ impl Backend for CudaBackend {
         Ok(crate::Graph {
             inner: CapturedGraph(graph),
             kernels,
+            host_weight_bytes,
         })
     }
 
@@ -942,7 +1147,8 @@ impl Backend for CudaBackend {
             .0
             .launch()
             .map_err(|e| device::driver_err("replaying a graph", e))?;
-        self.stats.graph_replay(graph.kernels);
+        self.stats
+            .graph_replay(graph.kernels, graph.host_weight_bytes);
         Ok(())
     }
 
@@ -1181,15 +1387,14 @@ impl Backend for CudaBackend {
             u32_of(op, dim)?,
             Arg::F32(eps),
             Arg::U32(offset_one as u32),
-            buf(op, "out", out, DType::F32, rows * dim)?,
+            norm_out(op, out, rows * dim)?,
         ];
         let block = norm_block(dim);
-        self.launch(
-            &self.kernels.rms_norm,
-            (grid_of(op, rows)?, 1, 1),
-            block,
-            &args,
-        )
+        let kernel = match out.dtype() {
+            DType::BF16 => &self.kernels.rms_norm_bf16,
+            _ => &self.kernels.rms_norm,
+        };
+        self.launch(kernel, (grid_of(op, rows)?, 1, 1), block, &args)
     }
 
     fn matmul(
@@ -1205,6 +1410,23 @@ impl Backend for CudaBackend {
         }
         let (w_addr, dtype, vec) = weight(op, w)?;
         let out_addr = ptr_of(op, out)?;
+        let blas = self
+            .blas
+            .as_ref()
+            .filter(|_| dtype == DType::BF16 && vec && rows > MATVEC_MAX_ROWS);
+        if x.dtype() == DType::BF16 {
+            buf(op, "out", out, DType::F32, rows * w.rows)?;
+            return match blas {
+                Some(blas) => {
+                    let weight_bytes = (w.rows * w.cols * dtype.size_bytes()) as u64;
+                    let target = [(w_addr, w.rows, out_addr)];
+                    self.blas_projections(blas, x, (rows, w.cols), &target, weight_bytes)
+                }
+                None => {
+                    self.with_f32_copy(op, x, rows * w.cols, |x32| self.matmul(x32, rows, w, out))
+                }
+            };
+        }
         let args = [
             buf(op, "x", x, DType::F32, rows * w.cols)?,
             u32_of(op, rows)?,
@@ -1253,14 +1475,12 @@ impl Backend for CudaBackend {
             let grid = (grid_of(op, tiles)?, 1, 1);
             return self.launch(&mma[0][variant], grid, MVM_THREADS, &mma_args);
         }
-        if let (Some(blas), DType::BF16, true, true) =
-            (&self.blas, dtype, vec, rows > MATVEC_MAX_ROWS)
-        {
+        if let Some(blas) = blas {
             // cuBLAS on x rounded to bf16 (the tiles round it the same way).
             let weight_bytes = (w.rows * w.cols * dtype.size_bytes()) as u64;
             return self.blas_projections(
                 blas,
-                args[0],
+                x,
                 (rows, w.cols),
                 &[(w_addr, w.rows, out_addr)],
                 weight_bytes,
@@ -1302,8 +1522,8 @@ impl Backend for CudaBackend {
             }
             return Ok(());
         };
-        // x rounded to bf16 once, then one cuBLAS GEMM per projection.
-        let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
+        // x rounded to bf16 once (unless a norm left it so), then one cuBLAS GEMM per
+        // projection.
         let mut targets = Vec::with_capacity(weights.len());
         for (w, out) in weights.iter().zip(outs.iter()) {
             let (w_addr, _, _) = weight(op, *w)?;
@@ -1311,7 +1531,7 @@ impl Backend for CudaBackend {
             targets.push((w_addr, w.rows, ptr_of(op, out)?));
         }
         let weight_bytes: usize = weights.iter().map(|w| w.rows * w.cols * 2).sum();
-        self.blas_projections(blas, x_arg, (rows, cols), &targets, weight_bytes as u64)
+        self.blas_projections(blas, x, (rows, cols), &targets, weight_bytes as u64)
     }
 
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
@@ -1355,15 +1575,14 @@ impl Backend for CudaBackend {
             u32_of(op, dim)?,
             Arg::F32(eps),
             Arg::U32(offset_one as u32),
-            buf(op, "out", out, DType::F32, rows * dim)?,
+            norm_out(op, out, rows * dim)?,
         ];
         let block = norm_block(dim);
-        self.launch(
-            &self.kernels.add_rms_norm,
-            (grid_of(op, rows)?, 1, 1),
-            block,
-            &args,
-        )
+        let kernel = match out.dtype() {
+            DType::BF16 => &self.kernels.add_rms_norm_bf16,
+            _ => &self.kernels.add_rms_norm,
+        };
+        self.launch(kernel, (grid_of(op, rows)?, 1, 1), block, &args)
     }
 
     fn silu_mul(
@@ -1822,8 +2041,26 @@ impl Backend for CudaBackend {
         if gate_dtype != up_dtype {
             return Err(bad(op, "gate and up stored in different types".to_string()));
         }
+        let kernels = self.kernels.for_weights(op, gate_dtype)?;
+        let big = self.big_tiles(op, kernels, experts)?;
+        let few_rows = kernels
+            .grouped_mvm
+            .as_ref()
+            .filter(|_| gate_vec && up_vec)
+            .zip(few_rows_variant(pairs, num_experts, big.is_some()));
+        let x_len = routing.tokens * hidden;
+        let x_arg = match x.dtype() {
+            // Only the bf16 tiles read x as a norm left it in bf16.
+            DType::BF16 if few_rows.is_some() || big.is_none() => {
+                return self.with_f32_copy(op, x, x_len, |x32| {
+                    self.moe_grouped_gate_up(x32, routing, sorted, experts, act)
+                });
+            }
+            DType::BF16 => buf(op, "x", x, DType::BF16, x_len)?,
+            _ => buf(op, "x", x, DType::F32, x_len)?,
+        };
         let args = [
-            buf(op, "x", x, DType::F32, routing.tokens * hidden)?,
+            x_arg,
             u32_of(op, hidden)?,
             u32_of(op, routing.top_k)?,
             buf(
@@ -1850,13 +2087,7 @@ impl Backend for CudaBackend {
             buf(op, "act", act, DType::F32, pairs * inter)?,
             self.diag(),
         ];
-        let kernels = self.kernels.for_weights(op, gate_dtype)?;
-        let big = self.big_tiles(op, kernels, experts)?;
-        if let (Some(mvm), true, Some(variant)) = (
-            &kernels.grouped_mvm,
-            gate_vec && up_vec,
-            few_rows_variant(pairs, num_experts, big.is_some()),
-        ) {
+        if let Some((mvm, variant)) = few_rows {
             // A block row per expert that can have rows: at most one per routed pair; a
             // block per 8 features of gate and up.
             let grid = (
@@ -1870,8 +2101,10 @@ impl Backend for CudaBackend {
             // x rounded to bf16 once (the tiles would round it the same way as they stage it).
             let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
             let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);
-            let len = routing.tokens * hidden;
-            return self.with_bf16_copy(op, args[0], len, 0, |x16_ptr| {
+            if x.dtype() == DType::BF16 {
+                return self.launch(&big[0], grid, BIG_TILE_THREADS, &args);
+            }
+            return self.with_bf16_copy(op, args[0], x_len, 0, |x16_ptr| {
                 let mut big_args = args;
                 big_args[0] = Arg::Ptr(x16_ptr);
                 self.launch(&big[0], grid, BIG_TILE_THREADS, &big_args)
@@ -1890,74 +2123,21 @@ impl Backend for CudaBackend {
         experts: &ExpertWeights,
         y: &mut DeviceBuffer,
     ) -> Result<()> {
-        let op = "moe_grouped_down";
-        let (num_experts, hidden, inter) = (
-            experts.down.num_experts(),
-            experts.down.rows(),
-            experts.down.cols(),
-        );
-        let pairs = routing.tokens * routing.top_k;
-        if pairs == 0 || hidden == 0 {
-            return Ok(());
-        }
-        let (down, dtype, vec) = self.experts(op, &experts.down)?;
-        let args = [
-            buf(op, "act", act, DType::F32, pairs * inter)?,
-            u32_of(op, inter)?,
-            buf(
-                op,
-                "expert_weights",
-                routing.expert_weights,
-                DType::F32,
-                pairs,
-            )?,
-            buf(
-                op,
-                "expert_offsets",
-                sorted.expert_offsets,
-                DType::U32,
-                num_experts + 1,
-            )?,
-            buf(
-                op,
-                "hit_experts",
-                sorted.hit_experts,
-                DType::U32,
-                num_experts + 1,
-            )?,
-            buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
-            u32_of(op, pairs)?,
-            u32_of(op, num_experts)?,
-            down,
-            u32_of(op, hidden)?,
-            Arg::U32(vec as u32),
-            buf(op, "y", y, DType::F32, pairs * hidden)?,
-            self.diag(),
-        ];
-        let kernels = self.kernels.for_weights(op, dtype)?;
-        let big = self.big_tiles(op, kernels, experts)?;
-        if let (Some(mvm), true, Some(variant)) = (
-            &kernels.grouped_mvm,
-            vec,
-            few_rows_variant(pairs, num_experts, big.is_some()),
-        ) {
-            // A block row per expert that can have rows: at most one per routed pair; a
-            // block per DOWN_MVM_FEATURES features.
-            let grid = (
-                grid_of(op, hidden.div_ceil(DOWN_MVM_FEATURES))?,
-                grid_of(op, num_experts.min(pairs))?,
-                1,
-            );
-            return self.launch(&mvm[1][variant], grid, MVM_THREADS, &args);
-        }
-        if let Some(big) = big {
-            let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
-            let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(128))?, 1);
-            return self.launch(&big[1], grid, BIG_TILE_THREADS, &args);
-        }
-        let tiles = pairs.div_ceil(64) + num_experts.min(pairs);
-        let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(64))?, 1);
-        self.launch(&kernels.grouped_down, grid, 128, &args)
+        self.grouped_down(act, routing, sorted, experts, y, false)
+            .map(|_| ())
+    }
+
+    fn moe_grouped_down_combine(
+        &self,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let y_dtype = self.grouped_down(act, routing, sorted, experts, y, true)?;
+        self.combine(y, y_dtype, routing, sorted, experts.down.rows(), out)
     }
 
     fn moe_combine(
@@ -1968,32 +2148,7 @@ impl Backend for CudaBackend {
         hidden: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
-        let op = "moe_combine";
-        let (tokens, top_k) = (routing.tokens, routing.top_k);
-        let pairs = tokens * top_k;
-        if tokens == 0 || hidden == 0 {
-            return Ok(());
-        }
-        let args = [
-            buf(op, "y", y, DType::F32, pairs * hidden)?,
-            buf(
-                op,
-                "pair_positions",
-                sorted.pair_positions,
-                DType::U32,
-                pairs,
-            )?,
-            u32_of(op, tokens)?,
-            u32_of(op, top_k)?,
-            u32_of(op, hidden)?,
-            u32_of(op, pairs)?,
-            buf(op, "out", out, DType::F32, tokens * hidden)?,
-            self.diag(),
-        ];
-        // Four features a thread when the rows allow (as the kernel decides).
-        let per = if hidden.is_multiple_of(4) { 4 } else { 1 };
-        let grid = Self::elementwise_grid(op, (tokens * hidden).div_ceil(per))?;
-        self.launch(&self.kernels.moe_combine, grid, 256, &args)
+        self.combine(y, DType::F32, routing, sorted, hidden, out)
     }
 
     fn sigmoid_mul(

@@ -1,7 +1,7 @@
 //! Qwen3 and Qwen3-MoE (`qwen3`, `qwen3_moe`): pre-norm decoder layers of GQA attention with
 //! q/k norms, then a dense SwiGLU MLP or a sparse MoE block; plain-weight RMSNorms throughout.
 
-use corral_backend::{Backend, DeviceBuffer, DispatchStats, WeightView};
+use corral_backend::{Backend, DType, DeviceBuffer, DispatchStats, WeightView};
 
 use crate::batch::RaggedBatch;
 use crate::kv_cache::PagedKvCache;
@@ -117,6 +117,11 @@ impl Qwen3Model {
 
     pub(crate) fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The type the weights are stored in (the embedding's, as the projections').
+    pub(crate) fn weight_dtype(&self) -> DType {
+        self.embed_tokens.dtype()
     }
 
     /// Runs the layers over `batch`, writing `[logit rows, vocab]` into `ws.logits`.

@@ -11,7 +11,7 @@
 //! so one set of kernels serves all three.
 
 use corral_backend::{
-    Backend, DeltaNetShape, DeviceBuffer, DispatchStats, RecurrentRuns, WeightView,
+    Backend, DType, DeltaNetShape, DeviceBuffer, DispatchStats, RecurrentRuns, WeightView,
 };
 
 use crate::batch::RaggedBatch;
@@ -476,6 +476,11 @@ impl HybridModel {
 
     pub(crate) fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The type the weights are stored in (the embedding's, as the projections').
+    pub(crate) fn weight_dtype(&self) -> DType {
+        self.embed_tokens.dtype()
     }
 
     /// The sparse MoE blocks (auto-threshold calibration).

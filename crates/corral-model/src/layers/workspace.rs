@@ -123,7 +123,8 @@ pub(crate) struct Workspace {
     pub(crate) max_run_tokens: usize,
     /// Residual stream `[T, H]`.
     pub(crate) x: DeviceBuffer,
-    /// Normalised input of a sub-block `[T, H]`.
+    /// Normalised input of a sub-block `[T, H]`, f32 or the type projections take
+    /// ([`Backend::gemm_input_dtype`]): only projections and grouped experts read it.
     pub(crate) h: DeviceBuffer,
     /// Output of a sub-block `[T, H]`.
     pub(crate) out: DeviceBuffer,
@@ -155,11 +156,11 @@ pub(crate) struct Workspace {
 }
 
 impl Workspace {
-    /// Takes every buffer from the pool.
+    /// Takes every buffer from the pool, `h` in `norm_out` ([`Backend::gemm_input_dtype`]).
     pub(crate) fn take(
         backend: &dyn Backend,
         config: &ModelConfig,
-        tokens: usize,
+        (tokens, norm_out): (usize, DType),
         runs: usize,
         table_width: usize,
         logit_rows: usize,
@@ -227,7 +228,7 @@ impl Workspace {
             },
             shared_out: f32_buf(if shared_inter > 0 { tokens * h } else { 1 })?,
             x: f32_buf(tokens * h)?,
-            h: f32_buf(tokens * h)?,
+            h: backend.take_buffer(norm_out, (tokens * h).max(1), BufferUsage::Activations)?,
             out: f32_buf(tokens * h)?,
             q: f32_buf(tokens * (q_dim + 2 * kv_dim))?,
             k: f32_buf(tokens * kv_dim)?,

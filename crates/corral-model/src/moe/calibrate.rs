@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use corral_backend::Backend;
+use corral_backend::{Backend, DType};
 
 use super::{MoeStrategy, SparseMoe};
 use crate::layers::Workspace;
@@ -89,7 +89,7 @@ pub(crate) fn calibrate(
     }
     let mut timings = Vec::new();
     for &tokens in &CALIBRATION_TOKENS {
-        let mut ws = Workspace::take(backend, config, tokens, 1, 1, 1)?;
+        let mut ws = Workspace::take(backend, config, (tokens, DType::F32), 1, 1, 1)?;
         let values: Vec<f32> = (0..tokens * config.hidden_size)
             .map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 2.0)
             .collect();

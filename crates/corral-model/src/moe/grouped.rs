@@ -18,7 +18,6 @@ pub(super) fn forward(
     out: &mut DeviceBuffer,
 ) -> Result<()> {
     let num_experts = experts.gate.num_experts();
-    let hidden = experts.down.rows();
     backend.moe_sort(
         routing,
         num_experts,
@@ -34,7 +33,13 @@ pub(super) fn forward(
         pair_positions: &scratch.pair_positions,
     };
     backend.moe_grouped_gate_up(x, routing, sorted, experts, &mut scratch.act)?;
-    backend.moe_grouped_down(&scratch.act, routing, sorted, experts, &mut scratch.y)?;
-    backend.moe_combine(&scratch.y, routing, sorted, hidden, out)?;
+    backend.moe_grouped_down_combine(
+        &scratch.act,
+        routing,
+        sorted,
+        experts,
+        &mut scratch.y,
+        out,
+    )?;
     Ok(())
 }

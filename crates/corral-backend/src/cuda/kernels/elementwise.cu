@@ -163,3 +163,18 @@ extern "C" __global__ void to_bf16(const float* x, u64 len, u16* out, u64 weight
         for (; i < len; i++) out[i] = f32_to_bf16(x[i]);
     }
 }
+
+// out = x (bf16) widened to f32, four values a thread (x and out 8- and 16-byte aligned): for
+// an op without a bf16-input form, reading what a norm wrote in bf16.
+extern "C" __global__ void to_f32(const u16* x, u64 len, float* out) {
+    begin_small_kernel();
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i + 4 <= len) {
+        uint2 v = *reinterpret_cast<const uint2*>(x + i);
+        *reinterpret_cast<float4*>(out + i) =
+            make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                        __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+    } else {
+        for (; i < len; i++) out[i] = bf16_to_f32(x[i]);
+    }
+}

@@ -417,10 +417,19 @@ __device__ void grouped_gate_up_big_impl(const u16* x, u32 hidden, u32 top_k, co
 // The down half for prefill-sized groups (bf16 weights, act in bf16 from
 // grouped_gate_up_big): 128 sorted rows by 128 features per block. Grid: (worst-case
 // tiles, ceil(H / 128)).
+// y in f32, or in bf16 (Y = u16) for a combine that reads it so (half the bytes each way).
+__device__ __forceinline__ void store_y2(float* y, float a, float b) {
+    *reinterpret_cast<float2*>(y) = make_float2(a, b);
+}
+__device__ __forceinline__ void store_y2(u16* y, float a, float b) {
+    *reinterpret_cast<u32*>(y) = pack_bf16(a, b);
+}
+
+template <typename Y>
 __device__ void grouped_down_big_impl(const u16* act, u32 inter, const float* route_weights,
                                       const u32* offsets, const u32* sorted_pairs, u32 pairs,
                                       u32 num_experts, const u64* down_table, u32 hidden,
-                                      float* y, Diag* diag) {
+                                      Y* y, Diag* diag) {
     __shared__ const u16* a_rows[BT_M];
     __shared__ float scale[BT_M];
     u32 expert, row0, rows;
@@ -439,10 +448,9 @@ __device__ void grouped_down_big_impl(const u16* act, u32 inter, const float* ro
     big_tile_mma<1>(a_rows, act, wt, n_valid, (int)inter, (int)rows, acc);
     big_tile_for_each<1>([&](int mi, int ni, int r0, int tile_row, int tile_col) {
         u32 m = tile_row, n = n0 + tile_col;
-        if (m < rows && n < hidden) {
-            *reinterpret_cast<float2*>(y + (size_t)(row0 + m) * hidden + n) =
-                make_float2(scale[m] * acc[0][mi][ni][r0], scale[m] * acc[0][mi][ni][r0 + 1]);
-        }
+        if (m < rows && n < hidden)
+            store_y2(y + (size_t)(row0 + m) * hidden + n, scale[m] * acc[0][mi][ni][r0],
+                     scale[m] * acc[0][mi][ni][r0 + 1]);
     });
 }
 
@@ -697,20 +705,35 @@ extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) moe_grouped_gate_up_
     grouped_gate_up_big_impl(x, hidden, top_k, offsets, sorted_pairs, pairs, num_experts,
                              gate_table, up_table, inter, act, diag);
 }
-extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) moe_grouped_down_big_bf16(
-    const u16* act, u32 inter, const float* route_weights, const u32* offsets,
-    const u32* /*hit_experts*/, const u32* sorted_pairs, u32 pairs, u32 num_experts,
-    const u64* down_table, u32 hidden, u32 /*vec*/, float* y, Diag* diag) {
-    begin_kernel();
-    grouped_down_big_impl(act, inter, route_weights, offsets, sorted_pairs, pairs, num_experts,
-                          down_table, hidden, y, diag);
+// y in f32 (Y = float) or bf16 (the prefill combine's input, `_y16`).
+#define MOE_DOWN_BIG(NAME, Y)                                                                  \
+    extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) NAME(                          \
+        const u16* act, u32 inter, const float* route_weights, const u32* offsets,             \
+        const u32* /*hit_experts*/, const u32* sorted_pairs, u32 pairs, u32 num_experts,       \
+        const u64* down_table, u32 hidden, u32 /*vec*/, Y* y, Diag* diag) {                    \
+        begin_kernel();                                                                        \
+        grouped_down_big_impl<Y>(act, inter, route_weights, offsets, sorted_pairs, pairs,      \
+                                 num_experts, down_table, hidden, y, diag);                    \
+    }
+MOE_DOWN_BIG(moe_grouped_down_big_bf16, float)
+MOE_DOWN_BIG(moe_grouped_down_big_bf16_y16, u16)
+
+__device__ __forceinline__ float4 load_y4(const float* p) {
+    return *reinterpret_cast<const float4*>(p);
 }
+__device__ __forceinline__ float4 load_y4(const u16* p) {
+    uint2 v = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+}
+__device__ __forceinline__ float load_y1(const float* p) { return *p; }
+__device__ __forceinline__ float load_y1(const u16* p) { return bf16_to_f32(*p); }
 
 // out[t] = sum_j y[pair_positions[t*k + j]], summed in slot order; four features a thread
-// when hidden % 4 == 0 (one otherwise).
-extern "C" __global__ void moe_combine(const float* y, const u32* pair_positions, u32 tokens,
-                                       u32 top_k, u32 hidden, u32 pairs, float* out, Diag* diag) {
-    begin_small_kernel();
+// when hidden % 4 == 0 (one otherwise). y in f32, or bf16 (`_y16`).
+template <typename Y>
+__device__ void combine_impl(const Y* y, const u32* pair_positions, u32 tokens, u32 top_k,
+                             u32 hidden, u32 pairs, float* out, Diag* diag) {
     u32 per = (hidden & 3u) == 0 ? 4u : 1u;
     u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * per;
     if (i >= (u64)tokens * hidden) return;
@@ -722,15 +745,15 @@ extern "C" __global__ void moe_combine(const float* y, const u32* pair_positions
             raise_error(diag, ERR_ROW_INDEX);
             continue;
         }
-        const float* src = y + (size_t)s * hidden + d;
+        const Y* src = y + (size_t)s * hidden + d;
         if (per == 4) {
-            float4 v = *reinterpret_cast<const float4*>(src);
+            float4 v = load_y4(src);
             total.x += v.x;
             total.y += v.y;
             total.z += v.z;
             total.w += v.w;
         } else {
-            total.x += src[0];
+            total.x += load_y1(src);
         }
     }
     if (per == 4) {
@@ -739,3 +762,12 @@ extern "C" __global__ void moe_combine(const float* y, const u32* pair_positions
         out[i] = total.x;
     }
 }
+
+#define MOE_COMBINE(NAME, Y)                                                                   \
+    extern "C" __global__ void NAME(const Y* y, const u32* pair_positions, u32 tokens,         \
+                                    u32 top_k, u32 hidden, u32 pairs, float* out, Diag* diag) { \
+        begin_small_kernel();                                                                  \
+        combine_impl<Y>(y, pair_positions, tokens, top_k, hidden, pairs, out, diag);           \
+    }
+MOE_COMBINE(moe_combine, float)
+MOE_COMBINE(moe_combine_y16, u16)

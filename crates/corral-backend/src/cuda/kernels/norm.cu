@@ -2,11 +2,16 @@
 
 #define NORM_PER_THREAD 8
 
+__device__ __forceinline__ void store_norm(float* out, u32 d, float v) { out[d] = v; }
+__device__ __forceinline__ void store_norm(u16* out, u32 d, float v) { out[d] = f32_to_bf16(v); }
+
 // The shared body of rms_norm and add_rms_norm: row r of (acc [+ x]) kept in registers
-// (dim <= NORM_PER_THREAD * blockDim; longer rows are re-read), normalised into out.
+// (dim <= NORM_PER_THREAD * blockDim; longer rows are re-read), normalised into out: f32, or
+// bf16 when its only readers are projections that round their input to bf16 anyway.
+template <typename O>
 __device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
                                          const float* weight, u32 dim, float eps,
-                                         bool offset_one, float* out) {
+                                         bool offset_one, O* out) {
     __shared__ float scratch[32];
     float v[NORM_PER_THREAD], w[NORM_PER_THREAD];
     float ss = 0.f;
@@ -33,21 +38,24 @@ __device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
 #pragma unroll
     for (int i = 0; i < NORM_PER_THREAD; i++) {
         u32 d = threadIdx.x + i * blockDim.x;
-        if (d < dim) out[d] = v[i] * inv * w[i];
+        if (d < dim) store_norm(out, d, v[i] * inv * w[i]);
     }
     for (u32 d = threadIdx.x + NORM_PER_THREAD * blockDim.x; d < dim; d += blockDim.x)
-        out[d] = acc[d] * inv * (offset_one ? 1.f + weight[d] : weight[d]);
+        store_norm(out, d, acc[d] * inv * (offset_one ? 1.f + weight[d] : weight[d]));
 }
 
 // out = x / sqrt(mean(x^2) + eps) * w, with w = weight or 1 + weight; one block per row.
-extern "C" __global__ void rms_norm(const float* x, const float* weight, u32 rows, u32 dim,
-                                    float eps, u32 offset_one, float* out) {
-    begin_small_kernel();
-    u32 r = blockIdx.x;
-    if (r >= rows) return;
-    norm_row(const_cast<float*>(x) + (size_t)r * dim, nullptr, false, weight, dim, eps,
-             offset_one != 0, out + (size_t)r * dim);
-}
+#define RMS_NORM(NAME, O)                                                                      \
+    extern "C" __global__ void NAME(const float* x, const float* weight, u32 rows, u32 dim,    \
+                                    float eps, u32 offset_one, O* out) {                       \
+        begin_small_kernel();                                                                  \
+        u32 r = blockIdx.x;                                                                    \
+        if (r >= rows) return;                                                                 \
+        norm_row(const_cast<float*>(x) + (size_t)r * dim, nullptr, false, weight, dim, eps,    \
+                 offset_one != 0, out + (size_t)r * dim);                                      \
+    }
+RMS_NORM(rms_norm, float)
+RMS_NORM(rms_norm_bf16, u16)
 
 // out = (w * rmsnorm(x)) * silu(z), plain weight; one warp per row (rows are one head's
 // values: a hundred or so), eight rows a block.
@@ -89,11 +97,14 @@ extern "C" __global__ void rope(float* x, const u32* positions, u32 tokens, u32 
 }
 
 // acc += x, then out = rms_norm(acc) (weight or 1 + weight); one block per row.
-extern "C" __global__ void add_rms_norm(float* acc, const float* x, const float* weight, u32 rows,
-                                        u32 dim, float eps, u32 offset_one, float* out) {
-    begin_small_kernel();
-    u32 r = blockIdx.x;
-    if (r >= rows) return;
-    norm_row(acc + (size_t)r * dim, x + (size_t)r * dim, true, weight, dim, eps,
-             offset_one != 0, out + (size_t)r * dim);
-}
+#define ADD_RMS_NORM(NAME, O)                                                                  \
+    extern "C" __global__ void NAME(float* acc, const float* x, const float* weight, u32 rows, \
+                                    u32 dim, float eps, u32 offset_one, O* out) {              \
+        begin_small_kernel();                                                                  \
+        u32 r = blockIdx.x;                                                                    \
+        if (r >= rows) return;                                                                 \
+        norm_row(acc + (size_t)r * dim, x + (size_t)r * dim, true, weight, dim, eps,           \
+                 offset_one != 0, out + (size_t)r * dim);                                      \
+    }
+ADD_RMS_NORM(add_rms_norm, float)
+ADD_RMS_NORM(add_rms_norm_bf16, u16)
