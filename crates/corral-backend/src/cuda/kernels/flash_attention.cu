@@ -12,9 +12,10 @@
 #define FA_KEYS 64
 #define FA_THREADS 128
 
+// Not volatile: a pure register operation, which the compiler may interleave with others.
 template <int HD>
 __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -175,19 +176,26 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         const u16* ks = k_s + stage * FA_KEYS * KS;
         const u16* vs = v_s + stage * FA_KEYS * KS;
         // S = Q·Kᵀ for this warp's 16 rows and the 64 keys; K fragments by ldmatrix, two
-        // k16 steps at a time.
+        // k16 steps at a time. Four key tiles at a time, so that no mma waits for the one
+        // just before it (a tile's products accumulate in order: the k steps of a pair
+        // are four mmas apart).
         float s[8][4];
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < 8; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
-            const u16* kb = ks + (nt * 8 + (lane & 7)) * KS + (lane >> 3) * 8;
+        const u16* kb = ks + (lane & 7) * KS + (lane >> 3) * 8;
 #pragma unroll
-            for (int kp = 0; kp < KT / 2; kp++) {
-                u32 b[4];
-                ldmatrix_x4(b, kb + kp * 32);
-                fa_mma<HD>(s[nt], qa[2 * kp], b[0], b[1]);
-                fa_mma<HD>(s[nt], qa[2 * kp + 1], b[2], b[3]);
+        for (int kp = 0; kp < KT / 2; kp++) {
+#pragma unroll
+            for (int n4 = 0; n4 < 8; n4 += 4) {
+                u32 b[4][4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) ldmatrix_x4(b[u], kb + (n4 + u) * 8 * KS + kp * 32);
+#pragma unroll
+                for (int u = 0; u < 4; u++) fa_mma<HD>(s[n4 + u], qa[2 * kp], b[u][0], b[u][1]);
+#pragma unroll
+                for (int u = 0; u < 4; u++) fa_mma<HD>(s[n4 + u], qa[2 * kp + 1], b[u][2], b[u][3]);
             }
         }
         // Causal mask (only the tiles that reach past a row's position) and the online
