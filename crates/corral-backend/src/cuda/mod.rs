@@ -378,6 +378,35 @@ fn rope_args(rope: RopeParams, rotary_dim: usize) -> [Arg; 5] {
     ]
 }
 
+/// The grouped expert kernels' view of the sort: offsets, hit experts, sorted pairs, and the
+/// pair and expert counts.
+fn sorted_args(
+    op: &'static str,
+    sorted: MoeSorted<'_>,
+    num_experts: usize,
+    pairs: usize,
+) -> Result<[Arg; 5]> {
+    Ok([
+        buf(
+            op,
+            "expert_offsets",
+            sorted.expert_offsets,
+            DType::U32,
+            num_experts + 1,
+        )?,
+        buf(
+            op,
+            "hit_experts",
+            sorted.hit_experts,
+            DType::U32,
+            num_experts + 1,
+        )?,
+        buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
+        u32_of(op, pairs)?,
+        u32_of(op, num_experts)?,
+    ])
+}
+
 /// A norm's output: F32, or BF16 for projections' input (norm.cu's bf16 variants).
 fn norm_out(op: &'static str, out: &DeviceBuffer, len: usize) -> Result<Arg> {
     match out.dtype() {
@@ -741,6 +770,8 @@ impl CudaBackend {
             return Ok(DType::F32);
         }
         let (down, dtype, vec) = self.experts(op, &experts.down)?;
+        let [offsets, hit, sorted_pairs, pairs_a, experts_a] =
+            sorted_args(op, sorted, num_experts, pairs)?;
         let args = [
             buf(op, "act", act, DType::F32, pairs * inter)?,
             u32_of(op, inter)?,
@@ -751,23 +782,11 @@ impl CudaBackend {
                 DType::F32,
                 pairs,
             )?,
-            buf(
-                op,
-                "expert_offsets",
-                sorted.expert_offsets,
-                DType::U32,
-                num_experts + 1,
-            )?,
-            buf(
-                op,
-                "hit_experts",
-                sorted.hit_experts,
-                DType::U32,
-                num_experts + 1,
-            )?,
-            buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
-            u32_of(op, pairs)?,
-            u32_of(op, num_experts)?,
+            offsets,
+            hit,
+            sorted_pairs,
+            pairs_a,
+            experts_a,
             down,
             u32_of(op, hidden)?,
             Arg::U32(vec as u32),
@@ -2059,27 +2078,17 @@ impl Backend for CudaBackend {
             DType::BF16 => buf(op, "x", x, DType::BF16, x_len)?,
             _ => buf(op, "x", x, DType::F32, x_len)?,
         };
+        let [offsets, hit, sorted_pairs, pairs_a, experts_a] =
+            sorted_args(op, sorted, num_experts, pairs)?;
         let args = [
             x_arg,
             u32_of(op, hidden)?,
             u32_of(op, routing.top_k)?,
-            buf(
-                op,
-                "expert_offsets",
-                sorted.expert_offsets,
-                DType::U32,
-                num_experts + 1,
-            )?,
-            buf(
-                op,
-                "hit_experts",
-                sorted.hit_experts,
-                DType::U32,
-                num_experts + 1,
-            )?,
-            buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
-            u32_of(op, pairs)?,
-            u32_of(op, num_experts)?,
+            offsets,
+            hit,
+            sorted_pairs,
+            pairs_a,
+            experts_a,
             gate,
             up,
             u32_of(op, inter)?,
