@@ -1320,20 +1320,29 @@ fn launches_syncs_and_allocations_are_counted_exactly() {
 /// Projections of one input through `matmuls` equal `matmul` each, bit for bit: on the cuBLAS
 /// path (rows past the matrix-vector kernels) the input is rounded once for all of them (one
 /// conversion and a GEMM each); below it, each is its own matrix-vector launch.
+/// Random bf16 weights of `[n, k]` for each n of `ns`.
+fn bf16_weights(g: &dyn Backend, rng: &mut Rng, k: usize, ns: &[usize]) -> Vec<DeviceBuffer> {
+    ns.iter()
+        .map(|&n| g.weight_from_f32(&rng.values(n * k), DType::BF16).unwrap())
+        .collect()
+}
+
+/// Each weight as a whole `[n, k]` matrix.
+fn views_of<'a>(weights: &'a [DeviceBuffer], ns: &[usize], k: usize) -> Vec<WeightView<'a>> {
+    weights
+        .iter()
+        .zip(ns)
+        .map(|(w, &n)| WeightView::new(w, n, k).unwrap())
+        .collect()
+}
+
 #[test]
 fn matmuls_equal_each_matmul_and_round_the_input_once() {
     let g = gpu_or_skip!();
     let mut rng = Rng(41);
     let (k, ns) = (96, [64, 40, 8]);
-    let weights: Vec<DeviceBuffer> = ns
-        .iter()
-        .map(|&n| g.weight_from_f32(&rng.values(n * k), DType::BF16).unwrap())
-        .collect();
-    let views: Vec<WeightView> = weights
-        .iter()
-        .zip(ns)
-        .map(|(w, n)| WeightView::new(w, n, k).unwrap())
-        .collect();
+    let weights = bf16_weights(g, &mut rng, k, &ns);
+    let views = views_of(&weights, &ns, k);
     for rows in [20, 100] {
         let x = f32_buf(g, &rng.values(rows * k));
         let mut each: Vec<DeviceBuffer> = ns.iter().map(|&n| out_buf(g, rows * n)).collect();
@@ -1372,15 +1381,8 @@ fn bf16_norm_outputs_feed_projections_as_f32_inputs_do() {
     let g = gpu_or_skip!();
     let mut rng = Rng(43);
     let (k, ns) = (96, [64, 40, 8]);
-    let weights: Vec<DeviceBuffer> = ns
-        .iter()
-        .map(|&n| g.weight_from_f32(&rng.values(n * k), DType::BF16).unwrap())
-        .collect();
-    let views: Vec<WeightView> = weights
-        .iter()
-        .zip(ns)
-        .map(|(w, n)| WeightView::new(w, n, k).unwrap())
-        .collect();
+    let weights = bf16_weights(g, &mut rng, k, &ns);
+    let views = views_of(&weights, &ns, k);
     let norm = g.weight_from_f32(&rng.values(k), DType::F32).unwrap();
     assert_eq!(g.gemm_input_dtype(100, DType::F32), DType::F32);
     for rows in [20, 100] {

@@ -691,9 +691,26 @@ impl CudaBackend {
         Ok(Some(big))
     }
 
+    /// `len` values of `dtype` in a pooled buffer, filled by `convert` (given its address)
+    /// and then read by `use_copy`; the buffer goes back to the pool at once (later users
+    /// queue behind `use_copy`'s work on the one stream).
+    fn with_converted_copy(
+        &self,
+        op: &'static str,
+        (dtype, len): (DType, usize),
+        convert: impl FnOnce(u64) -> Result<()>,
+        use_copy: impl FnOnce(&DeviceBuffer) -> Result<()>,
+    ) -> Result<()> {
+        let copy = self.take_buffer(dtype, len, BufferUsage::Activations)?;
+        let queued = ptr_of(op, &copy)
+            .and_then(convert)
+            .and_then(|()| use_copy(&copy));
+        self.give_buffer(copy);
+        queued
+    }
+
     /// Rounds `len` f32 values at `x` to bf16 in a pooled buffer (its weight-byte count
-    /// `weight_bytes`), then queues `use_copy` on that buffer's address; the buffer goes back
-    /// to the pool at once (later users queue behind `use_copy`'s work on the one stream).
+    /// `weight_bytes`), then queues `use_copy` on that buffer's address.
     fn with_bf16_copy(
         &self,
         op: &'static str,
@@ -702,9 +719,8 @@ impl CudaBackend {
         weight_bytes: u64,
         use_copy: impl FnOnce(u64) -> Result<()>,
     ) -> Result<()> {
-        let x16 = self.take_buffer(DType::BF16, len, BufferUsage::Activations)?;
-        let queued = ptr_of(op, &x16).and_then(|x16_ptr| {
-            let convert = [
+        let convert = |x16_ptr| {
+            let args = [
                 x,
                 Arg::U64(len as u64),
                 Arg::Ptr(x16_ptr),
@@ -712,11 +728,11 @@ impl CudaBackend {
                 self.diag(),
             ];
             let grid = Self::elementwise_grid(op, len.div_ceil(4))?;
-            self.launch(&self.kernels.to_bf16, grid, 256, &convert)?;
-            use_copy(x16_ptr)
-        });
-        self.give_buffer(x16);
-        queued
+            self.launch(&self.kernels.to_bf16, grid, 256, &args)
+        };
+        self.with_converted_copy(op, (DType::BF16, len), convert, |x16| {
+            use_copy(ptr_of(op, x16)?)
+        })
     }
 
     /// Projections of x `[rows, cols]` by cuBLAS GEMMs: x as a norm left it in bf16, or
@@ -878,8 +894,7 @@ impl CudaBackend {
     }
 
     /// Widens bf16 `x` (`len` values) to f32 in a pooled buffer and runs `use_copy` on it, for
-    /// an op without a bf16-input form; the buffer goes back to the pool at once (later users
-    /// queue behind `use_copy`'s work on the one stream).
+    /// an op without a bf16-input form.
     fn with_f32_copy(
         &self,
         op: &'static str,
@@ -888,15 +903,12 @@ impl CudaBackend {
         use_copy: impl FnOnce(&DeviceBuffer) -> Result<()>,
     ) -> Result<()> {
         let x_arg = buf(op, "x", x, DType::BF16, len)?;
-        let x32 = self.take_buffer(DType::F32, len, BufferUsage::Activations)?;
-        let queued = ptr_of(op, &x32).and_then(|x32_ptr| {
+        let convert = |x32_ptr| {
             let args = [x_arg, Arg::U64(len as u64), Arg::Ptr(x32_ptr)];
             let grid = Self::elementwise_grid(op, len.div_ceil(4))?;
-            self.launch(&self.kernels.to_f32, grid, 256, &args)?;
-            use_copy(&x32)
-        });
-        self.give_buffer(x32);
-        queued
+            self.launch(&self.kernels.to_f32, grid, 256, &args)
+        };
+        self.with_converted_copy(op, (DType::F32, len), convert, use_copy)
     }
 
     /// The chunked gated delta rule (delta_net.cu's gdr_chunk_prepare and gdr_chunk_scan) over

@@ -186,26 +186,32 @@ fn attention_with(
                 .max()
                 .unwrap_or(0);
             let rows = (t1 - t0) * group;
-            #[cfg(target_arch = "x86_64")]
-            if let (KvRows::Bf16(k16), KvRows::Bf16(v16), true, true) = (
-                cache_k,
-                cache_v,
-                rows < loops.gemm_min_rows,
-                simd && head_dim.is_multiple_of(8),
-            ) {
-                return with_scratch(rows * longest, |scores| {
-                    // SAFETY: the CPU has AVX2 and FMA (has_avx2_fma checked it) and the
-                    // head dim is a multiple of 8.
+            let few_rows = rows < loops.gemm_min_rows;
+            // The FMA loops need AVX2 and FMA (has_avx2_fma checked them) and whole lanes.
+            let fma = simd && head_dim.is_multiple_of(8);
+            match (cache_k, cache_v) {
+                #[cfg(target_arch = "x86_64")]
+                (KvRows::Bf16(k), KvRows::Bf16(v)) if few_rows && fma => {
+                    // SAFETY: `fma` holds.
                     #[allow(unsafe_code)]
                     unsafe {
-                        attend_tile_fma(&tile, q, k16, v16, layout, scores)
+                        attend_tile_simd(&tile, q, k, v, layout, rows * longest)
                     }
-                });
-            }
-            let (KvRows::F32(cache_k32), KvRows::F32(cache_v32), true) =
-                (cache_k, cache_v, rows < loops.gemm_min_rows)
-            else {
-                return attend_tile_gemm(
+                }
+                #[cfg(target_arch = "x86_64")]
+                (KvRows::F32(k), KvRows::F32(v)) if few_rows && fma => {
+                    // SAFETY: `fma` holds.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        attend_tile_simd(&tile, q, k, v, layout, rows * longest)
+                    }
+                }
+                (KvRows::F32(k), KvRows::F32(v)) if few_rows => {
+                    with_scratch(rows * longest, |scores| {
+                        attend_tile(&tile, q, k, v, layout, scores)
+                    })
+                }
+                _ => attend_tile_gemm(
                     &tile,
                     q,
                     cache_k,
@@ -214,20 +220,8 @@ fn attention_with(
                     longest,
                     loops.key_block,
                     simd,
-                );
-            };
-            with_scratch(rows * longest, |scores| {
-                #[cfg(target_arch = "x86_64")]
-                if simd && head_dim.is_multiple_of(8) {
-                    // SAFETY: the CPU has AVX2 and FMA (has_avx2_fma checked it) and the
-                    // head dim is a multiple of 8.
-                    #[allow(unsafe_code)]
-                    return unsafe {
-                        attend_tile_fma(&tile, q, cache_k32, cache_v32, layout, scores)
-                    };
-                }
-                attend_tile(&tile, q, cache_k32, cache_v32, layout, scores)
-            })
+                ),
+            }
         })
         .collect();
     for (&(t0, t1, kvh), o) in items.iter().zip(&results) {
@@ -476,6 +470,26 @@ fn has_avx2_fma() -> bool {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA, and `tile.head_dim` is a multiple of 8.
+/// [`attend_tile_fma`] with its scores in the thread's scratch of `scratch_len` floats.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, and the head dim is a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+unsafe fn attend_tile_simd<E: KvElem>(
+    tile: &Tile,
+    q: &[f32],
+    cache_k: &[E],
+    cache_v: &[E],
+    layout: &PagedLayout<'_>,
+    scratch_len: usize,
+) -> Vec<f32> {
+    with_scratch(scratch_len, |scores| {
+        // SAFETY: this function's contract.
+        unsafe { attend_tile_fma(tile, q, cache_k, cache_v, layout, scores) }
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(unsafe_code)]
