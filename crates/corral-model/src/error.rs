@@ -52,6 +52,14 @@ pub enum ModelError {
         /// What is wrong.
         detail: String,
     },
+    /// A GGUF file is truncated, corrupt or of a kind Corral does not read.
+    #[error("{}: invalid GGUF file: {detail}", path.display())]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
     /// A tensor the architecture needs is not in the checkpoint.
     #[error("tensor `{name}` is missing from the checkpoint in {}", dir.display())]
     MissingTensor {

@@ -2,6 +2,8 @@
 //! `model.safetensors.index.json`, memory-mapped, with every tensor's dtype and shape indexed
 //! by name. Binding names to layers is the families' job; this module only finds bytes.
 
+pub mod gguf_file;
+pub mod quant;
 mod safetensors_file;
 
 use std::collections::HashMap;

@@ -1,0 +1,336 @@
+//! GGUF reading: the header of a file written by the `gguf` Python package, every block format
+//! decoded bit for bit as that package decodes it (scripts/make_gguf_fixtures.py), and bad
+//! files refused with an error naming the culprit, never a panic.
+
+use corral_model::checkpoint::gguf_file::{GgufValue, parse_header};
+use corral_model::checkpoint::quant::{GgmlType, dequantize};
+use proptest::prelude::*;
+
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/fixtures/gguf/quant_blocks.gguf"
+);
+
+fn fixture() -> Vec<u8> {
+    std::fs::read(FIXTURE).expect("the GGUF fixture (scripts/make_gguf_fixtures.py)")
+}
+
+#[test]
+fn metadata_of_every_value_type_reads_as_written() {
+    let bytes = fixture();
+    let h = parse_header(&bytes).unwrap();
+    assert_eq!(h.version, 3);
+    assert_eq!(h.alignment, 32);
+    let get = |k: &str| h.get(k).unwrap_or_else(|| panic!("{k}"));
+    assert_eq!(get("general.architecture").as_str(), Some("corral-test"));
+    assert_eq!(get("test.u8"), &GgufValue::U8(200));
+    assert_eq!(get("test.i8"), &GgufValue::I8(-100));
+    assert_eq!(get("test.u16"), &GgufValue::U16(60000));
+    assert_eq!(get("test.i16"), &GgufValue::I16(-30000));
+    assert_eq!(get("test.u32"), &GgufValue::U32(4_000_000_000));
+    assert_eq!(get("test.i32"), &GgufValue::I32(-2_000_000_000));
+    assert_eq!(get("test.u64"), &GgufValue::U64((1 << 63) + 5));
+    assert_eq!(get("test.i64"), &GgufValue::I64(-(1 << 62)));
+    assert_eq!(get("test.f32"), &GgufValue::F32(0.15625));
+    assert_eq!(get("test.f64"), &GgufValue::F64(-2.5e300));
+    assert_eq!(get("test.bool"), &GgufValue::Bool(true));
+    assert_eq!(get("test.string").as_str(), Some("héllo ✓"));
+    let strings: Vec<&str> = get("test.strings")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(strings, ["a", "bc", ""]);
+    let ints: Vec<u64> = get("test.ints")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(ints, [1, 2, 3]);
+    let nested = get("test.nested").as_array().unwrap();
+    assert_eq!(nested.len(), 2);
+    assert_eq!(nested[1].as_array().unwrap().len(), 1);
+    assert!(h.get("test.missing").is_none());
+}
+
+#[test]
+fn every_block_format_decodes_bit_for_bit_as_the_reference_does() {
+    let bytes = fixture();
+    let h = parse_header(&bytes).unwrap();
+    let tensor = |name: &str| {
+        h.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("tensor {name}"))
+    };
+    let formats = [
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+    for ty in formats {
+        let (q, r) = (tensor(ty.name()), tensor(&format!("{}.ref", ty.name())));
+        assert_eq!(q.ggml_type, ty);
+        assert_eq!(q.shape(), [3, 512]);
+        assert_eq!(r.ggml_type, GgmlType::F32);
+        let mut decoded = vec![0f32; 3 * 512];
+        assert!(dequantize(
+            ty,
+            &bytes[q.byte_offset..q.byte_offset + q.byte_len],
+            &mut decoded
+        ));
+        let mut reference = vec![0f32; 3 * 512];
+        dequantize(
+            GgmlType::F32,
+            &bytes[r.byte_offset..r.byte_offset + r.byte_len],
+            &mut reference,
+        );
+        let differ = decoded
+            .iter()
+            .zip(&reference)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{}: {differ} of 1536 values differ", ty.name());
+        assert!(reference.iter().any(|v| *v != 0.0), "{}", ty.name());
+    }
+}
+
+/// A minimal GGUF writer for the bad-file cases: the header fields as given, unchecked.
+#[derive(Clone)]
+struct Builder {
+    magic: [u8; 4],
+    version: u32,
+    kvs: Vec<(String, u32, Vec<u8>)>,
+    tensors: Vec<(String, Vec<u64>, u32, u64)>,
+    data: Vec<u8>,
+    tensor_count: Option<u64>,
+}
+
+impl Builder {
+    /// One Q8_0 tensor of 2 x 32 values and one f32 tensor of 4, aligned to 32.
+    fn valid() -> Self {
+        let mut data = vec![0u8; 68];
+        data.resize(96, 0);
+        data.extend_from_slice(&[0u8; 16]);
+        Self {
+            magic: *b"GGUF",
+            version: 3,
+            kvs: vec![("general.architecture".into(), 8, string("qwen3"))],
+            tensors: vec![
+                ("blk.0.q".into(), vec![32, 2], 8, 0),
+                ("blk.0.norm".into(), vec![4], 0, 96),
+            ],
+            data,
+            tensor_count: None,
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&self.magic);
+        b.extend_from_slice(&self.version.to_le_bytes());
+        let count = self.tensor_count.unwrap_or(self.tensors.len() as u64);
+        b.extend_from_slice(&count.to_le_bytes());
+        b.extend_from_slice(&(self.kvs.len() as u64).to_le_bytes());
+        for (k, ty, v) in &self.kvs {
+            b.extend_from_slice(&string(k));
+            b.extend_from_slice(&ty.to_le_bytes());
+            b.extend_from_slice(v);
+        }
+        for (name, dims, ty, offset) in &self.tensors {
+            b.extend_from_slice(&string(name));
+            b.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in dims {
+                b.extend_from_slice(&d.to_le_bytes());
+            }
+            b.extend_from_slice(&ty.to_le_bytes());
+            b.extend_from_slice(&offset.to_le_bytes());
+        }
+        b.resize(b.len().next_multiple_of(32), 0);
+        b.extend_from_slice(&self.data);
+        b
+    }
+}
+
+fn string(s: &str) -> Vec<u8> {
+    let mut b = (s.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(s.as_bytes());
+    b
+}
+
+fn error_of(b: &Builder) -> String {
+    match parse_header(&b.bytes()) {
+        Ok(_) => panic!("parsed a bad file"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn the_minimal_file_of_the_bad_file_cases_is_valid() {
+    let h = parse_header(&Builder::valid().bytes()).unwrap();
+    assert_eq!(h.tensors.len(), 2);
+    assert_eq!(h.tensors[0].shape(), [2, 32]);
+    assert_eq!(h.tensors[0].byte_len, 68);
+    assert_eq!(h.tensors[1].byte_offset, h.data_offset + 96);
+}
+
+#[test]
+fn bad_files_are_refused_naming_what_is_wrong() {
+    let with = |f: &dyn Fn(&mut Builder)| {
+        let mut b = Builder::valid();
+        f(&mut b);
+        error_of(&b)
+    };
+    let cases: Vec<(String, &str)> = vec![
+        (with(&|b| b.magic = *b"GGML"), "not a GGUF file"),
+        (with(&|b| b.version = 1), "GGUF version 1"),
+        (with(&|b| b.version = 4), "GGUF version 4"),
+        (
+            with(&|b| b.tensor_count = Some(u64::MAX)),
+            "the tensor count",
+        ),
+        (with(&|b| b.kvs[0].1 = 13), "unknown value type 13"),
+        (
+            with(&|b| b.kvs[0].2 = vec![255; 8]),
+            "the length of `general.architecture`",
+        ),
+        (
+            with(&|b| b.kvs.push(("flag".into(), 7, vec![2]))),
+            "bool byte 2",
+        ),
+        (
+            with(&|b| {
+                b.kvs
+                    .push(("general.architecture".into(), 4, vec![1, 0, 0, 0]))
+            }),
+            "appears twice",
+        ),
+        (
+            with(&|b| {
+                let mut v = string("x");
+                v[8] = 0xff;
+                b.kvs.push(("bad".into(), 8, v));
+            }),
+            "not valid UTF-8",
+        ),
+        (
+            with(&|b| {
+                // An array of 2^40 u64s.
+                let mut v = 10u32.to_le_bytes().to_vec();
+                v.extend_from_slice(&(1u64 << 40).to_le_bytes());
+                b.kvs.push(("huge".into(), 9, v));
+            }),
+            "the length of `huge`",
+        ),
+        (
+            with(&|b| {
+                let mut v = 99u32.to_le_bytes().to_vec();
+                v.extend_from_slice(&0u64.to_le_bytes());
+                b.kvs.push(("arr".into(), 9, v));
+            }),
+            "unknown element type 99",
+        ),
+        (
+            with(&|b| {
+                b.kvs
+                    .push(("general.alignment".into(), 4, 24u32.to_le_bytes().to_vec()))
+            }),
+            "general.alignment",
+        ),
+        (
+            with(&|b| b.tensors[0].2 = 77),
+            "`blk.0.q` has unknown ggml type 77",
+        ),
+        (
+            with(&|b| b.tensors[0].1 = vec![32, 1, 1, 1, 2]),
+            "`blk.0.q` has 5 dimensions",
+        ),
+        (
+            with(&|b| b.tensors[0].1 = vec![32, 0]),
+            "`blk.0.q` has dimension 1 of 0",
+        ),
+        (
+            with(&|b| b.tensors[0].1 = vec![48, 2]),
+            "`blk.0.q`: rows of 48 values",
+        ),
+        (
+            with(&|b| b.tensors[1].3 = 100),
+            "`blk.0.norm`: data offset 100",
+        ),
+        (with(&|b| b.tensors[1].3 = 128), "tensor `blk.0.norm`"),
+        (
+            with(&|b| b.tensors[0].1 = vec![1 << 40, 1 << 40]),
+            "`blk.0.q`: dimensions",
+        ),
+        (
+            with(&|b| b.tensors[1].0 = "blk.0.q".into()),
+            "`blk.0.q` appears twice",
+        ),
+    ];
+    for (error, expected) in cases {
+        assert!(
+            error.contains(expected),
+            "`{error}` does not say `{expected}`"
+        );
+    }
+}
+
+#[test]
+fn every_truncation_of_a_real_file_is_an_error() {
+    let bytes = fixture();
+    let full = parse_header(&bytes).unwrap();
+    let last_end = full
+        .tensors
+        .iter()
+        .map(|t| t.byte_offset + t.byte_len)
+        .max()
+        .unwrap();
+    assert_eq!(last_end, bytes.len());
+    // Every cut inside the header, then a spread of cuts in the data.
+    let cuts = (0..full.data_offset).chain((full.data_offset..bytes.len()).step_by(97));
+    for cut in cuts {
+        let error = parse_header(&bytes[..cut]).err();
+        let error = error.unwrap_or_else(|| panic!("a file cut at {cut} parsed"));
+        assert!(
+            error.0.contains("truncated") || cut < 8,
+            "cut {cut}: {error}"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Fuzzing over a real header: any bytes changed, the parser returns (never panics), and
+    /// what it accepts lies inside the file.
+    #[test]
+    fn mutated_headers_never_panic_and_stay_in_bounds(
+        edits in prop::collection::vec((0usize..2200, any::<u8>()), 1..12),
+        cut in prop::option::of(0usize..80_000),
+    ) {
+        let mut bytes = fixture();
+        for (at, value) in edits {
+            let at = at % bytes.len();
+            bytes[at] = value;
+        }
+        if let Some(cut) = cut {
+            bytes.truncate(cut.min(bytes.len()));
+        }
+        if let Ok(h) = parse_header(&bytes) {
+            for t in &h.tensors {
+                prop_assert!(t.byte_offset + t.byte_len <= bytes.len());
+                let (block, block_bytes) = t.ggml_type.block();
+                prop_assert_eq!(t.numel() as usize / block * block_bytes, t.byte_len);
+            }
+        }
+    }
+}
