@@ -507,7 +507,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Causal GQA attention of each token over positions `0..=position` of its sequence, read
     /// through the sequence's block table from a paged cache that already holds this batch's
-    /// K and V. `q` is `[tokens, num_heads, head_dim]`; so is `out`.
+    /// K and V. `q` is `[tokens, num_heads, head_dim]`; so is `out`, f32 or, where the backend
+    /// takes projection inputs so ([`Backend::gemm_input_dtype`]), bf16.
     fn paged_attention(
         &self,
         q: &DeviceBuffer,

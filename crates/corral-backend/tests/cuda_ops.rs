@@ -276,7 +276,13 @@ fn fused_qkv_norm_rope_store_matches_cpu() {
     let c = CpuBackend::new();
     let mut rng = Rng(11);
     for case in 0..12 {
-        let (tokens, heads, kv_heads) = (1 + rng.below(40), 1 + rng.below(8), 1 + rng.below(3));
+        // Cases 8.. are prefill-sized (several heads a warp), some with more heads than one
+        // block takes.
+        let (tokens, heads, kv_heads) = if case >= 8 {
+            (256 + rng.below(60), 24 + rng.below(17), 1 + rng.below(8))
+        } else {
+            (1 + rng.below(40), 1 + rng.below(8), 1 + rng.below(3))
+        };
         let head_dim = [16, 64, 128, 256][case % 4];
         let rotary_dim = if case % 3 == 0 {
             head_dim / 2
@@ -758,6 +764,7 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
         let v_new = rng.values((dummies + tokens) * kv_dim);
         let q = rng.values(tokens * nh * hd);
         let mut outs = Vec::new();
+        let mut out_bf16 = Vec::new();
         for (b, kv_dtype) in [
             (&c as &dyn Backend, DType::F32),
             (g, DType::BF16),
@@ -811,10 +818,30 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
             b.paged_attention(&qb, &ck, &cv, &meta, shape, &mut out)
                 .unwrap();
             outs.push(read(b, &out, tokens * nh * hd));
+            if kv_dtype == DType::BF16 {
+                // The output in bf16 (for a projection that takes it so): the same values,
+                // rounded once, whether the flash kernel writes them or a rounding copy.
+                let mut out16 = b
+                    .take_buffer(DType::BF16, tokens * nh * hd, BufferUsage::Activations)
+                    .unwrap();
+                b.paged_attention(&qb, &ck, &cv, &meta, shape, &mut out16)
+                    .unwrap();
+                let mut bytes = vec![0u8; tokens * nh * hd * 2];
+                b.read_bytes(&out16, 0, &mut bytes).unwrap();
+                out_bf16 = bytes
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                    .collect();
+            }
         }
         let what = format!("heads {nh}/{nkv} dim {hd} block {block_size} runs {runs:?}");
         assert_close(&format!("{what} f32 cache"), &outs[2], &outs[0], 1e-5);
         assert_close(&format!("{what} bf16 cache"), &outs[1], &outs[0], 1e-2);
+        let rounded: Vec<u16> = outs[1]
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        assert!(out_bf16 == rounded, "{what}: the bf16 output");
     }
 }
 
@@ -865,7 +892,7 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
     let g = gpu_or_skip!();
     let c = CpuBackend::new();
     let mut rng = Rng(5);
-    for case in 0..30 {
+    for case in 0..32 {
         let tokens = [1, 3, 10, 70, 200][case % 5];
         let e = [4, 8, 33, 128][case % 4];
         let top_k = 1 + rng.below(e.min(8));
@@ -875,18 +902,24 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
         // route over more experts than the routing kernel holds in registers (512). Cases
         // 28 and 29 run bf16 experts of several 128-row tiles each, the last one partial,
         // with more than one block of output features and K not a multiple of 64. Case 27's
-        // hidden size is odd (unaligned rows; the combine a feature a thread).
+        // hidden size is odd (unaligned rows; the combine a feature a thread). Cases with
+        // more than 64 tokens and 128 experts route a warp a token (case 25: 300 experts, 16
+        // a lane; case 31: more than registers hold), the others rank each token's experts
+        // in a block; case 30 sorts its pairs in several chunks.
         let (tokens, e, top_k) = match case {
             24 => (200, 128, 8),
-            25 => (70, 33, 8),
+            25 => (70, 300, 8),
             26 => (200, 8, 4),
             27 => (10, 600, 8),
             28 => (300, 4, 3),
             29 => (170, 8, 8),
+            30 => (1100, 128, 8),
+            31 => (70, 1100, 8),
             _ => (tokens, e, top_k),
         };
         let (h, i) = match case {
             27 => (37, 24),
+            25 | 30 | 31 => (16, 24),
             28 => (136, 72),
             29 => (72, 200),
             _ => (

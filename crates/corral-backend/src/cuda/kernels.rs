@@ -77,20 +77,25 @@ pub(crate) struct Kernels {
     pub(crate) add_rms_norm_bf16: Kernel,
     pub(crate) kv_store_bf16: Kernel,
     pub(crate) kv_store_f32: Kernel,
-    pub(crate) qkv_norm_rope_store_bf16: Kernel,
-    pub(crate) qkv_norm_rope_store_f32: Kernel,
+    /// By cache type: head dims up to 128 and up to 512, each one head a warp (few tokens)
+    /// and five (prefill).
+    pub(crate) qkv_norm_rope_store_bf16: [Kernel; 4],
+    pub(crate) qkv_norm_rope_store_f32: [Kernel; 4],
     /// Indexed by log2 of the head dims each lane owns (1, 2, 4, 8, 16).
     pub(crate) paged_attention_bf16: [Kernel; 5],
     pub(crate) paged_attention_f32: [Kernel; 5],
     /// Tensor-core decode attention over a bf16 cache, head dims 64, 128 and 256.
     pub(crate) decode_attention_mma: [Kernel; 3],
-    /// Tensor-core prefill attention over a bf16 cache, head dims 64 and 128.
-    pub(crate) flash_attention_hd64: Kernel,
-    pub(crate) flash_attention_hd128: Kernel,
-    pub(crate) flash_attention_hd256: Kernel,
+    /// Tensor-core prefill attention over a bf16 cache, head dims 64, 128 and 256; each
+    /// writing f32, then bf16.
+    pub(crate) flash_attention_hd64: [Kernel; 2],
+    pub(crate) flash_attention_hd128: [Kernel; 2],
+    pub(crate) flash_attention_hd256: [Kernel; 2],
     pub(crate) moe_route: Kernel,
     pub(crate) moe_route_ranked: Kernel,
     pub(crate) moe_sort: Kernel,
+    /// The sort over a block per chunk of pairs (prefill).
+    pub(crate) moe_sort_chunked: Kernel,
     pub(crate) moe_combine: Kernel,
     pub(crate) moe_combine_y16: Kernel,
     pub(crate) causal_conv1d: Kernel,
@@ -274,8 +279,18 @@ impl Kernels {
             add_rms_norm_bf16: find("add_rms_norm_bf16")?,
             kv_store_bf16: find("kv_store_bf16")?,
             kv_store_f32: find("kv_store_f32")?,
-            qkv_norm_rope_store_bf16: find("qkv_norm_rope_store_bf16")?,
-            qkv_norm_rope_store_f32: find("qkv_norm_rope_store_f32")?,
+            qkv_norm_rope_store_bf16: [
+                find("qkv_norm_rope_store_bf16_d4_h1")?,
+                find("qkv_norm_rope_store_bf16_d4_h5")?,
+                find("qkv_norm_rope_store_bf16_d16_h1")?,
+                find("qkv_norm_rope_store_bf16_d16_h5")?,
+            ],
+            qkv_norm_rope_store_f32: [
+                find("qkv_norm_rope_store_f32_d4_h1")?,
+                find("qkv_norm_rope_store_f32_d4_h5")?,
+                find("qkv_norm_rope_store_f32_d16_h1")?,
+                find("qkv_norm_rope_store_f32_d16_h5")?,
+            ],
             paged_attention_bf16: [
                 find("paged_attention_bf16_d1")?,
                 find("paged_attention_bf16_d2")?,
@@ -295,15 +310,28 @@ impl Kernels {
                 find("decode_attention_mma_hd128")?,
                 find("decode_attention_mma_hd256")?,
             ],
-            flash_attention_hd64: find("flash_attention_bf16_hd64")?
-                .with_dynamic_smem(flash_attention_smem_bytes(64))?,
-            flash_attention_hd128: find("flash_attention_bf16_hd128")?
-                .with_dynamic_smem(flash_attention_smem_bytes(128))?,
-            flash_attention_hd256: find("flash_attention_bf16_hd256")?
-                .with_dynamic_smem(flash_attention_smem_bytes(256))?,
+            flash_attention_hd64: [
+                find("flash_attention_bf16_hd64")?
+                    .with_dynamic_smem(flash_attention_smem_bytes(64))?,
+                find("flash_attention_bf16_hd64_o16")?
+                    .with_dynamic_smem(flash_attention_smem_bytes(64))?,
+            ],
+            flash_attention_hd128: [
+                find("flash_attention_bf16_hd128")?
+                    .with_dynamic_smem(flash_attention_smem_bytes(128))?,
+                find("flash_attention_bf16_hd128_o16")?
+                    .with_dynamic_smem(flash_attention_smem_bytes(128))?,
+            ],
+            flash_attention_hd256: [
+                find("flash_attention_bf16_hd256")?
+                    .with_dynamic_smem(flash_attention_smem_bytes(256))?,
+                find("flash_attention_bf16_hd256_o16")?
+                    .with_dynamic_smem(flash_attention_smem_bytes(256))?,
+            ],
             moe_route: find("moe_route")?,
             moe_route_ranked: find("moe_route_ranked")?,
             moe_sort: find("moe_sort")?,
+            moe_sort_chunked: find("moe_sort_chunked")?,
             moe_combine: find("moe_combine")?,
             moe_combine_y16: find("moe_combine_y16")?,
             causal_conv1d: find("causal_conv1d")?,

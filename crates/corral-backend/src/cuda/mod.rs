@@ -193,6 +193,8 @@ const DOWN_MVM_FEATURES: usize = 64;
 const DECODE_MMA_MAX_GROUP: usize = 8;
 /// The longest run from which attention runs on tensor cores (flash_attention.cu).
 const FLASH_MIN_RUN: usize = 64;
+/// Tokens from which the q/k norm and rotation takes five heads a warp (a block a token).
+const QKV_WIDE_MIN_TOKENS: usize = 256;
 
 /// (head, split) pairs one merge of decode attention's splits holds (attention.cu's
 /// ATTN_MERGE_SLOTS): a group of heads splits at most this many over its heads.
@@ -218,9 +220,16 @@ const _: () = assert!(SAMPLE_CHUNK * SAMPLE_MAX_PARTS == MAX_REDUCED_VOCAB);
 const SAMPLE_MAX_ROWS: usize = 256;
 const SAMPLE_THREADS: u32 = 1024;
 
+/// Routed pairs a block of the expert sort places when there are more than that, the most
+/// blocks, and the most experts of that sort (moe.cu's SORT_OUTSIDE_EXPERTS).
+const SORT_CHUNK: usize = 1024;
+const SORT_MAX_BLOCKS: usize = 64;
+const SORT_CHUNKED_MAX_EXPERTS: usize = 1024;
 /// Tokens up to which routing ranks each token's experts in a block of its own, and the
 /// experts and choices that kernel holds (moe.cu's RANKED_MAX_EXPERTS, RANKED_MAX_CHOICES).
 const RANKED_ROUTE_MAX_TOKENS: usize = 64;
+/// Experts up to which routing ranks them for any number of tokens.
+const RANKED_ROUTE_ALWAYS_EXPERTS: usize = 128;
 const RANKED_ROUTE_MAX_EXPERTS: usize = 1024;
 const RANKED_ROUTE_MAX_CHOICES: usize = 64;
 
@@ -1772,13 +1781,20 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let args = [&args[..], &rope_args(rope, rotary_dim), &rest].concat();
-        let kernel = match dtype {
+        let kernels = match dtype {
             DType::BF16 => &self.kernels.qkv_norm_rope_store_bf16,
             DType::F32 => &self.kernels.qkv_norm_rope_store_f32,
             other => return Err(bad(op, format!("KV cache of {other}"))),
         };
-        // A block per (token, eight of its heads), a warp per head.
-        let grid = (grid_of(op, tokens)?, grid_of(op, per_token.div_ceil(8))?, 1);
+        // A block per (token, eight warps' heads): one head a warp for a few tokens, five
+        // for prefill (a block a token of up to 40 heads, every load in flight at once).
+        let heads_per_warp = if tokens >= QKV_WIDE_MIN_TOKENS { 5 } else { 1 };
+        let kernel = &kernels[2 * usize::from(head_dim > 128) + usize::from(heads_per_warp == 5)];
+        let grid = (
+            grid_of(op, tokens)?,
+            grid_of(op, per_token.div_ceil(8 * heads_per_warp))?,
+            1,
+        );
         self.launch(kernel, grid, 256, &args)
     }
 
@@ -1815,6 +1831,39 @@ impl Backend for CudaBackend {
         if runs == 0 {
             return Err(bad(op, "no block table for the batch's tokens".to_string()));
         }
+        // Prefill chunks of 64 or more tokens: tensor-core tiles (head dims 64, 128 and 256,
+        // bf16), writing f32 or bf16.
+        let flash = match head_dim {
+            64 => Some(&self.kernels.flash_attention_hd64),
+            128 => Some(&self.kernels.flash_attention_hd128),
+            256 => Some(&self.kernels.flash_attention_hd256),
+            _ => None,
+        }
+        .filter(|_| dtype == DType::BF16 && meta.max_run_tokens >= FLASH_MIN_RUN);
+        let out_len = tokens * num_heads * head_dim;
+        if out.dtype() == DType::BF16 && flash.is_none() {
+            // The decode-shaped kernels write f32: into a pooled copy, rounded after.
+            let mut out32 = self.take_buffer(DType::F32, out_len, BufferUsage::Activations)?;
+            let queued = self
+                .paged_attention(q, cache_k, cache_v, meta, shape, &mut out32)
+                .and_then(|()| {
+                    let args = [
+                        buf(op, "out", &out32, DType::F32, out_len)?,
+                        Arg::U64(out_len as u64),
+                        buf(op, "out", out, DType::BF16, out_len)?,
+                        Arg::U64(0),
+                        self.diag(),
+                    ];
+                    let grid = Self::elementwise_grid(op, out_len.div_ceil(4))?;
+                    self.launch(&self.kernels.to_bf16, grid, 256, &args)
+                });
+            self.give_buffer(out32);
+            return queued;
+        }
+        let out_dtype = match out.dtype() {
+            DType::BF16 => DType::BF16,
+            _ => DType::F32,
+        };
         let args = [
             buf(op, "q", q, DType::F32, tokens * num_heads * head_dim)?,
             buf(op, "cache_k", cache_k, dtype, kv_dim)?,
@@ -1837,20 +1886,11 @@ impl Backend for CudaBackend {
             u32_of(op, num_kv_heads)?,
             u32_of(op, head_dim)?,
             Arg::F32(scale),
-            buf(op, "out", out, DType::F32, tokens * num_heads * head_dim)?,
+            buf(op, "out", out, out_dtype, out_len)?,
             self.diag(),
         ];
-        // Prefill chunks of 64 or more tokens: tensor-core tiles (head dims 64, 128 and 256,
-        // bf16).
-        let flash = match head_dim {
-            64 => Some(&self.kernels.flash_attention_hd64),
-            128 => Some(&self.kernels.flash_attention_hd128),
-            256 => Some(&self.kernels.flash_attention_hd256),
-            _ => None,
-        };
-        if let (Some(kernel), DType::BF16, true) =
-            (flash, dtype, meta.max_run_tokens >= FLASH_MIN_RUN)
-        {
+        if let Some(kernels) = flash {
+            let kernel = &kernels[usize::from(out_dtype == DType::BF16)];
             // Every argument but head_dim (the kernel's template parameter).
             let mut flash_args = args.to_vec();
             flash_args.remove(13);
@@ -1963,14 +2003,17 @@ impl Backend for CudaBackend {
                 tokens * choices,
             )?,
         ];
-        // A few tokens: a block per token ranking its experts in one pass; more: a warp per
-        // token, eight to a block.
-        if tokens <= RANKED_ROUTE_MAX_TOKENS
+        // A block per token ranking its experts in one pass (a thread an expert, up to 256)
+        // for a few tokens, or up to 128 experts; else a warp per token, eight to a block
+        // (ranking costs experts² a token: at 256 experts and 2,048 tokens the warps are
+        // faster, at 128 ranking is).
+        if (tokens <= RANKED_ROUTE_MAX_TOKENS || num_experts <= RANKED_ROUTE_ALWAYS_EXPERTS)
             && num_experts <= RANKED_ROUTE_MAX_EXPERTS
             && top_k <= RANKED_ROUTE_MAX_CHOICES
         {
             let grid = (grid_of(op, tokens)?, 1, 1);
-            return self.launch(&self.kernels.moe_route_ranked, grid, 256, &args);
+            let threads = num_experts.next_multiple_of(32).clamp(64, 256) as u32;
+            return self.launch(&self.kernels.moe_route_ranked, grid, threads, &args);
         }
         let grid = (grid_of(op, tokens.div_ceil(8))?, 1, 1);
         self.launch(&self.kernels.moe_route, grid, 256, &args)
@@ -2040,6 +2083,15 @@ impl Backend for CudaBackend {
             buf(op, "pair_positions", pair_positions, DType::U32, pairs)?,
             self.diag(),
         ];
+        // Past one chunk: a block per chunk (at most SORT_MAX_BLOCKS), each counting every
+        // pair and placing its own, rather than one block placing them all.
+        if pairs > SORT_CHUNK && num_experts <= SORT_CHUNKED_MAX_EXPERTS {
+            let chunk = SORT_CHUNK.max(pairs.div_ceil(SORT_MAX_BLOCKS));
+            let mut chunked = args.to_vec();
+            chunked.insert(3, u32_of(op, chunk)?);
+            let grid = (grid_of(op, pairs.div_ceil(chunk))?, 1, 1);
+            return self.launch(&self.kernels.moe_sort_chunked, grid, 1024, &chunked);
+        }
         self.launch(&self.kernels.moe_sort, (1, 1, 1), 1024, &args)
     }
 

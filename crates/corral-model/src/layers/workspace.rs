@@ -135,6 +135,8 @@ pub(crate) struct Workspace {
     pub(crate) v: DeviceBuffer,
     pub(crate) q_normed: DeviceBuffer,
     pub(crate) k_normed: DeviceBuffer,
+    /// Attention output `[T, heads · head_dim]`: for Qwen3 in the type of `h`, for the
+    /// hybrids (which gate it first) f32.
     pub(crate) attn: DeviceBuffer,
     pub(crate) gate: DeviceBuffer,
     pub(crate) up: DeviceBuffer,
@@ -235,7 +237,13 @@ impl Workspace {
             v: f32_buf(tokens * kv_dim)?,
             q_normed: f32_buf(tokens * q_dim)?,
             k_normed: f32_buf(tokens * kv_dim)?,
-            attn: f32_buf(tokens * q_dim)?,
+            // The hybrids gate the attention's output first (in f32); Qwen3 projects it at
+            // once, so it takes the projections' input type.
+            attn: if hybrid {
+                f32_buf(tokens * q_dim)?
+            } else {
+                backend.take_buffer(norm_out, (tokens * q_dim).max(1), BufferUsage::Activations)?
+            },
             gate: f32_buf(tokens * inter)?,
             up: f32_buf(tokens * inter)?,
             act: f32_buf(tokens * inter)?,

@@ -35,13 +35,15 @@ KV_STORE(bf16, u16)
 KV_STORE(f32, float)
 
 // From a fused q/k/v projection ([tokens, (heads + 2 kv_heads) * head_dim]): a block per
-// (token, QKV_WARPS of its q, k and v heads), a warp per head. The block first forms the
-// token's rotary (cos, sin) pairs once in shared memory (one angle a thread, rather than
-// each of the token's heads its own); q and k heads are RMSNorm'd and rotated (the head
-// staged in shared memory so that each rotated pair reads both halves); q goes to q_out, k
-// and v into the cache at the token's slot.
+// (token, QKV_WARPS * HPW of its q, k and v heads), a warp per head, HPW heads a warp (5 for
+// prefill, so that a block takes a whole token and has all its heads' loads in flight at
+// once; 1 for a few tokens, where more blocks run in parallel). The block first forms the
+// token's rotary (cos, sin) pairs once in shared memory; q and k heads are RMSNorm'd and
+// rotated (the head staged in shared memory so that each rotated pair reads both halves); q
+// goes to q_out, k and v into the cache at the token's slot. A lane holds dims lane + 32 i,
+// i < DIMS (head dims up to 32 DIMS).
 #define QKV_WARPS 8
-template <typename C>
+template <typename C, int DIMS, int HPW>
 __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight,
                                          const float* k_weight, const u32* positions,
                                          const u32* slots, u32 tokens, u32 heads, u32 kv_heads,
@@ -49,34 +51,35 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
                                          float yarn_factor, float ramp_low, float ramp_width,
                                          float attention_factor, float eps, u64 cache_slots,
                                          float* q_out, C* cache_k, C* cache_v, Diag* diag) {
-    __shared__ float staged[QKV_WARPS][512];
-    __shared__ float2 rotation[256];  // (cos, sin) of pair p: rotary_dim / 2 <= 256
-    const int DIMS = 512 / 32;        // a lane's dims d = lane + 32 i of a head
+    __shared__ float staged[QKV_WARPS][32 * DIMS];
+    __shared__ float2 rotation[16 * DIMS];  // (cos, sin) of pair p: rotary_dim / 2 <= 16 DIMS
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 t = blockIdx.x, h = blockIdx.y * QKV_WARPS + warp;
+    u32 t = blockIdx.x, h0 = blockIdx.y * QKV_WARPS * HPW + warp;
     u32 per_token = heads + 2 * kv_heads;
     if (t >= tokens) return;
     u32 kv_dim = kv_heads * head_dim;
-    bool is_q = h < heads, is_v = h >= heads + kv_heads;
-    bool live = h < per_token;
-    // The head's values in flight first, so that the angles are formed meanwhile.
-    const float* src = qkv + ((size_t)t * per_token + (live ? h : 0)) * head_dim;
-    float vals[DIMS];
+    // Every head's values in flight first, so that the angles are formed meanwhile.
+    float vals[HPW][DIMS];
 #pragma unroll
-    for (int i = 0; i < DIMS; i++) {
-        u32 d = lane + 32 * i;
-        vals[i] = live && d < head_dim ? src[d] : 0.f;
-    }
-    u32 slot = 0;
-    if (live && !is_q) {
-        slot = slots[t];
-        if (slot >= cache_slots) {
-            if (lane == 0) raise_error(diag, ERR_KV_SLOT);
-            live = false;
+    for (int j = 0; j < HPW; j++) {
+        u32 h = h0 + QKV_WARPS * j;
+        const float* src = qkv + ((size_t)t * per_token + (h < per_token ? h : 0)) * head_dim;
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) {
+            u32 d = lane + 32 * i;
+            vals[j][i] = h < per_token && d < head_dim ? src[d] : 0.f;
         }
     }
+    // The cache slot, where this warp has a k or v head.
+    bool slot_ok = false;
+    u32 slot = 0;
+    if (h0 + QKV_WARPS * (HPW - 1) >= heads && h0 < per_token) {
+        slot = slots[t];
+        slot_ok = slot < cache_slots;
+        if (!slot_ok && lane == 0) raise_error(diag, ERR_KV_SLOT);
+    }
     u32 half = rotary_dim / 2;
-    if (blockIdx.y * QKV_WARPS < heads + kv_heads) {
+    if (blockIdx.y * QKV_WARPS * HPW < heads + kv_heads) {
         float pos = (float)positions[t];
         for (u32 p = threadIdx.x; p < half; p += blockDim.x) {
             float inv_freq =
@@ -86,66 +89,76 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
             rotation[p] = make_float2(c * attention_factor, s * attention_factor);
         }
     }
+    __syncthreads();  // the angles
     float* row = staged[warp];
-    if (live && is_v) {
-        size_t dst = (size_t)slot * kv_dim + (size_t)(h - heads - kv_heads) * head_dim;
 #pragma unroll
-        for (int i = 0; i < DIMS; i++) {
-            u32 d = lane + 32 * i;
-            if (d < head_dim) store_kv(cache_v, dst + d, vals[i]);
+    for (int j = 0; j < HPW; j++) {
+        u32 h = h0 + QKV_WARPS * j;
+        bool is_q = h < heads, is_v = h >= heads + kv_heads;
+        if (h >= per_token || (!is_q && !slot_ok)) continue;
+        if (is_v) {
+            size_t dst = (size_t)slot * kv_dim + (size_t)(h - heads - kv_heads) * head_dim;
+#pragma unroll
+            for (int i = 0; i < DIMS; i++) {
+                u32 d = lane + 32 * i;
+                if (d < head_dim) store_kv(cache_v, dst + d, vals[j][i]);
+            }
+            continue;
         }
-        live = false;
-    }
-    if (live) {
         const float* w = is_q ? q_weight : k_weight;
         float ss = 0.f;
 #pragma unroll
-        for (int i = 0; i < DIMS; i++) ss += vals[i] * vals[i];
+        for (int i = 0; i < DIMS; i++) ss += vals[j][i] * vals[j][i];
         ss = warp_sum(ss);
         float inv = rsqrtf(ss / (float)head_dim + eps);
+        __syncwarp();  // the previous head's reads of the staged row are done
 #pragma unroll
         for (int i = 0; i < DIMS; i++) {
             u32 d = lane + 32 * i;
-            if (d < head_dim) row[d] = vals[i] * inv * w[d];
+            if (d < head_dim) row[d] = vals[j][i] * inv * w[d];
         }
+        __syncwarp();
+        float* q_dst = q_out + ((size_t)t * heads + h) * head_dim;
+        size_t k_dst = (size_t)slot * kv_dim + (size_t)(h - heads) * head_dim;
+        auto emit = [&](u32 d, float v) {
+            if (is_q)
+                q_dst[d] = v;
+            else
+                store_kv(cache_k, k_dst + d, v);
+        };
+        // Each lane rotates whole pairs (d, d + half).
+        for (u32 p = lane; p < half; p += 32) {
+            float2 cs = rotation[p];
+            float a = row[p], b = row[p + half];
+            emit(p, a * cs.x - b * cs.y);
+            emit(p + half, b * cs.x + a * cs.y);
+        }
+        for (u32 d = rotary_dim + lane; d < head_dim; d += 32) emit(d, row[d]);
     }
-    __syncthreads();  // every thread: the angles, and each warp's staged head
-    if (!live) return;
-    float* q_dst = q_out + ((size_t)t * heads + h) * head_dim;
-    size_t k_dst = (size_t)slot * kv_dim + (size_t)(h - heads) * head_dim;
-    auto emit = [&](u32 d, float v) {
-        if (is_q)
-            q_dst[d] = v;
-        else
-            store_kv(cache_k, k_dst + d, v);
-    };
-    // Each lane rotates whole pairs (d, d + half).
-    for (u32 p = lane; p < half; p += 32) {
-        float2 cs = rotation[p];
-        float a = row[p], b = row[p + half];
-        emit(p, a * cs.x - b * cs.y);
-        emit(p + half, b * cs.x + a * cs.y);
-    }
-    for (u32 d = rotary_dim + lane; d < head_dim; d += 32) emit(d, row[d]);
 }
 
-#define QKV_NORM_ROPE_STORE(SUFFIX, C)                                                        \
+#define QKV_NORM_ROPE_STORE(SUFFIX, C, DIMS, HPW)                                             \
     extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32)                              \
-        qkv_norm_rope_store_##SUFFIX(const float* qkv, const float* q_weight,                 \
-                                     const float* k_weight, const u32* positions,             \
-                                     const u32* slots, u32 tokens, u32 heads, u32 kv_heads,   \
-                                     u32 head_dim, u32 rotary_dim, float theta,               \
-                                     float yarn_factor, float ramp_low, float ramp_width,     \
-                                     float attention_factor, float eps, u64 cache_slots,      \
-                                     float* q_out, C* cache_k, C* cache_v, Diag* diag) {      \
+        qkv_norm_rope_store_##SUFFIX##_d##DIMS##_h##HPW(                                      \
+            const float* qkv, const float* q_weight, const float* k_weight,                   \
+            const u32* positions, const u32* slots, u32 tokens, u32 heads, u32 kv_heads,      \
+            u32 head_dim, u32 rotary_dim, float theta, float yarn_factor, float ramp_low,     \
+            float ramp_width, float attention_factor, float eps, u64 cache_slots,             \
+            float* q_out, C* cache_k, C* cache_v, Diag* diag) {                               \
         begin_small_kernel();                                                                 \
-        qkv_norm_rope_store_impl<C>(qkv, q_weight, k_weight, positions, slots, tokens, heads, \
-                                    kv_heads, head_dim, rotary_dim, theta, yarn_factor,       \
-                                    ramp_low, ramp_width, attention_factor, eps, cache_slots, \
-                                    q_out, cache_k, cache_v, diag);                           \
+        qkv_norm_rope_store_impl<C, DIMS, HPW>(                                               \
+            qkv, q_weight, k_weight, positions, slots, tokens, heads, kv_heads, head_dim,     \
+            rotary_dim, theta, yarn_factor, ramp_low, ramp_width, attention_factor, eps,      \
+            cache_slots, q_out, cache_k, cache_v, diag);                                      \
     }
-QKV_NORM_ROPE_STORE(bf16, u16)
-QKV_NORM_ROPE_STORE(f32, float)
+QKV_NORM_ROPE_STORE(bf16, u16, 4, 1)
+QKV_NORM_ROPE_STORE(bf16, u16, 4, 5)
+QKV_NORM_ROPE_STORE(bf16, u16, 16, 1)
+QKV_NORM_ROPE_STORE(bf16, u16, 16, 5)
+QKV_NORM_ROPE_STORE(f32, float, 4, 1)
+QKV_NORM_ROPE_STORE(f32, float, 4, 5)
+QKV_NORM_ROPE_STORE(f32, float, 16, 1)
+QKV_NORM_ROPE_STORE(f32, float, 16, 5)
 
 #define ATTN_WARPS 4         // warps of a block, taking alternate chunks of its keys
 #define ATTN_MAX_SPLITS 64   // splits of the keys that the last block merges

@@ -22,11 +22,21 @@ __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The output in f32, or in bf16 for an output projection that takes it so.
+__device__ __forceinline__ void fa_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void fa_store(u16* p, float v) { *p = f32_to_bf16(v); }
+__device__ __forceinline__ void fa_store2(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void fa_store2(u16* p, float a, float b) {
+    *reinterpret_cast<u32*>(p) = (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+}
+
 // One token's attention for one head by one warp: lanes own HD/32 dims, keys 0..len-1.
-template <int HD>
+template <int HD, typename O>
 __device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cache_v,
                              const u32* table, u32 len, u32 block_size, u32 num_blocks,
-                             u32 kv_dim, u32 kv_off, float scale, float* out, Diag* diag) {
+                             u32 kv_dim, u32 kv_off, float scale, O* out, Diag* diag) {
     const int D = HD / 32;
     u32 lane = threadIdx.x & 31, d0 = lane * D;
     float qv[D], acc[D];
@@ -55,7 +65,7 @@ __device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cac
         m = m_new;
     }
 #pragma unroll
-    for (int i = 0; i < D; i++) out[d0 + i] = acc[i] / l;
+    for (int i = 0; i < D; i++) fa_store(out + d0 + i, acc[i] / l);
 }
 
 // Shared memory of one block: two stages of 64 keys of K and of V, rows of HD + 8 values.
@@ -69,12 +79,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // Tiles run heaviest first: grid (heads, tiles), the last tile of the batch (the most keys
 // under the causal mask) in the first block row.
-template <int HD>
+template <int HD, typename O>
 __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u16* cache_v,
                                      const u32* positions, const u32* token_runs, u32 runs,
                                      const u32* block_tables, u32 max_blocks, u32 block_size,
                                      u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,
-                                     float scale, float* out, Diag* diag) {
+                                     float scale, O* out, Diag* diag) {
     const int KT = HD / 16;  // k16 steps of Q·Kᵀ
     const int DT = HD / 8;   // n8 tiles of the output
     const int KS = HD + 8;   // staged K and V row stride (u16): conflict-free ldmatrix rows
@@ -105,7 +115,7 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
             }
             const u32* tt = block_tables + (size_t)tr * max_blocks;
             size_t item = (size_t)t * num_heads + h;
-            fa_one_token<HD>(q + item * HD, cache_k, cache_v, tt, len, block_size, num_blocks,
+            fa_one_token<HD, O>(q + item * HD, cache_k, cache_v, tt, len, block_size, num_blocks,
                              kv_dim, kv_off, scale, out + item * HD, diag);
         }
         return;
@@ -275,30 +285,33 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
     for (int dt = 0; dt < DT; dt++) {
         u32 d = dt * 8 + 2 * tq;
         if (r_lo < rows) {
-            float* dst = out + ((size_t)(t0 + r_lo) * num_heads + h) * HD + d;
-            *reinterpret_cast<float2*>(dst) = make_float2(o[dt][0] / l_lo, o[dt][1] / l_lo);
+            O* dst = out + ((size_t)(t0 + r_lo) * num_heads + h) * HD + d;
+            fa_store2(dst, o[dt][0] / l_lo, o[dt][1] / l_lo);
         }
         if (r_hi < rows) {
-            float* dst = out + ((size_t)(t0 + r_hi) * num_heads + h) * HD + d;
-            *reinterpret_cast<float2*>(dst) = make_float2(o[dt][2] / l_hi, o[dt][3] / l_hi);
+            O* dst = out + ((size_t)(t0 + r_hi) * num_heads + h) * HD + d;
+            fa_store2(dst, o[dt][2] / l_hi, o[dt][3] / l_hi);
         }
     }
 }
 
 // Blocks an SM holds: 3 at head dims 64 and 128; 1 at 256 (the output and q fragments of a
-// 256-wide head take all of a thread's registers).
-#define FLASH_ATTENTION(HD, BLOCKS)                                                           \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, BLOCKS) flash_attention_bf16_hd##HD( \
-        const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,         \
-        const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
-        u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
-        float scale, float* out, Diag* diag) {                                                \
+// 256-wide head take all of a thread's registers). The output in f32, or bf16 (suffix _o16).
+#define FLASH_ATTENTION(HD, BLOCKS, O, SUFFIX)                                                \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, BLOCKS)                          \
+        flash_attention_bf16_hd##HD##SUFFIX(                                                  \
+            const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,     \
+            const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,         \
+            u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,      \
+            float scale, O* out, Diag* diag) {                                                \
         begin_kernel();                                                                       \
-        flash_attention_impl<HD>(q, cache_k, cache_v, positions, token_runs, runs,            \
-                                 block_tables,                                                \
-                                 max_blocks, block_size, num_blocks, tokens, num_heads,       \
-                                 num_kv_heads, scale, out, diag);                             \
+        flash_attention_impl<HD, O>(q, cache_k, cache_v, positions, token_runs, runs,         \
+                                    block_tables, max_blocks, block_size, num_blocks, tokens, \
+                                    num_heads, num_kv_heads, scale, out, diag);               \
     }
-FLASH_ATTENTION(64, 3)
-FLASH_ATTENTION(128, 3)
-FLASH_ATTENTION(256, 1)
+FLASH_ATTENTION(64, 3, float, )
+FLASH_ATTENTION(128, 3, float, )
+FLASH_ATTENTION(256, 1, float, )
+FLASH_ATTENTION(64, 3, u16, _o16)
+FLASH_ATTENTION(128, 3, u16, _o16)
+FLASH_ATTENTION(256, 1, u16, _o16)

@@ -121,10 +121,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
 #define RANKED_MAX_EXPERTS 1024  // experts of a token that moe_route_ranked holds
 #define RANKED_MAX_CHOICES 64
 
-// moe_route for a few tokens (decode): a block per token, and each expert's place among the
-// token's logits counted by one thread against all of them (ties to the lower id) rather than
-// top_k rounds of warp-wide maxima, so the choices cost one pass, not top_k. Same outputs as
-// moe_route (the renormalising sum may round differently).
+// moe_route for up to RANKED_MAX_EXPERTS experts: a block per token, and each expert's place
+// among the token's logits counted by one thread against all of them (ties to the lower id)
+// rather than top_k rounds of warp-wide maxima, so the choices cost one pass, not top_k. Same
+// outputs as moe_route (the renormalising sum may round differently).
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_ranked(
     const float* logits, u32 tokens, u32 num_experts, u32 top_k, u32 renormalize, u32 shared,
     u32* ids, float* weights) {
@@ -180,44 +180,90 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_ranked(
     }
 }
 
-// Stable counting sort of the routed pairs by expert, in one block: counts, exclusive
-// offsets [E + 1], the experts with pairs ([count, ids ascending]), the sorted order and its
-// inverse. An id out of range raises the error
-// flag and is sorted as expert 0, so that every later index stays in bounds. Each of the
-// first `lanes_used` warps owns a contiguous run of pairs and keeps its own count per expert
+// Stable counting sort of the routed pairs by expert: counts, exclusive offsets [E + 1], the
+// experts with pairs ([count, ids ascending]), the sorted order and its inverse. An id out of
+// range raises the error flag and is sorted as expert 0, so that every later index stays in
+// bounds. Block b places the pairs of its chunk [b * chunk, (b + 1) * chunk): each of its
+// first `lanes_used` warps owns a contiguous run of them and keeps its own count per expert
 // in shared memory; __match_any_sync ranks equal ids within a step of 32 pairs, so a second
 // walk over the same runs places every pair in pair order, with no atomics and no pass per
-// expert.
+// expert. With more than one block, each also counts the pairs before and after its chunk
+// (reading every id: no block waits for another), and block 0 writes the offsets.
 #define SORT_COUNTERS 8192
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
-    const u32* ids, u32 pairs, u32 num_experts, u32* offsets, u32* hit_experts,
-    u32* sorted_pairs, u32* pair_positions, Diag* diag) {
-    begin_small_kernel();
-    __shared__ u32 counts[SORT_COUNTERS];  // [warp][expert]: count, then first position
+#define SORT_BATCH 8  // steps of 32 pairs whose ids a warp loads at once
+#define SORT_OUTSIDE_EXPERTS 1024  // experts of a sort of several blocks
+
+// A lane's ids of SORT_BATCH steps from pair p (0xffffffff past `end`), all loads in flight
+// together; an id out of range raises the flag (when `diag` is given) and reads as expert 0.
+__device__ __forceinline__ void sort_load_ids(const u32* ids, u32 p, u32 end, u32 num_experts,
+                                              u32* es, Diag* diag) {
+#pragma unroll
+    for (int i = 0; i < SORT_BATCH; i++) es[i] = p + 32 * i < end ? ids[p + 32 * i] : 0xffffffffu;
+#pragma unroll
+    for (int i = 0; i < SORT_BATCH; i++) {
+        if (p + 32 * i < end && es[i] >= num_experts) {
+            if (diag) raise_error(diag, ERR_EXPERT_ID);
+            es[i] = 0;
+        }
+    }
+}
+
+// Adds the pairs of [begin, end) to count[e], the block's warps taking 32 pairs a step and
+// each warp adding once per distinct expert of a step.
+__device__ __forceinline__ void sort_count_range(const u32* ids, u32 begin, u32 end,
+                                                 u32 num_experts, u32* count) {
+    u32 lane = threadIdx.x & 31, lt_mask = (1u << lane) - 1u;
+    for (u32 c0 = begin + (threadIdx.x & ~31u) * SORT_BATCH; c0 < end;
+         c0 += blockDim.x * SORT_BATCH) {
+        u32 es[SORT_BATCH];
+        sort_load_ids(ids, c0 + lane, end, num_experts, es, nullptr);
+#pragma unroll
+        for (int i = 0; i < SORT_BATCH; i++) {
+            u32 e = es[i];
+            u32 peers = __match_any_sync(0xffffffffu, e);
+            if (e != 0xffffffffu && (peers & lt_mask) == 0) atomicAdd(&count[e], __popc(peers));
+        }
+    }
+}
+
+template <bool CHUNKED>
+__device__ void moe_sort_impl(const u32* ids, u32 pairs, u32 num_experts, u32 chunk,
+                              u32* offsets, u32* hit_experts, u32* sorted_pairs,
+                              u32* pair_positions, Diag* diag) {
+    const u32 COUNTERS = CHUNKED ? SORT_COUNTERS / 2 : SORT_COUNTERS;
+    __shared__ u32 counts[COUNTERS];  // [warp][expert]: count, then first position
     __shared__ u64 partial[SORT_THREADS];  // scanned: experts hit (high half), pairs (low)
+    // Pairs of each expert before this block's chunk, and after it.
+    __shared__ u32 before[CHUNKED ? SORT_OUTSIDE_EXPERTS : 1];
+    __shared__ u32 after[CHUNKED ? SORT_OUTSIDE_EXPERTS : 1];
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    u32 warps = min((u32)(SORT_THREADS / 32), (u32)SORT_COUNTERS / max(num_experts, 1u));
-    u32 run = (pairs + warps - 1) / warps;
+    u32 c_begin = CHUNKED ? min(blockIdx.x * chunk, pairs) : 0;
+    u32 c_end = CHUNKED ? min(c_begin + chunk, pairs) : pairs;
+    u32 warps = min((u32)(SORT_THREADS / 32), COUNTERS / max(num_experts, 1u));
+    u32 run = (c_end - c_begin + warps - 1) / warps;
     for (u32 i = tid; i < warps * num_experts; i += blockDim.x) counts[i] = 0;
+    if (CHUNKED)
+        for (u32 e = tid; e < num_experts; e += blockDim.x) before[e] = after[e] = 0;
     __syncthreads();
     u32 lt_mask = (1u << lane) - 1u;
     if (warp < warps) {
-        u32 p_begin = min(warp * run, pairs), p_end = min(p_begin + run, pairs);
+        u32 p_begin = min(c_begin + warp * run, c_end), p_end = min(p_begin + run, c_end);
         u32* mine = counts + warp * num_experts;
-        for (u32 p0 = p_begin; p0 < p_end; p0 += 32) {
-            u32 p = p0 + lane;
-            u32 e = 0xffffffffu;
-            if (p < p_end) {
-                e = ids[p];
-                if (e >= num_experts) {
-                    raise_error(diag, ERR_EXPERT_ID);
-                    e = 0;
-                }
+        for (u32 c0 = p_begin; c0 < p_end; c0 += 32 * SORT_BATCH) {
+            u32 es[SORT_BATCH];
+            sort_load_ids(ids, c0 + lane, p_end, num_experts, es, diag);
+#pragma unroll
+            for (int i = 0; i < SORT_BATCH; i++) {
+                u32 e = es[i];
+                u32 peers = __match_any_sync(0xffffffffu, e);
+                if (e != 0xffffffffu && (peers & lt_mask) == 0) mine[e] += __popc(peers);
+                __syncwarp();
             }
-            u32 peers = __match_any_sync(0xffffffffu, e);
-            if (e != 0xffffffffu && (peers & lt_mask) == 0) mine[e] += __popc(peers);
-            __syncwarp();
         }
+    }
+    if (CHUNKED) {
+        sort_count_range(ids, 0, c_begin, num_experts, before);
+        sort_count_range(ids, c_end, pairs, num_experts, after);
     }
     __syncthreads();
     // Exclusive scan over experts: each thread owns a contiguous run of experts.
@@ -225,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
     u32 e0 = min(tid * per, num_experts), e1 = min(e0 + per, num_experts);
     u64 mine = 0;
     for (u32 e = e0; e < e1; e++) {
-        u32 c = 0;
+        u32 c = CHUNKED ? before[e] + after[e] : 0;
         for (u32 w = 0; w < warps; w++) c += counts[w * num_experts + e];
         mine += (c > 0 ? 1ull << 32 : 0ull) + c;
     }
@@ -237,42 +283,63 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
         partial[tid] += v;
         __syncthreads();
     }
-    u64 before = partial[tid] - mine;
-    u32 running = (u32)before, hit_rank = (u32)(before >> 32);
+    u64 scanned = partial[tid] - mine;
+    u32 running = (u32)scanned, hit_rank = (u32)(scanned >> 32);
+    bool writes = !CHUNKED || blockIdx.x == 0;
     for (u32 e = e0; e < e1; e++) {
-        offsets[e] = running;
+        if (writes) offsets[e] = running;
         u32 first = running;
+        if (CHUNKED) running += before[e];
         for (u32 w = 0; w < warps; w++) {
             u32 c = counts[w * num_experts + e];
             counts[w * num_experts + e] = running;
             running += c;
         }
-        if (running > first) hit_experts[1 + hit_rank++] = e;
+        if (CHUNKED) running += after[e];
+        if (running > first && writes) hit_experts[1 + hit_rank++] = e;
     }
-    if (tid == 0) offsets[num_experts] = pairs;
-    if (tid == blockDim.x - 1) hit_experts[0] = (u32)(partial[tid] >> 32);
+    if (tid == 0 && writes) offsets[num_experts] = pairs;
+    if (tid == blockDim.x - 1 && writes) hit_experts[0] = (u32)(partial[tid] >> 32);
     __syncthreads();
     if (warp < warps) {
-        u32 p_begin = min(warp * run, pairs), p_end = min(p_begin + run, pairs);
+        u32 p_begin = min(c_begin + warp * run, c_end), p_end = min(p_begin + run, c_end);
         u32* next = counts + warp * num_experts;
-        for (u32 p0 = p_begin; p0 < p_end; p0 += 32) {
-            u32 p = p0 + lane;
-            u32 e = 0xffffffffu;
-            if (p < p_end) {
-                e = ids[p];
-                if (e >= num_experts) e = 0;
+        for (u32 c0 = p_begin; c0 < p_end; c0 += 32 * SORT_BATCH) {
+            u32 es[SORT_BATCH];
+            sort_load_ids(ids, c0 + lane, p_end, num_experts, es, nullptr);
+#pragma unroll
+            for (int i = 0; i < SORT_BATCH; i++) {
+                u32 e = es[i], p = c0 + lane + 32 * i;
+                u32 peers = __match_any_sync(0xffffffffu, e);
+                if (e != 0xffffffffu) {
+                    u32 s = next[e] + __popc(peers & lt_mask);
+                    sorted_pairs[s] = p;
+                    pair_positions[p] = s;
+                }
+                __syncwarp();
+                if (e != 0xffffffffu && (peers & lt_mask) == 0) next[e] += __popc(peers);
+                __syncwarp();
             }
-            u32 peers = __match_any_sync(0xffffffffu, e);
-            if (e != 0xffffffffu) {
-                u32 s = next[e] + __popc(peers & lt_mask);
-                sorted_pairs[s] = p;
-                pair_positions[p] = s;
-            }
-            __syncwarp();
-            if (e != 0xffffffffu && (peers & lt_mask) == 0) next[e] += __popc(peers);
-            __syncwarp();
         }
     }
+}
+
+// One block: every pair placed by it.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(
+    const u32* ids, u32 pairs, u32 num_experts, u32* offsets, u32* hit_experts,
+    u32* sorted_pairs, u32* pair_positions, Diag* diag) {
+    begin_small_kernel();
+    moe_sort_impl<false>(ids, pairs, num_experts, pairs, offsets, hit_experts, sorted_pairs,
+                         pair_positions, diag);
+}
+
+// A block per chunk of pairs (prefill), up to SORT_OUTSIDE_EXPERTS experts.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort_chunked(
+    const u32* ids, u32 pairs, u32 num_experts, u32 chunk, u32* offsets, u32* hit_experts,
+    u32* sorted_pairs, u32* pair_positions, Diag* diag) {
+    begin_small_kernel();
+    moe_sort_impl<true>(ids, pairs, num_experts, chunk, offsets, hit_experts, sorted_pairs,
+                        pair_positions, diag);
 }
 
 // Finds which expert tile of tile_m sorted rows this block computes: expert e's rows

@@ -8,11 +8,69 @@ __device__ __forceinline__ void store_norm(u16* out, u32 d, float v) { out[d] = 
 // The shared body of rms_norm and add_rms_norm: row r of (acc [+ x]) kept in registers
 // (dim <= NORM_PER_THREAD * blockDim; longer rows are re-read), normalised into out: f32, or
 // bf16 when its only readers are projections that round their input to bf16 anyway.
+__device__ __forceinline__ void store_norm4(float* out, u32 d, float4 v) {
+    *reinterpret_cast<float4*>(out + d) = v;
+}
+__device__ __forceinline__ void store_norm4(u16* out, u32 d, float4 v) {
+    u32 lo, hi;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(v.y), "f"(v.x));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(v.w), "f"(v.z));
+    *reinterpret_cast<uint2*>(out + d) = make_uint2(lo, hi);
+}
+
+__device__ __forceinline__ float4 load4(const float* p, u32 d) {
+    return *reinterpret_cast<const float4*>(p + d);
+}
+
+// norm_row for rows of a multiple of 4 values that the block's registers hold: 16-byte loads
+// and stores (the row's start 16-byte aligned).
+template <typename O>
+__device__ __forceinline__ void norm_row4(float* acc, const float* x, bool add,
+                                          const float* weight, u32 dim, float eps,
+                                          bool offset_one, O* out, float* scratch) {
+    const int G = NORM_PER_THREAD / 4;
+    float4 v[G], w[G];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        u32 d = 4 * (threadIdx.x + j * blockDim.x);
+        v[j] = w[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (d < dim) {
+            w[j] = load4(weight, d);
+            if (offset_one) w[j] = make_float4(1.f + w[j].x, 1.f + w[j].y, 1.f + w[j].z, 1.f + w[j].w);
+            v[j] = load4(acc, d);
+            if (add) {
+                float4 e = load4(x, d);
+                v[j] = make_float4(v[j].x + e.x, v[j].y + e.y, v[j].z + e.z, v[j].w + e.w);
+                *reinterpret_cast<float4*>(acc + d) = v[j];
+            }
+            ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        }
+    }
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        u32 d = 4 * (threadIdx.x + j * blockDim.x);
+        if (d < dim)
+            store_norm4(out, d,
+                        make_float4(v[j].x * inv * w[j].x, v[j].y * inv * w[j].y,
+                                    v[j].z * inv * w[j].z, v[j].w * inv * w[j].w));
+    }
+}
+
 template <typename O>
 __device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
                                          const float* weight, u32 dim, float eps,
                                          bool offset_one, O* out) {
     __shared__ float scratch[32];
+    bool aligned = ((reinterpret_cast<size_t>(acc) | reinterpret_cast<size_t>(x) |
+                     reinterpret_cast<size_t>(weight)) & 15) == 0 &&
+                   (reinterpret_cast<size_t>(out) & (4 * sizeof(O) - 1)) == 0;
+    if (dim % 4 == 0 && dim <= NORM_PER_THREAD * blockDim.x && aligned) {
+        norm_row4(acc, x, add, weight, dim, eps, offset_one, out, scratch);
+        return;
+    }
     float v[NORM_PER_THREAD], w[NORM_PER_THREAD];
     float ss = 0.f;
 #pragma unroll
