@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Writes tests/fixtures/gguf/quant_blocks.gguf: for each block format Corral decodes, a
+"""Writes tests/fixtures/gguf/quant_blocks.gguf and GGUF copies of two checkpoint fixtures.
+
+quant_blocks.gguf: for each block format Corral decodes, a
 tensor `<TYPE>` of 3 x 512 values in that format and `<TYPE>.ref`, the same values decoded to
 f32 by the `gguf` package (whose decoders match ggml's bit for bit), plus metadata of every
 value type for the header tests.
@@ -9,7 +11,13 @@ Run in a venv with `pip install gguf numpy`:
 Formats the package can quantize (Q4_0 .. Q8_0, BF16, F16) are quantized from random normal
 values; for the k-quants, which it only decodes, the blocks are random bytes with their f16
 scale fields set to finite values of a weight's size.
+
+qwen3_moe_sharded.gguf, qwen3_dense.gguf: the safetensors fixtures of those names written as
+llama.cpp's converter writes them (its tensor names, experts stacked per projection, its
+metadata keys), the values unchanged, so that a model loaded from either gives the same logits.
 """
+import json
+import struct
 import pathlib
 
 import gguf
@@ -63,3 +71,94 @@ writer.write_kv_data_to_file()
 writer.write_tensors_to_file()
 writer.close()
 print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
+
+FIXTURES = OUT.parent.parent
+NP_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def read_safetensors(directory):
+    """Every tensor of a fixture directory's safetensors files, as numpy arrays (bf16 as raw
+    u16, written back as BF16)."""
+    tensors = {}
+    for path in sorted(directory.glob("model*.safetensors")):
+        data = path.read_bytes()
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + n])
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = info["data_offsets"]
+            raw = np.frombuffer(data[8 + n + lo:8 + n + hi], dtype=NP_TYPES[info["dtype"]])
+            tensors[name] = (raw.reshape(info["shape"]), info["dtype"])
+    return tensors
+
+
+def add(writer, name, array, dtype):
+    if dtype == "BF16":
+        raw = np.ascontiguousarray(array).view(np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=T.BF16)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(array))
+
+
+def convert(name, arch):
+    directory = FIXTURES / name
+    config = json.loads((directory / "config.json").read_text())
+    tensors = read_safetensors(directory)
+    out = OUT.parent / f"{name}.gguf"
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
+    w.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
+    w.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
+    w.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
+    w.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
+    w.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    w.add_uint32(f"{arch}.attention.key_length", config["head_dim"])
+    w.add_uint32(f"{arch}.attention.value_length", config["head_dim"])
+    theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    w.add_float32(f"{arch}.rope.freq_base", theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    if arch == "qwen3moe":
+        w.add_uint32(f"{arch}.expert_count", config.get("num_experts") or config["num_local_experts"])
+        w.add_uint32(f"{arch}.expert_used_count", config["num_experts_per_tok"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", config["moe_intermediate_size"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", config["bos_token_id"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+        "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
+        "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+        "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+        "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
+        "mlp.down_proj.weight": "ffn_down", "mlp.gate.weight": "ffn_gate_inp",
+    }
+    experts = {}
+    for hf, (array, dtype) in tensors.items():
+        if hf in names:
+            add(w, names[hf], array, dtype)
+            continue
+        layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+        if rest.startswith("mlp.experts."):
+            e, proj = rest.removeprefix("mlp.experts.").split(".", 1)
+            experts.setdefault((int(layer), proj), {})[int(e)] = (array, dtype)
+        else:
+            add(w, f"blk.{layer}.{per_layer[rest]}.weight", array, dtype)
+    stacked = {"gate_proj.weight": "ffn_gate_exps", "up_proj.weight": "ffn_up_exps",
+               "down_proj.weight": "ffn_down_exps"}
+    for (layer, proj), by_expert in sorted(experts.items()):
+        arrays = [by_expert[e][0] for e in sorted(by_expert)]
+        add(w, f"blk.{layer}.{stacked[proj]}.weight", np.stack(arrays), by_expert[0][1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {out} ({out.stat().st_size} bytes)")
+
+
+convert("qwen3_moe_sharded", "qwen3moe")
+convert("qwen3_dense", "qwen3")

@@ -10,7 +10,7 @@ use corral_backend::sampling::{
 use corral_backend::{Backend, BufferUsage, DType, DispatchStats, Graph};
 
 use crate::batch::RaggedBatch;
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, GgufCheckpoint};
 use crate::families::qwen3::Qwen3Model;
 use crate::families::qwen3_next::HybridModel;
 use crate::kv_cache::{PagedKvCache, RecurrentStateCache};
@@ -137,6 +137,21 @@ impl Model {
         let ckpt = Checkpoint::open(dir)?;
         let (elements, bytes) = (ckpt.total_elements(), ckpt.total_bytes());
         Self::bind(&ckpt, config, backend, progress, elements, bytes)
+    }
+
+    /// Loads a GGUF file (llama.cpp's converter's names and metadata) onto `backend`:
+    /// plain tensors mapped, block-quantized ones decoded to f32.
+    pub fn load_gguf(
+        path: &Path,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let gguf = GgufCheckpoint::open(path)?;
+        let config = gguf.config()?;
+        let tensors = &gguf.header().tensors;
+        let elements = tensors.iter().map(|t| t.numel() as usize).sum();
+        let bytes = tensors.iter().map(|t| t.byte_len).sum();
+        Self::bind(&gguf, config, backend, progress, elements, bytes)
     }
 
     /// Builds a model of `config` with deterministic random weights (normal, std 0.02; norms

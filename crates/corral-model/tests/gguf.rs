@@ -2,8 +2,15 @@
 //! decoded bit for bit as that package decodes it (scripts/make_gguf_fixtures.py), and bad
 //! files refused with an error naming the culprit, never a panic.
 
+mod common;
+
+use std::sync::Arc;
+
+use common::{fixture_dir, greedy, load, logits_chunked, read_reference, rel_err};
+use corral_backend::CpuBackend;
 use corral_model::checkpoint::gguf_file::{GgufValue, parse_header};
 use corral_model::checkpoint::quant::{GgmlType, dequantize};
+use corral_model::{Model, ModelError};
 use proptest::prelude::*;
 
 const FIXTURE: &str = concat!(
@@ -102,6 +109,80 @@ fn every_block_format_decodes_bit_for_bit_as_the_reference_does() {
         assert_eq!(differ, 0, "{}: {differ} of 1536 values differ", ty.name());
         assert!(reference.iter().any(|v| *v != 0.0), "{}", ty.name());
     }
+}
+
+/// The safetensors fixtures written as llama.cpp's converter writes GGUF (its names, experts
+/// stacked, its metadata; scripts/make_gguf_fixtures.py): the same config and the same logits
+/// bit for bit, hence transformers' too.
+#[test]
+fn a_gguf_copy_of_a_checkpoint_gives_its_logits_bit_for_bit() {
+    for name in ["qwen3_moe_sharded", "qwen3_dense"] {
+        let path = fixture_dir("gguf").join(format!("{name}.gguf"));
+        let from_gguf =
+            Model::load_gguf(&path, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
+        let from_safetensors = load(name);
+        // The same config, but for the stored type named in config.json (GGUF names types
+        // per tensor).
+        let mut expected = from_safetensors.config().clone();
+        expected.dtype = None;
+        assert_eq!(
+            format!("{:?}", from_gguf.config()),
+            format!("{expected:?}"),
+            "{name}: config"
+        );
+        let reference = read_reference(&fixture_dir(name));
+        let tokens = &reference.token_ids;
+        let a = logits_chunked(&from_gguf, tokens, tokens.len());
+        let b = logits_chunked(&from_safetensors, tokens, tokens.len());
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name}: logits differ"
+        );
+        let err = rel_err(&a, &reference.logits);
+        assert!(
+            err < 1e-4,
+            "{name}: relative error {err:.2e} against transformers"
+        );
+        assert_eq!(
+            greedy(&from_gguf, &reference.greedy_prompt, 16),
+            reference.greedy_continuation,
+            "{name}: greedy tokens"
+        );
+    }
+}
+
+/// The error of loading `path`, which must fail (`what` says why it should).
+fn load_error(path: &std::path::Path, what: &str) -> ModelError {
+    match Model::load_gguf(path, Arc::new(CpuBackend::new()), &mut |_, _| {}) {
+        Ok(_) => panic!("{what} loaded"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn a_gguf_of_another_architecture_or_missing_keys_is_refused_by_name() {
+    let bytes = Builder::valid().bytes();
+    let dir = std::env::temp_dir().join(format!("corral-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let error = load_error(&path, "a file without the qwen3 keys");
+    assert!(
+        matches!(&error, ModelError::Gguf { detail, .. } if detail.contains("token_embd")),
+        "{error}"
+    );
+    let mut other = Builder::valid();
+    other.kvs[0].2 = string("llama");
+    std::fs::write(&path, other.bytes()).unwrap();
+    let error = load_error(&path, "a llama file");
+    assert!(
+        error.to_string().contains("architecture `llama`"),
+        "{error}"
+    );
+    std::fs::write(&path, &bytes[..100]).unwrap();
+    let error = load_error(&path, "a truncated file");
+    assert!(error.to_string().contains("truncated"), "{error}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A minimal GGUF writer for the bad-file cases: the header fields as given, unchecked.

@@ -2,6 +2,7 @@
 //! `model.safetensors.index.json`, memory-mapped, with every tensor's dtype and shape indexed
 //! by name. Binding names to layers is the families' job; this module only finds bytes.
 
+mod gguf;
 pub mod gguf_file;
 pub mod quant;
 mod safetensors_file;
@@ -14,6 +15,7 @@ use corral_backend::{Backend, DType, DeviceBuffer, MappedFile};
 use serde_json::Value;
 
 use crate::{ModelError, Result};
+pub use gguf::GgufCheckpoint;
 pub use safetensors_file::TensorEntry;
 
 /// An opened checkpoint: mapped shards and an index of their tensors.

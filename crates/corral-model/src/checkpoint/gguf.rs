@@ -1,0 +1,400 @@
+//! A GGUF file as a checkpoint: its metadata turned into the model config the families read,
+//! and its tensors found under the Hugging Face names the families ask for (llama.cpp's
+//! converter renames them and stacks each layer's experts into one tensor per projection).
+//! Plain f32/f16/bf16 tensors are mapped; block-quantized ones are decoded to f32 at load.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use corral_backend::{Backend, DType, DeviceBuffer, MappedFile};
+use serde_json::{Map, Value, json};
+
+use crate::checkpoint::gguf_file::{GgufHeader, GgufTensor, GgufValue, parse_header};
+use crate::checkpoint::quant::{GgmlType, dequantize};
+use crate::config::ModelConfig;
+use crate::weights::WeightSource;
+use crate::{ModelError, Result};
+
+/// An opened GGUF file: mapped, its header parsed and its tensors indexed by name.
+#[derive(Debug)]
+pub struct GgufCheckpoint {
+    path: PathBuf,
+    file: Arc<MappedFile>,
+    header: GgufHeader,
+    by_name: HashMap<String, usize>,
+    arch: String,
+}
+
+/// Where a Hugging Face tensor is in a GGUF file: a tensor, or one expert's slab of a
+/// stacked one.
+struct Located<'a> {
+    tensor: &'a GgufTensor,
+    expert: Option<usize>,
+}
+
+impl GgufCheckpoint {
+    /// Maps `path` and reads its header.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = MappedFile::open(path).map_err(|e| match e {
+            corral_backend::BackendError::Io { source, .. } => ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            },
+            other => other.into(),
+        })?;
+        let header = parse_header(file.bytes()).map_err(|e| ModelError::Gguf {
+            path: path.to_path_buf(),
+            detail: e.0,
+        })?;
+        let invalid = |detail: String| ModelError::Gguf {
+            path: path.to_path_buf(),
+            detail,
+        };
+        if let Some(count) = header.get("split.count").and_then(GgufValue::as_u64)
+            && count > 1
+        {
+            return Err(invalid(format!(
+                "one of {count} split files: split GGUF models are not read yet"
+            )));
+        }
+        let arch = header
+            .get("general.architecture")
+            .and_then(GgufValue::as_str)
+            .ok_or_else(|| invalid("no `general.architecture` string".to_string()))?
+            .to_string();
+        let by_name = header
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            header,
+            by_name,
+            arch,
+        })
+    }
+
+    /// The parsed header.
+    pub fn header(&self) -> &GgufHeader {
+        &self.header
+    }
+
+    /// The architecture the file names (`general.architecture`).
+    pub fn architecture(&self) -> &str {
+        &self.arch
+    }
+
+    fn invalid(&self, detail: String) -> ModelError {
+        ModelError::Gguf {
+            path: self.path.clone(),
+            detail,
+        }
+    }
+
+    fn tensor(&self, name: &str) -> Option<&GgufTensor> {
+        self.by_name.get(name).map(|&i| &self.header.tensors[i])
+    }
+
+    /// The model config the metadata describes, as the families read it.
+    pub fn config(&self) -> Result<ModelConfig> {
+        let text = self.config_json()?.to_string();
+        ModelConfig::from_json(&text, &self.path)
+    }
+
+    /// The metadata as the `config.json` transformers would have, for Qwen3 and Qwen3-MoE.
+    fn config_json(&self) -> Result<Value> {
+        let arch = self.arch.as_str();
+        let model_type = match arch {
+            "qwen3" => "qwen3",
+            "qwen3moe" => "qwen3_moe",
+            other => {
+                return Err(self.invalid(format!(
+                    "architecture `{other}` is not read yet (qwen3, qwen3moe are)"
+                )));
+            }
+        };
+        let key = |k: &str| format!("{arch}.{k}");
+        let uint = |k: &str| -> Result<Option<u64>> {
+            match self.header.get(&key(k)) {
+                None => Ok(None),
+                Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+                    self.invalid(format!("`{}` is {v}, not an unsigned integer", key(k)))
+                }),
+            }
+        };
+        let float = |k: &str| -> Result<Option<f64>> {
+            match self.header.get(&key(k)) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| self.invalid(format!("`{}` is {v}, not a number", key(k)))),
+            }
+        };
+        let required = |k: &str| -> Result<u64> {
+            uint(k)?.ok_or_else(|| self.invalid(format!("no `{}`", key(k))))
+        };
+        let embed = self
+            .tensor("token_embd.weight")
+            .ok_or_else(|| self.invalid("no tensor `token_embd.weight`".to_string()))?;
+        let vocab = embed.dims.get(1).copied().unwrap_or(0);
+        let mut c = Map::new();
+        c.insert("model_type".into(), json!(model_type));
+        c.insert("vocab_size".into(), json!(vocab));
+        c.insert("hidden_size".into(), json!(required("embedding_length")?));
+        c.insert("num_hidden_layers".into(), json!(required("block_count")?));
+        c.insert(
+            "num_attention_heads".into(),
+            json!(required("attention.head_count")?),
+        );
+        if let Some(kv) = uint("attention.head_count_kv")? {
+            c.insert("num_key_value_heads".into(), json!(kv));
+        }
+        if let Some(d) = uint("attention.key_length")? {
+            c.insert("head_dim".into(), json!(d));
+        }
+        if let Some(f) = uint("feed_forward_length")? {
+            c.insert("intermediate_size".into(), json!(f));
+        }
+        if let Some(n) = uint("context_length")? {
+            c.insert("max_position_embeddings".into(), json!(n));
+        }
+        if let Some(eps) = float("attention.layer_norm_rms_epsilon")? {
+            c.insert("rms_norm_eps".into(), json!(eps));
+        }
+        if let Some(theta) = float("rope.freq_base")? {
+            c.insert("rope_theta".into(), json!(theta));
+        }
+        if let Some(kind) = self.header.get(&key("rope.scaling.type")) {
+            let kind = kind.as_str().ok_or_else(|| {
+                self.invalid(format!("`{}` is not a string", key("rope.scaling.type")))
+            })?;
+            let mut scaling = Map::new();
+            scaling.insert("rope_type".into(), json!(kind));
+            if let Some(f) = float("rope.scaling.factor")? {
+                scaling.insert("factor".into(), json!(f));
+            }
+            if let Some(n) = uint("rope.scaling.original_context_length")? {
+                scaling.insert("original_max_position_embeddings".into(), json!(n));
+            }
+            c.insert("rope_scaling".into(), Value::Object(scaling));
+        }
+        if model_type == "qwen3_moe" {
+            c.insert("num_experts".into(), json!(required("expert_count")?));
+            c.insert(
+                "num_experts_per_tok".into(),
+                json!(required("expert_used_count")?),
+            );
+            c.insert(
+                "moe_intermediate_size".into(),
+                json!(required("expert_feed_forward_length")?),
+            );
+            // llama.cpp renormalises the chosen experts' weights for qwen3moe (the converter
+            // writes no key for it), as Qwen3-MoE checkpoints set norm_topk_prob.
+            c.insert("norm_topk_prob".into(), json!(true));
+        }
+        c.insert(
+            "tie_word_embeddings".into(),
+            json!(self.tensor("output.weight").is_none()),
+        );
+        for (field, k) in [
+            ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+            ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ] {
+            if let Some(id) = self.header.get(k).and_then(GgufValue::as_u64) {
+                c.insert(field.into(), json!(id));
+            }
+        }
+        Ok(Value::Object(c))
+    }
+
+    /// The GGUF tensor (and expert) holding Hugging Face tensor `name`.
+    fn locate(&self, name: &str) -> Option<Located<'_>> {
+        let (gguf, expert) = gguf_name(name)?;
+        Some(Located {
+            tensor: self.tensor(&gguf)?,
+            expert,
+        })
+    }
+
+    /// `name`'s tensor, checked against `shape`, and the byte range of its data (one expert's
+    /// slab of a stacked tensor).
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&GgufTensor, usize, usize)> {
+        let Located { tensor, expert } =
+            self.locate(name).ok_or_else(|| ModelError::MissingTensor {
+                name: format!(
+                    "{name} (GGUF: {})",
+                    gguf_name(name).map_or("none".into(), |n| n.0)
+                ),
+                dir: self.path.clone(),
+            })?;
+        let full = tensor.shape();
+        let (got, start, len) = match expert {
+            None => (full, tensor.byte_offset, tensor.byte_len),
+            Some(e) => {
+                let experts = full.first().copied().unwrap_or(0);
+                if full.len() != 3 || e >= experts {
+                    return Err(self.invalid(format!(
+                        "`{}` of shape {full:?} has no expert {e}",
+                        tensor.name
+                    )));
+                }
+                let slab = tensor.byte_len / experts;
+                (full[1..].to_vec(), tensor.byte_offset + e * slab, slab)
+            }
+        };
+        if got != shape {
+            return Err(ModelError::WrongShape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                got,
+            });
+        }
+        if !tensor.ggml_type.is_decodable() {
+            return Err(ModelError::UnsupportedDType {
+                name: name.to_string(),
+                dtype: tensor.ggml_type.name().to_string(),
+            });
+        }
+        Ok((tensor, start, len))
+    }
+}
+
+/// The GGUF name (and expert index) llama.cpp's converter gives Hugging Face tensor `name`.
+fn gguf_name(name: &str) -> Option<(String, Option<usize>)> {
+    let plain = |s: &str| Some((s.to_string(), None));
+    match name {
+        "model.embed_tokens.weight" => return plain("token_embd.weight"),
+        "model.norm.weight" => return plain("output_norm.weight"),
+        "lm_head.weight" => return plain("output.weight"),
+        _ => {}
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let blk = |s: &str| Some((format!("blk.{layer}.{s}.weight"), None));
+    if let Some(expert) = rest.strip_prefix("mlp.experts.") {
+        let (e, proj) = expert.split_once('.')?;
+        let e: usize = e.parse().ok()?;
+        let stacked = match proj {
+            "gate_proj.weight" => "ffn_gate_exps",
+            "up_proj.weight" => "ffn_up_exps",
+            "down_proj.weight" => "ffn_down_exps",
+            _ => return None,
+        };
+        return Some((format!("blk.{layer}.{stacked}.weight"), Some(e)));
+    }
+    match rest {
+        "input_layernorm.weight" => blk("attn_norm"),
+        "post_attention_layernorm.weight" => blk("ffn_norm"),
+        "self_attn.q_proj.weight" => blk("attn_q"),
+        "self_attn.k_proj.weight" => blk("attn_k"),
+        "self_attn.v_proj.weight" => blk("attn_v"),
+        "self_attn.o_proj.weight" => blk("attn_output"),
+        "self_attn.q_norm.weight" => blk("attn_q_norm"),
+        "self_attn.k_norm.weight" => blk("attn_k_norm"),
+        "mlp.gate_proj.weight" => blk("ffn_gate"),
+        "mlp.up_proj.weight" => blk("ffn_up"),
+        "mlp.down_proj.weight" => blk("ffn_down"),
+        "mlp.gate.weight" => blk("ffn_gate_inp"),
+        _ => None,
+    }
+}
+
+/// The element type a GGUF tensor loads as: its own for plain types, f32 for decoded blocks.
+fn loaded_dtype(ty: GgmlType) -> DType {
+    match ty {
+        GgmlType::F16 => DType::F16,
+        GgmlType::BF16 => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
+impl WeightSource for GgufCheckpoint {
+    fn contains(&self, name: &str) -> bool {
+        self.locate(name).is_some()
+    }
+
+    fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
+        let (tensor, start, len) = self.checked(name, shape)?;
+        let numel = shape.iter().product();
+        let ty = tensor.ggml_type;
+        if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            return Ok(backend.weight_from_file(&self.file, start, loaded_dtype(ty), numel)?);
+        }
+        let mut values = vec![0f32; numel];
+        dequantize(ty, &self.file.bytes()[start..start + len], &mut values);
+        Ok(backend.weight_from_f32(&values, DType::F32)?)
+    }
+
+    fn weight_f32(
+        &self,
+        backend: &dyn Backend,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<DeviceBuffer> {
+        let values = self.read_f32(name, shape)?;
+        Ok(backend.weight_from_f32(&values, DType::F32)?)
+    }
+
+    fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (tensor, start, len) = self.checked(name, shape)?;
+        let mut values = vec![0f32; shape.iter().product()];
+        dequantize(
+            tensor.ggml_type,
+            &self.file.bytes()[start..start + len],
+            &mut values,
+        );
+        Ok(values)
+    }
+
+    fn stored_dtype(&self, name: &str) -> Result<DType> {
+        let located = self.locate(name).ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_string(),
+            dir: self.path.clone(),
+        })?;
+        Ok(loaded_dtype(located.tensor.ggml_type))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gguf_name;
+
+    #[test]
+    fn hugging_face_names_map_to_the_converters() {
+        let cases = [
+            ("model.embed_tokens.weight", "token_embd.weight", None),
+            ("lm_head.weight", "output.weight", None),
+            (
+                "model.layers.3.self_attn.o_proj.weight",
+                "blk.3.attn_output.weight",
+                None,
+            ),
+            (
+                "model.layers.0.post_attention_layernorm.weight",
+                "blk.0.ffn_norm.weight",
+                None,
+            ),
+            (
+                "model.layers.11.mlp.gate.weight",
+                "blk.11.ffn_gate_inp.weight",
+                None,
+            ),
+            (
+                "model.layers.2.mlp.experts.17.down_proj.weight",
+                "blk.2.ffn_down_exps.weight",
+                Some(17),
+            ),
+        ];
+        for (hf, gguf, expert) in cases {
+            assert_eq!(gguf_name(hf), Some((gguf.to_string(), expert)), "{hf}");
+        }
+        assert_eq!(gguf_name("model.layers.x.mlp.gate.weight"), None);
+        assert_eq!(gguf_name("model.layers.1.mlp.experts.2.bias"), None);
+    }
+}
