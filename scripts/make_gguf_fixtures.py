@@ -101,8 +101,31 @@ def add(writer, name, array, dtype):
         writer.add_tensor(name, np.ascontiguousarray(array))
 
 
-def convert(name, arch):
-    directory = FIXTURES / name
+def add_vocab(w, directory, vocab_size):
+    """The directory's tokenizer.json and chat template as the converter writes them: token
+    strings by id (added tokens CONTROL when special, else USER_DEFINED; ids without a token
+    UNUSED), merges as "left right", Qwen's pre-tokenizer name."""
+    tok = json.loads((directory / "tokenizer.json").read_text())
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [5] * vocab_size
+    for text, i in tok["model"]["vocab"].items():
+        tokens[i], types[i] = text, 1
+    for added in tok["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = 3 if added["special"] else 4
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "qwen2")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_array("tokenizer.ggml.merges", merges)
+    template = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
+    if template:
+        w.add_string("tokenizer.chat_template", template)
+
+
+def convert(name, arch, directory=None, vocab=False):
+    directory = directory or FIXTURES / name
     config = json.loads((directory / "config.json").read_text())
     tensors = read_safetensors(directory)
     out = OUT.parent / f"{name}.gguf"
@@ -116,14 +139,17 @@ def convert(name, arch):
     w.add_uint32(f"{arch}.attention.key_length", config["head_dim"])
     w.add_uint32(f"{arch}.attention.value_length", config["head_dim"])
     theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    n_experts = config.get("num_experts") or config.get("num_local_experts")
     w.add_float32(f"{arch}.rope.freq_base", theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     if arch == "qwen3moe":
-        w.add_uint32(f"{arch}.expert_count", config.get("num_experts") or config["num_local_experts"])
+        w.add_uint32(f"{arch}.expert_count", n_experts)
         w.add_uint32(f"{arch}.expert_used_count", config["num_experts_per_tok"])
         w.add_uint32(f"{arch}.expert_feed_forward_length", config["moe_intermediate_size"])
     w.add_uint32("tokenizer.ggml.bos_token_id", config["bos_token_id"])
     w.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
+    if vocab:
+        add_vocab(w, directory, config["vocab_size"])
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -143,7 +169,14 @@ def convert(name, arch):
             add(w, names[hf], array, dtype)
             continue
         layer, rest = hf.removeprefix("model.layers.").split(".", 1)
-        if rest.startswith("mlp.experts."):
+        if rest == "mlp.experts.gate_up_proj":
+            # transformers' fused layout [E, 2I, H], gate rows first.
+            half = array.shape[1] // 2
+            add(w, f"blk.{layer}.ffn_gate_exps.weight", array[:, :half], dtype)
+            add(w, f"blk.{layer}.ffn_up_exps.weight", array[:, half:], dtype)
+        elif rest == "mlp.experts.down_proj":
+            add(w, f"blk.{layer}.ffn_down_exps.weight", array, dtype)
+        elif rest.startswith("mlp.experts."):
             e, proj = rest.removeprefix("mlp.experts.").split(".", 1)
             experts.setdefault((int(layer), proj), {})[int(e)] = (array, dtype)
         else:
@@ -162,3 +195,5 @@ def convert(name, arch):
 
 convert("qwen3_moe_sharded", "qwen3moe")
 convert("qwen3_dense", "qwen3")
+# The repository's small model with its vocabulary and chat template: a whole GGUF model.
+convert("tiny-qwen3-moe", "qwen3moe", FIXTURES.parent.parent / "models/tiny-qwen3-moe", vocab=True)

@@ -12,7 +12,8 @@ use corral_model::{Model, ModelConfig, MoeStrategy};
 /// Options every model-loading command takes.
 #[derive(Debug, Args)]
 pub(crate) struct ModelArgs {
-    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files).
+    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), or a
+    /// GGUF file (qwen3, qwen3moe) with its vocabulary and chat template.
     #[arg(
         long,
         env = "CORRAL_MODEL",
@@ -136,7 +137,7 @@ impl ModelArgs {
         }
     }
 
-    /// The checkpoint directory, when the model comes from one.
+    /// The checkpoint directory or GGUF file, when the model comes from one.
     pub(crate) fn dir(&self) -> Option<&Path> {
         self.model.as_deref()
     }
@@ -179,9 +180,14 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
         bar.set_position(done as u64);
     };
     let model = match (&args.model, &args.synthetic) {
+        (Some(file), _) if file.is_file() => Model::load_gguf(file, backend, &mut progress)
+            .with_context(|| format!("loading the GGUF model {}", file.display())),
         (Some(dir), _) => {
             if !dir.is_dir() {
-                anyhow::bail!("{}: not a directory", dir.display());
+                anyhow::bail!(
+                    "{}: neither a checkpoint directory nor a GGUF file",
+                    dir.display()
+                );
             }
             Model::load(dir, backend, &mut progress)
                 .with_context(|| format!("loading model from {}", dir.display()))
@@ -190,7 +196,7 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
             .map_err(anyhow::Error::from)
             .and_then(|c| Ok(Model::synthetic(c, backend, 0, &mut progress)?))
             .with_context(|| format!("building a synthetic model from {}", config.display())),
-        (None, None) => anyhow::bail!("give --model DIR or --synthetic CONFIG.json"),
+        (None, None) => anyhow::bail!("give --model DIR|FILE.gguf or --synthetic CONFIG.json"),
     };
     bar.finish_and_clear();
     let mut model = model?;

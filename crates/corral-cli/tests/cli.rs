@@ -192,6 +192,43 @@ fn run_chats_on_the_demo_model_and_reports_stats() {
     assert!(prompt_tokens > 6, "{err}");
 }
 
+/// The demo model as a GGUF file (its vocabulary and chat template inside) answers a chat
+/// prompt with the same text and prompt length as its checkpoint directory.
+#[test]
+fn run_on_a_gguf_file_gives_what_its_checkpoint_directory_gives() {
+    let run = |model: PathBuf| {
+        let out = corral(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            "Hello there, 12 GGUF files",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0.7",
+            "--seed",
+            "3",
+        ]);
+        let err = stderr(&out);
+        assert!(out.status.success(), "{err}");
+        let prompt_tokens = err
+            .lines()
+            .find(|l| l.starts_with("prompt tokens"))
+            .unwrap_or_default()
+            .to_string();
+        (
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            prompt_tokens,
+        )
+    };
+    let from_dir = run(repo().join("models/tiny-qwen3-moe"));
+    let from_gguf = run(repo().join("tests/fixtures/gguf/tiny-qwen3-moe.gguf"));
+    assert!(!from_dir.0.is_empty());
+    assert_eq!(from_dir, from_gguf);
+}
+
 #[test]
 fn inspect_describes_the_checkpoint() {
     let model = fixture("qwen3_moe_fused");

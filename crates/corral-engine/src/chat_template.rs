@@ -101,6 +101,19 @@ impl TokenizerConfig {
     }
 }
 
+impl TokenizerConfig {
+    /// The chat template and special tokens a GGUF file carries.
+    pub fn from_gguf(header: &corral_model::checkpoint::gguf_file::GgufHeader) -> Self {
+        let (chat_template, bos_token, eos_token) =
+            crate::gguf_vocab::template_and_specials(header);
+        Self {
+            chat_template,
+            bos_token,
+            eos_token,
+        }
+    }
+}
+
 /// A special token given as a string or as `{"content": ...}`.
 fn special_token(config: &Value, key: &str) -> Result<Option<String>, String> {
     match config.get(key) {

@@ -11,6 +11,7 @@ mod constraint;
 mod engine;
 mod error;
 mod generation_config;
+mod gguf_vocab;
 pub mod kv;
 pub mod metrics;
 mod plan;
@@ -26,6 +27,7 @@ pub use constraint::{Constraint, ConstraintStats, Grammar, GrammarCompiler, json
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
 pub use generation_config::{SamplingDefaults, sampling_defaults, stop_token_ids};
+pub use gguf_vocab::load_vocabulary;
 pub use kv::{
     EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir,
     SpillFile, SpilledPrefix, StateSlotPool,

@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use corral_model::checkpoint::gguf_file::GgufHeader;
+
 use crate::EngineError;
 use crate::segment_cache::{MIN_CACHED_BYTES, SegmentCache, split_before};
 
@@ -46,6 +48,23 @@ impl Tokenizer {
             path: path.to_path_buf(),
             detail: e.to_string(),
         })?;
+        Ok(Self::from_inner(inner))
+    }
+
+    /// The vocabulary a GGUF file carries (`tokenizer.ggml.*`), as the `tokenizer.json` it
+    /// was converted from.
+    pub fn from_gguf(header: &GgufHeader, path: &Path) -> Result<Self, EngineError> {
+        let json = crate::gguf_vocab::tokenizer_json(header, path)?;
+        let inner: tokenizers::Tokenizer =
+            json.parse()
+                .map_err(|e: tokenizers::Error| EngineError::Tokenizer {
+                    path: path.to_path_buf(),
+                    detail: e.to_string(),
+                })?;
+        Ok(Self::from_inner(inner))
+    }
+
+    fn from_inner(inner: tokenizers::Tokenizer) -> Self {
         let added = inner
             .get_added_tokens_decoder()
             .into_iter()
@@ -56,12 +75,12 @@ impl Tokenizer {
             Some(tokenizers::DecoderWrapper::ByteLevel(_))
         );
         let splits = splits_cleanly(&inner);
-        Ok(Self {
+        Self {
             inner,
             added,
             byte_of_char: byte_level.then(byte_level_alphabet),
             segments: splits.then(|| Mutex::new(SegmentCache::new(SEGMENT_CACHE_BYTES))),
-        })
+        }
     }
 
     /// The bytes token `id` stands for: one token of a byte-level vocabulary may hold part

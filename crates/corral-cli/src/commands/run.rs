@@ -9,7 +9,7 @@ use clap::Args;
 use corral_backend::DispatchStats;
 use corral_engine::{
     BLOCK_SIZE, ChatTemplate, EngineConfig, EngineRequest, Event, Finished, IncrementalDecoder,
-    SamplingParams, Tokenizer, TokenizerConfig, spawn_engine, stop_token_ids,
+    SamplingParams, load_vocabulary, spawn_engine, stop_token_ids,
 };
 use serde_json::{Map, Value, json};
 
@@ -101,8 +101,9 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     let dir = args.model.dir();
     let tokenizer = match (&args.prompt, dir) {
         (Some(_), Some(dir)) => Some(
-            Tokenizer::from_file(&dir.join("tokenizer.json"))
-                .context("--prompt needs the tokenizer")?,
+            load_vocabulary(dir)
+                .context("--prompt needs the tokenizer")?
+                .0,
         ),
         (Some(_), None) => {
             bail!("--prompt needs a tokenizer.json: use --model DIR, or --token-ids")
@@ -247,7 +248,7 @@ fn render_chat(
     system: Option<&str>,
     enable_thinking: Option<bool>,
 ) -> Result<String> {
-    let config = TokenizerConfig::from_dir(dir)?;
+    let (_, config) = load_vocabulary(dir)?;
     let template = ChatTemplate::new(&config)?;
     let mut messages = Vec::new();
     if let Some(system) = system {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{
-    BLOCK_SIZE, ChatTemplate, EngineConfig, Tokenizer, TokenizerConfig, sampling_defaults,
-    spawn_engine, stop_token_ids,
+    BLOCK_SIZE, ChatTemplate, EngineConfig, load_vocabulary, sampling_defaults, spawn_engine,
+    stop_token_ids,
 };
 use corral_server::{AppState, RequestCounts, ServerConfig};
 
@@ -135,10 +135,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         .clone()
         .or_else(|| args.model.dir().map(std::path::Path::to_path_buf))
     else {
-        bail!("serve needs --model DIR (with tokenizer.json), or --tokenizer DIR with --synthetic");
+        bail!(
+            "serve needs --model DIR (with tokenizer.json) or FILE.gguf, or --tokenizer DIR with --synthetic"
+        );
     };
-    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
-    let mut template_config = TokenizerConfig::from_dir(&dir)?;
+    let (tokenizer, mut template_config) = load_vocabulary(&dir)?;
     if let Some(path) = &args.chat_template {
         let source = std::fs::read_to_string(path)
             .with_context(|| format!("reading the chat template {}", path.display()))?;

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{
-    Constraint, EngineHandle, EngineRequest, Event, Finished, Grammar, SamplingParams, Tokenizer,
+    Constraint, EngineHandle, EngineRequest, Event, Finished, Grammar, SamplingParams,
     spawn_engine, stop_token_ids,
 };
 use serde_json::{Value, json};
@@ -48,7 +48,7 @@ pub(crate) fn run(args: GrammarArgs) -> Result<()> {
         .clone()
         .or_else(|| args.model.dir().map(std::path::Path::to_path_buf))
         .context("bench grammar needs --model DIR (with tokenizer.json), or --tokenizer DIR")?;
-    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let (tokenizer, _) = corral_engine::load_vocabulary(&dir)?;
     let schema: Value = match &args.json_schema {
         Some(path) => serde_json::from_str(
             &std::fs::read_to_string(path)
