@@ -124,12 +124,13 @@ def add_vocab(w, directory, vocab_size):
         w.add_string("tokenizer.chat_template", template)
 
 
-def convert(name, arch, directory=None, vocab=False):
+def convert(name, arch, directory=None, vocab=False, split_max_tensors=0):
     directory = directory or FIXTURES / name
     config = json.loads((directory / "config.json").read_text())
     tensors = read_safetensors(directory)
-    out = OUT.parent / f"{name}.gguf"
-    w = gguf.GGUFWriter(str(out), arch)
+    out = OUT.parent / ("split" if split_max_tensors else "") / f"{name}.gguf"
+    out.parent.mkdir(exist_ok=True)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
     w.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
     w.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
@@ -190,10 +191,13 @@ def convert(name, arch, directory=None, vocab=False):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    print(f"wrote {out} ({out.stat().st_size} bytes)")
+    for path in sorted(out.parent.glob(out.stem + "*.gguf")):
+        print(f"wrote {path} ({path.stat().st_size} bytes)")
 
 
 convert("qwen3_moe_sharded", "qwen3moe")
 convert("qwen3_dense", "qwen3")
+# The same MoE model in three files, as llama-gguf-split writes them.
+convert("qwen3_moe_sharded", "qwen3moe", split_max_tensors=20)
 # The repository's small model with its vocabulary and chat template: a whole GGUF model.
 convert("tiny-qwen3-moe", "qwen3moe", FIXTURES.parent.parent / "models/tiny-qwen3-moe", vocab=True)

@@ -148,9 +148,8 @@ impl Model {
     ) -> Result<Self> {
         let gguf = GgufCheckpoint::open(path)?;
         let config = gguf.config()?;
-        let tensors = &gguf.header().tensors;
-        let elements = tensors.iter().map(|t| t.numel() as usize).sum();
-        let bytes = tensors.iter().map(|t| t.byte_len).sum();
+        let elements = gguf.tensors().map(|t| t.numel() as usize).sum();
+        let bytes = gguf.tensors().map(|t| t.byte_len).sum();
         Self::bind(&gguf, config, backend, progress, elements, bytes)
     }
 

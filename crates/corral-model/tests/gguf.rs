@@ -151,6 +151,43 @@ fn a_gguf_copy_of_a_checkpoint_gives_its_logits_bit_for_bit() {
     }
 }
 
+/// A model split over files (llama-gguf-split's naming) loads from its first file, tensors
+/// found in every split; a later split alone, or a missing one, is an error naming it.
+#[test]
+fn a_split_gguf_model_loads_from_its_first_file() {
+    let dir = fixture_dir("gguf").join("split");
+    let first = dir.join("qwen3_moe_sharded-00001-of-00002.gguf");
+    let split = Model::load_gguf(&first, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
+    let whole = Model::load_gguf(
+        &fixture_dir("gguf").join("qwen3_moe_sharded.gguf"),
+        Arc::new(CpuBackend::new()),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let tokens = read_reference(&fixture_dir("qwen3_moe_sharded")).token_ids;
+    assert_eq!(
+        logits_chunked(&split, &tokens, 7),
+        logits_chunked(&whole, &tokens, 7)
+    );
+    let later = load_error(
+        &dir.join("qwen3_moe_sharded-00002-of-00002.gguf"),
+        "split 2",
+    );
+    assert!(later.to_string().contains("a later split"), "{later}");
+    let lonely = std::env::temp_dir().join(format!("corral-split-{}", std::process::id()));
+    std::fs::create_dir_all(&lonely).unwrap();
+    let copy = lonely.join("qwen3_moe_sharded-00001-of-00002.gguf");
+    std::fs::copy(&first, &copy).unwrap();
+    let missing = load_error(&copy, "split 1 without split 2");
+    assert!(
+        missing
+            .to_string()
+            .contains("qwen3_moe_sharded-00002-of-00002.gguf"),
+        "{missing}"
+    );
+    std::fs::remove_dir_all(&lonely).unwrap();
+}
+
 /// The error of loading `path`, which must fail (`what` says why it should).
 fn load_error(path: &std::path::Path, what: &str) -> ModelError {
     match Model::load_gguf(path, Arc::new(CpuBackend::new()), &mut |_, _| {}) {

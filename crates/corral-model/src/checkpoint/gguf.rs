@@ -16,12 +16,17 @@ use crate::config::ModelConfig;
 use crate::weights::WeightSource;
 use crate::{ModelError, Result};
 
-/// An opened GGUF file: mapped, its header parsed and its tensors indexed by name.
+/// An opened GGUF model: its file (or each file of a split model) mapped, the headers parsed
+/// and every tensor indexed by name.
 #[derive(Debug)]
 pub struct GgufCheckpoint {
     path: PathBuf,
-    file: Arc<MappedFile>,
+    /// The mapped files, in split order.
+    files: Vec<Arc<MappedFile>>,
+    /// The first file's header: all the metadata.
     header: GgufHeader,
+    /// Every file's tensors, each with the index of its file.
+    tensors: Vec<(usize, GgufTensor)>,
     by_name: HashMap<String, usize>,
     arch: String,
 }
@@ -29,56 +34,96 @@ pub struct GgufCheckpoint {
 /// Where a Hugging Face tensor is in a GGUF file: a tensor, or one expert's slab of a
 /// stacked one.
 struct Located<'a> {
+    file: usize,
     tensor: &'a GgufTensor,
     expert: Option<usize>,
 }
 
-impl GgufCheckpoint {
-    /// Maps `path` and reads its header.
-    pub fn open(path: &Path) -> Result<Self> {
-        let file = MappedFile::open(path).map_err(|e| match e {
-            corral_backend::BackendError::Io { source, .. } => ModelError::Io {
-                path: path.to_path_buf(),
-                source,
-            },
-            other => other.into(),
-        })?;
-        let header = parse_header(file.bytes()).map_err(|e| ModelError::Gguf {
+/// Maps `path` and reads its header.
+fn open_file(path: &Path) -> Result<(Arc<MappedFile>, GgufHeader)> {
+    let file = MappedFile::open(path).map_err(|e| match e {
+        corral_backend::BackendError::Io { source, .. } => ModelError::Io {
             path: path.to_path_buf(),
-            detail: e.0,
-        })?;
+            source,
+        },
+        other => other.into(),
+    })?;
+    let header = parse_header(file.bytes()).map_err(|e| ModelError::Gguf {
+        path: path.to_path_buf(),
+        detail: e.0,
+    })?;
+    Ok((file, header))
+}
+
+/// The path of split `no` (0-based) of `count` beside the first split `first`, named as
+/// llama.cpp names them (`NAME-00001-of-00003.gguf`).
+fn split_path(first: &Path, no: u64, count: u64) -> Option<PathBuf> {
+    let name = first.file_name()?.to_str()?;
+    let prefix = name.strip_suffix(&format!("-00001-of-{count:05}.gguf"))?;
+    Some(first.with_file_name(format!("{prefix}-{:05}-of-{count:05}.gguf", no + 1)))
+}
+
+impl GgufCheckpoint {
+    /// Maps `path` and reads its header; for the first file of a split model, every split.
+    pub fn open(path: &Path) -> Result<Self> {
+        let (file, header) = open_file(path)?;
         let invalid = |detail: String| ModelError::Gguf {
             path: path.to_path_buf(),
             detail,
         };
-        if let Some(count) = header.get("split.count").and_then(GgufValue::as_u64)
-            && count > 1
-        {
-            return Err(invalid(format!(
-                "one of {count} split files: split GGUF models are not read yet"
-            )));
+        let split = |h: &GgufHeader, key: &str| h.get(key).and_then(GgufValue::as_u64);
+        let count = split(&header, "split.count").unwrap_or(1).max(1);
+        if split(&header, "split.no").unwrap_or(0) != 0 {
+            return Err(invalid(
+                "a later split of a split model: give the first (NAME-00001-of-N.gguf)".to_string(),
+            ));
         }
         let arch = header
             .get("general.architecture")
             .and_then(GgufValue::as_str)
             .ok_or_else(|| invalid("no `general.architecture` string".to_string()))?
             .to_string();
-        let by_name = header
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let mut files = vec![file];
+        let mut tensors: Vec<(usize, GgufTensor)> =
+            header.tensors.iter().map(|t| (0, t.clone())).collect();
+        for no in 1..count {
+            let next = split_path(path, no, count).ok_or_else(|| {
+                invalid(format!(
+                    "split 1 of {count}, but not named NAME-00001-of-{count:05}.gguf"
+                ))
+            })?;
+            let (file, h) = open_file(&next)?;
+            if split(&h, "split.no") != Some(no) || split(&h, "split.count") != Some(count) {
+                return Err(ModelError::Gguf {
+                    path: next,
+                    detail: format!("not split {} of {count}", no + 1),
+                });
+            }
+            tensors.extend(h.tensors.into_iter().map(|t| (files.len(), t)));
+            files.push(file);
+        }
+        let mut by_name = HashMap::with_capacity(tensors.len());
+        for (i, (_, t)) in tensors.iter().enumerate() {
+            if by_name.insert(t.name.clone(), i).is_some() {
+                return Err(invalid(format!("tensor `{}` is in two splits", t.name)));
+            }
+        }
         Ok(Self {
             path: path.to_path_buf(),
-            file,
+            files,
             header,
+            tensors,
             by_name,
             arch,
         })
     }
 
-    /// The parsed header.
+    /// Every tensor of the model (all splits).
+    pub fn tensors(&self) -> impl Iterator<Item = &GgufTensor> {
+        self.tensors.iter().map(|(_, t)| t)
+    }
+
+    /// The (first) file's header: the model's metadata.
     pub fn header(&self) -> &GgufHeader {
         &self.header
     }
@@ -96,7 +141,7 @@ impl GgufCheckpoint {
     }
 
     fn tensor(&self, name: &str) -> Option<&GgufTensor> {
-        self.by_name.get(name).map(|&i| &self.header.tensors[i])
+        self.by_name.get(name).map(|&i| &self.tensors[i].1)
     }
 
     /// The model config the metadata describes, as the families read it.
@@ -215,23 +260,32 @@ impl GgufCheckpoint {
     /// The GGUF tensor (and expert) holding Hugging Face tensor `name`.
     fn locate(&self, name: &str) -> Option<Located<'_>> {
         let (gguf, expert) = gguf_name(name)?;
+        let (file, tensor) = &self.tensors[*self.by_name.get(&gguf)?];
         Some(Located {
-            tensor: self.tensor(&gguf)?,
+            file: *file,
+            tensor,
             expert,
         })
     }
 
-    /// `name`'s tensor, checked against `shape`, and the byte range of its data (one expert's
-    /// slab of a stacked tensor).
-    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&GgufTensor, usize, usize)> {
-        let Located { tensor, expert } =
-            self.locate(name).ok_or_else(|| ModelError::MissingTensor {
-                name: format!(
-                    "{name} (GGUF: {})",
-                    gguf_name(name).map_or("none".into(), |n| n.0)
-                ),
-                dir: self.path.clone(),
-            })?;
+    /// `name`'s tensor, checked against `shape`, its file and the byte range of its data (one
+    /// expert's slab of a stacked tensor).
+    fn checked(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(&GgufTensor, &Arc<MappedFile>, usize, usize)> {
+        let Located {
+            file,
+            tensor,
+            expert,
+        } = self.locate(name).ok_or_else(|| ModelError::MissingTensor {
+            name: format!(
+                "{name} (GGUF: {})",
+                gguf_name(name).map_or("none".into(), |n| n.0)
+            ),
+            dir: self.path.clone(),
+        })?;
         let full = tensor.shape();
         let (got, start, len) = match expert {
             None => (full, tensor.byte_offset, tensor.byte_len),
@@ -260,7 +314,7 @@ impl GgufCheckpoint {
                 dtype: tensor.ggml_type.name().to_string(),
             });
         }
-        Ok((tensor, start, len))
+        Ok((tensor, &self.files[file], start, len))
     }
 }
 
@@ -320,14 +374,14 @@ impl WeightSource for GgufCheckpoint {
     }
 
     fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
-        let (tensor, start, len) = self.checked(name, shape)?;
+        let (tensor, file, start, len) = self.checked(name, shape)?;
         let numel = shape.iter().product();
         let ty = tensor.ggml_type;
         if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-            return Ok(backend.weight_from_file(&self.file, start, loaded_dtype(ty), numel)?);
+            return Ok(backend.weight_from_file(file, start, loaded_dtype(ty), numel)?);
         }
         let mut values = vec![0f32; numel];
-        dequantize(ty, &self.file.bytes()[start..start + len], &mut values);
+        dequantize(ty, &file.bytes()[start..start + len], &mut values);
         Ok(backend.weight_from_f32(&values, DType::F32)?)
     }
 
@@ -342,11 +396,11 @@ impl WeightSource for GgufCheckpoint {
     }
 
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let (tensor, start, len) = self.checked(name, shape)?;
+        let (tensor, file, start, len) = self.checked(name, shape)?;
         let mut values = vec![0f32; shape.iter().product()];
         dequantize(
             tensor.ggml_type,
-            &self.file.bytes()[start..start + len],
+            &file.bytes()[start..start + len],
             &mut values,
         );
         Ok(values)
