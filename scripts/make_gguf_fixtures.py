@@ -93,7 +93,17 @@ def read_safetensors(directory):
     return tensors
 
 
-def add(writer, name, array, dtype):
+def add(writer, name, array, dtype, quant=None):
+    """A tensor as stored, or with `quant` (a GGMLQuantizationType), matrices whose rows are
+    whole blocks quantized to it (the router and the norms stay as stored, as llama-quantize
+    leaves them)."""
+    block = gguf.GGML_QUANT_SIZES[quant][0] if quant is not None else 0
+    if quant is not None and array.ndim >= 2 and array.shape[-1] % block == 0 \
+            and not name.endswith("ffn_gate_inp.weight"):
+        values = array.astype(np.float32) if dtype != "BF16" else \
+            (array.astype(np.uint32) << 16).view(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
+        return
     if dtype == "BF16":
         raw = np.ascontiguousarray(array).view(np.uint8)
         writer.add_tensor(name, raw, raw_dtype=T.BF16)
@@ -124,11 +134,12 @@ def add_vocab(w, directory, vocab_size):
         w.add_string("tokenizer.chat_template", template)
 
 
-def convert(name, arch, directory=None, vocab=False, split_max_tensors=0):
+def convert(name, arch, directory=None, vocab=False, split_max_tensors=0, quant=None):
     directory = directory or FIXTURES / name
     config = json.loads((directory / "config.json").read_text())
     tensors = read_safetensors(directory)
-    out = OUT.parent / ("split" if split_max_tensors else "") / f"{name}.gguf"
+    suffix = f".{quant.name.lower()}" if quant is not None else ""
+    out = OUT.parent / ("split" if split_max_tensors else "") / f"{name}{suffix}.gguf"
     out.parent.mkdir(exist_ok=True)
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
@@ -167,26 +178,26 @@ def convert(name, arch, directory=None, vocab=False, split_max_tensors=0):
     experts = {}
     for hf, (array, dtype) in tensors.items():
         if hf in names:
-            add(w, names[hf], array, dtype)
+            add(w, names[hf], array, dtype, quant)
             continue
         layer, rest = hf.removeprefix("model.layers.").split(".", 1)
         if rest == "mlp.experts.gate_up_proj":
             # transformers' fused layout [E, 2I, H], gate rows first.
             half = array.shape[1] // 2
-            add(w, f"blk.{layer}.ffn_gate_exps.weight", array[:, :half], dtype)
-            add(w, f"blk.{layer}.ffn_up_exps.weight", array[:, half:], dtype)
+            add(w, f"blk.{layer}.ffn_gate_exps.weight", array[:, :half], dtype, quant)
+            add(w, f"blk.{layer}.ffn_up_exps.weight", array[:, half:], dtype, quant)
         elif rest == "mlp.experts.down_proj":
-            add(w, f"blk.{layer}.ffn_down_exps.weight", array, dtype)
+            add(w, f"blk.{layer}.ffn_down_exps.weight", array, dtype, quant)
         elif rest.startswith("mlp.experts."):
             e, proj = rest.removeprefix("mlp.experts.").split(".", 1)
             experts.setdefault((int(layer), proj), {})[int(e)] = (array, dtype)
         else:
-            add(w, f"blk.{layer}.{per_layer[rest]}.weight", array, dtype)
+            add(w, f"blk.{layer}.{per_layer[rest]}.weight", array, dtype, quant)
     stacked = {"gate_proj.weight": "ffn_gate_exps", "up_proj.weight": "ffn_up_exps",
                "down_proj.weight": "ffn_down_exps"}
     for (layer, proj), by_expert in sorted(experts.items()):
         arrays = [by_expert[e][0] for e in sorted(by_expert)]
-        add(w, f"blk.{layer}.{stacked[proj]}.weight", np.stack(arrays), by_expert[0][1])
+        add(w, f"blk.{layer}.{stacked[proj]}.weight", np.stack(arrays), by_expert[0][1], quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -197,7 +208,10 @@ def convert(name, arch, directory=None, vocab=False, split_max_tensors=0):
 
 convert("qwen3_moe_sharded", "qwen3moe")
 convert("qwen3_dense", "qwen3")
-# The same MoE model in three files, as llama-gguf-split writes them.
+# The MoE model quantized (its references: scripts/make_gguf_quant_reference.py).
+convert("qwen3_moe_sharded", "qwen3moe", quant=T.Q8_0)
+convert("qwen3_moe_sharded", "qwen3moe", quant=T.Q4_0)
+# The same MoE model in two files, as llama-gguf-split writes them.
 convert("qwen3_moe_sharded", "qwen3moe", split_max_tensors=20)
 # The repository's small model with its vocabulary and chat template: a whole GGUF model.
 convert("tiny-qwen3-moe", "qwen3moe", FIXTURES.parent.parent / "models/tiny-qwen3-moe", vocab=True)

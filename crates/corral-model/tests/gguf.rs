@@ -6,7 +6,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{fixture_dir, greedy, load, logits_chunked, read_reference, rel_err};
+use common::{
+    fixture_dir, greedy, load, logits_chunked, read_reference, read_reference_file, rel_err,
+    worst_row_rel_err,
+};
 use corral_backend::CpuBackend;
 use corral_model::checkpoint::gguf_file::{GgufValue, parse_header};
 use corral_model::checkpoint::quant::{GgmlType, dequantize};
@@ -149,6 +152,82 @@ fn a_gguf_copy_of_a_checkpoint_gives_its_logits_bit_for_bit() {
             "{name}: greedy tokens"
         );
     }
+}
+
+/// Mean KL divergence (nats) of `q`'s next-token distributions from `p`'s, and the share of
+/// rows whose top token agrees.
+fn kl_and_top1(p: &[f32], q: &[f32], vocab: usize) -> (f64, f64) {
+    let softmax = |row: &[f32]| -> Vec<f64> {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+        let exps: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
+        let sum: f64 = exps.iter().sum();
+        exps.iter().map(|e| e / sum).collect()
+    };
+    let argmax = |row: &[f32]| {
+        (0..row.len())
+            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+            .unwrap_or(0)
+    };
+    let rows = p.len() / vocab;
+    let (mut kl, mut agree) = (0.0, 0usize);
+    for (a, b) in p.chunks(vocab).zip(q.chunks(vocab)) {
+        let (pa, pb) = (softmax(a), softmax(b));
+        kl += pa
+            .iter()
+            .zip(&pb)
+            .map(|(x, y)| if *x > 0.0 { x * (x / y).ln() } else { 0.0 })
+            .sum::<f64>();
+        agree += usize::from(argmax(a) == argmax(b));
+    }
+    (kl / rows as f64, agree as f64 / rows as f64)
+}
+
+/// Quantized GGUF files (Q8_0, Q4_0 of the MoE fixture; scripts/make_gguf_fixtures.py) against
+/// transformers run on their weights as the `gguf` package decodes them
+/// (scripts/make_gguf_quant_reference.py): the same function, so f32 tolerance; and how far
+/// each is from the unquantized model (KL divergence, top-1 agreement), Q4_0 farther.
+#[test]
+fn quantized_gguf_files_compute_the_function_their_blocks_define() {
+    let dir = fixture_dir("gguf");
+    let unquantized = read_reference(&fixture_dir("qwen3_moe_sharded"));
+    let vocab = 448;
+    let mut kls = Vec::new();
+    for ty in ["q8_0", "q4_0"] {
+        let model = Model::load_gguf(
+            &dir.join(format!("qwen3_moe_sharded.{ty}.gguf")),
+            Arc::new(CpuBackend::new()),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let reference =
+            read_reference_file(&dir.join(format!("qwen3_moe_sharded.{ty}.reference.safetensors")));
+        let tokens = &reference.token_ids;
+        for chunk in [1, 7, tokens.len()] {
+            let logits = logits_chunked(&model, tokens, chunk);
+            let (err, worst) = (
+                rel_err(&logits, &reference.logits),
+                worst_row_rel_err(&logits, &reference.logits, vocab),
+            );
+            assert!(
+                err < 1e-4 && worst < 1e-4,
+                "{ty} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e}"
+            );
+        }
+        assert_eq!(
+            greedy(&model, &reference.greedy_prompt, 16),
+            reference.greedy_continuation,
+            "{ty}: greedy tokens"
+        );
+        let (kl, top1) = kl_and_top1(&unquantized.logits, &reference.logits, vocab);
+        eprintln!("{ty}: KL from the f16 model {kl:.2e} nats a token, top-1 agreement {top1:.3}");
+        kls.push(kl);
+    }
+    assert!(
+        kls[0] < kls[1],
+        "Q8_0 KL {} not below Q4_0's {}",
+        kls[0],
+        kls[1]
+    );
 }
 
 /// A model split over files (llama-gguf-split's naming) loads from its first file, tensors

@@ -66,7 +66,12 @@ pub(crate) struct Reference {
 }
 
 pub(crate) fn read_reference(dir: &Path) -> Reference {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).expect("reference file");
+    read_reference_file(&dir.join("reference.safetensors"))
+}
+
+/// transformers' outputs in the file `path`.
+pub(crate) fn read_reference_file(path: &Path) -> Reference {
+    let bytes = std::fs::read(path).expect("reference file");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
     let ids = |name: &str| -> Vec<u32> {
         st.tensor(name)
