@@ -229,6 +229,27 @@ fn run_on_a_gguf_file_gives_what_its_checkpoint_directory_gives() {
     assert_eq!(from_dir, from_gguf);
 }
 
+/// `plan` reads a GGUF file's config and weight bytes as it reads the checkpoint it came from.
+#[test]
+fn plan_reads_a_gguf_file_as_its_checkpoint_directory() {
+    let plan = |model: PathBuf| {
+        let out = Command::new(env!("CARGO_BIN_EXE_corral"))
+            .args(["plan", "--memory", "1G", "--context", "2048", "--model"])
+            .arg(&model)
+            .output()
+            .expect("run corral plan");
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.lines().skip(1).collect::<Vec<_>>().join("\n")
+    };
+    let from_dir = plan(repo().join("tests/fixtures/qwen3_moe_sharded"));
+    assert!(from_dir.contains("KV"), "{from_dir}");
+    assert_eq!(
+        plan(repo().join("tests/fixtures/gguf/qwen3_moe_sharded.gguf")),
+        from_dir
+    );
+}
+
 #[test]
 fn inspect_describes_the_checkpoint() {
     let model = fixture("qwen3_moe_fused");

@@ -149,7 +149,7 @@ impl Model {
         let gguf = GgufCheckpoint::open(path)?;
         let config = gguf.config()?;
         let elements = gguf.tensors().map(|t| t.numel() as usize).sum();
-        let bytes = gguf.tensors().map(|t| t.byte_len).sum();
+        let bytes = gguf.loaded_bytes();
         Self::bind(&gguf, config, backend, progress, elements, bytes)
     }
 

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
+use corral_model::checkpoint::GgufCheckpoint;
 use corral_model::{Checkpoint, ModelConfig};
 
 /// Share of `MemAvailable` a CPU plan takes when no budget is given.
@@ -63,6 +64,18 @@ pub(crate) struct PlanArgs {
 
 pub(crate) fn run(args: PlanArgs) -> Result<()> {
     let (config, weights, name) = match (&args.model, &args.synthetic) {
+        (Some(file), _) if file.is_file() => {
+            let gguf = GgufCheckpoint::open(file)
+                .with_context(|| format!("reading the GGUF model {}", file.display()))?;
+            let config = gguf
+                .config()
+                .with_context(|| format!("reading the GGUF model {}", file.display()))?;
+            (
+                config,
+                gguf.loaded_bytes() as u64,
+                file.display().to_string(),
+            )
+        }
         (Some(dir), _) => {
             let path = dir.join("config.json");
             let config = ModelConfig::from_file(&path)
@@ -78,7 +91,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
             let weights = corral_model::Model::synthetic_weight_bytes(&config) as u64;
             (config, weights, format!("synthetic {}", path.display()))
         }
-        (None, None) => bail!("give --model DIR or --synthetic CONFIG"),
+        (None, None) => bail!("give --model DIR|FILE.gguf or --synthetic CONFIG"),
     };
     let kv_element = args.kv_dtype.size_bytes();
     let fixed = match args.device {

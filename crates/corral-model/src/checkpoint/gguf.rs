@@ -123,6 +123,17 @@ impl GgufCheckpoint {
         self.tensors.iter().map(|(_, t)| t)
     }
 
+    /// The bytes its weights take once loaded: plain tensors as stored, block-quantized
+    /// ones decoded to f32.
+    pub fn loaded_bytes(&self) -> usize {
+        self.tensors()
+            .map(|t| match t.ggml_type {
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => t.byte_len,
+                _ => t.numel() as usize * 4,
+            })
+            .sum()
+    }
+
     /// The (first) file's header: the model's metadata.
     pub fn header(&self) -> &GgufHeader {
         &self.header
