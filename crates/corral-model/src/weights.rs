@@ -19,7 +19,9 @@ pub(crate) trait WeightSource {
         backend: &dyn Backend,
         name: &str,
         shape: &[usize],
-    ) -> Result<DeviceBuffer>;
+    ) -> Result<DeviceBuffer> {
+        Ok(backend.weight_from_f32(&self.read_f32(name, shape)?, DType::F32)?)
+    }
 
     /// `name`'s values on the host, as f32.
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>>;
@@ -85,15 +87,6 @@ impl WeightSource for Checkpoint {
         Checkpoint::weight(self, backend, name, shape)
     }
 
-    fn weight_f32(
-        &self,
-        backend: &dyn Backend,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<DeviceBuffer> {
-        Checkpoint::weight_f32(self, backend, name, shape)
-    }
-
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         Checkpoint::read_f32(self, name, shape)
     }
@@ -155,15 +148,6 @@ impl WeightSource for SyntheticWeights {
     fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
         let n = shape.iter().product();
         Ok(backend.weight_normal(n, self.dtype, self.tensor_seed(name), STD)?)
-    }
-
-    fn weight_f32(
-        &self,
-        backend: &dyn Backend,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<DeviceBuffer> {
-        Ok(backend.weight_from_f32(&self.read_f32(name, shape)?, DType::F32)?)
     }
 
     /// Norm weights and dt_bias are 1 and A_log 0 (decay rate 1); matrices normal.

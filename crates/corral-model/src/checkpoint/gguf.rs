@@ -396,16 +396,6 @@ impl WeightSource for GgufCheckpoint {
         Ok(backend.weight_from_f32(&values, DType::F32)?)
     }
 
-    fn weight_f32(
-        &self,
-        backend: &dyn Backend,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<DeviceBuffer> {
-        let values = self.read_f32(name, shape)?;
-        Ok(backend.weight_from_f32(&values, DType::F32)?)
-    }
-
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (tensor, file, start, len) = self.checked(name, shape)?;
         let mut values = vec![0f32; shape.iter().product()];

@@ -235,6 +235,19 @@ fn k_scale_min(scales: &[u8], j: usize) -> (u8, u8) {
     }
 }
 
+/// The scales and mins of sub-blocks 2i and 2i + 1 (the i-th 64 values) of a Q4_K/Q5_K
+/// super-block: d·scale and dmin·min of each.
+fn k_pair_scales(d: f32, dmin: f32, scales: &[u8], i: usize) -> [f32; 4] {
+    let (sc1, m1) = k_scale_min(scales, 2 * i);
+    let (sc2, m2) = k_scale_min(scales, 2 * i + 1);
+    [
+        d * sc1 as f32,
+        dmin * m1 as f32,
+        d * sc2 as f32,
+        dmin * m2 as f32,
+    ]
+}
+
 /// Q4_K: d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles. Each 64 values: the low
 /// nibbles of 32 bytes (sub-block 2i), then their high nibbles (2i + 1); each
 /// d·scale · q - dmin·min.
@@ -244,10 +257,7 @@ fn decode_q4_k(b: &[u8], out: &mut [f32]) {
     let qs = &b[16..144];
     for i in 0..4 {
         let q = &qs[32 * i..32 * i + 32];
-        let (sc1, m1) = k_scale_min(scales, 2 * i);
-        let (sc2, m2) = k_scale_min(scales, 2 * i + 1);
-        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let [d1, min1, d2, min2] = k_pair_scales(d, dmin, scales, i);
         let o = &mut out[64 * i..64 * i + 64];
         for l in 0..32 {
             o[l] = d1 * (q[l] & 0x0f) as f32 - min1;
@@ -265,10 +275,7 @@ fn decode_q5_k(b: &[u8], out: &mut [f32]) {
     let qs = &b[48..176];
     for i in 0..4 {
         let q = &qs[32 * i..32 * i + 32];
-        let (sc1, m1) = k_scale_min(scales, 2 * i);
-        let (sc2, m2) = k_scale_min(scales, 2 * i + 1);
-        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let [d1, min1, d2, min2] = k_pair_scales(d, dmin, scales, i);
         let (u1, u2) = (1u8 << (2 * i), 2u8 << (2 * i));
         let o = &mut out[64 * i..64 * i + 64];
         for l in 0..32 {
