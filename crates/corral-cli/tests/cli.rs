@@ -216,7 +216,7 @@ fn run_on_a_gguf_file_gives_what_its_checkpoint_directory_gives() {
         let prompt_tokens = err
             .lines()
             .find(|l| l.starts_with("prompt tokens"))
-            .unwrap_or_default()
+            .unwrap_or_else(|| panic!("no prompt tokens line in:\n{err}"))
             .to_string();
         (
             String::from_utf8_lossy(&out.stdout).to_string(),

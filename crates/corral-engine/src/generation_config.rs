@@ -8,9 +8,24 @@ use serde_json::Value;
 
 use crate::EngineError;
 
-/// The ids that stop generation for a checkpoint directory, given config.json's own.
+/// The ids that stop generation for a checkpoint directory, given config.json's own; for a
+/// GGUF file, those its vocabulary names (it has no generation config).
 pub fn stop_token_ids(dir: &Path, config_eos: &[u32]) -> Result<Vec<u32>, EngineError> {
     let mut ids = config_eos.to_vec();
+    if dir.is_file() {
+        let gguf = corral_model::checkpoint::GgufCheckpoint::open(dir).map_err(|e| {
+            EngineError::Tokenizer {
+                path: dir.to_path_buf(),
+                detail: e.to_string(),
+            }
+        })?;
+        for id in crate::gguf_vocab::end_of_generation_ids(gguf.header()) {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        return Ok(ids);
+    }
     let path = dir.join("generation_config.json");
     if path.exists() {
         let text = std::fs::read_to_string(&path).map_err(|source| EngineError::Io {

@@ -89,11 +89,13 @@ pub(crate) fn tokenizer_json(header: &GgufHeader, path: &Path) -> Result<String,
             .as_str()
             .ok_or_else(|| invalid(format!("token {id} is not a string")))?;
         let kind = types.get(id).map_or(Some(NORMAL), GgufValue::as_u64);
-        match kind {
-            Some(NORMAL) => {
-                vocab.insert(text.to_string(), json!(id));
-            }
-            Some(CONTROL | USER_DEFINED) => added.push(json!({
+        // Every id is in the vocabulary, so that each keeps its place whatever lies between
+        // (added tokens take their vocabulary id; BPE never builds one, being matched first).
+        if vocab.insert(text.to_string(), json!(id)).is_some() {
+            return Err(invalid(format!("token {id} `{text}` appears twice")));
+        }
+        if let Some(CONTROL | USER_DEFINED) = kind {
+            added.push(json!({
                 "id": id,
                 "content": text,
                 "single_word": false,
@@ -101,9 +103,7 @@ pub(crate) fn tokenizer_json(header: &GgufHeader, path: &Path) -> Result<String,
                 "rstrip": false,
                 "normalized": false,
                 "special": kind == Some(CONTROL),
-            })),
-            // Unused padding ids and others hold no text a prompt can contain.
-            _ => {}
+            }));
         }
     }
     let merges = array("tokenizer.ggml.merges")?
@@ -152,6 +152,38 @@ pub(crate) fn tokenizer_json(header: &GgufHeader, path: &Path) -> Result<String,
         }
     });
     Ok(tokenizer.to_string())
+}
+
+/// The ids that end generation for a GGUF model: the EOS, end-of-turn and end-of-message ids
+/// it names, and the control tokens Qwen ends turns and documents with.
+pub(crate) fn end_of_generation_ids(header: &GgufHeader) -> Vec<u32> {
+    const ENDS: [&str; 2] = ["<|im_end|>", "<|endoftext|>"];
+    let mut ids: Vec<u32> = [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ]
+    .iter()
+    .filter_map(|k| header.get(k)?.as_u64())
+    .filter_map(|id| u32::try_from(id).ok())
+    .collect();
+    let tokens = header
+        .get("tokenizer.ggml.tokens")
+        .and_then(GgufValue::as_array)
+        .unwrap_or(&[]);
+    let types = header
+        .get("tokenizer.ggml.token_type")
+        .and_then(GgufValue::as_array)
+        .unwrap_or(&[]);
+    for (id, (token, kind)) in tokens.iter().zip(types).enumerate() {
+        let control = kind.as_u64() == Some(CONTROL);
+        if control && token.as_str().is_some_and(|t| ENDS.contains(&t)) {
+            ids.extend(u32::try_from(id).ok());
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    ids.retain(|id| seen.insert(*id));
+    ids
 }
 
 /// The chat template and the text of the BOS and EOS tokens the file names.

@@ -55,12 +55,21 @@ impl Tokenizer {
     /// was converted from.
     pub fn from_gguf(header: &GgufHeader, path: &Path) -> Result<Self, EngineError> {
         let json = crate::gguf_vocab::tokenizer_json(header, path)?;
-        let inner: tokenizers::Tokenizer =
-            json.parse()
-                .map_err(|e: tokenizers::Error| EngineError::Tokenizer {
-                    path: path.to_path_buf(),
-                    detail: e.to_string(),
-                })?;
+        let invalid = |detail: String| EngineError::Tokenizer {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let inner: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e: tokenizers::Error| invalid(e.to_string()))?;
+        for (id, token) in inner.get_added_tokens_decoder() {
+            if inner.token_to_id(&token.content) != Some(id) {
+                return Err(invalid(format!(
+                    "added token `{}` did not keep its id {id}",
+                    token.content
+                )));
+            }
+        }
         Ok(Self::from_inner(inner))
     }
 

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use corral_engine::{Tokenizer, TokenizerConfig};
+use corral_engine::{Tokenizer, TokenizerConfig, stop_token_ids};
 use corral_model::checkpoint::GgufCheckpoint;
 
 fn repo() -> PathBuf {
@@ -54,4 +54,14 @@ fn a_gguf_vocabulary_tokenizes_and_decodes_as_its_tokenizer_json() {
     assert!(from_gguf.chat_template.is_some());
     assert_eq!(from_gguf.chat_template, from_dir.chat_template);
     assert_eq!(from_gguf.eos_token.as_deref(), Some("<|im_end|>"));
+    // The ids that end generation: generation_config.json's for the directory, the
+    // vocabulary's end tokens for the GGUF file.
+    let (mut from_dir, mut from_file) = (
+        stop_token_ids(&dir, &[1538]).unwrap(),
+        stop_token_ids(&path, &[1538]).unwrap(),
+    );
+    from_dir.sort_unstable();
+    from_file.sort_unstable();
+    assert_eq!(from_file, from_dir);
+    assert!(from_dir.len() > 1, "{from_dir:?}");
 }

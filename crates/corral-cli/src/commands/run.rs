@@ -106,7 +106,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
                 .0,
         ),
         (Some(_), None) => {
-            bail!("--prompt needs a tokenizer.json: use --model DIR, or --token-ids")
+            bail!("--prompt needs a tokenizer: use --model DIR or FILE.gguf, or --token-ids")
         }
         (None, _) => None,
     };

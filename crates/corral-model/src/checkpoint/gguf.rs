@@ -139,11 +139,6 @@ impl GgufCheckpoint {
         &self.header
     }
 
-    /// The architecture the file names (`general.architecture`).
-    pub fn architecture(&self) -> &str {
-        &self.arch
-    }
-
     fn invalid(&self, detail: String) -> ModelError {
         ModelError::Gguf {
             path: self.path.clone(),
@@ -225,7 +220,11 @@ impl GgufCheckpoint {
         if let Some(theta) = float("rope.freq_base")? {
             c.insert("rope_theta".into(), json!(theta));
         }
-        if let Some(kind) = self.header.get(&key("rope.scaling.type")) {
+        let scaling = self
+            .header
+            .get(&key("rope.scaling.type"))
+            .filter(|kind| kind.as_str() != Some("none"));
+        if let Some(kind) = scaling {
             let kind = kind.as_str().ok_or_else(|| {
                 self.invalid(format!("`{}` is not a string", key("rope.scaling.type")))
             })?;
@@ -385,15 +384,13 @@ impl WeightSource for GgufCheckpoint {
     }
 
     fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
-        let (tensor, file, start, len) = self.checked(name, shape)?;
-        let numel = shape.iter().product();
+        let (tensor, file, start, _) = self.checked(name, shape)?;
         let ty = tensor.ggml_type;
         if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            let numel = shape.iter().product();
             return Ok(backend.weight_from_file(file, start, loaded_dtype(ty), numel)?);
         }
-        let mut values = vec![0f32; numel];
-        dequantize(ty, &file.bytes()[start..start + len], &mut values);
-        Ok(backend.weight_from_f32(&values, DType::F32)?)
+        Ok(backend.weight_from_f32(&self.read_f32(name, shape)?, DType::F32)?)
     }
 
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {

@@ -94,14 +94,6 @@ impl GgufValue {
         }
     }
 
-    /// The value as a bool.
-    pub fn as_bool(&self) -> Option<bool> {
-        match *self {
-            Self::Bool(v) => Some(v),
-            _ => None,
-        }
-    }
-
     fn type_name(&self) -> &'static str {
         match self {
             Self::U8(_) => "u8",
@@ -129,7 +121,14 @@ impl fmt::Display for GgufValue {
             Self::F32(v) => write!(f, "{v}"),
             Self::F64(v) => write!(f, "{v}"),
             Self::Bool(v) => write!(f, "{v}"),
-            other => write!(f, "{}", other.as_u64().map_or(-1i128, i128::from)),
+            Self::I8(v) => write!(f, "{v}"),
+            Self::I16(v) => write!(f, "{v}"),
+            Self::I32(v) => write!(f, "{v}"),
+            Self::I64(v) => write!(f, "{v}"),
+            Self::U8(v) => write!(f, "{v}"),
+            Self::U16(v) => write!(f, "{v}"),
+            Self::U32(v) => write!(f, "{v}"),
+            Self::U64(v) => write!(f, "{v}"),
         }
     }
 }
@@ -291,7 +290,8 @@ impl<'a> Reader<'a> {
                 let min = value_min_bytes(elem)
                     .ok_or_else(|| GgufError(format!("{what}: unknown element type {elem}")))?;
                 let n = self.count(min, &format_args!("the length of {what}"))?;
-                let mut items = Vec::with_capacity(n);
+                // Grown as items are read: a value takes more memory than its bytes.
+                let mut items = Vec::with_capacity(n.min(1 << 16));
                 for i in 0..n {
                     items.push(self.value(elem, &format_args!("{what}[{i}]"), depth + 1)?);
                 }
@@ -337,8 +337,8 @@ pub fn parse_header(bytes: &[u8]) -> Parsed<GgufHeader> {
     // A tensor's info takes at least 8 + 4 + 4 + 8 bytes, a metadata pair 8 + 4 + 1.
     let tensor_count = r.count(24, &"the tensor count")?;
     let kv_count = r.count(13, &"the metadata count")?;
-    let mut metadata = Vec::with_capacity(kv_count);
-    let mut by_key = HashMap::with_capacity(kv_count);
+    let mut metadata = Vec::with_capacity(kv_count.min(1 << 16));
+    let mut by_key = HashMap::with_capacity(kv_count.min(1 << 16));
     for i in 0..kv_count {
         let key = r.string(&format_args!("metadata key {i}"))?;
         let type_id = r.u32(&format_args!("the type of `{key}`"))?;
@@ -358,7 +358,7 @@ pub fn parse_header(bytes: &[u8]) -> Parsed<GgufHeader> {
             )));
         }
     };
-    let mut infos = Vec::with_capacity(tensor_count);
+    let mut infos = Vec::with_capacity(tensor_count.min(1 << 16));
     for i in 0..tensor_count {
         let name = r.string(&format_args!("the name of tensor {i}"))?;
         let n_dims = r.u32(&format_args!("the dimension count of `{name}`"))?;

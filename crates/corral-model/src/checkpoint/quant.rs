@@ -62,26 +62,6 @@ impl GgmlType {
         })
     }
 
-    /// ggml's type id.
-    pub fn id(self) -> u32 {
-        match self {
-            Self::F32 => 0,
-            Self::F16 => 1,
-            Self::Q4_0 => 2,
-            Self::Q4_1 => 3,
-            Self::Q5_0 => 6,
-            Self::Q5_1 => 7,
-            Self::Q8_0 => 8,
-            Self::Q2K => 10,
-            Self::Q3K => 11,
-            Self::Q4K => 12,
-            Self::Q5K => 13,
-            Self::Q6K => 14,
-            Self::Q8K => 15,
-            Self::BF16 => 30,
-        }
-    }
-
     /// The name ggml gives it.
     pub fn name(self) -> &'static str {
         match self {

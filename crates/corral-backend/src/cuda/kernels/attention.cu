@@ -35,7 +35,7 @@ KV_STORE(bf16, u16)
 KV_STORE(f32, float)
 
 // From a fused q/k/v projection ([tokens, (heads + 2 kv_heads) * head_dim]): a block per
-// (token, QKV_WARPS * HPW of its q, k and v heads), a warp per head, HPW heads a warp (5 for
+// (token, QKV_WARPS * HPW of its q, k and v heads), HPW heads a warp, one at a time (5 for
 // prefill, so that a block takes a whole token and has all its heads' loads in flight at
 // once; 1 for a few tokens, where more blocks run in parallel). The block first forms the
 // token's rotary (cos, sin) pairs once in shared memory; q and k heads are RMSNorm'd and

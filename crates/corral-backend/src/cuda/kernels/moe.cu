@@ -184,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_ranked(
 // experts with pairs ([count, ids ascending]), the sorted order and its inverse. An id out of
 // range raises the error flag and is sorted as expert 0, so that every later index stays in
 // bounds. Block b places the pairs of its chunk [b * chunk, (b + 1) * chunk): each of its
-// first `lanes_used` warps owns a contiguous run of them and keeps its own count per expert
+// first `warps` warps owns a contiguous run of them and keeps its own count per expert
 // in shared memory; __match_any_sync ranks equal ids within a step of 32 pairs, so a second
 // walk over the same runs places every pair in pair order, with no atomics and no pass per
 // expert. With more than one block, each also counts the pairs before and after its chunk

@@ -5,9 +5,6 @@
 __device__ __forceinline__ void store_norm(float* out, u32 d, float v) { out[d] = v; }
 __device__ __forceinline__ void store_norm(u16* out, u32 d, float v) { out[d] = f32_to_bf16(v); }
 
-// The shared body of rms_norm and add_rms_norm: row r of (acc [+ x]) kept in registers
-// (dim <= NORM_PER_THREAD * blockDim; longer rows are re-read), normalised into out: f32, or
-// bf16 when its only readers are projections that round their input to bf16 anyway.
 __device__ __forceinline__ void store_norm4(float* out, u32 d, float4 v) {
     *reinterpret_cast<float4*>(out + d) = v;
 }
@@ -59,6 +56,9 @@ __device__ __forceinline__ void norm_row4(float* acc, const float* x, bool add,
     }
 }
 
+// The shared body of rms_norm and add_rms_norm: row r of (acc [+ x]) kept in registers
+// (dim <= NORM_PER_THREAD * blockDim; longer rows are re-read), normalised into out: f32, or
+// bf16 when its only readers are projections that round their input to bf16 anyway.
 template <typename O>
 __device__ __forceinline__ void norm_row(float* acc, const float* x, bool add,
                                          const float* weight, u32 dim, float eps,
