@@ -9,7 +9,7 @@ use clap::Args;
 use corral_backend::DispatchStats;
 use corral_engine::{
     BLOCK_SIZE, ChatTemplate, EngineConfig, EngineRequest, Event, Finished, IncrementalDecoder,
-    SamplingParams, load_vocabulary, spawn_engine, stop_token_ids,
+    SamplingParams, TokenizerConfig, load_vocabulary, spawn_engine, stop_token_ids,
 };
 use serde_json::{Map, Value, json};
 
@@ -20,7 +20,7 @@ use crate::loading::{ModelArgs, load_model};
 pub(crate) struct RunArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Prompt text (needs the checkpoint's tokenizer.json).
+    /// Prompt text (needs the model's tokenizer: tokenizer.json, or a GGUF file's own).
     #[arg(
         long,
         conflicts_with = "token_ids",
@@ -99,21 +99,22 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     params.validate()?;
     let model = load_model(&args.model)?;
     let dir = args.model.dir();
-    let tokenizer = match (&args.prompt, dir) {
-        (Some(_), Some(dir)) => Some(
-            load_vocabulary(dir)
-                .context("--prompt needs the tokenizer")?
-                .0,
-        ),
+    let vocabulary = match (&args.prompt, dir) {
+        (Some(_), Some(dir)) => Some(load_vocabulary(dir).context("--prompt needs the tokenizer")?),
         (Some(_), None) => {
             bail!("--prompt needs a tokenizer: use --model DIR or FILE.gguf, or --token-ids")
         }
         (None, _) => None,
     };
-    let prompt_ids = match (&args.prompt, &args.token_ids, &tokenizer) {
-        (Some(text), _, Some(tok)) => {
-            let text = if let (true, Some(dir)) = (args.chat, dir) {
-                render_chat(dir, text, args.system.as_deref(), args.enable_thinking)?
+    let prompt_ids = match (&args.prompt, &args.token_ids, &vocabulary) {
+        (Some(text), _, Some((tok, template_config))) => {
+            let text = if args.chat {
+                render_chat(
+                    template_config,
+                    text,
+                    args.system.as_deref(),
+                    args.enable_thinking,
+                )?
             } else {
                 text.clone()
             };
@@ -122,6 +123,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         (None, Some(ids), _) => ids.clone(),
         _ => bail!("give --prompt or --token-ids"),
     };
+    let tokenizer = vocabulary.map(|(tok, _)| tok);
     if prompt_ids.is_empty() {
         bail!("the prompt is empty");
     }
@@ -243,13 +245,12 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
 }
 
 fn render_chat(
-    dir: &std::path::Path,
+    config: &TokenizerConfig,
     prompt: &str,
     system: Option<&str>,
     enable_thinking: Option<bool>,
 ) -> Result<String> {
-    let (_, config) = load_vocabulary(dir)?;
-    let template = ChatTemplate::new(&config)?;
+    let template = ChatTemplate::new(config)?;
     let mut messages = Vec::new();
     if let Some(system) = system {
         messages.push(json!({"role": "system", "content": system}));
