@@ -134,11 +134,12 @@ def add_vocab(w, directory, vocab_size):
         w.add_string("tokenizer.chat_template", template)
 
 
-def convert(name, arch, directory=None, vocab=False, split_max_tensors=0, quant=None):
+def convert(name, arch, directory=None, vocab=False, split_max_tensors=0, quant=None,
+            fuse_gate_up=False):
     directory = directory or FIXTURES / name
     config = json.loads((directory / "config.json").read_text())
     tensors = read_safetensors(directory)
-    suffix = f".{quant.name.lower()}" if quant is not None else ""
+    suffix = f".{quant.name.lower()}" if quant is not None else ".fused" if fuse_gate_up else ""
     out = OUT.parent / ("split" if split_max_tensors else "") / f"{name}{suffix}.gguf"
     out.parent.mkdir(exist_ok=True)
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
@@ -195,9 +196,19 @@ def convert(name, arch, directory=None, vocab=False, split_max_tensors=0, quant=
             add(w, f"blk.{layer}.{per_layer[rest]}.weight", array, dtype, quant)
     stacked = {"gate_proj.weight": "ffn_gate_exps", "up_proj.weight": "ffn_up_exps",
                "down_proj.weight": "ffn_down_exps"}
+    stacks = {}
     for (layer, proj), by_expert in sorted(experts.items()):
         arrays = [by_expert[e][0] for e in sorted(by_expert)]
-        add(w, f"blk.{layer}.{stacked[proj]}.weight", np.stack(arrays), by_expert[0][1], quant)
+        stacks[(layer, proj)] = (np.stack(arrays), by_expert[0][1])
+    for (layer, proj), (array, dtype) in stacks.items():
+        if fuse_gate_up and proj in ("gate_proj.weight", "up_proj.weight"):
+            if proj == "gate_proj.weight":
+                # --fuse-gate-up-exps: gate and up in one tensor, gate rows first.
+                up = stacks[(layer, "up_proj.weight")][0]
+                add(w, f"blk.{layer}.ffn_gate_up_exps.weight",
+                    np.concatenate([array, up], axis=1), dtype, quant)
+            continue
+        add(w, f"blk.{layer}.{stacked[proj]}.weight", array, dtype, quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -211,6 +222,8 @@ convert("qwen3_dense", "qwen3")
 # The MoE model quantized (its references: scripts/make_gguf_quant_reference.py).
 convert("qwen3_moe_sharded", "qwen3moe", quant=T.Q8_0)
 convert("qwen3_moe_sharded", "qwen3moe", quant=T.Q4_0)
+# Its experts' gate and up in one tensor, as the converter's --fuse-gate-up-exps writes them.
+convert("qwen3_moe_sharded", "qwen3moe", fuse_gate_up=True)
 # The same MoE model in two files, as llama-gguf-split writes them.
 convert("qwen3_moe_sharded", "qwen3moe", split_max_tensors=20)
 # The repository's small model with its vocabulary and chat template: a whole GGUF model.

@@ -231,6 +231,24 @@ fn quantized_gguf_files_compute_the_function_their_blocks_define() {
     );
 }
 
+/// Experts whose gate and up share one tensor (the converter's --fuse-gate-up-exps) bind as
+/// transformers' fused layout and give the logits of separate gate and up tensors.
+#[test]
+fn fused_gate_up_experts_give_the_logits_of_separate_ones() {
+    let load = |name: &str| {
+        Model::load_gguf(
+            &fixture_dir("gguf").join(name),
+            Arc::new(CpuBackend::new()),
+            &mut |_, _| {},
+        )
+        .unwrap()
+    };
+    let tokens = read_reference(&fixture_dir("qwen3_moe_sharded")).token_ids;
+    let separate = logits_chunked(&load("qwen3_moe_sharded.gguf"), &tokens, 7);
+    let fused = logits_chunked(&load("qwen3_moe_sharded.fused.gguf"), &tokens, 7);
+    assert_eq!(fused, separate);
+}
+
 /// A model split over files (llama-gguf-split's naming) loads from its first file, tensors
 /// found in every split; a later split alone, or a missing one, is an error naming it.
 #[test]

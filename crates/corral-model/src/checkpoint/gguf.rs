@@ -341,7 +341,10 @@ fn gguf_name(name: &str) -> Option<(String, Option<usize>)> {
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let blk = |s: &str| Some((format!("blk.{layer}.{s}.weight"), None));
-    if let Some(expert) = rest.strip_prefix("mlp.experts.") {
+    if let Some(expert) = rest
+        .strip_prefix("mlp.experts.")
+        .filter(|e| e.starts_with(|c: char| c.is_ascii_digit()))
+    {
         let (e, proj) = expert.split_once('.')?;
         let e: usize = e.parse().ok()?;
         let stacked = match proj {
@@ -353,6 +356,11 @@ fn gguf_name(name: &str) -> Option<(String, Option<usize>)> {
         return Some((format!("blk.{layer}.{stacked}.weight"), Some(e)));
     }
     match rest {
+        // transformers' fused layout ([E, 2I, H], gate rows first; down [E, H, I]): what
+        // the converter writes with --fuse-gate-up-exps. Files with separate gate and up
+        // tensors have no such name, and their experts bind one by one.
+        "mlp.experts.gate_up_proj" => Some((format!("blk.{layer}.ffn_gate_up_exps.weight"), None)),
+        "mlp.experts.down_proj" => Some((format!("blk.{layer}.ffn_down_exps.weight"), None)),
         "input_layernorm.weight" => blk("attn_norm"),
         "post_attention_layernorm.weight" => blk("ffn_norm"),
         "self_attn.q_proj.weight" => blk("attn_q"),
