@@ -13,12 +13,7 @@ use crate::EngineError;
 pub fn stop_token_ids(dir: &Path, config_eos: &[u32]) -> Result<Vec<u32>, EngineError> {
     let mut ids = config_eos.to_vec();
     if dir.is_file() {
-        let gguf = corral_model::checkpoint::GgufCheckpoint::open(dir).map_err(|e| {
-            EngineError::Tokenizer {
-                path: dir.to_path_buf(),
-                detail: e.to_string(),
-            }
-        })?;
+        let gguf = crate::gguf_vocab::open_gguf(dir)?;
         for id in crate::gguf_vocab::end_of_generation_ids(gguf.header()) {
             if !ids.contains(&id) {
                 ids.push(id);

@@ -10,16 +10,21 @@ use serde_json::{Map, Value, json};
 
 use crate::{EngineError, Tokenizer, TokenizerConfig};
 
+/// The GGUF model at `path` (its header read), a failure as the engine reports a vocabulary's.
+pub(crate) fn open_gguf(
+    path: &Path,
+) -> Result<corral_model::checkpoint::GgufCheckpoint, EngineError> {
+    corral_model::checkpoint::GgufCheckpoint::open(path).map_err(|e| EngineError::Tokenizer {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })
+}
+
 /// The tokenizer and template config of a model: from a checkpoint directory's
 /// `tokenizer.json` and `tokenizer_config.json`, or from what a GGUF file carries.
 pub fn load_vocabulary(path: &Path) -> Result<(Tokenizer, TokenizerConfig), EngineError> {
     if path.is_file() {
-        let gguf = corral_model::checkpoint::GgufCheckpoint::open(path).map_err(|e| {
-            EngineError::Tokenizer {
-                path: path.to_path_buf(),
-                detail: e.to_string(),
-            }
-        })?;
+        let gguf = open_gguf(path)?;
         let tokenizer = Tokenizer::from_gguf(gguf.header(), path)?;
         return Ok((tokenizer, TokenizerConfig::from_gguf(gguf.header())));
     }
