@@ -22,14 +22,16 @@ fn gpu() -> Option<&'static CudaBackend> {
     .as_ref()
 }
 
-/// A second CUDA backend that runs every projection on Corral's own tiles and launches
-/// kernels strictly one after another.
+/// A second CUDA backend that runs every projection on Corral's own tiles, few-row experts
+/// and projections without streaming, and launches kernels strictly one after another.
 fn gpu_without_cublas() -> &'static CudaBackend {
     static GPU: OnceLock<CudaBackend> = OnceLock::new();
     GPU.get_or_init(|| {
         let options = CudaOptions {
             without_cublas: true,
             serial_launches: true,
+            unstreamed_experts: true,
+            unstreamed_projections: true,
             ..Default::default()
         };
         CudaBackend::new(options).expect("open cuda:0")
@@ -184,6 +186,38 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
         let tol = if f32_path { 1e-5 } else { 1e-2 };
         assert_close(&what, &outs[1], &outs[0], tol);
         assert_close(&format!("{what}, without cuBLAS"), &outs[2], &outs[0], tol);
+    }
+}
+
+/// Few-row projections streamed through shared memory (sm_90+, with at least two units an SM
+/// of 132: 16- and 32-feature units by K, ranges of units a block, partial last units)
+/// against the unstreamed kernels: the same 16-bit operands summed in another order.
+#[test]
+fn streamed_projections_equal_unstreamed() {
+    let g = gpu_or_skip!();
+    let mut rng = Rng(7);
+    let shapes = [
+        (2, 4300, 2048),
+        (8, 4231, 768),
+        (5, 5000, 8),
+        (7, 8200, 2040),
+        (3, 4229, 1032),
+    ];
+    for (case, (rows, n, k)) in shapes.into_iter().enumerate() {
+        let dtype = DTYPES[case % 2];
+        let x = rng.values(rows * k);
+        let w = rng.values((n + 1) * k);
+        let what = format!("rows {rows} n {n} k {k} {dtype}");
+        let mut outs = Vec::new();
+        for b in [g as &dyn Backend, gpu_without_cublas()] {
+            let wb = b.weight_from_f32(&w, dtype).unwrap();
+            let view = WeightView::new(&wb, n + 1, k).unwrap().rows(1, n).unwrap();
+            let xb = f32_buf(b, &x);
+            let mut out = out_buf(b, rows * n);
+            b.matmul(&xb, rows, view, &mut out).unwrap();
+            outs.push(read(b, &out, rows * n));
+        }
+        assert_close(&what, &outs[0], &outs[1], 1e-5);
     }
 }
 
@@ -956,7 +990,7 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
         let extra = [rng.values(i * h), rng.values(i * h), rng.values(h * i)];
         let pairs = tokens * choices;
         let mut results = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [&c as &dyn Backend, g, gpu_without_cublas()] {
             let mut w = experts(b, &values, e, i, h, fused, dtype);
             if shared {
                 let add = |m: ExpertMatrices, v: &[f32]| {
@@ -1055,6 +1089,21 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
             "case {case}: {tokens} tokens, top {top_k} of {e}, h {h} i {i} {dtype} fused {fused} shared {shared}"
         );
         let (cpu, gpu) = (&results[0], &results[1]);
+        // The few-row experts streamed (sm_90+) and read straight from global memory: the
+        // same bf16 operands, summed in another order.
+        let unstreamed = &results[2];
+        assert_close(
+            &format!("{what}: unstreamed grouped"),
+            &unstreamed.3,
+            &cpu.3,
+            1.5e-2,
+        );
+        assert_close(
+            &format!("{what}: streamed against unstreamed"),
+            &gpu.3,
+            &unstreamed.3,
+            1e-5,
+        );
         assert_eq!(cpu.0, gpu.0, "{what}: expert ids");
         assert_close(&format!("{what}: routing weights"), &gpu.1, &cpu.1, 1e-6);
         assert_eq!(cpu.2, gpu.2, "{what}: sorting");

@@ -90,12 +90,20 @@ pub(crate) fn open_backend(choice: DeviceChoice, kv_dtype: DType) -> Result<Arc<
     // CORRAL_F32_GEMM_INPUTS=1 keeps projections' inputs in f32 (a conversion before each
     // cuBLAS GEMM), to measure what bf16 inputs from the norms save.
     let f32_gemm_inputs = std::env::var("CORRAL_F32_GEMM_INPUTS").is_ok_and(|v| v == "1");
+    // CORRAL_UNSTREAMED_EXPERTS=1 runs few-row grouped experts without bulk-copy streaming,
+    // to measure what streaming saves.
+    let unstreamed_experts = std::env::var("CORRAL_UNSTREAMED_EXPERTS").is_ok_and(|v| v == "1");
+    // CORRAL_UNSTREAMED_PROJECTIONS=1 does the same for few-row dense projections.
+    let unstreamed_projections =
+        std::env::var("CORRAL_UNSTREAMED_PROJECTIONS").is_ok_and(|v| v == "1");
     let cuda = |ordinal| {
         CudaBackend::new(CudaOptions {
             ordinal,
             serial_launches,
             recurrent_delta_rule,
             f32_gemm_inputs,
+            unstreamed_experts,
+            unstreamed_projections,
             kv_dtype: Some(kv_dtype),
             ..Default::default()
         })

@@ -37,6 +37,8 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 const MMA_TILE: &str = include_str!("kernels/mma_tile.cuh");
 const MMA_VEC: &str = include_str!("kernels/mma_vec.cuh");
 const MMA_BIG_TILE: &str = include_str!("kernels/mma_big_tile.cuh");
+const BULK_COPY: &str = include_str!("kernels/bulk_copy.cuh");
+const STREAMED_MVM: &str = include_str!("kernels/streamed_mvm.cuh");
 
 /// Every kernel file, one per op family.
 pub(crate) const SOURCES: [KernelSource; 8] = [
@@ -62,12 +64,19 @@ pub(crate) const SOURCES: [KernelSource; 8] = [
     },
     KernelSource {
         name: "matmul.cu",
-        headers: &[COMMON, MMA_TILE, MMA_VEC],
+        headers: &[COMMON, MMA_TILE, MMA_VEC, BULK_COPY, STREAMED_MVM],
         body: include_str!("kernels/matmul.cu"),
     },
     KernelSource {
         name: "moe.cu",
-        headers: &[COMMON, MMA_TILE, MMA_VEC, MMA_BIG_TILE],
+        headers: &[
+            COMMON,
+            MMA_TILE,
+            MMA_VEC,
+            MMA_BIG_TILE,
+            BULK_COPY,
+            STREAMED_MVM,
+        ],
         body: include_str!("kernels/moe.cu"),
     },
     KernelSource {

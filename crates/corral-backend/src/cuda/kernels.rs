@@ -18,12 +18,18 @@ pub(crate) struct WeightKernels {
     /// Tensor-core matrix-vector products for at most 8, 16 and 32 rows (16-bit weights):
     /// `[whole K, K split over blocks]`.
     pub(crate) matvec_mma: Option<[[Kernel; 3]; 2]>,
+    /// Few-row products streamed through shared memory by bulk copies (16-bit weights,
+    /// sm_90 and newer).
+    pub(crate) matvec_stream: Option<Kernel>,
     pub(crate) matmul_tiled: Kernel,
     pub(crate) grouped_gate_up: Kernel,
     pub(crate) grouped_down: Kernel,
     /// Grouped experts for few tokens, 8 and 32 rows at a time (16-bit weights):
     /// `[gate_up, down]`.
     pub(crate) grouped_mvm: Option<[[Kernel; 2]; 2]>,
+    /// The same streamed through shared memory by bulk copies (16-bit weights, sm_90 and
+    /// newer): `[gate_up, down]`.
+    pub(crate) grouped_stream: Option<[Kernel; 2]>,
     /// Grouped experts in 128-row tiles for prefill-sized groups (bf16 weights):
     /// `[gate_up, down]`.
     /// Gate/up, down into f32 y, down into bf16 y (for the combine that reads it so).
@@ -35,6 +41,12 @@ pub(crate) struct WeightKernels {
 /// Dynamic shared memory of the 128-row expert tiles: BT_SMEM_BYTES of mma_big_tile.cuh
 /// (three stages of 128 activation rows and 128 weight rows, 72 bf16 values each).
 const BIG_TILE_SMEM_BYTES: u32 = 3 * (128 + 128) * 72 * 2;
+
+/// Dynamic shared memory of the streamed few-row products: STREAM_SMEM_BYTES of
+/// streamed_mvm.cuh (the stages' pool, three units of 16 rows of 2,048 16-bit values; two
+/// reduction buffers of 8 × 2 × 4 × 32 floats; two barriers and a 16-byte unit record for
+/// each of up to six stages).
+const STREAM_SMEM_BYTES: u32 = 3 * 16 * 2048 * 2 + 2 * 8 * 2 * 4 * 32 * 4 + 6 * (2 * 8 + 16);
 
 /// Dynamic shared memory of prefill attention for `head_dim`: FA_SMEM_BYTES of
 /// flash_attention.cu (two stages of 64 keys of K and V, rows of head_dim + 8 bf16 values).
@@ -199,6 +211,27 @@ impl Kernels {
                 find("moe_grouped_down_big_bf16_y16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
             ]))
         };
+        let grouped_stream = |s: &'static str| -> Result<Option<[Kernel; 2]>> {
+            let names = match s {
+                _ if gpu.compute_capability.0 < 9 => return Ok(None),
+                "bf16" => ["moe_stream_gate_up_bf16", "moe_stream_down_bf16"],
+                "f16" => ["moe_stream_gate_up_f16", "moe_stream_down_f16"],
+                _ => return Ok(None),
+            };
+            Ok(Some([
+                find(names[0])?.with_dynamic_smem(STREAM_SMEM_BYTES)?,
+                find(names[1])?.with_dynamic_smem(STREAM_SMEM_BYTES)?,
+            ]))
+        };
+        let matvec_stream = |s: &'static str| -> Result<Option<Kernel>> {
+            let name = match s {
+                _ if gpu.compute_capability.0 < 9 => return Ok(None),
+                "bf16" => "matvec_stream_bf16",
+                "f16" => "matvec_stream_f16",
+                _ => return Ok(None),
+            };
+            Ok(Some(find(name)?.with_dynamic_smem(STREAM_SMEM_BYTES)?))
+        };
         let mma = |s: &'static str| -> Result<Option<[[Kernel; 3]; 2]>> {
             let names: [[&'static str; 3]; 2] = match s {
                 "bf16" => [
@@ -245,10 +278,12 @@ impl Kernels {
                         find(concat!("matvec_", $s, "_r32"))?,
                     ],
                     matvec_mma: mma($s)?,
+                    matvec_stream: matvec_stream($s)?,
                     matmul_tiled: find(concat!("matmul_tiled_", $s))?,
                     grouped_gate_up: find(concat!("moe_grouped_gate_up_", $s))?,
                     grouped_down: find(concat!("moe_grouped_down_", $s))?,
                     grouped_mvm: grouped_mvm($s)?,
+                    grouped_stream: grouped_stream($s)?,
                     grouped_big: grouped_big($s)?,
                     per_token_gate_up: find(concat!("moe_per_token_gate_up_", $s))?,
                     per_token_down: find(concat!("moe_per_token_down_", $s))?,

@@ -62,6 +62,13 @@ pub struct CudaOptions {
     /// Keep every projection's input in f32, rounded to bf16 by a conversion before each
     /// cuBLAS GEMM, instead of in bf16 from the norm (to measure what that saves).
     pub f32_gemm_inputs: bool,
+    /// Run the few-row grouped experts on blocks that read their weights straight from
+    /// global memory, not streamed through shared memory by bulk copies (sm_90+), to measure
+    /// what streaming saves.
+    pub unstreamed_experts: bool,
+    /// Run few-row dense projections on blocks that read their weights straight from global
+    /// memory, not streamed (sm_90+), to measure what streaming saves.
+    pub unstreamed_projections: bool,
 }
 
 /// The number of usable CUDA devices, or why there are none (no driver, no device).
@@ -103,6 +110,10 @@ pub struct CudaBackend {
     recurrent_delta_rule: bool,
     /// [`CudaOptions::f32_gemm_inputs`].
     f32_gemm_inputs: bool,
+    /// [`CudaOptions::unstreamed_experts`].
+    unstreamed_experts: bool,
+    /// [`CudaOptions::unstreamed_projections`].
+    unstreamed_projections: bool,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
     /// Tickets of the few-row projections that split K (zero between launches).
@@ -262,6 +273,23 @@ fn projection_split_k(tiles: usize, k: usize, multiprocessors: usize) -> Option<
     let split_k = k.div_ceil(target.div_ceil(tiles)).div_ceil(MVM_SPLIT_MIN_K) * MVM_SPLIT_MIN_K;
     (split_k < k).then_some(split_k)
 }
+
+/// Threads of the streamed few-row products (streamed_mvm.cuh's STREAM_THREADS: 8 consumer
+/// warps and a producer) and the longest K their stages hold (STREAM_MAX_K).
+const STREAM_THREADS: u32 = 288;
+const STREAM_MAX_K: usize = 2048;
+/// Tokens up to which grouped experts stream: no expert has more than 8 rows then, one mma
+/// column block, so every unit costs the same and a block's contiguous range of units is
+/// balanced. (With more, an expert hit by many rows, such as a shared expert, costs its
+/// few blocks a pass per 8 rows of every unit: Qwen3.5-35B-A3B at batch 32 measured 50.0 ms
+/// a step against 20.2 unstreamed.)
+const STREAM_MAX_TOKENS: usize = 8;
+/// Rows of x of the streamed dense projections (one row stays on CUDA cores in f32, as
+/// unstreamed), and the 16-feature units an SM they need at least: with fewer, the ramp and
+/// tail of one pass cost more than streaming saves (Qwen3-30B-A3B's output projection, 128
+/// units of K = 4096, and router, 8 units, measured slower streamed).
+const STREAM_PROJECTION_ROWS: std::ops::RangeInclusive<usize> = 2..=8;
+const STREAM_PROJECTION_UNITS_PER_SM: usize = 2;
 
 /// Rows per expert on average up to which grouped experts run as few-row products (each
 /// hit expert read once) rather than 64-row tiles, or rather than 128-row tiles where those
@@ -503,6 +531,8 @@ impl CudaBackend {
             op_scratch,
             recurrent_delta_rule: options.recurrent_delta_rule,
             f32_gemm_inputs: options.f32_gemm_inputs,
+            unstreamed_experts: options.unstreamed_experts,
+            unstreamed_projections: options.unstreamed_projections,
             attention_counters,
             projection_counters,
             sampling_scratch,
@@ -679,6 +709,25 @@ impl CudaBackend {
         Ok((Arg::Ptr(ptr_of(op, table)?), dtype, *vec))
     }
 
+    /// The streamed few-row expert kernels, where they run: sm_90+, 16-bit weights, K (of
+    /// 16-byte rows, which the few-row path already requires) that a stage holds, and
+    /// at most STREAM_MAX_TOKENS tokens.
+    fn streamed_experts<'k>(
+        &self,
+        kernels: &'k WeightKernels,
+        k: usize,
+        tokens: usize,
+    ) -> Option<&'k [Kernel; 2]> {
+        kernels.grouped_stream.as_ref().filter(|_| {
+            !self.unstreamed_experts && k <= STREAM_MAX_K && tokens <= STREAM_MAX_TOKENS
+        })
+    }
+
+    /// A streamed block per SM: each takes the units of weight rows in turn.
+    fn stream_grid(&self, op: &'static str) -> Result<(u32, u32, u32)> {
+        Ok((grid_of(op, self.gpu.multiprocessors.max(1) as usize)?, 1, 1))
+    }
+
     /// The 128-row expert tiles, where they run for enough rows: bf16 experts whose three
     /// projections have 16-byte rows. Gate/up and down decide alike (and so pick few-row
     /// products alike), for the first leaves `act` in the bf16 layout the second reads.
@@ -825,6 +874,11 @@ impl CudaBackend {
             vec,
             few_rows_variant(pairs, num_experts, big.is_some()),
         ) {
+            if let Some(stream) = self.streamed_experts(kernels, inter, routing.tokens) {
+                return self
+                    .launch(&stream[1], self.stream_grid(op)?, STREAM_THREADS, &args)
+                    .map(|()| DType::F32);
+            }
             // A block row per expert that can have rows: at most one per routed pair; a
             // block per DOWN_MVM_FEATURES features.
             let grid = (
@@ -1478,6 +1532,24 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let kernels = self.kernels.for_weights(op, dtype)?;
+        let multiprocessors = self.gpu.multiprocessors.max(1) as usize;
+        if let Some(stream) = kernels.matvec_stream.as_ref().filter(|_| {
+            vec && !self.unstreamed_projections
+                && STREAM_PROJECTION_ROWS.contains(&rows)
+                && w.cols <= STREAM_MAX_K
+                && w.rows.div_ceil(16) >= STREAM_PROJECTION_UNITS_PER_SM * multiprocessors
+        }) {
+            // A block per SM, each streaming its range of 16- or 32-feature units.
+            let stream_args = [
+                args[0], args[1], args[2], args[3], args[4], args[6], args[7],
+            ];
+            return self.launch(
+                stream,
+                (grid_of(op, multiprocessors)?, 1, 1),
+                STREAM_THREADS,
+                &stream_args,
+            );
+        }
         if let (Some(mma), true, true) = (
             &kernels.matvec_mma,
             vec,
@@ -1487,7 +1559,6 @@ impl Backend for CudaBackend {
             // K split over blocks where the tiles alone would leave SMs idle.
             let variant = rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize;
             let tiles = w.rows.div_ceil(16);
-            let multiprocessors = self.gpu.multiprocessors.max(1) as usize;
             if let Some(split_k) = projection_split_k(tiles, w.cols, multiprocessors) {
                 let splits = w.cols.div_ceil(split_k);
                 // Each (tile, split) leaves 4 sums of each 8-row tile in each of 32 lanes.
@@ -2161,6 +2232,9 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         if let Some((mvm, variant)) = few_rows {
+            if let Some(stream) = self.streamed_experts(kernels, hidden, routing.tokens) {
+                return self.launch(&stream[0], self.stream_grid(op)?, STREAM_THREADS, &args);
+            }
             // A block row per expert that can have rows: at most one per routed pair; a
             // block per 8 features of gate and up.
             let grid = (

@@ -516,7 +516,9 @@ __device__ void decode_attention_mma_impl(
     const int KC = HD / 32;  // 16-byte pieces of a K row per lane, two k16 steps each
     const int VC = HD / 64;  // 16-byte pieces of a V row per lane, eight n8 tiles each
     const int DT = HD / 8;   // n8 tiles of the output
-    __shared__ float merge_o[ATTN_WARPS][DECODE_MMA_MAX_GROUP][HD];
+    // Rows padded by a float: a store's lanes (8 heads, 4 column groups) meet 2 to a bank,
+    // not 16.
+    __shared__ float merge_o[ATTN_WARPS][DECODE_MMA_MAX_GROUP][HD + 1];
     __shared__ float merge_ml[ATTN_WARPS][2][DECODE_MMA_MAX_GROUP];
     __shared__ float head_f[DECODE_MMA_MAX_GROUP][ATTN_WARPS];
     __shared__ float head_m[DECODE_MMA_MAX_GROUP], head_l[DECODE_MMA_MAX_GROUP];

@@ -34,7 +34,8 @@ __device__ __forceinline__ void begin_small_kernel() {
 // positions and block tables, uploaded before it; KV cached by earlier steps), so that those
 // reads overlap the kernel before; it writes nothing before then but the diagnostics block's
 // atomic counters and error flag. It releases its dependents where it calls
-// release_dependents(), else at exit.
+// release_dependents(), else at exit. No kernel releases before its own wait, so a deferred
+// kernel may also read early what the kernels before the one before it wrote.
 __device__ __forceinline__ void begin_deferred_kernel() {}
 
 __device__ __forceinline__ void wait_for_previous_kernel() {

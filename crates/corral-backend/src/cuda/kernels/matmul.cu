@@ -255,3 +255,17 @@ MATVEC_MMA(bf16, bf16w, 4)
 MATVEC_MMA(f16, f16w, 1)
 MATVEC_MMA(f16, f16w, 2)
 MATVEC_MMA(f16, f16w, 4)
+
+// Few-row dense projections streamed (sm_90+; streamed_mvm.cuh): a block per SM, the
+// weights' first stages copied while the kernel before ends.
+#define MATVEC_STREAM(SUFFIX, W)                                                              \
+    extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1) matvec_stream_##SUFFIX(   \
+        const float* x, u32 rows, const W* w, u32 N, u32 K, float* out, Diag* diag) {         \
+        begin_deferred_kernel();                                                              \
+        StreamArgs p{x,       K,       N,       0,       nullptr,                             \
+                     nullptr, nullptr, nullptr, 0,       0,                                   \
+                     nullptr, nullptr, reinterpret_cast<const u16*>(w), rows, out, diag};     \
+        streamed_mvm_impl<W, STREAM_DENSE>(p);                                                \
+    }
+MATVEC_STREAM(bf16, bf16w)
+MATVEC_STREAM(f16, f16w)

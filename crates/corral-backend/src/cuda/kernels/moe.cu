@@ -726,6 +726,38 @@ MOE_MVM_KERNELS(bf16, bf16w, 4)
 MOE_MVM_KERNELS(f16, f16w, 1)
 MOE_MVM_KERNELS(f16, f16w, 4)
 
+// Grouped experts for few tokens, streamed (sm_90+; streamed_mvm.cuh): each hit expert's
+// weights read once, whatever rows it has. Same arguments as the few-row kernels. Gate/up
+// lets down be scheduled at once: down's blocks take SMs as gate/up's leave them and stream
+// their first weights while the last gate/up blocks finish.
+#define MOE_STREAM_KERNELS(SUFFIX, W)                                                          \
+    extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)                            \
+        moe_stream_gate_up_##SUFFIX(const float* x, u32 hidden, u32 top_k, const u32* offsets, \
+                                    const u32* hit_experts, const u32* sorted_pairs, u32 pairs, \
+                                    u32 num_experts, const u64* gate_table,                    \
+                                    const u64* up_table, u32 inter, u32 vec, float* act,       \
+                                    Diag* diag) {                                              \
+        begin_small_kernel();                                                                  \
+        StreamArgs p{x,          hidden,       inter,   top_k,       nullptr,    offsets,      \
+                     hit_experts, sorted_pairs, pairs,  num_experts, gate_table, up_table,     \
+                     nullptr,    0,            act,     diag};                                 \
+        streamed_mvm_impl<W, STREAM_GATE_UP>(p);                                               \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)                            \
+        moe_stream_down_##SUFFIX(const float* act, u32 inter, const float* route_weights,      \
+                                 const u32* offsets, const u32* hit_experts,                   \
+                                 const u32* sorted_pairs, u32 pairs, u32 num_experts,          \
+                                 const u64* down_table, u32 hidden, u32 vec, float* y,         \
+                                 Diag* diag) {                                                 \
+        begin_deferred_kernel();                                                               \
+        StreamArgs p{act,         inter,        hidden, 0,           route_weights, offsets,   \
+                     hit_experts, sorted_pairs, pairs,  num_experts, down_table,    nullptr,   \
+                     nullptr,     0,            y,      diag};                                 \
+        streamed_mvm_impl<W, STREAM_DOWN>(p);                                                  \
+    }
+MOE_STREAM_KERNELS(bf16, bf16w)
+MOE_STREAM_KERNELS(f16, f16w)
+
 #define MOE_KERNELS(SUFFIX, W)                                                                 \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS) moe_grouped_gate_up_##SUFFIX(   \
         const float* x, u32 hidden, u32 top_k, const u32* offsets, const u32* /*hit_experts*/, \
