@@ -34,6 +34,28 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return F16 ? pack_f16(lo, hi) : pack_bf16(lo, hi);
 }
 
+// Eight f32 values of x at p (16-byte aligned; zeros where `ok` is false) as the two B
+// operand pairs of a k16 step: b[0..2] values 0-3, b[2..4] values 4-7. Sets range_error
+// where an f16 operand would overflow.
+template <bool F16>
+__device__ __forceinline__ void x_operands8(const float* p, bool ok, u32* b, bool& range_error) {
+    float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
+    if (ok) {
+        const float4* v = reinterpret_cast<const float4*>(p);
+        xa = v[0];
+        xb = v[1];
+    }
+    if (F16) {
+        float m = fmaxf(fmaxf(fmaxf(fabsf(xa.x), fabsf(xa.y)), fmaxf(fabsf(xa.z), fabsf(xa.w))),
+                        fmaxf(fmaxf(fabsf(xb.x), fabsf(xb.y)), fmaxf(fabsf(xb.z), fabsf(xb.w))));
+        range_error |= m > 65504.f;
+    }
+    b[0] = pack2<F16>(xa.x, xa.y);
+    b[1] = pack2<F16>(xa.z, xa.w);
+    b[2] = pack2<F16>(xb.x, xb.y);
+    b[3] = pack2<F16>(xb.z, xb.w);
+}
+
 // 16 consecutive f32 values starting at p (k0 .. k0+15 of a row with `k_left` = K - k0 left)
 // as 8 packed operand pairs; out-of-range values are zero. `vec`: 16-byte aligned rows,
 // K % 8 == 0.

@@ -53,25 +53,14 @@ __device__ __forceinline__ void mvm_accumulate(const float* const (&xr)[NT],
             bool k_ok = k < K;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
-                if (xr[j] && k_ok) {
-                    const float4* p = reinterpret_cast<const float4*>(xr[j] + k);
-                    xa = p[0];
-                    xb = p[1];
-                }
-                if (F16) {
-                    float m = fmaxf(fmaxf(fmaxf(fabsf(xa.x), fabsf(xa.y)), fmaxf(fabsf(xa.z), fabsf(xa.w))),
-                                    fmaxf(fmaxf(fabsf(xb.x), fabsf(xb.y)), fmaxf(fabsf(xb.z), fabsf(xb.w))));
-                    range_error |= m > 65504.f;
-                }
-                u32 b0[2] = {pack2<F16>(xa.x, xa.y), pack2<F16>(xa.z, xa.w)};
-                u32 b1[2] = {pack2<F16>(xb.x, xb.y), pack2<F16>(xb.z, xb.w)};
+                u32 b[4];
+                x_operands8<F16>(xr[j] + k, xr[j] && k_ok, b, range_error);
 #pragma unroll
                 for (int v = 0; v < NW; v++) {
                     u32 a0[4] = {wl[u][v].x, wh[u][v].x, wl[u][v].y, wh[u][v].y};
                     u32 a1[4] = {wl[u][v].z, wh[u][v].z, wl[u][v].w, wh[u][v].w};
-                    mma16816<F16>(acc[v][j], a0, b0);
-                    mma16816<F16>(acc[v][j], a1, b1);
+                    mma16816<F16>(acc[v][j], a0, &b[0]);
+                    mma16816<F16>(acc[v][j], a1, &b[2]);
                 }
             }
         }

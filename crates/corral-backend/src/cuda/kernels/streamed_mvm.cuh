@@ -132,7 +132,7 @@ __device__ void streamed_mvm_impl(const StreamArgs& p) {
         return;
     }
     if (!GATE_UP) wait_for_previous_kernel();
-    const bool f16 = F16Operands<W>::value;
+    constexpr bool f16 = F16Operands<W>::value;
     const u32 consumers = STREAM_CONSUMERS * 32;
     const u32 spans = (K + 31) / 32;
     bool range_error = false;
@@ -157,21 +157,7 @@ __device__ void streamed_mvm_impl(const StreamArgs& p) {
 #pragma unroll
                 for (int q = 0; q < STREAM_SPANS; q++) {
                     u32 k = (warp + q * STREAM_CONSUMERS) * 32 + t * 8;
-                    float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
-                    if (xr && k < K) {
-                        const float4* v = reinterpret_cast<const float4*>(xr + k);
-                        xa = v[0];
-                        xb = v[1];
-                    }
-                    if (f16) {
-                        float m = fmaxf(fmaxf(fmaxf(fabsf(xa.x), fabsf(xa.y)), fmaxf(fabsf(xa.z), fabsf(xa.w))),
-                                        fmaxf(fmaxf(fabsf(xb.x), fabsf(xb.y)), fmaxf(fabsf(xb.z), fabsf(xb.w))));
-                        range_error |= m > 65504.f;
-                    }
-                    bf[q][0] = pack2<f16>(xa.x, xa.y);
-                    bf[q][1] = pack2<f16>(xa.z, xa.w);
-                    bf[q][2] = pack2<f16>(xb.x, xb.y);
-                    bf[q][3] = pack2<f16>(xb.z, xb.w);
+                    x_operands8<f16>(xr + k, xr && k < K, bf[q], range_error);
                 }
                 if (MODE == STREAM_DOWN) {
                     u32 sr = c0 + 2 * (lane & 3) + ((threadIdx.x >> 5) & 1);
