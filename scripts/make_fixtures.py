@@ -47,6 +47,11 @@ For the hybrids it also asserts that the pure-PyTorch Gated DeltaNet kernels ran
 incremental run (prefill of 70 tokens, then 10 single-token steps through the conv and
 recurrent state) reproduces the one-shot logits, and, for the multimodal checkpoint, that
 the text-only class (the reference) and the multimodal class give identical logits.
+The `bf16_*` fixtures repeat four hybrid layouts at a trained model's weight scale, for the
+GPU's bf16 tolerance tests: the others, built to make every fp32 error show, amplify bf16
+rounding past any bf16 tolerance (transformers' own bf16 run misses it on them), so for these
+the script asserts that bf16 operands stay well inside the tolerance and that a zeroed layer
+would not.
 The demo model gets no reference; the script checks its tokenizer and chat template.
 
 Usage, from the repository root, in a virtualenv with the pinned requirements (do NOT
@@ -54,7 +59,7 @@ install flash-linear-attention or causal_conv1d: they change the reference numer
 
     python3 -m venv ../venv-fixtures && . ../venv-fixtures/bin/activate
     pip install -r scripts/requirements-fixtures.txt
-    python scripts/make_fixtures.py [--out-dir DIR]
+    python scripts/make_fixtures.py [--out-dir DIR] [--only NAME,...]
 
 Everything runs on CPU and is seeded; rerunning rewrites the same files.
 """
@@ -62,6 +67,8 @@ Everything runs on CPU and is seeded; rerunning rewrites the same files.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -109,6 +116,16 @@ INCREMENTAL_PREFILL = 70  # incremental check: prefill this many tokens, decode 
 MAX_INCREMENTAL_REL_DIFF = 1e-5  # max |incremental - one-shot| / max |one-shot|, fp32
 A_INIT_RANGE = (0.01, 16.0)  # decay rates A = exp(A_log), spread log-evenly per layer (see build_model)
 # RoPE parameters are passed explicitly per family (theta, partial factor, MRoPE for Qwen3.5).
+# bf16 conformance fixtures (`bf16_*`): weights at a trained model's scale, so that rounding
+# to bf16 is not amplified past the tolerance it is tested at (see check_bf16_robust).
+BF16_INIT_RANGE = 0.02
+BF16_MATRIX_NOISE = 0.01
+BF16_ROUTER_SCALE = 10.0  # a trained router's decisive logits, so few routing choices are near-ties
+BF16_LM_HEAD_SCALE = 4.0  # a trained head's spread of logits, so greedy steps win clearly
+BF16_OPERANDS_MAX_REL = 5e-3  # every projection's and expert's input rounded to bf16, all positions
+BF16_OPERANDS_MAX_ROW_REL = 1e-2  # the same, the worst position (a routing near-tie flipped shows here)
+BF16_MIN_GREEDY_MARGIN = 2e-2  # top-1 minus top-2 logit at every greedy step
+BF16_MIN_ABLATION_REL = 5e-2  # zeroing any layer's token mixer or MLP moves the logits at least this much
 HYBRID_COMMON_CONFIG = dict(rms_norm_eps=1e-6, max_position_embeddings=4096)
 # One shape for the hybrid layers: 4 layers = 3 linear_attention + 1 full_attention,
 # head_dim 32 with partial_rotary_factor 0.25 (rotary dim 8), conv kernel 4.
@@ -152,6 +169,8 @@ class FixtureSpec:
     # the other top-level config fields (vision_config, image/video token ids, ...).
     multimodal: dict | None = None
     hybrid: bool = False  # Gated DeltaNet model: kernel-path and incremental-decode checks
+    matrix_noise: float = MATRIX_NOISE
+    bf16_robust: bool = False  # asserts what check_bf16_robust checks
 
 
 FIXTURES = [
@@ -288,13 +307,35 @@ FIXTURES = [
 ]
 
 
+
+
+def bf16_variant(base: str, seed: int, **config) -> FixtureSpec:
+    """The layout of fixture `base` at a trained model's weight scale, saved in bf16, for the
+    bf16 tolerance tests of the GPU (the seed picked so that check_bf16_robust passes)."""
+    spec = next(spec for spec in FIXTURES if spec.name == base)
+    return dataclasses.replace(
+        spec, name=f"bf16_{base}", config=dict(spec.config, initializer_range=BF16_INIT_RANGE, **config),
+        seed=seed, save_dtype=torch.bfloat16, max_shard_size=None, matrix_noise=BF16_MATRIX_NOISE,
+        bf16_robust=True,
+    )
+
+
+FIXTURES += [
+    bf16_variant("qwen3_5_moe_hub", seed=19),
+    bf16_variant("qwen3_5_moe_text", seed=14),
+    # Untied: at this scale a tied head repeats the input token.
+    bf16_variant("qwen3_5_dense", seed=7, tie_word_embeddings=False),
+    bf16_variant("qwen3_next", seed=27),
+]
+
+
 # --------------------------------------------------------------------------------------
 # Model construction, saving and reference computation
 # --------------------------------------------------------------------------------------
 
 
 def build_model(config_class: type, config: dict, seed: int, common_config: dict = COMMON_CONFIG,
-                multimodal: dict | None = None) -> torch.nn.Module:
+                multimodal: dict | None = None, matrix_noise: float = MATRIX_NOISE) -> torch.nn.Module:
     """Random model from a config, with every parameter perturbed (norm weights too).
 
     Hybrids: Kind-B (1+w) norms start at 0 and get NORM_NOISE, so a missing `1+` shows;
@@ -318,9 +359,17 @@ def build_model(config_class: type, config: dict, seed: int, common_config: dict
                 module.A_log.copy_(torch.linspace(math.log(A_INIT_RANGE[0]), math.log(A_INIT_RANGE[1]),
                                                   module.A_log.numel()))
         for param in model.parameters():  # tied parameters are yielded once
-            noise = NORM_NOISE if param.ndim == 1 else MATRIX_NOISE
+            noise = NORM_NOISE if param.ndim == 1 else matrix_noise
             param.add_(torch.randn_like(param) * noise)
     return model.eval()
+
+
+@torch.no_grad()
+def scale_router_and_head(model: torch.nn.Module, router_scale: float, lm_head_scale: float) -> None:
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter") or (name.endswith("mlp.gate") and isinstance(module, torch.nn.Linear)):
+            module.weight.mul_(router_scale)
+    model.lm_head.weight.mul_(lm_head_scale)
 
 
 # model_type of config.json -> the model has experts (whose implementation must be pinned).
@@ -439,7 +488,10 @@ def make_fixture(spec: FixtureSpec, out_dir: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
 
-    model = build_model(spec.config_class, spec.config, spec.seed, spec.common_config, spec.multimodal)
+    model = build_model(spec.config_class, spec.config, spec.seed, spec.common_config, spec.multimodal,
+                        spec.matrix_noise)
+    if spec.bf16_robust:
+        scale_router_and_head(model, BF16_ROUTER_SCALE, BF16_LM_HEAD_SCALE)
     n_params = sum(p.numel() for p in model.parameters())
     model.to(spec.save_dtype)
     if spec.multimodal is not None:
@@ -469,6 +521,8 @@ def make_fixture(spec: FixtureSpec, out_dir: Path) -> None:
     if spec.hybrid:
         kernels = linear_attention_kernels(reference_model)
         incremental_diff = check_incremental(reference_model, token_ids, reference["logits"])
+    if spec.bf16_robust:
+        bf16_report = check_bf16_robust(reference_model, reference)
     if spec.multimodal is not None:
         assert type(reference_model).__name__.endswith("ForCausalLM"), type(reference_model)
         check_multimodal_class(path, reference)
@@ -497,6 +551,8 @@ def make_fixture(spec: FixtureSpec, out_dir: Path) -> None:
         n_decode = spec.seq_len - INCREMENTAL_PREFILL
         print(f"   incremental (prefill {INCREMENTAL_PREFILL} + {n_decode} single-token steps) vs one-shot: "
               f"max rel diff {incremental_diff:.2e}")
+    if spec.bf16_robust:
+        print(f"   bf16: {bf16_report}")
     if spec.multimodal is not None:
         print("   multimodal class logits == text-only class logits (token_ids and prompt+continuation)")
     print_checkpoint_tensors(path)
@@ -563,6 +619,84 @@ def check_incremental(model: torch.nn.Module, token_ids: torch.Tensor, logits: t
     rel_diff = float((incremental - logits).abs().max() / logits.abs().max())
     assert rel_diff <= MAX_INCREMENTAL_REL_DIFF, f"incremental != one-shot: rel diff {rel_diff:.2e}"
     return rel_diff
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """||ours - reference|| / ||reference||, as the Rust tests measure it."""
+    return float((ours.double() - reference.double()).norm() / reference.double().norm())
+
+
+@contextmanager
+def bf16_operands(model: torch.nn.Module):
+    """Round the input of every projection, router and expert block to bf16, weights and
+    everything else as stored and in fp32: a bf16 engine's tensor-core operands with fp32
+    accumulation."""
+    def round_inputs(_module, args, kwargs):
+        def round_one(x):
+            return x.to(torch.bfloat16).to(x.dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+        return tuple(round_one(a) for a in args), {k: round_one(v) for k, v in kwargs.items()}
+
+    handles = [module.register_forward_pre_hook(round_inputs, with_kwargs=True) for module in model.modules()
+               if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith(("Experts", "Router"))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def zeroed_output(module: torch.nn.Module):
+    def zero(_module, _args, output):
+        if isinstance(output, tuple):
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output)
+
+    handle = module.register_forward_hook(zero)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def check_bf16_robust(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> str:
+    """A fixture for bf16 tolerance must not amplify bf16 rounding past that tolerance, and
+    must not be able to pass with a layer broken: asserts that transformers with bf16 operands
+    stays within BF16_OPERANDS_MAX_REL of its fp32 logits (BF16_OPERANDS_MAX_ROW_REL in every
+    row) and gives the same greedy tokens,
+    and that zeroing any layer's token mixer or MLP moves the logits by BF16_MIN_ABLATION_REL."""
+    token_ids, logits = reference["token_ids"], reference["logits"]
+    prompt, continuation = reference["greedy_prompt"], reference["greedy_continuation"]
+    with bf16_operands(model):
+        rounded = model(input_ids=token_ids[None]).logits[0].float()
+        operands_err = relative_error(rounded, logits)
+        operands_row_err = max(relative_error(row, reference_row) for row, reference_row in zip(rounded, logits))
+        generated = model.generate(
+            input_ids=prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=False,
+            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
+        )[0, len(prompt):]
+    assert operands_err <= BF16_OPERANDS_MAX_REL, f"bf16 operands move the logits by {operands_err:.2e}"
+    assert operands_row_err <= BF16_OPERANDS_MAX_ROW_REL, f"bf16 operands move a row by {operands_row_err:.2e}"
+    margin = float(reference["_margin"])
+    assert margin >= BF16_MIN_GREEDY_MARGIN, f"greedy margin {margin:.2e} too small for bf16; change seed"
+    distinct = len(set(continuation.tolist()))
+    assert distinct >= NEW_TOKENS // 2, f"greedy continuation of {distinct} distinct tokens; change seed"
+    assert torch.equal(generated, continuation), "bf16 operands change the greedy continuation"
+
+    ablations = []
+    for layer in model.get_decoder().layers:
+        mixer = layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
+        for part in (mixer, layer.mlp):
+            with zeroed_output(part):
+                ablations.append(relative_error(model(input_ids=token_ids[None]).logits[0].float(), logits))
+    assert min(ablations) >= BF16_MIN_ABLATION_REL, f"a zeroed layer part moves the logits only {min(ablations):.2e}"
+
+    whole = copy.deepcopy(model).to(torch.bfloat16)
+    whole_err = relative_error(whole(input_ids=token_ids[None]).logits[0].float(), logits)
+    return (f"bf16 operands {operands_err:.2e} relative, worst row {operands_row_err:.2e}, same greedy tokens; "
+            f"the whole model in bf16 "
+            f"{whole_err:.2e}; a zeroed token mixer or MLP moves the logits {min(ablations):.2f}-{max(ablations):.2f}")
 
 
 @contextmanager
@@ -859,7 +993,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path("."),
                         help="root under which tests/fixtures/ and models/ are written (default: .)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated fixture names: make only these (and not the demo model)")
     args = parser.parse_args()
+    only = {name for name in args.only.split(",") if name}
+    unknown = only - {spec.name for spec in FIXTURES}
+    if unknown:
+        raise SystemExit(f"unknown fixture(s): {', '.join(sorted(unknown))}")
 
     if transformers.__version__ != EXPECTED_TRANSFORMERS:
         raise SystemExit(f"transformers {EXPECTED_TRANSFORMERS} required, found {transformers.__version__}")
@@ -870,8 +1010,10 @@ def main() -> None:
     transformers.logging.disable_progress_bar()
     torch.set_num_threads(1)  # reproducible CPU reductions
     for spec in FIXTURES:
-        make_fixture(spec, args.out_dir)
-    make_demo_model(args.out_dir)
+        if not only or spec.name in only:
+            make_fixture(spec, args.out_dir)
+    if not only:
+        make_demo_model(args.out_dir)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-//! Conformance of the CUDA backend: every Qwen3 / Qwen3-MoE fixture within bf16 tolerance of
-//! transformers' fp32 logits at chunk 1, 7 and whole under every MoE strategy, identical
-//! 16-token greedy continuations, strategies agreeing with each other and the GPU agreeing
-//! with the CPU; the hybrid fixtures (Gated DeltaNet + gated attention) on the f32 decode
-//! paths. Without a usable GPU each test says why it skipped and passes.
+//! Conformance of the CUDA backend: every Qwen3 / Qwen3-MoE fixture, and the hybrid (Gated
+//! DeltaNet + gated attention) fixtures made for bf16, within bf16 tolerance of transformers'
+//! fp32 logits at chunk 1, 7 (64 for the hybrids) and whole under every MoE strategy,
+//! identical 16-token greedy continuations, strategies agreeing with each other and the GPU
+//! agreeing with the CPU; the other hybrid fixtures on the f32 decode paths. Without a usable
+//! GPU each test says why it skipped and passes.
 //!
 //! Two KV cache types: with an f32 cache every error is the kernels' (bf16 tensor-core
 //! operands): ≤ 2e-2 over all positions and in the worst row. With the default bf16 cache
@@ -103,31 +104,81 @@ fn gpu_long_context_logits_match_transformers() {
 }
 
 fn check_logits(kv_dtype: DType, all_positions: f64, worst_row: f64) {
+    check_fixture_logits(FIXTURES, &[1, 7], kv_dtype, all_positions, worst_row);
+}
+
+/// Every strategy at each of `chunks` and whole: each case printed, then every case out of
+/// bounds named in one failure.
+fn check_fixture_logits(
+    fixtures: &[&str],
+    chunks: &[usize],
+    kv_dtype: DType,
+    all_positions: f64,
+    worst_row: f64,
+) {
     let Some(backend) = gpu(kv_dtype) else { return };
-    for name in FIXTURES {
+    let mut failures = Vec::new();
+    for name in fixtures {
         let mut model = load_on(name, Arc::clone(&backend));
         let reference = read_reference(&fixture_dir(name));
         let vocab = model.config().vocab_size;
         for strategy in STRATEGIES {
             model.set_moe_strategy(strategy);
-            for chunk in [1, 7, reference.token_ids.len()] {
+            for &chunk in chunks.iter().chain([&reference.token_ids.len()]) {
                 let ours = logits_chunked(&model, &reference.token_ids, chunk);
                 let err = rel_err(&ours, &reference.logits);
                 let worst = worst_row_rel_err(&ours, &reference.logits, vocab);
-                eprintln!(
+                let case = format!(
                     "{kv_dtype} KV: {name} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e}"
                 );
-                assert!(
-                    err <= all_positions,
-                    "{name} {strategy} chunk {chunk}: {err:e}"
-                );
-                assert!(
-                    worst <= worst_row,
-                    "{name} {strategy} chunk {chunk}: row {worst:e}"
-                );
+                eprintln!("{case}");
+                if err > all_positions || worst > worst_row {
+                    failures.push(case);
+                }
             }
         }
     }
+    assert!(
+        failures.is_empty(),
+        "beyond {all_positions:e} (all positions) or {worst_row:e} (worst row):\n{}",
+        failures.join("\n")
+    );
+}
+
+/// Hybrid fixtures at a trained model's weight scale (scripts/make_fixtures.py `bf16_*`),
+/// on which bf16 operands move transformers' own logits by 2.4e-3 to 3.3e-3 (every row within
+/// 4.5e-3).
+const BF16_HYBRID_FIXTURES: &[&str] = &[
+    "bf16_qwen3_5_moe_hub",
+    "bf16_qwen3_5_moe_text",
+    "bf16_qwen3_5_dense",
+    "bf16_qwen3_next",
+];
+
+/// Every hybrid op on its bf16 paths (grouped experts, few-row and prefill projections, the
+/// chunked delta rule on tensor cores from chunk 64) within bf16 tolerance, all positions
+/// and the worst row.
+#[test]
+fn gpu_bf16_hybrids_match_transformers_with_an_f32_kv_cache() {
+    check_fixture_logits(
+        BF16_HYBRID_FIXTURES,
+        &[1, 7, 64],
+        DType::F32,
+        TOLERANCE,
+        TOLERANCE,
+    );
+}
+
+/// As above with K and V rounded to bf16 in the cache; the worst row's bound as for Qwen3.
+#[test]
+fn gpu_bf16_hybrids_match_transformers_with_the_bf16_kv_cache() {
+    check_fixture_logits(
+        BF16_HYBRID_FIXTURES,
+        &[1, 7, 64],
+        DType::BF16,
+        TOLERANCE,
+        1e-1,
+    );
 }
 
 #[test]
@@ -135,7 +186,7 @@ fn gpu_greedy_continuations_match_transformers() {
     let Some(backend) = gpu(DType::F32) else {
         return;
     };
-    for name in FIXTURES {
+    for name in FIXTURES.iter().chain(BF16_HYBRID_FIXTURES) {
         let mut model = load_on(name, Arc::clone(&backend));
         let reference = read_reference(&fixture_dir(name));
         for strategy in STRATEGIES {
@@ -164,9 +215,9 @@ const HYBRID_FIXTURES: &[&str] = &[
 /// The hybrid layers' kernels (conv, gates, delta rule, gated attention, zero-centred norms)
 /// on the f32 paths: decode steps (chunk 1) under per-token and per-expert, whose one-row
 /// projections run in f32, against transformers; greedy continuations under both. Every
-/// other strategy and chunk is printed, not asserted: these fixtures are sensitive enough
-/// that rounding activations to bf16 (grouped experts, chunks of 2+ rows) exceeds the bound
-/// (up to 8e-2 measured), which the GPU hybrid issue has yet to close.
+/// other strategy and chunk is printed, not asserted: these fixtures, built so that every
+/// fp32 error shows, amplify bf16 rounding past the bound (up to 9.7e-2 here; transformers'
+/// own bf16 run misses it on them by 2–15×). `gpu_bf16_hybrids_*` assert the bf16 paths.
 #[test]
 fn gpu_hybrid_decode_matches_transformers_on_the_f32_paths() {
     let Some(backend) = gpu(DType::F32) else {

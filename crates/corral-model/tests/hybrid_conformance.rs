@@ -1,5 +1,6 @@
 //! Conformance of the hybrid families (Qwen3.5 MoE in the Hub multimodal and text-only
-//! layouts, Qwen3.5 dense, Qwen3-Next) against transformers' fp32 logits: chunk sizes 1, 7,
+//! layouts, Qwen3.5 dense, Qwen3-Next; each also at a trained model's weight scale, the
+//! `bf16_*` fixtures the GPU's bf16 tests use) against transformers' fp32 logits: chunk sizes 1, 7,
 //! 64 and whole (crossing the 64-token chunk and starting with prefixes shorter than the conv
 //! kernel), every MoE strategy, and transformers' greedy continuation.
 
@@ -17,6 +18,10 @@ const FIXTURES: &[&str] = &[
     "qwen3_5_moe_text",
     "qwen3_5_dense",
     "qwen3_next",
+    "bf16_qwen3_5_moe_hub",
+    "bf16_qwen3_5_moe_text",
+    "bf16_qwen3_5_dense",
+    "bf16_qwen3_next",
 ];
 
 #[test]
