@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use corral_engine::{Tokenizer, TokenizerConfig, stop_token_ids};
 use corral_model::checkpoint::GgufCheckpoint;
+use corral_model::checkpoint::gguf_file::parse_header;
+use proptest::prelude::*;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -64,4 +66,47 @@ fn a_gguf_vocabulary_tokenizes_and_decodes_as_its_tokenizer_json() {
     from_file.sort_unstable();
     assert_eq!(from_file, from_dir);
     assert!(from_dir.len() > 1, "{from_dir:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// Fuzzing the vocabulary a GGUF header carries (tokens, types, merges, special ids, the
+    /// chat template): bytes of a real header changed, what parses builds a tokenizer or an
+    /// error, never a panic, and a tokenizer that builds encodes and decodes.
+    #[test]
+    fn mutated_vocabularies_build_or_are_refused(
+        edits in prop::collection::vec(
+            (
+                any::<prop::sample::Index>(),
+                // Printable bytes half the time, so that edited strings often stay UTF-8.
+                prop_oneof![any::<u8>(), 0x20u8..0x7f],
+                // Half the edits inside a string's text (the next printable byte): a changed
+                // length or count mostly stops the header parse before the vocabulary.
+                any::<bool>(),
+            ),
+            1..5,
+        ),
+    ) {
+        let path = repo().join("tests/fixtures/gguf/tiny-qwen3-moe.gguf");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let header_len = parse_header(&bytes).unwrap().data_offset;
+        for (at, value, in_text) in edits {
+            let mut at = at.index(header_len);
+            while in_text && at + 1 < header_len && !bytes[at].is_ascii_graphic() {
+                at += 1;
+            }
+            bytes[at] = value;
+        }
+        let Ok(header) = parse_header(&bytes) else {
+            return Ok(());
+        };
+        let _ = TokenizerConfig::from_gguf(&header);
+        if let Ok(tokenizer) = Tokenizer::from_gguf(&header, &path)
+            && let Ok(ids) = tokenizer.encode("<|im_start|>user\nnaïve café, 12345 🦀<|im_end|>")
+        {
+            let _ = tokenizer.decode(&ids);
+            let _ = tokenizer.decode_with(&ids, true);
+        }
+    }
 }

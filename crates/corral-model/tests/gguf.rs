@@ -550,3 +550,247 @@ proptest! {
         }
     }
 }
+
+/// A small MoE model file (Q4_0 experts) for fuzzing the whole load.
+const MODEL_FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/fixtures/gguf/qwen3_moe_sharded.q4_0.gguf"
+);
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// Fuzzing the whole load of a real model file: bytes of its header (metadata values and
+    /// types, tensor shapes, types and offsets) or of its data changed, or a word of the
+    /// header overwritten with a value parsers trip on (a small type tag, 0, 2³¹, all ones),
+    /// the file cut anywhere. Loading returns (never panics); a model that loads runs a
+    /// forward pass.
+    #[test]
+    fn mutated_model_files_load_or_are_refused(
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), any::<bool>()), 0..6),
+        words in prop::collection::vec(
+            (
+                any::<prop::sample::Index>(),
+                prop_oneof![0u64..14, Just(0x8000_0000), Just(u64::MAX), any::<u64>()],
+                prop_oneof![Just(4usize), Just(8)],
+            ),
+            0..3,
+        ),
+        cut in prop::option::weighted(0.2, any::<prop::sample::Index>()),
+    ) {
+        let mut bytes = std::fs::read(MODEL_FIXTURE).expect("the GGUF model fixture");
+        let header_len = parse_header(&bytes).expect("the fixture parses").data_offset;
+        for (at, value, in_header) in edits {
+            let at = if in_header { at.index(header_len) } else { at.index(bytes.len()) };
+            bytes[at] = value;
+        }
+        for (at, value, width) in words {
+            let at = at.index(header_len - width);
+            bytes[at..at + width].copy_from_slice(&value.to_le_bytes()[..width]);
+        }
+        if let Some(cut) = cut {
+            let len = cut.index(bytes.len());
+            bytes.truncate(len);
+        }
+        let dir = std::env::temp_dir().join(format!("corral-gguf-fuzz-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mutated.gguf");
+        std::fs::write(&path, &bytes).unwrap();
+        if let Ok(model) = Model::load_gguf(&path, Arc::new(CpuBackend::new()), &mut |_, _| {}) {
+            let _ = logits_chunked(&model, &[1, 2, 3], 3);
+        }
+    }
+}
+
+/// `value`'s GGUF type id and bytes.
+fn encode_value(value: &GgufValue) -> (u32, Vec<u8>) {
+    match value {
+        GgufValue::U8(v) => (0, v.to_le_bytes().to_vec()),
+        GgufValue::I8(v) => (1, v.to_le_bytes().to_vec()),
+        GgufValue::U16(v) => (2, v.to_le_bytes().to_vec()),
+        GgufValue::I16(v) => (3, v.to_le_bytes().to_vec()),
+        GgufValue::U32(v) => (4, v.to_le_bytes().to_vec()),
+        GgufValue::I32(v) => (5, v.to_le_bytes().to_vec()),
+        GgufValue::F32(v) => (6, v.to_le_bytes().to_vec()),
+        GgufValue::Bool(v) => (7, vec![u8::from(*v)]),
+        GgufValue::String(v) => (8, string(v)),
+        GgufValue::Array(items) => {
+            let item_type = items.first().map_or(4, |v| encode_value(v).0);
+            let mut b = item_type.to_le_bytes().to_vec();
+            b.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            for item in items {
+                let (ty, bytes) = encode_value(item);
+                // A mixed array cannot be written: its odd items as the first's type.
+                b.extend_from_slice(if ty == item_type { &bytes } else { &[] });
+            }
+            (9, b)
+        }
+        GgufValue::U64(v) => (10, v.to_le_bytes().to_vec()),
+        GgufValue::I64(v) => (11, v.to_le_bytes().to_vec()),
+        GgufValue::F64(v) => (12, v.to_le_bytes().to_vec()),
+    }
+}
+
+/// The model fixture as a [`Builder`]: its header's fields and its data, to be changed field
+/// by field.
+fn model_builder() -> Builder {
+    let bytes = std::fs::read(MODEL_FIXTURE).expect("the GGUF model fixture");
+    let header = parse_header(&bytes).expect("the fixture parses");
+    assert_eq!(header.alignment, 32, "Builder aligns to 32");
+    let type_id = |t| {
+        (0..64)
+            .find(|&id| GgmlType::from_id(id) == Some(t))
+            .unwrap()
+    };
+    Builder {
+        magic: *b"GGUF",
+        version: header.version,
+        kvs: header
+            .metadata
+            .iter()
+            .map(|(k, v)| {
+                let (ty, b) = encode_value(v);
+                (k.clone(), ty, b)
+            })
+            .collect(),
+        tensors: header
+            .tensors
+            .iter()
+            .map(|t| {
+                let offset = (t.byte_offset - header.data_offset) as u64;
+                (t.name.clone(), t.dims.clone(), type_id(t.ggml_type), offset)
+            })
+            .collect(),
+        data: bytes[header.data_offset..].to_vec(),
+        tensor_count: None,
+    }
+}
+
+#[test]
+fn the_model_fixture_rebuilt_from_its_fields_is_the_same_file() {
+    let bytes = std::fs::read(MODEL_FIXTURE).unwrap();
+    assert_eq!(model_builder().bytes(), bytes);
+}
+
+/// A value a parser or a config reader may trip on.
+fn odd_value() -> impl Strategy<Value = GgufValue> {
+    prop_oneof![
+        prop_oneof![Just(0u32), Just(1), Just(3), Just(u32::MAX), any::<u32>()]
+            .prop_map(GgufValue::U32),
+        prop_oneof![Just(0u64), Just(1 << 40), Just(u64::MAX)].prop_map(GgufValue::U64),
+        prop_oneof![Just(-1i32), Just(i32::MIN)].prop_map(GgufValue::I32),
+        prop_oneof![
+            Just(f32::NAN),
+            Just(-1.0f32),
+            Just(0.0),
+            Just(f32::INFINITY),
+            Just(1e30)
+        ]
+        .prop_map(GgufValue::F32),
+        Just(GgufValue::Bool(true)),
+        Just(GgufValue::String(String::new())),
+        Just(GgufValue::Array(vec![])),
+        Just(GgufValue::Array(vec![GgufValue::U32(7); 3])),
+    ]
+}
+
+/// One change to a header's fields.
+#[derive(Clone, Debug)]
+enum FieldEdit {
+    /// Metadata entry `0` gets a value.
+    Value(prop::sample::Index, GgufValue),
+    /// Metadata entry `0` is dropped.
+    DropKey(prop::sample::Index),
+    /// Dimension `1` of tensor `0` becomes `2` (or the dimension is dropped, for `None`).
+    Dim(prop::sample::Index, prop::sample::Index, Option<u64>),
+    /// Tensor `0` gets type id `1`.
+    Type(prop::sample::Index, u32),
+    /// Tensor `0`'s data offset becomes `1`.
+    Offset(prop::sample::Index, u64),
+    /// Tensor `0` is dropped.
+    DropTensor(prop::sample::Index),
+    /// Tensor `0` takes tensor `1`'s name.
+    Rename(prop::sample::Index, prop::sample::Index),
+}
+
+fn field_edit() -> impl Strategy<Value = FieldEdit> {
+    use prop::sample::Index;
+    let size = prop_oneof![
+        Just(0u64),
+        Just(1),
+        Just(31),
+        Just(1 << 33),
+        Just(u64::MAX / 2),
+        1u64..600
+    ];
+    prop_oneof![
+        4 => (any::<Index>(), odd_value()).prop_map(|(i, v)| FieldEdit::Value(i, v)),
+        1 => any::<Index>().prop_map(FieldEdit::DropKey),
+        3 => (any::<Index>(), any::<Index>(), prop::option::weighted(0.9, size)).prop_map(|(t, d, v)| FieldEdit::Dim(t, d, v)),
+        2 => (any::<Index>(), prop_oneof![0u32..32, Just(u32::MAX)]).prop_map(|(t, ty)| FieldEdit::Type(t, ty)),
+        2 => (any::<Index>(), prop_oneof![Just(0u64), Just(32), Just(u64::MAX), 0u64..300_000]).prop_map(|(t, o)| FieldEdit::Offset(t, o)),
+        1 => any::<Index>().prop_map(FieldEdit::DropTensor),
+        1 => (any::<Index>(), any::<Index>()).prop_map(|(a, b)| FieldEdit::Rename(a, b)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// Fuzzing the whole load field by field: a real model file rewritten with its metadata
+    /// values retyped or dropped, tensor shapes, types and offsets changed, tensors dropped or
+    /// named twice. Loading returns (never panics); a model that loads runs a forward pass.
+    #[test]
+    fn model_files_with_changed_fields_load_or_are_refused(
+        edits in prop::collection::vec(field_edit(), 1..4),
+    ) {
+        let mut b = model_builder();
+        for edit in edits {
+            match edit {
+                FieldEdit::Value(i, v) => {
+                    let (ty, bytes) = encode_value(&v);
+                    let at = i.index(b.kvs.len());
+                    (b.kvs[at].1, b.kvs[at].2) = (ty, bytes);
+                }
+                FieldEdit::DropKey(i) if !b.kvs.is_empty() => {
+                    b.kvs.remove(i.index(b.kvs.len()));
+                }
+                FieldEdit::Dim(t, d, v) if !b.tensors.is_empty() => {
+                    let at = t.index(b.tensors.len());
+                    let dims = &mut b.tensors[at].1;
+                    if !dims.is_empty() {
+                        let d = d.index(dims.len());
+                        match v {
+                            Some(v) => dims[d] = v,
+                            None => { dims.remove(d); }
+                        }
+                    }
+                }
+                FieldEdit::Type(t, ty) if !b.tensors.is_empty() => {
+                    let at = t.index(b.tensors.len());
+                    b.tensors[at].2 = ty;
+                }
+                FieldEdit::Offset(t, o) if !b.tensors.is_empty() => {
+                    let at = t.index(b.tensors.len());
+                    b.tensors[at].3 = o;
+                }
+                FieldEdit::DropTensor(t) if !b.tensors.is_empty() => {
+                    b.tensors.remove(t.index(b.tensors.len()));
+                }
+                FieldEdit::Rename(a, c) if !b.tensors.is_empty() => {
+                    let name = b.tensors[c.index(b.tensors.len())].0.clone();
+                    let at = a.index(b.tensors.len());
+                    b.tensors[at].0 = name;
+                }
+                _ => {}
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("corral-gguf-fields-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("changed.gguf");
+        std::fs::write(&path, b.bytes()).unwrap();
+        if let Ok(model) = Model::load_gguf(&path, Arc::new(CpuBackend::new()), &mut |_, _| {}) {
+            let _ = logits_chunked(&model, &[1, 2, 3], 3);
+        }
+    }
+}
