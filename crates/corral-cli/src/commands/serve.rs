@@ -105,21 +105,41 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
     }
 }
 
-/// `123`, `64K`, `512M`, `8G` (binary multiples).
+/// A byte count: `1073741824`, or a number with a unit `K`, `M`, `G` or `T`, each binary and
+/// each also spelled with `iB` or `B` (`512M`, `96GiB`, `96GB`, `1.5G`; case ignored).
 pub(crate) fn parse_bytes(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 10),
-        Some('M') => (&s[..s.len() - 1], 20),
-        Some('G') => (&s[..s.len() - 1], 30),
-        _ => (s, 0),
+    let text = s.trim();
+    let lower = text.to_ascii_lowercase();
+    let without_b = lower
+        .strip_suffix("ib")
+        .or_else(|| lower.strip_suffix('b'))
+        .unwrap_or(&lower);
+    let (number, shift) = match without_b.chars().last() {
+        Some('k') => (&without_b[..without_b.len() - 1], 10),
+        Some('m') => (&without_b[..without_b.len() - 1], 20),
+        Some('g') => (&without_b[..without_b.len() - 1], 30),
+        Some('t') => (&without_b[..without_b.len() - 1], 40),
+        // A bare `b` after digits is bytes; `ib` alone is no unit.
+        _ if lower.ends_with("ib") => (lower.as_str(), 0),
+        _ => (without_b, 0),
     };
-    let n: usize = digits
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{s}` is not a byte count like 1073741824, 512M or 8G"))?;
-    n.checked_mul(1 << shift)
-        .ok_or_else(|| format!("`{s}` is too large"))
+    let bad = || format!("`{text}` is not a byte count like 1073741824, 512M, 8G or 96GiB");
+    let number = number.trim();
+    if let Ok(n) = number.parse::<usize>() {
+        return n
+            .checked_mul(1 << shift)
+            .ok_or_else(|| format!("`{text}` is too large"));
+    }
+    let x: f64 = number.parse().map_err(|_| bad())?;
+    let bytes = x * (1u64 << shift) as f64;
+    // A fraction needs a unit: there are no fractional bytes.
+    if !(x.is_finite() && x >= 0.0 && number.contains('.') && shift > 0) {
+        return Err(bad());
+    }
+    if bytes >= usize::MAX as f64 {
+        return Err(format!("`{text}` is too large"));
+    }
+    Ok(bytes.round() as usize)
 }
 
 pub(crate) fn run(args: ServeArgs) -> Result<()> {
@@ -385,6 +405,28 @@ mod tests {
         assert_eq!(parse_bytes("2K"), Ok(2048));
         assert_eq!(parse_bytes("512m"), Ok(512 << 20));
         assert_eq!(parse_bytes("8G"), Ok(8 << 30));
-        assert!(parse_bytes("lots").is_err());
+        assert_eq!(parse_bytes("96GiB"), Ok(96 << 30));
+        assert_eq!(parse_bytes("96gb"), Ok(96 << 30));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1T"), Ok(1 << 40));
+        assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_bytes("100B"), Ok(100));
+        assert_eq!(parse_bytes(" 2 K "), Ok(2048));
+        for bad in [
+            "lots",
+            "",
+            "G",
+            "GiB",
+            "iB",
+            "-1G",
+            "1e3G",
+            "NaNG",
+            "inf",
+            "8X",
+            "1.5",
+            "99999999999999999999T",
+        ] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?} parsed");
+        }
     }
 }
