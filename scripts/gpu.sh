@@ -7,10 +7,11 @@
 #   scripts/gpu.sh remote    on the GPU machine, from the repository root with .gpu/ beside
 #                            it: runs the GPU tests, then the benchmarks, writing logs and JSON
 #                            to $OUT (default: .gpu/out). STAGES picks parts: tests,run,prefill,
-#                            prefill-recurrent,decode,decode-serial,serve (default: all but
+#                            prefill-recurrent,decode,decode-serial,serve,serve-long (default: all but
 #                            prefill-recurrent, which repeats prefill with
 #                            CORRAL_RECURRENT_DELTA_RULE=1, and decode-serial, which repeats
-#                            decode with CORRAL_SERIAL_LAUNCHES=1); TEST_LOGS puts the
+#                            decode with CORRAL_SERIAL_LAUNCHES=1, and serve-long: served
+#                            long prompts under MEMORY, LONG_PROMPT and PER_PROMPT); TEST_LOGS puts the
 #                            test logs elsewhere; MODEL picks the synthetic config; the serve
 #                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
 #                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS.
@@ -99,10 +100,10 @@ remote() {
       --port 18181 --max-batch "${MAX_BATCH:-32}" --kv-memory 16G \
       > "$out/serve.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 1 240); do
-      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:18181/health', timeout=2)" 2>/dev/null && break
-      sleep 1
-    done
+    if ! serving "$pid"; then
+      echo "the server did not start:"; tail -5 "$out/serve.log"
+      return 0
+    fi
     timeout 300 $corral bench serve --url http://127.0.0.1:18181 \
       --concurrency "${SERVE_CONCURRENCY:-1,8,32}" --requests "${SERVE_REQUESTS:-64}" \
       --max-tokens "${SERVE_MAX_TOKENS:-64}" ${PROMPT_TOKENS:+--prompt-tokens "$PROMPT_TOKENS"} \
@@ -110,6 +111,39 @@ remote() {
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   fi
+  if has serve-long; then
+    # C=1 with one prompt of LONG_PROMPT tokens, then C=8 with prompts of PER_PROMPT tokens,
+    # under an explicit budget; GPU memory in use after each.
+    echo "== serve under --memory ${MEMORY:-96GiB}: C=1 at ${LONG_PROMPT:-131000} tokens, C=8 at ${PER_PROMPT:-32000}"
+    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device cuda \
+      --port 18181 --max-batch 8 --memory "${MEMORY:-96GiB}" > "$out/serve-long.log" 2>&1 &
+    local pid=$!
+    if ! serving "$pid"; then
+      echo "the server did not start:"; tail -5 "$out/serve-long.log"
+      return 0
+    fi
+    grep -E "memory budget|KV .* tokens" "$out/serve-long.log" | cut -c1-400
+    used() { echo "GPU memory in use $1: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; }
+    used "after start"
+    for level in "1 ${LONG_PROMPT:-131000} c1" "8 ${PER_PROMPT:-32000} c8"; do
+      set -- $level
+      timeout 300 $corral bench serve --url http://127.0.0.1:18181 --concurrency "$1" --requests "$1" \
+        --max-tokens 16 --prompt-tokens "$2" --json "$out/serve-long-$3.json" 2>&1 | tee "$out/serve-long-$3.txt" || true
+      used "after C=$1"
+    done
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  fi
+}
+
+# Waits until the server of pid $1 answers /health (true), or has exited or taken 240 s (false).
+serving() {
+  for _ in $(seq 1 240); do
+    kill -0 "$1" 2>/dev/null || return 1
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:18181/health', timeout=2)" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
 }
 
 case "${1:-}" in
