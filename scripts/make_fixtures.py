@@ -50,8 +50,8 @@ the text-only class (the reference) and the multimodal class give identical logi
 The `bf16_*` fixtures repeat four hybrid layouts at a trained model's weight scale, for the
 GPU's bf16 tolerance tests: the others, built to make every fp32 error show, amplify bf16
 rounding past any bf16 tolerance (transformers' own bf16 run misses it on them), so for these
-the script asserts that bf16 operands stay well inside the tolerance and that a zeroed layer
-would not.
+the script asserts that bf16 operands and noise inside the kernels stay well inside the
+tolerance and that a zeroed layer would not.
 The demo model gets no reference; the script checks its tokenizer and chat template.
 
 Usage, from the repository root, in a virtualenv with the pinned requirements (do NOT
@@ -122,7 +122,7 @@ BF16_INIT_RANGE = 0.02
 BF16_MATRIX_NOISE = 0.01
 BF16_ROUTER_SCALE = 10.0  # a trained router's decisive logits, so few routing choices are near-ties
 BF16_LM_HEAD_SCALE = 4.0  # a trained head's spread of logits, so greedy steps win clearly
-BF16_OPERANDS_MAX_REL = 5e-3  # every projection's and expert's input rounded to bf16, all positions
+BF16_OPERANDS_MAX_REL = 5e-3  # projection, router and expert inputs in bf16 (and kernel noise), all positions
 BF16_OPERANDS_MAX_ROW_REL = 1e-2  # the same, the worst position (a routing near-tie flipped shows here)
 BF16_KERNEL_NOISE = 2.0**-8  # relative noise on what a bf16 engine rounds inside its kernels
 BF16_NOISE_DRAWS = 3
