@@ -3,6 +3,7 @@
 //! by scripts/make_gguf_fixtures.py as llama.cpp's converter writes GGUF).
 
 use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
 
 use corral_engine::{Tokenizer, TokenizerConfig, stop_token_ids};
 use corral_model::checkpoint::GgufCheckpoint;
@@ -68,6 +69,14 @@ fn a_gguf_vocabulary_tokenizes_and_decodes_as_its_tokenizer_json() {
     assert!(from_dir.len() > 1, "{from_dir:?}");
 }
 
+/// `tiny-qwen3-moe.gguf`'s bytes and its header's length, read once for every fuzz case.
+static VOCAB_FILE: LazyLock<(PathBuf, Vec<u8>, usize)> = LazyLock::new(|| {
+    let path = repo().join("tests/fixtures/gguf/tiny-qwen3-moe.gguf");
+    let bytes = std::fs::read(&path).unwrap();
+    let header_len = parse_header(&bytes).unwrap().data_offset;
+    (path, bytes, header_len)
+});
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
@@ -88,9 +97,8 @@ proptest! {
             1..5,
         ),
     ) {
-        let path = repo().join("tests/fixtures/gguf/tiny-qwen3-moe.gguf");
-        let mut bytes = std::fs::read(&path).unwrap();
-        let header_len = parse_header(&bytes).unwrap().data_offset;
+        let (path, original, header_len) = &*VOCAB_FILE;
+        let (mut bytes, header_len) = (original.clone(), *header_len);
         for (at, value, in_text) in edits {
             let mut at = at.index(header_len);
             while in_text && at + 1 < header_len && !bytes[at].is_ascii_graphic() {
@@ -102,7 +110,7 @@ proptest! {
             return Ok(());
         };
         let _ = TokenizerConfig::from_gguf(&header);
-        if let Ok(tokenizer) = Tokenizer::from_gguf(&header, &path)
+        if let Ok(tokenizer) = Tokenizer::from_gguf(&header, path)
             && let Ok(ids) = tokenizer.encode("<|im_start|>user\nnaïve café, 12345 🦀<|im_end|>")
         {
             let _ = tokenizer.decode(&ids);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use common::{
     fixture_dir, greedy, load, logits_chunked, read_reference, read_reference_file, rel_err,
@@ -557,6 +557,27 @@ const MODEL_FIXTURE: &str = concat!(
     "/../../tests/fixtures/gguf/qwen3_moe_sharded.q4_0.gguf"
 );
 
+/// The model fixture's bytes and its header's length, read once for every fuzz case.
+static MODEL_FILE: LazyLock<(Vec<u8>, usize)> = LazyLock::new(|| {
+    let bytes = std::fs::read(MODEL_FIXTURE).expect("the GGUF model fixture");
+    let header_len = parse_header(&bytes)
+        .expect("the fixture parses")
+        .data_offset;
+    (bytes, header_len)
+});
+
+/// Loads `bytes` as a GGUF model (through a file of this test process's own, `name`); a model
+/// that loads runs a forward pass. Whatever the bytes, neither panics.
+fn load_and_run(bytes: &[u8], name: &str) {
+    let dir = std::env::temp_dir().join(format!("corral-gguf-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    if let Ok(model) = Model::load_gguf(&path, Arc::new(CpuBackend::new()), &mut |_, _| {}) {
+        let _ = logits_chunked(&model, &[1, 2, 3], 3);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
@@ -578,8 +599,8 @@ proptest! {
         ),
         cut in prop::option::weighted(0.2, any::<prop::sample::Index>()),
     ) {
-        let mut bytes = std::fs::read(MODEL_FIXTURE).expect("the GGUF model fixture");
-        let header_len = parse_header(&bytes).expect("the fixture parses").data_offset;
+        let (original, header_len) = &*MODEL_FILE;
+        let (mut bytes, header_len) = (original.clone(), *header_len);
         for (at, value, in_header) in edits {
             let at = if in_header { at.index(header_len) } else { at.index(bytes.len()) };
             bytes[at] = value;
@@ -592,13 +613,7 @@ proptest! {
             let len = cut.index(bytes.len());
             bytes.truncate(len);
         }
-        let dir = std::env::temp_dir().join(format!("corral-gguf-fuzz-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("mutated.gguf");
-        std::fs::write(&path, &bytes).unwrap();
-        if let Ok(model) = Model::load_gguf(&path, Arc::new(CpuBackend::new()), &mut |_, _| {}) {
-            let _ = logits_chunked(&model, &[1, 2, 3], 3);
-        }
+        load_and_run(&bytes, "mutated");
     }
 }
 
@@ -632,10 +647,12 @@ fn encode_value(value: &GgufValue) -> (u32, Vec<u8>) {
 }
 
 /// The model fixture as a [`Builder`]: its header's fields and its data, to be changed field
-/// by field.
+/// by field (made once; each case clones it).
+static MODEL_BUILDER: LazyLock<Builder> = LazyLock::new(model_builder);
+
 fn model_builder() -> Builder {
-    let bytes = std::fs::read(MODEL_FIXTURE).expect("the GGUF model fixture");
-    let header = parse_header(&bytes).expect("the fixture parses");
+    let bytes = &MODEL_FILE.0;
+    let header = parse_header(bytes).expect("the fixture parses");
     assert_eq!(header.alignment, 32, "Builder aligns to 32");
     let type_id = |t| {
         (0..64)
@@ -669,7 +686,7 @@ fn model_builder() -> Builder {
 #[test]
 fn the_model_fixture_rebuilt_from_its_fields_is_the_same_file() {
     let bytes = std::fs::read(MODEL_FIXTURE).unwrap();
-    assert_eq!(model_builder().bytes(), bytes);
+    assert_eq!(MODEL_BUILDER.bytes(), bytes);
 }
 
 /// A value a parser or a config reader may trip on.
@@ -744,7 +761,7 @@ proptest! {
     fn model_files_with_changed_fields_load_or_are_refused(
         edits in prop::collection::vec(field_edit(), 1..4),
     ) {
-        let mut b = model_builder();
+        let mut b = MODEL_BUILDER.clone();
         for edit in edits {
             match edit {
                 FieldEdit::Value(i, v) => {
@@ -785,12 +802,6 @@ proptest! {
                 _ => {}
             }
         }
-        let dir = std::env::temp_dir().join(format!("corral-gguf-fields-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("changed.gguf");
-        std::fs::write(&path, b.bytes()).unwrap();
-        if let Ok(model) = Model::load_gguf(&path, Arc::new(CpuBackend::new()), &mut |_, _| {}) {
-            let _ = logits_chunked(&model, &[1, 2, 3], 3);
-        }
+        load_and_run(&b.bytes(), "fields");
     }
 }

@@ -109,35 +109,33 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 /// each also spelled with `iB` or `B` (`512M`, `96GiB`, `96GB`, `1.5G`; case ignored).
 pub(crate) fn parse_bytes(s: &str) -> Result<usize, String> {
     let text = s.trim();
-    let lower = text.to_ascii_lowercase();
-    let without_b = lower
-        .strip_suffix("ib")
-        .or_else(|| lower.strip_suffix('b'))
-        .unwrap_or(&lower);
-    let (number, shift) = match without_b.chars().last() {
-        Some('k') => (&without_b[..without_b.len() - 1], 10),
-        Some('m') => (&without_b[..without_b.len() - 1], 20),
-        Some('g') => (&without_b[..without_b.len() - 1], 30),
-        Some('t') => (&without_b[..without_b.len() - 1], 40),
-        // A bare `b` after digits is bytes; `ib` alone is no unit.
-        _ if lower.ends_with("ib") => (lower.as_str(), 0),
-        _ => (without_b, 0),
-    };
     let bad = || format!("`{text}` is not a byte count like 1073741824, 512M, 8G or 96GiB");
-    let number = number.trim();
-    if let Ok(n) = number.parse::<usize>() {
-        return n
-            .checked_mul(1 << shift)
-            .ok_or_else(|| format!("`{text}` is too large"));
-    }
-    let x: f64 = number.parse().map_err(|_| bad())?;
-    let bytes = x * (1u64 << shift) as f64;
-    // A fraction needs a unit: there are no fractional bytes.
-    if !(x.is_finite() && x >= 0.0 && number.contains('.') && shift > 0) {
+    let lower = text.to_ascii_lowercase();
+    let body = lower.strip_suffix('b').unwrap_or(&lower);
+    let (body, spelled_i) = body.strip_suffix('i').map_or((body, false), |b| (b, true));
+    let shift = match body.chars().last() {
+        Some('k') => 10,
+        Some('m') => 20,
+        Some('g') => 30,
+        Some('t') => 40,
+        _ if spelled_i => return Err(bad()),
+        _ => 0,
+    };
+    let number = body[..body.len() - usize::from(shift > 0)].trim();
+    // Digits, with one decimal point where a unit makes a fraction of it whole bytes.
+    let digits = number.bytes().filter(u8::is_ascii_digit).count();
+    let points = number.len() - digits;
+    if digits == 0 || points > usize::from(shift > 0) || (points == 1 && !number.contains('.')) {
         return Err(bad());
     }
+    let too_large = || format!("`{text}` is too large");
+    if points == 0 {
+        let n: usize = number.parse().map_err(|_| too_large())?;
+        return n.checked_mul(1 << shift).ok_or_else(too_large);
+    }
+    let bytes = number.parse::<f64>().map_err(|_| bad())? * (1u64 << shift) as f64;
     if bytes >= usize::MAX as f64 {
-        return Err(format!("`{text}` is too large"));
+        return Err(too_large());
     }
     Ok(bytes.round() as usize)
 }
