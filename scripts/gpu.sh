@@ -11,7 +11,7 @@
 #                            prefill-recurrent, which repeats prefill with
 #                            CORRAL_RECURRENT_DELTA_RULE=1, and decode-serial, which repeats
 #                            decode with CORRAL_SERIAL_LAUNCHES=1, and serve-long: served
-#                            long prompts under MEMORY, LONG_PROMPT and PER_PROMPT); TEST_LOGS puts the
+#                            long prompts under MEMORY, LONG_PROMPT, PER_PROMPT and PREFILL_CHUNK); TEST_LOGS puts the
 #                            test logs elsewhere; MODEL picks the synthetic config; the serve
 #                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
 #                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS.
@@ -114,21 +114,30 @@ remote() {
   if has serve-long; then
     # C=1 with one prompt of LONG_PROMPT tokens, then C=8 with prompts of PER_PROMPT tokens,
     # under an explicit budget; GPU memory in use after each.
-    echo "== serve under --memory ${MEMORY:-96GiB}: C=1 at ${LONG_PROMPT:-131000} tokens, C=8 at ${PER_PROMPT:-32000}"
-    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device cuda \
-      --port 18181 --max-batch 8 --memory "${MEMORY:-96GiB}" > "$out/serve-long.log" 2>&1 &
+    local memory="${MEMORY:-96GiB}" chunk="${PREFILL_CHUNK:-8192}"
+    echo "== serve under --memory $memory: C=1 at ${LONG_PROMPT:-131000} tokens, C=8 at ${PER_PROMPT:-32000}"
+    # The engine's debug lines time each step.
+    RUST_LOG=info,corral_engine=debug $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe \
+      --device cuda --port 18181 --max-batch 8 --max-prefill-tokens "$chunk" --memory "$memory" \
+      > "$out/serve-long.log" 2>&1 &
     local pid=$!
     if ! serving "$pid"; then
       echo "the server did not start:"; tail -5 "$out/serve-long.log"
       return 0
     fi
     grep -E "memory budget|KV .* tokens" "$out/serve-long.log" | cut -c1-400
+    # The same plan as `corral plan` prints it (with the server's state checkpoints), to set
+    # against the memory in use.
+    local checkpoints
+    checkpoints="$(grep -oE '[0-9]+ state checkpoints' "$out/serve-long.log" | head -1 | cut -d' ' -f1)"
+    $corral plan --synthetic "$model" --memory "$memory" --concurrency 8 --device cuda \
+      --prefill-chunk "$chunk" --sessions "${checkpoints:-0}" 2>&1 | tee "$out/serve-long-plan.txt"
     used() { echo "GPU memory in use $1: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; }
     used "after start"
     for level in "1 ${LONG_PROMPT:-131000} c1" "8 ${PER_PROMPT:-32000} c8"; do
       set -- $level
       timeout 300 $corral bench serve --url http://127.0.0.1:18181 --concurrency "$1" --requests "$1" \
-        --max-tokens 16 --prompt-tokens "$2" --json "$out/serve-long-$3.json" 2>&1 | tee "$out/serve-long-$3.txt" || true
+        --max-tokens 16 --stream-fraction 1 --prompt-tokens "$2" --json "$out/serve-long-$3.json" 2>&1 | tee "$out/serve-long-$3.txt" || true
       used "after C=$1"
     done
     kill "$pid" 2>/dev/null || true

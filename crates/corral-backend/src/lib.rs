@@ -91,6 +91,9 @@ pub struct AttentionMeta<'a> {
     /// Tokens of the longest run (1 for a batch of decode rows): chooses kernels, and 1
     /// promises that only each token's own key is stored in this step.
     pub max_run_tokens: usize,
+    /// Tokens at the batch's start that are runs of one token each (decode rows ahead of
+    /// the prefill runs): a GPU gives them its decode kernel, split over their keys.
+    pub leading_decode_tokens: usize,
 }
 
 /// Shapes of [`Backend::qkv_norm_rope_store`].
@@ -164,6 +167,9 @@ pub struct DeviceMemory {
     /// The device shares the host's memory (an integrated GPU or APU): its free memory
     /// report counts memory the host needs, so budgets come from `MemAvailable` instead.
     pub unified: bool,
+    /// Bytes in use when the backend had loaded its context and kernels, before its first
+    /// buffer (other processes' included): what a budget for the whole process leaves them.
+    pub runtime: u64,
 }
 
 /// Where each run of a ragged batch keeps its recurrent state (linear-attention layers).

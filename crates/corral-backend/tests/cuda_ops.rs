@@ -716,7 +716,9 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
         // bf16 cache; 12 takes the CUDA-core kernel.
         let (nkv, group) = (1 + rng.below(3), [1, 2, 4, 8, 12][rng.below(5)]);
         // Cases 10..16 are prefill chunks of 64+ tokens at head dims 64, 128 and 256 (the
-        // tensor-core kernel), next to a decode row, so that some 64-token tiles mix runs.
+        // tensor-core kernel), next to a decode row, so that some 64-token tiles mix runs;
+        // the even ones also open with a decode row of a long history, which the batch's
+        // leading decode rows give the decode kernel.
         // Cases 16.. are batches of decode rows (every run one token) on tensor cores, where
         // a token's earlier keys are read before the kernel storing its own has ended.
         let prefill = (10..16).contains(&case);
@@ -752,6 +754,9 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
             .collect();
         if prefill {
             runs.insert(rng.below(runs.len() + 1), (rng.below(100), 1));
+            if case % 2 == 0 {
+                runs.insert(0, (600 + rng.below(1400), 1));
+            }
         }
         let width = runs
             .iter()
@@ -833,6 +838,7 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
                 block_size,
                 tokens,
                 max_run_tokens: runs.iter().map(|r| r.1).max().unwrap_or(1),
+                leading_decode_tokens: runs.iter().take_while(|r| r.1 == 1).count(),
             };
             let shape = corral_backend::AttentionShape {
                 num_heads: nh,

@@ -628,7 +628,7 @@ fn serve_sizes_its_kv_pool_from_the_memory_plan() {
     // model's 4,096 positions, limits the context.
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
         .args([
-            "serve", "--model", model, "--port", "0", "--memory", "7000K",
+            "serve", "--model", model, "--port", "0", "--memory", "9000K",
         ])
         .stderr(std::process::Stdio::piped())
         .spawn()

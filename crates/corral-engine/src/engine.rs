@@ -20,7 +20,7 @@ use crate::{EngineError, KvBlockPool};
 pub struct EngineConfig {
     /// Most sequences running at once.
     pub max_batch: usize,
-    /// Most prompt tokens prefilled per step.
+    /// Most tokens a step computes, decode rows included (which always run).
     pub max_prefill_tokens: usize,
     /// Most requests waiting for admission; more are refused.
     pub max_queue: usize,
@@ -297,6 +297,7 @@ fn run(
             // A panic in a forward pass (a bug) fails the step's requests, not the engine.
             // Rows are sampled where the logits are unless one needs them whole.
             let sampled = scheduler.prepare_sampling(&plan, vocab, &mut sampling);
+            let started = std::time::Instant::now();
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 restore(backend, &mut cache, &mut state, &scheduler, &plan, metrics)?;
                 if sampled {
@@ -312,6 +313,21 @@ fn run(
             });
             match forward {
                 Ok(report) => {
+                    tracing::debug!(
+                        runs = plan.batch.runs().len(),
+                        tokens = report.tokens,
+                        longest = plan
+                            .batch
+                            .runs()
+                            .iter()
+                            .map(|r| r.first_position + r.len)
+                            .max()
+                            .unwrap_or(0),
+                        ms = started.elapsed().as_secs_f64() * 1e3,
+                        allocations = report.stats.allocations,
+                        host_syncs = report.stats.host_syncs,
+                        "step"
+                    );
                     metrics
                         .forward_tokens
                         .fetch_add(report.tokens as u64, Ordering::Relaxed);

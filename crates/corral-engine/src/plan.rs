@@ -16,7 +16,8 @@ pub struct MemoryNeeds {
     pub kv_per_token: u64,
     /// Recurrent state bytes per sequence (Gated DeltaNet layers; 0 without them).
     pub state_per_sequence: u64,
-    /// Activation workspace and the backend's fixed buffers (an estimate).
+    /// Activation workspace and the backend's fixed buffers (an estimate, or what a step
+    /// of the largest size took, measured), and the device runtime's own memory where known.
     pub workspace: u64,
     /// Tokens per KV block: the KV of a sequence comes in whole blocks.
     pub block_size: usize,
@@ -48,17 +49,28 @@ impl MemoryNeeds {
 }
 
 /// f32 activations of one prefill step of `tokens` tokens, the largest layer's worth live at
-/// once: the residual stream and its norm, attention's q/k/v and output, the routed experts'
-/// gate, up and output rows, and the last rows' logits. An estimate, to be checked against
-/// what a run measures.
+/// once: the residual stream and its norm, attention's q/k/v and output (gated for the
+/// hybrids), the linear-attention layers' projections, convolution, gates and output, the
+/// routed experts' gate, up and output rows, the shared expert's output, and the last rows'
+/// logits. An estimate; `serve` measures a step instead.
 fn activation_bytes(config: &ModelConfig, tokens: usize) -> u64 {
     let q = config.num_heads * config.head_dim;
-    let attention = 2 * q + 2 * config.kv_dim();
+    let attention = 3 * q + 4 * config.kv_dim();
     let mlp = match &config.moe {
-        Some(moe) => moe.top_k * (3 * moe.moe_intermediate_size + config.hidden_size),
+        Some(moe) => {
+            moe.top_k * (3 * moe.moe_intermediate_size + config.hidden_size) + moe.num_experts
+        }
         None => 3 * config.intermediate_size,
     };
-    let per_token = 4 * config.hidden_size + attention + mlp;
+    let hybrid = config.hybrid.as_ref().map_or(0, |h| {
+        let l = &h.linear;
+        2 * l.conv_channels()
+            + 3 * l.value_dim()
+            + 4 * l.num_value_heads
+            + 2 * q
+            + 2 * config.hidden_size
+    });
+    let per_token = 4 * config.hidden_size + attention + mlp + hybrid;
     (tokens * per_token * 4 + config.vocab_size * 4 * 64) as u64
 }
 

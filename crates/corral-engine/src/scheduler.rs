@@ -69,7 +69,7 @@ pub trait SessionStore {
 pub struct SchedulerConfig {
     /// Most sequences running at once.
     pub max_batch: usize,
-    /// Most prompt tokens prefilled per step.
+    /// Most tokens a step computes, decode rows included (which always run).
     pub max_prefill_tokens: usize,
     /// How long a session's prefix is kept from eviction after its turn (with a session id).
     pub session_pin: std::time::Duration,
@@ -526,9 +526,10 @@ impl Scheduler {
                 self.preempt(victim);
                 continue;
             }
-            if remaining > 1 {
-                budget -= n;
-            }
+            // Decode rows count too, so that a step is never more tokens than the budget
+            // (the activation buffers sized for it serve every step) unless its decode rows
+            // alone are.
+            budget = budget.saturating_sub(n);
             let seq = &self.running[i];
             runs.push(PlannedRun {
                 seq: seq.id,
@@ -1135,6 +1136,48 @@ mod tests {
             max_prefill_tokens: 64,
             session_pin: std::time::Duration::ZERO,
         }
+    }
+
+    /// Decode rows count against the step's token budget: a prefill beside them takes what
+    /// they leave, so no step is larger than the budget the workspace was sized for (unless
+    /// its decode rows alone are, which always run).
+    #[test]
+    fn decode_rows_and_a_prefill_share_the_step_budget() {
+        let mut s = Scheduler::new(config(4), KvBlockPool::new(64, 16));
+        let mut receivers = Vec::new();
+        let long: Vec<u32> = (0..300).collect();
+        for (prompt, max_tokens) in [(&[1, 2, 3][..], 8), (&[4, 5], 8), (&[6], 8), (&long, 4)] {
+            let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+            receivers.push(rx);
+            s.add(EngineRequest {
+                events,
+                ..request(prompt, max_tokens)
+            });
+        }
+        let vocab = 16;
+        let mut shared = 0;
+        for _ in 0..40 {
+            let Some(plan) = s.step() else { break };
+            let tokens: usize = plan.runs.iter().map(|r| r.tokens).sum();
+            let decode = plan.runs.iter().filter(|r| r.tokens == 1).count();
+            assert!(
+                tokens <= 64,
+                "a step of {tokens} tokens over a budget of 64"
+            );
+            // A prefill chunk that does not end its prompt takes what the decode rows leave.
+            let mid_prompt = plan.runs.iter().any(|r| r.tokens > 1 && !r.wants_logits);
+            if decode > 0 && mid_prompt {
+                shared += 1;
+                assert_eq!(
+                    tokens, 64,
+                    "a prefill beside decode rows takes what they leave"
+                );
+            }
+            let rows = plan.runs.iter().filter(|r| r.wants_logits).count();
+            let mut logits = vec![0.0f32; rows * vocab];
+            let _ = s.finish_step(plan, &mut logits, vocab, DispatchStats::default());
+        }
+        assert!(shared > 0, "no step had decode rows beside a prefill");
     }
 
     /// A constrained sequence samples only what its grammar allows, whatever its logits

@@ -497,6 +497,7 @@ impl Model {
                         rows.len(),
                     )?;
                     ws.max_run_tokens = 1;
+                    ws.leading_decode_tokens = tokens;
                     e.insert(GraphEntry {
                         ws,
                         graph: None,
@@ -540,6 +541,7 @@ impl Model {
                 rows.len(),
             )?;
             ws.max_run_tokens = max_run_tokens;
+            ws.leading_decode_tokens = batch.runs().iter().take_while(|r| r.len == 1).count();
             let result = (|| {
                 upload(&mut ws)?;
                 forward(&mut ws, cache, state.as_deref_mut(), &mut moe_stats)?;

@@ -221,6 +221,7 @@ impl Gpu {
             free: free as u64,
             total: total as u64,
             unified: integrated != 0,
+            runtime: 0,
         })
     }
 

@@ -93,6 +93,8 @@ pub struct CudaBackend {
     ordinal: usize,
     pool: BufferPool,
     stats: StatsCounter,
+    /// Device bytes in use once the context and kernels were loaded, before any buffer.
+    runtime_bytes: u64,
     /// Error flag (u32) and weight-byte counter (u64) written by kernels.
     diag: DeviceMem,
     kv_dtype: DType,
@@ -394,6 +396,31 @@ fn buf(
     Ok(Arg::Ptr(ptr_of(op, b)?))
 }
 
+/// The address of element `first` of a buffer of `dtype` with at least `first + count`
+/// elements: a kernel's view of a range of the batch's tokens.
+fn buf_range(
+    op: &'static str,
+    what: &'static str,
+    b: &DeviceBuffer,
+    dtype: DType,
+    first: usize,
+    count: usize,
+) -> Result<Arg> {
+    match buf(op, what, b, dtype, first + count)? {
+        Arg::Ptr(p) => Ok(Arg::Ptr(p + (first * dtype.size_bytes()) as u64)),
+        other => Ok(other),
+    }
+}
+
+/// The operands of one paged attention, shared by the launches of its ranges of tokens.
+struct Attention<'a> {
+    q: &'a DeviceBuffer,
+    cache_k: &'a DeviceBuffer,
+    cache_v: &'a DeviceBuffer,
+    meta: &'a AttentionMeta<'a>,
+    shape: AttentionShape,
+}
+
 /// A weight view's address, type and whether its rows allow 16-byte loads.
 fn weight(op: &'static str, w: WeightView<'_>) -> Result<(u64, DType, bool)> {
     let dtype = w.buffer.dtype();
@@ -480,6 +507,8 @@ impl CudaBackend {
         let gpu = Gpu::open(options.ordinal, !options.serial_launches)?;
         let cache = KernelCache::new(options.kernel_cache.clone());
         let (kernels, cache_report) = Kernels::load(&gpu, &cache)?;
+        let at_start = gpu.memory()?;
+        let runtime_bytes = at_start.total.saturating_sub(at_start.free);
         let diag = gpu.alloc(16)?;
         gpu.memset_zero(diag.ptr(), 16)?;
         gpu.sync()?;
@@ -520,6 +549,7 @@ impl CudaBackend {
             ordinal: options.ordinal,
             pool: BufferPool::default(),
             stats: StatsCounter::default(),
+            runtime_bytes,
             diag,
             kv_dtype,
             cache_report,
@@ -1044,6 +1074,194 @@ impl CudaBackend {
     fn elementwise_grid(op: &'static str, len: usize) -> Result<(u32, u32, u32)> {
         Ok((grid_of(op, len.div_ceil(256))?, 1, 1))
     }
+
+    /// The kernels' common arguments for the batch's tokens `range`: the query and token
+    /// arrays start at its first token, the output at token `out_first` of `out` (run
+    /// indices and block tables stay whole).
+    fn attention_args(
+        &self,
+        a: &Attention<'_>,
+        range: &std::ops::Range<usize>,
+        (out, out_dtype, out_first): (&DeviceBuffer, DType, usize),
+    ) -> Result<Vec<Arg>> {
+        let op = "paged_attention";
+        let AttentionShape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        } = a.shape;
+        let meta = a.meta;
+        let (first, count) = (range.start, range.len());
+        let row = num_heads * head_dim;
+        let kv_dim = num_kv_heads * head_dim;
+        let dtype = a.cache_k.dtype();
+        let slots = a.cache_k.len().min(a.cache_v.len()) / kv_dim;
+        let runs = meta.block_tables.len() / meta.max_blocks_per_run.max(1);
+        Ok(vec![
+            buf_range(op, "q", a.q, DType::F32, first * row, count * row)?,
+            buf(op, "cache_k", a.cache_k, dtype, kv_dim)?,
+            buf(op, "cache_v", a.cache_v, dtype, kv_dim)?,
+            buf_range(op, "positions", meta.positions, DType::U32, first, count)?,
+            buf_range(op, "token_runs", meta.token_runs, DType::U32, first, count)?,
+            u32_of(op, runs)?,
+            buf(
+                op,
+                "block_tables",
+                meta.block_tables,
+                DType::U32,
+                runs * meta.max_blocks_per_run,
+            )?,
+            u32_of(op, meta.max_blocks_per_run)?,
+            u32_of(op, meta.block_size)?,
+            u32_of(op, slots / meta.block_size.max(1))?,
+            u32_of(op, count)?,
+            u32_of(op, num_heads)?,
+            u32_of(op, num_kv_heads)?,
+            u32_of(op, head_dim)?,
+            Arg::F32(scale),
+            buf_range(op, "out", out, out_dtype, out_first * row, count * row)?,
+            self.diag(),
+        ])
+    }
+
+    /// Prefill-shaped attention for the batch's tokens `range`: 64-token tiles on tensor
+    /// cores, writing f32 or bf16.
+    fn flash_attention(
+        &self,
+        kernels: &[Kernel; 2],
+        a: &Attention<'_>,
+        range: std::ops::Range<usize>,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "paged_attention";
+        let out_dtype = match out.dtype() {
+            DType::BF16 => DType::BF16,
+            _ => DType::F32,
+        };
+        let kernel = &kernels[usize::from(out_dtype == DType::BF16)];
+        let mut args = self.attention_args(a, &range, (out, out_dtype, range.start))?;
+        // Every argument but head_dim (the kernel's template parameter).
+        args.remove(13);
+        // Heads along x, so that the heaviest tiles (the last) start first.
+        let grid = (
+            grid_of(op, a.shape.num_heads)?,
+            grid_of(op, range.len().div_ceil(64))?,
+            1,
+        );
+        self.launch(kernel, grid, 128, &args)
+    }
+
+    /// Decode-shaped attention for the batch's tokens `range`: tensor cores over a bf16
+    /// cache for groups of up to 8 heads of 64, 128 or 256 dims, otherwise lanes owning D
+    /// consecutive dims of a head; the keys split as far as the scratch allows. A bf16
+    /// output is written f32 into a pooled copy and rounded after.
+    fn decode_attention(
+        &self,
+        a: &Attention<'_>,
+        range: std::ops::Range<usize>,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        self.decode_attention_into(a, range.clone(), out, range.start)
+    }
+
+    /// [`Self::decode_attention`] writing from token `out_first` of `out`.
+    fn decode_attention_into(
+        &self,
+        a: &Attention<'_>,
+        range: std::ops::Range<usize>,
+        out: &mut DeviceBuffer,
+        out_first: usize,
+    ) -> Result<()> {
+        let op = "paged_attention";
+        let AttentionShape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            ..
+        } = a.shape;
+        let meta = a.meta;
+        let count = range.len();
+        let row = num_heads * head_dim;
+        if out.dtype() == DType::BF16 {
+            let out_len = count * row;
+            let mut out32 = self.take_buffer(DType::F32, out_len, BufferUsage::Activations)?;
+            let queued = self
+                .decode_attention_into(a, range.clone(), &mut out32, 0)
+                .and_then(|()| {
+                    let args = [
+                        buf(op, "out", &out32, DType::F32, out_len)?,
+                        Arg::U64(out_len as u64),
+                        buf_range(op, "out", out, DType::BF16, out_first * row, out_len)?,
+                        Arg::U64(0),
+                        self.diag(),
+                    ];
+                    let grid = Self::elementwise_grid(op, out_len.div_ceil(4))?;
+                    self.launch(&self.kernels.to_bf16, grid, 256, &args)
+                });
+            self.give_buffer(out32);
+            return queued;
+        }
+        let dtype = a.cache_k.dtype();
+        let group = num_heads / num_kv_heads;
+        let mma = match head_dim {
+            64 => Some(&self.kernels.decode_attention_mma[0]),
+            128 => Some(&self.kernels.decode_attention_mma[1]),
+            256 => Some(&self.kernels.decode_attention_mma[2]),
+            _ => None,
+        };
+        let on_tensor_cores =
+            dtype == DType::BF16 && mma.is_some() && group <= DECODE_MMA_MAX_GROUP;
+        let kernel = match (dtype, mma) {
+            (DType::BF16, Some(mma)) if group <= DECODE_MMA_MAX_GROUP => mma,
+            (DType::BF16 | DType::F32, _) => {
+                let lane_dims = head_dim.div_ceil(32).next_power_of_two();
+                let variant = lane_dims.trailing_zeros() as usize;
+                if dtype == DType::BF16 {
+                    &self.kernels.paged_attention_bf16[variant]
+                } else {
+                    &self.kernels.paged_attention_f32[variant]
+                }
+            }
+            (other, _) => return Err(bad(op, format!("KV cache of {other}"))),
+        };
+        let args = self.attention_args(a, &range, (out, DType::F32, out_first))?;
+        // Split the keys, as far as the fixed scratch and one merge's shared memory allow.
+        let items = count * num_heads;
+        let blocks = count * num_kv_heads;
+        let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
+        let fit = OP_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
+        let splits = attention_splits(blocks, max_context)
+            .min(fit)
+            .min(ATTENTION_MERGE_SLOTS / group.max(1))
+            .max(1);
+        // The last split of each block row merges them, counting on one ticket per row.
+        let splits = if blocks > ATTENTION_COUNTERS {
+            1
+        } else {
+            splits
+        };
+        // Whole chunks of 16 keys (the tensor-core kernel's warp step) per split.
+        let split_keys = max_context.div_ceil(splits).div_ceil(16) * 16;
+        let splits = max_context.div_ceil(split_keys);
+        let (out_arg, diag) = (args[15], args[16]);
+        let mut all = args;
+        all.truncate(15);
+        all.push(u32_of(op, split_keys)?);
+        if on_tensor_cores {
+            // Whether every run is one token: the kernel then reads a token's earlier keys
+            // before waiting for the kernel that stores its own.
+            all.push(Arg::U32(u32::from(meta.max_run_tokens == 1)));
+        }
+        all.extend([
+            Arg::Ptr(ptr_of(op, &self.op_scratch)?),
+            Arg::Ptr(ptr_of(op, &self.attention_counters)?),
+            out_arg,
+            diag,
+        ]);
+        let grid = (grid_of(op, blocks)?, grid_of(op, splits)?, 1);
+        self.launch(kernel, grid, ATTENTION_THREADS, &all)
+    }
 }
 
 impl Backend for CudaBackend {
@@ -1188,7 +1406,11 @@ impl Backend for CudaBackend {
     }
 
     fn device_memory(&self) -> Result<Option<crate::DeviceMemory>> {
-        self.gpu.memory().map(Some)
+        let memory = self.gpu.memory()?;
+        Ok(Some(crate::DeviceMemory {
+            runtime: self.runtime_bytes,
+            ..memory
+        }))
     }
 
     fn records_graphs(&self) -> bool {
@@ -1883,7 +2105,7 @@ impl Backend for CudaBackend {
             num_heads,
             num_kv_heads,
             head_dim,
-            scale,
+            ..
         } = shape;
         if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || head_dim > 512 {
             return Err(bad(
@@ -1895,11 +2117,7 @@ impl Backend for CudaBackend {
         if tokens == 0 {
             return Ok(());
         }
-        let kv_dim = num_kv_heads * head_dim;
-        let dtype = cache_k.dtype();
-        let slots = cache_k.len().min(cache_v.len()) / kv_dim;
-        let runs = meta.block_tables.len() / meta.max_blocks_per_run.max(1);
-        if runs == 0 {
+        if meta.block_tables.len() / meta.max_blocks_per_run.max(1) == 0 {
             return Err(bad(op, "no block table for the batch's tokens".to_string()));
         }
         // Prefill chunks of 64 or more tokens: tensor-core tiles (head dims 64, 128 and 256,
@@ -1910,130 +2128,26 @@ impl Backend for CudaBackend {
             256 => Some(&self.kernels.flash_attention_hd256),
             _ => None,
         }
-        .filter(|_| dtype == DType::BF16 && meta.max_run_tokens >= FLASH_MIN_RUN);
-        let out_len = tokens * num_heads * head_dim;
-        if out.dtype() == DType::BF16 && flash.is_none() {
-            // The decode-shaped kernels write f32: into a pooled copy, rounded after.
-            let mut out32 = self.take_buffer(DType::F32, out_len, BufferUsage::Activations)?;
-            let queued = self
-                .paged_attention(q, cache_k, cache_v, meta, shape, &mut out32)
-                .and_then(|()| {
-                    let args = [
-                        buf(op, "out", &out32, DType::F32, out_len)?,
-                        Arg::U64(out_len as u64),
-                        buf(op, "out", out, DType::BF16, out_len)?,
-                        Arg::U64(0),
-                        self.diag(),
-                    ];
-                    let grid = Self::elementwise_grid(op, out_len.div_ceil(4))?;
-                    self.launch(&self.kernels.to_bf16, grid, 256, &args)
-                });
-            self.give_buffer(out32);
-            return queued;
+        .filter(|_| cache_k.dtype() == DType::BF16 && meta.max_run_tokens >= FLASH_MIN_RUN);
+        let attention = Attention {
+            q,
+            cache_k,
+            cache_v,
+            meta,
+            shape,
+        };
+        let Some(kernels) = flash else {
+            return self.decode_attention(&attention, 0..tokens, out);
+        };
+        // Decode rows ahead of the prefill runs take the decode kernel, split over their
+        // keys: in a prefill tile a decode row's whole context would be one block's walk.
+        let lead = meta.leading_decode_tokens.min(tokens);
+        if lead > 0 && lead < tokens {
+            self.decode_attention(&attention, 0..lead, out)?;
+        } else if lead == tokens {
+            return self.decode_attention(&attention, 0..tokens, out);
         }
-        let out_dtype = match out.dtype() {
-            DType::BF16 => DType::BF16,
-            _ => DType::F32,
-        };
-        let args = [
-            buf(op, "q", q, DType::F32, tokens * num_heads * head_dim)?,
-            buf(op, "cache_k", cache_k, dtype, kv_dim)?,
-            buf(op, "cache_v", cache_v, dtype, kv_dim)?,
-            buf(op, "positions", meta.positions, DType::U32, tokens)?,
-            buf(op, "token_runs", meta.token_runs, DType::U32, tokens)?,
-            u32_of(op, runs)?,
-            buf(
-                op,
-                "block_tables",
-                meta.block_tables,
-                DType::U32,
-                runs * meta.max_blocks_per_run,
-            )?,
-            u32_of(op, meta.max_blocks_per_run)?,
-            u32_of(op, meta.block_size)?,
-            u32_of(op, slots / meta.block_size.max(1))?,
-            u32_of(op, tokens)?,
-            u32_of(op, num_heads)?,
-            u32_of(op, num_kv_heads)?,
-            u32_of(op, head_dim)?,
-            Arg::F32(scale),
-            buf(op, "out", out, out_dtype, out_len)?,
-            self.diag(),
-        ];
-        if let Some(kernels) = flash {
-            let kernel = &kernels[usize::from(out_dtype == DType::BF16)];
-            // Every argument but head_dim (the kernel's template parameter).
-            let mut flash_args = args.to_vec();
-            flash_args.remove(13);
-            // Heads along x, so that the heaviest tiles (the last) start first.
-            let grid = (
-                grid_of(op, num_heads)?,
-                grid_of(op, tokens.div_ceil(64))?,
-                1,
-            );
-            return self.launch(kernel, grid, 128, &flash_args);
-        }
-        // Decode-shaped: tensor cores over a bf16 cache for groups of up to 8 heads of 64,
-        // 128 or 256 dims; otherwise lanes own D consecutive dims of a head (the kernel for
-        // the next power of two).
-        let group = num_heads / num_kv_heads;
-        let mma = match head_dim {
-            64 => Some(&self.kernels.decode_attention_mma[0]),
-            128 => Some(&self.kernels.decode_attention_mma[1]),
-            256 => Some(&self.kernels.decode_attention_mma[2]),
-            _ => None,
-        };
-        let on_tensor_cores =
-            dtype == DType::BF16 && mma.is_some() && group <= DECODE_MMA_MAX_GROUP;
-        let kernel = match (dtype, mma) {
-            (DType::BF16, Some(mma)) if group <= DECODE_MMA_MAX_GROUP => mma,
-            (DType::BF16 | DType::F32, _) => {
-                let lane_dims = head_dim.div_ceil(32).next_power_of_two();
-                let variant = lane_dims.trailing_zeros() as usize;
-                if dtype == DType::BF16 {
-                    &self.kernels.paged_attention_bf16[variant]
-                } else {
-                    &self.kernels.paged_attention_f32[variant]
-                }
-            }
-            (other, _) => return Err(bad(op, format!("KV cache of {other}"))),
-        };
-        // Split the keys (decode), as far as the fixed scratch and one merge's shared
-        // memory allow.
-        let items = tokens * num_heads;
-        let blocks = tokens * num_kv_heads;
-        let max_context = (meta.max_blocks_per_run * meta.block_size).max(1);
-        let fit = OP_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1);
-        let splits = attention_splits(blocks, max_context)
-            .min(fit)
-            .min(ATTENTION_MERGE_SLOTS / group.max(1))
-            .max(1);
-        // The last split of each block row merges them, counting on one ticket per row.
-        let splits = if blocks > ATTENTION_COUNTERS {
-            1
-        } else {
-            splits
-        };
-        // Whole chunks of 16 keys (the tensor-core kernel's warp step) per split.
-        let split_keys = max_context.div_ceil(splits).div_ceil(16) * 16;
-        let splits = max_context.div_ceil(split_keys);
-        let (out_arg, diag) = (args[15], args[16]);
-        let mut all = args.to_vec();
-        all.truncate(args.len() - 2);
-        all.push(u32_of(op, split_keys)?);
-        if on_tensor_cores {
-            // Whether every run is one token: the kernel then reads a token's earlier keys
-            // before waiting for the kernel that stores its own.
-            all.push(Arg::U32(u32::from(meta.max_run_tokens == 1)));
-        }
-        all.extend([
-            Arg::Ptr(ptr_of(op, &self.op_scratch)?),
-            Arg::Ptr(ptr_of(op, &self.attention_counters)?),
-            out_arg,
-            diag,
-        ]);
-        let grid = (grid_of(op, blocks)?, grid_of(op, splits)?, 1);
-        self.launch(kernel, grid, ATTENTION_THREADS, &all)
+        self.flash_attention(kernels, &attention, lead..tokens, out)
     }
 
     fn moe_route(

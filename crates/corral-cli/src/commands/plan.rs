@@ -13,6 +13,10 @@ use corral_model::{Checkpoint, ModelConfig};
 /// Share of `MemAvailable` a CPU plan takes when no budget is given.
 const MEM_AVAILABLE_SHARE: f64 = 0.9;
 
+/// Device memory the CUDA runtime holds before Corral's first buffer (the context, cuBLAS and
+/// the loaded kernels): 780–860 MiB measured on an H200. `serve` reads it on the device.
+const CUDA_RUNTIME_BYTES: u64 = 860 << 20;
+
 /// Where the model would run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum PlanDevice {
@@ -51,7 +55,8 @@ pub(crate) struct PlanArgs {
     /// Where it would run.
     #[arg(long, value_enum, default_value = "cpu")]
     device: PlanDevice,
-    /// Most prompt tokens a prefill step takes (its activations are the workspace).
+    /// Most tokens a step takes, as `serve --max-prefill-tokens` (its activations are the
+    /// workspace).
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
     /// The KV cache's element type (bf16 or f32), as `serve --kv-dtype`.
@@ -96,7 +101,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     let kv_element = args.kv_dtype.size_bytes();
     let fixed = match args.device {
         PlanDevice::Cpu => 0,
-        PlanDevice::Cuda => corral_backend::cuda_fixed_buffer_bytes() as u64,
+        PlanDevice::Cuda => corral_backend::cuda_fixed_buffer_bytes() as u64 + CUDA_RUNTIME_BYTES,
     };
     let (budget, source) = match (args.memory, args.device) {
         (Some(bytes), _) => (bytes as u64, "given".to_string()),
@@ -112,7 +117,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         &config,
         weights,
         kv_element,
-        args.prefill_chunk.max(1),
+        args.prefill_chunk.max(args.concurrency).max(1),
         fixed,
         BLOCK_SIZE,
     );
@@ -158,7 +163,7 @@ pub(crate) fn plan_text(name: &str, source: &str, p: &MemoryPlan, kv_element: us
     let _ = writeln!(out, "weights    {}", gib(n.weights));
     let _ = writeln!(
         out,
-        "workspace  {} (estimate: a prefill step's activations and fixed buffers)",
+        "workspace  {} (a step's activations, fixed buffers and the device runtime)",
         gib(n.workspace)
     );
     let _ = writeln!(

@@ -34,7 +34,7 @@ pub(crate) struct ServeArgs {
     /// Most sequences generated at once.
     #[arg(long, env = "CORRAL_MAX_BATCH", default_value_t = 16)]
     max_batch: usize,
-    /// Most prompt tokens prefilled per step.
+    /// Most tokens a step computes, decode rows included (which always run).
     #[arg(long, env = "CORRAL_MAX_PREFILL_TOKENS", default_value_t = 512)]
     max_prefill_tokens: usize,
     /// Most requests waiting; more get 429.
@@ -196,7 +196,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 max_batch: args.max_batch,
                 context,
                 checkpoints: state_checkpoints,
-                prefill_tokens: args.max_prefill_tokens.max(1),
+                // The most tokens a step computes: the budget, or a step of decode rows only.
+                prefill_tokens: args.max_prefill_tokens.max(args.max_batch).max(1),
             };
             let sized =
                 serve_plan::plan_serving(&model, &args.model.describe(), &shape, host_before_load)?;

@@ -4,9 +4,12 @@
 //! loading, less headroom (never a unified device's free-memory report, which counts memory
 //! the host needs).
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, plan};
-use corral_model::Model;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
+    SeqId, SlotId, TokenId,
+};
 
 use super::plan::{gib, host_budget, plan_text};
 
@@ -46,29 +49,38 @@ pub(crate) fn plan_serving(
     let config = model.config();
     let kv_element = backend.kv_dtype().size_bytes();
     let weights = model.weight_bytes() as u64;
+    let step = measure_step_workspace(model, shape.prefill_tokens)?;
+    // A GPU's fixed buffers and the measured step's are allocated by now: its free memory
+    // is read after them.
     let device = backend.device_memory()?;
-    // A GPU's fixed buffers are allocated by now: its free memory is read after them.
     let needs = |fixed: u64| {
-        MemoryNeeds::of(
+        let mut needs = MemoryNeeds::of(
             config,
             weights,
             kv_element,
             shape.prefill_tokens,
             fixed,
             BLOCK_SIZE,
-        )
+        );
+        needs.workspace = fixed + step;
+        needs
     };
     let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;
     let (needs, budget, source) = match (shape.memory, device) {
-        (Some(bytes), Some(_)) => (needs(gpu_fixed), bytes, "given".to_string()),
+        // A budget for the whole process leaves room for the device runtime too.
+        (Some(bytes), Some(d)) => (
+            needs(gpu_fixed + if d.unified { 0 } else { d.runtime }),
+            bytes,
+            "given".to_string(),
+        ),
         (Some(bytes), None) => (needs(0), bytes, "given".to_string()),
         (None, Some(d)) if !d.unified => {
             let headroom = GPU_HEADROOM_MIN.max((d.total as f64 * GPU_HEADROOM_SHARE) as u64);
             (
                 needs(0),
-                weights + d.free.saturating_sub(headroom),
+                weights + step + d.free.saturating_sub(headroom),
                 format!(
-                    "the weights and the GPU's {} free after loading, less {} headroom",
+                    "the weights, a step's buffers and the GPU's {} free after them, less {} headroom",
                     gib(d.free),
                     gib(headroom)
                 ),
@@ -106,6 +118,41 @@ pub(crate) fn plan_serving(
         plan: planned,
         source,
     })
+}
+
+/// Runs one step of `tokens` prompt tokens on a scratch cache (freed after) and returns the
+/// bytes of the buffers it left in the backend's pool: the activations every later step
+/// reuses, measured rather than estimated.
+fn measure_step_workspace(model: &Model, tokens: usize) -> Result<u64> {
+    let backend = model.backend().as_ref();
+    let config = model.config();
+    let started = std::time::Instant::now();
+    let before = backend.pool_bytes().0;
+    let blocks = tokens.div_ceil(BLOCK_SIZE);
+    let mut cache = PagedKvCache::new(backend, config, blocks, BLOCK_SIZE)
+        .context("a KV cache for the step that measures the workspace")?;
+    let mut state = RecurrentStateCache::new(backend, config, 1)
+        .context("a recurrent state for the step that measures the workspace")?;
+    let table = BlockTable {
+        blocks: (0..blocks as u32).map(BlockId).collect(),
+    };
+    let ids: Vec<TokenId> = (0..tokens)
+        .map(|i| TokenId((i % config.vocab_size.max(1)) as u32))
+        .collect();
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    batch.push_run(SeqId(0), &ids, 0, &table, LogitsWanted::Last)?;
+    batch.set_state_slot(SeqId(0), SlotId(0))?;
+    let _report = model
+        .forward_with_state(&batch, &mut cache, &mut state, &mut Vec::new())
+        .context("the step that measures the workspace")?;
+    let bytes = backend.pool_bytes().0.saturating_sub(before) as u64;
+    tracing::info!(
+        tokens,
+        bytes,
+        ms = started.elapsed().as_millis() as u64,
+        "measured the workspace of the largest step"
+    );
+    Ok(bytes)
 }
 
 /// Warns when the longest context is short of what agents need, naming what limits it: the

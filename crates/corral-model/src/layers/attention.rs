@@ -129,6 +129,7 @@ pub(crate) fn paged_attention(
         block_size,
         tokens,
         max_run_tokens: ws.max_run_tokens,
+        leading_decode_tokens: ws.leading_decode_tokens,
     };
     let shape = AttentionShape {
         num_heads,

@@ -121,6 +121,8 @@ pub(crate) struct Workspace {
     pub(crate) num_logit_rows: usize,
     /// Tokens of the batch's longest run.
     pub(crate) max_run_tokens: usize,
+    /// Tokens at the batch's start that are one-token runs (decode rows ahead of prefill).
+    pub(crate) leading_decode_tokens: usize,
     /// Residual stream `[T, H]`.
     pub(crate) x: DeviceBuffer,
     /// Normalised input of a sub-block `[T, H]`, f32 or the type projections take
@@ -205,6 +207,7 @@ impl Workspace {
             table_width,
             num_logit_rows: logit_rows,
             max_run_tokens: tokens,
+            leading_decode_tokens: 0,
             batch: BatchBuffers {
                 ids: u32_buf(tokens)?,
                 positions: u32_buf(tokens)?,

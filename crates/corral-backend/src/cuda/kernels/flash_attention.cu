@@ -5,8 +5,8 @@
 // memory by cp.async (the next 64 keys in flight while these compute) and read as operands
 // by ldmatrix (V transposed on the way). S = Q·Kᵀ stays in registers and its accumulators
 // become the A operand of P·V directly; the online softmax keeps each row's max and sum. No
-// T×T matrix exists anywhere. A tile whose tokens are not one run at consecutive positions (decode rows
-// mixed into the batch) is computed a token at a time by the block's warps instead.
+// T×T matrix exists anywhere. A tile that holds the end of one run and the start of the next
+// takes each span on its own.
 
 #define FA_ROWS 64
 #define FA_KEYS 64
@@ -77,49 +77,22 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// Tiles run heaviest first: grid (heads, tiles), the last tile of the batch (the most keys
-// under the causal mask) in the first block row.
+// Rows t0 .. t0 + rows - 1 of the batch, one run (`table`) at consecutive positions from
+// pos0, for head h.
 template <int HD, typename O>
-__device__ void flash_attention_impl(const float* q, const u16* cache_k, const u16* cache_v,
-                                     const u32* positions, const u32* token_runs, u32 runs,
-                                     const u32* block_tables, u32 max_blocks, u32 block_size,
-                                     u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,
-                                     float scale, O* out, Diag* diag) {
+__device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_v,
+                           const u32* table, u32 block_size, u32 num_blocks, u32 t0, u32 rows,
+                           u32 pos0, u32 h, u32 num_heads, u32 num_kv_heads, float scale, O* out,
+                           Diag* diag) {
     const int KT = HD / 16;  // k16 steps of Q·Kᵀ
     const int DT = HD / 8;   // n8 tiles of the output
     const int KS = HD + 8;   // staged K and V row stride (u16): conflict-free ldmatrix rows
     extern __shared__ __align__(16) unsigned char fa_smem[];
     u16* k_s = reinterpret_cast<u16*>(fa_smem);         // [2][FA_KEYS * KS]
     u16* v_s = k_s + 2 * FA_KEYS * KS;                    // [2][FA_KEYS * KS]
-    u32 t0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, h = blockIdx.x;
-    if (t0 >= tokens) return;
-    u32 rows = min((u32)FA_ROWS, tokens - t0), t_last = t0 + rows - 1;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 kv_dim = num_kv_heads * HD;
     u32 kvh = h / (num_heads / num_kv_heads), kv_off = kvh * HD;
-    u32 run = token_runs[t0];
-    u32 pos0 = positions[t0];
-    const u32* table = block_tables + (size_t)min(run, runs - 1) * max_blocks;
-    bool uniform = run < runs && token_runs[t_last] == run &&
-                   positions[t_last] == pos0 + (rows - 1) &&
-                   pos0 + rows <= max_blocks * block_size;
-    if (!uniform) {
-        // Per token: a run or position beyond the block tables raises the flag and is clamped.
-        for (u32 r = warp; r < rows; r += FA_THREADS / 32) {
-            u32 t = t0 + r;
-            u32 len = positions[t] + 1, tr = token_runs[t];
-            if (len > max_blocks * block_size || tr >= runs) {
-                if (lane == 0) raise_error(diag, tr >= runs ? ERR_BLOCK_TABLE : ERR_POSITION);
-                len = min(len, max_blocks * block_size);
-                tr = min(tr, runs - 1);
-            }
-            const u32* tt = block_tables + (size_t)tr * max_blocks;
-            size_t item = (size_t)t * num_heads + h;
-            fa_one_token<HD, O>(q + item * HD, cache_k, cache_v, tt, len, block_size, num_blocks,
-                             kv_dim, kv_off, scale, out + item * HD, diag);
-        }
-        return;
-    }
     u32 key_end = pos0 + rows;  // keys 0 .. last position
     // 64 keys of K and V from j0 into stage `stage`, 16-byte pieces by cp.async; keys past
     // the end are zero.
@@ -292,6 +265,45 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
             O* dst = out + ((size_t)(t0 + r_hi) * num_heads + h) * HD + d;
             fa_store2(dst, o[dt][2] / l_hi, o[dt][3] / l_hi);
         }
+    }
+}
+
+// One block's tile of 64 consecutive tokens of the batch for one head, taken as spans of
+// one run at consecutive positions (a tile mixes runs where they meet in the batch), each on
+// tensor cores. A span whose run or positions lie beyond the block tables raises the flag
+// and is computed a token at a time, clamped. Tiles run heaviest first: grid (heads, tiles),
+// the last tile of the batch (the most keys under the causal mask) in the first block row.
+template <int HD, typename O>
+__device__ void flash_attention_impl(const float* q, const u16* cache_k, const u16* cache_v,
+                                     const u32* positions, const u32* token_runs, u32 runs,
+                                     const u32* block_tables, u32 max_blocks, u32 block_size,
+                                     u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,
+                                     float scale, O* out, Diag* diag) {
+    u32 tile = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, h = blockIdx.x;
+    if (tile >= tokens) return;
+    u32 tile_end = min(tile + FA_ROWS, tokens);
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 kv_dim = num_kv_heads * HD, kv_off = h / (num_heads / num_kv_heads) * HD;
+    for (u32 t0 = tile; t0 < tile_end;) {
+        u32 run = token_runs[t0], pos0 = positions[t0], t1 = t0 + 1;
+        while (t1 < tile_end && token_runs[t1] == run && positions[t1] == pos0 + (t1 - t0)) t1++;
+        u32 rows = t1 - t0;
+        if (run < runs && pos0 + rows <= max_blocks * block_size) {
+            flash_span<HD, O>(q, cache_k, cache_v, block_tables + (size_t)run * max_blocks,
+                              block_size, num_blocks, t0, rows, pos0, h, num_heads,
+                              num_kv_heads, scale, out, diag);
+        } else {
+            for (u32 r = warp; r < rows; r += FA_THREADS / 32) {
+                u32 t = t0 + r;
+                u32 len = min(positions[t] + 1, max_blocks * block_size);
+                if (lane == 0) raise_error(diag, run >= runs ? ERR_BLOCK_TABLE : ERR_POSITION);
+                const u32* tt = block_tables + (size_t)min(run, runs - 1) * max_blocks;
+                size_t item = (size_t)t * num_heads + h;
+                fa_one_token<HD, O>(q + item * HD, cache_k, cache_v, tt, len, block_size,
+                                    num_blocks, kv_dim, kv_off, scale, out + item * HD, diag);
+            }
+        }
+        t0 = t1;
     }
 }
 
