@@ -97,6 +97,9 @@ struct Loops {
     key_block: usize,
     /// Tokens of a run per work item; `None`: [`tile_tokens`]'s choice.
     tile_tokens: Option<usize>,
+    /// A bf16 cache's GEMM-sized tiles take AVX-512 BF16 dot products (where the CPU has
+    /// them, at head dims of a multiple of 32).
+    bf16_dot: bool,
 }
 
 /// Causal GQA attention over the paged cache. A work item is (up to [`TILE_TOKENS`] tokens
@@ -124,6 +127,7 @@ pub(crate) fn paged_attention(
         gemm_min_rows: GEMM_MIN_QUERY_ROWS,
         key_block: KEY_BLOCK,
         tile_tokens: None,
+        bf16_dot: true,
     };
     attention_with(loops, q, cache_k, cache_v, layout, shape, out);
 }
@@ -168,6 +172,9 @@ fn attention_with(
         .flat_map(|&(t0, t1)| (0..num_kv_heads).map(move |kvh| (t0, t1, kvh)))
         .collect();
     let simd = loops.simd && has_avx2_fma();
+    #[cfg(target_arch = "x86_64")]
+    let bf16_dot =
+        loops.bf16_dot && head_dim.is_multiple_of(32) && super::attention_bf16::available();
     let results: Vec<Vec<f32>> = items
         .par_iter()
         .map(|&(t0, t1, kvh)| {
@@ -206,6 +213,22 @@ fn attention_with(
                         attend_tile_simd(&tile, q, k, v, layout, rows * longest)
                     }
                 }
+                #[cfg(target_arch = "x86_64")]
+                (KvRows::Bf16(k), KvRows::Bf16(v)) if !few_rows && bf16_dot => {
+                    // SAFETY: `bf16_dot` holds.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        super::attention_bf16::attend_tile(
+                            &tile,
+                            q,
+                            k,
+                            v,
+                            layout,
+                            longest,
+                            loops.key_block,
+                        )
+                    }
+                }
                 (KvRows::F32(k), KvRows::F32(v)) if few_rows => {
                     with_scratch(rows * longest, |scores| {
                         attend_tile(&tile, q, k, v, layout, scores)
@@ -234,15 +257,15 @@ fn attention_with(
 }
 
 /// One work item of [`paged_attention`]: tokens `t0..t1` of one run, KV head `kvh`.
-struct Tile {
-    t0: usize,
-    t1: usize,
-    kvh: usize,
-    group: usize,
-    num_heads: usize,
-    head_dim: usize,
-    kv_dim: usize,
-    scale: f32,
+pub(super) struct Tile {
+    pub(super) t0: usize,
+    pub(super) t1: usize,
+    pub(super) kvh: usize,
+    pub(super) group: usize,
+    pub(super) num_heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) kv_dim: usize,
+    pub(super) scale: f32,
 }
 
 impl Tile {
@@ -257,13 +280,18 @@ impl Tile {
     }
 
     /// Keys query row `r` attends to.
-    fn len(&self, layout: &PagedLayout<'_>, r: usize) -> usize {
+    pub(super) fn len(&self, layout: &PagedLayout<'_>, r: usize) -> usize {
         layout.positions[self.t0 + r / self.group] as usize + 1
     }
 
     /// Each of the run's first `keys` keys' row offset in the cache (found once: a slot is a
     /// division by the block size).
-    fn key_offsets(&self, layout: &PagedLayout<'_>, run: usize, keys: usize) -> Vec<usize> {
+    pub(super) fn key_offsets(
+        &self,
+        layout: &PagedLayout<'_>,
+        run: usize,
+        keys: usize,
+    ) -> Vec<usize> {
         let kv_off = self.kvh * self.head_dim;
         (0..keys)
             .map(|j| layout.slot(run, j) * self.kv_dim + kv_off)
@@ -271,7 +299,7 @@ impl Tile {
     }
 
     /// Where query row `r` starts in `q`.
-    fn q_at(&self, r: usize) -> usize {
+    pub(super) fn q_at(&self, r: usize) -> usize {
         let t = self.t0 + r / self.group;
         (t * self.num_heads + self.kvh * self.group + r % self.group) * self.head_dim
     }
@@ -433,7 +461,7 @@ fn attend_tile_gemm(
 }
 
 /// `s = exp(s - shift)` in place, returning their sum; eight lanes at a time where `simd`.
-fn exp_shifted(s: &mut [f32], shift: f32, simd: bool) -> f32 {
+pub(super) fn exp_shifted(s: &mut [f32], shift: f32, simd: bool) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is set only when the CPU has AVX2 and FMA.
@@ -1055,7 +1083,7 @@ mod tests {
                     (1, 7, Some(13)),
                     (GEMM_MIN_QUERY_ROWS, KEY_BLOCK, None),
                 ] {
-                    let loops = Loops { simd, gemm_min_rows, key_block, tile_tokens };
+                    let loops = Loops { simd, gemm_min_rows, key_block, tile_tokens, bf16_dot: false };
                     // Each with an f32 and a bf16 cache (the latter always on the GEMM path).
                     for (cache, ck, cv) in [
                         ("f32", KvRows::F32(&k), KvRows::F32(&v)),
@@ -1067,6 +1095,16 @@ mod tests {
                             prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{loops:?} {cache}: {i}: {a} against {b}");
                         }
                     }
+                }
+            }
+            // The bf16 cache's tiles on AVX-512 BF16 dot products (where the CPU has them):
+            // the queries and probabilities rounded to bf16, so within 2e-2, not 1e-5.
+            for (key_block, tile_tokens) in [(KEY_BLOCK, Some(TILE_TOKENS)), (7, Some(13)), (KEY_BLOCK, None)] {
+                let loops = Loops { simd: true, gemm_min_rows: 1, key_block, tile_tokens, bf16_dot: true };
+                let mut out = vec![f32::NAN; expected.len()];
+                attention_with(loops, &q, KvRows::Bf16(&k16), KvRows::Bf16(&v16), &layout, (heads, kv_heads, hd, scale), &mut out);
+                for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+                    prop_assert!((a - b).abs() <= 2e-2 * (1.0 + b.abs()), "{loops:?}: {i}: {a} against {b}");
                 }
             }
         }

@@ -2,6 +2,7 @@
 //! checked against the op's shape, and runs as one rayon parallel region.
 
 pub(crate) mod attention;
+mod attention_bf16;
 pub(crate) mod delta_net;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
