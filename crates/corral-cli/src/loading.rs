@@ -2,11 +2,13 @@
 //! making synthetic ones) with a progress bar.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{Context, Result};
 use clap::Args;
 use corral_backend::{Backend, CpuBackend, CudaBackend, CudaOptions, DType};
+use corral_engine::{Tokenizer, TokenizerConfig};
+use corral_model::checkpoint::GgufCheckpoint;
 use corral_model::{Model, ModelConfig, MoeStrategy};
 
 /// Options every model-loading command takes.
@@ -42,6 +44,10 @@ pub(crate) struct ModelArgs {
     /// `f32` (exact, as the conformance tests run).
     #[arg(long, env = "CORRAL_KV_DTYPE", default_value = "bf16", value_parser = parse_kv_dtype)]
     pub(crate) kv_dtype: DType,
+    /// The GGUF file `--model` names, opened once: its header serves the model, the
+    /// vocabulary and the stop ids.
+    #[arg(skip)]
+    gguf: OnceLock<GgufCheckpoint>,
 }
 
 /// `--kv-dtype`: bf16 or f32.
@@ -150,6 +156,42 @@ impl ModelArgs {
         self.model.as_deref()
     }
 
+    /// The GGUF file `--model` names (none for a directory or a synthetic model), its
+    /// header read on the first call only.
+    pub(crate) fn gguf(&self) -> Result<Option<&GgufCheckpoint>> {
+        let Some(file) = self.model.as_deref().filter(|p| p.is_file()) else {
+            return Ok(None);
+        };
+        if let Some(opened) = self.gguf.get() {
+            return Ok(Some(opened));
+        }
+        let opened = GgufCheckpoint::open(file)
+            .with_context(|| format!("reading the GGUF file {}", file.display()))?;
+        Ok(Some(self.gguf.get_or_init(|| opened)))
+    }
+
+    /// The tokenizer and template config in `dir`: the model's own GGUF header when `dir`
+    /// is that file.
+    pub(crate) fn vocabulary(&self, dir: &Path) -> Result<(Tokenizer, TokenizerConfig)> {
+        match self.gguf()? {
+            Some(gguf) if self.dir() == Some(dir) => {
+                Ok(corral_engine::vocabulary_from_gguf(gguf, dir)?)
+            }
+            _ => Ok(corral_engine::load_vocabulary(dir)?),
+        }
+    }
+
+    /// The ids that end generation: config.json's `eos` and what `dir` (the vocabulary's
+    /// directory or GGUF file) adds.
+    pub(crate) fn stop_ids(&self, dir: &Path, eos: &[u32]) -> Result<Vec<u32>> {
+        match self.gguf()? {
+            Some(gguf) if self.dir() == Some(dir) => {
+                Ok(corral_engine::gguf_stop_token_ids(gguf, eos))
+            }
+            _ => Ok(corral_engine::stop_token_ids(dir, eos)?),
+        }
+    }
+
     /// What the model is, for reports.
     pub(crate) fn describe(&self) -> String {
         match (&self.model, &self.synthetic) {
@@ -188,7 +230,12 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
         bar.set_position(done as u64);
     };
     let model = match (&args.model, &args.synthetic) {
-        (Some(file), _) if file.is_file() => Model::load_gguf(file, backend, &mut progress)
+        (Some(file), _) if file.is_file() => args
+            .gguf()
+            .and_then(|gguf| {
+                let gguf = gguf.context("the GGUF file was not opened")?;
+                Ok(Model::from_gguf(gguf, backend, &mut progress)?)
+            })
             .with_context(|| format!("loading the GGUF model {}", file.display())),
         (Some(dir), _) => {
             if !dir.is_dir() {

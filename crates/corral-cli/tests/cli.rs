@@ -229,6 +229,33 @@ fn run_on_a_gguf_file_gives_what_its_checkpoint_directory_gives() {
     assert_eq!(from_dir, from_gguf);
 }
 
+/// `serve` on a GGUF file reads its header once for the model, the vocabulary and the stop
+/// ids.
+#[test]
+fn serve_reads_a_gguf_header_once() {
+    let file = repo().join("tests/fixtures/gguf/tiny-qwen3-moe.gguf");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args(["serve", "--model", file.to_str().unwrap(), "--port", "0"])
+        .args(["--threads", "2"])
+        .env("RUST_LOG", "info,corral_model=debug")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut log = String::new();
+    let mut reader = std::io::BufReader::new(child.stderr.take().unwrap());
+    while !log.contains("listening on") {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut reader, &mut line).unwrap() == 0 {
+            break;
+        }
+        log.push_str(&line);
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(log.contains("listening on"), "{log}");
+    assert_eq!(log.matches("read a GGUF header").count(), 1, "{log}");
+}
+
 /// `plan` reads a GGUF file's config and weight bytes as it reads the checkpoint it came from.
 #[test]
 fn plan_reads_a_gguf_file_as_its_checkpoint_directory() {

@@ -11,16 +11,11 @@ use crate::EngineError;
 /// The ids that stop generation for a checkpoint directory, given config.json's own; for a
 /// GGUF file, those its vocabulary names (it has no generation config).
 pub fn stop_token_ids(dir: &Path, config_eos: &[u32]) -> Result<Vec<u32>, EngineError> {
-    let mut ids = config_eos.to_vec();
     if dir.is_file() {
         let gguf = crate::gguf_vocab::open_gguf(dir)?;
-        for id in crate::gguf_vocab::end_of_generation_ids(gguf.header()) {
-            if !ids.contains(&id) {
-                ids.push(id);
-            }
-        }
-        return Ok(ids);
+        return Ok(gguf_stop_token_ids(&gguf, config_eos));
     }
+    let mut ids = config_eos.to_vec();
     let path = dir.join("generation_config.json");
     if path.exists() {
         let text = std::fs::read_to_string(&path).map_err(|source| EngineError::Io {
@@ -59,6 +54,20 @@ pub fn stop_token_ids(dir: &Path, config_eos: &[u32]) -> Result<Vec<u32>, Engine
         }
     }
     Ok(ids)
+}
+
+/// config.json's end-of-generation ids plus those the vocabulary of an opened GGUF file names.
+pub fn gguf_stop_token_ids(
+    gguf: &corral_model::checkpoint::GgufCheckpoint,
+    config_eos: &[u32],
+) -> Vec<u32> {
+    let mut ids = config_eos.to_vec();
+    for id in crate::gguf_vocab::end_of_generation_ids(gguf.header()) {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
 }
 
 /// Sampling values a request gets for the fields it leaves out: the model's shipped

@@ -24,12 +24,19 @@ pub(crate) fn open_gguf(
 /// `tokenizer.json` and `tokenizer_config.json`, or from what a GGUF file carries.
 pub fn load_vocabulary(path: &Path) -> Result<(Tokenizer, TokenizerConfig), EngineError> {
     if path.is_file() {
-        let gguf = open_gguf(path)?;
-        let tokenizer = Tokenizer::from_gguf(gguf.header(), path)?;
-        return Ok((tokenizer, TokenizerConfig::from_gguf(gguf.header())));
+        return vocabulary_from_gguf(&open_gguf(path)?, path);
     }
     let tokenizer = Tokenizer::from_file(&path.join("tokenizer.json"))?;
     Ok((tokenizer, TokenizerConfig::from_dir(path)?))
+}
+
+/// The tokenizer and template config of the GGUF file `path`, already opened as `gguf`.
+pub fn vocabulary_from_gguf(
+    gguf: &corral_model::checkpoint::GgufCheckpoint,
+    path: &Path,
+) -> Result<(Tokenizer, TokenizerConfig), EngineError> {
+    let tokenizer = Tokenizer::from_gguf(gguf.header(), path)?;
+    Ok((tokenizer, TokenizerConfig::from_gguf(gguf.header())))
 }
 
 /// Qwen2 / Qwen3's pre-tokenizer pattern (`tokenizer.ggml.pre` = "qwen2").

@@ -26,8 +26,10 @@ pub use chat_template::{ChatTemplate, TokenizerConfig, ToolCallFormat};
 pub use constraint::{Constraint, ConstraintStats, Grammar, GrammarCompiler, json_style};
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
 pub use error::EngineError;
-pub use generation_config::{SamplingDefaults, sampling_defaults, stop_token_ids};
-pub use gguf_vocab::load_vocabulary;
+pub use generation_config::{
+    SamplingDefaults, gguf_stop_token_ids, sampling_defaults, stop_token_ids,
+};
+pub use gguf_vocab::{load_vocabulary, vocabulary_from_gguf};
 pub use kv::{
     EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir,
     SpillFile, SpilledPrefix, StateSlotPool,

@@ -146,11 +146,20 @@ impl Model {
         backend: Arc<dyn Backend>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
-        let gguf = GgufCheckpoint::open(path)?;
+        Self::from_gguf(&GgufCheckpoint::open(path)?, backend, progress)
+    }
+
+    /// [`Model::load_gguf`] from a file already opened (its header read once for the model,
+    /// the vocabulary and the stop ids).
+    pub fn from_gguf(
+        gguf: &GgufCheckpoint,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let config = gguf.config()?;
         let elements = gguf.tensors().map(|t| t.numel() as usize).sum();
         let bytes = gguf.loaded_bytes();
-        Self::bind(&gguf, config, backend, progress, elements, bytes)
+        Self::bind(gguf, config, backend, progress, elements, bytes)
     }
 
     /// Builds a model of `config` with deterministic random weights (normal, std 0.02; norms

@@ -9,7 +9,7 @@ use clap::Args;
 use corral_backend::DispatchStats;
 use corral_engine::{
     BLOCK_SIZE, ChatTemplate, EngineConfig, EngineRequest, Event, Finished, IncrementalDecoder,
-    SamplingParams, TokenizerConfig, load_vocabulary, spawn_engine, stop_token_ids,
+    SamplingParams, TokenizerConfig, spawn_engine,
 };
 use serde_json::{Map, Value, json};
 
@@ -100,7 +100,11 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     let model = load_model(&args.model)?;
     let dir = args.model.dir();
     let vocabulary = match (&args.prompt, dir) {
-        (Some(_), Some(dir)) => Some(load_vocabulary(dir).context("--prompt needs the tokenizer")?),
+        (Some(_), Some(dir)) => Some(
+            args.model
+                .vocabulary(dir)
+                .context("--prompt needs the tokenizer")?,
+        ),
         (Some(_), None) => {
             bail!("--prompt needs a tokenizer: use --model DIR or FILE.gguf, or --token-ids")
         }
@@ -133,7 +137,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     }
     let stop = match (args.ignore_eos, dir) {
         (true, _) => Vec::new(),
-        (false, Some(dir)) => stop_token_ids(dir, &model.config().eos_token_ids)?,
+        (false, Some(dir)) => args.model.stop_ids(dir, &model.config().eos_token_ids)?,
         (false, None) => model.config().eos_token_ids.clone(),
     };
     if args.max_tokens == 0 {

@@ -5,10 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use corral_engine::{
-    BLOCK_SIZE, ChatTemplate, EngineConfig, load_vocabulary, sampling_defaults, spawn_engine,
-    stop_token_ids,
-};
+use corral_engine::{BLOCK_SIZE, ChatTemplate, EngineConfig, sampling_defaults, spawn_engine};
 use corral_server::{AppState, RequestCounts, ServerConfig};
 
 use super::serve_plan;
@@ -157,7 +154,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             "serve needs --model DIR (with tokenizer.json) or FILE.gguf, or --tokenizer DIR with --synthetic"
         );
     };
-    let (tokenizer, mut template_config) = load_vocabulary(&dir)?;
+    let (tokenizer, mut template_config) = args.model.vocabulary(&dir)?;
     if let Some(path) = &args.chat_template {
         let source = std::fs::read_to_string(path)
             .with_context(|| format!("reading the chat template {}", path.display()))?;
@@ -227,7 +224,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         "KV {capacity} tokens in {kv_blocks} blocks, {batch} state slots, {state_checkpoints} state checkpoints; max context {max_context} at C=1, {at_batch} at C={batch}"
     );
     serve_plan::warn_short(max_context, capacity, args.max_context);
-    let stop_ids = stop_token_ids(&dir, &config.eos_token_ids)?;
+    let stop_ids = args.model.stop_ids(&dir, &config.eos_token_ids)?;
     let shipped = sampling_defaults(&dir)?;
     let sampling = match &args.sampling_defaults {
         Some(text) => shipped

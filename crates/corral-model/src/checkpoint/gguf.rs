@@ -67,6 +67,7 @@ impl GgufCheckpoint {
     /// Maps `path` and reads its header; for the first file of a split model, every split.
     pub fn open(path: &Path) -> Result<Self> {
         let (file, header) = open_file(path)?;
+        tracing::debug!(path = %path.display(), "read a GGUF header");
         let invalid = |detail: String| ModelError::Gguf {
             path: path.to_path_buf(),
             detail,

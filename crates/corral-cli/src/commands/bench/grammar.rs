@@ -9,8 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{
-    Constraint, EngineHandle, EngineRequest, Event, Finished, Grammar, SamplingParams,
-    spawn_engine, stop_token_ids,
+    Constraint, EngineHandle, EngineRequest, Event, Finished, Grammar, SamplingParams, spawn_engine,
 };
 use serde_json::{Value, json};
 
@@ -48,7 +47,7 @@ pub(crate) fn run(args: GrammarArgs) -> Result<()> {
         .clone()
         .or_else(|| args.model.dir().map(std::path::Path::to_path_buf))
         .context("bench grammar needs --model DIR (with tokenizer.json), or --tokenizer DIR")?;
-    let (tokenizer, _) = corral_engine::load_vocabulary(&dir)?;
+    let (tokenizer, _) = args.model.vocabulary(&dir)?;
     let schema: Value = match &args.json_schema {
         Some(path) => serde_json::from_str(
             &std::fs::read_to_string(path)
@@ -59,7 +58,7 @@ pub(crate) fn run(args: GrammarArgs) -> Result<()> {
             "items": {"type": "string"}}}, "required": ["items"]}),
     };
     let model = load_model(&args.model)?;
-    let stop = stop_token_ids(&dir, &model.config().eos_token_ids)?;
+    let stop = args.model.stop_ids(&dir, &model.config().eos_token_ids)?;
     let compiler = tokenizer.grammar_compiler(&stop)?;
     let grammar = Grammar::JsonSchema(schema);
     let prompt = tokenizer.encode("Write the list as JSON:")?;
