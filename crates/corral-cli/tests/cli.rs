@@ -38,6 +38,31 @@ fn corral(args: &[&str]) -> Output {
         .expect("run corral")
 }
 
+/// The log `corral serve ARGS --port 0` writes (under `RUST_LOG=rust_log`) until it
+/// listens or exits; the server is stopped then.
+fn serve_log_until_listening(args: &[&str], rust_log: &str) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_corral"))
+        .arg("serve")
+        .args(args)
+        .args(["--port", "0", "--threads", "2"])
+        .env("RUST_LOG", rust_log)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run corral serve");
+    let mut log = String::new();
+    let mut reader = std::io::BufReader::new(child.stderr.take().expect("stderr piped"));
+    while !log.contains("listening on") {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut reader, &mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        log.push_str(&line);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    log
+}
+
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -234,24 +259,10 @@ fn run_on_a_gguf_file_gives_what_its_checkpoint_directory_gives() {
 #[test]
 fn serve_reads_a_gguf_header_once() {
     let file = repo().join("tests/fixtures/gguf/tiny-qwen3-moe.gguf");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
-        .args(["serve", "--model", file.to_str().unwrap(), "--port", "0"])
-        .args(["--threads", "2"])
-        .env("RUST_LOG", "info,corral_model=debug")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut log = String::new();
-    let mut reader = std::io::BufReader::new(child.stderr.take().unwrap());
-    while !log.contains("listening on") {
-        let mut line = String::new();
-        if std::io::BufRead::read_line(&mut reader, &mut line).unwrap() == 0 {
-            break;
-        }
-        log.push_str(&line);
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
+    let log = serve_log_until_listening(
+        &["--model", file.to_str().unwrap()],
+        "info,corral_model=debug",
+    );
     assert!(log.contains("listening on"), "{log}");
     assert_eq!(log.matches("read a GGUF header").count(), 1, "{log}");
 }
@@ -653,24 +664,7 @@ fn serve_sizes_its_kv_pool_from_the_memory_plan() {
     );
     // A budget that holds the weights and workspace and a few blocks: the KV pool, not the
     // model's 4,096 positions, limits the context.
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
-        .args([
-            "serve", "--model", model, "--port", "0", "--memory", "9000K",
-        ])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut log = String::new();
-    let mut reader = std::io::BufReader::new(child.stderr.take().unwrap());
-    while !log.contains("listening on") {
-        let mut line = String::new();
-        if std::io::BufRead::read_line(&mut reader, &mut line).unwrap() == 0 {
-            break;
-        }
-        log.push_str(&line);
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
+    let log = serve_log_until_listening(&["--model", model, "--memory", "9000K"], "info");
     assert!(log.contains("memory budget: given"), "{log}");
     assert!(log.contains(" blocks, 16 state slots"), "{log}");
     assert!(

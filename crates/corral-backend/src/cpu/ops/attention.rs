@@ -215,7 +215,8 @@ fn attention_with(
                 }
                 #[cfg(target_arch = "x86_64")]
                 (KvRows::Bf16(k), KvRows::Bf16(v)) if !few_rows && bf16_dot => {
-                    // SAFETY: `bf16_dot` holds.
+                    // SAFETY: `bf16_dot` holds: the CPU has AVX-512 BF16, the head dim is a
+                    // multiple of 32.
                     #[allow(unsafe_code)]
                     unsafe {
                         super::attention_bf16::attend_tile(

@@ -28,25 +28,10 @@ pub(crate) fn available() -> bool {
 }
 
 /// The outputs of `tile`'s query rows over the first `longest` keys of its run, in blocks
-/// of `key_block` keys (as [`super::attention`]'s GEMM path computes them).
-///
-/// # Safety
-/// [`available`] holds, and the tile's head dim is a multiple of 32.
-pub(crate) unsafe fn attend_tile(
-    tile: &Tile,
-    q: &[f32],
-    cache_k: &[u16],
-    cache_v: &[u16],
-    layout: &PagedLayout<'_>,
-    longest: usize,
-    key_block: usize,
-) -> Vec<f32> {
-    // SAFETY: this function's contract.
-    unsafe { attend_tile_avx512(tile, q, cache_k, cache_v, layout, longest, key_block) }
-}
-
+/// of `key_block` keys (as [`super::attention`]'s GEMM path computes them). Callers check
+/// [`available`] first; the tile's head dim is a multiple of 32.
 #[target_feature(enable = "avx512f,avx512bf16")]
-fn attend_tile_avx512(
+pub(crate) fn attend_tile(
     tile: &Tile,
     q: &[f32],
     cache_k: &[u16],
