@@ -437,18 +437,8 @@ fn attend_tile_gemm(
                 let row = &mut s[r * n..(r + 1) * n];
                 let (kept, past) = row.split_at_mut(valid);
                 past.fill(0.0);
-                if valid == 0 {
-                    continue;
-                }
-                let new_max = kept.iter().copied().fold(max[r], f32::max);
-                let rescale = (max[r] - new_max).exp();
-                sum[r] = sum[r] * rescale + exp_shifted(kept, new_max, simd);
-                if rescale != 1.0 {
-                    o[r * hd..(r + 1) * hd]
-                        .iter_mut()
-                        .for_each(|x| *x *= rescale);
-                }
-                max[r] = new_max;
+                let out = &mut o[r * hd..(r + 1) * hd];
+                online_softmax_step(kept, (&mut max[r], &mut sum[r]), out, simd);
             }
             let (probs, values) = (Operand::row_major(s, n), Operand::row_major(vb, hd));
             gemm_into(&mut o, rows, hd, n, probs, values, true);
@@ -461,8 +451,29 @@ fn attend_tile_gemm(
     o
 }
 
+/// One row's online-softmax step over a block's `kept` scores (none past the row's length):
+/// they become `exp(s - max)` against the running max, which grows to theirs, the running
+/// sum is rescaled and added to, and so is the row's output so far.
+pub(super) fn online_softmax_step(
+    kept: &mut [f32],
+    (max, sum): (&mut f32, &mut f32),
+    out: &mut [f32],
+    simd: bool,
+) {
+    if kept.is_empty() {
+        return;
+    }
+    let new_max = kept.iter().copied().fold(*max, f32::max);
+    let rescale = (*max - new_max).exp();
+    *sum = *sum * rescale + exp_shifted(kept, new_max, simd);
+    if rescale != 1.0 {
+        out.iter_mut().for_each(|x| *x *= rescale);
+    }
+    *max = new_max;
+}
+
 /// `s = exp(s - shift)` in place, returning their sum; eight lanes at a time where `simd`.
-pub(super) fn exp_shifted(s: &mut [f32], shift: f32, simd: bool) -> f32 {
+fn exp_shifted(s: &mut [f32], shift: f32, simd: bool) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is set only when the CPU has AVX2 and FMA.

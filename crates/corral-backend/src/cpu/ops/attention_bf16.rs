@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::attention::{PagedLayout, Tile, exp_shifted};
+use super::attention::{PagedLayout, Tile, online_softmax_step};
 
 /// Keys a score pass takes at once: two registers of 16.
 const KEY_STEP: usize = 32;
@@ -97,17 +97,8 @@ pub(crate) fn attend_tile(
             let row = &mut s[r * width..(r + 1) * width];
             let (kept, past) = row.split_at_mut(valid);
             past.fill(0.0);
-            if valid > 0 {
-                let new_max = kept.iter().copied().fold(max[r], f32::max);
-                let rescale = (max[r] - new_max).exp();
-                sum[r] = sum[r] * rescale + exp_shifted(kept, new_max, true);
-                if rescale != 1.0 {
-                    o[r * hd..(r + 1) * hd]
-                        .iter_mut()
-                        .for_each(|x| *x *= rescale);
-                }
-                max[r] = new_max;
-            }
+            let out = &mut o[r * hd..(r + 1) * hd];
+            online_softmax_step(kept, (&mut max[r], &mut sum[r]), out, true);
             pack_pairs(row, &mut pp[r * width / 2..(r + 1) * width / 2]);
         }
         let mut r = 0;
