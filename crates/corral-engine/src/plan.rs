@@ -37,11 +37,23 @@ impl MemoryNeeds {
         fixed: u64,
         block_size: usize,
     ) -> Self {
+        let workspace = fixed + activation_bytes(config, prefill_tokens);
+        Self::with_workspace(config, weights, kv_element, workspace, block_size)
+    }
+
+    /// [`MemoryNeeds::of`] with a `workspace` already known (measured) instead of estimated.
+    pub fn with_workspace(
+        config: &ModelConfig,
+        weights: u64,
+        kv_element: usize,
+        workspace: u64,
+        block_size: usize,
+    ) -> Self {
         Self {
             weights,
             kv_per_token: config.kv_bytes_per_token(kv_element) as u64,
             state_per_sequence: RecurrentStateCache::bytes_per_slot(config) as u64,
-            workspace: fixed + activation_bytes(config, prefill_tokens),
+            workspace,
             block_size: block_size.max(1),
             max_position: config.max_context(),
         }

@@ -54,16 +54,7 @@ pub(crate) fn plan_serving(
     // is read after them.
     let device = backend.device_memory()?;
     let needs = |fixed: u64| {
-        let mut needs = MemoryNeeds::of(
-            config,
-            weights,
-            kv_element,
-            shape.prefill_tokens,
-            fixed,
-            BLOCK_SIZE,
-        );
-        needs.workspace = fixed + step;
-        needs
+        MemoryNeeds::with_workspace(config, weights, kv_element, fixed + step, BLOCK_SIZE)
     };
     let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;
     let (needs, budget, source) = match (shape.memory, device) {

@@ -9,6 +9,7 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
+use std::cell::Cell;
 
 use super::attention::{PagedLayout, Tile, online_softmax_step};
 
@@ -20,6 +21,25 @@ const SCORE_ROWS: usize = 8;
 
 /// Query rows an output pass keeps in registers (up to four accumulators of 16 dims each).
 const OUTPUT_ROWS: usize = 4;
+
+thread_local! {
+    /// Per-thread room for a tile's packed bf16 pairs and its scores: grown once, reused
+    /// (taken out while a tile runs, so no closure stands between the kernels).
+    static PACKED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+    static SCORES: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// This thread's reusable buffer, at least `len` long (its contents are stale).
+fn reused<T: Copy + Default>(
+    slot: &'static std::thread::LocalKey<Cell<Vec<T>>>,
+    len: usize,
+) -> Vec<T> {
+    let mut buffer = slot.take();
+    if buffer.len() < len {
+        buffer.resize(len, T::default());
+    }
+    buffer
+}
 
 /// Whether the CPU has AVX-512 with BF16 dot products.
 pub(crate) fn available() -> bool {
@@ -47,8 +67,18 @@ pub(crate) fn attend_tile(
     // Whole steps of 32 keys a block (the last block's tail padded with zero keys).
     let block = key_block.clamp(1, longest.max(1)).div_ceil(KEY_STEP) * KEY_STEP;
     let bases = tile.key_offsets(layout, run, longest);
-    // The scaled queries as bf16 pairs of dims.
-    let mut qp = vec![0u32; rows * pairs];
+    // The scaled queries as bf16 pairs of dims; K as [pair of dims][key] and V as [pair of
+    // keys][dim] for a block; the block's scores and their bf16 pairs. Every element is
+    // written before it is read.
+    let mut packed = reused(
+        &PACKED,
+        rows * pairs + pairs * block + block / 2 * hd + rows * block / 2,
+    );
+    let mut scores = reused(&SCORES, rows * block);
+    let (qp, rest) = packed.split_at_mut(rows * pairs);
+    let (kp, rest) = rest.split_at_mut(pairs * block);
+    let (vp, pp) = rest.split_at_mut(block / 2 * hd);
+    let s = &mut scores[..rows * block];
     let mut scaled = vec![0.0f32; hd];
     for r in 0..rows {
         let at = tile.q_at(r);
@@ -60,11 +90,6 @@ pub(crate) fn attend_tile(
     let mut o = vec![0.0f32; rows * hd];
     let mut max = vec![f32::NEG_INFINITY; rows];
     let mut sum = vec![0.0f32; rows];
-    // K as [pair of dims][key], V as [pair of keys][dim], the scores and their bf16 pairs.
-    let mut kp = vec![0u32; pairs * block];
-    let mut vp = vec![0u32; block / 2 * hd];
-    let mut s = vec![0.0f32; rows * block];
-    let mut pp = vec![0u32; rows * block / 2];
     for j0 in (0..longest).step_by(block) {
         let n = block.min(longest - j0);
         let width = n.div_ceil(KEY_STEP) * KEY_STEP;
@@ -73,7 +98,7 @@ pub(crate) fn attend_tile(
             &bases[j0..j0 + n],
             hd,
             width,
-            (&mut kp, &mut vp),
+            (&mut *kp, &mut *vp),
         );
         let mut r = 0;
         while r < rows {
@@ -81,14 +106,14 @@ pub(crate) fn attend_tile(
             let scores = &mut s[r * width..];
             let queries = &qp[r * pairs..];
             match nr {
-                8 => score_rows::<8>(queries, &kp, pairs, width, scores),
-                7 => score_rows::<7>(queries, &kp, pairs, width, scores),
-                6 => score_rows::<6>(queries, &kp, pairs, width, scores),
-                5 => score_rows::<5>(queries, &kp, pairs, width, scores),
-                4 => score_rows::<4>(queries, &kp, pairs, width, scores),
-                3 => score_rows::<3>(queries, &kp, pairs, width, scores),
-                2 => score_rows::<2>(queries, &kp, pairs, width, scores),
-                _ => score_rows::<1>(queries, &kp, pairs, width, scores),
+                8 => score_rows::<8>(queries, kp, pairs, width, scores),
+                7 => score_rows::<7>(queries, kp, pairs, width, scores),
+                6 => score_rows::<6>(queries, kp, pairs, width, scores),
+                5 => score_rows::<5>(queries, kp, pairs, width, scores),
+                4 => score_rows::<4>(queries, kp, pairs, width, scores),
+                3 => score_rows::<3>(queries, kp, pairs, width, scores),
+                2 => score_rows::<2>(queries, kp, pairs, width, scores),
+                _ => score_rows::<1>(queries, kp, pairs, width, scores),
             }
             r += nr;
         }
@@ -107,14 +132,16 @@ pub(crate) fn attend_tile(
             let probs = &pp[r * width / 2..];
             let out = &mut o[r * hd..];
             match nr {
-                4 => sum_values::<4>(probs, &vp, width / 2, hd, out),
-                3 => sum_values::<3>(probs, &vp, width / 2, hd, out),
-                2 => sum_values::<2>(probs, &vp, width / 2, hd, out),
-                _ => sum_values::<1>(probs, &vp, width / 2, hd, out),
+                4 => sum_values::<4>(probs, vp, width / 2, hd, out),
+                3 => sum_values::<3>(probs, vp, width / 2, hd, out),
+                2 => sum_values::<2>(probs, vp, width / 2, hd, out),
+                _ => sum_values::<1>(probs, vp, width / 2, hd, out),
             }
             r += nr;
         }
     }
+    PACKED.set(packed);
+    SCORES.set(scores);
     for (orow, total) in o.chunks_exact_mut(hd).zip(&sum) {
         let inv = 1.0 / total;
         orow.iter_mut().for_each(|x| *x *= inv);
