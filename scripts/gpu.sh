@@ -7,14 +7,17 @@
 #   scripts/gpu.sh remote    on the GPU machine, from the repository root with .gpu/ beside
 #                            it: runs the GPU tests, then the benchmarks, writing logs and JSON
 #                            to $OUT (default: .gpu/out). STAGES picks parts: tests,run,prefill,
-#                            prefill-recurrent,decode,decode-serial,serve,serve-long (default: all but
+#                            prefill-recurrent,decode,decode-serial,serve,serve-long,sessions (default: all but
 #                            prefill-recurrent, which repeats prefill with
 #                            CORRAL_RECURRENT_DELTA_RULE=1, and decode-serial, which repeats
 #                            decode with CORRAL_SERIAL_LAUNCHES=1, and serve-long: served
-#                            long prompts under MEMORY, LONG_PROMPT, PER_PROMPT and PREFILL_CHUNK); TEST_LOGS puts the
+#                            long prompts under MEMORY, LONG_PROMPT, PER_PROMPT and PREFILL_CHUNK,
+#                            and sessions: the 3-session replay, PREFIX_CACHE on or off); TEST_LOGS puts the
 #                            test logs elsewhere; MODEL picks the synthetic config; the serve
 #                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
-#                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS.
+#                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS; the prefill stage
+#                            PREFILL_LENS, PREFILL_STRATEGIES, REPS, CHUNK. CORRAL runs another
+#                            build of corral; TAG names its results (prefill-TAG.json, ...).
 #
 # The test binaries find the fixtures through the path they were built at; `remote` links
 # that path to the repository when it differs.
@@ -49,7 +52,7 @@ remote() {
     mkdir -p "$(dirname "$built")" && ln -s "$(pwd)" "$built"
   fi
   export CORRAL_KERNEL_CACHE="$PWD/.gpu/kernel-cache"
-  local corral=.gpu/bin/corral
+  local corral="${CORRAL:-.gpu/bin/corral}" tag="${TAG:+-$TAG}"
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
     | tee "$out/gpu.txt"
   has() { [[ ",$stages," == *",$1,"* ]]; }
@@ -69,11 +72,12 @@ remote() {
   prefill() {
     timeout 420 $corral bench prefill --synthetic "$model" --device cuda \
       --prompt-lens "${PREFILL_LENS:-10,32,300,2048}" --strategies "${PREFILL_STRATEGIES:-grouped,per-expert}" \
-      --reps "${REPS:-5}" --idle-seconds 0 ${PROFILE:+--profile} --json "$out/$1.json" 2>&1 | tee "$out/$1.txt" || true
+      --reps "${REPS:-5}" --idle-seconds 0 ${CHUNK:+--chunk "$CHUNK"} ${PROFILE:+--profile} \
+      --json "$out/$1.json" 2>&1 | tee "$out/$1.txt" || true
   }
   if has prefill; then
     echo "== bench prefill"
-    prefill prefill
+    prefill "prefill$tag"
   fi
   if has prefill-recurrent; then
     echo "== bench prefill, the delta rule token by token"
@@ -140,6 +144,23 @@ remote() {
         --max-tokens 16 --stream-fraction 1 --prompt-tokens "$2" --json "$out/serve-long-$3.json" 2>&1 | tee "$out/serve-long-$3.txt" || true
       used "after C=$1"
     done
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  fi
+  if has sessions; then
+    # Three interleaved agent sessions, each revisit against its new text alone.
+    echo "== serve + bench sessions, prefix cache ${PREFIX_CACHE:-on}"
+    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device cuda \
+      --port 18181 --max-batch 32 --kv-memory 16G --prefix-cache "${PREFIX_CACHE:-on}" \
+      > "$out/sessions-serve$tag.log" 2>&1 &
+    local pid=$!
+    if ! serving "$pid"; then
+      echo "the server did not start:"; tail -5 "$out/sessions-serve$tag.log"
+      return 0
+    fi
+    timeout 400 $corral bench sessions --url http://127.0.0.1:18181 --sessions 3 \
+      --turns "${TURNS:-6}" --system-words 2000 --tool-words 300 --reply-tokens 32 \
+      --json "$out/sessions$tag.json" 2>&1 | tee "$out/sessions$tag.txt" || true
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   fi

@@ -377,6 +377,23 @@ impl Kernel {
         self.2 = bytes;
         Ok(self)
     }
+
+    /// This kernel preferring all of an SM's L1 as shared memory, so that as many of its
+    /// blocks fit an SM as their shared memory allows.
+    pub(crate) fn preferring_shared_memory(self) -> Result<Self> {
+        // SAFETY: as in `with_dynamic_smem`; the attribute takes a percentage.
+        #[allow(unsafe_code)]
+        unsafe {
+            sys::cuFuncSetAttribute(
+                self.0,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+        }
+        .result()
+        .map_err(|e| driver_err(self.1, e))?;
+        Ok(self)
+    }
 }
 
 // SAFETY: a CUfunction is a handle valid on every thread that binds its context; launching

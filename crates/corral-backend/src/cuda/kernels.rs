@@ -49,9 +49,19 @@ const BIG_TILE_SMEM_BYTES: u32 = 3 * (128 + 128) * 72 * 2;
 const STREAM_SMEM_BYTES: u32 = 3 * 16 * 2048 * 2 + 2 * 8 * 2 * 4 * 32 * 4 + 6 * (2 * 8 + 16);
 
 /// Dynamic shared memory of prefill attention for `head_dim`: FA_SMEM_BYTES of
-/// flash_attention.cu (two stages of 64 keys of K and V, rows of head_dim + 8 bf16 values).
+/// flash_attention.cu (FaStages stages, two at head dims 64 and 128 and one at 256, of 64 keys
+/// of K and V, rows of head_dim + 8 bf16 values).
 const fn flash_attention_smem_bytes(head_dim: u32) -> u32 {
-    2 * 2 * 64 * (head_dim + 8) * 2
+    let stages = if head_dim == 256 { 1 } else { 2 };
+    stages * 2 * 64 * (head_dim + 8) * 2
+}
+
+/// Prefill attention at one head dim: its tensor-core tiles, and the merge of their partial
+/// states where the keys split over blocks; each writing f32, then bf16.
+#[derive(Debug)]
+pub(crate) struct FlashKernels {
+    pub(crate) tiles: [Kernel; 2],
+    pub(crate) merge: [Kernel; 2],
 }
 
 /// Dynamic shared memory of the chunked delta rule's kernels (delta_net.cu's
@@ -100,9 +110,9 @@ pub(crate) struct Kernels {
     pub(crate) decode_attention_mma: [Kernel; 3],
     /// Tensor-core prefill attention over a bf16 cache, head dims 64, 128 and 256; each
     /// writing f32, then bf16.
-    pub(crate) flash_attention_hd64: [Kernel; 2],
-    pub(crate) flash_attention_hd128: [Kernel; 2],
-    pub(crate) flash_attention_hd256: [Kernel; 2],
+    pub(crate) flash_attention_hd64: FlashKernels,
+    pub(crate) flash_attention_hd128: FlashKernels,
+    pub(crate) flash_attention_hd256: FlashKernels,
     pub(crate) moe_route: Kernel,
     pub(crate) moe_route_ranked: Kernel,
     pub(crate) moe_sort: Kernel,
@@ -178,6 +188,38 @@ impl Kernels {
             Err(BackendError::Device {
                 what: "loading kernels".to_string(),
                 detail: format!("no kernel named {name}"),
+            })
+        };
+        let flash = |hd: u32| -> Result<FlashKernels> {
+            let names: [&'static str; 4] = match hd {
+                64 => [
+                    "flash_attention_bf16_hd64",
+                    "flash_attention_bf16_hd64_o16",
+                    "flash_merge_hd64",
+                    "flash_merge_hd64_o16",
+                ],
+                128 => [
+                    "flash_attention_bf16_hd128",
+                    "flash_attention_bf16_hd128_o16",
+                    "flash_merge_hd128",
+                    "flash_merge_hd128_o16",
+                ],
+                _ => [
+                    "flash_attention_bf16_hd256",
+                    "flash_attention_bf16_hd256_o16",
+                    "flash_merge_hd256",
+                    "flash_merge_hd256_o16",
+                ],
+            };
+            let smem = flash_attention_smem_bytes(hd);
+            let tiles = |name| -> Result<Kernel> {
+                find(name)?
+                    .with_dynamic_smem(smem)?
+                    .preferring_shared_memory()
+            };
+            Ok(FlashKernels {
+                tiles: [tiles(names[0])?, tiles(names[1])?],
+                merge: [find(names[2])?, find(names[3])?],
             })
         };
         let grouped_mvm = |s: &'static str| -> Result<Option<[[Kernel; 2]; 2]>> {
@@ -345,24 +387,9 @@ impl Kernels {
                 find("decode_attention_mma_hd128")?,
                 find("decode_attention_mma_hd256")?,
             ],
-            flash_attention_hd64: [
-                find("flash_attention_bf16_hd64")?
-                    .with_dynamic_smem(flash_attention_smem_bytes(64))?,
-                find("flash_attention_bf16_hd64_o16")?
-                    .with_dynamic_smem(flash_attention_smem_bytes(64))?,
-            ],
-            flash_attention_hd128: [
-                find("flash_attention_bf16_hd128")?
-                    .with_dynamic_smem(flash_attention_smem_bytes(128))?,
-                find("flash_attention_bf16_hd128_o16")?
-                    .with_dynamic_smem(flash_attention_smem_bytes(128))?,
-            ],
-            flash_attention_hd256: [
-                find("flash_attention_bf16_hd256")?
-                    .with_dynamic_smem(flash_attention_smem_bytes(256))?,
-                find("flash_attention_bf16_hd256_o16")?
-                    .with_dynamic_smem(flash_attention_smem_bytes(256))?,
-            ],
+            flash_attention_hd64: flash(64)?,
+            flash_attention_hd128: flash(128)?,
+            flash_attention_hd256: flash(256)?,
             moe_route: find("moe_route")?,
             moe_route_ranked: find("moe_route_ranked")?,
             moe_sort: find("moe_sort")?,

@@ -39,7 +39,7 @@ use blas::Blas;
 use compile::KernelCache;
 use cudarc::driver::CudaEvent;
 use device::{Gpu, Kernel};
-use kernels::{Kernels, WeightKernels};
+use kernels::{FlashKernels, Kernels, WeightKernels};
 
 /// How to open the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -329,6 +329,41 @@ fn few_rows_variant(pairs: usize, experts: usize, big_tiles: bool) -> Option<usi
         0..=8 => Some(0),
         _ => Some(1),
     }
+}
+
+/// Blocks of prefill attention an SM holds at `head_dim` (flash_attention.cu's launch bounds).
+fn flash_blocks_per_sm(head_dim: usize) -> usize {
+    if head_dim == 256 { 2 } else { 3 }
+}
+
+/// Fewest keys a split of prefill attention takes: fewer cost more to merge than they gain.
+const FLASH_MIN_SPLIT_KEYS: usize = 512;
+
+/// Splits of the keys for prefill attention's `blocks` (head, tile) pairs of `tokens` over up
+/// to `max_context` keys, on a GPU holding `resident` of its blocks at once, at most `fit`
+/// (what the scratch holds). Only where the history outweighs the new tokens: the blocks then
+/// cost about the same, and a last wave that is mostly empty leaves SMs idle, so the fewest
+/// splits whose waves are 90% full, else the fullest. (A prompt's own causal tiles differ
+/// in cost, and heaviest first they balance without.)
+fn flash_splits(
+    blocks: usize,
+    tokens: usize,
+    max_context: usize,
+    resident: usize,
+    fit: usize,
+) -> usize {
+    if max_context < 2 * tokens || blocks == 0 || resident == 0 {
+        return 1;
+    }
+    let most = (max_context / FLASH_MIN_SPLIT_KEYS).min(fit).max(1);
+    // Per mille of the waves' slots that `splits` fill.
+    let fill = |splits: usize| {
+        let total = blocks * splits;
+        total * 1000 / (total.div_ceil(resident) * resident)
+    };
+    (1..=most)
+        .find(|&s| fill(s) >= 900)
+        .unwrap_or_else(|| (1..=most).rev().max_by_key(|&s| fill(s)).unwrap_or(1))
 }
 
 /// `len` u32 tickets on the device, zero: a split kernel's last block takes its row's and
@@ -1126,10 +1161,11 @@ impl CudaBackend {
     }
 
     /// Prefill-shaped attention for the batch's tokens `range`: 64-token tiles on tensor
-    /// cores, writing f32 or bf16.
+    /// cores, writing f32 or bf16; the keys split over blocks where the tiles are too few to
+    /// fill the GPU, and a merge joins the splits.
     fn flash_attention(
         &self,
-        kernels: &[Kernel; 2],
+        kernels: &FlashKernels,
         a: &Attention<'_>,
         range: std::ops::Range<usize>,
         out: &mut DeviceBuffer,
@@ -1139,17 +1175,49 @@ impl CudaBackend {
             DType::BF16 => DType::BF16,
             _ => DType::F32,
         };
-        let kernel = &kernels[usize::from(out_dtype == DType::BF16)];
+        let variant = usize::from(out_dtype == DType::BF16);
         let mut args = self.attention_args(a, &range, (out, out_dtype, range.start))?;
         // Every argument but head_dim (the kernel's template parameter).
         args.remove(13);
+        let (num_heads, head_dim) = (a.shape.num_heads, a.shape.head_dim);
+        let tiles = range.len().div_ceil(64);
+        let max_context = a.meta.max_blocks_per_run * a.meta.block_size;
+        let items = range.len() * num_heads;
+        let splits = flash_splits(
+            tiles * num_heads,
+            range.len(),
+            max_context,
+            flash_blocks_per_sm(head_dim) * self.gpu.multiprocessors.max(1) as usize,
+            OP_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1),
+        );
+        let split_keys = max_context.div_ceil(splits).next_multiple_of(64);
+        let splits = max_context.div_ceil(split_keys).max(1);
+        let out_arg = args[14];
+        args.splice(
+            14..14,
+            [
+                u32_of(op, split_keys)?,
+                Arg::Ptr(ptr_of(op, &self.op_scratch)?),
+            ],
+        );
         // Heads along x, so that the heaviest tiles (the last) start first.
         let grid = (
-            grid_of(op, a.shape.num_heads)?,
-            grid_of(op, range.len().div_ceil(64))?,
-            1,
+            grid_of(op, num_heads)?,
+            grid_of(op, tiles)?,
+            grid_of(op, splits)?,
         );
-        self.launch(kernel, grid, 128, &args)
+        self.launch(&kernels.tiles[variant], grid, 128, &args)?;
+        if splits == 1 {
+            return Ok(());
+        }
+        let merge_args = [
+            Arg::Ptr(ptr_of(op, &self.op_scratch)?),
+            u32_of(op, splits)?,
+            u32_of(op, items)?,
+            out_arg,
+        ];
+        let grid = (grid_of(op, items.div_ceil(8))?, 1, 1);
+        self.launch(&kernels.merge[variant], grid, 256, &merge_args)
     }
 
     /// Decode-shaped attention for the batch's tokens `range`: tensor cores over a bf16
@@ -2847,6 +2915,54 @@ mod tests {
             }
         }
         assert!(kernels >= 30, "only {kernels} kernels found");
+    }
+
+    /// Prefill attention splits its keys only after a history longer than its tokens, as
+    /// few times as fill an H200's waves (132 SMs, two head-dim-256 blocks each) to 90%.
+    #[test]
+    fn prefill_attention_splits_only_after_long_histories() {
+        use super::flash_splits as splits;
+        let (resident, fit) = (2 * 132, usize::MAX);
+        assert_eq!(
+            splits(32 * 16, 2048, 2048, resident, fit),
+            1,
+            "2,048 new tokens"
+        );
+        assert_eq!(
+            splits(10 * 16, 600, 600, resident, fit),
+            1,
+            "600, no history"
+        );
+        assert_eq!(
+            splits(10 * 16, 600, 6_800, resident, fit),
+            3,
+            "600 after 6,200: 91%"
+        );
+        assert_eq!(
+            splits(11 * 16, 700, 6_800, resident, fit),
+            3,
+            "700 after 6,100: 100%"
+        );
+        assert_eq!(
+            splits(16, 64, 6_800, resident, fit),
+            13,
+            "64 after 6,700: the fullest"
+        );
+        assert_eq!(
+            splits(128 * 16, 8192, 40_000, resident, fit),
+            1,
+            "a long prompt's chunk"
+        );
+        assert_eq!(
+            splits(25 * 4, 1600, 6_800, resident, 2),
+            2,
+            "as far as the scratch holds"
+        );
+        assert_eq!(
+            splits(10 * 16, 600, 6_800, resident, 2),
+            1,
+            "two fill no more than one"
+        );
     }
 
     /// Decode attention's splits for Qwen3-30B-A3B's 4 KV heads: as many as fill 128 blocks,

@@ -6,7 +6,9 @@
 // by ldmatrix (V transposed on the way). S = Q·Kᵀ stays in registers and its accumulators
 // become the A operand of P·V directly; the online softmax keeps each row's max and sum. No
 // T×T matrix exists anywhere. A tile that holds the end of one run and the start of the next
-// takes each span on its own.
+// takes each span on its own. Where the tiles are too few to fill the GPU (a short prompt
+// after a long history), the keys split over blocks (grid z) and flash_merge joins their
+// partial states.
 
 #define FA_ROWS 64
 #define FA_KEYS 64
@@ -68,8 +70,12 @@ __device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cac
     for (int i = 0; i < D; i++) fa_store(out + d0 + i, acc[i] / l);
 }
 
-// Shared memory of one block: two stages of 64 keys of K and of V, rows of HD + 8 values.
-#define FA_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
+// Stages of K and V in shared memory: two (the next 64 keys of both load while these
+// compute) at head dims 64 and 128; one each at 256, which halves the block's shared memory
+// so that two blocks fit an SM: V loads during Q·Kᵀ, the next K during P·V.
+template <int HD> struct FaStages { static const int value = HD == 256 ? 1 : 2; };
+// Shared memory of one block: its stages of 64 keys of K and of V, rows of HD + 8 values.
+#define FA_SMEM_BYTES(HD) (FaStages<HD>::value * 2 * FA_KEYS * ((HD) + 8) * 2)
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -77,28 +83,39 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// Where a split's partial states go: per (split, token, head), the unnormalized output
+// (HD floats) and its (max in log2 units, sum). Null `o`: the keys are not split, and the
+// output is written normalized.
+struct FaPartial {
+    float* o;
+    float2* ml;
+    u32 split, items;  // items: tokens × heads of the launch
+};
+
 // Rows t0 .. t0 + rows - 1 of the batch, one run (`table`) at consecutive positions from
-// pos0, for head h.
+// pos0, for head h, over keys [k_lo, k_hi) of the run (k_lo a multiple of 64).
 template <int HD, typename O>
 __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_v,
                            const u32* table, u32 block_size, u32 num_blocks, u32 t0, u32 rows,
-                           u32 pos0, u32 h, u32 num_heads, u32 num_kv_heads, float scale, O* out,
-                           Diag* diag) {
+                           u32 pos0, u32 h, u32 num_heads, u32 num_kv_heads, float scale,
+                           u32 k_lo, u32 k_hi, O* out, FaPartial part, Diag* diag) {
     const int KT = HD / 16;  // k16 steps of Q·Kᵀ
     const int DT = HD / 8;   // n8 tiles of the output
     const int KS = HD + 8;   // staged K and V row stride (u16): conflict-free ldmatrix rows
+    const int STAGES = FaStages<HD>::value;
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    u16* k_s = reinterpret_cast<u16*>(fa_smem);         // [2][FA_KEYS * KS]
-    u16* v_s = k_s + 2 * FA_KEYS * KS;                    // [2][FA_KEYS * KS]
+    u16* k_s = reinterpret_cast<u16*>(fa_smem);         // [STAGES][FA_KEYS * KS]
+    u16* v_s = k_s + STAGES * FA_KEYS * KS;               // [STAGES][FA_KEYS * KS]
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 kv_dim = num_kv_heads * HD;
     u32 kvh = h / (num_heads / num_kv_heads), kv_off = kvh * HD;
     u32 key_end = pos0 + rows;  // keys 0 .. last position
-    // 64 keys of K and V from j0 into stage `stage`, 16-byte pieces by cp.async; keys past
-    // the end are zero.
-    auto issue = [&](u32 j0, int stage) {
-        u16* ks = k_s + stage * FA_KEYS * KS;
-        u16* vs = v_s + stage * FA_KEYS * KS;
+    u32 j_end = min(k_hi, key_end);
+    // 64 keys of K (`which` 0) or V (1) from j0 into stage `stage`, 16-byte pieces by
+    // cp.async; keys past the end are zero.
+    auto issue = [&](u32 j0, int stage, int which) {
+        u16* dst = (which == 0 ? k_s : v_s) + stage * FA_KEYS * KS;
+        const u16* src = which == 0 ? cache_k : cache_v;
 #pragma unroll
         for (int it = 0; it < FA_KEYS * (HD / 8) / FA_THREADS; it++) {
             u32 piece = threadIdx.x + it * FA_THREADS;
@@ -114,12 +131,14 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
                 }
                 row = ((size_t)block * block_size + j % block_size) * kv_dim + kv_off + d;
             }
-            cp_async16(ks + kr * KS + d, cache_k + row, live ? 16u : 0u);
-            cp_async16(vs + kr * KS + d, cache_v + row, live ? 16u : 0u);
+            cp_async16(dst + kr * KS + d, src + row, live ? 16u : 0u);
         }
     };
-    issue(0, 0);
-    cp_async_commit();
+    if (k_lo < j_end) {
+        issue(k_lo, 0, 0);
+        if (STAGES == 2) issue(k_lo, 0, 1);
+        cp_async_commit();
+    }
     // This warp's two query rows (g and g + 8 of its 16) and their positions. Scores are
     // kept in log2 units (the scale times log2 e folded into Q) so that exp2 applies.
     u32 r_lo = warp * 16 + g, r_hi = r_lo + 8;
@@ -146,16 +165,25 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
         for (int i = 0; i < 4; i++) o[dt][i] = 0.f;
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
     int stage = 0;
-    for (u32 j0 = 0; j0 < key_end; j0 += FA_KEYS, stage ^= 1) {
-        // The next 64 keys load while these compute.
-        if (j0 + FA_KEYS < key_end) {
-            issue(j0 + FA_KEYS, stage ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
+    for (u32 j0 = k_lo; j0 < j_end; j0 += FA_KEYS, stage ^= STAGES - 1) {
+        if constexpr (STAGES == 2) {
+            // The next 64 keys load while these compute.
+            if (j0 + FA_KEYS < j_end) {
+                issue(j0 + FA_KEYS, stage ^ 1, 0);
+                issue(j0 + FA_KEYS, stage ^ 1, 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
         } else {
+            // K is here, and every warp is done with the last V: V loads during Q·Kᵀ.
             cp_async_wait<0>();
+            __syncthreads();
+            issue(j0, 0, 1);
+            cp_async_commit();
         }
-        __syncthreads();
         const u16* ks = k_s + stage * FA_KEYS * KS;
         const u16* vs = v_s + stage * FA_KEYS * KS;
         // S = Q·Kᵀ for this warp's 16 rows and the 64 keys; K fragments by ldmatrix, two
@@ -230,6 +258,15 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
         }
         m_lo = new_lo;
         m_hi = new_hi;
+        if constexpr (STAGES == 1) {
+            // V is here, and every warp is done with K: the next K loads during P·V.
+            cp_async_wait<0>();
+            __syncthreads();
+            if (j0 + FA_KEYS < j_end) {
+                issue(j0 + FA_KEYS, 0, 0);
+                cp_async_commit();
+            }
+        }
         // O += P·V: the S accumulators of two key tiles are one A operand of 16 keys; V
         // fragments by transposing ldmatrix, two n8 tiles of dims at a time.
 #pragma unroll
@@ -247,12 +284,33 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
             }
         }
         // Every warp is done with this stage before the next iteration loads into it.
-        __syncthreads();
+        if constexpr (STAGES == 2) __syncthreads();
     }
 #pragma unroll
     for (int o_ = 1; o_ <= 2; o_ <<= 1) {
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
+    }
+    if (part.o) {
+        // Unnormalized, with the rows' (max, sum): rows with no key here leave (-inf, 0).
+        size_t base = (size_t)part.split * part.items;
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++) {
+            u32 d = dt * 8 + 2 * tq;
+            if (r_lo < rows) {
+                size_t item = base + (size_t)(t0 + r_lo) * num_heads + h;
+                fa_store2(part.o + item * HD + d, o[dt][0], o[dt][1]);
+            }
+            if (r_hi < rows) {
+                size_t item = base + (size_t)(t0 + r_hi) * num_heads + h;
+                fa_store2(part.o + item * HD + d, o[dt][2], o[dt][3]);
+            }
+        }
+        if (tq == 0) {
+            if (r_lo < rows) part.ml[base + (size_t)(t0 + r_lo) * num_heads + h] = make_float2(m_lo, l_lo);
+            if (r_hi < rows) part.ml[base + (size_t)(t0 + r_hi) * num_heads + h] = make_float2(m_hi, l_hi);
+        }
+        return;
     }
 #pragma unroll
     for (int dt = 0; dt < DT; dt++) {
@@ -270,20 +328,31 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
 
 // One block's tile of 64 consecutive tokens of the batch for one head, taken as spans of
 // one run at consecutive positions (a tile mixes runs where they meet in the batch), each on
-// tensor cores. A span whose run or positions lie beyond the block tables raises the flag
-// and is computed a token at a time, clamped. Tiles run heaviest first: grid (heads, tiles),
-// the last tile of the batch (the most keys under the causal mask) in the first block row.
+// tensor cores, over split blockIdx.z of the keys (split_keys each; with more than one split
+// the block leaves partial states in `partial`). A span whose run or positions lie beyond the
+// block tables raises the flag and is computed a token at a time, clamped, by the first
+// split. Tiles run heaviest first: grid (heads, tiles, splits), the last tile of the batch
+// (the most keys under the causal mask) in the first block row.
 template <int HD, typename O>
 __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u16* cache_v,
                                      const u32* positions, const u32* token_runs, u32 runs,
                                      const u32* block_tables, u32 max_blocks, u32 block_size,
                                      u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,
-                                     float scale, O* out, Diag* diag) {
-    u32 tile = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, h = blockIdx.x;
+                                     float scale, u32 split_keys, float* partial, O* out,
+                                     Diag* diag) {
+    u32 tile = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, h = blockIdx.x, split = blockIdx.z;
     if (tile >= tokens) return;
     u32 tile_end = min(tile + FA_ROWS, tokens);
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 kv_dim = num_kv_heads * HD, kv_off = h / (num_heads / num_kv_heads) * HD;
+    u32 items = tokens * num_heads;
+    FaPartial part = {nullptr, nullptr, split, items};
+    if (gridDim.z > 1) {
+        part.o = partial;
+        part.ml = reinterpret_cast<float2*>(partial + (size_t)gridDim.z * items * HD);
+    }
+    u32 k_lo = split * split_keys;
+    u32 k_hi = gridDim.z > 1 ? k_lo + split_keys : 0xffffffffu;
     for (u32 t0 = tile; t0 < tile_end;) {
         u32 run = token_runs[t0], pos0 = positions[t0], t1 = t0 + 1;
         while (t1 < tile_end && token_runs[t1] == run && positions[t1] == pos0 + (t1 - t0)) t1++;
@@ -291,7 +360,7 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         if (run < runs && pos0 + rows <= max_blocks * block_size) {
             flash_span<HD, O>(q, cache_k, cache_v, block_tables + (size_t)run * max_blocks,
                               block_size, num_blocks, t0, rows, pos0, h, num_heads,
-                              num_kv_heads, scale, out, diag);
+                              num_kv_heads, scale, k_lo, k_hi, out, part, diag);
         } else {
             for (u32 r = warp; r < rows; r += FA_THREADS / 32) {
                 u32 t = t0 + r;
@@ -299,31 +368,79 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
                 if (lane == 0) raise_error(diag, run >= runs ? ERR_BLOCK_TABLE : ERR_POSITION);
                 const u32* tt = block_tables + (size_t)min(run, runs - 1) * max_blocks;
                 size_t item = (size_t)t * num_heads + h;
-                fa_one_token<HD, O>(q + item * HD, cache_k, cache_v, tt, len, block_size,
-                                    num_blocks, kv_dim, kv_off, scale, out + item * HD, diag);
+                if (!part.o) {
+                    fa_one_token<HD, O>(q + item * HD, cache_k, cache_v, tt, len, block_size,
+                                        num_blocks, kv_dim, kv_off, scale, out + item * HD, diag);
+                    continue;
+                }
+                // Split: the first split's state is the whole answer (weight 1), the rest empty.
+                size_t at = (size_t)split * items + item;
+                if (split == 0)
+                    fa_one_token<HD, float>(q + item * HD, cache_k, cache_v, tt, len, block_size,
+                                            num_blocks, kv_dim, kv_off, scale, part.o + at * HD,
+                                            diag);
+                if (lane == 0) part.ml[at] = split == 0 ? make_float2(0.f, 1.f) : make_float2(NEG_INF, 0.f);
             }
         }
         t0 = t1;
     }
 }
 
-// Blocks an SM holds: 3 at head dims 64 and 128; 1 at 256 (the output and q fragments of a
-// 256-wide head take all of a thread's registers). The output in f32, or bf16 (suffix _o16).
+// Joins the splits of a split launch: a warp per (token, head), each lane 8 of the head's
+// dims: out = Σ_s 2^(m_s - m) o_s / Σ_s 2^(m_s - m) l_s over the splits that hold keys.
+template <int HD, typename O>
+__device__ void flash_merge_impl(const float* partial, u32 splits, u32 items, O* out) {
+    const int D = HD / 32;
+    u32 lane = threadIdx.x & 31;
+    u32 item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= items) return;
+    const float2* ml = reinterpret_cast<const float2*>(partial + (size_t)splits * items * HD);
+    float m_all = NEG_INF;
+    for (u32 s = 0; s < splits; s++) {
+        float2 v = ml[(size_t)s * items + item];
+        if (v.y > 0.f) m_all = fmaxf(m_all, v.x);
+    }
+    float acc[D], l = 0.f;
+#pragma unroll
+    for (int i = 0; i < D; i++) acc[i] = 0.f;
+    for (u32 s = 0; s < splits; s++) {
+        float2 v = ml[(size_t)s * items + item];
+        if (!(v.y > 0.f)) continue;
+        float w = exp2f(v.x - m_all);
+        l += w * v.y;
+        const float* po = partial + ((size_t)s * items + item) * HD;
+#pragma unroll
+        for (int i = 0; i < D; i++) acc[i] += w * po[lane + 32 * i];
+    }
+    float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int i = 0; i < D; i++) fa_store(out + (size_t)item * HD + lane + 32 * i, acc[i] * inv);
+}
+
+// Blocks an SM holds: 3 at head dims 64 and 128; 2 at 256 (the output and q fragments of a
+// 256-wide head take all of a thread's registers; one stage of K and V each leaves room for
+// two blocks' shared memory). The output in f32, or bf16 (suffix _o16).
 #define FLASH_ATTENTION(HD, BLOCKS, O, SUFFIX)                                                \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, BLOCKS)                          \
         flash_attention_bf16_hd##HD##SUFFIX(                                                  \
             const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,     \
             const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,         \
             u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,      \
-            float scale, O* out, Diag* diag) {                                                \
+            float scale, u32 split_keys, float* partial, O* out, Diag* diag) {                \
         begin_kernel();                                                                       \
         flash_attention_impl<HD, O>(q, cache_k, cache_v, positions, token_runs, runs,         \
                                     block_tables, max_blocks, block_size, num_blocks, tokens, \
-                                    num_heads, num_kv_heads, scale, out, diag);               \
+                                    num_heads, num_kv_heads, scale, split_keys, partial, out, \
+                                    diag);                                                    \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256)                                         \
+        flash_merge_hd##HD##SUFFIX(const float* partial, u32 splits, u32 items, O* out) {     \
+        begin_kernel();                                                                       \
+        flash_merge_impl<HD, O>(partial, splits, items, out);                                 \
     }
 FLASH_ATTENTION(64, 3, float, )
 FLASH_ATTENTION(128, 3, float, )
-FLASH_ATTENTION(256, 1, float, )
+FLASH_ATTENTION(256, 2, float, )
 FLASH_ATTENTION(64, 3, u16, _o16)
 FLASH_ATTENTION(128, 3, u16, _o16)
-FLASH_ATTENTION(256, 1, u16, _o16)
+FLASH_ATTENTION(256, 2, u16, _o16)
