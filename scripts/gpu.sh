@@ -16,7 +16,8 @@
 #                            test logs elsewhere; MODEL picks the synthetic config; the serve
 #                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
 #                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS; the prefill stage
-#                            PREFILL_LENS, PREFILL_STRATEGIES, REPS, CHUNK. CORRAL runs another
+#                            PREFILL_LENS, PREFILL_STRATEGIES, REPS, CHUNK; prefill, decode and
+#                            serve-long KV_DTYPE. CORRAL runs another
 #                            build of corral; TAG names its results (prefill-TAG.json, ...).
 #
 # The test binaries find the fixtures through the path they were built at; `remote` links
@@ -73,6 +74,7 @@ remote() {
     timeout 420 $corral bench prefill --synthetic "$model" --device cuda \
       --prompt-lens "${PREFILL_LENS:-10,32,300,2048}" --strategies "${PREFILL_STRATEGIES:-grouped,per-expert}" \
       --reps "${REPS:-5}" --idle-seconds 0 ${CHUNK:+--chunk "$CHUNK"} ${PROFILE:+--profile} \
+      ${KV_DTYPE:+--kv-dtype "$KV_DTYPE"} \
       --json "$out/$1.json" 2>&1 | tee "$out/$1.txt" || true
   }
   if has prefill; then
@@ -87,12 +89,12 @@ remote() {
     timeout 420 $corral bench decode --synthetic "$model" --device cuda \
       --batch "${DECODE_BATCH:-1,8,32}" --context "${DECODE_CONTEXT:-512,8192}" \
       --strategies "${DECODE_STRATEGIES:-per-token,grouped,auto}" --graphs "${GRAPHS:-on,off}" \
-      --steps "${STEPS:-16}" ${PROFILE:+--profile} \
+      --steps "${STEPS:-16}" ${PROFILE:+--profile} ${KV_DTYPE:+--kv-dtype "$KV_DTYPE"} \
       --json "$out/$1.json" 2>&1 | tee "$out/$1.txt" || true
   }
   if has decode; then
     echo "== bench decode"
-    decode decode
+    decode "decode$tag"
   fi
   if has decode-serial; then
     echo "== bench decode, serial launches"
@@ -123,25 +125,27 @@ remote() {
     # The engine's debug lines time each step.
     RUST_LOG=info,corral_engine=debug $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe \
       --device cuda --port 18181 --max-batch 8 --max-prefill-tokens "$chunk" --memory "$memory" \
-      > "$out/serve-long.log" 2>&1 &
+      ${KV_DTYPE:+--kv-dtype "$KV_DTYPE"} > "$out/serve-long$tag.log" 2>&1 &
     local pid=$!
     if ! serving "$pid"; then
-      echo "the server did not start:"; tail -5 "$out/serve-long.log"
+      echo "the server did not start:"; tail -5 "$out/serve-long$tag.log"
       return 0
     fi
-    grep -E "memory budget|KV .* tokens" "$out/serve-long.log" | cut -c1-400
+    grep -E "memory budget|KV .* tokens" "$out/serve-long$tag.log" | cut -c1-400
     # The same plan as `corral plan` prints it (with the server's state checkpoints), to set
     # against the memory in use.
     local checkpoints
-    checkpoints="$(grep -oE '[0-9]+ state checkpoints' "$out/serve-long.log" | head -1 | cut -d' ' -f1)"
+    checkpoints="$(grep -oE '[0-9]+ state checkpoints' "$out/serve-long$tag.log" | head -1 | cut -d' ' -f1)"
     $corral plan --synthetic "$model" --memory "$memory" --concurrency 8 --device cuda \
-      --prefill-chunk "$chunk" --sessions "${checkpoints:-0}" 2>&1 | tee "$out/serve-long-plan.txt"
+      ${KV_DTYPE:+--kv-dtype "$KV_DTYPE"} --prefill-chunk "$chunk" --sessions "${checkpoints:-0}" 2>&1 \
+      | tee "$out/serve-long-plan$tag.txt"
     used() { echo "GPU memory in use $1: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; }
     used "after start"
     for level in "1 ${LONG_PROMPT:-131000} c1" "8 ${PER_PROMPT:-32000} c8"; do
       set -- $level
       timeout 300 $corral bench serve --url http://127.0.0.1:18181 --concurrency "$1" --requests "$1" \
-        --max-tokens 16 --stream-fraction 1 --prompt-tokens "$2" --json "$out/serve-long-$3.json" 2>&1 | tee "$out/serve-long-$3.txt" || true
+        --max-tokens 16 --stream-fraction 1 --prompt-tokens "$2" --json "$out/serve-long-$3$tag.json" 2>&1 \
+        | tee "$out/serve-long-$3$tag.txt" || true
       used "after C=$1"
     done
     kill "$pid" 2>/dev/null || true

@@ -13,6 +13,9 @@ pub enum DType {
     F16,
     /// Unsigned 32-bit integers: token ids, positions, slot mappings, expert ids.
     U32,
+    /// fp8 e4m3 bytes: a KV cache on the GPU, each slot's row followed by its heads' f32
+    /// scales ([`kv_row_elems`]).
+    F8E4M3,
 }
 
 impl DType {
@@ -21,12 +24,13 @@ impl DType {
         match self {
             DType::F32 | DType::U32 => 4,
             DType::BF16 | DType::F16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
 
     /// Whether a matmul weight may be stored in this type.
     pub const fn is_float(self) -> bool {
-        !matches!(self, DType::U32)
+        !matches!(self, DType::U32 | DType::F8E4M3)
     }
 }
 
@@ -37,6 +41,19 @@ impl fmt::Display for DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::U32 => "u32",
+            DType::F8E4M3 => "fp8",
         })
+    }
+}
+
+/// Elements of one KV cache slot (one token's K, or V, of every KV head) in a cache of
+/// `dtype`: the row itself, and for fp8 the heads' f32 scales right after it (head dims are
+/// multiples of 4), the whole padded to 16 bytes so that every row starts 16-byte aligned
+/// (attention.cu's fp8_row_bytes).
+pub const fn kv_row_elems(dtype: DType, kv_heads: usize, head_dim: usize) -> usize {
+    let kv_dim = kv_heads * head_dim;
+    match dtype {
+        DType::F8E4M3 => (kv_dim + 4 * kv_heads).div_ceil(16) * 16,
+        _ => kv_dim,
     }
 }

@@ -30,7 +30,7 @@ pub use cpu::{CpuBackend, process_cpu_time};
 pub use cuda::{
     CudaBackend, CudaOptions, KernelCacheReport, cuda_available, cuda_fixed_buffer_bytes,
 };
-pub use dtype::DType;
+pub use dtype::{DType, kv_row_elems};
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
 pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
@@ -478,8 +478,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         rope: RopeParams,
     ) -> Result<()>;
 
-    /// Writes each token's K and V (`[tokens, kv_dim]`) to its slot of a layer's paged cache
-    /// (`[slots, kv_dim]`).
+    /// Writes each token's K and V (`[tokens, kv_heads · head_dim]`) to its slot of a layer's
+    /// paged cache (`[slots, kv_row_elems]`).
     #[allow(clippy::too_many_arguments)]
     fn kv_store(
         &self,
@@ -487,7 +487,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         v: &DeviceBuffer,
         slots: &DeviceBuffer,
         tokens: usize,
-        kv_dim: usize,
+        kv_heads: usize,
+        head_dim: usize,
         cache_k: &mut DeviceBuffer,
         cache_v: &mut DeviceBuffer,
     ) -> Result<()>;

@@ -132,7 +132,7 @@ proptest! {
         b.rope(&mut q_out, &pos_b, tokens, heads, head_dim, rotary_dim, rope).unwrap();
         b.rope(&mut k_out, &pos_b, tokens, kv_heads, head_dim, rotary_dim, rope).unwrap();
         let (mut k_sep, mut v_sep) = (cache(&b), cache(&b));
-        b.kv_store(&k_out, &upload(&b, &v), &slot_b, tokens, kv_dim, &mut k_sep, &mut v_sep).unwrap();
+        b.kv_store(&k_out, &upload(&b, &v), &slot_b, tokens, kv_heads, head_dim, &mut k_sep, &mut v_sep).unwrap();
         let n = capacity * kv_dim;
         prop_assert_eq!(download(&b, &q_fused, tokens * q_dim), download(&b, &q_out, tokens * q_dim));
         prop_assert_eq!(download(&b, &k_fused, n), download(&b, &k_sep, n));

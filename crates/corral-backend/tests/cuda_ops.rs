@@ -380,6 +380,52 @@ fn fused_qkv_norm_rope_store_matches_cpu() {
             1e-4,
         );
         assert_eq!(results[1][2], results[0][2], "{what}: v cache");
+        // Into an fp8 cache: each stored head the CPU's k or v rounded to e4m3 under its
+        // scale.
+        let row = corral_backend::kv_row_elems(DType::F8E4M3, kv_heads, head_dim);
+        let mut q_out = out_buf(g, tokens * q_dim);
+        let mut fp8 = [0, 1].map(|_| {
+            g.alloc_zeroed(DType::F8E4M3, capacity * row, BufferUsage::KvCache)
+                .unwrap()
+        });
+        let [cache_k, cache_v] = &mut fp8;
+        g.qkv_norm_rope_store(
+            &f32_buf(g, &qkv),
+            &g.weight_from_f32(&qw, DType::F32).unwrap(),
+            &g.weight_from_f32(&kw, DType::F32).unwrap(),
+            &u32_buf(g, &positions),
+            &u32_buf(g, &slots),
+            shape,
+            &mut q_out,
+            cache_k,
+            cache_v,
+        )
+        .unwrap();
+        for (which, cache, cpu) in [
+            ("k", &fp8[0], &results[0][1]),
+            ("v", &fp8[1], &results[0][2]),
+        ] {
+            let mut bytes = vec![0u8; capacity * row];
+            g.read_bytes(cache, 0, &mut bytes).unwrap();
+            let (mut stored, mut expected) = (Vec::new(), Vec::new());
+            for &slot in &slots {
+                let r = &bytes[slot as usize * row..(slot as usize + 1) * row];
+                for h in 0..kv_heads {
+                    let at = kv_dim + 4 * h;
+                    let scale = f32::from_le_bytes([r[at], r[at + 1], r[at + 2], r[at + 3]]);
+                    let values = &r[h * head_dim..(h + 1) * head_dim];
+                    stored.extend(values.iter().map(|&b| e4m3_value(b) * scale));
+                }
+                let from = slot as usize * kv_dim;
+                expected.extend(fp8_rounded(&cpu[from..from + kv_dim], head_dim));
+            }
+            assert_close(
+                &format!("{what}: fp8 {which} cache"),
+                &stored,
+                &expected,
+                1e-2,
+            );
+        }
     }
 }
 
@@ -807,25 +853,36 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
         let k_new = rng.values((dummies + tokens) * kv_dim);
         let v_new = rng.values((dummies + tokens) * kv_dim);
         let q = rng.values(tokens * nh * hd);
+        // The fp8 cache against the CPU over the same K and V rounded to e4m3 as its store
+        // rounds them, a scale per (token, head).
+        let (k_past_q, v_past_q) = (fp8_rounded(&k_past, hd), fp8_rounded(&v_past, hd));
+        let (k_new_q, v_new_q) = (fp8_rounded(&k_new, hd), fp8_rounded(&v_new, hd));
         let mut outs = Vec::new();
         let mut out_bf16 = Vec::new();
-        for (b, kv_dtype) in [
-            (&c as &dyn Backend, DType::F32),
-            (g, DType::BF16),
-            (g, DType::F32),
+        for (b, kv_dtype, rounded) in [
+            (&c as &dyn Backend, DType::F32, false),
+            (g, DType::BF16, false),
+            (g, DType::F32, false),
+            (&c as &dyn Backend, DType::F32, true),
+            (g, DType::F8E4M3, false),
         ] {
-            let len = num_blocks * block_size * kv_dim;
+            let (k_past, v_past, k_new, v_new) = if rounded {
+                (&k_past_q, &v_past_q, &k_new_q, &v_new_q)
+            } else {
+                (&k_past, &v_past, &k_new, &v_new)
+            };
+            let len = num_blocks * block_size * corral_backend::kv_row_elems(kv_dtype, nkv, hd);
             let mut ck = b.alloc_zeroed(kv_dtype, len, BufferUsage::KvCache).unwrap();
             let mut cv = b.alloc_zeroed(kv_dtype, len, BufferUsage::KvCache).unwrap();
             // Earlier steps' keys are stored; this batch's own are stored by the kernel just
             // before the attention, as in a forward step.
             let (kb, vb, sb) = (
-                f32_buf(b, &k_past),
-                f32_buf(b, &v_past),
+                f32_buf(b, k_past),
+                f32_buf(b, v_past),
                 u32_buf(b, &past_slots),
             );
             if history > 0 {
-                b.kv_store(&kb, &vb, &sb, history, kv_dim, &mut ck, &mut cv)
+                b.kv_store(&kb, &vb, &sb, history, nkv, hd, &mut ck, &mut cv)
                     .unwrap();
             }
             let (pb, rb, tb, slb) = (
@@ -854,12 +911,21 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
             let qb = f32_buf(b, &q);
             let mut out = out_buf(b, tokens * nh * hd);
             let (knb, vnb, ssb) = (
-                f32_buf(b, &k_new),
-                f32_buf(b, &v_new),
+                f32_buf(b, k_new),
+                f32_buf(b, v_new),
                 u32_buf(b, &store_slots),
             );
-            b.kv_store(&knb, &vnb, &ssb, dummies + tokens, kv_dim, &mut ck, &mut cv)
-                .unwrap();
+            b.kv_store(
+                &knb,
+                &vnb,
+                &ssb,
+                dummies + tokens,
+                nkv,
+                hd,
+                &mut ck,
+                &mut cv,
+            )
+            .unwrap();
             b.paged_attention(&qb, &ck, &cv, &meta, shape, &mut out)
                 .unwrap();
             outs.push(read(b, &out, tokens * nh * hd));
@@ -882,12 +948,51 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
         let what = format!("heads {nh}/{nkv} dim {hd} block {block_size} runs {runs:?}");
         assert_close(&format!("{what} f32 cache"), &outs[2], &outs[0], 1e-5);
         assert_close(&format!("{what} bf16 cache"), &outs[1], &outs[0], 1e-2);
+        assert_close(&format!("{what} fp8 cache"), &outs[4], &outs[3], 1e-2);
         let rounded: Vec<u16> = outs[1]
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_bits())
             .collect();
         assert!(out_bf16 == rounded, "{what}: the bf16 output");
     }
+}
+
+/// `x` rounded to the nearest fp8 e4m3 value (ties to even), saturating at ±448.
+fn e4m3(x: f32) -> f32 {
+    let a = x.abs().min(448.0);
+    let r = if a < 2f32.powi(-6) {
+        (a * 512.0).round_ties_even() / 512.0
+    } else {
+        let e = a.log2().floor();
+        let step = 2f32.powf(e - 3.0);
+        (a / step).round_ties_even() * step
+    };
+    r.copysign(x)
+}
+
+/// The value of fp8 e4m3 bits `b` (no NaN is ever stored).
+fn e4m3_value(b: u8) -> f32 {
+    let (exp, mant) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+    let magnitude = if exp == 0 {
+        mant / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
+    };
+    if b & 0x80 != 0 { -magnitude } else { magnitude }
+}
+
+/// Rows of `head_dim` values rounded as an fp8 KV cache stores them: each scaled so that its
+/// largest magnitude is 448, rounded to e4m3, scaled back.
+fn fp8_rounded(values: &[f32], head_dim: usize) -> Vec<f32> {
+    values
+        .chunks(head_dim)
+        .flat_map(|head| {
+            let amax = head.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+            let inv = 1.0 / scale;
+            head.iter().map(move |&v| e4m3(v * inv) * scale)
+        })
+        .collect()
 }
 
 /// Expert weights of `e` experts in the fused (stacked) or per-expert layout.

@@ -396,6 +396,20 @@ fn bad_input_exits_nonzero_naming_the_culprit() {
             ],
             "/nonexistent/dir/x.safetensors",
         ),
+        (
+            vec![
+                "run",
+                "--model",
+                fused,
+                "--token-ids",
+                "1",
+                "--device",
+                "cpu",
+                "--kv-dtype",
+                "fp8",
+            ],
+            "a KV cache of fp8 (f32 or bf16 on the CPU)",
+        ),
     ];
     for (args, culprit) in cases {
         let out = corral(&args);
@@ -404,6 +418,10 @@ fn bad_input_exits_nonzero_naming_the_culprit() {
         assert!(err.contains(culprit), "{args:?}: `{culprit}` not in: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    // A bad flag value is a usage error (exit 2), named.
+    let out = corral(&["run", "--model", fused, "--kv-dtype", "fp4"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("unknown KV type `fp4` (bf16, fp8 or f32)"));
 }
 
 #[test]

@@ -173,7 +173,7 @@ pub fn spawn_engine(
     }
     .with_eviction_cost(eviction_cost(
         model.config(),
-        model.backend().kv_dtype().size_bytes(),
+        model.backend().kv_dtype(),
         config.block_size,
     ));
     metrics.engine_alive.store(true, Ordering::Relaxed);
@@ -468,7 +468,7 @@ fn throughput_line(
 /// dimension of every attention layer for each earlier position.
 fn eviction_cost(
     config: &corral_model::ModelConfig,
-    kv_elem: usize,
+    kv_dtype: corral_backend::DType,
     block_size: usize,
 ) -> crate::EvictionCost {
     let h = config.hidden_size;
@@ -487,7 +487,7 @@ fn eviction_cost(
             * config.num_heads
             * config.head_dim
             * config.num_attention_layers()) as f64,
-        block_bytes: (config.kv_bytes_per_token(kv_elem) * block_size) as f64,
+        block_bytes: (config.kv_bytes_per_token(kv_dtype) * block_size) as f64,
         checkpoint_bytes: RecurrentStateCache::bytes_per_slot(config) as f64,
     }
 }

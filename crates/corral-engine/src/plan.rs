@@ -4,6 +4,7 @@
 //! it fits and by how much, the largest context at that concurrency and the largest
 //! concurrency at that context.
 
+use corral_backend::DType;
 use corral_model::{ModelConfig, RecurrentStateCache};
 use serde::Serialize;
 
@@ -26,32 +27,32 @@ pub struct MemoryNeeds {
 }
 
 impl MemoryNeeds {
-    /// The needs of `config` with `weights` bytes, a KV cache of `kv_element` bytes a value,
+    /// The needs of `config` with `weights` bytes, a KV cache of `kv_dtype`,
     /// and a prefill of up to `prefill_tokens` a step on a backend with `fixed` bytes of its
     /// own buffers.
     pub fn of(
         config: &ModelConfig,
         weights: u64,
-        kv_element: usize,
+        kv_dtype: DType,
         prefill_tokens: usize,
         fixed: u64,
         block_size: usize,
     ) -> Self {
         let workspace = fixed + activation_bytes(config, prefill_tokens);
-        Self::with_workspace(config, weights, kv_element, workspace, block_size)
+        Self::with_workspace(config, weights, kv_dtype, workspace, block_size)
     }
 
     /// [`MemoryNeeds::of`] with a `workspace` already known (measured) instead of estimated.
     pub fn with_workspace(
         config: &ModelConfig,
         weights: u64,
-        kv_element: usize,
+        kv_dtype: DType,
         workspace: u64,
         block_size: usize,
     ) -> Self {
         Self {
             weights,
-            kv_per_token: config.kv_bytes_per_token(kv_element) as u64,
+            kv_per_token: config.kv_bytes_per_token(kv_dtype) as u64,
             state_per_sequence: RecurrentStateCache::bytes_per_slot(config) as u64,
             workspace,
             block_size: block_size.max(1),

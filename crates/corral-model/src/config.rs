@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use corral_backend::{RopeParams, Yarn};
+use corral_backend::{DType, RopeParams, Yarn};
 
 use crate::{ModelError, Result};
 
@@ -444,9 +444,10 @@ impl ModelConfig {
         self.hybrid.is_some()
     }
 
-    /// KV cache bytes per token at f32 activations.
-    pub fn kv_bytes_per_token(&self, bytes_per_element: usize) -> usize {
-        self.num_attention_layers() * 2 * self.kv_dim() * bytes_per_element
+    /// KV cache bytes per token in a cache of `dtype` (an fp8 cache's head scales included).
+    pub fn kv_bytes_per_token(&self, dtype: DType) -> usize {
+        let row = corral_backend::kv_row_elems(dtype, self.num_kv_heads, self.head_dim);
+        self.num_attention_layers() * 2 * row * dtype.size_bytes()
     }
 }
 

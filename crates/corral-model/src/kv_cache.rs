@@ -48,8 +48,9 @@ impl PagedKvCache {
         num_blocks: usize,
         block_size: usize,
     ) -> Result<Self> {
-        let len = num_blocks * block_size * config.kv_dim();
         let dtype = backend.kv_dtype();
+        let row = corral_backend::kv_row_elems(dtype, config.num_kv_heads, config.head_dim);
+        let len = num_blocks * block_size * row;
         let layers = (0..config.num_attention_layers())
             .map(|_| {
                 Ok(LayerKv {

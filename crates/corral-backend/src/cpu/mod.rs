@@ -62,6 +62,8 @@ impl CpuBackend {
             DType::F32 => Storage::F32(vec![0.0; len]),
             DType::U32 => Storage::U32(vec![0; len]),
             DType::BF16 | DType::F16 => Storage::Half(vec![0; len]),
+            // Bytes held in words: nothing on the CPU computes on fp8 (its KV cache refuses it).
+            DType::F8E4M3 => Storage::U32(vec![0; len.div_ceil(4)]),
         };
         DeviceBuffer::new(dtype, len, usage, storage)
     }
@@ -420,7 +422,9 @@ impl Backend for CpuBackend {
                         .collect(),
                 )
             }
-            (_, DType::U32) => return Err(bad(op, "weights must be float".to_string())),
+            (_, DType::U32 | DType::F8E4M3) => {
+                return Err(bad(op, format!("weights of {dtype}")));
+            }
         };
         Ok(DeviceBuffer::new(dtype, len, BufferUsage::Weights, storage))
     }
@@ -441,7 +445,9 @@ impl Backend for CpuBackend {
                     .map(|v| half::f16::from_f32(*v).to_bits())
                     .collect(),
             ),
-            DType::U32 => return Err(bad("weight_from_f32", "weights must be float".to_string())),
+            DType::U32 | DType::F8E4M3 => {
+                return Err(bad("weight_from_f32", format!("weights of {dtype}")));
+            }
         };
         Ok(DeviceBuffer::new(
             dtype,
@@ -854,11 +860,13 @@ impl Backend for CpuBackend {
         v: &DeviceBuffer,
         slots: &DeviceBuffer,
         tokens: usize,
-        kv_dim: usize,
+        kv_heads: usize,
+        head_dim: usize,
         cache_k: &mut DeviceBuffer,
         cache_v: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "kv_store";
+        let kv_dim = kv_heads * head_dim;
         let slots = u32s(op, "slots", slots, tokens)?;
         let capacity = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
         if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {

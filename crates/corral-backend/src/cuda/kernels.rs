@@ -56,11 +56,13 @@ const fn flash_attention_smem_bytes(head_dim: u32) -> u32 {
     stages * 2 * 64 * (head_dim + 8) * 2
 }
 
-/// Prefill attention at one head dim: its tensor-core tiles, and the merge of their partial
-/// states where the keys split over blocks; each writing f32, then bf16.
+/// Prefill attention at one head dim: its tensor-core tiles over a bf16 cache and over an
+/// fp8 one, and the merge of their partial states where the keys split over blocks; each
+/// writing f32, then bf16.
 #[derive(Debug)]
 pub(crate) struct FlashKernels {
     pub(crate) tiles: [Kernel; 2],
+    pub(crate) tiles_fp8: [Kernel; 2],
     pub(crate) merge: [Kernel; 2],
 }
 
@@ -99,15 +101,21 @@ pub(crate) struct Kernels {
     pub(crate) add_rms_norm_bf16: Kernel,
     pub(crate) kv_store_bf16: Kernel,
     pub(crate) kv_store_f32: Kernel,
+    /// fp8 cache: a warp per (token, KV head), each head scaled to its largest value.
+    pub(crate) kv_store_fp8: Kernel,
     /// By cache type: head dims up to 128 and up to 512, each one head a warp (few tokens)
     /// and five (prefill).
     pub(crate) qkv_norm_rope_store_bf16: [Kernel; 4],
     pub(crate) qkv_norm_rope_store_f32: [Kernel; 4],
+    pub(crate) qkv_norm_rope_store_fp8: [Kernel; 4],
     /// Indexed by log2 of the head dims each lane owns (1, 2, 4, 8, 16).
     pub(crate) paged_attention_bf16: [Kernel; 5],
     pub(crate) paged_attention_f32: [Kernel; 5],
+    pub(crate) paged_attention_fp8: [Kernel; 5],
     /// Tensor-core decode attention over a bf16 cache, head dims 64, 128 and 256.
     pub(crate) decode_attention_mma: [Kernel; 3],
+    /// The same over an fp8 cache (f16 operands).
+    pub(crate) decode_attention_mma_fp8: [Kernel; 3],
     /// Tensor-core prefill attention over a bf16 cache, head dims 64, 128 and 256; each
     /// writing f32, then bf16.
     pub(crate) flash_attention_hd64: FlashKernels,
@@ -191,22 +199,28 @@ impl Kernels {
             })
         };
         let flash = |hd: u32| -> Result<FlashKernels> {
-            let names: [&'static str; 4] = match hd {
+            let names: [&'static str; 6] = match hd {
                 64 => [
                     "flash_attention_bf16_hd64",
                     "flash_attention_bf16_hd64_o16",
+                    "flash_attention_fp8_hd64",
+                    "flash_attention_fp8_hd64_o16",
                     "flash_merge_hd64",
                     "flash_merge_hd64_o16",
                 ],
                 128 => [
                     "flash_attention_bf16_hd128",
                     "flash_attention_bf16_hd128_o16",
+                    "flash_attention_fp8_hd128",
+                    "flash_attention_fp8_hd128_o16",
                     "flash_merge_hd128",
                     "flash_merge_hd128_o16",
                 ],
                 _ => [
                     "flash_attention_bf16_hd256",
                     "flash_attention_bf16_hd256_o16",
+                    "flash_attention_fp8_hd256",
+                    "flash_attention_fp8_hd256_o16",
                     "flash_merge_hd256",
                     "flash_merge_hd256_o16",
                 ],
@@ -219,7 +233,8 @@ impl Kernels {
             };
             Ok(FlashKernels {
                 tiles: [tiles(names[0])?, tiles(names[1])?],
-                merge: [find(names[2])?, find(names[3])?],
+                tiles_fp8: [tiles(names[2])?, tiles(names[3])?],
+                merge: [find(names[4])?, find(names[5])?],
             })
         };
         let grouped_mvm = |s: &'static str| -> Result<Option<[[Kernel; 2]; 2]>> {
@@ -356,6 +371,7 @@ impl Kernels {
             add_rms_norm_bf16: find("add_rms_norm_bf16")?,
             kv_store_bf16: find("kv_store_bf16")?,
             kv_store_f32: find("kv_store_f32")?,
+            kv_store_fp8: find("kv_store_fp8")?,
             qkv_norm_rope_store_bf16: [
                 find("qkv_norm_rope_store_bf16_d4_h1")?,
                 find("qkv_norm_rope_store_bf16_d4_h5")?,
@@ -367,6 +383,12 @@ impl Kernels {
                 find("qkv_norm_rope_store_f32_d4_h5")?,
                 find("qkv_norm_rope_store_f32_d16_h1")?,
                 find("qkv_norm_rope_store_f32_d16_h5")?,
+            ],
+            qkv_norm_rope_store_fp8: [
+                find("qkv_norm_rope_store_fp8_d4_h1")?,
+                find("qkv_norm_rope_store_fp8_d4_h5")?,
+                find("qkv_norm_rope_store_fp8_d16_h1")?,
+                find("qkv_norm_rope_store_fp8_d16_h5")?,
             ],
             paged_attention_bf16: [
                 find("paged_attention_bf16_d1")?,
@@ -382,10 +404,22 @@ impl Kernels {
                 find("paged_attention_f32_d8")?,
                 find("paged_attention_f32_d16")?,
             ],
+            paged_attention_fp8: [
+                find("paged_attention_fp8_d1")?,
+                find("paged_attention_fp8_d2")?,
+                find("paged_attention_fp8_d4")?,
+                find("paged_attention_fp8_d8")?,
+                find("paged_attention_fp8_d16")?,
+            ],
             decode_attention_mma: [
                 find("decode_attention_mma_hd64")?,
                 find("decode_attention_mma_hd128")?,
                 find("decode_attention_mma_hd256")?,
+            ],
+            decode_attention_mma_fp8: [
+                find("decode_attention_mma_fp8_hd64")?,
+                find("decode_attention_mma_fp8_hd128")?,
+                find("decode_attention_mma_fp8_hd256")?,
             ],
             flash_attention_hd64: flash(64)?,
             flash_attention_hd128: flash(128)?,
@@ -416,9 +450,9 @@ impl Kernels {
             DType::BF16 => Ok(&self.bf16),
             DType::F16 => Ok(&self.f16),
             DType::F32 => Ok(&self.f32),
-            DType::U32 => Err(BackendError::BadArgument {
+            DType::U32 | DType::F8E4M3 => Err(BackendError::BadArgument {
                 op,
-                detail: "weights must be a float buffer".to_string(),
+                detail: format!("weights of {dtype}"),
             }),
         }
     }

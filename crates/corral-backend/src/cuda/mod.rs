@@ -33,7 +33,7 @@ use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
     MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView,
-    byte_range, check_block_copy, check_copy_ranges,
+    byte_range, check_block_copy, check_copy_ranges, kv_row_elems,
 };
 use blas::Blas;
 use compile::KernelCache;
@@ -565,7 +565,7 @@ impl CudaBackend {
         );
         let sampling_tickets = zeroed_tickets(&gpu, SAMPLE_MAX_ROWS)?;
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
-        if !matches!(kv_dtype, DType::BF16 | DType::F32) {
+        if !matches!(kv_dtype, DType::BF16 | DType::F32 | DType::F8E4M3) {
             return Err(bad(
                 "cuda backend",
                 format!("KV cache type {kv_dtype} unsupported"),
@@ -1129,14 +1129,14 @@ impl CudaBackend {
         let meta = a.meta;
         let (first, count) = (range.start, range.len());
         let row = num_heads * head_dim;
-        let kv_dim = num_kv_heads * head_dim;
         let dtype = a.cache_k.dtype();
-        let slots = a.cache_k.len().min(a.cache_v.len()) / kv_dim;
+        let kv_row = kv_row_elems(dtype, num_kv_heads, head_dim);
+        let slots = a.cache_k.len().min(a.cache_v.len()) / kv_row;
         let runs = meta.block_tables.len() / meta.max_blocks_per_run.max(1);
         Ok(vec![
             buf_range(op, "q", a.q, DType::F32, first * row, count * row)?,
-            buf(op, "cache_k", a.cache_k, dtype, kv_dim)?,
-            buf(op, "cache_v", a.cache_v, dtype, kv_dim)?,
+            buf(op, "cache_k", a.cache_k, dtype, kv_row)?,
+            buf(op, "cache_v", a.cache_v, dtype, kv_row)?,
             buf_range(op, "positions", meta.positions, DType::U32, first, count)?,
             buf_range(op, "token_runs", meta.token_runs, DType::U32, first, count)?,
             u32_of(op, runs)?,
@@ -1176,15 +1176,20 @@ impl CudaBackend {
             _ => DType::F32,
         };
         let variant = usize::from(out_dtype == DType::BF16);
+        let tiles = if a.cache_k.dtype() == DType::F8E4M3 {
+            &kernels.tiles_fp8
+        } else {
+            &kernels.tiles
+        };
         let mut args = self.attention_args(a, &range, (out, out_dtype, range.start))?;
         // Every argument but head_dim (the kernel's template parameter).
         args.remove(13);
         let (num_heads, head_dim) = (a.shape.num_heads, a.shape.head_dim);
-        let tiles = range.len().div_ceil(64);
+        let tile_count = range.len().div_ceil(64);
         let max_context = a.meta.max_blocks_per_run * a.meta.block_size;
         let items = range.len() * num_heads;
         let splits = flash_splits(
-            tiles * num_heads,
+            tile_count * num_heads,
             range.len(),
             max_context,
             flash_blocks_per_sm(head_dim) * self.gpu.multiprocessors.max(1) as usize,
@@ -1203,10 +1208,10 @@ impl CudaBackend {
         // Heads along x, so that the heaviest tiles (the last) start first.
         let grid = (
             grid_of(op, num_heads)?,
-            grid_of(op, tiles)?,
+            grid_of(op, tile_count)?,
             grid_of(op, splits)?,
         );
-        self.launch(&kernels.tiles[variant], grid, 128, &args)?;
+        self.launch(&tiles[variant], grid, 128, &args)?;
         if splits == 1 {
             return Ok(());
         }
@@ -1272,26 +1277,27 @@ impl CudaBackend {
         }
         let dtype = a.cache_k.dtype();
         let group = num_heads / num_kv_heads;
-        let mma = match head_dim {
-            64 => Some(&self.kernels.decode_attention_mma[0]),
-            128 => Some(&self.kernels.decode_attention_mma[1]),
-            256 => Some(&self.kernels.decode_attention_mma[2]),
+        let mma_index = match head_dim {
+            64 => Some(0),
+            128 => Some(1),
+            256 => Some(2),
+            _ => None,
+        }
+        .filter(|_| group <= DECODE_MMA_MAX_GROUP);
+        let mma = match (dtype, mma_index) {
+            (DType::BF16, Some(i)) => Some(&self.kernels.decode_attention_mma[i]),
+            (DType::F8E4M3, Some(i)) => Some(&self.kernels.decode_attention_mma_fp8[i]),
             _ => None,
         };
-        let on_tensor_cores =
-            dtype == DType::BF16 && mma.is_some() && group <= DECODE_MMA_MAX_GROUP;
+        let on_tensor_cores = mma.is_some();
+        let lane_dims = head_dim.div_ceil(32).next_power_of_two();
+        let variant = lane_dims.trailing_zeros() as usize;
         let kernel = match (dtype, mma) {
-            (DType::BF16, Some(mma)) if group <= DECODE_MMA_MAX_GROUP => mma,
-            (DType::BF16 | DType::F32, _) => {
-                let lane_dims = head_dim.div_ceil(32).next_power_of_two();
-                let variant = lane_dims.trailing_zeros() as usize;
-                if dtype == DType::BF16 {
-                    &self.kernels.paged_attention_bf16[variant]
-                } else {
-                    &self.kernels.paged_attention_f32[variant]
-                }
-            }
-            (other, _) => return Err(bad(op, format!("KV cache of {other}"))),
+            (_, Some(mma)) => mma,
+            (DType::BF16, None) => &self.kernels.paged_attention_bf16[variant],
+            (DType::F32, None) => &self.kernels.paged_attention_f32[variant],
+            (DType::F8E4M3, None) => &self.kernels.paged_attention_fp8[variant],
+            (other, None) => return Err(bad(op, format!("KV cache of {other}"))),
         };
         let args = self.attention_args(a, &range, (out, DType::F32, out_first))?;
         // Split the keys, as far as the fixed scratch and one merge's shared memory allow.
@@ -1433,7 +1439,7 @@ impl Backend for CudaBackend {
                     .collect();
                 self.gpu.upload(&bits, dst)?;
             }
-            DType::U32 => return Err(bad(op, "weights must be float".to_string())),
+            DType::U32 | DType::F8E4M3 => return Err(bad(op, format!("weights of {dtype}"))),
         }
         self.stats.transfer(values.len() * dtype.size_bytes());
         Ok(b)
@@ -1445,7 +1451,7 @@ impl Backend for CudaBackend {
             DType::BF16 => &self.kernels.normal_fill_bf16,
             DType::F16 => &self.kernels.normal_fill_f16,
             DType::F32 => &self.kernels.normal_fill_f32,
-            DType::U32 => return Err(bad(op, "weights must be float".to_string())),
+            DType::U32 | DType::F8E4M3 => return Err(bad(op, format!("weights of {dtype}"))),
         };
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
         if len > 0 {
@@ -2055,30 +2061,40 @@ impl Backend for CudaBackend {
         v: &DeviceBuffer,
         slots: &DeviceBuffer,
         tokens: usize,
-        kv_dim: usize,
+        kv_heads: usize,
+        head_dim: usize,
         cache_k: &mut DeviceBuffer,
         cache_v: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "kv_store";
+        let kv_dim = kv_heads * head_dim;
         if tokens == 0 || kv_dim == 0 {
             return Ok(());
         }
         let dtype = cache_k.dtype();
-        let cache_slots = cache_k.len().min(cache_v.len()) / kv_dim;
-        let args = [
+        let row = kv_row_elems(dtype, kv_heads, head_dim);
+        let cache_slots = cache_k.len().min(cache_v.len()) / row;
+        let mut args = vec![
             buf(op, "k", k, DType::F32, tokens * kv_dim)?,
             buf(op, "v", v, DType::F32, tokens * kv_dim)?,
             buf(op, "slots", slots, DType::U32, tokens)?,
             u32_of(op, tokens)?,
-            u32_of(op, kv_dim)?,
-            Arg::U64(cache_slots as u64),
-            buf(op, "cache_k", cache_k, dtype, kv_dim)?,
-            buf(op, "cache_v", cache_v, dtype, kv_dim)?,
-            self.diag(),
         ];
+        if dtype == DType::F8E4M3 {
+            args.extend([u32_of(op, kv_heads)?, u32_of(op, head_dim)?]);
+        } else {
+            args.push(u32_of(op, kv_dim)?);
+        }
+        args.extend([
+            Arg::U64(cache_slots as u64),
+            buf(op, "cache_k", cache_k, dtype, row)?,
+            buf(op, "cache_v", cache_v, dtype, row)?,
+            self.diag(),
+        ]);
         let kernel = match dtype {
             DType::BF16 => &self.kernels.kv_store_bf16,
             DType::F32 => &self.kernels.kv_store_f32,
+            DType::F8E4M3 => &self.kernels.kv_store_fp8,
             other => return Err(bad(op, format!("KV cache of {other}"))),
         };
         self.launch(kernel, (grid_of(op, tokens)?, 1, 1), 128, &args)
@@ -2117,9 +2133,9 @@ impl Backend for CudaBackend {
         if tokens == 0 {
             return Ok(());
         }
-        let kv_dim = kv_heads * head_dim;
         let dtype = cache_k.dtype();
-        let cache_slots = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
+        let row = kv_row_elems(dtype, kv_heads, head_dim);
+        let cache_slots = cache_k.len().min(cache_v.len()) / row.max(1);
         let per_token = heads + 2 * kv_heads;
         let args = [
             buf(op, "qkv", qkv, DType::F32, tokens * per_token * head_dim)?,
@@ -2137,14 +2153,15 @@ impl Backend for CudaBackend {
             Arg::F32(eps),
             Arg::U64(cache_slots as u64),
             buf(op, "q_out", q_out, DType::F32, tokens * heads * head_dim)?,
-            buf(op, "cache_k", cache_k, dtype, kv_dim)?,
-            buf(op, "cache_v", cache_v, dtype, kv_dim)?,
+            buf(op, "cache_k", cache_k, dtype, row)?,
+            buf(op, "cache_v", cache_v, dtype, row)?,
             self.diag(),
         ];
         let args = [&args[..], &rope_args(rope, rotary_dim), &rest].concat();
         let kernels = match dtype {
             DType::BF16 => &self.kernels.qkv_norm_rope_store_bf16,
             DType::F32 => &self.kernels.qkv_norm_rope_store_f32,
+            DType::F8E4M3 => &self.kernels.qkv_norm_rope_store_fp8,
             other => return Err(bad(op, format!("KV cache of {other}"))),
         };
         // A block per (token, eight warps' heads): one head a warp for a few tokens, five
@@ -2196,7 +2213,10 @@ impl Backend for CudaBackend {
             256 => Some(&self.kernels.flash_attention_hd256),
             _ => None,
         }
-        .filter(|_| cache_k.dtype() == DType::BF16 && meta.max_run_tokens >= FLASH_MIN_RUN);
+        .filter(|_| {
+            matches!(cache_k.dtype(), DType::BF16 | DType::F8E4M3)
+                && meta.max_run_tokens >= FLASH_MIN_RUN
+        });
         let attention = Attention {
             q,
             cache_k,

@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
+use corral_backend::DType;
 use corral_model::ModelConfig;
 
 use crate::loading::{ModelArgs, load_model};
@@ -70,9 +71,10 @@ pub(crate) fn run(args: InspectArgs) -> Result<()> {
         weight_bytes as f64 / (1 << 20) as f64
     );
     println!(
-        "KV bytes per token   {} as cached here (f32), {} at bf16",
-        c.kv_bytes_per_token(4),
-        c.kv_bytes_per_token(2)
+        "KV bytes per token   {} at f32, {} at bf16, {} at fp8 (with its head scales)",
+        c.kv_bytes_per_token(DType::F32),
+        c.kv_bytes_per_token(DType::BF16),
+        c.kv_bytes_per_token(DType::F8E4M3)
     );
     if let Some(h) = &c.hybrid {
         let full = c.num_attention_layers();

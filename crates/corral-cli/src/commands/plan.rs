@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use corral_backend::DType;
 use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
 use corral_model::checkpoint::GgufCheckpoint;
 use corral_model::{Checkpoint, ModelConfig};
@@ -98,7 +99,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         }
         (None, None) => bail!("give --model DIR|FILE.gguf or --synthetic CONFIG"),
     };
-    let kv_element = args.kv_dtype.size_bytes();
+    let kv_dtype = args.kv_dtype;
     let fixed = match args.device {
         PlanDevice::Cpu => 0,
         PlanDevice::Cuda => corral_backend::cuda_fixed_buffer_bytes() as u64 + CUDA_RUNTIME_BYTES,
@@ -116,7 +117,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     let needs = MemoryNeeds::of(
         &config,
         weights,
-        kv_element,
+        kv_dtype,
         args.prefill_chunk.max(args.concurrency).max(1),
         fixed,
         BLOCK_SIZE,
@@ -147,13 +148,13 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         value["fits"] = plan.fits().into();
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        print!("{}", plan_text(&name, &source, &plan, kv_element));
+        print!("{}", plan_text(&name, &source, &plan, kv_dtype));
     }
     Ok(())
 }
 
 /// The plan as `corral plan` prints it.
-pub(crate) fn plan_text(name: &str, source: &str, p: &MemoryPlan, kv_element: usize) -> String {
+pub(crate) fn plan_text(name: &str, source: &str, p: &MemoryPlan, kv_dtype: DType) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let n = &p.needs;
@@ -168,9 +169,8 @@ pub(crate) fn plan_text(name: &str, source: &str, p: &MemoryPlan, kv_element: us
     );
     let _ = writeln!(
         out,
-        "KV         {} bytes a token ({})",
+        "KV         {} bytes a token ({kv_dtype})",
         n.kv_per_token,
-        if kv_element == 2 { "bf16" } else { "f32" }
     );
     if n.state_per_sequence > 0 {
         let _ = writeln!(

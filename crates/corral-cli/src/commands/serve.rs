@@ -171,8 +171,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     let host_before_load = corral_engine::mem_available();
     let model = load_model(&args.model)?;
     let config = model.config().clone();
-    let kv_elem = model.backend().kv_dtype().size_bytes();
-    let per_block = config.kv_bytes_per_token(kv_elem) * BLOCK_SIZE;
+    let per_block = config.kv_bytes_per_token(model.backend().kv_dtype()) * BLOCK_SIZE;
     let state_bytes = corral_model::RecurrentStateCache::bytes_per_slot(&config);
     let state_checkpoints = args
         .state_cache_bytes

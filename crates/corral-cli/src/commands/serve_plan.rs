@@ -47,14 +47,14 @@ pub(crate) fn plan_serving(
 ) -> Result<ServePlan> {
     let backend = model.backend();
     let config = model.config();
-    let kv_element = backend.kv_dtype().size_bytes();
+    let kv_dtype = backend.kv_dtype();
     let weights = model.weight_bytes() as u64;
     let step = measure_step_workspace(model, shape.prefill_tokens)?;
     // A GPU's fixed buffers and the measured step's are allocated by now: its free memory
     // is read after them.
     let device = backend.device_memory()?;
     let needs = |fixed: u64| {
-        MemoryNeeds::with_workspace(config, weights, kv_element, fixed + step, BLOCK_SIZE)
+        MemoryNeeds::with_workspace(config, weights, kv_dtype, fixed + step, BLOCK_SIZE)
     };
     let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;
     let (needs, budget, source) = match (shape.memory, device) {
@@ -96,7 +96,7 @@ pub(crate) fn plan_serving(
     // A model without attention layers needs no KV block.
     let holds_kv = planned.kv_blocks > 0 || needs.kv_per_token == 0;
     if !planned.weights_fit || !holds_kv {
-        eprint!("{}", plan_text(name, &source, &planned, kv_element));
+        eprint!("{}", plan_text(name, &source, &planned, kv_dtype));
         if planned.weights_fit {
             bail!(
                 "the memory budget holds no KV block once the weights, workspace and recurrent states ({} checkpoints: --state-cache-bytes) are placed",

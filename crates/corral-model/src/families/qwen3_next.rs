@@ -198,7 +198,8 @@ impl GatedAttention {
             &ws.v,
             &b.slots,
             tokens,
-            nkv * hd,
+            nkv,
+            hd,
             &mut kv.k,
             &mut kv.v,
         )?;

@@ -1,10 +1,63 @@
 // Paged KV cache: storing this batch's K and V, and causal GQA attention over the cache.
-// The cache holds K/V as bf16 (default) or f32; scores, softmax and accumulation in f32.
+// The cache holds K/V as bf16 (default), f32, or fp8 e4m3 (u8) with an f32 scale per (slot,
+// KV head): a slot's row of fp8_row_bytes holds its heads' values, then their scales.
+// Scores, softmax and accumulation in f32.
 
 __device__ __forceinline__ void store_kv(u16* p, size_t i, float v) { p[i] = f32_to_bf16(v); }
 __device__ __forceinline__ void store_kv(float* p, size_t i, float v) { p[i] = v; }
 __device__ __forceinline__ float load_kv(const u16* p, size_t i) { return bf16_to_f32(p[i]); }
 __device__ __forceinline__ float load_kv(const float* p, size_t i) { return p[i]; }
+// An fp8 value without its head's scale (which the reader applies).
+__device__ __forceinline__ float load_kv(const u8* p, size_t i) { return e4m3_to_f32(p[i]); }
+
+// Elements from one cache slot's row to the next's.
+template <typename C> __device__ __forceinline__ u32 kv_row_stride(u32 kv_heads, u32 head_dim) {
+    return sizeof(C) == 1 ? fp8_row_bytes(kv_heads, head_dim) : kv_heads * head_dim;
+}
+
+// The scale of KV head `kvh` in the fp8 row starting at `row` (1 for other caches).
+template <typename C>
+__device__ __forceinline__ float kv_scale(const C* row, u32 kvh, u32 kv_dim) {
+    if constexpr (sizeof(C) == 1)
+        return *reinterpret_cast<const float*>(reinterpret_cast<const u8*>(row) + kv_dim + 4 * kvh);
+    else
+        return 1.f;
+}
+
+// One warp stores head `kvh` of a slot's fp8 row at `row` from lane-strided values `get(d)`
+// (d < head_dim): the head's largest magnitude maps to 448.
+template <typename Get>
+__device__ __forceinline__ void store_fp8_head(u8* row, u32 kvh, u32 head_dim, u32 kv_dim,
+                                               Get get) {
+    u32 lane = threadIdx.x & 31;
+    float amax = 0.f;
+    for (u32 d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(get(d)));
+    amax = warp_max(amax);
+    float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
+    for (u32 d = lane; d < head_dim; d += 32) row[kvh * head_dim + d] = (u8)f32_to_e4m3(get(d) * inv);
+    if (lane == 0) *reinterpret_cast<float*>(row + kv_dim + 4 * kvh) = scale;
+}
+
+// fp8: a warp per (token, KV head) of K and of V.
+__device__ void kv_store_fp8_impl(const float* k, const float* v, const u32* slots, u32 tokens,
+                                  u32 kv_heads, u32 head_dim, u64 cache_slots, u8* cache_k,
+                                  u8* cache_v, Diag* diag) {
+    u32 t = blockIdx.x;
+    if (t >= tokens) return;
+    u32 slot = slots[t];
+    if (slot >= cache_slots) {
+        if (threadIdx.x == 0) raise_error(diag, ERR_KV_SLOT);
+        return;
+    }
+    u32 kv_dim = kv_heads * head_dim, warps = blockDim.x >> 5;
+    size_t row = (size_t)slot * fp8_row_bytes(kv_heads, head_dim);
+    for (u32 i = threadIdx.x >> 5; i < 2 * kv_heads; i += warps) {
+        u32 kvh = i % kv_heads;
+        const float* src = (i < kv_heads ? k : v) + (size_t)t * kv_dim + kvh * head_dim;
+        store_fp8_head(i < kv_heads ? cache_k + row : cache_v + row, kvh, head_dim, kv_dim,
+                       [&](u32 d) { return src[d]; });
+    }
+}
 
 template <typename C>
 __device__ void kv_store_impl(const float* k, const float* v, const u32* slots, u32 tokens,
@@ -34,6 +87,14 @@ __device__ void kv_store_impl(const float* k, const float* v, const u32* slots, 
 KV_STORE(bf16, u16)
 KV_STORE(f32, float)
 
+extern "C" __global__ void kv_store_fp8(const float* k, const float* v, const u32* slots,
+                                        u32 tokens, u32 kv_heads, u32 head_dim,
+                                        u64 cache_slots, u8* cache_k, u8* cache_v, Diag* diag) {
+    begin_small_kernel();
+    kv_store_fp8_impl(k, v, slots, tokens, kv_heads, head_dim, cache_slots, cache_k, cache_v,
+                      diag);
+}
+
 // From a fused q/k/v projection ([tokens, (heads + 2 kv_heads) * head_dim]): a block per
 // (token, QKV_WARPS * HPW of its q, k and v heads), HPW heads a warp, one at a time (5 for
 // prefill, so that a block takes a whole token and has all its heads' loads in flight at
@@ -57,7 +118,7 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
     u32 t = blockIdx.x, h0 = blockIdx.y * QKV_WARPS * HPW + warp;
     u32 per_token = heads + 2 * kv_heads;
     if (t >= tokens) return;
-    u32 kv_dim = kv_heads * head_dim;
+    u32 kv_dim = kv_heads * head_dim, row_stride = kv_row_stride<C>(kv_heads, head_dim);
     // Every head's values in flight first, so that the angles are formed meanwhile.
     float vals[HPW][DIMS];
 #pragma unroll
@@ -97,11 +158,27 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
         bool is_q = h < heads, is_v = h >= heads + kv_heads;
         if (h >= per_token || (!is_q && !slot_ok)) continue;
         if (is_v) {
-            size_t dst = (size_t)slot * kv_dim + (size_t)(h - heads - kv_heads) * head_dim;
+            u32 kvh = h - heads - kv_heads;
+            if constexpr (sizeof(C) == 1) {
+                float amax = 0.f;
 #pragma unroll
-            for (int i = 0; i < DIMS; i++) {
-                u32 d = lane + 32 * i;
-                if (d < head_dim) store_kv(cache_v, dst + d, vals[j][i]);
+                for (int i = 0; i < DIMS; i++) amax = fmaxf(amax, fabsf(vals[j][i]));
+                amax = warp_max(amax);
+                float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
+                u8* dst = reinterpret_cast<u8*>(cache_v) + (size_t)slot * row_stride;
+#pragma unroll
+                for (int i = 0; i < DIMS; i++) {
+                    u32 d = lane + 32 * i;
+                    if (d < head_dim) dst[kvh * head_dim + d] = (u8)f32_to_e4m3(vals[j][i] * inv);
+                }
+                if (lane == 0) *reinterpret_cast<float*>(dst + kv_dim + 4 * kvh) = scale;
+            } else {
+                size_t dst = (size_t)slot * row_stride + (size_t)kvh * head_dim;
+#pragma unroll
+                for (int i = 0; i < DIMS; i++) {
+                    u32 d = lane + 32 * i;
+                    if (d < head_dim) store_kv(cache_v, dst + d, vals[j][i]);
+                }
             }
             continue;
         }
@@ -119,10 +196,14 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
         }
         __syncwarp();
         float* q_dst = q_out + ((size_t)t * heads + h) * head_dim;
-        size_t k_dst = (size_t)slot * kv_dim + (size_t)(h - heads) * head_dim;
+        size_t k_dst = (size_t)slot * row_stride + (size_t)(h - heads) * head_dim;
+        // An fp8 k head is rotated in place in the staged row, then scaled and stored whole.
+        bool k_fp8 = sizeof(C) == 1 && !is_q;
         auto emit = [&](u32 d, float v) {
             if (is_q)
                 q_dst[d] = v;
+            else if constexpr (sizeof(C) == 1)
+                row[d] = v;
             else
                 store_kv(cache_k, k_dst + d, v);
         };
@@ -133,7 +214,15 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
             emit(p, a * cs.x - b * cs.y);
             emit(p + half, b * cs.x + a * cs.y);
         }
-        for (u32 d = rotary_dim + lane; d < head_dim; d += 32) emit(d, row[d]);
+        if (!k_fp8)
+            for (u32 d = rotary_dim + lane; d < head_dim; d += 32) emit(d, row[d]);
+        if constexpr (sizeof(C) == 1) {
+            if (k_fp8) {
+                __syncwarp();
+                store_fp8_head(reinterpret_cast<u8*>(cache_k) + (size_t)slot * row_stride,
+                               h - heads, head_dim, kv_dim, [&](u32 d) { return row[d]; });
+            }
+        }
     }
 }
 
@@ -159,6 +248,10 @@ QKV_NORM_ROPE_STORE(f32, float, 4, 1)
 QKV_NORM_ROPE_STORE(f32, float, 4, 5)
 QKV_NORM_ROPE_STORE(f32, float, 16, 1)
 QKV_NORM_ROPE_STORE(f32, float, 16, 5)
+QKV_NORM_ROPE_STORE(fp8, u8, 4, 1)
+QKV_NORM_ROPE_STORE(fp8, u8, 4, 5)
+QKV_NORM_ROPE_STORE(fp8, u8, 16, 1)
+QKV_NORM_ROPE_STORE(fp8, u8, 16, 5)
 
 #define ATTN_WARPS 4         // warps of a block, taking alternate chunks of its keys
 #define ATTN_MAX_SPLITS 64   // splits of the keys that the last block merges
@@ -353,7 +446,7 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
     if (t >= tokens) return;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 group = num_heads / num_kv_heads;
-    u32 kv_dim = num_kv_heads * head_dim;
+    u32 kv_dim = num_kv_heads * head_dim, row_stride = kv_row_stride<C>(num_kv_heads, head_dim);
     u32 d0 = lane * D;
     bool vec = head_dim == 32 * D;
     u32 begin, end, active;
@@ -387,18 +480,20 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
                     raise_error(diag, ERR_BLOCK_TABLE);
                     block = 0;
                 }
-                rows[jj] = ((size_t)block * block_size + j % block_size) * kv_dim +
-                           (size_t)kvh * head_dim;
+                rows[jj] = ((size_t)block * block_size + j % block_size) * row_stride;
             }
         };
         u32 j0 = begin + warp * KEYS;
         if (j0 < end) fetch_rows(j0);
         for (; j0 < end; j0 += stride) {
-            float kr[KEYS][D], vr[KEYS][D];
+            float kr[KEYS][D], vr[KEYS][D], ks[KEYS], vs[KEYS];
 #pragma unroll
             for (int jj = 0; jj < KEYS; jj++) {
-                load_lane_dims<D>(cache_k + rows[jj], d0, head_dim, vec, kr[jj]);
-                load_lane_dims<D>(cache_v + rows[jj], d0, head_dim, vec, vr[jj]);
+                size_t head = rows[jj] + (size_t)kvh * head_dim;
+                load_lane_dims<D>(cache_k + head, d0, head_dim, vec, kr[jj]);
+                load_lane_dims<D>(cache_v + head, d0, head_dim, vec, vr[jj]);
+                ks[jj] = kv_scale(cache_k + rows[jj], kvh, kv_dim);
+                vs[jj] = kv_scale(cache_v + rows[jj], kvh, kv_dim);
             }
             if (j0 + stride < end) fetch_rows(j0 + stride);
 #pragma unroll
@@ -411,7 +506,7 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
                     float dot = 0.f;
 #pragma unroll
                     for (int i = 0; i < D; i++) dot += qv[h][i] * kr[jj][i];
-                    s[jj] = warp_sum(dot);
+                    s[jj] = warp_sum(dot) * ks[jj];
                     if (j0 + jj >= end) s[jj] = NEG_INF;
                     chunk_max = fmaxf(chunk_max, s[jj]);
                 }
@@ -424,8 +519,9 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
                 for (int jj = 0; jj < KEYS; jj++) {
                     float p = expf(s[jj] - m_new);  // 0 past the end
                     l[h] += p;
+                    float pv = p * vs[jj];
 #pragma unroll
-                    for (int i = 0; i < D; i++) acc[h][i] += p * vr[jj][i];
+                    for (int i = 0; i < D; i++) acc[h][i] += pv * vr[jj][i];
                 }
                 m[h] = m_new;
             }
@@ -487,7 +583,25 @@ __device__ __forceinline__ void mma_rows_lo(float& c0, float& c1, u32 a0, u32 a2
           "f"(0.f));
 }
 
+// mma_rows_lo with f16 operands (an fp8 cache's values, exact in f16).
+__device__ __forceinline__ void mma_rows_lo_f16(float& c0, float& c1, u32 a0, u32 a2, u32 b0,
+                                                u32 b1) {
+    float d2, d3;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};"
+        : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
+          "f"(0.f));
+}
+
 __device__ __forceinline__ uint4 load16(const u16* p) { return *reinterpret_cast<const uint4*>(p); }
+// Eight fp8 values as the eight f16 (times 2^-8) that load16 gives of eight bf16.
+__device__ __forceinline__ uint4 load16(const u8* p) {
+    uint2 w = *reinterpret_cast<const uint2*>(p);
+    return make_uint4(e4m3x2_as_f16x2(w.x, 0x1404u), e4m3x2_as_f16x2(w.x, 0x3424u),
+                      e4m3x2_as_f16x2(w.y, 0x1404u), e4m3x2_as_f16x2(w.y, 0x3424u));
+}
 
 __device__ __forceinline__ u32 word(uint4 v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -507,9 +621,12 @@ __device__ __forceinline__ u32 word(uint4 v, int i) {
 // The kernel begins deferred: the block tables, and with `one_token_runs` (every run of the
 // batch one token, so that only a token's own key is this step's) a warp's first chunk of
 // keys when it ends before the token's own, are read before it waits for the kernel before.
-template <int HD>
+// Over an fp8 cache (C = u8) the operands are f16 (e4m3 values are exact in f16, times
+// 2^-8): each key's K scale multiplies its scores and its V scale its probabilities, both
+// with the 2^8 back.
+template <int HD, typename C>
 __device__ void decode_attention_mma_impl(
-    const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,
+    const float* q, const C* cache_k, const C* cache_v, const u32* positions,
     const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks, u32 block_size,
     u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads, float scale, u32 split_keys,
     u32 one_token_runs, float* partial, u32* counters, float* out, Diag* diag) {
@@ -527,7 +644,10 @@ __device__ void decode_attention_mma_impl(
     if (t >= tokens) return;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 group = num_heads / num_kv_heads;
-    u32 kv_dim = num_kv_heads * HD;
+    u32 kv_dim = num_kv_heads * HD, row_stride = kv_row_stride<C>(num_kv_heads, HD);
+    const bool FP8 = sizeof(C) == 1;
+    // From a head's values to its scale in an fp8 row.
+    size_t to_scale = (size_t)kv_dim + 4 * kvh - (size_t)kvh * HD;
     u32 begin, end, active;
     const u32* table;
     if (!split_keys_of(positions, token_runs, runs, block_tables, max_blocks, block_size, t,
@@ -540,13 +660,14 @@ __device__ void decode_attention_mma_impl(
     u32 chunk_row0 = 0;  // cache row of the current chunk's first key (one-block chunks)
     auto key_row = [&](u32 j0, u32 j) -> size_t {
         j = min(j, end - 1);
-        if (chunk_in_one_block) return ((size_t)chunk_row0 + (j - j0)) * kv_dim + (size_t)kvh * HD;
+        if (chunk_in_one_block)
+            return ((size_t)chunk_row0 + (j - j0)) * row_stride + (size_t)kvh * HD;
         u32 block = table[j / block_size];
         if (block >= num_blocks) {
             raise_error(diag, ERR_BLOCK_TABLE);
             block = 0;
         }
-        return ((size_t)block * block_size + j % block_size) * kv_dim + (size_t)kvh * HD;
+        return ((size_t)block * block_size + j % block_size) * row_stride + (size_t)kvh * HD;
     };
     float o[DT][2];
 #pragma unroll
@@ -573,7 +694,15 @@ __device__ void decode_attention_mma_impl(
     const u32 stride = ATTN_WARPS * 16;
     u32 j0 = begin + warp * 16;
     uint4 k0[KC], k1[KC], v[4][VC];
+    float ks[4], vs[4];  // fp8: the scales (times 2^8) of this lane's S columns' keys
     auto load_chunk = [&]() {
+        if constexpr (FP8) {
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                ks[kk] = 256.f * *reinterpret_cast<const float*>(cache_k + rv[kk] + to_scale);
+                vs[kk] = 256.f * *reinterpret_cast<const float*>(cache_v + rv[kk] + to_scale);
+            }
+        }
 #pragma unroll
         for (int c = 0; c < KC; c++) {
             k0[c] = load16(cache_k + rk[0] + 32 * c + 8 * tq);
@@ -609,10 +738,10 @@ __device__ void decode_attention_mma_impl(
                 a = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq);
                 b = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * tq + 4);
             }
-            qa[c][0] = pack_bf16(a.x * f, a.y * f);
-            qa[c][1] = pack_bf16(a.z * f, a.w * f);
-            qa[c][2] = pack_bf16(b.x * f, b.y * f);
-            qa[c][3] = pack_bf16(b.z * f, b.w * f);
+            qa[c][0] = pack2<FP8>(a.x * f, a.y * f);
+            qa[c][1] = pack2<FP8>(a.z * f, a.w * f);
+            qa[c][2] = pack2<FP8>(b.x * f, b.y * f);
+            qa[c][3] = pack2<FP8>(b.z * f, b.w * f);
         }
     }
     for (; j0 < end; j0 += stride) {
@@ -624,10 +753,23 @@ __device__ void decode_attention_mma_impl(
         float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
         for (int c = 0; c < KC; c++) {
-            mma_rows_lo(s[0][0], s[0][1], qa[c][0], qa[c][1], k0[c].x, k0[c].y);
-            mma_rows_lo(s[1][0], s[1][1], qa[c][0], qa[c][1], k1[c].x, k1[c].y);
-            mma_rows_lo(s[0][0], s[0][1], qa[c][2], qa[c][3], k0[c].z, k0[c].w);
-            mma_rows_lo(s[1][0], s[1][1], qa[c][2], qa[c][3], k1[c].z, k1[c].w);
+            if constexpr (FP8) {
+                mma_rows_lo_f16(s[0][0], s[0][1], qa[c][0], qa[c][1], k0[c].x, k0[c].y);
+                mma_rows_lo_f16(s[1][0], s[1][1], qa[c][0], qa[c][1], k1[c].x, k1[c].y);
+                mma_rows_lo_f16(s[0][0], s[0][1], qa[c][2], qa[c][3], k0[c].z, k0[c].w);
+                mma_rows_lo_f16(s[1][0], s[1][1], qa[c][2], qa[c][3], k1[c].z, k1[c].w);
+            } else {
+                mma_rows_lo(s[0][0], s[0][1], qa[c][0], qa[c][1], k0[c].x, k0[c].y);
+                mma_rows_lo(s[1][0], s[1][1], qa[c][0], qa[c][1], k1[c].x, k1[c].y);
+                mma_rows_lo(s[0][0], s[0][1], qa[c][2], qa[c][3], k0[c].z, k0[c].w);
+                mma_rows_lo(s[1][0], s[1][1], qa[c][2], qa[c][3], k1[c].z, k1[c].w);
+            }
+        }
+        if constexpr (FP8) {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) s[h][c] *= ks[2 * h + c];
         }
         float mx = NEG_INF;
 #pragma unroll
@@ -655,7 +797,14 @@ __device__ void decode_attention_mma_impl(
                 l += s[h][c];
             }
         m = m_new;
-        u32 pa0 = pack_bf16(s[0][0], s[0][1]), pa2 = pack_bf16(s[1][0], s[1][1]);
+        u32 pa0, pa2;
+        if constexpr (FP8) {
+            pa0 = pack_f16(s[0][0] * vs[0], s[0][1] * vs[1]);
+            pa2 = pack_f16(s[1][0] * vs[2], s[1][1] * vs[3]);
+        } else {
+            pa0 = pack_bf16(s[0][0], s[0][1]);
+            pa2 = pack_bf16(s[1][0], s[1][1]);
+        }
 #pragma unroll
         for (int c = 0; c < VC; c++)
 #pragma unroll
@@ -663,7 +812,10 @@ __device__ void decode_attention_mma_impl(
                 u32 sel = (i & 1) ? 0x7632u : 0x5410u;
                 u32 b0 = __byte_perm(word(v[0][c], i >> 1), word(v[1][c], i >> 1), sel);
                 u32 b1 = __byte_perm(word(v[2][c], i >> 1), word(v[3][c], i >> 1), sel);
-                mma_rows_lo(o[8 * c + i][0], o[8 * c + i][1], pa0, pa2, b0, b1);
+                if constexpr (FP8)
+                    mma_rows_lo_f16(o[8 * c + i][0], o[8 * c + i][1], pa0, pa2, b0, b1);
+                else
+                    mma_rows_lo(o[8 * c + i][0], o[8 * c + i][1], pa0, pa2, b0, b1);
             }
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -725,22 +877,26 @@ __device__ void decode_attention_mma_impl(
         merge_splits(partial, counters, t, kvh, group, num_heads, HD, splits, active, out);
 }
 
-#define DECODE_ATTENTION_MMA(HD)                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) decode_attention_mma_hd##HD( \
-        const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,         \
-        const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,             \
-        u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,          \
-        u32 head_dim, float scale, u32 split_keys, u32 one_token_runs, float* partial,        \
-        u32* counters, float* out, Diag* diag) {                                              \
+#define DECODE_ATTENTION_MMA(HD, C, SUFFIX)                                                   \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                             \
+        decode_attention_mma##SUFFIX##_hd##HD(                                                \
+            const float* q, const C* cache_k, const C* cache_v, const u32* positions,         \
+            const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,         \
+            u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,      \
+            u32 head_dim, float scale, u32 split_keys, u32 one_token_runs, float* partial,    \
+            u32* counters, float* out, Diag* diag) {                                          \
         begin_deferred_kernel();                                                              \
-        decode_attention_mma_impl<HD>(q, cache_k, cache_v, positions, token_runs, runs,       \
-                                      block_tables, max_blocks, block_size, num_blocks,       \
-                                      tokens, num_heads, num_kv_heads, scale, split_keys,     \
-                                      one_token_runs, partial, counters, out, diag);          \
+        decode_attention_mma_impl<HD, C>(q, cache_k, cache_v, positions, token_runs, runs,    \
+                                         block_tables, max_blocks, block_size, num_blocks,    \
+                                         tokens, num_heads, num_kv_heads, scale, split_keys,  \
+                                         one_token_runs, partial, counters, out, diag);       \
     }
-DECODE_ATTENTION_MMA(64)
-DECODE_ATTENTION_MMA(128)
-DECODE_ATTENTION_MMA(256)
+DECODE_ATTENTION_MMA(64, u16, )
+DECODE_ATTENTION_MMA(128, u16, )
+DECODE_ATTENTION_MMA(256, u16, )
+DECODE_ATTENTION_MMA(64, u8, _fp8)
+DECODE_ATTENTION_MMA(128, u8, _fp8)
+DECODE_ATTENTION_MMA(256, u8, _fp8)
 
 #define PAGED_ATTENTION(SUFFIX, C, D)                                                         \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                         \
@@ -764,3 +920,4 @@ DECODE_ATTENTION_MMA(256)
     PAGED_ATTENTION(SUFFIX, C, 16)
 PAGED_ATTENTION_DIMS(bf16, u16)
 PAGED_ATTENTION_DIMS(f32, float)
+PAGED_ATTENTION_DIMS(fp8, u8)

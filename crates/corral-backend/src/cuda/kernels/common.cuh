@@ -4,6 +4,7 @@
 
 #define NEG_INF __int_as_float(0xff800000)
 
+typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -71,6 +72,35 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+
+// fp8 e4m3 (the KV cache's fp8: 4 exponent bits of bias 7, 3 mantissa bits, no infinity,
+// largest 448). Its bits shifted into an f16's give the value times 2^-8 exactly, subnormals
+// included (the two biases differ by 8): a shift and a mask, no table.
+__device__ __forceinline__ u16 e4m3_as_f16_bits(u32 b) {
+    return (u16)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+}
+__device__ __forceinline__ float e4m3_to_f32(u32 b) { return f16_to_f32(e4m3_as_f16_bits(b)) * 256.f; }
+// Bytes 0, 1 (sel 0x1404) or 2, 3 (sel 0x3424) of x as two f16 of their values times 2^-8,
+// packed low first: the operand pair of an f16 mma.
+__device__ __forceinline__ u32 e4m3x2_as_f16x2(u32 x, u32 sel) {
+    u32 r = __byte_perm(x, 0u, sel);  // each byte in the high half of a 16-bit lane
+    return (r & 0x80008000u) | ((r >> 1) & 0x3f803f80u);
+}
+// x rounded to the nearest e4m3 (ties to even), saturating at ±448.
+__device__ __forceinline__ u32 f32_to_e4m3(float x) {
+    u32 sign = (__float_as_uint(x) >> 24) & 0x80u;
+    float a = fminf(fabsf(x), 448.f);
+    if (!(a >= 0.015625f)) return sign | (u32)rintf(a * 512.f);  // subnormals, 2^-9 units
+    int e;
+    float f = frexpf(a, &e);  // a = f 2^e, f in [0.5, 1)
+    // A mantissa rounding up to 8 carries into the exponent field, as the encoding runs on.
+    return sign | (((u32)(e + 6) << 3) + (u32)rintf((f * 2.f - 1.f) * 8.f));
+}
+// Bytes of one fp8 KV cache slot: kv_heads rows of head_dim values, then their f32 scales,
+// padded to 16 bytes (kv_row_elems in dtype.rs).
+__device__ __forceinline__ u32 fp8_row_bytes(u32 kv_heads, u32 head_dim) {
+    return (kv_heads * head_dim + 4 * kv_heads + 15) / 16 * 16;
 }
 
 // Element `i` of a weight stored as W, as f32.

@@ -34,9 +34,26 @@ __device__ __forceinline__ void fa_store2(u16* p, float a, float b) {
     *reinterpret_cast<u32*>(p) = (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
 }
 
+// A cached value of a bf16 cache, or of an fp8 one (times its head's scale, `s`).
+__device__ __forceinline__ float fa_load(const u16* p, size_t i, float) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ float fa_load(const u8* p, size_t i, float s) { return e4m3_to_f32(p[i]) * s; }
+
+// Elements from one slot's cache row to the next's, and where a row's head scale sits
+// (fp8 rows: after the row's values; attention.cu's layout).
+template <typename C> __device__ __forceinline__ u32 fa_row_stride(u32 kv_dim, u32 kv_heads) {
+    return sizeof(C) == 1 ? fp8_row_bytes(kv_heads, kv_dim / kv_heads) : kv_dim;
+}
+template <typename C>
+__device__ __forceinline__ float fa_scale(const C* cache, size_t row0, u32 kv_dim, u32 kvh) {
+    if constexpr (sizeof(C) == 1)
+        return *reinterpret_cast<const float*>(cache + row0 + kv_dim + 4 * kvh);
+    else
+        return 1.f;
+}
+
 // One token's attention for one head by one warp: lanes own HD/32 dims, keys 0..len-1.
-template <int HD, typename O>
-__device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cache_v,
+template <int HD, typename O, typename C>
+__device__ void fa_one_token(const float* qh, const C* cache_k, const C* cache_v,
                              const u32* table, u32 len, u32 block_size, u32 num_blocks,
                              u32 kv_dim, u32 kv_off, float scale, O* out, Diag* diag) {
     const int D = HD / 32;
@@ -48,22 +65,26 @@ __device__ void fa_one_token(const float* qh, const u16* cache_k, const u16* cac
         acc[i] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
+    u32 kv_heads = kv_dim / HD, stride = fa_row_stride<C>(kv_dim, kv_heads);
     for (u32 j = 0; j < len; j++) {
         u32 block = table[j / block_size];
         if (block >= num_blocks) {
             raise_error(diag, ERR_BLOCK_TABLE);
             block = 0;
         }
-        size_t row = ((size_t)block * block_size + j % block_size) * kv_dim + kv_off + d0;
+        size_t row0 = ((size_t)block * block_size + j % block_size) * stride;
+        size_t row = row0 + kv_off + d0;
+        float ks = fa_scale(cache_k, row0, kv_dim, kv_off / HD);
+        float vs = fa_scale(cache_v, row0, kv_dim, kv_off / HD);
         float dot = 0.f;
 #pragma unroll
-        for (int i = 0; i < D; i++) dot += qv[i] * bf16_to_f32(cache_k[row + i]);
+        for (int i = 0; i < D; i++) dot += qv[i] * fa_load(cache_k, row + i, ks);
         dot = warp_sum(dot);
         float m_new = fmaxf(m, dot);
         float correction = expf(m - m_new), p = expf(dot - m_new);
         l = l * correction + p;
 #pragma unroll
-        for (int i = 0; i < D; i++) acc[i] = acc[i] * correction + p * bf16_to_f32(cache_v[row + i]);
+        for (int i = 0; i < D; i++) acc[i] = acc[i] * correction + p * fa_load(cache_v, row + i, vs);
         m = m_new;
     }
 #pragma unroll
@@ -93,9 +114,10 @@ struct FaPartial {
 };
 
 // Rows t0 .. t0 + rows - 1 of the batch, one run (`table`) at consecutive positions from
-// pos0, for head h, over keys [k_lo, k_hi) of the run (k_lo a multiple of 64).
-template <int HD, typename O>
-__device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_v,
+// pos0, for head h, over keys [k_lo, k_hi) of the run (k_lo a multiple of 64). An fp8 cache
+// (C = u8) is read into registers and staged as bf16, each value times its head's scale.
+template <int HD, typename O, typename C>
+__device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
                            const u32* table, u32 block_size, u32 num_blocks, u32 t0, u32 rows,
                            u32 pos0, u32 h, u32 num_heads, u32 num_kv_heads, float scale,
                            u32 k_lo, u32 k_hi, O* out, FaPartial part, Diag* diag) {
@@ -107,7 +129,7 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
     u16* k_s = reinterpret_cast<u16*>(fa_smem);         // [STAGES][FA_KEYS * KS]
     u16* v_s = k_s + STAGES * FA_KEYS * KS;               // [STAGES][FA_KEYS * KS]
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-    u32 kv_dim = num_kv_heads * HD;
+    u32 kv_dim = num_kv_heads * HD, row_stride = fa_row_stride<C>(kv_dim, num_kv_heads);
     u32 kvh = h / (num_heads / num_kv_heads), kv_off = kvh * HD;
     u32 key_end = pos0 + rows;  // keys 0 .. last position
     u32 j_end = min(k_hi, key_end);
@@ -115,13 +137,13 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
     // cp.async; keys past the end are zero.
     auto issue = [&](u32 j0, int stage, int which) {
         u16* dst = (which == 0 ? k_s : v_s) + stage * FA_KEYS * KS;
-        const u16* src = which == 0 ? cache_k : cache_v;
+        const C* src = which == 0 ? cache_k : cache_v;
 #pragma unroll
         for (int it = 0; it < FA_KEYS * (HD / 8) / FA_THREADS; it++) {
             u32 piece = threadIdx.x + it * FA_THREADS;
             u32 kr = piece / (HD / 8), d = (piece % (HD / 8)) * 8;
             u32 j = j0 + kr;
-            size_t row = 0;
+            size_t row0 = 0;
             bool live = j < key_end;
             if (live) {
                 u32 block = table[j / block_size];
@@ -129,9 +151,23 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
                     raise_error(diag, ERR_BLOCK_TABLE);
                     block = 0;
                 }
-                row = ((size_t)block * block_size + j % block_size) * kv_dim + kv_off + d;
+                row0 = ((size_t)block * block_size + j % block_size) * row_stride;
             }
-            cp_async16(dst + kr * KS + d, src + row, live ? 16u : 0u);
+            if constexpr (sizeof(C) == 1) {
+                uint4 staged = make_uint4(0u, 0u, 0u, 0u);
+                if (live) {
+                    uint2 w = *reinterpret_cast<const uint2*>(src + row0 + kv_off + d);
+                    float sc = fa_scale(src, row0, kv_dim, kvh);
+                    auto two = [&](u32 x, int at) {
+                        return pack_bf16(e4m3_to_f32((x >> at) & 0xffu) * sc,
+                                         e4m3_to_f32((x >> (at + 8)) & 0xffu) * sc);
+                    };
+                    staged = make_uint4(two(w.x, 0), two(w.x, 16), two(w.y, 0), two(w.y, 16));
+                }
+                *reinterpret_cast<uint4*>(dst + kr * KS + d) = staged;
+            } else {
+                cp_async16(dst + kr * KS + d, src + row0 + kv_off + d, live ? 16u : 0u);
+            }
         }
     };
     if (k_lo < j_end) {
@@ -333,8 +369,8 @@ __device__ void flash_span(const float* q, const u16* cache_k, const u16* cache_
 // block tables raises the flag and is computed a token at a time, clamped, by the first
 // split. Tiles run heaviest first: grid (heads, tiles, splits), the last tile of the batch
 // (the most keys under the causal mask) in the first block row.
-template <int HD, typename O>
-__device__ void flash_attention_impl(const float* q, const u16* cache_k, const u16* cache_v,
+template <int HD, typename O, typename C>
+__device__ void flash_attention_impl(const float* q, const C* cache_k, const C* cache_v,
                                      const u32* positions, const u32* token_runs, u32 runs,
                                      const u32* block_tables, u32 max_blocks, u32 block_size,
                                      u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,
@@ -358,7 +394,7 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
         while (t1 < tile_end && token_runs[t1] == run && positions[t1] == pos0 + (t1 - t0)) t1++;
         u32 rows = t1 - t0;
         if (run < runs && pos0 + rows <= max_blocks * block_size) {
-            flash_span<HD, O>(q, cache_k, cache_v, block_tables + (size_t)run * max_blocks,
+            flash_span<HD, O, C>(q, cache_k, cache_v, block_tables + (size_t)run * max_blocks,
                               block_size, num_blocks, t0, rows, pos0, h, num_heads,
                               num_kv_heads, scale, k_lo, k_hi, out, part, diag);
         } else {
@@ -369,14 +405,14 @@ __device__ void flash_attention_impl(const float* q, const u16* cache_k, const u
                 const u32* tt = block_tables + (size_t)min(run, runs - 1) * max_blocks;
                 size_t item = (size_t)t * num_heads + h;
                 if (!part.o) {
-                    fa_one_token<HD, O>(q + item * HD, cache_k, cache_v, tt, len, block_size,
+                    fa_one_token<HD, O, C>(q + item * HD, cache_k, cache_v, tt, len, block_size,
                                         num_blocks, kv_dim, kv_off, scale, out + item * HD, diag);
                     continue;
                 }
                 // Split: the first split's state is the whole answer (weight 1), the rest empty.
                 size_t at = (size_t)split * items + item;
                 if (split == 0)
-                    fa_one_token<HD, float>(q + item * HD, cache_k, cache_v, tt, len, block_size,
+                    fa_one_token<HD, float, C>(q + item * HD, cache_k, cache_v, tt, len, block_size,
                                             num_blocks, kv_dim, kv_off, scale, part.o + at * HD,
                                             diag);
                 if (lane == 0) part.ml[at] = split == 0 ? make_float2(0.f, 1.f) : make_float2(NEG_INF, 0.f);
@@ -419,28 +455,34 @@ __device__ void flash_merge_impl(const float* partial, u32 splits, u32 items, O*
 
 // Blocks an SM holds: 3 at head dims 64 and 128; 2 at 256 (the output and q fragments of a
 // 256-wide head take all of a thread's registers; one stage of K and V each leaves room for
-// two blocks' shared memory). The output in f32, or bf16 (suffix _o16).
-#define FLASH_ATTENTION(HD, BLOCKS, O, SUFFIX)                                                \
+// two blocks' shared memory). Over a bf16 cache, or fp8 (CACHE fp8); the output in f32, or
+// bf16 (suffix _o16).
+#define FLASH_ATTENTION(HD, BLOCKS, O, SUFFIX, C, CACHE)                                      \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, BLOCKS)                          \
-        flash_attention_bf16_hd##HD##SUFFIX(                                                  \
-            const float* q, const u16* cache_k, const u16* cache_v, const u32* positions,     \
+        flash_attention_##CACHE##_hd##HD##SUFFIX(                                             \
+            const float* q, const C* cache_k, const C* cache_v, const u32* positions,         \
             const u32* token_runs, u32 runs, const u32* block_tables, u32 max_blocks,         \
             u32 block_size, u32 num_blocks, u32 tokens, u32 num_heads, u32 num_kv_heads,      \
             float scale, u32 split_keys, float* partial, O* out, Diag* diag) {                \
         begin_kernel();                                                                       \
-        flash_attention_impl<HD, O>(q, cache_k, cache_v, positions, token_runs, runs,         \
-                                    block_tables, max_blocks, block_size, num_blocks, tokens, \
-                                    num_heads, num_kv_heads, scale, split_keys, partial, out, \
-                                    diag);                                                    \
-    }                                                                                         \
+        flash_attention_impl<HD, O, C>(q, cache_k, cache_v, positions, token_runs, runs,      \
+                                       block_tables, max_blocks, block_size, num_blocks,      \
+                                       tokens, num_heads, num_kv_heads, scale, split_keys,    \
+                                       partial, out, diag);                                   \
+    }
+#define FLASH_MERGE(HD, O, SUFFIX)                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         flash_merge_hd##HD##SUFFIX(const float* partial, u32 splits, u32 items, O* out) {     \
         begin_kernel();                                                                       \
         flash_merge_impl<HD, O>(partial, splits, items, out);                                 \
     }
-FLASH_ATTENTION(64, 3, float, )
-FLASH_ATTENTION(128, 3, float, )
-FLASH_ATTENTION(256, 2, float, )
-FLASH_ATTENTION(64, 3, u16, _o16)
-FLASH_ATTENTION(128, 3, u16, _o16)
-FLASH_ATTENTION(256, 2, u16, _o16)
+#define FLASH_HEAD_DIM(HD, BLOCKS)                          \
+    FLASH_ATTENTION(HD, BLOCKS, float, , u16, bf16)         \
+    FLASH_ATTENTION(HD, BLOCKS, u16, _o16, u16, bf16)       \
+    FLASH_ATTENTION(HD, BLOCKS, float, , u8, fp8)           \
+    FLASH_ATTENTION(HD, BLOCKS, u16, _o16, u8, fp8)         \
+    FLASH_MERGE(HD, float, )                                \
+    FLASH_MERGE(HD, u16, _o16)
+FLASH_HEAD_DIM(64, 3)
+FLASH_HEAD_DIM(128, 3)
+FLASH_HEAD_DIM(256, 2)
