@@ -56,6 +56,12 @@ const fn flash_attention_smem_bytes(head_dim: u32) -> u32 {
     stages * 2 * 64 * (head_dim + 8) * 2
 }
 
+/// The same over an fp8 cache: FA_FP8_SMEM_BYTES (one f16 tile of K and of V, their raw
+/// bytes, and a scale for each 16-byte piece).
+const fn flash_attention_fp8_smem_bytes(head_dim: u32) -> u32 {
+    2 * 64 * (head_dim + 8) * 2 + 2 * 64 * head_dim + 2 * 64 * head_dim / 16 * 4
+}
+
 /// Prefill attention at one head dim: its tensor-core tiles over a bf16 cache and over an
 /// fp8 one, and the merge of their partial states where the keys split over blocks; each
 /// writing f32, then bf16.
@@ -225,15 +231,18 @@ impl Kernels {
                     "flash_merge_hd256_o16",
                 ],
             };
-            let smem = flash_attention_smem_bytes(hd);
-            let tiles = |name| -> Result<Kernel> {
+            let tiles = |name, smem| -> Result<Kernel> {
                 find(name)?
                     .with_dynamic_smem(smem)?
                     .preferring_shared_memory()
             };
+            let (bf16, fp8) = (
+                flash_attention_smem_bytes(hd),
+                flash_attention_fp8_smem_bytes(hd),
+            );
             Ok(FlashKernels {
-                tiles: [tiles(names[0])?, tiles(names[1])?],
-                tiles_fp8: [tiles(names[2])?, tiles(names[3])?],
+                tiles: [tiles(names[0], bf16)?, tiles(names[1], bf16)?],
+                tiles_fp8: [tiles(names[2], fp8)?, tiles(names[3], fp8)?],
                 merge: [find(names[4])?, find(names[5])?],
             })
         };

@@ -1,5 +1,5 @@
 // Causal attention for prefill on tensor cores (mma.sync m16n8k16, bf16 operands, f32
-// accumulation and softmax), over the paged bf16 KV cache. A block takes 64 consecutive
+// accumulation and softmax), over the paged bf16 KV cache (or fp8: below). A block takes 64 consecutive
 // tokens of the batch and one query head: each warp holds 16 query rows, and the block walks
 // the run's keys 64 at a time through its block table, K and V rows streamed into shared
 // memory by cp.async (the next 64 keys in flight while these compute) and read as operands
@@ -8,20 +8,42 @@
 // T×T matrix exists anywhere. A tile that holds the end of one run and the start of the next
 // takes each span on its own. Where the tiles are too few to fill the GPU (a short prompt
 // after a long history), the keys split over blocks (grid z) and flash_merge joins their
-// partial states.
+// partial states. Over an fp8 cache the keys' raw bytes and head scales stream into shared
+// memory by cp.async, the next 64 keys in flight while these compute; each thread turns the
+// pieces it loaded into one f16 tile (values times their scale) and the products run on f16
+// operands.
 
 #define FA_ROWS 64
 #define FA_KEYS 64
 #define FA_THREADS 128
 
 // Not volatile: a pure register operation, which the compiler may interleave with others.
-template <int HD>
+// bf16 operands, or f16 (F16).
+template <bool F16>
 __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f16 products at once.
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// 4 bytes from global to shared memory, asynchronously (a head scale).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
 
 // The output in f32, or in bf16 for an output projection that takes it so.
@@ -95,8 +117,10 @@ __device__ void fa_one_token(const float* qh, const C* cache_k, const C* cache_v
 // compute) at head dims 64 and 128; one each at 256, which halves the block's shared memory
 // so that two blocks fit an SM: V loads during Q·Kᵀ, the next K during P·V.
 template <int HD> struct FaStages { static const int value = HD == 256 ? 1 : 2; };
-// Shared memory of one block: its stages of 64 keys of K and of V, rows of HD + 8 values.
+// Shared memory of one block: its stages of 64 keys of K and of V, rows of HD + 8 values;
+// over an fp8 cache one f16 tile of each, and their raw bytes and each 16-byte piece's scale.
 #define FA_SMEM_BYTES(HD) (FaStages<HD>::value * 2 * FA_KEYS * ((HD) + 8) * 2)
+#define FA_FP8_SMEM_BYTES(HD) (2 * FA_KEYS * ((HD) + 8) * 2 + 2 * FA_KEYS * (HD) + 2 * FA_KEYS * (HD) / 16 * 4)
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -114,8 +138,8 @@ struct FaPartial {
 };
 
 // Rows t0 .. t0 + rows - 1 of the batch, one run (`table`) at consecutive positions from
-// pos0, for head h, over keys [k_lo, k_hi) of the run (k_lo a multiple of 64). An fp8 cache
-// (C = u8) is read into registers and staged as bf16, each value times its head's scale.
+// pos0, for head h, over keys [k_lo, k_hi) of the run (k_lo a multiple of 64). Over an fp8
+// cache (C = u8) the operands are f16.
 template <int HD, typename O, typename C>
 __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
                            const u32* table, u32 block_size, u32 num_blocks, u32 t0, u32 rows,
@@ -124,16 +148,23 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
     const int KT = HD / 16;  // k16 steps of Q·Kᵀ
     const int DT = HD / 8;   // n8 tiles of the output
     const int KS = HD + 8;   // staged K and V row stride (u16): conflict-free ldmatrix rows
-    const int STAGES = FaStages<HD>::value;
+    constexpr bool FP8 = sizeof(C) == 1;
+    const int STAGES = FP8 ? 1 : FaStages<HD>::value;
+    const int PIECES = FA_KEYS * HD / 16 / FA_THREADS;  // fp8: 16-byte pieces a thread loads
     extern __shared__ __align__(16) unsigned char fa_smem[];
     u16* k_s = reinterpret_cast<u16*>(fa_smem);         // [STAGES][FA_KEYS * KS]
     u16* v_s = k_s + STAGES * FA_KEYS * KS;               // [STAGES][FA_KEYS * KS]
+    // fp8: raw K and V bytes [FA_KEYS * HD], then each piece's scale, piece-major.
+    u8* k_raw = reinterpret_cast<u8*>(v_s + FA_KEYS * KS);
+    u8* v_raw = k_raw + FA_KEYS * HD;
+    float* k_sc = reinterpret_cast<float*>(v_raw + FA_KEYS * HD);
+    float* v_sc = k_sc + FA_KEYS * HD / 16;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 kv_dim = num_kv_heads * HD, row_stride = fa_row_stride<C>(kv_dim, num_kv_heads);
     u32 kvh = h / (num_heads / num_kv_heads), kv_off = kvh * HD;
     u32 key_end = pos0 + rows;  // keys 0 .. last position
     u32 j_end = min(k_hi, key_end);
-    // 64 keys of K (`which` 0) or V (1) from j0 into stage `stage`, 16-byte pieces by
+    // bf16: 64 keys of K (`which` 0) or V (1) from j0 into stage `stage`, 16-byte pieces by
     // cp.async; keys past the end are zero.
     auto issue = [&](u32 j0, int stage, int which) {
         u16* dst = (which == 0 ? k_s : v_s) + stage * FA_KEYS * KS;
@@ -153,26 +184,65 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
                 }
                 row0 = ((size_t)block * block_size + j % block_size) * row_stride;
             }
-            if constexpr (sizeof(C) == 1) {
-                uint4 staged = make_uint4(0u, 0u, 0u, 0u);
-                if (live) {
-                    uint2 w = *reinterpret_cast<const uint2*>(src + row0 + kv_off + d);
-                    float sc = fa_scale(src, row0, kv_dim, kvh);
-                    auto two = [&](u32 x, int at) {
-                        return pack_bf16(e4m3_to_f32((x >> at) & 0xffu) * sc,
-                                         e4m3_to_f32((x >> (at + 8)) & 0xffu) * sc);
-                    };
-                    staged = make_uint4(two(w.x, 0), two(w.x, 16), two(w.y, 0), two(w.y, 16));
+            cp_async16(dst + kr * KS + d, src + row0 + kv_off + d, live ? 16u : 0u);
+        }
+    };
+    // fp8: this thread's pieces of 64 keys of K and V from j0, raw, with their scales (keys
+    // past the end read zero bytes), ...
+    auto issue_fp8 = [&](u32 j0) {
+#pragma unroll
+        for (int it = 0; it < PIECES; it++) {
+            u32 piece = threadIdx.x + it * FA_THREADS;
+            u32 kr = piece / (HD / 16), d = (piece % (HD / 16)) * 16;
+            u32 j = j0 + kr;
+            size_t row0 = 0;
+            bool live = j < key_end;
+            if (live) {
+                u32 block = table[j / block_size];
+                if (block >= num_blocks) {
+                    raise_error(diag, ERR_BLOCK_TABLE);
+                    block = 0;
                 }
-                *reinterpret_cast<uint4*>(dst + kr * KS + d) = staged;
-            } else {
-                cp_async16(dst + kr * KS + d, src + row0 + kv_off + d, live ? 16u : 0u);
+                row0 = ((size_t)block * block_size + j % block_size) * row_stride;
+            }
+            cp_async16(k_raw + kr * HD + d, cache_k + row0 + kv_off + d, live ? 16u : 0u);
+            cp_async16(v_raw + kr * HD + d, cache_v + row0 + kv_off + d, live ? 16u : 0u);
+            cp_async4(k_sc + piece, cache_k + row0 + kv_dim + 4 * kvh);
+            cp_async4(v_sc + piece, cache_v + row0 + kv_dim + 4 * kvh);
+        }
+    };
+    // ... and the same pieces, once landed, into the f16 tiles: an e4m3 byte's bits moved
+    // into an f16's are its value times 2^-8, so the scale times 2^8 multiplies them.
+    auto convert_fp8 = [&]() {
+#pragma unroll
+        for (int it = 0; it < PIECES; it++) {
+            u32 piece = threadIdx.x + it * FA_THREADS;
+            u32 kr = piece / (HD / 16), d = (piece % (HD / 16)) * 16;
+#pragma unroll
+            for (int which = 0; which < 2; which++) {
+                const u8* raw = (which == 0 ? k_raw : v_raw) + kr * HD + d;
+                float sc = 256.f * (which == 0 ? k_sc : v_sc)[piece];
+                u32 sc2 = pack_f16(sc, sc);
+                uint4 w = *reinterpret_cast<const uint4*>(raw);
+                u32 words[4] = {w.x, w.y, w.z, w.w}, f[8];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    f[2 * i] = hmul2(e4m3x2_as_f16x2(words[i], 0x1404u), sc2);
+                    f[2 * i + 1] = hmul2(e4m3x2_as_f16x2(words[i], 0x3424u), sc2);
+                }
+                u16* dst = (which == 0 ? k_s : v_s) + kr * KS + d;
+                *reinterpret_cast<uint4*>(dst) = make_uint4(f[0], f[1], f[2], f[3]);
+                *reinterpret_cast<uint4*>(dst + 8) = make_uint4(f[4], f[5], f[6], f[7]);
             }
         }
     };
     if (k_lo < j_end) {
-        issue(k_lo, 0, 0);
-        if (STAGES == 2) issue(k_lo, 0, 1);
+        if constexpr (FP8) {
+            issue_fp8(k_lo);
+        } else {
+            issue(k_lo, 0, 0);
+            if (STAGES == 2) issue(k_lo, 0, 1);
+        }
         cp_async_commit();
     }
     // This warp's two query rows (g and g + 8 of its 16) and their positions. Scores are
@@ -188,10 +258,10 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
 #pragma unroll
         for (int kk = 0; kk < KT; kk++) {
             int c = kk * 16 + 2 * tq;
-            qa[kk][0] = lo_ok ? pack_bf16(q_lo[c] * qscale, q_lo[c + 1] * qscale) : 0u;
-            qa[kk][1] = hi_ok ? pack_bf16(q_hi[c] * qscale, q_hi[c + 1] * qscale) : 0u;
-            qa[kk][2] = lo_ok ? pack_bf16(q_lo[c + 8] * qscale, q_lo[c + 9] * qscale) : 0u;
-            qa[kk][3] = hi_ok ? pack_bf16(q_hi[c + 8] * qscale, q_hi[c + 9] * qscale) : 0u;
+            qa[kk][0] = lo_ok ? pack2<FP8>(q_lo[c] * qscale, q_lo[c + 1] * qscale) : 0u;
+            qa[kk][1] = hi_ok ? pack2<FP8>(q_hi[c] * qscale, q_hi[c + 1] * qscale) : 0u;
+            qa[kk][2] = lo_ok ? pack2<FP8>(q_lo[c + 8] * qscale, q_lo[c + 9] * qscale) : 0u;
+            qa[kk][3] = hi_ok ? pack2<FP8>(q_hi[c + 8] * qscale, q_hi[c + 9] * qscale) : 0u;
         }
     }
     float o[DT][4];
@@ -202,7 +272,17 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
     int stage = 0;
     for (u32 j0 = k_lo; j0 < j_end; j0 += FA_KEYS, stage ^= STAGES - 1) {
-        if constexpr (STAGES == 2) {
+        if constexpr (FP8) {
+            // This thread's pieces have landed, and every warp is done with the tiles.
+            cp_async_wait<0>();
+            __syncthreads();
+            convert_fp8();
+            if (j0 + FA_KEYS < j_end) {
+                issue_fp8(j0 + FA_KEYS);
+                cp_async_commit();
+            }
+            __syncthreads();
+        } else if constexpr (STAGES == 2) {
             // The next 64 keys load while these compute.
             if (j0 + FA_KEYS < j_end) {
                 issue(j0 + FA_KEYS, stage ^ 1, 0);
@@ -240,9 +320,9 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
 #pragma unroll
                 for (int u = 0; u < 4; u++) ldmatrix_x4(b[u], kb + (n4 + u) * 8 * KS + kp * 32);
 #pragma unroll
-                for (int u = 0; u < 4; u++) fa_mma<HD>(s[n4 + u], qa[2 * kp], b[u][0], b[u][1]);
+                for (int u = 0; u < 4; u++) fa_mma<FP8>(s[n4 + u], qa[2 * kp], b[u][0], b[u][1]);
 #pragma unroll
-                for (int u = 0; u < 4; u++) fa_mma<HD>(s[n4 + u], qa[2 * kp + 1], b[u][2], b[u][3]);
+                for (int u = 0; u < 4; u++) fa_mma<FP8>(s[n4 + u], qa[2 * kp + 1], b[u][2], b[u][3]);
             }
         }
         // Causal mask (only the tiles that reach past a row's position) and the online
@@ -294,7 +374,7 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
         }
         m_lo = new_lo;
         m_hi = new_hi;
-        if constexpr (STAGES == 1) {
+        if constexpr (!FP8 && STAGES == 1) {
             // V is here, and every warp is done with K: the next K loads during P·V.
             cp_async_wait<0>();
             __syncthreads();
@@ -307,16 +387,17 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
         // fragments by transposing ldmatrix, two n8 tiles of dims at a time.
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {
-            u32 pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
-                         pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                         pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+            u32 pa[4] = {pack2<FP8>(s[2 * kc][0], s[2 * kc][1]),
+                         pack2<FP8>(s[2 * kc][2], s[2 * kc][3]),
+                         pack2<FP8>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                         pack2<FP8>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
             const u16* vb = vs + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * KS + (lane >> 4) * 8;
 #pragma unroll
             for (int dp = 0; dp < DT / 2; dp++) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, vb + dp * 16);
-                fa_mma<HD>(o[2 * dp], pa, b[0], b[1]);
-                fa_mma<HD>(o[2 * dp + 1], pa, b[2], b[3]);
+                fa_mma<FP8>(o[2 * dp], pa, b[0], b[1]);
+                fa_mma<FP8>(o[2 * dp + 1], pa, b[2], b[3]);
             }
         }
         // Every warp is done with this stage before the next iteration loads into it.
