@@ -304,6 +304,80 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
     }
 }
 
+/// The e4m3 code nearest `x` (ties to the even code), saturating at ±448: by search over
+/// every finite code, independent of the arithmetic the kernels use.
+fn e4m3_bits(x: f32) -> u8 {
+    let mut best = 0u8;
+    for code in 0u8..=0x7e {
+        let (d, db) = (
+            (e4m3_value(code) - x.abs()).abs(),
+            (e4m3_value(best) - x.abs()).abs(),
+        );
+        if d < db || (d == db && code & 1 == 0 && best & 1 == 1) {
+            best = code;
+        }
+    }
+    if x.is_sign_negative() {
+        best | 0x80
+    } else {
+        best
+    }
+}
+
+/// An fp8 store rounds every code's value, the midpoints between neighbours (ties to even)
+/// and the subnormal range as the format defines: each head here holds 448 (its largest), so
+/// its scale is exactly 1 and the stored bytes are the codes themselves.
+#[test]
+fn fp8_store_rounds_every_code_as_the_format_defines() {
+    let g = gpu_or_skip!();
+    let mut wanted: Vec<f32> = (0u8..=0x7e).map(e4m3_value).collect();
+    let mids: Vec<f32> = wanted.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+    wanted.extend(mids);
+    wanted.extend([447.9, 0.015625 - 1e-6, 0.015625 + 1e-6, 7.5 / 512.0, 1e-4]);
+    let negatives: Vec<f32> = wanted.iter().map(|v| -v).collect();
+    wanted.extend(negatives);
+    let head_dim = 64;
+    let mut values = Vec::new();
+    for chunk in wanted.chunks(head_dim - 1) {
+        values.push(448.0);
+        values.extend_from_slice(chunk);
+        values.resize(values.len().next_multiple_of(head_dim), 0.0);
+    }
+    let tokens = values.len() / head_dim;
+    let row = corral_backend::kv_row_elems(DType::F8E4M3, 1, head_dim);
+    let mut caches = [0, 1].map(|_| {
+        g.alloc_zeroed(DType::F8E4M3, tokens * row, BufferUsage::KvCache)
+            .unwrap()
+    });
+    let [ck, cv] = &mut caches;
+    let slots: Vec<u32> = (0..tokens as u32).collect();
+    let v: Vec<f32> = values.iter().map(|x| -x).collect();
+    g.kv_store(
+        &f32_buf(g, &values),
+        &f32_buf(g, &v),
+        &u32_buf(g, &slots),
+        tokens,
+        1,
+        head_dim,
+        ck,
+        cv,
+    )
+    .unwrap();
+    for (which, cache, input) in [("k", &caches[0], &values), ("v", &caches[1], &v)] {
+        let mut bytes = vec![0u8; tokens * row];
+        g.read_bytes(cache, 0, &mut bytes).unwrap();
+        for t in 0..tokens {
+            let r = &bytes[t * row..(t + 1) * row];
+            let scale = f32::from_le_bytes([r[64], r[65], r[66], r[67]]);
+            assert_eq!(scale, 1.0, "{which} token {t}: scale");
+            for d in 0..head_dim {
+                let x = input[t * head_dim + d];
+                assert_eq!(r[d], e4m3_bits(x), "{which}: {x} stored as {:#04x}", r[d]);
+            }
+        }
+    }
+}
+
 #[test]
 fn fused_qkv_norm_rope_store_matches_cpu() {
     let g = gpu_or_skip!();
@@ -854,22 +928,38 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
         let v_new = rng.values((dummies + tokens) * kv_dim);
         let q = rng.values(tokens * nh * hd);
         // The fp8 cache against the CPU over the same K and V rounded to e4m3 as its store
-        // rounds them, a scale per (token, head).
-        let (k_past_q, v_past_q) = (fp8_rounded(&k_past, hd), fp8_rounded(&v_past, hd));
-        let (k_new_q, v_new_q) = (fp8_rounded(&k_new, hd), fp8_rounded(&v_new, hd));
+        // rounds them, a scale per (token, head): rows of magnitudes 2^-4 .. 2^4 apart, K's
+        // and V's apart, so that a scale read for the wrong key, head or tensor shows.
+        let mut spread = |values: &[f32]| -> Vec<f32> {
+            values
+                .chunks(hd)
+                .flat_map(|row| {
+                    let f = 2f32.powi(rng.below(9) as i32 - 4);
+                    row.iter().map(move |v| v * f).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let (k_past_s, v_past_s, k_new_s, v_new_s) = (
+            spread(&k_past),
+            spread(&v_past),
+            spread(&k_new),
+            spread(&v_new),
+        );
+        let (k_past_q, v_past_q) = (fp8_rounded(&k_past_s, hd), fp8_rounded(&v_past_s, hd));
+        let (k_new_q, v_new_q) = (fp8_rounded(&k_new_s, hd), fp8_rounded(&v_new_s, hd));
         let mut outs = Vec::new();
         let mut out_bf16 = Vec::new();
-        for (b, kv_dtype, rounded) in [
-            (&c as &dyn Backend, DType::F32, false),
-            (g, DType::BF16, false),
-            (g, DType::F32, false),
-            (&c as &dyn Backend, DType::F32, true),
-            (g, DType::F8E4M3, false),
+        for (b, kv_dtype, inputs) in [
+            (&c as &dyn Backend, DType::F32, 0),
+            (g, DType::BF16, 0),
+            (g, DType::F32, 0),
+            (&c as &dyn Backend, DType::F32, 2),
+            (g, DType::F8E4M3, 1),
         ] {
-            let (k_past, v_past, k_new, v_new) = if rounded {
-                (&k_past_q, &v_past_q, &k_new_q, &v_new_q)
-            } else {
-                (&k_past, &v_past, &k_new, &v_new)
+            let (k_past, v_past, k_new, v_new) = match inputs {
+                0 => (&k_past, &v_past, &k_new, &v_new),
+                1 => (&k_past_s, &v_past_s, &k_new_s, &v_new_s),
+                _ => (&k_past_q, &v_past_q, &k_new_q, &v_new_q),
             };
             let len = num_blocks * block_size * corral_backend::kv_row_elems(kv_dtype, nkv, hd);
             let mut ck = b.alloc_zeroed(kv_dtype, len, BufferUsage::KvCache).unwrap();

@@ -319,7 +319,9 @@ fn inspect_counts_hybrid_parameters_without_vision_tower() {
     // The parameter count of Qwen3.5-35B-A3B's language model (text config, no MTP).
     assert!(text.contains("parameters           34660610688"), "{text}");
     assert!(
-        text.contains("KV bytes per token   40960 as cached here (f32), 20480 at bf16"),
+        text.contains(
+            "KV bytes per token   40960 at f32, 20480 at bf16, 10560 at fp8 (with its head scales)"
+        ),
         "{text}"
     );
     assert!(

@@ -1,5 +1,5 @@
 //! Storage of the paged attention KV cache: per attention layer, K and V buffers of
-//! `[num_blocks * block_size, kv_dim]`. Which blocks belong to whom is the engine's
+//! `[num_blocks * block_size, kv_row_elems]` (a slot's heads, and an fp8 cache's head scales). Which blocks belong to whom is the engine's
 //! `KvBlockPool`; this type only owns the memory.
 
 use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
@@ -9,9 +9,9 @@ use crate::{BlockId, ModelConfig, ModelError, Result, SlotId};
 /// K and V of one attention layer.
 #[derive(Debug)]
 pub struct LayerKv {
-    /// Keys, `[slots, kv_dim]`, after k-norm and RoPE.
+    /// Keys, `[slots, kv_row_elems]`, after k-norm and RoPE.
     pub k: DeviceBuffer,
-    /// Values, `[slots, kv_dim]`.
+    /// Values, `[slots, kv_row_elems]`.
     pub v: DeviceBuffer,
 }
 

@@ -122,8 +122,7 @@ pub(crate) struct Kernels {
     pub(crate) decode_attention_mma: [Kernel; 3],
     /// The same over an fp8 cache (f16 operands).
     pub(crate) decode_attention_mma_fp8: [Kernel; 3],
-    /// Tensor-core prefill attention over a bf16 cache, head dims 64, 128 and 256; each
-    /// writing f32, then bf16.
+    /// Tensor-core prefill attention over a bf16 or fp8 cache, head dims 64, 128 and 256.
     pub(crate) flash_attention_hd64: FlashKernels,
     pub(crate) flash_attention_hd128: FlashKernels,
     pub(crate) flash_attention_hd256: FlashKernels,

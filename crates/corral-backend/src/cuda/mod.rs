@@ -331,6 +331,18 @@ fn few_rows_variant(pairs: usize, experts: usize, big_tiles: bool) -> Option<usi
     }
 }
 
+/// An fp8 cache keeps its head scales as f32 after a row of values, so a row's bytes (its
+/// heads' dims) must be a multiple of 4 for them to be aligned.
+fn check_fp8_head_dim(op: &'static str, dtype: DType, head_dim: usize) -> Result<()> {
+    if dtype == DType::F8E4M3 && !head_dim.is_multiple_of(4) {
+        return Err(bad(
+            op,
+            format!("an fp8 KV cache needs a head dim that is a multiple of 4, not {head_dim}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Blocks of prefill attention an SM holds at `head_dim` (flash_attention.cu's launch bounds).
 fn flash_blocks_per_sm(head_dim: usize) -> usize {
     if head_dim == 256 { 2 } else { 3 }
@@ -339,31 +351,37 @@ fn flash_blocks_per_sm(head_dim: usize) -> usize {
 /// Fewest keys a split of prefill attention takes: fewer cost more to merge than they gain.
 const FLASH_MIN_SPLIT_KEYS: usize = 512;
 
-/// Splits of the keys for prefill attention's `blocks` (head, tile) pairs of `tokens` over up
-/// to `max_context` keys, on a GPU holding `resident` of its blocks at once, at most `fit`
-/// (what the scratch holds). Only where the history outweighs the new tokens: the blocks then
-/// cost about the same, and a last wave that is mostly empty leaves SMs idle, so the fewest
-/// splits whose waves are 90% full, else the fullest. (A prompt's own causal tiles differ
-/// in cost, and heaviest first they balance without.)
-fn flash_splits(
+/// Keys a split of prefill attention takes (a multiple of 64), for its `blocks` (head, tile)
+/// pairs of `tokens` over up to `max_context` keys, on a GPU holding `resident` of its blocks
+/// at once, splitting at most `fit` times (what the scratch holds): `max_context` (one split)
+/// unless the history outweighs the new tokens. Then the blocks cost about the same, and a last
+/// wave that is mostly empty leaves SMs idle, so the fewest splits whose waves are 90% full,
+/// else the fullest. (A prompt's own causal tiles differ in cost, and heaviest first they
+/// balance without.)
+fn flash_split_keys(
     blocks: usize,
     tokens: usize,
     max_context: usize,
     resident: usize,
     fit: usize,
 ) -> usize {
+    let whole = max_context.max(1).next_multiple_of(64);
     if max_context < 2 * tokens || blocks == 0 || resident == 0 {
-        return 1;
+        return whole;
     }
     let most = (max_context / FLASH_MIN_SPLIT_KEYS).min(fit).max(1);
-    // Per mille of the waves' slots that `splits` fill.
+    // Keys a split takes when aiming at `splits`, and the splits that launches.
+    let keys = |splits: usize| max_context.div_ceil(splits).next_multiple_of(64);
+    let launched = |splits: usize| max_context.div_ceil(keys(splits));
+    // Per mille of the waves' slots the launched splits fill.
     let fill = |splits: usize| {
-        let total = blocks * splits;
+        let total = blocks * launched(splits);
         total * 1000 / (total.div_ceil(resident) * resident)
     };
-    (1..=most)
+    let best = (1..=most)
         .find(|&s| fill(s) >= 900)
-        .unwrap_or_else(|| (1..=most).rev().max_by_key(|&s| fill(s)).unwrap_or(1))
+        .unwrap_or_else(|| (1..=most).rev().max_by_key(|&s| fill(s)).unwrap_or(1));
+    keys(best)
 }
 
 /// `len` u32 tickets on the device, zero: a split kernel's last block takes its row's and
@@ -1188,14 +1206,13 @@ impl CudaBackend {
         let tile_count = range.len().div_ceil(64);
         let max_context = a.meta.max_blocks_per_run * a.meta.block_size;
         let items = range.len() * num_heads;
-        let splits = flash_splits(
+        let split_keys = flash_split_keys(
             tile_count * num_heads,
             range.len(),
             max_context,
             flash_blocks_per_sm(head_dim) * self.gpu.multiprocessors.max(1) as usize,
             OP_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1),
         );
-        let split_keys = max_context.div_ceil(splits).next_multiple_of(64);
         let splits = max_context.div_ceil(split_keys).max(1);
         let out_arg = args[14];
         args.splice(
@@ -2072,6 +2089,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let dtype = cache_k.dtype();
+        check_fp8_head_dim(op, dtype, head_dim)?;
         let row = kv_row_elems(dtype, kv_heads, head_dim);
         let cache_slots = cache_k.len().min(cache_v.len()) / row;
         let mut args = vec![
@@ -2134,6 +2152,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let dtype = cache_k.dtype();
+        check_fp8_head_dim(op, dtype, head_dim)?;
         let row = kv_row_elems(dtype, kv_heads, head_dim);
         let cache_slots = cache_k.len().min(cache_v.len()) / row.max(1);
         let per_token = heads + 2 * kv_heads;
@@ -2938,50 +2957,44 @@ mod tests {
     }
 
     /// Prefill attention splits its keys only after a history longer than its tokens, as
-    /// few times as fill an H200's waves (132 SMs, two head-dim-256 blocks each) to 90%.
+    /// few times as fill an H200's waves (132 SMs, two head-dim-256 blocks each) to 90%,
+    /// counting the splits that 64-key multiples launch.
     #[test]
     fn prefill_attention_splits_only_after_long_histories() {
-        use super::flash_splits as splits;
         let (resident, fit) = (2 * 132, usize::MAX);
+        let splits = |blocks, tokens, context, fit| {
+            let keys = super::flash_split_keys(blocks, tokens, context, resident, fit);
+            assert_eq!(keys % 64, 0);
+            usize::div_ceil(context, keys)
+        };
+        assert_eq!(splits(32 * 16, 2048, 2048, fit), 1, "2,048 new tokens");
+        assert_eq!(splits(10 * 16, 600, 600, fit), 1, "600, no history");
+        assert_eq!(splits(10 * 16, 600, 6_800, fit), 3, "600 after 6,200: 91%");
+        assert_eq!(splits(11 * 16, 700, 6_800, fit), 3, "700 after 6,100: 100%");
         assert_eq!(
-            splits(32 * 16, 2048, 2048, resident, fit),
-            1,
-            "2,048 new tokens"
+            splits(16, 64, 6_800, fit),
+            12,
+            "64 after 6,700: the fullest launched"
         );
         assert_eq!(
-            splits(10 * 16, 600, 600, resident, fit),
-            1,
-            "600, no history"
-        );
-        assert_eq!(
-            splits(10 * 16, 600, 6_800, resident, fit),
-            3,
-            "600 after 6,200: 91%"
-        );
-        assert_eq!(
-            splits(11 * 16, 700, 6_800, resident, fit),
-            3,
-            "700 after 6,100: 100%"
-        );
-        assert_eq!(
-            splits(16, 64, 6_800, resident, fit),
-            13,
-            "64 after 6,700: the fullest"
-        );
-        assert_eq!(
-            splits(128 * 16, 8192, 40_000, resident, fit),
+            splits(128 * 16, 8192, 40_000, fit),
             1,
             "a long prompt's chunk"
         );
         assert_eq!(
-            splits(25 * 4, 1600, 6_800, resident, 2),
+            splits(25 * 4, 1600, 6_800, 2),
             2,
             "as far as the scratch holds"
         );
         assert_eq!(
-            splits(10 * 16, 600, 6_800, resident, 2),
+            splits(10 * 16, 600, 6_800, 2),
             1,
             "two fill no more than one"
+        );
+        assert_eq!(
+            super::flash_split_keys(16, 64, 0, resident, fit),
+            64,
+            "no keys"
         );
     }
 

@@ -17,6 +17,10 @@ use super::plan::{gib, host_budget, plan_text};
 const GPU_HEADROOM_MIN: u64 = 1 << 30;
 const GPU_HEADROOM_SHARE: f64 = 0.05;
 
+/// Device memory serving allocates after its plan (CUDA graphs of decode steps, small
+/// buffers): 23–31 MiB measured on the H200 with Qwen3.5-35B-A3B, kept for with a margin.
+const GPU_AFTER_PLAN_BYTES: u64 = 64 << 20;
+
 /// Contexts below this get a warning: agents' prompts alone run to tens of thousands of tokens.
 const SHORT_CONTEXT: usize = 32_768;
 
@@ -58,12 +62,23 @@ pub(crate) fn plan_serving(
     };
     let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;
     let (needs, budget, source) = match (shape.memory, device) {
-        // A budget for the whole process leaves room for the device runtime too.
-        (Some(bytes), Some(d)) => (
-            needs(gpu_fixed + if d.unified { 0 } else { d.runtime }),
-            bytes,
-            "given".to_string(),
-        ),
+        // A budget for the whole process leaves room for the device runtime too. On a
+        // discrete GPU all it has in use after the measured step counts (the libraries'
+        // modules loaded on first use and the allocator's rounding beyond the buffers' own
+        // bytes: 219–249 MiB on the H200 that runtime and buffers alone left out), and what
+        // serving allocates after the plan (decode graphs: 23–31 MiB there).
+        (Some(bytes), Some(d)) => {
+            let fixed = if d.unified {
+                gpu_fixed
+            } else {
+                let in_use = d.total.saturating_sub(d.free);
+                in_use
+                    .saturating_sub(weights + step)
+                    .max(gpu_fixed + d.runtime)
+                    + GPU_AFTER_PLAN_BYTES
+            };
+            (needs(fixed), bytes, "given".to_string())
+        }
         (Some(bytes), None) => (needs(0), bytes, "given".to_string()),
         (None, Some(d)) if !d.unified => {
             let headroom = GPU_HEADROOM_MIN.max((d.total as f64 * GPU_HEADROOM_SHARE) as u64);

@@ -33,7 +33,8 @@ __device__ __forceinline__ void store_fp8_head(u8* row, u32 kvh, u32 head_dim, u
     float amax = 0.f;
     for (u32 d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(get(d)));
     amax = warp_max(amax);
-    float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
+    // Finite, so that no reader multiplies a zero by it into NaN.
+    float scale = amax > 0.f && amax < 1e30f ? amax / 448.f : 1.f, inv = 1.f / scale;
     for (u32 d = lane; d < head_dim; d += 32) row[kvh * head_dim + d] = (u8)f32_to_e4m3(get(d) * inv);
     if (lane == 0) *reinterpret_cast<float*>(row + kv_dim + 4 * kvh) = scale;
 }
@@ -164,7 +165,7 @@ __device__ void qkv_norm_rope_store_impl(const float* qkv, const float* q_weight
 #pragma unroll
                 for (int i = 0; i < DIMS; i++) amax = fmaxf(amax, fabsf(vals[j][i]));
                 amax = warp_max(amax);
-                float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
+                float scale = amax > 0.f && amax < 1e30f ? amax / 448.f : 1.f, inv = 1.f / scale;
                 u8* dst = reinterpret_cast<u8*>(cache_v) + (size_t)slot * row_stride;
 #pragma unroll
                 for (int i = 0; i < DIMS; i++) {
@@ -609,7 +610,7 @@ __device__ __forceinline__ u32 word(uint4 v, int i) {
 
 #define DECODE_MMA_MAX_GROUP 8  // query heads per KV head that fit the m16 tile's rows 0-7
 
-// Decode-shaped attention on tensor cores over the bf16 cache, for groups of at most 8
+// Decode-shaped attention on tensor cores over the bf16 (or fp8) cache, for groups of at most 8
 // query heads; grid, splits and merging as paged_attention. The group's heads are rows 0-7
 // of an m16 tile and each warp takes alternate chunks of 16 keys: S = Q·Kᵀ, the online
 // softmax in base 2 (q pre-scaled by log2 e), O += P·V, with S's accumulators as the A

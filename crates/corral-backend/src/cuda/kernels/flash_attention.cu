@@ -40,10 +40,12 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     return d;
 }
 
-// 4 bytes from global to shared memory, asynchronously (a head scale).
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+// 4 bytes from global to shared memory, asynchronously (a head scale); zeros where `bytes`
+// is 0.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, u32 bytes) {
     u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes)
+                 : "memory");
 }
 
 // The output in f32, or in bf16 for an output projection that takes it so.
@@ -188,7 +190,7 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
         }
     };
     // fp8: this thread's pieces of 64 keys of K and V from j0, raw, with their scales (keys
-    // past the end read zero bytes), ...
+    // past the end read zero bytes and a zero scale), ...
     auto issue_fp8 = [&](u32 j0) {
 #pragma unroll
         for (int it = 0; it < PIECES; it++) {
@@ -207,8 +209,8 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
             }
             cp_async16(k_raw + kr * HD + d, cache_k + row0 + kv_off + d, live ? 16u : 0u);
             cp_async16(v_raw + kr * HD + d, cache_v + row0 + kv_off + d, live ? 16u : 0u);
-            cp_async4(k_sc + piece, cache_k + row0 + kv_dim + 4 * kvh);
-            cp_async4(v_sc + piece, cache_v + row0 + kv_dim + 4 * kvh);
+            cp_async4(k_sc + piece, cache_k + row0 + kv_dim + 4 * kvh, live ? 4u : 0u);
+            cp_async4(v_sc + piece, cache_v + row0 + kv_dim + 4 * kvh, live ? 4u : 0u);
         }
     };
     // ... and the same pieces, once landed, into the f16 tiles: an e4m3 byte's bits moved
@@ -277,6 +279,8 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
             cp_async_wait<0>();
             __syncthreads();
             convert_fp8();
+            // The plain reads of this thread's raw pieces before cp.async overwrites them.
+            asm volatile("" ::: "memory");
             if (j0 + FA_KEYS < j_end) {
                 issue_fp8(j0 + FA_KEYS);
                 cp_async_commit();
