@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes a synthetic Qwen3-MoE model of a bench config's shape as a bf16 GGUF file, the
 tensor names, layouts and metadata keys as llama.cpp's converter writes them, with random
-weights (normal, std 0.02; norms 1) and the tiny model's vocabulary padded to the config's
-size, so that llama.cpp and Corral can run the same file.
+weights (normal, std 0.02; norms 1) and the tiny model's vocabulary (padded to the config's
+size) and chat template, so that llama.cpp and Corral can run the same file.
 
 Run in a venv with `pip install gguf numpy`:
     python scripts/make_bench_gguf.py bench/configs/qwen3-moe-64e-h512-v8k.json OUT.gguf
@@ -14,6 +14,8 @@ import sys
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
+
+from gguf_vocab import add_vocab
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "models/tiny-qwen3-moe"
@@ -46,20 +48,9 @@ def main(config_path, out):
     w.add_uint32(f"{arch}.expert_feed_forward_length", c["moe_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     # The tiny model's tokenizer, padded with unused tokens to the config's vocabulary.
-    tok = json.loads((TOKENIZER / "tokenizer.json").read_text())
     vocab = c["vocab_size"]
-    tokens, types = [f"[PAD{i}]" for i in range(vocab)], [5] * vocab
-    for text, i in tok["model"]["vocab"].items():
-        tokens[i], types[i] = text, 1
-    for added in tok["added_tokens"]:
-        tokens[added["id"]] = added["content"]
-        types[added["id"]] = 3 if added["special"] else 4
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "qwen2")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges",
-                [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    add_vocab(w, TOKENIZER, vocab)
+    tok = json.loads((TOKENIZER / "tokenizer.json").read_text())
     special = {t["content"]: t["id"] for t in tok["added_tokens"]}
     w.add_uint32("tokenizer.ggml.bos_token_id", special.get("<|endoftext|>", 0))
     w.add_uint32("tokenizer.ggml.eos_token_id", special.get("<|im_end|>", 0))
