@@ -170,6 +170,9 @@ pub struct DeviceMemory {
     /// Bytes in use when the backend had loaded its context and kernels, before its first
     /// buffer (other processes' included): what a budget for the whole process leaves them.
     pub runtime: u64,
+    /// What each allocation's size rounds up to (2 MiB for the CUDA driver's large ones):
+    /// a pool of many buffers takes up to this much more than its bytes, per buffer.
+    pub allocation_granularity: u64,
 }
 
 /// Where each run of a ragged batch keeps its recurrent state (linear-attention layers).

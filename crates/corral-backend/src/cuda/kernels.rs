@@ -5,6 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaModule;
 use cudarc::nvrtc::Ptx;
 
+use super::FLASH_THREADS;
 use super::compile::{KernelCache, SOURCES};
 use super::device::{Gpu, Kernel, driver_err};
 use crate::{BackendError, DType, Result};
@@ -67,9 +68,17 @@ const fn flash_attention_fp8_smem_bytes(head_dim: u32) -> u32 {
 /// writing f32, then bf16.
 #[derive(Debug)]
 pub(crate) struct FlashKernels {
-    pub(crate) tiles: [Kernel; 2],
-    pub(crate) tiles_fp8: [Kernel; 2],
+    pub(crate) tiles: [FlashTiles; 2],
+    pub(crate) tiles_fp8: [FlashTiles; 2],
     pub(crate) merge: [Kernel; 2],
+}
+
+/// A prefill attention tile kernel and how many of its blocks an SM holds (which sizes its
+/// key splits).
+#[derive(Debug)]
+pub(crate) struct FlashTiles {
+    pub(crate) kernel: Kernel,
+    pub(crate) blocks_per_sm: usize,
 }
 
 /// Dynamic shared memory of the chunked delta rule's kernels (delta_net.cu's
@@ -203,37 +212,34 @@ impl Kernels {
                 detail: format!("no kernel named {name}"),
             })
         };
+        // The tile, fp8 tile and merge kernels of head dim `$hd`, each with f32 and f16 output.
+        macro_rules! flash_names {
+            ($hd:literal) => {
+                [
+                    concat!("flash_attention_bf16_hd", $hd),
+                    concat!("flash_attention_bf16_hd", $hd, "_o16"),
+                    concat!("flash_attention_fp8_hd", $hd),
+                    concat!("flash_attention_fp8_hd", $hd, "_o16"),
+                    concat!("flash_merge_hd", $hd),
+                    concat!("flash_merge_hd", $hd, "_o16"),
+                ]
+            };
+        }
         let flash = |hd: u32| -> Result<FlashKernels> {
             let names: [&'static str; 6] = match hd {
-                64 => [
-                    "flash_attention_bf16_hd64",
-                    "flash_attention_bf16_hd64_o16",
-                    "flash_attention_fp8_hd64",
-                    "flash_attention_fp8_hd64_o16",
-                    "flash_merge_hd64",
-                    "flash_merge_hd64_o16",
-                ],
-                128 => [
-                    "flash_attention_bf16_hd128",
-                    "flash_attention_bf16_hd128_o16",
-                    "flash_attention_fp8_hd128",
-                    "flash_attention_fp8_hd128_o16",
-                    "flash_merge_hd128",
-                    "flash_merge_hd128_o16",
-                ],
-                _ => [
-                    "flash_attention_bf16_hd256",
-                    "flash_attention_bf16_hd256_o16",
-                    "flash_attention_fp8_hd256",
-                    "flash_attention_fp8_hd256_o16",
-                    "flash_merge_hd256",
-                    "flash_merge_hd256_o16",
-                ],
+                64 => flash_names!(64),
+                128 => flash_names!(128),
+                _ => flash_names!(256),
             };
-            let tiles = |name, smem| -> Result<Kernel> {
-                find(name)?
+            let tiles = |name, smem| -> Result<FlashTiles> {
+                let kernel = find(name)?
                     .with_dynamic_smem(smem)?
-                    .preferring_shared_memory()
+                    .preferring_shared_memory()?;
+                let blocks_per_sm = kernel.blocks_per_sm(FLASH_THREADS)?;
+                Ok(FlashTiles {
+                    kernel,
+                    blocks_per_sm,
+                })
             };
             let (bf16, fp8) = (
                 flash_attention_smem_bytes(hd),

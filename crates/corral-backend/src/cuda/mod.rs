@@ -343,10 +343,8 @@ fn check_fp8_head_dim(op: &'static str, dtype: DType, head_dim: usize) -> Result
     Ok(())
 }
 
-/// Blocks of prefill attention an SM holds at `head_dim` (flash_attention.cu's launch bounds).
-fn flash_blocks_per_sm(head_dim: usize) -> usize {
-    if head_dim == 256 { 2 } else { 3 }
-}
+/// Threads of a prefill attention tile (flash_attention.cu's FA_THREADS).
+pub(crate) const FLASH_THREADS: u32 = 128;
 
 /// Fewest keys a split of prefill attention takes: fewer cost more to merge than they gain.
 const FLASH_MIN_SPLIT_KEYS: usize = 512;
@@ -1210,7 +1208,7 @@ impl CudaBackend {
             tile_count * num_heads,
             range.len(),
             max_context,
-            flash_blocks_per_sm(head_dim) * self.gpu.multiprocessors.max(1) as usize,
+            tiles[variant].blocks_per_sm * self.gpu.multiprocessors.max(1) as usize,
             OP_SCRATCH_FLOATS / (items * (head_dim + 2)).max(1),
         );
         let splits = max_context.div_ceil(split_keys).max(1);
@@ -1228,7 +1226,7 @@ impl CudaBackend {
             grid_of(op, tile_count)?,
             grid_of(op, splits)?,
         );
-        self.launch(&tiles[variant], grid, 128, &args)?;
+        self.launch(&tiles[variant].kernel, grid, FLASH_THREADS, &args)?;
         if splits == 1 {
             return Ok(());
         }

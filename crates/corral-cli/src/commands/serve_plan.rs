@@ -41,6 +41,12 @@ pub(crate) struct ServeShape {
     pub(crate) prefill_tokens: usize,
 }
 
+/// Device buffers the KV pool and recurrent states take: K and V for each attention layer,
+/// conv and recurrent state for each linear one. Each rounds up to the allocation granularity.
+fn pool_buffers(config: &corral_model::ModelConfig) -> u64 {
+    2 * (config.num_attention_layers() + config.num_linear_layers()) as u64
+}
+
 /// Plans `shape` for the loaded `model`; fails, printing the plan, when the weights and
 /// workspace alone do not fit the budget or it holds no KV block.
 pub(crate) fn plan_serving(
@@ -76,6 +82,7 @@ pub(crate) fn plan_serving(
                     .saturating_sub(weights + step)
                     .max(gpu_fixed + d.runtime)
                     + GPU_AFTER_PLAN_BYTES
+                    + pool_buffers(config) * d.allocation_granularity
             };
             (needs(fixed), bytes, "given".to_string())
         }

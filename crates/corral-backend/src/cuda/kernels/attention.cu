@@ -5,24 +5,6 @@
 
 __device__ __forceinline__ void store_kv(u16* p, size_t i, float v) { p[i] = f32_to_bf16(v); }
 __device__ __forceinline__ void store_kv(float* p, size_t i, float v) { p[i] = v; }
-__device__ __forceinline__ float load_kv(const u16* p, size_t i) { return bf16_to_f32(p[i]); }
-__device__ __forceinline__ float load_kv(const float* p, size_t i) { return p[i]; }
-// An fp8 value without its head's scale (which the reader applies).
-__device__ __forceinline__ float load_kv(const u8* p, size_t i) { return e4m3_to_f32(p[i]); }
-
-// Elements from one cache slot's row to the next's.
-template <typename C> __device__ __forceinline__ u32 kv_row_stride(u32 kv_heads, u32 head_dim) {
-    return sizeof(C) == 1 ? fp8_row_bytes(kv_heads, head_dim) : kv_heads * head_dim;
-}
-
-// The scale of KV head `kvh` in the fp8 row starting at `row` (1 for other caches).
-template <typename C>
-__device__ __forceinline__ float kv_scale(const C* row, u32 kvh, u32 kv_dim) {
-    if constexpr (sizeof(C) == 1)
-        return *reinterpret_cast<const float*>(reinterpret_cast<const u8*>(row) + kv_dim + 4 * kvh);
-    else
-        return 1.f;
-}
 
 // One warp stores head `kvh` of a slot's fp8 row at `row` from lane-strided values `get(d)`
 // (d < head_dim): the head's largest magnitude maps to 448.
@@ -476,12 +458,7 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
 #pragma unroll
             for (int jj = 0; jj < KEYS; jj++) {
                 u32 j = min(j0 + jj, end > 0 ? end - 1 : 0);
-                u32 block = table[j / block_size];
-                if (block >= num_blocks) {
-                    raise_error(diag, ERR_BLOCK_TABLE);
-                    block = 0;
-                }
-                rows[jj] = ((size_t)block * block_size + j % block_size) * row_stride;
+                rows[jj] = slot_of(table, j, block_size, num_blocks, diag) * row_stride;
             }
         };
         u32 j0 = begin + warp * KEYS;
@@ -572,28 +549,26 @@ __device__ void paged_attention_impl(const float* q, const C* cache_k, const C* 
         merge_splits(partial, counters, t, kvh, group, num_heads, head_dim, splits, active, out);
 }
 
-// mma.sync m16n8k16 (bf16, f32 accumulation) whose A rows 8-15 are zero: only the
-// accumulators of rows 0-7 (c0, c1: row g, columns 2 tq and 2 tq + 1) are kept.
+// mma.sync m16n8k16 (bf16, or f16 for an fp8 cache's values, exact in f16; f32
+// accumulation) whose A rows 8-15 are zero: only the accumulators of rows 0-7 (c0, c1: row g,
+// columns 2 tq and 2 tq + 1) are kept.
+template <bool F16>
 __device__ __forceinline__ void mma_rows_lo(float& c0, float& c1, u32 a0, u32 a2, u32 b0, u32 b1) {
     float d2, d3;
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%10,%11,%12,%13};"
-        : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
-          "f"(0.f));
-}
-
-// mma_rows_lo with f16 operands (an fp8 cache's values, exact in f16).
-__device__ __forceinline__ void mma_rows_lo_f16(float& c0, float& c1, u32 a0, u32 a2, u32 b0,
-                                                u32 b1) {
-    float d2, d3;
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%10,%11,%12,%13};"
-        : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
-          "f"(0.f));
+    if constexpr (F16)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%10,%11,%12,%13};"
+            : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
+            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
+              "f"(0.f));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%10,%11,%12,%13};"
+            : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
+            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
+              "f"(0.f));
 }
 
 __device__ __forceinline__ uint4 load16(const u16* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -646,7 +621,7 @@ __device__ void decode_attention_mma_impl(
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     u32 group = num_heads / num_kv_heads;
     u32 kv_dim = num_kv_heads * HD, row_stride = kv_row_stride<C>(num_kv_heads, HD);
-    const bool FP8 = sizeof(C) == 1;
+    constexpr bool FP8 = sizeof(C) == 1;
     // From a head's values to its scale in an fp8 row.
     size_t to_scale = (size_t)kv_dim + 4 * kvh - (size_t)kvh * HD;
     u32 begin, end, active;
@@ -663,12 +638,7 @@ __device__ void decode_attention_mma_impl(
         j = min(j, end - 1);
         if (chunk_in_one_block)
             return ((size_t)chunk_row0 + (j - j0)) * row_stride + (size_t)kvh * HD;
-        u32 block = table[j / block_size];
-        if (block >= num_blocks) {
-            raise_error(diag, ERR_BLOCK_TABLE);
-            block = 0;
-        }
-        return ((size_t)block * block_size + j % block_size) * row_stride + (size_t)kvh * HD;
+        return slot_of(table, j, block_size, num_blocks, diag) * row_stride + (size_t)kvh * HD;
     };
     float o[DT][2];
 #pragma unroll
@@ -678,12 +648,7 @@ __device__ void decode_attention_mma_impl(
     size_t rk[2], rv[4];
     auto fetch_rows = [&](u32 j0) {
         if (chunk_in_one_block) {
-            u32 block = table[j0 / block_size];
-            if (block >= num_blocks) {
-                raise_error(diag, ERR_BLOCK_TABLE);
-                block = 0;
-            }
-            chunk_row0 = block * block_size + j0 % block_size;
+            chunk_row0 = (u32)slot_of(table, j0, block_size, num_blocks, diag);
         }
         rk[0] = key_row(j0, j0 + g);
         rk[1] = key_row(j0, j0 + 8 + g);
@@ -754,17 +719,10 @@ __device__ void decode_attention_mma_impl(
         float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
         for (int c = 0; c < KC; c++) {
-            if constexpr (FP8) {
-                mma_rows_lo_f16(s[0][0], s[0][1], qa[c][0], qa[c][1], k0[c].x, k0[c].y);
-                mma_rows_lo_f16(s[1][0], s[1][1], qa[c][0], qa[c][1], k1[c].x, k1[c].y);
-                mma_rows_lo_f16(s[0][0], s[0][1], qa[c][2], qa[c][3], k0[c].z, k0[c].w);
-                mma_rows_lo_f16(s[1][0], s[1][1], qa[c][2], qa[c][3], k1[c].z, k1[c].w);
-            } else {
-                mma_rows_lo(s[0][0], s[0][1], qa[c][0], qa[c][1], k0[c].x, k0[c].y);
-                mma_rows_lo(s[1][0], s[1][1], qa[c][0], qa[c][1], k1[c].x, k1[c].y);
-                mma_rows_lo(s[0][0], s[0][1], qa[c][2], qa[c][3], k0[c].z, k0[c].w);
-                mma_rows_lo(s[1][0], s[1][1], qa[c][2], qa[c][3], k1[c].z, k1[c].w);
-            }
+            mma_rows_lo<FP8>(s[0][0], s[0][1], qa[c][0], qa[c][1], k0[c].x, k0[c].y);
+            mma_rows_lo<FP8>(s[1][0], s[1][1], qa[c][0], qa[c][1], k1[c].x, k1[c].y);
+            mma_rows_lo<FP8>(s[0][0], s[0][1], qa[c][2], qa[c][3], k0[c].z, k0[c].w);
+            mma_rows_lo<FP8>(s[1][0], s[1][1], qa[c][2], qa[c][3], k1[c].z, k1[c].w);
         }
         if constexpr (FP8) {
 #pragma unroll
@@ -813,10 +771,7 @@ __device__ void decode_attention_mma_impl(
                 u32 sel = (i & 1) ? 0x7632u : 0x5410u;
                 u32 b0 = __byte_perm(word(v[0][c], i >> 1), word(v[1][c], i >> 1), sel);
                 u32 b1 = __byte_perm(word(v[2][c], i >> 1), word(v[3][c], i >> 1), sel);
-                if constexpr (FP8)
-                    mma_rows_lo_f16(o[8 * c + i][0], o[8 * c + i][1], pa0, pa2, b0, b1);
-                else
-                    mma_rows_lo(o[8 * c + i][0], o[8 * c + i][1], pa0, pa2, b0, b1);
+                mma_rows_lo<FP8>(o[8 * c + i][0], o[8 * c + i][1], pa0, pa2, b0, b1);
             }
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);

@@ -316,6 +316,40 @@ struct Diag {
 
 __device__ __forceinline__ void raise_error(Diag* d, u32 code) { atomicCAS(&d->error, 0u, code); }
 
+// A cache slot's row elements and scale, shared by the attention kernels. The cache holds
+// bf16 (u16), f32, or fp8 e4m3 (u8) rows; an fp8 row is its heads' values, then their f32
+// scales.
+__device__ __forceinline__ float load_kv(const u16* p, size_t i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ float load_kv(const float* p, size_t i) { return p[i]; }
+// An fp8 value without its head's scale (which the reader applies).
+__device__ __forceinline__ float load_kv(const u8* p, size_t i) { return e4m3_to_f32(p[i]); }
+
+// Elements from one cache slot's row to the next's.
+template <typename C> __device__ __forceinline__ u32 kv_row_stride(u32 kv_heads, u32 head_dim) {
+    return sizeof(C) == 1 ? fp8_row_bytes(kv_heads, head_dim) : kv_heads * head_dim;
+}
+
+// The scale of KV head `kvh` in the fp8 row starting at `row` (1 for other caches).
+template <typename C>
+__device__ __forceinline__ float kv_scale(const C* row, u32 kvh, u32 kv_dim) {
+    if constexpr (sizeof(C) == 1)
+        return *reinterpret_cast<const float*>(reinterpret_cast<const u8*>(row) + kv_dim + 4 * kvh);
+    else
+        return 1.f;
+}
+
+// The cache slot of key `j` of a run with block table `table`; a block past the cache's
+// `num_blocks` raises ERR_BLOCK_TABLE and reads block 0.
+__device__ __forceinline__ size_t slot_of(const u32* table, u32 j, u32 block_size,
+                                          u32 num_blocks, Diag* diag) {
+    u32 block = table[j / block_size];
+    if (block >= num_blocks) {
+        raise_error(diag, ERR_BLOCK_TABLE);
+        block = 0;
+    }
+    return (size_t)block * block_size + j % block_size;
+}
+
 __device__ __forceinline__ void count_weight_bytes(Diag* d, u64 bytes) {
     if (bytes) atomicAdd(&d->weight_bytes, bytes);
 }

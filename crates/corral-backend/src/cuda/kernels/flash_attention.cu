@@ -91,12 +91,7 @@ __device__ void fa_one_token(const float* qh, const C* cache_k, const C* cache_v
     float m = NEG_INF, l = 0.f;
     u32 kv_heads = kv_dim / HD, stride = fa_row_stride<C>(kv_dim, kv_heads);
     for (u32 j = 0; j < len; j++) {
-        u32 block = table[j / block_size];
-        if (block >= num_blocks) {
-            raise_error(diag, ERR_BLOCK_TABLE);
-            block = 0;
-        }
-        size_t row0 = ((size_t)block * block_size + j % block_size) * stride;
+        size_t row0 = slot_of(table, j, block_size, num_blocks, diag) * stride;
         size_t row = row0 + kv_off + d0;
         float ks = fa_scale(cache_k, row0, kv_dim, kv_off / HD);
         float vs = fa_scale(cache_v, row0, kv_dim, kv_off / HD);
@@ -176,16 +171,8 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
             u32 piece = threadIdx.x + it * FA_THREADS;
             u32 kr = piece / (HD / 8), d = (piece % (HD / 8)) * 8;
             u32 j = j0 + kr;
-            size_t row0 = 0;
             bool live = j < key_end;
-            if (live) {
-                u32 block = table[j / block_size];
-                if (block >= num_blocks) {
-                    raise_error(diag, ERR_BLOCK_TABLE);
-                    block = 0;
-                }
-                row0 = ((size_t)block * block_size + j % block_size) * row_stride;
-            }
+            size_t row0 = live ? slot_of(table, j, block_size, num_blocks, diag) * row_stride : 0;
             cp_async16(dst + kr * KS + d, src + row0 + kv_off + d, live ? 16u : 0u);
         }
     };
@@ -197,16 +184,8 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
             u32 piece = threadIdx.x + it * FA_THREADS;
             u32 kr = piece / (HD / 16), d = (piece % (HD / 16)) * 16;
             u32 j = j0 + kr;
-            size_t row0 = 0;
             bool live = j < key_end;
-            if (live) {
-                u32 block = table[j / block_size];
-                if (block >= num_blocks) {
-                    raise_error(diag, ERR_BLOCK_TABLE);
-                    block = 0;
-                }
-                row0 = ((size_t)block * block_size + j % block_size) * row_stride;
-            }
+            size_t row0 = live ? slot_of(table, j, block_size, num_blocks, diag) * row_stride : 0;
             cp_async16(k_raw + kr * HD + d, cache_k + row0 + kv_off + d, live ? 16u : 0u);
             cp_async16(v_raw + kr * HD + d, cache_v + row0 + kv_off + d, live ? 16u : 0u);
             cp_async4(k_sc + piece, cache_k + row0 + kv_dim + 4 * kvh, live ? 4u : 0u);
