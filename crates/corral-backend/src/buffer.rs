@@ -65,6 +65,8 @@ pub(crate) enum Storage {
     U32(Vec<u32>),
     /// bf16 or f16 bit patterns (the buffer's dtype says which).
     Half(Vec<u16>),
+    /// Blocks of a block-quantized format.
+    Bytes(Vec<u8>),
     /// Bytes of a mapped file, suitably aligned for the dtype.
     Mapped {
         file: Arc<MappedFile>,
@@ -123,7 +125,7 @@ impl DeviceBuffer {
 
     /// Bytes of the allocation.
     pub fn size_bytes(&self) -> usize {
-        self.capacity * self.dtype.size_bytes()
+        self.dtype.bytes_of(self.capacity)
     }
 
     /// Changes the number of elements in use, within the capacity (pool reuse).

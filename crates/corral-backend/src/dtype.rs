@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::QuantFormat;
+
 /// Element type of a [`crate::DeviceBuffer`] or of a checkpoint tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -16,15 +18,35 @@ pub enum DType {
     /// fp8 e4m3 bytes: a KV cache on the GPU, each slot's row followed by its heads' f32
     /// scales ([`kv_row_elems`]).
     F8E4M3,
+    /// Block-quantized weights (ggml's formats), kept so in memory where a backend reads them
+    /// directly; a buffer's length counts values.
+    Quant(QuantFormat),
 }
 
 impl DType {
-    /// Bytes per element.
+    /// Bytes per element; for a block format, of a block ([`DType::bytes_of`] counts values).
     pub const fn size_bytes(self) -> usize {
         match self {
             DType::F32 | DType::U32 => 4,
             DType::BF16 | DType::F16 => 2,
             DType::F8E4M3 => 1,
+            DType::Quant(format) => format.block().1,
+        }
+    }
+
+    /// Bytes of `len` values.
+    pub const fn bytes_of(self, len: usize) -> usize {
+        match self {
+            DType::Quant(format) => format.bytes_of(len),
+            _ => len * self.size_bytes(),
+        }
+    }
+
+    /// Values a run of this type must start and end at a multiple of (a block format's block).
+    pub const fn block_values(self) -> usize {
+        match self {
+            DType::Quant(format) => format.block().0,
+            _ => 1,
         }
     }
 
@@ -42,6 +64,7 @@ impl fmt::Display for DType {
             DType::F16 => "f16",
             DType::U32 => "u32",
             DType::F8E4M3 => "fp8",
+            DType::Quant(format) => return write!(f, "{}", format.name().to_lowercase()),
         })
     }
 }

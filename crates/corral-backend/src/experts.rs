@@ -203,7 +203,7 @@ impl ExpertMatrices {
                 None => return 0,
             },
         };
-        self.rows * self.cols * dtype.size_bytes()
+        dtype.bytes_of(self.rows * self.cols)
     }
 }
 

@@ -17,6 +17,7 @@ mod dtype;
 mod error;
 mod experts;
 mod pool;
+pub mod quant;
 pub mod reference;
 pub mod rope;
 pub mod sampling;
@@ -34,6 +35,7 @@ pub use dtype::{DType, kv_row_elems};
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
 pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
+pub use quant::QuantFormat;
 pub use rope::{RopeParams, Yarn};
 
 pub use stats::{DispatchStats, StatsCounter};
@@ -240,6 +242,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// A newly allocated zero-filled buffer that never returns to the pool (KV cache).
     fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer>;
+
+    /// Whether weights of block format `format` may be given to this backend as they are
+    /// ([`DType::Quant`]); where not, loaders decode them first.
+    fn reads_quantized(&self, _format: QuantFormat) -> bool {
+        false
+    }
 
     /// A weight buffer over `len` elements of `dtype` at `byte_offset` in a mapped file,
     /// without copying where the device can read the mapping directly.

@@ -158,7 +158,7 @@ impl Model {
     ) -> Result<Self> {
         let config = gguf.config()?;
         let elements = gguf.tensors().map(|t| t.numel() as usize).sum();
-        let bytes = gguf.loaded_bytes();
+        let bytes = gguf.loaded_bytes(&|format| backend.reads_quantized(format));
         Self::bind(gguf, config, backend, progress, elements, bytes)
     }
 

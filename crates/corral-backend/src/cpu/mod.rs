@@ -64,6 +64,7 @@ impl CpuBackend {
             DType::BF16 | DType::F16 => Storage::Half(vec![0; len]),
             // Bytes held in words: nothing on the CPU computes on fp8 (its KV cache refuses it).
             DType::F8E4M3 => Storage::U32(vec![0; len.div_ceil(4)]),
+            DType::Quant(format) => Storage::Bytes(vec![0; format.bytes_of(len)]),
         };
         DeviceBuffer::new(dtype, len, usage, storage)
     }
@@ -176,11 +177,20 @@ fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'
             byte_len,
         } => {
             let bytes = &file.bytes()[*byte_offset..*byte_offset + *byte_len];
-            if b.dtype() == DType::F32 {
-                return Ok(WeightRows::F32(bytemuck::cast_slice(bytes)));
+            match b.dtype() {
+                DType::F32 => return Ok(WeightRows::F32(bytemuck::cast_slice(bytes))),
+                DType::Quant(format) => return Ok(WeightRows::Quant(format, bytes)),
+                _ => bytemuck::cast_slice(bytes),
             }
-            bytemuck::cast_slice(bytes)
         }
+        Storage::Bytes(v) => match b.dtype() {
+            DType::Quant(format) => {
+                return Ok(WeightRows::Quant(format, &v[..format.bytes_of(len)]));
+            }
+            other => {
+                return Err(bad(op, format!("weights of {other} held as bytes")));
+            }
+        },
         Storage::U32(_) => {
             return Err(bad(op, "weights must be a float buffer".to_string()));
         }
@@ -195,6 +205,19 @@ fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'
             got: other,
         }),
     }
+}
+
+/// Checks that weight rows of `cols` values from `offset` fall on whole blocks of a block
+/// format, as every reader of them assumes.
+fn check_blocks(op: &'static str, dtype: DType, offset: usize, cols: usize) -> Result<()> {
+    let block = dtype.block_values();
+    if offset.is_multiple_of(block) && cols.is_multiple_of(block) {
+        return Ok(());
+    }
+    Err(bad(
+        op,
+        format!("{dtype} rows of {cols} values from value {offset}: not whole blocks of {block}"),
+    ))
 }
 
 /// The rows of a weight view as f32 values, when stored as f32 (norm weights).
@@ -345,6 +368,7 @@ fn expert_proj<'a>(op: &'static str, m: &'a ExpertMatrices) -> Result<ops::moe::
     let mut rows = Vec::with_capacity(m.num_experts());
     for e in 0..m.num_experts() {
         let v = m.view(e);
+        check_blocks(op, v.buffer.dtype(), v.offset, v.cols)?;
         offsets.push(v.offset);
         rows.push(weight_rows(op, v.buffer)?);
     }
@@ -379,6 +403,10 @@ impl Backend for CpuBackend {
         Ok(self.new_buffer(dtype, len, usage))
     }
 
+    fn reads_quantized(&self, _format: crate::QuantFormat) -> bool {
+        true
+    }
+
     fn weight_from_file(
         &self,
         file: &Arc<MappedFile>,
@@ -387,7 +415,16 @@ impl Backend for CpuBackend {
         len: usize,
     ) -> Result<DeviceBuffer> {
         let op = "weight_from_file";
-        let byte_len = len * dtype.size_bytes();
+        if !len.is_multiple_of(dtype.block_values()) {
+            return Err(bad(
+                op,
+                format!(
+                    "{len} values of {dtype}, not whole blocks of {}",
+                    dtype.block_values()
+                ),
+            ));
+        }
+        let byte_len = dtype.bytes_of(len);
         let bytes = file
             .bytes()
             .get(byte_offset..byte_offset + byte_len)
@@ -397,9 +434,11 @@ impl Backend for CpuBackend {
                     format!("{}: tensor data out of range", file.path().display()),
                 )
             })?;
-        let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.size_bytes());
+        // Block formats are read a byte at a time.
+        let aligned = matches!(dtype, DType::Quant(_))
+            || (bytes.as_ptr() as usize).is_multiple_of(dtype.size_bytes());
         let storage = match (aligned, dtype) {
-            (true, DType::F32 | DType::BF16 | DType::F16) => Storage::Mapped {
+            (true, DType::F32 | DType::BF16 | DType::F16 | DType::Quant(_)) => Storage::Mapped {
                 file: Arc::clone(file),
                 byte_offset,
                 byte_len,
@@ -422,7 +461,7 @@ impl Backend for CpuBackend {
                         .collect(),
                 )
             }
-            (_, DType::U32 | DType::F8E4M3) => {
+            (false, DType::Quant(_)) | (_, DType::U32 | DType::F8E4M3) => {
                 return Err(bad(op, format!("weights of {dtype}")));
             }
         };
@@ -445,7 +484,7 @@ impl Backend for CpuBackend {
                     .map(|v| half::f16::from_f32(*v).to_bits())
                     .collect(),
             ),
-            DType::U32 | DType::F8E4M3 => {
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
                 return Err(bad("weight_from_f32", format!("weights of {dtype}")));
             }
         };
@@ -650,6 +689,7 @@ impl Backend for CpuBackend {
             ));
         }
         let out = f32s_mut(op, "out", out, tokens * table.cols)?;
+        check_blocks(op, table.buffer.dtype(), table.offset, table.cols)?;
         let rows = weight_rows(op, table.buffer)?;
         self.stats.dispatch(1);
         ops::elementwise::embedding(rows, table.offset, ids, table.cols, out);
@@ -793,15 +833,11 @@ impl Backend for CpuBackend {
         let op = "matmul";
         let x = f32s(op, "x", x, rows * w.cols)?;
         let out = f32s_mut(op, "out", out, rows * w.rows)?;
-        let weights = weight_rows(op, w.buffer)?;
-        let weights = match weights {
-            WeightRows::F32(v) => WeightRows::F32(&v[w.offset..w.offset + w.rows * w.cols]),
-            WeightRows::Bf16(v) => WeightRows::Bf16(&v[w.offset..w.offset + w.rows * w.cols]),
-            WeightRows::F16(v) => WeightRows::F16(&v[w.offset..w.offset + w.rows * w.cols]),
-        };
+        check_blocks(op, w.buffer.dtype(), w.offset, w.cols)?;
+        let weights = weight_rows(op, w.buffer)?.slice(w.offset, w.rows * w.cols);
         self.stats.dispatch(1);
         self.stats
-            .weight_read(w.rows * w.cols * w.buffer.dtype().size_bytes());
+            .weight_read(w.buffer.dtype().bytes_of(w.rows * w.cols));
         ops::matmul::matmul(x, rows, w.cols, weights, w.rows, out, self.threads);
         Ok(())
     }

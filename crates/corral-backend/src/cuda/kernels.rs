@@ -464,7 +464,7 @@ impl Kernels {
             DType::BF16 => Ok(&self.bf16),
             DType::F16 => Ok(&self.f16),
             DType::F32 => Ok(&self.f32),
-            DType::U32 | DType::F8E4M3 => Err(BackendError::BadArgument {
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => Err(BackendError::BadArgument {
                 op,
                 detail: format!("weights of {dtype}"),
             }),

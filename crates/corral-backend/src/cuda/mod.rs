@@ -720,7 +720,7 @@ impl CudaBackend {
 
     fn new_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
         self.stats.allocation();
-        let mem = self.gpu.alloc(len * dtype.size_bytes())?;
+        let mem = self.gpu.alloc(dtype.bytes_of(len))?;
         Ok(DeviceBuffer::new(dtype, len, usage, Storage::Cuda(mem)))
     }
 
@@ -1454,7 +1454,9 @@ impl Backend for CudaBackend {
                     .collect();
                 self.gpu.upload(&bits, dst)?;
             }
-            DType::U32 | DType::F8E4M3 => return Err(bad(op, format!("weights of {dtype}"))),
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
+                return Err(bad(op, format!("weights of {dtype}")));
+            }
         }
         self.stats.transfer(values.len() * dtype.size_bytes());
         Ok(b)
@@ -1466,7 +1468,9 @@ impl Backend for CudaBackend {
             DType::BF16 => &self.kernels.normal_fill_bf16,
             DType::F16 => &self.kernels.normal_fill_f16,
             DType::F32 => &self.kernels.normal_fill_f32,
-            DType::U32 | DType::F8E4M3 => return Err(bad(op, format!("weights of {dtype}"))),
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
+                return Err(bad(op, format!("weights of {dtype}")));
+            }
         };
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
         if len > 0 {

@@ -78,7 +78,8 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
                 .with_context(|| format!("reading the GGUF model {}", file.display()))?;
             (
                 config,
-                gguf.loaded_bytes() as u64,
+                // The CPU keeps block formats as they are; the GPU decodes them.
+                gguf.loaded_bytes(&|_| args.device == PlanDevice::Cpu) as u64,
                 file.display().to_string(),
             )
         }

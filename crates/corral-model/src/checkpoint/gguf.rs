@@ -15,6 +15,7 @@ use crate::checkpoint::quant::{GgmlType, dequantize};
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
 use crate::{ModelError, Result};
+use corral_backend::QuantFormat;
 
 /// An opened GGUF model: its file (or each file of a split model) mapped, the headers parsed
 /// and every tensor indexed by name.
@@ -124,13 +125,13 @@ impl GgufCheckpoint {
         self.tensors.iter().map(|(_, t)| t)
     }
 
-    /// The bytes its weights take once loaded: plain tensors as stored, block-quantized
-    /// ones decoded to f32.
-    pub fn loaded_bytes(&self) -> usize {
+    /// The bytes its weights take once loaded: plain tensors as stored, block-quantized ones
+    /// as stored where `kept` says the backend reads their format, else decoded to f32.
+    pub fn loaded_bytes(&self, kept: &dyn Fn(QuantFormat) -> bool) -> usize {
         self.tensors()
-            .map(|t| match t.ggml_type {
-                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => t.byte_len,
-                _ => t.numel() as usize * 4,
+            .map(|t| match t.ggml_type.quant_format() {
+                Some(format) if !kept(format) => t.numel() as usize * 4,
+                _ => t.byte_len,
             })
             .sum()
     }
@@ -395,9 +396,15 @@ impl WeightSource for GgufCheckpoint {
     fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
         let (tensor, file, start, _) = self.checked(name, shape)?;
         let ty = tensor.ggml_type;
+        let numel = shape.iter().product();
         if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-            let numel = shape.iter().product();
             return Ok(backend.weight_from_file(file, start, loaded_dtype(ty), numel)?);
+        }
+        if let Some(format) = ty.quant_format()
+            && backend.reads_quantized(format)
+        {
+            let dtype = DType::Quant(format);
+            return Ok(backend.weight_from_file(file, start, dtype, numel)?);
         }
         Ok(backend.weight_from_f32(&self.read_f32(name, shape)?, DType::F32)?)
     }

@@ -154,7 +154,7 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            DType::U32 | DType::F8E4M3 => {
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
                 return Err(ModelError::UnsupportedDType {
                     name: name.to_string(),
                     dtype: dtype.to_string(),

@@ -7,7 +7,8 @@
 
 use rayon::prelude::*;
 
-use super::{WeightRows, dot, with_scratch};
+use super::quant_dot::{self, QuantizedRows};
+use super::{WeightRows, dot, quant_range, with_scratch};
 
 /// Rows of `x` from which converting a weight panel and calling the GEMM crate beats
 /// streaming weight rows through dot products.
@@ -108,6 +109,24 @@ pub(crate) fn multiply_streaming(
     ld: usize,
     row: &mut [f32],
 ) {
+    if let WeightRows::Quant(format, bytes) = w
+        && quant_dot::supports(format)
+    {
+        let isa = quant_dot::best_isa();
+        return with_quantized(x, m, k, |acts| {
+            for j in 0..n {
+                let wj = &bytes[quant_range(format, w_offset + j * k, k)];
+                for r in 0..m {
+                    let v = quant_dot::dot_row(isa, format, wj, acts.row(r));
+                    // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        *out.0.add(r * ld + j) = v;
+                    }
+                }
+            }
+        });
+    }
     #[cfg(target_arch = "x86_64")]
     if let WeightRows::Bf16(bf16) = w
         && std::arch::is_x86_feature_detected!("avx512f")
@@ -145,6 +164,20 @@ pub(crate) fn multiply_streaming(
             }
         }
     }
+}
+
+thread_local! {
+    static QUANTIZED: std::cell::RefCell<QuantizedRows> = Default::default();
+}
+
+/// Runs `f` with `m` rows of `k` values of `x` quantized for integer dot products, in this
+/// thread's reused buffers.
+fn with_quantized<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&QuantizedRows) -> R) -> R {
+    QUANTIZED.with(|cell| {
+        let mut rows = cell.borrow_mut();
+        rows.quantize(x, m, k);
+        f(&rows)
+    })
 }
 
 /// `x · w` for a row of bf16 weights (their bits), widened to f32 sixteen at a time in
@@ -272,6 +305,67 @@ mod tests {
                     let scale: f32 = xr.iter().zip(&wj).map(|(a, b)| (a * b).abs()).sum();
                     let got = out[r * n + j];
                     prop_assert!((got - expected).abs() <= 1e-5 * (1.0 + scale), "row {r} col {j}: {got} against {expected}");
+                }
+            }
+        }
+
+        /// Matmuls over block-quantized weights (the few-row path's integer dot products and
+        /// the many-row path's decoded panels) equal the decoded weights' matmul, within what
+        /// quantizing the activations per 32 values can move each output.
+        #[test]
+        fn quantized_matmuls_match_the_decoded_weights(
+            m in 1usize..12,
+            blocks in 1usize..3,
+            n in 1usize..20,
+            format in prop::sample::select(vec![
+                crate::QuantFormat::Q8_0,
+                crate::QuantFormat::Q4_0,
+                crate::QuantFormat::Q4K,
+                crate::QuantFormat::Q6K,
+            ]),
+            seed in any::<u64>(),
+        ) {
+            let mut state = seed | 1;
+            let mut next = move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            let (values, bytes) = format.block();
+            let k = values * blocks.max(256 / values);
+            let mut w: Vec<u8> = (0..format.bytes_of(n * k)).map(|_| next() as u8).collect();
+            let scale_at: &[usize] = match format {
+                crate::QuantFormat::Q4K => &[0, 2],
+                crate::QuantFormat::Q6K => &[208],
+                _ => &[0],
+            };
+            for blk in w.chunks_exact_mut(bytes) {
+                for &at in scale_at {
+                    let v = 0.001 + (next() % 1000) as f32 * 1e-4;
+                    blk[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                }
+            }
+            let xs: Vec<f32> = (0..m * k).map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0).collect();
+            let mut decoded = vec![0.0f32; n * k];
+            crate::quant::dequantize(format, &w, &mut decoded);
+            let mut out = vec![f32::NAN; m * n];
+            matmul(&xs, m, k, WeightRows::Quant(format, &w), n, &mut out, 2);
+            for r in 0..m {
+                let xr = &xs[r * k..(r + 1) * k];
+                for j in 0..n {
+                    let wj = &decoded[j * k..(j + 1) * k];
+                    let expected = dot(xr, wj);
+                    let bound: f32 = wj.chunks(32).zip(xr.chunks(32)).map(|(wb, xb)| {
+                        let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                        amax / 254.0 * wb.iter().map(|v| v.abs()).sum::<f32>()
+                    }).sum();
+                    let scale: f32 = xr.iter().zip(wj).map(|(a, b)| (a * b).abs()).sum();
+                    let got = out[r * n + j];
+                    prop_assert!(
+                        (got - expected).abs() <= bound * 1.001 + 1e-5 * (1.0 + scale),
+                        "{format:?} m {m} row {r} col {j}: {got} against {expected} (bound {bound})"
+                    );
                 }
             }
         }

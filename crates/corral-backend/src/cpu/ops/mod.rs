@@ -8,7 +8,10 @@ pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod moe;
 pub(crate) mod norm;
+pub(crate) mod quant_dot;
 pub(crate) mod rope;
+
+use crate::QuantFormat;
 
 /// A weight matrix's elements in their stored type.
 #[derive(Clone, Copy, Debug)]
@@ -16,9 +19,11 @@ pub(crate) enum WeightRows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
     F16(&'a [half::f16]),
+    /// Blocks of a block format; every offset into them falls on a block boundary.
+    Quant(QuantFormat, &'a [u8]),
 }
 
-impl WeightRows<'_> {
+impl<'a> WeightRows<'a> {
     /// Elements `start..start + len` converted to f32 into `dst` (of length `len`).
     pub(crate) fn to_f32(self, start: usize, dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
@@ -27,8 +32,32 @@ impl WeightRows<'_> {
             WeightRows::F32(w) => dst.copy_from_slice(&w[start..end]),
             WeightRows::Bf16(w) => w[start..end].convert_to_f32_slice(dst),
             WeightRows::F16(w) => w[start..end].convert_to_f32_slice(dst),
+            WeightRows::Quant(format, w) => {
+                let bytes = quant_range(format, start, dst.len());
+                crate::quant::dequantize(format, &w[bytes], dst);
+            }
         }
     }
+
+    /// Elements `start..start + len`.
+    pub(crate) fn slice(self, start: usize, len: usize) -> WeightRows<'a> {
+        let end = start + len;
+        match self {
+            WeightRows::F32(w) => WeightRows::F32(&w[start..end]),
+            WeightRows::Bf16(w) => WeightRows::Bf16(&w[start..end]),
+            WeightRows::F16(w) => WeightRows::F16(&w[start..end]),
+            WeightRows::Quant(format, w) => {
+                WeightRows::Quant(format, &w[quant_range(format, start, len)])
+            }
+        }
+    }
+}
+
+/// The bytes of values `start..start + len` of `format`, both on block boundaries.
+pub(crate) fn quant_range(format: QuantFormat, start: usize, len: usize) -> std::ops::Range<usize> {
+    let (values, bytes) = format.block();
+    debug_assert!(start.is_multiple_of(values) && len.is_multiple_of(values));
+    start / values * bytes..(start + len) / values * bytes
 }
 
 /// `Σ a[i]·b[i]` with eight independent accumulators, which the compiler vectorises.

@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::elementwise::silu;
 use super::matmul::{GEMM_MIN_ROWS, OutPtr, multiply_streaming, multiply_tile};
-use super::{WeightRows, dot, with_scratch};
+use super::{WeightRows, with_scratch};
 
 /// Output rows per work item of the expert matrix-vector products.
 const ROW_TILE: usize = 64;
@@ -79,14 +79,16 @@ pub(crate) fn gate_up(
         a.par_chunks_mut(ROW_TILE)
             .enumerate()
             .for_each(|(tile, a)| {
-                with_scratch(hidden, |row| {
-                    for (i, a) in a.iter_mut().enumerate() {
-                        let r = tile * ROW_TILE + i;
-                        gate.rows[e].to_f32(gate.offsets[e] + r * hidden, row);
-                        let g = dot(xt, row);
-                        up.rows[e].to_f32(up.offsets[e] + r * hidden, row);
-                        let u = dot(xt, row);
-                        *a = silu(g) * u;
+                with_scratch(hidden + 2 * ROW_TILE, |scratch| {
+                    let (row, rest) = scratch.split_at_mut(hidden);
+                    let (g, u) = rest.split_at_mut(ROW_TILE);
+                    let (n, first) = (a.len(), tile * ROW_TILE * hidden);
+                    let (g_out, u_out) = (OutPtr::new(g), OutPtr::new(u));
+                    let (g_off, u_off) = (gate.offsets[e] + first, up.offsets[e] + first);
+                    multiply_streaming(xt, 1, hidden, gate.rows[e], g_off, n, g_out, n, row);
+                    multiply_streaming(xt, 1, hidden, up.rows[e], u_off, n, u_out, n, row);
+                    for (a, (g, u)) in a.iter_mut().zip(g.iter().zip(u.iter())) {
+                        *a = silu(*g) * u;
                     }
                 });
             });
@@ -109,16 +111,28 @@ pub(crate) fn down_combine(
         o.par_chunks_mut(ROW_TILE)
             .enumerate()
             .for_each(|(tile, o)| {
-                with_scratch(inter, |row| {
+                with_scratch(inter + ROW_TILE, |scratch| {
+                    let (row, y) = scratch.split_at_mut(inter);
+                    let n = o.len();
                     o.fill(0.0);
                     for j in 0..top_k {
                         let p = t * top_k + j;
                         let e = ids[p] as usize;
                         let a = &act[p * inter..(p + 1) * inter];
-                        for (i, o) in o.iter_mut().enumerate() {
-                            let r = tile * ROW_TILE + i;
-                            down.rows[e].to_f32(down.offsets[e] + r * inter, row);
-                            *o += weights[p] * dot(a, row);
+                        let off = down.offsets[e] + tile * ROW_TILE * inter;
+                        multiply_streaming(
+                            a,
+                            1,
+                            inter,
+                            down.rows[e],
+                            off,
+                            n,
+                            OutPtr::new(y),
+                            n,
+                            row,
+                        );
+                        for (o, y) in o.iter_mut().zip(&y[..n]) {
+                            *o += weights[p] * y;
                         }
                     }
                 });

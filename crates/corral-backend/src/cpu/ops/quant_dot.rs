@@ -1,0 +1,608 @@
+//! Dot products of block-quantized weight rows with activations quantized to int8 per 32
+//! values, as llama.cpp's CPU path runs them: integer products summed per block, then one
+//! float multiply-add per block with the weight's and the activation's scales. AVX-512 VNNI
+//! or AVX2 where the CPU has them (chosen at run time); a scalar loop otherwise, and as the
+//! reference the tests hold the others to.
+
+use std::sync::LazyLock;
+
+use crate::QuantFormat;
+use crate::quant::k_scale_min;
+
+/// Values per activation block.
+pub(crate) const QA: usize = 32;
+
+/// Rows of activations quantized per [`QA`] values: block `b` of a row is `d[b] · q[32 b..]`,
+/// and `sums[2 b]`, `sums[2 b + 1]` are the sums of its two halves' `q` (for formats whose
+/// values carry an offset or a min).
+#[derive(Debug, Default)]
+pub(crate) struct QuantizedRows {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    sums: Vec<i32>,
+    k: usize,
+}
+
+/// One row of [`QuantizedRows`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActRow<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    sums: &'a [i32],
+}
+
+impl QuantizedRows {
+    /// Quantizes `m` rows of `k` values of `x` (`k` a multiple of [`QA`]) by
+    /// [`quantize_block`].
+    pub(crate) fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+        debug_assert!(k.is_multiple_of(QA) && x.len() >= m * k);
+        let blocks = m * k / QA;
+        self.k = k;
+        self.q.resize(m * k, 0);
+        self.d.resize(blocks, 0.0);
+        self.sums.resize(2 * blocks, 0);
+        let isa = best_isa();
+        for (b, (xb, qb)) in x[..m * k]
+            .chunks_exact(QA)
+            .zip(self.q.chunks_exact_mut(QA))
+            .enumerate()
+        {
+            self.d[b] = match isa {
+                Isa::Scalar => quantize_block(xb, qb),
+                // SAFETY (both): best_isa found the CPU has these.
+                #[cfg(target_arch = "x86_64")]
+                #[allow(unsafe_code)]
+                Isa::Avx2 => unsafe { avx2::quantize_block(xb, qb) },
+                #[cfg(target_arch = "x86_64")]
+                #[allow(unsafe_code)]
+                Isa::Vnni => unsafe { vnni::quantize_block(xb, qb) },
+            };
+            let half = |h: &[i8]| h.iter().map(|&v| i32::from(v)).sum::<i32>();
+            self.sums[2 * b] = half(&qb[..QA / 2]);
+            self.sums[2 * b + 1] = half(&qb[QA / 2..]);
+        }
+    }
+
+    /// Row `r`.
+    #[inline]
+    pub(crate) fn row(&self, r: usize) -> ActRow<'_> {
+        let (k, blocks) = (self.k, self.k / QA);
+        ActRow {
+            q: &self.q[r * k..(r + 1) * k],
+            d: &self.d[r * blocks..(r + 1) * blocks],
+            sums: &self.sums[2 * r * blocks..2 * (r + 1) * blocks],
+        }
+    }
+}
+
+/// Quantizes 32 values into `q`, returning their scale: the largest magnitude maps to 127,
+/// values round to nearest, ties to even (as the SIMD conversions do).
+fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = (v * inv).round_ties_even() as i8;
+    }
+    d
+}
+
+/// The instructions the dot products run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+/// The best this CPU has.
+pub(crate) fn best_isa() -> Isa {
+    static BEST: LazyLock<Isa> = LazyLock::new(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            if avx2 && has!("avx512vnni") && has!("avx512vl") && has!("avx512bw") {
+                return Isa::Vnni;
+            }
+            if avx2 {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    });
+    *BEST
+}
+
+/// Whether weights of `format` have integer dot products here (the rest are decoded to f32).
+pub(crate) fn supports(format: QuantFormat) -> bool {
+    matches!(
+        format,
+        QuantFormat::Q8_0
+            | QuantFormat::Q4_0
+            | QuantFormat::Q4K
+            | QuantFormat::Q5K
+            | QuantFormat::Q6K
+    )
+}
+
+/// `w · a` for one weight row `w` (the bytes of its blocks, as many values as `a` holds) of
+/// a [`supports`]ed format, on `isa` (which the CPU must have: [`best_isa`] or below).
+pub(crate) fn dot_row(isa: Isa, format: QuantFormat, w: &[u8], a: ActRow<'_>) -> f32 {
+    let values = a.q.len();
+    assert!(
+        values.is_multiple_of(format.block().0)
+            && w.len() == format.bytes_of(values)
+            && a.d.len() * QA == values
+            && a.sums.len() * QA == 2 * values,
+        "quantized dot product over mismatched rows"
+    );
+    match isa {
+        Isa::Scalar => scalar::dot(format, w, a),
+        // SAFETY (both): the caller picked an ISA the CPU has (best_isa or below).
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Avx2 => unsafe { avx2::dot(format, w, a) },
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Vnni => unsafe { vnni::dot(format, w, a) },
+    }
+}
+
+/// The format's definitions, a value at a time.
+mod scalar {
+    use super::*;
+    use crate::quant::half_at;
+
+    /// Σ u[i] · q[i] over one activation block's values `range`.
+    fn isum(u: impl Fn(usize) -> i32, q: &[i8], range: std::ops::Range<usize>) -> i32 {
+        range.map(|i| u(i) * i32::from(q[i])).sum()
+    }
+
+    pub(super) fn dot(format: QuantFormat, w: &[u8], a: ActRow<'_>) -> f32 {
+        let (block, bytes) = format.block();
+        let mut acc = 0.0f32;
+        for (n, blk) in w.chunks_exact(bytes).enumerate() {
+            // The first activation block of this weight block.
+            let ab = n * block / QA;
+            let q = |b: usize| &a.q[QA * (ab + b)..QA * (ab + b + 1)];
+            let sum32 = |b: usize| (a.sums[2 * (ab + b)] + a.sums[2 * (ab + b) + 1]) as f32;
+            match format {
+                QuantFormat::Q8_0 => {
+                    let s = isum(|i| i32::from(blk[2 + i] as i8), q(0), 0..QA);
+                    acc += half_at(blk, 0) * a.d[ab] * s as f32;
+                }
+                QuantFormat::Q4_0 => {
+                    let u = |i: usize| {
+                        i32::from(if i < 16 {
+                            blk[2 + i] & 15
+                        } else {
+                            blk[2 + i - 16] >> 4
+                        })
+                    };
+                    let s = isum(u, q(0), 0..QA) as f32 - 8.0 * sum32(0);
+                    acc += half_at(blk, 0) * a.d[ab] * s;
+                }
+                QuantFormat::Q4K | QuantFormat::Q5K => {
+                    let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
+                    let scales = &blk[4..16];
+                    let five = format == QuantFormat::Q5K;
+                    let (qh, qs) = if five {
+                        (&blk[16..48], &blk[48..176])
+                    } else {
+                        (&blk[..0], &blk[16..144])
+                    };
+                    for sb in 0..8 {
+                        let i = sb / 2;
+                        let u = |l: usize| {
+                            let byte = qs[32 * i + l];
+                            let nib = if sb % 2 == 0 { byte & 15 } else { byte >> 4 };
+                            let high = if five { ((qh[l] >> sb) & 1) << 4 } else { 0 };
+                            i32::from(nib | high)
+                        };
+                        let (sc, m) = k_scale_min(scales, sb);
+                        let da = a.d[ab + sb];
+                        acc += d * f32::from(sc) * da * isum(u, q(sb), 0..QA) as f32
+                            - dmin * f32::from(m) * da * sum32(sb);
+                    }
+                }
+                QuantFormat::Q6K => {
+                    let d = half_at(blk, 208);
+                    for h in 0..2 {
+                        let (ql, qh, sc) =
+                            (&blk[64 * h..], &blk[128 + 32 * h..], &blk[192 + 8 * h..]);
+                        for g in 0..4 {
+                            let u = |l: usize| {
+                                let low = match g {
+                                    0 => ql[l] & 15,
+                                    1 => ql[l + 32] & 15,
+                                    2 => ql[l] >> 4,
+                                    _ => ql[l + 32] >> 4,
+                                };
+                                i32::from(low | (((qh[l] >> (2 * g)) & 3) << 4))
+                            };
+                            let b = 4 * h + g;
+                            for half in 0..2 {
+                                let range = 16 * half..16 * half + 16;
+                                let s = isum(u, q(b), range) - 32 * a.sums[2 * (ab + b) + half];
+                                let scale = f32::from(sc[2 * g + half] as i8);
+                                acc += d * scale * a.d[ab + b] * s as f32;
+                            }
+                        }
+                    }
+                }
+                _ => unreachable!("dot_row is only given supported formats"),
+            }
+        }
+        acc
+    }
+}
+
+/// The SIMD kernels of one instruction set: `$dp(u, s)` sums the products of 32 unsigned by
+/// 32 signed bytes into eight i32 lanes (lane i: bytes 4i..4i + 3).
+#[cfg(target_arch = "x86_64")]
+macro_rules! simd_dot {
+    ($isa:ident, $features:literal, $dp:ident) => {
+        mod $isa {
+            use std::arch::x86_64::*;
+
+            use super::*;
+
+            #[target_feature(enable = $features)]
+            fn load32(p: &[u8]) -> __m256i {
+                assert!(p.len() >= 32);
+                // SAFETY: 32 bytes are in bounds (checked above); unaligned load.
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm256_loadu_si256(p.as_ptr().cast())
+                }
+            }
+
+            /// The f16 at byte `at` of a block, by F16C.
+            #[target_feature(enable = $features)]
+            fn half_at(b: &[u8], at: usize) -> f32 {
+                let bits = i32::from(u16::from_le_bytes([b[at], b[at + 1]]));
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
+            }
+
+            /// [`super::quantize_block`] on eight lanes at a time.
+            #[target_feature(enable = $features)]
+            pub(super) fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+                assert!(x.len() >= QA && q.len() >= QA);
+                // SAFETY: 32 floats are in bounds (checked above); unaligned loads.
+                #[allow(unsafe_code)]
+                let v: [__m256; 4] =
+                    std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+                let abs = _mm256_set1_ps(f32::from_bits(0x7fff_ffff));
+                let m = v.iter().fold(_mm256_setzero_ps(), |m, &v| {
+                    _mm256_max_ps(m, _mm256_and_ps(v, abs))
+                });
+                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+                let d = amax / 127.0;
+                let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+                let i: [__m256i; 4] =
+                    std::array::from_fn(|j| _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)));
+                // Packing interleaves 128-bit lanes; the permute puts them back in order.
+                let w = _mm256_packs_epi16(
+                    _mm256_packs_epi32(i[0], i[1]),
+                    _mm256_packs_epi32(i[2], i[3]),
+                );
+                let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                // SAFETY: 32 bytes are in bounds (checked above); unaligned store.
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm256_storeu_si256(q.as_mut_ptr().cast(), w)
+                };
+                d
+            }
+
+            #[target_feature(enable = $features)]
+            fn hsum(v: __m256) -> f32 {
+                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+            }
+
+            #[target_feature(enable = $features)]
+            pub(super) fn dot(format: QuantFormat, w: &[u8], a: ActRow<'_>) -> f32 {
+                let (block, bytes) = format.block();
+                let m4 = _mm256_set1_epi8(15);
+                let (mut acc, mut corr) = (_mm256_setzero_ps(), 0.0f32);
+                let xq: &[u8] = bytemuck::cast_slice(a.q);
+                let x = |b: usize| load32(&xq[QA * b..]);
+                // acc += the lanes' products times `scale`.
+                let mut add = |p: __m256i, scale: __m256| {
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+                };
+                for (n, blk) in w.chunks_exact(bytes).enumerate() {
+                    let ab = n * block / QA;
+                    let sum32 = |b: usize| (a.sums[2 * (ab + b)] + a.sums[2 * (ab + b) + 1]) as f32;
+                    match format {
+                        QuantFormat::Q8_0 => {
+                            let wv = load32(&blk[2..]);
+                            let s = _mm256_sign_epi8(x(ab), wv);
+                            let p = $dp(_mm256_sign_epi8(wv, wv), s);
+                            add(p, _mm256_set1_ps(half_at(blk, 0) * a.d[ab]));
+                        }
+                        QuantFormat::Q4_0 => {
+                            let mut raw = [0u8; 32];
+                            raw[..16].copy_from_slice(&blk[2..18]);
+                            let r = load32(&raw);
+                            let lo = _mm256_and_si256(r, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(r), m4);
+                            let u = _mm256_permute2x128_si256::<0x20>(lo, hi);
+                            let d = half_at(blk, 0) * a.d[ab];
+                            add($dp(u, x(ab)), _mm256_set1_ps(d));
+                            corr += d * 8.0 * sum32(0);
+                        }
+                        QuantFormat::Q4K | QuantFormat::Q5K => {
+                            let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
+                            let scales = &blk[4..16];
+                            let five = format == QuantFormat::Q5K;
+                            let qs = if five { &blk[48..176] } else { &blk[16..144] };
+                            let mut qh = if five {
+                                load32(&blk[16..48])
+                            } else {
+                                _mm256_setzero_si256()
+                            };
+                            let one = _mm256_set1_epi8(1);
+                            for i in 0..4 {
+                                let r = load32(&qs[32 * i..]);
+                                let nibs = [
+                                    _mm256_and_si256(r, m4),
+                                    _mm256_and_si256(_mm256_srli_epi16::<4>(r), m4),
+                                ];
+                                for (half, nib) in nibs.into_iter().enumerate() {
+                                    let sb = 2 * i + half;
+                                    let u = if five {
+                                        let high =
+                                            _mm256_slli_epi16::<4>(_mm256_and_si256(qh, one));
+                                        qh = _mm256_srli_epi16::<1>(qh);
+                                        _mm256_or_si256(nib, high)
+                                    } else {
+                                        nib
+                                    };
+                                    let (sc, m) = k_scale_min(scales, sb);
+                                    let da = a.d[ab + sb];
+                                    add($dp(u, x(ab + sb)), _mm256_set1_ps(d * f32::from(sc) * da));
+                                    corr += dmin * f32::from(m) * da * sum32(sb);
+                                }
+                            }
+                        }
+                        QuantFormat::Q6K => {
+                            let d = half_at(blk, 208);
+                            let m3 = _mm256_set1_epi8(3);
+                            for h in 0..2 {
+                                let ql0 = load32(&blk[64 * h..]);
+                                let ql1 = load32(&blk[64 * h + 32..]);
+                                let qh = load32(&blk[128 + 32 * h..]);
+                                let high =
+                                    |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m3));
+                                let us = [
+                                    _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
+                                    _mm256_or_si256(
+                                        _mm256_and_si256(ql1, m4),
+                                        high(_mm256_srli_epi16::<2>(qh)),
+                                    ),
+                                    _mm256_or_si256(
+                                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                                        high(_mm256_srli_epi16::<4>(qh)),
+                                    ),
+                                    _mm256_or_si256(
+                                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                                        high(_mm256_srli_epi16::<6>(qh)),
+                                    ),
+                                ];
+                                let sc = &blk[192 + 8 * h..];
+                                for (g, u) in us.into_iter().enumerate() {
+                                    let b = 4 * h + g;
+                                    let da = d * a.d[ab + b];
+                                    let (lo, hi) = (
+                                        f32::from(sc[2 * g] as i8),
+                                        f32::from(sc[2 * g + 1] as i8),
+                                    );
+                                    let scale = _mm256_setr_ps(lo, lo, lo, lo, hi, hi, hi, hi);
+                                    add(
+                                        $dp(u, x(ab + b)),
+                                        _mm256_mul_ps(scale, _mm256_set1_ps(da)),
+                                    );
+                                    let sums = &a.sums[2 * (ab + b)..];
+                                    corr += da * 32.0 * (lo * sums[0] as f32 + hi * sums[1] as f32);
+                                }
+                            }
+                        }
+                        _ => unreachable!("dot_row is only given supported formats"),
+                    }
+                }
+                hsum(acc) - corr
+            }
+        }
+    };
+}
+
+/// Products of unsigned by signed bytes, four to a lane, by AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+fn dp_vnni(
+    u: std::arch::x86_64::__m256i,
+    s: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+}
+
+/// As [`dp_vnni`] by AVX2: pairs into i16 (never saturating: every format's unsigned side
+/// is at most 128, and 2 · 128 · 127 < 2^15), then pairs of those into i32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dp_avx2(
+    u: std::arch::x86_64::__m256i,
+    s: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+#[cfg(target_arch = "x86_64")]
+simd_dot!(avx2, "avx2,fma,f16c", dp_avx2);
+#[cfg(target_arch = "x86_64")]
+simd_dot!(
+    vnni,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni",
+    dp_vnni
+);
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const FORMATS: [QuantFormat; 5] = [
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+        QuantFormat::Q4K,
+        QuantFormat::Q5K,
+        QuantFormat::Q6K,
+    ];
+
+    /// The ISAs this CPU runs.
+    fn isas() -> Vec<Isa> {
+        let mut isas = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                isas.push(Isa::Avx2);
+            }
+            if best_isa() == Isa::Vnni {
+                isas.push(Isa::Vnni);
+            }
+        }
+        isas
+    }
+
+    /// `blocks` random blocks of `format` whose f16 scales are finite and positive.
+    fn random_blocks(
+        format: QuantFormat,
+        blocks: usize,
+        next: &mut impl FnMut() -> u64,
+    ) -> Vec<u8> {
+        let bytes = format.block().1;
+        let mut w: Vec<u8> = (0..blocks * bytes).map(|_| next() as u8).collect();
+        let scale_at: &[usize] = match format {
+            QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+            QuantFormat::Q6K => &[208],
+            _ => &[0],
+        };
+        for blk in w.chunks_exact_mut(bytes) {
+            for &at in scale_at {
+                let v = 0.001 + (next() % 1000) as f32 * 1e-4;
+                blk[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// The SIMD quantization gives the scalar one's values and scale exactly, ties included.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn simd_quantization_equals_the_scalar_one() {
+        if best_isa() == Isa::Scalar {
+            return;
+        }
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for case in 0..200 {
+            let x: Vec<f32> = (0..QA)
+                .map(|i| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let v = (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                    // Some blocks hold exact halves of a step (ties), one all zeros.
+                    match case % 4 {
+                        0 => (v * 20.0).round() / 2.0 * if i == 0 { 127.0 / 10.0 } else { 1.0 },
+                        1 => 0.0,
+                        _ => v * 10f32.powi(case % 7 - 3),
+                    }
+                })
+                .collect();
+            let (mut scalar, mut simd) = ([0i8; QA], [0i8; QA]);
+            let d = quantize_block(&x, &mut scalar);
+            // SAFETY: the CPU has AVX2 (best_isa is not Scalar).
+            #[allow(unsafe_code)]
+            let d_simd = unsafe { avx2::quantize_block(&x, &mut simd) };
+            assert_eq!((d, scalar), (d_simd, simd), "case {case}: {x:?}");
+            if best_isa() == Isa::Vnni {
+                // SAFETY: the CPU has AVX-512 VNNI (best_isa).
+                #[allow(unsafe_code)]
+                let d_simd = unsafe { vnni::quantize_block(&x, &mut simd) };
+                assert_eq!((d, scalar), (d_simd, simd), "case {case}: {x:?}");
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Every ISA gives the scalar definition's dot product (up to float summation order),
+        /// and that is the dot product of the decoded weights with the activations, within
+        /// what quantizing the activations can move it: half a step of each block's scale
+        /// for each value.
+        #[test]
+        fn integer_dot_products_equal_the_decoded_weights_within_activation_rounding(
+            superblocks in 1usize..4,
+            seed in any::<u64>(),
+            spread in 0u32..3,
+        ) {
+            let mut state = seed | 1;
+            let mut next = move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            let k = 256 * superblocks;
+            // Activations of very different magnitudes from block to block.
+            let x: Vec<f32> = (0..k)
+                .map(|i| {
+                    let v = (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                    v * 10f32.powi((i / QA) as i32 % (spread as i32 + 1) - 1)
+                })
+                .collect();
+            let mut acts = QuantizedRows::default();
+            acts.quantize(&x, 1, k);
+            for format in FORMATS {
+                let w = random_blocks(format, k / format.block().0, &mut next);
+                let mut decoded = vec![0.0f32; k];
+                crate::quant::dequantize(format, &w, &mut decoded);
+                let exact: f64 = decoded.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                let magnitude: f64 = decoded.iter().zip(&x).map(|(&a, &b)| f64::from((a * b).abs())).sum();
+                let rounding: f64 = decoded
+                    .chunks_exact(QA)
+                    .zip(x.chunks_exact(QA))
+                    .map(|(wb, xb)| {
+                        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                        f64::from(amax / 127.0 / 2.0) * wb.iter().map(|v| f64::from(v.abs())).sum::<f64>()
+                    })
+                    .sum();
+                let reference = dot_row(Isa::Scalar, format, &w, acts.row(0));
+                prop_assert!(
+                    (f64::from(reference) - exact).abs() <= rounding * 1.001 + 1e-5 * magnitude,
+                    "{format:?}: integer dot {reference} against decoded {exact}, bound {rounding}"
+                );
+                for isa in isas() {
+                    let got = dot_row(isa, format, &w, acts.row(0));
+                    prop_assert!(
+                        (got - reference).abs() <= 1e-5 * (magnitude as f32 + 1e-6),
+                        "{format:?} on {isa:?}: {got} against the scalar {reference}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! Block-quantized weight formats (ggml's): their block shapes, and decoding blocks to f32
+//! exactly as each format defines them (the same operations in the same order as ggml's
+//! reference decoder, so that every value is bit-identical).
+
+use half::f16;
+
+/// Values in a k-quant super-block.
+pub const QK_K: usize = 256;
+
+/// A block-quantized format weights may be stored in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantFormat {
+    /// Blocks of 32 4-bit values and an f16 scale.
+    Q4_0,
+    /// Blocks of 32 4-bit values, an f16 scale and min.
+    Q4_1,
+    /// Blocks of 32 5-bit values and an f16 scale.
+    Q5_0,
+    /// Blocks of 32 5-bit values, an f16 scale and min.
+    Q5_1,
+    /// Blocks of 32 8-bit values and an f16 scale.
+    Q8_0,
+    /// 4-bit k-quant super-blocks of 256, 6-bit scales and mins per 32.
+    Q4K,
+    /// 5-bit k-quant super-blocks of 256, 6-bit scales and mins per 32.
+    Q5K,
+    /// 6-bit k-quant super-blocks of 256, 8-bit scales per 16.
+    Q6K,
+}
+
+impl QuantFormat {
+    /// (values, bytes) of one block.
+    pub const fn block(self) -> (usize, usize) {
+        match self {
+            Self::Q4_0 => (32, 18),
+            Self::Q4_1 => (32, 20),
+            Self::Q5_0 => (32, 22),
+            Self::Q5_1 => (32, 24),
+            Self::Q8_0 => (32, 34),
+            Self::Q4K => (QK_K, 144),
+            Self::Q5K => (QK_K, 176),
+            Self::Q6K => (QK_K, 210),
+        }
+    }
+
+    /// The name ggml gives it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q8_0 => "Q8_0",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
+        }
+    }
+
+    /// Bytes of `len` values (whole blocks; a partial block counts whole).
+    pub const fn bytes_of(self, len: usize) -> usize {
+        let (values, bytes) = self.block();
+        len.div_ceil(values) * bytes
+    }
+}
+
+/// Decodes `bytes` of `format` into `out` (one f32 per value): whole blocks, as many as
+/// `out` holds.
+pub fn dequantize(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
+    let (block, block_bytes) = format.block();
+    debug_assert_eq!(bytes.len() / block_bytes * block, out.len());
+    let decode: fn(&[u8], &mut [f32]) = match format {
+        QuantFormat::Q4_0 => decode_q4_0,
+        QuantFormat::Q4_1 => decode_q4_1,
+        QuantFormat::Q5_0 => decode_q5_0,
+        QuantFormat::Q5_1 => decode_q5_1,
+        QuantFormat::Q8_0 => decode_q8_0,
+        QuantFormat::Q4K => decode_q4_k,
+        QuantFormat::Q5K => decode_q5_k,
+        QuantFormat::Q6K => decode_q6_k,
+    };
+    for (b, o) in bytes
+        .chunks_exact(block_bytes)
+        .zip(out.chunks_exact_mut(block))
+    {
+        decode(b, o);
+    }
+}
+
+/// The f16 at byte `at` of a block, as f32.
+pub(crate) fn half_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Q4_0: scale d, then 16 bytes whose low nibbles are values 0..16 and high nibbles 16..32,
+/// each (q - 8) · d.
+fn decode_q4_0(b: &[u8], out: &mut [f32]) {
+    let d = half_at(b, 0);
+    let qs = &b[2..18];
+    for j in 0..16 {
+        out[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
+        out[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+/// Q4_1: scale d and min m, then nibbles as Q4_0, each q · d + m.
+fn decode_q4_1(b: &[u8], out: &mut [f32]) {
+    let (d, m) = (half_at(b, 0), half_at(b, 2));
+    let qs = &b[4..20];
+    for j in 0..16 {
+        out[j] = (qs[j] & 0x0f) as f32 * d + m;
+        out[j + 16] = (qs[j] >> 4) as f32 * d + m;
+    }
+}
+
+/// The fifth bits of Q5_0/Q5_1's 32 values: bit j of the little-endian u32 for value j.
+fn q5_high(qh: u32, j: usize) -> (u8, u8) {
+    let lo = (((qh >> j) << 4) & 0x10) as u8;
+    let hi = ((qh >> (j + 12)) & 0x10) as u8;
+    (lo, hi)
+}
+
+/// Q5_0: scale d, the fifth bits, then nibbles as Q4_0; each (q - 16) · d.
+fn decode_q5_0(b: &[u8], out: &mut [f32]) {
+    let d = half_at(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qs = &b[6..22];
+    for j in 0..16 {
+        let (lo, hi) = q5_high(qh, j);
+        out[j] = (((qs[j] & 0x0f) | lo) as i32 - 16) as f32 * d;
+        out[j + 16] = (((qs[j] >> 4) | hi) as i32 - 16) as f32 * d;
+    }
+}
+
+/// Q5_1: scale d and min m, the fifth bits, then nibbles; each q · d + m.
+fn decode_q5_1(b: &[u8], out: &mut [f32]) {
+    let (d, m) = (half_at(b, 0), half_at(b, 2));
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    let qs = &b[8..24];
+    for j in 0..16 {
+        let (lo, hi) = q5_high(qh, j);
+        out[j] = ((qs[j] & 0x0f) | lo) as f32 * d + m;
+        out[j + 16] = ((qs[j] >> 4) | hi) as f32 * d + m;
+    }
+}
+
+/// Q8_0: scale d, then 32 signed bytes; each q · d.
+fn decode_q8_0(b: &[u8], out: &mut [f32]) {
+    let d = half_at(b, 0);
+    for (o, &q) in out.iter_mut().zip(&b[2..34]) {
+        *o = (q as i8) as f32 * d;
+    }
+}
+
+/// Scale and min of sub-block j (0..8) of a Q4_K/Q5_K super-block, from its 12 packed bytes
+/// of 6-bit values: j < 4 in the low six bits of bytes j and j + 4; j >= 4 from byte j + 4's
+/// nibbles and the top two bits of bytes j - 4 and j.
+pub(crate) fn k_scale_min(scales: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (scales[j] & 63, scales[j + 4] & 63)
+    } else {
+        (
+            (scales[j + 4] & 0x0f) | ((scales[j - 4] >> 6) << 4),
+            (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The scales and mins of sub-blocks 2i and 2i + 1 (the i-th 64 values) of a Q4_K/Q5_K
+/// super-block: d·scale and dmin·min of each.
+fn k_pair_scales(d: f32, dmin: f32, scales: &[u8], i: usize) -> [f32; 4] {
+    let (sc1, m1) = k_scale_min(scales, 2 * i);
+    let (sc2, m2) = k_scale_min(scales, 2 * i + 1);
+    [
+        d * sc1 as f32,
+        dmin * m1 as f32,
+        d * sc2 as f32,
+        dmin * m2 as f32,
+    ]
+}
+
+/// Q4_K: d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles. Each 64 values: the low
+/// nibbles of 32 bytes (sub-block 2i), then their high nibbles (2i + 1); each
+/// d·scale · q - dmin·min.
+fn decode_q4_k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    for i in 0..4 {
+        let q = &qs[32 * i..32 * i + 32];
+        let [d1, min1, d2, min2] = k_pair_scales(d, dmin, scales, i);
+        let o = &mut out[64 * i..64 * i + 64];
+        for l in 0..32 {
+            o[l] = d1 * (q[l] & 0x0f) as f32 - min1;
+            o[l + 32] = d2 * (q[l] >> 4) as f32 - min2;
+        }
+    }
+}
+
+/// Q5_K: as Q4_K with a fifth bit per value: bit 2i (low nibbles) and 2i + 1 (high nibbles)
+/// of the 32 `qh` bytes, for the i-th 64 values.
+fn decode_q5_k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+    let scales = &b[4..16];
+    let qh = &b[16..48];
+    let qs = &b[48..176];
+    for i in 0..4 {
+        let q = &qs[32 * i..32 * i + 32];
+        let [d1, min1, d2, min2] = k_pair_scales(d, dmin, scales, i);
+        let (u1, u2) = (1u8 << (2 * i), 2u8 << (2 * i));
+        let o = &mut out[64 * i..64 * i + 64];
+        for l in 0..32 {
+            let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+            let h2 = if qh[l] & u2 != 0 { 16 } else { 0 };
+            o[l] = d1 * ((q[l] & 0x0f) + h1) as f32 - min1;
+            o[l + 32] = d2 * ((q[l] >> 4) + h2) as f32 - min2;
+        }
+    }
+}
+
+/// Q6_K: 128 bytes of low nibbles, 64 bytes of two-bit highs, 16 signed scales, d. Each half
+/// of 128 values: 32 lanes l, four values each (l, l + 32, l + 64, l + 96) from low nibbles of
+/// ql[l], ql[l + 32], then their high nibbles, with bits 0-1, 2-3, 4-5, 6-7 of qh[l]; each
+/// d · scale · (q - 32), scale 16 values at a time.
+fn decode_q6_k(b: &[u8], out: &mut [f32]) {
+    let d = half_at(b, 208);
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+        let o = &mut out[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            let scale = |k: usize| d * (sc[is + k] as i8) as f32;
+            o[l] = scale(0) * q1 as f32;
+            o[l + 32] = scale(2) * q2 as f32;
+            o[l + 64] = scale(4) * q3 as f32;
+            o[l + 96] = scale(6) * q4 as f32;
+        }
+    }
+}
