@@ -243,6 +243,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// A newly allocated zero-filled buffer that never returns to the pool (KV cache).
     fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer>;
 
+    /// Runs one model step, `step`, where this backend's ops run best. The CPU runs it on a
+    /// thread of its pool, so that each op's parallel region starts there rather than handing
+    /// off from the caller's thread to the pool and back.
+    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
+        step()
+    }
+
     /// Whether weights of block format `format` may be given to this backend as they are
     /// ([`DType::Quant`]); where not, loaders decode them first.
     fn reads_quantized(&self, _format: QuantFormat) -> bool {

@@ -349,7 +349,22 @@ impl Model {
         self.run(batch, cache, state, &mut StepOutput::Sampled(step))
     }
 
+    /// One step, run where the backend runs steps best ([`Backend::run_step`]).
     fn run(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        mut state: Option<&mut RecurrentStateCache>,
+        out: &mut StepOutput<'_>,
+    ) -> Result<ForwardReport> {
+        let mut result = None;
+        self.backend.run_step(&mut || {
+            result = Some(self.run_here(batch, cache, state.take(), out));
+        });
+        result.unwrap_or_else(|| Err(ModelError::InvalidBatch("the step did not run".to_string())))
+    }
+
+    fn run_here(
         &self,
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,

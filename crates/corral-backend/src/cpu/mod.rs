@@ -403,6 +403,10 @@ impl Backend for CpuBackend {
         Ok(self.new_buffer(dtype, len, usage))
     }
 
+    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
+        rayon::scope(|_| step());
+    }
+
     fn reads_quantized(&self, _format: crate::QuantFormat) -> bool {
         true
     }

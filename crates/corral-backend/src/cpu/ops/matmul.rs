@@ -13,6 +13,19 @@ use super::{WeightRows, dot, quant_range, with_scratch};
 /// Rows of `x` from which converting a weight panel and calling the GEMM crate beats
 /// streaming weight rows through dot products.
 pub(crate) const GEMM_MIN_ROWS: usize = 8;
+/// As [`GEMM_MIN_ROWS`] for weights with integer dot products, whose panels cost more to
+/// decode than bf16's to widen.
+const QUANT_GEMM_MIN_ROWS: usize = 16;
+
+/// Rows of `x` from which products with `w` decode weight panels for the GEMM crate rather
+/// than stream weight rows through dot products.
+pub(crate) fn gemm_min_rows(w: WeightRows<'_>) -> usize {
+    match w {
+        WeightRows::Quant(format, _) if quant_dot::supports(format) => QUANT_GEMM_MIN_ROWS,
+        _ => GEMM_MIN_ROWS,
+    }
+}
+
 /// Rows of `x` per work item.
 const ROW_BLOCK: usize = 128;
 
@@ -250,7 +263,7 @@ pub(crate) fn matmul(
         let nb = n1 - n0;
         let tile_out = out_ptr.offset(r0 * n + n0);
         let xs = &x[r0 * k..r1 * k];
-        if r1 - r0 < GEMM_MIN_ROWS {
+        if r1 - r0 < gemm_min_rows(w) {
             return with_scratch(k, |row| {
                 multiply_streaming(xs, r1 - r0, k, w, n0 * k, nb, tile_out, n, row)
             });

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::silu;
-use super::matmul::{GEMM_MIN_ROWS, OutPtr, multiply_streaming, multiply_tile};
+use super::matmul::{OutPtr, gemm_min_rows, multiply_streaming, multiply_tile};
 use super::{WeightRows, with_scratch};
 
 /// Output rows per work item of the expert matrix-vector products.
@@ -229,7 +229,7 @@ pub(crate) fn grouped_gate_up(
         let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
         let c1 = (c0 + GROUP_COLS).min(inter);
         let (rows, cols) = (r1 - r0, c1 - c0);
-        let streaming = rows < GEMM_MIN_ROWS;
+        let streaming = rows < gemm_min_rows(gate.rows[e]);
         let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
         with_scratch(
             rows * hidden + weight_scratch + 2 * rows * cols,
@@ -303,7 +303,7 @@ pub(crate) fn grouped_down(
         let tile = out.offset(r0 * hidden + c0);
         let a = &act[r0 * inter..r1 * inter];
         let d_off = down.offsets[e] + c0 * inter;
-        if rows < GEMM_MIN_ROWS {
+        if rows < gemm_min_rows(down.rows[e]) {
             with_scratch(inter, |row| {
                 multiply_streaming(a, rows, inter, down.rows[e], d_off, cols, tile, hidden, row)
             });

@@ -300,6 +300,59 @@ macro_rules! simd_dot {
                 d
             }
 
+            /// Eight f32 from `p`.
+            #[target_feature(enable = $features)]
+            fn load8f(p: &[f32]) -> __m256 {
+                assert!(p.len() >= 8);
+                // SAFETY: 8 floats are in bounds (checked above); unaligned load.
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm256_loadu_ps(p.as_ptr())
+                }
+            }
+
+            /// Four f32 from `p`.
+            #[target_feature(enable = $features)]
+            fn load4f(p: &[f32]) -> __m128 {
+                assert!(p.len() >= 4);
+                // SAFETY: 4 floats are in bounds (checked above); unaligned load.
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm_loadu_ps(p.as_ptr())
+                }
+            }
+
+            /// Eight i32 from `p`.
+            #[target_feature(enable = $features)]
+            fn load8i(p: &[i32]) -> __m256i {
+                assert!(p.len() >= 8);
+                // SAFETY: 8 ints are in bounds (checked above); unaligned load.
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm256_loadu_si256(p.as_ptr().cast())
+                }
+            }
+
+            /// Eight bytes as f32, unsigned and signed.
+            #[target_feature(enable = $features)]
+            fn u8x8(p: &[u8]) -> __m256 {
+                let v = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
+            }
+            #[target_feature(enable = $features)]
+            fn i8x8(p: &[u8]) -> __m256 {
+                let v = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v as i64)))
+            }
+
+            /// The sums of eight activation blocks (from their 16 half sums), as f32.
+            #[target_feature(enable = $features)]
+            fn block_sums(halves: &[i32]) -> __m256 {
+                let pairs = _mm256_hadd_epi32(load8i(halves), load8i(&halves[8..]));
+                // hadd leaves blocks 0 1 4 5 | 2 3 6 7.
+                _mm256_cvtepi32_ps(_mm256_permute4x64_epi64::<0b11_01_10_00>(pairs))
+            }
+
             #[target_feature(enable = $features)]
             fn hsum(v: __m256) -> f32 {
                 let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -311,12 +364,17 @@ macro_rules! simd_dot {
             pub(super) fn dot(format: QuantFormat, w: &[u8], a: ActRow<'_>) -> f32 {
                 let (block, bytes) = format.block();
                 let m4 = _mm256_set1_epi8(15);
-                let (mut acc, mut corr) = (_mm256_setzero_ps(), 0.0f32);
+                let (acc, mut corr) = (_mm256_setzero_ps(), 0.0f32);
+                // Offsets and mins, per lane, subtracted at the end.
+                let mut corr_v = _mm256_setzero_ps();
                 let xq: &[u8] = bytemuck::cast_slice(a.q);
                 let x = |b: usize| load32(&xq[QA * b..]);
-                // acc += the lanes' products times `scale`.
+                // acc += the lanes' products times `scale`, over four accumulators in turn so
+                // that consecutive blocks do not wait on each other's multiply-add.
+                let mut acc = [acc; 4];
                 let mut add = |p: __m256i, scale: __m256| {
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+                    let sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[0]);
+                    acc = [acc[1], acc[2], acc[3], sum];
                 };
                 for (n, blk) in w.chunks_exact(bytes).enumerate() {
                     let ab = n * block / QA;
@@ -341,7 +399,17 @@ macro_rules! simd_dot {
                         }
                         QuantFormat::Q4K | QuantFormat::Q5K => {
                             let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
-                            let scales = &blk[4..16];
+                            let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+                            for sb in 0..8 {
+                                (sc[sb], mn[sb]) = k_scale_min(&blk[4..16], sb);
+                            }
+                            // Each sub-block's scale and min times its activation block's.
+                            let da = load8f(&a.d[ab..]);
+                            let scales =
+                                _mm256_mul_ps(_mm256_mul_ps(u8x8(&sc), _mm256_set1_ps(d)), da);
+                            let mins =
+                                _mm256_mul_ps(_mm256_mul_ps(u8x8(&mn), _mm256_set1_ps(dmin)), da);
+                            corr_v = _mm256_fmadd_ps(mins, block_sums(&a.sums[2 * ab..]), corr_v);
                             let five = format == QuantFormat::Q5K;
                             let qs = if five { &blk[48..176] } else { &blk[16..144] };
                             let mut qh = if five {
@@ -366,15 +434,16 @@ macro_rules! simd_dot {
                                     } else {
                                         nib
                                     };
-                                    let (sc, m) = k_scale_min(scales, sb);
-                                    let da = a.d[ab + sb];
-                                    add($dp(u, x(ab + sb)), _mm256_set1_ps(d * f32::from(sc) * da));
-                                    corr += dmin * f32::from(m) * da * sum32(sb);
+                                    let scale = _mm256_permutevar8x32_ps(
+                                        scales,
+                                        _mm256_set1_epi32(sb as i32),
+                                    );
+                                    add($dp(u, x(ab + sb)), scale);
                                 }
                             }
                         }
                         QuantFormat::Q6K => {
-                            let d = half_at(blk, 208);
+                            let d = _mm256_set1_ps(half_at(blk, 208));
                             let m3 = _mm256_set1_epi8(3);
                             for h in 0..2 {
                                 let ql0 = load32(&blk[64 * h..]);
@@ -397,28 +466,46 @@ macro_rules! simd_dot {
                                         high(_mm256_srli_epi16::<6>(qh)),
                                     ),
                                 ];
-                                let sc = &blk[192 + 8 * h..];
+                                // The eight scales of 16 values of this half, times d; lane
+                                // 2g + j goes with activation block 4h + g's half j.
+                                let sc = _mm256_mul_ps(i8x8(&blk[192 + 8 * h..]), d);
+                                let first = ab + 4 * h;
+                                let da = _mm256_permutevar8x32_ps(
+                                    _mm256_castps128_ps256(load4f(&a.d[first..])),
+                                    _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3),
+                                );
+                                let sums = _mm256_cvtepi32_ps(load8i(&a.sums[2 * first..]));
+                                corr_v = _mm256_fmadd_ps(
+                                    _mm256_mul_ps(_mm256_mul_ps(sc, da), _mm256_set1_ps(32.0)),
+                                    sums,
+                                    corr_v,
+                                );
+                                let scaled = _mm256_mul_ps(sc, da);
                                 for (g, u) in us.into_iter().enumerate() {
-                                    let b = 4 * h + g;
-                                    let da = d * a.d[ab + b];
-                                    let (lo, hi) = (
-                                        f32::from(sc[2 * g] as i8),
-                                        f32::from(sc[2 * g + 1] as i8),
+                                    let g = g as i32;
+                                    let pick = _mm256_setr_epi32(
+                                        2 * g,
+                                        2 * g,
+                                        2 * g,
+                                        2 * g,
+                                        2 * g + 1,
+                                        2 * g + 1,
+                                        2 * g + 1,
+                                        2 * g + 1,
                                     );
-                                    let scale = _mm256_setr_ps(lo, lo, lo, lo, hi, hi, hi, hi);
                                     add(
-                                        $dp(u, x(ab + b)),
-                                        _mm256_mul_ps(scale, _mm256_set1_ps(da)),
+                                        $dp(u, x(first + g as usize)),
+                                        _mm256_permutevar8x32_ps(scaled, pick),
                                     );
-                                    let sums = &a.sums[2 * (ab + b)..];
-                                    corr += da * 32.0 * (lo * sums[0] as f32 + hi * sums[1] as f32);
                                 }
                             }
                         }
                         _ => unreachable!("dot_row is only given supported formats"),
                     }
                 }
-                hsum(acc) - corr
+                let acc =
+                    _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+                hsum(acc) - hsum(corr_v) - corr
             }
         }
     };
