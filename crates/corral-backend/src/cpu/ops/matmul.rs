@@ -126,19 +126,45 @@ pub(crate) fn multiply_streaming(
         && quant_dot::supports(format)
     {
         let isa = quant_dot::best_isa();
+        let w = &bytes[quant_range(format, w_offset, n * k)];
         return with_quantized(x, m, k, |acts| {
-            for j in 0..n {
-                let wj = &bytes[quant_range(format, w_offset + j * k, k)];
+            // Tiles of weight rows, their products for all m rows gathered in `row`.
+            let tile = (row.len() / m.max(1)).clamp(1, n.max(1));
+            let row_bytes = format.bytes_of(k);
+            for j0 in (0..n).step_by(tile) {
+                let nt = tile.min(n - j0);
+                let tile_w = &w[j0 * row_bytes..(j0 + nt) * row_bytes];
+                quant_dot::dot_rows(isa, format, tile_w, nt, acts, m, row);
                 for r in 0..m {
-                    let v = quant_dot::dot_row(isa, format, wj, acts.row(r));
-                    // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        *out.0.add(r * ld + j) = v;
+                    for j in 0..nt {
+                        // SAFETY: (r, j0 + j) is in the caller's disjoint, in-bounds window.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            *out.0.add(r * ld + j0 + j) = row[r * nt + j];
+                        }
                     }
                 }
             }
         });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let WeightRows::F32(f32s) = w
+        && std::arch::is_x86_feature_detected!("avx512f")
+    {
+        for j in 0..n {
+            let wj = &f32s[w_offset + j * k..w_offset + (j + 1) * k];
+            for r in 0..m {
+                // SAFETY: the CPU has AVX-512F (checked above).
+                #[allow(unsafe_code)]
+                let v = unsafe { dot_f32_avx512(&x[r * k..(r + 1) * k], wj) };
+                // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
+                #[allow(unsafe_code)]
+                unsafe {
+                    *out.0.add(r * ld + j) = v;
+                }
+            }
+        }
+        return;
     }
     #[cfg(target_arch = "x86_64")]
     if let WeightRows::Bf16(bf16) = w
@@ -225,6 +251,36 @@ fn dot_bf16_avx512(x: &[f32], w: &[u16]) -> f32 {
     sum
 }
 
+/// `x · w` for a row of f32 weights, sixteen lanes at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn dot_f32_avx512(x: &[f32], w: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len().min(w.len());
+    let whole = n / 64 * 64;
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for i in (0..whole).step_by(64) {
+        for (c, acc) in acc.iter_mut().enumerate() {
+            let at = i + 16 * c;
+            // SAFETY: at + 16 <= whole <= the length of both.
+            #[allow(unsafe_code)]
+            let (wv, xv) = unsafe {
+                (
+                    _mm512_loadu_ps(w.as_ptr().add(at)),
+                    _mm512_loadu_ps(x.as_ptr().add(at)),
+                )
+            };
+            *acc = _mm512_fmadd_ps(xv, wv, *acc);
+        }
+    }
+    let pairs = [_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])];
+    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(pairs[0], pairs[1]));
+    for (a, b) in x[whole..n].iter().zip(&w[whole..n]) {
+        sum += a * b;
+    }
+    sum
+}
+
 impl OutPtr {
     /// The raw pointer, for a single in-bounds element write.
     pub(crate) fn as_ptr(self) -> *mut f32 {
@@ -289,7 +345,8 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// The few-row path over bf16 weights (widened in registers where the CPU has
-        /// AVX-512F) equals dot products with the weights converted to f32 first.
+        /// AVX-512F), and over the same weights as f32, equals dot products with the weights
+        /// converted to f32 first.
         #[test]
         fn streaming_bf16_rows_match_converted_rows(
             m in 1usize..7,
@@ -307,9 +364,11 @@ mod tests {
             };
             let xs: Vec<f32> = (0..m * k).map(|_| next()).collect();
             let w: Vec<half::bf16> = (0..offset + n * k).map(|_| half::bf16::from_f32(next())).collect();
+            let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            for (kind, weights) in [("bf16", WeightRows::Bf16(&w)), ("f32", WeightRows::F32(&wide))] {
             let mut out = vec![f32::NAN; m * n];
             let mut row = vec![0.0f32; k];
-            multiply_streaming(&xs, m, k, WeightRows::Bf16(&w), offset, n, OutPtr::new(&mut out), n, &mut row);
+            multiply_streaming(&xs, m, k, weights, offset, n, OutPtr::new(&mut out), n, &mut row);
             for r in 0..m {
                 for j in 0..n {
                     let wj: Vec<f32> = w[offset + j * k..offset + (j + 1) * k].iter().map(|v| v.to_f32()).collect();
@@ -317,8 +376,9 @@ mod tests {
                     let expected = dot(xr, &wj);
                     let scale: f32 = xr.iter().zip(&wj).map(|(a, b)| (a * b).abs()).sum();
                     let got = out[r * n + j];
-                    prop_assert!((got - expected).abs() <= 1e-5 * (1.0 + scale), "row {r} col {j}: {got} against {expected}");
+                    prop_assert!((got - expected).abs() <= 1e-5 * (1.0 + scale), "{kind} row {r} col {j}: {got} against {expected}");
                 }
+            }
             }
         }
 
@@ -327,9 +387,9 @@ mod tests {
         /// quantizing the activations per 32 values can move each output.
         #[test]
         fn quantized_matmuls_match_the_decoded_weights(
-            m in 1usize..12,
+            m in 1usize..20,
             blocks in 1usize..3,
-            n in 1usize..20,
+            n in 1usize..40,
             format in prop::sample::select(vec![
                 crate::QuantFormat::Q8_0,
                 crate::QuantFormat::Q4_0,

@@ -128,26 +128,53 @@ pub(crate) fn supports(format: QuantFormat) -> bool {
     )
 }
 
-/// `w · a` for one weight row `w` (the bytes of its blocks, as many values as `a` holds) of
-/// a [`supports`]ed format, on `isa` (which the CPU must have: [`best_isa`] or below).
-pub(crate) fn dot_row(isa: Isa, format: QuantFormat, w: &[u8], a: ActRow<'_>) -> f32 {
-    let values = a.q.len();
+/// `out[r * n + j] = w_j · row r` for the `n` weight rows `w_j` packed in `w` (each as many
+/// values as the rows of `acts`) and the first `m` rows of `acts`: one call for a tile of
+/// weight rows, each read once for all `m` activation rows.
+pub(crate) fn dot_rows(
+    isa: Isa,
+    format: QuantFormat,
+    w: &[u8],
+    n: usize,
+    acts: &QuantizedRows,
+    m: usize,
+    out: &mut [f32],
+) {
+    let k = acts.k;
     assert!(
-        values.is_multiple_of(format.block().0)
-            && w.len() == format.bytes_of(values)
-            && a.d.len() * QA == values
-            && a.sums.len() * QA == 2 * values,
-        "quantized dot product over mismatched rows"
+        k.is_multiple_of(format.block().0)
+            && w.len() == n * format.bytes_of(k)
+            && acts.q.len() >= m * k
+            && out.len() >= m * n,
+        "quantized dot products over mismatched rows"
     );
     match isa {
-        Isa::Scalar => scalar::dot(format, w, a),
+        Isa::Scalar => each_row(w, n, acts, m, out, |w, a| scalar::dot(format, w, a)),
         // SAFETY (both): the caller picked an ISA the CPU has (best_isa or below).
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
-        Isa::Avx2 => unsafe { avx2::dot(format, w, a) },
+        Isa::Avx2 => unsafe { avx2::dot_rows(format, w, n, acts, m, out) },
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
-        Isa::Vnni => unsafe { vnni::dot(format, w, a) },
+        Isa::Vnni => unsafe { vnni::dot_rows(format, w, n, acts, m, out) },
+    }
+}
+
+/// [`dot_rows`] by `dot`, a (weight row, activation row) pair at a time.
+#[inline(always)]
+fn each_row(
+    w: &[u8],
+    n: usize,
+    acts: &QuantizedRows,
+    m: usize,
+    out: &mut [f32],
+    dot: impl Fn(&[u8], ActRow<'_>) -> f32,
+) {
+    let row_bytes = w.len() / n.max(1);
+    for (j, wj) in w.chunks_exact(row_bytes.max(1)).take(n).enumerate() {
+        for r in 0..m {
+            out[r * n + j] = dot(wj, acts.row(r));
+        }
     }
 }
 
@@ -233,7 +260,7 @@ mod scalar {
                         }
                     }
                 }
-                _ => unreachable!("dot_row is only given supported formats"),
+                _ => unreachable!("dot_rows is only given supported formats"),
             }
         }
         acc
@@ -360,7 +387,21 @@ macro_rules! simd_dot {
                 _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
             }
 
+            /// [`super::dot_rows`] on this instruction set.
             #[target_feature(enable = $features)]
+            pub(super) fn dot_rows(
+                format: QuantFormat,
+                w: &[u8],
+                n: usize,
+                acts: &QuantizedRows,
+                m: usize,
+                out: &mut [f32],
+            ) {
+                each_row(w, n, acts, m, out, |w, a| dot(format, w, a))
+            }
+
+            #[target_feature(enable = $features)]
+            #[inline]
             pub(super) fn dot(format: QuantFormat, w: &[u8], a: ActRow<'_>) -> f32 {
                 let (block, bytes) = format.block();
                 let m4 = _mm256_set1_epi8(15);
@@ -500,7 +541,7 @@ macro_rules! simd_dot {
                                 }
                             }
                         }
-                        _ => unreachable!("dot_row is only given supported formats"),
+                        _ => unreachable!("dot_rows is only given supported formats"),
                     }
                 }
                 let acc =
@@ -677,13 +718,18 @@ mod tests {
                         f64::from(amax / 127.0 / 2.0) * wb.iter().map(|v| f64::from(v.abs())).sum::<f64>()
                     })
                     .sum();
-                let reference = dot_row(Isa::Scalar, format, &w, acts.row(0));
+                let one = |isa| {
+                    let mut out = [f32::NAN];
+                    dot_rows(isa, format, &w, 1, &acts, 1, &mut out);
+                    out[0]
+                };
+                let reference = one(Isa::Scalar);
                 prop_assert!(
                     (f64::from(reference) - exact).abs() <= rounding * 1.001 + 1e-5 * magnitude,
                     "{format:?}: integer dot {reference} against decoded {exact}, bound {rounding}"
                 );
                 for isa in isas() {
-                    let got = dot_row(isa, format, &w, acts.row(0));
+                    let got = one(isa);
                     prop_assert!(
                         (got - reference).abs() <= 1e-5 * (magnitude as f32 + 1e-6),
                         "{format:?} on {isa:?}: {got} against the scalar {reference}"
