@@ -178,6 +178,21 @@ fn each_row(
     }
 }
 
+/// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block (its 12 bytes of them), as the
+/// bytes of two little-endian words: [`k_scale_min`] for all eight at once, by bytes in words.
+fn k_scales_mins(packed: &[u8]) -> (u64, u64) {
+    let word =
+        |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
+    let (a, b, c) = (word(0), word(4), word(8));
+    let (low6, low4, top2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    let scales_hi = (c & low4) | (((a >> 6) & top2) << 4);
+    let mins_hi = ((c >> 4) & low4) | (((b >> 6) & top2) << 4);
+    (
+        u64::from(a & low6) | (u64::from(scales_hi) << 32),
+        u64::from(b & low6) | (u64::from(mins_hi) << 32),
+    )
+}
+
 /// The format's definitions, a value at a time.
 mod scalar {
     use super::*;
@@ -360,10 +375,9 @@ macro_rules! simd_dot {
                 }
             }
 
-            /// Eight bytes as f32, unsigned and signed.
+            /// Eight bytes (little-endian in `v`) as f32, unsigned and signed.
             #[target_feature(enable = $features)]
-            fn u8x8(p: &[u8]) -> __m256 {
-                let v = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
+            fn u8x8(v: u64) -> __m256 {
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
             }
             #[target_feature(enable = $features)]
@@ -440,16 +454,13 @@ macro_rules! simd_dot {
                         }
                         QuantFormat::Q4K | QuantFormat::Q5K => {
                             let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
-                            let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
-                            for sb in 0..8 {
-                                (sc[sb], mn[sb]) = k_scale_min(&blk[4..16], sb);
-                            }
+                            let (sc, mn) = k_scales_mins(&blk[4..16]);
                             // Each sub-block's scale and min times its activation block's.
                             let da = load8f(&a.d[ab..]);
                             let scales =
-                                _mm256_mul_ps(_mm256_mul_ps(u8x8(&sc), _mm256_set1_ps(d)), da);
+                                _mm256_mul_ps(_mm256_mul_ps(u8x8(sc), _mm256_set1_ps(d)), da);
                             let mins =
-                                _mm256_mul_ps(_mm256_mul_ps(u8x8(&mn), _mm256_set1_ps(dmin)), da);
+                                _mm256_mul_ps(_mm256_mul_ps(u8x8(mn), _mm256_set1_ps(dmin)), da);
                             corr_v = _mm256_fmadd_ps(mins, block_sums(&a.sums[2 * ab..]), corr_v);
                             let five = format == QuantFormat::Q5K;
                             let qs = if five { &blk[48..176] } else { &blk[16..144] };
@@ -546,7 +557,7 @@ macro_rules! simd_dot {
                 }
                 let acc =
                     _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-                hsum(acc) - hsum(corr_v) - corr
+                hsum(_mm256_sub_ps(acc, corr_v)) - corr
             }
         }
     };
@@ -635,6 +646,32 @@ mod tests {
             }
         }
         w
+    }
+
+    /// The word-wise scales and mins of a K-quant super-block are the format's, byte by byte,
+    /// for every byte value in every position.
+    #[test]
+    fn k_scales_mins_unpack_as_the_format_defines() {
+        for position in 0..12 {
+            for value in 0..=255u8 {
+                let mut packed = [0x5au8; 12];
+                packed[position] = value;
+                let (scales, mins) = k_scales_mins(&packed);
+                for j in 0..8 {
+                    let (sc, m) = k_scale_min(&packed, j);
+                    assert_eq!(
+                        (scales >> (8 * j)) as u8,
+                        sc,
+                        "scale {j}, byte {position} = {value}"
+                    );
+                    assert_eq!(
+                        (mins >> (8 * j)) as u8,
+                        m,
+                        "min {j}, byte {position} = {value}"
+                    );
+                }
+            }
+        }
     }
 
     /// The SIMD quantization gives the scalar one's values and scale exactly, ties included.
