@@ -256,6 +256,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// A weight buffer of `len` values of block format `dtype` from their `blocks`, for
+    /// backends that [`Backend::reads_quantized`] it.
+    fn weight_from_blocks(
+        &self,
+        blocks: Vec<u8>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let _ = (blocks, len);
+        Err(BackendError::BadArgument {
+            op: "weight_from_blocks",
+            detail: format!("weights of {dtype}"),
+        })
+    }
+
     /// A weight buffer over `len` elements of `dtype` at `byte_offset` in a mapped file,
     /// without copying where the device can read the mapping directly.
     fn weight_from_file(

@@ -36,19 +36,7 @@ pub(crate) trait WeightSource {
         backend: &dyn Backend,
         parts: &[(&str, &[usize])],
     ) -> Result<DeviceBuffer> {
-        let first = first_part(parts)?;
-        let dtype = self.stored_dtype(first)?;
-        let mut values = Vec::new();
-        for &(name, shape) in parts {
-            let stored = self.stored_dtype(name)?;
-            if stored != dtype {
-                return Err(crate::ModelError::Unsupported(format!(
-                    "{name} is stored as {stored}, {first} as {dtype}: they cannot share one projection"
-                )));
-            }
-            values.extend(self.read_f32(name, shape)?);
-        }
-        Ok(backend.weight_from_f32(&values, dtype)?)
+        stacked_values(self, backend, parts)
     }
 
     /// Rows `rows` (in that order) of the matrix `name` (first axis rows, the rest columns),
@@ -68,6 +56,28 @@ pub(crate) trait WeightSource {
         }
         Ok(backend.weight_from_f32(&picked, self.stored_dtype(name)?)?)
     }
+}
+
+/// [`WeightSource::weight_stacked`] through the parts' values: decoded, stacked, and stored
+/// again in their shared stored type.
+pub(crate) fn stacked_values<S: WeightSource + ?Sized>(
+    source: &S,
+    backend: &dyn Backend,
+    parts: &[(&str, &[usize])],
+) -> Result<DeviceBuffer> {
+    let first = first_part(parts)?;
+    let dtype = source.stored_dtype(first)?;
+    let mut values = Vec::new();
+    for &(name, shape) in parts {
+        let stored = source.stored_dtype(name)?;
+        if stored != dtype {
+            return Err(crate::ModelError::Unsupported(format!(
+                "{name} is stored as {stored}, {first} as {dtype}: they cannot share one projection"
+            )));
+        }
+        values.extend(source.read_f32(name, shape)?);
+    }
+    Ok(backend.weight_from_f32(&values, dtype)?)
 }
 
 /// The name of the first of the matrices to stack (there must be one).

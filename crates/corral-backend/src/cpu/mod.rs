@@ -411,6 +411,28 @@ impl Backend for CpuBackend {
         true
     }
 
+    fn weight_from_blocks(
+        &self,
+        blocks: Vec<u8>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let whole = len.is_multiple_of(dtype.block_values());
+        if !matches!(dtype, DType::Quant(_)) || !whole || blocks.len() != dtype.bytes_of(len) {
+            return Err(bad(
+                "weight_from_blocks",
+                format!("{} bytes as {len} values of {dtype}", blocks.len()),
+            ));
+        }
+        self.stats.allocation();
+        Ok(DeviceBuffer::new(
+            dtype,
+            len,
+            BufferUsage::Weights,
+            Storage::Bytes(blocks),
+        ))
+    }
+
     fn weight_from_file(
         &self,
         file: &Arc<MappedFile>,

@@ -14,6 +14,7 @@ use crate::checkpoint::gguf_file::{GgufHeader, GgufTensor, GgufValue, parse_head
 use crate::checkpoint::quant::{GgmlType, dequantize};
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
+use crate::weights::stacked_values;
 use crate::{ModelError, Result};
 use corral_backend::QuantFormat;
 
@@ -407,6 +408,37 @@ impl WeightSource for GgufCheckpoint {
             return Ok(backend.weight_from_file(file, start, dtype, numel)?);
         }
         Ok(backend.weight_from_f32(&self.read_f32(name, shape)?, DType::F32)?)
+    }
+
+    fn weight_stacked(
+        &self,
+        backend: &dyn Backend,
+        parts: &[(&str, &[usize])],
+    ) -> Result<DeviceBuffer> {
+        // Parts of one block format the backend reads stay blocks: their rows are whole
+        // blocks, so the stack is their bytes one after another.
+        let mut blocks = Vec::new();
+        let mut format = None;
+        for &(name, shape) in parts {
+            let (tensor, file, start, len) = self.checked(name, shape)?;
+            let part = tensor.ggml_type.quant_format();
+            let kept = part.is_some_and(|f| backend.reads_quantized(f));
+            if !kept || (format.is_some() && format != part) {
+                return stacked_values(self, backend, parts);
+            }
+            format = part;
+            blocks.extend_from_slice(&file.bytes()[start..start + len]);
+        }
+        match format {
+            Some(format) => {
+                let values = parts
+                    .iter()
+                    .map(|(_, shape)| shape.iter().product::<usize>())
+                    .sum();
+                Ok(backend.weight_from_blocks(blocks, DType::Quant(format), values)?)
+            }
+            None => stacked_values(self, backend, parts),
+        }
     }
 
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
