@@ -393,6 +393,7 @@ mod tests {
             format in prop::sample::select(vec![
                 crate::QuantFormat::Q8_0,
                 crate::QuantFormat::Q4_0,
+                crate::QuantFormat::Q5_0,
                 crate::QuantFormat::Q4K,
                 crate::QuantFormat::Q6K,
             ]),

@@ -122,6 +122,7 @@ pub(crate) fn supports(format: QuantFormat) -> bool {
         format,
         QuantFormat::Q8_0
             | QuantFormat::Q4_0
+            | QuantFormat::Q5_0
             | QuantFormat::Q4K
             | QuantFormat::Q5K
             | QuantFormat::Q6K
@@ -225,6 +226,19 @@ mod scalar {
                         })
                     };
                     let s = isum(u, q(0), 0..QA) as f32 - 8.0 * sum32(0);
+                    acc += half_at(blk, 0) * a.d[ab] * s;
+                }
+                QuantFormat::Q5_0 => {
+                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    let u = |i: usize| {
+                        let nib = if i < 16 {
+                            blk[6 + i] & 15
+                        } else {
+                            blk[6 + i - 16] >> 4
+                        };
+                        i32::from(nib) | (((qh >> i) & 1) << 4) as i32
+                    };
+                    let s = isum(u, q(0), 0..QA) as f32 - 16.0 * sum32(0);
                     acc += half_at(blk, 0) * a.d[ab] * s;
                 }
                 QuantFormat::Q4K | QuantFormat::Q5K => {
@@ -452,6 +466,31 @@ macro_rules! simd_dot {
                             add($dp(u, x(ab)), _mm256_set1_ps(d));
                             corr += d * 8.0 * sum32(0);
                         }
+                        QuantFormat::Q5_0 => {
+                            let mut raw = [0u8; 32];
+                            raw[..16].copy_from_slice(&blk[6..22]);
+                            let r = load32(&raw);
+                            let lo = _mm256_and_si256(r, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(r), m4);
+                            let nibs = _mm256_permute2x128_si256::<0x20>(lo, hi);
+                            // Bit i of qh is value i's fifth bit: byte i takes qh's byte
+                            // i / 8, then tests its bit i % 8.
+                            let qh = i32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                            let spread = _mm256_shuffle_epi8(
+                                _mm256_set1_epi32(qh),
+                                _mm256_setr_epi8(
+                                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2,
+                                    2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+                                ),
+                            );
+                            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+                            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                            let u =
+                                _mm256_or_si256(nibs, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                            let d = half_at(blk, 0) * a.d[ab];
+                            add($dp(u, x(ab)), _mm256_set1_ps(d));
+                            corr += d * 16.0 * sum32(0);
+                        }
                         QuantFormat::Q4K | QuantFormat::Q5K => {
                             let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
                             let (sc, mn) = k_scales_mins(&blk[4..16]);
@@ -601,9 +640,10 @@ mod tests {
 
     use super::*;
 
-    const FORMATS: [QuantFormat; 5] = [
+    const FORMATS: [QuantFormat; 6] = [
         QuantFormat::Q8_0,
         QuantFormat::Q4_0,
+        QuantFormat::Q5_0,
         QuantFormat::Q4K,
         QuantFormat::Q5K,
         QuantFormat::Q6K,
