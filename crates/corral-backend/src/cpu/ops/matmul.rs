@@ -135,56 +135,31 @@ pub(crate) fn multiply_streaming(
                 let nt = tile.min(n - j0);
                 let tile_w = &w[j0 * row_bytes..(j0 + nt) * row_bytes];
                 quant_dot::dot_rows(isa, format, tile_w, nt, acts, m, row);
-                for r in 0..m {
-                    for j in 0..nt {
-                        // SAFETY: (r, j0 + j) is in the caller's disjoint, in-bounds window.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            *out.0.add(r * ld + j0 + j) = row[r * nt + j];
-                        }
-                    }
-                }
+                each_output(m, nt, out.offset(j0), ld, |r, j| row[r * nt + j]);
             }
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if let WeightRows::F32(f32s) = w
-        && std::arch::is_x86_feature_detected!("avx512f")
-    {
-        for j in 0..n {
-            let wj = &f32s[w_offset + j * k..w_offset + (j + 1) * k];
-            for r in 0..m {
-                // SAFETY: the CPU has AVX-512F (checked above).
-                #[allow(unsafe_code)]
-                let v = unsafe { dot_f32_avx512(&x[r * k..(r + 1) * k], wj) };
-                // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
-                #[allow(unsafe_code)]
-                unsafe {
-                    *out.0.add(r * ld + j) = v;
-                }
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        let xr = |r: usize| &x[r * k..(r + 1) * k];
+        let span = |j: usize| w_offset + j * k..w_offset + (j + 1) * k;
+        match w {
+            // SAFETY (both): the CPU has AVX-512F (checked above).
+            #[allow(unsafe_code)]
+            WeightRows::F32(f32s) => {
+                return each_output(m, n, out, ld, |r, j| unsafe {
+                    dot_f32_avx512(xr(r), &f32s[span(j)])
+                });
             }
-        }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if let WeightRows::Bf16(bf16) = w
-        && std::arch::is_x86_feature_detected!("avx512f")
-    {
-        let bits = half::slice::HalfFloatSliceExt::reinterpret_cast(bf16);
-        for j in 0..n {
-            let wj = &bits[w_offset + j * k..w_offset + (j + 1) * k];
-            for r in 0..m {
-                // SAFETY: the CPU has AVX-512F (checked above).
-                #[allow(unsafe_code)]
-                let v = unsafe { dot_bf16_avx512(&x[r * k..(r + 1) * k], wj) };
-                // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
-                #[allow(unsafe_code)]
-                unsafe {
-                    *out.0.add(r * ld + j) = v;
-                }
+            #[allow(unsafe_code)]
+            WeightRows::Bf16(bf16) => {
+                let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(bf16);
+                return each_output(m, n, out, ld, |r, j| unsafe {
+                    dot_bf16_avx512(xr(r), &bits[span(j)])
+                });
             }
+            _ => {}
         }
-        return;
     }
     for j in 0..n {
         let wj: &[f32] = match w {
@@ -196,6 +171,23 @@ pub(crate) fn multiply_streaming(
         };
         for r in 0..m {
             let v = dot(&x[r * k..(r + 1) * k], wj);
+            // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
+            #[allow(unsafe_code)]
+            unsafe {
+                *out.0.add(r * ld + j) = v;
+            }
+        }
+    }
+}
+
+/// `out[r * ld + j] = value(r, j)` for `r < m`, `j < n`, a weight row at a time.
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+fn each_output(m: usize, n: usize, out: OutPtr, ld: usize, value: impl Fn(usize, usize) -> f32) {
+    for j in 0..n {
+        for r in 0..m {
+            let v = value(r, j);
             // SAFETY: (r, j) is in the caller's disjoint, in-bounds window.
             #[allow(unsafe_code)]
             unsafe {
@@ -341,6 +333,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
@@ -399,27 +392,9 @@ mod tests {
             ]),
             seed in any::<u64>(),
         ) {
-            let mut state = seed | 1;
-            let mut next = move || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state
-            };
-            let (values, bytes) = format.block();
-            let k = values * blocks.max(256 / values);
-            let mut w: Vec<u8> = (0..format.bytes_of(n * k)).map(|_| next() as u8).collect();
-            let scale_at: &[usize] = match format {
-                crate::QuantFormat::Q4K => &[0, 2],
-                crate::QuantFormat::Q6K => &[208],
-                _ => &[0],
-            };
-            for blk in w.chunks_exact_mut(bytes) {
-                for &at in scale_at {
-                    let v = 0.001 + (next() % 1000) as f32 * 1e-4;
-                    blk[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-                }
-            }
+            let mut next = xorshift(seed);
+            let k = format.block().0 * blocks.max(256 / format.block().0);
+            let w = random_blocks(format, n * k / format.block().0, &mut next);
             let xs: Vec<f32> = (0..m * k).map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0).collect();
             let mut decoded = vec![0.0f32; n * k];
             crate::quant::dequantize(format, &w, &mut decoded);

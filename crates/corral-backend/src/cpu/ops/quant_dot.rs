@@ -367,26 +367,10 @@ macro_rules! simd_dot {
                 }
             }
 
-            /// Four f32 from `p`.
-            #[target_feature(enable = $features)]
-            fn load4f(p: &[f32]) -> __m128 {
-                assert!(p.len() >= 4);
-                // SAFETY: 4 floats are in bounds (checked above); unaligned load.
-                #[allow(unsafe_code)]
-                unsafe {
-                    _mm_loadu_ps(p.as_ptr())
-                }
-            }
-
             /// Eight i32 from `p`.
             #[target_feature(enable = $features)]
             fn load8i(p: &[i32]) -> __m256i {
-                assert!(p.len() >= 8);
-                // SAFETY: 8 ints are in bounds (checked above); unaligned load.
-                #[allow(unsafe_code)]
-                unsafe {
-                    _mm256_loadu_si256(p.as_ptr().cast())
-                }
+                _mm256_castps_si256(load8f(bytemuck::cast_slice(p)))
             }
 
             /// Eight bytes (little-endian in `v`) as f32, unsigned and signed.
@@ -561,9 +545,19 @@ macro_rules! simd_dot {
                                 // 2g + j goes with activation block 4h + g's half j.
                                 let sc = _mm256_mul_ps(i8x8(&blk[192 + 8 * h..]), d);
                                 let first = ab + 4 * h;
+                                let h4 = 4 * h as i32;
                                 let da = _mm256_permutevar8x32_ps(
-                                    _mm256_castps128_ps256(load4f(&a.d[first..])),
-                                    _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3),
+                                    load8f(&a.d[ab..]),
+                                    _mm256_setr_epi32(
+                                        h4,
+                                        h4,
+                                        h4 + 1,
+                                        h4 + 1,
+                                        h4 + 2,
+                                        h4 + 2,
+                                        h4 + 3,
+                                        h4 + 3,
+                                    ),
                                 );
                                 let sums = _mm256_cvtepi32_ps(load8i(&a.sums[2 * first..]));
                                 corr_v = _mm256_fmadd_ps(
@@ -635,7 +629,7 @@ simd_dot!(
 );
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use proptest::prelude::*;
 
     use super::*;
@@ -666,8 +660,19 @@ mod tests {
         isas
     }
 
+    /// A xorshift generator from `seed`, for reproducible random inputs.
+    pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut state = seed | 1;
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        }
+    }
+
     /// `blocks` random blocks of `format` whose f16 scales are finite and positive.
-    fn random_blocks(
+    pub(crate) fn random_blocks(
         format: QuantFormat,
         blocks: usize,
         next: &mut impl FnMut() -> u64,
@@ -764,13 +769,7 @@ mod tests {
             seed in any::<u64>(),
             spread in 0u32..3,
         ) {
-            let mut state = seed | 1;
-            let mut next = move || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state
-            };
+            let mut next = xorshift(seed);
             let k = 256 * superblocks;
             // Activations of very different magnitudes from block to block.
             let x: Vec<f32> = (0..k)
