@@ -449,6 +449,25 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
+    /// `x · wᵀ` into columns `col0..col0 + w.rows` of `out`'s `rows` rows of `out_cols`: one
+    /// part of a projection whose parts are stored apart (a GGUF file's q, k and v in
+    /// different block formats), written where the stacked projection would write it.
+    fn matmul_columns(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+        out_cols: usize,
+        col0: usize,
+    ) -> Result<()> {
+        let _ = (x, rows, w, out, out_cols, col0);
+        Err(BackendError::BadArgument {
+            op: "matmul_columns",
+            detail: "projections stored apart are read by the CPU only".to_string(),
+        })
+    }
+
     /// Several projections of one input: `outs[i] = x · weights[i]ᵀ`, as [`Backend::matmul`]
     /// each; a backend that prepares its input for a projection (a GPU's rounding to bf16)
     /// does so once for all of them.

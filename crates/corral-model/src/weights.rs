@@ -2,7 +2,7 @@
 //! made from a config alone (deterministic normal values with std 0.02 as transformers
 //! initialises, norms at 1), for measuring full-size shapes without weight files.
 
-use corral_backend::{Backend, DType, DeviceBuffer};
+use corral_backend::{Backend, DType, DeviceBuffer, WeightView};
 
 use crate::Result;
 use crate::checkpoint::Checkpoint;
@@ -39,6 +39,12 @@ pub(crate) trait WeightSource {
         stacked_values(self, backend, parts)
     }
 
+    /// The matrices `parts` as one projection: stacked ([`WeightSource::weight_stacked`]), or
+    /// apart where the source keeps each in a stored type they do not share.
+    fn projection(&self, backend: &dyn Backend, parts: &[(&str, &[usize])]) -> Result<Projection> {
+        Ok(Projection::Stacked(self.weight_stacked(backend, parts)?))
+    }
+
     /// Rows `rows` (in that order) of the matrix `name` (first axis rows, the rest columns),
     /// as a weight in its stored type: for layouts that interleave what Corral keeps apart.
     fn weight_rows(
@@ -55,6 +61,42 @@ pub(crate) trait WeightSource {
             picked.extend_from_slice(&values[r * cols..(r + 1) * cols]);
         }
         Ok(backend.weight_from_f32(&picked, self.stored_dtype(name)?)?)
+    }
+}
+
+/// A projection of several matrices (q, k and v) whose outputs sit side by side in one row.
+#[derive(Debug)]
+pub(crate) enum Projection {
+    /// The matrices stacked along their rows into one weight.
+    Stacked(DeviceBuffer),
+    /// Each matrix and its rows, in order.
+    Parts(Vec<(DeviceBuffer, usize)>),
+}
+
+impl Projection {
+    /// `out = x · wᵀ` for `tokens` rows of `x` (`cols` wide) and the projection's `rows`.
+    pub(crate) fn forward(
+        &self,
+        backend: &dyn Backend,
+        x: &DeviceBuffer,
+        tokens: usize,
+        (rows, cols): (usize, usize),
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        match self {
+            Projection::Stacked(w) => {
+                backend.matmul(x, tokens, WeightView::new(w, rows, cols)?, out)?;
+            }
+            Projection::Parts(parts) => {
+                let mut first = 0;
+                for (w, part_rows) in parts {
+                    let view = WeightView::new(w, *part_rows, cols)?;
+                    backend.matmul_columns(x, tokens, view, out, rows, first)?;
+                    first += part_rows;
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -660,7 +660,11 @@ fn encode_value(value: &GgufValue) -> (u32, Vec<u8>) {
 static MODEL_BUILDER: LazyLock<Builder> = LazyLock::new(model_builder);
 
 fn model_builder() -> Builder {
-    let bytes = &MODEL_FILE.0;
+    builder_of(&MODEL_FILE.0)
+}
+
+/// A GGUF file's fields and data as a [`Builder`].
+fn builder_of(bytes: &[u8]) -> Builder {
     let header = parse_header(bytes).expect("the fixture parses");
     assert_eq!(header.alignment, 32, "Builder aligns to 32");
     let type_id = |t| {
@@ -690,6 +694,61 @@ fn model_builder() -> Builder {
         data: bytes[header.data_offset..].to_vec(),
         tensor_count: None,
     }
+}
+
+/// A file whose q and k are Q8_0 and whose v is Q4_0 keeps the three apart (each read as
+/// stored, written into its columns of the fused projection's output) and computes what the
+/// same file does with v decoded to f32, which the loader stacks with q and k as f32: equal
+/// where both decode the blocks (a whole prompt's projections), at f32 tolerance.
+#[test]
+fn a_projection_in_two_formats_computes_what_its_decoded_stack_does() {
+    let dir = fixture_dir("gguf");
+    let q8 = builder_of(&std::fs::read(dir.join("qwen3_moe_sharded.q8_0.gguf")).unwrap());
+    let q4_bytes = std::fs::read(dir.join("qwen3_moe_sharded.q4_0.gguf")).unwrap();
+    let q4 = parse_header(&q4_bytes).unwrap();
+    let (mut mixed, mut decoded) = (q8.clone(), q8);
+    let mut replaced = 0;
+    for (at, (name, ..)) in mixed.tensors.clone().iter().enumerate() {
+        if !name.ends_with("attn_v.weight") {
+            continue;
+        }
+        let t = q4.tensors.iter().find(|t| &t.name == name).unwrap();
+        assert_eq!(t.ggml_type, GgmlType::Q4_0, "{name}");
+        let blocks = &q4_bytes[t.byte_offset..t.byte_offset + t.byte_len];
+        let mut values = vec![0f32; blocks.len() / 18 * 32];
+        dequantize(GgmlType::Q4_0, blocks, &mut values);
+        let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for (file, ty, data) in [
+            (&mut mixed, 2, blocks.to_vec()),
+            (&mut decoded, 0, f32_bytes),
+        ] {
+            file.data.resize(file.data.len().next_multiple_of(32), 0);
+            file.tensors[at].2 = ty;
+            file.tensors[at].3 = file.data.len() as u64;
+            file.data.extend_from_slice(&data);
+        }
+        replaced += 1;
+    }
+    assert!(replaced > 0, "the fixture has attention v tensors");
+    let load = |b: &Builder, name: &str| {
+        let path =
+            std::env::temp_dir().join(format!("corral-gguf-{name}-{}.gguf", std::process::id()));
+        std::fs::write(&path, b.bytes()).unwrap();
+        let model = Model::load_gguf(&path, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
+        let _ = std::fs::remove_file(&path);
+        model
+    };
+    let (mixed, decoded) = (load(&mixed, "mixed-v"), load(&decoded, "decoded-v"));
+    let tokens = read_reference(&fixture_dir("qwen3_moe_sharded")).token_ids;
+    let (a, b) = (
+        logits_chunked(&mixed, &tokens, tokens.len()),
+        logits_chunked(&decoded, &tokens, tokens.len()),
+    );
+    let err = rel_err(&a, &b);
+    assert!(
+        err < 1e-5,
+        "relative error {err:.2e} between the parts and the decoded stack"
+    );
 }
 
 #[test]

@@ -868,6 +868,37 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn matmul_columns(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+        out_cols: usize,
+        col0: usize,
+    ) -> Result<()> {
+        let op = "matmul_columns";
+        if col0 + w.rows > out_cols {
+            return Err(bad(
+                op,
+                format!("columns {col0}..{} of rows {out_cols} wide", col0 + w.rows),
+            ));
+        }
+        let x = f32s(op, "x", x, rows * w.cols)?;
+        let out = f32s_mut(op, "out", out, rows * out_cols)?;
+        check_blocks(op, w.buffer.dtype(), w.offset, w.cols)?;
+        let weights = weight_rows(op, w.buffer)?.slice(w.offset, w.rows * w.cols);
+        self.stats.dispatch(1);
+        self.stats
+            .weight_read(w.buffer.dtype().bytes_of(w.rows * w.cols));
+        let columns = ops::matmul::Columns {
+            ld: out_cols,
+            first: col0,
+        };
+        ops::matmul::matmul_into(x, rows, w.cols, weights, w.rows, out, columns, self.threads);
+        Ok(())
+    }
+
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
         let op = "add_in_place";
         let x = f32s(op, "x", x, len)?;

@@ -14,7 +14,7 @@ use crate::checkpoint::gguf_file::{GgufHeader, GgufTensor, GgufValue, parse_head
 use crate::checkpoint::quant::{GgmlType, dequantize};
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
-use crate::weights::stacked_values;
+use crate::weights::{Projection, stacked_values};
 use crate::{ModelError, Result};
 use corral_backend::QuantFormat;
 
@@ -439,6 +439,28 @@ impl WeightSource for GgufCheckpoint {
             }
             None => stacked_values(self, backend, parts),
         }
+    }
+
+    fn projection(&self, backend: &dyn Backend, parts: &[(&str, &[usize])]) -> Result<Projection> {
+        // Parts the backend reads as stored but in different formats stay apart rather than
+        // being decoded to one type.
+        let mut formats = Vec::with_capacity(parts.len());
+        for &(name, shape) in parts {
+            let (tensor, ..) = self.checked(name, shape)?;
+            match tensor.ggml_type.quant_format() {
+                Some(format) if backend.reads_quantized(format) => formats.push(format),
+                _ => return Ok(Projection::Stacked(self.weight_stacked(backend, parts)?)),
+            }
+        }
+        if formats.windows(2).all(|w| w[0] == w[1]) {
+            return Ok(Projection::Stacked(self.weight_stacked(backend, parts)?));
+        }
+        let mut apart = Vec::with_capacity(parts.len());
+        for &(name, shape) in parts {
+            let rows = shape.first().copied().unwrap_or(0);
+            apart.push((self.weight(backend, name, shape)?, rows));
+        }
+        Ok(Projection::Parts(apart))
     }
 
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {

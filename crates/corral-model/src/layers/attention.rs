@@ -7,14 +7,15 @@ use corral_backend::{
 
 use super::Workspace;
 use crate::kv_cache::LayerKv;
-use crate::weights::WeightSource;
+use crate::weights::{Projection, WeightSource};
 use crate::{ModelConfig, Result};
 
 /// Weights of one attention layer.
 #[derive(Debug)]
 pub(crate) struct Attention {
-    /// q_proj, k_proj and v_proj stacked: `[(heads + 2 kv_heads) · head_dim, hidden]`.
-    qkv_proj: DeviceBuffer,
+    /// q_proj, k_proj and v_proj: `[(heads + 2 kv_heads) · head_dim, hidden]`, stacked
+    /// unless stored in different block formats.
+    qkv_proj: Projection,
     o_proj: DeviceBuffer,
     q_norm: DeviceBuffer,
     k_norm: DeviceBuffer,
@@ -39,7 +40,7 @@ impl Attention {
         let kv_dim = config.kv_dim();
         let p = format!("{prefix}self_attn.");
         Ok(Self {
-            qkv_proj: ckpt.weight_stacked(
+            qkv_proj: ckpt.projection(
                 backend,
                 &[
                     (&format!("{p}q_proj.weight"), &[q_dim, h]),
@@ -71,12 +72,9 @@ impl Attention {
     ) -> Result<()> {
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let h = self.hidden;
-        backend.matmul(
-            &ws.h,
-            tokens,
-            WeightView::new(&self.qkv_proj, (nh + 2 * nkv) * hd, h)?,
-            &mut ws.q,
-        )?;
+        let qkv_rows = (nh + 2 * nkv) * hd;
+        self.qkv_proj
+            .forward(backend, &ws.h, tokens, (qkv_rows, h), &mut ws.q)?;
         let b = &ws.batch;
         let shape = QkShape {
             tokens,

@@ -287,6 +287,15 @@ impl OutPtr {
     }
 }
 
+/// Where a product's `n` columns go in rows of its output: from column `first` of rows `ld`
+/// wide.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Columns {
+    pub(crate) ld: usize,
+    pub(crate) first: usize,
+}
+
+/// `out[r, j] = x[r] · w[j]`, `out` being `m` rows of `n`.
 pub(crate) fn matmul(
     x: &[f32],
     m: usize,
@@ -296,7 +305,27 @@ pub(crate) fn matmul(
     out: &mut [f32],
     threads: usize,
 ) {
-    debug_assert!(x.len() >= m * k && out.len() >= m * n);
+    let columns = Columns { ld: n, first: 0 };
+    matmul_into(x, m, k, w, n, out, columns, threads)
+}
+
+/// `out[r * ld + first + j] = x[r] · w[j]`: [`matmul`] into some columns of wider rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_into(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: WeightRows<'_>,
+    n: usize,
+    out: &mut [f32],
+    columns: Columns,
+    threads: usize,
+) {
+    let Columns { ld, first } = columns;
+    assert!(
+        x.len() >= m * k && first + n <= ld && out.len() >= m * ld,
+        "matmul: operands shorter than their shapes"
+    );
     let row_blocks = m.div_ceil(ROW_BLOCK).max(1);
     // Enough panels to keep every thread busy, each at least 8 and at most 256 rows.
     let panel = (n * row_blocks / (threads * 4).max(1))
@@ -309,20 +338,20 @@ pub(crate) fn matmul(
         let (r0, r1) = (rb * ROW_BLOCK, ((rb + 1) * ROW_BLOCK).min(m));
         let (n0, n1) = (p * panel, ((p + 1) * panel).min(n));
         let nb = n1 - n0;
-        let tile_out = out_ptr.offset(r0 * n + n0);
+        let tile_out = out_ptr.offset(r0 * ld + first + n0);
         let xs = &x[r0 * k..r1 * k];
         if r1 - r0 < gemm_min_rows(w) {
             return with_scratch(k, |row| {
-                multiply_streaming(xs, r1 - r0, k, w, n0 * k, nb, tile_out, n, row)
+                multiply_streaming(xs, r1 - r0, k, w, n0 * k, nb, tile_out, ld, row)
             });
         }
         match w {
             WeightRows::F32(w) => {
-                multiply_tile(xs, r1 - r0, k, &w[n0 * k..n1 * k], nb, tile_out, n)
+                multiply_tile(xs, r1 - r0, k, &w[n0 * k..n1 * k], nb, tile_out, ld)
             }
             _ => with_scratch(nb * k, |buf| {
                 w.to_f32(n0 * k, buf);
-                multiply_tile(xs, r1 - r0, k, buf, nb, tile_out, n)
+                multiply_tile(xs, r1 - r0, k, buf, nb, tile_out, ld)
             }),
         }
     });
@@ -372,6 +401,32 @@ mod tests {
                     prop_assert!((got - expected).abs() <= 1e-5 * (1.0 + scale), "{kind} row {r} col {j}: {got} against {expected}");
                 }
             }
+            }
+        }
+
+        /// Two products written into their columns of wider rows equal the product of the
+        /// stacked weights, on the few-row path and the GEMM's.
+        #[test]
+        fn products_into_columns_equal_the_stacked_product(
+            m in 1usize..24,
+            k in 1usize..80,
+            n1 in 1usize..30,
+            n2 in 1usize..30,
+            seed in any::<u64>(),
+        ) {
+            let mut next = xorshift(seed);
+            let mut value = || (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            let xs: Vec<f32> = (0..m * k).map(|_| value()).collect();
+            let stacked: Vec<f32> = (0..(n1 + n2) * k).map(|_| value()).collect();
+            let n = n1 + n2;
+            let mut whole = vec![f32::NAN; m * n];
+            matmul(&xs, m, k, WeightRows::F32(&stacked), n, &mut whole, 2);
+            let mut parts = vec![f32::NAN; m * n];
+            let (w1, w2) = stacked.split_at(n1 * k);
+            matmul_into(&xs, m, k, WeightRows::F32(w1), n1, &mut parts, Columns { ld: n, first: 0 }, 2);
+            matmul_into(&xs, m, k, WeightRows::F32(w2), n2, &mut parts, Columns { ld: n, first: n1 }, 2);
+            for (i, (a, b)) in parts.iter().zip(&whole).enumerate() {
+                prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "element {i}: {a} against {b}");
             }
         }
 
