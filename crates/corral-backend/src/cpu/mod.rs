@@ -856,16 +856,7 @@ impl Backend for CpuBackend {
         w: WeightView<'_>,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
-        let op = "matmul";
-        let x = f32s(op, "x", x, rows * w.cols)?;
-        let out = f32s_mut(op, "out", out, rows * w.rows)?;
-        check_blocks(op, w.buffer.dtype(), w.offset, w.cols)?;
-        let weights = weight_rows(op, w.buffer)?.slice(w.offset, w.rows * w.cols);
-        self.stats.dispatch(1);
-        self.stats
-            .weight_read(w.buffer.dtype().bytes_of(w.rows * w.cols));
-        ops::matmul::matmul(x, rows, w.cols, weights, w.rows, out, self.threads);
-        Ok(())
+        self.matmul_columns(x, rows, w, out, w.rows, 0)
     }
 
     fn matmul_columns(
@@ -895,7 +886,7 @@ impl Backend for CpuBackend {
             ld: out_cols,
             first: col0,
         };
-        ops::matmul::matmul_into(x, rows, w.cols, weights, w.rows, out, columns, self.threads);
+        ops::matmul::matmul(x, rows, w.cols, weights, w.rows, out, columns, self.threads);
         Ok(())
     }
 

@@ -211,11 +211,16 @@ fn with_quantized<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&QuantizedRow
     })
 }
 
-/// `x · w` for a row of bf16 weights (their bits), widened to f32 sixteen at a time in
-/// registers (exactly: a bf16 is an f32's top half) rather than converted into memory first.
+/// `x · w` sixteen lanes at a time, `load` widening sixteen weights to f32 and `widen` one.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn dot_bf16_avx512(x: &[f32], w: &[u16]) -> f32 {
+#[inline]
+fn dot_avx512<W: Copy>(
+    x: &[f32],
+    w: &[W],
+    load: impl Fn(&[W]) -> std::arch::x86_64::__m512,
+    widen: impl Fn(W) -> f32,
+) -> f32 {
     use std::arch::x86_64::*;
     let n = x.len().min(w.len());
     let whole = n / 64 * 64;
@@ -223,54 +228,44 @@ fn dot_bf16_avx512(x: &[f32], w: &[u16]) -> f32 {
     for i in (0..whole).step_by(64) {
         for (c, acc) in acc.iter_mut().enumerate() {
             let at = i + 16 * c;
-            // SAFETY: at + 16 <= whole <= the length of both.
+            // SAFETY: at + 16 <= whole <= x's length.
             #[allow(unsafe_code)]
-            let (wv, xv) = unsafe {
-                (
-                    _mm256_loadu_si256(w.as_ptr().add(at).cast()),
-                    _mm512_loadu_ps(x.as_ptr().add(at)),
-                )
-            };
-            let wf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(wv)));
-            *acc = _mm512_fmadd_ps(xv, wf, *acc);
+            let xv = unsafe { _mm512_loadu_ps(x.as_ptr().add(at)) };
+            *acc = _mm512_fmadd_ps(xv, load(&w[at..at + 16]), *acc);
         }
     }
     let pairs = [_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])];
     let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(pairs[0], pairs[1]));
     for (a, &b) in x[whole..n].iter().zip(&w[whole..n]) {
-        sum += a * f32::from_bits(u32::from(b) << 16);
+        sum += a * widen(b);
     }
     sum
 }
 
-/// `x · w` for a row of f32 weights, sixteen lanes at a time.
+/// `x · w` for a row of bf16 weights (their bits), widened to f32 in registers (exactly: a
+/// bf16 is an f32's top half) rather than converted into memory first.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn dot_bf16_avx512(x: &[f32], w: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let load = |w: &[u16]| {
+        // SAFETY: `w` holds 16 values (dot_avx512 passes 16).
+        #[allow(unsafe_code)]
+        let wv = unsafe { _mm256_loadu_si256(w[..16].as_ptr().cast()) };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(wv)))
+    };
+    dot_avx512(x, w, load, |b| f32::from_bits(u32::from(b) << 16))
+}
+
+/// `x · w` for a row of f32 weights.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn dot_f32_avx512(x: &[f32], w: &[f32]) -> f32 {
     use std::arch::x86_64::*;
-    let n = x.len().min(w.len());
-    let whole = n / 64 * 64;
-    let mut acc = [_mm512_setzero_ps(); 4];
-    for i in (0..whole).step_by(64) {
-        for (c, acc) in acc.iter_mut().enumerate() {
-            let at = i + 16 * c;
-            // SAFETY: at + 16 <= whole <= the length of both.
-            #[allow(unsafe_code)]
-            let (wv, xv) = unsafe {
-                (
-                    _mm512_loadu_ps(w.as_ptr().add(at)),
-                    _mm512_loadu_ps(x.as_ptr().add(at)),
-                )
-            };
-            *acc = _mm512_fmadd_ps(xv, wv, *acc);
-        }
-    }
-    let pairs = [_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])];
-    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(pairs[0], pairs[1]));
-    for (a, b) in x[whole..n].iter().zip(&w[whole..n]) {
-        sum += a * b;
-    }
-    sum
+    // SAFETY: `w` holds 16 values (dot_avx512 passes 16).
+    #[allow(unsafe_code)]
+    let load = |w: &[f32]| unsafe { _mm512_loadu_ps(w[..16].as_ptr()) };
+    dot_avx512(x, w, load, |v| v)
 }
 
 impl OutPtr {
@@ -295,23 +290,10 @@ pub(crate) struct Columns {
     pub(crate) first: usize,
 }
 
-/// `out[r, j] = x[r] · w[j]`, `out` being `m` rows of `n`.
-pub(crate) fn matmul(
-    x: &[f32],
-    m: usize,
-    k: usize,
-    w: WeightRows<'_>,
-    n: usize,
-    out: &mut [f32],
-    threads: usize,
-) {
-    let columns = Columns { ld: n, first: 0 };
-    matmul_into(x, m, k, w, n, out, columns, threads)
-}
-
-/// `out[r * ld + first + j] = x[r] · w[j]`: [`matmul`] into some columns of wider rows.
+/// `out[r * ld + first + j] = x[r] · w[j]` for `r < m`, `j < n`: a product into some columns of
+/// `out`'s rows (all of them where `first` is 0 and `ld` is `n`).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_into(
+pub(crate) fn matmul(
     x: &[f32],
     m: usize,
     k: usize,
@@ -420,11 +402,11 @@ mod tests {
             let stacked: Vec<f32> = (0..(n1 + n2) * k).map(|_| value()).collect();
             let n = n1 + n2;
             let mut whole = vec![f32::NAN; m * n];
-            matmul(&xs, m, k, WeightRows::F32(&stacked), n, &mut whole, 2);
+            matmul(&xs, m, k, WeightRows::F32(&stacked), n, &mut whole, Columns { ld: n, first: 0 }, 2);
             let mut parts = vec![f32::NAN; m * n];
             let (w1, w2) = stacked.split_at(n1 * k);
-            matmul_into(&xs, m, k, WeightRows::F32(w1), n1, &mut parts, Columns { ld: n, first: 0 }, 2);
-            matmul_into(&xs, m, k, WeightRows::F32(w2), n2, &mut parts, Columns { ld: n, first: n1 }, 2);
+            matmul(&xs, m, k, WeightRows::F32(w1), n1, &mut parts, Columns { ld: n, first: 0 }, 2);
+            matmul(&xs, m, k, WeightRows::F32(w2), n2, &mut parts, Columns { ld: n, first: n1 }, 2);
             for (i, (a, b)) in parts.iter().zip(&whole).enumerate() {
                 prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "element {i}: {a} against {b}");
             }
@@ -454,7 +436,7 @@ mod tests {
             let mut decoded = vec![0.0f32; n * k];
             crate::quant::dequantize(format, &w, &mut decoded);
             let mut out = vec![f32::NAN; m * n];
-            matmul(&xs, m, k, WeightRows::Quant(format, &w), n, &mut out, 2);
+            matmul(&xs, m, k, WeightRows::Quant(format, &w), n, &mut out, Columns { ld: n, first: 0 }, 2);
             for r in 0..m {
                 let xr = &xs[r * k..(r + 1) * k];
                 for j in 0..n {

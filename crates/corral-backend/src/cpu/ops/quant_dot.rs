@@ -367,6 +367,18 @@ macro_rules! simd_dot {
                 }
             }
 
+            /// The 32 nibbles of 16 bytes as bytes: the low nibbles (values 0..16), then the
+            /// high ones (16..32), as Q4_0 and Q5_0 pack them.
+            #[target_feature(enable = $features)]
+            fn nibbles(packed: &[u8]) -> __m256i {
+                let mut raw = [0u8; 32];
+                raw[..16].copy_from_slice(&packed[..16]);
+                let (r, m4) = (load32(&raw), _mm256_set1_epi8(15));
+                let lo = _mm256_and_si256(r, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(r), m4);
+                _mm256_permute2x128_si256::<0x20>(lo, hi)
+            }
+
             /// Eight i32 from `p`.
             #[target_feature(enable = $features)]
             fn load8i(p: &[i32]) -> __m256i {
@@ -440,23 +452,13 @@ macro_rules! simd_dot {
                             add(p, _mm256_set1_ps(half_at(blk, 0) * a.d[ab]));
                         }
                         QuantFormat::Q4_0 => {
-                            let mut raw = [0u8; 32];
-                            raw[..16].copy_from_slice(&blk[2..18]);
-                            let r = load32(&raw);
-                            let lo = _mm256_and_si256(r, m4);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(r), m4);
-                            let u = _mm256_permute2x128_si256::<0x20>(lo, hi);
+                            let u = nibbles(&blk[2..18]);
                             let d = half_at(blk, 0) * a.d[ab];
                             add($dp(u, x(ab)), _mm256_set1_ps(d));
                             corr += d * 8.0 * sum32(0);
                         }
                         QuantFormat::Q5_0 => {
-                            let mut raw = [0u8; 32];
-                            raw[..16].copy_from_slice(&blk[6..22]);
-                            let r = load32(&raw);
-                            let lo = _mm256_and_si256(r, m4);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(r), m4);
-                            let nibs = _mm256_permute2x128_si256::<0x20>(lo, hi);
+                            let nibs = nibbles(&blk[6..22]);
                             // Bit i of qh is value i's fifth bit: byte i takes qh's byte
                             // i / 8, then tests its bit i % 8.
                             let qh = i32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
