@@ -854,6 +854,12 @@ pub(crate) fn byte_range(
     offset: usize,
     bytes: usize,
 ) -> Result<(usize, usize)> {
+    if let DType::Quant(format) = b.dtype() {
+        return Err(BackendError::BadArgument {
+            op,
+            detail: format!("byte ranges of {} blocks", format.name()),
+        });
+    }
     let size = b.dtype().size_bytes();
     let elems = bytes / size;
     let fits = offset.checked_add(elems).is_some_and(|end| end <= b.len());

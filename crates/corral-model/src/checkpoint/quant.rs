@@ -62,40 +62,32 @@ impl GgmlType {
 
     /// The name ggml gives it.
     pub fn name(self) -> &'static str {
+        if let Some(format) = self.quant_format() {
+            return format.name();
+        }
         match self {
             Self::F32 => "F32",
             Self::F16 => "F16",
             Self::BF16 => "BF16",
-            Self::Q4_0 => "Q4_0",
-            Self::Q4_1 => "Q4_1",
-            Self::Q5_0 => "Q5_0",
-            Self::Q5_1 => "Q5_1",
-            Self::Q8_0 => "Q8_0",
             Self::Q2K => "Q2_K",
             Self::Q3K => "Q3_K",
-            Self::Q4K => "Q4_K",
-            Self::Q5K => "Q5_K",
-            Self::Q6K => "Q6_K",
-            Self::Q8K => "Q8_K",
+            // Q8_K; the block formats Corral reads were named above.
+            _ => "Q8_K",
         }
     }
 
     /// (values, bytes) of one block; plain types are blocks of one value.
     pub fn block(self) -> (usize, usize) {
+        if let Some(format) = self.quant_format() {
+            return format.block();
+        }
         match self {
             Self::F32 => (1, 4),
             Self::F16 | Self::BF16 => (1, 2),
-            Self::Q4_0 => (32, 18),
-            Self::Q4_1 => (32, 20),
-            Self::Q5_0 => (32, 22),
-            Self::Q5_1 => (32, 24),
-            Self::Q8_0 => (32, 34),
             Self::Q2K => (QK_K, 84),
             Self::Q3K => (QK_K, 110),
-            Self::Q4K => (QK_K, 144),
-            Self::Q5K => (QK_K, 176),
-            Self::Q6K => (QK_K, 210),
-            Self::Q8K => (QK_K, 292),
+            // Q8_K; the block formats Corral reads were sized above.
+            _ => (QK_K, 292),
         }
     }
 
