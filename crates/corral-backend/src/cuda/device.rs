@@ -401,6 +401,24 @@ impl Kernel {
         Ok(usize::try_from(blocks).unwrap_or(0))
     }
 
+    /// Registers a thread of this kernel takes and its local (spilled) memory in bytes, as
+    /// the driver reports them: what decides how many blocks fit an SM.
+    pub(crate) fn resources(&self) -> Result<(i32, i32)> {
+        let attribute = |which| -> Result<i32> {
+            let mut value: std::ffi::c_int = 0;
+            // SAFETY: the handle is a loaded function of a live module; `value` outlives the call.
+            #[allow(unsafe_code)]
+            unsafe { sys::cuFuncGetAttribute(&mut value, which, self.0) }
+                .result()
+                .map_err(|e| driver_err(self.1, e))?;
+            Ok(value)
+        };
+        Ok((
+            attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+            attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+        ))
+    }
+
     /// This kernel preferring all of an SM's L1 as shared memory, so that as many of its
     /// blocks fit an SM as their shared memory allows.
     pub(crate) fn preferring_shared_memory(self) -> Result<Self> {

@@ -236,6 +236,14 @@ impl Kernels {
                     .with_dynamic_smem(smem)?
                     .preferring_shared_memory()?;
                 let blocks_per_sm = kernel.blocks_per_sm(FLASH_THREADS)?;
+                let (registers, local_bytes) = kernel.resources()?;
+                tracing::debug!(
+                    name,
+                    registers,
+                    local_bytes,
+                    blocks_per_sm,
+                    "prefill tile kernel"
+                );
                 Ok(FlashTiles {
                     kernel,
                     blocks_per_sm,

@@ -138,13 +138,6 @@ pub(crate) fn parse_bytes(s: &str) -> Result<usize, String> {
 }
 
 pub(crate) fn run(args: ServeArgs) -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let Some(dir) = args
         .tokenizer
         .clone()

@@ -161,19 +161,21 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
     u32 kvh = h / (num_heads / num_kv_heads), kv_off = kvh * HD;
     u32 key_end = pos0 + rows;  // keys 0 .. last position
     u32 j_end = min(k_hi, key_end);
-    // bf16: 64 keys of K (`which` 0) or V (1) from j0 into stage `stage`, 16-byte pieces by
-    // cp.async; keys past the end are zero.
+    // bf16: 64 keys of K, of V, or of both (`which`) from j0 into stage `stage`, 16-byte
+    // pieces by cp.async, each key's slot looked up once; keys past the end are zero.
+    enum { K_ONLY, V_ONLY, K_AND_V };
     auto issue = [&](u32 j0, int stage, int which) {
-        u16* dst = (which == 0 ? k_s : v_s) + stage * FA_KEYS * KS;
-        const C* src = which == 0 ? cache_k : cache_v;
+        u16* k_dst = k_s + stage * FA_KEYS * KS;
+        u16* v_dst = v_s + stage * FA_KEYS * KS;
 #pragma unroll
         for (int it = 0; it < FA_KEYS * (HD / 8) / FA_THREADS; it++) {
             u32 piece = threadIdx.x + it * FA_THREADS;
             u32 kr = piece / (HD / 8), d = (piece % (HD / 8)) * 8;
             u32 j = j0 + kr;
             bool live = j < key_end;
-            size_t row0 = live ? slot_of(table, j, block_size, num_blocks, diag) * row_stride : 0;
-            cp_async16(dst + kr * KS + d, src + row0 + kv_off + d, live ? 16u : 0u);
+            size_t at = (live ? slot_of(table, j, block_size, num_blocks, diag) * row_stride : 0) + kv_off + d;
+            if (which != V_ONLY) cp_async16(k_dst + kr * KS + d, cache_k + at, live ? 16u : 0u);
+            if (which != K_ONLY) cp_async16(v_dst + kr * KS + d, cache_v + at, live ? 16u : 0u);
         }
     };
     // fp8: this thread's pieces of 64 keys of K and V from j0, raw, with their scales (keys
@@ -221,8 +223,7 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
         if constexpr (FP8) {
             issue_fp8(k_lo);
         } else {
-            issue(k_lo, 0, 0);
-            if (STAGES == 2) issue(k_lo, 0, 1);
+            issue(k_lo, 0, STAGES == 2 ? K_AND_V : K_ONLY);
         }
         cp_async_commit();
     }
@@ -268,8 +269,7 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
         } else if constexpr (STAGES == 2) {
             // The next 64 keys load while these compute.
             if (j0 + FA_KEYS < j_end) {
-                issue(j0 + FA_KEYS, stage ^ 1, 0);
-                issue(j0 + FA_KEYS, stage ^ 1, 1);
+                issue(j0 + FA_KEYS, stage ^ 1, K_AND_V);
                 cp_async_commit();
                 cp_async_wait<1>();
             } else {
@@ -280,7 +280,7 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
             // K is here, and every warp is done with the last V: V loads during Q·Kᵀ.
             cp_async_wait<0>();
             __syncthreads();
-            issue(j0, 0, 1);
+            issue(j0, 0, V_ONLY);
             cp_async_commit();
         }
         const u16* ks = k_s + stage * FA_KEYS * KS;
@@ -362,7 +362,7 @@ __device__ void flash_span(const float* q, const C* cache_k, const C* cache_v,
             cp_async_wait<0>();
             __syncthreads();
             if (j0 + FA_KEYS < j_end) {
-                issue(j0 + FA_KEYS, 0, 0);
+                issue(j0 + FA_KEYS, 0, K_ONLY);
                 cp_async_commit();
             }
         }
