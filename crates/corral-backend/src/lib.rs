@@ -290,6 +290,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         self.weight_from_f32(&synthetic::normal_values(seed, len, std), dtype)
     }
 
+    /// A weight buffer of `len` values of block format `format`: [`synthetic::quant_blocks`]
+    /// of `seed`, made where the backend's memory is.
+    fn weight_synthetic_blocks(
+        &self,
+        format: QuantFormat,
+        len: usize,
+        seed: u64,
+        std: f32,
+    ) -> Result<DeviceBuffer> {
+        let blocks = synthetic::quant_blocks(format, seed, len, std);
+        self.weight_from_blocks(blocks, DType::Quant(format), len)
+    }
+
     /// Whether [`Backend::begin_capture`] records graphs here.
     fn records_graphs(&self) -> bool {
         false

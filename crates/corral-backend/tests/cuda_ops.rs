@@ -6,8 +6,8 @@ use std::sync::{Arc, OnceLock};
 
 use corral_backend::{
     Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeltaNetShape,
-    DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, RecurrentRuns, RopeParams,
-    WeightView, Yarn, cuda_available,
+    DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns,
+    RopeParams, WeightView, Yarn, cuda_available, quant, synthetic,
 };
 
 fn gpu() -> Option<&'static CudaBackend> {
@@ -1885,5 +1885,286 @@ fn sampling_penalties_and_candidates_match_cpu() {
                 assert!(ok, "case {case} row {r}: {what} {a} against {b}");
             }
         }
+    }
+}
+
+/// The block formats the GPU reads as stored.
+const GPU_FORMATS: [QuantFormat; 6] = [
+    QuantFormat::Q8_0,
+    QuantFormat::Q4_0,
+    QuantFormat::Q5_0,
+    QuantFormat::Q4K,
+    QuantFormat::Q5K,
+    QuantFormat::Q6K,
+];
+
+/// Synthetic blocks of `len` values (every bit pattern of the quants and sub-block scales
+/// occurs) and their values by the CPU's decoder.
+fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (Vec<u8>, Vec<f32>) {
+    let blocks = synthetic::quant_blocks(format, seed, len, 0.5);
+    let mut values = vec![0.0; len];
+    quant::dequantize(format, &blocks, &mut values);
+    (blocks, values)
+}
+
+#[test]
+fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
+    let g = gpu_or_skip!();
+    for (n, format) in GPU_FORMATS.into_iter().enumerate() {
+        let (rows, cols) = (7, 512);
+        let (blocks, values) = blocks_and_values(format, 40 + n as u64, rows * cols);
+        let w = g
+            .weight_from_blocks(blocks.clone(), DType::Quant(format), rows * cols)
+            .unwrap();
+        let mut out = out_buf(g, rows * cols);
+        g.dequantize_on_device(WeightView::new(&w, rows, cols).unwrap(), &mut out)
+            .unwrap();
+        let got = read(g, &out, rows * cols);
+        let differ = got
+            .iter()
+            .zip(&values)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(differ, None, "{}: first value that differs", format.name());
+        // The device's synthetic blocks are the host's: they decode to the same bits.
+        let made = g
+            .weight_synthetic_blocks(format, rows * cols, 40 + n as u64, 0.5)
+            .unwrap();
+        g.dequantize_on_device(WeightView::new(&made, rows, cols).unwrap(), &mut out)
+            .unwrap();
+        let got = read(g, &out, rows * cols);
+        let differ = got
+            .iter()
+            .zip(&values)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(
+            differ,
+            None,
+            "{}: synthetic blocks made on the device",
+            format.name()
+        );
+    }
+}
+
+#[test]
+fn block_format_products_and_embeddings_match_their_decoded_weights() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(41);
+    for (n, format) in GPU_FORMATS.into_iter().enumerate() {
+        let block = format.block().0;
+        for rows in [1, 2, 3, 5, 8, 9, 40] {
+            let (out_rows, cols) = (1 + rng.below(70), block * (1 + rng.below(3)));
+            let (blocks, values) = blocks_and_values(format, 50 + n as u64, out_rows * cols);
+            let w = g
+                .weight_from_blocks(blocks.clone(), DType::Quant(format), out_rows * cols)
+                .unwrap();
+            let view = WeightView::new(&w, out_rows, cols).unwrap();
+            let wc = c.weight_from_f32(&values, DType::F32).unwrap();
+            let wq = c
+                .weight_from_blocks(blocks, DType::Quant(format), out_rows * cols)
+                .unwrap();
+            let x = rng.values(rows * cols);
+            let mut want = out_buf(&c, rows * out_rows);
+            c.matmul(
+                &f32_buf(&c, &x),
+                rows,
+                WeightView::new(&wc, out_rows, cols).unwrap(),
+                &mut want,
+            )
+            .unwrap();
+            let want = read(&c, &want, rows * out_rows);
+            // The CPU on the blocks: activations quantized per 32 values, integer dots.
+            let mut cpu_blocks = out_buf(&c, rows * out_rows);
+            let q_view = WeightView::new(&wq, out_rows, cols).unwrap();
+            c.matmul(&f32_buf(&c, &x), rows, q_view, &mut cpu_blocks)
+                .unwrap();
+            let cpu_blocks = read(&c, &cpu_blocks, rows * out_rows);
+            let mut got = out_buf(g, rows * out_rows);
+            g.matmul(&f32_buf(g, &x), rows, view, &mut got).unwrap();
+            let got = read(g, &got, rows * out_rows);
+            let what = format!(
+                "{} matmul, {rows} rows of {cols} into {out_rows}",
+                format.name()
+            );
+            // Few rows read the blocks with activations quantized as the CPU quantizes them
+            // (the same integers; the scales combined in another order); more run bf16 tensor
+            // cores on a bf16 copy. Either within rounding of the exact product.
+            if rows <= 8 {
+                assert_close(&format!("{what}: against the CPU"), &got, &cpu_blocks, 1e-5);
+            }
+            // One product of a few hundred terms may cancel to a small value: 5e-2.
+            let tol = if rows <= 8 { 5e-2 } else { 1.5e-2 };
+            assert_close(&what, &got, &want, tol);
+            // Into columns 3.. of rows of out_rows + 5: the rest stays as it was.
+            let wide = out_rows + 5;
+            let mut cols_out = out_buf(g, rows * wide);
+            g.matmul_columns(&f32_buf(g, &x), rows, view, &mut cols_out, wide, 3)
+                .unwrap();
+            let placed = read(g, &cols_out, rows * wide);
+            for r in 0..rows {
+                let row = &placed[r * wide..(r + 1) * wide];
+                assert!(
+                    row[..3]
+                        .iter()
+                        .chain(&row[3 + out_rows..])
+                        .all(|v| v.is_nan()),
+                    "{what}: columns outside"
+                );
+                assert_close(
+                    &format!("{what}: columns"),
+                    &row[3..3 + out_rows],
+                    &want[r * out_rows..(r + 1) * out_rows],
+                    tol,
+                );
+            }
+        }
+        // Embedding rows decoded exactly, and an id past the table raises the flag.
+        let (vocab, hidden) = (11, 2 * block);
+        let (blocks, values) = blocks_and_values(format, 60 + n as u64, vocab * hidden);
+        let table = g
+            .weight_from_blocks(blocks, DType::Quant(format), vocab * hidden)
+            .unwrap();
+        let ids = [3u32, 0, 10, 3];
+        let mut id_buf = g
+            .take_buffer(DType::U32, ids.len(), BufferUsage::Metadata)
+            .unwrap();
+        g.upload_u32(&ids, &mut id_buf).unwrap();
+        let mut out = out_buf(g, ids.len() * hidden);
+        g.embedding(
+            WeightView::new(&table, vocab, hidden).unwrap(),
+            &id_buf,
+            ids.len(),
+            &mut out,
+        )
+        .unwrap();
+        let got = read(g, &out, ids.len() * hidden);
+        for (t, id) in ids.iter().enumerate() {
+            let want = &values[*id as usize * hidden..(*id as usize + 1) * hidden];
+            assert!(
+                got[t * hidden..(t + 1) * hidden]
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} embedding row {id}",
+                format.name()
+            );
+        }
+        g.upload_u32(&[3, 11, 0, 1], &mut id_buf).unwrap();
+        g.embedding(
+            WeightView::new(&table, vocab, hidden).unwrap(),
+            &id_buf,
+            ids.len(),
+            &mut out,
+        )
+        .unwrap();
+        let err = g.download_f32(&out, &mut vec![0.0; hidden]);
+        assert!(err.is_err(), "{}: an id past the table", format.name());
+    }
+}
+
+#[test]
+fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(43);
+    // Gate/up and down in their own formats, as Q4_K_M files store them.
+    let cases = [
+        (QuantFormat::Q4K, QuantFormat::Q6K, 1, 8, 2, 256, 512),
+        (QuantFormat::Q8_0, QuantFormat::Q8_0, 3, 16, 4, 64, 96),
+        (QuantFormat::Q5K, QuantFormat::Q4K, 40, 8, 8, 256, 256),
+        (QuantFormat::Q4_0, QuantFormat::Q5_0, 200, 32, 8, 96, 32),
+    ];
+    for (case, (up_format, down_format, tokens, e, top_k, h, i)) in cases.into_iter().enumerate() {
+        let gate_up_len = e * 2 * i * h;
+        let (gu_blocks, gu_values) = blocks_and_values(up_format, 70 + case as u64, gate_up_len);
+        let (d_blocks, d_values) = blocks_and_values(down_format, 80 + case as u64, e * h * i);
+        let x = rng.values(tokens * h);
+        let logits = rng.values(tokens * e);
+        let pairs = tokens * top_k;
+        let mut results = Vec::new();
+        for (k, b) in [&c as &dyn Backend, &c, g].into_iter().enumerate() {
+            // The CPU holds the decoded values in f32 (exact products), then the blocks (its
+            // integer products); the GPU the blocks.
+            let (gate_up, down) = if k == 0 {
+                (
+                    b.weight_from_f32(&gu_values, DType::F32).unwrap(),
+                    b.weight_from_f32(&d_values, DType::F32).unwrap(),
+                )
+            } else {
+                (
+                    b.weight_from_blocks(gu_blocks.clone(), DType::Quant(up_format), gate_up_len)
+                        .unwrap(),
+                    b.weight_from_blocks(d_blocks.clone(), DType::Quant(down_format), e * h * i)
+                        .unwrap(),
+                )
+            };
+            let gate_up = Arc::new(gate_up);
+            let w = ExpertWeights {
+                gate: ExpertMatrices::stacked(Arc::clone(&gate_up), e, 2 * i, 0, i, h).unwrap(),
+                up: ExpertMatrices::stacked(gate_up, e, 2 * i, i, i, h).unwrap(),
+                down: ExpertMatrices::stacked(Arc::new(down), e, h, 0, h, i).unwrap(),
+            };
+            let (xb, lb) = (f32_buf(b, &x), f32_buf(b, &logits));
+            let mut ids = b
+                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
+                .unwrap();
+            let mut weights = out_buf(b, pairs);
+            b.moe_route(&lb, tokens, e, top_k, true, false, &mut ids, &mut weights)
+                .unwrap();
+            let routing = MoeRouting {
+                expert_ids: &ids,
+                expert_weights: &weights,
+                tokens,
+                top_k,
+            };
+            let meta = |n| b.take_buffer(DType::U32, n, BufferUsage::Metadata).unwrap();
+            let (mut offsets, mut hit) = (meta(e + 1), meta(e + 1));
+            let (mut sorted_pairs, mut positions) = (meta(pairs), meta(pairs));
+            b.moe_sort(
+                routing,
+                e,
+                &mut offsets,
+                &mut hit,
+                &mut sorted_pairs,
+                &mut positions,
+            )
+            .unwrap();
+            let sorted = MoeSorted {
+                expert_offsets: &offsets,
+                hit_experts: &hit,
+                sorted_pairs: &sorted_pairs,
+                pair_positions: &positions,
+            };
+            let mut act = out_buf(b, pairs * i);
+            let mut y = out_buf(b, pairs * h);
+            let mut grouped = out_buf(b, tokens * h);
+            b.moe_grouped_gate_up(&xb, routing, sorted, &w, &mut act)
+                .unwrap();
+            b.moe_grouped_down_combine(&act, routing, sorted, &w, &mut y, &mut grouped)
+                .unwrap();
+            let mut per_token = out_buf(b, tokens * h);
+            b.moe_experts_per_token(&xb, routing, &w, &mut act, &mut per_token)
+                .unwrap();
+            results.push((
+                read(b, &grouped, tokens * h),
+                read(b, &per_token, tokens * h),
+            ));
+        }
+        let what = format!(
+            "{} gate/up, {} down: {tokens} tokens, top {top_k} of {e}, h {h} i {i}",
+            up_format.name(),
+            down_format.name()
+        );
+        let (exact, cpu_blocks, gpu) = (&results[0], &results[1], &results[2]);
+        // Per-token: the integer products of the CPU's, and near the exact ones.
+        assert_close(
+            &format!("{what}: per-token against the CPU"),
+            &gpu.1,
+            &cpu_blocks.1,
+            1e-4,
+        );
+        assert_close(&format!("{what}: per-token"), &gpu.1, &exact.1, 1.5e-2);
+        // Grouped: the experts decoded to bf16 and the few-row or tile products' bf16 inputs.
+        assert_close(&format!("{what}: grouped"), &gpu.0, &exact.0, 1.5e-2);
     }
 }

@@ -9,7 +9,7 @@ use clap::Args;
 use corral_backend::{Backend, CpuBackend, CudaBackend, CudaOptions, DType};
 use corral_engine::{Tokenizer, TokenizerConfig};
 use corral_model::checkpoint::GgufCheckpoint;
-use corral_model::{Model, ModelConfig, MoeStrategy};
+use corral_model::{Model, ModelConfig, MoeStrategy, SyntheticMix};
 
 /// Options every model-loading command takes.
 #[derive(Debug, Args)]
@@ -26,6 +26,11 @@ pub(crate) struct ModelArgs {
     /// Build the model from this config.json alone, with deterministic random weights.
     #[arg(long)]
     pub(crate) synthetic: Option<PathBuf>,
+    /// With `--synthetic`: the matrices' storage: `float` (the config's type), `q8_0`, or
+    /// `q4_k_m` (Q4_K, Q6_K where llama.cpp's Q4_K_M puts it); random blocks of the same
+    /// spread.
+    #[arg(long, default_value = "float", requires = "synthetic", value_parser = parse_mix)]
+    pub(crate) synthetic_weights: SyntheticMix,
     /// CPU threads for compute (default: all cores).
     #[arg(long, env = "CORRAL_THREADS")]
     pub(crate) threads: Option<usize>,
@@ -134,6 +139,18 @@ pub(crate) fn open_backend(choice: DeviceChoice, kv_dtype: DType) -> Result<Arc<
     })
 }
 
+/// `--synthetic-weights`: float, q8_0 or q4_k_m.
+fn parse_mix(s: &str) -> Result<SyntheticMix, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "float" => Ok(SyntheticMix::Float),
+        "q8_0" => Ok(SyntheticMix::Q8_0),
+        "q4_k_m" => Ok(SyntheticMix::Q4KM),
+        _ => Err(format!(
+            "unknown synthetic weights `{s}` (float, q8_0 or q4_k_m)"
+        )),
+    }
+}
+
 fn parse_strategy(s: &str) -> Result<MoeStrategy, String> {
     s.parse()
         .map_err(|e: corral_model::UnknownStrategy| e.to_string())
@@ -197,7 +214,14 @@ impl ModelArgs {
     pub(crate) fn describe(&self) -> String {
         match (&self.model, &self.synthetic) {
             (Some(dir), _) => dir.display().to_string(),
-            (_, Some(config)) => format!("synthetic:{}", config.display()),
+            (_, Some(config)) if self.synthetic_weights == SyntheticMix::Float => {
+                format!("synthetic:{}", config.display())
+            }
+            (_, Some(config)) => format!(
+                "synthetic:{} ({:?})",
+                config.display(),
+                self.synthetic_weights
+            ),
             _ => String::new(),
         }
     }
@@ -250,7 +274,10 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
         }
         (None, Some(config)) => ModelConfig::from_file(config)
             .map_err(anyhow::Error::from)
-            .and_then(|c| Ok(Model::synthetic(c, backend, 0, &mut progress)?))
+            .and_then(|c| {
+                let mix = args.synthetic_weights;
+                Ok(Model::synthetic_mixed(c, mix, backend, 0, &mut progress)?)
+            })
             .with_context(|| format!("building a synthetic model from {}", config.display())),
         (None, None) => anyhow::bail!("give --model DIR|FILE.gguf or --synthetic CONFIG.json"),
     };

@@ -31,4 +31,4 @@ pub use moe::{
     CALIBRATION_TOKENS, DEFAULT_GROUPED_MIN_TOKENS, MoeCalibration, MoeStrategy, UnknownStrategy,
     crossover,
 };
-pub use weights::SyntheticWeights;
+pub use weights::{SyntheticMix, SyntheticWeights};

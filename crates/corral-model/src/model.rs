@@ -16,7 +16,7 @@ use crate::families::qwen3_next::HybridModel;
 use crate::kv_cache::{PagedKvCache, RecurrentStateCache};
 use crate::layers::Workspace;
 use crate::moe::MoeStrategy;
-use crate::weights::{SyntheticWeights, WeightSource};
+use crate::weights::{SyntheticMix, SyntheticWeights, WeightSource};
 use crate::{Family, ModelConfig, ModelError, Result};
 
 #[derive(Debug)]
@@ -171,8 +171,25 @@ impl Model {
         seed: u64,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
+        Self::synthetic_mixed(config, SyntheticMix::Float, backend, seed, progress)
+    }
+
+    /// As [`Model::synthetic`], with the matrices that `mix` names in block formats (random
+    /// blocks of the same spread), where the backend reads them as stored.
+    pub fn synthetic_mixed(
+        config: ModelConfig,
+        mix: SyntheticMix,
+        backend: Arc<dyn Backend>,
+        seed: u64,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let dtype = Self::synthetic_dtype(&config);
-        let source = SyntheticWeights { dtype, seed };
+        let source = SyntheticWeights {
+            dtype,
+            seed,
+            mix,
+            num_layers: config.num_layers,
+        };
         let elements = config.num_parameters();
         let bytes = Self::synthetic_weight_bytes(&config);
         Self::bind(&source, config, backend, progress, elements, bytes)

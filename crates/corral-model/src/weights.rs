@@ -2,7 +2,7 @@
 //! made from a config alone (deterministic normal values with std 0.02 as transformers
 //! initialises, norms at 1), for measuring full-size shapes without weight files.
 
-use corral_backend::{Backend, DType, DeviceBuffer, WeightView};
+use corral_backend::{Backend, DType, DeviceBuffer, QuantFormat, WeightView};
 
 use crate::Result;
 use crate::checkpoint::Checkpoint;
@@ -157,10 +157,68 @@ impl WeightSource for Checkpoint {
 /// Deterministic random weights: every tensor's values depend only on the seed and its name.
 #[derive(Debug)]
 pub struct SyntheticWeights {
-    /// Type the matrices are stored in.
+    /// Type the matrices are stored in, where `mix` gives no block format.
     pub dtype: DType,
     /// Seed mixed into every tensor's stream.
     pub seed: u64,
+    /// Which matrices are stored in block formats.
+    pub mix: SyntheticMix,
+    /// Layers of the model (the Q4_K_M mix gives some layers more bits).
+    pub num_layers: usize,
+}
+
+/// How a synthetic model stores its matrices: as floats, or in block formats as llama.cpp's
+/// quantization presets choose them (random blocks with the floats' spread,
+/// [`corral_backend::synthetic::quant_blocks`]). Norms, the router and recurrent gates stay f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SyntheticMix {
+    /// The config's float type.
+    #[default]
+    Float,
+    /// Every matrix Q8_0.
+    Q8_0,
+    /// Q4_K, with Q6_K for the LM head and for the v and down projections of the layers that
+    /// llama.cpp's Q4_K_M gives more bits (the first and last eighth, every third between).
+    Q4KM,
+}
+
+impl SyntheticMix {
+    /// The block format of matrix `name` (`cols` values a row) in a model of `layers`
+    /// layers, or `None` for the float type: rows that a format's blocks do not divide fall
+    /// back to Q8_0, then to floats, as llama-quantize falls back.
+    pub fn format_of(self, name: &str, cols: usize, layers: usize) -> Option<QuantFormat> {
+        let matrix = name.ends_with("_proj.weight")
+            || name.contains(".in_proj_")
+            || name.ends_with("experts.gate_up_proj")
+            || name.ends_with("experts.down_proj")
+            || name.ends_with("embed_tokens.weight")
+            || name.ends_with("lm_head.weight");
+        if !matrix {
+            return None;
+        }
+        let wanted = match self {
+            Self::Float => return None,
+            Self::Q8_0 => QuantFormat::Q8_0,
+            Self::Q4KM => {
+                let layer = name
+                    .strip_prefix("model.layers.")
+                    .and_then(|rest| rest.split('.').next())
+                    .and_then(|i| i.parse::<usize>().ok());
+                // llama.cpp's use_more_bits.
+                let more_bits =
+                    |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2;
+                let more = name.ends_with("v_proj.weight") || name.ends_with("down_proj");
+                if name.ends_with("lm_head.weight") || (more && layer.is_some_and(more_bits)) {
+                    QuantFormat::Q6K
+                } else {
+                    QuantFormat::Q4K
+                }
+            }
+        };
+        [wanted, QuantFormat::Q8_0]
+            .into_iter()
+            .find(|f| cols.is_multiple_of(f.block().0))
+    }
 }
 
 /// Standard deviation of synthetic matrices (transformers' `initializer_range` default).
@@ -183,6 +241,29 @@ impl SyntheticWeights {
     pub(crate) fn normal(&self, name: &str, n: usize) -> Vec<f32> {
         corral_backend::synthetic::normal_values(self.tensor_seed(name), n, STD)
     }
+
+    /// The block format `name` is made in on `backend` (one it reads as stored), if any.
+    fn format_on(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Option<QuantFormat> {
+        let cols = shape.last().copied().unwrap_or(0);
+        self.mix
+            .format_of(name, cols, self.num_layers)
+            .filter(|f| backend.reads_quantized(*f))
+    }
+
+    /// `n` values of tensor `name` in its format on `backend`.
+    fn made(
+        &self,
+        backend: &dyn Backend,
+        name: &str,
+        shape: &[usize],
+        n: usize,
+    ) -> Result<DeviceBuffer> {
+        let seed = self.tensor_seed(name);
+        Ok(match self.format_on(backend, name, shape) {
+            Some(format) => backend.weight_synthetic_blocks(format, n, seed, STD)?,
+            None => backend.weight_normal(n, self.dtype, seed, STD)?,
+        })
+    }
 }
 
 impl WeightSource for SyntheticWeights {
@@ -198,8 +279,7 @@ impl WeightSource for SyntheticWeights {
     }
 
     fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
-        let n = shape.iter().product();
-        Ok(backend.weight_normal(n, self.dtype, self.tensor_seed(name), STD)?)
+        self.made(backend, name, shape, shape.iter().product())
     }
 
     /// Norm weights and dt_bias are 1 and A_log 0 (decay rate 1); matrices normal.
@@ -216,8 +296,12 @@ impl WeightSource for SyntheticWeights {
         )
     }
 
-    fn stored_dtype(&self, _name: &str) -> Result<DType> {
-        Ok(self.dtype)
+    fn stored_dtype(&self, name: &str) -> Result<DType> {
+        // Without the shape, the format the full-width mix gives (stacking checks shapes).
+        Ok(match self.mix.format_of(name, 0, self.num_layers) {
+            Some(format) => DType::Quant(format),
+            None => self.dtype,
+        })
     }
 
     /// One stream for the stacked matrix, seeded by its first part's name (made on the
@@ -227,8 +311,77 @@ impl WeightSource for SyntheticWeights {
         backend: &dyn Backend,
         parts: &[(&str, &[usize])],
     ) -> Result<DeviceBuffer> {
-        let first = first_part(parts)?;
+        let (first, shape) = *parts
+            .first()
+            .ok_or_else(|| crate::ModelError::Unsupported("stacking no matrices".to_string()))?;
         let n = parts.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-        Ok(backend.weight_normal(n, self.dtype, self.tensor_seed(first), STD)?)
+        self.made(backend, first, shape, n)
+    }
+
+    /// Stacked where every part takes the same format, else apart (Q4_K_M's Q6_K v).
+    fn projection(&self, backend: &dyn Backend, parts: &[(&str, &[usize])]) -> Result<Projection> {
+        let formats: Vec<_> = parts
+            .iter()
+            .map(|(name, shape)| self.format_on(backend, name, shape))
+            .collect();
+        if formats.windows(2).all(|w| w[0] == w[1]) {
+            return Ok(Projection::Stacked(self.weight_stacked(backend, parts)?));
+        }
+        let apart = parts
+            .iter()
+            .map(|(name, shape)| Ok((self.weight(backend, name, shape)?, shape[0])))
+            .collect::<Result<_>>()?;
+        Ok(Projection::Parts(apart))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Q4_K_M's choices as llama.cpp's use_more_bits makes them for 48 layers, and the
+    /// fall-backs for rows that blocks of 256 (then 32) do not divide.
+    #[test]
+    fn synthetic_mixes_choose_formats_as_llama_cpp_does() {
+        let of = |mix: SyntheticMix, name: &str, cols| mix.format_of(name, cols, 48);
+        let v = |i: usize| format!("model.layers.{i}.self_attn.v_proj.weight");
+        let q4km = SyntheticMix::Q4KM;
+        let more: Vec<usize> = (0..48)
+            .filter(|&i| of(q4km, &v(i), 2048) == Some(QuantFormat::Q6K))
+            .collect();
+        assert_eq!(
+            more,
+            [
+                0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45,
+                46, 47
+            ]
+        );
+        let down = "model.layers.8.mlp.experts.down_proj";
+        assert_eq!(of(q4km, down, 768), Some(QuantFormat::Q6K));
+        assert_eq!(
+            of(q4km, "model.layers.7.mlp.experts.down_proj", 768),
+            Some(QuantFormat::Q4K)
+        );
+        assert_eq!(
+            of(q4km, "model.layers.7.self_attn.q_proj.weight", 2048),
+            Some(QuantFormat::Q4K)
+        );
+        assert_eq!(of(q4km, "lm_head.weight", 2048), Some(QuantFormat::Q6K));
+        assert_eq!(
+            of(q4km, "model.embed_tokens.weight", 2048),
+            Some(QuantFormat::Q4K)
+        );
+        assert_eq!(
+            of(q4km, "model.layers.7.self_attn.q_proj.weight", 96),
+            Some(QuantFormat::Q8_0)
+        );
+        assert_eq!(of(q4km, "model.layers.7.self_attn.q_proj.weight", 20), None);
+        assert_eq!(of(q4km, "model.layers.7.mlp.gate.weight", 2048), None);
+        assert_eq!(
+            of(q4km, "model.layers.7.input_layernorm.weight", 2048),
+            None
+        );
+        assert_eq!(of(SyntheticMix::Q8_0, down, 768), Some(QuantFormat::Q8_0));
+        assert_eq!(of(SyntheticMix::Float, down, 768), None);
     }
 }

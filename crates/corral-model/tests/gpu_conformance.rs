@@ -487,3 +487,55 @@ fn bf16_norm_outputs_equal_f32_projection_inputs_bit_for_bit() {
         );
     }
 }
+
+/// The quantized GGUF fixtures (Q8_0, Q4_0) on the GPU: few rows (chunk 1, per-token
+/// experts) quantize activations per 32 values as the CPU does and read the blocks on integer
+/// units, so the GPU gives the CPU's logits; more rows decode the blocks to bf16 for the
+/// tensor-core paths. Against transformers run on the decoded blocks, this tiny fixture
+/// amplifies either rounding (the CPU's int8 activations: 2.0e-1, gguf.rs), so that bound is
+/// against gross faults; the per-op tests (cuda_ops) bound each product tightly.
+#[test]
+fn gpu_quantized_gguf_logits_match_their_reference_and_the_cpu() {
+    let Some(backend) = gpu(DType::F32) else {
+        return;
+    };
+    let dir = fixture_dir("gguf");
+    let mut failures = Vec::new();
+    for ty in ["q8_0", "q4_0"] {
+        let path = dir.join(format!("qwen3_moe_sharded.{ty}.gguf"));
+        let mut on_gpu = Model::load_gguf(&path, Arc::clone(&backend), &mut |_, _| {}).unwrap();
+        let on_cpu = Model::load_gguf(
+            &path,
+            Arc::new(corral_backend::CpuBackend::new()),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let reference = common::read_reference_file(
+            &dir.join(format!("qwen3_moe_sharded.{ty}.reference.safetensors")),
+        );
+        let tokens = &reference.token_ids;
+        let vocab = on_gpu.config().vocab_size;
+        for strategy in [MoeStrategy::PerToken, MoeStrategy::Grouped] {
+            on_gpu.set_moe_strategy(strategy);
+            for chunk in [1, 7, tokens.len()] {
+                let ours = logits_chunked(&on_gpu, tokens, chunk);
+                let err = rel_err(&ours, &reference.logits);
+                let worst = worst_row_rel_err(&ours, &reference.logits, vocab);
+                let cpu = rel_err(&ours, &logits_chunked(&on_cpu, tokens, chunk));
+                let case = format!(
+                    "{ty} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e}; from the CPU {cpu:.2e}"
+                );
+                eprintln!("{case}");
+                let integer_path = chunk == 1 && strategy == MoeStrategy::PerToken;
+                if err > 3e-1 || cpu > 3e-1 || (integer_path && cpu > 1e-3) {
+                    failures.push(case);
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "out of bounds:\n{}",
+        failures.join("\n")
+    );
+}

@@ -41,7 +41,7 @@ const BULK_COPY: &str = include_str!("kernels/bulk_copy.cuh");
 const STREAMED_MVM: &str = include_str!("kernels/streamed_mvm.cuh");
 
 /// Every kernel file, one per op family.
-pub(crate) const SOURCES: [KernelSource; 8] = [
+pub(crate) const SOURCES: [KernelSource; 9] = [
     KernelSource {
         name: "elementwise.cu",
         headers: &[COMMON],
@@ -88,6 +88,11 @@ pub(crate) const SOURCES: [KernelSource; 8] = [
         name: "sampling.cu",
         headers: &[COMMON],
         body: include_str!("kernels/sampling.cu"),
+    },
+    KernelSource {
+        name: "quant.cu",
+        headers: &[COMMON, MMA_TILE],
+        body: include_str!("kernels/quant.cu"),
     },
 ];
 

@@ -8,7 +8,7 @@ use cudarc::nvrtc::Ptx;
 use super::FLASH_THREADS;
 use super::compile::{KernelCache, SOURCES};
 use super::device::{Gpu, Kernel, driver_err};
-use crate::{BackendError, DType, Result};
+use crate::{BackendError, DType, QuantFormat, Result};
 
 /// Kernels instantiated per weight type (bf16, f16, f32).
 #[derive(Debug)]
@@ -37,6 +37,31 @@ pub(crate) struct WeightKernels {
     pub(crate) grouped_big: Option<[Kernel; 3]>,
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
+}
+
+/// Block formats the GPU reads as stored, in the order of [`Kernels::quant`] (quant.cu's
+/// instantiations).
+pub(crate) const GPU_QUANT_FORMATS: [QuantFormat; 6] = [
+    QuantFormat::Q8_0,
+    QuantFormat::Q4_0,
+    QuantFormat::Q5_0,
+    QuantFormat::Q4K,
+    QuantFormat::Q5K,
+    QuantFormat::Q6K,
+];
+
+/// Kernels instantiated per block format, each decoding 32 values at a time in registers.
+#[derive(Debug)]
+pub(crate) struct QuantKernels {
+    /// Matrix-vector products for at most 1, 2, 4 and 8 rows.
+    pub(crate) matvec: [Kernel; 4],
+    pub(crate) per_token_gate_up: Kernel,
+    pub(crate) per_token_down: Kernel,
+    /// Whole rows decoded into f32, then bf16.
+    pub(crate) dequantize: [Kernel; 2],
+    /// The experts that have rows decoded into bf16.
+    pub(crate) dequantize_experts: Kernel,
+    pub(crate) embedding: Kernel,
 }
 
 /// Dynamic shared memory of the 128-row expert tiles: BT_SMEM_BYTES of mma_big_tile.cuh
@@ -96,6 +121,12 @@ pub(crate) struct Kernels {
     pub(crate) bf16: WeightKernels,
     pub(crate) f16: WeightKernels,
     pub(crate) f32: WeightKernels,
+    /// By [`GPU_QUANT_FORMATS`].
+    pub(crate) quant: [QuantKernels; 6],
+    pub(crate) synthetic_blocks: Kernel,
+    pub(crate) copy_columns: Kernel,
+    /// Activations quantized per 32 values for the block-format products.
+    pub(crate) quantize_q8: Kernel,
     pub(crate) gather_rows: Kernel,
     pub(crate) copy_blocks: Kernel,
     pub(crate) add_in_place: Kernel,
@@ -369,10 +400,41 @@ impl Kernels {
                 }
             };
         }
+        macro_rules! quant_kernels {
+            ($s:literal) => {
+                QuantKernels {
+                    matvec: [
+                        find(concat!("matvec_", $s, "_r1"))?,
+                        find(concat!("matvec_", $s, "_r2"))?,
+                        find(concat!("matvec_", $s, "_r4"))?,
+                        find(concat!("matvec_", $s, "_r8"))?,
+                    ],
+                    per_token_gate_up: find(concat!("moe_per_token_gate_up_", $s))?,
+                    per_token_down: find(concat!("moe_per_token_down_", $s))?,
+                    dequantize: [
+                        find(concat!("dequantize_", $s, "_f32"))?,
+                        find(concat!("dequantize_", $s, "_bf16"))?,
+                    ],
+                    dequantize_experts: find(concat!("dequantize_experts_", $s))?,
+                    embedding: find(concat!("embedding_", $s))?,
+                }
+            };
+        }
         let kernels = Self {
             bf16: weight_kernels!("bf16"),
             f16: weight_kernels!("f16"),
             f32: weight_kernels!("f32"),
+            quant: [
+                quant_kernels!("q8_0"),
+                quant_kernels!("q4_0"),
+                quant_kernels!("q5_0"),
+                quant_kernels!("q4_k"),
+                quant_kernels!("q5_k"),
+                quant_kernels!("q6_k"),
+            ],
+            synthetic_blocks: find("synthetic_blocks")?,
+            copy_columns: find("copy_columns")?,
+            quantize_q8: find("quantize_q8")?,
             gather_rows: find("gather_rows")?,
             copy_blocks: find("copy_blocks")?,
             add_in_place: find("add_in_place")?,
@@ -464,6 +526,18 @@ impl Kernels {
         };
         report.seconds = start.elapsed().as_secs_f64();
         Ok((kernels, report))
+    }
+
+    /// The kernels for weights of block format `format`.
+    pub(crate) fn for_quant(&self, op: &'static str, format: QuantFormat) -> Result<&QuantKernels> {
+        GPU_QUANT_FORMATS
+            .iter()
+            .position(|f| *f == format)
+            .map(|i| &self.quant[i])
+            .ok_or_else(|| BackendError::BadArgument {
+                op,
+                detail: format!("weights of {} on the GPU", format.name()),
+            })
     }
 
     /// The kernels for weights of `dtype`.

@@ -18,6 +18,7 @@ mod blas;
 mod compile;
 mod device;
 mod kernels;
+mod quant;
 
 use std::ffi::c_void;
 use std::path::PathBuf;
@@ -130,6 +131,8 @@ pub struct CudaBackend {
     profile: Mutex<Option<Vec<TimedLaunch>>>,
     /// Whether `profile` is on: launches check this before taking the lock.
     profiling: AtomicBool,
+    /// Bf16 copies of a block-format MoE layer's experts for the grouped tiles.
+    decoded_experts: Mutex<Option<quant::DecodedExperts>>,
 }
 
 /// An instantiated CUDA graph.
@@ -475,8 +478,16 @@ struct Attention<'a> {
 /// A weight view's address, type and whether its rows allow 16-byte loads.
 fn weight(op: &'static str, w: WeightView<'_>) -> Result<(u64, DType, bool)> {
     let dtype = w.buffer.dtype();
-    let addr = ptr_of(op, w.buffer)? + (w.offset * dtype.size_bytes()) as u64;
-    let vec = addr.is_multiple_of(16) && w.cols.is_multiple_of(8);
+    let block = dtype.block_values();
+    if !w.offset.is_multiple_of(block) || !w.cols.is_multiple_of(block) {
+        return Err(bad(
+            op,
+            format!("{dtype} weights viewed across blocks of {block} values"),
+        ));
+    }
+    let addr = ptr_of(op, w.buffer)? + dtype.bytes_of(w.offset) as u64;
+    let quant = matches!(dtype, DType::Quant(_));
+    let vec = !quant && addr.is_multiple_of(16) && w.cols.is_multiple_of(8);
     Ok((addr, dtype, vec))
 }
 
@@ -606,6 +617,7 @@ impl CudaBackend {
             cache_report,
             profile: Mutex::new(None),
             profiling: AtomicBool::new(false),
+            decoded_experts: Mutex::new(None),
             capturing: AtomicBool::new(false),
             capture_start: AtomicU64::new(0),
             capture_start_bytes: AtomicU64::new(0),
@@ -773,8 +785,11 @@ impl CudaBackend {
                 if b.dtype() != dtype {
                     return Err(bad(op, "experts stored in different types".to_string()));
                 }
-                let addr = ptr_of(op, b)? + (offset * dtype.size_bytes()) as u64;
-                vec &= addr.is_multiple_of(16);
+                if !offset.is_multiple_of(dtype.block_values()) {
+                    return Err(bad(op, format!("{dtype} experts across blocks")));
+                }
+                let addr = ptr_of(op, b)? + dtype.bytes_of(offset) as u64;
+                vec &= addr.is_multiple_of(16) && !matches!(dtype, DType::Quant(_));
                 addrs.push(addr);
             }
             let words: Vec<u32> = addrs
@@ -925,6 +940,11 @@ impl CudaBackend {
             return Ok(DType::F32);
         }
         let (down, dtype, vec) = self.experts(op, &experts.down)?;
+        if quant::quant_format(dtype).is_some() {
+            return self.with_decoded_experts(op, experts, sorted, [false, false, true], |d| {
+                self.grouped_down(act, routing, sorted, d, y, bf16_y)
+            });
+        }
         let [offsets, hit, sorted_pairs, pairs_a, experts_a] =
             sorted_args(op, sorted, num_experts, pairs)?;
         let args = [
@@ -1418,7 +1438,12 @@ impl Backend for CudaBackend {
         if !dtype.is_float() {
             return Err(bad(op, "weights must be float".to_string()));
         }
-        let byte_len = len * dtype.size_bytes();
+        let byte_len = dtype.bytes_of(len);
+        if let Some(format) = quant::quant_format(dtype)
+            && (!Self::reads_format(format) || !len.is_multiple_of(format.block().0))
+        {
+            return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
+        }
         let bytes = file
             .bytes()
             .get(byte_offset..byte_offset + byte_len)
@@ -1460,6 +1485,29 @@ impl Backend for CudaBackend {
         }
         self.stats.transfer(values.len() * dtype.size_bytes());
         Ok(b)
+    }
+
+    fn reads_quantized(&self, format: crate::QuantFormat) -> bool {
+        Self::reads_format(format)
+    }
+
+    fn weight_from_blocks(
+        &self,
+        blocks: Vec<u8>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        self.upload_blocks(&blocks, dtype, len)
+    }
+
+    fn weight_synthetic_blocks(
+        &self,
+        format: crate::QuantFormat,
+        len: usize,
+        seed: u64,
+        std: f32,
+    ) -> Result<DeviceBuffer> {
+        self.synthetic_blocks(format, len, seed, std)
     }
 
     fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
@@ -1656,6 +1704,9 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let op = "embedding";
         let (w, dtype, _) = weight(op, table)?;
+        if let Some(format) = quant::quant_format(dtype) {
+            return self.quant_embedding(table, format, ids, tokens, out);
+        }
         let w = Arg::Ptr(w);
         let hidden = table.cols;
         let args = [
@@ -1818,6 +1869,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (w_addr, dtype, vec) = weight(op, w)?;
+        if let Some(format) = quant::quant_format(dtype) {
+            return self.quant_matmul(x, rows, w, format, out);
+        }
         let out_addr = ptr_of(op, out)?;
         let blas = self
             .blas
@@ -1925,6 +1979,18 @@ impl Backend for CudaBackend {
             );
             self.launch(&kernels.matmul_tiled, grid, 128, &args)
         }
+    }
+
+    fn matmul_columns(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+        out_cols: usize,
+        col0: usize,
+    ) -> Result<()> {
+        self.matmul_into_columns(x, rows, w, out, (out_cols, col0))
     }
 
     fn matmuls(
@@ -2418,6 +2484,11 @@ impl Backend for CudaBackend {
         if gate_dtype != up_dtype {
             return Err(bad(op, "gate and up stored in different types".to_string()));
         }
+        if quant::quant_format(gate_dtype).is_some() {
+            return self.with_decoded_experts(op, experts, sorted, [true, true, false], |d| {
+                self.moe_grouped_gate_up(x, routing, sorted, d, act)
+            });
+        }
         let kernels = self.kernels.for_weights(op, gate_dtype)?;
         let big = self.big_tiles(op, kernels, experts)?;
         let few_rows = kernels
@@ -2862,6 +2933,14 @@ impl Backend for CudaBackend {
         let (gate, dtype, gate_vec) = self.experts(op, &experts.gate)?;
         let (up, up_dtype, up_vec) = self.experts(op, &experts.up)?;
         let (down, down_dtype, down_vec) = self.experts(op, &experts.down)?;
+        if let (Some(g), Some(d)) = (quant::quant_format(dtype), quant::quant_format(down_dtype))
+            && up_dtype == dtype
+        {
+            // Block formats may differ between gate/up and down (Q4_K_M's Q6_K down).
+            let tables = [gate, up, down];
+            let shape = (num_experts, inter, hidden);
+            return self.quant_experts_per_token(x, routing, (g, d), tables, shape, act, out);
+        }
         if up_dtype != dtype || down_dtype != dtype {
             return Err(bad(
                 op,
@@ -2869,6 +2948,7 @@ impl Backend for CudaBackend {
             ));
         }
         let kernels = self.kernels.for_weights(op, dtype)?;
+        let (gate_up_kernel, down_kernel) = (&kernels.per_token_gate_up, &kernels.per_token_down);
         let ids = buf(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?;
         let act_arg = buf(op, "act", act, DType::F32, pairs * inter)?;
         let first = [
@@ -2885,7 +2965,7 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let grid = (grid_of(op, inter.div_ceil(8) * pairs)?, 1, 1);
-        self.launch(&kernels.per_token_gate_up, grid, 256, &first)?;
+        self.launch(gate_up_kernel, grid, 256, &first)?;
         let second = [
             act_arg,
             u32_of(op, inter)?,
@@ -2906,7 +2986,7 @@ impl Backend for CudaBackend {
             self.diag(),
         ];
         let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
-        self.launch(&kernels.per_token_down, grid, 256, &second)
+        self.launch(down_kernel, grid, 256, &second)
     }
 }
 

@@ -39,7 +39,7 @@ pub fn crossover(timings: &[(usize, f64, f64)]) -> usize {
     threshold
 }
 
-fn cache_path(device: &str, kernels: u64, config: &ModelConfig) -> Option<PathBuf> {
+fn cache_path(device: &str, kernels: u64, config: &ModelConfig, experts: &str) -> Option<PathBuf> {
     let env = |k: &str| {
         std::env::var_os(k)
             .filter(|v| !v.is_empty())
@@ -50,7 +50,7 @@ fn cache_path(device: &str, kernels: u64, config: &ModelConfig) -> Option<PathBu
         .or_else(|| env("HOME").map(|d| d.join(".cache/corral/calibration")))?;
     let moe = config.moe.as_ref()?;
     let key = format!(
-        "v4|{device}|kernels {kernels:016x}|h{}|e{}|k{}|i{}|{:?}",
+        "v4|{device}|kernels {kernels:016x}|h{}|e{}|k{}|i{}|{:?}|{experts}",
         config.hidden_size, moe.num_experts, moe.top_k, moe.moe_intermediate_size, config.dtype
     );
     let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
@@ -75,7 +75,14 @@ pub(crate) fn calibrate(
             cached: false,
         });
     };
-    let path = cache_path(&backend.device_name(), backend.kernels_id(), config);
+    // The experts' stored types (block formats run other kernels).
+    let experts = first.expert_dtypes();
+    let path = cache_path(
+        &backend.device_name(),
+        backend.kernels_id(),
+        config,
+        &experts,
+    );
     if let Some(n) = path
         .as_ref()
         .and_then(|p| std::fs::read_to_string(p).ok())
@@ -150,16 +157,21 @@ mod tests {
     use super::{cache_path, crossover};
 
     #[test]
-    fn a_calibration_is_cached_per_device_shape_and_kernels() {
+    fn a_calibration_is_cached_per_device_shape_kernels_and_expert_types() {
         let config = crate::ModelConfig::from_json(
             include_str!("../../../../bench/configs/qwen3-30b-a3b.json"),
             std::path::Path::new("qwen3-30b-a3b.json"),
         )
         .expect("bench config");
-        let path = |device: &str, kernels| cache_path(device, kernels, &config);
+        let path = |device: &str, kernels| cache_path(device, kernels, &config, "BF16/BF16");
         if path("gpu", 1).is_none() {
             return; // no cache folder in this environment
         }
+        assert_ne!(
+            path("gpu", 1),
+            cache_path("gpu", 1, &config, "Q4K/Q6K"),
+            "block-format experts, new measurement"
+        );
         assert_ne!(
             path("gpu", 1),
             path("gpu", 2),

@@ -40,6 +40,15 @@ pub(crate) struct SparseMoe {
 }
 
 impl SparseMoe {
+    /// The experts' stored types, gate/up then down (calibration keys on them).
+    pub(crate) fn expert_dtypes(&self) -> String {
+        format!(
+            "{:?}/{:?}",
+            self.experts.gate.dtype(),
+            self.experts.down.dtype()
+        )
+    }
+
     /// Binds `{prefix}gate.weight` and the experts under `{prefix}experts.`.
     pub(crate) fn load(
         source: &dyn WeightSource,

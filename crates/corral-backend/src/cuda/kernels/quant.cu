@@ -1,0 +1,549 @@
+// Block-format weights (GGUF's Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) read as stored: a lane
+// decodes 32 values of a row at a time in registers, as quant.rs defines them (the same
+// products in the same order, so that a decoded value is the CPU's bit for bit), and meets
+// them with f32 activations. Few rows (decode) and the per-token experts read the blocks
+// directly; many rows decode a matrix to bf16 for the tensor-core paths.
+
+#define QMV_WARPS 8  // output features (a warp each) per block of the few-row products
+
+// Unaligned-safe little-endian reads of a block's fields: blocks of 34, 18, 22 and 210 bytes
+// are only 2-byte aligned.
+__device__ __forceinline__ u32 byte_at(const u16* h, u32 i) { return (h[i >> 1] >> (8 * (i & 1))) & 0xffu; }
+
+// q · d and d·scale · q − dmin·min, rounded as the CPU rounds them (no fused multiply-add).
+__device__ __forceinline__ float q_times(float d, int q) { return __fmul_rn((float)q, d); }
+__device__ __forceinline__ float q_affine(float d1, u32 q, float m1) {
+    return __fsub_rn(__fmul_rn(d1, (float)q), m1);
+}
+
+// Scale and min of sub-block j of a Q4_K/Q5_K super-block's 12 packed bytes (quant.rs's
+// k_scale_min).
+__device__ __forceinline__ void k_scale_min(const u8* scales, u32 j, u32* sc, u32* m) {
+    if (j < 4) {
+        *sc = scales[j] & 63u;
+        *m = scales[j + 4] & 63u;
+    } else {
+        *sc = (scales[j + 4] & 0x0fu) | ((scales[j - 4] >> 6) << 4);
+        *m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+    }
+}
+
+struct q8_0 { enum { VALUES = 32, BYTES = 34 }; };
+struct q4_0 { enum { VALUES = 32, BYTES = 18 }; };
+struct q5_0 { enum { VALUES = 32, BYTES = 22 }; };
+struct q4_k { enum { VALUES = 256, BYTES = 144 }; };
+struct q5_k { enum { VALUES = 256, BYTES = 176 }; };
+struct q6_k { enum { VALUES = 256, BYTES = 210 }; };
+
+// Values 32c .. 32c + 31 of a row of blocks starting at `row`.
+template <typename F> __device__ void decode32(const u8* row, u32 c, float (&v)[32]);
+
+template <> __device__ __forceinline__ void decode32<q8_0>(const u8* row, u32 c, float (&v)[32]) {
+    const u16* h = reinterpret_cast<const u16*>(row + (size_t)c * 34);
+    float d = f16_to_f32(h[0]);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u32 w = h[1 + i];
+        v[2 * i] = q_times(d, (int)(signed char)(w & 0xffu));
+        v[2 * i + 1] = q_times(d, (int)(signed char)(w >> 8));
+    }
+}
+
+template <> __device__ __forceinline__ void decode32<q4_0>(const u8* row, u32 c, float (&v)[32]) {
+    const u16* h = reinterpret_cast<const u16*>(row + (size_t)c * 18);
+    float d = f16_to_f32(h[0]);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 q = byte_at(h + 1, j);
+        v[j] = q_times(d, (int)(q & 15u) - 8);
+        v[j + 16] = q_times(d, (int)(q >> 4) - 8);
+    }
+}
+
+template <> __device__ __forceinline__ void decode32<q5_0>(const u8* row, u32 c, float (&v)[32]) {
+    const u16* h = reinterpret_cast<const u16*>(row + (size_t)c * 22);
+    float d = f16_to_f32(h[0]);
+    u32 qh = (u32)h[1] | ((u32)h[2] << 16);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 q = byte_at(h + 3, j);
+        u32 lo = ((qh >> j) << 4) & 0x10u, hi = (qh >> (j + 12)) & 0x10u;
+        v[j] = q_times(d, (int)((q & 15u) | lo) - 16);
+        v[j + 16] = q_times(d, (int)((q >> 4) | hi) - 16);
+    }
+}
+
+// Q4_K and Q5_K: sub-block s of super-block c / 8 is the low (s even) or high nibbles of the
+// 32 bytes of the s / 2-th 64 values, with bit s of each qh byte as a fifth bit (Q5_K).
+template <bool FIFTH>
+__device__ __forceinline__ void decode32_k(const u8* sb, u32 s, float (&v)[32]) {
+    const u16* h = reinterpret_cast<const u16*>(sb);
+    float d = f16_to_f32(h[0]), dmin = f16_to_f32(h[1]);
+    u32 sc, m;
+    k_scale_min(sb + 4, s, &sc, &m);
+    float d1 = d * (float)sc, m1 = dmin * (float)m;
+    const u32* qs = reinterpret_cast<const u32*>(sb + (FIFTH ? 48 : 16) + 32 * (s >> 1));
+    const u32* qh = reinterpret_cast<const u32*>(sb + 16);
+    u32 shift = 4 * (s & 1);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u32 w = qs[i], hw = FIFTH ? qh[i] : 0u;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            u32 q = (w >> (8 * b + shift)) & 15u;
+            if (FIFTH) q |= ((hw >> (8 * b + s)) & 1u) << 4;
+            v[4 * i + b] = q_affine(d1, q, m1);
+        }
+    }
+}
+
+template <> __device__ __forceinline__ void decode32<q4_k>(const u8* row, u32 c, float (&v)[32]) {
+    decode32_k<false>(row + (size_t)(c >> 3) * 144, c & 7, v);
+}
+
+template <> __device__ __forceinline__ void decode32<q5_k>(const u8* row, u32 c, float (&v)[32]) {
+    decode32_k<true>(row + (size_t)(c >> 3) * 176, c & 7, v);
+}
+
+// Q6_K: sub-block s is quarter k = s % 4 of half s / 4: low (k < 2) or high nibbles of ql
+// bytes 0..32 (k even) or 32..64 (k odd) of the half, with bits 2k..2k+1 of its qh bytes
+// as the top two; scale 16 values at a time.
+template <> __device__ __forceinline__ void decode32<q6_k>(const u8* row, u32 c, float (&v)[32]) {
+    const u8* sb = row + (size_t)(c >> 3) * 210;
+    u32 s = c & 7, half = s >> 2, k = s & 3;
+    const u16* ql = reinterpret_cast<const u16*>(sb + 64 * half + 32 * (k & 1));
+    const u16* qh = reinterpret_cast<const u16*>(sb + 128 + 32 * half);
+    const u16* hsc = reinterpret_cast<const u16*>(sb + 192 + 8 * half);
+    float d = f16_to_f32(reinterpret_cast<const u16*>(sb)[104]);
+    float scale[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) scale[i] = d * (float)(signed char)byte_at(hsc, i + 2 * k);
+    u32 lo_shift = 4 * (k >> 1), hi_shift = 2 * k;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u32 l = ql[i], hh = qh[i];
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            u32 q = ((l >> (8 * b + lo_shift)) & 15u) | (((hh >> (8 * b + hi_shift)) & 3u) << 4);
+            v[2 * i + b] = q_times(scale[i >> 3], (int)q - 32);
+        }
+    }
+}
+
+template <typename F> __device__ __forceinline__ size_t row_bytes(u32 k) {
+    return (size_t)(k / F::VALUES) * F::BYTES;
+}
+
+// Activations quantized per 32 values as the CPU quantizes them (quant_dot.rs's
+// quantize_block, bit for bit): q = round-half-even(x / d) in int8 with d = max|x| / 127, and
+// the sums of each 16-value half's q (for formats whose values carry an offset or a min).
+// A warp per 32 values.
+extern "C" __global__ void quantize_q8(const float* x, u64 blocks, signed char* q, float* d,
+                                       int2* sums) {
+    begin_kernel();
+    u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u32 lane = threadIdx.x & 31;
+    if (b >= blocks) return;
+    float v = x[b * 32 + lane], amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
+    int qi = __float2int_rn(__fmul_rn(v, inv));
+    q[b * 32 + lane] = (signed char)qi;
+    int half = qi;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) half += __shfl_xor_sync(0xffffffffu, half, o);
+    int other = __shfl_xor_sync(0xffffffffu, half, 16);
+    if (lane == 0) {
+        d[b] = dd;
+        sums[b] = make_int2(half, other);
+    }
+}
+
+// `N` bytes from p (2-byte aligned at least) as N / 4 little-endian words: aligned 4-byte
+// loads funnel-shifted into place (the word past the end only where p is not 4-aligned, so
+// nothing beyond the N bytes is read).
+template <int N>
+__device__ __forceinline__ void load_words(const u8* p, u32 (&w)[N / 4]) {
+    const u32* base = reinterpret_cast<const u32*>((size_t)p & ~(size_t)3);
+    u32 sh = 8 * ((u32)(size_t)p & 3u), a[N / 4 + 1];
+#pragma unroll
+    for (int i = 0; i < N / 4; i++) a[i] = base[i];
+    a[N / 4] = sh ? base[N / 4] : 0u;
+#pragma unroll
+    for (int i = 0; i < N / 4; i++) w[i] = __funnelshift_r(a[i], a[i + 1], sh);
+}
+
+__device__ __forceinline__ void load_words16(const u8* p, u32 (&w)[8]) {
+    uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+}
+
+// 32 values of a row as the integer products need them: w[j] holds values 4j .. 4j + 3 as
+// bytes (signed for Q8_0; the others' are below 64), and value i is a[i / 16] · w_i + o[i / 16].
+struct QChunk {
+    u32 w[8];
+    float a[2], o[2];
+};
+
+template <typename F> __device__ void int_chunk(const u8* row, u32 c, QChunk& q);
+
+template <> __device__ __forceinline__ void int_chunk<q8_0>(const u8* row, u32 c, QChunk& q) {
+    const u8* b = row + (size_t)c * 34;
+    float d = f16_to_f32(*reinterpret_cast<const u16*>(b));
+    load_words<32>(b + 2, q.w);
+    q.a[0] = q.a[1] = d;
+    q.o[0] = q.o[1] = 0.f;
+}
+
+template <> __device__ __forceinline__ void int_chunk<q4_0>(const u8* row, u32 c, QChunk& q) {
+    const u8* b = row + (size_t)c * 18;
+    float d = f16_to_f32(*reinterpret_cast<const u16*>(b));
+    u32 raw[4];
+    load_words<16>(b + 2, raw);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        q.w[j] = raw[j] & 0x0f0f0f0fu;
+        q.w[4 + j] = (raw[j] >> 4) & 0x0f0f0f0fu;
+    }
+    q.a[0] = q.a[1] = d;
+    q.o[0] = q.o[1] = -8.f * d;
+}
+
+// Bits 4k .. 4k + 3 of qh into bit 4 of each byte of a word.
+__device__ __forceinline__ u32 spread4(u32 qh, int k) {
+    u32 b = (qh >> (4 * k)) & 15u;
+    return ((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25);
+}
+
+template <> __device__ __forceinline__ void int_chunk<q5_0>(const u8* row, u32 c, QChunk& q) {
+    const u8* b = row + (size_t)c * 22;
+    const u16* h = reinterpret_cast<const u16*>(b);
+    float d = f16_to_f32(h[0]);
+    u32 qh = (u32)h[1] | ((u32)h[2] << 16), raw[4];
+    load_words<16>(b + 6, raw);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        q.w[j] = (raw[j] & 0x0f0f0f0fu) | spread4(qh, j);
+        q.w[4 + j] = ((raw[j] >> 4) & 0x0f0f0f0fu) | spread4(qh, 4 + j);
+    }
+    q.a[0] = q.a[1] = d;
+    q.o[0] = q.o[1] = -16.f * d;
+}
+
+template <bool FIFTH>
+__device__ __forceinline__ void int_chunk_k(const u8* sb, u32 s, QChunk& q) {
+    u32 dm = *reinterpret_cast<const u32*>(sb);
+    float d = f16_to_f32((u16)(dm & 0xffffu)), dmin = f16_to_f32((u16)(dm >> 16));
+    u32 sc, m;
+    k_scale_min(sb + 4, s, &sc, &m);
+    u32 qs[8];
+    load_words16(sb + (FIFTH ? 48 : 16) + 32 * (s >> 1), qs);
+    u32 shift = 4 * (s & 1);
+#pragma unroll
+    for (int j = 0; j < 8; j++) q.w[j] = (qs[j] >> shift) & 0x0f0f0f0fu;
+    if (FIFTH) {
+        u32 qh[8];
+        load_words16(sb + 16, qh);
+#pragma unroll
+        for (int j = 0; j < 8; j++) q.w[j] |= ((qh[j] >> s) & 0x01010101u) << 4;
+    }
+    q.a[0] = q.a[1] = d * (float)sc;
+    q.o[0] = q.o[1] = -(dmin * (float)m);
+}
+
+template <> __device__ __forceinline__ void int_chunk<q4_k>(const u8* row, u32 c, QChunk& q) {
+    int_chunk_k<false>(row + (size_t)(c >> 3) * 144, c & 7, q);
+}
+
+template <> __device__ __forceinline__ void int_chunk<q5_k>(const u8* row, u32 c, QChunk& q) {
+    int_chunk_k<true>(row + (size_t)(c >> 3) * 176, c & 7, q);
+}
+
+template <> __device__ __forceinline__ void int_chunk<q6_k>(const u8* row, u32 c, QChunk& q) {
+    const u8* sb = row + (size_t)(c >> 3) * 210;
+    u32 s = c & 7, half = s >> 2, k = s & 3;
+    u32 ql[8], qh[8];
+    load_words<32>(sb + 64 * half + 32 * (k & 1), ql);
+    load_words<32>(sb + 128 + 32 * half, qh);
+    u32 ls = 4 * (k >> 1), hs = 2 * k;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        q.w[j] = ((ql[j] >> ls) & 0x0f0f0f0fu) | (((qh[j] >> hs) & 0x03030303u) << 4);
+    float d = f16_to_f32(reinterpret_cast<const u16*>(sb)[104]);
+    const u8* sc = sb + 192 + 8 * half + 2 * k;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        q.a[i] = d * (float)(signed char)sc[i];
+        q.o[i] = -32.f * q.a[i];
+    }
+}
+
+// The chunk times 32 quantized activations: dx · Σ_h (a_h · Σ w·q + o_h · Σ q).
+__device__ __forceinline__ float chunk_dot(const QChunk& w, const signed char* xq, float dx,
+                                           int2 sums) {
+    int4 lo = reinterpret_cast<const int4*>(xq)[0], hi = reinterpret_cast<const int4*>(xq)[1];
+    int x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) s0 = __dp4a((int)w.w[j], x[j], s0);
+#pragma unroll
+    for (int j = 4; j < 8; j++) s1 = __dp4a((int)w.w[j], x[j], s1);
+    return dx * (w.a[0] * (float)s0 + w.o[0] * (float)sums.x + w.a[1] * (float)s1 +
+                 w.o[1] * (float)sums.y);
+}
+
+// Rows of activations quantized by quantize_q8: row r's 32 values from c·32.
+struct QActs {
+    const signed char* q;
+    const float* d;
+    const int2* sums;
+    u32 k;  // values a row
+    __device__ __forceinline__ float dot(const QChunk& w, u32 r, u32 c) const {
+        size_t b = (size_t)r * (k / 32) + c;
+        return chunk_dot(w, q + b * 32, d[b], sums[b]);
+    }
+};
+
+// out[rows, N] = x[rows, K] · Wᵀ, rows ≤ ROWS, out's rows `ld` apart (a projection written
+// into columns of a wider output): a warp per output feature, its lanes over the row's
+// 32-value pieces, each piece's integers unpacked once for every row of x.
+template <typename F, int ROWS>
+__device__ void matvec_q_impl(QActs x, u32 rows, const u8* w, u32 N, u32 K, float* out, u32 ld,
+                              Diag* diag) {
+    u32 lane = threadIdx.x & 31, n = blockIdx.x * QMV_WARPS + (threadIdx.x >> 5);
+    if (threadIdx.x == 0)
+        count_weight_bytes(diag, min((u32)QMV_WARPS, N - blockIdx.x * QMV_WARPS) * row_bytes<F>(K));
+    if (n >= N) return;
+    const u8* wr = w + (size_t)n * row_bytes<F>(K);
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+    for (u32 c = lane; c < K / 32; c += 32) {
+        QChunk q;
+        int_chunk<F>(wr, c, q);
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            if (r < rows) acc[r] += x.dot(q, r, c);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0 && r < rows) out[(size_t)r * ld + n] = s;
+    }
+}
+
+// Per-token experts, first half: act[p, i] = silu(gate[e] x[t]) · up[e] x[t], a warp per
+// (pair, row). Grid: ceil(I / 8) blocks per pair, pair-major.
+template <typename F>
+__device__ void per_token_gate_up_q_impl(QActs x, u32 hidden, const u32* ids, u32 top_k,
+                                         u32 num_experts, const u64* gate_table,
+                                         const u64* up_table, u32 inter, float* act, Diag* diag) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 chunks = (inter + 7) / 8;
+    u32 p = blockIdx.x / chunks, chunk = blockIdx.x % chunks, i = chunk * 8 + warp;
+    u32 e = ids[p];
+    if (e >= num_experts) {
+        if (threadIdx.x == 0) raise_error(diag, ERR_EXPERT_ID);
+        return;
+    }
+    if (threadIdx.x == 0) count_weight_bytes(diag, 2ull * min(8u, inter - chunk * 8) * row_bytes<F>(hidden));
+    if (i >= inter) return;
+    u32 t = p / top_k;
+    const u8* g = reinterpret_cast<const u8*>(gate_table[e]) + i * row_bytes<F>(hidden);
+    const u8* u = reinterpret_cast<const u8*>(up_table[e]) + i * row_bytes<F>(hidden);
+    float gv = 0.f, uv = 0.f;
+    for (u32 c = lane; c < hidden / 32; c += 32) {
+        QChunk qg, qu;
+        int_chunk<F>(g, c, qg);
+        int_chunk<F>(u, c, qu);
+        gv += x.dot(qg, t, c);
+        uv += x.dot(qu, t, c);
+    }
+    gv = warp_sum(gv);
+    uv = warp_sum(uv);
+    if (lane == 0) act[(size_t)p * inter + i] = silu(gv) * uv;
+}
+
+// Per-token experts, second half: out[t, h] = Σ_j w[t, j] · down[e_j][h] · act[t·k + j], a
+// warp per (token, row), its lanes over the (slot, 32 values) pieces of every slot at once.
+// Grid: ceil(H / 8) blocks per token.
+template <typename F>
+__device__ void per_token_down_q_impl(QActs act, u32 inter, const u32* ids,
+                                      const float* route_weights, u32 top_k, u32 num_experts,
+                                      const u64* down_table, u32 hidden, float* out, Diag* diag) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 chunks = (hidden + 7) / 8;
+    u32 t = blockIdx.x / chunks, chunk = blockIdx.x % chunks, h = chunk * 8 + warp;
+    if (threadIdx.x == 0)
+        count_weight_bytes(diag, (u64)min(8u, hidden - chunk * 8) * row_bytes<F>(inter) * top_k);
+    if (h >= hidden) return;
+    u32 per_slot = inter / 32;
+    float total = 0.f;
+    for (u32 q = lane; q < top_k * per_slot; q += 32) {
+        u32 j = q / per_slot, c = q % per_slot, p = t * top_k + j, e = ids[p];
+        if (e >= num_experts) {
+            raise_error(diag, ERR_EXPERT_ID);
+            e = 0;
+        }
+        QChunk w;
+        int_chunk<F>(reinterpret_cast<const u8*>(down_table[e]) + h * row_bytes<F>(inter), c, w);
+        total += route_weights[p] * act.dot(w, p, c);
+    }
+    total = warp_sum(total);
+    if (lane == 0) out[(size_t)t * hidden + h] = total;
+}
+
+// Rows of a matrix decoded: a thread per 32 values, `pieces` of them; f32 or bf16 out.
+__device__ __forceinline__ void store32(float* out, const float (&v)[32]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        reinterpret_cast<float4*>(out)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+__device__ __forceinline__ void store32(u16* out, const float (&v)[32]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 p[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) p[j] = pack_bf16(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
+        reinterpret_cast<uint4*>(out)[i] = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+}
+
+// out[r, :] = row r of w decoded, for rows of K values (K a multiple of the block).
+template <typename F, typename O>
+__device__ void dequantize_impl(const u8* w, u32 K, u64 pieces, O* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pieces) return;
+    u32 per_row = K / 32;
+    u64 r = i / per_row;
+    u32 c = (u32)(i % per_row);
+    float v[32];
+    decode32<F>(w + r * row_bytes<F>(K), c, v);
+    store32(out + i * 32, v);
+}
+
+// The experts that have sorted rows decoded into out ([E][rows][K] bf16), `pieces` 32-value
+// pieces an expert: grid (ceil(pieces / 256), E); an expert without rows is skipped.
+template <typename F>
+__device__ void dequantize_experts_impl(const u64* table, const u32* offsets, u32 K, u64 pieces,
+                                        u16* out) {
+    u32 e = blockIdx.y;
+    if (offsets[e] == offsets[e + 1]) return;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pieces) return;
+    u32 per_row = K / 32;
+    float v[32];
+    decode32<F>(reinterpret_cast<const u8*>(table[e]) + (i / per_row) * row_bytes<F>(K),
+                (u32)(i % per_row), v);
+    store32(out + ((u64)e * pieces + i) * 32, v);
+}
+
+// out[t] = row ids[t] of the table decoded; an id past `vocab` raises the flag, zeros.
+template <typename F>
+__device__ void embedding_q_impl(const u8* table, const u32* ids, u32 tokens, u32 hidden,
+                                 u32 vocab, float* out, Diag* diag) {
+    u32 t = blockIdx.x;
+    if (t >= tokens) return;
+    u32 id = ids[t];
+    bool ok = id < vocab;
+    if (!ok && threadIdx.x == 0) raise_error(diag, ERR_TOKEN_ID);
+    for (u32 c = threadIdx.x; c < hidden / 32; c += blockDim.x) {
+        float v[32];
+        if (ok) {
+            decode32<F>(table + (size_t)id * row_bytes<F>(hidden), c, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; i++) v[i] = 0.f;
+        }
+        store32(out + (size_t)t * hidden + 32 * c, v);
+    }
+}
+
+#define QACTS const signed char *xq, const float *xd, const int2 *xs
+#define QUANT_MATVEC(S, F, R)                                                                  \
+    extern "C" __global__ void __launch_bounds__(QMV_WARPS * 32) matvec_##S##_r##R(            \
+        QACTS, u32 rows, const u8* w, u32 N, u32 K, float* out, u32 ld, Diag* diag) {          \
+        begin_kernel();                                                                        \
+        matvec_q_impl<F, R>(QActs{xq, xd, xs, K}, rows, w, N, K, out, ld, diag);               \
+    }
+#define QUANT_KERNELS(S, F)                                                                    \
+    QUANT_MATVEC(S, F, 1)                                                                      \
+    QUANT_MATVEC(S, F, 2)                                                                      \
+    QUANT_MATVEC(S, F, 4)                                                                      \
+    QUANT_MATVEC(S, F, 8)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) moe_per_token_gate_up_##S(               \
+        QACTS, u32 hidden, const u32* ids, u32 top_k, u32 num_experts, const u64* gate_table,  \
+        const u64* up_table, u32 inter, float* act, Diag* diag) {                              \
+        begin_kernel();                                                                        \
+        per_token_gate_up_q_impl<F>(QActs{xq, xd, xs, hidden}, hidden, ids, top_k,             \
+                                    num_experts, gate_table, up_table, inter, act, diag);      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) moe_per_token_down_##S(                  \
+        QACTS, u32 inter, const u32* ids, const float* route_weights, u32 top_k,               \
+        u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {          \
+        begin_kernel();                                                                        \
+        per_token_down_q_impl<F>(QActs{xq, xd, xs, inter}, inter, ids, route_weights, top_k,   \
+                                 num_experts, down_table, hidden, out, diag);                  \
+    }                                                                                          \
+    extern "C" __global__ void dequantize_##S##_f32(const u8* w, u32 K, u64 pieces,            \
+                                                    float* out) {                              \
+        begin_kernel();                                                                        \
+        dequantize_impl<F, float>(w, K, pieces, out);                                          \
+    }                                                                                          \
+    extern "C" __global__ void dequantize_##S##_bf16(const u8* w, u32 K, u64 pieces,           \
+                                                     u16* out) {                               \
+        begin_kernel();                                                                        \
+        dequantize_impl<F, u16>(w, K, pieces, out);                                            \
+    }                                                                                          \
+    extern "C" __global__ void dequantize_experts_##S(const u64* table, const u32* offsets,    \
+                                                      u32 K, u64 pieces, u16* out) {           \
+        begin_kernel();                                                                        \
+        dequantize_experts_impl<F>(table, offsets, K, pieces, out);                            \
+    }                                                                                          \
+    extern "C" __global__ void embedding_##S(const u8* table, const u32* ids, u32 tokens,      \
+                                             u32 hidden, u32 vocab, float* out, Diag* diag) {  \
+        begin_small_kernel();                                                                  \
+        embedding_q_impl<F>(table, ids, tokens, hidden, vocab, out, diag);                     \
+    }
+QUANT_KERNELS(q8_0, q8_0)
+QUANT_KERNELS(q4_0, q4_0)
+QUANT_KERNELS(q5_0, q5_0)
+QUANT_KERNELS(q4_k, q4_k)
+QUANT_KERNELS(q5_k, q5_k)
+QUANT_KERNELS(q6_k, q6_k)
+
+// dst[r, col0 + n] = src[r, n] for rows of n values, dst's rows `ld` apart: a product's
+// output moved into its columns of a wider one. A thread per value.
+extern "C" __global__ void copy_columns(const float* src, u32 rows, u32 n, float* dst, u32 ld,
+                                        u32 col0) {
+    begin_small_kernel();
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)rows * n) return;
+    u64 r = i / n;
+    dst[r * ld + col0 + i % n] = src[i];
+}
+
+// Synthetic blocks: the little-endian bytes of splitmix64(seed + i) for the i-th 8 bytes,
+// with each block's f16 scale at byte d_at (and its min at m_at, unless 0xffffffff) set to
+// d_bits (m_bits): quant.rs's synthetic_blocks, byte for byte. A thread per 8 bytes.
+extern "C" __global__ void synthetic_blocks(u8* out, u64 len, u32 block_bytes, u64 seed,
+                                            u32 d_at, u32 d_bits, u32 m_at, u32 m_bits) {
+    begin_kernel();
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i * 8 >= len) return;
+    u64 z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    for (u32 b = 0; b < 8 && i * 8 + b < len; b++) {
+        u64 k = i * 8 + b;
+        u32 at = (u32)(k % block_bytes), byte = (u32)(z >> (8 * b)) & 0xffu;
+        if (at == d_at) byte = d_bits & 0xffu;
+        if (at == d_at + 1) byte = d_bits >> 8;
+        if (m_at != 0xffffffffu && at == m_at) byte = m_bits & 0xffu;
+        if (m_at != 0xffffffffu && at == m_at + 1) byte = m_bits >> 8;
+        out[k] = (u8)byte;
+    }
+}

@@ -1,0 +1,491 @@
+//! Block-format weights (GGUF's) on the GPU: few-row products and the per-token experts
+//! decode the blocks in registers (quant.cu); many rows and the grouped experts decode to
+//! bf16 first and take the tensor-core paths.
+
+use std::sync::Arc;
+
+use super::kernels::GPU_QUANT_FORMATS;
+use super::{Arg, CudaBackend, buf, grid_of, ptr_of, u32_of, weight};
+use crate::{
+    Backend, BackendError, BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights,
+    MoeSorted, QuantFormat, Result, WeightView, synthetic,
+};
+
+/// Rows of x up to which a block-format product reads the blocks directly (quant.cu's
+/// matvec variants: 1, 2, 4 and 8 rows).
+pub(crate) const QUANT_MATVEC_MAX_ROWS: usize = 8;
+
+/// Output features of a block of quant.cu's few-row products (QMV_WARPS, a warp each).
+const QMV_WARPS: usize = 8;
+
+/// Bf16 copies of one MoE layer's block-format experts, which the grouped tiles read: made
+/// once (again only for a layer of another shape), filled before each grouped product.
+#[derive(Debug)]
+pub(crate) struct DecodedExperts {
+    shape: (usize, usize, usize),
+    weights: ExpertWeights,
+}
+
+fn bad(op: &'static str, detail: String) -> BackendError {
+    BackendError::BadArgument { op, detail }
+}
+
+/// The block format of a weight type, if it is one.
+pub(crate) fn quant_format(dtype: DType) -> Option<QuantFormat> {
+    match dtype {
+        DType::Quant(format) => Some(format),
+        _ => None,
+    }
+}
+
+impl CudaBackend {
+    /// Whether the GPU reads `format` as stored.
+    pub(crate) fn reads_format(format: QuantFormat) -> bool {
+        GPU_QUANT_FORMATS.contains(&format)
+    }
+
+    /// A block-format weight buffer holding `blocks` as they are.
+    pub(crate) fn upload_blocks(
+        &self,
+        blocks: &[u8],
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let op = "weight_from_blocks";
+        let readable = quant_format(dtype).is_some_and(Self::reads_format);
+        if !readable
+            || !len.is_multiple_of(dtype.block_values())
+            || blocks.len() != dtype.bytes_of(len)
+        {
+            return Err(bad(
+                op,
+                format!("{} bytes as {len} values of {dtype}", blocks.len()),
+            ));
+        }
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        self.gpu.upload(blocks, ptr_of(op, &b)?)?;
+        self.stats.transfer(blocks.len());
+        Ok(b)
+    }
+
+    /// Synthetic blocks made on the device: [`synthetic::quant_blocks`], byte for byte.
+    pub(crate) fn synthetic_blocks(
+        &self,
+        format: QuantFormat,
+        len: usize,
+        seed: u64,
+        std: f32,
+    ) -> Result<DeviceBuffer> {
+        let op = "weight_synthetic_blocks";
+        let dtype = DType::Quant(format);
+        if !Self::reads_format(format) || !len.is_multiple_of(dtype.block_values()) {
+            return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
+        }
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        let bytes = dtype.bytes_of(len);
+        if bytes > 0 {
+            let scales = synthetic::block_scales(format, std);
+            let (m_at, m_bits) = scales.min.unwrap_or((u32::MAX as usize, 0));
+            let args = [
+                Arg::Ptr(ptr_of(op, &b)?),
+                Arg::U64(bytes as u64),
+                u32_of(op, format.block().1)?,
+                Arg::U64(seed),
+                u32_of(op, scales.d.0)?,
+                Arg::U32(u32::from(scales.d.1)),
+                u32_of(op, m_at)?,
+                Arg::U32(u32::from(m_bits)),
+            ];
+            let grid = Self::elementwise_grid(op, bytes.div_ceil(8))?;
+            self.launch(&self.kernels.synthetic_blocks, grid, 256, &args)?;
+        }
+        Ok(b)
+    }
+
+    /// `out = x · wᵀ` over a block-format weight: up to [`QUANT_MATVEC_MAX_ROWS`] rows read
+    /// the blocks once; more decode the matrix into a pooled bf16 copy and run the bf16 path.
+    pub(crate) fn quant_matmul(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        format: QuantFormat,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "matmul";
+        if rows <= QUANT_MATVEC_MAX_ROWS {
+            return self.quant_matvec(x, rows, w, format, out, (w.rows, 0));
+        }
+        let (w_addr, _, _) = weight(op, w)?;
+        let kernels = self.kernels.for_quant(op, format)?;
+        let len = w.rows * w.cols;
+        let decode = |dst: u64| {
+            let args = [
+                Arg::Ptr(w_addr),
+                u32_of(op, w.cols)?,
+                Arg::U64((len / 32) as u64),
+                Arg::Ptr(dst),
+            ];
+            let grid = Self::elementwise_grid(op, len / 32)?;
+            self.launch(&kernels.dequantize[1], grid, 256, &args)
+        };
+        self.with_converted_copy(op, (DType::BF16, len), decode, |w16| {
+            self.matmul(x, rows, WeightView::new(w16, w.rows, w.cols)?, out)
+        })
+    }
+
+    /// At most [`QUANT_MATVEC_MAX_ROWS`] rows of `x · wᵀ` from the blocks, into columns
+    /// `col0..col0 + w.rows` of `out`'s rows of `out_cols`.
+    pub(crate) fn quant_matvec(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        format: QuantFormat,
+        out: &mut DeviceBuffer,
+        (out_cols, col0): (usize, usize),
+    ) -> Result<()> {
+        let op = "matmul";
+        let (w_addr, _, _) = weight(op, w)?;
+        let kernels = self.kernels.for_quant(op, format)?;
+        if x.dtype() == DType::BF16 {
+            return self.with_f32_copy(op, x, rows * w.cols, |x32| {
+                self.quant_matvec(x32, rows, w, format, out, (out_cols, col0))
+            });
+        }
+        if rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if rows > QUANT_MATVEC_MAX_ROWS || col0 + w.rows > out_cols {
+            return Err(bad(
+                op,
+                format!("{rows} rows into columns {col0}.. of {out_cols}"),
+            ));
+        }
+        let Arg::Ptr(out_addr) = buf(op, "out", out, DType::F32, rows * out_cols)? else {
+            return Err(bad(op, "output address".to_string()));
+        };
+        let x_arg = buf(op, "x", x, DType::F32, rows * w.cols)?;
+        self.with_quantized_acts(op, x_arg, (rows, w.cols), |[xq, xd, xs]| {
+            let args = [
+                xq,
+                xd,
+                xs,
+                u32_of(op, rows)?,
+                Arg::Ptr(w_addr),
+                u32_of(op, w.rows)?,
+                u32_of(op, w.cols)?,
+                Arg::Ptr(out_addr + (col0 * 4) as u64),
+                u32_of(op, out_cols)?,
+                self.diag(),
+            ];
+            let variant = rows.next_power_of_two().trailing_zeros() as usize;
+            let grid = (grid_of(op, w.rows.div_ceil(QMV_WARPS))?, 1, 1);
+            self.launch(
+                &kernels.matvec[variant],
+                grid,
+                (QMV_WARPS * 32) as u32,
+                &args,
+            )
+        })
+    }
+
+    /// `rows × k` f32 activations at `x` quantized per 32 values (quant.cu's quantize_q8, as
+    /// the CPU quantizes them) into a pooled buffer, whose int8 values, half sums and scales
+    /// `use_acts` then reads; the buffer goes back to the pool at once (later users queue
+    /// behind `use_acts`'s work on the one stream).
+    pub(super) fn with_quantized_acts(
+        &self,
+        op: &'static str,
+        x: Arg,
+        (rows, k): (usize, usize),
+        use_acts: impl FnOnce([Arg; 3]) -> Result<()>,
+    ) -> Result<()> {
+        if !k.is_multiple_of(32) {
+            return Err(bad(op, format!("activations of {k} values a row")));
+        }
+        let blocks = rows * k / 32;
+        // int8 values, then two i32 half sums and an f32 scale per 32 values.
+        let words = rows * k / 4 + 3 * blocks;
+        let acts = self.take_buffer(DType::U32, words.max(1), BufferUsage::Activations)?;
+        let queued = ptr_of(op, &acts).and_then(|q| {
+            let sums = q + (rows * k) as u64;
+            let d = sums + 8 * blocks as u64;
+            let args = [
+                x,
+                Arg::U64(blocks as u64),
+                Arg::Ptr(q),
+                Arg::Ptr(d),
+                Arg::Ptr(sums),
+            ];
+            let grid = (grid_of(op, blocks.div_ceil(8))?, 1, 1);
+            self.launch(&self.kernels.quantize_q8, grid, 256, &args)?;
+            use_acts([Arg::Ptr(q), Arg::Ptr(d), Arg::Ptr(sums)])
+        });
+        self.give_buffer(acts);
+        queued
+    }
+
+    /// Routed experts in block formats, one product per (token, expert) pair on integer
+    /// units: x quantized once for gate/up (`formats.0`), the pairs' activations once for
+    /// down (`formats.1`). `tables` are the gate, up and down pointer tables; `act` is
+    /// `[pairs, intermediate]` scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn quant_experts_per_token(
+        &self,
+        x: &DeviceBuffer,
+        routing: crate::MoeRouting<'_>,
+        (gate_up_format, down_format): (QuantFormat, QuantFormat),
+        [gate, up, down]: [Arg; 3],
+        (num_experts, inter, hidden): (usize, usize, usize),
+        act: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_experts_per_token";
+        let (tokens, top_k) = (routing.tokens, routing.top_k);
+        let pairs = tokens * top_k;
+        if !hidden.is_multiple_of(gate_up_format.block().0)
+            || !inter.is_multiple_of(down_format.block().0)
+        {
+            return Err(bad(op, "expert rows of partial blocks".to_string()));
+        }
+        let ids = buf(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?;
+        let weights = buf(
+            op,
+            "expert_weights",
+            routing.expert_weights,
+            DType::F32,
+            pairs,
+        )?;
+        let act_arg = buf(op, "act", act, DType::F32, pairs * inter)?;
+        let out_arg = buf(op, "out", out, DType::F32, tokens * hidden)?;
+        let x_arg = buf(op, "x", x, DType::F32, tokens * hidden)?;
+        let (gate_up_kernel, down_kernel) = (
+            &self
+                .kernels
+                .for_quant(op, gate_up_format)?
+                .per_token_gate_up,
+            &self.kernels.for_quant(op, down_format)?.per_token_down,
+        );
+        self.with_quantized_acts(op, x_arg, (tokens, hidden), |[xq, xd, xs]| {
+            let args = [
+                xq,
+                xd,
+                xs,
+                u32_of(op, hidden)?,
+                ids,
+                u32_of(op, top_k)?,
+                u32_of(op, num_experts)?,
+                gate,
+                up,
+                u32_of(op, inter)?,
+                act_arg,
+                self.diag(),
+            ];
+            let grid = (grid_of(op, inter.div_ceil(8) * pairs)?, 1, 1);
+            self.launch(gate_up_kernel, grid, 256, &args)
+        })?;
+        self.with_quantized_acts(op, act_arg, (pairs, inter), |[aq, ad, asum]| {
+            let args = [
+                aq,
+                ad,
+                asum,
+                u32_of(op, inter)?,
+                ids,
+                weights,
+                u32_of(op, top_k)?,
+                u32_of(op, num_experts)?,
+                down,
+                u32_of(op, hidden)?,
+                out_arg,
+                self.diag(),
+            ];
+            let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
+            self.launch(down_kernel, grid, 256, &args)
+        })
+    }
+
+    /// `x · wᵀ` (any weight type) into columns `col0..col0 + w.rows` of `out`'s rows of
+    /// `out_cols`: block-format few-row products write there directly; others go through a
+    /// pooled copy.
+    pub(crate) fn matmul_into_columns(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+        (out_cols, col0): (usize, usize),
+    ) -> Result<()> {
+        let op = "matmul_columns";
+        if rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if col0 + w.rows > out_cols {
+            return Err(bad(
+                op,
+                format!("columns {col0}..{} of {out_cols}", col0 + w.rows),
+            ));
+        }
+        if let Some(format) = quant_format(w.buffer.dtype())
+            && rows <= QUANT_MATVEC_MAX_ROWS
+        {
+            return self.quant_matvec(x, rows, w, format, out, (out_cols, col0));
+        }
+        let dst = buf(op, "out", out, DType::F32, rows * out_cols)?;
+        let len = rows * w.rows;
+        let mut part = self.take_buffer(DType::F32, len, BufferUsage::Activations)?;
+        let queued = self.matmul(x, rows, w, &mut part).and_then(|()| {
+            let args = [
+                Arg::Ptr(ptr_of(op, &part)?),
+                u32_of(op, rows)?,
+                u32_of(op, w.rows)?,
+                dst,
+                u32_of(op, out_cols)?,
+                u32_of(op, col0)?,
+            ];
+            self.launch(
+                &self.kernels.copy_columns,
+                Self::elementwise_grid(op, len)?,
+                256,
+                &args,
+            )
+        });
+        self.give_buffer(part);
+        queued
+    }
+
+    /// Rows `ids` of a block-format embedding table, decoded.
+    pub(crate) fn quant_embedding(
+        &self,
+        table: WeightView<'_>,
+        format: QuantFormat,
+        ids: &DeviceBuffer,
+        tokens: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "embedding";
+        let (w, _, _) = weight(op, table)?;
+        let args = [
+            Arg::Ptr(w),
+            buf(op, "ids", ids, DType::U32, tokens)?,
+            u32_of(op, tokens)?,
+            u32_of(op, table.cols)?,
+            u32_of(op, table.rows)?,
+            buf(op, "out", out, DType::F32, tokens * table.cols)?,
+            self.diag(),
+        ];
+        if tokens == 0 {
+            return Ok(());
+        }
+        let k = &self.kernels.for_quant(op, format)?.embedding;
+        self.launch(k, (grid_of(op, tokens)?, 1, 1), 128, &args)
+    }
+
+    /// Every value of a block-format matrix decoded into f32 `out` (what the GPU's products
+    /// read, for tests against the CPU's decoder).
+    pub fn dequantize_on_device(&self, w: WeightView<'_>, out: &mut DeviceBuffer) -> Result<()> {
+        let op = "dequantize";
+        let (w_addr, dtype, _) = weight(op, w)?;
+        let format = quant_format(dtype)
+            .ok_or_else(|| bad(op, format!("weights of {dtype} are not blocks")))?;
+        let len = w.rows * w.cols;
+        let args = [
+            Arg::Ptr(w_addr),
+            u32_of(op, w.cols)?,
+            Arg::U64((len / 32) as u64),
+            buf(op, "out", out, DType::F32, len)?,
+        ];
+        if len == 0 {
+            return Ok(());
+        }
+        let k = &self.kernels.for_quant(op, format)?.dequantize[0];
+        self.launch(k, Self::elementwise_grid(op, len / 32)?, 256, &args)
+    }
+
+    /// Runs `f` on bf16 copies of `experts` whose projections `decode` (gate, up, down) hold
+    /// the layer's experts that have sorted rows, decoded just before.
+    pub(crate) fn with_decoded_experts<T>(
+        &self,
+        op: &'static str,
+        experts: &ExpertWeights,
+        sorted: MoeSorted<'_>,
+        decode: [bool; 3],
+        f: impl FnOnce(&ExpertWeights) -> Result<T>,
+    ) -> Result<T> {
+        let (num_experts, inter, hidden) = (
+            experts.gate.num_experts(),
+            experts.gate.rows(),
+            experts.gate.cols(),
+        );
+        let shape = (num_experts, inter, hidden);
+        let mut slot = self
+            .decoded_experts
+            .lock()
+            .map_err(|_| bad(op, "the decoded experts' lock is poisoned".to_string()))?;
+        if slot.as_ref().is_none_or(|d| d.shape != shape) {
+            *slot = None;
+            let matrices = |rows: usize, cols: usize| -> Result<ExpertMatrices> {
+                let len = num_experts * rows * cols;
+                let b = self.new_buffer(DType::BF16, len, BufferUsage::Weights)?;
+                ExpertMatrices::stacked(Arc::new(b), num_experts, rows, 0, rows, cols)
+            };
+            *slot = Some(DecodedExperts {
+                shape,
+                weights: ExpertWeights {
+                    gate: matrices(inter, hidden)?,
+                    up: matrices(inter, hidden)?,
+                    down: matrices(hidden, inter)?,
+                },
+            });
+        }
+        let decoded = slot
+            .as_ref()
+            .ok_or_else(|| bad(op, "no decoded experts".to_string()))?;
+        let offsets = buf(
+            op,
+            "expert_offsets",
+            sorted.expert_offsets,
+            DType::U32,
+            num_experts + 1,
+        )?;
+        let pairs = [
+            (&experts.gate, &decoded.weights.gate),
+            (&experts.up, &decoded.weights.up),
+            (&experts.down, &decoded.weights.down),
+        ];
+        for ((from, to), wanted) in pairs.into_iter().zip(decode) {
+            if !wanted {
+                continue;
+            }
+            let (table, dtype, _) = self.experts(op, from)?;
+            let format = quant_format(dtype)
+                .ok_or_else(|| bad(op, format!("experts of {dtype} are not blocks")))?;
+            if from.rows() != to.rows() || from.cols() != to.cols() {
+                return Err(bad(
+                    op,
+                    "expert projections of mismatched shapes".to_string(),
+                ));
+            }
+            if !from.cols().is_multiple_of(format.block().0) {
+                return Err(bad(op, format!("{dtype} rows of {} values", from.cols())));
+            }
+            let pieces = from.rows() * from.cols() / 32;
+            let dst = to.view(0);
+            let args = [
+                table,
+                offsets,
+                u32_of(op, from.cols())?,
+                Arg::U64(pieces as u64),
+                Arg::Ptr(ptr_of(op, dst.buffer)?),
+            ];
+            let grid = (
+                grid_of(op, pieces.div_ceil(256))?,
+                grid_of(op, num_experts)?,
+                1,
+            );
+            let k = &self.kernels.for_quant(op, format)?.dequantize_experts;
+            self.launch(k, grid, 256, &args)?;
+        }
+        f(&decoded.weights)
+    }
+}
