@@ -26,6 +26,9 @@ pub enum QuantFormat {
     Q5K,
     /// 6-bit k-quant super-blocks of 256, 8-bit scales per 16.
     Q6K,
+    /// FP8 checkpoints' weights (e4m3) as row blocks of 128 values, each an f32 scale and
+    /// 128 e4m3 bytes: a row of Qwen's 128×128 blocks, the block's scale with every row.
+    F8E4M3x128,
 }
 
 impl QuantFormat {
@@ -40,6 +43,7 @@ impl QuantFormat {
             Self::Q4K => (QK_K, 144),
             Self::Q5K => (QK_K, 176),
             Self::Q6K => (QK_K, 210),
+            Self::F8E4M3x128 => (128, 132),
         }
     }
 
@@ -54,6 +58,7 @@ impl QuantFormat {
             Self::Q4K => "Q4_K",
             Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
+            Self::F8E4M3x128 => "F8_E4M3x128",
         }
     }
 
@@ -78,6 +83,7 @@ pub fn dequantize(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
         QuantFormat::Q4K => decode_q4_k,
         QuantFormat::Q5K => decode_q5_k,
         QuantFormat::Q6K => decode_q6_k,
+        QuantFormat::F8E4M3x128 => decode_f8_x128,
     };
     for (b, o) in bytes
         .chunks_exact(block_bytes)
@@ -241,5 +247,29 @@ fn decode_q6_k(b: &[u8], out: &mut [f32]) {
             o[l + 64] = scale(4) * q3 as f32;
             o[l + 96] = scale(6) * q4 as f32;
         }
+    }
+}
+
+/// The value of an e4m3 byte (fn: no infinities; 0x7f and 0xff are NaN): 4 exponent bits
+/// of bias 7, 3 mantissa bits, subnormals below 2^-6.
+pub fn e4m3_value(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 15, b & 7);
+    if b & 0x7f == 0x7f {
+        return f32::NAN;
+    }
+    let magnitude = if e == 0 {
+        f32::from(m) / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + f32::from(m) / 8.0) * 2f32.powi(i32::from(e) - 7)
+    };
+    sign * magnitude
+}
+
+/// F8_E4M3x128: the f32 scale, then 128 e4m3 bytes; each e4m3 value · scale.
+fn decode_f8_x128(b: &[u8], out: &mut [f32]) {
+    let scale = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    for (o, &q) in out.iter_mut().zip(&b[4..132]) {
+        *o = e4m3_value(q) * scale;
     }
 }

@@ -42,20 +42,21 @@ pub fn normal_values(seed: u64, n: usize, std: f32) -> Vec<f32> {
     values
 }
 
-/// Where a synthetic block's f16 scale (and min, for formats with one) sit, in bytes from the
+/// Where a synthetic block's scale (and min, for formats with one) sit, in bytes from the
 /// block's start, and their bits: chosen so that values of random quants spread about `std`
 /// around zero.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockScales {
-    /// Byte of the scale `d`, and its f16 bits.
-    pub d: (usize, u16),
+    /// Byte of the scale `d`, its bits (f16, or f32 for FP8 blocks) and its width in bytes.
+    pub d: (usize, u32, usize),
     /// Byte of the min (`dmin`, or Q4_1/Q5_1's `m`), and its f16 bits.
     pub min: Option<(usize, u16)>,
 }
 
 /// The scale fields of synthetic blocks of `format`. With uniform random quants (and 6- or
 /// 8-bit sub-block scales), a value's standard deviation is `d` times: 73.9 (Q8_0), 4.61
-/// (4-bit), 9.23 (5-bit), 257 (Q4_K), 525 (Q5_K), 1367 (Q6_K); the min cancels the mean.
+/// (4-bit), 9.23 (5-bit), 257 (Q4_K), 525 (Q5_K), 1367 (Q6_K), 107.2 (random e4m3 bytes,
+/// NaN codes moved to ±448); the min cancels the mean.
 pub fn block_scales(format: QuantFormat, std: f32) -> BlockScales {
     let bits = |v: f32| half::f16::from_f32(v).to_bits();
     let (d_at, spread, min) = match format {
@@ -67,17 +68,24 @@ pub fn block_scales(format: QuantFormat, std: f32) -> BlockScales {
         QuantFormat::Q4K => (0, 257.0, Some((2, 7.5))),
         QuantFormat::Q5K => (0, 525.0, Some((2, 15.5))),
         QuantFormat::Q6K => (208, 1367.0, None),
+        QuantFormat::F8E4M3x128 => {
+            return BlockScales {
+                d: (0, (std / 107.2).to_bits(), 4),
+                min: None,
+            };
+        }
     };
     let d = std / spread;
     BlockScales {
-        d: (d_at, bits(d)),
+        d: (d_at, u32::from(bits(d)), 2),
         min: min.map(|(at, times): (usize, f32)| (at, bits(d * times))),
     }
 }
 
 /// `len` values (whole blocks) of block format `format` for a synthetic weight: byte `k` is
 /// byte `k % 8` (little-endian) of the `k / 8 + 1`-th splitmix64 output from state `seed`,
-/// except each block's scale fields, which [`block_scales`] sets. The CUDA kernel
+/// except each block's scale fields, which [`block_scales`] sets (and FP8 blocks' NaN codes,
+/// moved to ±448). The CUDA kernel
 /// `synthetic_blocks` writes the same bytes.
 pub fn quant_blocks(format: QuantFormat, seed: u64, len: usize, std: f32) -> Vec<u8> {
     let (values, block_bytes) = format.block();
@@ -94,9 +102,17 @@ pub fn quant_blocks(format: QuantFormat, seed: u64, len: usize, std: f32) -> Vec
             }
         });
     let scales = block_scales(format, std);
+    let (d_at, d_bits, d_bytes) = scales.d;
     for block in bytes.chunks_exact_mut(block_bytes) {
-        for (at, field) in std::iter::once(scales.d).chain(scales.min) {
-            block[at..at + 2].copy_from_slice(&field.to_le_bytes());
+        if format == QuantFormat::F8E4M3x128 {
+            // e4m3's NaN codes (0x7f, 0xff) become ±448.
+            for b in block.iter_mut().filter(|b| **b & 0x7f == 0x7f) {
+                *b &= 0xfe;
+            }
+        }
+        block[d_at..d_at + d_bytes].copy_from_slice(&d_bits.to_le_bytes()[..d_bytes]);
+        if let Some((at, m_bits)) = scales.min {
+            block[at..at + 2].copy_from_slice(&m_bits.to_le_bytes());
         }
     }
     bytes
@@ -111,7 +127,7 @@ mod tests {
     #[test]
     fn synthetic_blocks_spread_as_asked() {
         use QuantFormat::*;
-        for format in [Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4K, Q5K, Q6K] {
+        for format in [Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4K, Q5K, Q6K, F8E4M3x128] {
             let len = 256 * 200;
             let blocks = quant_blocks(format, 9, len, 0.02);
             let mut values = vec![0.0; len];

@@ -1889,13 +1889,14 @@ fn sampling_penalties_and_candidates_match_cpu() {
 }
 
 /// The block formats the GPU reads as stored.
-const GPU_FORMATS: [QuantFormat; 6] = [
+const GPU_FORMATS: [QuantFormat; 7] = [
     QuantFormat::Q8_0,
     QuantFormat::Q4_0,
     QuantFormat::Q5_0,
     QuantFormat::Q4K,
     QuantFormat::Q5K,
     QuantFormat::Q6K,
+    QuantFormat::F8E4M3x128,
 ];
 
 /// Synthetic blocks of `len` values (every bit pattern of the quants and sub-block scales
@@ -1989,11 +1990,18 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
             // Few rows read the blocks with activations quantized as the CPU quantizes them
             // (the same integers; the scales combined in another order); more run bf16 tensor
             // cores on a bf16 copy. Either within rounding of the exact product.
-            if rows <= 8 {
+            // FP8 blocks: few rows on tensor cores with x rounded to f16 (the CPU decodes
+            // them, exactly).
+            let fp8 = format == QuantFormat::F8E4M3x128;
+            if rows <= 8 && !fp8 {
                 assert_close(&format!("{what}: against the CPU"), &got, &cpu_blocks, 1e-5);
             }
             // One product of a few hundred terms may cancel to a small value: 5e-2.
-            let tol = if rows <= 8 { 5e-2 } else { 1.5e-2 };
+            let tol = match (rows <= 8, fp8) {
+                (true, true) => 3e-3,
+                (true, false) => 5e-2,
+                (false, _) => 1.5e-2,
+            };
             assert_close(&what, &got, &want, tol);
             // Into columns 3.. of rows of out_rows + 5: the rest stays as it was.
             let wide = out_rows + 5;
@@ -2073,6 +2081,33 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
         (QuantFormat::Q8_0, QuantFormat::Q8_0, 3, 16, 4, 64, 96),
         (QuantFormat::Q5K, QuantFormat::Q4K, 40, 8, 8, 256, 256),
         (QuantFormat::Q4_0, QuantFormat::Q5_0, 200, 32, 8, 96, 32),
+        (
+            QuantFormat::F8E4M3x128,
+            QuantFormat::F8E4M3x128,
+            1,
+            8,
+            8,
+            256,
+            384,
+        ),
+        (
+            QuantFormat::F8E4M3x128,
+            QuantFormat::F8E4M3x128,
+            5,
+            16,
+            10,
+            128,
+            256,
+        ),
+        (
+            QuantFormat::F8E4M3x128,
+            QuantFormat::F8E4M3x128,
+            70,
+            16,
+            3,
+            384,
+            128,
+        ),
     ];
     for (case, (up_format, down_format, tokens, e, top_k, h, i)) in cases.into_iter().enumerate() {
         let gate_up_len = e * 2 * i * h;
@@ -2156,12 +2191,15 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
             down_format.name()
         );
         let (exact, cpu_blocks, gpu) = (&results[0], &results[1], &results[2]);
-        // Per-token: the integer products of the CPU's, and near the exact ones.
+        // Per-token: the integer products of the CPU's, and near the exact ones; FP8 blocks
+        // on tensor cores with x and act rounded to f16 (the CPU decodes them, exactly).
+        let fp8 = up_format == QuantFormat::F8E4M3x128;
+        let against_cpu = if fp8 { 3e-3 } else { 1e-4 };
         assert_close(
             &format!("{what}: per-token against the CPU"),
             &gpu.1,
             &cpu_blocks.1,
-            1e-4,
+            against_cpu,
         );
         assert_close(&format!("{what}: per-token"), &gpu.1, &exact.1, 1.5e-2);
         // Grouped: the experts decoded to bf16 and the few-row or tile products' bf16 inputs.

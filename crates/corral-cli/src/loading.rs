@@ -26,9 +26,9 @@ pub(crate) struct ModelArgs {
     /// Build the model from this config.json alone, with deterministic random weights.
     #[arg(long)]
     pub(crate) synthetic: Option<PathBuf>,
-    /// With `--synthetic`: the matrices' storage: `float` (the config's type), `q8_0`, or
-    /// `q4_k_m` (Q4_K, Q6_K where llama.cpp's Q4_K_M puts it); random blocks of the same
-    /// spread.
+    /// With `--synthetic`: the matrices' storage: `float` (the config's type), `q8_0`,
+    /// `q4_k_m` (Q4_K, Q6_K where llama.cpp's Q4_K_M puts it) or `fp8` (e4m3, a scale per
+    /// 128 values, as Qwen's FP8 checkpoints); random blocks of the same spread.
     #[arg(long, default_value = "float", requires = "synthetic", value_parser = parse_mix)]
     pub(crate) synthetic_weights: SyntheticMix,
     /// CPU threads for compute (default: all cores).
@@ -139,14 +139,15 @@ pub(crate) fn open_backend(choice: DeviceChoice, kv_dtype: DType) -> Result<Arc<
     })
 }
 
-/// `--synthetic-weights`: float, q8_0 or q4_k_m.
+/// `--synthetic-weights`: float, q8_0, q4_k_m or fp8.
 fn parse_mix(s: &str) -> Result<SyntheticMix, String> {
     match s.to_ascii_lowercase().as_str() {
         "float" => Ok(SyntheticMix::Float),
         "q8_0" => Ok(SyntheticMix::Q8_0),
         "q4_k_m" => Ok(SyntheticMix::Q4KM),
+        "fp8" => Ok(SyntheticMix::Fp8),
         _ => Err(format!(
-            "unknown synthetic weights `{s}` (float, q8_0 or q4_k_m)"
+            "unknown synthetic weights `{s}` (float, q8_0, q4_k_m or fp8)"
         )),
     }
 }

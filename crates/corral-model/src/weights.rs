@@ -180,6 +180,9 @@ pub enum SyntheticMix {
     /// Q4_K, with Q6_K for the LM head and for the v and down projections of the layers that
     /// llama.cpp's Q4_K_M gives more bits (the first and last eighth, every third between).
     Q4KM,
+    /// Qwen's FP8 checkpoints: every projection e4m3 with a scale per 128×128 block (as
+    /// [`QuantFormat::F8E4M3x128`] rows); the embedding and the LM head stay floats.
+    Fp8,
 }
 
 impl SyntheticMix {
@@ -198,6 +201,12 @@ impl SyntheticMix {
         }
         let wanted = match self {
             Self::Float => return None,
+            Self::Fp8 => {
+                let head =
+                    name.ends_with("embed_tokens.weight") || name.ends_with("lm_head.weight");
+                let format = QuantFormat::F8E4M3x128;
+                return (!head && cols.is_multiple_of(format.block().0)).then_some(format);
+            }
             Self::Q8_0 => QuantFormat::Q8_0,
             Self::Q4KM => {
                 let layer = name
@@ -383,5 +392,10 @@ mod tests {
         );
         assert_eq!(of(SyntheticMix::Q8_0, down, 768), Some(QuantFormat::Q8_0));
         assert_eq!(of(SyntheticMix::Float, down, 768), None);
+        let fp8 = SyntheticMix::Fp8;
+        assert_eq!(of(fp8, down, 768), Some(QuantFormat::F8E4M3x128));
+        assert_eq!(of(fp8, "model.layers.7.self_attn.q_proj.weight", 96), None);
+        assert_eq!(of(fp8, "lm_head.weight", 2048), None);
+        assert_eq!(of(fp8, "model.layers.7.mlp.gate.weight", 2048), None);
     }
 }

@@ -407,8 +407,10 @@ impl Backend for CpuBackend {
         rayon::scope(|_| step());
     }
 
-    fn reads_quantized(&self, _format: crate::QuantFormat) -> bool {
-        true
+    /// Every GGUF format; FP8 blocks are decoded at load (no CPU kernel reads them faster
+    /// than their bf16 values).
+    fn reads_quantized(&self, format: crate::QuantFormat) -> bool {
+        format != crate::QuantFormat::F8E4M3x128
     }
 
     fn weight_from_blocks(

@@ -91,7 +91,7 @@ pub(crate) const SOURCES: [KernelSource; 9] = [
     },
     KernelSource {
         name: "quant.cu",
-        headers: &[COMMON, MMA_TILE],
+        headers: &[COMMON, MMA_TILE, MMA_VEC],
         body: include_str!("kernels/quant.cu"),
     },
 ];

@@ -41,19 +41,21 @@ pub(crate) struct WeightKernels {
 
 /// Block formats the GPU reads as stored, in the order of [`Kernels::quant`] (quant.cu's
 /// instantiations).
-pub(crate) const GPU_QUANT_FORMATS: [QuantFormat; 6] = [
+pub(crate) const GPU_QUANT_FORMATS: [QuantFormat; 7] = [
     QuantFormat::Q8_0,
     QuantFormat::Q4_0,
     QuantFormat::Q5_0,
     QuantFormat::Q4K,
     QuantFormat::Q5K,
     QuantFormat::Q6K,
+    QuantFormat::F8E4M3x128,
 ];
 
 /// Kernels instantiated per block format, each decoding 32 values at a time in registers.
 #[derive(Debug)]
 pub(crate) struct QuantKernels {
-    /// Matrix-vector products for at most 1, 2, 4 and 8 rows.
+    /// Matrix-vector products for at most 1, 2, 4 and 8 rows (FP8 blocks: one kernel, on
+    /// tensor cores, for up to 8 rows, in every slot).
     pub(crate) matvec: [Kernel; 4],
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
@@ -122,7 +124,7 @@ pub(crate) struct Kernels {
     pub(crate) f16: WeightKernels,
     pub(crate) f32: WeightKernels,
     /// By [`GPU_QUANT_FORMATS`].
-    pub(crate) quant: [QuantKernels; 6],
+    pub(crate) quant: [QuantKernels; 7],
     pub(crate) synthetic_blocks: Kernel,
     pub(crate) copy_columns: Kernel,
     /// Activations quantized per 32 values for the block-format products.
@@ -431,6 +433,19 @@ impl Kernels {
                 quant_kernels!("q4_k"),
                 quant_kernels!("q5_k"),
                 quant_kernels!("q6_k"),
+                QuantKernels {
+                    matvec: [
+                        find("matvec_f8")?,
+                        find("matvec_f8")?,
+                        find("matvec_f8")?,
+                        find("matvec_f8")?,
+                    ],
+                    per_token_gate_up: find("moe_per_token_gate_up_f8")?,
+                    per_token_down: find("moe_per_token_down_f8")?,
+                    dequantize: [find("dequantize_f8_f32")?, find("dequantize_f8_bf16")?],
+                    dequantize_experts: find("dequantize_experts_f8")?,
+                    embedding: find("embedding_f8")?,
+                },
             ],
             synthetic_blocks: find("synthetic_blocks")?,
             copy_columns: find("copy_columns")?,

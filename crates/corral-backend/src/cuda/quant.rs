@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::kernels::GPU_QUANT_FORMATS;
-use super::{Arg, CudaBackend, buf, grid_of, ptr_of, u32_of, weight};
+use super::{Arg, CudaBackend, MVM_THREADS, buf, grid_of, ptr_of, u32_of, weight};
 use crate::{
     Backend, BackendError, BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights,
     MoeSorted, QuantFormat, Result, WeightView, synthetic,
@@ -85,16 +85,19 @@ impl CudaBackend {
         let bytes = dtype.bytes_of(len);
         if bytes > 0 {
             let scales = synthetic::block_scales(format, std);
+            let (d_at, d_bits, d_bytes) = scales.d;
             let (m_at, m_bits) = scales.min.unwrap_or((u32::MAX as usize, 0));
             let args = [
                 Arg::Ptr(ptr_of(op, &b)?),
                 Arg::U64(bytes as u64),
                 u32_of(op, format.block().1)?,
                 Arg::U64(seed),
-                u32_of(op, scales.d.0)?,
-                Arg::U32(u32::from(scales.d.1)),
+                u32_of(op, d_at)?,
+                Arg::U32(d_bits),
+                u32_of(op, d_bytes)?,
                 u32_of(op, m_at)?,
                 Arg::U32(u32::from(m_bits)),
+                Arg::U32(u32::from(format == QuantFormat::F8E4M3x128)),
             ];
             let grid = Self::elementwise_grid(op, bytes.div_ceil(8))?;
             self.launch(&self.kernels.synthetic_blocks, grid, 256, &args)?;
@@ -166,6 +169,22 @@ impl CudaBackend {
             return Err(bad(op, "output address".to_string()));
         };
         let x_arg = buf(op, "x", x, DType::F32, rows * w.cols)?;
+        let out_arg = Arg::Ptr(out_addr + (col0 * 4) as u64);
+        if format == QuantFormat::F8E4M3x128 {
+            // FP8 blocks on tensor cores, x rounded to f16: a block per 32 features.
+            let args = [
+                x_arg,
+                u32_of(op, rows)?,
+                Arg::Ptr(w_addr),
+                u32_of(op, w.rows)?,
+                u32_of(op, w.cols)?,
+                out_arg,
+                u32_of(op, out_cols)?,
+                self.diag(),
+            ];
+            let grid = (grid_of(op, w.rows.div_ceil(32))?, 1, 1);
+            return self.launch(&kernels.matvec[0], grid, MVM_THREADS, &args);
+        }
         self.with_quantized_acts(op, x_arg, (rows, w.cols), |[xq, xd, xs]| {
             let args = [
                 xq,
@@ -175,7 +194,7 @@ impl CudaBackend {
                 Arg::Ptr(w_addr),
                 u32_of(op, w.rows)?,
                 u32_of(op, w.cols)?,
-                Arg::Ptr(out_addr + (col0 * 4) as u64),
+                out_arg,
                 u32_of(op, out_cols)?,
                 self.diag(),
             ];
@@ -267,6 +286,41 @@ impl CudaBackend {
                 .per_token_gate_up,
             &self.kernels.for_quant(op, down_format)?.per_token_down,
         );
+        let fp8 = [gate_up_format, down_format].map(|f| f == QuantFormat::F8E4M3x128);
+        if fp8 == [true, true] {
+            // FP8 blocks on tensor cores, x and act rounded to f16: a block per 16 rows.
+            let first = [
+                x_arg,
+                u32_of(op, hidden)?,
+                ids,
+                u32_of(op, top_k)?,
+                u32_of(op, num_experts)?,
+                gate,
+                up,
+                u32_of(op, inter)?,
+                act_arg,
+                self.diag(),
+            ];
+            let grid = (grid_of(op, inter.div_ceil(16) * pairs)?, 1, 1);
+            self.launch(gate_up_kernel, grid, MVM_THREADS, &first)?;
+            let second = [
+                act_arg,
+                u32_of(op, inter)?,
+                ids,
+                weights,
+                u32_of(op, top_k)?,
+                u32_of(op, num_experts)?,
+                down,
+                u32_of(op, hidden)?,
+                out_arg,
+                self.diag(),
+            ];
+            let grid = (grid_of(op, hidden.div_ceil(16) * tokens)?, 1, 1);
+            return self.launch(down_kernel, grid, MVM_THREADS, &second);
+        }
+        if fp8 != [false, false] {
+            return Err(bad(op, "FP8 experts beside block-format ones".to_string()));
+        }
         self.with_quantized_acts(op, x_arg, (tokens, hidden), |[xq, xd, xs]| {
             let args = [
                 xq,

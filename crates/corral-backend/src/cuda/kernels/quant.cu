@@ -34,6 +34,7 @@ struct q5_0 { enum { VALUES = 32, BYTES = 22 }; };
 struct q4_k { enum { VALUES = 256, BYTES = 144 }; };
 struct q5_k { enum { VALUES = 256, BYTES = 176 }; };
 struct q6_k { enum { VALUES = 256, BYTES = 210 }; };
+struct f8_128 { enum { VALUES = 128, BYTES = 132 }; };
 
 // Values 32c .. 32c + 31 of a row of blocks starting at `row`.
 template <typename F> __device__ void decode32(const u8* row, u32 c, float (&v)[32]);
@@ -127,6 +128,19 @@ template <> __device__ __forceinline__ void decode32<q6_k>(const u8* row, u32 c,
             u32 q = ((l >> (8 * b + lo_shift)) & 15u) | (((hh >> (8 * b + hi_shift)) & 3u) << 4);
             v[2 * i + b] = q_times(scale[i >> 3], (int)q - 32);
         }
+    }
+}
+
+// FP8 blocks: an f32 scale, then 128 e4m3 bytes; each value e4m3 · scale.
+template <> __device__ __forceinline__ void decode32<f8_128>(const u8* row, u32 c, float (&v)[32]) {
+    const u8* blk = row + (size_t)(c >> 2) * 132;
+    float scale = *reinterpret_cast<const float*>(blk);
+    const u32* q = reinterpret_cast<const u32*>(blk + 4 + 32 * (c & 3));
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u32 w = q[i];
+#pragma unroll
+        for (int b = 0; b < 4; b++) v[4 * i + b] = __fmul_rn(e4m3_to_f32((w >> (8 * b)) & 0xffu), scale);
     }
 }
 
@@ -395,6 +409,219 @@ __device__ void per_token_down_q_impl(QActs act, u32 inter, const u32* ids,
     if (lane == 0) out[(size_t)t * hidden + h] = total;
 }
 
+// Four e4m3 values (a word's bytes, low first) as two f16 pairs, by the hardware conversion
+// (sm_89 and newer; exact: every e4m3 value is an f16).
+__device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
+    asm("{.reg .b16 a, b;\n"
+        " mov.b32 {a, b}, %2;\n"
+        " cvt.rn.f16x2.e4m3x2 %0, a;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, b;}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+}
+
+// FP8 blocks on tensor cores (mma_vec.cuh's scheme): lane (g, t) takes 8 consecutive values
+// of rows g and g + 8 of each weight v at a time, as f16, for two k16 steps against x rounded
+// to f16. A warp takes whole 128-value blocks (U of their four 32-value spans in flight at
+// once) and scales each block's products by its rows' scales once. w_lo[v], w_hi[v]: rows g
+// and g + 8 (null: zeros); xr[j]: row g + 8j of x (null: zeros). K a multiple of 128.
+template <int NT, int NW, int U>
+__device__ __forceinline__ void f8_accumulate(const float* const (&xr)[NT],
+                                              const u8* const (&w_lo)[NW],
+                                              const u8* const (&w_hi)[NW], u32 K,
+                                              float (&acc)[NW][NT][4], Diag* diag) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
+#pragma unroll
+    for (int v = 0; v < NW; v++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[v][j][i] = 0.f;
+    bool range_error = false;
+    for (u32 blk = warp; blk < K / 128; blk += MVM_WARPS) {
+        size_t block = (size_t)blk * 132;
+        float sl[NW], sh[NW], part[NW][NT][4];
+#pragma unroll
+        for (int v = 0; v < NW; v++) {
+            sl[v] = w_lo[v] ? *reinterpret_cast<const float*>(w_lo[v] + block) : 0.f;
+            sh[v] = w_hi[v] ? *reinterpret_cast<const float*>(w_hi[v] + block) : 0.f;
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) part[v][j][i] = 0.f;
+        }
+#pragma unroll
+        for (int u0 = 0; u0 < 4; u0 += U) {
+            u32 wl[U][NW][2], wh[U][NW][2];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                size_t at = block + 4 + (u0 + u) * 32 + t * 8;
+#pragma unroll
+                for (int v = 0; v < NW; v++) {
+                    const u32* pl = reinterpret_cast<const u32*>(w_lo[v] + at);
+                    const u32* ph = reinterpret_cast<const u32*>(w_hi[v] + at);
+                    wl[u][v][0] = w_lo[v] ? pl[0] : 0u;
+                    wl[u][v][1] = w_lo[v] ? pl[1] : 0u;
+                    wh[u][v][0] = w_hi[v] ? ph[0] : 0u;
+                    wh[u][v][1] = w_hi[v] ? ph[1] : 0u;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                u32 k = blk * 128 + (u0 + u) * 32 + t * 8;
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    u32 b[4];
+                    x_operands8<true>(xr[j] + k, xr[j] != nullptr, b, range_error);
+#pragma unroll
+                    for (int v = 0; v < NW; v++) {
+                        // Elements 0-1, 2-3 of rows g and g + 8, then 4-5, 6-7: the A operands.
+                        u32 l[4], h[4];
+                        e4m3x4_to_f16x4(wl[u][v][0], l[0], l[1]);
+                        e4m3x4_to_f16x4(wl[u][v][1], l[2], l[3]);
+                        e4m3x4_to_f16x4(wh[u][v][0], h[0], h[1]);
+                        e4m3x4_to_f16x4(wh[u][v][1], h[2], h[3]);
+                        u32 a0[4] = {l[0], h[0], l[1], h[1]};
+                        u32 a1[4] = {l[2], h[2], l[3], h[3]};
+                        mma16816<true>(part[v][j], a0, &b[0]);
+                        mma16816<true>(part[v][j], a1, &b[2]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int v = 0; v < NW; v++)
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                acc[v][j][0] += part[v][j][0] * sl[v];
+                acc[v][j][1] += part[v][j][1] * sl[v];
+                acc[v][j][2] += part[v][j][2] * sh[v];
+                acc[v][j][3] += part[v][j][3] * sh[v];
+            }
+    }
+    if (range_error) raise_error(diag, ERR_F16_RANGE);
+}
+
+// out[rows, N] = x[rows, K] · Wᵀ for FP8 blocks, rows ≤ 8, out's rows `ld` apart: a block per
+// 32 output features (two 16-feature weights sharing x's operands), its warps over K's
+// blocks. Grid: ceil(N / 32).
+extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) matvec_f8(
+    const float* x, u32 rows, const u8* w, u32 N, u32 K, float* out, u32 ld, Diag* diag) {
+    begin_kernel();
+    __shared__ float red[(MVM_WARPS - 1) * 8 * 32];
+    u32 g = (threadIdx.x & 31) >> 2, n0 = blockIdx.x * 32;
+    size_t rb = row_bytes<f8_128>(K);
+    if (threadIdx.x == 0) count_weight_bytes(diag, min(32u, N - n0) * rb);
+    const u8* lo[2];
+    const u8* hi[2];
+#pragma unroll
+    for (int v = 0; v < 2; v++) {
+        u32 n = n0 + 16 * v + g;
+        lo[v] = n < N ? w + n * rb : nullptr;
+        hi[v] = n + 8 < N ? w + (n + 8) * rb : nullptr;
+    }
+    const float* xr[1] = {g < rows ? x + (size_t)g * K : nullptr};
+    float acc[2][1][4];
+    f8_accumulate<1, 2, 4>(xr, lo, hi, K, acc, diag);
+    if (!mvm_reduce<8>(&acc[0][0][0], red)) return;
+#pragma unroll
+    for (int v = 0; v < 2; v++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 n = n0 + 16 * v + mvm_feature(i), r = mvm_row(0, i);
+            if (n < N && r < rows) out[(size_t)r * ld + n] = acc[v][0][i];
+        }
+}
+
+// Per-token experts in FP8 blocks, first half: a block per (pair, 16 rows of gate and of up),
+// its one x row the pair's token. Grid: ceil(I / 16) blocks per pair, pair-major.
+extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) moe_per_token_gate_up_f8(
+    const float* x, u32 hidden, const u32* ids, u32 top_k, u32 num_experts, const u64* gate_table,
+    const u64* up_table, u32 inter, float* act, Diag* diag) {
+    begin_kernel();
+    __shared__ float red[(MVM_WARPS - 1) * 8 * 32];
+    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    u32 tiles = (inter + 15) / 16, p = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * 16;
+    u32 e = ids[p];
+    if (e >= num_experts) {
+        if (threadIdx.x == 0) raise_error(diag, ERR_EXPERT_ID);
+        return;
+    }
+    size_t rb = row_bytes<f8_128>(hidden);
+    if (threadIdx.x == 0) count_weight_bytes(diag, 2ull * min(16u, inter - i0) * rb);
+    const u8* gate = reinterpret_cast<const u8*>(gate_table[e]);
+    const u8* up = reinterpret_cast<const u8*>(up_table[e]);
+    bool lo_ok = i0 + g < inter, hi_ok = i0 + g + 8 < inter;
+    const u8* lo[2] = {lo_ok ? gate + (i0 + g) * rb : nullptr, lo_ok ? up + (i0 + g) * rb : nullptr};
+    const u8* hi[2] = {hi_ok ? gate + (i0 + g + 8) * rb : nullptr, hi_ok ? up + (i0 + g + 8) * rb : nullptr};
+    const float* xr[1] = {g == 0 ? x + (size_t)(p / top_k) * hidden : nullptr};
+    float acc[2][1][4];
+    f8_accumulate<1, 2, 4>(xr, lo, hi, hidden, acc, diag);
+    if (!mvm_reduce<8>(&acc[0][0][0], red)) return;
+    // x row 0: lanes t == 0, entries 0 (feature g) and 2 (feature g + 8).
+    if (t != 0) return;
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+        u32 f = i0 + mvm_feature(i);
+        if (f < inter) act[(size_t)p * inter + f] = silu(acc[0][0][i]) * acc[1][0][i];
+    }
+}
+
+// Per-token experts in FP8 blocks, second half: a block per (token, 16 features), the weights
+// the down rows of up to 8 routed slots at once and x's 8 rows those slots' act rows; slot
+// v's product is the tile's entry (weight v, row v). Grid: ceil(H / 16) blocks per token.
+extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) moe_per_token_down_f8(
+    const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,
+    u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {
+    begin_kernel();
+    __shared__ float red[(MVM_WARPS - 1) * 32 * 32];
+    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    u32 tiles = (hidden + 15) / 16, tok = blockIdx.x / tiles, h0 = (blockIdx.x % tiles) * 16;
+    size_t rb = row_bytes<f8_128>(inter);
+    if (threadIdx.x == 0) count_weight_bytes(diag, (u64)min(16u, hidden - h0) * rb * top_k);
+    bool lo_ok = h0 + g < hidden, hi_ok = h0 + g + 8 < hidden;
+    float total_lo = 0.f, total_hi = 0.f;
+    for (u32 j0 = 0; j0 < top_k; j0 += 8) {
+        const u8* lo[8];
+        const u8* hi[8];
+#pragma unroll
+        for (int v = 0; v < 8; v++) {
+            bool live = j0 + v < top_k;
+            u32 e = live ? ids[tok * top_k + j0 + v] : 0u;
+            if (e >= num_experts) {
+                raise_error(diag, ERR_EXPERT_ID);
+                live = false;
+            }
+            const u8* base = live ? reinterpret_cast<const u8*>(down_table[e]) : nullptr;
+            lo[v] = base && lo_ok ? base + (h0 + g) * rb : nullptr;
+            hi[v] = base && hi_ok ? base + (h0 + g + 8) * rb : nullptr;
+        }
+        const float* xr[1] = {j0 + g < top_k ? act + (size_t)(tok * top_k + j0 + g) * inter : nullptr};
+        float acc[8][1][4];
+        f8_accumulate<1, 8, 1>(xr, lo, hi, inter, acc, diag);
+        if (!mvm_reduce<32>(&acc[0][0][0], red)) continue;
+        // Lane t holds x rows 2t (entries 0, 2) and 2t + 1 (entries 1, 3).
+#pragma unroll
+        for (int v = 0; v < 8; v++) {
+            if (j0 + v >= top_k || (u32)v / 2 != t) continue;
+            float w = route_weights[tok * top_k + j0 + v];
+            int i = v & 1;
+            total_lo += w * acc[v][0][i];
+            total_hi += w * acc[v][0][2 + i];
+        }
+    }
+    if (threadIdx.x >= 32) return;
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        total_lo += __shfl_xor_sync(0xffffffffu, total_lo, o);
+        total_hi += __shfl_xor_sync(0xffffffffu, total_hi, o);
+    }
+    if (t == 0) {
+        if (lo_ok) out[(size_t)tok * hidden + h0 + g] = total_lo;
+        if (hi_ok) out[(size_t)tok * hidden + h0 + g + 8] = total_hi;
+    }
+}
+
 // Rows of a matrix decoded: a thread per 32 values, `pieces` of them; f32 or bf16 out.
 __device__ __forceinline__ void store32(float* out, const float (&v)[32]) {
 #pragma unroll
@@ -468,25 +695,7 @@ __device__ void embedding_q_impl(const u8* table, const u32* ids, u32 tokens, u3
         begin_kernel();                                                                        \
         matvec_q_impl<F, R>(QActs{xq, xd, xs, K}, rows, w, N, K, out, ld, diag);               \
     }
-#define QUANT_KERNELS(S, F)                                                                    \
-    QUANT_MATVEC(S, F, 1)                                                                      \
-    QUANT_MATVEC(S, F, 2)                                                                      \
-    QUANT_MATVEC(S, F, 4)                                                                      \
-    QUANT_MATVEC(S, F, 8)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) moe_per_token_gate_up_##S(               \
-        QACTS, u32 hidden, const u32* ids, u32 top_k, u32 num_experts, const u64* gate_table,  \
-        const u64* up_table, u32 inter, float* act, Diag* diag) {                              \
-        begin_kernel();                                                                        \
-        per_token_gate_up_q_impl<F>(QActs{xq, xd, xs, hidden}, hidden, ids, top_k,             \
-                                    num_experts, gate_table, up_table, inter, act, diag);      \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) moe_per_token_down_##S(                  \
-        QACTS, u32 inter, const u32* ids, const float* route_weights, u32 top_k,               \
-        u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {          \
-        begin_kernel();                                                                        \
-        per_token_down_q_impl<F>(QActs{xq, xd, xs, inter}, inter, ids, route_weights, top_k,   \
-                                 num_experts, down_table, hidden, out, diag);                  \
-    }                                                                                          \
+#define QUANT_DECODE_KERNELS(S, F)                                                             \
     extern "C" __global__ void dequantize_##S##_f32(const u8* w, u32 K, u64 pieces,            \
                                                     float* out) {                              \
         begin_kernel();                                                                        \
@@ -507,12 +716,33 @@ __device__ void embedding_q_impl(const u8* table, const u32* ids, u32 tokens, u3
         begin_small_kernel();                                                                  \
         embedding_q_impl<F>(table, ids, tokens, hidden, vocab, out, diag);                     \
     }
+#define QUANT_KERNELS(S, F)                                                                    \
+    QUANT_MATVEC(S, F, 1)                                                                      \
+    QUANT_MATVEC(S, F, 2)                                                                      \
+    QUANT_MATVEC(S, F, 4)                                                                      \
+    QUANT_MATVEC(S, F, 8)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) moe_per_token_gate_up_##S(               \
+        QACTS, u32 hidden, const u32* ids, u32 top_k, u32 num_experts, const u64* gate_table,  \
+        const u64* up_table, u32 inter, float* act, Diag* diag) {                              \
+        begin_kernel();                                                                        \
+        per_token_gate_up_q_impl<F>(QActs{xq, xd, xs, hidden}, hidden, ids, top_k,             \
+                                    num_experts, gate_table, up_table, inter, act, diag);      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) moe_per_token_down_##S(                  \
+        QACTS, u32 inter, const u32* ids, const float* route_weights, u32 top_k,               \
+        u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {          \
+        begin_kernel();                                                                        \
+        per_token_down_q_impl<F>(QActs{xq, xd, xs, inter}, inter, ids, route_weights, top_k,   \
+                                 num_experts, down_table, hidden, out, diag);                  \
+    }                                                                                          \
+    QUANT_DECODE_KERNELS(S, F)
 QUANT_KERNELS(q8_0, q8_0)
 QUANT_KERNELS(q4_0, q4_0)
 QUANT_KERNELS(q5_0, q5_0)
 QUANT_KERNELS(q4_k, q4_k)
 QUANT_KERNELS(q5_k, q5_k)
 QUANT_KERNELS(q6_k, q6_k)
+QUANT_DECODE_KERNELS(f8, f8_128)
 
 // dst[r, col0 + n] = src[r, n] for rows of n values, dst's rows `ld` apart: a product's
 // output moved into its columns of a wider one. A thread per value.
@@ -526,10 +756,12 @@ extern "C" __global__ void copy_columns(const float* src, u32 rows, u32 n, float
 }
 
 // Synthetic blocks: the little-endian bytes of splitmix64(seed + i) for the i-th 8 bytes,
-// with each block's f16 scale at byte d_at (and its min at m_at, unless 0xffffffff) set to
-// d_bits (m_bits): quant.rs's synthetic_blocks, byte for byte. A thread per 8 bytes.
+// with each block's scale (d_bytes bytes at d_at) set to d_bits and its min (at m_at, unless
+// 0xffffffff) to m_bits, and FP8 blocks' NaN codes moved to ±448: quant.rs's
+// synthetic_blocks, byte for byte. A thread per 8 bytes.
 extern "C" __global__ void synthetic_blocks(u8* out, u64 len, u32 block_bytes, u64 seed,
-                                            u32 d_at, u32 d_bits, u32 m_at, u32 m_bits) {
+                                            u32 d_at, u32 d_bits, u32 d_bytes, u32 m_at,
+                                            u32 m_bits, u32 fp8) {
     begin_kernel();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i * 8 >= len) return;
@@ -540,10 +772,9 @@ extern "C" __global__ void synthetic_blocks(u8* out, u64 len, u32 block_bytes, u
     for (u32 b = 0; b < 8 && i * 8 + b < len; b++) {
         u64 k = i * 8 + b;
         u32 at = (u32)(k % block_bytes), byte = (u32)(z >> (8 * b)) & 0xffu;
-        if (at == d_at) byte = d_bits & 0xffu;
-        if (at == d_at + 1) byte = d_bits >> 8;
-        if (m_at != 0xffffffffu && at == m_at) byte = m_bits & 0xffu;
-        if (m_at != 0xffffffffu && at == m_at + 1) byte = m_bits >> 8;
+        if (fp8 && (byte & 0x7fu) == 0x7fu) byte &= 0xfeu;
+        if (at >= d_at && at < d_at + d_bytes) byte = (d_bits >> (8 * (at - d_at))) & 0xffu;
+        if (m_at != 0xffffffffu && at >= m_at && at < m_at + 2) byte = (m_bits >> (8 * (at - m_at))) & 0xffu;
         out[k] = (u8)byte;
     }
 }
