@@ -273,3 +273,31 @@ fn decode_f8_x128(b: &[u8], out: &mut [f32]) {
         *o = e4m3_value(q) * scale;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// e4m3 (fn) values at its landmarks: zero, the smallest subnormal, the smallest normal,
+    /// one, the largest finite value, signs, and the NaN codes.
+    #[test]
+    fn e4m3_bytes_decode_to_their_values() {
+        assert_eq!(e4m3_value(0x00), 0.0);
+        assert_eq!(e4m3_value(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_value(0x07), 7.0 * 2f32.powi(-9));
+        assert_eq!(e4m3_value(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3_value(0x38), 1.0);
+        assert_eq!(e4m3_value(0x3c), 1.5);
+        assert_eq!(e4m3_value(0x7e), 448.0);
+        assert_eq!(e4m3_value(0xb8), -1.0);
+        assert!(e4m3_value(0x7f).is_nan() && e4m3_value(0xff).is_nan());
+        // A block: the scale times each value.
+        let mut block = vec![0u8; 132];
+        block[..4].copy_from_slice(&0.5f32.to_le_bytes());
+        block[4] = 0x38;
+        block[131] = 0xc0;
+        let mut out = vec![0.0; 128];
+        dequantize(QuantFormat::F8E4M3x128, &block, &mut out);
+        assert_eq!((out[0], out[1], out[127]), (0.5, 0.0, -1.0));
+    }
+}
