@@ -1127,6 +1127,92 @@ fn experts(
     }
 }
 
+/// A routing of `tokens` tokens over `e` experts (top `top_k`, and a shared expert folded in as
+/// expert `e` where `shared`) and its sort, made on `b` from `logits`: what the grouped and
+/// per-token expert ops read.
+struct Routed {
+    ids: DeviceBuffer,
+    weights: DeviceBuffer,
+    offsets: DeviceBuffer,
+    hit: DeviceBuffer,
+    sorted_pairs: DeviceBuffer,
+    positions: DeviceBuffer,
+    tokens: usize,
+    choices: usize,
+}
+
+impl Routed {
+    fn new(
+        b: &dyn Backend,
+        logits: &DeviceBuffer,
+        tokens: usize,
+        e: usize,
+        top_k: usize,
+        renormalize: bool,
+        shared: bool,
+    ) -> Self {
+        let (choices, sorted_experts) = (top_k + shared as usize, e + shared as usize);
+        let pairs = tokens * choices;
+        let meta = |n| b.take_buffer(DType::U32, n, BufferUsage::Metadata).unwrap();
+        let (mut ids, mut weights) = (meta(pairs), out_buf(b, pairs));
+        b.moe_route(
+            logits,
+            tokens,
+            e,
+            top_k,
+            renormalize,
+            shared,
+            &mut ids,
+            &mut weights,
+        )
+        .unwrap();
+        let mut r = Routed {
+            ids,
+            weights,
+            offsets: meta(sorted_experts + 1),
+            hit: meta(sorted_experts + 1),
+            sorted_pairs: meta(pairs),
+            positions: meta(pairs),
+            tokens,
+            choices,
+        };
+        let routing = MoeRouting {
+            expert_ids: &r.ids,
+            expert_weights: &r.weights,
+            tokens,
+            top_k: choices,
+        };
+        b.moe_sort(
+            routing,
+            sorted_experts,
+            &mut r.offsets,
+            &mut r.hit,
+            &mut r.sorted_pairs,
+            &mut r.positions,
+        )
+        .unwrap();
+        r
+    }
+
+    fn routing(&self) -> MoeRouting<'_> {
+        MoeRouting {
+            expert_ids: &self.ids,
+            expert_weights: &self.weights,
+            tokens: self.tokens,
+            top_k: self.choices,
+        }
+    }
+
+    fn sorted(&self) -> MoeSorted<'_> {
+        MoeSorted {
+            expert_offsets: &self.offsets,
+            hit_experts: &self.hit,
+            sorted_pairs: &self.sorted_pairs,
+            pair_positions: &self.positions,
+        }
+    }
+}
+
 #[test]
 fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
     let g = gpu_or_skip!();
@@ -1209,55 +1295,9 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
                 };
             }
             let (xb, lb) = (f32_buf(b, &x), f32_buf(b, &logits));
-            let mut ids = b
-                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
-                .unwrap();
-            let mut weights = out_buf(b, pairs);
-            b.moe_route(
-                &lb,
-                tokens,
-                e,
-                top_k,
-                renormalize,
-                shared,
-                &mut ids,
-                &mut weights,
-            )
-            .unwrap();
-            let routing = MoeRouting {
-                expert_ids: &ids,
-                expert_weights: &weights,
-                tokens,
-                top_k: choices,
-            };
+            let r = Routed::new(b, &lb, tokens, e, top_k, renormalize, shared);
+            let (routing, sorted) = (r.routing(), r.sorted());
             let e = w.gate.num_experts();
-            let mut offsets = b
-                .take_buffer(DType::U32, e + 1, BufferUsage::Metadata)
-                .unwrap();
-            let mut hit = b
-                .take_buffer(DType::U32, e + 1, BufferUsage::Metadata)
-                .unwrap();
-            let mut sorted_pairs = b
-                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
-                .unwrap();
-            let mut positions = b
-                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
-                .unwrap();
-            b.moe_sort(
-                routing,
-                e,
-                &mut offsets,
-                &mut hit,
-                &mut sorted_pairs,
-                &mut positions,
-            )
-            .unwrap();
-            let sorted = MoeSorted {
-                expert_offsets: &offsets,
-                hit_experts: &hit,
-                sorted_pairs: &sorted_pairs,
-                pair_positions: &positions,
-            };
             let mut act = out_buf(b, pairs * i);
             let mut y = out_buf(b, pairs * h);
             let mut grouped = out_buf(b, tokens * h);
@@ -1273,18 +1313,18 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
             b.moe_experts_per_token(&xb, routing, &w, &mut act, &mut per_token)
                 .unwrap();
             results.push((
-                read_u32(b, &ids, pairs),
-                read(b, &weights, pairs),
+                read_u32(b, &r.ids, pairs),
+                read(b, &r.weights, pairs),
                 [
-                    read_u32(b, &offsets, e + 1),
+                    read_u32(b, &r.offsets, e + 1),
                     // The experts hit: their count, then their ids (the rest is unspecified).
                     {
-                        let mut list = read_u32(b, &hit, e + 1);
+                        let mut list = read_u32(b, &r.hit, e + 1);
                         list.truncate(1 + list[0].min(e as u32) as usize);
                         list
                     },
-                    read_u32(b, &sorted_pairs, pairs),
-                    read_u32(b, &positions, pairs),
+                    read_u32(b, &r.sorted_pairs, pairs),
+                    read_u32(b, &r.positions, pairs),
                 ],
                 read(b, &grouped, tokens * h),
                 read(b, &per_token, tokens * h),
@@ -2140,36 +2180,8 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
                 down: ExpertMatrices::stacked(Arc::new(down), e, h, 0, h, i).unwrap(),
             };
             let (xb, lb) = (f32_buf(b, &x), f32_buf(b, &logits));
-            let mut ids = b
-                .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
-                .unwrap();
-            let mut weights = out_buf(b, pairs);
-            b.moe_route(&lb, tokens, e, top_k, true, false, &mut ids, &mut weights)
-                .unwrap();
-            let routing = MoeRouting {
-                expert_ids: &ids,
-                expert_weights: &weights,
-                tokens,
-                top_k,
-            };
-            let meta = |n| b.take_buffer(DType::U32, n, BufferUsage::Metadata).unwrap();
-            let (mut offsets, mut hit) = (meta(e + 1), meta(e + 1));
-            let (mut sorted_pairs, mut positions) = (meta(pairs), meta(pairs));
-            b.moe_sort(
-                routing,
-                e,
-                &mut offsets,
-                &mut hit,
-                &mut sorted_pairs,
-                &mut positions,
-            )
-            .unwrap();
-            let sorted = MoeSorted {
-                expert_offsets: &offsets,
-                hit_experts: &hit,
-                sorted_pairs: &sorted_pairs,
-                pair_positions: &positions,
-            };
+            let r = Routed::new(b, &lb, tokens, e, top_k, true, false);
+            let (routing, sorted) = (r.routing(), r.sorted());
             let mut act = out_buf(b, pairs * i);
             let mut y = out_buf(b, pairs * h);
             let mut grouped = out_buf(b, tokens * h);

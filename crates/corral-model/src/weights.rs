@@ -188,7 +188,9 @@ pub enum SyntheticMix {
 impl SyntheticMix {
     /// The block format of matrix `name` (`cols` values a row) in a model of `layers`
     /// layers, or `None` for the float type: rows that a format's blocks do not divide fall
-    /// back to Q8_0, then to floats, as llama-quantize falls back.
+    /// back to Q8_0, then to floats (llama-quantize goes Q4_K → Q5_0, Q6_K → Q8_0, then F16).
+    /// The v projections' extra bits go by layer index; llama.cpp counts attention layers
+    /// only, which differs for the hybrids.
     pub fn format_of(self, name: &str, cols: usize, layers: usize) -> Option<QuantFormat> {
         let matrix = name.ends_with("_proj.weight")
             || name.contains(".in_proj_")
@@ -216,7 +218,7 @@ impl SyntheticMix {
                 // llama.cpp's use_more_bits.
                 let more_bits =
                     |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2;
-                let more = name.ends_with("v_proj.weight") || name.ends_with("down_proj");
+                let more = name.ends_with("v_proj.weight") || name.contains("down_proj");
                 if name.ends_with("lm_head.weight") || (more && layer.is_some_and(more_bits)) {
                     QuantFormat::Q6K
                 } else {
@@ -367,6 +369,8 @@ mod tests {
         );
         let down = "model.layers.8.mlp.experts.down_proj";
         assert_eq!(of(q4km, down, 768), Some(QuantFormat::Q6K));
+        let dense_down = "model.layers.8.mlp.shared_expert.down_proj.weight";
+        assert_eq!(of(q4km, dense_down, 512), Some(QuantFormat::Q6K));
         assert_eq!(
             of(q4km, "model.layers.7.mlp.experts.down_proj", 768),
             Some(QuantFormat::Q4K)

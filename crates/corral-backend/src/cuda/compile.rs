@@ -137,18 +137,8 @@ pub(crate) fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// What compiling a file produces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Output {
-    /// Machine code for a real architecture (`sm_90`).
-    Cubin,
-    /// PTX for a virtual one (`compute_90`), for compile checks.
-    #[cfg_attr(not(test), allow(dead_code))]
-    Ptx,
-}
-
-/// Compiles `source` for `arch` (`sm_90`, or `compute_90` with [`Output::Ptx`]).
-pub(crate) fn compile(source: &KernelSource, arch: &str, output: Output) -> Result<Vec<u8>> {
+/// Compiles `source` to machine code for `arch` (`sm_90`).
+pub(crate) fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     require_nvrtc()?;
     let name = source.name;
     let bad = |what: &str, e: String| nvrtc_err(&format!("{what} {name}"), e);
@@ -193,19 +183,12 @@ pub(crate) fn compile(source: &KernelSource, arch: &str, output: Output) -> Resu
             Err(bad("compiling", format!("{status:?}\n{log}")))
         } else {
             let mut size = 0usize;
-            let (size_status, get) = match output {
-                Output::Cubin => (nvrtc::nvrtcGetCUBINSize(program, &mut size), true),
-                Output::Ptx => (nvrtc::nvrtcGetPTXSize(program, &mut size), false),
-            };
+            let size_status = nvrtc::nvrtcGetCUBINSize(program, &mut size);
             if size_status != nvrtc::nvrtcResult::NVRTC_SUCCESS || size == 0 {
                 Err(bad("reading the output of", format!("{size_status:?}")))
             } else {
                 let mut image = vec![0u8; size];
-                let status = if get {
-                    nvrtc::nvrtcGetCUBIN(program, image.as_mut_ptr().cast::<c_char>())
-                } else {
-                    nvrtc::nvrtcGetPTX(program, image.as_mut_ptr().cast::<c_char>())
-                };
+                let status = nvrtc::nvrtcGetCUBIN(program, image.as_mut_ptr().cast::<c_char>());
                 if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
                     Err(bad("reading the output of", format!("{status:?}")))
                 } else {
@@ -284,7 +267,7 @@ impl KernelCache {
         {
             return Ok((image, false));
         }
-        let image = compile(source, arch, Output::Cubin)?;
+        let image = compile(source, arch)?;
         if let Some(path) = path {
             // A cache that cannot be written costs a compile next start, nothing more.
             let _ = store_atomically(&path, &image);

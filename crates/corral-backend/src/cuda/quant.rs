@@ -286,76 +286,59 @@ impl CudaBackend {
                 .per_token_gate_up,
             &self.kernels.for_quant(op, down_format)?.per_token_down,
         );
+        // The kernels' arguments after their activations: x as it is (FP8) or quantized.
+        let gate_up_tail = [
+            u32_of(op, hidden)?,
+            ids,
+            u32_of(op, top_k)?,
+            u32_of(op, num_experts)?,
+            gate,
+            up,
+            u32_of(op, inter)?,
+            act_arg,
+            self.diag(),
+        ];
+        let down_tail = [
+            u32_of(op, inter)?,
+            ids,
+            weights,
+            u32_of(op, top_k)?,
+            u32_of(op, num_experts)?,
+            down,
+            u32_of(op, hidden)?,
+            out_arg,
+            self.diag(),
+        ];
+        let with =
+            |head: &[Arg], tail: &[Arg]| -> Vec<Arg> { head.iter().chain(tail).copied().collect() };
         let fp8 = [gate_up_format, down_format].map(|f| f == QuantFormat::F8E4M3x128);
         if fp8 == [true, true] {
             // FP8 blocks on tensor cores, x and act rounded to f16: a block per 16 rows.
-            let first = [
-                x_arg,
-                u32_of(op, hidden)?,
-                ids,
-                u32_of(op, top_k)?,
-                u32_of(op, num_experts)?,
-                gate,
-                up,
-                u32_of(op, inter)?,
-                act_arg,
-                self.diag(),
-            ];
             let grid = (grid_of(op, inter.div_ceil(16) * pairs)?, 1, 1);
-            self.launch(gate_up_kernel, grid, MVM_THREADS, &first)?;
-            let second = [
-                act_arg,
-                u32_of(op, inter)?,
-                ids,
-                weights,
-                u32_of(op, top_k)?,
-                u32_of(op, num_experts)?,
-                down,
-                u32_of(op, hidden)?,
-                out_arg,
-                self.diag(),
-            ];
+            self.launch(
+                gate_up_kernel,
+                grid,
+                MVM_THREADS,
+                &with(&[x_arg], &gate_up_tail),
+            )?;
             let grid = (grid_of(op, hidden.div_ceil(16) * tokens)?, 1, 1);
-            return self.launch(down_kernel, grid, MVM_THREADS, &second);
+            return self.launch(
+                down_kernel,
+                grid,
+                MVM_THREADS,
+                &with(&[act_arg], &down_tail),
+            );
         }
         if fp8 != [false, false] {
             return Err(bad(op, "FP8 experts beside block-format ones".to_string()));
         }
-        self.with_quantized_acts(op, x_arg, (tokens, hidden), |[xq, xd, xs]| {
-            let args = [
-                xq,
-                xd,
-                xs,
-                u32_of(op, hidden)?,
-                ids,
-                u32_of(op, top_k)?,
-                u32_of(op, num_experts)?,
-                gate,
-                up,
-                u32_of(op, inter)?,
-                act_arg,
-                self.diag(),
-            ];
+        self.with_quantized_acts(op, x_arg, (tokens, hidden), |acts| {
             let grid = (grid_of(op, inter.div_ceil(8) * pairs)?, 1, 1);
-            self.launch(gate_up_kernel, grid, 256, &args)
+            self.launch(gate_up_kernel, grid, 256, &with(&acts, &gate_up_tail))
         })?;
-        self.with_quantized_acts(op, act_arg, (pairs, inter), |[aq, ad, asum]| {
-            let args = [
-                aq,
-                ad,
-                asum,
-                u32_of(op, inter)?,
-                ids,
-                weights,
-                u32_of(op, top_k)?,
-                u32_of(op, num_experts)?,
-                down,
-                u32_of(op, hidden)?,
-                out_arg,
-                self.diag(),
-            ];
+        self.with_quantized_acts(op, act_arg, (pairs, inter), |acts| {
             let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
-            self.launch(down_kernel, grid, 256, &args)
+            self.launch(down_kernel, grid, 256, &with(&acts, &down_tail))
         })
     }
 

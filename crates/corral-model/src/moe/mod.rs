@@ -40,7 +40,8 @@ pub(crate) struct SparseMoe {
 }
 
 impl SparseMoe {
-    /// The experts' stored types, gate/up then down (calibration keys on them).
+    /// The experts' stored types, gate/up then down (calibration keys on them; a Q4_K_M
+    /// model's layers differ in their down type, and the first layer's stands for all).
     pub(crate) fn expert_dtypes(&self) -> String {
         format!(
             "{:?}/{:?}",

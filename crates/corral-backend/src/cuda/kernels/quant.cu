@@ -140,7 +140,12 @@ template <> __device__ __forceinline__ void decode32<f8_128>(const u8* row, u32 
     for (int i = 0; i < 8; i++) {
         u32 w = q[i];
 #pragma unroll
-        for (int b = 0; b < 4; b++) v[4 * i + b] = __fmul_rn(e4m3_to_f32((w >> (8 * b)) & 0xffu), scale);
+        for (int b = 0; b < 4; b++) {
+            u32 q = (w >> (8 * b)) & 0xffu;
+            // 0x7f and 0xff are NaN in e4m3 (no infinities), as the CPU decodes them.
+            float e = (q & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : e4m3_to_f32(q);
+            v[4 * i + b] = __fmul_rn(e, scale);
+        }
     }
 }
 
@@ -162,7 +167,9 @@ extern "C" __global__ void quantize_q8(const float* x, u64 blocks, signed char* 
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
-    int qi = __float2int_rn(__fmul_rn(v, inv));
+    // Rounded half to even, then as Rust's `as i8` converts: NaN to 0, out of range saturated.
+    float r = rintf(__fmul_rn(v, inv));
+    int qi = r != r ? 0 : (int)fminf(127.f, fmaxf(-128.f, r));
     q[b * 32 + lane] = (signed char)qi;
     int half = qi;
 #pragma unroll
@@ -174,9 +181,10 @@ extern "C" __global__ void quantize_q8(const float* x, u64 blocks, signed char* 
     }
 }
 
-// `N` bytes from p (2-byte aligned at least) as N / 4 little-endian words: aligned 4-byte
-// loads funnel-shifted into place (the word past the end only where p is not 4-aligned, so
-// nothing beyond the N bytes is read).
+// `N` bytes from p (2-byte aligned at least) as N / 4 little-endian words: the aligned 4-byte
+// words that cover them, funnel-shifted into place. Where p is not 4-aligned that reads up to
+// 2 bytes either side of the N, within the words that hold them (so within the allocation's
+// pages; a memory checker may still name them).
 template <int N>
 __device__ __forceinline__ void load_words(const u8* p, u32 (&w)[N / 4]) {
     const u32* base = reinterpret_cast<const u32*>((size_t)p & ~(size_t)3);
@@ -409,8 +417,11 @@ __device__ void per_token_down_q_impl(QActs act, u32 inter, const u32* ids,
     if (lane == 0) out[(size_t)t * hidden + h] = total;
 }
 
-// Four e4m3 values (a word's bytes, low first) as two f16 pairs, by the hardware conversion
-// (sm_89 and newer; exact: every e4m3 value is an f16).
+// Four e4m3 values (a word's bytes, low first) as two f16 pairs, times F8_UNSCALE's inverse:
+// the hardware conversion where there is one (sm_89 and newer: exact values), else
+// e4m3x2_as_f16x2 (common.cuh: the values times 2^-8, exact too).
+#if __CUDA_ARCH__ >= 890
+#define F8_UNSCALE 1.f
 __device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
     asm("{.reg .b16 a, b;\n"
         " mov.b32 {a, b}, %2;\n"
@@ -419,6 +430,13 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
         : "=r"(lo), "=r"(hi)
         : "r"(w));
 }
+#else
+#define F8_UNSCALE 256.f
+__device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
+    lo = e4m3x2_as_f16x2(w, 0x1404u);
+    hi = e4m3x2_as_f16x2(w, 0x3424u);
+}
+#endif
 
 // FP8 blocks on tensor cores (mma_vec.cuh's scheme): lane (g, t) takes 8 consecutive values
 // of rows g and g + 8 of each weight v at a time, as f16, for two k16 steps against x rounded
@@ -443,8 +461,8 @@ __device__ __forceinline__ void f8_accumulate(const float* const (&xr)[NT],
         float sl[NW], sh[NW], part[NW][NT][4];
 #pragma unroll
         for (int v = 0; v < NW; v++) {
-            sl[v] = w_lo[v] ? *reinterpret_cast<const float*>(w_lo[v] + block) : 0.f;
-            sh[v] = w_hi[v] ? *reinterpret_cast<const float*>(w_hi[v] + block) : 0.f;
+            sl[v] = w_lo[v] ? *reinterpret_cast<const float*>(w_lo[v] + block) * F8_UNSCALE : 0.f;
+            sh[v] = w_hi[v] ? *reinterpret_cast<const float*>(w_hi[v] + block) * F8_UNSCALE : 0.f;
 #pragma unroll
             for (int j = 0; j < NT; j++)
 #pragma unroll
