@@ -152,6 +152,24 @@ impl WeightSource for Checkpoint {
                 dtype: entry.dtype_name.clone(),
             })
     }
+
+    /// FP8 parts stack as their row blocks (each row carries its scales); others through
+    /// their values.
+    fn weight_stacked(
+        &self,
+        backend: &dyn Backend,
+        parts: &[(&str, &[usize])],
+    ) -> Result<DeviceBuffer> {
+        if !parts.iter().all(|(name, _)| self.is_fp8(name)) {
+            return stacked_values(self, backend, parts);
+        }
+        let mut blocks = Vec::new();
+        for &(name, shape) in parts {
+            blocks.extend(self.fp8_blocks(name, shape)?);
+        }
+        let len = parts.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        crate::checkpoint::fp8_weight(backend, blocks, len)
+    }
 }
 
 /// Deterministic random weights: every tensor's values depend only on the seed and its name.

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use corral_backend::{Backend, DType, DeviceBuffer, MappedFile};
+use corral_backend::{Backend, DType, DeviceBuffer, MappedFile, QuantFormat};
 use serde_json::Value;
 
 use crate::{ModelError, Result};
@@ -113,7 +113,8 @@ impl Checkpoint {
     }
 
     /// Loads `name`, checking that its shape is `shape`, as a weight buffer in its stored type
-    /// (mapped, not copied, where the backend can).
+    /// (mapped, not copied, where the backend can). An FP8 weight becomes row blocks
+    /// ([`Checkpoint::fp8_blocks`]) where the backend reads them, else bf16 values.
     pub fn weight(
         &self,
         backend: &dyn Backend,
@@ -121,8 +122,55 @@ impl Checkpoint {
         shape: &[usize],
     ) -> Result<DeviceBuffer> {
         let (entry, dtype) = self.checked(name, shape)?;
+        if dtype == DType::F8E4M3 {
+            return fp8_weight(backend, self.fp8_blocks(name, shape)?, entry.numel());
+        }
         let file = &self.shards[entry.shard];
         Ok(backend.weight_from_file(file, entry.byte_offset, dtype, entry.numel())?)
+    }
+
+    /// Whether `name` is an FP8 weight (e4m3 with a `_scale_inv` beside it).
+    pub fn is_fp8(&self, name: &str) -> bool {
+        self.tensors
+            .get(name)
+            .is_some_and(|e| e.dtype == Some(DType::F8E4M3))
+    }
+
+    /// The FP8 weight `name` (`[N, K]` e4m3, K a multiple of 128) as F8_E4M3x128 row blocks:
+    /// each row's 128 values at a time behind their block's scale from `{name}_scale_inv`
+    /// (`[ceil(N / 128), K / 128]`, as Qwen's FP8 checkpoints and transformers' fine-grained
+    /// FP8 store them: a value is its e4m3 value times the scale).
+    pub fn fp8_blocks(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
+        let (entry, dtype) = self.checked(name, shape)?;
+        let unsupported = |problem: String| ModelError::Unsupported(format!("{name}: {problem}"));
+        if dtype != DType::F8E4M3 {
+            return Err(unsupported(format!("stored as {dtype}, not FP8")));
+        }
+        let &[n, k] = shape else {
+            return Err(unsupported(format!(
+                "an FP8 tensor of shape {shape:?}, not a matrix"
+            )));
+        };
+        const BLOCK: usize = 128;
+        if !k.is_multiple_of(BLOCK) {
+            return Err(unsupported(format!(
+                "FP8 rows of {k} values, not whole blocks of {BLOCK}"
+            )));
+        }
+        let scales = self.read_f32(
+            &format!("{name}_scale_inv"),
+            &[n.div_ceil(BLOCK), k / BLOCK],
+        )?;
+        let bytes = &self.shards[entry.shard].bytes()
+            [entry.byte_offset..entry.byte_offset + entry.byte_len];
+        let mut blocks = Vec::with_capacity(n * k / BLOCK * (BLOCK + 4));
+        for (r, row) in bytes.chunks_exact(k).enumerate() {
+            for (b, values) in row.chunks_exact(BLOCK).enumerate() {
+                blocks.extend_from_slice(&scales[r / BLOCK * (k / BLOCK) + b].to_le_bytes());
+                blocks.extend_from_slice(values);
+            }
+        }
+        Ok(blocks)
     }
 
     /// Loads `name` with shape `shape` converted to f32 (norm weights, which ops read as f32).
@@ -154,7 +202,13 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
+            DType::F8E4M3 => {
+                let blocks = self.fp8_blocks(name, shape)?;
+                let mut values = vec![0.0; entry.numel()];
+                corral_backend::quant::dequantize(QuantFormat::F8E4M3x128, &blocks, &mut values);
+                values
+            }
+            DType::U32 | DType::Quant(_) => {
                 return Err(ModelError::UnsupportedDType {
                     name: name.to_string(),
                     dtype: dtype.to_string(),
@@ -178,6 +232,22 @@ impl Checkpoint {
         }
         Ok((entry, dtype))
     }
+}
+
+/// An FP8 weight's row blocks as a weight buffer: as they are where the backend reads them,
+/// else their values in bf16.
+pub(crate) fn fp8_weight(
+    backend: &dyn Backend,
+    blocks: Vec<u8>,
+    len: usize,
+) -> Result<DeviceBuffer> {
+    let format = QuantFormat::F8E4M3x128;
+    if backend.reads_quantized(format) {
+        return Ok(backend.weight_from_blocks(blocks, DType::Quant(format), len)?);
+    }
+    let mut values = vec![0.0; len];
+    corral_backend::quant::dequantize(format, &blocks, &mut values);
+    Ok(backend.weight_from_f32(&values, DType::BF16)?)
 }
 
 /// The shard file names listed in an index's `weight_map`, in first-seen order.

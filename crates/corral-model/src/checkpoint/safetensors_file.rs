@@ -48,6 +48,8 @@ pub(crate) fn read_header(path: &Path, bytes: &[u8], shard: usize) -> Result<Vec
             safetensors::Dtype::F32 => Some(DType::F32),
             safetensors::Dtype::BF16 => Some(DType::BF16),
             safetensors::Dtype::F16 => Some(DType::F16),
+            // FP8 weights, read with their block scales (Checkpoint::fp8_blocks).
+            safetensors::Dtype::F8_E4M3 => Some(DType::F8E4M3),
             _ => None,
         };
         let data = view.data();
