@@ -1955,30 +1955,30 @@ fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
         let (rows, cols) = (7, 512);
         let (blocks, values) = blocks_and_values(format, 40 + n as u64, rows * cols);
         let w = g
-            .weight_from_blocks(blocks.clone(), DType::Quant(format), rows * cols)
+            .weight_from_blocks(blocks, DType::Quant(format), rows * cols)
             .unwrap();
-        let mut out = out_buf(g, rows * cols);
-        g.dequantize_on_device(WeightView::new(&w, rows, cols).unwrap(), &mut out)
-            .unwrap();
-        let got = read(g, &out, rows * cols);
-        let differ = got
-            .iter()
-            .zip(&values)
-            .position(|(a, b)| a.to_bits() != b.to_bits());
-        assert_eq!(differ, None, "{}: first value that differs", format.name());
+        // The first value of `w` that the device decodes to other bits than the CPU.
+        let first_differing = |w: &DeviceBuffer| {
+            let mut out = out_buf(g, rows * cols);
+            g.dequantize_on_device(WeightView::new(w, rows, cols).unwrap(), &mut out)
+                .unwrap();
+            let got = read(g, &out, rows * cols);
+            got.iter()
+                .zip(&values)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+        };
+        assert_eq!(
+            first_differing(&w),
+            None,
+            "{}: first value that differs",
+            format.name()
+        );
         // The device's synthetic blocks are the host's: they decode to the same bits.
         let made = g
             .weight_synthetic_blocks(format, rows * cols, 40 + n as u64, 0.5)
             .unwrap();
-        g.dequantize_on_device(WeightView::new(&made, rows, cols).unwrap(), &mut out)
-            .unwrap();
-        let got = read(g, &out, rows * cols);
-        let differ = got
-            .iter()
-            .zip(&values)
-            .position(|(a, b)| a.to_bits() != b.to_bits());
         assert_eq!(
-            differ,
+            first_differing(&made),
             None,
             "{}: synthetic blocks made on the device",
             format.name()

@@ -359,13 +359,8 @@ mod tests {
             offset in 0usize..40,
             seed in any::<u64>(),
         ) {
-            let mut x = seed | 1;
-            let mut next = || {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-            };
+            let mut bits = xorshift(seed);
+            let mut next = || (bits() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0;
             let xs: Vec<f32> = (0..m * k).map(|_| next()).collect();
             let w: Vec<half::bf16> = (0..offset + n * k).map(|_| half::bf16::from_f32(next())).collect();
             let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
