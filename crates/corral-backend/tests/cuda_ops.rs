@@ -2030,8 +2030,8 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
             // Few rows read the blocks with activations quantized as the CPU quantizes them
             // (the same integers; the scales combined in another order); more run bf16 tensor
             // cores on a bf16 copy. Either within rounding of the exact product.
-            // FP8 blocks: few rows on tensor cores with x rounded to f16 (the CPU decodes
-            // them, exactly).
+            // FP8 blocks: few rows on tensor cores, x staged as f16 scaled per 128 values
+            // (the CPU decodes the blocks, exactly).
             let fp8 = format == QuantFormat::F8E4M3x128;
             if rows <= 8 && !fp8 {
                 assert_close(&format!("{what}: against the CPU"), &got, &cpu_blocks, 1e-5);
@@ -2204,7 +2204,8 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
         );
         let (exact, cpu_blocks, gpu) = (&results[0], &results[1], &results[2]);
         // Per-token: the integer products of the CPU's, and near the exact ones; FP8 blocks
-        // on tensor cores with x and act rounded to f16 (the CPU decodes them, exactly).
+        // on tensor cores with x and act staged as f16 scaled per 128 values (the CPU decodes
+        // them, exactly).
         let fp8 = up_format == QuantFormat::F8E4M3x128;
         let against_cpu = if fp8 { 3e-3 } else { 1e-4 };
         assert_close(

@@ -309,12 +309,12 @@ impl Gpu {
         Ok(event)
     }
 
-    /// Queues `kernel` over `grid` blocks of `block` threads; `params` point at each argument.
+    /// Queues `kernel` over `grid` blocks of `block` threads, each with `smem` bytes of
+    /// dynamic shared memory; `params` point at each argument.
     pub(crate) fn launch(
         &self,
         kernel: &Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
+        (grid, block, smem): ((u32, u32, u32), u32, u32),
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let mut overlap = sys::CUlaunchAttribute {
@@ -331,7 +331,7 @@ impl Gpu {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: kernel.2,
+            sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
             attrs: &mut overlap,
             numAttrs: u32::from(self.overlap_launches),
@@ -350,7 +350,8 @@ impl Gpu {
     }
 }
 
-/// A kernel's handle, name and the dynamic shared memory each launch gives it.
+/// A kernel's handle, name and the dynamic shared memory each launch gives it (the most a
+/// launch may ask for, where launches size it).
 #[derive(Debug)]
 pub(crate) struct Kernel(
     pub(crate) sys::CUfunction,

@@ -54,8 +54,8 @@ pub(crate) const GPU_QUANT_FORMATS: [QuantFormat; 7] = [
 /// Kernels instantiated per block format, each decoding 32 values at a time in registers.
 #[derive(Debug)]
 pub(crate) struct QuantKernels {
-    /// Matrix-vector products for at most 1, 2, 4 and 8 rows (FP8 blocks: one kernel, on
-    /// tensor cores, for up to 8 rows, in every slot).
+    /// Matrix-vector products for at most 1, 2, 4 and 8 rows (FP8 blocks: up to 8 rows with
+    /// 2, then 4, of K's blocks in flight a warp, slots 2 and 3 repeating them).
     pub(crate) matvec: [Kernel; 4],
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
@@ -65,6 +65,10 @@ pub(crate) struct QuantKernels {
     pub(crate) dequantize_experts: Kernel,
     pub(crate) embedding: Kernel,
 }
+
+/// Dynamic shared memory the FP8 kernels may take (quant.cu's F8Staged: x staged for the
+/// products, 260 bytes a row's 128 values); a launch asks for what its x needs.
+pub(crate) const F8_SMEM_BYTES: u32 = 96 * 1024;
 
 /// Dynamic shared memory of the 128-row expert tiles: BT_SMEM_BYTES of mma_big_tile.cuh
 /// (three stages of 128 activation rows and 128 weight rows, 72 bf16 values each).
@@ -435,13 +439,15 @@ impl Kernels {
                 quant_kernels!("q6_k"),
                 QuantKernels {
                     matvec: [
-                        find("matvec_f8")?,
-                        find("matvec_f8")?,
-                        find("matvec_f8")?,
-                        find("matvec_f8")?,
+                        find("matvec_f8_u2")?.with_dynamic_smem(F8_SMEM_BYTES)?,
+                        find("matvec_f8_u4")?.with_dynamic_smem(F8_SMEM_BYTES)?,
+                        find("matvec_f8_u2")?.with_dynamic_smem(F8_SMEM_BYTES)?,
+                        find("matvec_f8_u4")?.with_dynamic_smem(F8_SMEM_BYTES)?,
                     ],
-                    per_token_gate_up: find("moe_per_token_gate_up_f8")?,
-                    per_token_down: find("moe_per_token_down_f8")?,
+                    per_token_gate_up: find("moe_per_token_gate_up_f8")?
+                        .with_dynamic_smem(F8_SMEM_BYTES)?,
+                    per_token_down: find("moe_per_token_down_f8")?
+                        .with_dynamic_smem(F8_SMEM_BYTES)?,
                     dequantize: [find("dequantize_f8_f32")?, find("dequantize_f8_bf16")?],
                     dequantize_experts: find("dequantize_experts_f8")?,
                     embedding: find("embedding_f8")?,

@@ -559,6 +559,7 @@ fn index_error(code: u32) -> &'static str {
         }
         8 => "Gated DeltaNet: a run beyond the batch or a state slot beyond the pool",
         9 => "Gated DeltaNet: a run longer than the batch's promised longest run",
+        10 => "an FP8 kernel on a GPU older than sm_89 (no e4m3 conversion)",
         _ => "unknown device error",
     }
 }
@@ -641,6 +642,22 @@ impl CudaBackend {
 
     /// The one place a kernel is launched: counts it, then queues it.
     fn launch(&self, k: &Kernel, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+        self.launch_sized(k, (grid, block, k.2), args)
+    }
+
+    /// As [`Self::launch`], with `smem` bytes of dynamic shared memory (at most the kernel's).
+    fn launch_sized(
+        &self,
+        k: &Kernel,
+        (grid, block, smem): ((u32, u32, u32), u32, u32),
+        args: &[Arg],
+    ) -> Result<()> {
+        if smem > k.2 {
+            return Err(bad(
+                k.1,
+                format!("{smem} bytes of shared memory, past the kernel's {}", k.2),
+            ));
+        }
         if args.len() > MAX_ARGS {
             return Err(bad(k.1, "too many kernel arguments".to_string()));
         }
@@ -653,7 +670,8 @@ impl CudaBackend {
             *p = (slot as *mut u64).cast::<c_void>();
         }
         self.counted(k.1, || {
-            self.gpu.launch(k, grid, block, &mut params[..args.len()])
+            self.gpu
+                .launch(k, (grid, block, smem), &mut params[..args.len()])
         })
     }
 
@@ -1440,7 +1458,7 @@ impl Backend for CudaBackend {
         }
         let byte_len = dtype.bytes_of(len);
         if let Some(format) = quant::quant_format(dtype)
-            && (!Self::reads_format(format) || !len.is_multiple_of(format.block().0))
+            && (!self.reads_format(format) || !len.is_multiple_of(format.block().0))
         {
             return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
         }
@@ -1488,7 +1506,7 @@ impl Backend for CudaBackend {
     }
 
     fn reads_quantized(&self, format: crate::QuantFormat) -> bool {
-        Self::reads_format(format)
+        self.reads_format(format)
     }
 
     fn weight_from_blocks(

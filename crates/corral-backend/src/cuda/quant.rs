@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::kernels::GPU_QUANT_FORMATS;
+use super::kernels::{F8_SMEM_BYTES, GPU_QUANT_FORMATS};
 use super::{Arg, CudaBackend, MVM_THREADS, buf, grid_of, ptr_of, u32_of, weight};
 use crate::{
     Backend, BackendError, BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights,
@@ -26,6 +26,16 @@ pub(crate) struct DecodedExperts {
     weights: ExpertWeights,
 }
 
+/// Shared memory an FP8 kernel stages x in for `items` (row, 128-value block) pairs: quant.cu's
+/// F8Staged, 128 f16 values and an f32 scale per item.
+fn f8_staged_bytes(items: usize) -> usize {
+    260 * items
+}
+
+fn u32_of_usize(op: &'static str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| bad(op, format!("{v} past u32")))
+}
+
 fn bad(op: &'static str, detail: String) -> BackendError {
     BackendError::BadArgument { op, detail }
 }
@@ -39,9 +49,11 @@ pub(crate) fn quant_format(dtype: DType) -> Option<QuantFormat> {
 }
 
 impl CudaBackend {
-    /// Whether the GPU reads `format` as stored.
-    pub(crate) fn reads_format(format: QuantFormat) -> bool {
+    /// Whether the GPU reads `format` as stored: FP8 blocks where the hardware converts e4m3
+    /// (sm_89 and newer).
+    pub(crate) fn reads_format(&self, format: QuantFormat) -> bool {
         GPU_QUANT_FORMATS.contains(&format)
+            && (format != QuantFormat::F8E4M3x128 || self.gpu.compute_capability >= (8, 9))
     }
 
     /// A block-format weight buffer holding `blocks` as they are.
@@ -52,7 +64,7 @@ impl CudaBackend {
         len: usize,
     ) -> Result<DeviceBuffer> {
         let op = "weight_from_blocks";
-        let readable = quant_format(dtype).is_some_and(Self::reads_format);
+        let readable = quant_format(dtype).is_some_and(|f| self.reads_format(f));
         if !readable
             || !len.is_multiple_of(dtype.block_values())
             || blocks.len() != dtype.bytes_of(len)
@@ -78,7 +90,7 @@ impl CudaBackend {
     ) -> Result<DeviceBuffer> {
         let op = "weight_synthetic_blocks";
         let dtype = DType::Quant(format);
-        if !Self::reads_format(format) || !len.is_multiple_of(dtype.block_values()) {
+        if !self.reads_format(format) || !len.is_multiple_of(dtype.block_values()) {
             return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
         }
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
@@ -171,19 +183,11 @@ impl CudaBackend {
         let x_arg = buf(op, "x", x, DType::F32, rows * w.cols)?;
         let out_arg = Arg::Ptr(out_addr + (col0 * 4) as u64);
         if format == QuantFormat::F8E4M3x128 {
-            // FP8 blocks on tensor cores, x rounded to f16: a block per 32 features.
-            let args = [
-                x_arg,
-                u32_of(op, rows)?,
-                Arg::Ptr(w_addr),
-                u32_of(op, w.rows)?,
-                u32_of(op, w.cols)?,
-                out_arg,
-                u32_of(op, out_cols)?,
-                self.diag(),
-            ];
-            let grid = (grid_of(op, w.rows.div_ceil(32))?, 1, 1);
-            return self.launch(&kernels.matvec[0], grid, MVM_THREADS, &args);
+            let Arg::Ptr(x_addr) = x_arg else {
+                return Err(bad(op, "x address".to_string()));
+            };
+            let out = out_addr + (col0 * 4) as u64;
+            return self.f8_matvec(x_addr, rows, (w_addr, w.rows, w.cols), out, out_cols);
         }
         self.with_quantized_acts(op, x_arg, (rows, w.cols), |[xq, xd, xs]| {
             let args = [
@@ -207,6 +211,46 @@ impl CudaBackend {
                 &args,
             )
         })
+    }
+
+    /// `out = x · wᵀ` for FP8 blocks on tensor cores (quant.cu's matvec_f8): a block per 16
+    /// features stages x as scaled f16 in its shared memory, so rows go in groups whose staging
+    /// fits; out's rows are `ld` apart.
+    fn f8_matvec(
+        &self,
+        x: u64,
+        rows: usize,
+        (w, n, k): (u64, usize, usize),
+        out: u64,
+        ld: usize,
+    ) -> Result<()> {
+        let op = "matmul";
+        let kernels = self.kernels.for_quant(op, QuantFormat::F8E4M3x128)?;
+        let blocks = k / 128;
+        let per_launch = F8_SMEM_BYTES as usize / f8_staged_bytes(blocks.max(1));
+        if per_launch == 0 {
+            return Err(bad(op, format!("FP8 rows of {k} values")));
+        }
+        // Variants: 2 or 4 of K's blocks in flight a warp (8 warps).
+        let deep = usize::from(blocks > 2 * 8);
+        let grid = (grid_of(op, n.div_ceil(16))?, 1, 1);
+        for r0 in (0..rows).step_by(per_launch.min(QUANT_MATVEC_MAX_ROWS)) {
+            let group = (rows - r0).min(per_launch);
+            let args = [
+                Arg::Ptr(x + (r0 * k * 4) as u64),
+                u32_of(op, group)?,
+                Arg::Ptr(w),
+                u32_of(op, n)?,
+                u32_of(op, k)?,
+                Arg::Ptr(out + (r0 * ld * 4) as u64),
+                u32_of(op, ld)?,
+                self.diag(),
+            ];
+            let kernel = &kernels.matvec[deep];
+            let smem = u32_of_usize(op, f8_staged_bytes(group * blocks))?;
+            self.launch_sized(kernel, (grid, MVM_THREADS, smem), &args)?;
+        }
+        Ok(())
     }
 
     /// `rows × k` f32 activations at `x` quantized per 32 values (quant.cu's quantize_q8, as
@@ -313,21 +357,21 @@ impl CudaBackend {
             |head: &[Arg], tail: &[Arg]| -> Vec<Arg> { head.iter().chain(tail).copied().collect() };
         let fp8 = [gate_up_format, down_format].map(|f| f == QuantFormat::F8E4M3x128);
         if fp8 == [true, true] {
-            // FP8 blocks on tensor cores, x and act rounded to f16: a block per 16 rows.
+            // Tensor cores, a block per 16 rows, staging its x (a token's row; a token's act
+            // rows) as scaled f16 in shared memory.
+            let smem = [hidden / 128, top_k * (inter / 128)].map(f8_staged_bytes);
+            if smem.iter().any(|&b| b > F8_SMEM_BYTES as usize) {
+                return Err(bad(
+                    op,
+                    format!("FP8 experts of {hidden} × {inter} at top {top_k}"),
+                ));
+            }
             let grid = (grid_of(op, inter.div_ceil(16) * pairs)?, 1, 1);
-            self.launch(
-                gate_up_kernel,
-                grid,
-                MVM_THREADS,
-                &with(&[x_arg], &gate_up_tail),
-            )?;
+            let sized = (grid, MVM_THREADS, u32_of_usize(op, smem[0])?);
+            self.launch_sized(gate_up_kernel, sized, &with(&[x_arg], &gate_up_tail))?;
             let grid = (grid_of(op, hidden.div_ceil(16) * tokens)?, 1, 1);
-            return self.launch(
-                down_kernel,
-                grid,
-                MVM_THREADS,
-                &with(&[act_arg], &down_tail),
-            );
+            let sized = (grid, MVM_THREADS, u32_of_usize(op, smem[1])?);
+            return self.launch_sized(down_kernel, sized, &with(&[act_arg], &down_tail));
         }
         if fp8 != [false, false] {
             return Err(bad(op, "FP8 experts beside block-format ones".to_string()));

@@ -313,6 +313,7 @@ struct Diag {
 #define ERR_F16_RANGE 7u
 #define ERR_STATE_SLOT 8u
 #define ERR_RUN_LENGTH 9u
+#define ERR_ARCH 10u
 
 __device__ __forceinline__ void raise_error(Diag* d, u32 code) { atomicCAS(&d->error, 0u, code); }
 

@@ -417,11 +417,36 @@ __device__ void per_token_down_q_impl(QActs act, u32 inter, const u32* ids,
     if (lane == 0) out[(size_t)t * hidden + h] = total;
 }
 
-// Four e4m3 values (a word's bytes, low first) as two f16 pairs, times F8_UNSCALE's inverse:
-// the hardware conversion where there is one (sm_89 and newer: exact values), else
-// e4m3x2_as_f16x2 (common.cuh: the values times 2^-8, exact too).
+// FP8 blocks (F8_E4M3x128: per row block an f32 scale, then 128 e4m3 values) on tensor cores
+// (sm_89 and newer, whose hardware converts e4m3 to f16; the host reads FP8 blocks only
+// there). The block stages the rows of x it needs in shared memory first, as f16 scaled per
+// 128 values (the block's f32 scale kept beside them); the weights' e4m3 become f16 in
+// registers (exact), and f16 mmas (m16n8k16, f32 accumulate) take a column per row of x. Each
+// k-block's products are scaled once, by the weight row's scale and x's. (Hopper's mma.sync
+// on e4m3 operands is no faster: it converts both to f16 itself.) The k index within a block
+// is mapped onto memory so that lane (g, t) holds words t + 4i (i = 0..7) of its rows (the
+// four lanes of a row read 16 contiguous bytes a load), and x is staged in that order, a
+// lane's values together.
+#define F8_WARPS 8  // warps of an FP8 block, splitting K's blocks (or units) between them
+
+// A staged x: per row and k-block 64 words (f16 pairs), then the f32 scales.
+struct F8Staged {
+    const u32* words;
+    u32 blocks;
+    const float* scales;
+    __device__ u32 at(u32 r, u32 blk) const { return (r * blocks + blk) * 64; }
+    __device__ float scale(u32 r, u32 blk) const { return scales[r * blocks + blk]; }
+};
+
+// A k-block of a 16-row tile as lane (g, t) holds it: words t + 4i of rows g (lo) and g + 8
+// (hi), zeros for a null row, and the rows' scales.
+struct F8Tile {
+    u32 lo[8], hi[8];
+    float s_lo, s_hi;
+};
+
 #if __CUDA_ARCH__ >= 890
-#define F8_UNSCALE 1.f
+// Four e4m3 values (a word's bytes, low first) as two f16 pairs, exactly.
 __device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
     asm("{.reg .b16 a, b;\n"
         " mov.b32 {a, b}, %2;\n"
@@ -430,137 +455,164 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
         : "=r"(lo), "=r"(hi)
         : "r"(w));
 }
-#else
-#define F8_UNSCALE 256.f
-__device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
-    lo = e4m3x2_as_f16x2(w, 0x1404u);
-    hi = e4m3x2_as_f16x2(w, 0x3424u);
-}
-#endif
 
-// FP8 blocks on tensor cores (mma_vec.cuh's scheme): lane (g, t) takes 8 consecutive values
-// of rows g and g + 8 of each weight v at a time, as f16, for two k16 steps against x rounded
-// to f16. A warp takes whole 128-value blocks (U of their four 32-value spans in flight at
-// once) and scales each block's products by its rows' scales once. w_lo[v], w_hi[v]: rows g
-// and g + 8 (null: zeros); xr[j]: row g + 8j of x (null: zeros). K a multiple of 128.
-template <int NT, int NW, int U>
-__device__ __forceinline__ void f8_accumulate(const float* const (&xr)[NT],
-                                              const u8* const (&w_lo)[NW],
-                                              const u8* const (&w_hi)[NW], u32 K,
-                                              float (&acc)[NW][NT][4], Diag* diag) {
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
+// Rows [0, rows) of x (`ldx` floats apart, `blocks` k-blocks each) staged at `words` for the
+// products (F8Staged's layout), the block's warps taking (row, k-block) items, LOADS of them
+// in flight a warp; a lane quantizes 4 values. Ends with the block synchronised.
+template <int LOADS>
+__device__ void f8_stage_x(const float* x, u32 ldx, u32 rows, u32 blocks, u32* words,
+                           F8Staged& st) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 items = rows * blocks, pos = (lane & 3) * 8 + (lane >> 2);
+    float* scales = reinterpret_cast<float*>(words + items * 64);
+    st = F8Staged{words, blocks, scales};
+    for (u32 i0 = warp; i0 < items; i0 += LOADS * F8_WARPS) {
+        float4 v[LOADS];
 #pragma unroll
-    for (int v = 0; v < NW; v++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[v][j][i] = 0.f;
-    bool range_error = false;
-    for (u32 blk = warp; blk < K / 128; blk += MVM_WARPS) {
-        size_t block = (size_t)blk * 132;
-        float sl[NW], sh[NW], part[NW][NT][4];
-#pragma unroll
-        for (int v = 0; v < NW; v++) {
-            sl[v] = w_lo[v] ? *reinterpret_cast<const float*>(w_lo[v] + block) * F8_UNSCALE : 0.f;
-            sh[v] = w_hi[v] ? *reinterpret_cast<const float*>(w_hi[v] + block) * F8_UNSCALE : 0.f;
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) part[v][j][i] = 0.f;
+        for (int u = 0; u < LOADS; u++) {
+            u32 i = i0 + u * F8_WARPS;
+            v[u] = i < items ? *reinterpret_cast<const float4*>(x + (size_t)(i / blocks) * ldx +
+                                                                (i % blocks) * 128 + lane * 4)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
-        for (int u0 = 0; u0 < 4; u0 += U) {
-            u32 wl[U][NW][2], wh[U][NW][2];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                size_t at = block + 4 + (u0 + u) * 32 + t * 8;
-#pragma unroll
-                for (int v = 0; v < NW; v++) {
-                    const u32* pl = reinterpret_cast<const u32*>(w_lo[v] + at);
-                    const u32* ph = reinterpret_cast<const u32*>(w_hi[v] + at);
-                    wl[u][v][0] = w_lo[v] ? pl[0] : 0u;
-                    wl[u][v][1] = w_lo[v] ? pl[1] : 0u;
-                    wh[u][v][0] = w_hi[v] ? ph[0] : 0u;
-                    wh[u][v][1] = w_hi[v] ? ph[1] : 0u;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                u32 k = blk * 128 + (u0 + u) * 32 + t * 8;
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    u32 b[4];
-                    x_operands8<true>(xr[j] + k, xr[j] != nullptr, b, range_error);
-#pragma unroll
-                    for (int v = 0; v < NW; v++) {
-                        // Elements 0-1, 2-3 of rows g and g + 8, then 4-5, 6-7: the A operands.
-                        u32 l[4], h[4];
-                        e4m3x4_to_f16x4(wl[u][v][0], l[0], l[1]);
-                        e4m3x4_to_f16x4(wl[u][v][1], l[2], l[3]);
-                        e4m3x4_to_f16x4(wh[u][v][0], h[0], h[1]);
-                        e4m3x4_to_f16x4(wh[u][v][1], h[2], h[3]);
-                        u32 a0[4] = {l[0], h[0], l[1], h[1]};
-                        u32 a1[4] = {l[2], h[2], l[3], h[3]};
-                        mma16816<true>(part[v][j], a0, &b[0]);
-                        mma16816<true>(part[v][j], a1, &b[2]);
-                    }
-                }
-            }
+        for (int u = 0; u < LOADS; u++) {
+            u32 i = i0 + u * F8_WARPS;
+            if (i >= items) break;
+            float m = warp_max(fmaxf(fmaxf(fabsf(v[u].x), fabsf(v[u].y)),
+                                     fmaxf(fabsf(v[u].z), fabsf(v[u].w))));
+            // Scaled to at most 2^14: f16's 11 bits for the block's largest, its range for
+            // the rest.
+            float inv = m > 0.f ? 16384.f / m : 0.f;
+            uint2 pair = make_uint2(pack2<true>(v[u].x * inv, v[u].y * inv),
+                                    pack2<true>(v[u].z * inv, v[u].w * inv));
+            reinterpret_cast<uint2*>(words + i * 64)[pos] = pair;
+            if (lane == 0) scales[i] = m * (1.f / 16384.f);
         }
-#pragma unroll
-        for (int v = 0; v < NW; v++)
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                acc[v][j][0] += part[v][j][0] * sl[v];
-                acc[v][j][1] += part[v][j][1] * sl[v];
-                acc[v][j][2] += part[v][j][2] * sh[v];
-                acc[v][j][3] += part[v][j][3] * sh[v];
-            }
     }
-    if (range_error) raise_error(diag, ERR_F16_RANGE);
+    __syncthreads();
 }
 
-// out[rows, N] = x[rows, K] · Wᵀ for FP8 blocks, rows ≤ 8, out's rows `ld` apart: a block per
-// 32 output features (two 16-feature weights sharing x's operands), its warps over K's
-// blocks. Grid: ceil(N / 32).
-extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) matvec_f8(
-    const float* x, u32 rows, const u8* w, u32 N, u32 K, float* out, u32 ld, Diag* diag) {
-    begin_kernel();
-    __shared__ float red[(MVM_WARPS - 1) * 8 * 32];
-    u32 g = (threadIdx.x & 31) >> 2, n0 = blockIdx.x * 32;
+// Lane (g, t)'s B operands for k-block `blk`: staged row r, or zeros where `live` is false.
+__device__ __forceinline__ void f8_x_operands(const F8Staged& st, u32 r, bool live, u32 blk,
+                                              u32 (&b)[16]) {
+    if (live) {
+        const uint4* p = reinterpret_cast<const uint4*>(st.words + st.at(r, blk) + (threadIdx.x & 3) * 16);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            uint4 v = p[q];
+            b[4 * q] = v.x, b[4 * q + 1] = v.y, b[4 * q + 2] = v.z, b[4 * q + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; i++) b[i] = 0u;
+    }
+}
+
+__device__ __forceinline__ void f8_load_row(const u8* row, u32 blk, u32 (&w)[8], float& s) {
+    if (row) {
+        const u8* block = row + (size_t)blk * 132;
+        const u32* p = reinterpret_cast<const u32*>(block + 4) + (threadIdx.x & 3);
+        s = *reinterpret_cast<const float*>(block);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = p[4 * i];
+    } else {
+        s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = 0u;
+    }
+}
+
+// k-block `blk` of the tile whose rows g and g + 8 start at `lo` and `hi` (null: zeros).
+__device__ __forceinline__ void f8_load_tile(const u8* lo, const u8* hi, u32 blk, F8Tile& a) {
+    f8_load_row(lo, blk, a.lo, a.s_lo);
+    f8_load_row(hi, blk, a.hi, a.s_hi);
+}
+
+// One k-block's products of a tile and a staged x, added to acc: entries 0, 1 row g against
+// x rows 2t, 2t + 1 (the lane's columns), 2, 3 row g + 8; scaled by the weight rows' scales
+// and those x rows' `sx` (0 for a column without a row).
+__device__ __forceinline__ void f8_block(const F8Tile& a, const u32 (&b)[16], const float (&sx)[2],
+                                         float (&acc)[4]) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u32 l[2], h[2];
+        e4m3x4_to_f16x4(a.lo[i], l[0], l[1]);
+        e4m3x4_to_f16x4(a.hi[i], h[0], h[1]);
+        u32 op[4] = {l[0], h[0], l[1], h[1]};
+        mma16816<true>(c, op, &b[2 * i]);
+    }
+    acc[0] += a.s_lo * sx[0] * c[0];
+    acc[1] += a.s_lo * sx[1] * c[1];
+    acc[2] += a.s_hi * sx[0] * c[2];
+    acc[3] += a.s_hi * sx[1] * c[3];
+}
+
+// out[rows, N] = x[rows, K] · Wᵀ for FP8 blocks, rows ≤ 8, out's rows `ld` apart: a block
+// per 16 features, its warps taking K's blocks UB at a time; the first weight loads are in
+// flight while the kernel before ends. Grid: ceil(N / 16).
+template <int UB>
+__device__ void matvec_f8_impl(const float* x, u32 rows, const u8* w, u32 N, u32 K, float* out,
+                               u32 ld, Diag* diag) {
+    extern __shared__ __align__(16) u32 f8_smem[];
+    __shared__ float red[(F8_WARPS - 1) * 4 * 32];
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    u32 n0 = blockIdx.x * 16, blocks = K / 128;
     size_t rb = row_bytes<f8_128>(K);
-    if (threadIdx.x == 0) count_weight_bytes(diag, min(32u, N - n0) * rb);
-    const u8* lo[2];
-    const u8* hi[2];
+    if (threadIdx.x == 0) count_weight_bytes(diag, min(16u, N - n0) * rb);
+    const u8* lo = n0 + g < N ? w + (n0 + g) * rb : nullptr;
+    const u8* hi = n0 + g + 8 < N ? w + (n0 + g + 8) * rb : nullptr;
+    F8Tile a[UB];
 #pragma unroll
-    for (int v = 0; v < 2; v++) {
-        u32 n = n0 + 16 * v + g;
-        lo[v] = n < N ? w + n * rb : nullptr;
-        hi[v] = n + 8 < N ? w + (n + 8) * rb : nullptr;
+    for (int u = 0; u < UB; u++) {
+        u32 blk = warp + u * F8_WARPS;
+        f8_load_tile(blk < blocks ? lo : nullptr, blk < blocks ? hi : nullptr, blk, a[u]);
     }
-    const float* xr[1] = {g < rows ? x + (size_t)g * K : nullptr};
-    float acc[2][1][4];
-    f8_accumulate<1, 2, 4>(xr, lo, hi, K, acc, diag);
-    if (!mvm_reduce<8>(&acc[0][0][0], red)) return;
+    wait_for_previous_kernel();
+    F8Staged st;
+    f8_stage_x<4>(x, K, rows, blocks, f8_smem, st);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (u32 b0 = warp; b0 < blocks; b0 += UB * F8_WARPS) {
+        if (b0 != warp) {
 #pragma unroll
-    for (int v = 0; v < 2; v++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u32 n = n0 + 16 * v + mvm_feature(i), r = mvm_row(0, i);
-            if (n < N && r < rows) out[(size_t)r * ld + n] = acc[v][0][i];
+            for (int u = 0; u < UB; u++) {
+                u32 blk = b0 + u * F8_WARPS;
+                f8_load_tile(blk < blocks ? lo : nullptr, blk < blocks ? hi : nullptr, blk, a[u]);
+            }
         }
+#pragma unroll
+        for (int u = 0; u < UB; u++) {
+            u32 blk = b0 + u * F8_WARPS;
+            if (blk >= blocks) break;
+            u32 b[16];
+            f8_x_operands(st, g, g < rows, blk, b);
+            float sx[2] = {2 * t < rows ? st.scale(2 * t, blk) : 0.f,
+                           2 * t + 1 < rows ? st.scale(2 * t + 1, blk) : 0.f};
+            f8_block(a[u], b, sx, acc);
+        }
+    }
+    if (!mvm_reduce<4>(acc, red)) return;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 n = n0 + g + (i >= 2 ? 8 : 0), r = 2 * t + (i & 1);
+        if (n < N && r < rows) out[(size_t)r * ld + n] = acc[i];
+    }
 }
 
 // Per-token experts in FP8 blocks, first half: a block per (pair, 16 rows of gate and of up),
-// its one x row the pair's token. Grid: ceil(I / 16) blocks per pair, pair-major.
-extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) moe_per_token_gate_up_f8(
-    const float* x, u32 hidden, const u32* ids, u32 top_k, u32 num_experts, const u64* gate_table,
-    const u64* up_table, u32 inter, float* act, Diag* diag) {
-    begin_kernel();
-    __shared__ float red[(MVM_WARPS - 1) * 8 * 32];
-    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+// x the pair's token row; its warps take the k-blocks UB at a time. Grid: ceil(I / 16) blocks
+// per pair, pair-major.
+template <int UB>
+__device__ void per_token_gate_up_f8_impl(const float* x, u32 hidden, const u32* ids, u32 top_k,
+                                          u32 num_experts, const u64* gate_table,
+                                          const u64* up_table, u32 inter, float* act,
+                                          Diag* diag) {
+    extern __shared__ __align__(16) u32 f8_smem[];
+    __shared__ float red[(F8_WARPS - 1) * 8 * 32];
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     u32 tiles = (inter + 15) / 16, p = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * 16;
-    u32 e = ids[p];
+    u32 blocks = hidden / 128, e = ids[p];
     if (e >= num_experts) {
         if (threadIdx.x == 0) raise_error(diag, ERR_EXPERT_ID);
         return;
@@ -570,74 +622,153 @@ extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) moe_per_token_gate_
     const u8* gate = reinterpret_cast<const u8*>(gate_table[e]);
     const u8* up = reinterpret_cast<const u8*>(up_table[e]);
     bool lo_ok = i0 + g < inter, hi_ok = i0 + g + 8 < inter;
-    const u8* lo[2] = {lo_ok ? gate + (i0 + g) * rb : nullptr, lo_ok ? up + (i0 + g) * rb : nullptr};
-    const u8* hi[2] = {hi_ok ? gate + (i0 + g + 8) * rb : nullptr, hi_ok ? up + (i0 + g + 8) * rb : nullptr};
-    const float* xr[1] = {g == 0 ? x + (size_t)(p / top_k) * hidden : nullptr};
-    float acc[2][1][4];
-    f8_accumulate<1, 2, 4>(xr, lo, hi, hidden, acc, diag);
-    if (!mvm_reduce<8>(&acc[0][0][0], red)) return;
-    // x row 0: lanes t == 0, entries 0 (feature g) and 2 (feature g + 8).
+    const u8* rows[2][2] = {{lo_ok ? gate + (i0 + g) * rb : nullptr, hi_ok ? gate + (i0 + g + 8) * rb : nullptr},
+                            {lo_ok ? up + (i0 + g) * rb : nullptr, hi_ok ? up + (i0 + g + 8) * rb : nullptr}};
+    F8Tile a[UB][2];
+#pragma unroll
+    for (int u = 0; u < UB; u++) {
+        u32 blk = warp + u * F8_WARPS;
+#pragma unroll
+        for (int v = 0; v < 2; v++)
+            f8_load_tile(blk < blocks ? rows[v][0] : nullptr, blk < blocks ? rows[v][1] : nullptr,
+                         blk, a[u][v]);
+    }
+    F8Staged st;
+    f8_stage_x<4>(x + (size_t)(p / top_k) * hidden, hidden, 1, blocks, f8_smem, st);
+    float acc[2][4] = {};
+    for (u32 b0 = warp; b0 < blocks; b0 += UB * F8_WARPS) {
+        if (b0 != warp) {
+#pragma unroll
+            for (int u = 0; u < UB; u++) {
+                u32 blk = b0 + u * F8_WARPS;
+#pragma unroll
+                for (int v = 0; v < 2; v++)
+                    f8_load_tile(blk < blocks ? rows[v][0] : nullptr,
+                                 blk < blocks ? rows[v][1] : nullptr, blk, a[u][v]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UB; u++) {
+            u32 blk = b0 + u * F8_WARPS;
+            if (blk >= blocks) break;
+            u32 b[16];
+            f8_x_operands(st, 0, g == 0, blk, b);
+            float sx[2] = {t == 0 ? st.scale(0, blk) : 0.f, 0.f};
+            f8_block(a[u][0], b, sx, acc[0]);
+            f8_block(a[u][1], b, sx, acc[1]);
+        }
+    }
+    if (!mvm_reduce<8>(&acc[0][0], red)) return;
+    // The x row's column is lane t == 0's, entries 0 (row g) and 2 (row g + 8).
     if (t != 0) return;
 #pragma unroll
     for (int i = 0; i < 4; i += 2) {
-        u32 f = i0 + mvm_feature(i);
-        if (f < inter) act[(size_t)p * inter + f] = silu(acc[0][0][i]) * acc[1][0][i];
+        u32 f = i0 + g + 4 * i;
+        if (f < inter) act[(size_t)p * inter + f] = silu(acc[0][i]) * acc[1][i];
     }
 }
 
-// Per-token experts in FP8 blocks, second half: a block per (token, 16 features), the weights
-// the down rows of up to 8 routed slots at once and x's 8 rows those slots' act rows; slot
-// v's product is the tile's entry (weight v, row v). Grid: ceil(H / 16) blocks per token.
-extern "C" __global__ void __launch_bounds__(MVM_WARPS * 32) moe_per_token_down_f8(
-    const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,
-    u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {
-    begin_kernel();
-    __shared__ float red[(MVM_WARPS - 1) * 32 * 32];
-    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+// Per-token experts in FP8 blocks, second half: a block per (token, 16 features), its units
+// the (routed slot, k-block) pairs, UB a warp at a time, each against its slot's act row; the
+// slots' routing weights scale their products. Ids and routing weights come from the kernel
+// before the one before, so the first weight loads are in flight while the gate/up kernel
+// ends. Grid: ceil(H / 16) blocks per token.
+template <int UB>
+__device__ void per_token_down_f8_impl(const float* act, u32 inter, const u32* ids,
+                                       const float* route_weights, u32 top_k, u32 num_experts,
+                                       const u64* down_table, u32 hidden, float* out,
+                                       Diag* diag) {
+    extern __shared__ __align__(16) u32 f8_smem[];
+    __shared__ float red[(F8_WARPS - 1) * 4 * 32];
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     u32 tiles = (hidden + 15) / 16, tok = blockIdx.x / tiles, h0 = (blockIdx.x % tiles) * 16;
+    u32 blocks = inter / 128, units = top_k * blocks;
     size_t rb = row_bytes<f8_128>(inter);
     if (threadIdx.x == 0) count_weight_bytes(diag, (u64)min(16u, hidden - h0) * rb * top_k);
     bool lo_ok = h0 + g < hidden, hi_ok = h0 + g + 8 < hidden;
-    float total_lo = 0.f, total_hi = 0.f;
-    for (u32 j0 = 0; j0 < top_k; j0 += 8) {
-        const u8* lo[8];
-        const u8* hi[8];
-#pragma unroll
-        for (int v = 0; v < 8; v++) {
-            bool live = j0 + v < top_k;
-            u32 e = live ? ids[tok * top_k + j0 + v] : 0u;
-            if (e >= num_experts) {
+    // Unit u's tile and routing weight; a bad expert id reads nothing.
+    auto load = [&](u32 u, F8Tile& a, float& weight) {
+        const u8* base = nullptr;
+        weight = 0.f;
+        if (u < units) {
+            u32 j = u / blocks, e = ids[tok * top_k + j];
+            if (e < num_experts) {
+                base = reinterpret_cast<const u8*>(down_table[e]);
+                weight = route_weights[tok * top_k + j];
+            } else {
                 raise_error(diag, ERR_EXPERT_ID);
-                live = false;
             }
-            const u8* base = live ? reinterpret_cast<const u8*>(down_table[e]) : nullptr;
-            lo[v] = base && lo_ok ? base + (h0 + g) * rb : nullptr;
-            hi[v] = base && hi_ok ? base + (h0 + g + 8) * rb : nullptr;
         }
-        const float* xr[1] = {j0 + g < top_k ? act + (size_t)(tok * top_k + j0 + g) * inter : nullptr};
-        float acc[8][1][4];
-        f8_accumulate<1, 8, 1>(xr, lo, hi, inter, acc, diag);
-        if (!mvm_reduce<32>(&acc[0][0][0], red)) continue;
-        // Lane t holds x rows 2t (entries 0, 2) and 2t + 1 (entries 1, 3).
+        u32 blk = u % blocks;
+        f8_load_tile(base && lo_ok ? base + (h0 + g) * rb : nullptr,
+                     base && hi_ok ? base + (h0 + g + 8) * rb : nullptr, blk, a);
+    };
+    F8Tile a[UB];
+    float weight[UB];
 #pragma unroll
-        for (int v = 0; v < 8; v++) {
-            if (j0 + v >= top_k || (u32)v / 2 != t) continue;
-            float w = route_weights[tok * top_k + j0 + v];
-            int i = v & 1;
-            total_lo += w * acc[v][0][i];
-            total_hi += w * acc[v][0][2 + i];
+    for (int u = 0; u < UB; u++) load(warp + u * F8_WARPS, a[u], weight[u]);
+    wait_for_previous_kernel();
+    F8Staged st;
+    f8_stage_x<8>(act + (size_t)tok * top_k * inter, inter, top_k, blocks, f8_smem, st);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (u32 u0 = warp; u0 < units; u0 += UB * F8_WARPS) {
+        if (u0 != warp) {
+#pragma unroll
+            for (int u = 0; u < UB; u++) load(u0 + u * F8_WARPS, a[u], weight[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < UB; u++) {
+            u32 unit = u0 + u * F8_WARPS;
+            if (unit >= units) break;
+            u32 j = unit / blocks, blk = unit % blocks, b[16];
+            f8_x_operands(st, j, g == 0, blk, b);
+            float sx[2] = {t == 0 ? weight[u] * st.scale(j, blk) : 0.f, 0.f};
+            f8_block(a[u], b, sx, acc);
         }
     }
-    if (threadIdx.x >= 32) return;
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-        total_lo += __shfl_xor_sync(0xffffffffu, total_lo, o);
-        total_hi += __shfl_xor_sync(0xffffffffu, total_hi, o);
+    if (!mvm_reduce<4>(acc, red)) return;
+    if (t != 0) return;
+    if (lo_ok) out[(size_t)tok * hidden + h0 + g] = acc[0];
+    if (hi_ok) out[(size_t)tok * hidden + h0 + g + 8] = acc[2];
+}
+#endif
+
+// The FP8 kernels' bodies need sm_89's e4m3 conversion; elsewhere they raise ERR_ARCH (the
+// host does not launch them there).
+#if __CUDA_ARCH__ >= 890
+#define F8_BODY(call) call
+#else
+#define F8_BODY(call) \
+    if (threadIdx.x == 0) raise_error(diag, ERR_ARCH)
+#endif
+
+#define MATVEC_F8(UB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(F8_WARPS * 32) matvec_f8_u##UB(               \
+        const float* x, u32 rows, const u8* w, u32 N, u32 K, float* out, u32 ld, Diag* diag) { \
+        begin_deferred_kernel();                                                               \
+        F8_BODY((matvec_f8_impl<UB>(x, rows, w, N, K, out, ld, diag)));                        \
     }
-    if (t == 0) {
-        if (lo_ok) out[(size_t)tok * hidden + h0 + g] = total_lo;
-        if (hi_ok) out[(size_t)tok * hidden + h0 + g + 8] = total_hi;
-    }
+MATVEC_F8(2)
+MATVEC_F8(4)
+
+// Three blocks an SM (80 registers), so that a token's 8 pairs of Qwen3-30B-A3B's experts are
+// one wave (two k-blocks a warp in flight at two blocks an SM was 2% slower).
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 3) moe_per_token_gate_up_f8(
+    const float* x, u32 hidden, const u32* ids, u32 top_k, u32 num_experts, const u64* gate_table,
+    const u64* up_table, u32 inter, float* act, Diag* diag) {
+    begin_kernel();
+    F8_BODY((per_token_gate_up_f8_impl<1>(x, hidden, ids, top_k, num_experts, gate_table,
+                                          up_table, inter, act, diag)));
+}
+
+// Three units a warp in flight: all of them also held at once (six for Qwen3-30B-A3B) was
+// no faster at one token and 18% slower at eight.
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32) moe_per_token_down_f8(
+    const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,
+    u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {
+    begin_deferred_kernel();
+    F8_BODY((per_token_down_f8_impl<3>(act, inter, ids, route_weights, top_k, num_experts,
+                                       down_table, hidden, out, diag)));
 }
 
 // Rows of a matrix decoded: a thread per 32 values, `pieces` of them; f32 or bf16 out.
