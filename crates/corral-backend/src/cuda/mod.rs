@@ -649,20 +649,32 @@ impl CudaBackend {
     fn launch_sized(
         &self,
         k: &Kernel,
-        (grid, block, smem): ((u32, u32, u32), u32, u32),
+        sized: ((u32, u32, u32), u32, u32),
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_parts(k, sized, [args, &[]])
+    }
+
+    /// As [`Self::launch_sized`], the arguments given in two parts (a head before a shared
+    /// tail), joined without allocating.
+    fn launch_parts(
+        &self,
+        k: &Kernel,
+        (grid, block, smem): ((u32, u32, u32), u32, u32),
+        [head, tail]: [&[Arg]; 2],
+    ) -> Result<()> {
+        let count = head.len() + tail.len();
         if smem > k.2 {
             return Err(bad(
                 k.1,
                 format!("{smem} bytes of shared memory, past the kernel's {}", k.2),
             ));
         }
-        if args.len() > MAX_ARGS {
+        if count > MAX_ARGS {
             return Err(bad(k.1, "too many kernel arguments".to_string()));
         }
         let mut slots = [0u64; MAX_ARGS];
-        for (slot, arg) in slots.iter_mut().zip(args) {
+        for (slot, arg) in slots.iter_mut().zip(head.iter().chain(tail)) {
             *slot = arg.bits();
         }
         let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
@@ -671,7 +683,7 @@ impl CudaBackend {
         }
         self.counted(k.1, || {
             self.gpu
-                .launch(k, (grid, block, smem), &mut params[..args.len()])
+                .launch(k, (grid, block, smem), &mut params[..count])
         })
     }
 

@@ -132,18 +132,9 @@ impl CudaBackend {
             return self.quant_matvec(x, rows, w, format, out, (w.rows, 0));
         }
         let (w_addr, _, _) = weight(op, w)?;
-        let kernels = self.kernels.for_quant(op, format)?;
         let len = w.rows * w.cols;
-        let decode = |dst: u64| {
-            let args = [
-                Arg::Ptr(w_addr),
-                u32_of(op, w.cols)?,
-                Arg::U64((len / 32) as u64),
-                Arg::Ptr(dst),
-            ];
-            let grid = Self::elementwise_grid(op, len / 32)?;
-            self.launch(&kernels.dequantize[1], grid, 256, &args)
-        };
+        let decode =
+            |dst: u64| self.dequantize_into(op, format, (w_addr, w.cols, len), Arg::Ptr(dst), 1);
         self.with_converted_copy(op, (DType::BF16, len), decode, |w16| {
             self.matmul(x, rows, WeightView::new(w16, w.rows, w.cols)?, out)
         })
@@ -353,8 +344,6 @@ impl CudaBackend {
             out_arg,
             self.diag(),
         ];
-        let with =
-            |head: &[Arg], tail: &[Arg]| -> Vec<Arg> { head.iter().chain(tail).copied().collect() };
         let fp8 = [gate_up_format, down_format].map(|f| f == QuantFormat::F8E4M3x128);
         if fp8 == [true, true] {
             // Tensor cores, a block per 16 rows, staging its x (a token's row; a token's act
@@ -368,21 +357,21 @@ impl CudaBackend {
             }
             let grid = (grid_of(op, inter.div_ceil(16) * pairs)?, 1, 1);
             let sized = (grid, MVM_THREADS, u32_of_usize(op, smem[0])?);
-            self.launch_sized(gate_up_kernel, sized, &with(&[x_arg], &gate_up_tail))?;
+            self.launch_parts(gate_up_kernel, sized, [&[x_arg], &gate_up_tail])?;
             let grid = (grid_of(op, hidden.div_ceil(16) * tokens)?, 1, 1);
             let sized = (grid, MVM_THREADS, u32_of_usize(op, smem[1])?);
-            return self.launch_sized(down_kernel, sized, &with(&[act_arg], &down_tail));
+            return self.launch_parts(down_kernel, sized, [&[act_arg], &down_tail]);
         }
         if fp8 != [false, false] {
             return Err(bad(op, "FP8 experts beside block-format ones".to_string()));
         }
         self.with_quantized_acts(op, x_arg, (tokens, hidden), |acts| {
             let grid = (grid_of(op, inter.div_ceil(8) * pairs)?, 1, 1);
-            self.launch(gate_up_kernel, grid, 256, &with(&acts, &gate_up_tail))
+            self.launch_parts(gate_up_kernel, (grid, 256, 0), [&acts, &gate_up_tail])
         })?;
         self.with_quantized_acts(op, act_arg, (pairs, inter), |acts| {
             let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
-            self.launch(down_kernel, grid, 256, &with(&acts, &down_tail))
+            self.launch_parts(down_kernel, (grid, 256, 0), [&acts, &down_tail])
         })
     }
 
@@ -470,16 +459,30 @@ impl CudaBackend {
         let format = quant_format(dtype)
             .ok_or_else(|| bad(op, format!("weights of {dtype} are not blocks")))?;
         let len = w.rows * w.cols;
-        let args = [
-            Arg::Ptr(w_addr),
-            u32_of(op, w.cols)?,
-            Arg::U64((len / 32) as u64),
-            buf(op, "out", out, DType::F32, len)?,
-        ];
+        let dst = buf(op, "out", out, DType::F32, len)?;
+        self.dequantize_into(op, format, (w_addr, w.cols, len), dst, 0)
+    }
+
+    /// Queues the decode of the `len` values (rows of `cols`) of a block-format matrix at `w`
+    /// into `dst`: f32 (`to` 0) or bf16 (1).
+    fn dequantize_into(
+        &self,
+        op: &'static str,
+        format: QuantFormat,
+        (w, cols, len): (u64, usize, usize),
+        dst: Arg,
+        to: usize,
+    ) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
-        let k = &self.kernels.for_quant(op, format)?.dequantize[0];
+        let args = [
+            Arg::Ptr(w),
+            u32_of(op, cols)?,
+            Arg::U64((len / 32) as u64),
+            dst,
+        ];
+        let k = &self.kernels.for_quant(op, format)?.dequantize[to];
         self.launch(k, Self::elementwise_grid(op, len / 32)?, 256, &args)
     }
 
