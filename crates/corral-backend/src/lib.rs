@@ -462,6 +462,27 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
+    /// `x · wᵀ` for each of a projection's `parts` stored apart (each a matrix of `cols` columns
+    /// and its rows), side by side from column 0 of `out`'s `rows` rows of `out_cols`: what
+    /// [`Self::matmul_columns`] gives part by part. A backend may share work between the
+    /// parts (the GPU quantizes x once for them).
+    fn matmul_parts(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        (parts, cols): (&[(DeviceBuffer, usize)], usize),
+        out: &mut DeviceBuffer,
+        out_cols: usize,
+    ) -> Result<()> {
+        let mut col0 = 0;
+        for (w, part_rows) in parts {
+            let view = WeightView::new(w, *part_rows, cols)?;
+            self.matmul_columns(x, rows, view, out, out_cols, col0)?;
+            col0 += part_rows;
+        }
+        Ok(())
+    }
+
     /// `x · wᵀ` into columns `col0..col0 + w.rows` of `out`'s `rows` rows of `out_cols`: one
     /// part of a projection whose parts are stored apart (a GGUF file's q, k and v in
     /// different block formats), written where the stacked projection would write it.

@@ -1986,6 +1986,71 @@ fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
     }
 }
 
+/// A projection stored apart (q, k and v in their own formats) gives, through `matmul_parts`
+/// (x quantized once for every part), exactly what its parts give one at a time.
+#[test]
+fn projection_parts_together_equal_them_one_at_a_time() {
+    let g = gpu_or_skip!();
+    let mut rng = Rng(45);
+    let shapes: [&[(QuantFormat, usize)]; 3] = [
+        &[
+            (QuantFormat::Q4K, 24),
+            (QuantFormat::Q4K, 8),
+            (QuantFormat::Q6K, 8),
+        ],
+        &[(QuantFormat::Q8_0, 5), (QuantFormat::Q5_0, 7)],
+        &[(QuantFormat::Q8_0, 9), (QuantFormat::F8E4M3x128, 16)],
+    ];
+    for (case, shape) in shapes.into_iter().enumerate() {
+        let cols = 256;
+        let parts: Vec<(DeviceBuffer, usize)> = shape
+            .iter()
+            .enumerate()
+            .map(|(i, &(format, rows))| {
+                let (blocks, _) =
+                    blocks_and_values(format, 90 + (case * 4 + i) as u64, rows * cols);
+                let w = g
+                    .weight_from_blocks(blocks, DType::Quant(format), rows * cols)
+                    .unwrap();
+                (w, rows)
+            })
+            .collect();
+        let total: usize = shape.iter().map(|(_, r)| r).sum();
+        for rows in [1, 3, 8, 9] {
+            let x = f32_buf(g, &rng.values(rows * cols));
+            let wide = total + 3;
+            let mut together = f32_buf(g, &vec![f32::NAN; rows * wide]);
+            g.matmul_parts(&x, rows, (&parts, cols), &mut together, wide)
+                .unwrap();
+            let mut apart = f32_buf(g, &vec![f32::NAN; rows * wide]);
+            let mut col0 = 0;
+            for (w, n) in &parts {
+                let view = WeightView::new(w, *n, cols).unwrap();
+                g.matmul_columns(&x, rows, view, &mut apart, wide, col0)
+                    .unwrap();
+                col0 += n;
+            }
+            let (together, apart) = (
+                read(g, &together, rows * wide),
+                read(g, &apart, rows * wide),
+            );
+            for (i, (a, b)) in together.iter().zip(&apart).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "case {case}, {rows} rows, value {i}: {a} together, {b} apart"
+                );
+            }
+            assert!(
+                together
+                    .chunks(wide)
+                    .all(|r| r[..total].iter().all(|v| v.is_finite())
+                        && r[total..].iter().all(|v| v.is_nan())),
+                "case {case}, {rows} rows: the parts fill exactly their columns"
+            );
+        }
+    }
+}
+
 #[test]
 fn block_format_products_and_embeddings_match_their_decoded_weights() {
     let g = gpu_or_skip!();

@@ -88,12 +88,7 @@ impl Projection {
                 backend.matmul(x, tokens, WeightView::new(w, rows, cols)?, out)?;
             }
             Projection::Parts(parts) => {
-                let mut first = 0;
-                for (w, part_rows) in parts {
-                    let view = WeightView::new(w, *part_rows, cols)?;
-                    backend.matmul_columns(x, tokens, view, out, rows, first)?;
-                    first += part_rows;
-                }
+                backend.matmul_parts(x, tokens, (parts, cols), out, rows)?;
             }
         }
         Ok(())

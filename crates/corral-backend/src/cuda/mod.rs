@@ -2023,6 +2023,17 @@ impl Backend for CudaBackend {
         self.matmul_into_columns(x, rows, w, out, (out_cols, col0))
     }
 
+    fn matmul_parts(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        parts: (&[(DeviceBuffer, usize)], usize),
+        out: &mut DeviceBuffer,
+        out_cols: usize,
+    ) -> Result<()> {
+        self.matmul_parts_into(x, rows, parts, out, out_cols)
+    }
+
     fn matmuls(
         &self,
         x: &DeviceBuffer,

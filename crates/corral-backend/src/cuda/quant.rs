@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::kernels::{F8_SMEM_BYTES, GPU_QUANT_FORMATS};
+use super::kernels::{F8_SMEM_BYTES, GPU_QUANT_FORMATS, QuantKernels};
 use super::{Arg, CudaBackend, MVM_THREADS, buf, grid_of, ptr_of, u32_of, weight};
 use crate::{
     Backend, BackendError, BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights,
@@ -180,27 +180,102 @@ impl CudaBackend {
             let out = out_addr + (col0 * 4) as u64;
             return self.f8_matvec(x_addr, rows, (w_addr, w.rows, w.cols), out, out_cols);
         }
-        self.with_quantized_acts(op, x_arg, (rows, w.cols), |[xq, xd, xs]| {
-            let args = [
-                xq,
-                xd,
-                xs,
-                u32_of(op, rows)?,
-                Arg::Ptr(w_addr),
-                u32_of(op, w.rows)?,
-                u32_of(op, w.cols)?,
-                out_arg,
-                u32_of(op, out_cols)?,
-                self.diag(),
-            ];
-            let variant = rows.next_power_of_two().trailing_zeros() as usize;
-            let grid = (grid_of(op, w.rows.div_ceil(QMV_WARPS))?, 1, 1);
-            self.launch(
-                &kernels.matvec[variant],
-                grid,
-                (QMV_WARPS * 32) as u32,
-                &args,
+        self.with_quantized_acts(op, x_arg, (rows, w.cols), |acts| {
+            self.quant_matvec_launch(
+                acts,
+                rows,
+                (w_addr, w.rows, w.cols),
+                (kernels, out_arg),
+                out_cols,
             )
+        })
+    }
+
+    /// The integer few-row product of quantized activations `acts` (with_quantized_acts') and
+    /// the blocks at `w`, `n` rows of `k`, into `out` (rows `out_cols` apart).
+    fn quant_matvec_launch(
+        &self,
+        [xq, xd, xs]: [Arg; 3],
+        rows: usize,
+        (w, n, k): (u64, usize, usize),
+        (kernels, out): (&QuantKernels, Arg),
+        out_cols: usize,
+    ) -> Result<()> {
+        let op = "matmul";
+        let args = [
+            xq,
+            xd,
+            xs,
+            u32_of(op, rows)?,
+            Arg::Ptr(w),
+            u32_of(op, n)?,
+            u32_of(op, k)?,
+            out,
+            u32_of(op, out_cols)?,
+            self.diag(),
+        ];
+        let variant = rows.next_power_of_two().trailing_zeros() as usize;
+        let grid = (grid_of(op, n.div_ceil(QMV_WARPS))?, 1, 1);
+        self.launch(
+            &kernels.matvec[variant],
+            grid,
+            (QMV_WARPS * 32) as u32,
+            &args,
+        )
+    }
+
+    /// A projection's parts stored apart, side by side in `out`'s rows of `out_cols`: few rows
+    /// against integer block formats quantize x once for every part; anything else goes part
+    /// by part.
+    pub(crate) fn matmul_parts_into(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        (parts, cols): (&[(DeviceBuffer, usize)], usize),
+        out: &mut DeviceBuffer,
+        out_cols: usize,
+    ) -> Result<()> {
+        let op = "matmul_parts";
+        let integer = |b: &DeviceBuffer| {
+            quant_format(b.dtype())
+                .is_some_and(|f| f != QuantFormat::F8E4M3x128 && self.reads_format(f))
+        };
+        let total: usize = parts.iter().map(|(_, n)| n).sum();
+        if rows == 0
+            || rows > QUANT_MATVEC_MAX_ROWS
+            || x.dtype() != DType::F32
+            || !parts.iter().all(|(b, _)| integer(b))
+        {
+            let mut col0 = 0;
+            for (b, n) in parts {
+                let view = WeightView::new(b, *n, cols)?;
+                self.matmul_into_columns(x, rows, view, out, (out_cols, col0))?;
+                col0 += n;
+            }
+            return Ok(());
+        }
+        if total > out_cols {
+            return Err(bad(
+                op,
+                format!("parts of {total} rows into {out_cols} columns"),
+            ));
+        }
+        let Arg::Ptr(out_addr) = buf(op, "out", out, DType::F32, rows * out_cols)? else {
+            return Err(bad(op, "output address".to_string()));
+        };
+        let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
+        self.with_quantized_acts(op, x_arg, (rows, cols), |acts| {
+            let mut col0 = 0;
+            for (b, n) in parts {
+                let (w, dtype, _) = weight(op, WeightView::new(b, *n, cols)?)?;
+                let format = quant_format(dtype)
+                    .ok_or_else(|| bad(op, format!("weights of {dtype} are not blocks")))?;
+                let kernels = self.kernels.for_quant(op, format)?;
+                let out_arg = Arg::Ptr(out_addr + (col0 * 4) as u64);
+                self.quant_matvec_launch(acts, rows, (w, *n, cols), (kernels, out_arg), out_cols)?;
+                col0 += n;
+            }
+            Ok(())
         })
     }
 
