@@ -474,13 +474,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out: &mut DeviceBuffer,
         out_cols: usize,
     ) -> Result<()> {
-        let mut col0 = 0;
-        for (w, part_rows) in parts {
-            let view = WeightView::new(w, *part_rows, cols)?;
-            self.matmul_columns(x, rows, view, out, out_cols, col0)?;
-            col0 += part_rows;
-        }
-        Ok(())
+        matmul_parts_by_columns(self, x, rows, (parts, cols), out, out_cols)
     }
 
     /// `x · wᵀ` into columns `col0..col0 + w.rows` of `out`'s `rows` rows of `out_cols`: one
@@ -908,4 +902,23 @@ pub(crate) fn byte_range(
         });
     }
     Ok((offset * size, bytes))
+}
+
+/// [`Backend::matmul_parts`] part by part through [`Backend::matmul_columns`]: the default,
+/// and what a backend that shares work between parts falls back to.
+pub fn matmul_parts_by_columns<B: Backend + ?Sized>(
+    backend: &B,
+    x: &DeviceBuffer,
+    rows: usize,
+    (parts, cols): (&[(DeviceBuffer, usize)], usize),
+    out: &mut DeviceBuffer,
+    out_cols: usize,
+) -> Result<()> {
+    let mut col0 = 0;
+    for (w, part_rows) in parts {
+        let view = WeightView::new(w, *part_rows, cols)?;
+        backend.matmul_columns(x, rows, view, out, out_cols, col0)?;
+        col0 += part_rows;
+    }
+    Ok(())
 }

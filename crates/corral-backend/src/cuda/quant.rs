@@ -246,13 +246,7 @@ impl CudaBackend {
             || x.dtype() != DType::F32
             || !parts.iter().all(|(b, _)| integer(b))
         {
-            let mut col0 = 0;
-            for (b, n) in parts {
-                let view = WeightView::new(b, *n, cols)?;
-                self.matmul_into_columns(x, rows, view, out, (out_cols, col0))?;
-                col0 += n;
-            }
-            return Ok(());
+            return crate::matmul_parts_by_columns(self, x, rows, (parts, cols), out, out_cols);
         }
         if total > out_cols {
             return Err(bad(
