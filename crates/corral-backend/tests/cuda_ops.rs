@@ -2059,7 +2059,10 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
     for (n, format) in GPU_FORMATS.into_iter().enumerate() {
         let block = format.block().0;
         for rows in [1, 2, 3, 5, 8, 9, 40] {
-            let (out_rows, cols) = (1 + rng.below(70), block * (1 + rng.below(3)));
+            let (out_rows, spans) = (1 + rng.below(70), 1 + rng.below(3));
+            // FP8 rows of 40 blocks: the kernel's warps take K's blocks in more than one pass.
+            let passes = format == QuantFormat::F8E4M3x128 && (rows == 1 || rows == 8);
+            let cols = block * if passes { 40 } else { spans };
             let (blocks, values) = blocks_and_values(format, 50 + n as u64, out_rows * cols);
             let w = g
                 .weight_from_blocks(blocks.clone(), DType::Quant(format), out_rows * cols)

@@ -26,6 +26,11 @@ pub(crate) struct DecodedExperts {
     weights: ExpertWeights,
 }
 
+/// Threads of the FP8 per-token down kernel's wide blocks (quant.cu's F8_DOWN_WARPS), which it
+/// runs when its grid is one wave of single blocks: a token's units of a 16-feature tile all
+/// in flight at once. Larger grids take MVM_THREADS (two blocks an SM).
+const F8_DOWN_WIDE_THREADS: u32 = 16 * 32;
+
 /// Shared memory an FP8 kernel stages x in for `items` (row, 128-value block) pairs: quant.cu's
 /// F8Staged, 128 f16 values and an f32 scale per item.
 fn f8_staged_bytes(items: usize) -> usize {
@@ -427,8 +432,18 @@ impl CudaBackend {
             let grid = (grid_of(op, inter.div_ceil(16) * pairs)?, 1, 1);
             let sized = (grid, MVM_THREADS, u32_of_usize(op, smem[0])?);
             self.launch_parts(gate_up_kernel, sized, [&[x_arg], &gate_up_tail])?;
-            let grid = (grid_of(op, hidden.div_ceil(16) * tokens)?, 1, 1);
-            let sized = (grid, MVM_THREADS, u32_of_usize(op, smem[1])?);
+            let blocks = hidden.div_ceil(16) * tokens;
+            let wide = blocks <= self.gpu.multiprocessors.max(1) as usize;
+            let threads = if wide {
+                F8_DOWN_WIDE_THREADS
+            } else {
+                MVM_THREADS
+            };
+            let sized = (
+                (grid_of(op, blocks)?, 1, 1),
+                threads,
+                u32_of_usize(op, smem[1])?,
+            );
             return self.launch_parts(down_kernel, sized, [&[act_arg], &down_tail]);
         }
         if fp8 != [false, false] {

@@ -69,8 +69,8 @@ __device__ __forceinline__ void mvm_accumulate(const float* const (&xr)[NT],
 }
 
 // Sums the N accumulators of every warp into warp 0's (true there); `red` is shared memory
-// of (MVM_WARPS - 1) * N * 32 floats. Block-wide: every thread calls it.
-template <int N>
+// of (WARPS - 1) * N * 32 floats. Block-wide: every thread calls it.
+template <int N, int WARPS = MVM_WARPS>
 __device__ __forceinline__ bool mvm_reduce(float* acc, float* red) {
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
@@ -83,7 +83,7 @@ __device__ __forceinline__ bool mvm_reduce(float* acc, float* red) {
 #pragma unroll
     for (int i = 0; i < N; i++)
 #pragma unroll
-        for (int w = 0; w < MVM_WARPS - 1; w++) acc[i] += red[(w * N + i) * 32 + lane];
+        for (int w = 0; w < WARPS - 1; w++) acc[i] += red[(w * N + i) * 32 + lane];
     return true;
 }
 

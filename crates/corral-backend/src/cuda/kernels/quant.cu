@@ -459,25 +459,25 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(u32 w, u32& lo, u32& hi) {
 // Rows [0, rows) of x (`ldx` floats apart, `blocks` k-blocks each) staged at `words` for the
 // products (F8Staged's layout), the block's warps taking (row, k-block) items, LOADS of them
 // in flight a warp; a lane quantizes 4 values. Ends with the block synchronised.
-template <int LOADS>
+template <int LOADS, int WARPS = F8_WARPS>
 __device__ void f8_stage_x(const float* x, u32 ldx, u32 rows, u32 blocks, u32* words,
                            F8Staged& st) {
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 items = rows * blocks, pos = (lane & 3) * 8 + (lane >> 2);
     float* scales = reinterpret_cast<float*>(words + items * 64);
     st = F8Staged{words, blocks, scales};
-    for (u32 i0 = warp; i0 < items; i0 += LOADS * F8_WARPS) {
+    for (u32 i0 = warp; i0 < items; i0 += LOADS * WARPS) {
         float4 v[LOADS];
 #pragma unroll
         for (int u = 0; u < LOADS; u++) {
-            u32 i = i0 + u * F8_WARPS;
+            u32 i = i0 + u * WARPS;
             v[u] = i < items ? *reinterpret_cast<const float4*>(x + (size_t)(i / blocks) * ldx +
                                                                 (i % blocks) * 128 + lane * 4)
                              : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int u = 0; u < LOADS; u++) {
-            u32 i = i0 + u * F8_WARPS;
+            u32 i = i0 + u * WARPS;
             if (i >= items) break;
             float m = warp_max(fmaxf(fmaxf(fabsf(v[u].x), fabsf(v[u].y)),
                                      fmaxf(fabsf(v[u].z), fabsf(v[u].w))));
@@ -673,13 +673,13 @@ __device__ void per_token_gate_up_f8_impl(const float* x, u32 hidden, const u32*
 // slots' routing weights scale their products. Ids and routing weights come from the kernel
 // before the one before, so the first weight loads are in flight while the gate/up kernel
 // ends. Grid: ceil(H / 16) blocks per token.
-template <int UB>
+template <int UB, int WARPS>
 __device__ void per_token_down_f8_impl(const float* act, u32 inter, const u32* ids,
                                        const float* route_weights, u32 top_k, u32 num_experts,
                                        const u64* down_table, u32 hidden, float* out,
                                        Diag* diag) {
     extern __shared__ __align__(16) u32 f8_smem[];
-    __shared__ float red[(F8_WARPS - 1) * 4 * 32];
+    __shared__ float red[(WARPS - 1) * 4 * 32];
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     u32 tiles = (hidden + 15) / 16, tok = blockIdx.x / tiles, h0 = (blockIdx.x % tiles) * 16;
     u32 blocks = inter / 128, units = top_k * blocks;
@@ -706,19 +706,19 @@ __device__ void per_token_down_f8_impl(const float* act, u32 inter, const u32* i
     F8Tile a[UB];
     float weight[UB];
 #pragma unroll
-    for (int u = 0; u < UB; u++) load(warp + u * F8_WARPS, a[u], weight[u]);
+    for (int u = 0; u < UB; u++) load(warp + u * WARPS, a[u], weight[u]);
     wait_for_previous_kernel();
     F8Staged st;
-    f8_stage_x<8>(act + (size_t)tok * top_k * inter, inter, top_k, blocks, f8_smem, st);
+    f8_stage_x<8, WARPS>(act + (size_t)tok * top_k * inter, inter, top_k, blocks, f8_smem, st);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (u32 u0 = warp; u0 < units; u0 += UB * F8_WARPS) {
+    for (u32 u0 = warp; u0 < units; u0 += UB * WARPS) {
         if (u0 != warp) {
 #pragma unroll
-            for (int u = 0; u < UB; u++) load(u0 + u * F8_WARPS, a[u], weight[u]);
+            for (int u = 0; u < UB; u++) load(u0 + u * WARPS, a[u], weight[u]);
         }
 #pragma unroll
         for (int u = 0; u < UB; u++) {
-            u32 unit = u0 + u * F8_WARPS;
+            u32 unit = u0 + u * WARPS;
             if (unit >= units) break;
             u32 j = unit / blocks, blk = unit % blocks, b[16];
             f8_x_operands(st, j, g == 0, blk, b);
@@ -726,7 +726,7 @@ __device__ void per_token_down_f8_impl(const float* act, u32 inter, const u32* i
             f8_block(a[u], b, sx, acc);
         }
     }
-    if (!mvm_reduce<4>(acc, red)) return;
+    if (!mvm_reduce<4, WARPS>(acc, red)) return;
     if (t != 0) return;
     if (lo_ok) out[(size_t)tok * hidden + h0 + g] = acc[0];
     if (hi_ok) out[(size_t)tok * hidden + h0 + g + 8] = acc[2];
@@ -761,14 +761,24 @@ extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 3) moe_per_token_gat
                                           up_table, inter, act, diag)));
 }
 
-// Three units a warp in flight: all of them also held at once (six for Qwen3-30B-A3B) was
-// no faster at one token and 18% slower at eight.
-extern "C" __global__ void __launch_bounds__(F8_WARPS * 32) moe_per_token_down_f8(
+// Three units a warp in flight, in blocks of 8 warps or, when the grid is one wave of single
+// blocks (a token of Qwen3-30B-A3B: 128 blocks), of 16: then a token's 48 units are all in
+// flight at once. (All six units a warp held at once with 8 warps was no faster at one token
+// and 18% slower at eight; 16 warps at eight tokens, a block an SM, 7% slower a step.)
+#define F8_DOWN_WARPS 16
+extern "C" __global__ void __launch_bounds__(F8_DOWN_WARPS * 32) moe_per_token_down_f8(
     const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,
     u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {
     begin_deferred_kernel();
-    F8_BODY((per_token_down_f8_impl<3>(act, inter, ids, route_weights, top_k, num_experts,
-                                       down_table, hidden, out, diag)));
+    if (blockDim.x == F8_DOWN_WARPS * 32) {
+        F8_BODY((per_token_down_f8_impl<3, F8_DOWN_WARPS>(act, inter, ids, route_weights, top_k,
+                                                          num_experts, down_table, hidden, out,
+                                                          diag)));
+    } else {
+        F8_BODY((per_token_down_f8_impl<3, F8_WARPS>(act, inter, ids, route_weights, top_k,
+                                                     num_experts, down_table, hidden, out,
+                                                     diag)));
+    }
 }
 
 // Rows of a matrix decoded: a thread per 32 values, `pieces` of them; f32 or bf16 out.
