@@ -417,3 +417,92 @@ fn read_and_write_bytes_round_trip_and_reject_bad_ranges() {
         "part of an element"
     );
 }
+
+/// The per-token experts over block-format weights, which quantize each token's row and each
+/// pair's act row once for every expert reading it, equal bit for bit each (token, expert)
+/// pair's products by `matmul`, `silu_mul` and a weighted sum, which quantize their rows
+/// themselves.
+#[test]
+fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
+    use corral_backend::{ExpertMatrices, ExpertWeights, MoeRouting, QuantFormat};
+    use std::sync::Arc;
+    let b = CpuBackend::new();
+    let (e, h, i, tokens, top_k) = (6, 256, 512, 3, 4);
+    let formats = [
+        (QuantFormat::Q4K, QuantFormat::Q6K),
+        (QuantFormat::Q8_0, QuantFormat::Q5K),
+        (QuantFormat::Q4_0, QuantFormat::Q8_0),
+    ];
+    for (case, (up_format, down_format)) in formats.into_iter().enumerate() {
+        let seed = 10 * case as u64;
+        let blocks = |format, len, seed| {
+            Arc::new(b.weight_synthetic_blocks(format, len, seed, 0.05).unwrap())
+        };
+        let (gate, up) = (
+            blocks(up_format, e * i * h, seed),
+            blocks(up_format, e * i * h, seed + 1),
+        );
+        let down = blocks(down_format, e * h * i, seed + 2);
+        let experts = ExpertWeights {
+            gate: ExpertMatrices::stacked(Arc::clone(&gate), e, i, 0, i, h).unwrap(),
+            up: ExpertMatrices::stacked(Arc::clone(&up), e, i, 0, i, h).unwrap(),
+            down: ExpertMatrices::stacked(Arc::clone(&down), e, h, 0, h, i).unwrap(),
+        };
+        let x = values(tokens * h, seed + 3);
+        let ids: Vec<u32> = (0..tokens * top_k)
+            .map(|p| ((p * 5 + case) % e) as u32)
+            .collect();
+        let weights: Vec<f32> = values(tokens * top_k, seed + 4)
+            .iter()
+            .map(|v| v.abs())
+            .collect();
+        let (ids_buf, weights_buf) = (upload_u32(&b, &ids), upload(&b, &weights));
+        let routing = MoeRouting {
+            expert_ids: &ids_buf,
+            expert_weights: &weights_buf,
+            tokens,
+            top_k,
+        };
+        let mut act = upload(&b, &vec![0.0; tokens * top_k * i]);
+        let mut out = upload(&b, &vec![0.0; tokens * h]);
+        b.moe_experts_per_token(&upload(&b, &x), routing, &experts, &mut act, &mut out)
+            .unwrap();
+        let got = download(&b, &out, tokens * h);
+        let mut want = vec![0.0f32; tokens * h];
+        let product = |v: &[f32], w: &Arc<corral_backend::DeviceBuffer>, at: usize, rows, cols| {
+            let mut o = upload(&b, &vec![0.0; rows]);
+            let view = WeightView::stacked(w, at, rows, cols).unwrap();
+            b.matmul(&upload(&b, v), 1, view, &mut o).unwrap();
+            download(&b, &o, rows)
+        };
+        for t in 0..tokens {
+            for j in 0..top_k {
+                let (p, ex) = (t * top_k + j, ids[t * top_k + j] as usize);
+                let xt = &x[t * h..(t + 1) * h];
+                let (g, u) = (product(xt, &gate, ex, i, h), product(xt, &up, ex, i, h));
+                let mut a = upload(&b, &vec![0.0; i]);
+                b.silu_mul(&upload(&b, &g), &upload(&b, &u), i, &mut a)
+                    .unwrap();
+                let y = product(&download(&b, &a, i), &down, ex, h, i);
+                for (o, y) in want[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                    *o += weights[p] * y;
+                }
+            }
+        }
+        let differ = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "{} / {}: {differ} of {} outputs differ (first {:?} against {:?})",
+            up_format.name(),
+            down_format.name(),
+            tokens * h,
+            &got[..4],
+            &want[..4]
+        );
+    }
+}

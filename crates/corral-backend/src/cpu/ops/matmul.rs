@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::quant_dot::{self, QuantizedRows};
+use super::quant_dot::{self, ActRows, QuantizedRows};
 use super::{WeightRows, dot, quant_range, with_scratch};
 
 /// Rows of `x` from which converting a weight panel and calling the GEMM crate beats
@@ -122,21 +122,11 @@ pub(crate) fn multiply_streaming(
     ld: usize,
     row: &mut [f32],
 ) {
-    if let WeightRows::Quant(format, bytes) = w
+    if let WeightRows::Quant(format, _) = w
         && quant_dot::supports(format)
     {
-        let isa = quant_dot::best_isa();
-        let w = &bytes[quant_range(format, w_offset, n * k)];
         return with_quantized(x, m, k, |acts| {
-            // Tiles of weight rows, their products for all m rows gathered in `row`.
-            let tile = (row.len() / m.max(1)).clamp(1, n.max(1));
-            let row_bytes = format.bytes_of(k);
-            for j0 in (0..n).step_by(tile) {
-                let nt = tile.min(n - j0);
-                let tile_w = &w[j0 * row_bytes..(j0 + nt) * row_bytes];
-                quant_dot::dot_rows(isa, format, tile_w, nt, acts, m, row);
-                each_output(m, nt, out.offset(j0), ld, |r, j| row[r * nt + j]);
-            }
+            multiply_quantized(acts.rows_from(0), m, k, w, w_offset, n, out, ld, row)
         });
     }
     #[cfg(target_arch = "x86_64")]
@@ -177,6 +167,39 @@ pub(crate) fn multiply_streaming(
                 *out.0.add(r * ld + j) = v;
             }
         }
+    }
+}
+
+/// [`multiply_streaming`] for activations already quantized (`acts`, `m` rows of `k`) and
+/// block weights with integer dot products ([`quant_dot::supports`]; others are skipped):
+/// tiles of weight rows, their products for all `m` rows gathered in `row`.
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn multiply_quantized(
+    acts: ActRows<'_>,
+    m: usize,
+    k: usize,
+    w: WeightRows<'_>,
+    w_offset: usize,
+    n: usize,
+    out: OutPtr,
+    ld: usize,
+    row: &mut [f32],
+) {
+    let WeightRows::Quant(format, bytes) = w else {
+        return;
+    };
+    let isa = quant_dot::best_isa();
+    let w = &bytes[quant_range(format, w_offset, n * k)];
+    let tile = (row.len() / m.max(1)).clamp(1, n.max(1));
+    let row_bytes = format.bytes_of(k);
+    for j0 in (0..n).step_by(tile) {
+        let nt = tile.min(n - j0);
+        let tile_w = &w[j0 * row_bytes..(j0 + nt) * row_bytes];
+        quant_dot::dot_rows(isa, format, tile_w, nt, acts, m, row);
+        each_output(m, nt, out.offset(j0), ld, |r, j| row[r * nt + j]);
     }
 }
 

@@ -2,12 +2,48 @@
 
 use rayon::prelude::*;
 
+use std::cell::RefCell;
+
 use super::elementwise::silu;
-use super::matmul::{OutPtr, gemm_min_rows, multiply_streaming, multiply_tile};
+use super::matmul::{OutPtr, gemm_min_rows, multiply_quantized, multiply_streaming, multiply_tile};
+use super::quant_dot::{self, QA, QuantizedRows};
 use super::{WeightRows, with_scratch};
 
 /// Output rows per work item of the expert matrix-vector products.
 const ROW_TILE: usize = 64;
+
+thread_local! {
+    /// The per-token experts' activations, quantized once for every expert that reads them.
+    static EXPERT_ACTS: RefCell<QuantizedRows> = RefCell::default();
+}
+
+/// Runs `f` with `rows × k` values of `x` quantized for integer products when every expert of
+/// `projs` has them ([`quant_dot::supports`]), else with `None`: the per-token products then
+/// quantize each row once, not once per expert and tile.
+fn with_expert_acts<R>(
+    x: &[f32],
+    (rows, k): (usize, usize),
+    projs: &[&ExpertProj<'_>],
+    f: impl FnOnce(Option<&QuantizedRows>) -> R,
+) -> R {
+    let integer =
+        |w: &WeightRows<'_>| matches!(w, WeightRows::Quant(q, _) if quant_dot::supports(*q));
+    if !k.is_multiple_of(QA) || !projs.iter().all(|p| p.rows.iter().all(integer)) {
+        return f(None);
+    }
+    EXPERT_ACTS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut acts) => {
+            acts.quantize(x, rows, k);
+            f(Some(&acts))
+        }
+        // A pool thread waiting inside one step took up another's: rows of its own.
+        Err(_) => {
+            let mut acts = QuantizedRows::default();
+            acts.quantize(x, rows, k);
+            f(Some(&acts))
+        }
+    })
+}
 
 /// Softmax over each token's `num_experts` logits, then its `top_k` largest probabilities
 /// (ties to the lower expert id), optionally renormalised to sum 1. With `shared_gate`, each
@@ -73,25 +109,35 @@ pub(crate) fn gate_up(
     inter: usize,
     act: &mut [f32],
 ) {
-    act.par_chunks_mut(inter).enumerate().for_each(|(p, a)| {
-        let e = ids[p] as usize;
-        let xt = &x[(p / top_k) * hidden..(p / top_k + 1) * hidden];
-        a.par_chunks_mut(ROW_TILE)
-            .enumerate()
-            .for_each(|(tile, a)| {
-                with_scratch(hidden + 2 * ROW_TILE, |scratch| {
-                    let (row, rest) = scratch.split_at_mut(hidden);
-                    let (g, u) = rest.split_at_mut(ROW_TILE);
-                    let (n, first) = (a.len(), tile * ROW_TILE * hidden);
-                    let (g_out, u_out) = (OutPtr::new(g), OutPtr::new(u));
-                    let (g_off, u_off) = (gate.offsets[e] + first, up.offsets[e] + first);
-                    multiply_streaming(xt, 1, hidden, gate.rows[e], g_off, n, g_out, n, row);
-                    multiply_streaming(xt, 1, hidden, up.rows[e], u_off, n, u_out, n, row);
-                    for (a, (g, u)) in a.iter_mut().zip(g.iter().zip(u.iter())) {
-                        *a = silu(*g) * u;
-                    }
+    let tokens = ids.len() / top_k.max(1);
+    with_expert_acts(x, (tokens, hidden), &[gate, up], |acts| {
+        act.par_chunks_mut(inter).enumerate().for_each(|(p, a)| {
+            let (e, t) = (ids[p] as usize, p / top_k);
+            let xt = &x[t * hidden..(t + 1) * hidden];
+            a.par_chunks_mut(ROW_TILE)
+                .enumerate()
+                .for_each(|(tile, a)| {
+                    with_scratch(hidden + 2 * ROW_TILE, |scratch| {
+                        let (row, rest) = scratch.split_at_mut(hidden);
+                        let (g, u) = rest.split_at_mut(ROW_TILE);
+                        let (n, first) = (a.len(), tile * ROW_TILE * hidden);
+                        let (g_out, u_out) = (OutPtr::new(g), OutPtr::new(u));
+                        let (g_off, u_off) = (gate.offsets[e] + first, up.offsets[e] + first);
+                        let (gw, uw) = (gate.rows[e], up.rows[e]);
+                        if let Some(acts) = acts {
+                            let xq = acts.rows_from(t);
+                            multiply_quantized(xq, 1, hidden, gw, g_off, n, g_out, n, row);
+                            multiply_quantized(xq, 1, hidden, uw, u_off, n, u_out, n, row);
+                        } else {
+                            multiply_streaming(xt, 1, hidden, gw, g_off, n, g_out, n, row);
+                            multiply_streaming(xt, 1, hidden, uw, u_off, n, u_out, n, row);
+                        }
+                        for (a, (g, u)) in a.iter_mut().zip(g.iter().zip(u.iter())) {
+                            *a = silu(*g) * u;
+                        }
+                    });
                 });
-            });
+        });
     });
 }
 
@@ -107,36 +153,34 @@ pub(crate) fn down_combine(
     hidden: usize,
     out: &mut [f32],
 ) {
-    out.par_chunks_mut(hidden).enumerate().for_each(|(t, o)| {
-        o.par_chunks_mut(ROW_TILE)
-            .enumerate()
-            .for_each(|(tile, o)| {
-                with_scratch(inter + ROW_TILE, |scratch| {
-                    let (row, y) = scratch.split_at_mut(inter);
-                    let n = o.len();
-                    o.fill(0.0);
-                    for j in 0..top_k {
-                        let p = t * top_k + j;
-                        let e = ids[p] as usize;
-                        let a = &act[p * inter..(p + 1) * inter];
-                        let off = down.offsets[e] + tile * ROW_TILE * inter;
-                        multiply_streaming(
-                            a,
-                            1,
-                            inter,
-                            down.rows[e],
-                            off,
-                            n,
-                            OutPtr::new(y),
-                            n,
-                            row,
-                        );
-                        for (o, y) in o.iter_mut().zip(&y[..n]) {
-                            *o += weights[p] * y;
+    with_expert_acts(act, (ids.len(), inter), &[down], |acts| {
+        out.par_chunks_mut(hidden).enumerate().for_each(|(t, o)| {
+            o.par_chunks_mut(ROW_TILE)
+                .enumerate()
+                .for_each(|(tile, o)| {
+                    with_scratch(inter + ROW_TILE, |scratch| {
+                        let (row, y) = scratch.split_at_mut(inter);
+                        let n = o.len();
+                        o.fill(0.0);
+                        for j in 0..top_k {
+                            let p = t * top_k + j;
+                            let e = ids[p] as usize;
+                            let (w, y_out) = (down.rows[e], OutPtr::new(y));
+                            let off = down.offsets[e] + tile * ROW_TILE * inter;
+                            if let Some(acts) = acts {
+                                let aq = acts.rows_from(p);
+                                multiply_quantized(aq, 1, inter, w, off, n, y_out, n, row);
+                            } else {
+                                let a = &act[p * inter..(p + 1) * inter];
+                                multiply_streaming(a, 1, inter, w, off, n, y_out, n, row);
+                            }
+                            for (o, y) in o.iter_mut().zip(&y[..n]) {
+                                *o += weights[p] * y;
+                            }
                         }
-                    }
+                    });
                 });
-            });
+        });
     });
 }
 

@@ -75,6 +75,29 @@ impl QuantizedRows {
     }
 }
 
+/// Rows `first..` of [`QuantizedRows`]: the activations a product reads, which need not start
+/// at the first row quantized (the per-token experts quantize every token's row once).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActRows<'a> {
+    rows: &'a QuantizedRows,
+    first: usize,
+}
+
+impl ActRows<'_> {
+    /// Row `r` of these.
+    #[inline]
+    fn row(&self, r: usize) -> ActRow<'_> {
+        self.rows.row(self.first + r)
+    }
+}
+
+impl QuantizedRows {
+    /// The rows from `first` on.
+    pub(crate) fn rows_from(&self, first: usize) -> ActRows<'_> {
+        ActRows { rows: self, first }
+    }
+}
+
 /// Quantizes 32 values into `q`, returning their scale: the largest magnitude maps to 127,
 /// values round to nearest, ties to even (as the SIMD conversions do).
 fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
@@ -137,15 +160,15 @@ pub(crate) fn dot_rows(
     format: QuantFormat,
     w: &[u8],
     n: usize,
-    acts: &QuantizedRows,
+    acts: ActRows<'_>,
     m: usize,
     out: &mut [f32],
 ) {
-    let k = acts.k;
+    let k = acts.rows.k;
     assert!(
         k.is_multiple_of(format.block().0)
             && w.len() == n * format.bytes_of(k)
-            && acts.q.len() >= m * k
+            && acts.rows.q.len() >= (acts.first + m) * k
             && out.len() >= m * n,
         "quantized dot products over mismatched rows"
     );
@@ -166,7 +189,7 @@ pub(crate) fn dot_rows(
 fn each_row(
     w: &[u8],
     n: usize,
-    acts: &QuantizedRows,
+    acts: ActRows<'_>,
     m: usize,
     out: &mut [f32],
     dot: impl Fn(&[u8], ActRow<'_>) -> f32,
@@ -417,7 +440,7 @@ macro_rules! simd_dot {
                 format: QuantFormat,
                 w: &[u8],
                 n: usize,
-                acts: &QuantizedRows,
+                acts: ActRows<'_>,
                 m: usize,
                 out: &mut [f32],
             ) {
@@ -798,7 +821,7 @@ pub(crate) mod tests {
                     .sum();
                 let one = |isa| {
                     let mut out = [f32::NAN];
-                    dot_rows(isa, format, &w, 1, &acts, 1, &mut out);
+                    dot_rows(isa, format, &w, 1, acts.rows_from(0), 1, &mut out);
                     out[0]
                 };
                 let reference = one(Isa::Scalar);
