@@ -323,7 +323,7 @@ mod scalar {
 /// 32 signed bytes into eight i32 lanes (lane i: bytes 4i..4i + 3).
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_dot {
-    ($isa:ident, $features:literal, $dp:ident) => {
+    ($isa:ident, $features:literal, $dp:ident, $wide:path) => {
         mod $isa {
             use std::arch::x86_64::*;
 
@@ -444,7 +444,10 @@ macro_rules! simd_dot {
                 m: usize,
                 out: &mut [f32],
             ) {
-                each_row(w, n, acts, m, out, |w, a| dot(format, w, a))
+                each_row(w, n, acts, m, out, |w, a| match $wide(format, w, a) {
+                    Some(v) => v,
+                    None => dot(format, w, a),
+                })
             }
 
             #[target_feature(enable = $features)]
@@ -644,13 +647,114 @@ fn dp_avx2(
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
 
+/// No products wider than 256 bits (AVX2).
 #[cfg(target_arch = "x86_64")]
-simd_dot!(avx2, "avx2,fma,f16c", dp_avx2);
+#[inline(always)]
+fn no_wide_dot(_: QuantFormat, _: &[u8], _: ActRow<'_>) -> Option<f32> {
+    None
+}
+
+/// 512-bit products by AVX-512 VNNI for Q4_K: a super-block's 128 bytes of nibbles as two
+/// 64-byte loads, each two registers of 64 values (two sub-blocks, lanes put in order by a
+/// 128-bit shuffle) against 64 contiguous activations, half the instructions of the 256-bit
+/// loop; other formats `None`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+fn wide_dot_vnni(format: QuantFormat, w: &[u8], a: ActRow<'_>) -> Option<f32> {
+    use std::arch::x86_64::*;
+    if format != QuantFormat::Q4K {
+        return None;
+    }
+    let (block, bytes) = format.block();
+    let (m4, zero) = (_mm512_set1_epi8(15), _mm512_setzero_si512());
+    let xq: &[u8] = bytemuck::cast_slice(a.q);
+    let blocks = w.len() / bytes;
+    assert!(xq.len() >= blocks * block && a.d.len() >= blocks * 8 && a.sums.len() >= blocks * 16);
+    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut corr = _mm256_setzero_ps();
+    // Lanes 0..8 take scale i, 8..16 scale i + 1.
+    let pick = |i: i32| {
+        _mm512_set_epi32(
+            i + 1,
+            i + 1,
+            i + 1,
+            i + 1,
+            i + 1,
+            i + 1,
+            i + 1,
+            i + 1,
+            i,
+            i,
+            i,
+            i,
+            i,
+            i,
+            i,
+            i,
+        )
+    };
+    for (n, blk) in w.chunks_exact(bytes).enumerate() {
+        let ab = n * block / QA;
+        let (d, dmin) = (crate::quant::half_at(blk, 0), crate::quant::half_at(blk, 2));
+        let (sc, mn) = k_scales_mins(&blk[4..16]);
+        let u8x8 = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+        // SAFETY: 8 floats and 16 i32 from ab are in bounds (asserted above).
+        #[allow(unsafe_code)]
+        let (da, halves) = unsafe {
+            (
+                _mm256_loadu_ps(a.d.as_ptr().add(ab)),
+                [
+                    _mm256_loadu_si256(a.sums.as_ptr().add(2 * ab).cast()),
+                    _mm256_loadu_si256(a.sums.as_ptr().add(2 * ab + 8).cast()),
+                ],
+            )
+        };
+        let scales = _mm256_mul_ps(_mm256_mul_ps(u8x8(sc), _mm256_set1_ps(d)), da);
+        let mins = _mm256_mul_ps(_mm256_mul_ps(u8x8(mn), _mm256_set1_ps(dmin)), da);
+        let pairs = _mm256_hadd_epi32(halves[0], halves[1]);
+        let sums = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64::<0b11_01_10_00>(pairs));
+        corr = _mm256_fmadd_ps(mins, sums, corr);
+        let scales = _mm512_castps256_ps512(scales);
+        for h in 0..2 {
+            // SAFETY: 64 bytes of nibbles at 16 + 64 h of a 144-byte block, and 64
+            // activations at each of 32 (ab + 4h) and 32 (ab + 4h + 2), are in bounds.
+            #[allow(unsafe_code)]
+            let (r, x01, x23) = unsafe {
+                (
+                    _mm512_loadu_si512(blk.as_ptr().add(16 + 64 * h).cast()),
+                    _mm512_loadu_si512(xq.as_ptr().add(QA * (ab + 4 * h)).cast()),
+                    _mm512_loadu_si512(xq.as_ptr().add(QA * (ab + 4 * h + 2)).cast()),
+                )
+            };
+            // Low nibbles: sub-blocks 4h, 4h + 2; high: 4h + 1, 4h + 3.
+            let lo = _mm512_and_si512(r, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(r), m4);
+            let u01 = _mm512_shuffle_i64x2::<0x44>(lo, hi);
+            let u23 = _mm512_shuffle_i64x2::<0xEE>(lo, hi);
+            let first = 4 * h as i32;
+            let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u01, x01));
+            let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u23, x23));
+            acc[0] = _mm512_fmadd_ps(p01, _mm512_permutexvar_ps(pick(first), scales), acc[0]);
+            acc[1] = _mm512_fmadd_ps(p23, _mm512_permutexvar_ps(pick(first + 2), scales), acc[1]);
+        }
+    }
+    let c = _mm_add_ps(
+        _mm256_castps256_ps128(corr),
+        _mm256_extractf128_ps::<1>(corr),
+    );
+    let c = _mm_add_ps(c, _mm_movehl_ps(c, c));
+    let c = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)));
+    Some(_mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - c)
+}
+
+#[cfg(target_arch = "x86_64")]
+simd_dot!(avx2, "avx2,fma,f16c", dp_avx2, no_wide_dot);
 #[cfg(target_arch = "x86_64")]
 simd_dot!(
     vnni,
     "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni",
-    dp_vnni
+    dp_vnni,
+    wide_dot_vnni
 );
 
 #[cfg(test)]
