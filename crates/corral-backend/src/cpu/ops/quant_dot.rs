@@ -857,6 +857,51 @@ pub(crate) mod tests {
         w
     }
 
+    /// Products over several activation rows at once equal, on every ISA, the scalar
+    /// definition a row at a time.
+    #[test]
+    fn several_rows_at_once_equal_one_row_at_a_time() {
+        let mut next = xorshift(11);
+        let (k, n) = (512, 3);
+        for m in [1, 2, 4, 5, 9] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                .collect();
+            let mut acts = QuantizedRows::default();
+            acts.quantize(&x, m, k);
+            for format in FORMATS {
+                let w = random_blocks(format, n * k / format.block().0, &mut next);
+                let want: Vec<f32> = (0..m * n)
+                    .map(|i| {
+                        let (r, j) = (i / n, i % n);
+                        let row = format.bytes_of(k);
+                        let mut out = [f32::NAN];
+                        dot_rows(
+                            Isa::Scalar,
+                            format,
+                            &w[j * row..(j + 1) * row],
+                            1,
+                            acts.rows_from(r),
+                            1,
+                            &mut out,
+                        );
+                        out[0]
+                    })
+                    .collect();
+                for isa in isas() {
+                    let mut got = vec![f32::NAN; m * n];
+                    dot_rows(isa, format, &w, n, acts.rows_from(0), m, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                            "{format:?} on {isa:?}, {m} rows: output {i} {g} against {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The AVX2 half sums of an activation block are the scalar ones, extremes included.
     #[test]
     #[cfg(target_arch = "x86_64")]
