@@ -123,14 +123,12 @@ fn half_sums_avx2(q: &[i8]) -> (i32, i32) {
         _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN)),
         _mm256_setzero_si256(),
     );
-    let lane = |i: i32| match i {
-        0 => _mm256_extract_epi64::<0>(sums),
-        1 => _mm256_extract_epi64::<1>(sums),
-        2 => _mm256_extract_epi64::<2>(sums),
-        _ => _mm256_extract_epi64::<3>(sums),
-    } as i32;
-    // Each byte was offset by 128: 16 of them a half.
-    (lane(0) + lane(1) - 16 * 128, lane(2) + lane(3) - 16 * 128)
+    // Lanes 0, 1 sum the first half's bytes, 2, 3 the second's, each offset by 128.
+    let [a, b, c, d] = std::array::from_fn(|i| {
+        let lanes: [i64; 4] = bytemuck::cast(sums);
+        lanes[i] as i32
+    });
+    (a + b - 16 * 128, c + d - 16 * 128)
 }
 
 /// Quantizes 32 values into `q`, returning their scale: the largest magnitude maps to 127,
@@ -356,6 +354,53 @@ mod scalar {
 
 /// The SIMD kernels of one instruction set: `$dp(u, s)` sums the products of 32 unsigned by
 /// 32 signed bytes into eight i32 lanes (lane i: bytes 4i..4i + 3).
+/// Eight f32 from `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn load8f(p: &[f32]) -> std::arch::x86_64::__m256 {
+    assert!(p.len() >= 8);
+    // SAFETY: 8 floats are in bounds (checked above); unaligned load.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::arch::x86_64::_mm256_loadu_ps(p.as_ptr())
+    }
+}
+
+/// Eight i32 from `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn load8i(p: &[i32]) -> std::arch::x86_64::__m256i {
+    std::arch::x86_64::_mm256_castps_si256(load8f(bytemuck::cast_slice(p)))
+}
+
+/// Eight unsigned bytes (little-endian in `v`) as f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn u8x8(v: u64) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
+}
+
+/// The sums of eight activation blocks (from their 16 half sums), as f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn block_sums(halves: &[i32]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let pairs = _mm256_hadd_epi32(load8i(halves), load8i(&halves[8..]));
+    // hadd leaves blocks 0 1 4 5 | 2 3 6 7.
+    _mm256_cvtepi32_ps(_mm256_permute4x64_epi64::<0b11_01_10_00>(pairs))
+}
+
+/// The sum of eight lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+}
+
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_dot {
     ($isa:ident, $features:literal, $dp:ident, $wide:path) => {
@@ -414,17 +459,6 @@ macro_rules! simd_dot {
                 d
             }
 
-            /// Eight f32 from `p`.
-            #[target_feature(enable = $features)]
-            fn load8f(p: &[f32]) -> __m256 {
-                assert!(p.len() >= 8);
-                // SAFETY: 8 floats are in bounds (checked above); unaligned load.
-                #[allow(unsafe_code)]
-                unsafe {
-                    _mm256_loadu_ps(p.as_ptr())
-                }
-            }
-
             /// The 32 nibbles of 16 bytes as bytes: the low nibbles (values 0..16), then the
             /// high ones (16..32), as Q4_0 and Q5_0 pack them.
             #[target_feature(enable = $features)]
@@ -437,36 +471,11 @@ macro_rules! simd_dot {
                 _mm256_permute2x128_si256::<0x20>(lo, hi)
             }
 
-            /// Eight i32 from `p`.
-            #[target_feature(enable = $features)]
-            fn load8i(p: &[i32]) -> __m256i {
-                _mm256_castps_si256(load8f(bytemuck::cast_slice(p)))
-            }
-
-            /// Eight bytes (little-endian in `v`) as f32, unsigned and signed.
-            #[target_feature(enable = $features)]
-            fn u8x8(v: u64) -> __m256 {
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
-            }
+            /// Eight signed bytes as f32.
             #[target_feature(enable = $features)]
             fn i8x8(p: &[u8]) -> __m256 {
                 let v = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v as i64)))
-            }
-
-            /// The sums of eight activation blocks (from their 16 half sums), as f32.
-            #[target_feature(enable = $features)]
-            fn block_sums(halves: &[i32]) -> __m256 {
-                let pairs = _mm256_hadd_epi32(load8i(halves), load8i(&halves[8..]));
-                // hadd leaves blocks 0 1 4 5 | 2 3 6 7.
-                _mm256_cvtepi32_ps(_mm256_permute4x64_epi64::<0b11_01_10_00>(pairs))
-            }
-
-            #[target_feature(enable = $features)]
-            fn hsum(v: __m256) -> f32 {
-                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-                _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
             }
 
             /// [`super::dot_rows`] on this instruction set.
@@ -708,47 +717,15 @@ fn wide_dot_vnni(format: QuantFormat, w: &[u8], a: ActRow<'_>) -> Option<f32> {
     let mut acc = [_mm512_setzero_ps(); 2];
     let mut corr = _mm256_setzero_ps();
     // Lanes 0..8 take scale i, 8..16 scale i + 1.
-    let pick = |i: i32| {
-        _mm512_set_epi32(
-            i + 1,
-            i + 1,
-            i + 1,
-            i + 1,
-            i + 1,
-            i + 1,
-            i + 1,
-            i + 1,
-            i,
-            i,
-            i,
-            i,
-            i,
-            i,
-            i,
-            i,
-        )
-    };
+    let pick = |i: i32| _mm512_inserti64x4::<1>(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1));
     for (n, blk) in w.chunks_exact(bytes).enumerate() {
         let ab = n * block / QA;
         let (d, dmin) = (crate::quant::half_at(blk, 0), crate::quant::half_at(blk, 2));
         let (sc, mn) = k_scales_mins(&blk[4..16]);
-        let u8x8 = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
-        // SAFETY: 8 floats and 16 i32 from ab are in bounds (asserted above).
-        #[allow(unsafe_code)]
-        let (da, halves) = unsafe {
-            (
-                _mm256_loadu_ps(a.d.as_ptr().add(ab)),
-                [
-                    _mm256_loadu_si256(a.sums.as_ptr().add(2 * ab).cast()),
-                    _mm256_loadu_si256(a.sums.as_ptr().add(2 * ab + 8).cast()),
-                ],
-            )
-        };
+        let da = load8f(&a.d[ab..]);
         let scales = _mm256_mul_ps(_mm256_mul_ps(u8x8(sc), _mm256_set1_ps(d)), da);
         let mins = _mm256_mul_ps(_mm256_mul_ps(u8x8(mn), _mm256_set1_ps(dmin)), da);
-        let pairs = _mm256_hadd_epi32(halves[0], halves[1]);
-        let sums = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64::<0b11_01_10_00>(pairs));
-        corr = _mm256_fmadd_ps(mins, sums, corr);
+        corr = _mm256_fmadd_ps(mins, block_sums(&a.sums[2 * ab..]), corr);
         let scales = _mm512_castps256_ps512(scales);
         for h in 0..2 {
             // SAFETY: 64 bytes of nibbles at 16 + 64 h of a 144-byte block, and 64
@@ -773,13 +750,7 @@ fn wide_dot_vnni(format: QuantFormat, w: &[u8], a: ActRow<'_>) -> Option<f32> {
             acc[1] = _mm512_fmadd_ps(p23, _mm512_permutexvar_ps(pick(first + 2), scales), acc[1]);
         }
     }
-    let c = _mm_add_ps(
-        _mm256_castps256_ps128(corr),
-        _mm256_extractf128_ps::<1>(corr),
-    );
-    let c = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    let c = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)));
-    Some(_mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - c)
+    Some(_mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - hsum(corr))
 }
 
 #[cfg(target_arch = "x86_64")]
