@@ -125,7 +125,8 @@ pub(crate) fn multiply_streaming(
     if let WeightRows::Quant(format, _) = w
         && quant_dot::supports(format)
     {
-        return with_quantized(x, m, k, |acts| {
+        let supers = quant_dot::per_super_block(format);
+        return with_quantized(x, m, k, supers, |acts| {
             multiply_quantized(acts.rows_from(0), m, k, w, w_offset, n, out, ld, row)
         });
     }
@@ -224,12 +225,18 @@ thread_local! {
     static QUANTIZED: std::cell::RefCell<QuantizedRows> = Default::default();
 }
 
-/// Runs `f` with `m` rows of `k` values of `x` quantized for integer dot products, in this
-/// thread's reused buffers.
-fn with_quantized<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&QuantizedRows) -> R) -> R {
+/// Runs `f` with `m` rows of `k` values of `x` quantized for integer dot products (with
+/// `supers`, also per super-block), in this thread's reused buffers.
+fn with_quantized<R>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    supers: bool,
+    f: impl FnOnce(&QuantizedRows) -> R,
+) -> R {
     QUANTIZED.with(|cell| {
         let mut rows = cell.borrow_mut();
-        rows.quantize(x, m, k);
+        rows.quantize(x, m, k, supers);
         f(&rows)
     })
 }

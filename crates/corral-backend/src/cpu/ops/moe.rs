@@ -31,15 +31,18 @@ fn with_expert_acts<R>(
     if !k.is_multiple_of(QA) || !projs.iter().all(|p| p.rows.iter().all(integer)) {
         return f(None);
     }
+    let per_super_block =
+        |w: &WeightRows<'_>| matches!(w, WeightRows::Quant(q, _) if quant_dot::per_super_block(*q));
+    let supers = projs.iter().any(|p| p.rows.iter().any(per_super_block));
     EXPERT_ACTS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut acts) => {
-            acts.quantize(x, rows, k);
+            acts.quantize(x, rows, k, supers);
             f(Some(&acts))
         }
         // A pool thread waiting inside one step took up another's: rows of its own.
         Err(_) => {
             let mut acts = QuantizedRows::default();
-            acts.quantize(x, rows, k);
+            acts.quantize(x, rows, k, supers);
             f(Some(&acts))
         }
     })

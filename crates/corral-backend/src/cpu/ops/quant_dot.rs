@@ -1,6 +1,6 @@
 //! Dot products of block-quantized weight rows with activations quantized to int8 per 32
-//! values, as llama.cpp's CPU path runs them: integer products summed per block, then one
-//! float multiply-add per block with the weight's and the activation's scales. AVX-512 VNNI
+//! values (per 256 for Q4_K), as llama.cpp's CPU path runs them: integer products summed per
+//! block, then one float multiply-add per block with the weight's and the activation's scales. AVX-512 VNNI
 //! or AVX2 where the CPU has them (chosen at run time); a scalar loop otherwise, and as the
 //! reference the tests hold the others to.
 
@@ -14,13 +14,33 @@ pub(crate) const QA: usize = 32;
 
 /// Rows of activations quantized per [`QA`] values: block `b` of a row is `d[b] · q[32 b..]`,
 /// and `sums[2 b]`, `sums[2 b + 1]` are the sums of its two halves' `q` (for formats whose
-/// values carry an offset or a min).
+/// values carry an offset or a min). Where asked for, also per super-block of [`QK`]
+/// values, as K-quant products read them (see [`SuperBlocks`]).
 #[derive(Debug, Default)]
 pub(crate) struct QuantizedRows {
     q: Vec<i8>,
     d: Vec<f32>,
     sums: Vec<i32>,
+    supers: SuperBlocks,
     k: usize,
+}
+
+/// Values per super-block of the K-quant formats.
+pub(crate) const QK: usize = 256;
+
+/// Where sub-block `j` of a super-block sits in [`SuperBlocks::q`]: a 64-byte load of Q4_K
+/// nibbles holds sub-blocks 4h, 4h + 2 in its low nibbles and 4h + 1, 4h + 3 in its high ones.
+const SUB_BLOCK_SLOT: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
+
+/// Activations quantized with one scale `d[s]` per [`QK`] values (llama.cpp's Q8_K): the
+/// sub-blocks' scales of a K-quant weight then apply to integer sums, and only the
+/// super-block's product is a float. `q` holds each super-block's sub-blocks of 32 in the
+/// order [`SUB_BLOCK_SLOT`] gives; `sums[8 s + j]` is sub-block `j`'s sum.
+#[derive(Debug, Default)]
+struct SuperBlocks {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    sums: Vec<i16>,
 }
 
 /// One row of [`QuantizedRows`].
@@ -29,12 +49,22 @@ pub(crate) struct ActRow<'a> {
     q: &'a [i8],
     d: &'a [f32],
     sums: &'a [i32],
+    /// Per super-block, or empty where not asked for.
+    sq: &'a [i8],
+    sd: &'a [f32],
+    ss: &'a [i16],
+}
+
+/// Whether products with weights of `format` read activations per super-block.
+pub(crate) fn per_super_block(format: QuantFormat) -> bool {
+    format == QuantFormat::Q4K
 }
 
 impl QuantizedRows {
-    /// Quantizes `m` rows of `k` values of `x` (`k` a multiple of [`QA`]) by
-    /// [`quantize_block`].
-    pub(crate) fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+    /// Quantizes `m` rows of `k` values of `x` (`k` a multiple of [`QA`]), each block's
+    /// largest magnitude to 127, rounding to nearest, ties to even; with `super_blocks` (`k` a multiple of [`QK`]), also per
+    /// super-block.
+    pub(crate) fn quantize(&mut self, x: &[f32], m: usize, k: usize, super_blocks: bool) {
         debug_assert!(k.is_multiple_of(QA) && x.len() >= m * k);
         let blocks = m * k / QA;
         self.k = k;
@@ -47,36 +77,58 @@ impl QuantizedRows {
             .zip(self.q.chunks_exact_mut(QA))
             .enumerate()
         {
-            self.d[b] = match isa {
-                Isa::Scalar => quantize_block(xb, qb),
-                // SAFETY (both): best_isa found the CPU has these.
-                #[cfg(target_arch = "x86_64")]
-                #[allow(unsafe_code)]
-                Isa::Avx2 => unsafe { avx2::quantize_block(xb, qb) },
-                #[cfg(target_arch = "x86_64")]
-                #[allow(unsafe_code)]
-                Isa::Vnni => unsafe { vnni::quantize_block(xb, qb) },
-            };
-            let (lo, hi) = match isa {
-                Isa::Scalar => half_sums(qb),
-                // SAFETY (both): best_isa found the CPU has AVX2.
-                #[cfg(target_arch = "x86_64")]
-                #[allow(unsafe_code)]
-                Isa::Avx2 | Isa::Vnni => unsafe { half_sums_avx2(qb) },
-            };
+            let d = block_amax(isa, xb) / 127.0;
+            quantize_by(isa, xb, d, qb);
+            self.d[b] = d;
+            let (lo, hi) = half_sums_on(isa, qb);
             self.sums[2 * b] = lo;
             self.sums[2 * b + 1] = hi;
+        }
+        let supers = &mut self.supers;
+        if !super_blocks {
+            supers.q.clear();
+            supers.d.clear();
+            supers.sums.clear();
+            return;
+        }
+        assert!(k.is_multiple_of(QK), "super-blocks of rows of {k} values");
+        supers.q.resize(m * k, 0);
+        supers.d.resize(m * k / QK, 0.0);
+        supers.sums.resize(m * k / QA, 0);
+        for (s, (xs, qs)) in x[..m * k]
+            .chunks_exact(QK)
+            .zip(supers.q.chunks_exact_mut(QK))
+            .enumerate()
+        {
+            let amax = xs
+                .chunks_exact(QA)
+                .fold(0.0f32, |a, b| a.max(block_amax(isa, b)));
+            let d = amax / 127.0;
+            supers.d[s] = d;
+            for (j, xb) in xs.chunks_exact(QA).enumerate() {
+                let qb = &mut qs[QA * SUB_BLOCK_SLOT[j]..][..QA];
+                quantize_by(isa, xb, d, qb);
+                let (lo, hi) = half_sums_on(isa, qb);
+                // At most 32 · 127 in magnitude.
+                supers.sums[8 * s + j] = (lo + hi) as i16;
+            }
         }
     }
 
     /// Row `r`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn row(&self, r: usize) -> ActRow<'_> {
         let (k, blocks) = (self.k, self.k / QA);
+        let supers = &self.supers;
+        let has = !supers.d.is_empty();
+        let (sk, sblocks, ssums) = if has { (k, k / QK, k / QA) } else { (0, 0, 0) };
         ActRow {
             q: &self.q[r * k..(r + 1) * k],
             d: &self.d[r * blocks..(r + 1) * blocks],
             sums: &self.sums[2 * r * blocks..2 * (r + 1) * blocks],
+            sq: &supers.q[r * sk..(r + 1) * sk],
+            sd: &supers.d[r * sblocks..(r + 1) * sblocks],
+            ss: &supers.sums[r * ssums..(r + 1) * ssums],
         }
     }
 }
@@ -133,14 +185,63 @@ fn half_sums_avx2(q: &[i8]) -> (i32, i32) {
 
 /// Quantizes 32 values into `q`, returning their scale: the largest magnitude maps to 127,
 /// values round to nearest, ties to even (as the SIMD conversions do).
+#[cfg(test)]
 fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
-    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-    let d = amax / 127.0;
+    let d = amax(x) / 127.0;
+    quantize_scaled(x, d, q);
+    d
+}
+
+/// The largest magnitude of `x`.
+fn amax(x: &[f32]) -> f32 {
+    x.iter().fold(0.0f32, |a, v| a.max(v.abs()))
+}
+
+/// `q = x / d` rounded to nearest, ties to even (0 where `d` is 0).
+fn quantize_scaled(x: &[f32], d: f32, q: &mut [i8]) {
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     for (q, v) in q.iter_mut().zip(x) {
         *q = (v * inv).round_ties_even() as i8;
     }
-    d
+}
+
+/// [`amax`] of a block of [`QA`] values on `isa`.
+fn block_amax(isa: Isa, x: &[f32]) -> f32 {
+    match isa {
+        Isa::Scalar => amax(&x[..QA]),
+        // SAFETY (both): callers pass best_isa or below.
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Avx2 => unsafe { avx2::block_amax(x) },
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Vnni => unsafe { vnni::block_amax(x) },
+    }
+}
+
+/// [`quantize_scaled`] of a block of [`QA`] values on `isa`.
+fn quantize_by(isa: Isa, x: &[f32], d: f32, q: &mut [i8]) {
+    match isa {
+        Isa::Scalar => quantize_scaled(&x[..QA], d, &mut q[..QA]),
+        // SAFETY (both): callers pass best_isa or below.
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Avx2 => unsafe { avx2::quantize_scaled(x, d, q) },
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Vnni => unsafe { vnni::quantize_scaled(x, d, q) },
+    }
+}
+
+/// [`half_sums`] on `isa`.
+fn half_sums_on(isa: Isa, q: &[i8]) -> (i32, i32) {
+    match isa {
+        Isa::Scalar => half_sums(q),
+        // SAFETY: callers pass best_isa or below, which has AVX2.
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Avx2 | Isa::Vnni => unsafe { half_sums_avx2(q) },
+    }
 }
 
 /// The instructions the dot products run on.
@@ -237,6 +338,7 @@ fn each_row(
 
 /// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block (its 12 bytes of them), as the
 /// bytes of two little-endian words: [`k_scale_min`] for all eight at once, by bytes in words.
+#[inline(always)]
 fn k_scales_mins(packed: &[u8]) -> (u64, u64) {
     let word =
         |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
@@ -297,22 +399,33 @@ mod scalar {
                     let s = isum(u, q(0), 0..QA) as f32 - 16.0 * sum32(0);
                     acc += half_at(blk, 0) * a.d[ab] * s;
                 }
-                QuantFormat::Q4K | QuantFormat::Q5K => {
+                QuantFormat::Q4K => {
+                    // Integer sums per super-block (activations per super-block), scaled once.
+                    let (d, dmin, dx) = (half_at(blk, 0), half_at(blk, 2), a.sd[n]);
+                    let (scales, qs) = (&blk[4..16], &blk[16..144]);
+                    let (mut products, mut mins) = (0i32, 0i32);
+                    for sb in 0..8 {
+                        let xq = &a.sq[QK * n + QA * SUB_BLOCK_SLOT[sb]..][..QA];
+                        let u = |l: usize| {
+                            let byte = qs[32 * (sb / 2) + l];
+                            i32::from(if sb % 2 == 0 { byte & 15 } else { byte >> 4 })
+                        };
+                        let (sc, m) = k_scale_min(scales, sb);
+                        products += i32::from(sc) * isum(u, xq, 0..QA);
+                        mins += i32::from(m) * i32::from(a.ss[8 * n + sb]);
+                    }
+                    acc += d * dx * products as f32 - dmin * dx * mins as f32;
+                }
+                QuantFormat::Q5K => {
                     let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
                     let scales = &blk[4..16];
-                    let five = format == QuantFormat::Q5K;
-                    let (qh, qs) = if five {
-                        (&blk[16..48], &blk[48..176])
-                    } else {
-                        (&blk[..0], &blk[16..144])
-                    };
+                    let (qh, qs) = (&blk[16..48], &blk[48..176]);
                     for sb in 0..8 {
                         let i = sb / 2;
                         let u = |l: usize| {
                             let byte = qs[32 * i + l];
                             let nib = if sb % 2 == 0 { byte & 15 } else { byte >> 4 };
-                            let high = if five { ((qh[l] >> sb) & 1) << 4 } else { 0 };
-                            i32::from(nib | high)
+                            i32::from(nib | (((qh[l] >> sb) & 1) << 4))
                         };
                         let (sc, m) = k_scale_min(scales, sb);
                         let da = a.d[ab + sb];
@@ -350,6 +463,16 @@ mod scalar {
         }
         acc
     }
+}
+
+/// The f16 at byte `at` of a block, by F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+#[inline]
+fn half_at(b: &[u8], at: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let bits = i32::from(u16::from_le_bytes([b[at], b[at + 1]]));
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
 }
 
 /// Eight f32 from `p`.
@@ -419,29 +542,32 @@ macro_rules! simd_dot {
                 }
             }
 
-            /// The f16 at byte `at` of a block, by F16C.
+            /// Eight lanes of a block of [`QA`] values.
             #[target_feature(enable = $features)]
-            fn half_at(b: &[u8], at: usize) -> f32 {
-                let bits = i32::from(u16::from_le_bytes([b[at], b[at + 1]]));
-                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
-            }
-
-            /// [`super::quantize_block`] on eight lanes at a time.
-            #[target_feature(enable = $features)]
-            pub(super) fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
-                assert!(x.len() >= QA && q.len() >= QA);
+            fn lanes(x: &[f32]) -> [__m256; 4] {
+                assert!(x.len() >= QA);
                 // SAFETY: 32 floats are in bounds (checked above); unaligned loads.
                 #[allow(unsafe_code)]
-                let v: [__m256; 4] =
-                    std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+                std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) })
+            }
+
+            /// [`super::amax`] of a block of [`QA`] values, eight lanes at a time.
+            #[target_feature(enable = $features)]
+            pub(super) fn block_amax(x: &[f32]) -> f32 {
                 let abs = _mm256_set1_ps(f32::from_bits(0x7fff_ffff));
-                let m = v.iter().fold(_mm256_setzero_ps(), |m, &v| {
+                let m = lanes(x).iter().fold(_mm256_setzero_ps(), |m, &v| {
                     _mm256_max_ps(m, _mm256_and_ps(v, abs))
                 });
                 let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
                 let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-                let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
-                let d = amax / 127.0;
+                _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
+            }
+
+            /// [`super::quantize_scaled`] of a block of [`QA`] values, eight lanes at a time.
+            #[target_feature(enable = $features)]
+            pub(super) fn quantize_scaled(x: &[f32], d: f32, q: &mut [i8]) {
+                assert!(q.len() >= QA);
+                let v = lanes(x);
                 let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
                 let i: [__m256i; 4] =
                     std::array::from_fn(|j| _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)));
@@ -456,7 +582,6 @@ macro_rules! simd_dot {
                 unsafe {
                     _mm256_storeu_si256(q.as_mut_ptr().cast(), w)
                 };
-                d
             }
 
             /// The 32 nibbles of 16 bytes as bytes: the low nibbles (values 0..16), then the
@@ -518,15 +643,9 @@ macro_rules! simd_dot {
                     QuantFormat::Q4K => {
                         in_groups(w, n, acts, m, out, |w, a| $q4k(w, a), |w, a| $q4k(w, a))
                     }
-                    QuantFormat::Q5K => in_groups(
-                        w,
-                        n,
-                        acts,
-                        m,
-                        out,
-                        |w, a| q45k::<ROWS, true>(w, a),
-                        |w, a| q45k::<1, true>(w, a),
-                    ),
+                    QuantFormat::Q5K => {
+                        in_groups(w, n, acts, m, out, |w, a| q5k(w, a), |w, a| q5k(w, a))
+                    }
                     QuantFormat::Q6K => {
                         in_groups(w, n, acts, m, out, |w, a| q6k(w, a), |w, a| q6k(w, a))
                     }
@@ -608,18 +727,12 @@ macro_rules! simd_dot {
                 std::array::from_fn(|r| sums[r] - corr[r])
             }
 
-            /// Q4_K (or with `FIVE`, Q5_K) rows, 256 bits wide: each 32-value sub-block's
-            /// product times its scale and its activation block's, the mins taken off by
-            /// the activation blocks' sums.
+            /// Q5_K rows: each 32-value sub-block's product times its scale and its
+            /// activation block's, the mins taken off by the activation blocks' sums.
             #[target_feature(enable = $features)]
             #[inline]
-            fn q45k<const R: usize, const FIVE: bool>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
-                let format = if FIVE {
-                    QuantFormat::Q5K
-                } else {
-                    QuantFormat::Q4K
-                };
-                let (block, bytes) = format.block();
+            fn q5k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
+                let (block, bytes) = QuantFormat::Q5K.block();
                 let blocks = rows_of_blocks(&w, bytes, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.q);
                 let x = |b: usize| load32(&xq[QA * b..]);
@@ -636,12 +749,8 @@ macro_rules! simd_dot {
                         let scales = _mm256_mul_ps(_mm256_mul_ps(u8x8(sc), _mm256_set1_ps(d)), da);
                         let mins = _mm256_mul_ps(_mm256_mul_ps(u8x8(mn), _mm256_set1_ps(dmin)), da);
                         corr[r] = _mm256_fmadd_ps(mins, sums, corr[r]);
-                        let qs = if FIVE { &blk[48..176] } else { &blk[16..144] };
-                        let mut qh = if FIVE {
-                            load32(&blk[16..48])
-                        } else {
-                            _mm256_setzero_si256()
-                        };
+                        let qs = &blk[48..176];
+                        let mut qh = load32(&blk[16..48]);
                         for i in 0..4 {
                             let raw = load32(&qs[32 * i..]);
                             let nibs = [
@@ -650,13 +759,9 @@ macro_rules! simd_dot {
                             ];
                             for (half, nib) in nibs.into_iter().enumerate() {
                                 let sb = 2 * i + half;
-                                let u = if FIVE {
-                                    let high = _mm256_slli_epi16::<4>(_mm256_and_si256(qh, one));
-                                    qh = _mm256_srli_epi16::<1>(qh);
-                                    _mm256_or_si256(nib, high)
-                                } else {
-                                    nib
-                                };
+                                let high = _mm256_slli_epi16::<4>(_mm256_and_si256(qh, one));
+                                qh = _mm256_srli_epi16::<1>(qh);
+                                let u = _mm256_or_si256(nib, high);
                                 let scale =
                                     _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(sb as i32));
                                 let p = _mm256_cvtepi32_ps($dp(u, x(ab + sb)));
@@ -668,12 +773,53 @@ macro_rules! simd_dot {
                 hsums(std::array::from_fn(|r| _mm256_sub_ps(acc[r], corr[r])))
             }
 
-            /// Q4_K rows by [`q45k`].
+            /// Q4_K rows, 256 bits wide, against activations per super-block: each
+            /// sub-block's products summed into pairs of i16, which one multiply-add by its
+            /// scale sums into i32; one float multiply-add a super-block.
             #[allow(dead_code)]
             #[target_feature(enable = $features)]
             #[inline]
             fn q4k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
-                q45k::<R, false>(w, a)
+                let bytes = QuantFormat::Q4K.block().1;
+                let blocks = super_block_rows(&w, a);
+                let xq: &[u8] = bytemuck::cast_slice(a.sq);
+                let m4 = _mm256_set1_epi8(15);
+                // Scale byte j spread over the sixteen i16 lanes, high bytes zero.
+                let spread = |j: usize| {
+                    let idx: [u8; 32] =
+                        std::array::from_fn(|b| if b % 2 == 1 { 0x80 } else { j as u8 });
+                    load32(&idx)
+                };
+                let idx: [__m256i; 8] = std::array::from_fn(spread);
+                let (mut acc, mut macc) = ([_mm256_setzero_ps(); R], [_mm_setzero_ps(); R]);
+                for n in 0..blocks {
+                    let x = |j: usize| load32(&xq[QK * n + QA * SUB_BLOCK_SLOT[j]..]);
+                    let dx = a.sd[n];
+                    let sums = load8i16(&a.ss[8 * n..]);
+                    for r in 0..R {
+                        let blk = &w[r][bytes * n..bytes * (n + 1)];
+                        let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
+                        let (sc, mn) = k_scales_mins(&blk[4..16]);
+                        let scv = _mm256_set1_epi64x(sc as i64);
+                        let mut iacc = _mm256_setzero_si256();
+                        for i in 0..4 {
+                            let raw = load32(&blk[16 + 32 * i..]);
+                            let lo = _mm256_and_si256(raw, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+                            for (j, u) in [(2 * i, lo), (2 * i + 1, hi)] {
+                                let pairs = _mm256_maddubs_epi16(u, x(j));
+                                let scale = _mm256_shuffle_epi8(scv, idx[j]);
+                                iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(pairs, scale));
+                            }
+                        }
+                        let scale = _mm256_set1_ps(d * dx);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), scale, acc[r]);
+                        macc[r] = min_sums(mn, sums, dmin * dx, macc[r]);
+                    }
+                }
+                hsums(std::array::from_fn(|r| {
+                    _mm256_sub_ps(acc[r], _mm256_zextps128_ps256(macc[r]))
+                }))
             }
 
             /// Q6_K rows: 6-bit values offset by 32 (taken off by the activation half
@@ -850,6 +996,46 @@ fn rows_of_blocks<const R: usize>(w: &[&[u8]; R], bytes: usize, a: ActRow<'_>) -
     blocks
 }
 
+/// The super-blocks in each of the Q4_K rows `w`, whose products read `a` per super-block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn super_block_rows<const R: usize>(w: &[&[u8]; R], a: ActRow<'_>) -> usize {
+    let bytes = QuantFormat::Q4K.block().1;
+    let blocks = rows_of_blocks(w, bytes, a);
+    assert!(
+        a.sq.len() >= blocks * QK && a.sd.len() >= blocks && a.ss.len() >= blocks * 8,
+        "Q4_K products need activations per super-block"
+    );
+    blocks
+}
+
+/// Eight i16 from `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn load8i16(p: &[i16]) -> std::arch::x86_64::__m128i {
+    assert!(p.len() >= 8);
+    // SAFETY: 8 values are in bounds (checked above); unaligned load.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::arch::x86_64::_mm_loadu_si128(p.as_ptr().cast())
+    }
+}
+
+/// `acc` plus `scale` times the four pair sums of a super-block's eight 6-bit mins (the bytes
+/// of `mins`) times its activation sub-blocks' sums `sums`: the lanes sum to the mins' term.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn min_sums(
+    mins: u64,
+    sums: std::arch::x86_64::__m128i,
+    scale: f32,
+    acc: std::arch::x86_64::__m128,
+) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    let products = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64)), sums);
+    _mm_fmadd_ps(_mm_cvtepi32_ps(products), _mm_set1_ps(scale), acc)
+}
+
 /// The sums of each vector's eight lanes, four vectors at a time by pairwise adds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -872,67 +1058,75 @@ fn hsums<const R: usize>(v: [std::arch::x86_64::__m256; R]) -> [f32; R] {
     out
 }
 
-/// Q4_K rows 512 bits wide, by AVX-512 VNNI: a super-block's 128 bytes of nibbles as two
-/// 64-byte loads, each two registers of 64 values (two sub-blocks, lanes put in order by a
-/// 128-bit shuffle) against 64 contiguous activations, half the instructions of the 256-bit
-/// kernel.
+/// Q4_K rows 512 bits wide, by AVX-512 BW and VNNI, against activations per super-block: a
+/// super-block's 128 bytes of nibbles as two 64-byte loads, each two registers of 64 values
+/// (sub-blocks 4h, 4h + 2 in the low nibbles, 4h + 1, 4h + 3 in the high), which the
+/// activations are held in the order of; their products summed into pairs of i16, which
+/// `vpdpwssd` multiplies by their sub-blocks' scales and sums into i32.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
 #[inline]
 fn wide_q4k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
     use std::arch::x86_64::*;
-    let (block, bytes) = QuantFormat::Q4K.block();
-    let blocks = rows_of_blocks(&w, bytes, a);
-    let (m4, zero) = (_mm512_set1_epi8(15), _mm512_setzero_si512());
-    let xq: &[u8] = bytemuck::cast_slice(a.q);
-    assert!(xq.len() >= blocks * block && a.d.len() >= blocks * 8 && a.sums.len() >= blocks * 16);
-    let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    let mut corr = [_mm256_setzero_ps(); R];
-    // Lanes 0..8 take scale i, 8..16 scale i + 1.
-    let pick = |i: i32| _mm512_inserti64x4::<1>(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1));
-    for n in 0..blocks {
-        let ab = n * block / QA;
-        let da = load8f(&a.d[ab..]);
-        let sums = block_sums(&a.sums[2 * ab..]);
-        // SAFETY: the 256 activations of super-block n are in bounds (asserted above).
+    let bytes = QuantFormat::Q4K.block().1;
+    let blocks = super_block_rows(&w, a);
+    let load = |p: &[u8]| {
+        assert!(p.len() >= 64);
+        // SAFETY: 64 bytes are in bounds (checked above); unaligned load.
         #[allow(unsafe_code)]
-        let x: [__m512i; 4] = std::array::from_fn(|i| unsafe {
-            _mm512_loadu_si512(xq.as_ptr().add(QA * (ab + 2 * i)).cast())
+        unsafe {
+            _mm512_loadu_si512(p.as_ptr().cast())
+        }
+    };
+    let xq: &[u8] = bytemuck::cast_slice(a.sq);
+    let m4 = _mm512_set1_epi8(15);
+    // Scale byte `lo` spread over the low 256 bits' sixteen i16 lanes, `hi` over the high
+    // ones', high bytes zero.
+    let spread = |lo: u8, hi: u8| {
+        let idx: [u8; 64] = std::array::from_fn(|b| {
+            if b % 2 == 1 {
+                0x80
+            } else if b < 32 {
+                lo
+            } else {
+                hi
+            }
         });
+        load(&idx)
+    };
+    let idx = [[spread(0, 2), spread(1, 3)], [spread(4, 6), spread(5, 7)]];
+    let (mut acc, mut macc) = ([_mm512_setzero_ps(); R], [_mm_setzero_ps(); R]);
+    for n in 0..blocks {
+        // Sub-blocks (0, 2), (1, 3), (4, 6), (5, 7).
+        let x: [__m512i; 4] = std::array::from_fn(|i| load(&xq[QK * n + 64 * i..]));
+        let dx = a.sd[n];
+        let sums = load8i16(&a.ss[8 * n..]);
         for r in 0..R {
             let blk = &w[r][bytes * n..bytes * (n + 1)];
-            let (d, dmin) = (crate::quant::half_at(blk, 0), crate::quant::half_at(blk, 2));
+            let (d, dmin) = (half_at(blk, 0), half_at(blk, 2));
             let (sc, mn) = k_scales_mins(&blk[4..16]);
-            let scales = _mm256_mul_ps(_mm256_mul_ps(u8x8(sc), _mm256_set1_ps(d)), da);
-            let mins = _mm256_mul_ps(_mm256_mul_ps(u8x8(mn), _mm256_set1_ps(dmin)), da);
-            corr[r] = _mm256_fmadd_ps(mins, sums, corr[r]);
-            let scales = _mm512_castps256_ps512(scales);
+            let scv = _mm512_set1_epi64(sc as i64);
+            let mut iacc = _mm512_setzero_si512();
             for h in 0..2 {
-                // SAFETY: 64 bytes of nibbles at 16 + 64 h of a 144-byte block.
-                #[allow(unsafe_code)]
-                let raw = unsafe { _mm512_loadu_si512(blk.as_ptr().add(16 + 64 * h).cast()) };
-                // Low nibbles: sub-blocks 4h, 4h + 2; high: 4h + 1, 4h + 3.
+                let raw = load(&blk[16 + 64 * h..]);
                 let lo = _mm512_and_si512(raw, m4);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
-                let u01 = _mm512_shuffle_i64x2::<0x44>(lo, hi);
-                let u23 = _mm512_shuffle_i64x2::<0xEE>(lo, hi);
-                let first = 4 * h as i32;
-                let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u01, x[2 * h]));
-                let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u23, x[2 * h + 1]));
-                let [a01, a23] = &mut acc[r];
-                *a01 = _mm512_fmadd_ps(p01, _mm512_permutexvar_ps(pick(first), scales), *a01);
-                *a23 = _mm512_fmadd_ps(p23, _mm512_permutexvar_ps(pick(first + 2), scales), *a23);
+                for (u, x, idx) in [(lo, x[2 * h], idx[h][0]), (hi, x[2 * h + 1], idx[h][1])] {
+                    let pairs = _mm512_maddubs_epi16(u, x);
+                    iacc = _mm512_dpwssd_epi32(iacc, pairs, _mm512_shuffle_epi8(scv, idx));
+                }
             }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(d * dx), acc[r]);
+            macc[r] = min_sums(mn, sums, dmin * dx, macc[r]);
         }
     }
     hsums(std::array::from_fn(|r| {
-        let [a01, a23] = acc[r];
-        let v = _mm512_add_ps(a01, a23);
+        let v = acc[r];
         let halves = _mm256_add_ps(
             _mm512_castps512_ps256(v),
             _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
         );
-        _mm256_sub_ps(halves, corr[r])
+        _mm256_sub_ps(halves, _mm256_zextps128_ps256(macc[r]))
     }))
 }
 
@@ -1022,7 +1216,7 @@ pub(crate) mod tests {
                 .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
                 .collect();
             let mut acts = QuantizedRows::default();
-            acts.quantize(&x, m, k);
+            acts.quantize(&x, m, k, true);
             for format in FORMATS {
                 let w = random_blocks(format, n * k / format.block().0, &mut next);
                 let want: Vec<f32> = (0..m * n)
@@ -1126,17 +1320,13 @@ pub(crate) mod tests {
                     }
                 })
                 .collect();
-            let (mut scalar, mut simd) = ([0i8; QA], [0i8; QA]);
+            let mut scalar = [0i8; QA];
             let d = quantize_block(&x, &mut scalar);
-            // SAFETY: the CPU has AVX2 (best_isa is not Scalar).
-            #[allow(unsafe_code)]
-            let d_simd = unsafe { avx2::quantize_block(&x, &mut simd) };
-            assert_eq!((d, scalar), (d_simd, simd), "case {case}: {x:?}");
-            if best_isa() == Isa::Vnni {
-                // SAFETY: the CPU has AVX-512 VNNI (best_isa).
-                #[allow(unsafe_code)]
-                let d_simd = unsafe { vnni::quantize_block(&x, &mut simd) };
-                assert_eq!((d, scalar), (d_simd, simd), "case {case}: {x:?}");
+            for isa in isas().into_iter().filter(|&isa| isa != Isa::Scalar) {
+                let mut simd = [0i8; QA];
+                let d_simd = block_amax(isa, &x) / 127.0;
+                quantize_by(isa, &x, d_simd, &mut simd);
+                assert_eq!((d, scalar), (d_simd, simd), "{isa:?}, case {case}: {x:?}");
             }
         }
     }
@@ -1146,7 +1336,8 @@ pub(crate) mod tests {
         /// Every ISA gives the scalar definition's dot product (up to float summation order),
         /// and that is the dot product of the decoded weights with the activations, within
         /// what quantizing the activations can move it: half a step of each block's scale
-        /// for each value.
+        /// for each value (of each super-block's scale, for formats whose products read
+        /// activations per super-block).
         #[test]
         fn integer_dot_products_equal_the_decoded_weights_within_activation_rounding(
             superblocks in 1usize..4,
@@ -1163,16 +1354,18 @@ pub(crate) mod tests {
                 })
                 .collect();
             let mut acts = QuantizedRows::default();
-            acts.quantize(&x, 1, k);
+            acts.quantize(&x, 1, k, true);
             for format in FORMATS {
                 let w = random_blocks(format, k / format.block().0, &mut next);
                 let mut decoded = vec![0.0f32; k];
                 crate::quant::dequantize(format, &w, &mut decoded);
                 let exact: f64 = decoded.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
                 let magnitude: f64 = decoded.iter().zip(&x).map(|(&a, &b)| f64::from((a * b).abs())).sum();
+                // Activations are quantized per block of QA values, or per super-block.
+                let act_block = if per_super_block(format) { QK } else { QA };
                 let rounding: f64 = decoded
-                    .chunks_exact(QA)
-                    .zip(x.chunks_exact(QA))
+                    .chunks_exact(act_block)
+                    .zip(x.chunks_exact(act_block))
                     .map(|(wb, xb)| {
                         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                         f64::from(amax / 127.0 / 2.0) * wb.iter().map(|v| f64::from(v.abs())).sum::<f64>()
