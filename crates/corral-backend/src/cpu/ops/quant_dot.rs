@@ -35,12 +35,15 @@ const SUB_BLOCK_SLOT: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
 /// Activations quantized with one scale `d[s]` per [`QK`] values (llama.cpp's Q8_K): the
 /// sub-blocks' scales of a K-quant weight then apply to integer sums, and only the
 /// super-block's product is a float. `q` holds each super-block's sub-blocks of 32 in the
-/// order [`SUB_BLOCK_SLOT`] gives; `sums[8 s + j]` is sub-block `j`'s sum.
+/// order [`SUB_BLOCK_SLOT`] gives; `sums[8 s + j]` is sub-block `j`'s sum (Q4_K's mins
+/// read them), `halves` its halves' (Q6_K's offsets).
 #[derive(Debug, Default)]
 struct SuperBlocks {
     q: Vec<i8>,
     d: Vec<f32>,
     sums: Vec<i16>,
+    /// The sums of each sub-block's two halves of 16, `halves[16 s + 2 j + h]`.
+    halves: Vec<i16>,
 }
 
 /// One row of [`QuantizedRows`].
@@ -53,11 +56,12 @@ pub(crate) struct ActRow<'a> {
     sq: &'a [i8],
     sd: &'a [f32],
     ss: &'a [i16],
+    sh: &'a [i16],
 }
 
 /// Whether products with weights of `format` read activations per super-block.
 pub(crate) fn per_super_block(format: QuantFormat) -> bool {
-    format == QuantFormat::Q4K
+    matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
 }
 
 impl QuantizedRows {
@@ -89,12 +93,14 @@ impl QuantizedRows {
             supers.q.clear();
             supers.d.clear();
             supers.sums.clear();
+            supers.halves.clear();
             return;
         }
         assert!(k.is_multiple_of(QK), "super-blocks of rows of {k} values");
         supers.q.resize(m * k, 0);
         supers.d.resize(m * k / QK, 0.0);
         supers.sums.resize(m * k / QA, 0);
+        supers.halves.resize(2 * m * k / QA, 0);
         for (s, (xs, qs)) in x[..m * k]
             .chunks_exact(QK)
             .zip(supers.q.chunks_exact_mut(QK))
@@ -111,6 +117,8 @@ impl QuantizedRows {
                 let (lo, hi) = half_sums_on(isa, qb);
                 // At most 32 · 127 in magnitude.
                 supers.sums[8 * s + j] = (lo + hi) as i16;
+                supers.halves[16 * s + 2 * j] = lo as i16;
+                supers.halves[16 * s + 2 * j + 1] = hi as i16;
             }
         }
     }
@@ -129,6 +137,7 @@ impl QuantizedRows {
             sq: &supers.q[r * sk..(r + 1) * sk],
             sd: &supers.d[r * sblocks..(r + 1) * sblocks],
             ss: &supers.sums[r * ssums..(r + 1) * ssums],
+            sh: &supers.halves[2 * r * ssums..2 * (r + 1) * ssums],
         }
     }
 }
@@ -434,7 +443,9 @@ mod scalar {
                     }
                 }
                 QuantFormat::Q6K => {
-                    let d = half_at(blk, 208);
+                    // Integer sums per super-block (activations per super-block), scaled once.
+                    let (d, dx) = (half_at(blk, 208), a.sd[n]);
+                    let mut total = 0i32;
                     for h in 0..2 {
                         let (ql, qh, sc) =
                             (&blk[64 * h..], &blk[128 + 32 * h..], &blk[192 + 8 * h..]);
@@ -448,15 +459,17 @@ mod scalar {
                                 };
                                 i32::from(low | (((qh[l] >> (2 * g)) & 3) << 4))
                             };
-                            let b = 4 * h + g;
+                            let j = 4 * h + g;
+                            let xq = &a.sq[QK * n + QA * SUB_BLOCK_SLOT[j]..][..QA];
                             for half in 0..2 {
                                 let range = 16 * half..16 * half + 16;
-                                let s = isum(u, q(b), range) - 32 * a.sums[2 * (ab + b) + half];
-                                let scale = f32::from(sc[2 * g + half] as i8);
-                                acc += d * scale * a.d[ab + b] * s as f32;
+                                let offset = 32 * i32::from(a.sh[16 * n + 2 * j + half]);
+                                let scale = i32::from(sc[2 * g + half] as i8);
+                                total += scale * (isum(u, xq, range) - offset);
                             }
                         }
                     }
+                    acc += d * dx * total as f32;
                 }
                 _ => unreachable!("dot_rows is only given supported formats"),
             }
@@ -598,13 +611,6 @@ macro_rules! simd_dot {
                     _mm_and_si128(_mm_srli_epi16::<4>(r), m4),
                 );
                 _mm256_set_m128i(hi, lo)
-            }
-
-            /// Eight signed bytes as f32.
-            #[target_feature(enable = $features)]
-            fn i8x8(p: &[u8]) -> __m256 {
-                let v = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v as i64)))
             }
 
             /// [`super::dot_rows`] on this instruction set: the format's kernel chosen once,
@@ -781,7 +787,7 @@ macro_rules! simd_dot {
             #[inline]
             fn q4k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
                 let bytes = QuantFormat::Q4K.block().1;
-                let blocks = super_block_rows(&w, a);
+                let blocks = super_block_rows(QuantFormat::Q4K, &w, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.sq);
                 let m4 = _mm256_set1_epi8(15);
                 // Scale byte j spread over the sixteen i16 lanes, high bytes zero.
@@ -822,40 +828,41 @@ macro_rules! simd_dot {
                 }))
             }
 
-            /// Q6_K rows: 6-bit values offset by 32 (taken off by the activation half
-            /// sums), a signed 8-bit scale for each 16 of them.
+            /// Q6_K rows against activations per super-block: 6-bit values offset by 32
+            /// (taken off by the activations' sums of 16), each 16's products summed into
+            /// pairs of i16 that one multiply-add by their signed 8-bit scale sums into i32;
+            /// one float multiply-add a super-block.
             #[target_feature(enable = $features)]
             #[inline]
             fn q6k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
-                let (block, bytes) = QuantFormat::Q6K.block();
-                let blocks = rows_of_blocks(&w, bytes, a);
-                let xq: &[u8] = bytemuck::cast_slice(a.q);
-                let x = |b: usize| load32(&xq[QA * b..]);
+                let bytes = QuantFormat::Q6K.block().1;
+                let blocks = super_block_rows(QuantFormat::Q6K, &w, a);
+                let xq: &[u8] = bytemuck::cast_slice(a.sq);
                 let (m4, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
                 let high = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m3));
-                let (mut acc, mut corr) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+                // Scale byte 2 i over the low 128 bits, 2 i + 1 over the high: sign-extended
+                // to i16 by an arithmetic shift.
+                let spread = |i: usize| {
+                    let idx: [u8; 32] =
+                        std::array::from_fn(|b| (2 * i + usize::from(b >= 16)) as u8);
+                    load32(&idx)
+                };
+                let idx: [__m256i; 8] = std::array::from_fn(spread);
+                let mut acc = [_mm256_setzero_ps(); R];
                 for n in 0..blocks {
-                    let ab = n * block / QA;
-                    for h in 0..2 {
-                        let first = ab + 4 * h;
-                        let h4 = 4 * h as i32;
-                        // Lane 2g + j goes with activation block 4h + g's half j.
-                        let da = _mm256_permutevar8x32_ps(
-                            load8f(&a.d[ab..]),
-                            _mm256_setr_epi32(
-                                h4,
-                                h4,
-                                h4 + 1,
-                                h4 + 1,
-                                h4 + 2,
-                                h4 + 2,
-                                h4 + 3,
-                                h4 + 3,
-                            ),
+                    let x = |j: usize| load32(&xq[QK * n + QA * SUB_BLOCK_SLOT[j]..]);
+                    let dx = a.sd[n];
+                    let halves = load16i16(&a.sh[16 * n..]);
+                    for r in 0..R {
+                        let blk = &w[r][bytes * n..bytes * (n + 1)];
+                        let scales = load16(&blk[192..208]);
+                        let offsets = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), halves);
+                        let scales = _mm256_broadcastsi128_si256(scales);
+                        let mut iacc = _mm256_sub_epi32(
+                            _mm256_setzero_si256(),
+                            _mm256_slli_epi32::<5>(offsets),
                         );
-                        let sums = _mm256_cvtepi32_ps(load8i(&a.sums[2 * first..]));
-                        for r in 0..R {
-                            let blk = &w[r][bytes * n..bytes * (n + 1)];
+                        for h in 0..2 {
                             let ql0 = load32(&blk[64 * h..]);
                             let ql1 = load32(&blk[64 * h + 32..]);
                             let qh = load32(&blk[128 + 32 * h..]);
@@ -874,31 +881,19 @@ macro_rules! simd_dot {
                                     high(_mm256_srli_epi16::<6>(qh)),
                                 ),
                             ];
-                            // The eight scales of 16 values of this half, times d and their
-                            // activation blocks' scales.
-                            let sc = _mm256_mul_ps(
-                                i8x8(&blk[192 + 8 * h..]),
-                                _mm256_set1_ps(half_at(blk, 208)),
-                            );
-                            let scaled = _mm256_mul_ps(sc, da);
-                            corr[r] = _mm256_fmadd_ps(
-                                _mm256_mul_ps(scaled, _mm256_set1_ps(32.0)),
-                                sums,
-                                corr[r],
-                            );
                             for (g, u) in us.into_iter().enumerate() {
-                                let (lo, hi) = (2 * g as i32, 2 * g as i32 + 1);
-                                let pick = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
-                                acc[r] = _mm256_fmadd_ps(
-                                    _mm256_cvtepi32_ps($dp(u, x(first + g))),
-                                    _mm256_permutevar8x32_ps(scaled, pick),
-                                    acc[r],
-                                );
+                                let j = 4 * h + g;
+                                let pairs = _mm256_maddubs_epi16(u, x(j));
+                                let scale =
+                                    _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(scales, idx[j]));
+                                iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(pairs, scale));
                             }
                         }
+                        let scale = _mm256_set1_ps(half_at(blk, 208) * dx);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), scale, acc[r]);
                     }
                 }
-                hsums(std::array::from_fn(|r| _mm256_sub_ps(acc[r], corr[r])))
+                hsums(acc)
             }
         }
     };
@@ -996,17 +991,39 @@ fn rows_of_blocks<const R: usize>(w: &[&[u8]; R], bytes: usize, a: ActRow<'_>) -
     blocks
 }
 
-/// The super-blocks in each of the Q4_K rows `w`, whose products read `a` per super-block.
+/// The super-blocks in each of the rows `w` of `format`, whose products read `a` per
+/// super-block.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn super_block_rows<const R: usize>(w: &[&[u8]; R], a: ActRow<'_>) -> usize {
-    let bytes = QuantFormat::Q4K.block().1;
-    let blocks = rows_of_blocks(w, bytes, a);
+fn super_block_rows<const R: usize>(format: QuantFormat, w: &[&[u8]; R], a: ActRow<'_>) -> usize {
+    let blocks = rows_of_blocks(w, format.block().1, a);
     assert!(
-        a.sq.len() >= blocks * QK && a.sd.len() >= blocks && a.ss.len() >= blocks * 8,
-        "Q4_K products need activations per super-block"
+        a.sq.len() >= blocks * QK
+            && a.sd.len() >= blocks
+            && a.ss.len() >= blocks * 8
+            && a.sh.len() >= blocks * 16,
+        "{format:?} products need activations per super-block"
     );
     blocks
+}
+
+/// Sixteen i16 from `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn load16i16(p: &[i16]) -> std::arch::x86_64::__m256i {
+    std::arch::x86_64::_mm256_castps_si256(load8f(bytemuck::cast_slice(&p[..16])))
+}
+
+/// Sixteen bytes from `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn load16(p: &[u8]) -> std::arch::x86_64::__m128i {
+    assert!(p.len() >= 16);
+    // SAFETY: 16 bytes are in bounds (checked above); unaligned load.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::arch::x86_64::_mm_loadu_si128(p.as_ptr().cast())
+    }
 }
 
 /// Eight i16 from `p`.
@@ -1069,7 +1086,7 @@ fn hsums<const R: usize>(v: [std::arch::x86_64::__m256; R]) -> [f32; R] {
 fn wide_q4k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
     use std::arch::x86_64::*;
     let bytes = QuantFormat::Q4K.block().1;
-    let blocks = super_block_rows(&w, a);
+    let blocks = super_block_rows(QuantFormat::Q4K, &w, a);
     let load = |p: &[u8]| {
         assert!(p.len() >= 64);
         // SAFETY: 64 bytes are in bounds (checked above); unaligned load.
