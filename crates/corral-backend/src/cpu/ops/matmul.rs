@@ -143,10 +143,12 @@ pub(crate) fn multiply_streaming(
                 });
             }
             #[allow(unsafe_code)]
-            WeightRows::Bf16(bf16) => {
+            WeightRows::Bf16(bf16) if std::arch::is_x86_feature_detected!("avx512bw") => {
                 let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(bf16);
-                return each_output(m, n, out, ld, |r, j| unsafe {
-                    dot_bf16_avx512(xr(r), &bits[span(j)])
+                return with_bf16_lane_order(x, m, k, |xp| {
+                    each_output(m, n, out, ld, |r, j| unsafe {
+                        dot_bf16_avx512(&xp[r * k..(r + 1) * k], &bits[span(j)])
+                    })
                 });
             }
             _ => {}
@@ -272,19 +274,79 @@ fn dot_avx512<W: Copy>(
     sum
 }
 
-/// `x · w` for a row of bf16 weights (their bits), widened to f32 in registers (exactly: a
-/// bf16 is an f32's top half) rather than converted into memory first.
+thread_local! {
+    #[cfg(target_arch = "x86_64")]
+    static BF16_LANE_ORDER: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with the `m` rows of `k` values of `x` in the order [`dot_bf16_avx512`] widens
+/// bf16 weights into: of each 32 values, 0..4, 8..12, 16..20, 24..28, then 4..8, 12..16,
+/// 20..24, 28..32 (the rest as they are), in this thread's reused buffer.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+fn with_bf16_lane_order<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&[f32]) -> R) -> R {
+    BF16_LANE_ORDER.with(|cell| {
+        let mut xp = cell.borrow_mut();
+        xp.clear();
+        for row in x[..m * k].chunks_exact(k.max(1)) {
+            let whole = k / 32 * 32;
+            for chunk in row[..whole].chunks_exact(32) {
+                for half in [0, 4] {
+                    for lane in 0..4 {
+                        xp.extend_from_slice(&chunk[8 * lane + half..8 * lane + half + 4]);
+                    }
+                }
+            }
+            xp.extend_from_slice(&row[whole..]);
+        }
+        f(&xp)
+    })
+}
+
+/// `x · w` for a row of bf16 weights (their bits), `x` in [`with_bf16_lane_order`]'s order:
+/// thirty-two weights a load, widened to f32 exactly (a bf16 is an f32's top half) by
+/// interleaving zeros below each 16 bits, in registers rather than in memory first.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn dot_bf16_avx512(x: &[f32], w: &[u16]) -> f32 {
     use std::arch::x86_64::*;
-    let load = |w: &[u16]| {
-        // SAFETY: `w` holds 16 values (dot_avx512 passes 16).
-        #[allow(unsafe_code)]
-        let wv = unsafe { _mm256_loadu_si256(w[..16].as_ptr().cast()) };
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(wv)))
-    };
-    dot_avx512(x, w, load, |b| f32::from_bits(u32::from(b) << 16))
+    let n = x.len().min(w.len());
+    let whole = n / 64 * 64;
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for i in (0..whole).step_by(64) {
+        for c in 0..2 {
+            let at = i + 32 * c;
+            // SAFETY: at + 32 <= whole <= the length of both `x` and `w`.
+            #[allow(unsafe_code)]
+            let (wv, lo, hi) = unsafe {
+                (
+                    _mm512_loadu_si512(w.as_ptr().add(at).cast()),
+                    _mm512_loadu_ps(x.as_ptr().add(at)),
+                    _mm512_loadu_ps(x.as_ptr().add(at + 16)),
+                )
+            };
+            let wlo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, wv));
+            let whi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, wv));
+            acc[2 * c] = _mm512_fmadd_ps(lo, wlo, acc[2 * c]);
+            acc[2 * c + 1] = _mm512_fmadd_ps(hi, whi, acc[2 * c + 1]);
+        }
+    }
+    let pairs = [_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])];
+    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(pairs[0], pairs[1]));
+    // A whole chunk of 32 after the last 64 is in lane order too.
+    let chunked = n / 32 * 32;
+    for at in (whole..chunked).step_by(32) {
+        for i in 0..16 {
+            let (lane, e) = (i / 4, i % 4);
+            let widen = |b: u16| f32::from_bits(u32::from(b) << 16);
+            sum += x[at + i] * widen(w[at + 8 * lane + e]);
+            sum += x[at + 16 + i] * widen(w[at + 8 * lane + 4 + e]);
+        }
+    }
+    for (a, &b) in x[chunked..n].iter().zip(&w[chunked..n]) {
+        sum += a * f32::from_bits(u32::from(b) << 16);
+    }
+    sum
 }
 
 /// `x · w` for a row of f32 weights.
