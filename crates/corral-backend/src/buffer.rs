@@ -29,7 +29,9 @@ pub struct MappedFile {
 }
 
 impl MappedFile {
-    /// Maps `path` read-only.
+    /// Maps `path` read-only, its pages faulted in up front (`MAP_POPULATE`, as llama.cpp
+    /// maps weights): otherwise the first steps after a load pay a page fault for every page
+    /// of experts they touch.
     pub fn open(path: &Path) -> Result<Arc<Self>> {
         let io = |source| BackendError::Io {
             path: path.display().to_string(),
@@ -40,7 +42,7 @@ impl MappedFile {
         // A file truncated by another process underneath us is outside what a mapping can guard
         // against, as in every engine that maps weights.
         #[allow(unsafe_code)]
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(io)?;
         Ok(Arc::new(Self {
             path: path.to_path_buf(),
             map,
