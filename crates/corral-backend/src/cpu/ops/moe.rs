@@ -15,6 +15,8 @@ const ROW_TILE: usize = 64;
 thread_local! {
     /// The per-token experts' activations, quantized once for every expert that reads them.
     static EXPERT_ACTS: RefCell<QuantizedRows> = RefCell::default();
+    /// The grouped experts' input rows in sorted order, for quantizing them once.
+    static GATHERED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with `rows × k` values of `x` quantized for integer products when every expert of
@@ -272,6 +274,49 @@ pub(crate) fn grouped_gate_up(
 ) {
     let out = OutPtr::new(act);
     let items = group_items(offsets, inter);
+    let pairs = offsets[offsets.len() - 1] as usize;
+    if !all_streaming(offsets, gate) {
+        return grouped_gate_up_items(
+            x, hidden, top_k, offsets, sorted, gate, up, inter, out, &items, None,
+        );
+    }
+    // Every expert streams its rows: quantize the pairs' rows once (gathered in sorted
+    // order), not once for each item's gate and up.
+    let run = |gathered: &mut Vec<f32>| {
+        gathered.clear();
+        for &p in &sorted[..pairs] {
+            let t = p as usize / top_k;
+            gathered.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
+        with_expert_acts(gathered, (pairs, hidden), &[gate, up], |acts| {
+            grouped_gate_up_items(
+                x, hidden, top_k, offsets, sorted, gate, up, inter, out, &items, acts,
+            )
+        })
+    };
+    GATHERED.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut gathered) => run(&mut gathered),
+        // A pool thread waiting inside one step took up another's: rows of its own.
+        Err(_) => run(&mut Vec::new()),
+    })
+}
+
+/// [`grouped_gate_up`]'s work items, the pairs' rows quantized in sorted order (`acts`) or
+/// not.
+#[allow(clippy::too_many_arguments)]
+fn grouped_gate_up_items(
+    x: &[f32],
+    hidden: usize,
+    top_k: usize,
+    offsets: &[u32],
+    sorted: &[u32],
+    gate: &ExpertProj<'_>,
+    up: &ExpertProj<'_>,
+    inter: usize,
+    out: OutPtr,
+    items: &[(usize, usize, usize)],
+    acts: Option<&QuantizedRows>,
+) {
     items.par_iter().for_each(|&(e, r0, c0)| {
         let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
         let c1 = (c0 + GROUP_COLS).min(inter);
@@ -284,14 +329,19 @@ pub(crate) fn grouped_gate_up(
                 let (xs, rest) = scratch.split_at_mut(rows * hidden);
                 let (wbuf, rest) = rest.split_at_mut(weight_scratch);
                 let (g, u) = rest.split_at_mut(rows * cols);
-                for (i, s) in (r0..r1).enumerate() {
+                for (i, s) in (r0..r1).enumerate().filter(|_| acts.is_none()) {
                     let t = sorted[s] as usize / top_k;
                     xs[i * hidden..(i + 1) * hidden]
                         .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
                 }
                 let (g_ptr, u_ptr) = (OutPtr::new(g), OutPtr::new(u));
                 let (g_off, u_off) = (gate.offsets[e] + c0 * hidden, up.offsets[e] + c0 * hidden);
-                if streaming {
+                if let Some(acts) = acts {
+                    let xq = acts.rows_from(r0);
+                    let (gw, uw) = (gate.rows[e], up.rows[e]);
+                    multiply_quantized(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
+                    multiply_quantized(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
+                } else if streaming {
                     multiply_streaming(
                         xs,
                         rows,
@@ -343,34 +393,65 @@ pub(crate) fn grouped_down(
 ) {
     let out = OutPtr::new(y);
     let items = group_items(offsets, hidden);
-    items.par_iter().for_each(|&(e, r0, c0)| {
-        let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
-        let c1 = (c0 + GROUP_COLS).min(hidden);
-        let (rows, cols) = (r1 - r0, c1 - c0);
-        let tile = out.offset(r0 * hidden + c0);
-        let a = &act[r0 * inter..r1 * inter];
-        let d_off = down.offsets[e] + c0 * inter;
-        if rows < gemm_min_rows(down.rows[e]) {
-            with_scratch(inter, |row| {
-                multiply_streaming(a, rows, inter, down.rows[e], d_off, cols, tile, hidden, row)
-            });
-        } else {
-            with_scratch(cols * inter, |wd| {
-                down.rows[e].to_f32(d_off, wd);
-                multiply_tile(a, rows, inter, wd, cols, tile, hidden);
-            });
-        }
-        for s in r0..r1 {
-            let w = weights[sorted[s] as usize];
-            for c in c0..c1 {
-                // SAFETY: (s, c) lies in this item's own tile of `y`.
-                #[allow(unsafe_code)]
-                unsafe {
-                    *out.offset(s * hidden + c).as_ptr() *= w;
+    let pairs = offsets[offsets.len() - 1] as usize;
+    // Every expert streaming its rows: the act rows quantized once, not for each item.
+    let once = all_streaming(offsets, down);
+    let rows_once = if once { pairs } else { 0 };
+    with_expert_acts(act, (rows_once, inter), &[down], |acts| {
+        let acts = acts.filter(|_| once);
+        items.par_iter().for_each(|&(e, r0, c0)| {
+            let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
+            let c1 = (c0 + GROUP_COLS).min(hidden);
+            let (rows, cols) = (r1 - r0, c1 - c0);
+            let tile = out.offset(r0 * hidden + c0);
+            let a = &act[r0 * inter..r1 * inter];
+            let d_off = down.offsets[e] + c0 * inter;
+            if let Some(acts) = acts {
+                with_scratch(inter, |row| {
+                    let aq = acts.rows_from(r0);
+                    multiply_quantized(
+                        aq,
+                        rows,
+                        inter,
+                        down.rows[e],
+                        d_off,
+                        cols,
+                        tile,
+                        hidden,
+                        row,
+                    )
+                });
+            } else if rows < gemm_min_rows(down.rows[e]) {
+                with_scratch(inter, |row| {
+                    multiply_streaming(a, rows, inter, down.rows[e], d_off, cols, tile, hidden, row)
+                });
+            } else {
+                with_scratch(cols * inter, |wd| {
+                    down.rows[e].to_f32(d_off, wd);
+                    multiply_tile(a, rows, inter, wd, cols, tile, hidden);
+                });
+            }
+            for s in r0..r1 {
+                let w = weights[sorted[s] as usize];
+                for c in c0..c1 {
+                    // SAFETY: (s, c) lies in this item's own tile of `y`.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        *out.offset(s * hidden + c).as_ptr() *= w;
+                    }
                 }
             }
-        }
+        });
     });
+}
+
+/// Whether every expert with pairs has fewer than its weights' GEMM rows, so that all
+/// stream their rows through dot products.
+fn all_streaming(offsets: &[u32], proj: &ExpertProj<'_>) -> bool {
+    offsets.windows(2).zip(&proj.rows).all(|(o, &w)| {
+        let rows = (o[1] - o[0]) as usize;
+        rows < gemm_min_rows(w)
+    })
 }
 
 /// Back to token order: `out[t] = Σ_j y[positions[t * k + j]]`, summed in slot order.
