@@ -131,8 +131,8 @@ pub(crate) fn multiply_streaming(
     if let WeightRows::Quant(format, _) = w
         && quant_dot::supports(format)
     {
-        let supers = quant_dot::per_super_block(format);
-        return with_quantized(x, m, k, supers, |acts| {
+        let per = quant_dot::ActBlocks::of([format]);
+        return with_quantized(x, m, k, per, |acts| {
             multiply_quantized(acts.rows_from(0), m, k, w, w_offset, n, out, ld, row)
         });
     }
@@ -238,18 +238,18 @@ thread_local! {
     static QUANTIZED: std::cell::RefCell<QuantizedRows> = Default::default();
 }
 
-/// Runs `f` with `m` rows of `k` values of `x` quantized for integer dot products (with
-/// `supers`, also per super-block), in this thread's reused buffers.
+/// Runs `f` with `m` rows of `k` values of `x` quantized for integer dot products (per
+/// block or super-block as `per` says), in this thread's reused buffers.
 fn with_quantized<R>(
     x: &[f32],
     m: usize,
     k: usize,
-    supers: bool,
+    per: quant_dot::ActBlocks,
     f: impl FnOnce(&QuantizedRows) -> R,
 ) -> R {
     QUANTIZED.with(|cell| {
         let mut rows = cell.borrow_mut();
-        rows.quantize(x, m, k, supers);
+        rows.quantize(x, m, k, per);
         f(&rows)
     })
 }

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 
 use super::elementwise::silu;
 use super::matmul::{OutPtr, gemm_min_rows, multiply_quantized, multiply_streaming, multiply_tile};
-use super::quant_dot::{self, QA, QuantizedRows};
+use super::quant_dot::{self, ActBlocks, QA, QuantizedRows};
 use super::{WeightRows, with_scratch};
 
 /// Output rows per work item of the expert matrix-vector products.
@@ -33,9 +33,11 @@ fn with_expert_acts<R>(
     if !k.is_multiple_of(QA) || !projs.iter().all(|p| p.rows.iter().all(integer)) {
         return f(None);
     }
-    let per_super_block =
-        |w: &WeightRows<'_>| matches!(w, WeightRows::Quant(q, _) if quant_dot::per_super_block(*q));
-    let supers = projs.iter().any(|p| p.rows.iter().any(per_super_block));
+    let format = |w: &WeightRows<'_>| match w {
+        WeightRows::Quant(q, _) => Some(*q),
+        _ => None,
+    };
+    let supers = ActBlocks::of(projs.iter().flat_map(|p| p.rows.iter().filter_map(format)));
     EXPERT_ACTS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut acts) => {
             acts.quantize(x, rows, k, supers);

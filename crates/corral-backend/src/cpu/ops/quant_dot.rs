@@ -64,19 +64,47 @@ pub(crate) fn per_super_block(format: QuantFormat) -> bool {
     matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
 }
 
+/// Which quantizations of the activations products read: per block of [`QA`] values, per
+/// super-block of [`QK`], or both.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ActBlocks {
+    pub(crate) blocks: bool,
+    pub(crate) super_blocks: bool,
+}
+
+impl ActBlocks {
+    /// Those that products with weights of `formats` read.
+    pub(crate) fn of(formats: impl IntoIterator<Item = QuantFormat>) -> Self {
+        formats.into_iter().fold(Self::default(), |per, f| {
+            let supers = per_super_block(f);
+            Self {
+                blocks: per.blocks || !supers,
+                super_blocks: per.super_blocks || supers,
+            }
+        })
+    }
+
+    /// Both (tests).
+    #[cfg(test)]
+    pub(crate) const BOTH: Self = Self {
+        blocks: true,
+        super_blocks: true,
+    };
+}
+
 impl QuantizedRows {
     /// Quantizes `m` rows of `k` values of `x` (`k` a multiple of [`QA`]), each block's
-    /// largest magnitude to 127, rounding to nearest, ties to even; with `super_blocks` (`k` a multiple of [`QK`]), also per
-    /// super-block.
-    pub(crate) fn quantize(&mut self, x: &[f32], m: usize, k: usize, super_blocks: bool) {
+    /// largest magnitude to 127, rounding to nearest, ties to even: `per.blocks`, per
+    /// [`QA`] values; `per.super_blocks` (`k` a multiple of [`QK`]), per super-block.
+    pub(crate) fn quantize(&mut self, x: &[f32], m: usize, k: usize, per: ActBlocks) {
         debug_assert!(k.is_multiple_of(QA) && x.len() >= m * k);
-        let blocks = m * k / QA;
+        let blocks = if per.blocks { m * k / QA } else { 0 };
         self.k = k;
-        self.q.resize(m * k, 0);
+        self.q.resize(QA * blocks, 0);
         self.d.resize(blocks, 0.0);
         self.sums.resize(2 * blocks, 0);
         let isa = best_isa();
-        for (b, (xb, qb)) in x[..m * k]
+        for (b, (xb, qb)) in x[..QA * blocks]
             .chunks_exact(QA)
             .zip(self.q.chunks_exact_mut(QA))
             .enumerate()
@@ -89,7 +117,7 @@ impl QuantizedRows {
             self.sums[2 * b + 1] = hi;
         }
         let supers = &mut self.supers;
-        if !super_blocks {
+        if !per.super_blocks {
             supers.q.clear();
             supers.d.clear();
             supers.sums.clear();
@@ -126,10 +154,19 @@ impl QuantizedRows {
     /// Row `r`.
     #[inline(always)]
     pub(crate) fn row(&self, r: usize) -> ActRow<'_> {
-        let (k, blocks) = (self.k, self.k / QA);
+        let (k, blocks) = if self.d.is_empty() {
+            (0, 0)
+        } else {
+            (self.k, self.k / QA)
+        };
         let supers = &self.supers;
         let has = !supers.d.is_empty();
-        let (sk, sblocks, ssums) = if has { (k, k / QK, k / QA) } else { (0, 0, 0) };
+        let full = self.k;
+        let (sk, sblocks, ssums) = if has {
+            (full, full / QK, full / QA)
+        } else {
+            (0, 0, 0)
+        };
         ActRow {
             q: &self.q[r * k..(r + 1) * k],
             d: &self.d[r * blocks..(r + 1) * blocks],
@@ -308,10 +345,16 @@ pub(crate) fn dot_rows(
     out: &mut [f32],
 ) {
     let k = acts.rows.k;
+    // The quantization of the activations this format's products read.
+    let held = if per_super_block(format) {
+        acts.rows.supers.q.len()
+    } else {
+        acts.rows.q.len()
+    };
     assert!(
         k.is_multiple_of(format.block().0)
             && w.len() == n * format.bytes_of(k)
-            && acts.rows.q.len() >= (acts.first + m) * k
+            && held >= (acts.first + m) * k
             && out.len() >= m * n,
         "quantized dot products over mismatched rows"
     );
@@ -665,7 +708,7 @@ macro_rules! simd_dot {
             #[inline]
             fn q8_0<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
                 let (_, bytes) = QuantFormat::Q8_0.block();
-                let blocks = rows_of_blocks(&w, bytes, a);
+                let blocks = rows_of_blocks(&w, QuantFormat::Q8_0, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.q);
                 let mut acc = [_mm256_setzero_ps(); R];
                 for b in 0..blocks {
@@ -693,7 +736,7 @@ macro_rules! simd_dot {
                     QuantFormat::Q4_0
                 };
                 let bytes = format.block().1;
-                let blocks = rows_of_blocks(&w, bytes, a);
+                let blocks = rows_of_blocks(&w, format, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.q);
                 let offset = if FIVE { 16.0 } else { 8.0 };
                 let (mut acc, mut corr) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
@@ -739,7 +782,7 @@ macro_rules! simd_dot {
             #[inline]
             fn q5k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
                 let (block, bytes) = QuantFormat::Q5K.block();
-                let blocks = rows_of_blocks(&w, bytes, a);
+                let blocks = rows_of_blocks(&w, QuantFormat::Q5K, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.q);
                 let x = |b: usize| load32(&xq[QA * b..]);
                 let (m4, one) = (_mm256_set1_epi8(15), _mm256_set1_epi8(1));
@@ -1003,13 +1046,26 @@ fn in_groups(
     }
 }
 
-/// The blocks of `bytes` in each of the rows `w`, which all hold as many values as `a`.
+/// The blocks of `format` in each of the rows `w`, which all hold as many values as `a`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn rows_of_blocks<const R: usize>(w: &[&[u8]; R], bytes: usize, a: ActRow<'_>) -> usize {
+fn rows_of_blocks<const R: usize>(w: &[&[u8]; R], format: QuantFormat, a: ActRow<'_>) -> usize {
+    let (values, bytes) = format.block();
+    let blocks = weight_blocks(w, bytes);
+    assert!(
+        a.q.len() >= blocks * values && a.d.len() >= blocks * values / QA,
+        "{format:?} products need activations per block of {QA}"
+    );
+    blocks
+}
+
+/// The blocks of `bytes` in each of the rows `w`, which all hold as many.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn weight_blocks<const R: usize>(w: &[&[u8]; R], bytes: usize) -> usize {
     let blocks = w[0].len() / bytes;
     assert!(
-        w.iter().all(|w| w.len() == blocks * bytes) && a.q.len() >= blocks * (bytes.min(QA)),
+        w.iter().all(|w| w.len() == blocks * bytes),
         "quantized rows of different lengths"
     );
     blocks
@@ -1020,7 +1076,7 @@ fn rows_of_blocks<const R: usize>(w: &[&[u8]; R], bytes: usize, a: ActRow<'_>) -
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn super_block_rows<const R: usize>(format: QuantFormat, w: &[&[u8]; R], a: ActRow<'_>) -> usize {
-    let blocks = rows_of_blocks(w, format.block().1, a);
+    let blocks = weight_blocks(w, format.block().1);
     assert!(
         a.sq.len() >= blocks * QK
             && a.sd.len() >= blocks
@@ -1259,7 +1315,7 @@ pub(crate) mod tests {
                 .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
                 .collect();
             let mut acts = QuantizedRows::default();
-            acts.quantize(&x, m, k, true);
+            acts.quantize(&x, m, k, ActBlocks::BOTH);
             for format in FORMATS {
                 let w = random_blocks(format, n * k / format.block().0, &mut next);
                 let want: Vec<f32> = (0..m * n)
@@ -1291,6 +1347,21 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    /// Products over formats of both kinds quantize the activations both ways; over one
+    /// kind, that way only.
+    #[test]
+    fn activations_are_quantized_as_the_formats_read_them() {
+        let of = |formats: &[QuantFormat]| {
+            let per = ActBlocks::of(formats.iter().copied());
+            (per.blocks, per.super_blocks)
+        };
+        assert_eq!(of(&[]), (false, false));
+        assert_eq!(of(&[QuantFormat::Q4K, QuantFormat::Q6K]), (false, true));
+        assert_eq!(of(&[QuantFormat::Q8_0, QuantFormat::Q5K]), (true, false));
+        assert_eq!(of(&[QuantFormat::Q4K, QuantFormat::Q8_0]), (true, true));
+        assert_eq!(of(&[QuantFormat::Q8_0, QuantFormat::Q4K]), (true, true));
     }
 
     /// The AVX2 half sums of an activation block are the scalar ones, extremes included.
@@ -1397,7 +1468,7 @@ pub(crate) mod tests {
                 })
                 .collect();
             let mut acts = QuantizedRows::default();
-            acts.quantize(&x, 1, k, true);
+            acts.quantize(&x, 1, k, ActBlocks::BOTH);
             for format in FORMATS {
                 let w = random_blocks(format, k / format.block().0, &mut next);
                 let mut decoded = vec![0.0f32; k];
