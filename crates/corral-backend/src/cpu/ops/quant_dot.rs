@@ -1110,12 +1110,7 @@ fn load16(p: &[u8]) -> std::arch::x86_64::__m128i {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn load8i16(p: &[i16]) -> std::arch::x86_64::__m128i {
-    assert!(p.len() >= 8);
-    // SAFETY: 8 values are in bounds (checked above); unaligned load.
-    #[allow(unsafe_code)]
-    unsafe {
-        std::arch::x86_64::_mm_loadu_si128(p.as_ptr().cast())
-    }
+    load16(bytemuck::cast_slice(&p[..8]))
 }
 
 /// `acc` plus `scale` times the four pair sums of a super-block's eight 6-bit mins (the bytes
