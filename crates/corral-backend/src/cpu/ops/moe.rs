@@ -277,10 +277,71 @@ pub(crate) fn grouped_gate_up(
     let out = OutPtr::new(act);
     let items = group_items(offsets, inter);
     let pairs = offsets[offsets.len() - 1] as usize;
+    // The work items, the pairs' rows quantized in sorted order (`acts`) or not.
+    let run_items = |acts: Option<&QuantizedRows>| {
+        items.par_iter().for_each(|&(e, r0, c0)| {
+            let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
+            let c1 = (c0 + GROUP_COLS).min(inter);
+            let (rows, cols) = (r1 - r0, c1 - c0);
+            let streaming = rows < gemm_min_rows(gate.rows[e]);
+            let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
+            with_scratch(
+                rows * hidden + weight_scratch + 2 * rows * cols,
+                |scratch| {
+                    let (xs, rest) = scratch.split_at_mut(rows * hidden);
+                    let (wbuf, rest) = rest.split_at_mut(weight_scratch);
+                    let (g, u) = rest.split_at_mut(rows * cols);
+                    for (i, s) in (r0..r1).enumerate().filter(|_| acts.is_none()) {
+                        let t = sorted[s] as usize / top_k;
+                        xs[i * hidden..(i + 1) * hidden]
+                            .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                    }
+                    let (g_ptr, u_ptr) = (OutPtr::new(g), OutPtr::new(u));
+                    let (g_off, u_off) =
+                        (gate.offsets[e] + c0 * hidden, up.offsets[e] + c0 * hidden);
+                    if let Some(acts) = acts {
+                        let xq = acts.rows_from(r0);
+                        let (gw, uw) = (gate.rows[e], up.rows[e]);
+                        multiply_quantized(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
+                        multiply_quantized(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
+                    } else if streaming {
+                        multiply_streaming(
+                            xs,
+                            rows,
+                            hidden,
+                            gate.rows[e],
+                            g_off,
+                            cols,
+                            g_ptr,
+                            cols,
+                            wbuf,
+                        );
+                        multiply_streaming(
+                            xs, rows, hidden, up.rows[e], u_off, cols, u_ptr, cols, wbuf,
+                        );
+                    } else {
+                        let (wg, wu) = wbuf.split_at_mut(cols * hidden);
+                        gate.rows[e].to_f32(g_off, wg);
+                        up.rows[e].to_f32(u_off, wu);
+                        multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
+                        multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
+                    }
+                    for i in 0..rows {
+                        for j in 0..cols {
+                            let v = silu(g[i * cols + j]) * u[i * cols + j];
+                            // SAFETY: (r0 + i, c0 + j) lies in this item's own tile of `act`.
+                            #[allow(unsafe_code)]
+                            unsafe {
+                                *out.offset((r0 + i) * inter + c0 + j).as_ptr() = v;
+                            }
+                        }
+                    }
+                },
+            );
+        });
+    };
     if !all_streaming(offsets, gate) {
-        return grouped_gate_up_items(
-            x, hidden, top_k, offsets, sorted, gate, up, inter, out, &items, None,
-        );
+        return run_items(None);
     }
     // Every expert streams its rows: quantize the pairs' rows once (gathered in sorted
     // order), not once for each item's gate and up.
@@ -290,94 +351,13 @@ pub(crate) fn grouped_gate_up(
             let t = p as usize / top_k;
             gathered.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
         }
-        with_expert_acts(gathered, (pairs, hidden), &[gate, up], |acts| {
-            grouped_gate_up_items(
-                x, hidden, top_k, offsets, sorted, gate, up, inter, out, &items, acts,
-            )
-        })
+        with_expert_acts(gathered, (pairs, hidden), &[gate, up], run_items)
     };
     GATHERED.with(|cell| match cell.try_borrow_mut() {
         Ok(mut gathered) => run(&mut gathered),
         // A pool thread waiting inside one step took up another's: rows of its own.
         Err(_) => run(&mut Vec::new()),
     })
-}
-
-/// [`grouped_gate_up`]'s work items, the pairs' rows quantized in sorted order (`acts`) or
-/// not.
-#[allow(clippy::too_many_arguments)]
-fn grouped_gate_up_items(
-    x: &[f32],
-    hidden: usize,
-    top_k: usize,
-    offsets: &[u32],
-    sorted: &[u32],
-    gate: &ExpertProj<'_>,
-    up: &ExpertProj<'_>,
-    inter: usize,
-    out: OutPtr,
-    items: &[(usize, usize, usize)],
-    acts: Option<&QuantizedRows>,
-) {
-    items.par_iter().for_each(|&(e, r0, c0)| {
-        let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
-        let c1 = (c0 + GROUP_COLS).min(inter);
-        let (rows, cols) = (r1 - r0, c1 - c0);
-        let streaming = rows < gemm_min_rows(gate.rows[e]);
-        let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
-        with_scratch(
-            rows * hidden + weight_scratch + 2 * rows * cols,
-            |scratch| {
-                let (xs, rest) = scratch.split_at_mut(rows * hidden);
-                let (wbuf, rest) = rest.split_at_mut(weight_scratch);
-                let (g, u) = rest.split_at_mut(rows * cols);
-                for (i, s) in (r0..r1).enumerate().filter(|_| acts.is_none()) {
-                    let t = sorted[s] as usize / top_k;
-                    xs[i * hidden..(i + 1) * hidden]
-                        .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
-                }
-                let (g_ptr, u_ptr) = (OutPtr::new(g), OutPtr::new(u));
-                let (g_off, u_off) = (gate.offsets[e] + c0 * hidden, up.offsets[e] + c0 * hidden);
-                if let Some(acts) = acts {
-                    let xq = acts.rows_from(r0);
-                    let (gw, uw) = (gate.rows[e], up.rows[e]);
-                    multiply_quantized(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
-                    multiply_quantized(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
-                } else if streaming {
-                    multiply_streaming(
-                        xs,
-                        rows,
-                        hidden,
-                        gate.rows[e],
-                        g_off,
-                        cols,
-                        g_ptr,
-                        cols,
-                        wbuf,
-                    );
-                    multiply_streaming(
-                        xs, rows, hidden, up.rows[e], u_off, cols, u_ptr, cols, wbuf,
-                    );
-                } else {
-                    let (wg, wu) = wbuf.split_at_mut(cols * hidden);
-                    gate.rows[e].to_f32(g_off, wg);
-                    up.rows[e].to_f32(u_off, wu);
-                    multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
-                    multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
-                }
-                for i in 0..rows {
-                    for j in 0..cols {
-                        let v = silu(g[i * cols + j]) * u[i * cols + j];
-                        // SAFETY: (r0 + i, c0 + j) lies in this item's own tile of `act`.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            *out.offset((r0 + i) * inter + c0 + j).as_ptr() = v;
-                        }
-                    }
-                }
-            },
-        );
-    });
 }
 
 /// Grouped down projection with the routing weight: `y[s] = w[p] · down[e] act[s]` for the
