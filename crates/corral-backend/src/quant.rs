@@ -93,6 +93,13 @@ pub fn dequantize(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Whether integer products with weights of `format` read activations quantized per
+/// super-block of 256 values (llama.cpp's Q8_K), on the CPU and the GPU alike, rather than per
+/// 32.
+pub(crate) fn per_super_block(format: QuantFormat) -> bool {
+    matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
+}
+
 /// The f16 at byte `at` of a block, as f32.
 pub(crate) fn half_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()

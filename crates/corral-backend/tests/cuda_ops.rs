@@ -2274,8 +2274,22 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
         // Per-token: the integer products of the CPU's, and near the exact ones; FP8 blocks
         // on tensor cores with x and act staged as f16 scaled per 128 values (the CPU decodes
         // them, exactly).
+        // Activations quantized per super-block (Q4_K, Q6_K): the two backends compute the
+        // act rows in different float orders, a value on a rounding edge lands on the
+        // neighbouring int8 step, and a super-block's step is up to eight times a block's
+        // (measured 1.15e-4 for Q5_K gate/up with a Q4_K down at 40 tokens; a GPU that
+        // quantized per 32 against these CPU products was off by 1.7e-2).
         let fp8 = up_format == QuantFormat::F8E4M3x128;
-        let against_cpu = if fp8 { 3e-3 } else { 1e-4 };
+        let supers = [up_format, down_format]
+            .iter()
+            .any(|&f| matches!(f, QuantFormat::Q4K | QuantFormat::Q6K));
+        let against_cpu = if fp8 {
+            3e-3
+        } else if supers {
+            3e-4
+        } else {
+            1e-4
+        };
         assert_close(
             &format!("{what}: per-token against the CPU"),
             &gpu.1,

@@ -185,7 +185,7 @@ impl CudaBackend {
             let out = out_addr + (col0 * 4) as u64;
             return self.f8_matvec(x_addr, rows, (w_addr, w.rows, w.cols), out, out_cols);
         }
-        self.with_quantized_acts(op, x_arg, (rows, w.cols), |acts| {
+        self.with_quantized_acts(op, x_arg, (rows, w.cols), format, |acts| {
             self.quant_matvec_launch(
                 acts,
                 rows,
@@ -246,10 +246,15 @@ impl CudaBackend {
                 .is_some_and(|f| f != QuantFormat::F8E4M3x128 && self.reads_format(f))
         };
         let total: usize = parts.iter().map(|(_, n)| n).sum();
+        // The parts' formats, which must read x quantized alike to share it.
+        let formats: Vec<Option<QuantFormat>> =
+            parts.iter().map(|(b, _)| quant_format(b.dtype())).collect();
+        let supers = |f: &Option<QuantFormat>| f.is_some_and(crate::quant::per_super_block);
         if rows == 0
             || rows > QUANT_MATVEC_MAX_ROWS
             || x.dtype() != DType::F32
             || !parts.iter().all(|(b, _)| integer(b))
+            || formats.iter().any(|f| supers(f) != supers(&formats[0]))
         {
             return crate::matmul_parts_by_columns(self, x, rows, (parts, cols), out, out_cols);
         }
@@ -263,7 +268,8 @@ impl CudaBackend {
             return Err(bad(op, "output address".to_string()));
         };
         let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
-        self.with_quantized_acts(op, x_arg, (rows, cols), |acts| {
+        let first = formats[0].ok_or_else(|| bad(op, "parts of no block format".to_string()))?;
+        self.with_quantized_acts(op, x_arg, (rows, cols), first, |acts| {
             let mut col0 = 0;
             for (b, n) in parts {
                 let (w, dtype, _) = weight(op, WeightView::new(b, *n, cols)?)?;
@@ -318,18 +324,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `rows × k` f32 activations at `x` quantized per 32 values (quant.cu's quantize_q8, as
-    /// the CPU quantizes them) into a pooled buffer, whose int8 values, half sums and scales
-    /// `use_acts` then reads; the buffer goes back to the pool at once (later users queue
-    /// behind `use_acts`'s work on the one stream).
+    /// `rows × k` f32 activations at `x` quantized as products with `format` read them (per
+    /// 32 values, or per super-block: quant.cu's quantize_q8, as the CPU quantizes them) into
+    /// a pooled buffer, whose int8 values, half sums and scales `use_acts` then reads; the
+    /// buffer goes back to the pool at once (later users queue behind `use_acts`'s work on the
+    /// one stream).
     pub(super) fn with_quantized_acts(
         &self,
         op: &'static str,
         x: Arg,
         (rows, k): (usize, usize),
+        format: QuantFormat,
         use_acts: impl FnOnce([Arg; 3]) -> Result<()>,
     ) -> Result<()> {
-        if !k.is_multiple_of(32) {
+        let supers = crate::quant::per_super_block(format);
+        if !k.is_multiple_of(if supers { 256 } else { 32 }) {
             return Err(bad(op, format!("activations of {k} values a row")));
         }
         let blocks = rows * k / 32;
@@ -345,6 +354,7 @@ impl CudaBackend {
                 Arg::Ptr(q),
                 Arg::Ptr(d),
                 Arg::Ptr(sums),
+                Arg::U32(u32::from(supers)),
             ];
             let grid = (grid_of(op, blocks.div_ceil(8))?, 1, 1);
             self.launch(&self.kernels.quantize_q8, grid, 256, &args)?;
@@ -449,11 +459,11 @@ impl CudaBackend {
         if fp8 != [false, false] {
             return Err(bad(op, "FP8 experts beside block-format ones".to_string()));
         }
-        self.with_quantized_acts(op, x_arg, (tokens, hidden), |acts| {
+        self.with_quantized_acts(op, x_arg, (tokens, hidden), gate_up_format, |acts| {
             let grid = (grid_of(op, inter.div_ceil(8) * pairs)?, 1, 1);
             self.launch_parts(gate_up_kernel, (grid, 256, 0), [&acts, &gate_up_tail])
         })?;
-        self.with_quantized_acts(op, act_arg, (pairs, inter), |acts| {
+        self.with_quantized_acts(op, act_arg, (pairs, inter), down_format, |acts| {
             let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
             self.launch_parts(down_kernel, (grid, 256, 0), [&acts, &down_tail])
         })

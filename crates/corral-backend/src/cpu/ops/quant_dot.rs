@@ -59,10 +59,7 @@ pub(crate) struct ActRow<'a> {
     sh: &'a [i16],
 }
 
-/// Whether products with weights of `format` read activations per super-block.
-pub(crate) fn per_super_block(format: QuantFormat) -> bool {
-    matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
-}
+pub(crate) use crate::quant::per_super_block;
 
 /// Which quantizations of the activations products read: per block of [`QA`] values, per
 /// super-block of [`QK`], or both.

@@ -153,19 +153,28 @@ template <typename F> __device__ __forceinline__ size_t row_bytes(u32 k) {
     return (size_t)(k / F::VALUES) * F::BYTES;
 }
 
-// Activations quantized per 32 values as the CPU quantizes them (quant_dot.rs's
-// quantize_block, bit for bit): q = round-half-even(x / d) in int8 with d = max|x| / 127, and
-// the sums of each 16-value half's q (for formats whose values carry an offset or a min).
-// A warp per 32 values.
+// Activations quantized as the CPU quantizes them (quant_dot.rs, bit for bit): q =
+// round-half-even(x / d) in int8 with d = max|x| / 127 over each 32 values, or with `supers`
+// over each 256 (a K-quant super-block: its 8 blocks get the same d), and the sums of each
+// 16-value half's q (for formats whose values carry an offset or a min). A warp per 32
+// values, a block of 8 warps per 256 (rows are whole super-blocks when `supers`).
 extern "C" __global__ void quantize_q8(const float* x, u64 blocks, signed char* q, float* d,
-                                       int2* sums) {
+                                       int2* sums, u32 supers) {
     begin_kernel();
+    __shared__ float block_max[8];
     u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    u32 lane = threadIdx.x & 31;
-    if (b >= blocks) return;
-    float v = x[b * 32 + lane], amax = fabsf(v);
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    bool in = b < blocks;
+    float v = in ? x[b * 32 + lane] : 0.f, amax = fabsf(v);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (supers) {
+        if (lane == 0) block_max[warp] = amax;
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < 8; w++) amax = fmaxf(amax, block_max[w]);
+    }
+    if (!in) return;
     float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
     // Rounded half to even, then as Rust's `as i8` converts: NaN to 0, out of range saturated.
     float r = rintf(__fmul_rn(v, inv));
