@@ -376,11 +376,8 @@ pub(crate) fn grouped_down(
     let out = OutPtr::new(y);
     let items = group_items(offsets, hidden);
     let pairs = offsets[offsets.len() - 1] as usize;
-    // Every expert streaming its rows: the act rows quantized once, not for each item.
-    let once = all_streaming(offsets, down);
-    let rows_once = if once { pairs } else { 0 };
-    with_expert_acts(act, (rows_once, inter), &[down], |acts| {
-        let acts = acts.filter(|_| once);
+    // The work items, the act rows quantized (`acts`) or not.
+    let run_items = |acts: Option<&QuantizedRows>| {
         items.par_iter().for_each(|&(e, r0, c0)| {
             let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
             let c1 = (c0 + GROUP_COLS).min(hidden);
@@ -424,7 +421,13 @@ pub(crate) fn grouped_down(
                 }
             }
         });
-    });
+    };
+    // Every expert streaming its rows: the act rows quantized once, not for each item.
+    if all_streaming(offsets, down) {
+        with_expert_acts(act, (pairs, inter), &[down], run_items)
+    } else {
+        run_items(None)
+    }
 }
 
 /// Whether every expert with pairs has fewer than its weights' GEMM rows, so that all

@@ -686,9 +686,8 @@ template <int UB, int WARPS>
 __device__ void per_token_down_f8_impl(const float* act, u32 inter, const u32* ids,
                                        const float* route_weights, u32 top_k, u32 num_experts,
                                        const u64* down_table, u32 hidden, float* out,
-                                       Diag* diag) {
+                                       float* red, Diag* diag) {
     extern __shared__ __align__(16) u32 f8_smem[];
-    __shared__ float red[(WARPS - 1) * 4 * 32];
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     u32 tiles = (hidden + 15) / 16, tok = blockIdx.x / tiles, h0 = (blockIdx.x % tiles) * 16;
     u32 blocks = inter / 128, units = top_k * blocks;
@@ -779,13 +778,15 @@ extern "C" __global__ void __launch_bounds__(F8_DOWN_WARPS * 32) moe_per_token_d
     const float* act, u32 inter, const u32* ids, const float* route_weights, u32 top_k,
     u32 num_experts, const u64* down_table, u32 hidden, float* out, Diag* diag) {
     begin_deferred_kernel();
+    // One reduction array for both block sizes (the wider's size), not one each.
+    __shared__ float red[(F8_DOWN_WARPS - 1) * 4 * 32];
     if (blockDim.x == F8_DOWN_WARPS * 32) {
         F8_BODY((per_token_down_f8_impl<3, F8_DOWN_WARPS>(act, inter, ids, route_weights, top_k,
                                                           num_experts, down_table, hidden, out,
-                                                          diag)));
+                                                          red, diag)));
     } else {
         F8_BODY((per_token_down_f8_impl<3, F8_WARPS>(act, inter, ids, route_weights, top_k,
-                                                     num_experts, down_table, hidden, out,
+                                                     num_experts, down_table, hidden, out, red,
                                                      diag)));
     }
 }
