@@ -12,6 +12,7 @@
 #                                              -t THREADS, and corral bench prefill (10, 300
 #                                              tokens) and decode (batch 1, 32 steps); then one
 #                                              table of tokens/s and Corral/llama.cpp ratios
+#                                              (TYPES: the files' types, default all three)
 #
 # Nothing of llama.cpp enters this repository: it is fetched and built under $WORK
 # (default /tmp/llama-side), with a venv there for cmake, ninja and the gguf package.
@@ -22,6 +23,7 @@ CONFIG="${CONFIG:-bench/configs/qwen3-moe-64e-h512-v8k.json}"
 NAME="${NAME:-$(basename "$CONFIG" .json)}"
 THREADS="${THREADS:-2}"
 ROUNDS="${ROUNDS:-3}"
+TYPES="${TYPES:-bf16 q8_0 q4_k_m}"
 LLAMA_CPP_PYTHON="${LLAMA_CPP_PYTHON:-0.3.36}"
 CORRAL="${CORRAL:-target/release/corral}"
 OUT="${OUT:-$WORK/results}"
@@ -81,18 +83,18 @@ corral() {
 
 bench() {
   for round in $(seq 1 "$ROUNDS"); do
-    for q in bf16 q8_0 q4_k_m; do
+    for q in $TYPES; do
       local file="$WORK/$NAME-$q.gguf" tag="$q-$round"
       if [ $((round % 2)) -eq 1 ]; then llama "$file" "$tag"; corral "$file" "$tag"
       else corral "$file" "$tag"; llama "$file" "$tag"; fi
       echo "round $round $q done"
     done
   done
-  python3 - "$OUT" "$ROUNDS" <<'PY'
+  python3 - "$OUT" "$ROUNDS" $TYPES <<'PY'
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
 print(f"{'file':8} {'test':6} {'llama.cpp tok/s':>28} {'Corral tok/s':>28} {'ratio':>6}")
-for q in ["bf16", "q8_0", "q4_k_m"]:
+for q in sys.argv[3:]:
     for test in ["pp10", "pp300", "tg32"]:
         ll, co = [], []
         for r in range(1, rounds + 1):
