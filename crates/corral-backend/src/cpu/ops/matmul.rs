@@ -1,10 +1,10 @@
 //! Dense matmul `out[m, n] = x[m, k] · w[n, k]ᵀ` with weights in f32, bf16 or f16.
 //!
 //! Work items are (row block, weight panel) pairs. A panel of weight rows is converted to f32
-//! in thread-local scratch, then multiplied with the GEMM crate when there are enough rows, or
-//! with plain dot products for the few-row (decode) case, where the kernel is bandwidth-bound.
-//! bf16 weights on a CPU with AVX-512BW are read in place at any row count, by tiles of four
-//! activation rows and four weight rows ([`bf16_tiles`]).
+//! in thread-local scratch when there are enough rows, then multiplied by tiles of four
+//! activation rows and four weight rows ([`tiles`], AVX-512) or the GEMM crate; few rows
+//! (decode) stream weight rows through dot products, where the kernel is bandwidth-bound.
+//! bf16 weights on AVX-512 are read in place by tiles at any row count above one.
 //! [`multiply_tile`] is shared with the grouped MoE kernels.
 
 use rayon::prelude::*;
@@ -30,16 +30,17 @@ const HALF_GEMM_MIN_ROWS: usize = 16;
 pub(crate) fn gemm_min_rows(w: WeightRows<'_>) -> usize {
     match w {
         WeightRows::Quant(format, _) if quant_dot::supports(format) => QUANT_GEMM_MIN_ROWS,
-        WeightRows::Bf16(_) if bf16_tiles_available() => usize::MAX,
+        WeightRows::Bf16(_) if tiles_available() => usize::MAX,
         WeightRows::Bf16(_) | WeightRows::F16(_) => HALF_GEMM_MIN_ROWS,
         _ => GEMM_MIN_ROWS,
     }
 }
 
-/// Whether bf16 products of any number of rows run as [`bf16_tiles`] (AVX-512BW), which
-/// read the weights in place: at 300 tokens, widening panels for the GEMM crate and its
-/// packing took a quarter of a bf16 prefill.
-fn bf16_tiles_available() -> bool {
+/// Whether products run as [`tiles`] (AVX-512F and BW): bf16 weights in place at any number
+/// of rows, and f32 panels instead of the GEMM crate. At 300 tokens, widening bf16 panels and
+/// the GEMM crate's packing took a quarter of a bf16 prefill; Q4_K_M panels through tiles,
+/// 300 tokens, 2 threads: 3,937 against 3,720 tok/s (64 experts), 651 against 531 (1.25B).
+fn tiles_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     return std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw");
@@ -66,7 +67,8 @@ impl OutPtr {
     }
 }
 
-/// `out[r * ld + j] = Σ_l x[r * k + l] · w[j * k + l]` for `r < m`, `j < n`.
+/// `out[r * ld + j] = Σ_l x[r * k + l] · w[j * k + l]` for `r < m`, `j < n`: by [`tiles`]
+/// where the CPU has them, else by the GEMM crate from [`GEMM_MIN_ROWS`] rows.
 ///
 /// The caller guarantees that these output elements are in bounds and written by no other
 /// work item while this runs.
@@ -83,6 +85,11 @@ pub(crate) fn multiply_tile(
         x.len() >= m * k && w.len() >= n * k,
         "multiply_tile: operands shorter than the tile"
     );
+    #[cfg(target_arch = "x86_64")]
+    if tiles_available() {
+        let xr = |r: usize| &x[r * k..(r + 1) * k];
+        return tiles(m, n, out, ld, xr, |j| &w[j * k..(j + 1) * k]);
+    }
     if m >= GEMM_MIN_ROWS {
         // SAFETY: lhs and rhs are in-bounds slices; dst is the caller's disjoint, in-bounds
         // m × n window with row stride ld.
@@ -170,7 +177,7 @@ pub(crate) fn multiply_streaming(
                 return with_bf16_lane_order(x, m, k, |xp| {
                     let xr = |r: usize| &xp[r * k..(r + 1) * k];
                     if m > 1 {
-                        return bf16_tiles(m, n, out, ld, xr, at);
+                        return tiles(m, n, out, ld, xr, at);
                     }
                     let one = |r, rows| unsafe { dot_bf16_avx512::<1>(xr(r), rows) };
                     if 2 * k < BF16_STREAM_ROW_BYTES {
@@ -375,39 +382,106 @@ fn with_bf16_lane_order<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&[f32])
     })
 }
 
-/// Activation rows of a [`bf16_tile`]. Tiles measured at 10 and 300 tokens, 64 experts,
+/// Activation rows of a [`tile`]. Tiles measured at 10 and 300 tokens, 64 experts,
 /// 2 threads: 4 × 4 1,559 / 3,976 tok/s, 8 × 2 1,654 / 3,561, 2 × 8 1,498 / 3,454, 8 × 1
 /// 1,586 / 2,256; weights widened by shifts instead of unpacking 1,425 / 3,233.
 #[cfg(target_arch = "x86_64")]
 const TILE_ROWS: usize = 4;
-/// Weight rows of a [`bf16_tile`].
+/// Weight rows of a [`tile`].
 #[cfg(target_arch = "x86_64")]
 const TILE_COLS: usize = 4;
 
-/// `out[r * ld + j] = xr(r) · at(j)` for `r < m`, `j < n` by [`bf16_tile`]s of up to
-/// [`TILE_ROWS`] × [`TILE_COLS`], a row of tiles at a time: each weight row widened once for
-/// four activation rows, and sixteen sums reduced together. On a CPU with AVX-512BW, as
-/// [`multiply_streaming`] checks.
+/// Weights a [`tile`] reads: f32, or bf16 (their bits) widened in registers.
 #[cfg(target_arch = "x86_64")]
-fn bf16_tiles<'x, 'w>(
+trait TileWeight: Copy {
+    /// Thirty-two weights from `at` as f32, in the order the activations of a tile over
+    /// these weights are in ([`with_bf16_lane_order`]'s for bf16, as they are for f32).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX-512BW; `w` holds `at + 32` weights.
+    #[allow(unsafe_code)]
+    unsafe fn load32(
+        w: &[Self],
+        at: usize,
+    ) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512);
+    /// One weight as f32.
+    fn widen(self) -> f32;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileWeight for u16 {
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    #[allow(unsafe_code)]
+    unsafe fn load32(
+        w: &[u16],
+        at: usize,
+    ) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees `at + 32` weights.
+        #[allow(unsafe_code)]
+        let wv = unsafe { _mm512_loadu_si512(w.as_ptr().add(at).cast()) };
+        let zero = _mm512_setzero_si512();
+        (
+            _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, wv)),
+            _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, wv)),
+        )
+    }
+
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileWeight for f32 {
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    #[allow(unsafe_code)]
+    unsafe fn load32(
+        w: &[f32],
+        at: usize,
+    ) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees `at + 32` weights.
+        #[allow(unsafe_code)]
+        unsafe {
+            (
+                _mm512_loadu_ps(w.as_ptr().add(at)),
+                _mm512_loadu_ps(w.as_ptr().add(at + 16)),
+            )
+        }
+    }
+
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+/// `out[r * ld + j] = xr(r) · at(j)` for `r < m`, `j < n` by [`tile`]s of up to
+/// [`TILE_ROWS`] × [`TILE_COLS`], a row of tiles at a time: each weight row loaded (and
+/// widened) once for four activation rows, and sixteen sums reduced together. On a CPU with
+/// AVX-512F and AVX-512BW, as the callers check.
+#[cfg(target_arch = "x86_64")]
+fn tiles<'x, 'w, W: TileWeight + 'w>(
     m: usize,
     n: usize,
     out: OutPtr,
     ld: usize,
     xr: impl Fn(usize) -> &'x [f32],
-    at: impl Fn(usize) -> &'w [u16],
+    at: impl Fn(usize) -> &'w [W],
 ) {
-    fn tile<'x, 'w, const R: usize, const C: usize>(
+    fn one<'x, 'w, W: TileWeight + 'w, const R: usize, const C: usize>(
         (r0, j0): (usize, usize),
         xr: &impl Fn(usize) -> &'x [f32],
-        at: &impl Fn(usize) -> &'w [u16],
+        at: &impl Fn(usize) -> &'w [W],
         (out, ld): (OutPtr, usize),
     ) {
         let x = std::array::from_fn(|i| xr(r0 + i));
         let w = std::array::from_fn(|c| at(j0 + c));
-        // SAFETY: the caller checked AVX-512BW.
+        // SAFETY: the caller checked AVX-512F and AVX-512BW.
         #[allow(unsafe_code)]
-        let sums: [[f32; C]; R] = unsafe { bf16_tile(x, w) };
+        let sums: [[f32; C]; R] = unsafe { tile(x, w) };
         for (i, row) in sums.iter().enumerate() {
             for (c, &v) in row.iter().enumerate() {
                 // SAFETY: (r0 + i, j0 + c) is in the caller's disjoint, in-bounds window.
@@ -423,29 +497,31 @@ fn bf16_tiles<'x, 'w>(
     let (mr, nc) = (m / R * R, n / C * C);
     for r0 in (0..mr).step_by(R) {
         for j0 in (0..nc).step_by(C) {
-            tile::<R, C>((r0, j0), &xr, &at, (out, ld));
+            one::<W, R, C>((r0, j0), &xr, &at, (out, ld));
         }
         for j in nc..n {
-            tile::<R, 1>((r0, j), &xr, &at, (out, ld));
+            one::<W, R, 1>((r0, j), &xr, &at, (out, ld));
         }
     }
     for r in mr..m {
         for j0 in (0..nc).step_by(C) {
-            tile::<1, C>((r, j0), &xr, &at, (out, ld));
+            one::<W, 1, C>((r, j0), &xr, &at, (out, ld));
         }
         for j in nc..n {
-            tile::<1, 1>((r, j), &xr, &at, (out, ld));
+            one::<W, 1, 1>((r, j), &xr, &at, (out, ld));
         }
     }
 }
 
-/// `x[r] · w[c]` for `R` activation rows in [`with_bf16_lane_order`]'s order and `C` rows of
-/// bf16 weights (their bits), `R · C` at most 16: each thirty-two weights widened once (as
-/// [`dot_bf16_avx512`] does) for all rows, one accumulator per product, the sixteen
-/// accumulators summed together by [`lane_sums`].
+/// `x[r] · w[c]` for `R` activation rows and `C` weight rows, `R · C` at most 16: each
+/// thirty-two weights loaded (and widened) once for all rows, one accumulator per product,
+/// the sixteen accumulators summed together by [`lane_sums`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn bf16_tile<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> [[f32; C]; R] {
+fn tile<W: TileWeight, const R: usize, const C: usize>(
+    x: [&[f32]; R],
+    w: [&[W]; C],
+) -> [[f32; C]; R] {
     use std::arch::x86_64::*;
     const { assert!(R * C <= 16) };
     let n = w
@@ -454,27 +530,15 @@ fn bf16_tile<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> 
             n.min(w.len())
         });
     let whole = n / 32 * 32;
-    let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); 16];
     for at in (0..whole).step_by(32) {
-        let wide: [(__m512, __m512); C] = std::array::from_fn(|c| {
-            // SAFETY: at + 32 <= whole <= every row's length.
-            #[allow(unsafe_code)]
-            let wv = unsafe { _mm512_loadu_si512(w[c].as_ptr().add(at).cast()) };
-            (
-                _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, wv)),
-                _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, wv)),
-            )
-        });
+        // SAFETY: at + 32 <= whole <= every row's length.
+        #[allow(unsafe_code)]
+        let wide: [(__m512, __m512); C] = std::array::from_fn(|c| unsafe { W::load32(w[c], at) });
         for (r, x) in x.iter().enumerate() {
             // SAFETY: as above.
             #[allow(unsafe_code)]
-            let (lo, hi) = unsafe {
-                (
-                    _mm512_loadu_ps(x.as_ptr().add(at)),
-                    _mm512_loadu_ps(x.as_ptr().add(at + 16)),
-                )
-            };
+            let (lo, hi) = unsafe { f32::load32(x, at) };
             for (c, &(wlo, whi)) in wide.iter().enumerate() {
                 let a = &mut acc[r * C + c];
                 *a = _mm512_fmadd_ps(lo, wlo, *a);
@@ -483,11 +547,10 @@ fn bf16_tile<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> 
         }
     }
     let sums = lane_sums(&acc);
-    let widen = |b: u16| f32::from_bits(u32::from(b) << 16);
     std::array::from_fn(|r| {
         std::array::from_fn(|c| {
             let tail = x[r][whole..n].iter().zip(&w[c][whole..n]);
-            tail.fold(sums[r * C + c], |s, (a, &b)| s + a * widen(b))
+            tail.fold(sums[r * C + c], |s, (a, &b)| s + a * b.widen())
         })
     })
 }
