@@ -94,7 +94,7 @@ pub(crate) fn multiply_tile(
     #[cfg(target_arch = "x86_64")]
     if tiles_available() {
         let xr = |r: usize| &x[r * k..(r + 1) * k];
-        return tiles(m, n, out, ld, xr, |j| &w[j * k..(j + 1) * k]);
+        return tiles(m, n, out, ld, xr, |j| &w[j * k..(j + 1) * k], false);
     }
     if m >= GEMM_MIN_ROWS {
         // SAFETY: lhs and rhs are in-bounds slices; dst is the caller's disjoint, in-bounds
@@ -183,7 +183,7 @@ pub(crate) fn multiply_streaming(
                 return with_bf16_lane_order(x, m, k, |xp| {
                     let xr = |r: usize| &xp[r * k..(r + 1) * k];
                     if m > 1 {
-                        return tiles(m, n, out, ld, xr, at);
+                        return tiles(m, n, out, ld, xr, at, true);
                     }
                     let one = |r, rows| unsafe { dot_bf16_avx512::<1>(xr(r), rows) };
                     if 2 * k < BF16_STREAM_ROW_BYTES {
@@ -466,8 +466,9 @@ impl TileWeight for f32 {
 
 /// `out[r * ld + j] = xr(r) · at(j)` for `r < m`, `j < n` by [`tile`]s of up to
 /// [`TILE_ROWS`] × [`TILE_COLS`], a row of tiles at a time: each weight row loaded (and
-/// widened) once for four activation rows, and sixteen sums reduced together. On a CPU with
-/// AVX-512F and AVX-512BW, as the callers check.
+/// widened) once for four activation rows, and sixteen sums reduced together. With
+/// `prefetch`, weight rows `at(j)` lie one after another in memory and are read from it. On a
+/// CPU with AVX-512F and AVX-512BW, as the callers check.
 #[cfg(target_arch = "x86_64")]
 fn tiles<'x, 'w, W: TileWeight + 'w>(
     m: usize,
@@ -476,18 +477,19 @@ fn tiles<'x, 'w, W: TileWeight + 'w>(
     ld: usize,
     xr: impl Fn(usize) -> &'x [f32],
     at: impl Fn(usize) -> &'w [W],
+    prefetch: bool,
 ) {
     fn one<'x, 'w, W: TileWeight + 'w, const R: usize, const C: usize>(
         (r0, j0): (usize, usize),
         xr: &impl Fn(usize) -> &'x [f32],
         at: &impl Fn(usize) -> &'w [W],
-        (out, ld): (OutPtr, usize),
+        (out, ld, ahead): (OutPtr, usize, usize),
     ) {
         let x = std::array::from_fn(|i| xr(r0 + i));
         let w = std::array::from_fn(|c| at(j0 + c));
         // SAFETY: the caller checked AVX-512F and AVX-512BW.
         #[allow(unsafe_code)]
-        let sums: [[f32; C]; R] = unsafe { tile(x, w) };
+        let sums: [[f32; C]; R] = unsafe { tile(x, w, ahead) };
         for (i, row) in sums.iter().enumerate() {
             for (c, &v) in row.iter().enumerate() {
                 // SAFETY: (r0 + i, j0 + c) is in the caller's disjoint, in-bounds window.
@@ -501,20 +503,38 @@ fn tiles<'x, 'w, W: TileWeight + 'w>(
     const R: usize = TILE_ROWS;
     const C: usize = TILE_COLS;
     let (mr, nc) = (m / R * R, n / C * C);
+    // The first pass over the weights reads them from memory: the next tile's rows are
+    // fetched while this one's are used (bf16, 64 experts, 2 threads, alternated: 10 tokens
+    // 1,816 against 1,563 tok/s, 300 tokens 4,004 against 3,841; the same 2 KiB ahead in
+    // single rows' dot products, decode: 1.26 against 1.18 ms a step, not kept).
+    let ahead = if prefetch && n > 0 {
+        C * at(0).len()
+    } else {
+        0
+    };
+    let first = |r0: usize| (out, ld, if r0 == 0 { ahead } else { 0 });
     for r0 in (0..mr).step_by(R) {
         for j0 in (0..nc).step_by(C) {
-            one::<W, R, C>((r0, j0), &xr, &at, (out, ld));
+            one::<W, R, C>((r0, j0), &xr, &at, first(r0));
         }
         for j in nc..n {
-            one::<W, R, 1>((r0, j), &xr, &at, (out, ld));
+            one::<W, R, 1>((r0, j), &xr, &at, first(r0));
         }
     }
+    // The rows left over as one tile of their own height.
+    let rest = |j0: usize| match m - mr {
+        0 => {}
+        1 => one::<W, 1, C>((mr, j0), &xr, &at, first(mr)),
+        2 => one::<W, 2, C>((mr, j0), &xr, &at, first(mr)),
+        _ => one::<W, 3, C>((mr, j0), &xr, &at, first(mr)),
+    };
+    const { assert!(R == 4) };
+    for j0 in (0..nc).step_by(C) {
+        rest(j0);
+    }
     for r in mr..m {
-        for j0 in (0..nc).step_by(C) {
-            one::<W, 1, C>((r, j0), &xr, &at, (out, ld));
-        }
         for j in nc..n {
-            one::<W, 1, 1>((r, j), &xr, &at, (out, ld));
+            one::<W, 1, 1>((r, j), &xr, &at, first(r));
         }
     }
 }
@@ -527,6 +547,7 @@ fn tiles<'x, 'w, W: TileWeight + 'w>(
 fn tile<W: TileWeight, const R: usize, const C: usize>(
     x: [&[f32]; R],
     w: [&[W]; C],
+    ahead: usize,
 ) -> [[f32; C]; R] {
     use std::arch::x86_64::*;
     const { assert!(R * C <= 16) };
@@ -538,6 +559,11 @@ fn tile<W: TileWeight, const R: usize, const C: usize>(
     let whole = n / 32 * 32;
     let mut acc = [_mm512_setzero_ps(); 16];
     for at in (0..whole).step_by(32) {
+        if ahead > 0 {
+            for w in w {
+                _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(at + ahead).cast());
+            }
+        }
         // SAFETY: at + 32 <= whole <= every row's length.
         #[allow(unsafe_code)]
         let wide: [(__m512, __m512); C] = std::array::from_fn(|c| unsafe { W::load32(w[c], at) });
