@@ -13,25 +13,26 @@ use super::quant_dot::{self, ActRows, QuantizedRows};
 use super::{WeightRows, dot, quant_range, with_scratch};
 use crate::QuantFormat;
 
-/// Rows of `x` from which converting a weight panel and calling the GEMM crate beats
-/// streaming weight rows through dot products.
+/// Rows of `x` from which converting a weight panel to f32 for [`multiply_tile`] (tiles, or
+/// the GEMM crate without AVX-512) beats streaming weight rows through dot products.
 pub(crate) const GEMM_MIN_ROWS: usize = 8;
 /// As [`GEMM_MIN_ROWS`] for weights with integer dot products, whose panels cost more to
 /// decode than bf16's to widen.
 const QUANT_GEMM_MIN_ROWS: usize = 16;
 /// As [`QUANT_GEMM_MIN_ROWS`] for Q8_0 where panels go through [`tiles`]: its blocks decode
 /// cheaply. 64 experts, 2 threads, alternated, 10 / 300 tokens: 1,963 / 3,940 tok/s against
-/// 1,906 / 3,648 at 16 rows and 1,815 / 3,890 at 4; Q4_K at 8 took 2,521 against 3,071 at 10.
+/// 1,906 / 3,648 at 16 rows and 1,815 / 3,890 at 4; a Q4_K_M file from 8 rows took 2,521 tok/s against
+/// 3,071 at 10 tokens.
 const Q8_0_TILE_MIN_ROWS: usize = 8;
-/// As [`GEMM_MIN_ROWS`] for f16 weights, and bf16 without AVX-512BW, whose panels are widened
-/// to f32 first: a
-/// 10-token bf16 prefill, 2 threads, took 1,528 tok/s against 1,399 at 8 rows on the
-/// 64-expert shape, 309 against 200 on the 1.25B-parameter one; 300 tokens within 2% (32
-/// rows measured alike).
+/// As [`GEMM_MIN_ROWS`] for f16 weights, and bf16 without AVX-512, whose panels are widened
+/// to f32 first: with the GEMM crate, a 10-token bf16 prefill, 2 threads, took 1,528 tok/s
+/// against 1,399 at 8 rows on the 64-expert shape, 309 against 200 on the 1.25B-parameter
+/// one; 300 tokens within 2% (32 rows measured alike).
 const HALF_GEMM_MIN_ROWS: usize = 16;
 
-/// Rows of `x` from which products with `w` decode weight panels for the GEMM crate rather
-/// than stream weight rows through dot products.
+/// Rows of `x` from which products with `w` convert weight panels to f32 for
+/// [`multiply_tile`] rather than stream weight rows through dot products (`usize::MAX`:
+/// never; bf16 read in place by [`multiply_bf16`]).
 pub(crate) fn gemm_min_rows(w: WeightRows<'_>) -> usize {
     match w {
         WeightRows::Quant(QuantFormat::Q8_0, _) if tiles_available() => Q8_0_TILE_MIN_ROWS,
@@ -140,7 +141,8 @@ pub(crate) fn multiply_tile(
 
 /// `out[r * ld + j] = x[r] · w[j]` for `r < m`, `j < n`, where weight row `j` starts at
 /// element `w_offset + j * k` of `w`: each weight row is converted into `row` (length `k`)
-/// once and used by all `m` rows while it is in L1. The few-row (decode) path.
+/// once and used by all `m` rows while it is in L1. The few-row (decode) path, and every
+/// product over bf16 weights read in place ([`multiply_bf16`]).
 ///
 /// The caller guarantees that these output elements are in bounds and written by no other
 /// work item while this runs.
@@ -164,37 +166,21 @@ pub(crate) fn multiply_streaming(
             multiply_quantized(acts.rows_from(0), m, k, w, w_offset, n, out, ld, row)
         });
     }
+    if let Some(bits) = bf16_in_place(w) {
+        return with_bf16_lane_order(x, m, k, |xp| {
+            multiply_bf16(xp, m, k, bits, w_offset, n, out, ld)
+        });
+    }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        let xr = |r: usize| &x[r * k..(r + 1) * k];
+    if let WeightRows::F32(f32s) = w
+        && std::arch::is_x86_feature_detected!("avx512f")
+    {
         let span = |j: usize| w_offset + j * k..w_offset + (j + 1) * k;
-        match w {
-            // SAFETY (both): the CPU has AVX-512F (checked above).
-            #[allow(unsafe_code)]
-            WeightRows::F32(f32s) => {
-                return each_output(m, n, out, ld, |r, j| unsafe {
-                    dot_f32_avx512(xr(r), &f32s[span(j)])
-                });
-            }
-            #[allow(unsafe_code)]
-            WeightRows::Bf16(bf16) if std::arch::is_x86_feature_detected!("avx512bw") => {
-                let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(bf16);
-                let at = |j: usize| &bits[span(j)];
-                return with_bf16_lane_order(x, m, k, |xp| {
-                    let xr = |r: usize| &xp[r * k..(r + 1) * k];
-                    if m > 1 {
-                        return tiles(m, n, out, ld, xr, at, true);
-                    }
-                    let one = |r, rows| unsafe { dot_bf16_avx512::<1>(xr(r), rows) };
-                    if 2 * k < BF16_STREAM_ROW_BYTES {
-                        return each_output(m, n, out, ld, |r, j| one(r, [at(j)])[0]);
-                    }
-                    let two = |r, rows| unsafe { dot_bf16_avx512::<2>(xr(r), rows) };
-                    in_stream_pairs(m, n, out, ld, at, two, one)
-                });
-            }
-            _ => {}
-        }
+        // SAFETY: the CPU has AVX-512F (checked above).
+        #[allow(unsafe_code)]
+        return each_output(m, n, out, ld, |r, j| unsafe {
+            dot_f32_avx512(&x[r * k..(r + 1) * k], &f32s[span(j)])
+        });
     }
     for j in 0..n {
         let wj: &[f32] = match w {
@@ -360,31 +346,98 @@ fn in_stream_pairs<'w, W: 'w>(
     }
 }
 
+/// The bits of bf16 weights that products read in place, by [`multiply_bf16`] with the
+/// activations in [`to_bf16_lane_order`] (the CPU has [`tiles`]); `None` for other weights.
+pub(crate) fn bf16_in_place(w: WeightRows<'_>) -> Option<&[u16]> {
+    match w {
+        WeightRows::Bf16(bf16) if tiles_available() => {
+            Some(half::slice::HalfFloatSliceExt::reinterpret_cast(bf16))
+        }
+        _ => None,
+    }
+}
+
+/// `row` into `into` in the order bf16 weights are widened into (`TileWeight for u16`): of
+/// each 32 values, 0..4, 8..12, 16..20, 24..28, then 4..8, 12..16, 20..24, 28..32 (the rest
+/// as they are).
+pub(crate) fn to_bf16_lane_order(row: &[f32], into: &mut [f32]) {
+    let whole = row.len() / 32 * 32;
+    for (chunk, to) in row[..whole].chunks_exact(32).zip(into.chunks_exact_mut(32)) {
+        for (i, to) in to.chunks_exact_mut(4).enumerate() {
+            let from = 8 * (i % 4) + 4 * (i / 4);
+            to.copy_from_slice(&chunk[from..from + 4]);
+        }
+    }
+    into[whole..row.len()].copy_from_slice(&row[whole..]);
+}
+
 thread_local! {
-    #[cfg(target_arch = "x86_64")]
     static BF16_LANE_ORDER: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` with the `m` rows of `k` values of `x` in the order [`dot_bf16_avx512`] widens
-/// bf16 weights into: of each 32 values, 0..4, 8..12, 16..20, 24..28, then 4..8, 12..16,
-/// 20..24, 28..32 (the rest as they are), in this thread's reused buffer.
-#[cfg(target_arch = "x86_64")]
+/// Runs `f` with the `m` rows of `k` values of `x` in [`to_bf16_lane_order`], in this
+/// thread's reused buffer (a buffer of its own where this thread, waiting inside a parallel
+/// region, holds that one already).
 fn with_bf16_lane_order<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&[f32]) -> R) -> R {
-    BF16_LANE_ORDER.with(|cell| {
-        let mut xp = cell.borrow_mut();
-        xp.clear();
-        for row in x[..m * k].chunks_exact(k.max(1)) {
-            let whole = k / 32 * 32;
-            for chunk in row[..whole].chunks_exact(32) {
-                for half in [0, 4] {
-                    for lane in 0..4 {
-                        xp.extend_from_slice(&chunk[8 * lane + half..8 * lane + half + 4]);
-                    }
-                }
-            }
-            xp.extend_from_slice(&row[whole..]);
+    let run = |xp: &mut Vec<f32>| {
+        xp.resize(m * k, 0.0);
+        for (row, to) in x[..m * k]
+            .chunks_exact(k.max(1))
+            .zip(xp.chunks_exact_mut(k.max(1)))
+        {
+            to_bf16_lane_order(row, to);
         }
-        f(&xp)
+        f(xp)
+    };
+    BF16_LANE_ORDER.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut xp) => run(&mut xp),
+        Err(_) => run(&mut Vec::new()),
+    })
+}
+
+/// `out[r * ld + j] = xp[r] · w[j]` for `r < m`, `j < n`, `xp` in [`to_bf16_lane_order`],
+/// weight row `j` the `k` bf16 values (`bits`, from [`bf16_in_place`]) from
+/// `w_offset + j * k`: tiles for several rows, single rows' dot products for one.
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn multiply_bf16(
+    xp: &[f32],
+    m: usize,
+    k: usize,
+    bits: &[u16],
+    w_offset: usize,
+    n: usize,
+    out: OutPtr,
+    ld: usize,
+) {
+    let xr = |r: usize| &xp[r * k..(r + 1) * k];
+    let at = |j: usize| &bits[w_offset + j * k..w_offset + (j + 1) * k];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if m > 1 {
+            return tiles(m, n, out, ld, xr, at, true);
+        }
+        // SAFETY (both): `bits` came from `bf16_in_place`, so the CPU has AVX-512F and BW.
+        #[allow(unsafe_code)]
+        let one = |r, rows| unsafe { dot_bf16_avx512::<1>(xr(r), rows) };
+        if 2 * k < BF16_STREAM_ROW_BYTES {
+            return each_output(m, n, out, ld, |r, j| one(r, [at(j)])[0]);
+        }
+        #[allow(unsafe_code)]
+        let two = |r, rows| unsafe { dot_bf16_avx512::<2>(xr(r), rows) };
+        in_stream_pairs(m, n, out, ld, at, two, one)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    each_output(m, n, out, ld, |r, j| {
+        let whole = k / 32 * 32;
+        let natural = |p: usize| match p < whole {
+            true => p / 32 * 32 + 8 * (p % 32 / 4 % 4) + 4 * (p % 32 / 16) + p % 4,
+            false => p,
+        };
+        let widen = |b: u16| f32::from_bits(u32::from(b) << 16);
+        (0..k).map(|p| xr(r)[p] * widen(at(j)[natural(p)])).sum()
     })
 }
 
@@ -500,6 +553,7 @@ fn tiles<'x, 'w, W: TileWeight + 'w>(
             }
         }
     }
+    debug_assert!(tiles_available(), "tiles need AVX-512F and BW");
     const R: usize = TILE_ROWS;
     const C: usize = TILE_COLS;
     let (mr, nc) = (m / R * R, n / C * C);
@@ -588,7 +642,7 @@ fn tile<W: TileWeight, const R: usize, const C: usize>(
 }
 
 /// The sums of the sixteen lanes of each of sixteen vectors, by a tree of shuffles and adds
-/// over all of them at once (64 operations) rather than a reduction after each.
+/// over all of them at once (45 operations) rather than a reduction after each.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn lane_sums(v: &[std::arch::x86_64::__m512; 16]) -> [f32; 16] {
@@ -641,31 +695,23 @@ fn dot_bf16_avx512<const R: usize>(x: &[f32], w: [&[u16]; R]) -> [f32; R] {
     use std::arch::x86_64::*;
     let n = w.iter().fold(x.len(), |n, w| n.min(w.len()));
     let whole = n / 64 * 64;
-    let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     for i in (0..whole).step_by(64) {
         for c in 0..2 {
             let at = i + 32 * c;
-            // SAFETY: at + 32 <= whole <= the length of `x` and of every row.
+            // SAFETY: at + 32 <= whole <= the length of `x` and of every row; the caller
+            // checked AVX-512F and BW.
             #[allow(unsafe_code)]
-            let (lo, hi) = unsafe {
-                (
-                    _mm512_loadu_ps(x.as_ptr().add(at)),
-                    _mm512_loadu_ps(x.as_ptr().add(at + 16)),
-                )
-            };
+            let (lo, hi) = unsafe { f32::load32(x, at) };
             for (acc, w) in acc.iter_mut().zip(&w) {
                 // SAFETY: as above.
                 #[allow(unsafe_code)]
-                let wv = unsafe { _mm512_loadu_si512(w.as_ptr().add(at).cast()) };
-                let wlo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, wv));
-                let whi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, wv));
+                let (wlo, whi) = unsafe { u16::load32(w, at) };
                 acc[2 * c] = _mm512_fmadd_ps(lo, wlo, acc[2 * c]);
                 acc[2 * c + 1] = _mm512_fmadd_ps(hi, whi, acc[2 * c + 1]);
             }
         }
     }
-    let widen = |b: u16| f32::from_bits(u32::from(b) << 16);
     std::array::from_fn(|r| {
         let (acc, w) = (&acc[r], w[r]);
         let pairs = [_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])];
@@ -675,12 +721,12 @@ fn dot_bf16_avx512<const R: usize>(x: &[f32], w: [&[u16]; R]) -> [f32; R] {
         for at in (whole..chunked).step_by(32) {
             for i in 0..16 {
                 let (lane, e) = (i / 4, i % 4);
-                sum += x[at + i] * widen(w[at + 8 * lane + e]);
-                sum += x[at + 16 + i] * widen(w[at + 8 * lane + 4 + e]);
+                sum += x[at + i] * w[at + 8 * lane + e].widen();
+                sum += x[at + 16 + i] * w[at + 8 * lane + 4 + e].widen();
             }
         }
         for (a, &b) in x[chunked..n].iter().zip(&w[chunked..n]) {
-            sum += a * widen(b);
+            sum += a * b.widen();
         }
         sum
     })
@@ -744,28 +790,50 @@ pub(crate) fn matmul(
         .min(n.max(1));
     let panels = n.div_ceil(panel);
     let out_ptr = OutPtr::new(out);
-    (0..row_blocks * panels).into_par_iter().for_each(|item| {
-        let (rb, p) = (item / panels, item % panels);
-        let (r0, r1) = (rb * ROW_BLOCK, ((rb + 1) * ROW_BLOCK).min(m));
-        let (n0, n1) = (p * panel, ((p + 1) * panel).min(n));
-        let nb = n1 - n0;
-        let tile_out = out_ptr.offset(r0 * ld + first + n0);
-        let xs = &x[r0 * k..r1 * k];
-        if r1 - r0 < gemm_min_rows(w) {
-            return with_scratch(k, |row| {
-                multiply_streaming(xs, r1 - r0, k, w, n0 * k, nb, tile_out, ld, row)
-            });
-        }
-        match w {
-            WeightRows::F32(w) => {
-                multiply_tile(xs, r1 - r0, k, &w[n0 * k..n1 * k], nb, tile_out, ld)
+    // `ordered`: bf16 weights read in place, and all of x in their lane order.
+    let run = |ordered: Option<(&[f32], &[u16])>| {
+        (0..row_blocks * panels).into_par_iter().for_each(|item| {
+            let (rb, p) = (item / panels, item % panels);
+            let (r0, r1) = (rb * ROW_BLOCK, ((rb + 1) * ROW_BLOCK).min(m));
+            let (n0, n1) = (p * panel, ((p + 1) * panel).min(n));
+            let tile_out = out_ptr.offset(r0 * ld + first + n0);
+            match ordered {
+                Some((xp, bits)) => {
+                    let xs = &xp[r0 * k..r1 * k];
+                    multiply_bf16(xs, r1 - r0, k, bits, n0 * k, n1 - n0, tile_out, ld)
+                }
+                None => matmul_item(&x[r0 * k..r1 * k], (r1 - r0, k), w, (n0, n1), tile_out, ld),
             }
-            _ => with_scratch(nb * k, |buf| {
-                w.to_f32(n0 * k, buf);
-                multiply_tile(xs, r1 - r0, k, buf, nb, tile_out, ld)
-            }),
-        }
-    });
+        })
+    };
+    match bf16_in_place(w) {
+        Some(bits) => with_bf16_lane_order(x, m, k, |xp| run(Some((xp, bits)))),
+        None => run(None),
+    }
+}
+
+/// One work item of [`matmul`]: `rows` rows of `k` values (`xs`) times weight rows `n0..n1`.
+fn matmul_item(
+    xs: &[f32],
+    (rows, k): (usize, usize),
+    w: WeightRows<'_>,
+    (n0, n1): (usize, usize),
+    out: OutPtr,
+    ld: usize,
+) {
+    let nb = n1 - n0;
+    if rows < gemm_min_rows(w) {
+        return with_scratch(k, |row| {
+            multiply_streaming(xs, rows, k, w, n0 * k, nb, out, ld, row)
+        });
+    }
+    match w {
+        WeightRows::F32(w) => multiply_tile(xs, rows, k, &w[n0 * k..n1 * k], nb, out, ld),
+        _ => with_scratch(nb * k, |buf| {
+            w.to_f32(n0 * k, buf);
+            multiply_tile(xs, rows, k, buf, nb, out, ld)
+        }),
+    }
 }
 
 #[cfg(test)]

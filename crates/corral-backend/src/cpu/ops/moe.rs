@@ -5,7 +5,10 @@ use rayon::prelude::*;
 use std::cell::RefCell;
 
 use super::elementwise::silu;
-use super::matmul::{OutPtr, gemm_min_rows, multiply_quantized, multiply_streaming, multiply_tile};
+use super::matmul::{
+    OutPtr, bf16_in_place, gemm_min_rows, multiply_bf16, multiply_quantized, multiply_streaming,
+    multiply_tile, to_bf16_lane_order,
+};
 use super::quant_dot::{self, ActBlocks, QA, QuantizedRows};
 use super::{WeightRows, with_scratch};
 
@@ -28,9 +31,7 @@ fn with_expert_acts<R>(
     projs: &[&ExpertProj<'_>],
     f: impl FnOnce(Option<&QuantizedRows>) -> R,
 ) -> R {
-    let integer =
-        |w: &WeightRows<'_>| matches!(w, WeightRows::Quant(q, _) if quant_dot::supports(*q));
-    if !k.is_multiple_of(QA) || !projs.iter().all(|p| p.rows.iter().all(integer)) {
+    if !k.is_multiple_of(QA) || !integer_products(projs) {
         return f(None);
     }
     let format = |w: &WeightRows<'_>| match w {
@@ -50,6 +51,14 @@ fn with_expert_acts<R>(
             f(Some(&acts))
         }
     })
+}
+
+/// Whether every expert of `projs` has weights with integer dot products
+/// ([`quant_dot::supports`]), whose activations are quantized once for all of them.
+fn integer_products(projs: &[&ExpertProj<'_>]) -> bool {
+    let integer =
+        |w: &WeightRows<'_>| matches!(w, WeightRows::Quant(q, _) if quant_dot::supports(*q));
+    projs.iter().all(|p| p.rows.iter().all(integer))
 }
 
 /// Softmax over each token's `num_experts` logits, then its `top_k` largest probabilities
@@ -291,15 +300,26 @@ pub(crate) fn grouped_gate_up(
                     let (xs, rest) = scratch.split_at_mut(rows * hidden);
                     let (wbuf, rest) = rest.split_at_mut(weight_scratch);
                     let (g, u) = rest.split_at_mut(rows * cols);
+                    // bf16 gate and up read in place, the rows gathered in their lane order.
+                    let bf16 = bf16_in_place(gate.rows[e]).zip(bf16_in_place(up.rows[e]));
                     for (i, s) in (r0..r1).enumerate().filter(|_| acts.is_none()) {
                         let t = sorted[s] as usize / top_k;
-                        xs[i * hidden..(i + 1) * hidden]
-                            .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                        let (from, to) = (
+                            &x[t * hidden..(t + 1) * hidden],
+                            &mut xs[i * hidden..(i + 1) * hidden],
+                        );
+                        match bf16 {
+                            Some(_) => to_bf16_lane_order(from, to),
+                            None => to.copy_from_slice(from),
+                        }
                     }
                     let (g_ptr, u_ptr) = (OutPtr::new(g), OutPtr::new(u));
                     let (g_off, u_off) =
                         (gate.offsets[e] + c0 * hidden, up.offsets[e] + c0 * hidden);
-                    if let Some(acts) = acts {
+                    if let (None, Some((gb, ub))) = (acts, bf16) {
+                        multiply_bf16(xs, rows, hidden, gb, g_off, cols, g_ptr, cols);
+                        multiply_bf16(xs, rows, hidden, ub, u_off, cols, u_ptr, cols);
+                    } else if let Some(acts) = acts {
                         let xq = acts.rows_from(r0);
                         let (gw, uw) = (gate.rows[e], up.rows[e]);
                         multiply_quantized(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
@@ -340,7 +360,7 @@ pub(crate) fn grouped_gate_up(
             );
         });
     };
-    if !all_streaming(offsets, gate) {
+    if !all_streaming(offsets, gate) || !integer_products(&[gate, up]) {
         return run_items(None);
     }
     // Every expert streams its rows: quantize the pairs' rows once (gathered in sorted
@@ -423,15 +443,15 @@ pub(crate) fn grouped_down(
         });
     };
     // Every expert streaming its rows: the act rows quantized once, not for each item.
-    if all_streaming(offsets, down) {
+    if all_streaming(offsets, down) && integer_products(&[down]) {
         with_expert_acts(act, (pairs, inter), &[down], run_items)
     } else {
         run_items(None)
     }
 }
 
-/// Whether every expert with pairs has fewer than its weights' GEMM rows, so that all
-/// stream their rows through dot products.
+/// Whether every expert with pairs has fewer rows than its weights' panels take
+/// ([`gemm_min_rows`]), so that all stream their rows through dot products.
 fn all_streaming(offsets: &[u32], proj: &ExpertProj<'_>) -> bool {
     offsets.windows(2).zip(&proj.rows).all(|(o, &w)| {
         let rows = (o[1] - o[0]) as usize;
