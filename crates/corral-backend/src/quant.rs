@@ -74,23 +74,34 @@ impl QuantFormat {
 pub fn dequantize(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
     let (block, block_bytes) = format.block();
     debug_assert_eq!(bytes.len() / block_bytes * block, out.len());
-    let decode: fn(&[u8], &mut [f32]) = match format {
-        QuantFormat::Q4_0 => decode_q4_0,
-        QuantFormat::Q4_1 => decode_q4_1,
-        QuantFormat::Q5_0 => decode_q5_0,
-        QuantFormat::Q5_1 => decode_q5_1,
-        QuantFormat::Q8_0 => decode_q8_0,
-        QuantFormat::Q4K => decode_q4_k,
-        QuantFormat::Q5K => decode_q5_k,
-        QuantFormat::Q6K => decode_q6_k,
-        QuantFormat::F8E4M3x128 => decode_f8_x128,
-    };
-    for (b, o) in bytes
-        .chunks_exact(block_bytes)
-        .zip(out.chunks_exact_mut(block))
-    {
-        decode(b, o);
+    let at = (block, block_bytes);
+    match format {
+        QuantFormat::Q4_0 => each_block(bytes, out, at, decode_q4_0),
+        QuantFormat::Q4_1 => each_block(bytes, out, at, decode_q4_1),
+        QuantFormat::Q5_0 => each_block(bytes, out, at, decode_q5_0),
+        QuantFormat::Q5_1 => each_block(bytes, out, at, decode_q5_1),
+        QuantFormat::Q8_0 => each_block(bytes, out, at, decode_q8_0),
+        QuantFormat::Q4K => each_block(bytes, out, at, decode_q4_k),
+        QuantFormat::Q5K => each_block(bytes, out, at, decode_q5_k),
+        QuantFormat::Q6K => each_block(bytes, out, at, decode_q6_k),
+        QuantFormat::F8E4M3x128 => each_block(bytes, out, at, decode_f8_x128),
     }
+}
+
+/// `decode` over each block of `block_bytes` bytes into `block` values: one loop per format,
+/// the block's decoding inlined into it (not called through a pointer a block) so that the
+/// compiler vectorizes it.
+#[inline(always)]
+fn each_block(
+    bytes: &[u8],
+    out: &mut [f32],
+    (block, block_bytes): (usize, usize),
+    decode: impl Fn(&[u8], &mut [f32]),
+) {
+    let pairs = bytes
+        .chunks_exact(block_bytes)
+        .zip(out.chunks_exact_mut(block));
+    pairs.for_each(|(b, o)| decode(b, o));
 }
 
 /// Whether integer products with weights of `format` read activations quantized per
