@@ -442,8 +442,9 @@ pub(crate) fn multiply_bf16(
 }
 
 /// Activation rows of a [`tile`]. Tiles measured at 10 and 300 tokens, 64 experts,
-/// 2 threads: 4 × 4 1,559 / 3,976 tok/s, 8 × 2 1,654 / 3,561, 2 × 8 1,498 / 3,454, 8 × 1
-/// 1,586 / 2,256; weights widened by shifts instead of unpacking 1,425 / 3,233.
+/// 2 threads, in one alternated run: 4 × 4 1,500 / 3,872 tok/s, 8 × 2 1,646 / 3,407, 2 × 8
+/// 1,498 / 3,454, 8 × 1 1,586 / 2,256; weights widened by shifts instead of unpacking,
+/// 1,425 / 3,233 against 1,630 / 3,800 (bench/results/cpu-tile-kernel-variants-cpu-qwen3-moe.txt).
 #[cfg(target_arch = "x86_64")]
 const TILE_ROWS: usize = 4;
 /// Weight rows of a [`tile`].
