@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use super::quant_dot::{self, ActRows, QuantizedRows};
-use super::{WeightRows, dot, quant_range, with_scratch};
+use super::{WeightRows, dot, quant_range, with_reused, with_scratch};
 use crate::QuantFormat;
 
 /// Rows of `x` from which converting a weight panel to f32 for [`multiply_tile`] (tiles, or
@@ -264,10 +264,9 @@ fn with_quantized<R>(
     per: quant_dot::ActBlocks,
     f: impl FnOnce(&QuantizedRows) -> R,
 ) -> R {
-    QUANTIZED.with(|cell| {
-        let mut rows = cell.borrow_mut();
+    with_reused(&QUANTIZED, |rows| {
         rows.quantize(x, m, k, per);
-        f(&rows)
+        f(rows)
     })
 }
 
@@ -389,10 +388,7 @@ fn with_bf16_lane_order<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&[f32])
         }
         f(xp)
     };
-    BF16_LANE_ORDER.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut xp) => run(&mut xp),
-        Err(_) => run(&mut Vec::new()),
-    })
+    with_reused(&BF16_LANE_ORDER, run)
 }
 
 /// `out[r * ld + j] = xp[r] · w[j]` for `r < m`, `j < n`, `xp` in [`to_bf16_lane_order`],

@@ -83,6 +83,18 @@ thread_local! {
     pub(crate) static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Runs `f` with this thread's reused buffer in `key`, or with a fresh one where this thread,
+/// waiting inside a parallel region, took up work of another's that holds it already.
+pub(crate) fn with_reused<T: Default + 'static, R>(
+    key: &'static std::thread::LocalKey<std::cell::RefCell<T>>,
+    f: impl FnOnce(&mut T) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut held) => f(&mut held),
+        Err(_) => f(&mut T::default()),
+    })
+}
+
 /// Runs `f` with this thread's scratch, at least `len` long.
 pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     SCRATCH.with(|cell| {

@@ -10,7 +10,7 @@ use super::matmul::{
     multiply_tile, to_bf16_lane_order,
 };
 use super::quant_dot::{self, ActBlocks, QA, QuantizedRows};
-use super::{WeightRows, with_scratch};
+use super::{WeightRows, with_reused, with_scratch};
 
 /// Output rows per work item of the expert matrix-vector products.
 const ROW_TILE: usize = 64;
@@ -39,17 +39,9 @@ fn with_expert_acts<R>(
         _ => None,
     };
     let supers = ActBlocks::of(projs.iter().flat_map(|p| p.rows.iter().filter_map(format)));
-    EXPERT_ACTS.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut acts) => {
-            acts.quantize(x, rows, k, supers);
-            f(Some(&acts))
-        }
-        // A pool thread waiting inside one step took up another's: rows of its own.
-        Err(_) => {
-            let mut acts = QuantizedRows::default();
-            acts.quantize(x, rows, k, supers);
-            f(Some(&acts))
-        }
+    with_reused(&EXPERT_ACTS, |acts| {
+        acts.quantize(x, rows, k, supers);
+        f(Some(acts))
     })
 }
 
@@ -373,11 +365,7 @@ pub(crate) fn grouped_gate_up(
         }
         with_expert_acts(gathered, (pairs, hidden), &[gate, up], run_items)
     };
-    GATHERED.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut gathered) => run(&mut gathered),
-        // A pool thread waiting inside one step took up another's: rows of its own.
-        Err(_) => run(&mut Vec::new()),
-    })
+    with_reused(&GATHERED, run)
 }
 
 /// Grouped down projection with the routing weight: `y[s] = w[p] · down[e] act[s]` for the
