@@ -377,7 +377,12 @@ thread_local! {
 /// Runs `f` with the `m` rows of `k` values of `x` in [`to_bf16_lane_order`], in this
 /// thread's reused buffer (a buffer of its own where this thread, waiting inside a parallel
 /// region, holds that one already).
-fn with_bf16_lane_order<R>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&[f32]) -> R) -> R {
+pub(crate) fn with_bf16_lane_order<R>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    f: impl FnOnce(&[f32]) -> R,
+) -> R {
     let run = |xp: &mut Vec<f32>| {
         xp.resize(m * k, 0.0);
         for (row, to) in x[..m * k]

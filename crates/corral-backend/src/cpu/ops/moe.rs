@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use super::elementwise::silu;
 use super::matmul::{
     OutPtr, bf16_in_place, gemm_min_rows, multiply_bf16, multiply_quantized, multiply_streaming,
-    multiply_tile, to_bf16_lane_order,
+    multiply_tile, to_bf16_lane_order, with_bf16_lane_order,
 };
 use super::quant_dot::{self, ActBlocks, QA, QuantizedRows};
 use super::{WeightRows, with_reused, with_scratch};
@@ -227,15 +227,18 @@ const GROUP_ROWS: usize = 64;
 /// Weight rows per grouped work item.
 const GROUP_COLS: usize = 64;
 
-/// The (expert, row tile, column tile) work items of a grouped op over experts with pairs.
-fn group_items(offsets: &[u32], cols: usize) -> Vec<(usize, usize, usize)> {
-    let col_tiles = cols.div_ceil(GROUP_COLS);
+/// A grouped work item: an expert, its sorted pairs `r0..r1` and output columns `c0..c1`.
+type GroupItem = (usize, (usize, usize), (usize, usize));
+
+/// The work items of a grouped op over experts with pairs, `cols` output columns.
+fn group_items(offsets: &[u32], cols: usize) -> Vec<GroupItem> {
     let mut items = Vec::new();
     for e in 0..offsets.len() - 1 {
         let (start, end) = (offsets[e] as usize, offsets[e + 1] as usize);
         for r0 in (start..end).step_by(GROUP_ROWS) {
-            for c in 0..col_tiles {
-                items.push((e, r0, c * GROUP_COLS));
+            for c0 in (0..cols).step_by(GROUP_COLS) {
+                let (r1, c1) = ((r0 + GROUP_ROWS).min(end), (c0 + GROUP_COLS).min(cols));
+                items.push((e, (r0, r1), (c0, c1)));
             }
         }
     }
@@ -280,9 +283,7 @@ pub(crate) fn grouped_gate_up(
     let pairs = offsets[offsets.len() - 1] as usize;
     // The work items, the pairs' rows quantized in sorted order (`acts`) or not.
     let run_items = |acts: Option<&QuantizedRows>| {
-        items.par_iter().for_each(|&(e, r0, c0)| {
-            let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
-            let c1 = (c0 + GROUP_COLS).min(inter);
+        items.par_iter().for_each(|&(e, (r0, r1), (c0, c1))| {
             let (rows, cols) = (r1 - r0, c1 - c0);
             let streaming = rows < gemm_min_rows(gate.rows[e]);
             let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
@@ -384,11 +385,10 @@ pub(crate) fn grouped_down(
     let out = OutPtr::new(y);
     let items = group_items(offsets, hidden);
     let pairs = offsets[offsets.len() - 1] as usize;
-    // The work items, the act rows quantized (`acts`) or not.
-    let run_items = |acts: Option<&QuantizedRows>| {
-        items.par_iter().for_each(|&(e, r0, c0)| {
-            let r1 = (r0 + GROUP_ROWS).min(offsets[e + 1] as usize);
-            let c1 = (c0 + GROUP_COLS).min(hidden);
+    // The work items: the act rows quantized (`acts`), or all in bf16 lane order
+    // (`ordered`), or neither.
+    let run_items = |acts: Option<&QuantizedRows>, ordered: Option<&[f32]>| {
+        items.par_iter().for_each(|&(e, (r0, r1), (c0, c1))| {
             let (rows, cols) = (r1 - r0, c1 - c0);
             let tile = out.offset(r0 * hidden + c0);
             let a = &act[r0 * inter..r1 * inter];
@@ -408,6 +408,9 @@ pub(crate) fn grouped_down(
                         row,
                     )
                 });
+            } else if let (Some(ap), Some(bits)) = (ordered, bf16_in_place(down.rows[e])) {
+                let ap = &ap[r0 * inter..r1 * inter];
+                multiply_bf16(ap, rows, inter, bits, d_off, cols, tile, hidden)
             } else if rows < gemm_min_rows(down.rows[e]) {
                 with_scratch(inter, |row| {
                     multiply_streaming(a, rows, inter, down.rows[e], d_off, cols, tile, hidden, row)
@@ -430,11 +433,13 @@ pub(crate) fn grouped_down(
             }
         });
     };
-    // Every expert streaming its rows: the act rows quantized once, not for each item.
+    // The act rows quantized, or put in bf16 lane order, once, not for each item.
     if all_streaming(offsets, down) && integer_products(&[down]) {
-        with_expert_acts(act, (pairs, inter), &[down], run_items)
+        with_expert_acts(act, (pairs, inter), &[down], |acts| run_items(acts, None))
+    } else if down.rows.iter().all(|&w| bf16_in_place(w).is_some()) {
+        with_bf16_lane_order(act, pairs, inter, |ap| run_items(None, Some(ap)))
     } else {
-        run_items(None)
+        run_items(None, None)
     }
 }
 
