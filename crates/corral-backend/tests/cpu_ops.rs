@@ -506,3 +506,107 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
         );
     }
 }
+
+/// The grouped experts over K-quant weights, whose experts with many rows multiply them as
+/// integer panels (and the rest as few-row products), give what the per-token experts give
+/// (few-row products only), up to float summation order and the act rows' quantization that
+/// it can move by a step.
+#[test]
+fn grouped_k_quant_experts_equal_the_per_token_experts() {
+    use corral_backend::{ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat};
+    use std::sync::Arc;
+    let b = CpuBackend::new();
+    // Expert 0 takes every token's first choice (40 rows: panels of 16, 16 and 8), the others
+    // a few each.
+    let (e, h, i, tokens, top_k) = (5, 512, 256, 40, 2);
+    let blocks =
+        |format, len, seed| Arc::new(b.weight_synthetic_blocks(format, len, seed, 0.05).unwrap());
+    for (case, (up_format, down_format)) in [
+        (QuantFormat::Q4K, QuantFormat::Q6K),
+        (QuantFormat::Q6K, QuantFormat::Q4K),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 20 + 10 * case as u64;
+        let (gate, up, down) = (
+            blocks(up_format, e * i * h, seed),
+            blocks(up_format, e * i * h, seed + 1),
+            blocks(down_format, e * h * i, seed + 2),
+        );
+        let experts = ExpertWeights {
+            gate: ExpertMatrices::stacked(Arc::clone(&gate), e, i, 0, i, h).unwrap(),
+            up: ExpertMatrices::stacked(Arc::clone(&up), e, i, 0, i, h).unwrap(),
+            down: ExpertMatrices::stacked(Arc::clone(&down), e, h, 0, h, i).unwrap(),
+        };
+        let x = upload(&b, &values(tokens * h, seed + 3));
+        let ids: Vec<u32> = (0..tokens * top_k)
+            .map(|p| {
+                if p % 2 == 0 {
+                    0
+                } else {
+                    1 + (p / 2 % (e - 1)) as u32
+                }
+            })
+            .collect();
+        let weights: Vec<f32> = values(tokens * top_k, seed + 4)
+            .iter()
+            .map(|v| v.abs())
+            .collect();
+        let (ids_buf, weights_buf) = (upload_u32(&b, &ids), upload(&b, &weights));
+        let routing = MoeRouting {
+            expert_ids: &ids_buf,
+            expert_weights: &weights_buf,
+            tokens,
+            top_k,
+        };
+        let pairs = tokens * top_k;
+        let mut act = upload(&b, &vec![0.0; pairs * i]);
+        let mut per_token = upload(&b, &vec![0.0; tokens * h]);
+        b.moe_experts_per_token(&x, routing, &experts, &mut act, &mut per_token)
+            .unwrap();
+        let meta = |n: usize| upload_u32(&b, &vec![0; n]);
+        let (mut offsets, mut hit, mut sorted_pairs, mut positions) =
+            (meta(e + 1), meta(e + 1), meta(pairs), meta(pairs));
+        b.moe_sort(
+            routing,
+            e,
+            &mut offsets,
+            &mut hit,
+            &mut sorted_pairs,
+            &mut positions,
+        )
+        .unwrap();
+        let sorted = MoeSorted {
+            expert_offsets: &offsets,
+            hit_experts: &hit,
+            sorted_pairs: &sorted_pairs,
+            pair_positions: &positions,
+        };
+        let mut y = upload(&b, &vec![0.0; pairs * h]);
+        let mut grouped = upload(&b, &vec![0.0; tokens * h]);
+        b.moe_grouped_gate_up(&x, routing, sorted, &experts, &mut act)
+            .unwrap();
+        b.moe_grouped_down(&act, routing, sorted, &experts, &mut y)
+            .unwrap();
+        b.moe_combine(&y, routing, sorted, h, &mut grouped).unwrap();
+        let (got, want) = (
+            download(&b, &grouped, tokens * h),
+            download(&b, &per_token, tokens * h),
+        );
+        let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|a| a * a).sum::<f32>().sqrt();
+        let err =
+            norm(&mut got.iter().zip(&want).map(|(a, b)| a - b)) / norm(&mut want.iter().copied());
+        eprintln!(
+            "{} / {}: relative error {err:.2e}",
+            up_format.name(),
+            down_format.name()
+        );
+        assert!(
+            err < 1e-5,
+            "{} / {}: grouped against per-token relative error {err:.2e}",
+            up_format.name(),
+            down_format.name()
+        );
+    }
+}

@@ -9,6 +9,7 @@ pub(crate) mod matmul;
 pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod quant_dot;
+pub(crate) mod quant_panel;
 pub(crate) mod rope;
 
 use crate::QuantFormat;

@@ -6,8 +6,8 @@ use std::cell::RefCell;
 
 use super::elementwise::silu;
 use super::matmul::{
-    OutPtr, bf16_in_place, gemm_min_rows, multiply_bf16, multiply_quantized, multiply_streaming,
-    multiply_tile, to_bf16_lane_order, with_bf16_lane_order,
+    OutPtr, bf16_in_place, gemm_min_rows, multiply_bf16, multiply_integer, multiply_quantized,
+    multiply_streaming, multiply_tile, panels, to_bf16_lane_order, with_bf16_lane_order,
 };
 use super::quant_dot::{self, ActBlocks, QA, QuantizedRows};
 use super::{WeightRows, with_reused, with_scratch};
@@ -315,8 +315,8 @@ pub(crate) fn grouped_gate_up(
                     } else if let Some(acts) = acts {
                         let xq = acts.rows_from(r0);
                         let (gw, uw) = (gate.rows[e], up.rows[e]);
-                        multiply_quantized(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
-                        multiply_quantized(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
+                        multiply_integer(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
+                        multiply_integer(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
                     } else if streaming {
                         multiply_streaming(
                             xs,
@@ -353,11 +353,11 @@ pub(crate) fn grouped_gate_up(
             );
         });
     };
-    if !all_streaming(offsets, gate) || !integer_products(&[gate, up]) {
+    if !integer_throughout(offsets, &[gate, up]) {
         return run_items(None);
     }
-    // Every expert streams its rows: quantize the pairs' rows once (gathered in sorted
-    // order), not once for each item's gate and up.
+    // Every expert's products are integer ones: quantize the pairs' rows once (gathered in
+    // sorted order), not once for each item's gate and up.
     let run = |gathered: &mut Vec<f32>| {
         gathered.clear();
         for &p in &sorted[..pairs] {
@@ -396,7 +396,7 @@ pub(crate) fn grouped_down(
             if let Some(acts) = acts {
                 with_scratch(inter, |row| {
                     let aq = acts.rows_from(r0);
-                    multiply_quantized(
+                    multiply_integer(
                         aq,
                         rows,
                         inter,
@@ -434,7 +434,7 @@ pub(crate) fn grouped_down(
         });
     };
     // The act rows quantized, or put in bf16 lane order, once, not for each item.
-    if all_streaming(offsets, down) && integer_products(&[down]) {
+    if integer_throughout(offsets, &[down]) {
         with_expert_acts(act, (pairs, inter), &[down], |acts| run_items(acts, None))
     } else if down.rows.iter().all(|&w| bf16_in_place(w).is_some()) {
         with_bf16_lane_order(act, pairs, inter, |ap| run_items(None, Some(ap)))
@@ -443,13 +443,17 @@ pub(crate) fn grouped_down(
     }
 }
 
-/// Whether every expert with pairs has fewer rows than its weights' panels take
-/// ([`gemm_min_rows`]), so that all stream their rows through dot products.
-fn all_streaming(offsets: &[u32], proj: &ExpertProj<'_>) -> bool {
-    offsets.windows(2).zip(&proj.rows).all(|(o, &w)| {
-        let rows = (o[1] - o[0]) as usize;
-        rows < gemm_min_rows(w)
-    })
+/// Whether every expert with pairs multiplies `projs` by integer products: their weights have
+/// them ([`quant_dot::supports`]), and each expert has fewer rows than its weights' panels take
+/// ([`gemm_min_rows`]) or integer panels ([`panels`]). Their rows are then quantized once.
+fn integer_throughout(offsets: &[u32], projs: &[&ExpertProj<'_>]) -> bool {
+    integer_products(projs)
+        && projs.iter().all(|proj| {
+            offsets.windows(2).zip(&proj.rows).all(|(o, &w)| {
+                let rows = (o[1] - o[0]) as usize;
+                rows < gemm_min_rows(w) || panels(w)
+            })
+        })
 }
 
 /// Back to token order: `out[t] = Σ_j y[positions[t * k + j]]`, summed in slot order.

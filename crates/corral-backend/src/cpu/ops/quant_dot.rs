@@ -30,7 +30,7 @@ pub(crate) const QK: usize = 256;
 
 /// Where sub-block `j` of a super-block sits in [`SuperBlocks::q`]: a 64-byte load of Q4_K
 /// nibbles holds sub-blocks 4h, 4h + 2 in its low nibbles and 4h + 1, 4h + 3 in its high ones.
-const SUB_BLOCK_SLOT: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
+pub(super) const SUB_BLOCK_SLOT: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
 
 /// Activations quantized with one scale `d[s]` per [`QK`] values (llama.cpp's Q8_K): the
 /// sub-blocks' scales of a K-quant weight then apply to integer sums, and only the
@@ -53,10 +53,20 @@ pub(crate) struct ActRow<'a> {
     d: &'a [f32],
     sums: &'a [i32],
     /// Per super-block, or empty where not asked for.
-    sq: &'a [i8],
-    sd: &'a [f32],
-    ss: &'a [i16],
-    sh: &'a [i16],
+    pub(super) sq: &'a [i8],
+    pub(super) sd: &'a [f32],
+    pub(super) ss: &'a [i16],
+    pub(super) sh: &'a [i16],
+}
+
+impl ActRow<'_> {
+    /// Whether this row holds `supers` super-blocks' activations.
+    pub(super) fn holds_super_blocks(&self, supers: usize) -> bool {
+        self.sq.len() >= supers * QK
+            && self.sd.len() >= supers
+            && self.ss.len() >= supers * 8
+            && self.sh.len() >= supers * 16
+    }
 }
 
 pub(crate) use crate::quant::per_super_block;
@@ -186,9 +196,24 @@ pub(crate) struct ActRows<'a> {
 
 impl ActRows<'_> {
     /// Row `r` of these.
-    #[inline]
-    fn row(&self, r: usize) -> ActRow<'_> {
+    #[inline(always)]
+    pub(super) fn row(&self, r: usize) -> ActRow<'_> {
         self.rows.row(self.first + r)
+    }
+}
+
+impl<'a> ActRows<'a> {
+    /// All rows from the first on, quantized per super-block: their values, scales, sums per
+    /// 32 values and per 16 (each row's after the last's).
+    pub(super) fn super_blocks(&self) -> (&'a [i8], &'a [f32], &'a [i16], &'a [i16]) {
+        let (supers, k) = (&self.rows.supers, self.rows.k);
+        let (from, per_qk, per_qa) = (self.first * k, self.first * k / QK, self.first * k / QA);
+        (
+            supers.q.get(from..).unwrap_or_default(),
+            supers.d.get(per_qk..).unwrap_or_default(),
+            supers.sums.get(per_qa..).unwrap_or_default(),
+            supers.halves.get(2 * per_qa..).unwrap_or_default(),
+        )
     }
 }
 
@@ -388,7 +413,7 @@ fn each_row(
 /// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block (its 12 bytes of them), as the
 /// bytes of two little-endian words: [`k_scale_min`] for all eight at once, by bytes in words.
 #[inline(always)]
-fn k_scales_mins(packed: &[u8]) -> (u64, u64) {
+pub(super) fn k_scales_mins(packed: &[u8]) -> (u64, u64) {
     let word =
         |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
     let (a, b, c) = (word(0), word(4), word(8));
@@ -1121,10 +1146,7 @@ fn weight_blocks<const R: usize>(w: &[&[u8]; R], bytes: usize) -> usize {
 fn super_block_rows<const R: usize>(format: QuantFormat, w: &[&[u8]; R], a: ActRow<'_>) -> usize {
     let blocks = weight_blocks(w, format.block().1);
     assert!(
-        a.sq.len() >= blocks * QK
-            && a.sd.len() >= blocks
-            && a.ss.len() >= blocks * 8
-            && a.sh.len() >= blocks * 16,
+        a.holds_super_blocks(blocks),
         "{format:?} products need activations per super-block"
     );
     blocks

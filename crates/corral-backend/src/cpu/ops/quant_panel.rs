@@ -1,0 +1,528 @@
+//! Products of K-quant weights (Q4_K, Q6_K) with many activation rows by integer tiles.
+//! Sixteen weight rows at a time are decoded into a panel whose bytes interleave the rows four
+//! values apiece, so that one `vpdpbusd` multiplies four values of sixteen rows by the same
+//! four activation values (broadcast) and each i32 lane holds one output's sum: no
+//! horizontal sums, and four times the products of an f32 multiply-add an instruction. The
+//! sub-blocks' integer scales apply per lane to their integer sums; each super-block ends in
+//! one float multiply-add per activation row. The panel is decoded once per work item and
+//! read by all its activation rows (llama.cpp repacks its weights at load for the same
+//! reason).
+
+use super::matmul::OutPtr;
+use super::quant_dot::{ActRows, QA, QK, SUB_BLOCK_SLOT};
+use super::with_reused;
+use crate::QuantFormat;
+use crate::quant::half_at;
+
+/// Weight rows per panel: the i32 lanes of a 512-bit register.
+const LANES: usize = 16;
+/// Activation rows per call of the kernel.
+const ROWS: usize = 4;
+/// Bytes of one super-block's values in a panel: a byte per value and lane.
+const SUPER_BYTES: usize = QK * LANES;
+
+/// Whether products with `format` weights run as integer panels on this CPU (AVX-512 VNNI).
+pub(crate) fn available(format: QuantFormat) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
+        && super::quant_dot::best_isa() == super::quant_dot::Isa::Vnni;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Values per sub-block of `format`: the span of one integer scale.
+const fn sub_block(format: QuantFormat) -> usize {
+    match format {
+        QuantFormat::Q6K => 16,
+        _ => 32,
+    }
+}
+
+/// Up to sixteen weight rows of a K-quant format, decoded for integer tiles (rows past the
+/// last are zero).
+#[derive(Debug, Default)]
+struct Panel {
+    /// Per super-block, per step of four values: the sixteen rows' four values, unsigned.
+    values: Vec<u8>,
+    /// Per super-block, per sub-block: the sixteen rows' integer scales.
+    scales: Vec<i32>,
+    /// Per super-block, per pair of sub-blocks: the sixteen rows' two integer offsets, whose
+    /// products with the activations' sub-block sums the result loses.
+    offsets: Vec<i16>,
+    /// Per super-block: the sixteen rows' float scales of the integer sums, and of the offsets.
+    d: Vec<f32>,
+    dm: Vec<f32>,
+}
+
+impl Panel {
+    /// Decodes `rows` (at most [`LANES`]) rows of `format`, `supers` super-blocks each, packed
+    /// in `w`: the scales here, the values by `values` (into each super-block's
+    /// [`SUPER_BYTES`]).
+    fn decode(
+        &mut self,
+        format: QuantFormat,
+        w: &[u8],
+        rows: usize,
+        supers: usize,
+        values: impl Fn(&[u8], usize, &mut [u8]),
+    ) {
+        let bytes = format.block().1;
+        let subs = QK / sub_block(format);
+        self.values.resize(supers * SUPER_BYTES, 0);
+        self.scales.resize(supers * subs * LANES, 0);
+        self.offsets.resize(supers * subs * LANES, 0);
+        self.d.resize(supers * LANES, 0.0);
+        self.dm.resize(supers * LANES, 0.0);
+        for n in 0..supers {
+            let scales = &mut self.scales[n * subs * LANES..][..subs * LANES];
+            let offsets = &mut self.offsets[n * subs * LANES..][..subs * LANES];
+            for c in 0..LANES {
+                let (mut d, mut dm) = (0.0, 0.0);
+                if c < rows {
+                    let blk = &w[(c * supers + n) * bytes..][..bytes];
+                    (d, dm) = scales_of(format, blk, |j, scale, offset| {
+                        scales[j * LANES + c] = scale;
+                        // Pairs of sub-blocks: lane c holds the offsets of 2q and 2q + 1.
+                        offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = offset;
+                    });
+                } else {
+                    for j in 0..subs {
+                        scales[j * LANES + c] = 0;
+                        offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = 0;
+                    }
+                }
+                self.d[n * LANES + c] = d;
+                self.dm[n * LANES + c] = dm;
+            }
+            values(w, n, &mut self.values[n * SUPER_BYTES..][..SUPER_BYTES]);
+        }
+    }
+}
+
+/// The integer scale and offset of each sub-block `j` of the super-block `b`, handed to
+/// `each(j, scale, offset)`; returns the float scales of the scales' and the offsets' terms.
+/// Q4_K: value d·scale·q - dmin·min, the offset its min. Q6_K: value d·scale·(q - 32), the
+/// scale the signed byte of each 16 values, the offset 32·scale.
+fn scales_of(format: QuantFormat, b: &[u8], mut each: impl FnMut(usize, i32, i16)) -> (f32, f32) {
+    match format {
+        QuantFormat::Q4K => {
+            let (sc, mn) = super::quant_dot::k_scales_mins(&b[4..16]);
+            for j in 0..8 {
+                each(
+                    j,
+                    i32::from((sc >> (8 * j)) as u8),
+                    i16::from((mn >> (8 * j)) as u8),
+                );
+            }
+            (half_at(b, 0), half_at(b, 2))
+        }
+        _ => {
+            for j in 0..16 {
+                let sc = i32::from(b[192 + j] as i8);
+                each(j, sc, (32 * sc) as i16);
+            }
+            let d = half_at(b, 208);
+            (d, d)
+        }
+    }
+}
+
+/// Activation rows quantized per super-block (row `r`'s at `r` times its share of each).
+#[derive(Clone, Copy)]
+struct SuperActs<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    /// The sums of each sub-block of the weights' format.
+    sums: &'a [i16],
+    supers: usize,
+}
+
+thread_local! {
+    static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::default();
+}
+
+/// `out[r * ld + j] = w_j · acts row r` for `r < m`, `j < n`: `w` packs `n` rows of `format`
+/// ([`available`]), each as many values as the activation rows, which are quantized per
+/// super-block.
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+pub(crate) fn multiply(
+    format: QuantFormat,
+    w: &[u8],
+    n: usize,
+    acts: ActRows<'_>,
+    m: usize,
+    out: OutPtr,
+    ld: usize,
+) {
+    assert!(
+        available(format),
+        "integer panels of {format:?} on this CPU"
+    );
+    let row_bytes = w.len() / n.max(1);
+    let bytes = format.block().1;
+    let supers = row_bytes / bytes;
+    assert!(
+        w.len() == n * supers * bytes,
+        "integer panels over mismatched rows"
+    );
+    let (q, d, sums, halves) = acts.super_blocks();
+    let subs = QK / sub_block(format);
+    let acts = SuperActs {
+        q,
+        d,
+        sums: if subs == 8 { sums } else { halves },
+        supers,
+    };
+    assert!(
+        acts.q.len() >= m * supers * QK
+            && acts.d.len() >= m * supers
+            && acts.sums.len() >= m * supers * subs,
+        "integer panels need {m} rows of activations per super-block"
+    );
+    with_reused(&PANEL, |panel| {
+        for j0 in (0..n).step_by(LANES) {
+            let lanes = LANES.min(n - j0);
+            let w = &w[j0 * row_bytes..][..lanes * row_bytes];
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX-512 VNNI (available); the caller vouches for `out`'s
+            // rows and columns `j0..j0 + lanes`.
+            #[allow(unsafe_code)]
+            unsafe {
+                panel.decode(format, w, lanes, supers, |w, n, into| {
+                    vnni::values(format, w, (lanes, supers), n, into)
+                });
+                vnni::rows(format, panel, acts, m, out.offset(j0), ld, lanes);
+            }
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    /// All `m` activation rows against one panel, [`ROWS`] at a time.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rows(
+        format: QuantFormat,
+        panel: &Panel,
+        acts: SuperActs<'_>,
+        m: usize,
+        out: OutPtr,
+        ld: usize,
+        lanes: usize,
+    ) {
+        let mask: __mmask16 = if lanes == LANES { !0 } else { (1 << lanes) - 1 };
+        let mut r0 = 0;
+        while r0 < m {
+            let left = m - r0;
+            let store = |sums: &[__m512]| {
+                for (i, &v) in sums.iter().enumerate() {
+                    // SAFETY: row r0 + i, columns 0..lanes of the caller's window (see
+                    // `multiply`).
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        _mm512_mask_storeu_ps(out.offset((r0 + i) * ld).as_ptr(), mask, v)
+                    }
+                }
+            };
+            match (format, left) {
+                (QuantFormat::Q6K, 1) => store(&kernel::<1, 16>(panel, acts, r0)),
+                (QuantFormat::Q6K, 2) => store(&kernel::<2, 16>(panel, acts, r0)),
+                (QuantFormat::Q6K, 3) => store(&kernel::<3, 16>(panel, acts, r0)),
+                (QuantFormat::Q6K, _) => store(&kernel::<ROWS, 16>(panel, acts, r0)),
+                (_, 1) => store(&kernel::<1, 32>(panel, acts, r0)),
+                (_, 2) => store(&kernel::<2, 32>(panel, acts, r0)),
+                (_, 3) => store(&kernel::<3, 32>(panel, acts, r0)),
+                (_, _) => store(&kernel::<ROWS, 32>(panel, acts, r0)),
+            }
+            r0 += ROWS.min(left);
+        }
+    }
+
+    /// Super-block `n` of each of the `rows` rows of `format` in `w` (`supers` super-blocks
+    /// a row) into `into`: step `t` of four values is 64 bytes, row `c`'s at `4 c` (rows past
+    /// `rows` zero). The packed bytes are transposed as dwords, which keeps each dword's four
+    /// values together, then unpacked.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+    pub(super) fn values(
+        format: QuantFormat,
+        w: &[u8],
+        (rows, supers): (usize, usize),
+        n: usize,
+        into: &mut [u8],
+    ) {
+        let bytes = format.block().1;
+        assert!(into.len() >= SUPER_BYTES && w.len() >= rows * supers * bytes);
+        // Dword u of the 64 bytes at `at` of each row's block, lane c row c.
+        let columns = |at: usize| {
+            transpose(std::array::from_fn(|c| {
+                if c < rows {
+                    load(w, (c * supers + n) * bytes + at)
+                } else {
+                    _mm512_setzero_si512()
+                }
+            }))
+        };
+        let mut store = |t: usize, v: __m512i| {
+            let to = &mut into[64 * t..64 * t + 64];
+            // SAFETY: 64 bytes in bounds; unaligned store.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm512_storeu_si512(to.as_mut_ptr().cast(), v)
+            }
+        };
+        let m4 = _mm512_set1_epi8(0x0f);
+        let low = |v| _mm512_and_si512(v, m4);
+        let high = |v| _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+        if format == QuantFormat::Q4K {
+            // 64 values a pair p of sub-blocks: the low nibbles of its 32 bytes, then their
+            // high ones; a load of 64 bytes holds pairs 2h and 2h + 1.
+            for h in 0..2 {
+                let d = columns(16 + 64 * h);
+                for (u, &v) in d.iter().enumerate() {
+                    let (p, t) = (2 * h + u / 8, u % 8);
+                    store(16 * p + t, low(v));
+                    store(16 * p + 8 + t, high(v));
+                }
+            }
+            return;
+        }
+        // Q6_K: each 128 values h take 64 bytes of low nibbles `ql` and 32 of two-bit highs
+        // `qh`; the values at l, l + 32, l + 64, l + 96 (l < 32) are nibbles of ql[l],
+        // ql[l + 32], ql[l], ql[l + 32] with bits 0-1, 2-3, 4-5, 6-7 of qh[l].
+        let qh = columns(128);
+        let m3 = _mm512_set1_epi8(0x30);
+        for h in 0..2 {
+            let ql = columns(64 * h);
+            for t in 0..8 {
+                let (a, b, hi) = (ql[t], ql[8 + t], qh[8 * h + t]);
+                let first = 32 * h + t;
+                store(
+                    first,
+                    _mm512_or_si512(low(a), _mm512_and_si512(_mm512_slli_epi16::<4>(hi), m3)),
+                );
+                store(
+                    first + 8,
+                    _mm512_or_si512(low(b), _mm512_and_si512(_mm512_slli_epi16::<2>(hi), m3)),
+                );
+                store(
+                    first + 16,
+                    _mm512_or_si512(high(a), _mm512_and_si512(hi, m3)),
+                );
+                store(
+                    first + 24,
+                    _mm512_or_si512(high(b), _mm512_and_si512(_mm512_srli_epi16::<2>(hi), m3)),
+                );
+            }
+        }
+    }
+
+    /// The sixteen vectors of sixteen dwords transposed: lane c of vector u is lane u of
+    /// vector c.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn transpose(r: [__m512i; 16]) -> [__m512i; 16] {
+        // Within each 128-bit lane L, a 4 × 4 transpose of the dwords of rows 4i..4i + 4:
+        // u[4 i + s] lane L holds dword 4 L + s of those rows.
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        // Then the 128-bit lanes: out[4 L + s] lane i is u[4 i + s] lane L.
+        let mut out = [_mm512_setzero_si512(); 16];
+        for s in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(u[s], u[4 + s]);
+            let v1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(u[s], u[4 + s]);
+            let v2 = _mm512_shuffle_i32x4::<0b01_00_01_00>(u[8 + s], u[12 + s]);
+            let v3 = _mm512_shuffle_i32x4::<0b11_10_11_10>(u[8 + s], u[12 + s]);
+            out[s] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v0, v2);
+            out[4 + s] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v0, v2);
+            out[8 + s] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v1, v3);
+            out[12 + s] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v1, v3);
+        }
+        out
+    }
+
+    /// 64 bytes at `at` of `p`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn load<T: bytemuck::Pod>(p: &[T], at: usize) -> __m512i {
+        let bytes: &[u8] = bytemuck::cast_slice(&p[at..]);
+        assert!(bytes.len() >= 64);
+        // SAFETY: 64 bytes are in bounds (checked above); unaligned load.
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm512_loadu_si512(bytes.as_ptr().cast())
+        }
+    }
+
+    /// The sixteen lanes' products with activation rows `r0..r0 + R`; `SUB` values per
+    /// sub-block.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+    #[inline]
+    fn kernel<const R: usize, const SUB: usize>(
+        panel: &Panel,
+        acts: SuperActs<'_>,
+        r0: usize,
+    ) -> [__m512; R] {
+        let (supers, subs) = (acts.supers, QK / SUB);
+        assert!(
+            acts.q.len() >= (r0 + R) * supers * QK
+                && acts.d.len() >= (r0 + R) * supers
+                && acts.sums.len() >= (r0 + R) * supers * subs
+                && panel.values.len() >= supers * SUPER_BYTES
+                && panel.scales.len() >= supers * subs * LANES
+                && panel.offsets.len() >= supers * subs * LANES
+                && panel.d.len() >= supers * LANES
+                && panel.dm.len() >= supers * LANES,
+            "a panel kernel past its operands"
+        );
+        // Four bytes (or two i16) at element `at` of `p`, broadcast; the reads below are in
+        // bounds by the assertion above.
+        let broadcast = |p: *const u8, at: usize| {
+            // SAFETY: in bounds (see above); unaligned read.
+            #[allow(unsafe_code)]
+            let v = unsafe { p.add(at).cast::<i32>().read_unaligned() };
+            _mm512_set1_epi32(v)
+        };
+        let at = |p: *const u8, bytes: usize| {
+            // SAFETY: in bounds (see above); unaligned load.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm512_loadu_si512(p.add(bytes).cast())
+            }
+        };
+        let row_q: [*const u8; R] =
+            std::array::from_fn(|r| acts.q[(r0 + r) * supers * QK..].as_ptr().cast());
+        let row_sums: [*const u8; R] =
+            std::array::from_fn(|r| acts.sums[(r0 + r) * supers * subs..].as_ptr().cast());
+        let values: *const u8 = panel.values.as_ptr();
+        let scales: *const u8 = panel.scales.as_ptr().cast();
+        let offsets: *const u8 = panel.offsets.as_ptr().cast();
+        let mut f = [_mm512_setzero_ps(); R];
+        for n in 0..supers {
+            let mut isc = [_mm512_setzero_si512(); R];
+            for j in 0..subs {
+                // Where this sub-block's activations start in each row.
+                let first = j * SUB;
+                let x_at = QK * n + QA * SUB_BLOCK_SLOT[first / QA] + first % QA;
+                let mut iacc = [_mm512_setzero_si512(); R];
+                for t in 0..SUB / 4 {
+                    let w = at(values, n * SUPER_BYTES + 64 * (first / 4 + t));
+                    for r in 0..R {
+                        let x = broadcast(row_q[r], x_at + 4 * t);
+                        iacc[r] = _mm512_dpbusd_epi32(iacc[r], w, x);
+                    }
+                }
+                let sc = at(scales, 4 * (n * subs + j) * LANES);
+                for r in 0..R {
+                    isc[r] = _mm512_add_epi32(isc[r], _mm512_mullo_epi32(iacc[r], sc));
+                }
+            }
+            let mut oacc = [_mm512_setzero_si512(); R];
+            for q in 0..subs / 2 {
+                let o = at(offsets, 2 * (n * subs / 2 + q) * 2 * LANES);
+                for r in 0..R {
+                    let s = broadcast(row_sums[r], 2 * (n * subs + 2 * q));
+                    oacc[r] = _mm512_dpwssd_epi32(oacc[r], o, s);
+                }
+            }
+            let d = _mm512_castsi512_ps(load(&panel.d, n * LANES));
+            let dm = _mm512_castsi512_ps(load(&panel.dm, n * LANES));
+            for r in 0..R {
+                let dx = _mm512_set1_ps(acts.d[(r0 + r) * supers + n]);
+                if SUB == 16 {
+                    // Q6_K: the offsets share the sums' scale, so they are subtracted
+                    // exactly, before the sums (up to 2^28) lose bits to f32.
+                    let exact = _mm512_sub_epi32(isc[r], oacc[r]);
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, dx), f[r]);
+                } else {
+                    let (sums, offs) = (_mm512_cvtepi32_ps(isc[r]), _mm512_cvtepi32_ps(oacc[r]));
+                    f[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, dx), f[r]);
+                    f[r] = _mm512_fnmadd_ps(offs, _mm512_mul_ps(dm, dx), f[r]);
+                }
+            }
+        }
+        f
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
+    use crate::cpu::ops::quant_dot::{ActBlocks, Isa, QuantizedRows, dot_rows};
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        /// Panels give the scalar definition's products a row at a time (up to float summation
+        /// order), at any count of weight rows (whole panels of sixteen and a partial one) and
+        /// of activation rows (whole kernels of four and the rest, from a row past the first),
+        /// into a window of a wider output whose other elements stay as they were.
+        #[test]
+        fn panels_equal_the_scalar_products(
+            supers in 1usize..4,
+            n in 1usize..40,
+            m in 1usize..11,
+            skip in 0usize..3,
+            seed in any::<u64>(),
+        ) {
+            let mut next = xorshift(seed);
+            let k = QK * supers;
+            let x: Vec<f32> = (0..(skip + m) * k)
+                .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                .collect();
+            let mut acts = QuantizedRows::default();
+            acts.quantize(&x, skip + m, k, ActBlocks::BOTH);
+            for format in [QuantFormat::Q4K, QuantFormat::Q6K] {
+                if !available(format) {
+                    continue;
+                }
+                let w = random_blocks(format, n * supers, &mut next);
+                let mut decoded = vec![0.0f32; n * k];
+                crate::quant::dequantize(format, &w, &mut decoded);
+                let mut want = vec![f32::NAN; m * n];
+                dot_rows(Isa::Scalar, format, &w, n, acts.rows_from(skip), m, &mut want);
+                let ld = n + 3;
+                let mut got = vec![7.0f32; m * ld];
+                multiply(format, &w, n, acts.rows_from(skip), m, OutPtr::new(&mut got), ld);
+                for r in 0..m {
+                    for j in 0..ld {
+                        let g = got[r * ld + j];
+                        if j >= n {
+                            prop_assert_eq!(g, 7.0, "{:?}: row {} column {} past the window", format, r, j);
+                            continue;
+                        }
+                        let w = want[r * n + j];
+                        // Sums of products of both signs: float rounding scales with the
+                        // products' magnitudes, not the sum's.
+                        let xr = &x[(skip + r) * k..(skip + r + 1) * k];
+                        let magnitude: f32 =
+                            decoded[j * k..(j + 1) * k].iter().zip(xr).map(|(a, b)| (a * b).abs()).sum();
+                        prop_assert!(
+                            (g - w).abs() <= 1e-5 * magnitude + 1e-6,
+                            "{:?}, {} rows of {}: row {} column {}: {} against {} (magnitude {})",
+                            format, m, k, r, j, g, w, magnitude
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
