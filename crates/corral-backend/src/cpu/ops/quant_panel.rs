@@ -12,7 +12,6 @@ use super::matmul::OutPtr;
 use super::quant_dot::{ActRows, QA, QK, SUB_BLOCK_SLOT};
 use super::with_reused;
 use crate::QuantFormat;
-use crate::quant::half_at;
 
 /// Weight rows per panel: the i32 lanes of a 512-bit register.
 const LANES: usize = 16;
@@ -56,75 +55,43 @@ struct Panel {
 
 impl Panel {
     /// Decodes `rows` (at most [`LANES`]) rows of `format`, `supers` super-blocks each, packed
-    /// in `w`: the scales here, the values by `values` (into each super-block's
-    /// [`SUPER_BYTES`]).
+    /// in `w`, a super-block at a time by `super_block`.
     fn decode(
         &mut self,
         format: QuantFormat,
-        w: &[u8],
         rows: usize,
         supers: usize,
-        values: impl Fn(&[u8], usize, &mut [u8]),
+        super_block: impl Fn(usize, SuperBlockOut<'_>),
     ) {
-        let bytes = format.block().1;
         let subs = QK / sub_block(format);
         self.values.resize(supers * SUPER_BYTES, 0);
         self.scales.resize(supers * subs * LANES, 0);
         self.offsets.resize(supers * subs * LANES, 0);
         self.d.resize(supers * LANES, 0.0);
         self.dm.resize(supers * LANES, 0.0);
+        debug_assert!(rows <= LANES);
         for n in 0..supers {
-            let scales = &mut self.scales[n * subs * LANES..][..subs * LANES];
-            let offsets = &mut self.offsets[n * subs * LANES..][..subs * LANES];
-            for c in 0..LANES {
-                let (mut d, mut dm) = (0.0, 0.0);
-                if c < rows {
-                    let blk = &w[(c * supers + n) * bytes..][..bytes];
-                    (d, dm) = scales_of(format, blk, |j, scale, offset| {
-                        scales[j * LANES + c] = scale;
-                        // Pairs of sub-blocks: lane c holds the offsets of 2q and 2q + 1.
-                        offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = offset;
-                    });
-                } else {
-                    for j in 0..subs {
-                        scales[j * LANES + c] = 0;
-                        offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = 0;
-                    }
-                }
-                self.d[n * LANES + c] = d;
-                self.dm[n * LANES + c] = dm;
-            }
-            values(w, n, &mut self.values[n * SUPER_BYTES..][..SUPER_BYTES]);
+            super_block(
+                n,
+                SuperBlockOut {
+                    values: &mut self.values[n * SUPER_BYTES..][..SUPER_BYTES],
+                    scales: &mut self.scales[n * subs * LANES..][..subs * LANES],
+                    offsets: &mut self.offsets[n * subs * LANES..][..subs * LANES],
+                    d: &mut self.d[n * LANES..][..LANES],
+                    dm: &mut self.dm[n * LANES..][..LANES],
+                },
+            );
         }
     }
 }
 
-/// The integer scale and offset of each sub-block `j` of the super-block `b`, handed to
-/// `each(j, scale, offset)`; returns the float scales of the scales' and the offsets' terms.
-/// Q4_K: value d·scale·q - dmin·min, the offset its min. Q6_K: value d·scale·(q - 32), the
-/// scale the signed byte of each 16 values, the offset 32·scale.
-fn scales_of(format: QuantFormat, b: &[u8], mut each: impl FnMut(usize, i32, i16)) -> (f32, f32) {
-    match format {
-        QuantFormat::Q4K => {
-            let (sc, mn) = super::quant_dot::k_scales_mins(&b[4..16]);
-            for j in 0..8 {
-                each(
-                    j,
-                    i32::from((sc >> (8 * j)) as u8),
-                    i16::from((mn >> (8 * j)) as u8),
-                );
-            }
-            (half_at(b, 0), half_at(b, 2))
-        }
-        _ => {
-            for j in 0..16 {
-                let sc = i32::from(b[192 + j] as i8);
-                each(j, sc, (32 * sc) as i16);
-            }
-            let d = half_at(b, 208);
-            (d, d)
-        }
-    }
+/// Where one super-block of a [`Panel`] goes.
+struct SuperBlockOut<'a> {
+    values: &'a mut [u8],
+    scales: &'a mut [i32],
+    offsets: &'a mut [i16],
+    d: &'a mut [f32],
+    dm: &'a mut [f32],
 }
 
 /// Activation rows quantized per super-block (row `r`'s at `r` times its share of each).
@@ -184,14 +151,28 @@ pub(crate) fn multiply(
     with_reused(&PANEL, |panel| {
         for j0 in (0..n).step_by(LANES) {
             let lanes = LANES.min(n - j0);
+            // The next panel's rows, asked for while this one is decoded and multiplied: a
+            // panel reads sixteen short streams at once, which the hardware prefetcher does not
+            // follow.
+            #[cfg(target_arch = "x86_64")]
+            for at in
+                (((j0 + LANES) * row_bytes)..((j0 + 2 * LANES).min(n) * row_bytes)).step_by(64)
+            {
+                // SAFETY: a prefetch is a hint: it reads nothing and never faults.
+                #[allow(unsafe_code)]
+                unsafe {
+                    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                    _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(at).cast())
+                };
+            }
             let w = &w[j0 * row_bytes..][..lanes * row_bytes];
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the CPU has AVX-512 VNNI (available); the caller vouches for `out`'s
             // rows and columns `j0..j0 + lanes`.
             #[allow(unsafe_code)]
             unsafe {
-                panel.decode(format, w, lanes, supers, |w, n, into| {
-                    vnni::values(format, w, (lanes, supers), n, into)
+                panel.decode(format, lanes, supers, |n, into| {
+                    vnni::super_block(format, w, (lanes, supers), n, into)
                 });
                 vnni::rows(format, panel, acts, m, out.offset(j0), ld, lanes);
             }
@@ -245,81 +226,182 @@ mod vnni {
         }
     }
 
+    /// Dword `u` of the 64 bytes at `at` of super-block `n` of each of the `rows` rows of
+    /// `w` (`supers` super-blocks of `bytes` a row), in lane `c` for row `c` (zero past
+    /// `rows`).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn columns(
+        w: &[u8],
+        (rows, supers, bytes): (usize, usize, usize),
+        n: usize,
+        at: usize,
+    ) -> [__m512i; 16] {
+        let mut r = [_mm512_setzero_si512(); 16];
+        for (c, r) in r.iter_mut().enumerate().take(rows) {
+            *r = load(w, (c * supers + n) * bytes + at);
+        }
+        transpose(r)
+    }
+
+    /// 64 bytes into `to`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn store<T: bytemuck::Pod>(to: &mut [T], v: __m512i) {
+        let to: &mut [u8] = bytemuck::cast_slice_mut(to);
+        assert!(to.len() >= 64);
+        // SAFETY: 64 bytes in bounds (checked above); unaligned store.
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm512_storeu_si512(to.as_mut_ptr().cast(), v)
+        }
+    }
+
+    /// Lane-wise i16 pairs: `lo` in the low half of each i32 lane, `hi` in the high one.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn pairs(lo: __m512i, hi: __m512i) -> __m512i {
+        _mm512_or_si512(
+            _mm512_and_si512(lo, _mm512_set1_epi32(0xffff)),
+            _mm512_slli_epi32::<16>(hi),
+        )
+    }
+
+    /// The sixteen f16 in the low (`HIGH` false) or high halves of `v`'s lanes, as f32.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn halves<const HIGH: bool>(v: __m512i) -> __m512 {
+        let v = if HIGH { _mm512_srli_epi32::<16>(v) } else { v };
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
+    }
+
     /// Super-block `n` of each of the `rows` rows of `format` in `w` (`supers` super-blocks
-    /// a row) into `into`: step `t` of four values is 64 bytes, row `c`'s at `4 c` (rows past
-    /// `rows` zero). The packed bytes are transposed as dwords, which keeps each dword's four
-    /// values together, then unpacked.
+    /// a row) into `out` (rows past `rows` zero). Values: step `t` of four is 64 bytes, row
+    /// `c`'s at `4 c`; the packed bytes are transposed as dwords, which keeps each dword's
+    /// four values together, then unpacked. Scales likewise, a row a lane.
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
-    pub(super) fn values(
+    pub(super) fn super_block(
         format: QuantFormat,
         w: &[u8],
         (rows, supers): (usize, usize),
         n: usize,
-        into: &mut [u8],
+        out: SuperBlockOut<'_>,
     ) {
         let bytes = format.block().1;
-        assert!(into.len() >= SUPER_BYTES && w.len() >= rows * supers * bytes);
-        // Dword u of the 64 bytes at `at` of each row's block, lane c row c.
-        let columns = |at: usize| {
-            transpose(std::array::from_fn(|c| {
-                if c < rows {
-                    load(w, (c * supers + n) * bytes + at)
-                } else {
-                    _mm512_setzero_si512()
-                }
-            }))
-        };
-        let mut store = |t: usize, v: __m512i| {
-            let to = &mut into[64 * t..64 * t + 64];
-            // SAFETY: 64 bytes in bounds; unaligned store.
-            #[allow(unsafe_code)]
-            unsafe {
-                _mm512_storeu_si512(to.as_mut_ptr().cast(), v)
-            }
-        };
+        let shape = (rows, supers, bytes);
+        assert!(out.values.len() >= SUPER_BYTES && w.len() >= rows * supers * bytes);
+        let values = out.values;
         let m4 = _mm512_set1_epi8(0x0f);
         let low = |v| _mm512_and_si512(v, m4);
         let high = |v| _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+        let byte = |v, i: u32| {
+            _mm512_and_si512(
+                _mm512_srlv_epi32(v, _mm512_set1_epi32(8 * i as i32)),
+                _mm512_set1_epi32(0xff),
+            )
+        };
         if format == QuantFormat::Q4K {
+            // d and dmin, then the 12 bytes of 6-bit scales and mins (a, b, c): scales 0-3
+            // the low six bits of a's bytes, 4-7 c's low nibbles with a's top two bits above;
+            // mins alike from b, and c's high nibbles.
+            let head = columns(w, shape, n, 0);
+            let (a, b, c) = (head[1], head[2], head[3]);
+            let (low6, low4, top2) = (
+                _mm512_set1_epi8(0x3f),
+                _mm512_set1_epi8(0x0f),
+                _mm512_set1_epi8(0x03),
+            );
+            let top = |v| _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(v), top2));
+            let scales = [
+                _mm512_and_si512(a, low6),
+                _mm512_or_si512(_mm512_and_si512(c, low4), top(a)),
+            ];
+            let mins = [
+                _mm512_and_si512(b, low6),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(c), low4), top(b)),
+            ];
+            for j in 0..8 {
+                store(
+                    &mut out.scales[j * LANES..],
+                    byte(scales[j / 4], j as u32 % 4),
+                );
+            }
+            for q in 0..4 {
+                let (lo, hi) = (
+                    byte(mins[q / 2], 2 * (q as u32 % 2)),
+                    byte(mins[q / 2], 2 * (q as u32 % 2) + 1),
+                );
+                store(&mut out.offsets[q * 2 * LANES..], pairs(lo, hi));
+            }
+            store(out.d, _mm512_castps_si512(halves::<false>(head[0])));
+            store(out.dm, _mm512_castps_si512(halves::<true>(head[0])));
             // 64 values a pair p of sub-blocks: the low nibbles of its 32 bytes, then their
             // high ones; a load of 64 bytes holds pairs 2h and 2h + 1.
             for h in 0..2 {
-                let d = columns(16 + 64 * h);
+                let d = columns(w, shape, n, 16 + 64 * h);
                 for (u, &v) in d.iter().enumerate() {
                     let (p, t) = (2 * h + u / 8, u % 8);
-                    store(16 * p + t, low(v));
-                    store(16 * p + 8 + t, high(v));
+                    store(&mut values[64 * (16 * p + t)..], low(v));
+                    store(&mut values[64 * (16 * p + 8 + t)..], high(v));
                 }
             }
             return;
         }
-        // Q6_K: each 128 values h take 64 bytes of low nibbles `ql` and 32 of two-bit highs
-        // `qh`; the values at l, l + 32, l + 64, l + 96 (l < 32) are nibbles of ql[l],
-        // ql[l + 32], ql[l], ql[l + 32] with bits 0-1, 2-3, 4-5, 6-7 of qh[l].
-        let qh = columns(128);
+        // Q6_K: 128 bytes of low nibbles, 64 of two-bit highs, 16 signed scales, d. Each 128
+        // values h take 64 bytes of low nibbles `ql` and 32 of highs `qh`; the values at l,
+        // l + 32, l + 64, l + 96 (l < 32) are nibbles of ql[l], ql[l + 32], ql[l], ql[l + 32]
+        // with bits 0-1, 2-3, 4-5, 6-7 of qh[l]. The offset of each 16 is 32 · its scale.
+        let tail = columns(w, shape, n, 144);
+        let scale = |j: usize| {
+            let v = tail[12 + j / 4];
+            // Byte j % 4 of the dword, sign-extended.
+            let shifted = _mm512_sllv_epi32(v, _mm512_set1_epi32(24 - 8 * (j % 4) as i32));
+            _mm512_srai_epi32::<24>(shifted)
+        };
+        for q in 0..8 {
+            let (lo, hi) = (scale(2 * q), scale(2 * q + 1));
+            store(&mut out.scales[2 * q * LANES..], lo);
+            store(&mut out.scales[(2 * q + 1) * LANES..], hi);
+            let (lo, hi) = (_mm512_slli_epi32::<5>(lo), _mm512_slli_epi32::<5>(hi));
+            store(&mut out.offsets[q * 2 * LANES..], pairs(lo, hi));
+        }
+        let mut d = [0u16; LANES];
+        for (c, d) in d.iter_mut().enumerate().take(rows) {
+            let at = (c * supers + n) * bytes + 208;
+            *d = u16::from_le_bytes([w[at], w[at + 1]]);
+        }
+        let d = _mm512_cvtph_ps(load_half(&d));
+        store(out.d, _mm512_castps_si512(d));
+        store(out.dm, _mm512_castps_si512(d));
+        let qh = columns(w, shape, n, 128);
         let m3 = _mm512_set1_epi8(0x30);
         for h in 0..2 {
-            let ql = columns(64 * h);
+            let ql = columns(w, shape, n, 64 * h);
             for t in 0..8 {
                 let (a, b, hi) = (ql[t], ql[8 + t], qh[8 * h + t]);
                 let first = 32 * h + t;
-                store(
-                    first,
-                    _mm512_or_si512(low(a), _mm512_and_si512(_mm512_slli_epi16::<4>(hi), m3)),
-                );
-                store(
-                    first + 8,
-                    _mm512_or_si512(low(b), _mm512_and_si512(_mm512_slli_epi16::<2>(hi), m3)),
-                );
-                store(
-                    first + 16,
-                    _mm512_or_si512(high(a), _mm512_and_si512(hi, m3)),
-                );
-                store(
-                    first + 24,
-                    _mm512_or_si512(high(b), _mm512_and_si512(_mm512_srli_epi16::<2>(hi), m3)),
-                );
+                let bits = |v| _mm512_and_si512(v, m3);
+                let steps = [
+                    (first, low(a), bits(_mm512_slli_epi16::<4>(hi))),
+                    (first + 8, low(b), bits(_mm512_slli_epi16::<2>(hi))),
+                    (first + 16, high(a), bits(hi)),
+                    (first + 24, high(b), bits(_mm512_srli_epi16::<2>(hi))),
+                ];
+                for (step, nibbles, top) in steps {
+                    store(&mut values[64 * step..], _mm512_or_si512(nibbles, top));
+                }
             }
+        }
+    }
+
+    /// Sixteen u16.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn load_half(p: &[u16; LANES]) -> __m256i {
+        // SAFETY: 32 bytes; unaligned load.
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm256_loadu_si256(p.as_ptr().cast())
         }
     }
 
