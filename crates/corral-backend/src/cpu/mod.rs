@@ -403,8 +403,17 @@ impl Backend for CpuBackend {
         Ok(self.new_buffer(dtype, len, usage))
     }
 
+    /// The step runs on a thread of the pool, and every other thread of the pool runs
+    /// [`keep_busy`] until it ends.
     fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
-        rayon::scope(|_| step());
+        let done = std::sync::atomic::AtomicBool::new(false);
+        rayon::scope(|s| {
+            for _ in 1..rayon::current_num_threads() {
+                s.spawn(|_| keep_busy(&done));
+            }
+            step();
+            done.store(true, std::sync::atomic::Ordering::Release);
+        });
     }
 
     /// Every GGUF format; FP8 blocks are decoded at load (no CPU kernel reads them faster
@@ -1454,4 +1463,16 @@ fn copy_blocks(
         _ => return Err(bad(op, "buffers not the CPU's, or read-only".to_string())),
     }
     Ok(())
+}
+
+/// Until `done`, runs the pool's jobs as its other threads split them off rather than going
+/// to sleep between one op's parallel region and the next: a step's ops are tens of
+/// microseconds each, and a sleeping thread woken for each took a tenth of a decode step in
+/// the kernel's scheduler.
+fn keep_busy(done: &std::sync::atomic::AtomicBool) {
+    while !done.load(std::sync::atomic::Ordering::Acquire) {
+        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+            std::hint::spin_loop();
+        }
+    }
 }
