@@ -418,14 +418,42 @@ fn read_and_write_bytes_round_trip_and_reject_bad_ranges() {
     );
 }
 
+/// Synthetic experts of block formats (`e` experts, hidden `h`, intermediate `i`): gate and up
+/// in `up_format`, down in `down_format`, from seeds `seed`, `seed + 1`, `seed + 2`; with the
+/// weight buffers the matrices view.
+fn block_experts(
+    b: &CpuBackend,
+    (up_format, down_format): (corral_backend::QuantFormat, corral_backend::QuantFormat),
+    (e, h, i): (usize, usize, usize),
+    seed: u64,
+) -> (
+    corral_backend::ExpertWeights,
+    [std::sync::Arc<corral_backend::DeviceBuffer>; 3],
+) {
+    use corral_backend::{ExpertMatrices, ExpertWeights};
+    use std::sync::Arc;
+    let blocks =
+        |format, len, seed| Arc::new(b.weight_synthetic_blocks(format, len, seed, 0.05).unwrap());
+    let (gate, up, down) = (
+        blocks(up_format, e * i * h, seed),
+        blocks(up_format, e * i * h, seed + 1),
+        blocks(down_format, e * h * i, seed + 2),
+    );
+    let experts = ExpertWeights {
+        gate: ExpertMatrices::stacked(Arc::clone(&gate), e, i, 0, i, h).unwrap(),
+        up: ExpertMatrices::stacked(Arc::clone(&up), e, i, 0, i, h).unwrap(),
+        down: ExpertMatrices::stacked(Arc::clone(&down), e, h, 0, h, i).unwrap(),
+    };
+    (experts, [gate, up, down])
+}
+
 /// The per-token experts over block-format weights, which quantize each token's row and each
 /// pair's act row once for every expert reading it, equal bit for bit each (token, expert)
 /// pair's products by `matmul`, `silu_mul` and a weighted sum, which quantize their rows
 /// themselves.
 #[test]
 fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
-    use corral_backend::{ExpertMatrices, ExpertWeights, MoeRouting, QuantFormat};
-    use std::sync::Arc;
+    use corral_backend::{MoeRouting, QuantFormat};
     let b = CpuBackend::new();
     let (e, h, i, tokens, top_k) = (6, 256, 512, 3, 4);
     let formats = [
@@ -435,19 +463,8 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
     ];
     for (case, (up_format, down_format)) in formats.into_iter().enumerate() {
         let seed = 10 * case as u64;
-        let blocks = |format, len, seed| {
-            Arc::new(b.weight_synthetic_blocks(format, len, seed, 0.05).unwrap())
-        };
-        let (gate, up) = (
-            blocks(up_format, e * i * h, seed),
-            blocks(up_format, e * i * h, seed + 1),
-        );
-        let down = blocks(down_format, e * h * i, seed + 2);
-        let experts = ExpertWeights {
-            gate: ExpertMatrices::stacked(Arc::clone(&gate), e, i, 0, i, h).unwrap(),
-            up: ExpertMatrices::stacked(Arc::clone(&up), e, i, 0, i, h).unwrap(),
-            down: ExpertMatrices::stacked(Arc::clone(&down), e, h, 0, h, i).unwrap(),
-        };
+        let (experts, [gate, up, down]) =
+            block_experts(&b, (up_format, down_format), (e, h, i), seed);
         let x = values(tokens * h, seed + 3);
         let ids: Vec<u32> = (0..tokens * top_k)
             .map(|p| ((p * 5 + case) % e) as u32)
@@ -469,12 +486,13 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
             .unwrap();
         let got = download(&b, &out, tokens * h);
         let mut want = vec![0.0f32; tokens * h];
-        let product = |v: &[f32], w: &Arc<corral_backend::DeviceBuffer>, at: usize, rows, cols| {
-            let mut o = upload(&b, &vec![0.0; rows]);
-            let view = WeightView::stacked(w, at, rows, cols).unwrap();
-            b.matmul(&upload(&b, v), 1, view, &mut o).unwrap();
-            download(&b, &o, rows)
-        };
+        let product =
+            |v: &[f32], w: &std::sync::Arc<corral_backend::DeviceBuffer>, at: usize, rows, cols| {
+                let mut o = upload(&b, &vec![0.0; rows]);
+                let view = WeightView::stacked(w, at, rows, cols).unwrap();
+                b.matmul(&upload(&b, v), 1, view, &mut o).unwrap();
+                download(&b, &o, rows)
+            };
         for t in 0..tokens {
             for j in 0..top_k {
                 let (p, ex) = (t * top_k + j, ids[t * top_k + j] as usize);
@@ -513,15 +531,12 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
 /// it can move by a step.
 #[test]
 fn grouped_k_quant_experts_equal_the_per_token_experts() {
-    use corral_backend::{ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat};
-    use std::sync::Arc;
+    use corral_backend::{MoeRouting, MoeSorted, QuantFormat};
     let b = CpuBackend::new();
     // Expert 0 takes every token's first choice (40 rows: panels of 16, 16 and 8), the others
     // a few each.
     let (e, h, i, tokens, top_k) = (5, 512, 256, 40, 2);
-    let blocks =
-        |format, len, seed| Arc::new(b.weight_synthetic_blocks(format, len, seed, 0.05).unwrap());
-    for (case, (up_format, down_format)) in [
+    for (case, formats) in [
         (QuantFormat::Q4K, QuantFormat::Q6K),
         (QuantFormat::Q6K, QuantFormat::Q4K),
     ]
@@ -529,16 +544,7 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
     .enumerate()
     {
         let seed = 20 + 10 * case as u64;
-        let (gate, up, down) = (
-            blocks(up_format, e * i * h, seed),
-            blocks(up_format, e * i * h, seed + 1),
-            blocks(down_format, e * h * i, seed + 2),
-        );
-        let experts = ExpertWeights {
-            gate: ExpertMatrices::stacked(Arc::clone(&gate), e, i, 0, i, h).unwrap(),
-            up: ExpertMatrices::stacked(Arc::clone(&up), e, i, 0, i, h).unwrap(),
-            down: ExpertMatrices::stacked(Arc::clone(&down), e, h, 0, h, i).unwrap(),
-        };
+        let (experts, _) = block_experts(&b, formats, (e, h, i), seed);
         let x = upload(&b, &values(tokens * h, seed + 3));
         let ids: Vec<u32> = (0..tokens * top_k)
             .map(|p| {
@@ -599,14 +605,14 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
             norm(&mut got.iter().zip(&want).map(|(a, b)| a - b)) / norm(&mut want.iter().copied());
         eprintln!(
             "{} / {}: relative error {err:.2e}",
-            up_format.name(),
-            down_format.name()
+            formats.0.name(),
+            formats.1.name()
         );
         assert!(
             err < 1e-5,
             "{} / {}: grouped against per-token relative error {err:.2e}",
-            up_format.name(),
-            down_format.name()
+            formats.0.name(),
+            formats.1.name()
         );
     }
 }

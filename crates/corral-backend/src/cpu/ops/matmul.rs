@@ -209,7 +209,8 @@ pub(crate) fn multiply_streaming(
 
 /// [`multiply_streaming`] for activations already quantized (`acts`, `m` rows of `k`) and
 /// block weights with integer dot products ([`quant_dot::supports`]; others are skipped):
-/// tiles of weight rows, their products for all `m` rows gathered in `row`.
+/// from [`gemm_min_rows`] rows integer panels ([`quant_panel`]) where the weights have them,
+/// else tiles of weight rows, their products for all `m` rows gathered in `row`.
 ///
 /// The caller guarantees that these output elements are in bounds and written by no other
 /// work item while this runs.
@@ -228,8 +229,12 @@ pub(crate) fn multiply_quantized(
     let WeightRows::Quant(format, bytes) = w else {
         return;
     };
-    let isa = quant_dot::best_isa();
+    let w_rows = w;
     let w = &bytes[quant_range(format, w_offset, n * k)];
+    if m >= gemm_min_rows(w_rows) && panels(w_rows) {
+        return quant_panel::multiply(format, w, n, acts, m, out, ld);
+    }
+    let isa = quant_dot::best_isa();
     let tile = (row.len() / m.max(1)).clamp(1, n.max(1));
     let row_bytes = format.bytes_of(k);
     for j0 in (0..n).step_by(tile) {
@@ -237,33 +242,6 @@ pub(crate) fn multiply_quantized(
         let tile_w = &w[j0 * row_bytes..(j0 + nt) * row_bytes];
         quant_dot::dot_rows(isa, format, tile_w, nt, acts, m, row);
         each_output(m, nt, out.offset(j0), ld, |r, j| row[r * nt + j]);
-    }
-}
-
-/// Products with activations already quantized (`acts`, `m` rows of `k`): integer panels
-/// ([`quant_panel`]) from [`gemm_min_rows`] rows where the weights have them, else
-/// [`multiply_quantized`].
-///
-/// The caller guarantees that these output elements are in bounds and written by no other
-/// work item while this runs.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn multiply_integer(
-    acts: ActRows<'_>,
-    m: usize,
-    k: usize,
-    w: WeightRows<'_>,
-    w_offset: usize,
-    n: usize,
-    out: OutPtr,
-    ld: usize,
-    row: &mut [f32],
-) {
-    match w {
-        WeightRows::Quant(format, bytes) if m >= gemm_min_rows(w) && panels(w) => {
-            let w = &bytes[quant_range(format, w_offset, n * k)];
-            quant_panel::multiply(format, w, n, acts, m, out, ld)
-        }
-        _ => multiply_quantized(acts, m, k, w, w_offset, n, out, ld, row),
     }
 }
 
@@ -856,11 +834,10 @@ fn matmul_item(
         });
     }
     match w {
-        WeightRows::Quant(format, bytes) if panels(w) => {
+        WeightRows::Quant(format, _) if panels(w) => {
             let per = quant_dot::ActBlocks::of([format]);
-            let w = &bytes[quant_range(format, n0 * k, nb * k)];
             with_quantized(xs, rows, k, per, |acts| {
-                quant_panel::multiply(format, w, nb, acts.rows_from(0), rows, out, ld)
+                multiply_quantized(acts.rows_from(0), rows, k, w, n0 * k, nb, out, ld, &mut [])
             })
         }
         WeightRows::F32(w) => multiply_tile(xs, rows, k, &w[n0 * k..n1 * k], nb, out, ld),

@@ -6,8 +6,8 @@ use std::cell::RefCell;
 
 use super::elementwise::silu;
 use super::matmul::{
-    OutPtr, bf16_in_place, gemm_min_rows, multiply_bf16, multiply_integer, multiply_quantized,
-    multiply_streaming, multiply_tile, panels, to_bf16_lane_order, with_bf16_lane_order,
+    OutPtr, bf16_in_place, gemm_min_rows, multiply_bf16, multiply_quantized, multiply_streaming,
+    multiply_tile, panels, to_bf16_lane_order, with_bf16_lane_order,
 };
 use super::quant_dot::{self, ActBlocks, QA, QuantizedRows};
 use super::{WeightRows, with_reused, with_scratch};
@@ -315,8 +315,8 @@ pub(crate) fn grouped_gate_up(
                     } else if let Some(acts) = acts {
                         let xq = acts.rows_from(r0);
                         let (gw, uw) = (gate.rows[e], up.rows[e]);
-                        multiply_integer(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
-                        multiply_integer(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
+                        multiply_quantized(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
+                        multiply_quantized(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
                     } else if streaming {
                         multiply_streaming(
                             xs,
@@ -396,7 +396,7 @@ pub(crate) fn grouped_down(
             if let Some(acts) = acts {
                 with_scratch(inter, |row| {
                     let aq = acts.rows_from(r0);
-                    multiply_integer(
+                    multiply_quantized(
                         aq,
                         rows,
                         inter,
