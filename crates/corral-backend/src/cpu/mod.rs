@@ -13,9 +13,9 @@ use crate::buffer::Storage;
 use crate::sampling::{self, CANDIDATE_ROW_WORDS, DRAW_WORDS, Penalty};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
-    DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView,
-    byte_range, check_block_copy, check_copy_ranges,
+    DeltaNetShape, DeviceBuffer, DispatchStats, ExpertWeights, MappedFile, MoeRouting, MoeSorted,
+    QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView, byte_range,
+    check_block_copy, check_copy_ranges,
 };
 use ops::WeightRows;
 
@@ -362,19 +362,6 @@ fn recurrent_runs(
     Ok(out)
 }
 
-/// Each expert's weight store and element offset, for the MoE kernels.
-fn expert_proj<'a>(op: &'static str, m: &'a ExpertMatrices) -> Result<ops::moe::ExpertProj<'a>> {
-    let mut offsets = Vec::with_capacity(m.num_experts());
-    let mut rows = Vec::with_capacity(m.num_experts());
-    for e in 0..m.num_experts() {
-        let v = m.view(e);
-        check_blocks(op, v.buffer.dtype(), v.offset, v.cols)?;
-        offsets.push(v.offset);
-        rows.push(weight_rows(op, v.buffer)?);
-    }
-    Ok(ops::moe::ExpertProj { offsets, rows })
-}
-
 impl Backend for CpuBackend {
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", self.threads)
@@ -643,8 +630,8 @@ impl Backend for CpuBackend {
         let (offsets, order) = checked_sorting(op, sorted, experts.gate.num_experts(), pairs)?;
         let x = f32s(op, "x", x, routing.tokens * hidden)?;
         let act = f32s_mut(op, "act", act, pairs * inter)?;
-        let gate = expert_proj(op, &experts.gate)?;
-        let up = expert_proj(op, &experts.up)?;
+        let gate = ops::moe::ExpertProj::new(op, &experts.gate)?;
+        let up = ops::moe::ExpertProj::new(op, &experts.up)?;
         self.stats.dispatch(1);
         let hit = ops::moe::experts_hit(offsets);
         self.stats
@@ -678,7 +665,7 @@ impl Backend for CpuBackend {
         let act = f32s(op, "act", act, pairs * inter)?;
         let weights = f32s(op, "expert_weights", routing.expert_weights, pairs)?;
         let y = f32s_mut(op, "y", y, pairs * hidden)?;
-        let down = expert_proj(op, &experts.down)?;
+        let down = ops::moe::ExpertProj::new(op, &experts.down)?;
         self.stats.dispatch(1);
         let hit = ops::moe::experts_hit(offsets);
         self.stats.weight_read(hit * experts.down.expert_bytes());
@@ -1362,9 +1349,9 @@ impl Backend for CpuBackend {
         }
         let weights = f32s(op, "expert_weights", routing.expert_weights, tokens * top_k)?;
         let x = f32s(op, "x", x, tokens * hidden)?;
-        let gate = expert_proj(op, &experts.gate)?;
-        let up = expert_proj(op, &experts.up)?;
-        let down = expert_proj(op, &experts.down)?;
+        let gate = ops::moe::ExpertProj::new(op, &experts.gate)?;
+        let up = ops::moe::ExpertProj::new(op, &experts.up)?;
+        let down = ops::moe::ExpertProj::new(op, &experts.down)?;
         let per_pair =
             experts.gate.expert_bytes() + experts.up.expert_bytes() + experts.down.expert_bytes();
         let act = f32s_mut(op, "act", act, tokens * top_k * inter)?;

@@ -2,7 +2,8 @@
 
 use rayon::prelude::*;
 
-use super::{dot, with_scratch};
+use super::matmul::OutPtr;
+use super::{dot, with_reused, with_scratch};
 
 /// Plain-slice view of the batch metadata.
 pub(crate) struct PagedLayout<'a> {
@@ -142,42 +143,63 @@ fn attention_with(
     (num_heads, num_kv_heads, head_dim, scale): (usize, usize, usize, f32),
     out: &mut [f32],
 ) {
-    let group = num_heads / num_kv_heads;
-    let kv_dim = num_kv_heads * head_dim;
     let tokens = layout
         .positions
         .len()
         .min(out.len() / (num_heads * head_dim).max(1));
-    let mut tiles = Vec::new();
-    let mut t0 = 0;
     let threads = rayon::current_num_threads();
-    while t0 < tokens {
-        let run = layout.token_runs[t0];
-        let mut end = t0 + 1;
-        while end < tokens && layout.token_runs[end] == run {
-            end += 1;
+    with_reused(&ITEMS, |items| {
+        items.clear();
+        let mut t0 = 0;
+        while t0 < tokens {
+            let run = layout.token_runs[t0];
+            let mut end = t0 + 1;
+            while end < tokens && layout.token_runs[end] == run {
+                end += 1;
+            }
+            let per = loops
+                .tile_tokens
+                .unwrap_or_else(|| tile_tokens(end - t0, num_kv_heads, threads))
+                .max(1);
+            while t0 < end {
+                let t1 = (t0 + per).min(end);
+                items.extend((0..num_kv_heads).map(|kvh| (t0, t1, kvh)));
+                t0 = t1;
+            }
         }
-        let per = loops
-            .tile_tokens
-            .unwrap_or_else(|| tile_tokens(end - t0, num_kv_heads, threads))
-            .max(1);
-        while t0 < end {
-            let t1 = (t0 + per).min(end);
-            tiles.push((t0, t1));
-            t0 = t1;
-        }
-    }
-    let items: Vec<(usize, usize, usize)> = tiles
-        .iter()
-        .flat_map(|&(t0, t1)| (0..num_kv_heads).map(move |kvh| (t0, t1, kvh)))
-        .collect();
+        let shape = (num_heads, num_kv_heads, head_dim, scale);
+        attend_items(loops, q, (cache_k, cache_v), layout, shape, items, out);
+    });
+}
+
+thread_local! {
+    /// The work items of an attention op, reused.
+    static ITEMS: std::cell::RefCell<Vec<(usize, usize, usize)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A work item's buffers, reused.
+    static TILE_BUFFERS: std::cell::RefCell<TileBuffers> = std::cell::RefCell::default();
+}
+
+/// The (tokens `t0..t1`, KV head) work items of [`attention_with`], each tile's outputs
+/// written into `out` at its rows.
+fn attend_items(
+    loops: Loops,
+    q: &[f32],
+    (cache_k, cache_v): (KvRows<'_>, KvRows<'_>),
+    layout: &PagedLayout<'_>,
+    (num_heads, num_kv_heads, head_dim, scale): (usize, usize, usize, f32),
+    items: &[(usize, usize, usize)],
+    out: &mut [f32],
+) {
+    let group = num_heads / num_kv_heads;
+    let kv_dim = num_kv_heads * head_dim;
+    let out_rows = out.len() / head_dim.max(1);
+    let out_ptr = OutPtr::new(out);
     let simd = loops.simd && has_avx2_fma();
     #[cfg(target_arch = "x86_64")]
     let bf16_dot =
         loops.bf16_dot && head_dim.is_multiple_of(32) && super::attention_bf16::available();
-    let results: Vec<Vec<f32>> = items
-        .par_iter()
-        .map(|&(t0, t1, kvh)| {
+    items.par_iter().for_each(|&(t0, t1, kvh)| {
+        with_reused(&TILE_BUFFERS, |bufs| {
             let tile = Tile {
                 t0,
                 t1,
@@ -202,7 +224,7 @@ fn attention_with(
                     // SAFETY: `fma` holds.
                     #[allow(unsafe_code)]
                     unsafe {
-                        attend_tile_simd(&tile, q, k, v, layout, rows * longest)
+                        attend_tile_simd(&tile, q, k, v, layout, rows * longest, bufs)
                     }
                 }
                 #[cfg(target_arch = "x86_64")]
@@ -210,7 +232,7 @@ fn attention_with(
                     // SAFETY: `fma` holds.
                     #[allow(unsafe_code)]
                     unsafe {
-                        attend_tile_simd(&tile, q, k, v, layout, rows * longest)
+                        attend_tile_simd(&tile, q, k, v, layout, rows * longest, bufs)
                     }
                 }
                 #[cfg(target_arch = "x86_64")]
@@ -227,12 +249,13 @@ fn attention_with(
                             layout,
                             longest,
                             loops.key_block,
+                            bufs,
                         )
                     }
                 }
                 (KvRows::F32(k), KvRows::F32(v)) if few_rows => {
                     with_scratch(rows * longest, |scores| {
-                        attend_tile(&tile, q, k, v, layout, scores)
+                        attend_tile(&tile, q, k, v, layout, scores, bufs)
                     })
                 }
                 _ => attend_tile_gemm(
@@ -244,16 +267,61 @@ fn attention_with(
                     longest,
                     loops.key_block,
                     simd,
+                    bufs,
                 ),
             }
+            for r in 0..rows {
+                let item = (t0 + r / group) * num_heads + kvh * group + r % group;
+                assert!(item < out_rows, "attention outputs past their buffer");
+                let from = &bufs.o[r * head_dim..(r + 1) * head_dim];
+                // SAFETY: row `item` (a token and head) is in bounds (checked above) and
+                // this item's alone: items cover disjoint tokens or KV heads.
+                #[allow(unsafe_code)]
+                unsafe {
+                    let to = out_ptr.offset(item * head_dim).as_ptr();
+                    std::ptr::copy_nonoverlapping(from.as_ptr(), to, head_dim);
+                }
+            }
         })
-        .collect();
-    for (&(t0, t1, kvh), o) in items.iter().zip(&results) {
-        for r in 0..(t1 - t0) * group {
-            let item = (t0 + r / group) * num_heads + kvh * group + r % group;
-            out[item * head_dim..(item + 1) * head_dim]
-                .copy_from_slice(&o[r * head_dim..(r + 1) * head_dim]);
-        }
+    });
+}
+
+/// A work item's buffers (each thread's, reused): its query rows' outputs, each row's
+/// running max and sum (or inverse sum) of its softmax, its keys' offsets in the cache, and a
+/// query row's room.
+#[derive(Debug, Default)]
+pub(super) struct TileBuffers {
+    pub(super) o: Vec<f32>,
+    pub(super) max: Vec<f32>,
+    pub(super) sum: Vec<f32>,
+    pub(super) bases: Vec<usize>,
+    pub(super) row: Vec<f32>,
+}
+
+impl TileBuffers {
+    /// Ready for `tile`'s query rows over the first `keys` keys of its run `run`: outputs
+    /// and sums zero, maxima −∞, the keys' offsets found (a slot is a division by the block
+    /// size), a query row of zeros.
+    pub(super) fn prepare(
+        &mut self,
+        tile: &Tile,
+        layout: &PagedLayout<'_>,
+        run: usize,
+        keys: usize,
+    ) {
+        let rows = (tile.t1 - tile.t0) * tile.group;
+        let refill = |v: &mut Vec<f32>, len: usize, value: f32| {
+            v.clear();
+            v.resize(len, value);
+        };
+        refill(&mut self.o, rows * tile.head_dim, 0.0);
+        refill(&mut self.max, rows, f32::NEG_INFINITY);
+        refill(&mut self.sum, rows, 0.0);
+        refill(&mut self.row, tile.head_dim, 0.0);
+        let kv_off = tile.kvh * tile.head_dim;
+        self.bases.clear();
+        self.bases
+            .extend((0..keys).map(|j| layout.slot(run, j) * tile.kv_dim + kv_off));
     }
 }
 
@@ -283,20 +351,6 @@ impl Tile {
     /// Keys query row `r` attends to.
     pub(super) fn len(&self, layout: &PagedLayout<'_>, r: usize) -> usize {
         layout.positions[self.t0 + r / self.group] as usize + 1
-    }
-
-    /// Each of the run's first `keys` keys' row offset in the cache (found once: a slot is a
-    /// division by the block size).
-    pub(super) fn key_offsets(
-        &self,
-        layout: &PagedLayout<'_>,
-        run: usize,
-        keys: usize,
-    ) -> Vec<usize> {
-        let kv_off = self.kvh * self.head_dim;
-        (0..keys)
-            .map(|j| layout.slot(run, j) * self.kv_dim + kv_off)
-            .collect()
     }
 
     /// Where query row `r` starts in `q`.
@@ -387,7 +441,7 @@ fn gemm_into(
     }
 }
 
-/// The outputs of a tile's query rows (as [`attend_tile`]) by GEMM calls: per block of
+/// The outputs of a tile's query rows into `bufs.o` (as [`attend_tile`]) by GEMM calls: per block of
 /// `key_block` keys (gathered from their pages), `S = (scale · Q) Kᵀ`, each row's scores
 /// past its own length dropped, an online softmax (the running max and sum, the outputs
 /// rescaled when the max grows), and `O += P V`; the outputs divided by the sums at the end.
@@ -401,7 +455,8 @@ fn attend_tile_gemm(
     longest: usize,
     key_block: usize,
     simd: bool,
-) -> Vec<f32> {
+    bufs: &mut TileBuffers,
+) {
     let &Tile {
         head_dim: hd,
         scale,
@@ -410,10 +465,10 @@ fn attend_tile_gemm(
     let run = layout.token_runs[tile.t0] as usize;
     let rows = (tile.t1 - tile.t0) * tile.group;
     let block = key_block.clamp(1, longest.max(1));
-    let bases = tile.key_offsets(layout, run, longest);
-    let mut o = vec![0.0f32; rows * hd];
-    let mut max = vec![f32::NEG_INFINITY; rows];
-    let mut sum = vec![0.0f32; rows];
+    bufs.prepare(tile, layout, run, longest);
+    let TileBuffers {
+        o, max, sum, bases, ..
+    } = bufs;
     with_scratch(rows * hd + 2 * block * hd + rows * block, |scratch| {
         let (qs, rest) = scratch.split_at_mut(rows * hd);
         let (kb, rest) = rest.split_at_mut(block * hd);
@@ -441,14 +496,13 @@ fn attend_tile_gemm(
                 online_softmax_step(kept, (&mut max[r], &mut sum[r]), out, simd);
             }
             let (probs, values) = (Operand::row_major(s, n), Operand::row_major(vb, hd));
-            gemm_into(&mut o, rows, hd, n, probs, values, true);
+            gemm_into(o, rows, hd, n, probs, values, true);
         }
     });
-    for (orow, total) in o.chunks_exact_mut(hd).zip(&sum) {
+    for (orow, total) in o.chunks_exact_mut(hd).zip(sum.iter()) {
         let inv = 1.0 / total;
         orow.iter_mut().for_each(|x| *x *= inv);
     }
-    o
 }
 
 /// One row's online-softmax step over a block's `kept` scores (none past the row's length):
@@ -502,14 +556,6 @@ fn has_avx2_fma() -> bool {
     }
 }
 
-/// [`attend_tile`] with AVX2 and FMA, for head dims of a multiple of 8: each score a fused
-/// dot product over eight lanes summed in a fixed order, four query rows against two keys;
-/// the outputs accumulated in registers, two rows and up to 32 dims at a time, over the keys
-/// in order. A row's arithmetic does not depend on the rows beside it (a row shorter than
-/// its neighbour adds zero-weighted values, which leaves its sums as they are).
-///
-/// # Safety
-/// The CPU has AVX2 and FMA, and `tile.head_dim` is a multiple of 8.
 /// [`attend_tile_fma`] with its scores in the thread's scratch of `scratch_len` floats.
 ///
 /// # Safety
@@ -523,13 +569,22 @@ unsafe fn attend_tile_simd<E: KvElem>(
     cache_v: &[E],
     layout: &PagedLayout<'_>,
     scratch_len: usize,
-) -> Vec<f32> {
+    bufs: &mut TileBuffers,
+) {
     with_scratch(scratch_len, |scores| {
         // SAFETY: this function's contract.
-        unsafe { attend_tile_fma(tile, q, cache_k, cache_v, layout, scores) }
+        unsafe { attend_tile_fma(tile, q, cache_k, cache_v, layout, scores, bufs) }
     })
 }
 
+/// [`attend_tile`] with AVX2 and FMA, for head dims of a multiple of 8: each score a fused
+/// dot product over eight lanes summed in a fixed order, four query rows against two keys;
+/// the outputs accumulated in registers, two rows and up to 32 dims at a time, over the keys
+/// in order. A row's arithmetic does not depend on the rows beside it (a row shorter than
+/// its neighbour adds zero-weighted values, which leaves its sums as they are).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, and `tile.head_dim` is a multiple of 8.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(unsafe_code)]
@@ -540,15 +595,20 @@ unsafe fn attend_tile_fma<E: KvElem>(
     cache_v: &[E],
     layout: &PagedLayout<'_>,
     scores: &mut [f32],
-) -> Vec<f32> {
+    bufs: &mut TileBuffers,
+) {
     let &Tile {
         head_dim, scale, ..
     } = tile;
     let (run, rows, longest) = tile.shape(layout, scores);
     let chunks = head_dim / 8;
+    bufs.prepare(tile, layout, run, longest);
+    // The sums' room holds their inverses.
+    let TileBuffers {
+        o, sum: inv, bases, ..
+    } = bufs;
     let len = |r: usize| tile.len(layout, r);
     let q_row = |r: usize| &q[tile.q_at(r)..tile.q_at(r) + head_dim];
-    let bases = tile.key_offsets(layout, run, longest);
     let key = |cache: &[E], j: usize| cache[bases[j]..bases[j] + head_dim].as_ptr();
     // Two keys at a time (the second the first again past the end, its scores dropped).
     for j in (0..longest).step_by(2) {
@@ -590,7 +650,6 @@ unsafe fn attend_tile_fma<E: KvElem>(
             r += n;
         }
     }
-    let mut inv = vec![0.0f32; rows];
     for (r, inv) in inv.iter_mut().enumerate() {
         // SAFETY: AVX2 and FMA (this function's contract).
         *inv = 1.0 / unsafe { exp_in_place(&mut scores[r * longest..r * longest + len(r)]) };
@@ -602,7 +661,6 @@ unsafe fn attend_tile_fma<E: KvElem>(
         kept.iter_mut().for_each(|p| *p *= inv[r]);
         past.fill(0.0);
     }
-    let mut o = vec![0.0f32; rows * head_dim];
     for c0 in (0..chunks).step_by(4) {
         let nc = (chunks - c0).min(4);
         let mut r = 0;
@@ -629,7 +687,6 @@ unsafe fn attend_tile_fma<E: KvElem>(
             r += nr;
         }
     }
-    o
 }
 
 /// `s = exp(s - max(s))` in place, eight lanes at a time; returns their sum.
@@ -852,7 +909,8 @@ unsafe fn sum_values<const NR: usize, const NC: usize, E: KvElem, V: Fn(usize) -
 }
 
 /// The outputs of a tile's query rows (row r: token t0 + r / group, head kvh · group + r %
-/// group), with `scores` as room for each row's scores over the tile's longest run.
+/// group) into `bufs.o`, with `scores` as room for each row's scores over the tile's longest
+/// run.
 #[inline(always)]
 fn attend_tile(
     tile: &Tile,
@@ -861,15 +919,19 @@ fn attend_tile(
     cache_v: &[f32],
     layout: &PagedLayout<'_>,
     scores: &mut [f32],
-) -> Vec<f32> {
+    bufs: &mut TileBuffers,
+) {
     let &Tile {
         head_dim, scale, ..
     } = tile;
     let (run, rows, longest) = tile.shape(layout, scores);
     let len = |r: usize| tile.len(layout, r);
     let q_at = |r: usize| tile.q_at(r);
-    let mut o = vec![0.0f32; rows * head_dim];
-    let bases = tile.key_offsets(layout, run, longest);
+    bufs.prepare(tile, layout, run, longest);
+    // The sums' room holds their inverses.
+    let TileBuffers {
+        o, sum: inv, bases, ..
+    } = bufs;
     for (j, &base) in bases.iter().enumerate() {
         let k = &cache_k[base..base + head_dim];
         for r in 0..rows {
@@ -878,7 +940,6 @@ fn attend_tile(
             }
         }
     }
-    let mut inv = vec![0.0f32; rows];
     for (r, inv) in inv.iter_mut().enumerate() {
         let s = &mut scores[r * longest..r * longest + len(r)];
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -900,7 +961,6 @@ fn attend_tile(
             }
         }
     }
-    o
 }
 
 /// The head layout of a fused `[tokens, (heads + 2 kv_heads) · head_dim]` q/k/v projection.

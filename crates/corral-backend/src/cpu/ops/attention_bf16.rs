@@ -11,7 +11,7 @@
 use std::arch::x86_64::*;
 use std::cell::Cell;
 
-use super::attention::{PagedLayout, Tile, online_softmax_step};
+use super::attention::{PagedLayout, Tile, TileBuffers, online_softmax_step};
 
 /// Keys a score pass takes at once: two registers of 16.
 const KEY_STEP: usize = 32;
@@ -47,10 +47,11 @@ pub(crate) fn available() -> bool {
         && std::arch::is_x86_feature_detected!("avx512bf16")
 }
 
-/// The outputs of `tile`'s query rows over the first `longest` keys of its run, in blocks
+/// The outputs of `tile`'s query rows over the first `longest` keys of its run into `bufs.o`, in blocks
 /// of `key_block` keys (as [`super::attention`]'s GEMM path computes them). Callers check
 /// [`available`] first; the tile's head dim is a multiple of 32.
 #[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_tile(
     tile: &Tile,
     q: &[f32],
@@ -59,14 +60,22 @@ pub(crate) fn attend_tile(
     layout: &PagedLayout<'_>,
     longest: usize,
     key_block: usize,
-) -> Vec<f32> {
+    bufs: &mut TileBuffers,
+) {
     let hd = tile.head_dim;
     let pairs = hd / 2;
     let run = layout.token_runs[tile.t0] as usize;
     let rows = (tile.t1 - tile.t0) * tile.group;
     // Whole steps of 32 keys a block (the last block's tail padded with zero keys).
     let block = key_block.clamp(1, longest.max(1)).div_ceil(KEY_STEP) * KEY_STEP;
-    let bases = tile.key_offsets(layout, run, longest);
+    bufs.prepare(tile, layout, run, longest);
+    let TileBuffers {
+        o,
+        max,
+        sum,
+        bases,
+        row: scaled,
+    } = bufs;
     // The scaled queries as bf16 pairs of dims; K as [pair of dims][key] and V as [pair of
     // keys][dim] for a block; the block's scores and their bf16 pairs. Every element is
     // written before it is read.
@@ -79,17 +88,13 @@ pub(crate) fn attend_tile(
     let (kp, rest) = rest.split_at_mut(pairs * block);
     let (vp, pp) = rest.split_at_mut(block / 2 * hd);
     let s = &mut scores[..rows * block];
-    let mut scaled = vec![0.0f32; hd];
     for r in 0..rows {
         let at = tile.q_at(r);
         for (s, x) in scaled.iter_mut().zip(&q[at..at + hd]) {
             *s = x * tile.scale;
         }
-        pack_pairs(&scaled, &mut qp[r * pairs..(r + 1) * pairs]);
+        pack_pairs(scaled, &mut qp[r * pairs..(r + 1) * pairs]);
     }
-    let mut o = vec![0.0f32; rows * hd];
-    let mut max = vec![f32::NEG_INFINITY; rows];
-    let mut sum = vec![0.0f32; rows];
     for j0 in (0..longest).step_by(block) {
         let n = block.min(longest - j0);
         let width = n.div_ceil(KEY_STEP) * KEY_STEP;
@@ -142,11 +147,10 @@ pub(crate) fn attend_tile(
     }
     PACKED.set(packed);
     SCORES.set(scores);
-    for (orow, total) in o.chunks_exact_mut(hd).zip(&sum) {
+    for (orow, total) in o.chunks_exact_mut(hd).zip(sum.iter()) {
         let inv = 1.0 / total;
         orow.iter_mut().for_each(|x| *x *= inv);
     }
-    o
 }
 
 /// `x` (an even count of floats) rounded to bf16 (nearest, ties to even) as pairs: pair i

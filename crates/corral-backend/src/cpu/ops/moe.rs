@@ -18,6 +18,8 @@ const ROW_TILE: usize = 64;
 thread_local! {
     /// The per-token experts' activations, quantized once for every expert that reads them.
     static EXPERT_ACTS: RefCell<QuantizedRows> = RefCell::default();
+    /// The grouped ops' work items.
+    static GROUP_ITEMS: RefCell<Vec<GroupItem>> = const { RefCell::new(Vec::new()) };
     /// The grouped experts' input rows in sorted order, for quantizing them once.
     static GATHERED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -38,7 +40,11 @@ fn with_expert_acts<R>(
         WeightRows::Quant(q, _) => Some(*q),
         _ => None,
     };
-    let supers = ActBlocks::of(projs.iter().flat_map(|p| p.rows.iter().filter_map(format)));
+    let supers = ActBlocks::of(
+        projs
+            .iter()
+            .flat_map(|p| p.all_rows().filter_map(|w| format(&w))),
+    );
     with_reused(&EXPERT_ACTS, |acts| {
         acts.quantize(x, rows, k, supers);
         f(Some(acts))
@@ -50,7 +56,7 @@ fn with_expert_acts<R>(
 fn integer_products(projs: &[&ExpertProj<'_>]) -> bool {
     let integer =
         |w: &WeightRows<'_>| matches!(w, WeightRows::Quant(q, _) if quant_dot::supports(*q));
-    projs.iter().all(|p| p.rows.iter().all(integer))
+    projs.iter().all(|p| p.all_rows().all(|w| integer(&w)))
 }
 
 /// Softmax over each token's `num_experts` logits, then its `top_k` largest probabilities
@@ -101,8 +107,40 @@ pub(crate) fn route(
 
 /// One projection of all experts: expert `e`'s weight store and element offset in it.
 pub(crate) struct ExpertProj<'a> {
-    pub(crate) offsets: Vec<usize>,
-    pub(crate) rows: Vec<WeightRows<'a>>,
+    matrices: &'a crate::ExpertMatrices,
+    op: &'static str,
+}
+
+impl<'a> ExpertProj<'a> {
+    /// `matrices`, every expert's weights checked for `op`: a CPU buffer of a weight type,
+    /// block formats whole blocks.
+    pub(crate) fn new(
+        op: &'static str,
+        matrices: &'a crate::ExpertMatrices,
+    ) -> crate::Result<Self> {
+        for e in 0..matrices.num_experts() {
+            let v = matrices.view(e);
+            super::super::check_blocks(op, v.buffer.dtype(), v.offset, v.cols)?;
+            super::super::weight_rows(op, v.buffer)?;
+        }
+        Ok(Self { matrices, op })
+    }
+
+    /// Expert `e`'s weights.
+    pub(crate) fn rows(&self, e: usize) -> WeightRows<'a> {
+        super::super::weight_rows(self.op, self.matrices.view(e).buffer)
+            .expect("every expert's weights were checked by ExpertProj::new")
+    }
+
+    /// The offset of expert `e`'s first row in [`ExpertProj::rows`].
+    pub(crate) fn offset(&self, e: usize) -> usize {
+        self.matrices.view(e).offset
+    }
+
+    /// Every expert's weights.
+    pub(crate) fn all_rows(&self) -> impl Iterator<Item = WeightRows<'a>> + '_ {
+        (0..self.matrices.num_experts()).map(|e| self.rows(e))
+    }
 }
 
 /// `act[p] = silu(gate[e] x[t]) ⊙ up[e] x[t]` for every (token t, slot j) pair p = t*k + j.
@@ -130,8 +168,8 @@ pub(crate) fn gate_up(
                         let (g, u) = rest.split_at_mut(ROW_TILE);
                         let (n, first) = (a.len(), tile * ROW_TILE * hidden);
                         let (g_out, u_out) = (OutPtr::new(g), OutPtr::new(u));
-                        let (g_off, u_off) = (gate.offsets[e] + first, up.offsets[e] + first);
-                        let (gw, uw) = (gate.rows[e], up.rows[e]);
+                        let (g_off, u_off) = (gate.offset(e) + first, up.offset(e) + first);
+                        let (gw, uw) = (gate.rows(e), up.rows(e));
                         if let Some(acts) = acts {
                             let xq = acts.rows_from(t);
                             multiply_quantized(xq, 1, hidden, gw, g_off, n, g_out, n, row);
@@ -173,8 +211,8 @@ pub(crate) fn down_combine(
                         for j in 0..top_k {
                             let p = t * top_k + j;
                             let e = ids[p] as usize;
-                            let (w, y_out) = (down.rows[e], OutPtr::new(y));
-                            let off = down.offsets[e] + tile * ROW_TILE * inter;
+                            let (w, y_out) = (down.rows(e), OutPtr::new(y));
+                            let off = down.offset(e) + tile * ROW_TILE * inter;
                             if let Some(acts) = acts {
                                 let aq = acts.rows_from(p);
                                 multiply_quantized(aq, 1, inter, w, off, n, y_out, n, row);
@@ -231,8 +269,8 @@ const GROUP_COLS: usize = 64;
 type GroupItem = (usize, (usize, usize), (usize, usize));
 
 /// The work items of a grouped op over experts with pairs, `cols` output columns.
-fn group_items(offsets: &[u32], cols: usize) -> Vec<GroupItem> {
-    let mut items = Vec::new();
+fn group_items(offsets: &[u32], cols: usize, items: &mut Vec<GroupItem>) {
+    items.clear();
     for e in 0..offsets.len() - 1 {
         let (start, end) = (offsets[e] as usize, offsets[e + 1] as usize);
         for r0 in (start..end).step_by(GROUP_ROWS) {
@@ -242,7 +280,6 @@ fn group_items(offsets: &[u32], cols: usize) -> Vec<GroupItem> {
             }
         }
     }
-    items
 }
 
 /// Experts with at least one pair.
@@ -279,94 +316,109 @@ pub(crate) fn grouped_gate_up(
     act: &mut [f32],
 ) {
     let out = OutPtr::new(act);
-    let items = group_items(offsets, inter);
-    let pairs = offsets[offsets.len() - 1] as usize;
-    // The work items, the pairs' rows quantized in sorted order (`acts`) or not.
-    let run_items = |acts: Option<&QuantizedRows>| {
-        items.par_iter().for_each(|&(e, (r0, r1), (c0, c1))| {
-            let (rows, cols) = (r1 - r0, c1 - c0);
-            let streaming = rows < gemm_min_rows(gate.rows[e]);
-            let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
-            with_scratch(
-                rows * hidden + weight_scratch + 2 * rows * cols,
-                |scratch| {
-                    let (xs, rest) = scratch.split_at_mut(rows * hidden);
-                    let (wbuf, rest) = rest.split_at_mut(weight_scratch);
-                    let (g, u) = rest.split_at_mut(rows * cols);
-                    // bf16 gate and up read in place, the rows gathered in their lane order.
-                    let bf16 = bf16_in_place(gate.rows[e]).zip(bf16_in_place(up.rows[e]));
-                    for (i, s) in (r0..r1).enumerate().filter(|_| acts.is_none()) {
-                        let t = sorted[s] as usize / top_k;
-                        let (from, to) = (
-                            &x[t * hidden..(t + 1) * hidden],
-                            &mut xs[i * hidden..(i + 1) * hidden],
-                        );
-                        match bf16 {
-                            Some(_) => to_bf16_lane_order(from, to),
-                            None => to.copy_from_slice(from),
-                        }
-                    }
-                    let (g_ptr, u_ptr) = (OutPtr::new(g), OutPtr::new(u));
-                    let (g_off, u_off) =
-                        (gate.offsets[e] + c0 * hidden, up.offsets[e] + c0 * hidden);
-                    if let (None, Some((gb, ub))) = (acts, bf16) {
-                        multiply_bf16(xs, rows, hidden, gb, g_off, cols, g_ptr, cols);
-                        multiply_bf16(xs, rows, hidden, ub, u_off, cols, u_ptr, cols);
-                    } else if let Some(acts) = acts {
-                        let xq = acts.rows_from(r0);
-                        let (gw, uw) = (gate.rows[e], up.rows[e]);
-                        multiply_quantized(xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf);
-                        multiply_quantized(xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf);
-                    } else if streaming {
-                        multiply_streaming(
-                            xs,
-                            rows,
-                            hidden,
-                            gate.rows[e],
-                            g_off,
-                            cols,
-                            g_ptr,
-                            cols,
-                            wbuf,
-                        );
-                        multiply_streaming(
-                            xs, rows, hidden, up.rows[e], u_off, cols, u_ptr, cols, wbuf,
-                        );
-                    } else {
-                        let (wg, wu) = wbuf.split_at_mut(cols * hidden);
-                        gate.rows[e].to_f32(g_off, wg);
-                        up.rows[e].to_f32(u_off, wu);
-                        multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
-                        multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
-                    }
-                    for i in 0..rows {
-                        for j in 0..cols {
-                            let v = silu(g[i * cols + j]) * u[i * cols + j];
-                            // SAFETY: (r0 + i, c0 + j) lies in this item's own tile of `act`.
-                            #[allow(unsafe_code)]
-                            unsafe {
-                                *out.offset((r0 + i) * inter + c0 + j).as_ptr() = v;
+    with_reused(&GROUP_ITEMS, |items| {
+        group_items(offsets, inter, items);
+        let items: &[GroupItem] = items;
+        let pairs = offsets[offsets.len() - 1] as usize;
+        // The work items, the pairs' rows quantized in sorted order (`acts`) or not.
+        let run_items = |acts: Option<&QuantizedRows>| {
+            items.par_iter().for_each(|&(e, (r0, r1), (c0, c1))| {
+                let (rows, cols) = (r1 - r0, c1 - c0);
+                let streaming = rows < gemm_min_rows(gate.rows(e));
+                let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
+                with_scratch(
+                    rows * hidden + weight_scratch + 2 * rows * cols,
+                    |scratch| {
+                        let (xs, rest) = scratch.split_at_mut(rows * hidden);
+                        let (wbuf, rest) = rest.split_at_mut(weight_scratch);
+                        let (g, u) = rest.split_at_mut(rows * cols);
+                        // bf16 gate and up read in place, the rows gathered in their lane order.
+                        let bf16 = bf16_in_place(gate.rows(e)).zip(bf16_in_place(up.rows(e)));
+                        for (i, s) in (r0..r1).enumerate().filter(|_| acts.is_none()) {
+                            let t = sorted[s] as usize / top_k;
+                            let (from, to) = (
+                                &x[t * hidden..(t + 1) * hidden],
+                                &mut xs[i * hidden..(i + 1) * hidden],
+                            );
+                            match bf16 {
+                                Some(_) => to_bf16_lane_order(from, to),
+                                None => to.copy_from_slice(from),
                             }
                         }
-                    }
-                },
-            );
-        });
-    };
-    if !integer_throughout(offsets, &[gate, up]) {
-        return run_items(None);
-    }
-    // Every expert's products are integer ones: quantize the pairs' rows once (gathered in
-    // sorted order), not once for each item's gate and up.
-    let run = |gathered: &mut Vec<f32>| {
-        gathered.clear();
-        for &p in &sorted[..pairs] {
-            let t = p as usize / top_k;
-            gathered.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                        let (g_ptr, u_ptr) = (OutPtr::new(g), OutPtr::new(u));
+                        let (g_off, u_off) =
+                            (gate.offset(e) + c0 * hidden, up.offset(e) + c0 * hidden);
+                        if let (None, Some((gb, ub))) = (acts, bf16) {
+                            multiply_bf16(xs, rows, hidden, gb, g_off, cols, g_ptr, cols);
+                            multiply_bf16(xs, rows, hidden, ub, u_off, cols, u_ptr, cols);
+                        } else if let Some(acts) = acts {
+                            let xq = acts.rows_from(r0);
+                            let (gw, uw) = (gate.rows(e), up.rows(e));
+                            multiply_quantized(
+                                xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf,
+                            );
+                            multiply_quantized(
+                                xq, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf,
+                            );
+                        } else if streaming {
+                            multiply_streaming(
+                                xs,
+                                rows,
+                                hidden,
+                                gate.rows(e),
+                                g_off,
+                                cols,
+                                g_ptr,
+                                cols,
+                                wbuf,
+                            );
+                            multiply_streaming(
+                                xs,
+                                rows,
+                                hidden,
+                                up.rows(e),
+                                u_off,
+                                cols,
+                                u_ptr,
+                                cols,
+                                wbuf,
+                            );
+                        } else {
+                            let (wg, wu) = wbuf.split_at_mut(cols * hidden);
+                            gate.rows(e).to_f32(g_off, wg);
+                            up.rows(e).to_f32(u_off, wu);
+                            multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
+                            multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
+                        }
+                        for i in 0..rows {
+                            for j in 0..cols {
+                                let v = silu(g[i * cols + j]) * u[i * cols + j];
+                                // SAFETY: (r0 + i, c0 + j) lies in this item's own tile of `act`.
+                                #[allow(unsafe_code)]
+                                unsafe {
+                                    *out.offset((r0 + i) * inter + c0 + j).as_ptr() = v;
+                                }
+                            }
+                        }
+                    },
+                );
+            });
+        };
+        if !integer_throughout(offsets, &[gate, up]) {
+            return run_items(None);
         }
-        with_expert_acts(gathered, (pairs, hidden), &[gate, up], run_items)
-    };
-    with_reused(&GATHERED, run)
+        // Every expert's products are integer ones: quantize the pairs' rows once (gathered in
+        // sorted order), not once for each item's gate and up.
+        let run = |gathered: &mut Vec<f32>| {
+            gathered.clear();
+            for &p in &sorted[..pairs] {
+                let t = p as usize / top_k;
+                gathered.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+            }
+            with_expert_acts(gathered, (pairs, hidden), &[gate, up], run_items)
+        };
+        with_reused(&GATHERED, run)
+    })
 }
 
 /// Grouped down projection with the routing weight: `y[s] = w[p] · down[e] act[s]` for the
@@ -383,64 +435,77 @@ pub(crate) fn grouped_down(
     y: &mut [f32],
 ) {
     let out = OutPtr::new(y);
-    let items = group_items(offsets, hidden);
-    let pairs = offsets[offsets.len() - 1] as usize;
-    // The work items: the act rows quantized (`acts`), or all in bf16 lane order
-    // (`ordered`), or neither.
-    let run_items = |acts: Option<&QuantizedRows>, ordered: Option<&[f32]>| {
-        items.par_iter().for_each(|&(e, (r0, r1), (c0, c1))| {
-            let (rows, cols) = (r1 - r0, c1 - c0);
-            let tile = out.offset(r0 * hidden + c0);
-            let a = &act[r0 * inter..r1 * inter];
-            let d_off = down.offsets[e] + c0 * inter;
-            if let Some(acts) = acts {
-                with_scratch(inter, |row| {
-                    let aq = acts.rows_from(r0);
-                    multiply_quantized(
-                        aq,
-                        rows,
-                        inter,
-                        down.rows[e],
-                        d_off,
-                        cols,
-                        tile,
-                        hidden,
-                        row,
-                    )
-                });
-            } else if let (Some(ap), Some(bits)) = (ordered, bf16_in_place(down.rows[e])) {
-                let ap = &ap[r0 * inter..r1 * inter];
-                multiply_bf16(ap, rows, inter, bits, d_off, cols, tile, hidden)
-            } else if rows < gemm_min_rows(down.rows[e]) {
-                with_scratch(inter, |row| {
-                    multiply_streaming(a, rows, inter, down.rows[e], d_off, cols, tile, hidden, row)
-                });
-            } else {
-                with_scratch(cols * inter, |wd| {
-                    down.rows[e].to_f32(d_off, wd);
-                    multiply_tile(a, rows, inter, wd, cols, tile, hidden);
-                });
-            }
-            for s in r0..r1 {
-                let w = weights[sorted[s] as usize];
-                for c in c0..c1 {
-                    // SAFETY: (s, c) lies in this item's own tile of `y`.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        *out.offset(s * hidden + c).as_ptr() *= w;
+    with_reused(&GROUP_ITEMS, |items| {
+        group_items(offsets, hidden, items);
+        let items: &[GroupItem] = items;
+        let pairs = offsets[offsets.len() - 1] as usize;
+        // The work items: the act rows quantized (`acts`), or all in bf16 lane order
+        // (`ordered`), or neither.
+        let run_items = |acts: Option<&QuantizedRows>, ordered: Option<&[f32]>| {
+            items.par_iter().for_each(|&(e, (r0, r1), (c0, c1))| {
+                let (rows, cols) = (r1 - r0, c1 - c0);
+                let tile = out.offset(r0 * hidden + c0);
+                let a = &act[r0 * inter..r1 * inter];
+                let d_off = down.offset(e) + c0 * inter;
+                if let Some(acts) = acts {
+                    with_scratch(inter, |row| {
+                        let aq = acts.rows_from(r0);
+                        multiply_quantized(
+                            aq,
+                            rows,
+                            inter,
+                            down.rows(e),
+                            d_off,
+                            cols,
+                            tile,
+                            hidden,
+                            row,
+                        )
+                    });
+                } else if let (Some(ap), Some(bits)) = (ordered, bf16_in_place(down.rows(e))) {
+                    let ap = &ap[r0 * inter..r1 * inter];
+                    multiply_bf16(ap, rows, inter, bits, d_off, cols, tile, hidden)
+                } else if rows < gemm_min_rows(down.rows(e)) {
+                    with_scratch(inter, |row| {
+                        multiply_streaming(
+                            a,
+                            rows,
+                            inter,
+                            down.rows(e),
+                            d_off,
+                            cols,
+                            tile,
+                            hidden,
+                            row,
+                        )
+                    });
+                } else {
+                    with_scratch(cols * inter, |wd| {
+                        down.rows(e).to_f32(d_off, wd);
+                        multiply_tile(a, rows, inter, wd, cols, tile, hidden);
+                    });
+                }
+                for s in r0..r1 {
+                    let w = weights[sorted[s] as usize];
+                    for c in c0..c1 {
+                        // SAFETY: (s, c) lies in this item's own tile of `y`.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            *out.offset(s * hidden + c).as_ptr() *= w;
+                        }
                     }
                 }
-            }
-        });
-    };
-    // The act rows quantized, or put in bf16 lane order, once, not for each item.
-    if integer_throughout(offsets, &[down]) {
-        with_expert_acts(act, (pairs, inter), &[down], |acts| run_items(acts, None))
-    } else if down.rows.iter().all(|&w| bf16_in_place(w).is_some()) {
-        with_bf16_lane_order(act, pairs, inter, |ap| run_items(None, Some(ap)))
-    } else {
-        run_items(None, None)
-    }
+            });
+        };
+        // The act rows quantized, or put in bf16 lane order, once, not for each item.
+        if integer_throughout(offsets, &[down]) {
+            with_expert_acts(act, (pairs, inter), &[down], |acts| run_items(acts, None))
+        } else if down.all_rows().all(|w| bf16_in_place(w).is_some()) {
+            with_bf16_lane_order(act, pairs, inter, |ap| run_items(None, Some(ap)))
+        } else {
+            run_items(None, None)
+        }
+    })
 }
 
 /// Whether every expert with pairs multiplies `projs` by integer products: their weights have
@@ -449,7 +514,7 @@ pub(crate) fn grouped_down(
 fn integer_throughout(offsets: &[u32], projs: &[&ExpertProj<'_>]) -> bool {
     integer_products(projs)
         && projs.iter().all(|proj| {
-            offsets.windows(2).zip(&proj.rows).all(|(o, &w)| {
+            offsets.windows(2).zip(proj.all_rows()).all(|(o, w)| {
                 let rows = (o[1] - o[0]) as usize;
                 rows < gemm_min_rows(w) || panels(w)
             })
