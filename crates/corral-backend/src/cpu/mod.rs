@@ -362,6 +362,11 @@ fn recurrent_runs(
     Ok(out)
 }
 
+thread_local! {
+    /// A row's candidate keys while its top candidates are found, reused.
+    static CANDIDATE_KEYS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 impl Backend for CpuBackend {
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", self.threads)
@@ -1321,8 +1326,10 @@ impl Backend for CpuBackend {
         out.par_chunks_mut(CANDIDATE_ROW_WORDS)
             .zip(logits.par_chunks(vocab))
             .zip(draws.par_chunks(DRAW_WORDS))
-            .for_each_init(Vec::new, |keys, ((out, row), draw)| {
-                sampling::reduce_row(row, draw, keys, out);
+            .for_each(|((out, row), draw)| {
+                ops::with_reused(&CANDIDATE_KEYS, |keys| {
+                    sampling::reduce_row(row, draw, keys, out)
+                })
             });
         Ok(())
     }
