@@ -447,6 +447,20 @@ fn block_experts(
     (experts, [gate, up, down])
 }
 
+/// The routing of `ids`: their buffer, and positive weights from `seed` with theirs.
+fn routing_buffers(
+    b: &CpuBackend,
+    ids: &[u32],
+    seed: u64,
+) -> (
+    corral_backend::DeviceBuffer,
+    corral_backend::DeviceBuffer,
+    Vec<f32>,
+) {
+    let weights: Vec<f32> = values(ids.len(), seed).iter().map(|v| v.abs()).collect();
+    (upload_u32(b, ids), upload(b, &weights), weights)
+}
+
 /// The per-token experts over block-format weights, which quantize each token's row and each
 /// pair's act row once for every expert reading it, equal bit for bit each (token, expert)
 /// pair's products by `matmul`, `silu_mul` and a weighted sum, which quantize their rows
@@ -469,11 +483,7 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
         let ids: Vec<u32> = (0..tokens * top_k)
             .map(|p| ((p * 5 + case) % e) as u32)
             .collect();
-        let weights: Vec<f32> = values(tokens * top_k, seed + 4)
-            .iter()
-            .map(|v| v.abs())
-            .collect();
-        let (ids_buf, weights_buf) = (upload_u32(&b, &ids), upload(&b, &weights));
+        let (ids_buf, weights_buf, weights) = routing_buffers(&b, &ids, seed + 4);
         let routing = MoeRouting {
             expert_ids: &ids_buf,
             expert_weights: &weights_buf,
@@ -555,11 +565,7 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
                 }
             })
             .collect();
-        let weights: Vec<f32> = values(tokens * top_k, seed + 4)
-            .iter()
-            .map(|v| v.abs())
-            .collect();
-        let (ids_buf, weights_buf) = (upload_u32(&b, &ids), upload(&b, &weights));
+        let (ids_buf, weights_buf, _) = routing_buffers(&b, &ids, seed + 4);
         let routing = MoeRouting {
             expert_ids: &ids_buf,
             expert_weights: &weights_buf,

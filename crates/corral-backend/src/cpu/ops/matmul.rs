@@ -147,8 +147,9 @@ pub(crate) fn multiply_tile(
 
 /// `out[r * ld + j] = x[r] · w[j]` for `r < m`, `j < n`, where weight row `j` starts at
 /// element `w_offset + j * k` of `w`: each weight row is converted into `row` (length `k`)
-/// once and used by all `m` rows while it is in L1. The few-row (decode) path, and every
-/// product over bf16 weights read in place ([`multiply_bf16`]).
+/// once and used by all `m` rows while it is in L1. The few-row (decode) path, every product
+/// over bf16 weights read in place ([`multiply_bf16`]), and every one over weights with
+/// integer panels ([`multiply_quantized`]).
 ///
 /// The caller guarantees that these output elements are in bounds and written by no other
 /// work item while this runs.
@@ -229,9 +230,9 @@ pub(crate) fn multiply_quantized(
     let WeightRows::Quant(format, bytes) = w else {
         return;
     };
-    let w_rows = w;
+    let panel = m >= gemm_min_rows(w) && panels(w);
     let w = &bytes[quant_range(format, w_offset, n * k)];
-    if m >= gemm_min_rows(w_rows) && panels(w_rows) {
+    if panel {
         return quant_panel::multiply(format, w, n, acts, m, out, ld);
     }
     let isa = quant_dot::best_isa();
@@ -828,18 +829,13 @@ fn matmul_item(
     ld: usize,
 ) {
     let nb = n1 - n0;
-    if rows < gemm_min_rows(w) {
+    // Integer panels take many rows through the few-row path's quantized activations.
+    if rows < gemm_min_rows(w) || panels(w) {
         return with_scratch(k, |row| {
             multiply_streaming(xs, rows, k, w, n0 * k, nb, out, ld, row)
         });
     }
     match w {
-        WeightRows::Quant(format, _) if panels(w) => {
-            let per = quant_dot::ActBlocks::of([format]);
-            with_quantized(xs, rows, k, per, |acts| {
-                multiply_quantized(acts.rows_from(0), rows, k, w, n0 * k, nb, out, ld, &mut [])
-            })
-        }
         WeightRows::F32(w) => multiply_tile(xs, rows, k, &w[n0 * k..n1 * k], nb, out, ld),
         _ => with_scratch(nb * k, |buf| {
             w.to_f32(n0 * k, buf);

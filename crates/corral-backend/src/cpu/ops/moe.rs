@@ -324,16 +324,23 @@ pub(crate) fn grouped_gate_up(
         let run_items = |acts: Option<&QuantizedRows>| {
             items.par_iter().for_each(|&(e, (r0, r1), (c0, c1))| {
                 let (rows, cols) = (r1 - r0, c1 - c0);
-                let streaming = rows < gemm_min_rows(gate.rows(e));
-                let weight_scratch = if streaming { hidden } else { 2 * cols * hidden };
+                let (gw, uw) = (gate.rows(e), up.rows(e));
+                let streaming = rows < gemm_min_rows(gw);
+                // bf16 gate and up read in place, the rows gathered in their lane order.
+                let bf16 = bf16_in_place(gw).zip(bf16_in_place(uw));
+                // Only weights decoded to f32 panels need room for them.
+                let f32_panels = acts.is_none() && bf16.is_none() && !streaming;
+                let weight_scratch = if f32_panels {
+                    2 * cols * hidden
+                } else {
+                    hidden
+                };
                 with_scratch(
                     rows * hidden + weight_scratch + 2 * rows * cols,
                     |scratch| {
                         let (xs, rest) = scratch.split_at_mut(rows * hidden);
                         let (wbuf, rest) = rest.split_at_mut(weight_scratch);
                         let (g, u) = rest.split_at_mut(rows * cols);
-                        // bf16 gate and up read in place, the rows gathered in their lane order.
-                        let bf16 = bf16_in_place(gate.rows(e)).zip(bf16_in_place(up.rows(e)));
                         for (i, s) in (r0..r1).enumerate().filter(|_| acts.is_none()) {
                             let t = sorted[s] as usize / top_k;
                             let (from, to) = (
@@ -353,7 +360,6 @@ pub(crate) fn grouped_gate_up(
                             multiply_bf16(xs, rows, hidden, ub, u_off, cols, u_ptr, cols);
                         } else if let Some(acts) = acts {
                             let xq = acts.rows_from(r0);
-                            let (gw, uw) = (gate.rows(e), up.rows(e));
                             multiply_quantized(
                                 xq, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf,
                             );
@@ -362,31 +368,15 @@ pub(crate) fn grouped_gate_up(
                             );
                         } else if streaming {
                             multiply_streaming(
-                                xs,
-                                rows,
-                                hidden,
-                                gate.rows(e),
-                                g_off,
-                                cols,
-                                g_ptr,
-                                cols,
-                                wbuf,
+                                xs, rows, hidden, gw, g_off, cols, g_ptr, cols, wbuf,
                             );
                             multiply_streaming(
-                                xs,
-                                rows,
-                                hidden,
-                                up.rows(e),
-                                u_off,
-                                cols,
-                                u_ptr,
-                                cols,
-                                wbuf,
+                                xs, rows, hidden, uw, u_off, cols, u_ptr, cols, wbuf,
                             );
                         } else {
                             let (wg, wu) = wbuf.split_at_mut(cols * hidden);
-                            gate.rows(e).to_f32(g_off, wg);
-                            up.rows(e).to_f32(u_off, wu);
+                            gw.to_f32(g_off, wg);
+                            uw.to_f32(u_off, wu);
                             multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
                             multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
                         }
@@ -446,42 +436,22 @@ pub(crate) fn grouped_down(
                 let (rows, cols) = (r1 - r0, c1 - c0);
                 let tile = out.offset(r0 * hidden + c0);
                 let a = &act[r0 * inter..r1 * inter];
-                let d_off = down.offset(e) + c0 * inter;
+                let (dw, d_off) = (down.rows(e), down.offset(e) + c0 * inter);
                 if let Some(acts) = acts {
+                    let aq = acts.rows_from(r0);
                     with_scratch(inter, |row| {
-                        let aq = acts.rows_from(r0);
-                        multiply_quantized(
-                            aq,
-                            rows,
-                            inter,
-                            down.rows(e),
-                            d_off,
-                            cols,
-                            tile,
-                            hidden,
-                            row,
-                        )
+                        multiply_quantized(aq, rows, inter, dw, d_off, cols, tile, hidden, row)
                     });
-                } else if let (Some(ap), Some(bits)) = (ordered, bf16_in_place(down.rows(e))) {
+                } else if let (Some(ap), Some(bits)) = (ordered, bf16_in_place(dw)) {
                     let ap = &ap[r0 * inter..r1 * inter];
                     multiply_bf16(ap, rows, inter, bits, d_off, cols, tile, hidden)
-                } else if rows < gemm_min_rows(down.rows(e)) {
+                } else if rows < gemm_min_rows(dw) {
                     with_scratch(inter, |row| {
-                        multiply_streaming(
-                            a,
-                            rows,
-                            inter,
-                            down.rows(e),
-                            d_off,
-                            cols,
-                            tile,
-                            hidden,
-                            row,
-                        )
+                        multiply_streaming(a, rows, inter, dw, d_off, cols, tile, hidden, row)
                     });
                 } else {
                     with_scratch(cols * inter, |wd| {
-                        down.rows(e).to_f32(d_off, wd);
+                        dw.to_f32(d_off, wd);
                         multiply_tile(a, rows, inter, wd, cols, tile, hidden);
                     });
                 }

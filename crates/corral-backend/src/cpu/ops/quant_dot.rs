@@ -53,15 +53,15 @@ pub(crate) struct ActRow<'a> {
     d: &'a [f32],
     sums: &'a [i32],
     /// Per super-block, or empty where not asked for.
-    pub(super) sq: &'a [i8],
-    pub(super) sd: &'a [f32],
-    pub(super) ss: &'a [i16],
-    pub(super) sh: &'a [i16],
+    sq: &'a [i8],
+    sd: &'a [f32],
+    ss: &'a [i16],
+    sh: &'a [i16],
 }
 
 impl ActRow<'_> {
     /// Whether this row holds `supers` super-blocks' activations.
-    pub(super) fn holds_super_blocks(&self, supers: usize) -> bool {
+    fn holds_super_blocks(&self, supers: usize) -> bool {
         self.sq.len() >= supers * QK
             && self.sd.len() >= supers
             && self.ss.len() >= supers * 8
@@ -197,7 +197,7 @@ pub(crate) struct ActRows<'a> {
 impl ActRows<'_> {
     /// Row `r` of these.
     #[inline(always)]
-    pub(super) fn row(&self, r: usize) -> ActRow<'_> {
+    fn row(&self, r: usize) -> ActRow<'_> {
         self.rows.row(self.first + r)
     }
 }

@@ -55,14 +55,10 @@ struct Panel {
 
 impl Panel {
     /// Decodes `rows` (at most [`LANES`]) rows of `format`, `supers` super-blocks each, packed
-    /// in `w`, a super-block at a time by `super_block`.
-    fn decode(
-        &mut self,
-        format: QuantFormat,
-        rows: usize,
-        supers: usize,
-        super_block: impl Fn(usize, SuperBlockOut<'_>),
-    ) {
+    /// in `w`, a super-block at a time ([`vnni::super_block`]). On a CPU with AVX-512 VNNI
+    /// ([`available`]).
+    #[cfg(target_arch = "x86_64")]
+    fn decode(&mut self, format: QuantFormat, w: &[u8], rows: usize, supers: usize) {
         let subs = QK / sub_block(format);
         self.values.resize(supers * SUPER_BYTES, 0);
         self.scales.resize(supers * subs * LANES, 0);
@@ -71,16 +67,18 @@ impl Panel {
         self.dm.resize(supers * LANES, 0.0);
         debug_assert!(rows <= LANES);
         for n in 0..supers {
-            super_block(
-                n,
-                SuperBlockOut {
-                    values: &mut self.values[n * SUPER_BYTES..][..SUPER_BYTES],
-                    scales: &mut self.scales[n * subs * LANES..][..subs * LANES],
-                    offsets: &mut self.offsets[n * subs * LANES..][..subs * LANES],
-                    d: &mut self.d[n * LANES..][..LANES],
-                    dm: &mut self.dm[n * LANES..][..LANES],
-                },
-            );
+            let into = SuperBlockOut {
+                values: &mut self.values[n * SUPER_BYTES..][..SUPER_BYTES],
+                scales: &mut self.scales[n * subs * LANES..][..subs * LANES],
+                offsets: &mut self.offsets[n * subs * LANES..][..subs * LANES],
+                d: &mut self.d[n * LANES..][..LANES],
+                dm: &mut self.dm[n * LANES..][..LANES],
+            };
+            // SAFETY: the caller checked AVX-512 VNNI (available).
+            #[allow(unsafe_code)]
+            unsafe {
+                vnni::super_block(format, w, (rows, supers), n, into)
+            };
         }
     }
 }
@@ -167,14 +165,14 @@ pub(crate) fn multiply(
             }
             let w = &w[j0 * row_bytes..][..lanes * row_bytes];
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has AVX-512 VNNI (available); the caller vouches for `out`'s
-            // rows and columns `j0..j0 + lanes`.
-            #[allow(unsafe_code)]
-            unsafe {
-                panel.decode(format, lanes, supers, |n, into| {
-                    vnni::super_block(format, w, (lanes, supers), n, into)
-                });
-                vnni::rows(format, panel, acts, m, out.offset(j0), ld, lanes);
+            {
+                panel.decode(format, w, lanes, supers);
+                // SAFETY: the CPU has AVX-512 VNNI (available); the caller vouches for `out`'s
+                // rows and columns `j0..j0 + lanes`.
+                #[allow(unsafe_code)]
+                unsafe {
+                    vnni::rows(format, panel, acts, m, out.offset(j0), ld, lanes)
+                };
             }
         }
     });
