@@ -2082,12 +2082,17 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
             )
             .unwrap();
             let want = read(&c, &want, rows * out_rows);
-            // The CPU on the blocks: activations quantized per 32 values, integer dots.
-            let mut cpu_blocks = out_buf(&c, rows * out_rows);
+            // The CPU on the blocks a row at a time: activations quantized per 32 values,
+            // integer dots (from 8 rows it may decode Q8_0 to f32 instead).
             let q_view = WeightView::new(&wq, out_rows, cols).unwrap();
-            c.matmul(&f32_buf(&c, &x), rows, q_view, &mut cpu_blocks)
-                .unwrap();
-            let cpu_blocks = read(&c, &cpu_blocks, rows * out_rows);
+            let cpu_blocks: Vec<f32> = x
+                .chunks(cols)
+                .flat_map(|row| {
+                    let mut out = out_buf(&c, out_rows);
+                    c.matmul(&f32_buf(&c, row), 1, q_view, &mut out).unwrap();
+                    read(&c, &out, out_rows)
+                })
+                .collect();
             let mut got = out_buf(g, rows * out_rows);
             g.matmul(&f32_buf(g, &x), rows, view, &mut got).unwrap();
             let got = read(g, &got, rows * out_rows);
