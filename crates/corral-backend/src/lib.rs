@@ -10,6 +10,7 @@
 //! runs them as NVRTC-compiled kernels on an NVIDIA GPU, loading the driver at run time.
 //! [`reference`] holds plain, obviously-correct versions of the ops for tests.
 
+pub mod alloc_count;
 mod buffer;
 mod cpu;
 mod cuda;

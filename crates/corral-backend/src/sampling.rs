@@ -117,21 +117,24 @@ pub struct RowCandidates {
 impl RowCandidates {
     /// Reads one row's [`CANDIDATE_ROW_WORDS`] words.
     pub fn from_words(w: &[u32]) -> Self {
+        let mut row = Self::default();
+        row.read_words(w);
+        row
+    }
+
+    /// [`RowCandidates::from_words`] into `self`, reusing its room.
+    pub fn read_words(&mut self, w: &[u32]) {
         let k = TOP_CANDIDATES;
         let count = (w[2 * k] as usize).min(k);
-        let top = (0..count)
-            .map(|i| (w[i], f32::from_bits(w[k + i])))
-            .collect();
-        let gumbel =
+        self.top.clear();
+        self.top
+            .extend((0..count).map(|i| (w[i], f32::from_bits(w[k + i]))));
+        self.max = f32::from_bits(w[2 * k + 1]);
+        self.log_sum_exp = f32::from_bits(w[2 * k + 2]);
+        self.tempered_log_sum_exp = f32::from_bits(w[2 * k + 3]);
+        self.gumbel =
             (w[2 * k + 4] != u32::MAX).then(|| (w[2 * k + 4], f32::from_bits(w[2 * k + 5])));
-        Self {
-            top,
-            max: f32::from_bits(w[2 * k + 1]),
-            log_sum_exp: f32::from_bits(w[2 * k + 2]),
-            tempered_log_sum_exp: f32::from_bits(w[2 * k + 3]),
-            gumbel,
-            truncated: w[2 * k + 6] != 0,
-        }
+        self.truncated = w[2 * k + 6] != 0;
     }
 
     /// Whether every finite logit of the row is among the candidates.
@@ -191,10 +194,12 @@ impl Filter {
 }
 
 /// What the candidates say of a row's pick.
+#[allow(clippy::large_enum_variant)] // held on the stack on purpose: no allocation
 enum Kept {
     Token(u32),
-    /// Candidates left by the filters with weights relative to the best, `exp(l/T - max)`.
-    Among(Vec<(u32, f32)>),
+    /// Candidates left by the filters (the first `.1`) with weights relative to the best,
+    /// `exp(l/T - max)`; held in place, as a step's sampling allocates nothing.
+    Among([(u32, f32); TOP_CANDIDATES], usize),
 }
 
 impl RowCandidates {
@@ -208,11 +213,12 @@ impl RowCandidates {
     pub fn choose(&self, filter: &Filter, uniform: impl FnOnce() -> f64) -> Option<u32> {
         Some(match self.kept(filter)? {
             Kept::Token(id) => id,
-            Kept::Among(c) => {
+            Kept::Among(held, len) => {
+                let c = &held[..len];
                 let total: f64 = c.iter().map(|&(_, w)| f64::from(w)).sum();
                 let mut target = uniform() * total;
                 let mut pick = c.last().map_or(0, |&(id, _)| id);
-                for &(id, w) in &c {
+                for &(id, w) in c {
                     target -= f64::from(w);
                     if target < 0.0 {
                         pick = id;
@@ -238,7 +244,7 @@ impl RowCandidates {
             return None;
         }
         let whole = self.is_whole_row();
-        let mut top = &self.top[..];
+        let mut top = &self.top[..self.top.len().min(TOP_CANDIDATES)];
         let truncated = f.top_k > 0 && f.top_k < top.len();
         if truncated {
             top = &top[..f.top_k];
@@ -246,15 +252,16 @@ impl RowCandidates {
             return None;
         }
         let max = top[0].1 / f.temperature;
-        let mut c: Vec<(u32, f32)> = top
-            .iter()
-            .map(|&(id, l)| (id, (l / f.temperature - max).exp()))
-            .collect();
+        let mut held = [(0, 0.0); TOP_CANDIDATES];
+        for (h, &(id, l)) in held.iter_mut().zip(top) {
+            *h = (id, (l / f.temperature - max).exp());
+        }
+        let mut len = top.len();
         // Set by the filters so far: the candidates hold every token still in play.
         let mut complete = whole || f.top_k > 0;
         if f.top_p < 1.0 {
             let total = if complete {
-                c.iter().map(|&(_, w)| f64::from(w)).sum()
+                held[..len].iter().map(|&(_, w)| f64::from(w)).sum()
             } else {
                 f64::from(self.tempered_log_sum_exp - self.max / f.temperature).exp()
             };
@@ -264,26 +271,33 @@ impl RowCandidates {
             let margin = if complete { 0.0 } else { 1e-4 };
             let top_p = f64::from(f.top_p);
             let mut before = 0.0;
-            let keep = c.iter().position(|&(_, w)| {
+            let keep = held[..len].iter().position(|&(_, w)| {
                 before = cumulative;
                 cumulative += f64::from(w) / total;
                 cumulative >= top_p
             });
             match keep {
                 Some(_) if cumulative < top_p + margin || before > top_p - margin => return None,
-                Some(i) => c.truncate(i + 1),
+                Some(i) => len = i + 1,
                 None if !complete => return None,
                 None => {}
             }
             complete = true;
         }
         if f.min_p > 0.0 {
-            if !complete && c.last().is_some_and(|&(_, w)| w >= f.min_p) {
+            if !complete && held[..len].last().is_some_and(|&(_, w)| w >= f.min_p) {
                 return None;
             }
-            c.retain(|&(_, w)| w >= f.min_p);
+            let mut kept = 0;
+            for i in 0..len {
+                if held[i].1 >= f.min_p {
+                    held[kept] = held[i];
+                    kept += 1;
+                }
+            }
+            len = kept;
         }
-        Some(Kept::Among(c))
+        Some(Kept::Among(held, len))
     }
 }
 

@@ -4,43 +4,16 @@
 //! run the GEMM crate, which allocates its packing room each call.) Every allocation of this
 //! test binary is counted, so it holds this one test.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
+use corral_backend::alloc_count::{CountingAllocator, allocations};
 use corral_backend::{
     AttentionMeta, AttentionShape, Backend, BufferUsage, CpuBackend, DType, DeviceBuffer,
     ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, WeightView,
 };
 
-/// The system allocator, counting allocations.
-struct Counting;
-
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call goes to the system allocator unchanged.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005) | 1;
@@ -205,15 +178,22 @@ fn warm_cpu_ops_allocate_nothing() {
         b.matmul(&x, moe_tokens, expert0, &mut mm_out).unwrap();
         b.matmul(&x, 1, expert0, &mut mm_out).unwrap();
     };
-    // Warm: the pool's threads start, and each thread's reused buffers grow.
+    // Warm: the pool's threads start, and each thread's reused buffers grow. Which thread
+    // takes which item varies, so a thread may first meet a kind of item in a later step:
+    // the fewest of several steps counts (an allocation in the ops is in every step).
     for _ in 0..3 {
         step(&b);
     }
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
-    step(&b);
-    let allocated = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let allocated = (0..5)
+        .map(|_| {
+            let before = allocations();
+            step(&b);
+            allocations() - before
+        })
+        .min()
+        .unwrap_or(0);
     assert_eq!(
         allocated, 0,
-        "a warm step of CPU ops allocated {allocated} times"
+        "every warm step of CPU ops allocated, the fewest {allocated} times"
     );
 }

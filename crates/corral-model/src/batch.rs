@@ -142,11 +142,15 @@ impl RaggedBatch {
         }
     }
 
-    /// `[start, len, slot, fresh]` per run, for recurrent layers; `None` if a run has no slot.
-    pub(crate) fn recurrent_runs(&self) -> Option<Vec<u32>> {
-        let mut out = Vec::with_capacity(self.runs.len() * 4);
+    /// `[start, len, slot, fresh]` per run into `out`, for recurrent layers; false (and `out`
+    /// empty) if a run has no slot.
+    pub(crate) fn recurrent_runs_into(&self, out: &mut Vec<u32>) -> bool {
+        out.clear();
         for run in &self.runs {
-            let slot = run.state_slot?;
+            let Some(slot) = run.state_slot else {
+                out.clear();
+                return false;
+            };
             out.extend([
                 run.start as u32,
                 run.len as u32,
@@ -154,7 +158,7 @@ impl RaggedBatch {
                 u32::from(run.first_position == 0),
             ]);
         }
-        Some(out)
+        true
     }
 
     /// Token ids, flat.
@@ -190,54 +194,63 @@ impl RaggedBatch {
     /// Batch rows whose logits are wanted, in order; the forward returns logits in this order.
     pub fn logit_rows(&self) -> Vec<u32> {
         let mut rows = Vec::new();
+        self.logit_rows_into(&mut rows);
+        rows
+    }
+
+    /// [`RaggedBatch::logit_rows`] into `out`.
+    pub(crate) fn logit_rows_into(&self, out: &mut Vec<u32>) {
+        out.clear();
         for run in &self.runs {
             let range = run.start..run.start + run.len;
             match run.logits {
                 LogitsWanted::None => {}
-                LogitsWanted::Last => rows.push((range.end - 1) as u32),
-                LogitsWanted::All => rows.extend(range.map(|r| r as u32)),
+                LogitsWanted::Last => out.push((range.end - 1) as u32),
+                LogitsWanted::All => out.extend(range.map(|r| r as u32)),
             }
         }
-        rows
     }
 
-    /// Each token's run index.
-    pub(crate) fn token_runs(&self) -> Vec<u32> {
-        let mut out = Vec::with_capacity(self.tokens.len());
+    /// Each token's run index, into `out`.
+    pub(crate) fn token_runs_into(&self, out: &mut Vec<u32>) {
+        out.clear();
         for (i, run) in self.runs.iter().enumerate() {
             out.extend(std::iter::repeat_n(i as u32, run.len));
         }
-        out
     }
 
-    /// Each token's cache slot.
-    pub(crate) fn slots(&self) -> Vec<u32> {
+    /// Each token's cache slot, into `out`.
+    pub(crate) fn slots_into(&self, out: &mut Vec<u32>) {
         let bs = self.block_size;
-        let mut out = Vec::with_capacity(self.tokens.len());
+        out.clear();
         for run in &self.runs {
             for p in run.first_position..run.first_position + run.len {
                 let block = run.block_table.blocks[p / bs].0 as usize;
                 out.push((block * bs + p % bs) as u32);
             }
         }
-        out
     }
 
-    /// Block tables padded to the longest, flat, and that width.
-    pub(crate) fn padded_block_tables(&self) -> (Vec<u32>, usize) {
-        let width = self
-            .runs
+    /// Block tables flat into `out`, each padded with zeros to `width` (at least
+    /// [`RaggedBatch::table_width`]).
+    pub(crate) fn block_tables_into(&self, width: usize, out: &mut Vec<u32>) {
+        out.clear();
+        out.resize(width * self.runs.len(), 0);
+        for (row, run) in out.chunks_exact_mut(width).zip(&self.runs) {
+            row[..run.block_table.blocks.len()]
+                .iter_mut()
+                .zip(&run.block_table.blocks)
+                .for_each(|(o, b)| *o = b.0);
+        }
+    }
+
+    /// The width of the longest block table (at least 1).
+    pub(crate) fn table_width(&self) -> usize {
+        self.runs
             .iter()
             .map(|r| r.block_table.blocks.len())
             .max()
             .unwrap_or(0)
-            .max(1);
-        let mut out = vec![0u32; width * self.runs.len()];
-        for (i, run) in self.runs.iter().enumerate() {
-            for (j, b) in run.block_table.blocks.iter().enumerate() {
-                out[i * width + j] = b.0;
-            }
-        }
-        (out, width)
+            .max(1)
     }
 }

@@ -37,6 +37,18 @@ pub struct Model {
     graphs_enabled: bool,
     /// Recorded decode-step graphs and the workspaces they are bound to, by shape.
     graphs: Mutex<HashMap<GraphKey, GraphEntry>>,
+    /// The batch metadata a step uploads, in vectors reused from step to step.
+    step_rows: Mutex<StepRows>,
+}
+
+/// A batch's metadata as a step uploads it ([`RaggedBatch`]'s `*_into` methods).
+#[derive(Debug, Default)]
+struct StepRows {
+    token_runs: Vec<u32>,
+    slots: Vec<u32>,
+    tables: Vec<u32>,
+    logit_rows: Vec<u32>,
+    recurrent_runs: Vec<u32>,
 }
 
 /// Blocks by which decode graphs pad the block-table width, so that one graph serves a
@@ -100,15 +112,6 @@ impl Drop for Capture<'_> {
             let _ = self.backend.end_capture();
         }
     }
-}
-
-/// `tables` (`runs` rows of `width`) re-laid with rows of `padded` (zeros after).
-fn pad_tables(tables: &[u32], runs: usize, width: usize, padded: usize) -> Vec<u32> {
-    let mut out = vec![0; runs * padded];
-    for r in 0..runs {
-        out[r * padded..r * padded + width].copy_from_slice(&tables[r * width..(r + 1) * width]);
-    }
-    out
 }
 
 /// What one forward pass cost.
@@ -237,6 +240,7 @@ impl Model {
             moe_strategy: MoeStrategy::default(),
             graphs_enabled: true,
             graphs: Mutex::new(HashMap::new()),
+            step_rows: Mutex::default(),
         })
     }
 
@@ -422,19 +426,27 @@ impl Model {
                 run.seq_id.0, cache.num_blocks
             )));
         }
-        let recurrent_runs = match (&self.inner, state.as_deref()) {
+        let mut step_rows = self.step_rows.lock().unwrap_or_else(|e| e.into_inner());
+        let StepRows {
+            token_runs,
+            slots,
+            tables,
+            logit_rows: rows,
+            recurrent_runs,
+        } = &mut *step_rows;
+        match (&self.inner, state.as_deref()) {
             (FamilyModel::Hybrid(_), None) => {
                 return Err(ModelError::InvalidBatch(
                     "a hybrid model needs recurrent state: use forward_with_state".to_string(),
                 ));
             }
             (FamilyModel::Hybrid(_), Some(state)) => {
-                let runs = batch.recurrent_runs().ok_or_else(|| {
-                    ModelError::InvalidBatch(
+                if !batch.recurrent_runs_into(recurrent_runs) {
+                    return Err(ModelError::InvalidBatch(
                         "every run of a hybrid model needs a state slot".to_string(),
-                    )
-                })?;
-                if runs
+                    ));
+                }
+                if recurrent_runs
                     .chunks_exact(4)
                     .any(|r| r[2] as usize >= state.num_slots)
                     || state.conv.len() != config.num_linear_layers()
@@ -444,12 +456,12 @@ impl Model {
                         state.num_slots
                     )));
                 }
-                runs
             }
-            (FamilyModel::Qwen3(_), _) => Vec::new(),
-        };
-        let rows = batch.logit_rows();
-        let (mut tables, mut width) = batch.padded_block_tables();
+            (FamilyModel::Qwen3(_), _) => recurrent_runs.clear(),
+        }
+        batch.logit_rows_into(rows);
+        batch.token_runs_into(token_runs);
+        batch.slots_into(slots);
         let tokens = batch.num_tokens();
         let max_run_tokens = batch.runs().iter().map(|r| r.len).max().unwrap_or(1);
         // Decode steps (every run one token) replay a recorded graph per shape; the table
@@ -459,21 +471,21 @@ impl Model {
             && max_run_tokens == 1
             && !self.moe_strategy.syncs_host(tokens);
         let graphable = decode_shaped && self.graphs_enabled;
+        let mut width = batch.table_width();
         if decode_shaped {
-            let padded = width.div_ceil(GRAPH_WIDTH_STEP) * GRAPH_WIDTH_STEP;
-            tables = pad_tables(&tables, batch.runs().len(), width, padded);
-            width = padded;
+            width = width.div_ceil(GRAPH_WIDTH_STEP) * GRAPH_WIDTH_STEP;
         }
+        batch.block_tables_into(width, tables);
         let mut moe_stats = DispatchStats::default();
         let upload = |ws: &mut Workspace| -> Result<()> {
             backend.upload_u32(batch.tokens(), &mut ws.batch.ids)?;
             backend.upload_u32(batch.positions(), &mut ws.batch.positions)?;
-            backend.upload_u32(&batch.token_runs(), &mut ws.batch.token_runs)?;
-            backend.upload_u32(&batch.slots(), &mut ws.batch.slots)?;
-            backend.upload_u32(&tables, &mut ws.batch.block_tables)?;
-            backend.upload_u32(&rows, &mut ws.batch.logit_rows)?;
+            backend.upload_u32(token_runs, &mut ws.batch.token_runs)?;
+            backend.upload_u32(slots, &mut ws.batch.slots)?;
+            backend.upload_u32(tables, &mut ws.batch.block_tables)?;
+            backend.upload_u32(rows, &mut ws.batch.logit_rows)?;
             if !recurrent_runs.is_empty() {
-                backend.upload_u32(&recurrent_runs, &mut ws.batch.recurrent_runs)?;
+                backend.upload_u32(recurrent_runs, &mut ws.batch.recurrent_runs)?;
             }
             Ok(())
         };
@@ -654,7 +666,9 @@ fn read_out(
             step.rows.len()
         )));
     }
-    step.candidates.clear();
+    // Rows' candidates are read into those of the last step (no allocation once warm).
+    step.candidates.truncate(rows);
+    step.candidates.resize_with(rows, RowCandidates::default);
     step.full_rows.clear();
     if rows == 0 {
         return Ok(());
@@ -684,8 +698,9 @@ fn read_out(
     backend.top_candidates(&ws.logits, rows, vocab, &ws.draws, &mut ws.candidates)?;
     step.words.resize(rows * CANDIDATE_ROW_WORDS, 0);
     backend.download_u32(&ws.candidates, &mut step.words)?;
-    for (i, words) in step.words.chunks_exact(CANDIDATE_ROW_WORDS).enumerate() {
-        let candidates = RowCandidates::from_words(words);
+    let rows_read = step.words.chunks_exact(CANDIDATE_ROW_WORDS);
+    for (i, (words, candidates)) in rows_read.zip(&mut step.candidates).enumerate() {
+        candidates.read_words(words);
         // A truncated row's later candidates (and so its top log-probabilities) are not exact.
         let wants_top = step.logprobs.get(i).copied().unwrap_or(false);
         let full = if candidates.decides(&step.rows[i].0) && !(candidates.truncated && wants_top) {
@@ -700,7 +715,6 @@ fn read_out(
                     .collect(),
             )
         };
-        step.candidates.push(candidates);
         step.full_rows.push(full);
     }
     Ok(())

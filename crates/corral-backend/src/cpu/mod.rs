@@ -311,14 +311,16 @@ fn check_rotary(op: &'static str, rotary_dim: usize, head_dim: usize) -> Result<
     Ok(())
 }
 
+/// The runs of a recurrent op, checked, into `out`.
 fn recurrent_runs(
     op: &'static str,
     runs: RecurrentRuns<'_>,
     tokens: usize,
     slots: usize,
-) -> Result<Vec<ops::delta_net::Run>> {
+    out: &mut Vec<ops::delta_net::Run>,
+) -> Result<()> {
     let raw = u32s(op, "runs", runs.runs, runs.num_runs * 4)?;
-    let mut out = Vec::with_capacity(runs.num_runs);
+    out.clear();
     for r in raw.chunks_exact(4) {
         let run = ops::delta_net::Run {
             start: r[0] as usize,
@@ -359,12 +361,14 @@ fn recurrent_runs(
         }
         out.push(run);
     }
-    Ok(out)
+    Ok(())
 }
 
 thread_local! {
     /// A row's candidate keys while its top candidates are found, reused.
     static CANDIDATE_KEYS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A recurrent op's runs, reused.
+    static RECURRENT_RUNS: std::cell::RefCell<Vec<ops::delta_net::Run>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Backend for CpuBackend {
@@ -399,13 +403,7 @@ impl Backend for CpuBackend {
     /// [`keep_busy`] until it ends.
     fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
         let done = std::sync::atomic::AtomicBool::new(false);
-        rayon::scope(|s| {
-            for _ in 1..rayon::current_num_threads() {
-                s.spawn(|_| keep_busy(&done));
-            }
-            step();
-            done.store(true, std::sync::atomic::Ordering::Release);
-        });
+        with_busy_threads(rayon::current_num_threads() - 1, &done, step);
     }
 
     /// Every GGUF format; FP8 blocks are decoded at load (no CPU kernel reads them faster
@@ -1188,19 +1186,21 @@ impl Backend for CpuBackend {
         }
         let tokens = x.len() / channels.max(1);
         let slots = conv_state.len() / (channels * (kernel - 1)).max(1);
-        let runs = recurrent_runs(op, runs, tokens, slots)?;
-        let x = f32s(op, "x", x, tokens * channels)?;
-        let weight = weight_f32(op, weight, channels * kernel)?;
-        let state = f32s_mut(
-            op,
-            "conv_state",
-            conv_state,
-            slots * channels * (kernel - 1),
-        )?;
-        let out = f32s_mut(op, "out", out, tokens * channels)?;
-        self.stats.dispatch(1);
-        ops::delta_net::causal_conv1d(x, weight, channels, kernel, &runs, state, out);
-        Ok(())
+        ops::with_reused(&RECURRENT_RUNS, |checked| {
+            recurrent_runs(op, runs, tokens, slots, checked)?;
+            let x = f32s(op, "x", x, tokens * channels)?;
+            let weight = weight_f32(op, weight, channels * kernel)?;
+            let state = f32s_mut(
+                op,
+                "conv_state",
+                conv_state,
+                slots * channels * (kernel - 1),
+            )?;
+            let out = f32s_mut(op, "out", out, tokens * channels)?;
+            self.stats.dispatch(1);
+            ops::delta_net::causal_conv1d(x, weight, channels, kernel, checked, state, out);
+            Ok(())
+        })
     }
 
     fn delta_net_gates(
@@ -1249,15 +1249,17 @@ impl Backend for CpuBackend {
         let width = 2 * nk * dk + nv * dv;
         let tokens = qkv.len() / width.max(1);
         let slots = recurrent_state.len() / (nv * dk * dv).max(1);
-        let runs = recurrent_runs(op, runs, tokens, slots)?;
-        let qkv = f32s(op, "qkv", qkv, tokens * width)?;
-        let g = f32s(op, "g", g, tokens * nv)?;
-        let beta = f32s(op, "beta", beta, tokens * nv)?;
-        let state = f32s_mut(op, "recurrent_state", recurrent_state, slots * nv * dk * dv)?;
-        let out = f32s_mut(op, "out", out, tokens * nv * dv)?;
-        self.stats.dispatch(1);
-        ops::delta_net::delta_rule(qkv, g, beta, (nk, nv, dk, dv), &runs, state, out);
-        Ok(())
+        ops::with_reused(&RECURRENT_RUNS, |checked| {
+            recurrent_runs(op, runs, tokens, slots, checked)?;
+            let qkv = f32s(op, "qkv", qkv, tokens * width)?;
+            let g = f32s(op, "g", g, tokens * nv)?;
+            let beta = f32s(op, "beta", beta, tokens * nv)?;
+            let state = f32s_mut(op, "recurrent_state", recurrent_state, slots * nv * dk * dv)?;
+            let out = f32s_mut(op, "out", out, tokens * nv * dv)?;
+            self.stats.dispatch(1);
+            ops::delta_net::delta_rule(qkv, g, beta, (nk, nv, dk, dv), checked, state, out);
+            Ok(())
+        })
     }
 
     fn gated_rms_norm(
@@ -1457,6 +1459,27 @@ fn copy_blocks(
         _ => return Err(bad(op, "buffers not the CPU's, or read-only".to_string())),
     }
     Ok(())
+}
+
+/// Runs `step`, then sets `done`, with [`keep_busy`] offered to `threads` other threads of
+/// the pool. Each is the second half of a join, a job on this thread's stack (spawned, each
+/// was an allocation a step), all on this thread's queue ahead of the step's own jobs: a
+/// thread steals the oldest job first, so this thread, waiting on a stolen part of the step,
+/// never finds one of them left to run itself.
+fn with_busy_threads(
+    threads: usize,
+    done: &std::sync::atomic::AtomicBool,
+    step: &mut (dyn FnMut() + Send),
+) {
+    if threads == 0 {
+        step();
+        done.store(true, std::sync::atomic::Ordering::Release);
+    } else {
+        rayon::join(
+            || with_busy_threads(threads - 1, done, step),
+            || keep_busy(done),
+        );
+    }
 }
 
 /// Until `done`, runs the pool's jobs as its other threads split them off rather than going

@@ -1009,16 +1009,17 @@ pub(crate) fn qkv_norm_rope_store(
             }
             super::rope::rotate_heads(q, pos, hd, rotary_dim, &freqs);
         });
-    let mut k = vec![0.0f32; kv_dim];
-    for ((row, &pos), &slot) in qkv.chunks(width).zip(positions).zip(slots) {
-        let dst = slot as usize * kv_dim;
-        for (kh, src) in k.chunks_mut(hd).zip(row[q_dim..q_dim + kv_dim].chunks(hd)) {
-            super::norm::norm_row(src, k_weight, eps, false, kh);
+    super::with_scratch(kv_dim, |k| {
+        for ((row, &pos), &slot) in qkv.chunks(width).zip(positions).zip(slots) {
+            let dst = slot as usize * kv_dim;
+            for (kh, src) in k.chunks_mut(hd).zip(row[q_dim..q_dim + kv_dim].chunks(hd)) {
+                super::norm::norm_row(src, k_weight, eps, false, kh);
+            }
+            super::rope::rotate_heads(k, pos, hd, rotary_dim, &freqs);
+            cache_k.write(dst, k);
+            cache_v.write(dst, &row[q_dim + kv_dim..]);
         }
-        super::rope::rotate_heads(&mut k, pos, hd, rotary_dim, &freqs);
-        cache_k.write(dst, &k);
-        cache_v.write(dst, &row[q_dim + kv_dim..]);
-    }
+    });
 }
 
 pub(crate) fn kv_store(

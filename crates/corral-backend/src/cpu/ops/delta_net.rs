@@ -127,6 +127,7 @@ const CHUNK: usize = 64;
 
 /// One value head's inputs for a run of tokens, normalised: rows of q (scaled), k, v, and
 /// the per-token gate `g` and `beta`.
+#[derive(Default)]
 struct HeadInputs {
     q: Vec<f32>,
     k: Vec<f32>,
@@ -135,9 +136,37 @@ struct HeadInputs {
     beta: Vec<f32>,
 }
 
-/// The gated delta rule, token by token (decode, and the ground truth).
-fn recurrence(x: &HeadInputs, n: usize, dk: usize, dv: usize, s: &mut [f32], out: &mut [f32]) {
-    let mut p = vec![0.0f32; dv];
+/// A work item's inputs, outputs and working room, reused by each thread.
+#[derive(Default)]
+struct HeadRoom {
+    x: HeadInputs,
+    out: Vec<f32>,
+    work: Vec<f32>,
+}
+
+thread_local! {
+    static HEAD_ROOM: std::cell::RefCell<HeadRoom> = std::cell::RefCell::default();
+}
+
+/// `v` cleared and `len` zeros long.
+fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(len, 0.0);
+    v
+}
+
+/// The gated delta rule, token by token (decode, and the ground truth); `work` is room.
+#[allow(clippy::too_many_arguments)]
+fn recurrence(
+    x: &HeadInputs,
+    n: usize,
+    dk: usize,
+    dv: usize,
+    s: &mut [f32],
+    out: &mut [f32],
+    work: &mut Vec<f32>,
+) {
+    let p = zeroed(work, dv);
     for t in 0..n {
         let (q, k, v) = (
             &x.q[t * dk..(t + 1) * dk],
@@ -170,12 +199,22 @@ fn recurrence(x: &HeadInputs, n: usize, dk: usize, dv: usize, s: &mut [f32], out
 /// The same function in the chunked form used for prefill: per block of up to 64 tokens,
 /// with cumulative log-decay γ, `A = diag(β) K Kᵀ ⊙ exp(γ_i − γ_l)` (strictly lower),
 /// `U = (I + A)⁻¹ diag(β) V`, `W = (I + A)⁻¹ diag(β e^γ) K` by forward substitution,
-/// `V' = U − W S`, `O = (Q e^γ) S + ((Q Kᵀ) ⊙ D) V'` and `S ← e^{γ_n} S + (K e^{γ_n − γ})ᵀ V'`.
-fn chunked(x: &HeadInputs, n: usize, dk: usize, dv: usize, s: &mut [f32], out: &mut [f32]) {
-    let mut gamma = vec![0.0f32; CHUNK];
-    let mut a = vec![0.0f32; CHUNK * CHUNK];
-    let mut u = vec![0.0f32; CHUNK * dv];
-    let mut w = vec![0.0f32; CHUNK * dk];
+/// `V' = U − W S`, `O = (Q e^γ) S + ((Q Kᵀ) ⊙ D) V'` and `S ← e^{γ_n} S + (K e^{γ_n − γ})ᵀ V'`;
+/// `work` is room.
+#[allow(clippy::too_many_arguments)]
+fn chunked(
+    x: &HeadInputs,
+    n: usize,
+    dk: usize,
+    dv: usize,
+    s: &mut [f32],
+    out: &mut [f32],
+    work: &mut Vec<f32>,
+) {
+    let room = zeroed(work, CHUNK + CHUNK * CHUNK + CHUNK * dv + CHUNK * dk);
+    let (gamma, room) = room.split_at_mut(CHUNK);
+    let (a, room) = room.split_at_mut(CHUNK * CHUNK);
+    let (u, w) = room.split_at_mut(CHUNK * dv);
     for c0 in (0..n).step_by(CHUNK) {
         let m = CHUNK.min(n - c0);
         // Row `i` of the block in a `[tokens, d]` matrix.
@@ -280,41 +319,42 @@ pub(crate) fn delta_rule(
             s.fill(0.0);
         }
         let n = run.len;
-        let mut x = HeadInputs {
-            q: vec![0.0; n * dk],
-            k: vec![0.0; n * dk],
-            v: Vec::with_capacity(n * dv),
-            g: Vec::with_capacity(n),
-            beta: Vec::with_capacity(n),
-        };
-        for (i, t) in (run.start..run.start + n).enumerate() {
-            let row = &qkv[t * width..(t + 1) * width];
-            l2_normalise(
-                &row[kh * dk..(kh + 1) * dk],
-                &mut x.q[i * dk..(i + 1) * dk],
-                scale,
-            );
-            l2_normalise(
-                &row[nk * dk + kh * dk..nk * dk + (kh + 1) * dk],
-                &mut x.k[i * dk..(i + 1) * dk],
-                1.0,
-            );
-            x.v.extend_from_slice(&row[2 * nk * dk + j * dv..2 * nk * dk + (j + 1) * dv]);
-            x.g.push(g[t * nv + j]);
-            x.beta.push(beta[t * nv + j]);
-        }
-        let mut o = vec![0.0f32; n * dv];
-        // As transformers: the recurrence for single tokens, the chunked form otherwise.
-        if n == 1 {
-            recurrence(&x, n, dk, dv, s, &mut o);
-        } else {
-            chunked(&x, n, dk, dv, s, &mut o);
-        }
-        for (i, t) in (run.start..run.start + n).enumerate() {
-            for e in 0..dv {
-                out_ptr.write((t * nv + j) * dv + e, o[i * dv + e]);
+        super::with_reused(&HEAD_ROOM, |room| {
+            let HeadRoom { x, out: o, work } = room;
+            zeroed(&mut x.q, n * dk);
+            zeroed(&mut x.k, n * dk);
+            x.v.clear();
+            x.g.clear();
+            x.beta.clear();
+            for (i, t) in (run.start..run.start + n).enumerate() {
+                let row = &qkv[t * width..(t + 1) * width];
+                l2_normalise(
+                    &row[kh * dk..(kh + 1) * dk],
+                    &mut x.q[i * dk..(i + 1) * dk],
+                    scale,
+                );
+                l2_normalise(
+                    &row[nk * dk + kh * dk..nk * dk + (kh + 1) * dk],
+                    &mut x.k[i * dk..(i + 1) * dk],
+                    1.0,
+                );
+                x.v.extend_from_slice(&row[2 * nk * dk + j * dv..2 * nk * dk + (j + 1) * dv]);
+                x.g.push(g[t * nv + j]);
+                x.beta.push(beta[t * nv + j]);
             }
-        }
+            let o = zeroed(o, n * dv);
+            // As transformers: the recurrence for single tokens, the chunked form otherwise.
+            if n == 1 {
+                recurrence(x, n, dk, dv, s, o, work);
+            } else {
+                chunked(x, n, dk, dv, s, o, work);
+            }
+            for (i, t) in (run.start..run.start + n).enumerate() {
+                for e in 0..dv {
+                    out_ptr.write((t * nv + j) * dv + e, o[i * dv + e]);
+                }
+            }
+        });
     });
 }
 
@@ -378,8 +418,8 @@ mod tests {
             let s0: Vec<f32> = (0..dk * dv).map(|_| rnd() - 0.5).collect();
             let (mut s_rec, mut s_chunk) = (s0.clone(), s0);
             let (mut o_rec, mut o_chunk) = (vec![0.0; n * dv], vec![0.0; n * dv]);
-            recurrence(&x, n, dk, dv, &mut s_rec, &mut o_rec);
-            chunked(&x, n, dk, dv, &mut s_chunk, &mut o_chunk);
+            recurrence(&x, n, dk, dv, &mut s_rec, &mut o_rec, &mut Vec::new());
+            chunked(&x, n, dk, dv, &mut s_chunk, &mut o_chunk, &mut Vec::new());
             for (a, b) in o_rec.iter().zip(&o_chunk).chain(s_rec.iter().zip(&s_chunk)) {
                 prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{} vs {}", a, b);
             }
