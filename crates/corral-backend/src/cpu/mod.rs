@@ -403,7 +403,9 @@ impl Backend for CpuBackend {
     /// [`keep_busy`] until it ends.
     fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
         let done = std::sync::atomic::AtomicBool::new(false);
-        with_busy_threads(rayon::current_num_threads() - 1, &done, step);
+        // In the pool (a step run from outside it would send each parallel region there
+        // and wait); a scope with nothing spawned allocates nothing.
+        rayon::scope(|_| with_busy_threads(rayon::current_num_threads() - 1, &done, step));
     }
 
     /// Every GGUF format; FP8 blocks are decoded at load (no CPU kernel reads them faster
