@@ -42,10 +42,11 @@ build() {
   if [ ! -d "$WORK/src" ]; then
     local url
     url="$(python3 - "$LLAMA_CPP_PYTHON" <<'PY'
-import json, sys, urllib.request
-v = sys.argv[1]
-d = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-python/{v}/json"))
-print(next(u["url"] for u in d["urls"] if u["packagetype"] == "sdist"))
+import json, sys, urllib.parse, urllib.request
+v, index = sys.argv[1], "https://pypi.org/pypi/llama-cpp-python/json"
+d = json.load(urllib.request.urlopen(index))
+url = next(u["url"] for u in d["releases"][v] if u["packagetype"] == "sdist")
+print(urllib.parse.urljoin(index, url))
 PY
 )"
     curl -sSL -o "$WORK/sdist.tar.gz" "$url"
