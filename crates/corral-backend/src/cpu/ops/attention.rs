@@ -360,88 +360,63 @@ impl Tile {
     }
 }
 
-/// A row-major operand of [`gemm_into`]: `rows × cols` elements of `data`, element (i, j)
-/// at `i * row_stride + j * col_stride`.
-struct Operand<'a> {
-    data: &'a [f32],
-    row_stride: usize,
-    col_stride: usize,
-}
-
-impl<'a> Operand<'a> {
-    /// Rows of `stride` elements one after another.
-    fn row_major(data: &'a [f32], stride: usize) -> Self {
-        Self {
-            data,
-            row_stride: stride,
-            col_stride: 1,
-        }
-    }
-
-    /// The transpose of rows of `stride` elements: element (i, j) at `j * stride + i`.
-    fn col_major(data: &'a [f32], stride: usize) -> Self {
-        Self {
-            data,
-            row_stride: 1,
-            col_stride: stride,
-        }
-    }
-
-    /// Whether every element of a `rows × cols` matrix lies in `data`.
-    fn holds(&self, rows: usize, cols: usize) -> bool {
-        rows == 0
-            || cols == 0
-            || (rows - 1) * self.row_stride + (cols - 1) * self.col_stride < self.data.len()
-    }
-}
-
-/// `dst[m × n] (row-major, contiguous) = lhs[m × k] · rhs[k × n]`, added to what `dst` holds
-/// when `accumulate`: one single-threaded GEMM call (the caller is a parallel work item).
-fn gemm_into(
-    dst: &mut [f32],
-    m: usize,
+/// `o[r] += Σ_j p[r * n + j] · v[j]` for `rows` rows of `hd` outputs, `n` value rows of `hd`:
+/// four value rows a pass over each output row; eight lanes at a time where `simd`.
+fn add_weighted_rows(
+    o: &mut [f32],
+    rows: usize,
+    hd: usize,
+    p: &[f32],
     n: usize,
-    k: usize,
-    lhs: Operand<'_>,
-    rhs: Operand<'_>,
-    accumulate: bool,
+    v: &[f32],
+    simd: bool,
 ) {
     assert!(
-        dst.len() >= m * n && lhs.holds(m, k) && rhs.holds(k, n),
-        "attention GEMM operands shorter than their shapes"
+        o.len() >= rows * hd && p.len() >= rows * n && v.len() >= n * hd,
+        "attention's weighted values shorter than their shapes"
     );
-    if m == 0 || n == 0 {
-        return;
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is set only when the CPU has AVX2 and FMA.
+        #[allow(unsafe_code)]
+        return unsafe { add_weighted_rows_fma(o, rows, hd, p, n, v) };
     }
-    // SAFETY: every element the call reads or writes is in bounds (checked above), and dst
-    // is a unique borrow, disjoint from lhs and rhs.
-    #[allow(unsafe_code)]
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
+    let _ = simd;
+    add_weighted_rows_plain(o, rows, hd, p, n, v);
+}
+
+/// [`add_weighted_rows`] compiled for AVX2, which its loops vectorise to.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn add_weighted_rows_fma(o: &mut [f32], rows: usize, hd: usize, p: &[f32], n: usize, v: &[f32]) {
+    add_weighted_rows_plain(o, rows, hd, p, n, v);
+}
+
+/// [`add_weighted_rows`] in plain loops.
+#[inline(always)]
+fn add_weighted_rows_plain(o: &mut [f32], rows: usize, hd: usize, p: &[f32], n: usize, v: &[f32]) {
+    let whole = n / 4 * 4;
+    for (orow, prow) in o.chunks_exact_mut(hd).zip(p.chunks_exact(n)).take(rows) {
+        for j in (0..whole).step_by(4) {
+            let (p0, p1, p2, p3) = (prow[j], prow[j + 1], prow[j + 2], prow[j + 3]);
+            let vs = &v[j * hd..(j + 4) * hd];
+            let (v0, rest) = vs.split_at(hd);
+            let (v1, rest) = rest.split_at(hd);
+            let (v2, v3) = rest.split_at(hd);
+            for ((((x, a), b), c), d) in orow.iter_mut().zip(v0).zip(v1).zip(v2).zip(v3) {
+                *x += a * p0 + b * p1 + c * p2 + d * p3;
+            }
+        }
+        for j in whole..n {
+            let pj = prow[j];
+            for (x, a) in orow.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
+                *x += a * pj;
+            }
+        }
     }
 }
 
-/// The outputs of a tile's query rows into `bufs.o` (as [`attend_tile`]) by GEMM calls: per block of
+/// The outputs of a tile's query rows into `bufs.o` (as [`attend_tile`]) by products: per block of
 /// `key_block` keys (gathered from their pages), `S = (scale · Q) Kᵀ`, each row's scores
 /// past its own length dropped, an online softmax (the running max and sum, the outputs
 /// rescaled when the max grows), and `O += P V`; the outputs divided by the sums at the end.
@@ -485,8 +460,7 @@ fn attend_tile_gemm(
                 cache_k.read(base, &mut kb[j * hd..(j + 1) * hd]);
                 cache_v.read(base, &mut vb[j * hd..(j + 1) * hd]);
             }
-            let (queries, keys) = (Operand::row_major(qs, hd), Operand::col_major(kb, hd));
-            gemm_into(s, rows, n, hd, queries, keys, false);
+            super::matmul::multiply_f32_rows(qs, rows, hd, kb, n, OutPtr::new(s), n);
             for r in 0..rows {
                 let valid = tile.len(layout, r).saturating_sub(j0).min(n);
                 let row = &mut s[r * n..(r + 1) * n];
@@ -495,8 +469,7 @@ fn attend_tile_gemm(
                 let out = &mut o[r * hd..(r + 1) * hd];
                 online_softmax_step(kept, (&mut max[r], &mut sum[r]), out, simd);
             }
-            let (probs, values) = (Operand::row_major(s, n), Operand::row_major(vb, hd));
-            gemm_into(o, rows, hd, n, probs, values, true);
+            add_weighted_rows(o, rows, hd, s, n, vb, simd);
         }
     });
     for (orow, total) in o.chunks_exact_mut(hd).zip(sum.iter()) {

@@ -43,22 +43,48 @@ pub(crate) fn gemm_min_rows(w: WeightRows<'_>) -> usize {
         _ if panels(w) => PANEL_MIN_ROWS,
         WeightRows::Quant(QuantFormat::Q8_0, _) if tiles_available() => Q8_0_TILE_MIN_ROWS,
         WeightRows::Quant(format, _) if quant_dot::supports(format) => QUANT_GEMM_MIN_ROWS,
-        WeightRows::Bf16(_) if tiles_available() => usize::MAX,
+        WeightRows::Bf16(_) if simd().is_some() => usize::MAX,
         WeightRows::Bf16(_) | WeightRows::F16(_) => HALF_GEMM_MIN_ROWS,
         _ => GEMM_MIN_ROWS,
     }
 }
 
-/// Whether products run as [`tiles`] (AVX-512F and BW): bf16 weights in place at any number
-/// of rows, and f32 panels instead of the GEMM crate. At 300 tokens, widening bf16 panels and
-/// the GEMM crate's packing took a quarter of a bf16 prefill; Q4_K_M panels through tiles,
-/// 300 tokens, 2 threads: 3,937 against 3,720 tok/s (64 experts), 651 against 531 (1.25B).
-fn tiles_available() -> bool {
+/// The vector instructions [`tiles`] and single rows' bf16 dot products run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Simd {
+    /// AVX-512F and BW: 16 lanes.
+    Avx512,
+    /// AVX2 and FMA: 8 lanes.
+    Avx2,
+}
+
+/// The widest [`Simd`] this CPU has, if any.
+pub(crate) fn simd() -> Option<Simd> {
     #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw");
+    {
+        static SIMD: std::sync::LazyLock<Option<Simd>> = std::sync::LazyLock::new(|| {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") {
+                Some(Simd::Avx512)
+            } else if has!("avx2") && has!("fma") {
+                Some(Simd::Avx2)
+            } else {
+                None
+            }
+        });
+        *SIMD
+    }
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    None
+}
+
+/// Whether f32 panels of any size run as [`tiles`] (AVX-512) instead of the GEMM crate. At 300
+/// tokens, widening bf16 panels and the GEMM crate's packing took a quarter of a bf16
+/// prefill; Q4_K_M panels through tiles, 300 tokens, 2 threads: 3,937 against 3,720 tok/s (64
+/// experts), 651 against 531 (1.25B). AVX2's tiles lost to the GEMM crate there (Q8_0, 300
+/// tokens, 64 experts, alternated: 2,545 / 2,608 against 3,023 / 2,922 tok/s).
+fn tiles_available() -> bool {
+    simd() == Some(Simd::Avx512)
 }
 
 /// Rows of `x` per work item.
@@ -81,7 +107,8 @@ impl OutPtr {
 }
 
 /// `out[r * ld + j] = Σ_l x[r * k + l] · w[j * k + l]` for `r < m`, `j < n`: by [`tiles`]
-/// where the CPU has them, else by the GEMM crate from [`GEMM_MIN_ROWS`] rows.
+/// on AVX-512 and for fewer than [`GEMM_MIN_ROWS`] rows on AVX2, else by the GEMM crate from
+/// [`GEMM_MIN_ROWS`] rows.
 ///
 /// The caller guarantees that these output elements are in bounds and written by no other
 /// work item while this runs.
@@ -98,10 +125,8 @@ pub(crate) fn multiply_tile(
         x.len() >= m * k && w.len() >= n * k,
         "multiply_tile: operands shorter than the tile"
     );
-    #[cfg(target_arch = "x86_64")]
-    if tiles_available() {
-        let xr = |r: usize| &x[r * k..(r + 1) * k];
-        return tiles(m, n, out, ld, xr, |j| &w[j * k..(j + 1) * k], false);
+    if simd().is_some() && (tiles_available() || m < GEMM_MIN_ROWS) {
+        return multiply_f32_rows(x, m, k, w, n, out, ld);
     }
     if m >= GEMM_MIN_ROWS {
         // SAFETY: lhs and rhs are in-bounds slices; dst is the caller's disjoint, in-bounds
@@ -141,6 +166,67 @@ pub(crate) fn multiply_tile(
                     *out.0.add(r * ld + j) = v;
                 }
             }
+        }
+    }
+}
+
+/// `out[r * ld + j] = x[r] · w[j]` for `r < m`, `j < n` (rows of `k`) by [`tiles`] wherever
+/// the CPU has a [`Simd`], else as [`multiply_tile`]: for products that must not allocate
+/// (attention's scores).
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+pub(crate) fn multiply_f32_rows(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    out: OutPtr,
+    ld: usize,
+) {
+    assert!(
+        x.len() >= m * k && w.len() >= n * k,
+        "multiply_f32_rows: operands shorter than their shapes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = simd() {
+        let xr = |r: usize| &x[r * k..(r + 1) * k];
+        return tiles(simd, m, n, out, ld, xr, |j| &w[j * k..(j + 1) * k], false);
+    }
+    multiply_tile(x, m, k, w, n, out, ld)
+}
+
+/// `out[r * ld + j] = x[r] · w[j]` for `r < m`, `j < n`, weight row `j` the `k` values from
+/// `w_offset + j * k`: f32 weights read in place and f16 or bf16 ones widened into `buf`
+/// (`n * k` long) for [`multiply_f32_rows`] (no allocation); block formats decoded into `buf`
+/// for [`multiply_tile`].
+///
+/// The caller guarantees that these output elements are in bounds and written by no other
+/// work item while this runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn multiply_widened(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: WeightRows<'_>,
+    w_offset: usize,
+    n: usize,
+    out: OutPtr,
+    ld: usize,
+    buf: &mut [f32],
+) {
+    match w {
+        WeightRows::F32(w) => {
+            multiply_f32_rows(x, m, k, &w[w_offset..w_offset + n * k], n, out, ld)
+        }
+        WeightRows::Quant(..) => {
+            w.to_f32(w_offset, &mut buf[..n * k]);
+            multiply_tile(x, m, k, buf, n, out, ld)
+        }
+        _ => {
+            w.to_f32(w_offset, &mut buf[..n * k]);
+            multiply_f32_rows(x, m, k, buf, n, out, ld)
         }
     }
 }
@@ -332,10 +418,10 @@ fn in_stream_pairs<'w, W: 'w>(
 }
 
 /// The bits of bf16 weights that products read in place, by [`multiply_bf16`] with the
-/// activations in [`to_bf16_lane_order`] (the CPU has [`tiles`]); `None` for other weights.
+/// activations in [`to_bf16_lane_order`] (the CPU has a [`Simd`]); `None` for other weights.
 pub(crate) fn bf16_in_place(w: WeightRows<'_>) -> Option<&[u16]> {
     match w {
-        WeightRows::Bf16(bf16) if tiles_available() => {
+        WeightRows::Bf16(bf16) if simd().is_some() => {
             Some(half::slice::HalfFloatSliceExt::reinterpret_cast(bf16))
         }
         _ => None,
@@ -399,24 +485,12 @@ pub(crate) fn multiply_bf16(
     out: OutPtr,
     ld: usize,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = simd() {
+        return multiply_bf16_on(simd, xp, m, k, bits, w_offset, n, out, ld);
+    }
     let xr = |r: usize| &xp[r * k..(r + 1) * k];
     let at = |j: usize| &bits[w_offset + j * k..w_offset + (j + 1) * k];
-    #[cfg(target_arch = "x86_64")]
-    {
-        if m > 1 {
-            return tiles(m, n, out, ld, xr, at, true);
-        }
-        // SAFETY (both): `bits` came from `bf16_in_place`, so the CPU has AVX-512F and BW.
-        #[allow(unsafe_code)]
-        let one = |r, rows| unsafe { dot_bf16_avx512::<1>(xr(r), rows) };
-        if 2 * k < BF16_STREAM_ROW_BYTES {
-            return each_output(m, n, out, ld, |r, j| one(r, [at(j)])[0]);
-        }
-        #[allow(unsafe_code)]
-        let two = |r, rows| unsafe { dot_bf16_avx512::<2>(xr(r), rows) };
-        in_stream_pairs(m, n, out, ld, at, two, one)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
     each_output(m, n, out, ld, |r, j| {
         let whole = k / 32 * 32;
         let natural = |p: usize| match p < whole {
@@ -426,6 +500,53 @@ pub(crate) fn multiply_bf16(
         let widen = |b: u16| f32::from_bits(u32::from(b) << 16);
         (0..k).map(|p| xr(r)[p] * widen(at(j)[natural(p)])).sum()
     })
+}
+
+/// [`multiply_bf16`] on `simd`, which this CPU has.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn multiply_bf16_on(
+    simd: Simd,
+    xp: &[f32],
+    m: usize,
+    k: usize,
+    bits: &[u16],
+    w_offset: usize,
+    n: usize,
+    out: OutPtr,
+    ld: usize,
+) {
+    let xr = |r: usize| &xp[r * k..(r + 1) * k];
+    let at = |j: usize| &bits[w_offset + j * k..w_offset + (j + 1) * k];
+    if m > 1 {
+        return tiles(simd, m, n, out, ld, xr, at, true);
+    }
+    match simd {
+        Simd::Avx512 => {
+            // SAFETY (both): the CPU has AVX-512F and BW (the caller's `simd`).
+            #[allow(unsafe_code)]
+            let one = |r, rows| unsafe { dot_bf16_avx512::<1>(xr(r), rows) };
+            if 2 * k < BF16_STREAM_ROW_BYTES {
+                return each_output(m, n, out, ld, |r, j| one(r, [at(j)])[0]);
+            }
+            #[allow(unsafe_code)]
+            let two = |r, rows| unsafe { dot_bf16_avx512::<2>(xr(r), rows) };
+            in_stream_pairs(m, n, out, ld, at, two, one)
+        }
+        Simd::Avx2 => {
+            // SAFETY (both): the CPU has AVX2 and FMA (the caller's `simd`).
+            #[allow(unsafe_code)]
+            let one =
+                |r, rows: [&[u16]; 1]| unsafe { avx2::rows::<u16, 1, 1>([xr(r)], rows, 0)[0] };
+            if 2 * k < BF16_STREAM_ROW_BYTES {
+                return each_output(m, n, out, ld, |r, j| one(r, [at(j)])[0]);
+            }
+            #[allow(unsafe_code)]
+            let two =
+                |r, rows: [&[u16]; 2]| unsafe { avx2::rows::<u16, 1, 2>([xr(r)], rows, 0)[0] };
+            in_stream_pairs(m, n, out, ld, at, two, one)
+        }
+    }
 }
 
 /// Activation rows of a [`tile`]. Tiles measured at 10 and 300 tokens, 64 experts,
@@ -451,6 +572,17 @@ trait TileWeight: Copy {
         w: &[Self],
         at: usize,
     ) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512);
+    /// Sixteen of the thirty-two weights from `at` as f32, half `h` (0 or 1) of them: the
+    /// eight that activations `at + 8 h..` multiply, then the eight of `at + 16 + 8 h..`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `w` holds `at + 32` weights.
+    #[allow(unsafe_code)]
+    unsafe fn load16(
+        w: &[Self],
+        at: usize,
+        h: usize,
+    ) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256);
     /// One weight as f32.
     fn widen(self) -> f32;
 }
@@ -472,6 +604,28 @@ impl TileWeight for u16 {
         (
             _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, wv)),
             _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, wv)),
+        )
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    #[allow(unsafe_code)]
+    unsafe fn load16(
+        w: &[u16],
+        at: usize,
+        h: usize,
+    ) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        // Sixteen bf16 from `at + 16 h`: the low four of each 128-bit lane are values
+        // 0..4 and 8..12 of them, which lane order puts at `at + 8 h`; the high four at
+        // `at + 16 + 8 h`.
+        // SAFETY: the caller guarantees `at + 32` weights.
+        #[allow(unsafe_code)]
+        let wv = unsafe { _mm256_loadu_si256(w.as_ptr().add(at + 16 * h).cast()) };
+        let zero = _mm256_setzero_si256();
+        (
+            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv)),
         )
     }
 
@@ -500,6 +654,25 @@ impl TileWeight for f32 {
         }
     }
 
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    #[allow(unsafe_code)]
+    unsafe fn load16(
+        w: &[f32],
+        at: usize,
+        h: usize,
+    ) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees `at + 32` weights.
+        #[allow(unsafe_code)]
+        unsafe {
+            (
+                _mm256_loadu_ps(w.as_ptr().add(at + 8 * h)),
+                _mm256_loadu_ps(w.as_ptr().add(at + 16 + 8 * h)),
+            )
+        }
+    }
+
     fn widen(self) -> f32 {
         self
     }
@@ -509,9 +682,11 @@ impl TileWeight for f32 {
 /// [`TILE_ROWS`] × [`TILE_COLS`], a row of tiles at a time: each weight row loaded (and
 /// widened) once for four activation rows, and sixteen sums reduced together. With
 /// `prefetch`, weight rows `at(j)` lie one after another in memory and are read from it. On a
-/// CPU with AVX-512F and AVX-512BW, as the callers check.
+/// CPU with `simd`, as the callers check.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 fn tiles<'x, 'w, W: TileWeight + 'w>(
+    simd: Simd,
     m: usize,
     n: usize,
     out: OutPtr,
@@ -524,13 +699,18 @@ fn tiles<'x, 'w, W: TileWeight + 'w>(
         (r0, j0): (usize, usize),
         xr: &impl Fn(usize) -> &'x [f32],
         at: &impl Fn(usize) -> &'w [W],
-        (out, ld, ahead): (OutPtr, usize, usize),
+        (out, ld, ahead, simd): (OutPtr, usize, usize, Simd),
     ) {
         let x = std::array::from_fn(|i| xr(r0 + i));
         let w = std::array::from_fn(|c| at(j0 + c));
-        // SAFETY: the caller checked AVX-512F and AVX-512BW.
+        // SAFETY: the caller's `simd` is one this CPU has.
         #[allow(unsafe_code)]
-        let sums: [[f32; C]; R] = unsafe { tile(x, w, ahead) };
+        let sums: [[f32; C]; R] = unsafe {
+            match simd {
+                Simd::Avx512 => tile(x, w, ahead),
+                Simd::Avx2 => avx2::tile(x, w, ahead),
+            }
+        };
         for (i, row) in sums.iter().enumerate() {
             for (c, &v) in row.iter().enumerate() {
                 // SAFETY: (r0 + i, j0 + c) is in the caller's disjoint, in-bounds window.
@@ -541,7 +721,10 @@ fn tiles<'x, 'w, W: TileWeight + 'w>(
             }
         }
     }
-    debug_assert!(tiles_available(), "tiles need AVX-512F and BW");
+    debug_assert!(
+        self::simd().is_some_and(|have| have == simd || simd == Simd::Avx2),
+        "tiles on instructions this CPU lacks"
+    );
     const R: usize = TILE_ROWS;
     const C: usize = TILE_COLS;
     let (mr, nc) = (m / R * R, n / C * C);
@@ -554,7 +737,7 @@ fn tiles<'x, 'w, W: TileWeight + 'w>(
     } else {
         0
     };
-    let first = |r0: usize| (out, ld, if r0 == 0 { ahead } else { 0 });
+    let first = |r0: usize| (out, ld, if r0 == 0 { ahead } else { 0 }, simd);
     for r0 in (0..mr).step_by(R) {
         for j0 in (0..nc).step_by(C) {
             one::<W, R, C>((r0, j0), &xr, &at, first(r0));
@@ -750,6 +933,105 @@ fn dot_f32_avx512(x: &[f32], w: &[f32]) -> f32 {
         .fold(sum, |s, (a, b)| s + a * b)
 }
 
+/// [`tiles`] and single rows' bf16 dot products on AVX2: eight lanes, so a tile runs as
+/// pairs of activation rows (sixteen accumulators would not fit in its sixteen registers).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::TileWeight;
+
+    /// `x[r] · w[c]` for `R` activation rows and `C` weight rows, `R · C` at most 16: a pair
+    /// of rows at a time by [`rows`], the first pair prefetching `ahead` weights on.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn tile<W: TileWeight, const R: usize, const C: usize>(
+        x: [&[f32]; R],
+        w: [&[W]; C],
+        ahead: usize,
+    ) -> [[f32; C]; R] {
+        let mut sums = [[0.0f32; C]; R];
+        let mut r = 0;
+        while r < R {
+            let ahead = if r == 0 { ahead } else { 0 };
+            if R - r >= 2 {
+                let pair = rows::<W, 2, C>([x[r], x[r + 1]], w, ahead);
+                sums[r] = pair[0];
+                sums[r + 1] = pair[1];
+                r += 2;
+            } else {
+                sums[r] = rows::<W, 1, C>([x[r]], w, ahead)[0];
+                r += 1;
+            }
+        }
+        sums
+    }
+
+    /// `x[r] · w[c]` for `R` (at most 2) activation rows and `C` (at most 4) weight rows,
+    /// thirty-two weights a step, each product over as many accumulators as keep the
+    /// multiply-adds from waiting on each other (eight in all, or more for few products).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn rows<W: TileWeight, const R: usize, const C: usize>(
+        x: [&[f32]; R],
+        w: [&[W]; C],
+        ahead: usize,
+    ) -> [[f32; C]; R] {
+        const { assert!(R <= 2 && C <= 4) };
+        let n = w
+            .iter()
+            .fold(x.iter().fold(usize::MAX, |n, x| n.min(x.len())), |n, w| {
+                n.min(w.len())
+            });
+        let whole = n / 32 * 32;
+        // Accumulators per product: 4 for one or two products, 2 for up to four, else 1.
+        let split = match R * C {
+            1 | 2 => 4,
+            3 | 4 => 2,
+            _ => 1,
+        };
+        let mut acc = [[[_mm256_setzero_ps(); 4]; C]; R];
+        for at in (0..whole).step_by(32) {
+            if ahead > 0 {
+                for w in w {
+                    _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(at + ahead).cast());
+                }
+            }
+            for h in 0..2 {
+                // SAFETY: at + 32 <= whole <= every row's length; the CPU has AVX2.
+                #[allow(unsafe_code)]
+                let wide: [(__m256, __m256); C] =
+                    std::array::from_fn(|c| unsafe { W::load16(w[c], at, h) });
+                for (r, x) in x.iter().enumerate() {
+                    // SAFETY: as above.
+                    #[allow(unsafe_code)]
+                    let (lo, hi) = unsafe { f32::load16(x, at, h) };
+                    for (c, &(wlo, whi)) in wide.iter().enumerate() {
+                        let a = &mut acc[r][c];
+                        a[(2 * h) % split] = _mm256_fmadd_ps(lo, wlo, a[(2 * h) % split]);
+                        a[(2 * h + 1) % split] = _mm256_fmadd_ps(hi, whi, a[(2 * h + 1) % split]);
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            std::array::from_fn(|c| {
+                let a = acc[r][c];
+                let sum = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+                let tail = x[r][whole..n].iter().zip(&w[c][whole..n]);
+                tail.fold(hsum(sum), |s, (a, &b)| s + a * b.widen())
+            })
+        })
+    }
+
+    /// The sum of eight lanes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+}
+
 impl OutPtr {
     /// The raw pointer, for a single in-bounds element write.
     pub(crate) fn as_ptr(self) -> *mut f32 {
@@ -836,10 +1118,9 @@ fn matmul_item(
         });
     }
     match w {
-        WeightRows::F32(w) => multiply_tile(xs, rows, k, &w[n0 * k..n1 * k], nb, out, ld),
+        WeightRows::F32(_) => multiply_widened(xs, rows, k, w, n0 * k, nb, out, ld, &mut []),
         _ => with_scratch(nb * k, |buf| {
-            w.to_f32(n0 * k, buf);
-            multiply_tile(xs, rows, k, buf, nb, out, ld)
+            multiply_widened(xs, rows, k, w, n0 * k, nb, out, ld, buf)
         }),
     }
 }
@@ -851,11 +1132,21 @@ mod tests {
     use super::*;
     use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
 
+    /// The [`Simd`]s this CPU has: AVX2 as well where it has AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    fn simds() -> Vec<Simd> {
+        match simd() {
+            Some(Simd::Avx512) => vec![Simd::Avx512, Simd::Avx2],
+            Some(Simd::Avx2) => vec![Simd::Avx2],
+            None => Vec::new(),
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// The few-row path over bf16 weights (widened in registers where the CPU has
-        /// AVX-512F), and over the same weights as f32, equals dot products with the weights
-        /// converted to f32 first.
+        /// vector instructions: each of AVX-512 and AVX2 it has), and over the same weights as
+        /// f32, equals dot products with the weights converted to f32 first.
         #[test]
         fn streaming_bf16_rows_match_converted_rows(
             // One row, and tiles of four rows with rows left over.
@@ -871,20 +1162,33 @@ mod tests {
             let xs: Vec<f32> = (0..m * k).map(|_| next()).collect();
             let w: Vec<half::bf16> = (0..offset + n * k).map(|_| half::bf16::from_f32(next())).collect();
             let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            let mut outs = Vec::new();
             for (kind, weights) in [("bf16", WeightRows::Bf16(&w)), ("f32", WeightRows::F32(&wide))] {
-            let mut out = vec![f32::NAN; m * n];
-            let mut row = vec![0.0f32; k];
-            multiply_streaming(&xs, m, k, weights, offset, n, OutPtr::new(&mut out), n, &mut row);
-            for r in 0..m {
-                for j in 0..n {
-                    let wj: Vec<f32> = w[offset + j * k..offset + (j + 1) * k].iter().map(|v| v.to_f32()).collect();
-                    let xr = &xs[r * k..(r + 1) * k];
-                    let expected = dot(xr, &wj);
-                    let scale: f32 = xr.iter().zip(&wj).map(|(a, b)| (a * b).abs()).sum();
-                    let got = out[r * n + j];
-                    prop_assert!((got - expected).abs() <= 1e-5 * (1.0 + scale), "{kind} row {r} col {j}: {got} against {expected}");
-                }
+                let mut out = vec![f32::NAN; m * n];
+                let mut row = vec![0.0f32; k];
+                multiply_streaming(&xs, m, k, weights, offset, n, OutPtr::new(&mut out), n, &mut row);
+                outs.push((kind.to_string(), out));
             }
+            #[cfg(target_arch = "x86_64")]
+            for simd in simds() {
+                let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(&w[..]);
+                let mut out = vec![f32::NAN; m * n];
+                with_bf16_lane_order(&xs, m, k, |xp| {
+                    multiply_bf16_on(simd, xp, m, k, bits, offset, n, OutPtr::new(&mut out), n)
+                });
+                outs.push((format!("bf16 on {simd:?}"), out));
+            }
+            for (kind, out) in outs {
+                for r in 0..m {
+                    for j in 0..n {
+                        let wj = &wide[offset + j * k..offset + (j + 1) * k];
+                        let xr = &xs[r * k..(r + 1) * k];
+                        let expected = dot(xr, wj);
+                        let scale: f32 = xr.iter().zip(wj).map(|(a, b)| (a * b).abs()).sum();
+                        let got = out[r * n + j];
+                        prop_assert!((got - expected).abs() <= 1e-5 * (1.0 + scale), "{kind} row {r} col {j}: {got} against {expected}");
+                    }
+                }
             }
         }
 

@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use super::elementwise::silu;
 use super::matmul::{
     OutPtr, bf16_in_place, gemm_min_rows, multiply_bf16, multiply_quantized, multiply_streaming,
-    multiply_tile, panels, to_bf16_lane_order, with_bf16_lane_order,
+    multiply_widened, panels, to_bf16_lane_order, with_bf16_lane_order,
 };
 use super::quant_dot::{self, ActBlocks, QA, QuantizedRows};
 use super::{WeightRows, with_reused, with_scratch};
@@ -375,10 +375,8 @@ pub(crate) fn grouped_gate_up(
                             );
                         } else {
                             let (wg, wu) = wbuf.split_at_mut(cols * hidden);
-                            gw.to_f32(g_off, wg);
-                            uw.to_f32(u_off, wu);
-                            multiply_tile(xs, rows, hidden, wg, cols, g_ptr, cols);
-                            multiply_tile(xs, rows, hidden, wu, cols, u_ptr, cols);
+                            multiply_widened(xs, rows, hidden, gw, g_off, cols, g_ptr, cols, wg);
+                            multiply_widened(xs, rows, hidden, uw, u_off, cols, u_ptr, cols, wu);
                         }
                         for i in 0..rows {
                             for j in 0..cols {
@@ -451,8 +449,7 @@ pub(crate) fn grouped_down(
                     });
                 } else {
                     with_scratch(cols * inter, |wd| {
-                        dw.to_f32(d_off, wd);
-                        multiply_tile(a, rows, inter, wd, cols, tile, hidden);
+                        multiply_widened(a, rows, inter, dw, d_off, cols, tile, hidden, wd)
                     });
                 }
                 for s in r0..r1 {

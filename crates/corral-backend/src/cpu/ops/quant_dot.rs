@@ -413,7 +413,7 @@ fn each_row(
 /// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block (its 12 bytes of them), as the
 /// bytes of two little-endian words: [`k_scale_min`] for all eight at once, by bytes in words.
 #[inline(always)]
-fn k_scales_mins(packed: &[u8]) -> (u64, u64) {
+pub(super) fn k_scales_mins(packed: &[u8]) -> (u64, u64) {
     let word =
         |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
     let (a, b, c) = (word(0), word(4), word(8));

@@ -9,7 +9,7 @@
 //! reason).
 
 use super::matmul::OutPtr;
-use super::quant_dot::{ActRows, QA, QK, SUB_BLOCK_SLOT};
+use super::quant_dot::{ActRows, Isa, QA, QK, SUB_BLOCK_SLOT};
 use super::with_reused;
 use crate::QuantFormat;
 
@@ -20,11 +20,12 @@ const ROWS: usize = 4;
 /// Bytes of one super-block's values in a panel: a byte per value and lane.
 const SUPER_BYTES: usize = QK * LANES;
 
-/// Whether products with `format` weights run as integer panels on this CPU (AVX-512 VNNI).
+/// Whether products with `format` weights run as integer panels on this CPU (AVX-512 VNNI,
+/// or AVX2).
 pub(crate) fn available(format: QuantFormat) -> bool {
     #[cfg(target_arch = "x86_64")]
     return matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
-        && super::quant_dot::best_isa() == super::quant_dot::Isa::Vnni;
+        && matches!(super::quant_dot::best_isa(), Isa::Vnni | Isa::Avx2);
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
@@ -55,10 +56,10 @@ struct Panel {
 
 impl Panel {
     /// Decodes `rows` (at most [`LANES`]) rows of `format`, `supers` super-blocks each, packed
-    /// in `w`, a super-block at a time ([`vnni::super_block`]). On a CPU with AVX-512 VNNI
-    /// ([`available`]).
+    /// in `w`, a super-block at a time ([`vnni::super_block`], [`avx2::super_block`]). On a
+    /// CPU with `isa` ([`available`]).
     #[cfg(target_arch = "x86_64")]
-    fn decode(&mut self, format: QuantFormat, w: &[u8], rows: usize, supers: usize) {
+    fn decode(&mut self, isa: Isa, format: QuantFormat, w: &[u8], rows: usize, supers: usize) {
         let subs = QK / sub_block(format);
         self.values.resize(supers * SUPER_BYTES, 0);
         self.scales.resize(supers * subs * LANES, 0);
@@ -74,10 +75,13 @@ impl Panel {
                 d: &mut self.d[n * LANES..][..LANES],
                 dm: &mut self.dm[n * LANES..][..LANES],
             };
-            // SAFETY: the caller checked AVX-512 VNNI (available).
+            // SAFETY: the caller checked that the CPU has `isa` (available).
             #[allow(unsafe_code)]
             unsafe {
-                vnni::super_block(format, w, (rows, supers), n, into)
+                match isa {
+                    Isa::Vnni => vnni::super_block(format, w, (rows, supers), n, into),
+                    _ => avx2::super_block(format, w, (rows, supers), n, into),
+                }
             };
         }
     }
@@ -166,12 +170,16 @@ pub(crate) fn multiply(
             let w = &w[j0 * row_bytes..][..lanes * row_bytes];
             #[cfg(target_arch = "x86_64")]
             {
-                panel.decode(format, w, lanes, supers);
-                // SAFETY: the CPU has AVX-512 VNNI (available); the caller vouches for `out`'s
-                // rows and columns `j0..j0 + lanes`.
+                let isa = super::quant_dot::best_isa();
+                panel.decode(isa, format, w, lanes, supers);
+                // SAFETY: the CPU has `isa` (available); the caller vouches for `out`'s rows
+                // and columns `j0..j0 + lanes`.
                 #[allow(unsafe_code)]
                 unsafe {
-                    vnni::rows(format, panel, acts, m, out.offset(j0), ld, lanes)
+                    match isa {
+                        Isa::Vnni => vnni::rows(format, panel, acts, m, out.offset(j0), ld, lanes),
+                        _ => avx2::rows(format, panel, acts, m, out.offset(j0), ld, lanes),
+                    }
                 };
             }
         }
@@ -538,6 +546,309 @@ mod vnni {
             }
         }
         f
+    }
+}
+
+/// Panels on AVX2: each 512-bit step of the VNNI kernel as two halves of eight rows, and
+/// `vpdpbusd` as `vpmaddubsw` (pairs of u8 × i8 into i16), the pairs of a sub-block summed
+/// in i16 and multiplied by the sub-block's scale by one `vpmaddwd` (Q4_K values are below
+/// 16, so eight steps' pairs stay under 2^15; Q6_K's below 64, two steps).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::*;
+    use crate::cpu::ops::quant_dot::k_scales_mins;
+
+    /// Rows of a half panel: the i32 lanes of a 256-bit register.
+    const HALF: usize = LANES / 2;
+
+    /// All `m` activation rows against one panel, [`ROWS`] at a time, a half panel at a time.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rows(
+        format: QuantFormat,
+        panel: &Panel,
+        acts: SuperActs<'_>,
+        m: usize,
+        out: OutPtr,
+        ld: usize,
+        lanes: usize,
+    ) {
+        for h in 0..lanes.div_ceil(HALF) {
+            let valid = (lanes - h * HALF).min(HALF);
+            let mask = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(valid as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            let mut r0 = 0;
+            while r0 < m {
+                let left = m - r0;
+                let store = |sums: &[__m256]| {
+                    for (i, &v) in sums.iter().enumerate() {
+                        // SAFETY: row r0 + i, columns h * HALF.. of the first `lanes` of the
+                        // caller's window (see `multiply`), the mask keeping to them.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            let at = out.offset((r0 + i) * ld + h * HALF).as_ptr();
+                            _mm256_maskstore_ps(at, mask, v)
+                        }
+                    }
+                };
+                match (format, left) {
+                    (QuantFormat::Q6K, 1) => store(&kernel::<1, 16>(panel, acts, r0, h)),
+                    (QuantFormat::Q6K, 2) => store(&kernel::<2, 16>(panel, acts, r0, h)),
+                    (QuantFormat::Q6K, 3) => store(&kernel::<3, 16>(panel, acts, r0, h)),
+                    (QuantFormat::Q6K, _) => store(&kernel::<ROWS, 16>(panel, acts, r0, h)),
+                    (_, 1) => store(&kernel::<1, 32>(panel, acts, r0, h)),
+                    (_, 2) => store(&kernel::<2, 32>(panel, acts, r0, h)),
+                    (_, 3) => store(&kernel::<3, 32>(panel, acts, r0, h)),
+                    (_, _) => store(&kernel::<ROWS, 32>(panel, acts, r0, h)),
+                }
+                r0 += ROWS.min(left);
+            }
+        }
+    }
+
+    /// Half `h` of the panel's lanes: their products with activation rows `r0..r0 + R`;
+    /// `SUB` values per sub-block.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn kernel<const R: usize, const SUB: usize>(
+        panel: &Panel,
+        acts: SuperActs<'_>,
+        r0: usize,
+        h: usize,
+    ) -> [__m256; R] {
+        let (supers, subs) = (acts.supers, QK / SUB);
+        assert!(
+            h < 2
+                && acts.q.len() >= (r0 + R) * supers * QK
+                && acts.d.len() >= (r0 + R) * supers
+                && acts.sums.len() >= (r0 + R) * supers * subs
+                && panel.values.len() >= supers * SUPER_BYTES
+                && panel.scales.len() >= supers * subs * LANES
+                && panel.offsets.len() >= supers * subs * LANES
+                && panel.d.len() >= supers * LANES
+                && panel.dm.len() >= supers * LANES,
+            "a panel kernel past its operands"
+        );
+        // Four bytes (or two i16) at byte `at` of `p`, broadcast; the reads below are in
+        // bounds by the assertion above.
+        let broadcast = |p: *const u8, at: usize| {
+            // SAFETY: in bounds (see above); unaligned read.
+            #[allow(unsafe_code)]
+            let v = unsafe { p.add(at).cast::<i32>().read_unaligned() };
+            _mm256_set1_epi32(v)
+        };
+        // 32 bytes at byte `at` of `p`, half `h` of the 64 there.
+        let at = |p: *const u8, bytes: usize| {
+            // SAFETY: in bounds (see above); unaligned load.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm256_loadu_si256(p.add(bytes + 32 * h).cast())
+            }
+        };
+        let row_q: [*const u8; R] =
+            std::array::from_fn(|r| acts.q[(r0 + r) * supers * QK..].as_ptr().cast());
+        let row_sums: [*const u8; R] =
+            std::array::from_fn(|r| acts.sums[(r0 + r) * supers * subs..].as_ptr().cast());
+        let values: *const u8 = panel.values.as_ptr();
+        let scales: *const u8 = panel.scales.as_ptr().cast();
+        let offsets: *const u8 = panel.offsets.as_ptr().cast();
+        let low16 = _mm256_set1_epi32(0xffff);
+        // Steps of four values whose pair sums i16 holds: all of a Q4_K sub-block, half of a
+        // Q6_K one.
+        let run = if SUB == 32 { 8 } else { 2 };
+        let mut f = [_mm256_setzero_ps(); R];
+        for n in 0..supers {
+            let mut isc = [_mm256_setzero_si256(); R];
+            for j in 0..subs {
+                let first = j * SUB;
+                let x_at = QK * n + QA * SUB_BLOCK_SLOT[first / QA] + first % QA;
+                let sc = at(scales, 4 * (n * subs + j) * LANES);
+                // The scale in both i16 of each lane.
+                let sc = _mm256_or_si256(_mm256_and_si256(sc, low16), _mm256_slli_epi32::<16>(sc));
+                for t0 in (0..SUB / 4).step_by(run) {
+                    let mut pairs = [_mm256_setzero_si256(); R];
+                    for t in t0..t0 + run {
+                        let w = at(values, n * SUPER_BYTES + 64 * (first / 4 + t));
+                        for r in 0..R {
+                            let x = broadcast(row_q[r], x_at + 4 * t);
+                            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, x));
+                        }
+                    }
+                    for r in 0..R {
+                        isc[r] = _mm256_add_epi32(isc[r], _mm256_madd_epi16(pairs[r], sc));
+                    }
+                }
+            }
+            let mut oacc = [_mm256_setzero_si256(); R];
+            for q in 0..subs / 2 {
+                let o = at(offsets, 2 * (n * subs / 2 + q) * 2 * LANES);
+                for r in 0..R {
+                    let s = broadcast(row_sums[r], 2 * (n * subs + 2 * q));
+                    oacc[r] = _mm256_add_epi32(oacc[r], _mm256_madd_epi16(o, s));
+                }
+            }
+            let half_of = |v: &[f32]| {
+                // SAFETY: eight f32 in bounds (see above).
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm256_loadu_ps(v[n * LANES + h * HALF..][..HALF].as_ptr())
+                }
+            };
+            let (d, dm) = (half_of(&panel.d), half_of(&panel.dm));
+            for r in 0..R {
+                let dx = _mm256_set1_ps(acts.d[(r0 + r) * supers + n]);
+                if SUB == 16 {
+                    // Q6_K: the offsets share the sums' scale, so they are subtracted
+                    // exactly, before the sums lose bits to f32.
+                    let exact = _mm256_sub_epi32(isc[r], oacc[r]);
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, dx), f[r]);
+                } else {
+                    let (sums, offs) = (_mm256_cvtepi32_ps(isc[r]), _mm256_cvtepi32_ps(oacc[r]));
+                    f[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), f[r]);
+                    f[r] = _mm256_fnmadd_ps(offs, _mm256_mul_ps(dm, dx), f[r]);
+                }
+            }
+        }
+        f
+    }
+
+    /// Super-block `n` of each of the `rows` rows of `format` in `w` (`supers` super-blocks
+    /// a row) into `out` (rows past `rows` zero): the values of eight rows at a time
+    /// transposed as dwords ([`transpose`]), which keeps each dword's four values together,
+    /// then unpacked; scales, offsets and float scales a row at a time.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn super_block(
+        format: QuantFormat,
+        w: &[u8],
+        (rows, supers): (usize, usize),
+        n: usize,
+        out: SuperBlockOut<'_>,
+    ) {
+        let bytes = format.block().1;
+        assert!(
+            rows <= LANES && out.values.len() >= SUPER_BYTES && w.len() >= rows * supers * bytes
+        );
+        out.scales.fill(0);
+        out.offsets.fill(0);
+        out.d.fill(0.0);
+        out.dm.fill(0.0);
+        let block = |c: usize| &w[(c * supers + n) * bytes..][..bytes];
+        for c in 0..rows {
+            let b = block(c);
+            let half = |at: usize| half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+            if format == QuantFormat::Q4K {
+                let (scales, mins) = k_scales_mins(&b[4..16]);
+                for j in 0..8 {
+                    out.scales[j * LANES + c] = i32::from((scales >> (8 * j)) as u8);
+                    out.offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] =
+                        i16::from((mins >> (8 * j)) as u8);
+                }
+                (out.d[c], out.dm[c]) = (half(0), half(2));
+            } else {
+                for j in 0..16 {
+                    let scale = i32::from(b[192 + j] as i8);
+                    out.scales[j * LANES + c] = scale;
+                    out.offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = (32 * scale) as i16;
+                }
+                (out.d[c], out.dm[c]) = (half(208), half(208));
+            }
+        }
+        let m4 = _mm256_set1_epi8(0x0f);
+        let low = |v| _mm256_and_si256(v, m4);
+        let high = |v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+        for h in 0..2 {
+            // Dword t of the 32 bytes at `at` of this half's rows, in lane c for row c.
+            let columns = |at: usize| {
+                let mut r = [_mm256_setzero_si256(); HALF];
+                for (c, r) in r.iter_mut().enumerate() {
+                    if h * HALF + c < rows {
+                        let b = &block(h * HALF + c)[at..at + 32];
+                        // SAFETY: 32 bytes in bounds; unaligned load.
+                        #[allow(unsafe_code)]
+                        let v = unsafe { _mm256_loadu_si256(b.as_ptr().cast()) };
+                        *r = v;
+                    }
+                }
+                transpose(r)
+            };
+            let mut put = |step: usize, v: __m256i| {
+                let to = &mut out.values[64 * step + 32 * h..][..32];
+                // SAFETY: 32 bytes in bounds; unaligned store.
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm256_storeu_si256(to.as_mut_ptr().cast(), v)
+                }
+            };
+            if format == QuantFormat::Q4K {
+                // Pair p of sub-blocks: 32 bytes whose low nibbles are its first 32 values
+                // and high nibbles the next 32.
+                for p in 0..4 {
+                    for (t, &v) in columns(16 + 32 * p).iter().enumerate() {
+                        put(16 * p + t, low(v));
+                        put(16 * p + 8 + t, high(v));
+                    }
+                }
+                continue;
+            }
+            // Q6_K, as `vnni::super_block` lays it out.
+            let m3 = _mm256_set1_epi8(0x30);
+            let bits = |v| _mm256_and_si256(v, m3);
+            for g in 0..2 {
+                let (a, b, hi) = (columns(64 * g), columns(64 * g + 32), columns(128 + 32 * g));
+                for t in 0..8 {
+                    let first = 32 * g + t;
+                    put(
+                        first,
+                        _mm256_or_si256(low(a[t]), bits(_mm256_slli_epi16::<4>(hi[t]))),
+                    );
+                    put(
+                        first + 8,
+                        _mm256_or_si256(low(b[t]), bits(_mm256_slli_epi16::<2>(hi[t]))),
+                    );
+                    put(first + 16, _mm256_or_si256(high(a[t]), bits(hi[t])));
+                    put(
+                        first + 24,
+                        _mm256_or_si256(high(b[t]), bits(_mm256_srli_epi16::<2>(hi[t]))),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Eight vectors of eight dwords transposed: lane c of vector u is lane u of vector c.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn transpose(r: [__m256i; HALF]) -> [__m256i; HALF] {
+        let t: [__m256i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_epi32(a, b)
+            } else {
+                _mm256_unpackhi_epi32(a, b)
+            }
+        });
+        // u[4 g + s], 128-bit lane L: dword 4 L + s of rows 4 g..4 g + 4.
+        let u: [__m256i; 8] = std::array::from_fn(|i| {
+            let (g, s) = (i / 4, i % 4);
+            let (a, b) = (t[4 * g + s / 2], t[4 * g + 2 + s / 2]);
+            if s % 2 == 0 {
+                _mm256_unpacklo_epi64(a, b)
+            } else {
+                _mm256_unpackhi_epi64(a, b)
+            }
+        });
+        std::array::from_fn(|d| {
+            let s = d % 4;
+            if d < 4 {
+                _mm256_permute2x128_si256::<0x20>(u[s], u[4 + s])
+            } else {
+                _mm256_permute2x128_si256::<0x31>(u[s], u[4 + s])
+            }
+        })
     }
 }
 
