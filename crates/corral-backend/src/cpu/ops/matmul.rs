@@ -1146,7 +1146,8 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// The few-row path over bf16 weights (widened in registers where the CPU has
         /// vector instructions: each of AVX-512 and AVX2 it has), and over the same weights as
-        /// f32, equals dot products with the weights converted to f32 first.
+        /// f32, and f32 tiles on each, equal dot products with the weights converted to f32
+        /// first.
         #[test]
         fn streaming_bf16_rows_match_converted_rows(
             // One row, and tiles of four rows with rows left over.
@@ -1177,6 +1178,11 @@ mod tests {
                     multiply_bf16_on(simd, xp, m, k, bits, offset, n, OutPtr::new(&mut out), n)
                 });
                 outs.push((format!("bf16 on {simd:?}"), out));
+                let mut out = vec![f32::NAN; m * n];
+                let xr = |r: usize| &xs[r * k..(r + 1) * k];
+                let at = |j: usize| &wide[offset + j * k..offset + (j + 1) * k];
+                tiles(simd, m, n, OutPtr::new(&mut out), n, xr, at, false);
+                outs.push((format!("f32 tiles on {simd:?}"), out));
             }
             for (kind, out) in outs {
                 for r in 0..m {

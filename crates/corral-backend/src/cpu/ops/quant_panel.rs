@@ -125,9 +125,29 @@ pub(crate) fn multiply(
     out: OutPtr,
     ld: usize,
 ) {
+    multiply_on(super::quant_dot::best_isa(), format, w, n, acts, m, out, ld)
+}
+
+/// [`multiply`] on `isa`'s kernels (VNNI, or AVX2, which a CPU with VNNI has too).
+#[allow(clippy::too_many_arguments)]
+fn multiply_on(
+    isa: Isa,
+    format: QuantFormat,
+    w: &[u8],
+    n: usize,
+    acts: ActRows<'_>,
+    m: usize,
+    out: OutPtr,
+    ld: usize,
+) {
     assert!(
         available(format),
         "integer panels of {format:?} on this CPU"
+    );
+    #[cfg(target_arch = "x86_64")]
+    assert!(
+        isa == Isa::Avx2 || (isa == Isa::Vnni && super::quant_dot::best_isa() == Isa::Vnni),
+        "integer panels on {isa:?}, which this CPU lacks or which has none"
     );
     let row_bytes = w.len() / n.max(1);
     let bytes = format.block().1;
@@ -170,7 +190,6 @@ pub(crate) fn multiply(
             let w = &w[j0 * row_bytes..][..lanes * row_bytes];
             #[cfg(target_arch = "x86_64")]
             {
-                let isa = super::quant_dot::best_isa();
                 panel.decode(isa, format, w, lanes, supers);
                 // SAFETY: the CPU has `isa` (available); the caller vouches for `out`'s rows
                 // and columns `j0..j0 + lanes`.
@@ -858,7 +877,7 @@ mod tests {
 
     use super::*;
     use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
-    use crate::cpu::ops::quant_dot::{ActBlocks, Isa, QuantizedRows, dot_rows};
+    use crate::cpu::ops::quant_dot::{ActBlocks, QuantizedRows, dot_rows};
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(32))]
@@ -881,7 +900,18 @@ mod tests {
                 .collect();
             let mut acts = QuantizedRows::default();
             acts.quantize(&x, skip + m, k, ActBlocks::BOTH);
-            for format in [QuantFormat::Q4K, QuantFormat::Q6K] {
+            #[cfg(target_arch = "x86_64")]
+            let isas = match crate::cpu::ops::quant_dot::best_isa() {
+                Isa::Vnni => vec![Isa::Vnni, Isa::Avx2],
+                Isa::Avx2 => vec![Isa::Avx2],
+                Isa::Scalar => Vec::new(),
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let isas: Vec<Isa> = Vec::new();
+            for (format, isa) in [QuantFormat::Q4K, QuantFormat::Q6K]
+                .into_iter()
+                .flat_map(|f| isas.iter().map(move |&isa| (f, isa)))
+            {
                 if !available(format) {
                     continue;
                 }
@@ -892,12 +922,12 @@ mod tests {
                 dot_rows(Isa::Scalar, format, &w, n, acts.rows_from(skip), m, &mut want);
                 let ld = n + 3;
                 let mut got = vec![7.0f32; m * ld];
-                multiply(format, &w, n, acts.rows_from(skip), m, OutPtr::new(&mut got), ld);
+                multiply_on(isa, format, &w, n, acts.rows_from(skip), m, OutPtr::new(&mut got), ld);
                 for r in 0..m {
                     for j in 0..ld {
                         let g = got[r * ld + j];
                         if j >= n {
-                            prop_assert_eq!(g, 7.0, "{:?}: row {} column {} past the window", format, r, j);
+                            prop_assert_eq!(g, 7.0, "{:?} on {:?}: row {} column {} past the window", format, isa, r, j);
                             continue;
                         }
                         let w = want[r * n + j];
@@ -908,8 +938,8 @@ mod tests {
                             decoded[j * k..(j + 1) * k].iter().zip(xr).map(|(a, b)| (a * b).abs()).sum();
                         prop_assert!(
                             (g - w).abs() <= 1e-5 * magnitude + 1e-6,
-                            "{:?}, {} rows of {}: row {} column {}: {} against {} (magnitude {})",
-                            format, m, k, r, j, g, w, magnitude
+                            "{:?} on {:?}, {} rows of {}: row {} column {}: {} against {} (magnitude {})",
+                            format, isa, m, k, r, j, g, w, magnitude
                         );
                     }
                 }
