@@ -578,6 +578,7 @@ mod avx2 {
 
     use super::*;
     use crate::cpu::ops::quant_dot::k_scales_mins;
+    use crate::quant::half_at;
 
     /// Rows of a half panel: the i32 lanes of a 256-bit register.
     const HALF: usize = LANES / 2;
@@ -758,7 +759,6 @@ mod avx2 {
         let block = |c: usize| &w[(c * supers + n) * bytes..][..bytes];
         for c in 0..rows {
             let b = block(c);
-            let half = |at: usize| half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
             if format == QuantFormat::Q4K {
                 let (scales, mins) = k_scales_mins(&b[4..16]);
                 for j in 0..8 {
@@ -766,75 +766,120 @@ mod avx2 {
                     out.offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] =
                         i16::from((mins >> (8 * j)) as u8);
                 }
-                (out.d[c], out.dm[c]) = (half(0), half(2));
+                (out.d[c], out.dm[c]) = (half_at(b, 0), half_at(b, 2));
             } else {
                 for j in 0..16 {
                     let scale = i32::from(b[192 + j] as i8);
                     out.scales[j * LANES + c] = scale;
                     out.offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = (32 * scale) as i16;
                 }
-                (out.d[c], out.dm[c]) = (half(208), half(208));
+                (out.d[c], out.dm[c]) = (half_at(b, 208), half_at(b, 208));
             }
         }
-        let m4 = _mm256_set1_epi8(0x0f);
-        let low = |v| _mm256_and_si256(v, m4);
-        let high = |v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+        let values = &mut *out.values;
         for h in 0..2 {
-            // Dword t of the 32 bytes at `at` of this half's rows, in lane c for row c.
-            let columns = |at: usize| {
-                let mut r = [_mm256_setzero_si256(); HALF];
-                for (c, r) in r.iter_mut().enumerate() {
-                    if h * HALF + c < rows {
-                        let b = &block(h * HALF + c)[at..at + 32];
-                        // SAFETY: 32 bytes in bounds; unaligned load.
-                        #[allow(unsafe_code)]
-                        let v = unsafe { _mm256_loadu_si256(b.as_ptr().cast()) };
-                        *r = v;
+            let half_rows = (h * HALF..rows).map(|c| block(c).as_ptr());
+            let mut first = [std::ptr::null(); HALF];
+            for (p, b) in first.iter_mut().zip(half_rows) {
+                *p = b;
+            }
+            // SAFETY (all below): each non-null pointer is a whole block of `bytes` (checked
+            // above), and every offset read is within its first `bytes`; each step stored is
+            // within `values` (SUPER_BYTES, checked above).
+            #[allow(unsafe_code)]
+            unsafe {
+                if format == QuantFormat::Q4K {
+                    // Pair p of sub-blocks: 32 bytes whose low nibbles are its first 32 values
+                    // and high nibbles the next 32.
+                    for p in 0..4 {
+                        let v = columns(&first, 16 + 32 * p);
+                        for (t, &v) in v.iter().enumerate() {
+                            put(values, 16 * p + t, h, low(v));
+                            put(values, 16 * p + 8 + t, h, high(v));
+                        }
+                    }
+                    continue;
+                }
+                // Q6_K, as `vnni::super_block` lays it out.
+                for g in 0..2 {
+                    let a = columns(&first, 64 * g);
+                    let b = columns(&first, 64 * g + 32);
+                    let hi = columns(&first, 128 + 32 * g);
+                    for t in 0..8 {
+                        let step = 32 * g + t;
+                        let top = |v: __m256i| _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+                        put(
+                            values,
+                            step,
+                            h,
+                            _mm256_or_si256(low(a[t]), top(_mm256_slli_epi16::<4>(hi[t]))),
+                        );
+                        put(
+                            values,
+                            step + 8,
+                            h,
+                            _mm256_or_si256(low(b[t]), top(_mm256_slli_epi16::<2>(hi[t]))),
+                        );
+                        put(
+                            values,
+                            step + 16,
+                            h,
+                            _mm256_or_si256(high(a[t]), top(hi[t])),
+                        );
+                        put(
+                            values,
+                            step + 24,
+                            h,
+                            _mm256_or_si256(high(b[t]), top(_mm256_srli_epi16::<2>(hi[t]))),
+                        );
                     }
                 }
-                transpose(r)
-            };
-            let mut put = |step: usize, v: __m256i| {
-                let to = &mut out.values[64 * step + 32 * h..][..32];
-                // SAFETY: 32 bytes in bounds; unaligned store.
-                #[allow(unsafe_code)]
-                unsafe {
-                    _mm256_storeu_si256(to.as_mut_ptr().cast(), v)
-                }
-            };
-            if format == QuantFormat::Q4K {
-                // Pair p of sub-blocks: 32 bytes whose low nibbles are its first 32 values
-                // and high nibbles the next 32.
-                for p in 0..4 {
-                    for (t, &v) in columns(16 + 32 * p).iter().enumerate() {
-                        put(16 * p + t, low(v));
-                        put(16 * p + 8 + t, high(v));
-                    }
-                }
-                continue;
             }
-            // Q6_K, as `vnni::super_block` lays it out.
-            let m3 = _mm256_set1_epi8(0x30);
-            let bits = |v| _mm256_and_si256(v, m3);
-            for g in 0..2 {
-                let (a, b, hi) = (columns(64 * g), columns(64 * g + 32), columns(128 + 32 * g));
-                for t in 0..8 {
-                    let first = 32 * g + t;
-                    put(
-                        first,
-                        _mm256_or_si256(low(a[t]), bits(_mm256_slli_epi16::<4>(hi[t]))),
-                    );
-                    put(
-                        first + 8,
-                        _mm256_or_si256(low(b[t]), bits(_mm256_slli_epi16::<2>(hi[t]))),
-                    );
-                    put(first + 16, _mm256_or_si256(high(a[t]), bits(hi[t])));
-                    put(
-                        first + 24,
-                        _mm256_or_si256(high(b[t]), bits(_mm256_srli_epi16::<2>(hi[t]))),
-                    );
-                }
+        }
+    }
+
+    /// The low nibbles of `v`'s bytes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn low(v: __m256i) -> __m256i {
+        _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
+    }
+
+    /// The high nibbles of `v`'s bytes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn high(v: __m256i) -> __m256i {
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(0x0f))
+    }
+
+    /// Dword t of the 32 bytes at `at` of each block in `rows` (null: a row past the last,
+    /// zero), in lane c for row c.
+    ///
+    /// # Safety
+    /// Every non-null pointer has `at + 32` bytes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    #[allow(unsafe_code)]
+    unsafe fn columns(rows: &[*const u8; HALF], at: usize) -> [__m256i; HALF] {
+        let mut r = [_mm256_setzero_si256(); HALF];
+        for (r, &p) in r.iter_mut().zip(rows) {
+            if !p.is_null() {
+                // SAFETY: the caller's.
+                *r = unsafe { _mm256_loadu_si256(p.add(at).cast()) };
             }
+        }
+        transpose(r)
+    }
+
+    /// `v` as half `h` of step `step` of a panel super-block's values.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn put(values: &mut [u8], step: usize, h: usize, v: __m256i) {
+        let to = &mut values[64 * step + 32 * h..][..32];
+        // SAFETY: 32 bytes in bounds; unaligned store.
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm256_storeu_si256(to.as_mut_ptr().cast(), v)
         }
     }
 
