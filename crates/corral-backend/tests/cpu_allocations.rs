@@ -1,8 +1,7 @@
 //! The CPU ops of a step allocate no heap memory once warm: attention over the default bf16
-//! cache (few-row and many-row tiles), the per-token and grouped experts over K-quant weights
-//! (few-row products and integer panels), quantized matmuls. (An f32 cache's many-row tiles
-//! run the GEMM crate, which allocates its packing room each call.) Every allocation of this
-//! test binary is counted, so it holds this one test.
+//! cache and over an f32 one (few-row and many-row tiles), the per-token and grouped experts
+//! over K-quant weights (few-row products and integer panels), quantized matmuls. Every
+//! allocation of this test binary is counted, so it holds this one test.
 
 use std::sync::Arc;
 
@@ -63,6 +62,17 @@ fn warm_cpu_ops_allocate_nothing() {
         u32_buf(&b, &slots),
     );
     b.kv_store(&kb, &vb, &sb, tokens, nkv, hd, &mut ck, &mut cv)
+        .unwrap();
+    // The same keys and values in an f32 cache.
+    let b32 = CpuBackend::with_kv_dtype(DType::F32).unwrap();
+    let len32 = 2 * block_size * corral_backend::kv_row_elems(DType::F32, nkv, hd);
+    let mut ck32 = b32
+        .alloc_zeroed(DType::F32, len32, BufferUsage::KvCache)
+        .unwrap();
+    let mut cv32 = b32
+        .alloc_zeroed(DType::F32, len32, BufferUsage::KvCache)
+        .unwrap();
+    b32.kv_store(&kb, &vb, &sb, tokens, nkv, hd, &mut ck32, &mut cv32)
         .unwrap();
     let positions = u32_buf(&b, &slots);
     let (runs, table) = (u32_buf(&b, &[0; 20]), u32_buf(&b, &[0, 1]));
@@ -154,6 +164,8 @@ fn warm_cpu_ops_allocate_nothing() {
             leading_decode_tokens: 0,
         };
         b.paged_attention(&q, &ck, &cv, &meta, shape, &mut attn_out)
+            .unwrap();
+        b32.paged_attention(&q, &ck32, &cv32, &meta, shape, &mut attn_out)
             .unwrap();
         let meta = AttentionMeta {
             positions: &last_position,
