@@ -698,15 +698,16 @@ fn builder_of(bytes: &[u8]) -> Builder {
 
 /// A file whose q and k are Q8_0 and whose v is Q4_0 keeps the three apart (each read as
 /// stored, written into its columns of the fused projection's output) and computes what the
-/// same file does with v decoded to f32, which the loader stacks with q and k as f32: equal
-/// where both decode the blocks (a whole prompt's projections), at f32 tolerance.
+/// same file does with v's blocks rewritten as Q8_0 ones of the same values (exactly), which
+/// the loader stacks with q and k: equal at f32 tolerance, a token at a time and a whole
+/// prompt at once (integer products in both, or the blocks decoded in both).
 #[test]
-fn a_projection_in_two_formats_computes_what_its_decoded_stack_does() {
+fn a_projection_in_two_formats_computes_what_its_q8_0_stack_does() {
     let dir = fixture_dir("gguf");
     let q8 = builder_of(&std::fs::read(dir.join("qwen3_moe_sharded.q8_0.gguf")).unwrap());
     let q4_bytes = std::fs::read(dir.join("qwen3_moe_sharded.q4_0.gguf")).unwrap();
     let q4 = parse_header(&q4_bytes).unwrap();
-    let (mut mixed, mut decoded) = (q8.clone(), q8);
+    let (mut mixed, mut widened) = (q8.clone(), q8);
     let mut replaced = 0;
     for (at, (name, ..)) in mixed.tensors.clone().iter().enumerate() {
         if !name.ends_with("attn_v.weight") {
@@ -715,12 +716,19 @@ fn a_projection_in_two_formats_computes_what_its_decoded_stack_does() {
         let t = q4.tensors.iter().find(|t| &t.name == name).unwrap();
         assert_eq!(t.ggml_type, GgmlType::Q4_0, "{name}");
         let blocks = &q4_bytes[t.byte_offset..t.byte_offset + t.byte_len];
-        let mut values = vec![0f32; blocks.len() / 18 * 32];
-        dequantize(GgmlType::Q4_0, blocks, &mut values);
-        let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Each Q4_0 block (scale, 16 bytes of nibbles offset by 8) as the Q8_0 block of the
+        // same scale and values.
+        let q8_0_blocks: Vec<u8> = blocks
+            .chunks_exact(18)
+            .flat_map(|b| {
+                let nibble = |j: usize| (b[2 + j % 16] >> (4 * (j / 16))) & 15;
+                let values = (0..32).map(move |j| (nibble(j) as i8 - 8) as u8);
+                b[..2].iter().copied().chain(values)
+            })
+            .collect();
         for (file, ty, data) in [
             (&mut mixed, 2, blocks.to_vec()),
-            (&mut decoded, 0, f32_bytes),
+            (&mut widened, 8, q8_0_blocks),
         ] {
             file.data.resize(file.data.len().next_multiple_of(32), 0);
             file.tensors[at].2 = ty;
@@ -738,17 +746,19 @@ fn a_projection_in_two_formats_computes_what_its_decoded_stack_does() {
         let _ = std::fs::remove_file(&path);
         model
     };
-    let (mixed, decoded) = (load(&mixed, "mixed-v"), load(&decoded, "decoded-v"));
+    let (mixed, widened) = (load(&mixed, "mixed-v"), load(&widened, "widened-v"));
     let tokens = read_reference(&fixture_dir("qwen3_moe_sharded")).token_ids;
-    let (a, b) = (
-        logits_chunked(&mixed, &tokens, tokens.len()),
-        logits_chunked(&decoded, &tokens, tokens.len()),
-    );
-    let err = rel_err(&a, &b);
-    assert!(
-        err < 1e-5,
-        "relative error {err:.2e} between the parts and the decoded stack"
-    );
+    for chunk in [1, tokens.len()] {
+        let (a, b) = (
+            logits_chunked(&mixed, &tokens, chunk),
+            logits_chunked(&widened, &tokens, chunk),
+        );
+        let err = rel_err(&a, &b);
+        assert!(
+            err < 1e-5,
+            "relative error {err:.2e} between the parts and the Q8_0 stack, {chunk} tokens a step"
+        );
+    }
 }
 
 #[test]

@@ -29,6 +29,11 @@ const Q8_0_TILE_MIN_ROWS: usize = 8;
 /// 2 threads, alternated, 10 tokens: 3,162 tok/s against 2,884 from 16 rows on the 64-expert
 /// shape (551 against 534 on the 1.25B one); 300 tokens alike within noise.
 const PANEL_MIN_ROWS: usize = 8;
+/// As [`PANEL_MIN_ROWS`] for the panels of 32-value blocks (Q8_0, Q4_0, Q5_0), whose few-row
+/// dot products cost about what a panel's do. Q8_0, 1.25B-parameter shape, 2 threads,
+/// alternated: from 8 rows, a 10-token prefill took 364 and 323 tok/s against 391 and 390 by
+/// dot products; 40 tokens, 409 and 498 from 16 rows against 384 and 455 from 32.
+const BLOCK_PANEL_MIN_ROWS: usize = 16;
 /// As [`GEMM_MIN_ROWS`] for f16 weights, and bf16 without AVX-512, whose panels are widened
 /// to f32 first: with the GEMM crate, a 10-token bf16 prefill, 2 threads, took 1,528 tok/s
 /// against 1,399 at 8 rows on the 64-expert shape, 309 against 200 on the 1.25B-parameter
@@ -40,6 +45,9 @@ const HALF_GEMM_MIN_ROWS: usize = 16;
 /// never; bf16 read in place by [`multiply_bf16`]).
 pub(crate) fn gemm_min_rows(w: WeightRows<'_>) -> usize {
     match w {
+        WeightRows::Quant(format, _) if panels(w) && quant_panel::per_block(format) => {
+            BLOCK_PANEL_MIN_ROWS
+        }
         _ if panels(w) => PANEL_MIN_ROWS,
         WeightRows::Quant(QuantFormat::Q8_0, _) if tiles_available() => Q8_0_TILE_MIN_ROWS,
         WeightRows::Quant(format, _) if quant_dot::supports(format) => QUANT_GEMM_MIN_ROWS,

@@ -215,6 +215,18 @@ impl<'a> ActRows<'a> {
             supers.halves.get(2 * per_qa..).unwrap_or_default(),
         )
     }
+
+    /// All rows from the first on, quantized per block of [`QA`] values: their values,
+    /// scales and sums of halves (each row's after the last's).
+    pub(super) fn blocks(&self) -> (&'a [i8], &'a [f32], &'a [i32]) {
+        let (rows, k) = (self.rows, self.rows.k);
+        let per_qa = self.first * k / QA;
+        (
+            rows.q.get(self.first * k..).unwrap_or_default(),
+            rows.d.get(per_qa..).unwrap_or_default(),
+            rows.sums.get(2 * per_qa..).unwrap_or_default(),
+        )
+    }
 }
 
 impl QuantizedRows {

@@ -1,12 +1,13 @@
-//! Products of K-quant weights (Q4_K, Q6_K) with many activation rows by integer tiles.
+//! Products of K-quant weights (Q4_K, Q6_K), and on AVX2 of 32-value block formats (Q8_0,
+//! Q4_0, Q5_0), with many activation rows by integer tiles.
 //! Sixteen weight rows at a time are decoded into a panel whose bytes interleave the rows four
 //! values apiece, so that one `vpdpbusd` multiplies four values of sixteen rows by the same
 //! four activation values (broadcast) and each i32 lane holds one output's sum: no
 //! horizontal sums, and four times the products of an f32 multiply-add an instruction. The
 //! sub-blocks' integer scales apply per lane to their integer sums; each super-block ends in
-//! one float multiply-add per activation row. The panel is decoded once per work item and
-//! read by all its activation rows (llama.cpp repacks its weights at load for the same
-//! reason).
+//! one float multiply-add per activation row (a block format's blocks, in one each). The
+//! panel is decoded once per work item and read by all its activation rows (llama.cpp
+//! repacks its weights at load for the same reason).
 
 use super::matmul::OutPtr;
 use super::quant_dot::{ActRows, Isa, QA, QK, SUB_BLOCK_SLOT};
@@ -19,15 +20,32 @@ const LANES: usize = 16;
 const ROWS: usize = 4;
 /// Bytes of one super-block's values in a panel: a byte per value and lane.
 const SUPER_BYTES: usize = QK * LANES;
+/// Bytes of one 32-value block's values in a panel ([`per_block`] formats).
+const BLOCK_BYTES: usize = QA * LANES;
 
-/// Whether products with `format` weights run as integer panels on this CPU (AVX-512 VNNI,
-/// or AVX2).
+/// Whether products with `format` weights run as integer panels on this CPU: the K-quants
+/// with AVX-512 VNNI or AVX2; the formats of 32-value blocks ([`per_block`]) where AVX2 is the
+/// best the CPU has (with AVX-512, f32 tiles multiply them).
 pub(crate) fn available(format: QuantFormat) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
-        && matches!(super::quant_dot::best_isa(), Isa::Vnni | Isa::Avx2);
+    return match format {
+        QuantFormat::Q4K | QuantFormat::Q6K => {
+            matches!(super::quant_dot::best_isa(), Isa::Vnni | Isa::Avx2)
+        }
+        _ if per_block(format) => super::quant_dot::best_isa() == Isa::Avx2,
+        _ => false,
+    };
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// Whether `format` is one of 32-value blocks with a float scale each (Q8_0, Q4_0, Q5_0),
+/// whose panels keep a scale per block and row, against activations quantized per block.
+pub(crate) const fn per_block(format: QuantFormat) -> bool {
+    matches!(
+        format,
+        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q5_0
+    )
 }
 
 /// Values per sub-block of `format`: the span of one integer scale.
@@ -49,7 +67,8 @@ struct Panel {
     /// Per super-block, per pair of sub-blocks: the sixteen rows' two integer offsets, whose
     /// products with the activations' sub-block sums the result loses.
     offsets: Vec<i16>,
-    /// Per super-block: the sixteen rows' float scales of the integer sums, and of the offsets.
+    /// Per super-block (per block, for [`per_block`] formats): the sixteen rows' float scales
+    /// of the integer sums, and of the offsets.
     d: Vec<f32>,
     dm: Vec<f32>,
 }
@@ -60,13 +79,28 @@ impl Panel {
     /// CPU with `isa` ([`available`]).
     #[cfg(target_arch = "x86_64")]
     fn decode(&mut self, isa: Isa, format: QuantFormat, w: &[u8], rows: usize, supers: usize) {
+        debug_assert!(rows <= LANES);
+        if per_block(format) {
+            // `supers` counts blocks here.
+            self.values.resize(supers * BLOCK_BYTES, 0);
+            self.d.resize(supers * LANES, 0.0);
+            for b in 0..supers {
+                let values = &mut self.values[b * BLOCK_BYTES..][..BLOCK_BYTES];
+                let d = &mut self.d[b * LANES..][..LANES];
+                // SAFETY: the caller checked that the CPU has AVX2 (available).
+                #[allow(unsafe_code)]
+                unsafe {
+                    avx2::block(format, w, (rows, supers), b, values, d)
+                };
+            }
+            return;
+        }
         let subs = QK / sub_block(format);
         self.values.resize(supers * SUPER_BYTES, 0);
         self.scales.resize(supers * subs * LANES, 0);
         self.offsets.resize(supers * subs * LANES, 0);
         self.d.resize(supers * LANES, 0.0);
         self.dm.resize(supers * LANES, 0.0);
-        debug_assert!(rows <= LANES);
         for n in 0..supers {
             let into = SuperBlockOut {
                 values: &mut self.values[n * SUPER_BYTES..][..SUPER_BYTES],
@@ -106,6 +140,16 @@ struct SuperActs<'a> {
     supers: usize,
 }
 
+/// Activation rows quantized per block of [`QA`] values (row `r`'s at `r` times its share).
+#[derive(Clone, Copy)]
+struct BlockActs<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    /// The sums of each block's two halves.
+    sums: &'a [i32],
+    blocks: usize,
+}
+
 thread_local! {
     static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::default();
 }
@@ -140,35 +184,57 @@ fn multiply_on(
     out: OutPtr,
     ld: usize,
 ) {
-    assert!(
-        available(format),
-        "integer panels of {format:?} on this CPU"
-    );
+    #[cfg(target_arch = "x86_64")]
+    let best = super::quant_dot::best_isa();
     #[cfg(target_arch = "x86_64")]
     assert!(
-        isa == Isa::Avx2 || (isa == Isa::Vnni && super::quant_dot::best_isa() == Isa::Vnni),
-        "integer panels on {isa:?}, which this CPU lacks or which has none"
+        match (isa, per_block(format)) {
+            (_, _) if best == Isa::Scalar => false,
+            (Isa::Avx2, _) =>
+                matches!(format, QuantFormat::Q4K | QuantFormat::Q6K) || per_block(format),
+            (Isa::Vnni, false) => best == Isa::Vnni && available(format),
+            _ => false,
+        },
+        "integer panels of {format:?} on {isa:?}, which this CPU lacks or which has none"
     );
+    #[cfg(not(target_arch = "x86_64"))]
+    panic!("integer panels of {format:?} on {isa:?}, which this CPU lacks");
     let row_bytes = w.len() / n.max(1);
     let bytes = format.block().1;
+    // Super-blocks a row, or blocks for `per_block` formats.
     let supers = row_bytes / bytes;
     assert!(
         w.len() == n * supers * bytes,
         "integer panels over mismatched rows"
     );
+    let subs = if per_block(format) {
+        1
+    } else {
+        QK / sub_block(format)
+    };
     let (q, d, sums, halves) = acts.super_blocks();
-    let subs = QK / sub_block(format);
-    let acts = SuperActs {
+    let super_acts = SuperActs {
         q,
         d,
         sums: if subs == 8 { sums } else { halves },
         supers,
     };
+    let (q, d, sums) = acts.blocks();
+    let block_acts = BlockActs {
+        q,
+        d,
+        sums,
+        blocks: supers,
+    };
     assert!(
-        acts.q.len() >= m * supers * QK
-            && acts.d.len() >= m * supers
-            && acts.sums.len() >= m * supers * subs,
-        "integer panels need {m} rows of activations per super-block"
+        if per_block(format) {
+            q.len() >= m * supers * QA && d.len() >= m * supers && sums.len() >= 2 * m * supers
+        } else {
+            super_acts.q.len() >= m * supers * QK
+                && super_acts.d.len() >= m * supers
+                && super_acts.sums.len() >= m * supers * subs
+        },
+        "integer panels need {m} rows of activations per block of the weights"
     );
     with_reused(&PANEL, |panel| {
         for j0 in (0..n).step_by(LANES) {
@@ -195,9 +261,13 @@ fn multiply_on(
                 // and columns `j0..j0 + lanes`.
                 #[allow(unsafe_code)]
                 unsafe {
+                    let out = out.offset(j0);
                     match isa {
-                        Isa::Vnni => vnni::rows(format, panel, acts, m, out.offset(j0), ld, lanes),
-                        _ => avx2::rows(format, panel, acts, m, out.offset(j0), ld, lanes),
+                        _ if per_block(format) => {
+                            avx2::block_rows(format, panel, block_acts, m, out, ld, lanes)
+                        }
+                        Isa::Vnni => vnni::rows(format, panel, super_acts, m, out, ld, lanes),
+                        _ => avx2::rows(format, panel, super_acts, m, out, ld, lanes),
                     }
                 };
             }
@@ -838,6 +908,232 @@ mod avx2 {
         }
     }
 
+    /// All `m` activation rows against a panel of a [`per_block`] format, [`ROWS`] at a time, a
+    /// half panel at a time.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn block_rows(
+        format: QuantFormat,
+        panel: &Panel,
+        acts: BlockActs<'_>,
+        m: usize,
+        out: OutPtr,
+        ld: usize,
+        lanes: usize,
+    ) {
+        // What the unsigned values of Q4_0 and Q5_0 carry above the signed ones.
+        let offset = match format {
+            QuantFormat::Q4_0 => 8,
+            _ => 16,
+        };
+        let signed = format == QuantFormat::Q8_0;
+        for h in 0..lanes.div_ceil(HALF) {
+            let valid = (lanes - h * HALF).min(HALF);
+            let mask = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(valid as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            let mut r0 = 0;
+            while r0 < m {
+                let left = m - r0;
+                let store = |sums: &[__m256]| {
+                    for (i, &v) in sums.iter().enumerate() {
+                        // SAFETY: as in `rows`.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            let at = out.offset((r0 + i) * ld + h * HALF).as_ptr();
+                            _mm256_maskstore_ps(at, mask, v)
+                        }
+                    }
+                };
+                match (signed, left) {
+                    (true, 1) => store(&block_kernel::<1, true>(panel, acts, r0, h, 0)),
+                    (true, 2) => store(&block_kernel::<2, true>(panel, acts, r0, h, 0)),
+                    (true, 3) => store(&block_kernel::<3, true>(panel, acts, r0, h, 0)),
+                    (true, _) => store(&block_kernel::<ROWS, true>(panel, acts, r0, h, 0)),
+                    (false, 1) => store(&block_kernel::<1, false>(panel, acts, r0, h, offset)),
+                    (false, 2) => store(&block_kernel::<2, false>(panel, acts, r0, h, offset)),
+                    (false, 3) => store(&block_kernel::<3, false>(panel, acts, r0, h, offset)),
+                    (false, _) => store(&block_kernel::<ROWS, false>(panel, acts, r0, h, offset)),
+                }
+                r0 += ROWS.min(left);
+            }
+        }
+    }
+
+    /// Half `h` of a [`per_block`] panel's lanes: their products with activation rows
+    /// `r0..r0 + R`. `SIGNED` (Q8_0): the values' signs moved onto the activations, so that
+    /// `vpmaddubsw` multiplies magnitudes (at most 128 · 127 twice, under 2^15), each step's
+    /// pairs summed into i32 at once. Otherwise values below 32, offset by `offset`: four
+    /// steps' pairs summed in i16, the offset taken off by the activation block's sum.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn block_kernel<const R: usize, const SIGNED: bool>(
+        panel: &Panel,
+        acts: BlockActs<'_>,
+        r0: usize,
+        h: usize,
+        offset: i32,
+    ) -> [__m256; R] {
+        let blocks = acts.blocks;
+        assert!(
+            h < 2
+                && acts.q.len() >= (r0 + R) * blocks * QA
+                && acts.d.len() >= (r0 + R) * blocks
+                && acts.sums.len() >= 2 * (r0 + R) * blocks
+                && panel.values.len() >= blocks * BLOCK_BYTES
+                && panel.d.len() >= blocks * LANES,
+            "a panel kernel past its operands"
+        );
+        let row_q: [*const u8; R] =
+            std::array::from_fn(|r| acts.q[(r0 + r) * blocks * QA..].as_ptr().cast());
+        // Four activation bytes at `at` of row `r`, broadcast; in bounds by the assertion.
+        let broadcast = |r: usize, at: usize| {
+            // SAFETY: in bounds (see above); unaligned read.
+            #[allow(unsafe_code)]
+            let v = unsafe { row_q[r].add(at).cast::<i32>().read_unaligned() };
+            _mm256_set1_epi32(v)
+        };
+        let values: *const u8 = panel.values.as_ptr();
+        // Step `t` of block `b`: half `h` of its 64 bytes.
+        let step = |b: usize, t: usize| {
+            // SAFETY: in bounds (see above); unaligned load.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm256_loadu_si256(values.add(b * BLOCK_BYTES + 64 * t + 32 * h).cast())
+            }
+        };
+        let ones = _mm256_set1_epi16(1);
+        let mut f = [_mm256_setzero_ps(); R];
+        for b in 0..blocks {
+            let mut isum = [_mm256_setzero_si256(); R];
+            if SIGNED {
+                for t in 0..QA / 4 {
+                    let w = step(b, t);
+                    let magnitudes = _mm256_abs_epi8(w);
+                    for (r, isum) in isum.iter_mut().enumerate() {
+                        let x = _mm256_sign_epi8(broadcast(r, QA * b + 4 * t), w);
+                        let pairs = _mm256_maddubs_epi16(magnitudes, x);
+                        *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            } else {
+                for t0 in [0, 4] {
+                    let mut pairs = [_mm256_setzero_si256(); R];
+                    for t in t0..t0 + 4 {
+                        let w = step(b, t);
+                        for (r, p) in pairs.iter_mut().enumerate() {
+                            let x = broadcast(r, QA * b + 4 * t);
+                            *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(w, x));
+                        }
+                    }
+                    for r in 0..R {
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs[r], ones));
+                    }
+                }
+                for (r, isum) in isum.iter_mut().enumerate() {
+                    let at = 2 * ((r0 + r) * blocks + b);
+                    let sum = acts.sums[at] + acts.sums[at + 1];
+                    *isum = _mm256_sub_epi32(*isum, _mm256_set1_epi32(offset * sum));
+                }
+            }
+            // SAFETY: eight f32 in bounds (see above).
+            #[allow(unsafe_code)]
+            let d = unsafe { _mm256_loadu_ps(panel.d[b * LANES + h * HALF..][..HALF].as_ptr()) };
+            for r in 0..R {
+                let dx = _mm256_set1_ps(acts.d[(r0 + r) * blocks + b]);
+                f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), f[r]);
+            }
+        }
+        f
+    }
+
+    /// Block `b` of each of the `rows` rows of a [`per_block`] `format` in `w` (`blocks` a
+    /// row) into a panel block's `values` and scales `d` (rows past `rows` zero): each row's
+    /// 32 values in a register ([`block_values`]), eight rows' transposed as dwords.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn block(
+        format: QuantFormat,
+        w: &[u8],
+        (rows, blocks): (usize, usize),
+        b: usize,
+        values: &mut [u8],
+        d: &mut [f32],
+    ) {
+        let bytes = format.block().1;
+        assert!(
+            rows <= LANES
+                && values.len() >= BLOCK_BYTES
+                && d.len() >= LANES
+                && w.len() >= rows * blocks * bytes
+        );
+        let block = |c: usize| &w[(c * blocks + b) * bytes..][..bytes];
+        for (c, d) in d.iter_mut().enumerate() {
+            *d = if c < rows { half_at(block(c), 0) } else { 0.0 };
+        }
+        for h in 0..2 {
+            let mut v = [_mm256_setzero_si256(); HALF];
+            for (c, v) in v.iter_mut().enumerate() {
+                if h * HALF + c < rows {
+                    *v = block_values(format, block(h * HALF + c));
+                }
+            }
+            for (t, v) in transpose(v).into_iter().enumerate() {
+                put(values, t, h, v);
+            }
+        }
+    }
+
+    /// The 32 values of a block of a [`per_block`] `format` in order: Q8_0's signed, Q4_0's
+    /// and Q5_0's unsigned (before their offset).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn block_values(format: QuantFormat, blk: &[u8]) -> __m256i {
+        let load16 = |at: usize| {
+            let b = &blk[at..at + 16];
+            // SAFETY: 16 bytes in bounds; unaligned load.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm_loadu_si128(b.as_ptr().cast())
+            }
+        };
+        // Low nibbles are values 0..16, high ones 16..32.
+        let nibbles = |at: usize| {
+            let raw = load16(at);
+            let m4 = _mm_set1_epi8(0x0f);
+            _mm256_set_m128i(
+                _mm_and_si128(_mm_srli_epi16::<4>(raw), m4),
+                _mm_and_si128(raw, m4),
+            )
+        };
+        match format {
+            QuantFormat::Q8_0 => {
+                let b = &blk[2..34];
+                // SAFETY: 32 bytes in bounds; unaligned load.
+                #[allow(unsafe_code)]
+                unsafe {
+                    _mm256_loadu_si256(b.as_ptr().cast())
+                }
+            }
+            QuantFormat::Q4_0 => nibbles(2),
+            _ => {
+                // Q5_0: bit i of qh is value i's fifth: byte i takes qh's byte i / 8, then
+                // tests its bit i % 8.
+                let qh = i32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                let spread = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32(qh),
+                    _mm256_setr_epi8(
+                        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                        3, 3, 3, 3, 3, 3, 3,
+                    ),
+                );
+                let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                _mm256_or_si256(nibbles(6), _mm256_and_si256(set, _mm256_set1_epi8(16)))
+            }
+        }
+    }
+
     /// The low nibbles of `v`'s bytes.
     #[target_feature(enable = "avx2")]
     #[inline]
@@ -924,12 +1220,108 @@ mod tests {
     use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
     use crate::cpu::ops::quant_dot::{ActBlocks, QuantizedRows, dot_rows};
 
+    /// The instruction sets with panel kernels for `format` on this CPU: the K-quants' VNNI
+    /// where it has it, and every format's AVX2 (a CPU with VNNI has AVX2 too).
+    fn isas(format: QuantFormat) -> Vec<Isa> {
+        #[cfg(target_arch = "x86_64")]
+        return match super::super::quant_dot::best_isa() {
+            Isa::Vnni if !per_block(format) => vec![Isa::Vnni, Isa::Avx2],
+            Isa::Vnni | Isa::Avx2 => vec![Isa::Avx2],
+            Isa::Scalar => Vec::new(),
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        Vec::new()
+    }
+
+    /// Panels of `n` random rows of `k` values of `format` times `m` random activation rows
+    /// (from row `skip` of those quantized) equal the scalar definition's products a row at a
+    /// time (up to float summation order), into a window of a wider output whose other
+    /// elements stay as they were.
+    fn check(
+        format: QuantFormat,
+        (n, k, m, skip): (usize, usize, usize, usize),
+        seed: u64,
+    ) -> Result<(), TestCaseError> {
+        let mut next = xorshift(seed);
+        let x: Vec<f32> = (0..(skip + m) * k)
+            .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect();
+        let mut acts = QuantizedRows::default();
+        acts.quantize(&x, skip + m, k, ActBlocks::of([format]));
+        let w = random_blocks(format, n * k / format.block().0, &mut next);
+        let mut decoded = vec![0.0f32; n * k];
+        crate::quant::dequantize(format, &w, &mut decoded);
+        let mut want = vec![f32::NAN; m * n];
+        dot_rows(
+            Isa::Scalar,
+            format,
+            &w,
+            n,
+            acts.rows_from(skip),
+            m,
+            &mut want,
+        );
+        for isa in isas(format) {
+            let ld = n + 3;
+            let mut got = vec![7.0f32; m * ld];
+            multiply_on(
+                isa,
+                format,
+                &w,
+                n,
+                acts.rows_from(skip),
+                m,
+                OutPtr::new(&mut got),
+                ld,
+            );
+            for r in 0..m {
+                for j in 0..ld {
+                    let g = got[r * ld + j];
+                    if j >= n {
+                        prop_assert_eq!(
+                            g,
+                            7.0,
+                            "{:?} on {:?}: row {} column {} past the window",
+                            format,
+                            isa,
+                            r,
+                            j
+                        );
+                        continue;
+                    }
+                    let w = want[r * n + j];
+                    // Sums of products of both signs: float rounding scales with the
+                    // products' magnitudes, not the sum's.
+                    let xr = &x[(skip + r) * k..(skip + r + 1) * k];
+                    let magnitude: f32 = decoded[j * k..(j + 1) * k]
+                        .iter()
+                        .zip(xr)
+                        .map(|(a, b)| (a * b).abs())
+                        .sum();
+                    prop_assert!(
+                        (g - w).abs() <= 1e-5 * magnitude + 1e-6,
+                        "{:?} on {:?}, {} rows of {}: row {} column {}: {} against {} (magnitude {})",
+                        format,
+                        isa,
+                        m,
+                        k,
+                        r,
+                        j,
+                        g,
+                        w,
+                        magnitude
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(32))]
-        /// Panels give the scalar definition's products a row at a time (up to float summation
-        /// order), at any count of weight rows (whole panels of sixteen and a partial one) and
-        /// of activation rows (whole kernels of four and the rest, from a row past the first),
-        /// into a window of a wider output whose other elements stay as they were.
+        /// K-quant panels, at any count of weight rows (whole panels of sixteen and a partial
+        /// one) and of activation rows (whole kernels of four and the rest, from a row past the
+        /// first).
         #[test]
         fn panels_equal_the_scalar_products(
             supers in 1usize..4,
@@ -938,56 +1330,22 @@ mod tests {
             skip in 0usize..3,
             seed in any::<u64>(),
         ) {
-            let mut next = xorshift(seed);
-            let k = QK * supers;
-            let x: Vec<f32> = (0..(skip + m) * k)
-                .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-                .collect();
-            let mut acts = QuantizedRows::default();
-            acts.quantize(&x, skip + m, k, ActBlocks::BOTH);
-            #[cfg(target_arch = "x86_64")]
-            let isas = match crate::cpu::ops::quant_dot::best_isa() {
-                Isa::Vnni => vec![Isa::Vnni, Isa::Avx2],
-                Isa::Avx2 => vec![Isa::Avx2],
-                Isa::Scalar => Vec::new(),
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let isas: Vec<Isa> = Vec::new();
-            for (format, isa) in [QuantFormat::Q4K, QuantFormat::Q6K]
-                .into_iter()
-                .flat_map(|f| isas.iter().map(move |&isa| (f, isa)))
-            {
-                if !available(format) {
-                    continue;
-                }
-                let w = random_blocks(format, n * supers, &mut next);
-                let mut decoded = vec![0.0f32; n * k];
-                crate::quant::dequantize(format, &w, &mut decoded);
-                let mut want = vec![f32::NAN; m * n];
-                dot_rows(Isa::Scalar, format, &w, n, acts.rows_from(skip), m, &mut want);
-                let ld = n + 3;
-                let mut got = vec![7.0f32; m * ld];
-                multiply_on(isa, format, &w, n, acts.rows_from(skip), m, OutPtr::new(&mut got), ld);
-                for r in 0..m {
-                    for j in 0..ld {
-                        let g = got[r * ld + j];
-                        if j >= n {
-                            prop_assert_eq!(g, 7.0, "{:?} on {:?}: row {} column {} past the window", format, isa, r, j);
-                            continue;
-                        }
-                        let w = want[r * n + j];
-                        // Sums of products of both signs: float rounding scales with the
-                        // products' magnitudes, not the sum's.
-                        let xr = &x[(skip + r) * k..(skip + r + 1) * k];
-                        let magnitude: f32 =
-                            decoded[j * k..(j + 1) * k].iter().zip(xr).map(|(a, b)| (a * b).abs()).sum();
-                        prop_assert!(
-                            (g - w).abs() <= 1e-5 * magnitude + 1e-6,
-                            "{:?} on {:?}, {} rows of {}: row {} column {}: {} against {} (magnitude {})",
-                            format, isa, m, k, r, j, g, w, magnitude
-                        );
-                    }
-                }
+            for format in [QuantFormat::Q4K, QuantFormat::Q6K] {
+                check(format, (n, QK * supers, m, skip), seed)?;
+            }
+        }
+
+        /// Panels of 32-value blocks (Q8_0, Q4_0, Q5_0), rows of any count of blocks.
+        #[test]
+        fn block_panels_equal_the_scalar_products(
+            blocks in 1usize..20,
+            n in 1usize..40,
+            m in 1usize..11,
+            skip in 0usize..3,
+            seed in any::<u64>(),
+        ) {
+            for format in [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q5_0] {
+                check(format, (n, QA * blocks, m, skip), seed)?;
             }
         }
     }
