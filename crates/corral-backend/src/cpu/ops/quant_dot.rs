@@ -559,7 +559,7 @@ mod scalar {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "f16c")]
 #[inline]
-fn half_at(b: &[u8], at: usize) -> f32 {
+pub(super) fn half_at(b: &[u8], at: usize) -> f32 {
     use std::arch::x86_64::*;
     let bits = i32::from(u16::from_le_bytes([b[at], b[at + 1]]));
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))

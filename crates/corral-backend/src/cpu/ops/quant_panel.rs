@@ -78,9 +78,25 @@ impl Panel {
     /// in `w`, a super-block at a time ([`vnni::super_block`], [`avx2::super_block`]). On a
     /// CPU with `isa` ([`available`]).
     #[cfg(target_arch = "x86_64")]
-    fn decode(&mut self, isa: Isa, format: QuantFormat, w: &[u8], rows: usize, supers: usize) {
+    fn decode(
+        &mut self,
+        isa: Isa,
+        format: QuantFormat,
+        w: &[u8],
+        rows: usize,
+        supers: usize,
+        ahead: &[u8],
+    ) {
         debug_assert!(rows <= LANES);
         if per_block(format) {
+            for at in (0..ahead.len()).step_by(64) {
+                // SAFETY: a prefetch is a hint: it reads nothing and never faults.
+                #[allow(unsafe_code)]
+                unsafe {
+                    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.as_ptr().wrapping_add(at).cast())
+                };
+            }
             // `supers` counts blocks here.
             self.values.resize(supers * BLOCK_BYTES, 0);
             self.d.resize(supers * LANES, 0.0);
@@ -101,7 +117,20 @@ impl Panel {
         self.offsets.resize(supers * subs * LANES, 0);
         self.d.resize(supers * LANES, 0.0);
         self.dm.resize(supers * LANES, 0.0);
+        let bytes = format.block().1;
         for n in 0..supers {
+            for c in 0..ahead.len() / (supers * bytes).max(1) {
+                let block = (c * supers + n) * bytes;
+                let last = std::iter::once(block + bytes - 1);
+                for at in (block..block + bytes).step_by(64).chain(last) {
+                    // SAFETY: a prefetch is a hint: it reads nothing and never faults.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.as_ptr().wrapping_add(at).cast())
+                    };
+                }
+            }
             let into = SuperBlockOut {
                 values: &mut self.values[n * SUPER_BYTES..][..SUPER_BYTES],
                 scales: &mut self.scales[n * subs * LANES..][..subs * LANES],
@@ -239,24 +268,15 @@ fn multiply_on(
     with_reused(&PANEL, |panel| {
         for j0 in (0..n).step_by(LANES) {
             let lanes = LANES.min(n - j0);
-            // The next panel's rows, asked for while this one is decoded and multiplied: a
-            // panel reads sixteen short streams at once, which the hardware prefetcher does not
-            // follow.
-            #[cfg(target_arch = "x86_64")]
-            for at in
-                (((j0 + LANES) * row_bytes)..((j0 + 2 * LANES).min(n) * row_bytes)).step_by(64)
-            {
-                // SAFETY: a prefetch is a hint: it reads nothing and never faults.
-                #[allow(unsafe_code)]
-                unsafe {
-                    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-                    _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(at).cast())
-                };
-            }
+            // The next panel's rows, asked for a super-block at a time as this one's are
+            // decoded: a panel reads sixteen short streams at once, which the hardware
+            // prefetcher does not follow.
+            let ahead =
+                &w[((j0 + LANES).min(n) * row_bytes)..((j0 + 2 * LANES).min(n) * row_bytes)];
             let w = &w[j0 * row_bytes..][..lanes * row_bytes];
             #[cfg(target_arch = "x86_64")]
             {
-                panel.decode(isa, format, w, lanes, supers);
+                panel.decode(isa, format, w, lanes, supers, ahead);
                 // SAFETY: the CPU has `isa` (available); the caller vouches for `out`'s rows
                 // and columns `j0..j0 + lanes`.
                 #[allow(unsafe_code)]
@@ -647,8 +667,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::*;
+    use crate::cpu::ops::quant_dot::half_at;
     use crate::cpu::ops::quant_dot::k_scales_mins;
-    use crate::quant::half_at;
 
     /// Rows of a half panel: the i32 lanes of a 256-bit register.
     const HALF: usize = LANES / 2;
@@ -810,7 +830,7 @@ mod avx2 {
     /// a row) into `out` (rows past `rows` zero): the values of eight rows at a time
     /// transposed as dwords ([`transpose`]), which keeps each dword's four values together,
     /// then unpacked; scales, offsets and float scales a row at a time.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn super_block(
         format: QuantFormat,
         w: &[u8],
@@ -1051,7 +1071,7 @@ mod avx2 {
     /// Block `b` of each of the `rows` rows of a [`per_block`] `format` in `w` (`blocks` a
     /// row) into a panel block's `values` and scales `d` (rows past `rows` zero): each row's
     /// 32 values in a register ([`block_values`]), eight rows' transposed as dwords.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn block(
         format: QuantFormat,
         w: &[u8],
