@@ -685,6 +685,29 @@ mod avx2 {
         ld: usize,
         lanes: usize,
     ) {
+        in_halves(m, out, ld, lanes, |h, r0, left| match (format, left) {
+            (QuantFormat::Q6K, 1) => padded(kernel::<1, 16>(panel, acts, r0, h)),
+            (QuantFormat::Q6K, 2) => padded(kernel::<2, 16>(panel, acts, r0, h)),
+            (QuantFormat::Q6K, 3) => padded(kernel::<3, 16>(panel, acts, r0, h)),
+            (QuantFormat::Q6K, _) => kernel::<ROWS, 16>(panel, acts, r0, h),
+            (_, 1) => padded(kernel::<1, 32>(panel, acts, r0, h)),
+            (_, 2) => padded(kernel::<2, 32>(panel, acts, r0, h)),
+            (_, 3) => padded(kernel::<3, 32>(panel, acts, r0, h)),
+            (_, _) => kernel::<ROWS, 32>(panel, acts, r0, h),
+        })
+    }
+
+    /// `m` activation rows' products with a panel's `lanes` rows into `out` (rows `ld`
+    /// apart), a half panel `h` and up to [`ROWS`] rows from `r0` at a time: `sums(h, r0,
+    /// left)` gives the first `left.min(ROWS)` rows' sums, stored masked to the lanes.
+    #[target_feature(enable = "avx2,fma")]
+    fn in_halves(
+        m: usize,
+        out: OutPtr,
+        ld: usize,
+        lanes: usize,
+        sums: impl Fn(usize, usize, usize) -> [__m256; ROWS],
+    ) {
         for h in 0..lanes.div_ceil(HALF) {
             let valid = (lanes - h * HALF).min(HALF);
             let mask = _mm256_cmpgt_epi32(
@@ -694,30 +717,28 @@ mod avx2 {
             let mut r0 = 0;
             while r0 < m {
                 let left = m - r0;
-                let store = |sums: &[__m256]| {
-                    for (i, &v) in sums.iter().enumerate() {
-                        // SAFETY: row r0 + i, columns h * HALF.. of the first `lanes` of the
-                        // caller's window (see `multiply`), the mask keeping to them.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            let at = out.offset((r0 + i) * ld + h * HALF).as_ptr();
-                            _mm256_maskstore_ps(at, mask, v)
-                        }
+                for (i, &v) in sums(h, r0, left).iter().take(left).enumerate() {
+                    // SAFETY: row r0 + i, columns h * HALF.. of the first `lanes` of the
+                    // caller's window (see `multiply`), the mask keeping to them.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        let at = out.offset((r0 + i) * ld + h * HALF).as_ptr();
+                        _mm256_maskstore_ps(at, mask, v)
                     }
-                };
-                match (format, left) {
-                    (QuantFormat::Q6K, 1) => store(&kernel::<1, 16>(panel, acts, r0, h)),
-                    (QuantFormat::Q6K, 2) => store(&kernel::<2, 16>(panel, acts, r0, h)),
-                    (QuantFormat::Q6K, 3) => store(&kernel::<3, 16>(panel, acts, r0, h)),
-                    (QuantFormat::Q6K, _) => store(&kernel::<ROWS, 16>(panel, acts, r0, h)),
-                    (_, 1) => store(&kernel::<1, 32>(panel, acts, r0, h)),
-                    (_, 2) => store(&kernel::<2, 32>(panel, acts, r0, h)),
-                    (_, 3) => store(&kernel::<3, 32>(panel, acts, r0, h)),
-                    (_, _) => store(&kernel::<ROWS, 32>(panel, acts, r0, h)),
                 }
                 r0 += ROWS.min(left);
             }
         }
+    }
+
+    /// `R` rows' sums in the first of [`ROWS`].
+    #[inline(always)]
+    fn padded<const R: usize>(v: [__m256; R]) -> [__m256; ROWS] {
+        // SAFETY: an all-zero __m256 is a valid value.
+        #[allow(unsafe_code)]
+        let mut p = [unsafe { std::mem::zeroed::<__m256>() }; ROWS];
+        p[..R].copy_from_slice(&v);
+        p
     }
 
     /// Half `h` of the panel's lanes: their products with activation rows `r0..r0 + R`;
@@ -947,38 +968,16 @@ mod avx2 {
             _ => 16,
         };
         let signed = format == QuantFormat::Q8_0;
-        for h in 0..lanes.div_ceil(HALF) {
-            let valid = (lanes - h * HALF).min(HALF);
-            let mask = _mm256_cmpgt_epi32(
-                _mm256_set1_epi32(valid as i32),
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            );
-            let mut r0 = 0;
-            while r0 < m {
-                let left = m - r0;
-                let store = |sums: &[__m256]| {
-                    for (i, &v) in sums.iter().enumerate() {
-                        // SAFETY: as in `rows`.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            let at = out.offset((r0 + i) * ld + h * HALF).as_ptr();
-                            _mm256_maskstore_ps(at, mask, v)
-                        }
-                    }
-                };
-                match (signed, left) {
-                    (true, 1) => store(&block_kernel::<1, true>(panel, acts, r0, h, 0)),
-                    (true, 2) => store(&block_kernel::<2, true>(panel, acts, r0, h, 0)),
-                    (true, 3) => store(&block_kernel::<3, true>(panel, acts, r0, h, 0)),
-                    (true, _) => store(&block_kernel::<ROWS, true>(panel, acts, r0, h, 0)),
-                    (false, 1) => store(&block_kernel::<1, false>(panel, acts, r0, h, offset)),
-                    (false, 2) => store(&block_kernel::<2, false>(panel, acts, r0, h, offset)),
-                    (false, 3) => store(&block_kernel::<3, false>(panel, acts, r0, h, offset)),
-                    (false, _) => store(&block_kernel::<ROWS, false>(panel, acts, r0, h, offset)),
-                }
-                r0 += ROWS.min(left);
-            }
-        }
+        in_halves(m, out, ld, lanes, |h, r0, left| match (signed, left) {
+            (true, 1) => padded(block_kernel::<1, true>(panel, acts, r0, h, 0)),
+            (true, 2) => padded(block_kernel::<2, true>(panel, acts, r0, h, 0)),
+            (true, 3) => padded(block_kernel::<3, true>(panel, acts, r0, h, 0)),
+            (true, _) => block_kernel::<ROWS, true>(panel, acts, r0, h, 0),
+            (false, 1) => padded(block_kernel::<1, false>(panel, acts, r0, h, offset)),
+            (false, 2) => padded(block_kernel::<2, false>(panel, acts, r0, h, offset)),
+            (false, 3) => padded(block_kernel::<3, false>(panel, acts, r0, h, offset)),
+            (false, _) => block_kernel::<ROWS, false>(panel, acts, r0, h, offset),
+        })
     }
 
     /// Half `h` of a [`per_block`] panel's lanes: their products with activation rows
