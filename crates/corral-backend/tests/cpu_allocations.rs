@@ -1,6 +1,6 @@
 //! The CPU ops of a step allocate no heap memory once warm: attention over the default bf16
 //! cache and over an f32 one (few-row and many-row tiles), the per-token and grouped experts
-//! over K-quant weights (few-row products and integer panels), quantized matmuls. Every
+//! over K-quant weights (few-row products and integer panels), K-quant and Q8_0 matmuls. Every
 //! allocation of this test binary is counted, so it holds this one test.
 
 use std::sync::Arc;
@@ -48,32 +48,24 @@ fn warm_cpu_ops_allocate_nothing() {
     // Attention: one run of 20 tokens (many-row tiles), and its last token alone (few rows).
     let (nh, nkv, hd, block_size) = (8, 2, 64, 16);
     let tokens = 20;
-    let len = 2 * block_size * corral_backend::kv_row_elems(DType::BF16, nkv, hd);
-    let mut ck = b
-        .alloc_zeroed(DType::BF16, len, BufferUsage::KvCache)
-        .unwrap();
-    let mut cv = b
-        .alloc_zeroed(DType::BF16, len, BufferUsage::KvCache)
-        .unwrap();
     let slots: Vec<u32> = (0..tokens as u32).collect();
     let (kb, vb, sb) = (
         f32_buf(&b, &values(tokens * nkv * hd, 1)),
         f32_buf(&b, &values(tokens * nkv * hd, 2)),
         u32_buf(&b, &slots),
     );
-    b.kv_store(&kb, &vb, &sb, tokens, nkv, hd, &mut ck, &mut cv)
-        .unwrap();
-    // The same keys and values in an f32 cache.
+    // The keys and values in the default bf16 cache, and the same in an f32 one.
+    let cache = |b: &CpuBackend, dtype| {
+        let len = 2 * block_size * corral_backend::kv_row_elems(dtype, nkv, hd);
+        let mut k = b.alloc_zeroed(dtype, len, BufferUsage::KvCache).unwrap();
+        let mut v = b.alloc_zeroed(dtype, len, BufferUsage::KvCache).unwrap();
+        b.kv_store(&kb, &vb, &sb, tokens, nkv, hd, &mut k, &mut v)
+            .unwrap();
+        (k, v)
+    };
+    let (ck, cv) = cache(&b, DType::BF16);
     let b32 = CpuBackend::with_kv_dtype(DType::F32).unwrap();
-    let len32 = 2 * block_size * corral_backend::kv_row_elems(DType::F32, nkv, hd);
-    let mut ck32 = b32
-        .alloc_zeroed(DType::F32, len32, BufferUsage::KvCache)
-        .unwrap();
-    let mut cv32 = b32
-        .alloc_zeroed(DType::F32, len32, BufferUsage::KvCache)
-        .unwrap();
-    b32.kv_store(&kb, &vb, &sb, tokens, nkv, hd, &mut ck32, &mut cv32)
-        .unwrap();
+    let (ck32, cv32) = cache(&b32, DType::F32);
     let positions = u32_buf(&b, &slots);
     let (runs, table) = (u32_buf(&b, &[0; 20]), u32_buf(&b, &[0, 1]));
     let shape = AttentionShape {
@@ -148,8 +140,10 @@ fn warm_cpu_ops_allocate_nothing() {
         sorted_pairs: &sorted_pairs,
         pair_positions: &pair_positions,
     };
-    // A quantized matmul of 40 rows (panels) and of one (few-row products).
+    // Quantized matmuls of 40 rows (panels: Q4_K's, and Q8_0's on AVX2 or f32 tiles on
+    // AVX-512) and of one (few-row products).
     let mut mm_out = f32_buf(&b, &vec![0.0; moe_tokens * i]);
+    let q8_0 = blocks(QuantFormat::Q8_0, i * h, 9);
 
     let mut step = |b: &CpuBackend| {
         let meta = AttentionMeta {
@@ -189,6 +183,9 @@ fn warm_cpu_ops_allocate_nothing() {
         let expert0 = WeightView::stacked(&gate, 0, i, h).unwrap();
         b.matmul(&x, moe_tokens, expert0, &mut mm_out).unwrap();
         b.matmul(&x, 1, expert0, &mut mm_out).unwrap();
+        let q8_0 = WeightView::stacked(&q8_0, 0, i, h).unwrap();
+        b.matmul(&x, moe_tokens, q8_0, &mut mm_out).unwrap();
+        b.matmul(&x, 1, q8_0, &mut mm_out).unwrap();
     };
     // Warm: the pool's threads start, and each thread's reused buffers grow. Which thread
     // takes which item varies, so a thread may first meet a kind of item in a later step:

@@ -39,6 +39,26 @@ pub(crate) fn available(format: QuantFormat) -> bool {
     false
 }
 
+/// Whether this CPU runs panels of `format` on `isa`'s kernels: the K-quants' on VNNI where
+/// it has it, every panel format's on AVX2 (which a CPU with VNNI has too).
+fn kernels_on(isa: Isa, format: QuantFormat) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let k_quant = matches!(format, QuantFormat::Q4K | QuantFormat::Q6K);
+        let best = super::quant_dot::best_isa();
+        match isa {
+            Isa::Vnni => k_quant && best == Isa::Vnni,
+            Isa::Avx2 => (k_quant || per_block(format)) && best != Isa::Scalar,
+            Isa::Scalar => false,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, format);
+        false
+    }
+}
+
 /// Whether `format` is one of 32-value blocks with a float scale each (Q8_0, Q4_0, Q5_0),
 /// whose panels keep a scale per block and row, against activations quantized per block.
 pub(crate) const fn per_block(format: QuantFormat) -> bool {
@@ -90,12 +110,7 @@ impl Panel {
         debug_assert!(rows <= LANES);
         if per_block(format) {
             for at in (0..ahead.len()).step_by(64) {
-                // SAFETY: a prefetch is a hint: it reads nothing and never faults.
-                #[allow(unsafe_code)]
-                unsafe {
-                    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.as_ptr().wrapping_add(at).cast())
-                };
+                prefetch(ahead, at);
             }
             // `supers` counts blocks here.
             self.values.resize(supers * BLOCK_BYTES, 0);
@@ -123,12 +138,7 @@ impl Panel {
                 let block = (c * supers + n) * bytes;
                 let last = std::iter::once(block + bytes - 1);
                 for at in (block..block + bytes).step_by(64).chain(last) {
-                    // SAFETY: a prefetch is a hint: it reads nothing and never faults.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.as_ptr().wrapping_add(at).cast())
-                    };
+                    prefetch(ahead, at);
                 }
             }
             let into = SuperBlockOut {
@@ -148,6 +158,18 @@ impl Panel {
             };
         }
     }
+}
+
+/// Asks the cache for the line holding byte `at` of `bytes` (past its end: nothing is read).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(bytes: &[u8], at: usize) {
+    // SAFETY: a prefetch is a hint: it reads nothing and never faults.
+    #[allow(unsafe_code)]
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().wrapping_add(at).cast())
+    };
 }
 
 /// Where one super-block of a [`Panel`] goes.
@@ -213,21 +235,10 @@ fn multiply_on(
     out: OutPtr,
     ld: usize,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    let best = super::quant_dot::best_isa();
-    #[cfg(target_arch = "x86_64")]
     assert!(
-        match (isa, per_block(format)) {
-            (_, _) if best == Isa::Scalar => false,
-            (Isa::Avx2, _) =>
-                matches!(format, QuantFormat::Q4K | QuantFormat::Q6K) || per_block(format),
-            (Isa::Vnni, false) => best == Isa::Vnni && available(format),
-            _ => false,
-        },
+        kernels_on(isa, format),
         "integer panels of {format:?} on {isa:?}, which this CPU lacks or which has none"
     );
-    #[cfg(not(target_arch = "x86_64"))]
-    panic!("integer panels of {format:?} on {isa:?}, which this CPU lacks");
     let row_bytes = w.len() / n.max(1);
     let bytes = format.block().1;
     // Super-blocks a row, or blocks for `per_block` formats.
@@ -1239,15 +1250,13 @@ mod tests {
     use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
     use crate::cpu::ops::quant_dot::{ActBlocks, QuantizedRows, dot_rows};
 
-    /// The instruction sets with panel kernels for `format` on this CPU: the K-quants' VNNI
-    /// where it has it, and every format's AVX2 (a CPU with VNNI has AVX2 too).
+    /// The instruction sets with panel kernels for `format` on this CPU.
     fn isas(format: QuantFormat) -> Vec<Isa> {
         #[cfg(target_arch = "x86_64")]
-        return match super::super::quant_dot::best_isa() {
-            Isa::Vnni if !per_block(format) => vec![Isa::Vnni, Isa::Avx2],
-            Isa::Vnni | Isa::Avx2 => vec![Isa::Avx2],
-            Isa::Scalar => Vec::new(),
-        };
+        return [Isa::Vnni, Isa::Avx2]
+            .into_iter()
+            .filter(|&isa| kernels_on(isa, format))
+            .collect();
         #[cfg(not(target_arch = "x86_64"))]
         Vec::new()
     }
@@ -1280,7 +1289,14 @@ mod tests {
             m,
             &mut want,
         );
-        for isa in isas(format) {
+        let isas = isas(format);
+        // Every CPU with AVX2 runs each panel format's AVX2 kernels at least.
+        prop_assert!(
+            !isas.is_empty() || super::super::quant_dot::best_isa() == Isa::Scalar,
+            "no panel kernels for {:?} on this CPU",
+            format
+        );
+        for isa in isas {
             let ld = n + 3;
             let mut got = vec![7.0f32; m * ld];
             multiply_on(
