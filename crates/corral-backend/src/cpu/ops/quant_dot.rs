@@ -9,6 +9,9 @@ use std::sync::LazyLock;
 use crate::QuantFormat;
 use crate::quant::k_scale_min;
 
+#[cfg(target_arch = "x86_64")]
+mod several_rows;
+
 /// Values per activation block.
 pub(crate) const QA: usize = 32;
 
@@ -395,6 +398,11 @@ pub(crate) fn dot_rows(
     match isa {
         Isa::Scalar => each_row(w, n, acts, m, out, |w, a| scalar::dot(format, w, a)),
         // SAFETY (both): the caller picked an ISA the CPU has (best_isa or below).
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Avx2 if format == QuantFormat::Q4K && m >= 2 => unsafe {
+            several_rows::q4k_rows(w, n, acts, m, out)
+        },
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
         Isa::Avx2 => unsafe { avx2::dot_rows(format, w, n, acts, m, out) },
@@ -1084,15 +1092,6 @@ fn in_groups(
 ) {
     let row_bytes = w.len() / n.max(1);
     let row = |j: usize| &w[j * row_bytes..(j + 1) * row_bytes];
-    let prefetch = |at: usize| {
-        // SAFETY: a prefetch is a hint: it reads nothing and never faults.
-        #[allow(unsafe_code)]
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                w.as_ptr().wrapping_add(at).cast(),
-            )
-        };
-    };
     let streams = row_bytes >= STREAM_ROW_BYTES;
     // Group g holds rows first(g) + i · apart.
     let (groups, apart) = if streams {
@@ -1103,7 +1102,7 @@ fn in_groups(
     let first = |g: usize| if streams { g } else { ROWS * g };
     if !streams {
         for at in (0..PREFETCH_AHEAD.min(w.len())).step_by(64) {
-            prefetch(at);
+            prefetch(w, at);
         }
     }
     for g in 0..groups {
@@ -1111,7 +1110,7 @@ fn in_groups(
         let rows = std::array::from_fn(|i| row(j + i * apart));
         if !streams {
             for at in (j * row_bytes..(j + ROWS) * row_bytes).step_by(64) {
-                prefetch(at + PREFETCH_AHEAD);
+                prefetch(w, at + PREFETCH_AHEAD);
             }
         }
         for r in 0..m {
@@ -1125,6 +1124,18 @@ fn in_groups(
             out[r * n + j] = one([row(j)], acts.row(r))[0];
         }
     }
+}
+
+/// Asks the cache for the line holding byte `at` of `bytes` (past its end: nothing is read).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn prefetch(bytes: &[u8], at: usize) {
+    // SAFETY: a prefetch is a hint: it reads nothing and never faults.
+    #[allow(unsafe_code)]
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().wrapping_add(at).cast())
+    };
 }
 
 /// The blocks of `format` in each of the rows `w`, which all hold as many values as `a`.
@@ -1382,7 +1393,7 @@ pub(crate) mod tests {
         let mut next = xorshift(11);
         // Rows of 512 values are read in adjacent groups, of 2,048 as long streams (every
         // format's row then at least STREAM_ROW_BYTES).
-        let shapes = [(1, 3), (2, 9), (4, 4), (5, 13), (9, 1)].map(|(m, n)| (512, m, n));
+        let shapes = [(1, 3), (2, 9), (4, 4), (5, 13), (7, 6), (9, 1)].map(|(m, n)| (512, m, n));
         for (k, m, n) in shapes.into_iter().chain([(2048, 1, 7), (2048, 3, 4)]) {
             let x: Vec<f32> = (0..m * k)
                 .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)

@@ -10,6 +10,8 @@
 //! repacks its weights at load for the same reason).
 
 use super::matmul::OutPtr;
+#[cfg(target_arch = "x86_64")]
+use super::quant_dot::prefetch;
 use super::quant_dot::{ActRows, Isa, QA, QK, SUB_BLOCK_SLOT};
 use super::with_reused;
 use crate::QuantFormat;
@@ -158,18 +160,6 @@ impl Panel {
             };
         }
     }
-}
-
-/// Asks the cache for the line holding byte `at` of `bytes` (past its end: nothing is read).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch(bytes: &[u8], at: usize) {
-    // SAFETY: a prefetch is a hint: it reads nothing and never faults.
-    #[allow(unsafe_code)]
-    unsafe {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().wrapping_add(at).cast())
-    };
 }
 
 /// Where one super-block of a [`Panel`] goes.
