@@ -50,7 +50,7 @@ struct SuperBlocks {
 }
 
 /// One row of [`QuantizedRows`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct ActRow<'a> {
     q: &'a [i8],
     d: &'a [f32],
@@ -397,11 +397,17 @@ pub(crate) fn dot_rows(
     );
     match isa {
         Isa::Scalar => each_row(w, n, acts, m, out, |w, a| scalar::dot(format, w, a)),
-        // SAFETY (both): the caller picked an ISA the CPU has (best_isa or below).
+        // SAFETY (all): the caller picked an ISA the CPU has (best_isa or below). Several
+        // activation rows of Q4_K or Q6_K: the weights' values unpacked once for them all.
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
         Isa::Avx2 if format == QuantFormat::Q4K && m >= 2 => unsafe {
-            several_rows::q4k_rows(w, n, acts, m, out)
+            several_rows::rows::<several_rows::Q4K>(w, n, acts, m, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        Isa::Avx2 if format == QuantFormat::Q6K && m >= 2 => unsafe {
+            several_rows::rows::<several_rows::Q6K>(w, n, acts, m, out)
         },
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]

@@ -1,79 +1,146 @@
-//! Q4_K products against several activation rows at once, on AVX2: each super-block's
-//! nibbles and scales are unpacked once for all of them, where a row at a time unpacks them
-//! again for every activation row.
+//! Q4_K and Q6_K products against several activation rows at once, on AVX2: each
+//! super-block's values and scales are unpacked once for all of them, where a row at a time
+//! unpacks them again for every activation row. (Q8_0 has little to unpack: a kernel of its
+//! own measured 25.3 / 22.5 / 28.2 / 25.9 GB/s at two, three, four and seven rows against
+//! 26.2 / 27.0 / 26.7 / 26.6 a row at a time, and was not kept.)
 
 use std::arch::x86_64::*;
 
 use super::{
     ActRow, ActRows, PREFETCH_AHEAD, QA, QK, QuantFormat, SUB_BLOCK_SLOT, half_at, hsums,
-    k_scales_mins, load8i16, min_sums, prefetch,
+    k_scales_mins, load8i16, load16i16, min_sums, prefetch,
 };
 
-/// Weight rows a call. One thread, 256 rows of 512 values in cache, four activation rows:
-/// 20.2 GB/s of weight rows (bytes times activation rows) with four weight rows a call, 15.0
-/// with two, 9.4 with one, against 14.0 for the kernel of a row at a time.
+/// Weight rows a call. One thread, 256 Q4_K rows of 512 values in cache, four activation
+/// rows: 20.2 GB/s of weight rows (bytes times activation rows) with four weight rows a call,
+/// 15.0 with two, 9.4 with one, against 14.0 for the kernel of a row at a time.
 const WEIGHTS: usize = 4;
-/// Activation rows a call. As for [`WEIGHTS`], two, three, four, five, seven and ten rows took
-/// 17.3, 16.0, 21.1, 18.8, 17.6 and 18.6 GB/s, against 13.7 to 14.4 a row at a time.
+/// Activation rows a call (the calls below name four). As for [`WEIGHTS`], two, three, four,
+/// five, seven and ten rows took 19.3, 16.9, 23.3, 21.1, 18.4 and 21.2 GB/s of Q4_K against
+/// 13.4 to 13.8 a row at a time, and 22.1, 21.8, 29.3, 24.5, 25.3 and 27.9 of Q6_K against
+/// 14.5 to 14.9.
 const ACTS: usize = 4;
+const _: () = assert!(ACTS == 4);
 
-/// [`super::dot_rows`] for Q4_K and `m` ≥ 2 activation rows: [`WEIGHTS`] weight rows by
-/// [`ACTS`] activation rows a call, then what is left over.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q4k_rows(w: &[u8], n: usize, acts: ActRows<'_>, m: usize, out: &mut [f32]) {
-    let row_bytes = w.len() / n.max(1);
-    for at in (0..PREFETCH_AHEAD.min(w.len())).step_by(64) {
-        prefetch(w, at);
-    }
-    let groups = n / WEIGHTS;
-    for g in 0..groups {
-        let j = WEIGHTS * g;
-        for at in (j * row_bytes..(j + WEIGHTS) * row_bytes).step_by(64) {
-            prefetch(w, at + PREFETCH_AHEAD);
+/// Activation rows whose [`ActRow`]s a call of [`rows`] sets up at once.
+const CHUNK_ROWS: usize = 16;
+
+/// A format's products of `W` weight rows with `A` activation rows.
+pub(super) trait Kernel {
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[allow(unsafe_code)]
+    unsafe fn dot<const W: usize, const A: usize>(
+        w: [&[u8]; W],
+        a: [ActRow<'_>; A],
+    ) -> [[f32; A]; W];
+}
+
+/// Q4_K, by [`q4k`].
+pub(super) struct Q4K;
+
+impl Kernel for Q4K {
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn dot<const W: usize, const A: usize>(
+        w: [&[u8]; W],
+        a: [ActRow<'_>; A],
+    ) -> [[f32; A]; W] {
+        // SAFETY: the caller's.
+        #[allow(unsafe_code)]
+        unsafe {
+            q4k(w, a)
         }
-        let mut rows: [&[u8]; WEIGHTS] = [&[]; WEIGHTS];
-        for (i, r) in rows.iter_mut().enumerate() {
-            *r = &w[(j + i) * row_bytes..(j + i + 1) * row_bytes];
-        }
-        by_acts::<WEIGHTS>(rows, j, n, acts, m, out);
-    }
-    for j in WEIGHTS * groups..n {
-        by_acts::<1>([&w[j * row_bytes..(j + 1) * row_bytes]], j, n, acts, m, out);
     }
 }
 
-/// The products of the weight rows `w` (rows `j..` of `n`) with the `m` activation rows,
-/// [`ACTS`] of them a call, into `out`.
+/// Q6_K, by [`q6k`].
+pub(super) struct Q6K;
+
+impl Kernel for Q6K {
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    unsafe fn dot<const W: usize, const A: usize>(
+        w: [&[u8]; W],
+        a: [ActRow<'_>; A],
+    ) -> [[f32; A]; W] {
+        // SAFETY: the caller's.
+        #[allow(unsafe_code)]
+        unsafe {
+            q6k(w, a)
+        }
+    }
+}
+
+/// [`super::dot_rows`] for `m` ≥ 2 activation rows: [`WEIGHTS`] weight rows by [`ACTS`]
+/// activation rows a call of `K`, then what is left over.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn rows<K: Kernel>(w: &[u8], n: usize, acts: ActRows<'_>, m: usize, out: &mut [f32]) {
+    let row_bytes = w.len() / n.max(1);
+    for r0 in (0..m).step_by(CHUNK_ROWS) {
+        let mut a = [ActRow::default(); CHUNK_ROWS];
+        let chunk = (m - r0).min(CHUNK_ROWS);
+        for (t, at) in a[..chunk].iter_mut().enumerate() {
+            *at = acts.row(r0 + t);
+        }
+        let a = &a[..chunk];
+        for at in (0..PREFETCH_AHEAD.min(w.len())).step_by(64) {
+            prefetch(w, at);
+        }
+        let groups = n / WEIGHTS;
+        for g in 0..groups {
+            let j = WEIGHTS * g;
+            for at in (j * row_bytes..(j + WEIGHTS) * row_bytes).step_by(64) {
+                prefetch(w, at + PREFETCH_AHEAD);
+            }
+            let mut rows: [&[u8]; WEIGHTS] = [&[]; WEIGHTS];
+            for (i, r) in rows.iter_mut().enumerate() {
+                *r = &w[(j + i) * row_bytes..(j + i + 1) * row_bytes];
+            }
+            by_acts::<K, WEIGHTS>(rows, (r0, j, n), a, out);
+        }
+        for j in WEIGHTS * groups..n {
+            let row = [&w[j * row_bytes..(j + 1) * row_bytes]];
+            by_acts::<K, 1>(row, (r0, j, n), a, out);
+        }
+    }
+}
+
+/// The products of the weight rows `w` (rows `j..` of `n`) with the activation rows `a`
+/// (rows `r0..` of the product), [`ACTS`] of them a call, into `out`; `(r0, j, n)` is `at`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn by_acts<const W: usize>(
+fn by_acts<K: Kernel, const W: usize>(
     w: [&[u8]; W],
-    j: usize,
-    n: usize,
-    acts: ActRows<'_>,
-    m: usize,
+    (r0, j, n): (usize, usize, usize),
+    a: &[ActRow<'_>],
     out: &mut [f32],
 ) {
+    let m = a.len();
     let mut r = 0;
-    while m - r >= ACTS {
-        put(out, (r, j, n), &q4k::<W, ACTS>(w, rows_at(&acts, r)));
-        r += ACTS;
-    }
-    match m - r {
-        // Three rows as four, the last twice: a kernel of three measured slower than one
-        // of four.
-        3 => {
-            let rows = [
-                acts.row(r),
-                acts.row(r + 1),
-                acts.row(r + 2),
-                acts.row(r + 2),
-            ];
-            put(out, (r, j, n), &first_of::<W, 3>(q4k::<W, ACTS>(w, rows)));
+    // SAFETY (every kernel call): this function's features are the kernels'.
+    #[allow(unsafe_code)]
+    unsafe {
+        while m - r >= ACTS {
+            let rows = [a[r], a[r + 1], a[r + 2], a[r + 3]];
+            put(out, (r0 + r, j, n), &K::dot::<W, ACTS>(w, rows));
+            r += ACTS;
         }
-        2 => put(out, (r, j, n), &q4k::<W, 2>(w, rows_at(&acts, r))),
-        1 => put(out, (r, j, n), &q4k::<W, 1>(w, rows_at(&acts, r))),
-        _ => {}
+        match m - r {
+            // Three rows as four, the last twice: a kernel of three measured slower than one
+            // of four.
+            3 => {
+                let rows = [a[r], a[r + 1], a[r + 2], a[r + 2]];
+                put(
+                    out,
+                    (r0 + r, j, n),
+                    &first_of::<W, 3>(K::dot::<W, ACTS>(w, rows)),
+                );
+            }
+            2 => put(out, (r0 + r, j, n), &K::dot::<W, 2>(w, [a[r], a[r + 1]])),
+            1 => put(out, (r0 + r, j, n), &K::dot::<W, 1>(w, [a[r]])),
+            _ => {}
+        }
     }
 }
 
@@ -81,12 +148,6 @@ fn by_acts<const W: usize>(
 #[inline(always)]
 fn first_of<const W: usize, const A: usize>(v: [[f32; ACTS]; W]) -> [[f32; A]; W] {
     std::array::from_fn(|i| std::array::from_fn(|t| v[i][t]))
-}
-
-/// Activation rows `r..r + A`.
-#[inline(always)]
-fn rows_at<'a, const A: usize>(acts: &'a ActRows<'_>, r: usize) -> [ActRow<'a>; A] {
-    std::array::from_fn(|t| acts.row(r + t))
 }
 
 /// `v[i][t]` to `out[(r + t) n + j + i]`, where `(r, j, n)` is `at`.
@@ -191,6 +252,111 @@ fn q4k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f
             v[t] = _mm256_sub_ps(acc[i][t], _mm256_zextps128_ps256(macc[i][t]));
         }
         out[i] = hsums(v);
+    }
+    out
+}
+
+/// Sixteen bytes from `p`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn load16(p: &[u8]) -> __m128i {
+    assert!(p.len() >= 16);
+    // SAFETY: 16 bytes are in bounds (checked above); unaligned load.
+    #[allow(unsafe_code)]
+    unsafe {
+        _mm_loadu_si128(p.as_ptr().cast())
+    }
+}
+
+/// For each pair of sub-blocks `2 i`, `2 i + 1` of Q6_K, the shuffle that puts scale byte
+/// `2 i` in the high byte of the low eight i16 lanes and `2 i + 1` in the high eight (an
+/// arithmetic shift then sign-extends them).
+const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = {
+    let mut idx = [[0u8; 32]; 8];
+    let mut i = 0;
+    while i < 8 {
+        let mut b = 0;
+        while b < 32 {
+            idx[i][b] = (2 * i + (b >= 16) as usize) as u8;
+            b += 1;
+        }
+        i += 1;
+    }
+    idx
+};
+
+/// The products of `W` Q6_K weight rows with `A` activation rows quantized per super-block:
+/// per sixteen values, the weights' 6-bit values and scale are unpacked once, then multiplied
+/// with each activation row as [`super::avx2`]'s Q6_K kernel does.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q6k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f32; A]; W] {
+    let bytes = QuantFormat::Q6K.block().1;
+    let blocks = w[0].len() / bytes;
+    for wi in &w {
+        assert!(wi.len() == blocks * bytes, "Q6_K rows of different lengths");
+    }
+    for at in &a {
+        assert!(
+            at.holds_super_blocks(blocks),
+            "Q6_K products need activations per super-block"
+        );
+    }
+    let (m4, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
+    let mut acc = [[_mm256_setzero_ps(); A]; W];
+    for n in 0..blocks {
+        let mut xs: [&[u8]; A] = [&[]; A];
+        for t in 0..A {
+            xs[t] = bytemuck::cast_slice(&a[t].sq[QK * n..QK * (n + 1)]);
+        }
+        for i in 0..W {
+            let blk = &w[i][bytes * n..bytes * (n + 1)];
+            let scales8 = load16(&blk[192..208]);
+            let scales16 = _mm256_cvtepi8_epi16(scales8);
+            let scales = _mm256_broadcastsi128_si256(scales8);
+            let mut iacc = [_mm256_setzero_si256(); A];
+            for t in 0..A {
+                let offsets = _mm256_madd_epi16(scales16, load16i16(&a[t].sh[16 * n..]));
+                iacc[t] = _mm256_sub_epi32(iacc[t], _mm256_slli_epi32::<5>(offsets));
+            }
+            for h in 0..2 {
+                let ql0 = load32(&blk[64 * h..]);
+                let ql1 = load32(&blk[64 * h + 32..]);
+                let qh = load32(&blk[128 + 32 * h..]);
+                let high = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m3));
+                let us = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), high(_mm256_srli_epi16::<2>(qh))),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                        high(_mm256_srli_epi16::<4>(qh)),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                        high(_mm256_srli_epi16::<6>(qh)),
+                    ),
+                ];
+                for (g, u) in us.into_iter().enumerate() {
+                    let j = 4 * h + g;
+                    let spread = load32(&Q6K_SCALE_SPREAD[j]);
+                    let scale = _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(scales, spread));
+                    for t in 0..A {
+                        let x = load32(&xs[t][QA * SUB_BLOCK_SLOT[j]..]);
+                        let pairs = _mm256_maddubs_epi16(u, x);
+                        iacc[t] = _mm256_add_epi32(iacc[t], _mm256_madd_epi16(pairs, scale));
+                    }
+                }
+            }
+            let d = half_at(blk, 208);
+            for t in 0..A {
+                let scale = _mm256_set1_ps(d * a[t].sd[n]);
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), scale, acc[i][t]);
+            }
+        }
+    }
+    let mut out = [[0.0; A]; W];
+    for i in 0..W {
+        out[i] = hsums(acc[i]);
     }
     out
 }
