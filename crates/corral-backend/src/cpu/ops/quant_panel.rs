@@ -686,6 +686,7 @@ mod avx2 {
         ld: usize,
         lanes: usize,
     ) {
+        crate::cpu::ops::align_frame();
         in_halves(m, out, ld, lanes, |h, r0, left| match (format, left) {
             (QuantFormat::Q6K, 1) => padded(kernel::<1, 16>(panel, acts, r0, h)),
             (QuantFormat::Q6K, 2) => padded(kernel::<2, 16>(panel, acts, r0, h)),
@@ -963,6 +964,7 @@ mod avx2 {
         ld: usize,
         lanes: usize,
     ) {
+        crate::cpu::ops::align_frame();
         // What the unsigned values of Q4_0 and Q5_0 carry above the signed ones.
         let offset = match format {
             QuantFormat::Q4_0 => 8,

@@ -6,6 +6,8 @@
 
 use std::arch::x86_64::*;
 
+use crate::cpu::ops::align_frame;
+
 use super::{
     ActRow, ActRows, PREFETCH_AHEAD, QA, QK, QuantFormat, SUB_BLOCK_SLOT, half_at, hsums,
     k_scales_mins, load8i16, load16i16, min_sums, prefetch,
@@ -76,6 +78,7 @@ impl Kernel for Q6K {
 /// activation rows a call of `K`, then what is left over.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn rows<K: Kernel>(w: &[u8], n: usize, acts: ActRows<'_>, m: usize, out: &mut [f32]) {
+    align_frame();
     let row_bytes = w.len() / n.max(1);
     for r0 in (0..m).step_by(CHUNK_ROWS) {
         let mut a = [ActRow::default(); CHUNK_ROWS];
@@ -198,6 +201,7 @@ const SCALE_SPREAD: [[u8; 32]; 8] = {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q4k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f32; A]; W] {
+    align_frame();
     let bytes = QuantFormat::Q4K.block().1;
     let blocks = w[0].len() / bytes;
     for wi in &w {
@@ -291,6 +295,7 @@ const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q6k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f32; A]; W] {
+    align_frame();
     let bytes = QuantFormat::Q6K.block().1;
     let blocks = w[0].len() / bytes;
     for wi in &w {
