@@ -636,16 +636,6 @@ macro_rules! simd_dot {
 
             use super::*;
 
-            #[target_feature(enable = $features)]
-            fn load32(p: &[u8]) -> __m256i {
-                assert!(p.len() >= 32);
-                // SAFETY: 32 bytes are in bounds (checked above); unaligned load.
-                #[allow(unsafe_code)]
-                unsafe {
-                    _mm256_loadu_si256(p.as_ptr().cast())
-                }
-            }
-
             /// Eight lanes of a block of [`QA`] values.
             #[target_feature(enable = $features)]
             fn lanes(x: &[f32]) -> [__m256; 4] {
@@ -975,8 +965,6 @@ macro_rules! simd_dot {
                 let bytes = QuantFormat::Q6K.block().1;
                 let blocks = super_block_rows(QuantFormat::Q6K, &w, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.sq);
-                let (m4, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
-                let high = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m3));
                 // Scale byte 2 i over the low 128 bits, 2 i + 1 over the high: sign-extended
                 // to i16 by an arithmetic shift.
                 let spread = |i: usize| {
@@ -1000,25 +988,7 @@ macro_rules! simd_dot {
                             _mm256_slli_epi32::<5>(offsets),
                         );
                         for h in 0..2 {
-                            let ql0 = load32(&blk[64 * h..]);
-                            let ql1 = load32(&blk[64 * h + 32..]);
-                            let qh = load32(&blk[128 + 32 * h..]);
-                            let us = [
-                                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
-                                _mm256_or_si256(
-                                    _mm256_and_si256(ql1, m4),
-                                    high(_mm256_srli_epi16::<2>(qh)),
-                                ),
-                                _mm256_or_si256(
-                                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
-                                    high(_mm256_srli_epi16::<4>(qh)),
-                                ),
-                                _mm256_or_si256(
-                                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-                                    high(_mm256_srli_epi16::<6>(qh)),
-                                ),
-                            ];
-                            for (g, u) in us.into_iter().enumerate() {
+                            for (g, u) in q6k_half(blk, h).into_iter().enumerate() {
                                 let j = 4 * h + g;
                                 let pairs = _mm256_maddubs_epi16(u, x(j));
                                 let scale =
@@ -1155,6 +1125,57 @@ fn rows_of_blocks<const R: usize>(w: &[&[u8]; R], format: QuantFormat, a: ActRow
         "{format:?} products need activations per block of {QA}"
     );
     blocks
+}
+
+/// Thirty-two bytes from `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn load32(p: &[u8]) -> std::arch::x86_64::__m256i {
+    assert!(p.len() >= 32);
+    // SAFETY: 32 bytes are in bounds (checked above); unaligned load.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::arch::x86_64::_mm256_loadu_si256(p.as_ptr().cast())
+    }
+}
+
+/// Half `h` of the Q6_K super-block `blk`: the values of its sub-blocks `4 h..4 h + 4` (in the
+/// order [`SUB_BLOCK_SLOT`] holds activations in), the low four bits from `ql` and the high two
+/// from `qh`, as unsigned bytes below 64.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q6k_half(blk: &[u8], h: usize) -> [std::arch::x86_64::__m256i; 4] {
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(15);
+    let ql0 = load32(&blk[64 * h..]);
+    let ql1 = load32(&blk[64 * h + 32..]);
+    let qh = load32(&blk[128 + 32 * h..]);
+    [
+        _mm256_or_si256(_mm256_and_si256(ql0, m4), q6k_high(qh)),
+        _mm256_or_si256(
+            _mm256_and_si256(ql1, m4),
+            q6k_high(_mm256_srli_epi16::<2>(qh)),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+            q6k_high(_mm256_srli_epi16::<4>(qh)),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+            q6k_high(_mm256_srli_epi16::<6>(qh)),
+        ),
+    ]
+}
+
+/// The low two bits of each byte of `v`, as bits 4 and 5.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q6k_high(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    _mm256_slli_epi16::<4>(_mm256_and_si256(v, _mm256_set1_epi8(3)))
 }
 
 /// The blocks of `bytes` in each of the rows `w`, which all hold as many.

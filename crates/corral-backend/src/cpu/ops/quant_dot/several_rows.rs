@@ -10,7 +10,7 @@ use crate::cpu::ops::align_frame;
 
 use super::{
     ActRow, ActRows, PREFETCH_AHEAD, QA, QK, QuantFormat, SUB_BLOCK_SLOT, half_at, hsums,
-    k_scales_mins, load8i16, load16i16, min_sums, prefetch,
+    k_scales_mins, load8i16, load16i16, load32, min_sums, prefetch, q6k_half, weight_blocks,
 };
 
 /// Weight rows a call. One thread, 256 Q4_K rows of 512 values in cache, four activation
@@ -167,16 +167,22 @@ fn put<const W: usize, const A: usize>(
     }
 }
 
-/// Thirty-two bytes from `p`.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn load32(p: &[u8]) -> __m256i {
-    assert!(p.len() >= 32);
-    // SAFETY: 32 bytes are in bounds (checked above); unaligned load.
-    #[allow(unsafe_code)]
-    unsafe {
-        _mm256_loadu_si256(p.as_ptr().cast())
+/// The super-blocks of `format` in each of the rows `w`, whose products read each of `a`
+/// per super-block.
+#[inline(always)]
+fn super_blocks<const W: usize, const A: usize>(
+    format: QuantFormat,
+    w: &[&[u8]; W],
+    a: &[ActRow<'_>; A],
+) -> usize {
+    let blocks = weight_blocks(w, format.block().1);
+    for at in a {
+        assert!(
+            at.holds_super_blocks(blocks),
+            "{format:?} products need activations per super-block"
+        );
     }
+    blocks
 }
 
 /// For each sub-block `j`, the shuffle that spreads scale byte `j` over sixteen i16 lanes
@@ -203,16 +209,7 @@ const SCALE_SPREAD: [[u8; 32]; 8] = {
 fn q4k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f32; A]; W] {
     align_frame();
     let bytes = QuantFormat::Q4K.block().1;
-    let blocks = w[0].len() / bytes;
-    for wi in &w {
-        assert!(wi.len() == blocks * bytes, "Q4_K rows of different lengths");
-    }
-    for at in &a {
-        assert!(
-            at.holds_super_blocks(blocks),
-            "Q4_K products need activations per super-block"
-        );
-    }
+    let blocks = super_blocks(QuantFormat::Q4K, &w, &a);
     let m4 = _mm256_set1_epi8(15);
     let mut acc = [[_mm256_setzero_ps(); A]; W];
     let mut macc = [[_mm_setzero_ps(); A]; W];
@@ -297,17 +294,7 @@ const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = {
 fn q6k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f32; A]; W] {
     align_frame();
     let bytes = QuantFormat::Q6K.block().1;
-    let blocks = w[0].len() / bytes;
-    for wi in &w {
-        assert!(wi.len() == blocks * bytes, "Q6_K rows of different lengths");
-    }
-    for at in &a {
-        assert!(
-            at.holds_super_blocks(blocks),
-            "Q6_K products need activations per super-block"
-        );
-    }
-    let (m4, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
+    let blocks = super_blocks(QuantFormat::Q6K, &w, &a);
     let mut acc = [[_mm256_setzero_ps(); A]; W];
     for n in 0..blocks {
         let mut xs: [&[u8]; A] = [&[]; A];
@@ -325,23 +312,7 @@ fn q6k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f
                 iacc[t] = _mm256_sub_epi32(iacc[t], _mm256_slli_epi32::<5>(offsets));
             }
             for h in 0..2 {
-                let ql0 = load32(&blk[64 * h..]);
-                let ql1 = load32(&blk[64 * h + 32..]);
-                let qh = load32(&blk[128 + 32 * h..]);
-                let high = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m3));
-                let us = [
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), high(_mm256_srli_epi16::<2>(qh))),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
-                        high(_mm256_srli_epi16::<4>(qh)),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-                        high(_mm256_srli_epi16::<6>(qh)),
-                    ),
-                ];
-                for (g, u) in us.into_iter().enumerate() {
+                for (g, u) in q6k_half(blk, h).into_iter().enumerate() {
                     let j = 4 * h + g;
                     let spread = load32(&Q6K_SCALE_SPREAD[j]);
                     let scale = _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(scales, spread));
