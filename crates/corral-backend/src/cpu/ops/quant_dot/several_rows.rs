@@ -10,7 +10,8 @@ use crate::cpu::ops::align_frame;
 
 use super::{
     ActRow, ActRows, PREFETCH_AHEAD, QA, QK, QuantFormat, SUB_BLOCK_SLOT, half_at, hsums,
-    k_scales_mins, load8i16, load16i16, load32, min_sums, prefetch, q6k_half, weight_blocks,
+    k_scales_mins, load8i16, load16, load16i16, load32, min_sums, prefetch, q6k_half,
+    weight_blocks,
 };
 
 /// Weight rows a call. One thread, 256 Q4_K rows of 512 values in cache, four activation
@@ -187,19 +188,33 @@ fn super_blocks<const W: usize, const A: usize>(
 
 /// For each sub-block `j`, the shuffle that spreads scale byte `j` over sixteen i16 lanes
 /// (high bytes zero).
-const SCALE_SPREAD: [[u8; 32]; 8] = {
-    let mut idx = [[0x80u8; 32]; 8];
+const SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(false);
+
+/// For each pair of sub-blocks `2 i`, `2 i + 1` of Q6_K, the shuffle that puts scale byte
+/// `2 i` in the high byte of the low eight i16 lanes and `2 i + 1` in the high eight (an
+/// arithmetic shift then sign-extends them).
+const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(true);
+
+/// [`SCALE_SPREAD`], or with `q6k` [`Q6K_SCALE_SPREAD`].
+const fn scale_spread(q6k: bool) -> [[u8; 32]; 8] {
+    let mut idx = [[0u8; 32]; 8];
     let mut j = 0;
     while j < 8 {
         let mut b = 0;
         while b < 32 {
-            idx[j][b] = j as u8;
-            b += 2;
+            idx[j][b] = if q6k {
+                (2 * j + (b >= 16) as usize) as u8
+            } else if b % 2 == 0 {
+                j as u8
+            } else {
+                0x80
+            };
+            b += 1;
         }
         j += 1;
     }
     idx
-};
+}
 
 /// The products of `W` Q4_K weight rows with `A` activation rows quantized per super-block:
 /// per sub-block, the weights' nibbles and scale are unpacked once, then multiplied with
@@ -256,35 +271,6 @@ fn q4k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f
     }
     out
 }
-
-/// Sixteen bytes from `p`.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn load16(p: &[u8]) -> __m128i {
-    assert!(p.len() >= 16);
-    // SAFETY: 16 bytes are in bounds (checked above); unaligned load.
-    #[allow(unsafe_code)]
-    unsafe {
-        _mm_loadu_si128(p.as_ptr().cast())
-    }
-}
-
-/// For each pair of sub-blocks `2 i`, `2 i + 1` of Q6_K, the shuffle that puts scale byte
-/// `2 i` in the high byte of the low eight i16 lanes and `2 i + 1` in the high eight (an
-/// arithmetic shift then sign-extends them).
-const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = {
-    let mut idx = [[0u8; 32]; 8];
-    let mut i = 0;
-    while i < 8 {
-        let mut b = 0;
-        while b < 32 {
-            idx[i][b] = (2 * i + (b >= 16) as usize) as u8;
-            b += 1;
-        }
-        i += 1;
-    }
-    idx
-};
 
 /// The products of `W` Q6_K weight rows with `A` activation rows quantized per super-block:
 /// per sixteen values, the weights' 6-bit values and scale are unpacked once, then multiplied
