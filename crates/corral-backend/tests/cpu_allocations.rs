@@ -141,7 +141,8 @@ fn warm_cpu_ops_allocate_nothing() {
         pair_positions: &pair_positions,
     };
     // Quantized matmuls of 40 rows (panels: Q4_K's, and Q8_0's on AVX2 or f32 tiles on
-    // AVX-512) and of one (few-row products).
+    // AVX-512), of three (Q4_K's products over several rows on AVX2) and of one (few-row
+    // products).
     let mut mm_out = f32_buf(&b, &vec![0.0; moe_tokens * i]);
     let q8_0 = blocks(QuantFormat::Q8_0, i * h, 9);
 
@@ -182,6 +183,7 @@ fn warm_cpu_ops_allocate_nothing() {
         b.moe_combine(&y, routing, sorted, h, &mut moe_out).unwrap();
         let expert0 = WeightView::stacked(&gate, 0, i, h).unwrap();
         b.matmul(&x, moe_tokens, expert0, &mut mm_out).unwrap();
+        b.matmul(&x, 3, expert0, &mut mm_out).unwrap();
         b.matmul(&x, 1, expert0, &mut mm_out).unwrap();
         let q8_0 = WeightView::stacked(&q8_0, 0, i, h).unwrap();
         b.matmul(&x, moe_tokens, q8_0, &mut mm_out).unwrap();

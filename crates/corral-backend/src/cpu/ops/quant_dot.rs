@@ -401,13 +401,12 @@ pub(crate) fn dot_rows(
         // activation rows of Q4_K or Q6_K: the weights' values unpacked once for them all.
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
-        Isa::Avx2 if format == QuantFormat::Q4K && m >= 2 => unsafe {
-            several_rows::rows::<several_rows::Q4K>(w, n, acts, m, out)
-        },
-        #[cfg(target_arch = "x86_64")]
-        #[allow(unsafe_code)]
-        Isa::Avx2 if format == QuantFormat::Q6K && m >= 2 => unsafe {
-            several_rows::rows::<several_rows::Q6K>(w, n, acts, m, out)
+        Isa::Avx2 if m >= 2 && matches!(format, QuantFormat::Q4K | QuantFormat::Q6K) => unsafe {
+            if format == QuantFormat::Q6K {
+                several_rows::rows::<true>(w, n, acts, m, out)
+            } else {
+                several_rows::rows::<false>(w, n, acts, m, out)
+            }
         },
         #[cfg(target_arch = "x86_64")]
         #[allow(unsafe_code)]
@@ -917,13 +916,7 @@ macro_rules! simd_dot {
                 let blocks = super_block_rows(QuantFormat::Q4K, &w, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.sq);
                 let m4 = _mm256_set1_epi8(15);
-                // Scale byte j spread over the sixteen i16 lanes, high bytes zero.
-                let spread = |j: usize| {
-                    let idx: [u8; 32] =
-                        std::array::from_fn(|b| if b % 2 == 1 { 0x80 } else { j as u8 });
-                    load32(&idx)
-                };
-                let idx: [__m256i; 8] = std::array::from_fn(spread);
+                let idx: [__m256i; 8] = std::array::from_fn(|j| load32(&SCALE_SPREAD[j]));
                 let (mut acc, mut macc) = ([_mm256_setzero_ps(); R], [_mm_setzero_ps(); R]);
                 for n in 0..blocks {
                     let x = |j: usize| load32(&xq[QK * n + QA * SUB_BLOCK_SLOT[j]..]);
@@ -965,14 +958,7 @@ macro_rules! simd_dot {
                 let bytes = QuantFormat::Q6K.block().1;
                 let blocks = super_block_rows(QuantFormat::Q6K, &w, a);
                 let xq: &[u8] = bytemuck::cast_slice(a.sq);
-                // Scale byte 2 i over the low 128 bits, 2 i + 1 over the high: sign-extended
-                // to i16 by an arithmetic shift.
-                let spread = |i: usize| {
-                    let idx: [u8; 32] =
-                        std::array::from_fn(|b| (2 * i + usize::from(b >= 16)) as u8);
-                    load32(&idx)
-                };
-                let idx: [__m256i; 8] = std::array::from_fn(spread);
+                let idx: [__m256i; 8] = std::array::from_fn(|i| load32(&Q6K_SCALE_SPREAD[i]));
                 let mut acc = [_mm256_setzero_ps(); R];
                 for n in 0..blocks {
                     let x = |j: usize| load32(&xq[QK * n + QA * SUB_BLOCK_SLOT[j]..]);
@@ -1176,6 +1162,39 @@ fn q6k_half(blk: &[u8], h: usize) -> [std::arch::x86_64::__m256i; 4] {
 fn q6k_high(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     _mm256_slli_epi16::<4>(_mm256_and_si256(v, _mm256_set1_epi8(3)))
+}
+
+/// For each Q4_K sub-block `j`, the shuffle that spreads scale byte `j` over sixteen i16 lanes
+/// (high bytes zero).
+#[cfg(target_arch = "x86_64")]
+pub(super) const SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(false);
+
+/// For each pair of sub-blocks `2 i`, `2 i + 1` of Q6_K, the shuffle that puts scale byte
+/// `2 i` in the high byte of the low eight i16 lanes and `2 i + 1` in the high eight (an
+/// arithmetic shift then sign-extends them).
+#[cfg(target_arch = "x86_64")]
+pub(super) const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(true);
+
+/// [`SCALE_SPREAD`], or with `q6k` [`Q6K_SCALE_SPREAD`].
+#[cfg(target_arch = "x86_64")]
+const fn scale_spread(q6k: bool) -> [[u8; 32]; 8] {
+    let mut idx = [[0u8; 32]; 8];
+    let mut j = 0;
+    while j < 8 {
+        let mut b = 0;
+        while b < 32 {
+            idx[j][b] = if q6k {
+                (2 * j + (b >= 16) as usize) as u8
+            } else if b % 2 == 0 {
+                j as u8
+            } else {
+                0x80
+            };
+            b += 1;
+        }
+        j += 1;
+    }
+    idx
 }
 
 /// The blocks of `bytes` in each of the rows `w`, which all hold as many.

@@ -9,9 +9,9 @@ use std::arch::x86_64::*;
 use crate::cpu::ops::align_frame;
 
 use super::{
-    ActRow, ActRows, PREFETCH_AHEAD, QA, QK, QuantFormat, SUB_BLOCK_SLOT, half_at, hsums,
-    k_scales_mins, load8i16, load16, load16i16, load32, min_sums, prefetch, q6k_half,
-    weight_blocks,
+    ActRow, ActRows, PREFETCH_AHEAD, Q6K_SCALE_SPREAD, QA, QK, QuantFormat, SCALE_SPREAD,
+    SUB_BLOCK_SLOT, half_at, hsums, k_scales_mins, load8i16, load16, load16i16, load32, min_sums,
+    prefetch, q6k_half, weight_blocks,
 };
 
 /// Weight rows a call. One thread, 256 Q4_K rows of 512 values in cache, four activation
@@ -28,57 +28,16 @@ const _: () = assert!(ACTS == 4);
 /// Activation rows whose [`ActRow`]s a call of [`rows`] sets up at once.
 const CHUNK_ROWS: usize = 16;
 
-/// A format's products of `W` weight rows with `A` activation rows.
-pub(super) trait Kernel {
-    /// # Safety
-    /// The CPU has AVX2, FMA and F16C.
-    #[allow(unsafe_code)]
-    unsafe fn dot<const W: usize, const A: usize>(
-        w: [&[u8]; W],
-        a: [ActRow<'_>; A],
-    ) -> [[f32; A]; W];
-}
-
-/// Q4_K, by [`q4k`].
-pub(super) struct Q4K;
-
-impl Kernel for Q4K {
-    #[inline(always)]
-    #[allow(unsafe_code)]
-    unsafe fn dot<const W: usize, const A: usize>(
-        w: [&[u8]; W],
-        a: [ActRow<'_>; A],
-    ) -> [[f32; A]; W] {
-        // SAFETY: the caller's.
-        #[allow(unsafe_code)]
-        unsafe {
-            q4k(w, a)
-        }
-    }
-}
-
-/// Q6_K, by [`q6k`].
-pub(super) struct Q6K;
-
-impl Kernel for Q6K {
-    #[inline(always)]
-    #[allow(unsafe_code)]
-    unsafe fn dot<const W: usize, const A: usize>(
-        w: [&[u8]; W],
-        a: [ActRow<'_>; A],
-    ) -> [[f32; A]; W] {
-        // SAFETY: the caller's.
-        #[allow(unsafe_code)]
-        unsafe {
-            q6k(w, a)
-        }
-    }
-}
-
-/// [`super::dot_rows`] for `m` ≥ 2 activation rows: [`WEIGHTS`] weight rows by [`ACTS`]
-/// activation rows a call of `K`, then what is left over.
+/// [`super::dot_rows`] for `m` ≥ 2 activation rows of Q4_K (with `Q6`, of Q6_K): [`WEIGHTS`]
+/// weight rows by [`ACTS`] activation rows a call, then what is left over.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn rows<K: Kernel>(w: &[u8], n: usize, acts: ActRows<'_>, m: usize, out: &mut [f32]) {
+pub(super) fn rows<const Q6: bool>(
+    w: &[u8],
+    n: usize,
+    acts: ActRows<'_>,
+    m: usize,
+    out: &mut [f32],
+) {
     align_frame();
     let row_bytes = w.len() / n.max(1);
     for r0 in (0..m).step_by(CHUNK_ROWS) {
@@ -101,20 +60,20 @@ pub(super) fn rows<K: Kernel>(w: &[u8], n: usize, acts: ActRows<'_>, m: usize, o
             for (i, r) in rows.iter_mut().enumerate() {
                 *r = &w[(j + i) * row_bytes..(j + i + 1) * row_bytes];
             }
-            by_acts::<K, WEIGHTS>(rows, (r0, j, n), a, out);
+            by_acts::<Q6, WEIGHTS>(rows, (r0, j, n), a, out);
         }
         for j in WEIGHTS * groups..n {
             let row = [&w[j * row_bytes..(j + 1) * row_bytes]];
-            by_acts::<K, 1>(row, (r0, j, n), a, out);
+            by_acts::<Q6, 1>(row, (r0, j, n), a, out);
         }
     }
 }
 
 /// The products of the weight rows `w` (rows `j..` of `n`) with the activation rows `a`
-/// (rows `r0..` of the product), [`ACTS`] of them a call, into `out`; `(r0, j, n)` is `at`.
+/// (rows `r0..` of the product), [`ACTS`] of them a call, into `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn by_acts<K: Kernel, const W: usize>(
+fn by_acts<const Q6: bool, const W: usize>(
     w: [&[u8]; W],
     (r0, j, n): (usize, usize, usize),
     a: &[ActRow<'_>],
@@ -122,30 +81,38 @@ fn by_acts<K: Kernel, const W: usize>(
 ) {
     let m = a.len();
     let mut r = 0;
-    // SAFETY (every kernel call): this function's features are the kernels'.
-    #[allow(unsafe_code)]
-    unsafe {
-        while m - r >= ACTS {
-            let rows = [a[r], a[r + 1], a[r + 2], a[r + 3]];
-            put(out, (r0 + r, j, n), &K::dot::<W, ACTS>(w, rows));
-            r += ACTS;
-        }
-        match m - r {
-            // Three rows as four, the last twice: a kernel of three measured slower than one
-            // of four.
-            3 => {
-                let rows = [a[r], a[r + 1], a[r + 2], a[r + 2]];
-                put(
-                    out,
-                    (r0 + r, j, n),
-                    &first_of::<W, 3>(K::dot::<W, ACTS>(w, rows)),
-                );
-            }
-            2 => put(out, (r0 + r, j, n), &K::dot::<W, 2>(w, [a[r], a[r + 1]])),
-            1 => put(out, (r0 + r, j, n), &K::dot::<W, 1>(w, [a[r]])),
-            _ => {}
-        }
+    while m - r >= ACTS {
+        let rows = [a[r], a[r + 1], a[r + 2], a[r + 3]];
+        put(out, (r0 + r, j, n), &kernel::<Q6, W, ACTS>(w, rows));
+        r += ACTS;
     }
+    match m - r {
+        // Three rows as four, the last twice: a kernel of three measured slower than one of
+        // four.
+        3 => {
+            let rows = [a[r], a[r + 1], a[r + 2], a[r + 2]];
+            let v = kernel::<Q6, W, ACTS>(w, rows);
+            put(out, (r0 + r, j, n), &first_of::<W, 3>(v));
+        }
+        2 => put(
+            out,
+            (r0 + r, j, n),
+            &kernel::<Q6, W, 2>(w, [a[r], a[r + 1]]),
+        ),
+        1 => put(out, (r0 + r, j, n), &kernel::<Q6, W, 1>(w, [a[r]])),
+        _ => {}
+    }
+}
+
+/// `W` weight rows of Q4_K ([`q4k`]), or with `Q6` of Q6_K ([`q6k`]), against `A` activation
+/// rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn kernel<const Q6: bool, const W: usize, const A: usize>(
+    w: [&[u8]; W],
+    a: [ActRow<'_>; A],
+) -> [[f32; A]; W] {
+    if Q6 { q6k(w, a) } else { q4k(w, a) }
 }
 
 /// The first `A` values of each of `v`'s rows.
@@ -154,7 +121,7 @@ fn first_of<const W: usize, const A: usize>(v: [[f32; ACTS]; W]) -> [[f32; A]; W
     std::array::from_fn(|i| std::array::from_fn(|t| v[i][t]))
 }
 
-/// `v[i][t]` to `out[(r + t) n + j + i]`, where `(r, j, n)` is `at`.
+/// `v[i][t]` to `out[(r + t) n + j + i]`.
 #[inline(always)]
 fn put<const W: usize, const A: usize>(
     out: &mut [f32],
@@ -184,36 +151,6 @@ fn super_blocks<const W: usize, const A: usize>(
         );
     }
     blocks
-}
-
-/// For each sub-block `j`, the shuffle that spreads scale byte `j` over sixteen i16 lanes
-/// (high bytes zero).
-const SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(false);
-
-/// For each pair of sub-blocks `2 i`, `2 i + 1` of Q6_K, the shuffle that puts scale byte
-/// `2 i` in the high byte of the low eight i16 lanes and `2 i + 1` in the high eight (an
-/// arithmetic shift then sign-extends them).
-const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(true);
-
-/// [`SCALE_SPREAD`], or with `q6k` [`Q6K_SCALE_SPREAD`].
-const fn scale_spread(q6k: bool) -> [[u8; 32]; 8] {
-    let mut idx = [[0u8; 32]; 8];
-    let mut j = 0;
-    while j < 8 {
-        let mut b = 0;
-        while b < 32 {
-            idx[j][b] = if q6k {
-                (2 * j + (b >= 16) as usize) as u8
-            } else if b % 2 == 0 {
-                j as u8
-            } else {
-                0x80
-            };
-            b += 1;
-        }
-        j += 1;
-    }
-    idx
 }
 
 /// The products of `W` Q4_K weight rows with `A` activation rows quantized per super-block:
