@@ -20,6 +20,9 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     tool_call_format: ToolCallFormat,
+    /// Whether the template renders a system message after the conversation's start (Qwen3's
+    /// does; Qwen3.5's raises "System message must be at the beginning").
+    renders_later_system: bool,
 }
 
 /// How the model writes a tool call, as its template shows it.
@@ -194,12 +197,29 @@ impl ChatTemplate {
         };
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
-        Ok(Self {
+        let mut template = Self {
             env,
             bos_token: config.bos_token.clone().unwrap_or_default(),
             eos_token: config.eos_token.clone().unwrap_or_default(),
             tool_call_format,
-        })
+            renders_later_system: false,
+        };
+        template.renders_later_system = template.probe_later_system();
+        Ok(template)
+    }
+
+    /// Whether a system message after a user turn renders, and its text appears: asked once of
+    /// the template itself, so that no template's source is sniffed for it.
+    fn probe_later_system(&self) -> bool {
+        const LATER: &str = "corral-probe: a later system message";
+        let messages = [
+            serde_json::json!({"role": "system", "content": "first system message"}),
+            serde_json::json!({"role": "user", "content": "first user message"}),
+            serde_json::json!({"role": "system", "content": LATER}),
+            serde_json::json!({"role": "user", "content": "second user message"}),
+        ];
+        self.render_as_given(&messages, None, true, &Map::new())
+            .is_ok_and(|text| text.contains(LATER))
     }
 
     /// How the model writes tool calls.
@@ -208,8 +228,22 @@ impl ChatTemplate {
     }
 
     /// Renders `messages` (OpenAI-style objects with `role` and `content`), optional `tools`,
-    /// and extra variables such as `enable_thinking`.
+    /// and extra variables such as `enable_thinking`. System (and developer) messages may
+    /// stand anywhere: they are placed as the template accepts them
+    /// ([`place_system_messages`]).
     pub fn render(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<String, EngineError> {
+        let messages = place_system_messages(messages, self.renders_later_system);
+        self.render_as_given(&messages, tools, add_generation_prompt, extra)
+    }
+
+    /// Renders the messages exactly as given.
+    fn render_as_given(
         &self,
         messages: &[Value],
         tools: Option<&[Value]>,
@@ -241,6 +275,53 @@ impl ChatTemplate {
             .render(JinjaValue::from_serialize(&context))
             .map_err(|e| EngineError::ChatTemplate(format!("rendering failed: {e}")))
     }
+}
+
+/// Whether a message is a system message (OpenAI's `developer` role is one too).
+fn is_system(message: &Value) -> bool {
+    matches!(
+        message.get("role").and_then(Value::as_str),
+        Some("system" | "developer")
+    )
+}
+
+/// The conversation as chat templates take it, whatever the number and place of its system
+/// and developer messages (clients such as Claude Code and Codex send several, and some after
+/// the user's):
+/// - those before the first other message become one system message, their texts joined by a
+///   blank line, as the one system prompt every template reads from `messages[0]`;
+/// - a later one stays a system message where the template renders one there
+///   (`later_as_system`), else it becomes a user message at its place. A user turn keeps its
+///   text where it was said and every turn before it unchanged, so a conversation that grows
+///   keeps its rendered prefix (and the prefix cache's hit); moving the text into the leading
+///   system prompt would change the conversation's first tokens on every turn.
+pub(crate) fn place_system_messages(messages: &[Value], later_as_system: bool) -> Vec<Value> {
+    let leading = messages.iter().take_while(|m| is_system(m)).count();
+    let mut placed = Vec::with_capacity(messages.len());
+    if leading > 0 {
+        let texts: Vec<&str> = messages[..leading]
+            .iter()
+            .filter_map(|m| m.get("content").and_then(Value::as_str))
+            .collect();
+        let mut merged = messages[0].clone();
+        if texts.len() == leading {
+            merged["content"] = Value::String(texts.join("\n\n"));
+            merged["role"] = Value::String("system".to_string());
+            placed.push(merged);
+        } else {
+            // Contents that are not plain text are left for the template to judge.
+            placed.extend(messages[..leading].iter().cloned());
+        }
+    }
+    for message in &messages[leading..] {
+        let mut message = message.clone();
+        if is_system(&message) {
+            let role = if later_as_system { "system" } else { "user" };
+            message["role"] = Value::String(role.to_string());
+        }
+        placed.push(message);
+    }
+    placed
 }
 
 #[cfg(test)]
@@ -325,6 +406,46 @@ mod tests {
             out,
             "<|im_start|>system\nBe brief.\n\n# Tools\n\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Weather <now> & later\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"days\": {\"type\": \"integer\"}, \"units\": {\"type\": \"object\"}}, \"required\": [\"city\"]}}}\n</tools><|im_end|>\n<|im_start|>user\nWetter in Köln?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nKöln\n</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=units>\n{\"temp\": \"C\", \"wind\": \"km/h\"}\n</parameter>\n</function>\n</tool_call>\n<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn leading_system_messages_merge_and_later_ones_go_where_the_template_renders_them() {
+        let messages = [
+            json!({"role": "developer", "content": "one"}),
+            json!({"role": "system", "content": "two"}),
+            json!({"role": "user", "content": "hi"}),
+            json!({"role": "developer", "content": "three"}),
+        ];
+        let roles = |placed: &[Value]| {
+            placed
+                .iter()
+                .map(|m| format!("{}:{}", m["role"].as_str().unwrap(), m["content"]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            roles(&place_system_messages(&messages, false)),
+            ["system:\"one\\n\\ntwo\"", "user:\"hi\"", "user:\"three\""]
+        );
+        assert_eq!(
+            roles(&place_system_messages(&messages, true)),
+            ["system:\"one\\n\\ntwo\"", "user:\"hi\"", "system:\"three\""]
+        );
+        // A template that refuses a later system message gets it as a user turn; one that
+        // renders it keeps it a system turn.
+        let strict = ChatTemplate::new(&TokenizerConfig {
+            chat_template: Some(
+                "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
+                 {{ raise_exception('System message must be at the beginning.') }}{% endif %}\
+                 <{{ m.role }}>{{ m.content }}{% endfor %}"
+                    .to_string(),
+            ),
+            ..TokenizerConfig::default()
+        })
+        .unwrap();
+        let out = strict.render(&messages, None, true, &Map::new()).unwrap();
+        assert_eq!(out, "<system>one\n\ntwo<user>hi<user>three");
+        let out = chatml().render(&messages, None, true, &Map::new()).unwrap();
+        assert!(out.ends_with("<|im_start|>system\nthree<|im_end|><|im_start|>assistant\n"));
     }
 
     #[test]

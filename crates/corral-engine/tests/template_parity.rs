@@ -34,11 +34,94 @@ fn first_difference(a: &str, b: &str) -> String {
     format!("at byte {at}: ours {:?} against {:?}", around(a), around(b))
 }
 
+fn templates_dir() -> PathBuf {
+    std::env::var_os("CORRAL_TEMPLATES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/qwen-templates"))
+}
+
+/// A fetched template's source; `None` (said) where it is missing and not required.
+fn template_source(name: &str) -> Option<String> {
+    let path = templates_dir().join(name);
+    let Ok(source) = std::fs::read_to_string(&path) else {
+        assert!(
+            std::env::var_os("CORRAL_REQUIRE_TEMPLATES").is_none(),
+            "{} is missing (scripts/fetch_templates.sh fetches it)",
+            path.display()
+        );
+        eprintln!(
+            "skipped: {} is missing (run scripts/fetch_templates.sh)",
+            path.display()
+        );
+        return None;
+    };
+    Some(source)
+}
+
+/// System and developer messages in the numbers and places agent clients send them (Codex's
+/// two developer items before the user's, Claude Code's system message after it, two system
+/// messages, one between a tool result and the next turn) render with every real template,
+/// and no system text is lost.
+#[test]
+fn system_messages_anywhere_render_with_every_template() {
+    let user = serde_json::json!({"role": "user", "content": "list the files here"});
+    let system = |text: &str| serde_json::json!({"role": "system", "content": text});
+    let developer = |text: &str| serde_json::json!({"role": "developer", "content": text});
+    let conversations = [
+        vec![
+            developer("permissions: read-only"),
+            developer("environment: /work"),
+            user.clone(),
+        ],
+        vec![
+            system("You are Claude Code."),
+            user.clone(),
+            system("deferred tools: Read, Bash"),
+        ],
+        vec![
+            system("Be brief."),
+            system("Answer in English."),
+            user.clone(),
+        ],
+        vec![user.clone(), system("a late reminder")],
+        vec![
+            system("Be brief."),
+            user.clone(),
+            serde_json::json!({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "ls", "arguments": {"path": "."}}}]}),
+            serde_json::json!({"role": "tool", "content": "a.txt"}),
+            system("tool results may be stale"),
+            serde_json::json!({"role": "user", "content": "and now?"}),
+        ],
+    ];
+    for name in [
+        "Qwen-Qwen3-0.6B.jinja",
+        "Qwen3-Coder.jinja",
+        "Qwen3.5-4B.jinja",
+    ] {
+        let Some(source) = template_source(name) else {
+            return;
+        };
+        let template = ChatTemplate::new(&TokenizerConfig {
+            chat_template: Some(source),
+            ..TokenizerConfig::default()
+        })
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for messages in &conversations {
+            let text = template
+                .render(messages, None, true, &Map::new())
+                .unwrap_or_else(|e| panic!("{name} {messages:?}: {e}"));
+            for m in messages {
+                let said = m["content"].as_str().unwrap_or_default();
+                assert!(text.contains(said), "{name}: {said:?} lost from {text:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn qwen_templates_render_as_transformers_does() {
-    let dir = std::env::var_os("CORRAL_TEMPLATES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/qwen-templates"));
+    let dir = templates_dir();
     let fixtures = repo().join("tests/fixtures/templates");
     let expected = read_json(&fixtures.join("expected.json"));
     let cases = read_json(&fixtures.join("conversations.json"));

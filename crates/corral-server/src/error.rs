@@ -138,6 +138,8 @@ impl IntoResponse for ApiError {
             tracing::error!(status = %self.status, "{}", self.message);
         }
         let mut response = (self.status, Json(self.body())).into_response();
+        // For the log line of the request (`count_requests`), which knows its route.
+        response.extensions_mut().insert(self.clone());
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             response
                 .headers_mut()

@@ -147,8 +147,7 @@ pub(crate) fn tool_calls(
 }
 
 /// Rule `f{i}` of one function in the XML form: its parameters in the schema's order, the
-/// required ones always, each at most once; a string's value is any text up to
-/// `</parameter>`, any other value JSON of its schema (as the output parser types them).
+/// required ones always, each at most once, each value held to its schema ([`xml_value`]).
 fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value) {
     let required: Vec<&str> = parameters
         .get("required")
@@ -159,18 +158,8 @@ fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value) {
     let mut body = String::new();
     for (j, (key, schema)) in properties.into_iter().flatten().enumerate() {
         let open = literal(&format!("<parameter={key}>\n"));
-        let text = schema.get("type").and_then(Value::as_str) == Some("string")
-            || (schema.get("type").is_none() && schema.get("enum").is_none());
-        if text {
-            lark.push_str(&format!(
-                "p{i}_{j}: {open} v{i}_{j}\nv{i}_{j}[suffix=\"\\n</parameter>\\n\"]: /(?s:.*)/\n"
-            ));
-        } else {
-            lark.push_str(&format!(
-                "p{i}_{j}: {open} %json {} \"\\n</parameter>\\n\"\n",
-                json_style(schema, true)
-            ));
-        }
+        let value = xml_value(lark, &format!("v{i}_{j}"), schema, parameters);
+        lark.push_str(&format!("p{i}_{j}: {open} {value}\n"));
         let optional = if required.contains(&key.as_str()) {
             ""
         } else {
@@ -182,6 +171,68 @@ fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value) {
         "f{i}: {} {body}\"</function>\\n\"\n",
         literal(&format!("<function={name}>\n"))
     ));
+}
+
+/// What closes a parameter's value in the XML form.
+const PARAMETER_CLOSE: &str = "\n</parameter>\n";
+
+/// The grammar of one XML-form parameter value and its closing tag, as the output parser
+/// types it back (`output::typed_value`) and as the template writes one (a string as its
+/// text, anything else as JSON):
+/// - a string's text, as long as `minLength`/`maxLength` allow, or one of its `enum` or
+///   `const` values;
+/// - any other value JSON of its schema (numbers and integers in their bounds, booleans,
+///   nested objects and arrays), its `$ref`s resolved against the tool's `$defs`.
+///
+/// Rules it needs are added to `lark` under names starting with `name`.
+fn xml_value(lark: &mut String, name: &str, schema: &Value, root: &Value) -> String {
+    let close = literal(PARAMETER_CLOSE);
+    let choices: Option<Vec<&Value>> = match (schema.get("const"), schema.get("enum")) {
+        (Some(c), _) => Some(vec![c]),
+        (None, Some(Value::Array(values))) => Some(values.iter().collect()),
+        _ => None,
+    };
+    if let Some(choices) = &choices
+        && !choices.is_empty()
+        && choices.iter().all(|v| v.is_string())
+    {
+        let alternatives: Vec<String> = choices
+            .iter()
+            .filter_map(|v| v.as_str())
+            .map(literal)
+            .collect();
+        return format!("({}) {close}", alternatives.join(" | "));
+    }
+    if choices.is_none() && crate::output::is_text_value(schema) {
+        let count = |key: &str| schema.get(key).and_then(Value::as_u64);
+        let length = match (count("minLength"), count("maxLength")) {
+            (None, None) => "*".to_string(),
+            (min, None) => format!("{{{},}}", min.unwrap_or(0)),
+            (min, Some(max)) => format!("{{{},{max}}}", min.unwrap_or(0).min(max)),
+        };
+        lark.push_str(&format!("{name}[suffix={close}]: /(?s:.{length})/\n"));
+        return name.to_string();
+    }
+    format!(
+        "%json {} {close}",
+        json_style(&with_defs(schema, root), true)
+    )
+}
+
+/// A parameter's schema as a root of its own: the tool schema's `$defs` and `definitions`
+/// copied in, so that its `$ref`s resolve.
+fn with_defs(schema: &Value, root: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(map) = &mut schema {
+        for key in ["$defs", "definitions"] {
+            if let Some(defs) = root.get(key)
+                && !map.contains_key(key)
+            {
+                map.insert(key.to_string(), defs.clone());
+            }
+        }
+    }
+    schema
 }
 
 /// `grammar` after the model closes the reasoning its prompt opened (`</think>` and a blank
@@ -329,6 +380,58 @@ mod tests {
             1,
         );
         assert!(!accepts(&any, &twice));
+    }
+
+    /// Each XML-form value follows its schema: a string's length and enum, an integer's
+    /// syntax and bounds, a boolean, a nested object and an array as JSON (its `$ref`s
+    /// resolved), and a free string any text.
+    #[test]
+    fn xml_parameter_values_follow_their_schemas() {
+        let tools = vec![
+            json!({"type": "function", "function": {"name": "plan", "parameters": {
+            "$defs": {"Place": {"type": "object", "properties": {"name": {"type": "string"},
+                "lat": {"type": "number"}}, "required": ["name"], "additionalProperties": false}},
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 2, "maxLength": 5},
+                "unit": {"type": "string", "enum": ["C", "F"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                "where": {"$ref": "#/$defs/Place"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "exact": {"type": "boolean"},
+                "note": {"type": "string"}},
+            "required": ["city"]}}}),
+        ];
+        let g = tool_calls(&tools, None, ToolCallFormat::Xml, false, &special).unwrap();
+        let call = |params: &[(&str, &str)]| {
+            let mut text = "<tool_call>\n<function=plan>\n".to_string();
+            for (k, v) in params {
+                text.push_str(&format!("<parameter={k}>\n{v}\n</parameter>\n"));
+            }
+            text + "</function>\n</tool_call>"
+        };
+        let ok = |params: &[(&str, &str)]| accepts(&g, &call(params));
+        assert!(ok(&[("city", "Paris")]));
+        assert!(!ok(&[("city", "Lisbon")]), "maxLength");
+        assert!(!ok(&[("city", "X")]), "minLength");
+        assert!(ok(&[("city", "Oslo"), ("unit", "F")]));
+        assert!(!ok(&[("city", "Oslo"), ("unit", "K")]), "enum");
+        assert!(ok(&[("city", "Oslo"), ("days", "14")]));
+        assert!(!ok(&[("city", "Oslo"), ("days", "15")]), "maximum");
+        assert!(!ok(&[("city", "Oslo"), ("days", "2.5")]), "integer");
+        assert!(!ok(&[("city", "Oslo"), ("days", "two")]), "integer");
+        let place = r#"{"name": "Oslo", "lat": 59.9}"#;
+        assert!(ok(&[("city", "Oslo"), ("where", place)]));
+        assert!(
+            !ok(&[("city", "Oslo"), ("where", r#"{"lat": 59.9}"#)]),
+            "required"
+        );
+        assert!(!ok(&[("city", "Oslo"), ("where", "Oslo")]), "object");
+        assert!(ok(&[("city", "Oslo"), ("tags", r#"["a", "b"]"#)]));
+        assert!(!ok(&[("city", "Oslo"), ("tags", "a, b")]), "array");
+        assert!(ok(&[("city", "Oslo"), ("exact", "true")]));
+        assert!(!ok(&[("city", "Oslo"), ("exact", "yes")]), "boolean");
+        assert!(ok(&[("city", "Oslo"), ("note", "any <text>\n at all")]));
     }
 
     #[test]

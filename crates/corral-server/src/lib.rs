@@ -28,7 +28,8 @@ pub use output::{Delta, OutputParser};
 pub use routes::responses::ResponseStore;
 pub use state::{AppState, RequestCounts, ServerConfig};
 
-/// Counts a response by its matched route and status.
+/// Counts a response by its matched route and status, and logs a rejected request with its
+/// reason (a client's error is otherwise seen only by the client).
 async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let path = req
         .extensions()
@@ -36,6 +37,17 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
         .map_or_else(|| "other".to_string(), |p| p.as_str().to_string());
     let response = next.run(req).await;
     state.requests.record(&path, response.status().as_u16());
+    if let Some(error) = response.extensions().get::<ApiError>()
+        && error.status.is_client_error()
+    {
+        tracing::warn!(
+            route = %path,
+            status = error.status.as_u16(),
+            param = %error.param.as_deref().unwrap_or("-"),
+            "request rejected: {}",
+            error.message
+        );
+    }
     response
 }
 

@@ -66,6 +66,8 @@ pub struct OutputParser {
     streamed: Option<(CallStream, String)>,
     /// Bytes of the call being written already searched for its closing tag.
     call_searched: usize,
+    /// Whether generation was cut short inside a tool call (which was then dropped).
+    cut_call: bool,
 }
 
 impl OutputParser {
@@ -87,6 +89,7 @@ impl OutputParser {
             stream_calls: false,
             streamed: None,
             call_searched: 0,
+            cut_call: false,
         }
     }
 
@@ -130,6 +133,11 @@ impl OutputParser {
     /// Whether a stop string was reached: nothing more should be generated.
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// Whether the text so far leaves the reply inside its reasoning.
+    pub fn in_reasoning(&self) -> bool {
+        self.mode == Mode::Reasoning
     }
 
     /// Tool calls parsed so far.
@@ -293,8 +301,11 @@ impl OutputParser {
         }
     }
 
-    /// Flushes what is held back at the end of generation.
-    pub fn finish(&mut self) -> Vec<Delta> {
+    /// Flushes what is held back at the end of generation. `cut`: generation was cut short
+    /// (`max_tokens`). A tool call still being written is then dropped, never returned as
+    /// text, and [`Self::cut_call`] says so; one left open at a stop token is the model's
+    /// own text and is returned as it is.
+    pub fn finish(&mut self, cut: bool) -> Vec<Delta> {
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.buffer);
         if self.stopped {
@@ -303,9 +314,18 @@ impl OutputParser {
         match self.mode {
             Mode::Content => emit(&mut out, Delta::Content(rest)),
             Mode::Reasoning => emit(&mut out, Delta::Reasoning(rest)),
+            Mode::ToolCall if cut => {
+                tracing::info!("generation reached max_tokens inside a tool call; it is dropped");
+                self.cut_call = true;
+            }
             Mode::ToolCall => emit(&mut out, Delta::Content(format!("{TOOL_OPEN}{rest}"))),
         }
         out
+    }
+
+    /// Whether generation was cut short inside a tool call, which [`Self::finish`] dropped.
+    pub fn cut_call(&self) -> bool {
+        self.cut_call
     }
 }
 
@@ -341,17 +361,44 @@ fn held_back(text: &str, markers: &[(&str, usize)]) -> usize {
     0
 }
 
-/// The type a parameter's JSON schema names (the first that is not `null` of a list).
-fn schema_type(schema: &Value) -> Option<String> {
-    match schema.get("type")? {
-        Value::String(t) => Some(t.clone()),
-        Value::Array(types) => types
-            .iter()
-            .filter_map(Value::as_str)
-            .find(|t| *t != "null")
-            .map(str::to_string),
-        _ => None,
+/// The type a parameter's JSON schema names (the first that is not `null` of a list); for a
+/// schema that names none, `"string"` where its `enum`/`const` values are all strings,
+/// `"json"` where it describes another value (an object's properties, an array's items,
+/// alternatives, a reference, other enum values), else `None`: free text.
+pub(crate) fn schema_type(schema: &Value) -> Option<String> {
+    match schema.get("type") {
+        Some(Value::String(t)) => return Some(t.clone()),
+        Some(Value::Array(types)) => {
+            return types
+                .iter()
+                .filter_map(Value::as_str)
+                .find(|t| *t != "null")
+                .map(str::to_string);
+        }
+        _ => {}
     }
+    let values: Option<Vec<&Value>> = match (schema.get("const"), schema.get("enum")) {
+        (Some(c), _) => Some(vec![c]),
+        (None, Some(Value::Array(values))) => Some(values.iter().collect()),
+        _ => None,
+    };
+    if let Some(values) = values {
+        let all_text = values.iter().all(|v| v.is_string());
+        return Some(if all_text { "string" } else { "json" }.to_string());
+    }
+    ["properties", "items", "anyOf", "oneOf", "allOf", "$ref"]
+        .iter()
+        .any(|k| schema.get(k).is_some())
+        .then(|| "json".to_string())
+}
+
+/// Whether an XML-form parameter of this schema is written as plain text (a string, or a
+/// value whose schema says nothing of it), not as JSON.
+pub(crate) fn is_text_value(schema: &Value) -> bool {
+    matches!(
+        schema_type(schema).as_deref(),
+        None | Some("string" | "str" | "text")
+    )
 }
 
 /// A tool call's inside, in either form, as a call with its arguments as a JSON string.
@@ -463,7 +510,7 @@ mod tests {
 
     fn run(parser: &mut OutputParser, pieces: &[&str]) -> Vec<Delta> {
         let mut all: Vec<Delta> = pieces.iter().flat_map(|p| parser.push(p)).collect();
-        all.extend(parser.finish());
+        all.extend(parser.finish(false));
         // Merge consecutive text deltas of one kind, as a client would.
         let mut merged: Vec<Delta> = Vec::new();
         for d in all {
@@ -659,7 +706,7 @@ mod tests {
             }
             at = cut;
         }
-        whole.extend(p.finish());
+        whole.extend(p.finish(false));
         (calls, whole)
     }
 
@@ -751,6 +798,38 @@ mod tests {
         assert_eq!(
             run(&mut p, &["é<tool_call>not json</tool_call>ü"]),
             vec![Delta::Content("é<tool_call>not json</tool_call>ü".into())]
+        );
+    }
+
+    /// A call cut short by `max_tokens` leaves no markup in the content, streamed or not; one
+    /// left open at a stop token is the model's text and stays.
+    #[test]
+    fn a_call_cut_short_is_dropped_not_returned_as_text() {
+        let half = "Let me look.<tool_call>\n<function=get_weather>\n<parameter=city>\nOs";
+        for stream in [false, true] {
+            let mut p = OutputParser::new(false, Vec::new(), true)
+                .with_tool_schemas(&weather_tool())
+                .streaming_tool_calls(stream);
+            let mut deltas = p.push(half);
+            deltas.extend(p.finish(true));
+            assert!(p.cut_call());
+            let text: String = deltas
+                .iter()
+                .filter_map(|d| match d {
+                    Delta::Content(t) => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(text, "Let me look.", "stream {stream}: {deltas:?}");
+            assert!(!deltas.iter().any(|d| matches!(d, Delta::ToolCall { .. })));
+        }
+        let mut p = OutputParser::new(false, Vec::new(), true);
+        let mut deltas = p.push(half);
+        deltas.extend(p.finish(false));
+        assert!(!p.cut_call());
+        assert_eq!(
+            deltas.last(),
+            Some(&Delta::Content(half["Let me look.".len()..].into()))
         );
     }
 }

@@ -27,6 +27,16 @@ struct Server {
 }
 
 fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server {
+    server_with_template(api_key, max_queue, max_context, None)
+}
+
+/// A server on the demo model with the chat template `template` in place of its own.
+fn server_with_template(
+    api_key: Option<&str>,
+    max_queue: usize,
+    max_context: usize,
+    template: Option<String>,
+) -> Server {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny-qwen3-moe");
     let model = Model::load(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
     let config = model.config().clone();
@@ -54,9 +64,13 @@ fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server
             .grammar_compiler(&stop_ids)
             .map_err(|e| e.to_string()),
         tokenizer: Arc::new(tokenizer),
-        chat_template: Some(Arc::new(
-            ChatTemplate::new(&TokenizerConfig::from_dir(&dir).unwrap()).unwrap(),
-        )),
+        chat_template: Some(Arc::new({
+            let mut config = TokenizerConfig::from_dir(&dir).unwrap();
+            if template.is_some() {
+                config.chat_template = template;
+            }
+            ChatTemplate::new(&config).unwrap()
+        })),
         config: Arc::new(ServerConfig {
             served_model_name: "tiny".to_string(),
             model_aliases: vec!["tiny-alias".to_string()],
@@ -1212,4 +1226,389 @@ async fn structured_output_and_required_tool_calls_are_held_by_the_grammar() {
         assert_eq!(body["error"]["param"], param, "{body}");
     }
     wait_for_zero_blocks(&s.engine).await;
+}
+
+/// Qwen3.5's official chat template (tool calls in XML, system messages only at the start),
+/// as `scripts/fetch_templates.sh` fetches it; `None`, said, where it is missing and not
+/// required (CI requires it).
+fn qwen35_template() -> Option<String> {
+    let dir = std::env::var_os("CORRAL_TEMPLATES_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/qwen-templates")
+        });
+    let path = dir.join("Qwen3.5-4B.jinja");
+    match std::fs::read_to_string(&path) {
+        Ok(source) => Some(source),
+        Err(_) => {
+            assert!(
+                std::env::var_os("CORRAL_REQUIRE_TEMPLATES").is_none(),
+                "{} is missing (scripts/fetch_templates.sh fetches it)",
+                path.display()
+            );
+            eprintln!(
+                "skipped: {} is missing (run scripts/fetch_templates.sh)",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// One request's SSE events as (event name, data) pairs.
+async fn named_sse_events(app: &Router, req: Request<Body>) -> Vec<(String, Value)> {
+    let response = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let bytes = to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    let mut events = Vec::new();
+    let mut name = String::new();
+    for line in text.lines() {
+        if let Some(n) = line.strip_prefix("event: ") {
+            name = n.to_string();
+        } else if let Some(data) = line.strip_prefix("data: ")
+            && let Ok(value) = serde_json::from_str::<Value>(data)
+        {
+            events.push((std::mem::take(&mut name), value));
+        }
+    }
+    events
+}
+
+/// A forecast tool whose every parameter is bounded by its schema: a string's `maxLength`,
+/// a string `enum`, a bounded integer, a nested object of a bounded integer and an enum.
+fn forecast_tool() -> Value {
+    json!({"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "units": {"type": "string", "enum": ["metric", "imperial"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "where": {"type": "object", "properties": {
+                "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                "zone": {"enum": ["UTC", "CET"]}},
+                "required": ["lat", "zone"], "additionalProperties": false}},
+        "required": ["city", "units", "days", "where"]}}})
+}
+
+/// Whether `arguments` (a JSON object) are valid for [`forecast_tool`].
+fn check_forecast(arguments: &Value) {
+    let a = arguments
+        .as_object()
+        .unwrap_or_else(|| panic!("{arguments}"));
+    assert_eq!(a.len(), 4, "{arguments}");
+    let city = a["city"].as_str().unwrap_or_else(|| panic!("{arguments}"));
+    assert!(city.chars().count() <= 24, "{arguments}");
+    assert!(
+        ["metric", "imperial"].contains(&a["units"].as_str().unwrap_or("")),
+        "{arguments}"
+    );
+    assert!(
+        a["days"].as_i64().is_some_and(|d| (1..=14).contains(&d)),
+        "{arguments}"
+    );
+    let place = a["where"]
+        .as_object()
+        .unwrap_or_else(|| panic!("{arguments}"));
+    assert_eq!(place.len(), 2, "{arguments}");
+    assert!(
+        place["lat"]
+            .as_i64()
+            .is_some_and(|l| (-90..=90).contains(&l)),
+        "{arguments}"
+    );
+    assert!(
+        ["UTC", "CET"].contains(&place["zone"].as_str().unwrap_or("")),
+        "{arguments}"
+    );
+}
+
+/// With Qwen3.5's template (calls in XML), a forced call holds every parameter to its schema
+/// on random weights and closes, over each API, streamed and not: OpenAI chat ("required"
+/// and a named function), Anthropic Messages (`any`) and Responses ("required"). Before, a
+/// string's `maxLength` and an enum were not held, and the call ran to `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xml_forced_tool_calls_follow_their_schemas_over_every_api() {
+    let Some(template) = qwen35_template() else {
+        return;
+    };
+    let s = server_with_template(None, 16, 2048, Some(template));
+    let tools = json!([forecast_tool()]);
+    for (seed, choice) in [
+        (1, json!("required")),
+        (
+            2,
+            json!({"type": "function", "function": {"name": "forecast"}}),
+        ),
+        (3, json!("required")),
+    ] {
+        let extra = json!({"tools": tools, "tool_choice": choice, "max_tokens": 300,
+            "temperature": 1.0, "seed": seed});
+        let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(extra))).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        let arguments = calls[0]["function"]["arguments"].as_str().unwrap();
+        check_forecast(&serde_json::from_str(arguments).unwrap());
+    }
+    // Streamed chat: the argument pieces join to a valid call.
+    let extra = json!({"tools": tools, "tool_choice": "required", "max_tokens": 300,
+        "stream": true, "temperature": 1.0, "seed": 4});
+    let events = named_sse_events(&s.app, post("/v1/chat/completions", chat_body(extra))).await;
+    let mut arguments = String::new();
+    let mut finish = Value::Null;
+    for (_, chunk) in &events {
+        let choice = &chunk["choices"][0];
+        for call in choice["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            arguments.push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if !choice["finish_reason"].is_null() {
+            finish = choice["finish_reason"].clone();
+        }
+    }
+    assert_eq!(finish, "tool_calls");
+    check_forecast(&serde_json::from_str(&arguments).unwrap());
+
+    // Anthropic Messages, `tool_choice: any`.
+    let anthropic_tool = json!({"name": "forecast",
+        "input_schema": forecast_tool()["function"]["parameters"].clone()});
+    let messages = |stream: bool| {
+        json!({"model": "tiny", "max_tokens": 300, "temperature": 1.0, "stream": stream,
+            "tools": [anthropic_tool], "tool_choice": {"type": "any"},
+            "messages": [{"role": "user", "content": "Weather?"}]})
+        .to_string()
+    };
+    let (status, body, _) = call(&s.app, post("/v1/messages", messages(false))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["stop_reason"], "tool_use", "{body}");
+    let used: Vec<&Value> = body["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "tool_use")
+        .collect();
+    check_forecast(&used[0]["input"]);
+    let events = named_sse_events(&s.app, post("/v1/messages", messages(true))).await;
+    let input: String = events
+        .iter()
+        .filter_map(|(_, e)| e["delta"]["partial_json"].as_str())
+        .collect();
+    check_forecast(&serde_json::from_str(&input).unwrap());
+    let stop = events.iter().find(|(n, _)| n == "message_delta").unwrap();
+    assert_eq!(stop.1["delta"]["stop_reason"], "tool_use");
+
+    // Responses, "required".
+    let responses = |stream: bool| {
+        json!({"model": "tiny", "max_output_tokens": 300, "temperature": 1.0, "stream": stream,
+            "tools": [{"type": "function", "name": "forecast",
+                "parameters": forecast_tool()["function"]["parameters"].clone()}],
+            "tool_choice": "required", "input": "Weather?"})
+        .to_string()
+    };
+    let (status, body, _) = call(&s.app, post("/v1/responses", responses(false))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "completed", "{body}");
+    let call_item = body["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .unwrap_or_else(|| panic!("{body}"));
+    check_forecast(&serde_json::from_str(call_item["arguments"].as_str().unwrap()).unwrap());
+    let events = named_sse_events(&s.app, post("/v1/responses", responses(true))).await;
+    let done = events
+        .iter()
+        .find(|(n, _)| n == "response.function_call_arguments.done")
+        .unwrap_or_else(|| panic!("{events:?}"));
+    check_forecast(&serde_json::from_str(done.1["arguments"].as_str().unwrap()).unwrap());
+    wait_for_zero_blocks(&s.engine).await;
+}
+
+/// A forced call that `max_tokens` cuts short (a free string runs on, on random weights)
+/// leaves no markup in the reply: each API says the reply ended for its length, in its own
+/// terms. Before, the half-written `<tool_call>` came back as the message's content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_call_cut_short_leaks_no_markup() {
+    let Some(template) = qwen35_template() else {
+        return;
+    };
+    let s = server_with_template(None, 16, 2048, Some(template));
+    let write = json!({"type": "function", "function": {"name": "write", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}});
+    let markup = |text: &str| {
+        ["<tool_call>", "<function", "<parameter", "</think>"]
+            .iter()
+            .any(|m| text.contains(m))
+    };
+    let extra = json!({"tools": [write], "tool_choice": "required", "max_tokens": 24});
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat_body(extra))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{body}");
+    assert!(choice["message"]["tool_calls"].is_null(), "{body}");
+    assert!(
+        !markup(choice["message"]["content"].as_str().unwrap_or("")),
+        "{body}"
+    );
+
+    let messages = json!({"model": "tiny", "max_tokens": 24, "tool_choice": {"type": "any"},
+        "tools": [{"name": "write", "input_schema": write["function"]["parameters"].clone()}],
+        "messages": [{"role": "user", "content": "Write."}]});
+    let (status, body, _) = call(&s.app, post("/v1/messages", messages.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["stop_reason"], "max_tokens", "{body}");
+    for block in body["content"].as_array().unwrap() {
+        assert_ne!(block["type"], "tool_use", "{body}");
+        assert!(!markup(block["text"].as_str().unwrap_or("")), "{body}");
+    }
+
+    let responses = json!({"model": "tiny", "max_output_tokens": 24, "tool_choice": "required",
+        "tools": [{"type": "function", "name": "write",
+            "parameters": write["function"]["parameters"].clone()}], "input": "Write."});
+    let (status, body, _) = call(&s.app, post("/v1/responses", responses.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "incomplete", "{body}");
+    assert_eq!(
+        body["incomplete_details"]["reason"], "max_output_tokens",
+        "{body}"
+    );
+    assert!(!markup(&body["output"].to_string()), "{body}");
+    wait_for_zero_blocks(&s.engine).await;
+}
+
+/// System and developer messages in the numbers and places agent clients send them are
+/// accepted by every API with Qwen3.5's template, which itself takes one system message,
+/// first: Codex's `instructions` and two developer items (Responses), Claude Code's system
+/// message after the user's (Messages), two system messages and a late one (chat). Before,
+/// each was a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn system_messages_anywhere_are_accepted_by_every_api() {
+    let Some(template) = qwen35_template() else {
+        return;
+    };
+    let s = server_with_template(None, 16, 2048, Some(template));
+    let chat = json!({"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "developer", "content": "Answer in English."},
+        {"role": "user", "content": "Hello"},
+        {"role": "system", "content": "The user is on Linux."}]});
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    let messages = json!({"model": "tiny", "max_tokens": 4, "system": "You are an agent.",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "list the files here"}]},
+            {"role": "system", "content": [{"type": "text", "text": "cwd: /work"}]}]});
+    let (status, body, _) = call(&s.app, post("/v1/messages", messages.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    let responses = json!({"model": "tiny", "max_output_tokens": 4,
+        "instructions": "You are a coding agent.",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: read-only"}]},
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "cwd: /work"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files here"}]}]});
+    let (status, body, _) = call(&s.app, post("/v1/responses", responses.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // The conversation continues from the stored response, its developer items kept.
+    let next = json!({"model": "tiny", "max_output_tokens": 4, "previous_response_id": body["id"],
+        "instructions": "You are a coding agent.", "input": "and the hidden ones?"});
+    let (status, body, _) = call(&s.app, post("/v1/responses", next.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    // A conversation the template still refuses is a 400 naming the API's own field.
+    let only_system = json!({"model": "tiny", "max_output_tokens": 4,
+        "input": [{"type": "message", "role": "developer", "content": "just this"}]});
+    let (status, body, _) = call(&s.app, post("/v1/responses", only_system.to_string())).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["param"], "input", "{body}");
+    wait_for_zero_blocks(&s.engine).await;
+}
+
+/// Anthropic streams carry the prompt's tokens in `message_start`; a reply that is all
+/// reasoning still gets a text block; Responses streams reasoning as summary deltas and
+/// counts it, as chat's usage does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_carry_input_tokens_and_reasoning() {
+    let Some(template) = qwen35_template() else {
+        return;
+    };
+    let s = server_with_template(None, 16, 2048, Some(template));
+    // Qwen3.5's prompt opens the reasoning: four tokens are all inside it.
+    let messages = json!({"model": "tiny", "max_tokens": 4, "stream": true,
+        "messages": [{"role": "user", "content": "Hello"}]});
+    let events = named_sse_events(&s.app, post("/v1/messages", messages.to_string())).await;
+    let (name, start) = &events[0];
+    assert_eq!(name, "message_start");
+    let input = start["message"]["usage"]["input_tokens"].as_u64().unwrap();
+    let count = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]});
+    let (_, counted, _) = call(&s.app, post("/v1/messages/count_tokens", count.to_string())).await;
+    let cached = start["message"]["usage"]["cache_read_input_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        input + cached,
+        counted["input_tokens"].as_u64().unwrap(),
+        "{start}"
+    );
+    assert!(input > 0);
+    let starts: Vec<&Value> = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_start")
+        .map(|(_, e)| &e["content_block"])
+        .collect();
+    assert!(starts.iter().any(|b| b["type"] == "thinking"), "{events:?}");
+    assert!(starts.iter().any(|b| b["type"] == "text"), "{events:?}");
+
+    let responses =
+        json!({"model": "tiny", "max_output_tokens": 4, "stream": true, "input": "Hello"});
+    let events = named_sse_events(&s.app, post("/v1/responses", responses.to_string())).await;
+    let reasoning: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.reasoning_summary_text.delta")
+        .filter_map(|(_, e)| e["delta"].as_str())
+        .collect();
+    assert!(!reasoning.is_empty(), "{events:?}");
+    let (_, last) = events.last().unwrap();
+    let usage = &last["response"]["usage"];
+    assert_eq!(
+        usage["output_tokens_details"]["reasoning_tokens"], 4,
+        "{usage}"
+    );
+
+    let chat = json!({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]});
+    let (_, body, _) = call(&s.app, post("/v1/chat/completions", chat.to_string())).await;
+    assert_eq!(
+        body["usage"]["completion_tokens_details"]["reasoning_tokens"], 4,
+        "{body}"
+    );
+    wait_for_zero_blocks(&s.engine).await;
+}
+
+/// A rejected request is logged at the default level with its route, status, field and
+/// reason (before, only a counter in /metrics knew of it).
+#[tokio::test(flavor = "current_thread")]
+async fn a_rejected_request_is_logged_with_its_reason() {
+    let captured = captured_log();
+    let s = server(None, 16, 512);
+    let bad = chat_body(json!({"temperature": 7}));
+    let (status, _, _) = call(&s.app, post("/v1/chat/completions", bad)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("request rejected") && l.contains("param=temperature"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        line.contains("WARN")
+            && line.contains("route=/v1/chat/completions")
+            && line.contains("status=400"),
+        "{line}"
+    );
+    assert!(line.contains("between 0 and 2"), "{line}");
 }

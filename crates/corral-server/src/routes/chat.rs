@@ -24,14 +24,16 @@ use crate::state::AppState;
 /// A conversation's prompt, rendered with the chat template and tokenized off the runtime
 /// (CPU work for a large conversation), and the parser of its reply (opened in reasoning
 /// when the prompt ends in `<think>`). The request's grammar becomes the whole reply's: a
-/// tool call where `tool_choice` demands one, after the reasoning the prompt opened.
+/// tool call where `tool_choice` demands one, after the reasoning the prompt opened. Errors
+/// in the conversation are reported under `param`, the API's name for it.
 pub(crate) async fn prepare(
     state: &AppState,
     req: &mut request::ChatRequest,
+    param: &'static str,
 ) -> Result<(Vec<u32>, OutputParser), ApiError> {
     let template = state.chat_template.clone().ok_or_else(|| {
         ApiError::invalid(
-            "messages",
+            param,
             "this model has no chat template; use /v1/completions",
         )
     })?;
@@ -45,10 +47,10 @@ pub(crate) async fn prepare(
     let (prompt, in_reasoning) = tokio::task::spawn_blocking(move || {
         let text = template
             .render(&messages, tools.as_deref(), true, &kwargs)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            .map_err(|e| ApiError::invalid(param, e.to_string()))?;
         let ids = tokenizer
             .encode(&text)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            .map_err(|e| ApiError::invalid(param, e.to_string()))?;
         Ok::<_, ApiError>((ids, text.trim_end().ends_with("<think>")))
     })
     .await
@@ -97,7 +99,7 @@ pub(crate) async fn chat_completions(
     let mut req = request::chat(&body, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, parser) = prepare(&state, &mut req).await?;
+    let (prompt, parser) = prepare(&state, &mut req, "messages").await?;
     let generation = Generation::start(
         &state,
         prompt,

@@ -47,6 +47,8 @@ pub(crate) struct Generation {
     /// Prompt tokens taken from the prefix cache, as the engine reports them.
     cached_tokens: usize,
     completion_tokens: usize,
+    /// Completion tokens generated inside the reasoning (`<think>` to `</think>`).
+    reasoning_tokens: usize,
     started: Instant,
     first_token: Option<Instant>,
     finished: bool,
@@ -156,6 +158,7 @@ impl Generation {
             prompt_tokens,
             cached_tokens: 0,
             completion_tokens: 0,
+            reasoning_tokens: 0,
             started: Instant::now(),
             first_token: None,
             finished: false,
@@ -173,6 +176,9 @@ impl Generation {
         match event {
             Some(Event::Token(token)) => {
                 self.completion_tokens += 1;
+                if self.parser.in_reasoning() {
+                    self.reasoning_tokens += 1;
+                }
                 self.cached_tokens = token.cached_prompt_tokens;
                 self.first_token.get_or_insert_with(Instant::now);
                 let text = self
@@ -207,8 +213,10 @@ impl Generation {
                 {
                     deltas.extend(self.parser.push(&rest));
                 }
-                deltas.extend(self.parser.finish());
+                deltas.extend(self.parser.finish(done.reason == FinishReason::Length));
                 let reason = match done.reason {
+                    // A call cut short is no call: the reply ended for its length.
+                    _ if self.parser.cut_call() => "length",
                     _ if self.parser.num_tool_calls() > 0 => "tool_calls",
                     FinishReason::Length => "length",
                     FinishReason::Stop | FinishReason::Cancelled => "stop",
@@ -261,6 +269,7 @@ impl Generation {
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         });
         if let Some(n) = self.clamped_to {
             usage["max_tokens_clamped_to"] = json!(n);
@@ -280,6 +289,16 @@ impl Generation {
                 "decoding_speed_tps": per_second(decoded, predicted_ms),
             }),
         }
+    }
+
+    /// Tokens in the prompt.
+    pub(crate) fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// Prompt tokens taken from the prefix cache, as known so far (from the first token on).
+    pub(crate) fn cached_tokens(&self) -> usize {
+        self.cached_tokens
     }
 
     /// The response id.
@@ -360,6 +379,7 @@ impl Generation {
             prompt_tokens: 1,
             cached_tokens: 0,
             completion_tokens: 0,
+            reasoning_tokens: 0,
             started: Instant::now(),
             first_token: None,
             finished: false,

@@ -154,6 +154,9 @@ pub(crate) fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, A
                     messages.push(json!({"role": "user", "content": text}));
                 }
             }
+            // Claude Code sends system messages among the turns (environment facts, its
+            // deferred tools); the chat template places them.
+            "system" => messages.push(json!({"role": "system", "content": text})),
             "assistant" => {
                 let mut message = json!({"role": "assistant", "content": text});
                 if !thinking.is_empty() {
@@ -167,7 +170,7 @@ pub(crate) fn to_chat(body: &Map<String, Value>) -> Result<Map<String, Value>, A
             other => {
                 return Err(ApiError::invalid(
                     &format!("{param}.role"),
-                    format!("`role` must be user or assistant, got `{other}`"),
+                    format!("`role` must be user, assistant or system, got `{other}`"),
                 ));
             }
         }
@@ -257,7 +260,7 @@ pub(crate) async fn messages(
     let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, parser) = super::chat::prepare(&state, &mut req).await?;
+    let (prompt, parser) = super::chat::prepare(&state, &mut req, "messages").await?;
     let generation = Generation::start(&state, prompt, &req.settings, parser, "messages", "msg")?;
     let model = body
         .get("model")
@@ -278,7 +281,7 @@ pub(crate) async fn count_tokens(
     let chat = to_chat(&body)?;
     let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, _) = super::chat::prepare(&state, &mut req).await?;
+    let (prompt, _) = super::chat::prepare(&state, &mut req, "messages").await?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
 }
 
@@ -348,6 +351,12 @@ struct StreamState {
     open: Option<(usize, Block)>,
     next_index: usize,
     tools: usize,
+    /// The `message_start` event, until it is sent (with the first token, when the prompt's
+    /// cached and uncached tokens are known).
+    start: Option<Value>,
+    /// Whether a text or `tool_use` block was opened: a reply without one gets an empty
+    /// text block, as clients expect some content.
+    answered: bool,
 }
 
 fn event(name: &str, data: Value) -> (String, Value) {
@@ -365,7 +374,9 @@ impl StreamState {
     }
 
     fn text(&mut self, kind: Block, piece: &str) {
-        if piece.is_empty() {
+        // An empty piece opens nothing, but for the empty text block of a reply without one.
+        let empty_answer = kind == Block::Text && !self.answered;
+        if piece.is_empty() && !empty_answer {
             return;
         }
         let index = match self.open {
@@ -374,6 +385,7 @@ impl StreamState {
                 self.close();
                 let index = self.next_index;
                 self.next_index += 1;
+                self.answered |= kind != Block::Thinking;
                 let block = match kind {
                     Block::Thinking => json!({"type": "thinking", "thinking": ""}),
                     Block::Text | Block::ToolUse => json!({"type": "text", "text": ""}),
@@ -386,6 +398,9 @@ impl StreamState {
                 index
             }
         };
+        if piece.is_empty() {
+            return;
+        }
         let delta = match kind {
             Block::Thinking => json!({"type": "thinking_delta", "thinking": piece}),
             Block::Text | Block::ToolUse => json!({"type": "text_delta", "text": piece}),
@@ -399,6 +414,7 @@ impl StreamState {
     /// A `tool_use` block opened (its input `{}`), the input's JSON to follow in pieces.
     fn begin_tool_use(&mut self, name: &str) {
         self.close();
+        self.answered = true;
         let index = self.next_index;
         self.next_index += 1;
         let block = tool_use_block(self.tools, name, "{}");
@@ -444,7 +460,20 @@ impl StreamState {
         let Some(g) = self.generation.as_mut() else {
             return false;
         };
-        match g.next().await {
+        let step = g.next().await;
+        if let Some(mut start) = self.start.take() {
+            // Anthropic's usage at the start: the prompt's tokens, those read from the cache
+            // apart.
+            let cached = g.cached_tokens() as u64;
+            start["message"]["usage"] = json!({
+                "input_tokens": (g.prompt_tokens() as u64).saturating_sub(cached),
+                "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": 0,
+                "output_tokens": 0,
+            });
+            self.pending.push_back(event("message_start", start));
+        }
+        match step {
             Ok(Some(Step::Deltas { deltas, .. })) => self.deltas(deltas),
             Ok(Some(Step::Finished {
                 deltas,
@@ -453,6 +482,9 @@ impl StreamState {
                 ..
             })) => {
                 self.deltas(deltas);
+                if !self.answered {
+                    self.text(Block::Text, "");
+                }
                 self.close();
                 self.pending.push_back(event(
                     "message_delta",
@@ -482,16 +514,16 @@ fn stream(
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let start = json!({"type": "message_start", "message": {
         "id": generation.id(), "type": "message", "role": "assistant", "model": model,
-        "content": [], "stop_reason": null, "stop_sequence": null,
-        "usage": {"input_tokens": 0, "output_tokens": 0}}});
-    let mut state = StreamState {
+        "content": [], "stop_reason": null, "stop_sequence": null}});
+    let state = StreamState {
         generation: Some(generation),
         pending: std::collections::VecDeque::new(),
         open: None,
         next_index: 0,
         tools: 0,
+        start: Some(start),
+        answered: false,
     };
-    state.pending.push_back(event("message_start", start));
     let events = futures_util::stream::unfold(state, |mut state| async move {
         loop {
             if let Some((name, data)) = state.pending.pop_front() {
@@ -521,6 +553,8 @@ mod tests {
             open: None,
             next_index: 0,
             tools: 0,
+            start: None,
+            answered: false,
         };
         s.deltas(vec![
             Delta::Content("Checking.".into()),

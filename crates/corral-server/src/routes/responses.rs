@@ -191,7 +191,9 @@ fn to_chat(body: &Map<String, Value>, history: Vec<Value>) -> Result<Map<String,
     if let Some(Value::String(instructions)) = body.get("instructions") {
         messages.push(json!({"role": "system", "content": instructions}));
     }
-    messages.extend(history.into_iter().filter(|m| m["role"] != "system"));
+    // `instructions` hold for this response alone (they are not stored with it); system and
+    // developer items of earlier inputs are part of the conversation.
+    messages.extend(history);
     let input = body
         .get("input")
         .ok_or_else(|| ApiError::invalid("input", "`input` is required"))?;
@@ -324,7 +326,7 @@ impl Request {
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": completion,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap_or(0)},
                 "total_tokens": prompt + completion,
             })
         });
@@ -407,9 +409,11 @@ pub(crate) async fn create(
     let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
-    let (prompt, parser) = super::chat::prepare(&state, &mut req).await?;
+    let (prompt, parser) = super::chat::prepare(&state, &mut req, "input").await?;
     let g = Generation::start(&state, prompt, &req.settings, parser, "input", "resp")?;
     let keep = body.get("store").and_then(Value::as_bool) != Some(false);
+    // What is stored is the conversation without this response's `instructions`.
+    let instructions = usize::from(body.get("instructions").is_some_and(Value::is_string));
     let request = Request {
         id: g.id().to_string(),
         model: body
@@ -417,7 +421,7 @@ pub(crate) async fn create(
             .cloned()
             .unwrap_or_else(|| json!(state.config.served_model_name)),
         body,
-        messages: req.messages.clone(),
+        messages: req.messages[instructions..].to_vec(),
         store: keep.then(|| std::sync::Arc::clone(&state.responses)),
     };
     if req.settings.stream {
@@ -514,6 +518,14 @@ impl StreamState {
         match self.open {
             Open::Nothing => {}
             Open::Reasoning => {
+                let ids = json!({"item_id": self.turn.reasoning_id, "output_index": index,
+                    "summary_index": 0});
+                let mut done = ids.clone();
+                done["text"] = json!(self.turn.reasoning);
+                self.emit("response.reasoning_summary_text.done", done);
+                let mut part = ids;
+                part["part"] = json!({"type": "summary_text", "text": self.turn.reasoning});
+                self.emit("response.reasoning_summary_part.done", part);
                 let item = self.turn.reasoning_item();
                 self.emit(
                     "response.output_item.done",
@@ -556,6 +568,11 @@ impl StreamState {
                 self.emit(
                     "response.output_item.added",
                     json!({"output_index": index, "item": item}),
+                );
+                self.emit(
+                    "response.reasoning_summary_part.added",
+                    json!({"item_id": self.turn.reasoning_id, "output_index": index,
+                        "summary_index": 0, "part": {"type": "summary_text", "text": ""}}),
                 );
             }
             Open::Message => {
@@ -617,6 +634,12 @@ impl StreamState {
                         self.begin(Open::Reasoning);
                     }
                     self.turn.reasoning.push_str(&t);
+                    let index = self.items - 1;
+                    let id = self.turn.reasoning_id.clone();
+                    self.emit(
+                        "response.reasoning_summary_text.delta",
+                        json!({"item_id": id, "output_index": index, "summary_index": 0, "delta": t}),
+                    );
                 }
                 Delta::Content(t) => {
                     if self.open != Open::Message {
@@ -827,5 +850,34 @@ mod tests {
             at("response.function_call_arguments.delta", 1)
                 < at("response.function_call_arguments.done", 0)
         );
+    }
+
+    /// Reasoning streams as OpenAI streams a reasoning summary: its item, its part, the
+    /// text in deltas, then the text, the part and the item done, before the message.
+    #[test]
+    fn reasoning_streams_as_summary_deltas() {
+        let mut s = state();
+        s.deltas(vec![Delta::Reasoning("Let me ".into())]);
+        s.deltas(vec![
+            Delta::Reasoning("think.".into()),
+            Delta::Content("Hi".into()),
+        ]);
+        let order = kinds(&s);
+        assert_eq!(
+            order[..7],
+            [
+                "response.output_item.added",
+                "response.reasoning_summary_part.added",
+                "response.reasoning_summary_text.delta",
+                "response.reasoning_summary_text.delta",
+                "response.reasoning_summary_text.done",
+                "response.reasoning_summary_part.done",
+                "response.output_item.done",
+            ]
+        );
+        assert_eq!(s.pending[3]["delta"], "think.");
+        assert_eq!(s.pending[4]["text"], "Let me think.");
+        assert_eq!(s.pending[6]["item"]["summary"][0]["text"], "Let me think.");
+        assert_eq!(order[7], "response.output_item.added");
     }
 }
