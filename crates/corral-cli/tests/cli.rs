@@ -355,6 +355,8 @@ fn inspect_counts_hybrid_parameters_without_vision_tower() {
 fn bad_input_exits_nonzero_naming_the_culprit() {
     let fused = fixture("qwen3_moe_fused");
     let fused = fused.to_str().unwrap();
+    let demo = repo().join("models/tiny-qwen3-moe");
+    let demo = demo.to_str().unwrap();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["inspect", "--model", "/nonexistent/model"],
@@ -411,6 +413,16 @@ fn bad_input_exits_nonzero_naming_the_culprit() {
                 "fp8",
             ],
             "a KV cache of fp8 (f32 or bf16 on the CPU)",
+        ),
+        (
+            vec![
+                "serve",
+                "--model",
+                demo,
+                "--default-chat-template-kwargs",
+                "[\"enable_thinking\"]",
+            ],
+            "--default-chat-template-kwargs: expected a JSON object",
         ),
     ];
     for (args, culprit) in cases {

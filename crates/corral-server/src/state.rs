@@ -27,6 +27,8 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     /// Sampling values for the fields a request leaves out.
     pub sampling_defaults: corral_engine::SamplingDefaults,
+    /// Chat template variables for requests that leave them out (`enable_thinking`, ...).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Request counts by endpoint and HTTP status.

@@ -27,15 +27,17 @@ struct Server {
 }
 
 fn server(api_key: Option<&str>, max_queue: usize, max_context: usize) -> Server {
-    server_with_template(api_key, max_queue, max_context, None)
+    server_with_template(api_key, max_queue, max_context, None, json!({}))
 }
 
-/// A server on the demo model with the chat template `template` in place of its own.
+/// A server on the demo model with the chat template `template` in place of its own, and
+/// `kwargs` as the template variables requests leave out.
 fn server_with_template(
     api_key: Option<&str>,
     max_queue: usize,
     max_context: usize,
     template: Option<String>,
+    kwargs: Value,
 ) -> Server {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny-qwen3-moe");
     let model = Model::load(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
@@ -81,6 +83,7 @@ fn server_with_template(
             stop_token_ids: stop_ids,
             sampling_defaults: Default::default(),
             allowed_origins: vec!["https://app.example".to_string()],
+            chat_template_kwargs: kwargs.as_object().cloned().unwrap_or_default(),
         }),
         requests: Arc::new(RequestCounts::default()),
         responses: Default::default(),
@@ -1332,7 +1335,7 @@ async fn xml_forced_tool_calls_follow_their_schemas_over_every_api() {
     let Some(template) = qwen35_template() else {
         return;
     };
-    let s = server_with_template(None, 16, 2048, Some(template));
+    let s = server_with_template(None, 16, 2048, Some(template), json!({}));
     let tools = json!([forecast_tool()]);
     for (seed, choice) in [
         (1, json!("required")),
@@ -1348,15 +1351,17 @@ async fn xml_forced_tool_calls_follow_their_schemas_over_every_api() {
         assert_eq!(status, StatusCode::OK, "{body}");
         let choice = &body["choices"][0];
         assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
-        let calls = choice["message"]["tool_calls"].as_array().unwrap();
-        let arguments = calls[0]["function"]["arguments"].as_str().unwrap();
-        check_forecast(&serde_json::from_str(arguments).unwrap());
+        for call in choice["message"]["tool_calls"].as_array().unwrap() {
+            let arguments = call["function"]["arguments"].as_str().unwrap();
+            check_forecast(&serde_json::from_str(arguments).unwrap());
+        }
     }
     // Streamed chat: the argument pieces join to a valid call.
     let extra = json!({"tools": tools, "tool_choice": "required", "max_tokens": 300,
         "stream": true, "temperature": 1.0, "seed": 4});
     let events = named_sse_events(&s.app, post("/v1/chat/completions", chat_body(extra))).await;
-    let mut arguments = String::new();
+    // Each call's pieces, by its index (the model may call more than once).
+    let mut arguments = std::collections::BTreeMap::<u64, String>::new();
     let mut finish = Value::Null;
     for (_, chunk) in &events {
         let choice = &chunk["choices"][0];
@@ -1365,14 +1370,19 @@ async fn xml_forced_tool_calls_follow_their_schemas_over_every_api() {
             .into_iter()
             .flatten()
         {
-            arguments.push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+            let index = call["index"].as_u64().unwrap();
+            let piece = call["function"]["arguments"].as_str().unwrap_or("");
+            arguments.entry(index).or_default().push_str(piece);
         }
         if !choice["finish_reason"].is_null() {
             finish = choice["finish_reason"].clone();
         }
     }
     assert_eq!(finish, "tool_calls");
-    check_forecast(&serde_json::from_str(&arguments).unwrap());
+    assert!(!arguments.is_empty(), "{events:?}");
+    for call in arguments.values() {
+        check_forecast(&serde_json::from_str(call).unwrap());
+    }
 
     // Anthropic Messages, `tool_choice: any`.
     let anthropic_tool = json!({"name": "forecast",
@@ -1392,13 +1402,22 @@ async fn xml_forced_tool_calls_follow_their_schemas_over_every_api() {
         .iter()
         .filter(|b| b["type"] == "tool_use")
         .collect();
-    check_forecast(&used[0]["input"]);
+    assert!(!used.is_empty(), "{body}");
+    used.iter().for_each(|u| check_forecast(&u["input"]));
     let events = named_sse_events(&s.app, post("/v1/messages", messages(true))).await;
-    let input: String = events
-        .iter()
-        .filter_map(|(_, e)| e["delta"]["partial_json"].as_str())
-        .collect();
-    check_forecast(&serde_json::from_str(&input).unwrap());
+    // Each tool_use block's input pieces (the model may call more than once).
+    let mut inputs = std::collections::BTreeMap::<u64, String>::new();
+    for (_, e) in &events {
+        if let (Some(index), Some(piece)) =
+            (e["index"].as_u64(), e["delta"]["partial_json"].as_str())
+        {
+            inputs.entry(index).or_default().push_str(piece);
+        }
+    }
+    assert!(!inputs.is_empty(), "{events:?}");
+    for input in inputs.values() {
+        check_forecast(&serde_json::from_str(input).unwrap());
+    }
     let stop = events.iter().find(|(n, _)| n == "message_delta").unwrap();
     assert_eq!(stop.1["delta"]["stop_reason"], "tool_use");
 
@@ -1437,7 +1456,7 @@ async fn a_forced_call_cut_short_leaks_no_markup() {
     let Some(template) = qwen35_template() else {
         return;
     };
-    let s = server_with_template(None, 16, 2048, Some(template));
+    let s = server_with_template(None, 16, 2048, Some(template), json!({}));
     let write = json!({"type": "function", "function": {"name": "write", "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}});
     let markup = |text: &str| {
@@ -1491,7 +1510,7 @@ async fn system_messages_anywhere_are_accepted_by_every_api() {
     let Some(template) = qwen35_template() else {
         return;
     };
-    let s = server_with_template(None, 16, 2048, Some(template));
+    let s = server_with_template(None, 16, 2048, Some(template), json!({}));
     let chat = json!({"model": "tiny", "max_tokens": 4, "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "developer", "content": "Answer in English."},
@@ -1538,7 +1557,7 @@ async fn streams_carry_input_tokens_and_reasoning() {
     let Some(template) = qwen35_template() else {
         return;
     };
-    let s = server_with_template(None, 16, 2048, Some(template));
+    let s = server_with_template(None, 16, 2048, Some(template), json!({}));
     // Qwen3.5's prompt opens the reasoning: four tokens are all inside it.
     let messages = json!({"model": "tiny", "max_tokens": 4, "stream": true,
         "messages": [{"role": "user", "content": "Hello"}]});
@@ -1611,4 +1630,26 @@ async fn a_rejected_request_is_logged_with_its_reason() {
         "{line}"
     );
     assert!(line.contains("between 0 and 2"), "{line}");
+}
+
+/// The server's default template variables apply where a request leaves them out
+/// (`--default-chat-template-kwargs '{"enable_thinking": false}'`), and a request's own win.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_template_kwargs_apply_unless_a_request_sets_them() {
+    let Some(template) = qwen35_template() else {
+        return;
+    };
+    let off = json!({"enable_thinking": false});
+    let s = server_with_template(None, 16, 2048, Some(template), off);
+    let reasoning =
+        |body: &Value| body["usage"]["completion_tokens_details"]["reasoning_tokens"].clone();
+    let chat = json!({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]});
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", chat.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(reasoning(&body), 0, "{body}");
+    let mut on = chat;
+    on["chat_template_kwargs"] = json!({"enable_thinking": true});
+    let (status, body, _) = call(&s.app, post("/v1/chat/completions", on.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(reasoning(&body), 4, "{body}");
 }

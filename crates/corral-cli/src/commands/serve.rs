@@ -66,6 +66,11 @@ pub(crate) struct ServeArgs {
     /// A Jinja chat template file to use instead of the model's.
     #[arg(long, env = "CORRAL_CHAT_TEMPLATE")]
     chat_template: Option<std::path::PathBuf>,
+    /// Chat template variables for requests that leave them out, as a JSON object (vLLM's
+    /// `--default-chat-template-kwargs`): `{"enable_thinking": false}` turns Qwen3's and
+    /// Qwen3.5's reasoning off unless a request turns it on.
+    #[arg(long, env = "CORRAL_DEFAULT_CHAT_TEMPLATE_KWARGS")]
+    default_chat_template_kwargs: Option<String>,
     /// Sampling values for the fields a request leaves out, over the model's
     /// generation_config.json: `temperature=0.7,top_p=0.8,top_k=20,min_p=0,repetition_penalty=1`.
     #[arg(long, env = "CORRAL_SAMPLING_DEFAULTS")]
@@ -153,6 +158,16 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("reading the chat template {}", path.display()))?;
         template_config.chat_template = Some(source);
     }
+    let chat_template_kwargs = match &args.default_chat_template_kwargs {
+        None => serde_json::Map::new(),
+        Some(text) => match serde_json::from_str(text) {
+            Ok(serde_json::Value::Object(map)) => map,
+            Ok(other) => {
+                bail!("--default-chat-template-kwargs: expected a JSON object, got {other}")
+            }
+            Err(e) => bail!("--default-chat-template-kwargs: not valid JSON: {e}"),
+        },
+    };
     let chat_template = match ChatTemplate::new(&template_config) {
         Ok(t) => Some(Arc::new(t)),
         Err(e) if args.chat_template.is_some() => bail!("--chat-template: {e}"),
@@ -279,6 +294,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             stop_token_ids: stop_ids,
             sampling_defaults: sampling,
             allowed_origins: args.allowed_origins.clone(),
+            chat_template_kwargs,
         }),
         requests: Arc::new(RequestCounts::default()),
         responses: Default::default(),

@@ -38,6 +38,11 @@ pub(crate) async fn prepare(
         )
     })?;
     let format = template.tool_call_format();
+    for (key, value) in &state.config.chat_template_kwargs {
+        req.template_kwargs
+            .entry(key.clone())
+            .or_insert_with(|| value.clone());
+    }
     let tokenizer = Arc::clone(&state.tokenizer);
     let (messages, tools, kwargs) = (
         req.messages.clone(),
