@@ -121,6 +121,28 @@ impl ApiError {
         }
     }
 
+    /// The error as Anthropic's Messages API writes one: `{"type": "error", "error":
+    /// {"type", "message"}}`, its type named for the status as Anthropic names them.
+    pub fn anthropic_body(&self) -> serde_json::Value {
+        let kind = match self.status.as_u16() {
+            400 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        let message = match &self.param {
+            Some(param) if !self.message.contains(param.as_str()) => {
+                format!("{param}: {}", self.message)
+            }
+            _ => self.message.clone(),
+        };
+        json!({"type": "error", "error": {"type": kind, "message": message}})
+    }
+
     /// The error object as JSON.
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {

@@ -51,6 +51,26 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
     response
 }
 
+/// Errors of Anthropic's endpoints (`/v1/messages...`) in Anthropic's shape, whatever
+/// answered them (the handler, the JSON extractor, the API key check).
+async fn anthropic_errors(req: Request, next: Next) -> Response {
+    let anthropic = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .is_some_and(|p| p.as_str().starts_with("/v1/messages"));
+    let response = next.run(req).await;
+    let Some(error) = response.extensions().get::<ApiError>().cloned() else {
+        return response;
+    };
+    if !anthropic {
+        return response;
+    }
+    let (mut parts, _) = response.into_parts();
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    let body = axum::body::Body::from(error.anthropic_body().to_string());
+    Response::from_parts(parts, body)
+}
+
 /// CORS for the origins `--allowed-origins` names: a preflight (`OPTIONS` with an
 /// `Origin`) from one of them is answered here, before the API key is asked for, and other
 /// responses to them carry `Access-Control-Allow-Origin`. Other origins get no CORS headers,
@@ -127,6 +147,7 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             extract::require_api_key,
         ))
+        .route_layer(middleware::from_fn(anthropic_errors))
         .route_layer(count.clone());
     let service = Router::new()
         .route("/health", get(routes::health))

@@ -1653,3 +1653,65 @@ async fn default_template_kwargs_apply_unless_a_request_sets_them() {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(reasoning(&body), 4, "{body}");
 }
+
+/// Errors of the Messages endpoints come in Anthropic's shape (`{"type": "error", "error":
+/// {"type", "message"}}`), whoever answered them: a bad field, an unknown model, malformed
+/// JSON, a wrong `x-api-key`; the OpenAI endpoints keep OpenAI's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_errors_come_in_anthropics_shape() {
+    let s = server(Some("sk-test"), 16, 512);
+    let with_key = |path: &str, body: &str| {
+        Request::post(path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("x-api-key", "sk-test")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let cases = [
+        (
+            with_key(
+                "/v1/messages",
+                r#"{"model": "tiny", "max_tokens": 4, "messages": 3}"#,
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "messages",
+        ),
+        (
+            with_key(
+                "/v1/messages",
+                r#"{"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}"#,
+            ),
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            "nope",
+        ),
+        (
+            with_key("/v1/messages/count_tokens", "{not json"),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "",
+        ),
+        (
+            post(
+                "/v1/messages",
+                r#"{"model": "tiny", "max_tokens": 4, "messages": []}"#,
+            ),
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "API key",
+        ),
+    ];
+    for (request, status, kind, named) in cases {
+        let (got, body, _) = call(&s.app, request).await;
+        assert_eq!(got, status, "{body}");
+        assert_eq!(body["type"], "error", "{body}");
+        assert_eq!(body["error"]["type"], kind, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(named), "{body}");
+    }
+    let (got, body, _) = call(&s.app, with_key("/v1/chat/completions", "{}")).await;
+    assert_eq!(got, StatusCode::BAD_REQUEST);
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert!(body.get("type").is_none(), "{body}");
+}
