@@ -73,8 +73,9 @@ def checkpoint(work):
     return path
 
 
-def convert(src, hf, work, outtype):
-    """llama.cpp's converter, its pre-tokenizer check told the tokenizer is Qwen2's."""
+def convert(src, hf, work, outtype, *extra):
+    """llama.cpp's converter, its pre-tokenizer check told the tokenizer is Qwen2's; `extra`
+    arguments passed on."""
     out = work / f"model-{outtype}.gguf"
     code = (
         "import sys; sys.argv = sys.argv[1:]\n"
@@ -86,7 +87,7 @@ def convert(src, hf, work, outtype):
     )
     with open(work / f"convert-{outtype}.log", "w") as log:
         subprocess.run([sys.executable, "-c", code, "convert_hf_to_gguf.py", str(hf),
-                        "--outtype", outtype.lower(), "--outfile", str(out)], check=True,
+                        "--outtype", outtype.lower(), "--outfile", str(out), *extra], check=True,
                        stdout=log, stderr=log)
     return out
 
@@ -153,8 +154,38 @@ def errors(ours, reference):
     return float(whole), float(np.median(rows))
 
 
+HYBRIDS = ROOT / "tests/fixtures/gguf/hybrid"
+HYBRID_FORMATS = ["bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m"]
+
+
+def hybrid_table(work, tool, corral):
+    """The hybrid fixtures (scripts/make_gguf_hybrid_fixtures.py): each file's error against its
+    reference, llama.cpp's CPU build (f16 KV) beside Corral's CPU (f32 KV), median position."""
+    from safetensors.numpy import load_file as load_reference
+    lines = ["| file | " + " | ".join(HYBRID_FORMATS) + " |", "|---|" + "---|" * len(HYBRID_FORMATS)]
+    raw = {}
+    for arch in ["qwen35", "qwen35moe", "qwen3next"]:
+        cells = []
+        for kind in HYBRID_FORMATS:
+            path = HYBRIDS / f"{arch}.{kind}.gguf"
+            ref = load_reference(HYBRIDS / f"{arch}.{kind}.reference.safetensors")
+            ids, reference = ref["token_ids"].tolist(), ref["logits"].astype(np.float64)
+            llama = errors(llama_logits(tool, path, work, ids, "f16"), reference)[1]
+            ours = errors(corral_logits(corral, path, work, ids, "f32"), reference)[1]
+            raw[f"{arch}.{kind}"] = {"llama.cpp": llama, "corral": ours}
+            cells.append(f"{llama:.4e} / {ours:.4e}")
+        lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), raw
+
+
 def main():
     work, src, bin_dir, corral = (pathlib.Path(a).resolve() for a in sys.argv[1:5])
+    if sys.argv[5:] == ["hybrid"]:
+        table, raw = hybrid_table(work, work / "llama-logits", corral)
+        print(table)
+        (work / "fidelity-hybrid.md").write_text(table + "\n")
+        (work / "fidelity-hybrid.json").write_text(json.dumps(raw, indent=2) + "\n")
+        return
     work.mkdir(parents=True, exist_ok=True)
     tool = work / "llama-logits"
     ids = np.random.default_rng(SEED).integers(0, 1536, TOKENS).tolist()

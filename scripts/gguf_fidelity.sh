@@ -6,6 +6,8 @@
 # venv (VENV, default ../venv-ref: scripts/requirements-fixtures.txt plus gguf).
 #
 #   scripts/gguf_fidelity.sh            the table, also written to $WORK/fidelity/fidelity.md
+#   scripts/gguf_fidelity.sh hybrid     the hybrid fixtures' table (llama.cpp / Corral, median
+#                                       position), also in $WORK/fidelity/fidelity-hybrid.md
 #
 # Nothing of llama.cpp enters this repository.
 set -euo pipefail
@@ -22,4 +24,4 @@ g++ -O2 -std=c++17 scripts/llama_logits.cpp -o "$WORK/fidelity/llama-logits" \
   -lllama -lggml -lggml-base -Wl,-rpath,"$WORK/build/bin"
 cargo build --release --quiet -p corral-cli
 "$VENV/bin/python" scripts/gguf_fidelity.py "$WORK/fidelity" "$WORK/src" "$WORK/build/bin" \
-  target/release/corral
+  target/release/corral "$@"

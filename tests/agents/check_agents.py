@@ -107,6 +107,16 @@ def npm_bin(clients, name):
     return str(clients / "node_modules" / ".bin" / name)
 
 
+def platform_binary(clients, prefix, name):
+    """A client's native binary from its platform package (`PREFIX-linux-x64/NAME`): the
+    package's own launcher is put in place by an install script, which run.sh leaves unrun."""
+    found = sorted(p for p in (clients / "node_modules").glob(f"{prefix}-linux-*/**/{name}")
+                   if p.is_file() and "musl" not in str(p) and "baseline" not in str(p))
+    if not found:
+        sys.exit(f"no {prefix}-linux-* package with a `{name}` binary in {clients}")
+    return str(found[0])
+
+
 def claude_code(clients, base, home):
     env = {
         "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": API_KEY, "ANTHROPIC_MODEL": MODEL,
@@ -116,7 +126,8 @@ def claude_code(clients, base, home):
         "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
-    cmd = [npm_bin(clients, "claude"), "-p", PROMPT, "--output-format", "json"]
+    claude = platform_binary(clients, "@anthropic-ai/claude-code", "claude")
+    cmd = [claude, "-p", PROMPT, "--output-format", "json"]
     return cmd, env, version(clients, "@anthropic-ai/claude-code"), "/v1/messages"
 
 
@@ -158,10 +169,8 @@ def opencode(clients, base, home):
             "models": {MODEL: {"name": MODEL}}}},
         "model": f"corral/{MODEL}", "autoupdate": False, "share": "disabled",
     }, indent=2))
-    # The platform binary itself: the package's launcher finds it by a postinstall step that
-    # npm leaves unrun unless allowed.
-    binary = clients / "node_modules" / "opencode-linux-x64" / "bin" / "opencode"
-    cmd = [str(binary), "run", PROMPT, "-m", f"corral/{MODEL}"]
+    binary = platform_binary(clients, "opencode", "opencode")
+    cmd = [binary, "run", PROMPT, "-m", f"corral/{MODEL}"]
     return cmd, {}, version(clients, "opencode-ai"), "/v1/chat/completions"
 
 

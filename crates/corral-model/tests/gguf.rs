@@ -560,19 +560,32 @@ proptest! {
     }
 }
 
-/// A small MoE model file (Q4_0 experts) for fuzzing the whole load.
-const MODEL_FIXTURE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/gguf/qwen3_moe_sharded.q4_0.gguf"
-);
+/// Model files for fuzzing the whole load: a small MoE (Q4_0 experts), and a hybrid one as
+/// llama.cpp's quantizer writes it (Gated DeltaNet and attention layers, a shared expert,
+/// k-quants).
+const MODEL_FIXTURES: [&str; 2] = [
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/gguf/qwen3_moe_sharded.q4_0.gguf"
+    ),
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/gguf/hybrid/qwen3next.q4_k_m.gguf"
+    ),
+];
 
-/// The model fixture's bytes and its header's length, read once for every fuzz case.
-static MODEL_FILE: LazyLock<(Vec<u8>, usize)> = LazyLock::new(|| {
-    let bytes = std::fs::read(MODEL_FIXTURE).expect("the GGUF model fixture");
-    let header_len = parse_header(&bytes)
-        .expect("the fixture parses")
-        .data_offset;
-    (bytes, header_len)
+/// Each model fixture's bytes and its header's length, read once for every fuzz case.
+static MODEL_FILES: LazyLock<Vec<(Vec<u8>, usize)>> = LazyLock::new(|| {
+    MODEL_FIXTURES
+        .iter()
+        .map(|path| {
+            let bytes = std::fs::read(path).expect("a GGUF model fixture");
+            let header_len = parse_header(&bytes)
+                .expect("the fixture parses")
+                .data_offset;
+            (bytes, header_len)
+        })
+        .collect()
 });
 
 /// Loads `bytes` as a GGUF model (through a file of this test process's own, `name`); a model
@@ -597,6 +610,7 @@ proptest! {
     /// forward pass.
     #[test]
     fn mutated_model_files_load_or_are_refused(
+        file in 0..MODEL_FIXTURES.len(),
         edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), any::<bool>()), 0..6),
         words in prop::collection::vec(
             (
@@ -608,7 +622,7 @@ proptest! {
         ),
         cut in prop::option::weighted(0.2, any::<prop::sample::Index>()),
     ) {
-        let (original, header_len) = &*MODEL_FILE;
+        let (original, header_len) = &MODEL_FILES[file];
         let (mut bytes, header_len) = (original.clone(), *header_len);
         for (at, value, in_header) in edits {
             let at = if in_header { at.index(header_len) } else { at.index(bytes.len()) };
@@ -655,13 +669,14 @@ fn encode_value(value: &GgufValue) -> (u32, Vec<u8>) {
     }
 }
 
-/// The model fixture as a [`Builder`]: its header's fields and its data, to be changed field
-/// by field (made once; each case clones it).
-static MODEL_BUILDER: LazyLock<Builder> = LazyLock::new(model_builder);
-
-fn model_builder() -> Builder {
-    builder_of(&MODEL_FILE.0)
-}
+/// The model fixtures as [`Builder`]s: their headers' fields and data, to be changed field
+/// by field (made once; each case clones one).
+static MODEL_BUILDERS: LazyLock<Vec<Builder>> = LazyLock::new(|| {
+    MODEL_FILES
+        .iter()
+        .map(|(bytes, _)| builder_of(bytes))
+        .collect()
+});
 
 /// A GGUF file's fields and data as a [`Builder`].
 fn builder_of(bytes: &[u8]) -> Builder {
@@ -762,9 +777,73 @@ fn a_projection_in_two_formats_computes_what_its_q8_0_stack_does() {
 }
 
 #[test]
-fn the_model_fixture_rebuilt_from_its_fields_is_the_same_file() {
-    let bytes = std::fs::read(MODEL_FIXTURE).unwrap();
-    assert_eq!(MODEL_BUILDER.bytes(), bytes);
+fn the_model_fixtures_rebuilt_from_their_fields_are_the_same_files() {
+    for (path, builder) in MODEL_FIXTURES.iter().zip(MODEL_BUILDERS.iter()) {
+        let bytes = std::fs::read(path).unwrap();
+        assert!(builder.bytes() == bytes, "{path}");
+    }
+}
+
+/// A hybrid file whose linear-attention metadata is missing or contradicts itself or its
+/// tensors is refused with an error naming the key or tensor, never a panic.
+#[test]
+fn a_hybrid_file_with_bad_linear_attention_metadata_is_refused_by_name() {
+    let base = &MODEL_BUILDERS[1];
+    let dir = std::env::temp_dir().join(format!("corral-gguf-hybrid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.gguf");
+    let with = |key: &str, value: Option<GgufValue>| {
+        let mut b = base.clone();
+        let at = b.kvs.iter().position(|(k, ..)| k == key);
+        match (at, value) {
+            (Some(at), None) => {
+                b.kvs.remove(at);
+            }
+            (Some(at), Some(v)) => {
+                let (ty, bytes) = encode_value(&v);
+                (b.kvs[at].1, b.kvs[at].2) = (ty, bytes);
+            }
+            (None, Some(v)) => {
+                let (ty, bytes) = encode_value(&v);
+                b.kvs.push((key.to_string(), ty, bytes));
+            }
+            (None, None) => {}
+        }
+        b
+    };
+    let mut narrow_out = base.clone();
+    let at = narrow_out
+        .tensors
+        .iter()
+        .position(|t| t.0 == "blk.0.ssm_out.weight")
+        .expect("ssm_out");
+    // Rows and columns swapped: the same bytes, the wrong shape.
+    narrow_out.tensors[at].1.reverse();
+    let cases = [
+        (with("qwen3next.ssm.group_count", None), "ssm.group_count"),
+        (
+            with("qwen3next.ssm.time_step_rank", Some(GgufValue::U32(3))),
+            "time_step_rank",
+        ),
+        (
+            with(
+                "qwen3next.attention.recurrent_layers",
+                Some(GgufValue::Array(vec![GgufValue::Bool(true)])),
+            ),
+            "recurrent_layers",
+        ),
+        (
+            with("qwen3next.nextn_predict_layers", Some(GgufValue::U32(2))),
+            "MTP",
+        ),
+        (narrow_out, "out_proj"),
+    ];
+    for (builder, named) in cases {
+        std::fs::write(&path, builder.bytes()).unwrap();
+        let error = load_error(&path, named).to_string();
+        assert!(error.contains(named), "{named}: {error}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A value a parser or a config reader may trip on.
@@ -837,9 +916,10 @@ proptest! {
     /// named twice. Loading returns (never panics); a model that loads runs a forward pass.
     #[test]
     fn model_files_with_changed_fields_load_or_are_refused(
+        file in 0..MODEL_FIXTURES.len(),
         edits in prop::collection::vec(field_edit(), 1..4),
     ) {
-        let mut b = MODEL_BUILDER.clone();
+        let mut b = MODEL_BUILDERS[file].clone();
         for edit in edits {
             match edit {
                 FieldEdit::Value(i, v) => {

@@ -539,3 +539,45 @@ fn gpu_quantized_gguf_logits_match_their_reference_and_the_cpu() {
         failures.join("\n")
     );
 }
+
+/// The hybrid GGUF fixtures (qwen35, qwen35moe, qwen3next from llama.cpp's converter and
+/// quantizer) on the GPU, f32 KV cache: the median position's error against each file's
+/// reference, a token at a time and in one prefill, at most llama.cpp's own CPU build's on
+/// the same file (BF16: the bf16 rounding of the tensor cores' operands, which llama.cpp's
+/// CPU build also rounds its activations to).
+#[test]
+fn gpu_hybrid_gguf_files_match_their_references_as_closely_as_llama_cpp() {
+    let Some(backend) = gpu(DType::F32) else {
+        return;
+    };
+    let dir = fixture_dir("gguf/hybrid");
+    let mut failures = Vec::new();
+    for (arch, formats) in common::LLAMA_CPP_HYBRID_ERRORS {
+        for (format, llama_cpp) in formats {
+            let path = dir.join(format!("{arch}.{format}.gguf"));
+            let model = Model::load_gguf(&path, Arc::clone(&backend), &mut |_, _| {})
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let (ids, want) = common::read_logits_reference(
+                &dir.join(format!("{arch}.{format}.reference.safetensors")),
+            );
+            let vocab = want.len() / ids.len();
+            for chunk in [1, ids.len()] {
+                let got = logits_chunked(&model, &ids, chunk);
+                let whole = rel_err(&got, &want);
+                let median = common::median_row_err(&got, &want, vocab);
+                let case = format!(
+                    "{arch} {format} chunk {chunk}: {whole:.4e} whole, {median:.4e} median position (llama.cpp's CPU {llama_cpp:.4e})"
+                );
+                eprintln!("{case}");
+                if median > llama_cpp * common::SAME_KERNELS {
+                    failures.push(case);
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "above llama.cpp:\n{}",
+        failures.join("\n")
+    );
+}

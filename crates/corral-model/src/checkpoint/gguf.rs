@@ -11,6 +11,7 @@ use corral_backend::{Backend, DType, DeviceBuffer, MappedFile};
 use serde_json::{Map, Value, json};
 
 use crate::checkpoint::gguf_file::{GgufHeader, GgufTensor, GgufValue, parse_header};
+use crate::checkpoint::gguf_hybrid::{HybridLayout, Mapped, ValueChange};
 use crate::checkpoint::quant::{GgmlType, dequantize};
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
@@ -31,6 +32,8 @@ pub struct GgufCheckpoint {
     tensors: Vec<(usize, GgufTensor)>,
     by_name: HashMap<String, usize>,
     arch: String,
+    /// How a hybrid architecture's tensors differ from the Hugging Face layout.
+    hybrid: Option<HybridLayout>,
 }
 
 /// Where a Hugging Face tensor is in a GGUF file: a tensor, or one expert's slab of a
@@ -39,6 +42,23 @@ struct Located<'a> {
     file: usize,
     tensor: &'a GgufTensor,
     expert: Option<usize>,
+    /// A hybrid's tensor read other than as stored (rows, columns or values changed back).
+    changed: Option<Mapped>,
+}
+
+/// A located tensor's data: the tensor, its file, the byte range (one expert's slab of a
+/// stacked tensor) and what to change back when reading it.
+type Checked<'a> = (
+    &'a GgufTensor,
+    &'a Arc<MappedFile>,
+    usize,
+    usize,
+    Option<Mapped>,
+);
+
+/// `shape` without its axes of one (`[c, 1, k]` and `[c, k]` are one layout).
+fn squeezed(shape: &[usize]) -> Vec<usize> {
+    shape.iter().copied().filter(|&d| d != 1).collect()
 }
 
 /// Maps `path` and reads its header.
@@ -111,6 +131,9 @@ impl GgufCheckpoint {
                 return Err(invalid(format!("tensor `{}` is in two splits", t.name)));
             }
         }
+        let hybrid = HybridLayout::from_header(&arch, &header)
+            .transpose()
+            .map_err(invalid)?;
         Ok(Self {
             path: path.to_path_buf(),
             files,
@@ -118,6 +141,7 @@ impl GgufCheckpoint {
             tensors,
             by_name,
             arch,
+            hybrid,
         })
     }
 
@@ -165,9 +189,12 @@ impl GgufCheckpoint {
         let model_type = match arch {
             "qwen3" => "qwen3",
             "qwen3moe" => "qwen3_moe",
+            "qwen35" => "qwen3_5_text",
+            "qwen35moe" => "qwen3_5_moe_text",
+            "qwen3next" => "qwen3_next",
             other => {
                 return Err(self.invalid(format!(
-                    "architecture `{other}` is not read yet (qwen3, qwen3moe are)"
+                    "architecture `{other}` is not read (qwen3, qwen3moe, qwen35, qwen35moe and qwen3next are)"
                 )));
             }
         };
@@ -200,7 +227,16 @@ impl GgufCheckpoint {
         c.insert("model_type".into(), json!(model_type));
         c.insert("vocab_size".into(), json!(vocab));
         c.insert("hidden_size".into(), json!(required("embedding_length")?));
-        c.insert("num_hidden_layers".into(), json!(required("block_count")?));
+        // The hybrids' block count includes the MTP layers, which follow the trunk's.
+        let blocks = required("block_count")?;
+        let mtp = uint("nextn_predict_layers")?.unwrap_or(0);
+        let layers = blocks.checked_sub(mtp).filter(|&n| n > 0).ok_or_else(|| {
+            self.invalid(format!(
+                "`{}` {blocks} leaves no layer beside {mtp} MTP layers",
+                key("block_count")
+            ))
+        })?;
+        c.insert("num_hidden_layers".into(), json!(layers));
         c.insert(
             "num_attention_heads".into(),
             json!(required("attention.head_count")?),
@@ -241,7 +277,10 @@ impl GgufCheckpoint {
             }
             c.insert("rope_scaling".into(), Value::Object(scaling));
         }
-        if model_type == "qwen3_moe" {
+        if self.hybrid.is_some() {
+            self.hybrid_config(&mut c, layers)?;
+        }
+        if matches!(model_type, "qwen3_moe" | "qwen3_5_moe_text" | "qwen3_next") {
             c.insert("num_experts".into(), json!(required("expert_count")?));
             c.insert(
                 "num_experts_per_tok".into(),
@@ -251,9 +290,12 @@ impl GgufCheckpoint {
                 "moe_intermediate_size".into(),
                 json!(required("expert_feed_forward_length")?),
             );
-            // llama.cpp renormalises the chosen experts' weights for qwen3moe (the converter
-            // writes no key for it), as Qwen3-MoE checkpoints set norm_topk_prob.
+            // llama.cpp renormalises the chosen experts' weights for these architectures
+            // (the converter writes no key for it), as their checkpoints set norm_topk_prob.
             c.insert("norm_topk_prob".into(), json!(true));
+            if let Some(n) = uint("expert_shared_feed_forward_length")? {
+                c.insert("shared_expert_intermediate_size".into(), json!(n));
+            }
         }
         c.insert(
             "tie_word_embeddings".into(),
@@ -270,33 +312,123 @@ impl GgufCheckpoint {
         Ok(Value::Object(c))
     }
 
+    /// The hybrids' Gated DeltaNet sizes, partial RoPE and layer pattern, as transformers'
+    /// config names them.
+    fn hybrid_config(&self, c: &mut Map<String, Value>, layers: u64) -> Result<()> {
+        let arch = self.arch.as_str();
+        let key = |k: &str| format!("{arch}.{k}");
+        let uint = |k: &str| -> Result<u64> {
+            self.header
+                .get(&key(k))
+                .and_then(GgufValue::as_u64)
+                .ok_or_else(|| self.invalid(format!("no unsigned integer `{}`", key(k))))
+        };
+        let value_heads = uint("ssm.time_step_rank")?;
+        c.insert(
+            "linear_conv_kernel_dim".into(),
+            json!(uint("ssm.conv_kernel")?),
+        );
+        c.insert("linear_key_head_dim".into(), json!(uint("ssm.state_size")?));
+        c.insert(
+            "linear_num_key_heads".into(),
+            json!(uint("ssm.group_count")?),
+        );
+        c.insert("linear_num_value_heads".into(), json!(value_heads));
+        c.insert(
+            "linear_value_head_dim".into(),
+            json!(uint("ssm.inner_size")? / value_heads.max(1)),
+        );
+        let head_dim = uint("attention.key_length")?;
+        let rotary = uint("rope.dimension_count")?;
+        c.insert(
+            "partial_rotary_factor".into(),
+            json!(rotary as f64 / head_dim.max(1) as f64),
+        );
+        // Which layers are linear: the converter's list where it wrote one (it is the truth:
+        // its `full_attention_interval` may be a default), else the interval.
+        match self.header.get(&key("attention.recurrent_layers")) {
+            Some(GgufValue::Array(flags)) => {
+                let kinds: Option<Vec<&str>> = flags
+                    .iter()
+                    .take(layers as usize)
+                    .map(|f| match f {
+                        GgufValue::Bool(true) => Some("linear_attention"),
+                        GgufValue::Bool(false) => Some("full_attention"),
+                        other => other.as_u64().map(|v| {
+                            if v != 0 {
+                                "linear_attention"
+                            } else {
+                                "full_attention"
+                            }
+                        }),
+                    })
+                    .collect();
+                let kinds = kinds
+                    .filter(|k| k.len() == layers as usize)
+                    .ok_or_else(|| {
+                        self.invalid(format!(
+                            "`{}` is not {layers} flags",
+                            key("attention.recurrent_layers")
+                        ))
+                    })?;
+                c.insert("layer_types".into(), json!(kinds));
+            }
+            Some(other) => {
+                return Err(self.invalid(format!(
+                    "`{}` is {other}, not a list",
+                    key("attention.recurrent_layers")
+                )));
+            }
+            None => {
+                c.insert(
+                    "full_attention_interval".into(),
+                    json!(uint("full_attention_interval")?),
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The GGUF tensor (and expert) holding Hugging Face tensor `name`.
     fn locate(&self, name: &str) -> Option<Located<'_>> {
-        let (gguf, expert) = gguf_name(name)?;
+        let (gguf, expert, changed) = match self.hybrid.as_ref().and_then(|h| h.map(name)) {
+            Some(mapped) => (
+                mapped.gguf.clone(),
+                None,
+                (!mapped.as_stored()).then_some(mapped),
+            ),
+            None => {
+                let (gguf, expert) = gguf_name(name)?;
+                (gguf, expert, None)
+            }
+        };
         let (file, tensor) = &self.tensors[*self.by_name.get(&gguf)?];
         Some(Located {
             file: *file,
             tensor,
             expert,
+            changed,
         })
+    }
+
+    /// The GGUF name of Hugging Face tensor `name`, for messages.
+    fn file_name_of(&self, name: &str) -> String {
+        match self.hybrid.as_ref().and_then(|h| h.map(name)) {
+            Some(mapped) => mapped.gguf,
+            None => gguf_name(name).map_or("none".into(), |n| n.0),
+        }
     }
 
     /// `name`'s tensor, checked against `shape`, its file and the byte range of its data (one
     /// expert's slab of a stacked tensor).
-    fn checked(
-        &self,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<(&GgufTensor, &Arc<MappedFile>, usize, usize)> {
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<Checked<'_>> {
         let Located {
             file,
             tensor,
             expert,
+            changed,
         } = self.locate(name).ok_or_else(|| ModelError::MissingTensor {
-            name: format!(
-                "{name} (GGUF: {})",
-                gguf_name(name).map_or("none".into(), |n| n.0)
-            ),
+            name: format!("{name} (GGUF: {})", self.file_name_of(name)),
             dir: self.path.clone(),
         })?;
         let full = tensor.shape();
@@ -314,7 +446,22 @@ impl GgufCheckpoint {
                 (full[1..].to_vec(), tensor.byte_offset + e * slab, slab)
             }
         };
-        if got != shape {
+        // Rows taken from a hybrid's tensor: as many as asked for, of its own columns.
+        let got = match changed.as_ref().and_then(|c| c.rows.as_ref()) {
+            Some(rows) if rows.iter().all(|&r| r < got.first().copied().unwrap_or(0)) => {
+                let mut picked = got.clone();
+                picked[0] = rows.len();
+                picked
+            }
+            Some(_) => {
+                return Err(self.invalid(format!(
+                    "`{}` of shape {got:?} is too small for the value heads the metadata names",
+                    tensor.name
+                )));
+            }
+            None => got,
+        };
+        if squeezed(&got) != squeezed(shape) {
             return Err(ModelError::WrongShape {
                 name: name.to_string(),
                 expected: shape.to_vec(),
@@ -327,7 +474,7 @@ impl GgufCheckpoint {
                 dtype: tensor.ggml_type.name().to_string(),
             });
         }
-        Ok((tensor, &self.files[file], start, len))
+        Ok((tensor, &self.files[file], start, len, changed))
     }
 }
 
@@ -395,9 +542,32 @@ impl WeightSource for GgufCheckpoint {
     }
 
     fn weight(&self, backend: &dyn Backend, name: &str, shape: &[usize]) -> Result<DeviceBuffer> {
-        let (tensor, file, start, _) = self.checked(name, shape)?;
+        let (tensor, file, start, len, changed) = self.checked(name, shape)?;
         let ty = tensor.ggml_type;
         let numel = shape.iter().product();
+        if let Some(changed) = changed {
+            // Rows alone of a block format the backend reads: those rows' blocks.
+            let kept = ty.quant_format().filter(|&f| backend.reads_quantized(f));
+            if let (Some(format), Some(rows), None, ValueChange::None) =
+                (kept, &changed.rows, &changed.columns, changed.values)
+            {
+                let total = tensor.shape().first().copied().unwrap_or(1).max(1);
+                let row_bytes = len / total;
+                let bytes = &file.bytes()[start..start + len];
+                let blocks = rows
+                    .iter()
+                    .flat_map(|&r| &bytes[r * row_bytes..(r + 1) * row_bytes])
+                    .copied()
+                    .collect();
+                return Ok(backend.weight_from_blocks(blocks, DType::Quant(format), numel)?);
+            }
+            let dtype = if kept.is_some() || ty.quant_format().is_some() {
+                DType::F32
+            } else {
+                loaded_dtype(ty)
+            };
+            return Ok(backend.weight_from_f32(&self.read_f32(name, shape)?, dtype)?);
+        }
         if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             return Ok(backend.weight_from_file(file, start, loaded_dtype(ty), numel)?);
         }
@@ -420,10 +590,10 @@ impl WeightSource for GgufCheckpoint {
         let mut blocks = Vec::new();
         let mut format = None;
         for &(name, shape) in parts {
-            let (tensor, file, start, len) = self.checked(name, shape)?;
+            let (tensor, file, start, len, changed) = self.checked(name, shape)?;
             let part = tensor.ggml_type.quant_format();
             let kept = part.is_some_and(|f| backend.reads_quantized(f));
-            if !kept || (format.is_some() && format != part) {
+            if !kept || changed.is_some() || (format.is_some() && format != part) {
                 return stacked_values(self, backend, parts);
             }
             format = part;
@@ -446,9 +616,11 @@ impl WeightSource for GgufCheckpoint {
         // being decoded to one type.
         let mut formats = Vec::with_capacity(parts.len());
         for &(name, shape) in parts {
-            let (tensor, ..) = self.checked(name, shape)?;
+            let (tensor, .., changed) = self.checked(name, shape)?;
             match tensor.ggml_type.quant_format() {
-                Some(format) if backend.reads_quantized(format) => formats.push(format),
+                Some(format) if backend.reads_quantized(format) && changed.is_none() => {
+                    formats.push(format)
+                }
                 _ => return Ok(Projection::Stacked(self.weight_stacked(backend, parts)?)),
             }
         }
@@ -464,14 +636,21 @@ impl WeightSource for GgufCheckpoint {
     }
 
     fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let (tensor, file, start, len) = self.checked(name, shape)?;
-        let mut values = vec![0f32; shape.iter().product()];
+        let (tensor, file, start, len, changed) = self.checked(name, shape)?;
+        let (block_values, block_bytes) = tensor.ggml_type.block();
+        let mut values = vec![0f32; len / block_bytes * block_values];
         dequantize(
             tensor.ggml_type,
             &file.bytes()[start..start + len],
             &mut values,
         );
-        Ok(values)
+        Ok(match changed {
+            None => values,
+            Some(changed) => {
+                let cols = tensor.shape()[1..].iter().product::<usize>();
+                changed.apply(&values, if tensor.dims.len() > 1 { cols } else { 1 })
+            }
+        })
     }
 
     fn stored_dtype(&self, name: &str) -> Result<DType> {

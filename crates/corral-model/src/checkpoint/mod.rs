@@ -4,6 +4,7 @@
 
 mod gguf;
 pub mod gguf_file;
+mod gguf_hybrid;
 pub mod quant;
 mod safetensors_file;
 

@@ -211,3 +211,78 @@ pub(crate) fn greedy(model: &Model, prompt: &[u32], count: usize) -> Vec<u32> {
     }
     generated
 }
+
+/// The hybrid GGUF fixtures (tests/fixtures/gguf/hybrid, made by llama.cpp's converter and
+/// quantizer): reading their references and the error llama.cpp itself has on them.
+/// (token ids, logits) of a fixture's reference file.
+pub(crate) fn read_logits_reference(path: &Path) -> (Vec<u32>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
+    let ids = st
+        .tensor("token_ids")
+        .expect("token_ids")
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let logits = st
+        .tensor("logits")
+        .expect("logits")
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (ids, logits)
+}
+
+/// The median of the positions' own relative errors.
+pub(crate) fn median_row_err(ours: &[f32], reference: &[f32], vocab: usize) -> f64 {
+    let mut rows: Vec<f64> = ours
+        .chunks(vocab)
+        .zip(reference.chunks(vocab))
+        .map(|(a, b)| rel_err(a, b))
+        .collect();
+    rows.sort_by(f64::total_cmp);
+    rows[rows.len() / 2]
+}
+
+/// The median position's relative error llama.cpp's CPU build (llama-cpp-python 0.3.36's
+/// vendored llama.cpp, f16 KV cache) has on each fixture, from `scripts/gguf_fidelity.sh`'s
+/// logits tool; Corral's, measured beside them on an AVX2 CPU, is at or below in every cell
+/// (scripts/gguf_fidelity.sh hybrid).
+pub(crate) const LLAMA_CPP_HYBRID_ERRORS: [(&str, [(&str, f64); 5]); 3] = [
+    (
+        "qwen35",
+        [
+            ("bf16", 3.6510e-03),
+            ("q8_0", 1.3057e-02),
+            ("q6_k", 1.6192e-02),
+            ("q5_k_m", 1.6298e-02),
+            ("q4_k_m", 1.5554e-02),
+        ],
+    ),
+    (
+        "qwen35moe",
+        [
+            ("bf16", 3.4750e-03),
+            ("q8_0", 1.2104e-02),
+            ("q6_k", 1.4190e-02),
+            ("q5_k_m", 1.4991e-02),
+            ("q4_k_m", 1.4492e-02),
+        ],
+    ),
+    (
+        "qwen3next",
+        [
+            ("bf16", 3.4178e-03),
+            ("q8_0", 1.1972e-02),
+            ("q6_k", 1.5144e-02),
+            ("q5_k_m", 1.5066e-02),
+            ("q4_k_m", 1.5562e-02),
+        ],
+    ),
+];
+
+/// Room for another CPU's kernels (AVX-512's f32 tiles where AVX2 has integer panels) to
+/// land a few units of the last digit apart.
+pub(crate) const SAME_KERNELS: f64 = 1.01;
