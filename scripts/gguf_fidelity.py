@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 
-import gguf
 import numpy as np
 import torch
 from safetensors.numpy import load_file as load_numpy
@@ -35,6 +34,7 @@ from transformers import Qwen3MoeConfig
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_fixtures  # noqa: E402  (its model builder and reference loader)
+import make_gguf_quant_reference  # noqa: E402  (the qwen3moe GGUF decoder)
 
 DEMO = ROOT / "models/tiny-qwen3-moe"
 FORMATS = ["F32", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M"]
@@ -49,16 +49,6 @@ CONFIG = dict(
     mlp_only_layers=[], tie_word_embeddings=False, initializer_range=make_fixtures.BF16_INIT_RANGE,
     bos_token_id=1536, eos_token_id=1538, pad_token_id=1536,
 )
-
-PER_LAYER = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
-}
-STACKED = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
 
 def checkpoint(work):
     """The model as a Hugging Face directory, with the demo model's tokenizer."""
@@ -101,21 +91,7 @@ def quantize(bin_dir, f32, work, kind):
 
 def decoded_checkpoint(path, hf, work):
     """The file's tensors decoded to fp32 under transformers' names, beside the config."""
-    state = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        values = values.reshape([int(d) for d in reversed(t.shape)])
-        base = t.name.removesuffix(".weight")
-        if base in TOP:
-            state[TOP[base] + ".weight"] = torch.from_numpy(values.copy())
-            continue
-        _, layer, kind = base.split(".")
-        prefix = f"model.layers.{layer}."
-        if kind in STACKED:
-            for e, expert in enumerate(values):
-                state[f"{prefix}mlp.experts.{e}.{STACKED[kind]}.weight"] = torch.from_numpy(expert.copy())
-        else:
-            state[f"{prefix}{PER_LAYER[kind]}.weight"] = torch.from_numpy(values.copy())
+    state = make_gguf_quant_reference.decoded_state_dict(path)
     out = work / f"decoded-{path.stem}"
     if out.exists():
         shutil.rmtree(out)

@@ -121,7 +121,6 @@ fn system_messages_anywhere_render_with_every_template() {
 
 #[test]
 fn qwen_templates_render_as_transformers_does() {
-    let dir = templates_dir();
     let fixtures = repo().join("tests/fixtures/templates");
     let expected = read_json(&fixtures.join("expected.json"));
     let cases = read_json(&fixtures.join("conversations.json"));
@@ -132,18 +131,7 @@ fn qwen_templates_render_as_transformers_does() {
     let mut failures = Vec::new();
     for e in expected {
         let name = e["template"].as_str().unwrap_or_default();
-        let path = dir.join(name);
-        let Ok(source) = std::fs::read_to_string(&path) else {
-            assert!(
-                std::env::var_os("CORRAL_REQUIRE_TEMPLATES").is_none(),
-                "{} is missing (scripts/fetch_templates.sh fetches it)",
-                path.display()
-            );
-            eprintln!(
-                "skipped: {} is missing (run scripts/fetch_templates.sh {})",
-                path.display(),
-                dir.display()
-            );
+        let Some(source) = template_source(name) else {
             return;
         };
         let template = ChatTemplate::new(&TokenizerConfig {
