@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use corral_backend::{Backend, ExpertMatrices, ExpertWeights};
+use corral_backend::{Backend, DType, ExpertMatrices, ExpertWeights};
 
 use crate::Result;
 use crate::weights::WeightSource;
@@ -30,21 +30,40 @@ pub(crate) fn load_experts(
             down: ExpertMatrices::stacked(down, e, h, 0, h, i)?,
         });
     }
-    let per_expert = |proj: &str, rows: usize, cols: usize| -> Result<ExpertMatrices> {
+    let per_expert = |proj: &str, rows: usize, cols: usize, decoded: bool| {
         let buffers = (0..e)
             .map(|x| {
-                source.weight(
-                    backend,
-                    &format!("{prefix}experts.{x}.{proj}.weight"),
-                    &[rows, cols],
-                )
+                let name = format!("{prefix}experts.{x}.{proj}.weight");
+                if decoded {
+                    let values = source.read_f32(&name, &[rows, cols])?;
+                    Ok(backend.weight_from_f32(&values, DType::F32)?)
+                } else {
+                    source.weight(backend, &name, &[rows, cols])
+                }
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ExpertMatrices::per_expert(buffers, rows, cols)?)
+        Ok::<_, crate::ModelError>(ExpertMatrices::per_expert(buffers, rows, cols)?)
     };
-    Ok(ExpertWeights {
-        gate: per_expert("gate_proj", i, h)?,
-        up: per_expert("up_proj", i, h)?,
-        down: per_expert("down_proj", h, i)?,
-    })
+    let load = |decoded: bool| -> Result<ExpertWeights> {
+        Ok(ExpertWeights {
+            gate: per_expert("gate_proj", i, h, decoded)?,
+            up: per_expert("up_proj", i, h, decoded)?,
+            down: per_expert("down_proj", h, i, decoded)?,
+        })
+    };
+    let weights = load(false)?;
+    // The experts' kernels take block formats (which may differ between gate/up and down) or
+    // one plain type. A projection the backend decodes beside ones it keeps as blocks (the
+    // GPU decodes Q4_1 and Q5_1, which llama-quantize writes for widths no multiple of 256)
+    // has all three decoded.
+    let blocks = [&weights.gate, &weights.up, &weights.down]
+        .map(|m| matches!(m.dtype(), Some(DType::Quant(_))));
+    if blocks.contains(&true) && blocks.contains(&false) {
+        tracing::info!(
+            prefix,
+            "experts partly in block formats this backend decodes: all three projections decoded to f32"
+        );
+        return load(true);
+    }
+    Ok(weights)
 }
