@@ -7,7 +7,7 @@ use std::str::FromStr;
 /// Default token threshold of [`MoeStrategy::Auto`]: from this many routed tokens on, grouped
 /// execution is at least as fast as per-token matrix-vector products on the CPU.
 ///
-/// Measured (docs/performance.md, "Choosing the auto threshold"): synthetic Qwen3-MoE, 64
+/// Measured (docs/performance-log.md, "Choosing the auto threshold"): synthetic Qwen3-MoE, 64
 /// experts, top-8, hidden 512, 2 threads, median TTFT per-token / grouped: 1 token 30.6 / 31.2
 /// ms (within noise), 2 tokens 34.4 / 34.4 ms, 3 tokens 38.1 / 35.7 ms, 8 tokens 50.1 / 43.3 ms.
 pub const DEFAULT_GROUPED_MIN_TOKENS: usize = 2;
