@@ -58,6 +58,16 @@ fn template_source(name: &str) -> Option<String> {
     Some(source)
 }
 
+/// A fetched template compiled; `None` (said) where it is missing and not required.
+fn fetched_template(name: &str) -> Option<ChatTemplate> {
+    let source = template_source(name)?;
+    let config = TokenizerConfig {
+        chat_template: Some(source),
+        ..TokenizerConfig::default()
+    };
+    Some(ChatTemplate::new(&config).unwrap_or_else(|e| panic!("{name}: {e}")))
+}
+
 /// System and developer messages in the numbers and places agent clients send them (Codex's
 /// two developer items before the user's, Claude Code's system message after it, two system
 /// messages, one between a tool result and the next turn) render with every real template,
@@ -99,14 +109,9 @@ fn system_messages_anywhere_render_with_every_template() {
         "Qwen3-Coder.jinja",
         "Qwen3.5-4B.jinja",
     ] {
-        let Some(source) = template_source(name) else {
+        let Some(template) = fetched_template(name) else {
             return;
         };
-        let template = ChatTemplate::new(&TokenizerConfig {
-            chat_template: Some(source),
-            ..TokenizerConfig::default()
-        })
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
         for messages in &conversations {
             let text = template
                 .render(messages, None, true, &Map::new())
@@ -131,14 +136,9 @@ fn qwen_templates_render_as_transformers_does() {
     let mut failures = Vec::new();
     for e in expected {
         let name = e["template"].as_str().unwrap_or_default();
-        let Some(source) = template_source(name) else {
+        let Some(template) = fetched_template(name) else {
             return;
         };
-        let template = ChatTemplate::new(&TokenizerConfig {
-            chat_template: Some(source),
-            ..TokenizerConfig::default()
-        })
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
         let case = cases
             .as_array()
             .and_then(|c| c.iter().find(|c| c["name"] == e["case"]))
