@@ -5,14 +5,15 @@
 #                                              the llama.cpp that the llama-cpp-python sdist on
 #                                              PyPI vendors (LLAMA_CPP_PYTHON, a version), in $WORK
 #   scripts/llama_cpp_side_by_side.sh models   CONFIG's shape as a bf16 GGUF with random weights
-#                                              (scripts/make_bench_gguf.py), then Q8_0 and Q4_K_M
-#                                              by llama-quantize
+#                                              (scripts/make_bench_gguf.py), then Q8_0, Q6_K and
+#                                              Q4_K_M by llama-quantize
 #   scripts/llama_cpp_side_by_side.sh bench    ROUNDS rounds over the files, the order of the two
 #                                              engines alternating: llama-bench -p 10,300 -n 32
 #                                              -t THREADS, and corral bench prefill (10, 300
 #                                              tokens) and decode (batch 1, 32 steps); then one
 #                                              table of tokens/s and Corral/llama.cpp ratios
-#                                              (TYPES: the files' types, default all three)
+#                                              (TYPES: the files' types, default bf16 q8_0
+#                                              q4_k_m; q6_k is made too)
 #
 # Nothing of llama.cpp enters this repository: it is fetched and built under $WORK
 # (default /tmp/llama-side), with a venv there for cmake, ninja and the gguf package.
@@ -63,7 +64,7 @@ PY
 models() {
   venv
   python "scripts/make_bench_gguf.py" "$CONFIG" "$WORK/$NAME-bf16.gguf"
-  for q in Q8_0 Q4_K_M; do
+  for q in Q8_0 Q6_K Q4_K_M; do
     "$WORK/build/bin/llama-quantize" "$WORK/$NAME-bf16.gguf" "$WORK/$NAME-${q,,}.gguf" "$q" \
       > "$WORK/quantize-$q.log" 2>&1
   done

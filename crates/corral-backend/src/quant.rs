@@ -106,9 +106,11 @@ fn each_block(
 
 /// Whether integer products with weights of `format` read activations quantized per
 /// super-block of 256 values (llama.cpp's Q8_K), on the CPU and the GPU alike, rather than per
-/// 32.
+/// 32: Q4_K's, whose 4-bit weights' error the coarser activations hide. Q6_K's read them per
+/// 32 as Q5_K's do: one scale per 256 values costs its 6-bit weights more than their own
+/// rounding (docs/performance-log.md, "Why Q6_K").
 pub(crate) fn per_super_block(format: QuantFormat) -> bool {
-    matches!(format, QuantFormat::Q4K | QuantFormat::Q6K)
+    format == QuantFormat::Q4K
 }
 
 /// The f16 at byte `at` of a block, as f32.

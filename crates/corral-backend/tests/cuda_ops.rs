@@ -1987,7 +1987,8 @@ fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
 }
 
 /// A projection stored apart (q, k and v in their own formats) gives, through `matmul_parts`
-/// (x quantized once for every part), exactly what its parts give one at a time.
+/// (x quantized once for each way its parts read it), exactly what its parts give one at a
+/// time.
 #[test]
 fn projection_parts_together_equal_them_one_at_a_time() {
     let g = gpu_or_skip!();

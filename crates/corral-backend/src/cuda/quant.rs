@@ -246,15 +246,10 @@ impl CudaBackend {
                 .is_some_and(|f| f != QuantFormat::F8E4M3x128 && self.reads_format(f))
         };
         let total: usize = parts.iter().map(|(_, n)| n).sum();
-        // The parts' formats, which must read x quantized alike to share it.
-        let formats: Vec<Option<QuantFormat>> =
-            parts.iter().map(|(b, _)| quant_format(b.dtype())).collect();
-        let supers = |f: &Option<QuantFormat>| f.is_some_and(crate::quant::per_super_block);
         if rows == 0
             || rows > QUANT_MATVEC_MAX_ROWS
             || x.dtype() != DType::F32
             || !parts.iter().all(|(b, _)| integer(b))
-            || formats.iter().any(|f| supers(f) != supers(&formats[0]))
         {
             return crate::matmul_parts_by_columns(self, x, rows, (parts, cols), out, out_cols);
         }
@@ -268,20 +263,43 @@ impl CudaBackend {
             return Err(bad(op, "output address".to_string()));
         };
         let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
-        let first = formats[0].ok_or_else(|| bad(op, "parts of no block format".to_string()))?;
-        self.with_quantized_acts(op, x_arg, (rows, cols), first, |acts| {
+        // x quantized once for each way the parts' formats read it (a Q4_K_M file's q, k and
+        // v projections: Q4_K per super-block, Q6_K per 32 values).
+        let formats = parts.iter().filter_map(|(b, _)| quant_format(b.dtype()));
+        let (supers, blocks): (Vec<_>, Vec<_>) =
+            formats.partition(|&f| crate::quant::per_super_block(f));
+        let run = |per_super: Option<[Arg; 3]>, per_block: Option<[Arg; 3]>| {
             let mut col0 = 0;
             for (b, n) in parts {
                 let (w, dtype, _) = weight(op, WeightView::new(b, *n, cols)?)?;
                 let format = quant_format(dtype)
                     .ok_or_else(|| bad(op, format!("weights of {dtype} are not blocks")))?;
+                let acts = if crate::quant::per_super_block(format) {
+                    per_super
+                } else {
+                    per_block
+                };
+                let acts = acts.ok_or_else(|| bad(op, format!("no activations for {format:?}")))?;
                 let kernels = self.kernels.for_quant(op, format)?;
                 let out_arg = Arg::Ptr(out_addr + (col0 * 4) as u64);
                 self.quant_matvec_launch(acts, rows, (w, *n, cols), (kernels, out_arg), out_cols)?;
                 col0 += n;
             }
             Ok(())
-        })
+        };
+        let shape = (rows, cols);
+        match (supers.first(), blocks.first()) {
+            (Some(&s), Some(&b)) => self.with_quantized_acts(op, x_arg, shape, s, |sa| {
+                self.with_quantized_acts(op, x_arg, shape, b, |ba| run(Some(sa), Some(ba)))
+            }),
+            (Some(&s), None) => {
+                self.with_quantized_acts(op, x_arg, shape, s, |sa| run(Some(sa), None))
+            }
+            (None, Some(&b)) => {
+                self.with_quantized_acts(op, x_arg, shape, b, |ba| run(None, Some(ba)))
+            }
+            (None, None) => Err(bad(op, "parts of no block format".to_string())),
+        }
     }
 
     /// `out = x · wᵀ` for FP8 blocks on tensor cores (quant.cu's matvec_f8): a block per 16

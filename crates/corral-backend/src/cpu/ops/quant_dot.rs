@@ -18,12 +18,12 @@ pub(crate) const QA: usize = 32;
 /// Rows of activations quantized per [`QA`] values: block `b` of a row is `d[b] · q[32 b..]`,
 /// and `sums[2 b]`, `sums[2 b + 1]` are the sums of its two halves' `q` (for formats whose
 /// values carry an offset or a min). Where asked for, also per super-block of [`QK`]
-/// values, as K-quant products read them (see [`SuperBlocks`]).
+/// values, as Q4_K products read them (see [`SuperBlocks`]).
 #[derive(Debug, Default)]
 pub(crate) struct QuantizedRows {
     q: Vec<i8>,
     d: Vec<f32>,
-    sums: Vec<i32>,
+    sums: Vec<i16>,
     supers: SuperBlocks,
     k: usize,
 }
@@ -36,17 +36,15 @@ pub(crate) const QK: usize = 256;
 pub(super) const SUB_BLOCK_SLOT: [usize; 8] = [0, 2, 1, 3, 4, 6, 5, 7];
 
 /// Activations quantized with one scale `d[s]` per [`QK`] values (llama.cpp's Q8_K): the
-/// sub-blocks' scales of a K-quant weight then apply to integer sums, and only the
+/// sub-blocks' scales of a Q4_K weight then apply to integer sums, and only the
 /// super-block's product is a float. `q` holds each super-block's sub-blocks of 32 in the
 /// order [`SUB_BLOCK_SLOT`] gives; `sums[8 s + j]` is sub-block `j`'s sum (Q4_K's mins
-/// read them), `halves` its halves' (Q6_K's offsets).
+/// read them).
 #[derive(Debug, Default)]
 struct SuperBlocks {
     q: Vec<i8>,
     d: Vec<f32>,
     sums: Vec<i16>,
-    /// The sums of each sub-block's two halves of 16, `halves[16 s + 2 j + h]`.
-    halves: Vec<i16>,
 }
 
 /// One row of [`QuantizedRows`].
@@ -54,21 +52,17 @@ struct SuperBlocks {
 pub(crate) struct ActRow<'a> {
     q: &'a [i8],
     d: &'a [f32],
-    sums: &'a [i32],
+    sums: &'a [i16],
     /// Per super-block, or empty where not asked for.
     sq: &'a [i8],
     sd: &'a [f32],
     ss: &'a [i16],
-    sh: &'a [i16],
 }
 
 impl ActRow<'_> {
     /// Whether this row holds `supers` super-blocks' activations.
     fn holds_super_blocks(&self, supers: usize) -> bool {
-        self.sq.len() >= supers * QK
-            && self.sd.len() >= supers
-            && self.ss.len() >= supers * 8
-            && self.sh.len() >= supers * 16
+        self.sq.len() >= supers * QK && self.sd.len() >= supers && self.ss.len() >= supers * 8
     }
 }
 
@@ -122,23 +116,22 @@ impl QuantizedRows {
             let d = block_amax(isa, xb) / 127.0;
             quantize_by(isa, xb, d, qb);
             self.d[b] = d;
+            // Each at most 16 · 127 in magnitude.
             let (lo, hi) = half_sums_on(isa, qb);
-            self.sums[2 * b] = lo;
-            self.sums[2 * b + 1] = hi;
+            self.sums[2 * b] = lo as i16;
+            self.sums[2 * b + 1] = hi as i16;
         }
         let supers = &mut self.supers;
         if !per.super_blocks {
             supers.q.clear();
             supers.d.clear();
             supers.sums.clear();
-            supers.halves.clear();
             return;
         }
         assert!(k.is_multiple_of(QK), "super-blocks of rows of {k} values");
         supers.q.resize(m * k, 0);
         supers.d.resize(m * k / QK, 0.0);
         supers.sums.resize(m * k / QA, 0);
-        supers.halves.resize(2 * m * k / QA, 0);
         for (s, (xs, qs)) in x[..m * k]
             .chunks_exact(QK)
             .zip(supers.q.chunks_exact_mut(QK))
@@ -155,8 +148,6 @@ impl QuantizedRows {
                 let (lo, hi) = half_sums_on(isa, qb);
                 // At most 32 · 127 in magnitude.
                 supers.sums[8 * s + j] = (lo + hi) as i16;
-                supers.halves[16 * s + 2 * j] = lo as i16;
-                supers.halves[16 * s + 2 * j + 1] = hi as i16;
             }
         }
     }
@@ -184,7 +175,6 @@ impl QuantizedRows {
             sq: &supers.q[r * sk..(r + 1) * sk],
             sd: &supers.d[r * sblocks..(r + 1) * sblocks],
             ss: &supers.sums[r * ssums..(r + 1) * ssums],
-            sh: &supers.halves[2 * r * ssums..2 * (r + 1) * ssums],
         }
     }
 }
@@ -206,22 +196,21 @@ impl ActRows<'_> {
 }
 
 impl<'a> ActRows<'a> {
-    /// All rows from the first on, quantized per super-block: their values, scales, sums per
-    /// 32 values and per 16 (each row's after the last's).
-    pub(super) fn super_blocks(&self) -> (&'a [i8], &'a [f32], &'a [i16], &'a [i16]) {
+    /// All rows from the first on, quantized per super-block: their values, scales and sums
+    /// per 32 values (each row's after the last's).
+    pub(super) fn super_blocks(&self) -> (&'a [i8], &'a [f32], &'a [i16]) {
         let (supers, k) = (&self.rows.supers, self.rows.k);
         let (from, per_qk, per_qa) = (self.first * k, self.first * k / QK, self.first * k / QA);
         (
             supers.q.get(from..).unwrap_or_default(),
             supers.d.get(per_qk..).unwrap_or_default(),
             supers.sums.get(per_qa..).unwrap_or_default(),
-            supers.halves.get(2 * per_qa..).unwrap_or_default(),
         )
     }
 
     /// All rows from the first on, quantized per block of [`QA`] values: their values,
     /// scales and sums of halves (each row's after the last's).
-    pub(super) fn blocks(&self) -> (&'a [i8], &'a [f32], &'a [i32]) {
+    pub(super) fn blocks(&self) -> (&'a [i8], &'a [f32], &'a [i16]) {
         let (rows, k) = (self.rows, self.rows.k);
         let per_qa = self.first * k / QA;
         (
@@ -337,14 +326,20 @@ pub(crate) enum Isa {
     Vnni,
 }
 
-/// The best this CPU has.
+/// The best this CPU has, or less where `CORRAL_CPU_ISA` (`avx2` or `scalar`) caps it: the
+/// kernels of a smaller CPU measured and checked on a bigger one.
 pub(crate) fn best_isa() -> Isa {
     static BEST: LazyLock<Isa> = LazyLock::new(|| {
+        let cap = std::env::var("CORRAL_CPU_ISA").unwrap_or_default();
+        if cap == "scalar" {
+            return Isa::Scalar;
+        }
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
             let avx2 = has!("avx2") && has!("fma") && has!("f16c");
-            if avx2 && has!("avx512vnni") && has!("avx512vl") && has!("avx512bw") {
+            let vnni = has!("avx512vnni") && has!("avx512vl") && has!("avx512bw");
+            if avx2 && vnni && cap != "avx2" {
                 return Isa::Vnni;
             }
             if avx2 {
@@ -468,7 +463,9 @@ mod scalar {
             // The first activation block of this weight block.
             let ab = n * block / QA;
             let q = |b: usize| &a.q[QA * (ab + b)..QA * (ab + b + 1)];
-            let sum32 = |b: usize| (a.sums[2 * (ab + b)] + a.sums[2 * (ab + b) + 1]) as f32;
+            let sum32 = |b: usize| {
+                (i32::from(a.sums[2 * (ab + b)]) + i32::from(a.sums[2 * (ab + b) + 1])) as f32
+            };
             match format {
                 QuantFormat::Q8_0 => {
                     let s = isum(|i| i32::from(blk[2 + i] as i8), q(0), 0..QA);
@@ -533,9 +530,8 @@ mod scalar {
                     }
                 }
                 QuantFormat::Q6K => {
-                    // Integer sums per super-block (activations per super-block), scaled once.
-                    let (d, dx) = (half_at(blk, 208), a.sd[n]);
-                    let mut total = 0i32;
+                    // Integer sums per sub-block of 32, each scaled by its activation block's.
+                    let d = half_at(blk, 208);
                     for h in 0..2 {
                         let (ql, qh, sc) =
                             (&blk[64 * h..], &blk[128 + 32 * h..], &blk[192 + 8 * h..]);
@@ -550,16 +546,16 @@ mod scalar {
                                 i32::from(low | (((qh[l] >> (2 * g)) & 3) << 4))
                             };
                             let j = 4 * h + g;
-                            let xq = &a.sq[QK * n + QA * SUB_BLOCK_SLOT[j]..][..QA];
+                            let mut total = 0i32;
                             for half in 0..2 {
                                 let range = 16 * half..16 * half + 16;
-                                let offset = 32 * i32::from(a.sh[16 * n + 2 * j + half]);
+                                let offset = 32 * i32::from(a.sums[2 * (ab + j) + half]);
                                 let scale = i32::from(sc[2 * g + half] as i8);
-                                total += scale * (isum(u, xq, range) - offset);
+                                total += scale * (isum(u, q(j), range) - offset);
                             }
+                            acc += d * a.d[ab + j] * total as f32;
                         }
                     }
-                    acc += d * dx * total as f32;
                 }
                 _ => unreachable!("dot_rows is only given supported formats"),
             }
@@ -590,13 +586,6 @@ fn load8f(p: &[f32]) -> std::arch::x86_64::__m256 {
     }
 }
 
-/// Eight i32 from `p`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn load8i(p: &[i32]) -> std::arch::x86_64::__m256i {
-    std::arch::x86_64::_mm256_castps_si256(load8f(bytemuck::cast_slice(p)))
-}
-
 /// Eight unsigned bytes (little-endian in `v`) as f32.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -608,11 +597,10 @@ fn u8x8(v: u64) -> std::arch::x86_64::__m256 {
 /// The sums of eight activation blocks (from their 16 half sums), as f32.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn block_sums(halves: &[i32]) -> std::arch::x86_64::__m256 {
+fn block_sums(halves: &[i16]) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
-    let pairs = _mm256_hadd_epi32(load8i(halves), load8i(&halves[8..]));
-    // hadd leaves blocks 0 1 4 5 | 2 3 6 7.
-    _mm256_cvtepi32_ps(_mm256_permute4x64_epi64::<0b11_01_10_00>(pairs))
+    let pairs = _mm256_madd_epi16(half_sums16(halves), _mm256_set1_epi16(1));
+    _mm256_cvtepi32_ps(pairs)
 }
 
 /// The sum of eight lanes.
@@ -825,7 +813,8 @@ macro_rules! simd_dot {
                 let (mut acc, mut corr) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
                 for b in 0..blocks {
                     let x = load32(&xq[QA * b..]);
-                    let (da, sum) = (a.d[b], (a.sums[2 * b] + a.sums[2 * b + 1]) as f32);
+                    let sum = i32::from(a.sums[2 * b]) + i32::from(a.sums[2 * b + 1]);
+                    let (da, sum) = (a.d[b], sum as f32);
                     for r in 0..R {
                         let blk = &w[r][bytes * b..];
                         let u = if FIVE {
@@ -948,42 +937,40 @@ macro_rules! simd_dot {
                 }))
             }
 
-            /// Q6_K rows against activations per super-block: 6-bit values offset by 32
-            /// (taken off by the activations' sums of 16), each 16's products summed into
-            /// pairs of i16 that one multiply-add by their signed 8-bit scale sums into i32;
-            /// one float multiply-add a super-block.
+            /// Q6_K rows against activations per block of 32: 6-bit values offset by 32
+            /// (taken off by the activations' sums of 16), each 32's products summed four
+            /// to an i32 lane, the sixteen 16s' sums gathered, scaled by their signed 8-bit
+            /// scales and paired into one vector's lanes, exactly ([`q6k_sub_block_sums`]);
+            /// then one float multiply-add by the weights' and the activation blocks' scales
+            /// a super-block.
             #[target_feature(enable = $features)]
             #[inline]
             fn q6k<const R: usize>(w: [&[u8]; R], a: ActRow<'_>) -> [f32; R] {
-                let bytes = QuantFormat::Q6K.block().1;
-                let blocks = super_block_rows(QuantFormat::Q6K, &w, a);
-                let xq: &[u8] = bytemuck::cast_slice(a.sq);
-                let idx: [__m256i; 8] = std::array::from_fn(|i| load32(&Q6K_SCALE_SPREAD[i]));
+                let (block, bytes) = QuantFormat::Q6K.block();
+                let blocks = rows_of_blocks(&w, QuantFormat::Q6K, a);
+                let xq: &[u8] = bytemuck::cast_slice(a.q);
                 let mut acc = [_mm256_setzero_ps(); R];
                 for n in 0..blocks {
-                    let x = |j: usize| load32(&xq[QK * n + QA * SUB_BLOCK_SLOT[j]..]);
-                    let dx = a.sd[n];
-                    let halves = load16i16(&a.sh[16 * n..]);
+                    let ab = n * block / QA;
+                    let x = |j: usize| load32(&xq[QA * (ab + j)..]);
+                    let da = load8f(&a.d[ab..]);
+                    let halves = half_sums16(&a.sums[2 * ab..]);
                     for r in 0..R {
                         let blk = &w[r][bytes * n..bytes * (n + 1)];
                         let scales = load16(&blk[192..208]);
                         let offsets = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), halves);
-                        let scales = _mm256_broadcastsi128_si256(scales);
-                        let mut iacc = _mm256_sub_epi32(
-                            _mm256_setzero_si256(),
-                            _mm256_slli_epi32::<5>(offsets),
-                        );
+                        let mut p = [_mm256_setzero_si256(); 8];
                         for h in 0..2 {
                             for (g, u) in q6k_half(blk, h).into_iter().enumerate() {
-                                let j = 4 * h + g;
-                                let pairs = _mm256_maddubs_epi16(u, x(j));
-                                let scale =
-                                    _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(scales, idx[j]));
-                                iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(pairs, scale));
+                                p[4 * h + g] = $dp(u, x(4 * h + g));
                             }
                         }
-                        let scale = _mm256_set1_ps(half_at(blk, 208) * dx);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), scale, acc[r]);
+                        let exact = _mm256_sub_epi32(
+                            q6k_sub_block_sums(p, scales),
+                            _mm256_slli_epi32::<5>(offsets),
+                        );
+                        let scale = _mm256_mul_ps(da, _mm256_set1_ps(half_at(blk, 208)));
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]);
                     }
                 }
                 hsums(acc)
@@ -1126,9 +1113,8 @@ fn load32(p: &[u8]) -> std::arch::x86_64::__m256i {
     }
 }
 
-/// Half `h` of the Q6_K super-block `blk`: the values of its sub-blocks `4 h..4 h + 4` (in the
-/// order [`SUB_BLOCK_SLOT`] holds activations in), the low four bits from `ql` and the high two
-/// from `qh`, as unsigned bytes below 64.
+/// Half `h` of the Q6_K super-block `blk`: the values of its sub-blocks `4 h..4 h + 4` of 32,
+/// the low four bits from `ql` and the high two from `qh`, as unsigned bytes below 64.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
@@ -1155,6 +1141,45 @@ fn q6k_half(blk: &[u8], h: usize) -> [std::arch::x86_64::__m256i; 4] {
     ]
 }
 
+/// Lane `j`: a Q6_K super-block's sub-block `j` of 32 values, its integer products with
+/// the activations (`p[j]`: lanes 0..4 the first 16 values', 4..8 the last 16's) times its
+/// two signed scales (the super-block's 16 bytes of them, `scales`), exactly: pairwise adds
+/// within each 128-bit half leave each 16's sum in a lane, which one multiply scales; then
+/// the halves are added.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn q6k_sub_block_sums(
+    p: [std::arch::x86_64::__m256i; 8],
+    scales: std::arch::x86_64::__m128i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // Four vectors' sums of 16 values: lane g, 16 values 0..16 of vector g; lane 4 + g, 16..32.
+    let quad = |v: &[__m256i]| {
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]))
+    };
+    // Scale 2 j + h goes with the sums of sub-block j's half h.
+    let order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    let scales = _mm_shuffle_epi8(scales, order);
+    let lo = _mm256_mullo_epi32(quad(&p[..4]), _mm256_cvtepi8_epi32(scales));
+    let hi = _mm256_mullo_epi32(
+        quad(&p[4..]),
+        _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(scales)),
+    );
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(lo, hi),
+        _mm256_permute2x128_si256::<0x31>(lo, hi),
+    )
+}
+
+/// The sixteen sums of halves of eight activation blocks (`sums`, from [`QuantizedRows`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn half_sums16(sums: &[i16]) -> std::arch::x86_64::__m256i {
+    load32(bytemuck::cast_slice(&sums[..16]))
+}
+
 /// The low two bits of each byte of `v`, as bits 4 and 5.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -1167,29 +1192,17 @@ fn q6k_high(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
 /// For each Q4_K sub-block `j`, the shuffle that spreads scale byte `j` over sixteen i16 lanes
 /// (high bytes zero).
 #[cfg(target_arch = "x86_64")]
-pub(super) const SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(false);
+pub(super) const SCALE_SPREAD: [[u8; 32]; 8] = scale_spread();
 
-/// For each pair of sub-blocks `2 i`, `2 i + 1` of Q6_K, the shuffle that puts scale byte
-/// `2 i` in the high byte of the low eight i16 lanes and `2 i + 1` in the high eight (an
-/// arithmetic shift then sign-extends them).
+/// [`SCALE_SPREAD`].
 #[cfg(target_arch = "x86_64")]
-pub(super) const Q6K_SCALE_SPREAD: [[u8; 32]; 8] = scale_spread(true);
-
-/// [`SCALE_SPREAD`], or with `q6k` [`Q6K_SCALE_SPREAD`].
-#[cfg(target_arch = "x86_64")]
-const fn scale_spread(q6k: bool) -> [[u8; 32]; 8] {
+const fn scale_spread() -> [[u8; 32]; 8] {
     let mut idx = [[0u8; 32]; 8];
     let mut j = 0;
     while j < 8 {
         let mut b = 0;
         while b < 32 {
-            idx[j][b] = if q6k {
-                (2 * j + (b >= 16) as usize) as u8
-            } else if b % 2 == 0 {
-                j as u8
-            } else {
-                0x80
-            };
+            idx[j][b] = if b % 2 == 0 { j as u8 } else { 0x80 };
             b += 1;
         }
         j += 1;
@@ -1220,13 +1233,6 @@ fn super_block_rows<const R: usize>(format: QuantFormat, w: &[&[u8]; R], a: ActR
         "{format:?} products need activations per super-block"
     );
     blocks
-}
-
-/// Sixteen i16 from `p`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn load16i16(p: &[i16]) -> std::arch::x86_64::__m256i {
-    std::arch::x86_64::_mm256_castps_si256(load8f(bytemuck::cast_slice(&p[..16])))
 }
 
 /// Sixteen bytes from `p`.
@@ -1488,8 +1494,12 @@ pub(crate) mod tests {
             (per.blocks, per.super_blocks)
         };
         assert_eq!(of(&[]), (false, false));
-        assert_eq!(of(&[QuantFormat::Q4K, QuantFormat::Q6K]), (false, true));
-        assert_eq!(of(&[QuantFormat::Q8_0, QuantFormat::Q5K]), (true, false));
+        assert_eq!(of(&[QuantFormat::Q4K]), (false, true));
+        assert_eq!(of(&[QuantFormat::Q4K, QuantFormat::Q6K]), (true, true));
+        assert_eq!(
+            of(&[QuantFormat::Q8_0, QuantFormat::Q5K, QuantFormat::Q6K]),
+            (true, false)
+        );
         assert_eq!(of(&[QuantFormat::Q4K, QuantFormat::Q8_0]), (true, true));
         assert_eq!(of(&[QuantFormat::Q8_0, QuantFormat::Q4K]), (true, true));
     }

@@ -4,15 +4,16 @@
 //! values apiece, so that one `vpdpbusd` multiplies four values of sixteen rows by the same
 //! four activation values (broadcast) and each i32 lane holds one output's sum: no
 //! horizontal sums, and four times the products of an f32 multiply-add an instruction. The
-//! sub-blocks' integer scales apply per lane to their integer sums; each super-block ends in
-//! one float multiply-add per activation row (a block format's blocks, in one each). The
+//! sub-blocks' integer scales apply per lane to their integer sums; each Q4_K super-block ends
+//! in one float multiply-add per activation row (each Q6_K block of 32 values and each block of
+//! a block format, against activations per 32 values, in one of its own). The
 //! panel is decoded once per work item and read by all its activation rows (llama.cpp
 //! repacks its weights at load for the same reason).
 
 use super::matmul::OutPtr;
 #[cfg(target_arch = "x86_64")]
 use super::quant_dot::prefetch;
-use super::quant_dot::{ActRows, Isa, QA, QK, SUB_BLOCK_SLOT};
+use super::quant_dot::{ActRows, Isa, QA, QK, SUB_BLOCK_SLOT, per_super_block};
 use super::with_reused;
 use crate::QuantFormat;
 
@@ -87,7 +88,8 @@ struct Panel {
     /// Per super-block, per sub-block: the sixteen rows' integer scales.
     scales: Vec<i32>,
     /// Per super-block, per pair of sub-blocks: the sixteen rows' two integer offsets, whose
-    /// products with the activations' sub-block sums the result loses.
+    /// products with the activations' sub-block sums the result loses (Q4_K's mins, in f32)
+    /// or gains (Q6_K's, −32 times the scale, in i32).
     offsets: Vec<i16>,
     /// Per super-block (per block, for [`per_block`] formats): the sixteen rows' float scales
     /// of the integer sums, and of the offsets.
@@ -96,6 +98,24 @@ struct Panel {
 }
 
 impl Panel {
+    /// Whether this panel holds `supers` super-blocks of `subs` sub-blocks each.
+    fn holds(&self, supers: usize, subs: usize) -> bool {
+        self.values.len() >= supers * SUPER_BYTES
+            && self.scales.len() >= supers * subs * LANES
+            && self.offsets.len() >= supers * subs * LANES
+            && self.d.len() >= supers * LANES
+            && self.dm.len() >= supers * LANES
+    }
+
+    /// Its values, scales and offsets, as the kernels' loads address them (in bytes).
+    fn bytes(&self) -> (*const u8, *const u8, *const u8) {
+        (
+            self.values.as_ptr(),
+            self.scales.as_ptr().cast(),
+            self.offsets.as_ptr().cast(),
+        )
+    }
+
     /// Decodes `rows` (at most [`LANES`]) rows of `format`, `supers` super-blocks each, packed
     /// in `w`, a super-block at a time ([`vnni::super_block`], [`avx2::super_block`]). On a
     /// CPU with `isa` ([`available`]).
@@ -171,12 +191,13 @@ struct SuperBlockOut<'a> {
     dm: &'a mut [f32],
 }
 
-/// Activation rows quantized per super-block (row `r`'s at `r` times its share of each).
+/// Activation rows quantized per super-block (row `r`'s at `r` times its share of each), as
+/// Q4_K's products read them.
 #[derive(Clone, Copy)]
 struct SuperActs<'a> {
     q: &'a [i8],
     d: &'a [f32],
-    /// The sums of each sub-block of the weights' format.
+    /// The sums of each block of [`QA`] values.
     sums: &'a [i16],
     supers: usize,
 }
@@ -187,7 +208,7 @@ struct BlockActs<'a> {
     q: &'a [i8],
     d: &'a [f32],
     /// The sums of each block's two halves.
-    sums: &'a [i32],
+    sums: &'a [i16],
     blocks: usize,
 }
 
@@ -237,34 +258,21 @@ fn multiply_on(
         w.len() == n * supers * bytes,
         "integer panels over mismatched rows"
     );
-    let subs = if per_block(format) {
-        1
-    } else {
-        QK / sub_block(format)
-    };
-    let (q, d, sums, halves) = acts.super_blocks();
-    let super_acts = SuperActs {
-        q,
-        d,
-        sums: if subs == 8 { sums } else { halves },
-        supers,
-    };
+    let (q, d, sums) = acts.super_blocks();
+    let super_acts = SuperActs { q, d, sums, supers };
     let (q, d, sums) = acts.blocks();
-    let block_acts = BlockActs {
-        q,
-        d,
-        sums,
-        blocks: supers,
-    };
+    // Activation blocks a row.
+    let blocks = supers * format.block().0 / QA;
+    let block_acts = BlockActs { q, d, sums, blocks };
     assert!(
-        if per_block(format) {
-            q.len() >= m * supers * QA && d.len() >= m * supers && sums.len() >= 2 * m * supers
-        } else {
+        if per_super_block(format) {
             super_acts.q.len() >= m * supers * QK
                 && super_acts.d.len() >= m * supers
-                && super_acts.sums.len() >= m * supers * subs
+                && super_acts.sums.len() >= m * supers * QK / QA
+        } else {
+            q.len() >= m * blocks * QA && d.len() >= m * blocks && sums.len() >= 2 * m * blocks
         },
-        "integer panels need {m} rows of activations per block of the weights"
+        "integer panels need {m} rows of activations as the weights' products read them"
     );
     with_reused(&PANEL, |panel| {
         for j0 in (0..n).step_by(LANES) {
@@ -287,8 +295,10 @@ fn multiply_on(
                         _ if per_block(format) => {
                             avx2::block_rows(format, panel, block_acts, m, out, ld, lanes)
                         }
-                        Isa::Vnni => vnni::rows(format, panel, super_acts, m, out, ld, lanes),
-                        _ => avx2::rows(format, panel, super_acts, m, out, ld, lanes),
+                        Isa::Vnni => {
+                            vnni::rows(format, panel, (super_acts, block_acts), m, out, ld, lanes)
+                        }
+                        _ => avx2::rows(format, panel, (super_acts, block_acts), m, out, ld, lanes),
                     }
                 };
             }
@@ -308,7 +318,7 @@ mod vnni {
     pub(super) fn rows(
         format: QuantFormat,
         panel: &Panel,
-        acts: SuperActs<'_>,
+        (acts, blocks): (SuperActs<'_>, BlockActs<'_>),
         m: usize,
         out: OutPtr,
         ld: usize,
@@ -329,14 +339,14 @@ mod vnni {
                 }
             };
             match (format, left) {
-                (QuantFormat::Q6K, 1) => store(&kernel::<1, 16>(panel, acts, r0)),
-                (QuantFormat::Q6K, 2) => store(&kernel::<2, 16>(panel, acts, r0)),
-                (QuantFormat::Q6K, 3) => store(&kernel::<3, 16>(panel, acts, r0)),
-                (QuantFormat::Q6K, _) => store(&kernel::<ROWS, 16>(panel, acts, r0)),
-                (_, 1) => store(&kernel::<1, 32>(panel, acts, r0)),
-                (_, 2) => store(&kernel::<2, 32>(panel, acts, r0)),
-                (_, 3) => store(&kernel::<3, 32>(panel, acts, r0)),
-                (_, _) => store(&kernel::<ROWS, 32>(panel, acts, r0)),
+                (QuantFormat::Q6K, 1) => store(&q6k_kernel::<1>(panel, blocks, r0)),
+                (QuantFormat::Q6K, 2) => store(&q6k_kernel::<2>(panel, blocks, r0)),
+                (QuantFormat::Q6K, 3) => store(&q6k_kernel::<3>(panel, blocks, r0)),
+                (QuantFormat::Q6K, _) => store(&q6k_kernel::<ROWS>(panel, blocks, r0)),
+                (_, 1) => store(&q4k_kernel::<1>(panel, acts, r0)),
+                (_, 2) => store(&q4k_kernel::<2>(panel, acts, r0)),
+                (_, 3) => store(&q4k_kernel::<3>(panel, acts, r0)),
+                (_, _) => store(&q4k_kernel::<ROWS>(panel, acts, r0)),
             }
             r0 += ROWS.min(left);
         }
@@ -466,7 +476,7 @@ mod vnni {
         // Q6_K: 128 bytes of low nibbles, 64 of two-bit highs, 16 signed scales, d. Each 128
         // values h take 64 bytes of low nibbles `ql` and 32 of highs `qh`; the values at l,
         // l + 32, l + 64, l + 96 (l < 32) are nibbles of ql[l], ql[l + 32], ql[l], ql[l + 32]
-        // with bits 0-1, 2-3, 4-5, 6-7 of qh[l]. The offset of each 16 is 32 · its scale.
+        // with bits 0-1, 2-3, 4-5, 6-7 of qh[l]. The offset of each 16 is −32 · its scale.
         let tail = columns(w, shape, n, 144);
         let scale = |j: usize| {
             let v = tail[12 + j / 4];
@@ -478,8 +488,11 @@ mod vnni {
             let (lo, hi) = (scale(2 * q), scale(2 * q + 1));
             store(&mut out.scales[2 * q * LANES..], lo);
             store(&mut out.scales[(2 * q + 1) * LANES..], hi);
-            let (lo, hi) = (_mm512_slli_epi32::<5>(lo), _mm512_slli_epi32::<5>(hi));
-            store(&mut out.offsets[q * 2 * LANES..], pairs(lo, hi));
+            let minus_32 = |v| _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<5>(v));
+            store(
+                &mut out.offsets[q * 2 * LANES..],
+                pairs(minus_32(lo), minus_32(hi)),
+            );
         }
         let mut d = [0u16; LANES];
         for (c, d) in d.iter_mut().enumerate().take(rows) {
@@ -568,59 +581,34 @@ mod vnni {
         }
     }
 
-    /// The sixteen lanes' products with activation rows `r0..r0 + R`; `SUB` values per
-    /// sub-block.
+    /// The sixteen lanes' Q4_K products with activation rows `r0..r0 + R`, quantized per
+    /// super-block: each sub-block's integer sum times its scale, the mins' products with the
+    /// sub-blocks' sums, then one float multiply-add each a super-block.
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
     #[inline]
-    fn kernel<const R: usize, const SUB: usize>(
-        panel: &Panel,
-        acts: SuperActs<'_>,
-        r0: usize,
-    ) -> [__m512; R] {
-        let (supers, subs) = (acts.supers, QK / SUB);
+    fn q4k_kernel<const R: usize>(panel: &Panel, acts: SuperActs<'_>, r0: usize) -> [__m512; R] {
+        let (supers, subs) = (acts.supers, QK / QA);
         assert!(
             acts.q.len() >= (r0 + R) * supers * QK
                 && acts.d.len() >= (r0 + R) * supers
                 && acts.sums.len() >= (r0 + R) * supers * subs
-                && panel.values.len() >= supers * SUPER_BYTES
-                && panel.scales.len() >= supers * subs * LANES
-                && panel.offsets.len() >= supers * subs * LANES
-                && panel.d.len() >= supers * LANES
-                && panel.dm.len() >= supers * LANES,
+                && panel.holds(supers, subs),
             "a panel kernel past its operands"
         );
-        // Four bytes (or two i16) at element `at` of `p`, broadcast; the reads below are in
-        // bounds by the assertion above.
-        let broadcast = |p: *const u8, at: usize| {
-            // SAFETY: in bounds (see above); unaligned read.
-            #[allow(unsafe_code)]
-            let v = unsafe { p.add(at).cast::<i32>().read_unaligned() };
-            _mm512_set1_epi32(v)
-        };
-        let at = |p: *const u8, bytes: usize| {
-            // SAFETY: in bounds (see above); unaligned load.
-            #[allow(unsafe_code)]
-            unsafe {
-                _mm512_loadu_si512(p.add(bytes).cast())
-            }
-        };
         let row_q: [*const u8; R] =
             std::array::from_fn(|r| acts.q[(r0 + r) * supers * QK..].as_ptr().cast());
         let row_sums: [*const u8; R] =
             std::array::from_fn(|r| acts.sums[(r0 + r) * supers * subs..].as_ptr().cast());
-        let values: *const u8 = panel.values.as_ptr();
-        let scales: *const u8 = panel.scales.as_ptr().cast();
-        let offsets: *const u8 = panel.offsets.as_ptr().cast();
+        let (values, scales, offsets) = panel.bytes();
         let mut f = [_mm512_setzero_ps(); R];
         for n in 0..supers {
             let mut isc = [_mm512_setzero_si512(); R];
-            for j in 0..subs {
+            for (j, slot) in SUB_BLOCK_SLOT.into_iter().enumerate() {
                 // Where this sub-block's activations start in each row.
-                let first = j * SUB;
-                let x_at = QK * n + QA * SUB_BLOCK_SLOT[first / QA] + first % QA;
+                let x_at = QK * n + QA * slot;
                 let mut iacc = [_mm512_setzero_si512(); R];
-                for t in 0..SUB / 4 {
-                    let w = at(values, n * SUPER_BYTES + 64 * (first / 4 + t));
+                for t in 0..QA / 4 {
+                    let w = at(values, n * SUPER_BYTES + 64 * (QA / 4 * j + t));
                     for r in 0..R {
                         let x = broadcast(row_q[r], x_at + 4 * t);
                         iacc[r] = _mm512_dpbusd_epi32(iacc[r], w, x);
@@ -643,19 +631,94 @@ mod vnni {
             let dm = _mm512_castsi512_ps(load(&panel.dm, n * LANES));
             for r in 0..R {
                 let dx = _mm512_set1_ps(acts.d[(r0 + r) * supers + n]);
-                if SUB == 16 {
-                    // Q6_K: the offsets share the sums' scale, so they are subtracted
-                    // exactly, before the sums (up to 2^28) lose bits to f32.
-                    let exact = _mm512_sub_epi32(isc[r], oacc[r]);
-                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, dx), f[r]);
-                } else {
-                    let (sums, offs) = (_mm512_cvtepi32_ps(isc[r]), _mm512_cvtepi32_ps(oacc[r]));
-                    f[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, dx), f[r]);
-                    f[r] = _mm512_fnmadd_ps(offs, _mm512_mul_ps(dm, dx), f[r]);
-                }
+                let (sums, offs) = (_mm512_cvtepi32_ps(isc[r]), _mm512_cvtepi32_ps(oacc[r]));
+                f[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, dx), f[r]);
+                f[r] = _mm512_fnmadd_ps(offs, _mm512_mul_ps(dm, dx), f[r]);
             }
         }
         f
+    }
+
+    /// The sixteen lanes' Q6_K products with activation rows `r0..r0 + R`, quantized per
+    /// block of [`QA`]: per block, its two sub-blocks' integer sums times their scales, less
+    /// the offsets' products with the block's halves' sums, exactly in i32; then one float
+    /// multiply-add by the weights' scale times the block's.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+    #[inline]
+    fn q6k_kernel<const R: usize>(panel: &Panel, acts: BlockActs<'_>, r0: usize) -> [__m512; R] {
+        let (blocks, per_super) = (acts.blocks, QK / QA);
+        let supers = blocks / per_super;
+        assert!(
+            acts.q.len() >= (r0 + R) * blocks * QA
+                && acts.d.len() >= (r0 + R) * blocks
+                && acts.sums.len() >= 2 * (r0 + R) * blocks
+                && panel.holds(supers, 2 * per_super),
+            "a panel kernel past its operands"
+        );
+        let row_q: [*const u8; R] =
+            std::array::from_fn(|r| acts.q[(r0 + r) * blocks * QA..].as_ptr().cast());
+        let row_sums: [*const u8; R] =
+            std::array::from_fn(|r| acts.sums[2 * (r0 + r) * blocks..].as_ptr().cast());
+        let row_d: [&[f32]; R] = std::array::from_fn(|r| &acts.d[(r0 + r) * blocks..]);
+        let (values, scales, offsets) = panel.bytes();
+        let mut f = [_mm512_setzero_ps(); R];
+        for n in 0..supers {
+            // Σ over the blocks of their exact sums times their activations' scale.
+            let mut g = [_mm512_setzero_ps(); R];
+            for b in 0..per_super {
+                let ab = n * per_super + b;
+                let mut isc = [_mm512_setzero_si512(); R];
+                for j in [2 * b, 2 * b + 1] {
+                    let mut iacc = [_mm512_setzero_si512(); R];
+                    for t in 0..4 {
+                        let w = at(values, n * SUPER_BYTES + 64 * (4 * j + t));
+                        for r in 0..R {
+                            let x = broadcast(row_q[r], QA * ab + 16 * (j % 2) + 4 * t);
+                            iacc[r] = _mm512_dpbusd_epi32(iacc[r], w, x);
+                        }
+                    }
+                    let sc = at(scales, 4 * (n * 2 * per_super + j) * LANES);
+                    for r in 0..R {
+                        isc[r] = _mm512_add_epi32(isc[r], _mm512_mullo_epi32(iacc[r], sc));
+                    }
+                }
+                let o = at(offsets, 2 * ab * 2 * LANES);
+                for r in 0..R {
+                    // The block's two sums of halves, as two i16.
+                    let s = broadcast(row_sums[r], 4 * ab);
+                    let exact = _mm512_dpwssd_epi32(isc[r], o, s);
+                    let dx = _mm512_set1_ps(row_d[r][ab]);
+                    g[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), dx, g[r]);
+                }
+            }
+            let d = _mm512_castsi512_ps(load(&panel.d, n * LANES));
+            for r in 0..R {
+                f[r] = _mm512_fmadd_ps(g[r], d, f[r]);
+            }
+        }
+        f
+    }
+
+    /// Four bytes (two i16) at byte `at` of `p`, broadcast; the caller's assertion keeps the
+    /// read in bounds.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn broadcast(p: *const u8, at: usize) -> __m512i {
+        // SAFETY: in bounds (see above); unaligned read.
+        #[allow(unsafe_code)]
+        let v = unsafe { p.add(at).cast::<i32>().read_unaligned() };
+        _mm512_set1_epi32(v)
+    }
+
+    /// 64 bytes at byte `bytes` of `p`; the caller's assertion keeps the load in bounds.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn at(p: *const u8, bytes: usize) -> __m512i {
+        // SAFETY: in bounds (see above); unaligned load.
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm512_loadu_si512(p.add(bytes).cast())
+        }
     }
 }
 
@@ -680,7 +743,7 @@ mod avx2 {
     pub(super) fn rows(
         format: QuantFormat,
         panel: &Panel,
-        acts: SuperActs<'_>,
+        (acts, blocks): (SuperActs<'_>, BlockActs<'_>),
         m: usize,
         out: OutPtr,
         ld: usize,
@@ -688,14 +751,14 @@ mod avx2 {
     ) {
         crate::cpu::ops::align_frame();
         in_halves(m, out, ld, lanes, |h, r0, left| match (format, left) {
-            (QuantFormat::Q6K, 1) => padded(kernel::<1, 16>(panel, acts, r0, h)),
-            (QuantFormat::Q6K, 2) => padded(kernel::<2, 16>(panel, acts, r0, h)),
-            (QuantFormat::Q6K, 3) => padded(kernel::<3, 16>(panel, acts, r0, h)),
-            (QuantFormat::Q6K, _) => kernel::<ROWS, 16>(panel, acts, r0, h),
-            (_, 1) => padded(kernel::<1, 32>(panel, acts, r0, h)),
-            (_, 2) => padded(kernel::<2, 32>(panel, acts, r0, h)),
-            (_, 3) => padded(kernel::<3, 32>(panel, acts, r0, h)),
-            (_, _) => kernel::<ROWS, 32>(panel, acts, r0, h),
+            (QuantFormat::Q6K, 1) => padded(q6k_kernel::<1>(panel, blocks, r0, h)),
+            (QuantFormat::Q6K, 2) => padded(q6k_kernel::<2>(panel, blocks, r0, h)),
+            (QuantFormat::Q6K, 3) => padded(q6k_kernel::<3>(panel, blocks, r0, h)),
+            (QuantFormat::Q6K, _) => q6k_kernel::<ROWS>(panel, blocks, r0, h),
+            (_, 1) => padded(q4k_kernel::<1>(panel, acts, r0, h)),
+            (_, 2) => padded(q4k_kernel::<2>(panel, acts, r0, h)),
+            (_, 3) => padded(q4k_kernel::<3>(panel, acts, r0, h)),
+            (_, _) => q4k_kernel::<ROWS>(panel, acts, r0, h),
         })
     }
 
@@ -743,77 +806,48 @@ mod avx2 {
         p
     }
 
-    /// Half `h` of the panel's lanes: their products with activation rows `r0..r0 + R`;
-    /// `SUB` values per sub-block.
+    /// Half `h` of the panel's lanes: their Q4_K products with activation rows `r0..r0 +
+    /// R`, quantized per super-block, as the VNNI kernel computes them.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn kernel<const R: usize, const SUB: usize>(
+    fn q4k_kernel<const R: usize>(
         panel: &Panel,
         acts: SuperActs<'_>,
         r0: usize,
         h: usize,
     ) -> [__m256; R] {
-        let (supers, subs) = (acts.supers, QK / SUB);
+        let (supers, subs) = (acts.supers, QK / QA);
         assert!(
             h < 2
                 && acts.q.len() >= (r0 + R) * supers * QK
                 && acts.d.len() >= (r0 + R) * supers
                 && acts.sums.len() >= (r0 + R) * supers * subs
-                && panel.values.len() >= supers * SUPER_BYTES
-                && panel.scales.len() >= supers * subs * LANES
-                && panel.offsets.len() >= supers * subs * LANES
-                && panel.d.len() >= supers * LANES
-                && panel.dm.len() >= supers * LANES,
+                && panel.holds(supers, subs),
             "a panel kernel past its operands"
         );
-        // Four bytes (or two i16) at byte `at` of `p`, broadcast; the reads below are in
-        // bounds by the assertion above.
-        let broadcast = |p: *const u8, at: usize| {
-            // SAFETY: in bounds (see above); unaligned read.
-            #[allow(unsafe_code)]
-            let v = unsafe { p.add(at).cast::<i32>().read_unaligned() };
-            _mm256_set1_epi32(v)
-        };
-        // 32 bytes at byte `at` of `p`, half `h` of the 64 there.
-        let at = |p: *const u8, bytes: usize| {
-            // SAFETY: in bounds (see above); unaligned load.
-            #[allow(unsafe_code)]
-            unsafe {
-                _mm256_loadu_si256(p.add(bytes + 32 * h).cast())
-            }
-        };
         let row_q: [*const u8; R] =
             std::array::from_fn(|r| acts.q[(r0 + r) * supers * QK..].as_ptr().cast());
         let row_sums: [*const u8; R] =
             std::array::from_fn(|r| acts.sums[(r0 + r) * supers * subs..].as_ptr().cast());
-        let values: *const u8 = panel.values.as_ptr();
-        let scales: *const u8 = panel.scales.as_ptr().cast();
-        let offsets: *const u8 = panel.offsets.as_ptr().cast();
-        let low16 = _mm256_set1_epi32(0xffff);
-        // Steps of four values whose pair sums i16 holds: all of a Q4_K sub-block, half of a
-        // Q6_K one.
-        let run = if SUB == 32 { 8 } else { 2 };
+        let (values, scales, offsets) = panel.bytes();
+        let at = |p: *const u8, bytes: usize| at(p, bytes + 32 * h);
         let mut f = [_mm256_setzero_ps(); R];
         for n in 0..supers {
             let mut isc = [_mm256_setzero_si256(); R];
-            for j in 0..subs {
-                let first = j * SUB;
-                let x_at = QK * n + QA * SUB_BLOCK_SLOT[first / QA] + first % QA;
-                let sc = at(scales, 4 * (n * subs + j) * LANES);
-                // The scale in both i16 of each lane.
-                let sc = _mm256_or_si256(_mm256_and_si256(sc, low16), _mm256_slli_epi32::<16>(sc));
-                for t0 in (0..SUB / 4).step_by(run) {
-                    let mut pairs = [_mm256_setzero_si256(); R];
-                    for t in t0..t0 + run {
-                        let w = at(values, n * SUPER_BYTES + 64 * (first / 4 + t));
-                        for r in 0..R {
-                            let x = broadcast(row_q[r], x_at + 4 * t);
-                            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, x));
-                        }
-                    }
+            for (j, slot) in SUB_BLOCK_SLOT.into_iter().enumerate() {
+                let x_at = QK * n + QA * slot;
+                let sc = i16_pairs(at(scales, 4 * (n * subs + j) * LANES));
+                // Q4_K values are below 16: eight steps' pairs stay under 2^15.
+                let mut pairs = [_mm256_setzero_si256(); R];
+                for t in 0..QA / 4 {
+                    let w = at(values, n * SUPER_BYTES + 64 * (QA / 4 * j + t));
                     for r in 0..R {
-                        isc[r] = _mm256_add_epi32(isc[r], _mm256_madd_epi16(pairs[r], sc));
+                        let x = broadcast(row_q[r], x_at + 4 * t);
+                        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, x));
                     }
+                }
+                for r in 0..R {
+                    isc[r] = _mm256_add_epi32(isc[r], _mm256_madd_epi16(pairs[r], sc));
                 }
             }
             let mut oacc = [_mm256_setzero_si256(); R];
@@ -824,29 +858,125 @@ mod avx2 {
                     oacc[r] = _mm256_add_epi32(oacc[r], _mm256_madd_epi16(o, s));
                 }
             }
-            let half_of = |v: &[f32]| {
-                // SAFETY: eight f32 in bounds (see above).
-                #[allow(unsafe_code)]
-                unsafe {
-                    _mm256_loadu_ps(v[n * LANES + h * HALF..][..HALF].as_ptr())
-                }
-            };
-            let (d, dm) = (half_of(&panel.d), half_of(&panel.dm));
+            let (d, dm) = (half_of(&panel.d, n, h), half_of(&panel.dm, n, h));
             for r in 0..R {
                 let dx = _mm256_set1_ps(acts.d[(r0 + r) * supers + n]);
-                if SUB == 16 {
-                    // Q6_K: the offsets share the sums' scale, so they are subtracted
-                    // exactly, before the sums lose bits to f32.
-                    let exact = _mm256_sub_epi32(isc[r], oacc[r]);
-                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, dx), f[r]);
-                } else {
-                    let (sums, offs) = (_mm256_cvtepi32_ps(isc[r]), _mm256_cvtepi32_ps(oacc[r]));
-                    f[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), f[r]);
-                    f[r] = _mm256_fnmadd_ps(offs, _mm256_mul_ps(dm, dx), f[r]);
-                }
+                let (sums, offs) = (_mm256_cvtepi32_ps(isc[r]), _mm256_cvtepi32_ps(oacc[r]));
+                f[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), f[r]);
+                f[r] = _mm256_fnmadd_ps(offs, _mm256_mul_ps(dm, dx), f[r]);
             }
         }
         f
+    }
+
+    /// Half `h` of the panel's lanes: their Q6_K products with activation rows `r0..r0 +
+    /// R`, quantized per block of [`QA`], as the VNNI kernel computes them.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn q6k_kernel<const R: usize>(
+        panel: &Panel,
+        acts: BlockActs<'_>,
+        r0: usize,
+        h: usize,
+    ) -> [__m256; R] {
+        let (blocks, per_super) = (acts.blocks, QK / QA);
+        let supers = blocks / per_super;
+        assert!(
+            h < 2
+                && acts.q.len() >= (r0 + R) * blocks * QA
+                && acts.d.len() >= (r0 + R) * blocks
+                && acts.sums.len() >= 2 * (r0 + R) * blocks
+                && panel.holds(supers, 2 * per_super),
+            "a panel kernel past its operands"
+        );
+        let row_q: [*const u8; R] =
+            std::array::from_fn(|r| acts.q[(r0 + r) * blocks * QA..].as_ptr().cast());
+        let row_sums: [*const u8; R] =
+            std::array::from_fn(|r| acts.sums[2 * (r0 + r) * blocks..].as_ptr().cast());
+        let row_d: [&[f32]; R] = std::array::from_fn(|r| &acts.d[(r0 + r) * blocks..]);
+        let (values, scales, offsets) = panel.bytes();
+        let at = |p: *const u8, bytes: usize| at(p, bytes + 32 * h);
+        let mut f = [_mm256_setzero_ps(); R];
+        for n in 0..supers {
+            // Σ over the blocks of their exact sums times their activations' scale.
+            let mut g = [_mm256_setzero_ps(); R];
+            for b in 0..per_super {
+                let ab = n * per_super + b;
+                let mut isc = [_mm256_setzero_si256(); R];
+                for j in [2 * b, 2 * b + 1] {
+                    let sc = i16_pairs(at(scales, 4 * (n * 2 * per_super + j) * LANES));
+                    // Q6_K values are below 64: two steps' pairs stay under 2^15.
+                    for t0 in [0, 2] {
+                        let mut pairs = [_mm256_setzero_si256(); R];
+                        for t in t0..t0 + 2 {
+                            let w = at(values, n * SUPER_BYTES + 64 * (4 * j + t));
+                            for r in 0..R {
+                                let x = broadcast(row_q[r], QA * ab + 16 * (j % 2) + 4 * t);
+                                pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, x));
+                            }
+                        }
+                        for r in 0..R {
+                            isc[r] = _mm256_add_epi32(isc[r], _mm256_madd_epi16(pairs[r], sc));
+                        }
+                    }
+                }
+                let o = at(offsets, 2 * ab * 2 * LANES);
+                for r in 0..R {
+                    // The block's two sums of halves, as two i16.
+                    let s = broadcast(row_sums[r], 4 * ab);
+                    let exact = _mm256_add_epi32(isc[r], _mm256_madd_epi16(o, s));
+                    let dx = _mm256_set1_ps(row_d[r][ab]);
+                    g[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), dx, g[r]);
+                }
+            }
+            let d = half_of(&panel.d, n, h);
+            for r in 0..R {
+                f[r] = _mm256_fmadd_ps(g[r], d, f[r]);
+            }
+        }
+        f
+    }
+
+    /// Lanes of i32 scales as i16 pairs, the scale in both halves, for `vpmaddwd`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn i16_pairs(sc: __m256i) -> __m256i {
+        let low16 = _mm256_set1_epi32(0xffff);
+        _mm256_or_si256(_mm256_and_si256(sc, low16), _mm256_slli_epi32::<16>(sc))
+    }
+
+    /// Half `h` of super-block `n`'s sixteen lanes of `v`.
+    #[target_feature(enable = "avx")]
+    #[inline]
+    fn half_of(v: &[f32], n: usize, h: usize) -> __m256 {
+        let v = &v[n * LANES + h * HALF..][..HALF];
+        // SAFETY: eight f32 in bounds (the slice above); unaligned load.
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm256_loadu_ps(v.as_ptr())
+        }
+    }
+
+    /// Four bytes (two i16) at byte `at` of `p`, broadcast; the caller's assertion keeps the
+    /// read in bounds.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn broadcast(p: *const u8, at: usize) -> __m256i {
+        // SAFETY: in bounds (see above); unaligned read.
+        #[allow(unsafe_code)]
+        let v = unsafe { p.add(at).cast::<i32>().read_unaligned() };
+        _mm256_set1_epi32(v)
+    }
+
+    /// 32 bytes at byte `bytes` of `p`; the caller's assertion keeps the load in bounds.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn at(p: *const u8, bytes: usize) -> __m256i {
+        // SAFETY: in bounds (see above); unaligned load.
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm256_loadu_si256(p.add(bytes).cast())
+        }
     }
 
     /// Super-block `n` of each of the `rows` rows of `format` in `w` (`supers` super-blocks
@@ -884,7 +1014,7 @@ mod avx2 {
                 for j in 0..16 {
                     let scale = i32::from(b[192 + j] as i8);
                     out.scales[j * LANES + c] = scale;
-                    out.offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = (32 * scale) as i16;
+                    out.offsets[(j / 2) * 2 * LANES + 2 * c + j % 2] = (-32 * scale) as i16;
                 }
                 (out.d[c], out.dm[c]) = (half_at(b, 208), half_at(b, 208));
             }
@@ -1055,7 +1185,7 @@ mod avx2 {
                 }
                 for (r, isum) in isum.iter_mut().enumerate() {
                     let at = 2 * ((r0 + r) * blocks + b);
-                    let sum = acts.sums[at] + acts.sums[at + 1];
+                    let sum = i32::from(acts.sums[at]) + i32::from(acts.sums[at + 1]);
                     *isum = _mm256_sub_epi32(*isum, _mm256_set1_epi32(offset * sum));
                 }
             }

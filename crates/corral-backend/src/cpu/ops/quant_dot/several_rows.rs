@@ -9,9 +9,9 @@ use std::arch::x86_64::*;
 use crate::cpu::ops::align_frame;
 
 use super::{
-    ActRow, ActRows, PREFETCH_AHEAD, Q6K_SCALE_SPREAD, QA, QK, QuantFormat, SCALE_SPREAD,
-    SUB_BLOCK_SLOT, half_at, hsums, k_scales_mins, load8i16, load16, load16i16, load32, min_sums,
-    prefetch, q6k_half, weight_blocks,
+    ActRow, ActRows, PREFETCH_AHEAD, QA, QK, QuantFormat, SCALE_SPREAD, SUB_BLOCK_SLOT, half_at,
+    half_sums16, hsums, k_scales_mins, load8f, load8i16, load16, load32, min_sums, prefetch,
+    q6k_half, q6k_sub_block_sums, weight_blocks,
 };
 
 /// Weight rows a call. One thread, 256 Q4_K rows of 512 values in cache, four activation
@@ -135,19 +135,15 @@ fn put<const W: usize, const A: usize>(
     }
 }
 
-/// The super-blocks of `format` in each of the rows `w`, whose products read each of `a`
-/// per super-block.
+/// The super-blocks of Q4_K in each of the rows `w`, whose products read each of `a` per
+/// super-block.
 #[inline(always)]
-fn super_blocks<const W: usize, const A: usize>(
-    format: QuantFormat,
-    w: &[&[u8]; W],
-    a: &[ActRow<'_>; A],
-) -> usize {
-    let blocks = weight_blocks(w, format.block().1);
+fn super_blocks<const W: usize, const A: usize>(w: &[&[u8]; W], a: &[ActRow<'_>; A]) -> usize {
+    let blocks = weight_blocks(w, QuantFormat::Q4K.block().1);
     for at in a {
         assert!(
             at.holds_super_blocks(blocks),
-            "{format:?} products need activations per super-block"
+            "Q4_K products need activations per super-block"
         );
     }
     blocks
@@ -161,7 +157,7 @@ fn super_blocks<const W: usize, const A: usize>(
 fn q4k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f32; A]; W] {
     align_frame();
     let bytes = QuantFormat::Q4K.block().1;
-    let blocks = super_blocks(QuantFormat::Q4K, &w, &a);
+    let blocks = super_blocks(&w, &a);
     let m4 = _mm256_set1_epi8(15);
     let mut acc = [[_mm256_setzero_ps(); A]; W];
     let mut macc = [[_mm_setzero_ps(); A]; W];
@@ -209,47 +205,49 @@ fn q4k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f
     out
 }
 
-/// The products of `W` Q6_K weight rows with `A` activation rows quantized per super-block:
-/// per sixteen values, the weights' 6-bit values and scale are unpacked once, then multiplied
+/// The products of `W` Q6_K weight rows with `A` activation rows quantized per block of 32:
+/// per super-block, the weights' 6-bit values and scales are unpacked once, then multiplied
 /// with each activation row as [`super::avx2`]'s Q6_K kernel does.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q6k<const W: usize, const A: usize>(w: [&[u8]; W], a: [ActRow<'_>; A]) -> [[f32; A]; W] {
     align_frame();
-    let bytes = QuantFormat::Q6K.block().1;
-    let blocks = super_blocks(QuantFormat::Q6K, &w, &a);
+    let (block, bytes) = QuantFormat::Q6K.block();
+    let blocks = weight_blocks(&w, bytes);
+    for at in &a {
+        assert!(
+            at.q.len() >= blocks * block && at.d.len() >= blocks * block / QA,
+            "Q6_K products need activations per block of {QA}"
+        );
+    }
     let mut acc = [[_mm256_setzero_ps(); A]; W];
     for n in 0..blocks {
+        let ab = n * block / QA;
         let mut xs: [&[u8]; A] = [&[]; A];
+        let mut halves = [_mm256_setzero_si256(); A];
         for t in 0..A {
-            xs[t] = bytemuck::cast_slice(&a[t].sq[QK * n..QK * (n + 1)]);
+            xs[t] = bytemuck::cast_slice(&a[t].q[QA * ab..QA * (ab + 8)]);
+            halves[t] = half_sums16(&a[t].sums[2 * ab..]);
         }
         for i in 0..W {
             let blk = &w[i][bytes * n..bytes * (n + 1)];
-            let scales8 = load16(&blk[192..208]);
-            let scales16 = _mm256_cvtepi8_epi16(scales8);
-            let scales = _mm256_broadcastsi128_si256(scales8);
-            let mut iacc = [_mm256_setzero_si256(); A];
+            let scales = load16(&blk[192..208]);
+            let scales16 = _mm256_cvtepi8_epi16(scales);
+            let [u0, u1] = [0, 1].map(|h| q6k_half(blk, h));
+            let u: [__m256i; 8] = std::array::from_fn(|j| if j < 4 { u0[j] } else { u1[j - 4] });
+            let (d, ones) = (_mm256_set1_ps(half_at(blk, 208)), _mm256_set1_epi16(1));
             for t in 0..A {
-                let offsets = _mm256_madd_epi16(scales16, load16i16(&a[t].sh[16 * n..]));
-                iacc[t] = _mm256_sub_epi32(iacc[t], _mm256_slli_epi32::<5>(offsets));
-            }
-            for h in 0..2 {
-                for (g, u) in q6k_half(blk, h).into_iter().enumerate() {
-                    let j = 4 * h + g;
-                    let spread = load32(&Q6K_SCALE_SPREAD[j]);
-                    let scale = _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(scales, spread));
-                    for t in 0..A {
-                        let x = load32(&xs[t][QA * SUB_BLOCK_SLOT[j]..]);
-                        let pairs = _mm256_maddubs_epi16(u, x);
-                        iacc[t] = _mm256_add_epi32(iacc[t], _mm256_madd_epi16(pairs, scale));
-                    }
-                }
-            }
-            let d = half_at(blk, 208);
-            for t in 0..A {
-                let scale = _mm256_set1_ps(d * a[t].sd[n]);
-                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), scale, acc[i][t]);
+                let p: [__m256i; 8] = std::array::from_fn(|j| {
+                    let pairs = _mm256_maddubs_epi16(u[j], load32(&xs[t][QA * j..]));
+                    _mm256_madd_epi16(pairs, ones)
+                });
+                let offsets = _mm256_madd_epi16(scales16, halves[t]);
+                let exact = _mm256_sub_epi32(
+                    q6k_sub_block_sums(p, scales),
+                    _mm256_slli_epi32::<5>(offsets),
+                );
+                let scale = _mm256_mul_ps(load8f(&a[t].d[ab..]), d);
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[i][t]);
             }
         }
     }
