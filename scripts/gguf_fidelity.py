@@ -131,7 +131,8 @@ def errors(ours, reference):
 
 
 HYBRIDS = ROOT / "tests/fixtures/gguf/hybrid"
-HYBRID_FORMATS = ["bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m"]
+# mtp.q4_k_m: the Q4_K_M file with an MTP head, whose trunk llama-quantize types differently.
+HYBRID_FORMATS = ["bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "mtp.q4_k_m"]
 
 
 def hybrid_table(work, tool, corral):

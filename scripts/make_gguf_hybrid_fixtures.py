@@ -16,6 +16,13 @@ their checkpoint places through that map (less the 1 + w and -exp value changes)
 reference is that checkpoint's logits and greedy continuation:
 ARCH.FORMAT.reference.safetensors (`logits` [T, vocab], `token_ids`).
 
+With an MTP head (the "-MTP-GGUF" conversions): the same checkpoint plus an `mtp.*` head (one
+layer, the full attention layer's shapes, random values) is converted with the head and
+quantized to Q4_K_M, ARCH.mtp.q4_k_m.gguf; its reference holds the trunk's logits as above and
+the head's tensors as the file holds them (decoded, mapped back the same way): every
+HEAD_STEP(n)-th value of each, flattened, under its checkpoint name, its shape under
+`shape:NAME`.
+
 Usage: python make_gguf_hybrid_fixtures.py LLAMA_SRC LLAMA_BIN  (in the fixture venv, plus gguf;
 scripts/gguf_fidelity.sh builds llama.cpp).
 """
@@ -76,7 +83,17 @@ SPECS = {
 # GGUF tensors the converter stores as 1 + w (zero-centred norms); A_log is stored as
 # -exp(A_log).
 PLUS_ONE = ("attn_norm.weight", "post_attention_norm.weight", "output_norm.weight",
-            "attn_q_norm.weight", "attn_k_norm.weight")
+            "attn_q_norm.weight", "attn_k_norm.weight", "nextn.enorm.weight",
+            "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
+# The MTP head's file: one quantization, whose k-quant blocks cover its tensors too.
+MTP_QUANT = "Q4_K_M"
+# The layer the MTP head's layer copies its shapes from (full attention).
+FULL_ATTENTION_LAYER = 1
+
+
+def head_step(n):
+    """The stride of the values of an n-value head tensor the reference keeps (about 256)."""
+    return max(1, n // 256)
 
 
 def tokenizer():
@@ -155,6 +172,7 @@ def source_map(index_gguf, names, shapes):
 
 
 def reference(hf, where, file, out, ids):
+    """The trunk's logits on the weights `file` holds; with an MTP head, its tensors too."""
     values = gguf_tensors(file)
     shapes = load_file(hf / "model.safetensors")
     state = {}
@@ -164,14 +182,42 @@ def reference(hf, where, file, out, ids):
             mask = gnames == g
             flat[mask] = untransform(g, values[g][elements[mask]])
         state[name] = torch.from_numpy(flat.astype(np.float32)).reshape(shapes[name].shape)
+    head = {n: t for n, t in state.items() if n.startswith("mtp.")}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         shutil.copy(hf / "config.json", tmp / "config.json")
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        trunk = {n: t for n, t in state.items() if n not in head}
+        save_file(trunk, tmp / "model.safetensors", metadata={"format": "pt"})
         model = make_fixtures.load_reference_model(tmp)
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].float()
-    save_file({"logits": logits.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.int64)}, out)
+    kept = {}
+    for name, t in head.items():
+        kept[name] = t.reshape(-1)[::head_step(t.numel())].contiguous()
+        kept[f"shape:{name}"] = torch.tensor(list(t.shape), dtype=torch.int64)
+    save_file({"logits": logits.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.int64),
+               **kept}, out)
+
+
+def with_mtp_head(hf, path, seed):
+    """`hf` plus an MTP head as Qwen3.5's checkpoints carry it: `mtp.fc` [H, 2H], three
+    zero-centred norms and one decoder layer (the full attention layer's tensors, perturbed)."""
+    shutil.copytree(hf, path)
+    tensors = load_file(hf / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    noise = lambda t: t + 0.02 * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    prefix = f"model.layers.{FULL_ATTENTION_LAYER}."
+    hidden = tensors["model.norm.weight"].numel()
+    head = {f"mtp.layers.0.{n[len(prefix):]}": noise(t) for n, t in tensors.items()
+            if n.startswith(prefix)}
+    head["mtp.fc.weight"] = 0.02 * torch.randn(hidden, 2 * hidden, generator=gen)
+    for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"]:
+        head[f"mtp.{norm}.weight"] = 0.1 * torch.randn(hidden, generator=gen)
+    save_file({**tensors, **head}, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 def main():
@@ -207,6 +253,14 @@ def main():
                 shutil.copy(path, OUT / f"{stem}.gguf")
                 reference(hf, where, path, OUT / f"{stem}.reference.safetensors", ids)
                 print(f"{stem}: {path.stat().st_size} bytes", flush=True)
+            mtp = with_mtp_head(hf, work / "hf-mtp", seed)
+            names, tensors = index_copy(mtp, work / "index-mtp")
+            where = source_map(convert(src, work / "index-mtp", work, "F32"), names, tensors)
+            path = quantize(bin_dir, convert(src, mtp, work, "F32"), work, MTP_QUANT)
+            stem = f"{arch}.mtp.{MTP_QUANT.lower()}"
+            shutil.copy(path, OUT / f"{stem}.gguf")
+            reference(mtp, where, path, OUT / f"{stem}.reference.safetensors", ids)
+            print(f"{stem}: {path.stat().st_size} bytes", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ use common::{
 };
 use corral_backend::CpuBackend;
 use corral_model::Model;
+use corral_model::checkpoint::GgufCheckpoint;
 
 /// Each file, each format, in one prefill and a token at a time: the median position's error
 /// against its reference at most llama.cpp's own CPU build's on the same file
@@ -50,4 +51,61 @@ fn hybrid_gguf_files_match_their_references_as_closely_as_llama_cpp() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Files converted with their MTP head (the "-MTP-GGUF" conversions; Q4_K_M here): the trunk
+/// runs as above, and every head tensor reads under its checkpoint name (`mtp.*`) as the file
+/// holds it: the reference's values (every `step`-th, decoded by the `gguf` package and
+/// mapped back through the converter's renames and value changes), to f32 rounding.
+#[test]
+fn mtp_heads_read_under_their_checkpoint_names() {
+    let dir = fixture_dir("gguf/hybrid");
+    for arch in ["qwen35", "qwen35moe", "qwen3next"] {
+        let path = dir.join(format!("{arch}.mtp.q4_k_m.gguf"));
+        let gguf = GgufCheckpoint::open(&path).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(gguf.mtp_layers(), 1, "{arch}");
+        assert_eq!(gguf.config().expect("config").num_layers, 2, "{arch}");
+        let bytes = std::fs::read(dir.join(format!("{arch}.mtp.q4_k_m.reference.safetensors")))
+            .expect("reference");
+        let reference = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
+        let mut heads = Vec::new();
+        for (name, view) in reference.tensors() {
+            if !name.starts_with("mtp.") {
+                continue;
+            }
+            let shape: Vec<usize> = reference
+                .tensor(&format!("shape:{name}"))
+                .expect("shape")
+                .data()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as usize)
+                .collect();
+            let got = gguf
+                .read_tensor_f32(&name, &shape)
+                .unwrap_or_else(|e| panic!("{arch} {name}: {e}"));
+            let step = (got.len() / 256).max(1);
+            let want = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+            let mut compared = 0;
+            for (i, w) in want.enumerate() {
+                let g = got[i * step];
+                assert!(
+                    (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                    "{arch} {name}[{}]: {g} read, {w} in the file",
+                    i * step
+                );
+                compared += 1;
+            }
+            assert_eq!(compared, got.len().div_ceil(step), "{arch} {name}");
+            heads.push(name);
+        }
+        // The head's own four tensors and its layer's (11 for the dense layer, more with
+        // experts).
+        assert!(
+            heads.len() >= 15 && heads.iter().any(|n| n == "mtp.fc.weight"),
+            "{arch}: {heads:?}"
+        );
+    }
 }

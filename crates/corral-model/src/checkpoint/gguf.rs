@@ -151,14 +151,29 @@ impl GgufCheckpoint {
     }
 
     /// The bytes its weights take once loaded: plain tensors as stored, block-quantized ones
-    /// as stored where `kept` says the backend reads their format, else decoded to f32.
+    /// as stored where `kept` says the backend reads their format, else decoded to f32. An MTP
+    /// head's tensors are not loaded (the model runs the trunk) and not counted.
     pub fn loaded_bytes(&self, kept: &dyn Fn(QuantFormat) -> bool) -> usize {
+        let mtp = |name: &str| self.hybrid.as_ref().is_some_and(|h| h.holds_mtp(name));
         self.tensors()
+            .filter(|t| !mtp(&t.name))
             .map(|t| match t.ggml_type.quant_format() {
                 Some(format) if !kept(format) => t.numel() as usize * 4,
                 _ => t.byte_len,
             })
             .sum()
+    }
+
+    /// The MTP head's layers the file carries (`nextn_predict_layers`; 0 without a head).
+    /// Its tensors read under the checkpoints' `mtp.*` names; the model runs the trunk.
+    pub fn mtp_layers(&self) -> usize {
+        self.hybrid.as_ref().map_or(0, |h| h.mtp_layers)
+    }
+
+    /// Checkpoint tensor `name` (Hugging Face's name, `mtp.*` for an MTP head's) of `shape`,
+    /// as f32: decoded, the converter's permutations and value changes undone.
+    pub fn read_tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        self.read_f32(name, shape)
     }
 
     /// The (first) file's header: the model's metadata.
@@ -237,6 +252,9 @@ impl GgufCheckpoint {
             ))
         })?;
         c.insert("num_hidden_layers".into(), json!(layers));
+        if mtp > 0 {
+            c.insert("mtp_num_hidden_layers".into(), json!(mtp));
+        }
         c.insert(
             "num_attention_heads".into(),
             json!(required("attention.head_count")?),
@@ -391,6 +409,8 @@ impl GgufCheckpoint {
 
     /// The GGUF tensor (and expert) holding Hugging Face tensor `name`.
     fn locate(&self, name: &str) -> Option<Located<'_>> {
+        let trunk = self.hybrid.as_ref().and_then(|h| h.mtp_layer_name(name));
+        let name = trunk.as_deref().unwrap_or(name);
         let (gguf, expert, changed) = match self.hybrid.as_ref().and_then(|h| h.map(name)) {
             Some(mapped) => (
                 mapped.gguf.clone(),
@@ -413,6 +433,8 @@ impl GgufCheckpoint {
 
     /// The GGUF name of Hugging Face tensor `name`, for messages.
     fn file_name_of(&self, name: &str) -> String {
+        let trunk = self.hybrid.as_ref().and_then(|h| h.mtp_layer_name(name));
+        let name = trunk.as_deref().unwrap_or(name);
         match self.hybrid.as_ref().and_then(|h| h.map(name)) {
             Some(mapped) => mapped.gguf,
             None => gguf_name(name).map_or("none".into(), |n| n.0),

@@ -6,6 +6,10 @@
 //! them, and Qwen3-Next's `in_proj_qkvz` split into the Qwen3.5 layout (`attn_qkv`,
 //! `attn_gate`) with `in_proj_ba` kept. Each name maps to a file tensor, the rows or columns
 //! to take from it, and the value change to undo.
+//!
+//! Files converted with their MTP head (the "-MTP-GGUF" conversions) carry its layers after the
+//! trunk's (`blk.{L + i}`, `nextn_predict_layers` of them) with its own tensors under
+//! `blk.{L}.nextn.*`; they read under the checkpoints' `mtp.*` names.
 
 use crate::checkpoint::gguf_file::{GgufHeader, GgufValue};
 
@@ -30,6 +34,10 @@ pub(crate) struct HybridLayout {
     pub(crate) dk: usize,
     /// Value head size.
     pub(crate) dv: usize,
+    /// The trunk's layers: the MTP head's follow them in the file.
+    pub(crate) layers: usize,
+    /// The MTP head's layers (`nextn_predict_layers`; none where the file has no head).
+    pub(crate) mtp_layers: usize,
 }
 
 /// The change to a tensor's values the converter made, undone when read.
@@ -124,6 +132,10 @@ impl HybridLayout {
                 .map(|v| v as usize)
                 .ok_or(format!("no positive integer `{name}`"))
         };
+        let mtp_layers = header
+            .get(&format!("{arch}.nextn_predict_layers"))
+            .and_then(GgufValue::as_u64)
+            .map_or(0, |v| v as usize);
         Some((|| {
             let nk = key("ssm.group_count")?;
             let nv = key("ssm.time_step_rank")?;
@@ -133,12 +145,21 @@ impl HybridLayout {
                     "`{arch}.ssm.time_step_rank` {nv} is no multiple of `ssm.group_count` {nk}, or `ssm.inner_size` {inner} of it"
                 ));
             }
+            let blocks = key("block_count")?;
+            let layers = blocks
+                .checked_sub(mtp_layers)
+                .filter(|&n| n > 0)
+                .ok_or(format!(
+                    "`{arch}.block_count` {blocks} leaves no layer beside {mtp_layers} MTP layers"
+                ))?;
             Ok(Self {
                 arch: kind,
                 nk,
                 nv,
                 dk: key("ssm.state_size")?,
                 dv: inner / nv,
+                layers,
+                mtp_layers,
             })
         })())
     }
@@ -169,13 +190,43 @@ impl HybridLayout {
         rows
     }
 
-    /// Where Hugging Face tensor `name` (text-only layout, `model.` prefix) is in the file.
+    /// The name in the trunk's layout of an MTP layer's tensor `mtp.layers.{i}.*`: the
+    /// converter writes MTP layer `i` as layer `L + i` after the trunk's `L`.
+    pub(crate) fn mtp_layer_name(&self, name: &str) -> Option<String> {
+        let (i, rest) = name.strip_prefix("mtp.layers.")?.split_once('.')?;
+        let i: usize = i.parse().ok().filter(|&i| i < self.mtp_layers)?;
+        Some(format!("model.layers.{}.{rest}", self.layers + i))
+    }
+
+    /// Whether file tensor `name` is the MTP head's (a block past the trunk's).
+    pub(crate) fn holds_mtp(&self, name: &str) -> bool {
+        let block = name.strip_prefix("blk.").and_then(|r| r.split_once('.'));
+        block
+            .and_then(|(n, _)| n.parse::<usize>().ok())
+            .is_some_and(|n| n >= self.layers)
+    }
+
+    /// Where Hugging Face tensor `name` (text-only layout, `model.` prefix; `mtp.` for the
+    /// MTP head's own tensors) is in the file.
     pub(crate) fn map(&self, name: &str) -> Option<Mapped> {
+        let nextn = |s: &str| format!("blk.{}.nextn.{s}", self.layers);
         match name {
             "model.embed_tokens.weight" => return Some(Mapped::plain("token_embd.weight".into())),
             "model.norm.weight" => return Some(Mapped::plus_one("output_norm.weight".into())),
             "lm_head.weight" => return Some(Mapped::plain("output.weight".into())),
+            _ if self.mtp_layers == 0 => {}
+            "mtp.fc.weight" => return Some(Mapped::plain(nextn("eh_proj.weight"))),
+            "mtp.pre_fc_norm_embedding.weight" => {
+                return Some(Mapped::plus_one(nextn("enorm.weight")));
+            }
+            "mtp.pre_fc_norm_hidden.weight" => {
+                return Some(Mapped::plus_one(nextn("hnorm.weight")));
+            }
+            "mtp.norm.weight" => return Some(Mapped::plus_one(nextn("shared_head_norm.weight"))),
             _ => {}
+        }
+        if let Some(trunk) = self.mtp_layer_name(name) {
+            return self.map(&trunk);
         }
         let rest = name.strip_prefix("model.layers.")?;
         let (layer, rest) = rest.split_once('.')?;
@@ -247,7 +298,50 @@ mod tests {
             nv: 6,
             dk: 1,
             dv: 2,
+            layers: 4,
+            mtp_layers: 1,
         }
+    }
+
+    /// The MTP head's tensors: its own under `blk.{L}.nextn`, its layer as layer L; none
+    /// past its layers, and none in a file without a head.
+    #[test]
+    fn mtp_tensors_map_to_the_layers_after_the_trunk() {
+        let l = layout(HybridArch::Qwen35);
+        let fc = l.map("mtp.fc.weight").unwrap();
+        assert_eq!(
+            (fc.gguf.as_str(), fc.values),
+            ("blk.4.nextn.eh_proj.weight", ValueChange::None)
+        );
+        let norm = l.map("mtp.pre_fc_norm_hidden.weight").unwrap();
+        assert_eq!(
+            (norm.gguf.as_str(), norm.values),
+            ("blk.4.nextn.hnorm.weight", ValueChange::PlusOne)
+        );
+        let q = l.map("mtp.layers.0.self_attn.q_norm.weight").unwrap();
+        assert_eq!(
+            (q.gguf.as_str(), q.values),
+            ("blk.4.attn_q_norm.weight", ValueChange::PlusOne)
+        );
+        assert_eq!(
+            l.mtp_layer_name("mtp.layers.0.mlp.experts.3.up_proj.weight")
+                .as_deref(),
+            Some("model.layers.4.mlp.experts.3.up_proj.weight")
+        );
+        assert_eq!(
+            l.mtp_layer_name("mtp.layers.1.input_layernorm.weight"),
+            None
+        );
+        assert!(l.map("mtp.layers.1.self_attn.q_proj.weight").is_none());
+        assert!(l.holds_mtp("blk.4.nextn.eh_proj.weight") && l.holds_mtp("blk.4.attn_q.weight"));
+        assert!(!l.holds_mtp("blk.3.attn_q.weight") && !l.holds_mtp("output.weight"));
+        let without = HybridLayout { mtp_layers: 0, ..l };
+        assert!(without.map("mtp.fc.weight").is_none());
+        assert!(
+            without
+                .map("mtp.layers.0.self_attn.q_proj.weight")
+                .is_none()
+        );
     }
 
     /// Qwen3.5's tiled value heads: HF head g·r + j is file head j·K + g (K = 2, r = 3), so
