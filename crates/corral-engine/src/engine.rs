@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use corral_model::{Model, PagedKvCache, RecurrentStateCache, SlotId};
 
 use crate::metrics::EngineMetrics;
-use crate::request::{EngineRequest, Event};
+use crate::request::{EngineRequest, Event, RequestHandle};
 use crate::scheduler::{Scheduler, SchedulerConfig, SessionStore, StepPlan};
 use crate::{EngineError, KvBlockPool};
 
@@ -53,7 +53,7 @@ pub struct EngineConfig {
 }
 
 enum Command {
-    Submit(Box<EngineRequest>),
+    Submit(Box<EngineRequest>, RequestHandle),
     Shutdown,
 }
 
@@ -78,8 +78,8 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queues a request, unless the queue is full (checked and counted in one atomic step,
-    /// so that submissions at once never overfill it).
-    pub fn submit(&self, request: EngineRequest) -> Result<(), SubmitError> {
+    /// so that submissions at once never overfill it). The handle ends it as a stop.
+    pub fn submit(&self, request: EngineRequest) -> Result<RequestHandle, SubmitError> {
         let max = self.config.max_queue as u64;
         self.metrics
             .queue_depth
@@ -87,12 +87,14 @@ impl EngineHandle {
                 (w < max).then_some(w + 1)
             })
             .map_err(|w| SubmitError::QueueFull(w as usize))?;
+        let handle = RequestHandle::default();
         self.commands
-            .send(Command::Submit(Box::new(request)))
+            .send(Command::Submit(Box::new(request), handle.clone()))
             .map_err(|_| {
                 leave_queue(&self.metrics, 1);
                 SubmitError::Stopped
-            })
+            })?;
+        Ok(handle)
     }
 
     /// Asks the engine thread to stop after its current step; live requests end with
@@ -232,8 +234,8 @@ fn run(
     let mut sampling = corral_model::SampledStep::default();
     // Queues a submitted request; false on shutdown.
     let receive = |scheduler: &mut Scheduler, command: Command| match command {
-        Command::Submit(request) => {
-            scheduler.add(*request);
+        Command::Submit(request, handle) => {
+            scheduler.add_handled(*request, handle);
             true
         }
         Command::Shutdown => false,
@@ -275,10 +277,17 @@ fn run(
                 Err(TryRecvError::Disconnected) => return,
             }
         }
-        let gone = scheduler.drop_cancelled();
+        let departed = scheduler.retire_departed();
         metrics
             .finished_abort
-            .fetch_add(gone as u64, Ordering::Relaxed);
+            .fetch_add(departed.aborted as u64, Ordering::Relaxed);
+        settle(
+            departed,
+            &mut scheduler,
+            &mut state,
+            model.backend().as_ref(),
+            metrics,
+        );
         let plan = match &mut spill {
             Some(dir) => scheduler.step_with(Some(&mut DiskSessions {
                 backend: model.backend().as_ref(),
@@ -339,58 +348,71 @@ fn run(
                     } else {
                         scheduler.finish_step(plan, &mut logits, vocab, report.stats)
                     };
-                    for &(src, dst) in &counts.checkpoint_copies {
-                        match state.copy_slot(backend, src, dst) {
-                            Ok(()) => {
-                                metrics
-                                    .state_checkpoints_taken
-                                    .fetch_add(1, Ordering::Relaxed);
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "a state checkpoint could not be copied");
-                                scheduler.forget_checkpoint(dst);
-                            }
-                        }
-                    }
-                    metrics
-                        .prompt_tokens
-                        .fetch_add(counts.prefill_tokens as u64, Ordering::Relaxed);
-                    metrics
-                        .generated_tokens
-                        .fetch_add(counts.generated_tokens as u64, Ordering::Relaxed);
-                    counts.ttft.iter().for_each(|s| metrics.ttft.observe(*s));
-                    counts
-                        .inter_token
-                        .iter()
-                        .for_each(|s| metrics.inter_token.observe(*s));
-                    update_gauges(&scheduler, metrics);
-                    for (events, finished) in counts.finished {
-                        metrics
-                            .e2e
-                            .observe((finished.prompt_ms + finished.decode_ms) / 1e3);
-                        let by_reason = match finished.reason {
-                            crate::FinishReason::Stop => &metrics.finished_stop,
-                            crate::FinishReason::Length => &metrics.finished_length,
-                            crate::FinishReason::Cancelled => &metrics.finished_abort,
-                        };
-                        by_reason.fetch_add(1, Ordering::Relaxed);
-                        metrics
-                            .finished_prompt_tokens
-                            .fetch_add(finished.prompt_tokens as u64, Ordering::Relaxed);
-                        if finished.cached_tokens > 0 {
-                            metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
-                            metrics
-                                .cached_prompt_tokens
-                                .fetch_add(finished.cached_tokens as u64, Ordering::Relaxed);
-                        }
-                        let _ = events.send(Event::Finished(finished));
-                    }
+                    settle(counts, &mut scheduler, &mut state, backend, metrics);
                 }
                 Err(e) => scheduler.fail_step(plan, &e.to_string()),
             }
         }
         update_gauges(&scheduler, metrics);
         log.tick(metrics);
+    }
+}
+
+/// What a step (or the clients that went away) left to do: the state checkpoints it queued
+/// copied, its tokens and latencies counted, and its finished requests counted by reason and
+/// told, in that order (a client that sees its end also sees it counted).
+fn settle(
+    counts: crate::scheduler::StepCounts,
+    scheduler: &mut Scheduler,
+    state: &mut RecurrentStateCache,
+    backend: &dyn corral_backend::Backend,
+    metrics: &EngineMetrics,
+) {
+    for &(src, dst) in &counts.checkpoint_copies {
+        match state.copy_slot(backend, src, dst) {
+            Ok(()) => {
+                metrics
+                    .state_checkpoints_taken
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "a state checkpoint could not be copied");
+                scheduler.forget_checkpoint(dst);
+            }
+        }
+    }
+    metrics
+        .prompt_tokens
+        .fetch_add(counts.prefill_tokens as u64, Ordering::Relaxed);
+    metrics
+        .generated_tokens
+        .fetch_add(counts.generated_tokens as u64, Ordering::Relaxed);
+    counts.ttft.iter().for_each(|s| metrics.ttft.observe(*s));
+    counts
+        .inter_token
+        .iter()
+        .for_each(|s| metrics.inter_token.observe(*s));
+    update_gauges(scheduler, metrics);
+    for (events, finished) in counts.finished {
+        metrics
+            .e2e
+            .observe((finished.prompt_ms + finished.decode_ms) / 1e3);
+        let by_reason = match finished.reason {
+            crate::FinishReason::Stop => &metrics.finished_stop,
+            crate::FinishReason::Length => &metrics.finished_length,
+            crate::FinishReason::Cancelled => &metrics.finished_abort,
+        };
+        by_reason.fetch_add(1, Ordering::Relaxed);
+        metrics
+            .finished_prompt_tokens
+            .fetch_add(finished.prompt_tokens as u64, Ordering::Relaxed);
+        if finished.cached_tokens > 0 {
+            metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
+            metrics
+                .cached_prompt_tokens
+                .fetch_add(finished.cached_tokens as u64, Ordering::Relaxed);
+        }
+        let _ = events.send(Event::Finished(finished));
     }
 }
 

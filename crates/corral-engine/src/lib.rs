@@ -36,7 +36,7 @@ pub use kv::{
 };
 pub use metrics::EngineMetrics;
 pub use plan::{MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
-pub use request::{EngineRequest, Event, FinishReason, Finished, TokenEvent};
+pub use request::{EngineRequest, Event, FinishReason, Finished, RequestHandle, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};
 pub use scheduler::{Scheduler, SchedulerConfig, SessionStore, StepPlan};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};

@@ -1,6 +1,9 @@
 //! What a request is and what it hears back: the types the engine thread, the scheduler and
 //! the handlers share, so that none of them imports another for them.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use corral_backend::DispatchStats;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -9,12 +12,37 @@ use crate::SamplingParams;
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// A stop token was sampled.
+    /// A stop token was sampled, the grammar completed, or the client found a stop string
+    /// ([`RequestHandle::finish_as_stop`]).
     Stop,
     /// `max_tokens` were generated.
     Length,
-    /// The callback asked to stop.
+    /// The client went away.
     Cancelled,
+}
+
+/// The submitter's hold on a request in the engine ([`crate::EngineHandle::submit`]).
+#[derive(Clone, Debug, Default)]
+pub struct RequestHandle {
+    stopped: Arc<AtomicBool>,
+}
+
+impl RequestHandle {
+    /// Marks the request as ended by a stop (its client found a stop string in the text),
+    /// before its receiver is dropped: the engine then ends it as [`FinishReason::Stop`],
+    /// counted so and its turn kept in the prefix cache, not as a cancellation.
+    pub fn finish_as_stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+    }
+
+    /// Why a request whose receiver is gone ended.
+    pub(crate) fn departed_reason(&self) -> FinishReason {
+        if self.stopped.load(Ordering::SeqCst) {
+            FinishReason::Stop
+        } else {
+            FinishReason::Cancelled
+        }
+    }
 }
 
 /// A validated generation request.

@@ -31,7 +31,7 @@ use corral_model::{
 };
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::request::{EngineRequest, Event, Finished, TokenEvent};
+use crate::request::{EngineRequest, Event, Finished, RequestHandle, TokenEvent};
 use crate::{
     Constraint, EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool,
 };
@@ -110,6 +110,8 @@ struct Sequence {
     stop_token_ids: Vec<u32>,
     top_logprobs: Option<usize>,
     events: UnboundedSender<Event>,
+    /// Whether its client ended it as a stop before going away.
+    handle: RequestHandle,
     arrived: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -182,6 +184,8 @@ pub struct StepCounts {
     pub finished: Vec<(UnboundedSender<Event>, Finished)>,
     /// State copies to make before the next forward: `(running slot, checkpoint slot)`.
     pub checkpoint_copies: Vec<(SlotId, SlotId)>,
+    /// Requests whose clients went away while they waited, never run.
+    pub aborted: usize,
 }
 
 impl Scheduler {
@@ -281,6 +285,11 @@ impl Scheduler {
     /// Queues a request. The caller has checked that its prompt plus `max_tokens` fits the
     /// cache and the context.
     pub fn add(&mut self, request: EngineRequest) {
+        self.add_handled(request, RequestHandle::default());
+    }
+
+    /// [`Scheduler::add`], with the submitter's handle (which may end it as a stop).
+    pub fn add_handled(&mut self, request: EngineRequest, handle: RequestHandle) {
         let id = SeqId(self.next_id);
         self.next_id += 1;
         self.waiting.push_back(Sequence {
@@ -304,6 +313,7 @@ impl Scheduler {
             stop_token_ids: request.stop_token_ids,
             top_logprobs: request.top_logprobs,
             events: request.events,
+            handle,
             arrived: Instant::now(),
             first_token: None,
             last_token: None,
@@ -344,32 +354,26 @@ impl Scheduler {
         std::mem::take(&mut self.departures)
     }
 
-    /// Drops sequences whose client has gone, freeing their blocks; returns how many.
-    pub fn drop_cancelled(&mut self) -> usize {
-        let before = self.waiting.len() + self.running.len();
+    /// Ends the sequences whose client has gone: those waiting are dropped (`aborted`), those
+    /// running end as a step's finished ones do (their computed blocks cached, a hybrid's
+    /// final state checkpointed), as stops where the client said so
+    /// ([`RequestHandle::finish_as_stop`]), else as cancelled.
+    pub fn retire_departed(&mut self) -> StepCounts {
+        let mut counts = StepCounts::default();
+        let before = self.waiting.len();
         let departures = &mut self.departures;
         self.waiting.retain(|s| {
             let gone = s.events.is_closed();
             *departures += usize::from(gone && s.queued);
             !gone
         });
-        let (pool, slots, prefix) = (&mut self.pool, &mut self.slots, &mut self.prefix);
-        self.running.retain_mut(|s| {
-            let gone = s.events.is_closed();
-            if gone {
-                pool.release(&mut s.table);
-                if let Some(slot) = s.slot.take() {
-                    slots.release(slot);
-                }
-                if let Some(prefix) = prefix {
-                    for (_, slot) in s.checkpoints.drain(..) {
-                        prefix.release_checkpoint(slot);
-                    }
-                }
-            }
-            !gone
-        });
-        before - self.waiting.len() - self.running.len()
+        counts.aborted = before - self.waiting.len();
+        let now = Instant::now();
+        while let Some(index) = self.running.iter().position(|s| s.events.is_closed()) {
+            let reason = self.running[index].handle.departed_reason();
+            self.end(index, reason, now, &mut counts);
+        }
+        counts
     }
 
     /// Plans the next step; `None` when there is nothing to run.
@@ -614,6 +618,30 @@ impl Scheduler {
         }
     }
 
+    /// Ends running sequence `index` for `reason`: a hybrid's state checkpointed at its last
+    /// computed token, its computed blocks left in the prefix cache, its end in `counts`.
+    fn end(&mut self, index: usize, reason: FinishReason, now: Instant, counts: &mut StepCounts) {
+        let mut seq = self.running.remove(index);
+        if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
+            take_final_checkpoint(prefix, &mut seq, slot, counts);
+        }
+        self.release(&mut seq);
+        let first = seq.first_token.unwrap_or(now);
+        let finished = Finished {
+            reason,
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: seq.generated(),
+            cached_tokens: seq.cached,
+            prompt_ms: (first - seq.arrived).as_secs_f64() * 1e3,
+            decode_ms: (now - first).as_secs_f64() * 1e3,
+            prefill_stats: seq.prefill_stats,
+            decode_steps: seq.decode_steps,
+            decode_stats: seq.decode_stats,
+            constraint: seq.constraint.as_ref().map(Constraint::stats),
+        };
+        counts.finished.push((seq.events, finished));
+    }
+
     /// Returns a sequence's KV blocks and state slot; with a prefix cache, its computed full
     /// blocks stay indexed there.
     fn release(&mut self, seq: &mut Sequence) {
@@ -829,7 +857,7 @@ impl Scheduler {
                     top_logprobs: top,
                 });
                 if seq.events.send(event).is_err() {
-                    Some(FinishReason::Cancelled)
+                    Some(seq.handle.departed_reason())
                 } else if complete {
                     Some(FinishReason::Stop)
                 } else if seq.generated() >= seq.max_tokens || seq.tokens.len() >= seq.max_context {
@@ -847,25 +875,7 @@ impl Scheduler {
             }
             seq.last_token = Some(now);
             if let Some(reason) = finish {
-                let mut seq = self.running.remove(index);
-                if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
-                    take_final_checkpoint(prefix, &mut seq, slot, &mut counts);
-                }
-                self.release(&mut seq);
-                let first = seq.first_token.unwrap_or(now);
-                let finished = Finished {
-                    reason,
-                    prompt_tokens: seq.prompt_len,
-                    completion_tokens: seq.generated(),
-                    cached_tokens: seq.cached,
-                    prompt_ms: (first - seq.arrived).as_secs_f64() * 1e3,
-                    decode_ms: (now - first).as_secs_f64() * 1e3,
-                    prefill_stats: seq.prefill_stats,
-                    decode_steps: seq.decode_steps,
-                    decode_stats: seq.decode_stats,
-                    constraint: seq.constraint.as_ref().map(Constraint::stats),
-                };
-                counts.finished.push((seq.events, finished));
+                self.end(index, reason, now, &mut counts);
             }
         }
         for (id, message) in failed {

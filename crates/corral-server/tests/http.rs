@@ -1715,3 +1715,47 @@ async fn messages_errors_come_in_anthropics_shape() {
     assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
     assert!(body.get("type").is_none(), "{body}");
 }
+
+/// A completion ended by a stop string ends in the engine as a stop: counted under
+/// `finished_reason="stop"`, not as an abort, and its turn left in the prefix cache, so the
+/// same prompt sent again is served from it (all of it but its last token, which the model
+/// must see to answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_string_finishes_as_a_stop_and_its_turn_is_cached() {
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 250).collect();
+    let completion = |stop: Option<&str>| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 48, "temperature": 0});
+        if let Some(stop) = stop {
+            body["stop"] = json!([stop]);
+        }
+        post("/v1/completions", body.to_string())
+    };
+    // The greedy text, from a server of its own (its cache must not serve the one below).
+    let (status, alone, _) = call(&server(None, 16, 512).app, completion(None)).await;
+    assert_eq!(status, StatusCode::OK, "{alone}");
+    let text = alone["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..][..2].iter().collect();
+    let kept = &text[..text.find(&stop).unwrap()];
+
+    let s = server(None, 16, 512);
+    let (status, stopped, _) = call(&s.app, completion(Some(&stop))).await;
+    assert_eq!(status, StatusCode::OK, "{stopped}");
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    assert_eq!(stopped["choices"][0]["text"], kept);
+    // The engine ends it after the reply went out.
+    wait_for_zero_blocks(&s.engine).await;
+    let metrics = s.engine.metrics();
+    let start = Instant::now();
+    while metrics.finished_stop.load(Ordering::Relaxed) == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "never counted as a stop"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(metrics.finished_abort.load(Ordering::Relaxed), 0);
+    let (status, again, _) = call(&s.app, completion(None)).await;
+    assert_eq!(status, StatusCode::OK, "{again}");
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 39);
+}

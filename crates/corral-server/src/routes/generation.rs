@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use corral_engine::{
-    EngineRequest, Event, FinishReason, IncrementalDecoder, SubmitError, TokenEvent, Tokenizer,
+    EngineRequest, Event, FinishReason, IncrementalDecoder, RequestHandle, SubmitError, TokenEvent,
+    Tokenizer,
 };
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -40,6 +41,8 @@ pub(crate) struct Generation {
     id: String,
     model: String,
     rx: UnboundedReceiver<Event>,
+    /// Ends the request in the engine as a stop, when a stop string ends it here.
+    handle: RequestHandle,
     tokenizer: Arc<Tokenizer>,
     decoder: IncrementalDecoder,
     parser: OutputParser,
@@ -131,7 +134,7 @@ impl Generation {
         };
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = prompt.len();
-        state
+        let handle = state
             .engine
             .submit(EngineRequest {
                 prompt,
@@ -152,6 +155,7 @@ impl Generation {
             id: response_id(id_prefix),
             model: state.config.served_model_name.clone(),
             rx,
+            handle,
             tokenizer: Arc::clone(&state.tokenizer),
             decoder: IncrementalDecoder::new(settings.skip_special_tokens),
             parser,
@@ -187,7 +191,10 @@ impl Generation {
                     .map_err(|e| ApiError::internal(e.to_string()))?;
                 let deltas = text.map(|t| self.parser.push(&t)).unwrap_or_default();
                 if self.parser.stopped() {
+                    // A stop string: the engine ends the request as a stop (counted so, its
+                    // turn cached), not as a client gone.
                     self.finished = true;
+                    self.handle.finish_as_stop();
                     self.rx.close();
                     let reason = if self.parser.num_tool_calls() > 0 {
                         "tool_calls"
@@ -373,6 +380,7 @@ impl Generation {
             id: "test".to_string(),
             model: "tiny".to_string(),
             rx,
+            handle: RequestHandle::default(),
             tokenizer,
             decoder: IncrementalDecoder::default(),
             parser: OutputParser::new(false, stops, true),
