@@ -619,6 +619,58 @@ fn bench_decode_writes_table_and_json() {
     assert!(stderr(&bad).contains("--graphs"), "{}", stderr(&bad));
 }
 
+/// Contexts past the model's positions are skipped, saying so; a list of none left fails.
+#[test]
+fn bench_decode_skips_contexts_the_model_cannot_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
+    let json = dir.path().join("decode.json");
+    let run = |contexts: &str| {
+        corral(&[
+            "bench",
+            "decode",
+            "--synthetic",
+            config.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--batch",
+            "1",
+            "--context",
+            contexts,
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+    };
+    let out = run("5,1000000");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("skipping --context 1000000"),
+        "{}",
+        stderr(&out)
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let contexts: Vec<u64> = doc["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["context"].as_u64().unwrap())
+        .collect();
+    assert_eq!(contexts, [5]);
+    let none = run("1000000");
+    assert!(!none.status.success());
+    assert!(
+        stderr(&none).contains("no --context fits"),
+        "{}",
+        stderr(&none)
+    );
+}
+
 /// `plan` reads a config alone: Qwen3.5-35B-A3B's 131,072 tokens at C=1 fit 96 GiB (2.5 GiB
 /// of bf16 KV: 10 attention layers x 2 x 2 KV heads x 256 x 2 bytes = 20,480 a token), and
 /// its weights alone do not fit 8 GiB; contexts past the model's and a GPU without a budget

@@ -164,19 +164,25 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     }
     let mut model = load_model(&args.model)?;
     let strategies = super::named_strategies(&args.strategies, &model)?;
+    // Contexts the model cannot hold (with the steps after them) are skipped, saying so; none
+    // left is an error.
     let max_position = model.config().max_context();
-    if let Some(c) = args
-        .context
-        .iter()
-        .find(|&&c| c + args.steps + args.warmup > max_position)
-    {
-        bail!("--context {c} plus the steps exceeds the model's {max_position} positions");
+    let fits = |c: usize| c + args.steps + args.warmup <= max_position;
+    for &c in args.context.iter().filter(|&&c| !fits(c)) {
+        eprintln!(
+            "skipping --context {c}: with {} steps it exceeds the model's {max_position} positions",
+            args.steps + args.warmup
+        );
+    }
+    let contexts: Vec<usize> = args.context.iter().copied().filter(|&c| fits(c)).collect();
+    if contexts.is_empty() {
+        bail!("no --context fits the model's {max_position} positions with the steps after it");
     }
     let graph_modes = two_way("--graphs", &args.graphs, ["on", "off"])?;
     let sampling_modes = two_way("--sampling", &args.sampling, ["device", "host"])?;
     let mut cells = Vec::new();
     let mut logits = Vec::new();
-    for &context in &args.context {
+    for &context in &contexts {
         for &batch in &args.batch {
             for (((name, strategy), &graphs), &on_device) in strategies
                 .iter()
