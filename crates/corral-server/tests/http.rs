@@ -1687,6 +1687,15 @@ async fn messages_errors_come_in_anthropics_shape() {
             "nope",
         ),
         (
+            with_key(
+                "/v1/messages",
+                r#"{"model": "tiny", "max_tokens": 4, "stop_sequences": 42, "messages": [{"role": "user", "content": "x"}]}"#,
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "`stop_sequences`",
+        ),
+        (
             with_key("/v1/messages/count_tokens", "{not json"),
             StatusCode::BAD_REQUEST,
             "invalid_request_error",

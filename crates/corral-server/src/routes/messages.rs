@@ -250,6 +250,16 @@ fn tool_use_block(id: usize, name: &str, arguments: &str) -> Value {
     json!({"type": "tool_use", "id": format!("toolu_{id:08x}"), "name": name, "input": input})
 }
 
+/// An error the chat request's checks found, naming the Messages field the client sent where
+/// [`to_chat`] renamed it (`stop_sequences`, passed on as `stop`).
+fn in_anthropic_terms(mut e: ApiError) -> ApiError {
+    if e.param.as_deref() == Some("stop") {
+        e.param = Some("stop_sequences".to_string());
+        e.message = e.message.replace("`stop`", "`stop_sequences`");
+    }
+    e
+}
+
 /// `POST /v1/messages`.
 pub(crate) async fn messages(
     State(state): State<AppState>,
@@ -257,7 +267,8 @@ pub(crate) async fn messages(
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
     let chat = to_chat(&body)?;
-    let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
+    let mut req =
+        request::chat(&chat, &state.config.sampling_defaults).map_err(in_anthropic_terms)?;
     req.settings = request::with_session_header(req.settings, &headers)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, parser) = super::chat::prepare(&state, &mut req, "messages").await?;
@@ -279,7 +290,8 @@ pub(crate) async fn count_tokens(
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Json<Value>, ApiError> {
     let chat = to_chat(&body)?;
-    let mut req = request::chat(&chat, &state.config.sampling_defaults)?;
+    let mut req =
+        request::chat(&chat, &state.config.sampling_defaults).map_err(in_anthropic_terms)?;
     super::check_model(&state, req.settings.model.as_deref())?;
     let (prompt, _) = super::chat::prepare(&state, &mut req, "messages").await?;
     Ok(Json(json!({"input_tokens": prompt.len()})))
