@@ -36,6 +36,8 @@ use crate::{
     Constraint, EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool,
 };
 
+mod output;
+
 /// Sessions on disk as the scheduler uses them: the engine implements it over its caches, so
 /// that a cold prefix is written out when the cache evicts it and read back into a new
 /// sequence's blocks (and state slot) at admission.
@@ -132,7 +134,8 @@ impl Sequence {
 struct PlannedRun {
     seq: SeqId,
     tokens: usize,
-    wants_logits: bool,
+    /// Rows of logits it asks for (its last tokens'): one where it ends a prompt or decodes.
+    logits: usize,
 }
 
 /// What the next forward pass runs: the batch, and which sequence each logits row belongs to.
@@ -538,7 +541,7 @@ impl Scheduler {
             runs.push(PlannedRun {
                 seq: seq.id,
                 tokens: n,
-                wants_logits: need == seq.tokens.len(),
+                logits: usize::from(need == seq.tokens.len()),
             });
             i += 1;
         }
@@ -569,7 +572,7 @@ impl Scheduler {
                     .iter()
                     .map(|&t| TokenId(t))
                     .collect();
-                let wanted = if run.wants_logits {
+                let wanted = if run.logits > 0 {
                     LogitsWanted::Last
                 } else {
                     LogitsWanted::None
@@ -616,30 +619,6 @@ impl Scheduler {
                 self.preempt(i);
             }
         }
-    }
-
-    /// Ends running sequence `index` for `reason`: a hybrid's state checkpointed at its last
-    /// computed token, its computed blocks left in the prefix cache, its end in `counts`.
-    fn end(&mut self, index: usize, reason: FinishReason, now: Instant, counts: &mut StepCounts) {
-        let mut seq = self.running.remove(index);
-        if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
-            take_final_checkpoint(prefix, &mut seq, slot, counts);
-        }
-        self.release(&mut seq);
-        let first = seq.first_token.unwrap_or(now);
-        let finished = Finished {
-            reason,
-            prompt_tokens: seq.prompt_len,
-            completion_tokens: seq.generated(),
-            cached_tokens: seq.cached,
-            prompt_ms: (first - seq.arrived).as_secs_f64() * 1e3,
-            decode_ms: (now - first).as_secs_f64() * 1e3,
-            prefill_stats: seq.prefill_stats,
-            decode_steps: seq.decode_steps,
-            decode_stats: seq.decode_stats,
-            constraint: seq.constraint.as_ref().map(Constraint::stats),
-        };
-        counts.finished.push((seq.events, finished));
     }
 
     /// Returns a sequence's KV blocks and state slot; with a prefix cache, its computed full
@@ -707,186 +686,6 @@ impl Scheduler {
                 let _ = seq.events.send(Event::Failed(message.to_string()));
             }
         }
-    }
-
-    /// Takes the logits of a step (one row per run that wanted them, in plan order), samples,
-    /// streams tokens to their clients and retires finished sequences.
-    pub fn finish_step(
-        &mut self,
-        plan: StepPlan,
-        logits: &mut [f32],
-        vocab: usize,
-        stats: DispatchStats,
-    ) -> StepCounts {
-        self.finish(plan, StepLogits::Whole(logits, vocab), stats)
-    }
-
-    /// Fills `step` with the sampling of `plan`'s logits rows, for the device to reduce them
-    /// ([`corral_model::Model::forward_sampled`]); false, touching nothing, if a row needs its
-    /// whole logits (a top-k beyond the device's candidates, log-probabilities before
-    /// penalties): then the step reads them back whole for [`Scheduler::finish_step`].
-    pub fn prepare_sampling(
-        &mut self,
-        plan: &StepPlan,
-        vocab: usize,
-        step: &mut SampledStep,
-    ) -> bool {
-        if vocab > MAX_REDUCED_VOCAB {
-            return false;
-        }
-        let index = |running: &[Sequence], id: SeqId| running.iter().position(|s| s.id == id);
-        let wanted = plan.runs.iter().filter(|r| r.wants_logits);
-        if wanted.clone().any(|r| {
-            index(&self.running, r.seq).is_some_and(|i| {
-                let seq = &self.running[i];
-                seq.constraint.is_some() || seq.sampler.needs_whole_logits(seq.top_logprobs)
-            })
-        }) {
-            return false;
-        }
-        step.rows.clear();
-        step.penalties.clear();
-        step.logprobs.clear();
-        for (row, run) in wanted.enumerate() {
-            match index(&self.running, run.seq) {
-                Some(i) => {
-                    let seq = &mut self.running[i];
-                    step.rows
-                        .push((seq.sampler.filter(), seq.sampler.device_draw()));
-                    step.logprobs.push(seq.top_logprobs.is_some());
-                    seq.sampler
-                        .device_penalties(&seq.tokens, row, vocab, &mut step.penalties);
-                }
-                None => {
-                    step.rows.push((Filter::GREEDY, Filter::GREEDY.draw(0)));
-                    step.logprobs.push(false);
-                }
-            }
-        }
-        true
-    }
-
-    /// [`Scheduler::finish_step`] for a step whose rows the device reduced.
-    pub fn finish_sampled_step(
-        &mut self,
-        plan: StepPlan,
-        step: &mut SampledStep,
-        stats: DispatchStats,
-    ) -> StepCounts {
-        self.finish(plan, StepLogits::Sampled(step), stats)
-    }
-
-    fn finish(
-        &mut self,
-        plan: StepPlan,
-        mut logits: StepLogits<'_>,
-        stats: DispatchStats,
-    ) -> StepCounts {
-        let mut counts = StepCounts::default();
-        let mut row = 0;
-        let mut failed = Vec::new();
-        let now = Instant::now();
-        let mut copies = plan.block_copies;
-        for &(id, _, _) in &copies {
-            if let Some(seq) = self.running.iter_mut().find(|s| s.id == id) {
-                seq.uncopied = 0;
-            }
-        }
-        drop_copies(&mut copies, &mut self.pool, |_| true);
-        for run in plan.runs {
-            let Some(index) = self.running.iter().position(|s| s.id == run.seq) else {
-                row += usize::from(run.wants_logits);
-                continue;
-            };
-            let seq = &mut self.running[index];
-            if seq.computed < seq.prompt_len {
-                counts.prefill_tokens += run.tokens.min(seq.prompt_len - seq.computed);
-                seq.prefill_stats = seq.prefill_stats + stats;
-            } else {
-                seq.decode_stats = seq.decode_stats + stats;
-                seq.decode_steps += 1;
-            }
-            seq.computed += run.tokens;
-            if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
-                take_checkpoint(prefix, seq, slot, self.pool.block_size(), &mut counts);
-            }
-            if !run.wants_logits {
-                continue;
-            }
-            let (token, logprob, top) = match &mut logits {
-                StepLogits::Whole(logits, vocab) => {
-                    let row_logits = &mut logits[row * *vocab..(row + 1) * *vocab];
-                    // Log-probabilities are the model's, before any penalty the sampler applies.
-                    let raw = seq.top_logprobs.map(|n| (row_logits.to_vec(), n));
-                    if let Some(constraint) = &mut seq.constraint
-                        && let Err(e) = constraint.mask_logits(row_logits)
-                    {
-                        failed.push((seq.id, e));
-                        row += 1;
-                        continue;
-                    }
-                    let token = seq.sampler.sample(row_logits, &seq.tokens);
-                    match raw {
-                        Some((raw, n)) => {
-                            let (lse, top) = log_softmax_top(&raw, n);
-                            (token, Some(lse_logprob(&raw, token, lse)), top)
-                        }
-                        None => (token, None, Vec::new()),
-                    }
-                }
-                StepLogits::Sampled(step) => sampled_token(seq, step, row),
-            };
-            row += 1;
-            let finish = if seq.stop_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else {
-                let complete = match seq.constraint.as_mut().map(|c| c.accept(token)) {
-                    Some(Err(e)) => {
-                        failed.push((seq.id, e));
-                        continue;
-                    }
-                    Some(Ok(complete)) => complete,
-                    None => false,
-                };
-                seq.tokens.push(token);
-                counts.generated_tokens += 1;
-                let event = Event::Token(TokenEvent {
-                    id: token,
-                    cached_prompt_tokens: seq.cached,
-                    logprob,
-                    top_logprobs: top,
-                });
-                if seq.events.send(event).is_err() {
-                    Some(seq.handle.departed_reason())
-                } else if complete {
-                    Some(FinishReason::Stop)
-                } else if seq.generated() >= seq.max_tokens || seq.tokens.len() >= seq.max_context {
-                    Some(FinishReason::Length)
-                } else {
-                    None
-                }
-            };
-            match seq.last_token {
-                None => {
-                    seq.first_token = Some(now);
-                    counts.ttft.push((now - seq.arrived).as_secs_f64());
-                }
-                Some(last) => counts.inter_token.push((now - last).as_secs_f64()),
-            }
-            seq.last_token = Some(now);
-            if let Some(reason) = finish {
-                self.end(index, reason, now, &mut counts);
-            }
-        }
-        for (id, message) in failed {
-            if let Some(index) = self.running.iter().position(|s| s.id == id) {
-                let mut seq = self.running.remove(index);
-                self.release(&mut seq);
-                tracing::warn!(%message, "request failed");
-                let _ = seq.events.send(Event::Failed(message));
-            }
-        }
-        counts
     }
 }
 
@@ -1045,81 +844,6 @@ fn take_final_checkpoint(
     queue_checkpoint(prefix, seq, slot, true, counts);
 }
 
-/// A step's logits as read back.
-enum StepLogits<'a> {
-    /// Every row whole, `[rows, vocab]`.
-    Whole(&'a mut [f32], usize),
-    /// Every row reduced on the device.
-    Sampled(&'a mut SampledStep),
-}
-
-/// `(token, its log-probability, the top ones)` of logits row `row` of a sampled step. Rows
-/// asking for log-probabilities have no penalties here ([`Sampler::needs_whole_logits`]), so
-/// the candidates' logits are the model's.
-fn sampled_token(
-    seq: &mut Sequence,
-    step: &SampledStep,
-    row: usize,
-) -> (u32, Option<f32>, Vec<(u32, f32)>) {
-    let Some(candidates) = step.candidates.get(row) else {
-        return (0, None, Vec::new());
-    };
-    if let Some(full) = step.full_rows.get(row).and_then(Option::as_ref) {
-        let token = seq.sampler.sample_penalised(full);
-        return match seq.top_logprobs {
-            Some(n) => {
-                let (lse, top) = log_softmax_top(full, n);
-                (token, Some(lse_logprob(full, token, lse)), top)
-            }
-            None => (token, None, Vec::new()),
-        };
-    }
-    let token = seq.sampler.sample_candidates(candidates).unwrap_or(0);
-    let Some(n) = seq.top_logprobs else {
-        return (token, None, Vec::new());
-    };
-    let lse = candidates.log_sum_exp;
-    let logit = candidates
-        .top
-        .iter()
-        .chain(candidates.gumbel.as_ref())
-        .find(|(id, _)| *id == token)
-        .map_or(f32::NEG_INFINITY, |&(_, l)| l);
-    let top = candidates
-        .top
-        .iter()
-        .take(n)
-        .map(|&(id, l)| (id, l - lse))
-        .collect();
-    (token, Some(logit - lse), top)
-}
-
-/// `(log-sum-exp of logits, the n most likely tokens with their log-probabilities)`.
-fn log_softmax_top(logits: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    let lse = max + sum.ln() as f32;
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    let n = n.min(idx.len());
-    if n > 0 {
-        idx.select_nth_unstable_by(n - 1, |a, b| {
-            logits[*b as usize].total_cmp(&logits[*a as usize])
-        });
-    }
-    let mut top: Vec<(u32, f32)> = idx[..n]
-        .iter()
-        .map(|&i| (i, logits[i as usize] - lse))
-        .collect();
-    top.sort_by(|a, b| b.1.total_cmp(&a.1));
-    (lse, top)
-}
-
-fn lse_logprob(logits: &[f32], token: u32, lse: f32) -> f32 {
-    logits
-        .get(token as usize)
-        .map_or(f32::NEG_INFINITY, |l| l - lse)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1175,7 +899,7 @@ mod tests {
                 "a step of {tokens} tokens over a budget of 64"
             );
             // A prefill chunk that does not end its prompt takes what the decode rows leave.
-            let mid_prompt = plan.runs.iter().any(|r| r.tokens > 1 && !r.wants_logits);
+            let mid_prompt = plan.runs.iter().any(|r| r.tokens > 1 && r.logits == 0);
             if decode > 0 && mid_prompt {
                 shared += 1;
                 assert_eq!(
@@ -1183,7 +907,7 @@ mod tests {
                     "a prefill beside decode rows takes what they leave"
                 );
             }
-            let rows = plan.runs.iter().filter(|r| r.wants_logits).count();
+            let rows = plan.runs.iter().filter(|r| r.logits > 0).count();
             let mut logits = vec![0.0f32; rows * vocab];
             let _ = s.finish_step(plan, &mut logits, vocab, DispatchStats::default());
         }
@@ -1219,7 +943,7 @@ mod tests {
         let (vocab, favourite) = (1600, 7);
         for _ in 0..20 {
             let Some(plan) = s.step() else { break };
-            let rows = plan.runs.iter().filter(|r| r.wants_logits).count();
+            let rows = plan.runs.iter().filter(|r| r.logits > 0).count();
             let mut logits = vec![0.0f32; rows * vocab];
             for row in 0..rows {
                 logits[row * vocab + favourite] = 10.0;
