@@ -85,6 +85,18 @@ impl KvBlockPool {
         }
     }
 
+    /// Shortens `table` to the blocks that cover `tokens` positions, dropping one holder from
+    /// each block past them (a sequence whose last tokens were rejected: a draft's). Blocks
+    /// nobody holds are free again; the blocks kept, a partly filled last one included, are
+    /// untouched.
+    pub fn truncate(&mut self, table: &mut BlockTable, tokens: usize) {
+        let keep = tokens.div_ceil(self.block_size).min(table.blocks.len());
+        let mut tail = BlockTable {
+            blocks: table.blocks.split_off(keep),
+        };
+        self.release(&mut tail);
+    }
+
     /// Drops one holder from each block of `table` and empties it; blocks nobody holds are
     /// free again.
     pub fn release(&mut self, table: &mut BlockTable) {
@@ -120,6 +132,29 @@ mod tests {
         assert_eq!(a.blocks.len(), 3, "48 tokens fit in 3 blocks");
         pool.release(&mut a);
         assert_eq!(pool.num_free(), 4);
+    }
+
+    #[test]
+    fn truncate_frees_the_blocks_past_the_tokens_kept() {
+        let mut pool = KvBlockPool::new(6, 4);
+        let mut a = BlockTable::default();
+        pool.grow(&mut a, 17).unwrap();
+        let shared = BlockTable {
+            blocks: a.blocks[..4].to_vec(),
+        };
+        pool.share(&shared);
+        // 9 tokens keep 3 blocks; the 4th, shared, keeps its other holder; the 5th is free.
+        pool.truncate(&mut a, 9);
+        assert_eq!(a.blocks, shared.blocks[..3]);
+        assert_eq!(pool.holders(shared.blocks[3]), 1);
+        assert_eq!(pool.num_free(), 2);
+        // Truncating past the end, or to what it holds, changes nothing.
+        pool.truncate(&mut a, 40);
+        pool.truncate(&mut a, 12);
+        assert_eq!((a.blocks.len(), pool.num_free()), (3, 2));
+        pool.truncate(&mut a, 0);
+        assert!(a.blocks.is_empty());
+        assert_eq!(pool.holders(shared.blocks[0]), 1);
     }
 
     #[test]
