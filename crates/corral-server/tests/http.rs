@@ -1384,12 +1384,14 @@ async fn xml_forced_tool_calls_follow_their_schemas_over_every_api() {
         check_forecast(&serde_json::from_str(call).unwrap());
     }
 
-    // Anthropic Messages, `tool_choice: any`.
+    // Anthropic Messages, `tool_choice: any`; one call (neither API takes a seed, and
+    // several calls drawn at random could outrun max_tokens).
     let anthropic_tool = json!({"name": "forecast",
         "input_schema": forecast_tool()["function"]["parameters"].clone()});
     let messages = |stream: bool| {
         json!({"model": "tiny", "max_tokens": 300, "temperature": 1.0, "stream": stream,
-            "tools": [anthropic_tool], "tool_choice": {"type": "any"},
+            "tools": [anthropic_tool],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
             "messages": [{"role": "user", "content": "Weather?"}]})
         .to_string()
     };
@@ -1426,7 +1428,7 @@ async fn xml_forced_tool_calls_follow_their_schemas_over_every_api() {
         json!({"model": "tiny", "max_output_tokens": 300, "temperature": 1.0, "stream": stream,
             "tools": [{"type": "function", "name": "forecast",
                 "parameters": forecast_tool()["function"]["parameters"].clone()}],
-            "tool_choice": "required", "input": "Weather?"})
+            "tool_choice": "required", "parallel_tool_calls": false, "input": "Weather?"})
         .to_string()
     };
     let (status, body, _) = call(&s.app, post("/v1/responses", responses(false))).await;
