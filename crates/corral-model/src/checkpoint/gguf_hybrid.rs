@@ -207,7 +207,8 @@ impl HybridLayout {
     }
 
     /// Where Hugging Face tensor `name` (text-only layout, `model.` prefix; `mtp.` for the
-    /// MTP head's own tensors) is in the file.
+    /// MTP head's own tensors; its layers' names go through [`HybridLayout::mtp_layer_name`]
+    /// first) is in the file.
     pub(crate) fn map(&self, name: &str) -> Option<Mapped> {
         let nextn = |s: &str| format!("blk.{}.nextn.{s}", self.layers);
         match name {
@@ -224,9 +225,6 @@ impl HybridLayout {
             }
             "mtp.norm.weight" => return Some(Mapped::plus_one(nextn("shared_head_norm.weight"))),
             _ => {}
-        }
-        if let Some(trunk) = self.mtp_layer_name(name) {
-            return self.map(&trunk);
         }
         let rest = name.strip_prefix("model.layers.")?;
         let (layer, rest) = rest.split_once('.')?;
@@ -318,7 +316,10 @@ mod tests {
             (norm.gguf.as_str(), norm.values),
             ("blk.4.nextn.hnorm.weight", ValueChange::PlusOne)
         );
-        let q = l.map("mtp.layers.0.self_attn.q_norm.weight").unwrap();
+        let trunk = l
+            .mtp_layer_name("mtp.layers.0.self_attn.q_norm.weight")
+            .unwrap();
+        let q = l.map(&trunk).unwrap();
         assert_eq!(
             (q.gguf.as_str(), q.values),
             ("blk.4.attn_q_norm.weight", ValueChange::PlusOne)
@@ -332,14 +333,13 @@ mod tests {
             l.mtp_layer_name("mtp.layers.1.input_layernorm.weight"),
             None
         );
-        assert!(l.map("mtp.layers.1.self_attn.q_proj.weight").is_none());
         assert!(l.holds_mtp("blk.4.nextn.eh_proj.weight") && l.holds_mtp("blk.4.attn_q.weight"));
         assert!(!l.holds_mtp("blk.3.attn_q.weight") && !l.holds_mtp("output.weight"));
         let without = HybridLayout { mtp_layers: 0, ..l };
         assert!(without.map("mtp.fc.weight").is_none());
         assert!(
             without
-                .map("mtp.layers.0.self_attn.q_proj.weight")
+                .mtp_layer_name("mtp.layers.0.self_attn.q_proj.weight")
                 .is_none()
         );
     }

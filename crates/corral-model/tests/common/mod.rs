@@ -218,21 +218,29 @@ pub(crate) fn greedy(model: &Model, prompt: &[u32], count: usize) -> Vec<u32> {
 pub(crate) fn read_logits_reference(path: &Path) -> (Vec<u32>, Vec<f32>) {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
-    let ids = st
-        .tensor("token_ids")
-        .expect("token_ids")
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+    let ids = reference_i64s(&st, "token_ids")
+        .into_iter()
+        .map(|i| i as u32)
         .collect();
-    let logits = st
-        .tensor("logits")
-        .expect("logits")
-        .data()
+    (ids, reference_f32s(&st, "logits"))
+}
+
+/// Tensor `name` of a reference file, as i64 values.
+pub(crate) fn reference_i64s(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<i64> {
+    let view = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    view.data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Tensor `name` of a reference file, as f32 values.
+pub(crate) fn reference_f32s(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let view = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    view.data()
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    (ids, logits)
+        .collect()
 }
 
 /// The median of the positions' own relative errors.
