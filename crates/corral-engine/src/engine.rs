@@ -10,9 +10,10 @@ use std::thread::JoinHandle;
 
 use corral_model::{Model, PagedKvCache, RecurrentStateCache, SlotId};
 
+use crate::SessionStore;
 use crate::metrics::EngineMetrics;
 use crate::request::{EngineRequest, Event, RequestHandle};
-use crate::scheduler::{Scheduler, SchedulerConfig, SessionStore, StepPlan};
+use crate::scheduler::{Drafter, Scheduler, SchedulerConfig, StepPlan};
 use crate::{EngineError, KvBlockPool};
 
 /// Sizes and limits of the engine.
@@ -119,6 +120,16 @@ pub fn spawn_engine(
     model: Model,
     config: EngineConfig,
 ) -> Result<(EngineHandle, JoinHandle<()>), EngineError> {
+    spawn_engine_drafting(model, config, None)
+}
+
+/// [`spawn_engine`] with a drafter: each decoding sequence's step verifies up to `max`
+/// tokens it proposes.
+pub fn spawn_engine_drafting(
+    model: Model,
+    config: EngineConfig,
+    drafter: Option<(Box<dyn Drafter>, usize)>,
+) -> Result<(EngineHandle, JoinHandle<()>), EngineError> {
     let cache = PagedKvCache::new(
         model.backend().as_ref(),
         model.config(),
@@ -171,13 +182,18 @@ pub fn spawn_engine(
     let scheduler = match (config.prefix_cache, model.is_hybrid()) {
         (true, false) => scheduler.with_prefix_cache(),
         (true, true) => scheduler.with_state_checkpoints(config.max_batch.max(1), checkpoints),
-        (false, _) => scheduler,
+        (false, true) => scheduler.with_recurrent_state(),
+        (false, false) => scheduler,
     }
     .with_eviction_cost(eviction_cost(
         model.config(),
         model.backend().kv_dtype(),
         config.block_size,
     ));
+    let scheduler = match drafter {
+        Some((drafter, max)) => scheduler.with_drafter(drafter, max),
+        None => scheduler,
+    };
     metrics.engine_alive.store(true, Ordering::Relaxed);
     let thread_metrics = Arc::clone(&metrics);
     let config_interval = config.throughput_log_interval;
@@ -385,6 +401,12 @@ fn settle(
     metrics
         .generated_tokens
         .fetch_add(counts.generated_tokens as u64, Ordering::Relaxed);
+    metrics
+        .draft_tokens
+        .fetch_add(counts.draft_tokens as u64, Ordering::Relaxed);
+    metrics
+        .accepted_draft_tokens
+        .fetch_add(counts.accepted_tokens as u64, Ordering::Relaxed);
     counts.ttft.iter().for_each(|s| metrics.ttft.observe(*s));
     counts
         .inter_token
@@ -808,8 +830,9 @@ impl SessionStore for DiskSessions<'_> {
     }
 }
 
-/// Copies each resumed sequence's checkpoint into its own slot before the step, one log line
-/// a restore.
+/// Makes the copies a step needs before its forward: cached blocks into sequences' own,
+/// each resumed sequence's checkpoint into its slot (one log line a restore), then running
+/// states' snapshots and roll-backs.
 fn restore(
     backend: &dyn corral_backend::Backend,
     cache: &mut PagedKvCache,
@@ -836,6 +859,9 @@ fn restore(
             ms = start.elapsed().as_secs_f64() * 1e3,
             "restored a state checkpoint from memory"
         );
+    }
+    for &(_, src, dst) in &plan.state_copies {
+        state.copy_slot(backend, src, dst)?;
     }
     Ok(())
 }

@@ -24,21 +24,21 @@ mod tokenizer;
 
 pub use chat_template::{ChatTemplate, TokenizerConfig, ToolCallFormat};
 pub use constraint::{Constraint, ConstraintStats, Grammar, GrammarCompiler, json_style};
-pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine};
+pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine, spawn_engine_drafting};
 pub use error::EngineError;
 pub use generation_config::{
     SamplingDefaults, gguf_stop_token_ids, sampling_defaults, stop_token_ids,
 };
 pub use gguf_vocab::{load_vocabulary, vocabulary_from_gguf};
 pub use kv::{
-    EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SpillDir,
-    SpillFile, SpilledPrefix, StateSlotPool,
+    EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SessionStore,
+    SpillDir, SpillFile, SpilledPrefix, StateSlotPool,
 };
 pub use metrics::EngineMetrics;
 pub use plan::{MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
 pub use request::{EngineRequest, Event, FinishReason, Finished, RequestHandle, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};
-pub use scheduler::{Scheduler, SchedulerConfig, SessionStore, StepPlan};
+pub use scheduler::{Drafter, Scheduler, SchedulerConfig, StepPlan};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// Tokens per KV block.

@@ -104,6 +104,10 @@ pub struct EngineMetrics {
     pub session_restore_failures: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
+    /// Draft tokens verified (speculative decoding).
+    pub draft_tokens: AtomicU64,
+    /// Draft tokens accepted.
+    pub accepted_draft_tokens: AtomicU64,
     /// Tokens run through forward passes.
     pub forward_tokens: AtomicU64,
     /// Dispatches of those forward passes.
@@ -153,6 +157,8 @@ impl Default for EngineMetrics {
             session_restored_tokens: AtomicU64::new(0),
             session_restore_failures: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
+            draft_tokens: AtomicU64::new(0),
+            accepted_draft_tokens: AtomicU64::new(0),
             forward_tokens: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),

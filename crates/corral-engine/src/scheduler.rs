@@ -1,69 +1,39 @@
 //! Continuous batching: which sequences run in the next forward pass, and with how many tokens.
 //!
-//! Each step takes every running sequence: one decode row for those past their prompt, and a
-//! prefill chunk for the others, prefill limited to a token budget so that long prompts do not
-//! stall decoding. Blocks are granted per step, oldest sequence first; when the pool runs dry
-//! the youngest running sequence is preempted by recompute (its blocks freed, its tokens kept,
+//! Each step takes every running sequence: one decode row for those past their prompt (with
+//! the tokens a [`Drafter`] proposes after it, to verify in the same run), and a prefill
+//! chunk for the others, prefill limited to a token budget so that long prompts do not stall
+//! decoding. Blocks are granted per step, oldest sequence first; when the pool runs dry the
+//! youngest running sequence is preempted by recompute (its blocks freed, its tokens kept,
 //! re-queued at the front). There is no prefill or decode phase: a sequence simply has tokens
 //! not yet in the cache. [`Scheduler::step`] returns a [`StepPlan`]; the engine runs it and
-//! hands the logits back to [`Scheduler::finish_step`]. With a [`PrefixCache`], a sequence
-//! starts from the longest cached prefix of its tokens, down to a token: shared whole blocks,
-//! then a partly matching block copied into its own ([`StepPlan::block_copies`]); a sequence
-//! that ends or is preempted leaves its computed blocks in the cache, which gives them back
-//! when the pool runs short.
+//! hands the logits back to [`Scheduler::finish_step`] (the output step, `output.rs`).
 //!
-//! For hybrid models the cache also keeps recurrent-state checkpoints, at exact tokens: at
-//! the end of each prompt (the next turn usually re-sends the prompt and diverges where the
-//! reply starts), where a prompt leaves the cached tree (a branch point), at each whole
-//! block of a turn's output as it decodes, and at its last token when it ends. A prefill
-//! chunk ends at such a point so that the state exists there; the copy into a checkpoint slot
-//! is queued for the engine after the step ([`StepCounts::checkpoint_copies`]), and a
-//! sequence that starts from a checkpoint gets a private copy in its own slot before its
-//! first step ([`StepPlan::restores`]).
+//! What a sequence holds in the cache is the [`KvManager`]'s: its blocks, state slot, the
+//! prefix cache with its hybrid state checkpoints (a sequence starts from the longest cached
+//! prefix of its tokens and leaves its computed blocks there when it ends), and sessions on
+//! disk. The scheduler is policy: admission, the token budget, chunk ends at checkpoint
+//! points, preemption.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
 use corral_backend::DispatchStats;
 use corral_backend::sampling::{Filter, MAX_REDUCED_VOCAB};
-use corral_model::{
-    BlockId, BlockTable, LogitsWanted, RaggedBatch, SampledStep, SeqId, SlotId, TokenId,
-};
+use corral_model::{LogitsWanted, RaggedBatch, SampledStep, SeqId, SlotId, TokenId};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::kv::manager::{Copies, KvManager, NoGrant, SeqKv};
 use crate::request::{EngineRequest, Event, Finished, RequestHandle, TokenEvent};
-use crate::{
-    Constraint, EvictedPrefix, FinishReason, KvBlockPool, PrefixCache, Sampler, StateSlotPool,
-};
+use crate::{Constraint, FinishReason, KvBlockPool, Sampler, SessionStore};
 
 mod output;
 
-/// Sessions on disk as the scheduler uses them: the engine implements it over its caches, so
-/// that a cold prefix is written out when the cache evicts it and read back into a new
-/// sequence's blocks (and state slot) at admission.
-pub trait SessionStore {
-    /// Writes an evicted prefix to disk if worth it; failures are the store's to log.
-    fn spill(&mut self, prefix: &EvictedPrefix<'_>);
-    /// Writes a cached prefix that stays cached, while the engine is idle, if worth it and
-    /// the folder has room for it without dropping another file.
-    fn write_ahead(&mut self, prefix: &EvictedPrefix<'_>);
-    /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens, if it holds more
-    /// than `beyond` (what the cache gave already): its length and file, kept from the byte
-    /// cap until [`SessionStore::load`] reads it.
-    fn find(
-        &mut self,
-        tokens: &[u32],
-        beyond: usize,
-        max_tokens: usize,
-    ) -> Option<(usize, std::path::PathBuf)>;
-    /// Reads the spilled prefix at `path` into `blocks`, and its state into `slot` (hybrid
-    /// models). On an error the file is deleted and nothing it held may be used.
-    fn load(
-        &mut self,
-        path: &std::path::Path,
-        blocks: &[corral_model::BlockId],
-        slot: Option<SlotId>,
-    ) -> Result<(), String>;
+/// Proposes the tokens that may follow a sequence, for the target model to verify in one
+/// run (the model's MTP head, prompt lookup, a draft model).
+pub trait Drafter: Send {
+    /// Up to `max` tokens that may follow `tokens`; fewer or none where it has no guess.
+    fn propose(&mut self, seq: SeqId, tokens: &[u32], max: usize) -> Vec<u32>;
 }
 
 /// Limits of the scheduler.
@@ -88,22 +58,12 @@ struct Sequence {
     prompt_len: usize,
     /// The client's session id, if it gave one: its prefix is pinned when it ends.
     session: Option<String>,
-    /// Tokens whose KV is in the cache.
-    computed: usize,
-    /// Tokens of `computed` in a block whose copy from the prefix cache is planned but not
-    /// yet made (before the sequence's first step): not to be cached if it ends first.
-    uncopied: usize,
+    /// What it holds in the cache.
+    kv: SeqKv,
+    /// Tokens proposed to follow `tokens`, verified by the planned step.
+    draft: Vec<u32>,
     /// Prompt tokens taken from the prefix cache before its first token.
     cached: usize,
-    table: BlockTable,
-    /// Recurrent-state slot while running.
-    slot: Option<SlotId>,
-    /// Tokens computed at which a state checkpoint is to be taken (hybrids, prefill).
-    checkpoint_at: Vec<usize>,
-    /// State checkpoints taken, `(tokens covered, checkpoint slot)`, for the prefix cache.
-    checkpoints: Vec<(usize, SlotId)>,
-    /// Which of them is the output checkpoint (tokens covered), replaced as decode goes on.
-    output_checkpoint: Option<usize>,
     sampler: Sampler,
     /// The grammar its output must match.
     constraint: Option<Constraint>,
@@ -127,6 +87,12 @@ impl Sequence {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
+
+    /// Tokens it may still add: to `max_tokens` and to the context.
+    fn room(&self) -> usize {
+        (self.max_tokens.saturating_sub(self.generated()))
+            .min(self.max_context.saturating_sub(self.tokens.len()))
+    }
 }
 
 /// One sequence's part of a step.
@@ -134,7 +100,8 @@ impl Sequence {
 struct PlannedRun {
     seq: SeqId,
     tokens: usize,
-    /// Rows of logits it asks for (its last tokens'): one where it ends a prompt or decodes.
+    /// Rows of logits it asks for (its last tokens'): one where it ends a prompt or decodes,
+    /// one more per draft token it verifies.
     logits: usize,
 }
 
@@ -149,26 +116,38 @@ pub struct StepPlan {
     pub restores: Vec<(SeqId, SlotId, SlotId)>,
     /// KV block copies to make before the forward: `(sequence, cached block, its block)`,
     /// a cached block's first tokens continuing the sequence's shared ones.
-    pub block_copies: Vec<(SeqId, BlockId, BlockId)>,
+    pub block_copies: Vec<(SeqId, corral_model::BlockId, corral_model::BlockId)>,
+    /// State copies to make after the restores: `(sequence, from slot, to slot)`, a running
+    /// state's snapshot before a draft is verified, or its roll-back after one was rejected.
+    pub state_copies: Vec<(SeqId, SlotId, SlotId)>,
 }
 
-/// A block copy planned for a sequence: `(sequence, cached block, its block)`.
-type BlockCopy = (SeqId, BlockId, BlockId);
-
-/// Waiting and running sequences, and the KV blocks they hold.
-#[derive(Debug)]
+/// Waiting and running sequences; the cache they hold is the KV manager's.
 pub struct Scheduler {
     config: SchedulerConfig,
-    pool: KvBlockPool,
-    slots: StateSlotPool,
+    kv: KvManager,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     next_id: u64,
     preemptions: u64,
-    prefix: Option<PrefixCache>,
     /// Queued requests that left the queue (first admitted, or cancelled while waiting)
     /// since [`Scheduler::take_departures`] last read them.
     departures: usize,
+    /// Copies the last step's output left for the next forward (roll-backs).
+    pending: Copies,
+    /// Drafts for decoding sequences, and most tokens a draft.
+    drafter: Option<(Box<dyn Drafter>, usize)>,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("kv", &self.kv)
+            .field("waiting", &self.waiting.len())
+            .field("running", &self.running.len())
+            .field("drafter", &self.drafter.as_ref().map(|d| d.1))
+            .finish_non_exhaustive()
+    }
 }
 
 /// What a step did, for metrics.
@@ -178,6 +157,10 @@ pub struct StepCounts {
     pub prefill_tokens: usize,
     /// Tokens generated.
     pub generated_tokens: usize,
+    /// Draft tokens verified.
+    pub draft_tokens: usize,
+    /// Draft tokens accepted.
+    pub accepted_tokens: usize,
     /// Seconds from arrival to first token, of sequences that got their first token.
     pub ttft: Vec<f64>,
     /// Seconds since the previous token, of sequences that got a later token.
@@ -195,32 +178,48 @@ impl Scheduler {
     /// A scheduler over `pool`, with one recurrent-state slot per batch row.
     pub fn new(config: SchedulerConfig, pool: KvBlockPool) -> Self {
         Self {
-            slots: StateSlotPool::new(config.max_batch),
+            kv: KvManager::new(pool, config.max_batch, config.session_pin),
             config,
-            pool,
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 0,
             preemptions: 0,
-            prefix: None,
             departures: 0,
+            pending: Copies::default(),
+            drafter: None,
         }
     }
 
     /// Keeps computed blocks in a prefix cache for later sequences (models without recurrent
     /// state).
     pub fn with_prefix_cache(mut self) -> Self {
-        self.prefix = Some(PrefixCache::new(self.pool.block_size()));
+        self.kv = self.kv.with_prefix_cache();
         self
     }
 
     /// Keeps computed blocks and recurrent-state checkpoints in a prefix cache (hybrid
     /// models): `checkpoints` state slots from `first_slot` on (after the running ones).
     pub fn with_state_checkpoints(mut self, first_slot: usize, checkpoints: usize) -> Self {
-        self.prefix = Some(PrefixCache::with_checkpoints(
-            self.pool.block_size(),
-            StateSlotPool::range(first_slot, checkpoints),
-        ));
+        self.kv = self.kv.with_state_checkpoints(first_slot, checkpoints);
+        self
+    }
+
+    /// The model keeps recurrent state (a hybrid without the prefix cache's checkpoints): a
+    /// draft's rejection rolls it back to a snapshot.
+    pub fn with_recurrent_state(mut self) -> Self {
+        self.kv = self.kv.with_recurrent_state();
+        self
+    }
+
+    /// The prefix cache evicts by recency and prefill FLOPs saved per byte (`cost`).
+    pub fn with_eviction_cost(mut self, cost: crate::EvictionCost) -> Self {
+        self.kv = self.kv.with_eviction_cost(cost);
+        self
+    }
+
+    /// Decoding sequences verify up to `max_tokens` tokens `drafter` proposes in each step.
+    pub fn with_drafter(mut self, drafter: Box<dyn Drafter>, max_tokens: usize) -> Self {
+        self.drafter = (max_tokens > 0).then_some((drafter, max_tokens));
         self
     }
 
@@ -229,60 +228,43 @@ impl Scheduler {
         self.running
             .iter()
             .find(|s| s.id == id)
-            .map_or(0, |s| s.computed)
-    }
-
-    /// The prefix cache evicts by recency and prefill FLOPs saved per byte (`cost`).
-    pub fn with_eviction_cost(mut self, cost: crate::EvictionCost) -> Self {
-        self.prefix = self.prefix.map(|p| p.with_eviction_cost(cost));
-        self
+            .map_or(0, |s| s.kv.computed)
     }
 
     /// State checkpoints the prefix cache holds.
     pub fn cached_checkpoints(&self) -> usize {
-        self.prefix.as_ref().map_or(0, PrefixCache::num_checkpoints)
+        self.kv.cached_checkpoints()
     }
 
     /// Drops the checkpoint in `slot`, wherever it is held (its copy failed, so it must not
     /// be resumed from).
     pub fn forget_checkpoint(&mut self, slot: SlotId) {
         for seq in &mut self.running {
-            if let Some(i) = seq.checkpoints.iter().position(|c| c.1 == slot) {
-                seq.checkpoints.remove(i);
-                if let Some(prefix) = &mut self.prefix {
-                    prefix.release_checkpoint(slot);
-                }
+            if self.kv.forget_held_checkpoint(&mut seq.kv, slot) {
                 return;
             }
         }
-        if let Some(prefix) = &mut self.prefix {
-            prefix.forget_checkpoint(slot);
-        }
+        self.kv.forget_cached_checkpoint(slot);
     }
 
     /// Session pins in force (clients' session ids whose prefix eviction passes by).
     pub fn session_pins(&self) -> usize {
-        let now = Instant::now();
-        self.prefix.as_ref().map_or(0, |p| p.num_pins(now))
+        self.kv.session_pins()
     }
 
     /// KV blocks the prefix cache indexes (none without a cache).
     pub fn cached_blocks(&self) -> usize {
-        self.prefix.as_ref().map_or(0, PrefixCache::num_blocks)
+        self.kv.cached_blocks()
     }
 
     /// Recurrent-state slots held by running sequences.
     pub fn slots_in_use(&self) -> usize {
-        self.slots.num_used()
+        self.kv.slots_in_use()
     }
 
     /// KV blocks held by sequences (the cache's idle blocks excluded).
     pub fn blocks_in_use(&self) -> usize {
-        let idle = self
-            .prefix
-            .as_ref()
-            .map_or(0, |p| p.num_idle_blocks(&self.pool));
-        self.pool.num_used() - idle
+        self.kv.blocks_in_use()
     }
 
     /// Queues a request. The caller has checked that its prompt plus `max_tokens` fits the
@@ -301,14 +283,9 @@ impl Scheduler {
             prompt_len: request.prompt.len(),
             tokens: request.prompt,
             session: request.session,
-            computed: 0,
-            uncopied: 0,
+            kv: SeqKv::default(),
+            draft: Vec::new(),
             cached: 0,
-            table: BlockTable::default(),
-            slot: None,
-            checkpoint_at: Vec::new(),
-            checkpoints: Vec::new(),
-            output_checkpoint: None,
             sampler: Sampler::new(request.params),
             constraint: request.constraint,
             max_tokens: request.max_tokens,
@@ -343,7 +320,7 @@ impl Scheduler {
 
     /// The block pool.
     pub fn pool(&self) -> &KvBlockPool {
-        &self.pool
+        self.kv.pool()
     }
 
     /// Preemptions so far.
@@ -384,215 +361,53 @@ impl Scheduler {
         self.step_with(None)
     }
 
-    /// While idle: shows `store` the next cached prefix not yet shown (see
-    /// [`PrefixCache::next_unwritten`]), so that the eviction that later needs its blocks
-    /// does not copy them out on the admission path. False when there is none.
+    /// While idle: shows `store` the next cached prefix not yet written, so that the
+    /// eviction that later needs its blocks does not copy them out on the admission path.
+    /// False when there is none.
     pub fn write_ahead(&mut self, store: &mut dyn SessionStore) -> bool {
-        let Some(prefix) = &mut self.prefix else {
-            return false;
-        };
-        let Some((tokens, blocks, checkpoint)) = prefix.next_unwritten() else {
-            return false;
-        };
-        store.write_ahead(&EvictedPrefix {
-            tokens: &tokens,
-            blocks: &blocks,
-            checkpoint,
-        });
-        true
+        self.kv.write_ahead(store)
     }
 
     /// [`Scheduler::step`] with sessions on disk: evicted prefixes are shown to `store`, and
     /// a new sequence whose tokens extend a spilled prefix longer than its cached one starts
     /// from the spilled one (falling back to the cache and recompute if it cannot be read).
     pub fn step_with(&mut self, mut store: Option<&mut dyn SessionStore>) -> Option<StepPlan> {
-        let mut restores = Vec::new();
-        let mut copies: Vec<BlockCopy> = Vec::new();
-        while self.running.len() < self.config.max_batch && !self.waiting.is_empty() {
-            let Some(slot) = self.slots.acquire() else {
-                break;
-            };
-            let Some(mut seq) = self.waiting.pop_front() else {
-                break;
-            };
-            if std::mem::take(&mut seq.queued) {
-                self.departures += 1;
-            }
-            seq.slot = Some(slot);
-            if let Some(prefix) = &mut self.prefix
-                && seq.table.blocks.is_empty()
-            {
-                // At least the last token is computed, for its logits.
-                let bs = self.pool.block_size();
-                let usable = seq.tokens.len() - 1;
-                take_cached_prefix(
-                    prefix,
-                    &mut self.pool,
-                    &mut seq,
-                    slot,
-                    &mut restores,
-                    &mut copies,
-                    store.as_deref_mut(),
-                );
-                if let Some(store) = store.as_deref_mut()
-                    && let Some((len, path)) = store.find(&seq.tokens, seq.computed, usable)
-                {
-                    // The file holds the whole prefix: the cached blocks go back first (and
-                    // may be evicted to make room), then are looked up again if it fails.
-                    self.pool.release(&mut seq.table);
-                    restores.retain(|r: &(SeqId, SlotId, SlotId)| r.0 != seq.id);
-                    drop_copies(&mut copies, &mut self.pool, |c| c.0 == seq.id);
-                    let need = len.div_ceil(bs);
-                    if need > self.pool.num_free() {
-                        evict(prefix, &mut self.pool, need, Some(&mut *store));
-                    }
-                    let mut table = BlockTable::default();
-                    let hybrid = prefix.keeps_checkpoints();
-                    if self.pool.grow(&mut table, len).is_ok()
-                        && store
-                            .load(&path, &table.blocks, hybrid.then_some(slot))
-                            .is_ok()
-                    {
-                        seq.table = table;
-                        seq.computed = len;
-                        seq.uncopied = 0;
-                        seq.checkpoint_at.retain(|&p| p > len);
-                    } else {
-                        self.pool.release(&mut table);
-                        take_cached_prefix(
-                            prefix,
-                            &mut self.pool,
-                            &mut seq,
-                            slot,
-                            &mut restores,
-                            &mut copies,
-                            Some(&mut *store),
-                        );
-                    }
-                }
-                // What the client's first token waited for; a re-admission after preemption
-                // recomputes from the cache but does not change what is reported.
-                if seq.first_token.is_none() {
-                    seq.cached = seq.computed.min(seq.prompt_len);
-                }
-            }
-            self.running.push(seq);
+        self.kv.begin_step();
+        // Roll-backs the last step left are made before this one's forward.
+        let mut copies = std::mem::take(&mut self.pending);
+        for seq in &mut self.running {
+            seq.kv.state_ahead = false;
         }
-        let mut budget = self.config.max_prefill_tokens.max(1);
-        let mut runs = Vec::new();
-        let mut i = 0;
-        while i < self.running.len() {
-            let seq = &self.running[i];
-            let remaining = seq.tokens.len() - seq.computed;
-            let mut n = if remaining == 1 {
-                1
-            } else {
-                remaining.min(budget)
-            };
-            // A chunk ends where a state checkpoint is to be taken.
-            if let Some(&point) = seq
-                .checkpoint_at
-                .iter()
-                .find(|&&p| p > seq.computed && p < seq.computed + n)
-            {
-                n = point - seq.computed;
-            }
-            if n == 0 {
-                i += 1;
-                continue;
-            }
-            let need = seq.computed + n;
-            let blocks = need.div_ceil(self.pool.block_size());
-            if blocks > self.pool.num_blocks() {
-                // More than the whole cache: preempting it would bring it back for ever.
-                let mut seq = self.running.remove(i);
-                let message = format!(
-                    "the sequence needs {blocks} KV blocks ({need} tokens) and the cache has {}",
-                    self.pool.num_blocks()
-                );
-                self.release(&mut seq);
-                let _ = seq.events.send(Event::Failed(message));
-                continue;
-            }
-            if let Some(prefix) = &mut self.prefix {
-                // Cached blocks nobody holds go before any sequence is preempted.
-                let short = need
-                    .div_ceil(self.pool.block_size())
-                    .saturating_sub(self.running[i].table.blocks.len());
-                if short > self.pool.num_free() {
-                    evict(prefix, &mut self.pool, short, store.as_deref_mut());
-                }
-            }
-            if self.pool.grow(&mut self.running[i].table, need).is_err() {
-                // Preempt the youngest sequence holding blocks (freeing them), or else this
-                // one, which then waits at the front of the queue.
-                let victim = (i + 1..self.running.len())
-                    .rev()
-                    .find(|&j| !self.running[j].table.blocks.is_empty())
-                    .unwrap_or(i);
-                self.preempt(victim);
-                continue;
-            }
-            // Decode rows count too, so that a step is never more tokens than the budget
-            // (the activation buffers sized for it serve every step) unless its decode rows
-            // alone are.
-            budget = budget.saturating_sub(n);
-            let seq = &self.running[i];
-            runs.push(PlannedRun {
-                seq: seq.id,
-                tokens: n,
-                logits: usize::from(need == seq.tokens.len()),
-            });
-            i += 1;
-        }
+        self.admit(&mut copies, store.as_deref_mut());
+        let runs = self.plan_runs(&mut copies, store);
         // A restore is made before this step's forward even for a sequence without a run in
         // it (out of budget); a preempted sequence looks its prefix up again.
-        restores.retain(|r: &(SeqId, SlotId, SlotId)| {
-            self.running
-                .iter()
-                .any(|s| s.id == r.0 && s.slot == Some(r.2))
-        });
         let running = &self.running;
-        drop_copies(&mut copies, &mut self.pool, |c| {
+        let holds = |id: SeqId, slot: SlotId| {
+            running
+                .iter()
+                .any(|s| s.id == id && s.kv.slot == Some(slot))
+        };
+        copies.restores.retain(|r| holds(r.0, r.2));
+        copies
+            .states
+            .retain(|c| running.iter().any(|s| s.id == c.0 && s.kv.slot.is_some()));
+        self.kv.drop_copies(&mut copies.blocks, |c| {
             !running
                 .iter()
-                .any(|s| s.id == c.0 && s.table.blocks.contains(&c.2))
+                .any(|s| s.id == c.0 && s.kv.table.blocks.contains(&c.2))
         });
         if runs.is_empty() {
-            self.abandon(&restores, copies);
+            self.abandon(copies);
             return None;
         }
-        let built = (|| {
-            let mut batch = RaggedBatch::new(self.pool.block_size());
-            for run in &runs {
-                let Some(seq) = self.running.iter().find(|s| s.id == run.seq) else {
-                    return Err(format!("sequence {} is not running", run.seq.0));
-                };
-                let ids: Vec<TokenId> = seq.tokens[seq.computed..seq.computed + run.tokens]
-                    .iter()
-                    .map(|&t| TokenId(t))
-                    .collect();
-                let wanted = if run.logits > 0 {
-                    LogitsWanted::Last
-                } else {
-                    LogitsWanted::None
-                };
-                batch
-                    .push_run(seq.id, &ids, seq.computed, &seq.table, wanted)
-                    .map_err(|e| e.to_string())?;
-                if let Some(slot) = seq.slot {
-                    batch
-                        .set_state_slot(seq.id, slot)
-                        .map_err(|e| e.to_string())?;
-                }
-            }
-            Ok(batch)
-        })();
+        let built = self.build_batch(&runs);
         let plan = StepPlan {
-            batch: RaggedBatch::new(self.pool.block_size()),
+            batch: RaggedBatch::new(self.kv.block_size()),
             runs,
-            restores,
-            block_copies: copies,
+            restores: copies.restores,
+            block_copies: copies.blocks,
+            state_copies: copies.states,
         };
         match built {
             Ok(batch) => Some(StepPlan { batch, ..plan }),
@@ -605,15 +420,166 @@ impl Scheduler {
         }
     }
 
+    /// Admits waiting sequences while the batch has room and a state slot is free, each
+    /// starting from what the cache (or `store`) holds of its tokens.
+    fn admit<'s>(&mut self, copies: &mut Copies, mut store: Option<&mut (dyn SessionStore + 's)>) {
+        while self.running.len() < self.config.max_batch && !self.waiting.is_empty() {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            if !self.kv.acquire_slot(&mut seq.kv) {
+                self.waiting.push_front(seq);
+                break;
+            }
+            if std::mem::take(&mut seq.queued) {
+                self.departures += 1;
+            }
+            self.kv.admit(
+                seq.id,
+                &mut seq.kv,
+                &seq.tokens,
+                seq.prompt_len,
+                copies,
+                store.as_deref_mut(),
+            );
+            // What the client's first token waited for; a re-admission after preemption
+            // recomputes from the cache but does not change what is reported.
+            if seq.first_token.is_none() {
+                seq.cached = seq.kv.computed.min(seq.prompt_len);
+            }
+            self.running.push(seq);
+        }
+    }
+
+    /// Each running sequence's run of this step, oldest first, within the token budget:
+    /// blocks granted (cached ones evicted, the youngest preempted where the pool is short),
+    /// drafts proposed for decoding ones.
+    fn plan_runs<'s>(
+        &mut self,
+        copies: &mut Copies,
+        mut store: Option<&mut (dyn SessionStore + 's)>,
+    ) -> Vec<PlannedRun> {
+        let mut budget = self.config.max_prefill_tokens.max(1);
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let seq = &mut self.running[i];
+            seq.draft.clear();
+            let remaining = seq.tokens.len() - seq.kv.computed;
+            let mut n = if remaining == 1 {
+                1
+            } else {
+                remaining.min(budget)
+            };
+            // A chunk ends where a state checkpoint is to be taken.
+            if let Some(&point) = seq
+                .kv
+                .checkpoint_at
+                .iter()
+                .find(|&&p| p > seq.kv.computed && p < seq.kv.computed + n)
+            {
+                n = point - seq.kv.computed;
+            }
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            if remaining == 1
+                && let Some((drafter, max)) = &mut self.drafter
+            {
+                let max = (*max).min(seq.room().saturating_sub(1));
+                if max > 0 {
+                    seq.draft = drafter.propose(seq.id, &seq.tokens, max);
+                    seq.draft.truncate(max);
+                }
+            }
+            let need = seq.kv.computed + n + seq.draft.len();
+            match self.kv.grant(&mut seq.kv, need, store.as_deref_mut()) {
+                Ok(()) => {}
+                Err(NoGrant::Never { blocks, pool }) => {
+                    // More than the whole cache: preempting it would bring it back for ever.
+                    let mut seq = self.running.remove(i);
+                    let message = format!(
+                        "the sequence needs {blocks} KV blocks ({need} tokens) and the cache has {pool}"
+                    );
+                    self.release(&mut seq);
+                    let _ = seq.events.send(Event::Failed(message));
+                    continue;
+                }
+                Err(NoGrant::Short) => {
+                    // Preempt the youngest sequence holding blocks (freeing them), or else
+                    // this one, which then waits at the front of the queue.
+                    let victim = (i + 1..self.running.len())
+                        .rev()
+                        .find(|&j| !self.running[j].kv.table.blocks.is_empty())
+                        .unwrap_or(i);
+                    self.preempt(victim);
+                    continue;
+                }
+            }
+            // A draft is verified against a snapshot of the state to roll back to.
+            let seq = &mut self.running[i];
+            if !seq.draft.is_empty() && !self.kv.snapshot(seq.id, &mut seq.kv, copies) {
+                seq.draft.clear();
+            }
+            // Decode rows count too, so that a step is never more tokens than the budget
+            // (the activation buffers sized for it serve every step) unless its decode rows
+            // alone are.
+            let tokens = n + seq.draft.len();
+            budget = budget.saturating_sub(tokens);
+            let ends = seq.kv.computed + n == seq.tokens.len();
+            runs.push(PlannedRun {
+                seq: seq.id,
+                tokens,
+                logits: if ends { 1 + seq.draft.len() } else { 0 },
+            });
+            i += 1;
+        }
+        runs
+    }
+
+    /// The ragged batch of `runs`: each run's tokens from its computed ones on (a draft's
+    /// after its last), its blocks and state slot.
+    fn build_batch(&self, runs: &[PlannedRun]) -> Result<RaggedBatch, String> {
+        let mut batch = RaggedBatch::new(self.kv.block_size());
+        for run in runs {
+            let Some(seq) = self.running.iter().find(|s| s.id == run.seq) else {
+                return Err(format!("sequence {} is not running", run.seq.0));
+            };
+            let own = run.tokens - seq.draft.len();
+            let ids: Vec<TokenId> = seq.tokens[seq.kv.computed..seq.kv.computed + own]
+                .iter()
+                .chain(&seq.draft)
+                .map(|&t| TokenId(t))
+                .collect();
+            let wanted = match run.logits {
+                0 => LogitsWanted::None,
+                1 => LogitsWanted::Last,
+                _ => LogitsWanted::All,
+            };
+            batch
+                .push_run(seq.id, &ids, seq.kv.computed, &seq.kv.table, wanted)
+                .map_err(|e| e.to_string())?;
+            if let Some(slot) = seq.kv.slot {
+                batch
+                    .set_state_slot(seq.id, slot)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(batch)
+    }
+
     /// A plan that does not run: its copies give their holders back, and the sequences it
     /// was to restore state or copy a block for start over (what they counted is not there).
-    fn abandon(&mut self, restores: &[(SeqId, SlotId, SlotId)], mut copies: Vec<BlockCopy>) {
-        let ids: Vec<SeqId> = restores
+    fn abandon(&mut self, mut copies: Copies) {
+        let ids: Vec<SeqId> = copies
+            .restores
             .iter()
+            .chain(&copies.states)
             .map(|r| r.0)
-            .chain(copies.iter().map(|c| c.0))
+            .chain(copies.blocks.iter().map(|c| c.0))
             .collect();
-        drop_copies(&mut copies, &mut self.pool, |_| true);
+        self.kv.drop_copies(&mut copies.blocks, |_| true);
         for id in ids {
             if let Some(i) = self.running.iter().position(|s| s.id == id) {
                 self.preempt(i);
@@ -624,44 +590,21 @@ impl Scheduler {
     /// Returns a sequence's KV blocks and state slot; with a prefix cache, its computed full
     /// blocks stay indexed there.
     fn release(&mut self, seq: &mut Sequence) {
-        if let Some(prefix) = &mut self.prefix {
-            // Checkpoints past what is computed (a failed step's) are not trusted.
-            // A block still to be copied holds nothing yet.
-            let computed = seq.computed - std::mem::take(&mut seq.uncopied);
-            seq.output_checkpoint = None;
-            let (kept, dropped): (Vec<_>, Vec<_>) =
-                seq.checkpoints.drain(..).partition(|c| c.0 <= computed);
-            let end = prefix.insert_with_checkpoints(
-                &seq.tokens[..computed],
-                &seq.table,
-                &kept,
-                &mut self.pool,
-            );
-            if let (Some(session), Some(end), false) =
-                (&seq.session, end, self.config.session_pin.is_zero())
-            {
-                prefix.pin(session, end, Instant::now() + self.config.session_pin);
-            }
-            for (_, slot) in dropped {
-                prefix.release_checkpoint(slot);
-            }
-        }
-        self.pool.release(&mut seq.table);
-        if let Some(slot) = seq.slot.take() {
-            self.slots.release(slot);
-        }
+        seq.draft.clear();
+        self.kv
+            .release(&mut seq.kv, &seq.tokens, seq.session.as_deref());
     }
 
     /// Frees sequence `index`'s blocks and puts it back at the front of the queue, to be
     /// recomputed from its tokens (prompt and generated so far).
     fn preempt(&mut self, index: usize) {
         let mut seq = self.running.remove(index);
-        if !seq.table.blocks.is_empty() {
+        if !seq.kv.table.blocks.is_empty() {
             self.preemptions += 1;
         }
         self.release(&mut seq);
-        seq.computed = 0;
-        seq.checkpoint_at.clear();
+        seq.kv.computed = 0;
+        seq.kv.checkpoint_at.clear();
         self.waiting.push_front(seq);
     }
 
@@ -673,175 +616,21 @@ impl Scheduler {
             .iter()
             .map(|r| r.seq)
             .chain(plan.restores.iter().map(|r| r.0))
+            .chain(plan.state_copies.iter().map(|r| r.0))
             .chain(plan.block_copies.iter().map(|c| c.0))
             .collect();
         let mut copies = plan.block_copies;
-        drop_copies(&mut copies, &mut self.pool, |_| true);
+        self.kv.drop_copies(&mut copies, |_| true);
         for id in ids {
             if let Some(index) = self.running.iter().position(|s| s.id == id) {
                 let mut seq = self.running.remove(index);
                 // The failed step's KV is not trusted: nothing of it is cached.
-                seq.computed = 0;
+                seq.kv.computed = 0;
                 self.release(&mut seq);
                 let _ = seq.events.send(Event::Failed(message.to_string()));
             }
         }
     }
-}
-
-/// Evicts cached blocks until `free` are free, writing what goes to `store` if there is one.
-fn evict<'s>(
-    prefix: &mut PrefixCache,
-    pool: &mut KvBlockPool,
-    free: usize,
-    store: Option<&mut (dyn SessionStore + 's)>,
-) {
-    match store {
-        Some(store) => prefix.evict_with(pool, free, Some(&mut |e| store.spill(e))),
-        None => prefix.evict(pool, free),
-    };
-}
-
-/// Drops the planned block copies that `gone` picks, returning the holder each took on its
-/// cached block.
-fn drop_copies(
-    copies: &mut Vec<BlockCopy>,
-    pool: &mut KvBlockPool,
-    mut gone: impl FnMut(&BlockCopy) -> bool,
-) {
-    copies.retain(|c| {
-        let drop = gone(c);
-        if drop {
-            pool.release(&mut BlockTable { blocks: vec![c.1] });
-        }
-        !drop
-    });
-}
-
-/// Starts `seq` from its longest cached prefix: the shared blocks (a holder taken for each),
-/// a partly matching block to copy into its own next block (a cached block evicted for it if
-/// none is free, else the hit in whole blocks), and for a hybrid the checkpoint to restore
-/// into `slot` and the points at which to take new ones.
-fn take_cached_prefix<'s>(
-    prefix: &mut PrefixCache,
-    pool: &mut KvBlockPool,
-    seq: &mut Sequence,
-    slot: SlotId,
-    restores: &mut Vec<(SeqId, SlotId, SlotId)>,
-    copies: &mut Vec<BlockCopy>,
-    store: Option<&mut (dyn SessionStore + 's)>,
-) {
-    let bs = pool.block_size();
-    // At least the last token is computed, for its logits.
-    let usable = seq.tokens.len() - 1;
-    let mut hit = prefix.lookup_hit(&seq.tokens, usable, pool);
-    if hit.copy.is_some() && pool.num_free() == 0 {
-        evict(prefix, pool, 1, store);
-    }
-    let mut dst = None;
-    if let Some((src, _)) = hit.copy {
-        let mut table = BlockTable::default();
-        if pool.grow(&mut table, 1).is_ok() {
-            dst = table.blocks.first().copied();
-        } else {
-            pool.release(&mut hit.table);
-            pool.release(&mut BlockTable { blocks: vec![src] });
-            hit = prefix.lookup_whole_blocks(&seq.tokens, usable, pool);
-        }
-    }
-    seq.table = std::mem::take(&mut hit.table);
-    seq.computed = seq.table.blocks.len() * bs;
-    seq.uncopied = 0;
-    if let (Some((src, used)), Some(dst)) = (hit.copy, dst) {
-        seq.table.blocks.push(dst);
-        copies.push((seq.id, src, dst));
-        seq.computed += used;
-        seq.uncopied = used;
-    }
-    if prefix.keeps_checkpoints() {
-        if let Some(checkpoint) = hit.checkpoint {
-            restores.push((seq.id, checkpoint, slot));
-        }
-        // Where the prompt leaves the cached tree (unless within a block of where it resumes:
-        // a checkpoint there would save little and cost the prefill a chunk of its own), and
-        // its end.
-        let branch = hit.matched_tokens;
-        let points = [
-            (branch >= seq.computed + bs).then_some(branch),
-            Some(seq.prompt_len),
-        ];
-        seq.checkpoint_at = points
-            .into_iter()
-            .flatten()
-            .filter(|&p| p > seq.computed)
-            .collect();
-        seq.checkpoint_at.sort_unstable();
-        seq.checkpoint_at.dedup();
-    }
-}
-
-/// After a step: a hybrid sequence that has just computed a planned checkpoint point, or the
-/// next whole block of its output (replacing its previous output checkpoint), gets a
-/// checkpoint slot and a copy of its state queued into it.
-fn take_checkpoint(
-    prefix: &mut PrefixCache,
-    seq: &mut Sequence,
-    slot: SlotId,
-    block_size: usize,
-    counts: &mut StepCounts,
-) {
-    let at = seq.computed;
-    if !prefix.keeps_checkpoints() || at == 0 {
-        return;
-    }
-    let planned = seq.checkpoint_at.contains(&at);
-    let output = at > seq.prompt_len && at.is_multiple_of(block_size);
-    if !planned && !output {
-        return;
-    }
-    queue_checkpoint(prefix, seq, slot, output && !planned, counts);
-}
-
-/// Takes a checkpoint slot and queues a copy of `slot`'s state (after `seq.computed`
-/// tokens) into it; as the output checkpoint, in place of the previous one.
-fn queue_checkpoint(
-    prefix: &mut PrefixCache,
-    seq: &mut Sequence,
-    slot: SlotId,
-    output: bool,
-    counts: &mut StepCounts,
-) {
-    let at = seq.computed;
-    let Some(dst) = prefix.take_checkpoint_slot() else {
-        return;
-    };
-    if output
-        && let Some(old_at) = seq.output_checkpoint.replace(at)
-        && let Some(i) = seq.checkpoints.iter().position(|c| c.0 == old_at)
-    {
-        let (_, old) = seq.checkpoints.remove(i);
-        prefix.release_checkpoint(old);
-    }
-    seq.checkpoints.push((at, dst));
-    counts.checkpoint_copies.push((slot, dst));
-}
-
-/// A hybrid sequence that ends past its prompt gets a checkpoint at its last computed token
-/// (replacing its previous output checkpoint): the next turn re-sends all of it.
-fn take_final_checkpoint(
-    prefix: &mut PrefixCache,
-    seq: &mut Sequence,
-    slot: SlotId,
-    counts: &mut StepCounts,
-) {
-    let at = seq.computed;
-    if !prefix.keeps_checkpoints()
-        || at <= seq.prompt_len
-        || seq.checkpoints.iter().any(|c| c.0 == at)
-    {
-        return;
-    }
-    queue_checkpoint(prefix, seq, slot, true, counts);
 }
 
 #[cfg(test)]
@@ -1074,5 +863,103 @@ mod tests {
             "the second block's first 2 ids, copied"
         );
         let _ = s.finish_step(plan, &mut [0.0; 16], 16, DispatchStats::default());
+    }
+
+    /// Proposes `next` after whatever it is shown.
+    struct FixedDrafter(Vec<u32>);
+
+    impl Drafter for FixedDrafter {
+        fn propose(&mut self, _seq: SeqId, _tokens: &[u32], max: usize) -> Vec<u32> {
+            self.0.iter().copied().take(max).collect()
+        }
+    }
+
+    /// A decode step verifying a draft of 3 asks for 1 + 3 logits rows; the output step
+    /// accepts the draft while the rows sample it (here 1 of 3), sends the accepted token
+    /// and the row's own, and cuts what was rejected: without recurrent state the KV keeps
+    /// the accepted tokens, with it the state is snapshotted before the step and copied back
+    /// before the next (which computes the accepted tokens again).
+    #[test]
+    fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() {
+        for recurrent in [false, true] {
+            let base = Scheduler::new(config(2), KvBlockPool::new(16, 4))
+                .with_drafter(Box::new(FixedDrafter(vec![10, 11, 12])), 3);
+            let mut s = if recurrent {
+                base.with_state_checkpoints(2, 2)
+            } else {
+                base
+            };
+            let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            s.add(EngineRequest {
+                events,
+                ..request(&[1, 2, 3], 8)
+            });
+            let vocab = 16;
+            // Rows sample these tokens: the prompt's row 9, then 10 (the draft's first),
+            // then 7 where the draft says 11.
+            let favour = |rows: &[u32]| {
+                let mut logits = vec![0.0f32; rows.len() * vocab];
+                for (r, &t) in rows.iter().enumerate() {
+                    logits[r * vocab + t as usize] = 10.0;
+                }
+                logits
+            };
+            let plan = s.step().unwrap();
+            assert_eq!(
+                plan.runs[0].logits, 1,
+                "a prompt's run asks for its last row"
+            );
+            let _ = s.finish_step(plan, &mut favour(&[9]), vocab, DispatchStats::default());
+            let plan = s.step().unwrap();
+            let run = plan.runs[0];
+            assert_eq!(
+                (run.tokens, run.logits),
+                (4, 4),
+                "the last token and 3 drafted"
+            );
+            assert_eq!(plan.batch.runs()[0].first_position, 3);
+            assert_eq!(plan.batch.logit_rows().len(), 4);
+            let slot = s.running[0].kv.slot.unwrap();
+            if recurrent {
+                assert_eq!(plan.state_copies.len(), 1, "a snapshot before the verify");
+                assert_eq!(plan.state_copies[0].1, slot);
+            } else {
+                assert!(plan.state_copies.is_empty());
+            }
+            let counts = s.finish_step(
+                plan,
+                &mut favour(&[10, 7, 3, 3]),
+                vocab,
+                DispatchStats::default(),
+            );
+            assert_eq!((counts.draft_tokens, counts.accepted_tokens), (3, 1));
+            assert_eq!(counts.generated_tokens, 2);
+            let seq = &s.running[0];
+            assert_eq!(seq.tokens, [1, 2, 3, 9, 10, 7]);
+            let computed = if recurrent { 3 } else { 5 };
+            assert_eq!(seq.kv.computed, computed);
+            assert_eq!(
+                seq.kv.table.blocks.len(),
+                computed.div_ceil(4),
+                "rejected blocks cut"
+            );
+            let ids: Vec<u32> = std::iter::from_fn(|| match rx.try_recv() {
+                Ok(Event::Token(t)) => Some(t.id),
+                _ => None,
+            })
+            .collect();
+            assert_eq!(ids, [9, 10, 7]);
+            let plan = s.step().unwrap();
+            if recurrent {
+                let (_, from, to) = plan.state_copies[0];
+                assert_eq!(to, slot, "the roll-back comes first");
+                assert_ne!(from, slot);
+                assert_eq!(plan.runs[0].tokens, 3, "9, 10 again, then 7");
+            } else {
+                assert_eq!(plan.runs[0].tokens, 1 + 3, "7, then the next draft");
+            }
+            s.fail_step(plan, "end of test");
+            assert!(s.is_idle());
+        }
     }
 }

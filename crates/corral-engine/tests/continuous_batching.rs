@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use corral_backend::CpuBackend;
 use corral_engine::{
-    EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, Finished, SamplingParams,
-    spawn_engine,
+    Drafter, EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, Finished,
+    SamplingParams, spawn_engine, spawn_engine_drafting,
 };
 use corral_model::Model;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -547,4 +547,90 @@ fn a_session_id_keeps_its_prefix_through_eviction() {
         "without a session id the history is evicted"
     );
     assert_eq!(cached[1], (40, 1), "pinned, all of the history");
+}
+
+/// A stand-in drafter: it knows each prompt's greedy reply and proposes its next tokens,
+/// every third one wrong, so that verify steps accept some tokens and reject others.
+struct KnowingDrafter {
+    replies: Vec<(Vec<u32>, Vec<u32>)>,
+}
+
+impl Drafter for KnowingDrafter {
+    fn propose(&mut self, _seq: corral_model::SeqId, tokens: &[u32], max: usize) -> Vec<u32> {
+        let Some((prompt, reply)) = self.replies.iter().find(|(p, r)| {
+            tokens.starts_with(p) && r.starts_with(&tokens[p.len().min(tokens.len())..])
+        }) else {
+            return Vec::new();
+        };
+        let done = tokens.len() - prompt.len();
+        reply[done..]
+            .iter()
+            .take(max)
+            .enumerate()
+            .map(|(i, &t)| {
+                if (done + i) % 3 == 2 {
+                    (t + 1) % 250
+                } else {
+                    t
+                }
+            })
+            .collect()
+    }
+}
+
+/// Speculative decoding against plain: with drafts verified in one run per step (accepted
+/// while the model samples them, the rest cut from the KV cache and a hybrid's recurrent
+/// state rolled back to its snapshot), concurrent greedy requests generate exactly what each
+/// generates alone, with and without the prefix cache, also under preemption; drafts were
+/// both accepted and rejected, and every block and slot comes back.
+#[test]
+fn drafted_decoding_generates_what_plain_decoding_does() {
+    for name in ["qwen3_next", "qwen3_5_moe_hub", "qwen3_moe_fused"] {
+        let replies: Vec<(Vec<u32>, Vec<u32>)> = prompts()
+            .into_iter()
+            .map(|p| {
+                let r = alone(name, &p, 12);
+                (p, r)
+            })
+            .collect();
+        for (prefix_cache, kv_blocks) in [(false, 256), (true, 256), (true, 16)] {
+            let drafter = KnowingDrafter {
+                replies: replies.clone(),
+            };
+            let config = EngineConfig {
+                prefix_cache,
+                ..config(kv_blocks)
+            };
+            let (engine, thread) =
+                spawn_engine_drafting(model_named(name), config, Some((Box::new(drafter), 4)))
+                    .unwrap();
+            let mut receivers: Vec<_> = replies
+                .iter()
+                .map(|(p, _)| submit(&engine, p, 12))
+                .collect();
+            for (i, rx) in receivers.iter_mut().enumerate() {
+                let (tokens, Finished { reason, .. }) = collect(rx);
+                let what =
+                    format!("{name}: request {i}, prefix cache {prefix_cache}, {kv_blocks} blocks");
+                assert_eq!(tokens, replies[i].1, "{what}");
+                assert_eq!(reason, FinishReason::Length, "{what}");
+            }
+            let m = engine.metrics();
+            let (drafted, accepted) = (
+                m.draft_tokens.load(Ordering::Relaxed),
+                m.accepted_draft_tokens.load(Ordering::Relaxed),
+            );
+            assert!(
+                accepted > 0 && accepted < drafted,
+                "{name}: {accepted} of {drafted} draft tokens accepted"
+            );
+            assert!(
+                m.generated_tokens.load(Ordering::Relaxed) == 12 * replies.len() as u64,
+                "{name}: every token counted once"
+            );
+            wait_for_zero_blocks(&engine);
+            engine.shutdown();
+            thread.join().unwrap();
+        }
+    }
 }

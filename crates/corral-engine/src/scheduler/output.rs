@@ -32,6 +32,10 @@ impl Scheduler {
         }
         let index = |running: &[Sequence], id: SeqId| running.iter().position(|s| s.id == id);
         let wanted = plan.runs.iter().filter(|r| r.logits > 0);
+        // A draft's rows are sampled one after another, each after the last was accepted.
+        if wanted.clone().any(|r| r.logits > 1) {
+            return false;
+        }
         if wanted.clone().any(|r| {
             index(&self.running, r.seq).is_some_and(|i| {
                 let seq = &self.running[i];
@@ -86,10 +90,10 @@ impl Scheduler {
         let mut copies = plan.block_copies;
         for &(id, _, _) in &copies {
             if let Some(seq) = self.running.iter_mut().find(|s| s.id == id) {
-                seq.uncopied = 0;
+                seq.kv.uncopied = 0;
             }
         }
-        drop_copies(&mut copies, &mut self.pool, |_| true);
+        self.kv.drop_copies(&mut copies, |_| true);
         for run in plan.runs {
             // This run's rows of the step's logits.
             let rows = row..row + run.logits;
@@ -98,30 +102,56 @@ impl Scheduler {
                 continue;
             };
             let seq = &mut self.running[index];
-            if seq.computed < seq.prompt_len {
-                counts.prefill_tokens += run.tokens.min(seq.prompt_len - seq.computed);
+            let draft = std::mem::take(&mut seq.draft);
+            if seq.kv.computed < seq.prompt_len {
+                counts.prefill_tokens += run.tokens.min(seq.prompt_len - seq.kv.computed);
                 seq.prefill_stats = seq.prefill_stats + stats;
             } else {
                 seq.decode_stats = seq.decode_stats + stats;
                 seq.decode_steps += 1;
             }
-            seq.computed += run.tokens;
-            if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
-                take_checkpoint(prefix, seq, slot, self.pool.block_size(), &mut counts);
-            }
-            for r in rows {
+            // Its own tokens; the draft's as far as they are accepted.
+            seq.kv.computed += run.tokens - draft.len();
+            // Row k is sampled after k draft tokens: the draft goes on while it is what
+            // the model samples (exactly the model's distribution, row by row).
+            let mut accepted = 0;
+            let mut ended = None;
+            for (k, r) in rows.enumerate() {
                 let seq = &mut self.running[index];
                 match accept_row(seq, &mut logits, r, now, &mut counts) {
-                    Ok(None) => {}
+                    Ok(None) if draft.get(k).is_some_and(|&d| seq.tokens.last() == Some(&d)) => {
+                        accepted += 1;
+                    }
+                    Ok(None) => break,
                     Ok(Some(reason)) => {
-                        self.end(index, reason, now, &mut counts);
+                        ended = Some(Ok(reason));
                         break;
                     }
                     Err(e) => {
-                        failed.push((seq.id, e));
+                        ended = Some(Err(e));
                         break;
                     }
                 }
+            }
+            let seq = &mut self.running[index];
+            if !draft.is_empty() {
+                counts.draft_tokens += draft.len();
+                counts.accepted_tokens += accepted;
+                self.kv.settle_draft(
+                    seq.id,
+                    &mut seq.kv,
+                    (accepted, draft.len()),
+                    ended.is_none(),
+                    &mut self.pending,
+                );
+            }
+            if let Some(c) = self.kv.checkpoint(&mut seq.kv, seq.prompt_len) {
+                counts.checkpoint_copies.push(c);
+            }
+            match ended {
+                None => {}
+                Some(Ok(reason)) => self.end(index, reason, now, &mut counts),
+                Some(Err(e)) => failed.push((run.seq, e)),
             }
         }
         for (id, message) in failed {
@@ -145,8 +175,8 @@ impl Scheduler {
         counts: &mut StepCounts,
     ) {
         let mut seq = self.running.remove(index);
-        if let (Some(prefix), Some(slot)) = (&mut self.prefix, seq.slot) {
-            take_final_checkpoint(prefix, &mut seq, slot, counts);
+        if let Some(c) = self.kv.final_checkpoint(&mut seq.kv, seq.prompt_len) {
+            counts.checkpoint_copies.push(c);
         }
         self.release(&mut seq);
         let first = seq.first_token.unwrap_or(now);

@@ -98,7 +98,7 @@ fn vllm_compatible(out: &mut String, state: &AppState) {
         ),
         1.0,
     );
-    let counters: [(&str, &str, f64); 5] = [
+    let counters: [(&str, &str, f64); 7] = [
         (
             "vllm:prompt_tokens_total",
             "Prompt tokens prefilled.",
@@ -123,6 +123,16 @@ fn vllm_compatible(out: &mut String, state: &AppState) {
             "vllm:prefix_cache_hits_total",
             "Prompt tokens of finished requests found in the prefix cache.",
             load(&m.cached_prompt_tokens),
+        ),
+        (
+            "vllm:spec_decode_num_draft_tokens_total",
+            "Draft tokens verified.",
+            load(&m.draft_tokens),
+        ),
+        (
+            "vllm:spec_decode_num_accepted_tokens_total",
+            "Draft tokens accepted.",
+            load(&m.accepted_draft_tokens),
         ),
     ];
     for (name, help, value) in counters {
