@@ -112,8 +112,8 @@ pub struct Finished {
 /// What the engine sends a request's handler.
 #[derive(Clone, Debug)]
 pub enum Event {
-    /// A token was generated.
-    Token(TokenEvent),
+    /// Tokens were generated: one, or several where a step accepted a draft.
+    Tokens(Vec<TokenEvent>),
     /// Generation ended.
     Finished(Finished),
     /// The engine failed while running the request.

@@ -750,7 +750,7 @@ mod tests {
             let (mut ids, mut end) = (Vec::new(), None);
             while let Ok(event) = rx.try_recv() {
                 match event {
-                    Event::Token(t) => ids.push(t.id),
+                    Event::Tokens(t) => ids.extend(t.iter().map(|t| t.id)),
                     Event::Finished(f) => end = Some(f),
                     Event::Failed(e) => panic!("{e}"),
                 }
@@ -943,12 +943,16 @@ mod tests {
                 computed.div_ceil(4),
                 "rejected blocks cut"
             );
-            let ids: Vec<u32> = std::iter::from_fn(|| match rx.try_recv() {
-                Ok(Event::Token(t)) => Some(t.id),
+            let events: Vec<Vec<u32>> = std::iter::from_fn(|| match rx.try_recv() {
+                Ok(Event::Tokens(t)) => Some(t.iter().map(|t| t.id).collect()),
                 _ => None,
             })
             .collect();
-            assert_eq!(ids, [9, 10, 7]);
+            assert_eq!(
+                events,
+                [vec![9], vec![10, 7]],
+                "a step's tokens in one event"
+            );
             let plan = s.step().unwrap();
             if recurrent {
                 let (_, from, to) = plan.state_copies[0];

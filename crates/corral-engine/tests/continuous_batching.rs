@@ -90,7 +90,7 @@ fn collect(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, Finished) {
     let mut tokens = Vec::new();
     loop {
         match rx.blocking_recv().expect("engine ended the stream") {
-            Event::Token(t) => tokens.push(t.id),
+            Event::Tokens(t) => tokens.extend(t.iter().map(|t| t.id)),
             Event::Finished(f) => return (tokens, f),
             Event::Failed(e) => panic!("{e}"),
         }
@@ -164,7 +164,7 @@ fn dropped_receiver_cancels_and_frees_blocks() {
     let mut rx = submit(&engine, &prompts()[3], 100_000);
     // Wait for the first tokens, then hang up mid-generation.
     for _ in 0..3 {
-        assert!(matches!(rx.blocking_recv(), Some(Event::Token(_))));
+        assert!(matches!(rx.blocking_recv(), Some(Event::Tokens(_))));
     }
     assert!(engine.metrics().kv_blocks_used.load(Ordering::Relaxed) > 0);
     assert_eq!(engine.metrics().state_slots_used.load(Ordering::Relaxed), 1);

@@ -176,17 +176,20 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     let mut generated = 0;
     let outcome: Result<Finished> = loop {
         match events.blocking_recv() {
-            Some(Event::Token(token)) => {
-                generated += 1;
-                let piece = match &tokenizer {
-                    Some(tok) => decoder.push(tok, token.id).map_err(anyhow::Error::from),
-                    None => Ok(Some(format!("{} ", token.id))),
-                };
-                let written = piece.and_then(|p| {
-                    if let Some(p) = p {
-                        stdout.write_all(p.as_bytes())?;
-                        stdout.flush()?;
-                    }
+            Some(Event::Tokens(tokens)) => {
+                generated += tokens.len();
+                let mut text = String::new();
+                let pieces = tokens.iter().try_for_each(|token| {
+                    let piece = match &tokenizer {
+                        Some(tok) => decoder.push(tok, token.id).map_err(anyhow::Error::from)?,
+                        None => Some(format!("{} ", token.id)),
+                    };
+                    text.extend(piece);
+                    Ok::<_, anyhow::Error>(())
+                });
+                let written = pieces.and_then(|()| {
+                    stdout.write_all(text.as_bytes())?;
+                    stdout.flush()?;
                     Ok(())
                 });
                 if let Err(e) = written {

@@ -116,9 +116,10 @@ impl Scheduler {
             // the model samples (exactly the model's distribution, row by row).
             let mut accepted = 0;
             let mut ended = None;
+            let mut sent = Vec::new();
             for (k, r) in rows.enumerate() {
                 let seq = &mut self.running[index];
-                match accept_row(seq, &mut logits, r, now, &mut counts) {
+                match accept_row(seq, &mut logits, r, (now, &mut sent), &mut counts) {
                     Ok(None) if draft.get(k).is_some_and(|&d| seq.tokens.last() == Some(&d)) => {
                         accepted += 1;
                     }
@@ -134,6 +135,11 @@ impl Scheduler {
                 }
             }
             let seq = &mut self.running[index];
+            // The run's tokens go to the client in one event.
+            if !sent.is_empty() && seq.events.send(Event::Tokens(sent)).is_err() && ended.is_none()
+            {
+                ended = Some(Ok(seq.handle.departed_reason()));
+            }
             if !draft.is_empty() {
                 counts.draft_tokens += draft.len();
                 counts.accepted_tokens += accepted;
@@ -197,13 +203,13 @@ impl Scheduler {
 }
 
 /// Logits row `row` of a step for `seq`: its token sampled (under its grammar), then, unless
-/// it is a stop id, appended and sent to its client; `Some` reason where the sequence ends
-/// with it, `Err` where its grammar fails.
+/// it is a stop id, appended and added to what is `sent` to its client; `Some` reason where
+/// the sequence ends with it, `Err` where its grammar fails.
 fn accept_row(
     seq: &mut Sequence,
     logits: &mut StepLogits<'_>,
     row: usize,
-    now: Instant,
+    (now, sent): (Instant, &mut Vec<TokenEvent>),
     counts: &mut StepCounts,
 ) -> Result<Option<FinishReason>, String> {
     let (token, logprob, top) = match logits {
@@ -234,15 +240,13 @@ fn accept_row(
         };
         seq.tokens.push(token);
         counts.generated_tokens += 1;
-        let event = Event::Token(TokenEvent {
+        sent.push(TokenEvent {
             id: token,
             cached_prompt_tokens: seq.cached,
             logprob,
             top_logprobs: top,
         });
-        if seq.events.send(event).is_err() {
-            Some(seq.handle.departed_reason())
-        } else if complete {
+        if complete {
             Some(FinishReason::Stop)
         } else if seq.generated() >= seq.max_tokens || seq.tokens.len() >= seq.max_context {
             Some(FinishReason::Length)

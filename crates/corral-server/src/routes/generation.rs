@@ -178,36 +178,38 @@ impl Generation {
         }
         let event = self.rx.recv().await;
         match event {
-            Some(Event::Token(token)) => {
-                self.completion_tokens += 1;
-                if self.parser.in_reasoning() {
-                    self.reasoning_tokens += 1;
-                }
-                self.cached_tokens = token.cached_prompt_tokens;
+            Some(Event::Tokens(tokens)) => {
                 self.first_token.get_or_insert_with(Instant::now);
-                let text = self
-                    .decoder
-                    .push(&self.tokenizer, token.id)
-                    .map_err(|e| ApiError::internal(e.to_string()))?;
-                let deltas = text.map(|t| self.parser.push(&t)).unwrap_or_default();
-                if self.parser.stopped() {
-                    // A stop string: the engine ends the request as a stop (counted so, its
-                    // turn cached), not as a client gone.
-                    self.finished = true;
-                    self.handle.finish_as_stop();
-                    self.rx.close();
-                    let reason = if self.parser.num_tool_calls() > 0 {
-                        "tool_calls"
-                    } else {
-                        "stop"
-                    };
-                    return Ok(Some(self.finish(deltas, reason)));
+                let (mut deltas, mut logprobs) = (Vec::new(), Vec::new());
+                for token in tokens {
+                    self.completion_tokens += 1;
+                    if self.parser.in_reasoning() {
+                        self.reasoning_tokens += 1;
+                    }
+                    self.cached_tokens = token.cached_prompt_tokens;
+                    let text = self
+                        .decoder
+                        .push(&self.tokenizer, token.id)
+                        .map_err(|e| ApiError::internal(e.to_string()))?;
+                    deltas.extend(text.map(|t| self.parser.push(&t)).unwrap_or_default());
+                    if self.parser.stopped() {
+                        // A stop string: the engine ends the request as a stop (counted so,
+                        // its turn cached), not as a client gone; tokens after it are not
+                        // the reply's.
+                        self.finished = true;
+                        self.handle.finish_as_stop();
+                        self.rx.close();
+                        let reason = if self.parser.num_tool_calls() > 0 {
+                            "tool_calls"
+                        } else {
+                            "stop"
+                        };
+                        return Ok(Some(self.finish(deltas, reason)));
+                    }
+                    if token.logprob.is_some() {
+                        logprobs.push(token);
+                    }
                 }
-                let logprobs = if token.logprob.is_some() {
-                    vec![token]
-                } else {
-                    Vec::new()
-                };
                 Ok(Some(Step::Deltas { deltas, logprobs }))
             }
             Some(Event::Finished(done)) => {
@@ -344,19 +346,28 @@ impl Generation {
     /// A generation fed `text` token by token by the demo model's tokenizer, then finished on
     /// a stop token; it parses tool calls and cuts at `stop`.
     pub(crate) fn fed(text: &str, stop: &str) -> Self {
+        Self::fed_in(text, stop, 1)
+    }
+
+    /// [`Generation::fed`] with `per_event` tokens an event (as steps that accept drafts
+    /// send them).
+    pub(crate) fn fed_in(text: &str, stop: &str, per_event: usize) -> Self {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../models/tiny-qwen3-moe/tokenizer.json");
         let tokenizer = Arc::new(Tokenizer::from_file(&path).unwrap());
         let (tx, rx) = unbounded_channel();
         let ids = tokenizer.encode(text).unwrap();
-        for &id in &ids {
-            let token = TokenEvent {
-                id,
-                cached_prompt_tokens: 0,
-                logprob: None,
-                top_logprobs: Vec::new(),
-            };
-            tx.send(Event::Token(token)).unwrap();
+        for ids in ids.chunks(per_event) {
+            let tokens = ids
+                .iter()
+                .map(|&id| TokenEvent {
+                    id,
+                    cached_prompt_tokens: 0,
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                })
+                .collect();
+            tx.send(Event::Tokens(tokens)).unwrap();
         }
         tx.send(Event::Finished(corral_engine::Finished {
             reason: FinishReason::Stop,
@@ -403,19 +414,56 @@ mod tests {
 
     /// A stop string's finish reason for a generation fed `text`.
     fn finish_reason_of(text: &str, stop: &str) -> &'static str {
-        let mut g = Generation::fed(text, stop);
+        run(Generation::fed(text, stop)).1
+    }
+
+    /// Every delta of a generation, and its finish reason.
+    fn run(mut g: Generation) -> (Vec<Delta>, &'static str) {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
         runtime.block_on(async {
+            let mut all = Vec::new();
             loop {
                 match g.next().await.unwrap() {
-                    Some(Step::Finished { finish_reason, .. }) => return finish_reason,
-                    Some(Step::Deltas { .. }) => {}
+                    Some(Step::Finished {
+                        deltas,
+                        finish_reason,
+                        ..
+                    }) => {
+                        all.extend(deltas);
+                        return (all, finish_reason);
+                    }
+                    Some(Step::Deltas { deltas, .. }) => all.extend(deltas),
                     None => panic!("no end"),
                 }
             }
         })
+    }
+
+    /// Tokens that come several to an event (a step that accepted a draft) give the text,
+    /// calls and finish that they give one by one, a stop string inside an event included.
+    #[test]
+    fn several_tokens_an_event_read_as_one_by_one() {
+        let call =
+            "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        for (text, stop) in [
+            (
+                format!("The answer is 42. {call} HALT and more after it"),
+                "HALT",
+            ),
+            ("plain text without a stop".to_string(), ""),
+        ] {
+            let one = run(Generation::fed(&text, stop));
+            for per_event in [2, 3, 7] {
+                let several = run(Generation::fed_in(&text, stop, per_event));
+                assert_eq!(
+                    format!("{several:?}"),
+                    format!("{one:?}"),
+                    "{per_event} an event"
+                );
+            }
+        }
     }
 
     /// A stop string reached after a tool call ends the turn with "tool_calls" (the client

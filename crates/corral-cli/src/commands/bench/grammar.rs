@@ -150,7 +150,7 @@ fn generate(
     let mut first = None;
     loop {
         match rx.blocking_recv() {
-            Some(Event::Token(_)) => {
+            Some(Event::Tokens(_)) => {
                 first.get_or_insert_with(Instant::now);
             }
             Some(Event::Finished(finished)) => {
