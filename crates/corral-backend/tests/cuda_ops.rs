@@ -650,10 +650,12 @@ fn delta_net_ops_match_cpu() {
                 1e-5,
             );
         }
-        // Both run prefill runs in the chunked form (the GPU from 16 tokens, on tensor cores
-        // with bf16 operands: CHUNKED_TOLERANCE).
-        let tol = if lens.iter().any(|&l| l >= 16) {
-            CHUNKED_TOLERANCE
+        // Both run prefill runs in the chunked form (the GPU from 16 tokens, on tensor cores:
+        // CHUNKED_TOLERANCE and CHUNKED_STATE_TOLERANCE).
+        let chunked = lens.iter().any(|&l| l >= 16);
+        let tol = if chunked { CHUNKED_TOLERANCE } else { 1e-3 };
+        let state_tol = if chunked {
+            CHUNKED_STATE_TOLERANCE
         } else {
             1e-3
         };
@@ -672,17 +674,19 @@ fn delta_net_ops_match_cpu() {
             &format!("{what}: delta state"),
             &results[1][5],
             &results[0][5],
-            tol,
+            state_tol,
         );
     }
 }
 
-/// Relative error allowed the chunked delta rule against f32 arithmetic: its products take
-/// bf16 operands (q̂, k̂, M, W, U's T and V, the state's and V''s copies; f32 accumulation and
-/// an f32 state), each rounding about 2e-3 of its terms, as the production chunked kernels of
-/// these models do. An emulation of the kernels' math in f64 with those roundings measured
-/// 3.6e-3 to 4.3e-3 at this test's shapes, at every run length up to 3,300 tokens (no drift).
-const CHUNKED_TOLERANCE: f64 = 1e-2;
+/// Relative errors allowed the chunked delta rule against f32 arithmetic, its outputs and
+/// its states: q̂ and k̂ are f16 operands in Q Kᵀ and K Kᵀ, and bf16 where they meet the
+/// state and V' (as W does); T, V, M, V' and the state are split bf16 pairs (about 16
+/// significant bits). Measured on an H100 and an H200: outputs 2.8e-4 to 5.9e-4, states
+/// 1.75e-3 to 1.78e-3 (the state update's bf16 k̂), at every run length up to 3,300 tokens;
+/// with every operand bf16 (the kernels before) 3.9e-3 to 4.7e-3 and 3.1e-3 to 3.2e-3.
+const CHUNKED_TOLERANCE: f64 = 1.5e-3;
+const CHUNKED_STATE_TOLERANCE: f64 = 2.5e-3;
 
 /// The chunked delta rule (one launch for runs of any length) equals the recurrence fed one
 /// token at a time, at the Qwen3.5 shape, with live incoming states, across chunk boundaries
@@ -793,7 +797,12 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
                 ),
             ] {
                 eprintln!("{what}: {name}: relative error {:.2e}", rel(a, b));
-                assert_close(&format!("{what}: {name}"), a, b, CHUNKED_TOLERANCE);
+                let tol = if name.starts_with("state") {
+                    CHUNKED_STATE_TOLERANCE
+                } else {
+                    CHUNKED_TOLERANCE
+                };
+                assert_close(&format!("{what}: {name}"), a, b, tol);
             }
         }
     }

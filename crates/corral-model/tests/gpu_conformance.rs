@@ -169,9 +169,10 @@ const BF16_HYBRID_FIXTURES: &[&str] = &[
 
 /// Every hybrid op on its bf16 paths (grouped experts, few-row and prefill projections, the
 /// chunked delta rule on tensor cores from chunk 64) within bf16 tolerance over all
-/// positions. A single row may move further: the chunked delta rule's bf16 operands moved
-/// one row of `bf16_qwen3_next` by 2.1e-2 to 3.0e-2 (every position together 4.7e-3), so
-/// the worst row's bound is 5e-2.
+/// positions. A single row may move further: the grouped expert tiles' bf16 operands move
+/// one row of `bf16_qwen3_next` by 3.0e-2 (every position together 4.3e-3; the other
+/// strategies' worst rows 3.2e-3 to 3.8e-3, 2.0e-2 before the chunked delta rule's operands
+/// were split), so the worst row's bound is 5e-2.
 #[test]
 fn gpu_bf16_hybrids_match_transformers_with_an_f32_kv_cache() {
     check_fixture_logits(
@@ -543,10 +544,11 @@ fn gpu_quantized_gguf_logits_match_their_reference_and_the_cpu() {
 /// The hybrid GGUF fixtures (qwen35, qwen35moe, qwen3next from llama.cpp's converter and
 /// quantizer) on the GPU, f32 KV cache: the median position's error against each file's
 /// reference, a token at a time and in one prefill, at most llama.cpp's own CPU build's on
-/// the same file; but for BF16 files in one prefill, where the tensor cores' bf16 operands
-/// (activations, attention, the chunked delta rule) carry 4.2e-3 to 4.3e-3 (measured on an
-/// H100) against llama.cpp's CPU 3.4e-3 to 3.7e-3: bounded at 5e-3. Q5_K_M's experts mix Q5_K
-/// and Q5_1, which the GPU decodes: all three projections are then decoded.
+/// the same file; but for BF16 files in one prefill, which the grouped expert tiles run with
+/// bf16 activations and outputs: qwen3next's 3.64e-3 against llama.cpp's CPU 3.42e-3
+/// (qwen35 3.65e-3 against 3.65e-3, qwen35moe 3.40e-3 against 3.48e-3; H100 and H200 alike),
+/// bounded at 1.07 times llama.cpp's. Q5_K_M's experts mix Q5_K and Q5_1, which the GPU
+/// decodes: all three projections are then decoded.
 #[test]
 fn gpu_hybrid_gguf_files_match_their_references_as_closely_as_llama_cpp() {
     let Some(backend) = gpu(DType::F32) else {
@@ -572,7 +574,7 @@ fn gpu_hybrid_gguf_files_match_their_references_as_closely_as_llama_cpp() {
                 );
                 eprintln!("{case}");
                 let bound = if format == "bf16" && chunk > 1 {
-                    5e-3
+                    llama_cpp * 1.07
                 } else {
                     llama_cpp * common::SAME_KERNELS
                 };

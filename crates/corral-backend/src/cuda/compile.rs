@@ -284,3 +284,24 @@ fn store_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel file compiles for the H100/H200's architecture wherever NVRTC can be
+    /// opened (it needs no GPU), so a kernel's syntax and register errors show before a GPU
+    /// run; without NVRTC the test says it skipped.
+    #[test]
+    fn every_kernel_compiles_where_nvrtc_is_present() {
+        if !nvrtc_present() {
+            eprintln!("skipped: libnvrtc could not be opened (LD_LIBRARY_PATH)");
+            return;
+        }
+        let failures: Vec<String> = SOURCES
+            .iter()
+            .filter_map(|s| compile(s, "sm_90").err().map(|e| e.to_string()))
+            .collect();
+        assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    }
+}

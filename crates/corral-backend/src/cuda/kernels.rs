@@ -113,13 +113,13 @@ pub(crate) struct FlashTiles {
 }
 
 /// Dynamic shared memory of the chunked delta rule's kernels (delta_net.cu's
-/// GDR_PREP_SMEM_BYTES and GDR_SCAN_SMEM_BYTES): the prepare kernel's q and k rows (bf16,
-/// stride 136) and A and T (f32 [64][65]); the scan's two stages of −W, q and k rows (bf16,
-/// stride 136), M (bf16, stride 72) and 132 tail floats, then the state slice and two copies
-/// of V' (bf16, 32 rows of 136 and of 72).
+/// GDR_PREP_SMEM_BYTES and GDR_SCAN_SMEM_BYTES): the prepare kernel's q̂ and k̂ rows (16-bit,
+/// stride 136) and A and T (f32 [64][65]); the scan's two stages of −W, q̂ and k̂ rows (bf16,
+/// stride 136), M's two halves (bf16, stride 72) and 132 tail floats, then the state slice's
+/// halves (32 rows of 136) and two copies of V' in halves (32 rows of 72).
 const GDR_PREP_SMEM_BYTES: u32 = 2 * 64 * 136 * 2 + 2 * 64 * 65 * 4;
 const GDR_SCAN_SMEM_BYTES: u32 =
-    2 * (3 * 64 * 136 * 2 + 64 * 72 * 2 + 132 * 4) + 32 * 136 * 2 + 2 * 32 * 72 * 2;
+    2 * (3 * 64 * 136 * 2 + 2 * 64 * 72 * 2 + 132 * 4) + 2 * 32 * 136 * 2 + 4 * 32 * 72 * 2;
 
 /// Every kernel Corral launches.
 #[derive(Debug)]

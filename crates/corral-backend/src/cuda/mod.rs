@@ -187,10 +187,10 @@ const GDR_SLICE: usize = 32;
 const GDR_THREADS: u32 = 256;
 
 /// Bytes of the chunked delta rule's workspace per (chunk, value head) (delta_net.cu's
-/// gdr_chunk_bytes): −W, q̂ and k̂ (bf16 [64][dk rounded up to 16]) and M (bf16 [64][64]),
-/// then 132 tail floats and U (f32 [64][dv]).
+/// gdr_chunk_bytes): −W, q̂ and k̂ (bf16 [64][dk rounded up to 16]) and M's two halves (bf16
+/// [64][64]), then 132 tail floats and U (f32 [64][dv]).
 fn gdr_chunk_bytes(dk: usize, dv: usize) -> usize {
-    2 * (3 * GDR_CHUNK * dk.next_multiple_of(16) + GDR_CHUNK * GDR_CHUNK)
+    2 * (3 * GDR_CHUNK * dk.next_multiple_of(16) + 2 * GDR_CHUNK * GDR_CHUNK)
         + 4 * (132 + GDR_CHUNK * dv)
 }
 /// Runs from which the delta rule takes the chunked form rather than the token-by-token

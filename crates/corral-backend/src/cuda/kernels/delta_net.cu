@@ -210,8 +210,8 @@ GATED_DELTA_RULE(gated_delta_rule_256, 256)
 GATED_DELTA_RULE(gated_delta_rule, 1024)
 
 // The chunked form of the gated delta rule for prefill (the math of the CPU's `chunked`), on
-// tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation, the state f32 throughout).
-// Per chunk of 64 tokens of a run and value head, with cumulative log-decay γ:
+// tensor cores (mma.sync m16n8k16, f32 accumulation, the state f32 throughout). Per chunk of
+// 64 tokens of a run and value head, with cumulative log-decay γ:
 // A = diag(β) K Kᵀ ⊙ e^{γ_i − γ_l} (strictly lower), T = (I + A)⁻¹, W = T diag(β e^γ) K,
 // U = T diag(β) V and M = (Q Kᵀ) ⊙ e^{γ_i − γ_l} (lower, diagonal included) depend only on
 // the chunk's inputs and are made for every chunk at once (gdr_chunk_prepare); a run's state
@@ -220,6 +220,14 @@ GATED_DELTA_RULE(gated_delta_rule, 1024)
 // value columns split over blocks (they evolve independently). The runs' chunks are numbered
 // in run order; a launch pair takes the chunks [first, first + per_wave) (the workspace holds
 // that many chunks of every value head), carrying states in their slots between launches.
+//
+// Operands: q̂ and k̂ are unit-bounded, so Q Kᵀ and K Kᵀ take them as f16 (11 significant
+// bits). T, V, V', M and S have no such bound; each is a split pair of bf16 values,
+// hi = bf16(x) and lo = bf16(x − hi), about 16 significant bits together, and a product of
+// two split operands is hi·hi + hi·lo + lo·hi (lo·lo is below f32's own rounding). So a
+// chunk's own part of its output, M V' with V' = U for a fresh state, carries no bf16
+// rounding. W, q̂ and k̂ meet S and V' in the scan as bf16 (one rounding each), the state as
+// a split pair.
 
 #define GDR_CHUNK 64
 #define GDR_MAX_DK 128
@@ -230,24 +238,39 @@ GATED_DELTA_RULE(gated_delta_rule, 1024)
 #define GDR_TAIL 132             // floats of a chunk's e^γ, e^{γ_last − γ}, e^{γ_last}, padding
 #define GDR_PIECE 128            // value columns of U made at a time
 
-// Bytes of the prepare kernel's dynamic shared memory: q and k rows (bf16, the rows of V
-// later), A and T (f32 [64][65]).
+// Bytes of the prepare kernel's dynamic shared memory: q̂ and k̂ rows (f16, then bf16; then
+// V's rows' high and low halves) [64][GDR_KS]; A and T (f32 [64][65]).
 #define GDR_PREP_SMEM_BYTES (2 * GDR_CHUNK * GDR_KS * 2 + 2 * GDR_CHUNK * (GDR_CHUNK + 1) * 4)
-// Bytes of one scan stage: −W, q and k rows (bf16 [64][GDR_KS]), M (bf16 [64][GDR_LS]) and
-// the tail; then the state slice and V' transposed (bf16) and V' scaled by e^{γ_last − γ}.
-#define GDR_STAGE_BYTES (3 * GDR_CHUNK * GDR_KS * 2 + GDR_CHUNK * GDR_LS * 2 + GDR_TAIL * 4)
+// Bytes of one scan stage: −W, q̂ and k̂ rows (bf16 [64][GDR_KS]), M's halves (bf16
+// [64][GDR_LS]) and the tail; then the state slice's halves (transposed, [32][GDR_KS]), and
+// V''s and V' scaled by e^{γ_last − γ} (transposed, [32][GDR_LS]), each as two halves.
+#define GDR_STAGE_BYTES (3 * GDR_CHUNK * GDR_KS * 2 + 2 * GDR_CHUNK * GDR_LS * 2 + GDR_TAIL * 4)
 #define GDR_SCAN_SMEM_BYTES \
-    (2 * GDR_STAGE_BYTES + GDR_SLICE * GDR_KS * 2 + 2 * GDR_SLICE * GDR_LS * 2)
+    (2 * GDR_STAGE_BYTES + 2 * GDR_SLICE * GDR_KS * 2 + 4 * GDR_SLICE * GDR_LS * 2)
 
 // Key dims rounded up to a k16 step.
 __device__ __forceinline__ u32 gdr_dkp(u32 dk) { return (dk + 15) & ~15u; }
 
-// The workspace of one (chunk, value head), bf16 then f32: −W, q̂ and k̂ [64][dkp], M [64][64];
-// the tail (e^γ [64], e^{γ_last − γ} [64], e^{γ_last}, 3 of padding) and U [64][dv]. Rows past
-// the chunk's tokens and key dims past dk are zero.
+// The workspace of one (chunk, value head), bf16 then f32: −W, q̂ and k̂ [64][dkp], M's high
+// and low halves [64][64]; the tail (e^γ [64], e^{γ_last − γ} [64], e^{γ_last}, 3 of padding)
+// and U [64][dv]. Rows past the chunk's tokens and key dims past dk are zero.
 __device__ __forceinline__ size_t gdr_chunk_bytes(u32 dk, u32 dv) {
-    return 2 * ((size_t)3 * GDR_CHUNK * gdr_dkp(dk) + GDR_CHUNK * GDR_CHUNK) +
+    return 2 * ((size_t)3 * GDR_CHUNK * gdr_dkp(dk) + 2 * GDR_CHUNK * GDR_CHUNK) +
            4 * ((size_t)GDR_TAIL + (size_t)GDR_CHUNK * dv);
+}
+
+// x as a split pair: hi = bf16(x), lo = bf16(x − hi).
+__device__ __forceinline__ void gdr_split(float x, u16* hi, u16* lo) {
+    u16 h = f32_to_bf16(x);
+    *hi = h;
+    *lo = f32_to_bf16(x - bf16_to_f32(h));
+}
+
+// Two adjacent values as split pairs, packed (the first in the low half).
+__device__ __forceinline__ void gdr_split2(float v0, float v1, u32* hi, u32* lo) {
+    u32 h = pack_bf16(v0, v1);
+    *hi = h;
+    *lo = pack_bf16(v0 - __uint_as_float(h << 16), v1 - __uint_as_float(h & 0xffff0000u));
 }
 
 __device__ __forceinline__ u32 gdr_chunks(u32 len) { return (len + GDR_CHUNK - 1) / GDR_CHUNK; }
@@ -300,20 +323,42 @@ __device__ __forceinline__ void gdr_a_frag_trans(u32* a, const u16* x, u32 ld, u
     ldmatrix_x4_trans(a, x + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + r0 + ((lane >> 3) & 1) * 8);
 }
 
-// acc = rows 16 mt .. + 15 of the lower-triangular t (bf16 [64][GDR_LS]) times columns
-// n0 .. n0 + 15 of x (bf16 rows [64][GDR_KS]): k steps up to the diagonal, two n8 tiles.
-__device__ __forceinline__ void gdr_lower_times(float (*acc)[4], const u16* t, const u16* x,
-                                                u32 mt, u32 n0) {
+// The A fragments (16 rows from r0, k16 step from k0) of sign · T diag(scale), split, from T
+// (f32 [64][65], lower triangular: zero above the diagonal).
+__device__ __forceinline__ void gdr_t_frags(u32* ah, u32* al, const float* ts, const float* scale,
+                                            float sign, u32 r0, u32 k0) {
+    u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (u32 x = 0; x < 4; x++) {
+        u32 r = r0 + g + 8 * (x & 1), c = k0 + 2 * t + 8 * (x >> 1);
+        float v0 = c <= r ? sign * ts[r * (GDR_CHUNK + 1) + c] * scale[c] : 0.f;
+        float v1 = c + 1 <= r ? sign * ts[r * (GDR_CHUNK + 1) + c + 1] * scale[c + 1] : 0.f;
+        gdr_split2(v0, v1, &ah[x], &al[x]);
+    }
+}
+
+// acc = rows 16 mt .. + 15 of sign · T diag(scale) (split) times columns n0 .. n0 + 15 of x
+// (rows [64][GDR_KS], bf16, a split pair with xl when SPLIT): k steps up to the diagonal,
+// two n8 tiles.
+template <bool SPLIT>
+__device__ __forceinline__ void gdr_lower_times(float (*acc)[4], const float* ts, const float* scale,
+                                                float sign, const u16* xh, const u16* xl, u32 mt,
+                                                u32 n0) {
 #pragma unroll
     for (u32 h = 0; h < 2; h++)
 #pragma unroll
         for (u32 r = 0; r < 4; r++) acc[h][r] = 0.f;
     for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
-        u32 a[4], b[4];
-        gdr_a_frag(a, t, GDR_LS, 16 * mt, k0);
-        gdr_b_frags_trans(b, x, GDR_KS, k0, n0);
-        mma16816<false>(acc[0], a, b);
-        mma16816<false>(acc[1], a, b + 2);
+        u32 ah[4], al[4], bh[4], bl[4];
+        gdr_t_frags(ah, al, ts, scale, sign, 16 * mt, k0);
+        gdr_b_frags_trans(bh, xh, GDR_KS, k0, n0);
+        if (SPLIT) gdr_b_frags_trans(bl, xl, GDR_KS, k0, n0);
+#pragma unroll
+        for (u32 h = 0; h < 2; h++) {
+            mma16816<false>(acc[h], al, bh + 2 * h);
+            if (SPLIT) mma16816<false>(acc[h], ah, bl + 2 * h);
+            mma16816<false>(acc[h], ah, bh + 2 * h);
+        }
     }
 }
 
@@ -325,54 +370,12 @@ __device__ __forceinline__ void gdr_acc_each(const float* c, u32 r0, u32 n0, F f
     f(r0 + g + 8, n0 + 2 * t, c[2], c[3]);
 }
 
-// Grid: (per_wave, nv); block: GDR_THREADS; dynamic shared memory GDR_PREP_SMEM_BYTES.
-// Warp w computes 16 rows (w / 2) of each 64-row product, half (w % 2) of its columns.
-extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
-    const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,
-    const u32* runs, u32 num_runs, u32 tokens, u32 slots, u32 first, unsigned char* ws,
-    Diag* diag) {
-    begin_kernel();
-    extern __shared__ __align__(16) unsigned char gdr_prep[];
-    u16* qh = reinterpret_cast<u16*>(gdr_prep);           // [64][GDR_KS]: q̂, then V rows
-    u16* kh = qh + GDR_CHUNK * GDR_KS;                    // [64][GDR_KS]: k̂
-    float* as = reinterpret_cast<float*>(kh + GDR_CHUNK * GDR_KS);  // [64][65]: A, then T·diag
-    float* ts = as + GDR_CHUNK * (GDR_CHUNK + 1);         // [64][65]: T
-    u16* tb = reinterpret_cast<u16*>(as);                 // [64][GDR_LS]: T scaled, bf16
-    __shared__ float gamma[GDR_CHUNK], bt[GDR_CHUNK], bg[GDR_CHUNK];
-    __shared__ float xs[3][16][16];
-    const u32 ast = GDR_CHUNK + 1;
-    u32 run, chunk;
-    if (!gdr_chunk_of(runs, num_runs, tokens, first + blockIdx.x, &run, &chunk)) return;
-    u32 start, len, slot;
-    bool fresh;
-    if (!run_of(runs, run, tokens, slots, &start, &len, &slot, &fresh, diag)) return;
-    u32 j = blockIdx.y, kh_j = j / (nv / nk), dkp = gdr_dkp(dk);
-    u32 t0 = start + chunk * GDR_CHUNK, m = min(GDR_CHUNK, len - chunk * GDR_CHUNK);
-    u32 width = 2 * nk * dk + nv * dv;
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mt = warp >> 1, half = warp & 1;
-    unsigned char* base = ws + ((size_t)blockIdx.x * nv + j) * gdr_chunk_bytes(dk, dv);
-    u16* w_out = reinterpret_cast<u16*>(base);
-    u16* q_out = w_out + GDR_CHUNK * dkp;
-    u16* k_out = q_out + GDR_CHUNK * dkp;
-    u16* m_out = k_out + GDR_CHUNK * dkp;
-    float* tail = reinterpret_cast<float*>(m_out + GDR_CHUNK * GDR_CHUNK);
-    float* u_out = tail + GDR_TAIL;
-    // γ: an inclusive scan of the gates, two tokens a lane (zero past the chunk's tokens).
-    if (warp == 0) {
-        float a = 2 * lane < m ? g[(size_t)(t0 + 2 * lane) * nv + j] : 0.f;
-        float b = 2 * lane + 1 < m ? g[(size_t)(t0 + 2 * lane + 1) * nv + j] : 0.f;
-        float s = a + b;
-#pragma unroll
-        for (u32 o = 1; o < 32; o <<= 1) {
-            float y = __shfl_up_sync(0xffffffffu, s, o);
-            if (lane >= o) s += y;
-        }
-        gamma[2 * lane] = s - b;
-        gamma[2 * lane + 1] = s;
-    }
-    if (threadIdx.x < GDR_CHUNK)
-        bt[threadIdx.x] = threadIdx.x < m ? beta[(size_t)(t0 + threadIdx.x) * nv + j] : 0.f;
-    // q̂ and k̂ rows, L2-normalised (q also by dk^-1/2), as bf16; zero past dk and m.
+// Calls f(row, qv, kv) for rows i = warp, warp + 8, ... of the chunk with this lane's q̂ and
+// k̂ entries d = lane + 32 c (L2-normalised, q also by dk^-1/2; zero past dk and m).
+template <typename F>
+__device__ __forceinline__ void gdr_normalised_rows(const float* qkv, u32 t0, u32 m, u32 width,
+                                                    u32 nk, u32 dk, u32 kh_j, F f) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (u32 i = warp; i < GDR_CHUNK; i += GDR_THREADS / 32) {
         const float* row = qkv + (size_t)(t0 + i) * width;
         float qv[GDR_MAX_DK / 32], kv[GDR_MAX_DK / 32];
@@ -390,13 +393,71 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
         float kinv = rsqrtf(warp_sum(sk) + 1e-6f);
 #pragma unroll
         for (u32 c = 0; c < GDR_MAX_DK / 32; c++) {
+            qv[c] *= qinv;
+            kv[c] *= kinv;
+        }
+        f(i, qv, kv);
+    }
+}
+
+// Grid: (per_wave, nv); block: GDR_THREADS; dynamic shared memory GDR_PREP_SMEM_BYTES.
+// Warp w computes 16 rows (w / 2) of each 64-row product, half (w % 2) of its columns.
+extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
+    const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,
+    const u32* runs, u32 num_runs, u32 tokens, u32 slots, u32 first, unsigned char* ws,
+    Diag* diag) {
+    begin_kernel();
+    extern __shared__ __align__(16) unsigned char gdr_prep[];
+    u16* qh = reinterpret_cast<u16*>(gdr_prep);  // [64][GDR_KS]: q̂ (f16, bf16), V's his
+    u16* kh = qh + GDR_CHUNK * GDR_KS;           // [64][GDR_KS]: k̂ (f16, bf16), V's los
+    float* as = reinterpret_cast<float*>(kh + GDR_CHUNK * GDR_KS);  // [64][65]: A
+    float* ts = as + GDR_CHUNK * (GDR_CHUNK + 1);                   // [64][65]: T
+    __shared__ float gamma[GDR_CHUNK], bt[GDR_CHUNK], bg[GDR_CHUNK];
+    __shared__ float xs[3][16][16];
+    const u32 ast = GDR_CHUNK + 1;
+    u32 run, chunk;
+    if (!gdr_chunk_of(runs, num_runs, tokens, first + blockIdx.x, &run, &chunk)) return;
+    u32 start, len, slot;
+    bool fresh;
+    if (!run_of(runs, run, tokens, slots, &start, &len, &slot, &fresh, diag)) return;
+    u32 j = blockIdx.y, kh_j = j / (nv / nk), dkp = gdr_dkp(dk);
+    u32 t0 = start + chunk * GDR_CHUNK, m = min(GDR_CHUNK, len - chunk * GDR_CHUNK);
+    u32 width = 2 * nk * dk + nv * dv;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mt = warp >> 1, half = warp & 1;
+    unsigned char* base = ws + ((size_t)blockIdx.x * nv + j) * gdr_chunk_bytes(dk, dv);
+    u16* w_out = reinterpret_cast<u16*>(base);
+    u16* q_out = w_out + GDR_CHUNK * dkp;
+    u16* k_out = q_out + GDR_CHUNK * dkp;
+    u16* mh_out = k_out + GDR_CHUNK * dkp;
+    u16* ml_out = mh_out + GDR_CHUNK * GDR_CHUNK;
+    float* tail = reinterpret_cast<float*>(ml_out + GDR_CHUNK * GDR_CHUNK);
+    float* u_out = tail + GDR_TAIL;
+    // γ: an inclusive scan of the gates, two tokens a lane (zero past the chunk's tokens).
+    if (warp == 0) {
+        float a = 2 * lane < m ? g[(size_t)(t0 + 2 * lane) * nv + j] : 0.f;
+        float b = 2 * lane + 1 < m ? g[(size_t)(t0 + 2 * lane + 1) * nv + j] : 0.f;
+        float s = a + b;
+#pragma unroll
+        for (u32 o = 1; o < 32; o <<= 1) {
+            float y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        gamma[2 * lane] = s - b;
+        gamma[2 * lane + 1] = s;
+    }
+    if (threadIdx.x < GDR_CHUNK)
+        bt[threadIdx.x] = threadIdx.x < m ? beta[(size_t)(t0 + threadIdx.x) * nv + j] : 0.f;
+    // q̂ and k̂ rows as f16 for Q Kᵀ and K Kᵀ.
+    gdr_normalised_rows(qkv, t0, m, width, nk, dk, kh_j, [&](u32 i, float* qv, float* kv) {
+#pragma unroll
+        for (u32 c = 0; c < GDR_MAX_DK / 32; c++) {
             u32 d = lane + 32 * c;
             if (d < dkp) {
-                qh[i * GDR_KS + d] = f32_to_bf16(qv[c] * qinv);
-                kh[i * GDR_KS + d] = f32_to_bf16(kv[c] * kinv);
+                qh[i * GDR_KS + d] = f32_to_f16(qv[c]);
+                kh[i * GDR_KS + d] = f32_to_f16(kv[c]);
             }
         }
-    }
+    });
     __syncthreads();
     float last = gamma[GDR_CHUNK - 1];
     if (threadIdx.x < GDR_CHUNK) {
@@ -409,14 +470,6 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
     if (threadIdx.x == 0) {
         tail[2 * GDR_CHUNK] = expf(last);
         tail[2 * GDR_CHUNK + 1] = tail[2 * GDR_CHUNK + 2] = tail[2 * GDR_CHUNK + 3] = 0.f;
-    }
-    // q̂ and k̂ to the workspace, 16 bytes at a time.
-    for (u32 x = threadIdx.x; x < GDR_CHUNK * dkp / 8; x += GDR_THREADS) {
-        u32 i = x / (dkp / 8), d = (x % (dkp / 8)) * 8;
-        *reinterpret_cast<uint4*>(q_out + i * dkp + d) =
-            *reinterpret_cast<const uint4*>(qh + i * GDR_KS + d);
-        *reinterpret_cast<uint4*>(k_out + i * dkp + d) =
-            *reinterpret_cast<const uint4*>(kh + i * GDR_KS + d);
     }
     // K Kᵀ and Q Kᵀ: rows 16 mt, columns 32 half .. + 31 (tiles above the diagonal are zero).
     {
@@ -435,8 +488,8 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
                 if (n0 > 16 * mt + 15) continue;
                 u32 b[2];
                 gdr_b_frag(b, kh, GDR_KS, n0, k0);
-                mma16816<false>(kk[n], ak, b);
-                mma16816<false>(qk[n], aq, b);
+                mma16816<true>(kk[n], ak, b);
+                mma16816<true>(qk[n], aq, b);
             }
         }
 #pragma unroll
@@ -447,8 +500,9 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
                 float d1 = l + 1 <= i && i < m ? expf(gamma[i] - gamma[l + 1]) : 0.f;
                 as[i * ast + l] = l < i ? bt[i] * kkv[0] * d0 : 0.f;
                 as[i * ast + l + 1] = l + 1 < i ? bt[i] * kkv[1] * d1 : 0.f;
-                *reinterpret_cast<u32*>(m_out + i * GDR_CHUNK + l) =
-                    pack_bf16(qkv_[0] * d0, qkv_[1] * d1);
+                gdr_split2(qkv_[0] * d0, qkv_[1] * d1,
+                           reinterpret_cast<u32*>(mh_out + i * GDR_CHUNK + l),
+                           reinterpret_cast<u32*>(ml_out + i * GDR_CHUNK + l));
             };
             u32 g8 = lane >> 2, t2 = 2 * (lane & 3);
             put(16 * mt + g8, n0 + t2, &kk[n][0], &qk[n][0]);
@@ -456,6 +510,17 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
         }
     }
     __syncthreads();
+    // q̂ and k̂ again, as bf16 for W and the scan.
+    gdr_normalised_rows(qkv, t0, m, width, nk, dk, kh_j, [&](u32 i, float* qv, float* kv) {
+#pragma unroll
+        for (u32 c = 0; c < GDR_MAX_DK / 32; c++) {
+            u32 d = lane + 32 * c;
+            if (d < dkp) {
+                qh[i * GDR_KS + d] = f32_to_bf16(qv[c]);
+                kh[i * GDR_KS + d] = f32_to_bf16(kv[c]);
+            }
+        }
+    });
     // T = (I + A)⁻¹ in 16x16 blocks: the diagonal blocks by forward substitution, a column
     // per thread; then block row a: T_ab = −T_aa Σ_{b<=l<a} A_al T_lb.
     if (threadIdx.x < GDR_CHUNK) {
@@ -491,46 +556,43 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
         }
     }
     __syncthreads();
-    // −W = −T diag(β e^γ) K: T scaled to bf16 (over A), K̂ from its rows by ldmatrix.
-    for (u32 x = threadIdx.x; x < GDR_CHUNK * GDR_CHUNK; x += GDR_THREADS) {
-        u32 i = x / GDR_CHUNK, l = x % GDR_CHUNK;
-        tb[i * GDR_LS + l] = f32_to_bf16(l <= i ? -ts[i * ast + l] * bg[l] : 0.f);
+    // q̂ and k̂ to the workspace, 16 bytes at a time.
+    for (u32 x = threadIdx.x; x < GDR_CHUNK * dkp / 8; x += GDR_THREADS) {
+        u32 i = x / (dkp / 8), d = (x % (dkp / 8)) * 8;
+        *reinterpret_cast<uint4*>(q_out + i * dkp + d) =
+            *reinterpret_cast<const uint4*>(qh + i * GDR_KS + d);
+        *reinterpret_cast<uint4*>(k_out + i * dkp + d) =
+            *reinterpret_cast<const uint4*>(kh + i * GDR_KS + d);
     }
-    __syncthreads();
-    {
-        // Columns 16 b .. 16 b + 15 for b = half, half + 2, ...
-        for (u32 b16 = half; b16 < dkp / 16; b16 += 2) {
-            float acc[2][4];
-            u32 n0 = 16 * b16;
-            gdr_lower_times(acc, tb, kh, mt, n0);
+    // −W = −T diag(β e^γ) K̂, K̂ from its rows by ldmatrix; columns 16 b .. + 15 for
+    // b = half, half + 2, ...
+    for (u32 b16 = half; b16 < dkp / 16; b16 += 2) {
+        float acc[2][4];
+        u32 n0 = 16 * b16;
+        gdr_lower_times<false>(acc, ts, bg, -1.f, kh, nullptr, mt, n0);
 #pragma unroll
-            for (u32 h = 0; h < 2; h++)
-                gdr_acc_each(acc[h], 16 * mt, n0 + 8 * h, [&](u32 i, u32 d, float v0, float v1) {
-                    *reinterpret_cast<u32*>(w_out + i * dkp + d) = pack_bf16(v0, v1);
-                });
-        }
+        for (u32 h = 0; h < 2; h++)
+            gdr_acc_each(acc[h], 16 * mt, n0 + 8 * h, [&](u32 i, u32 d, float v0, float v1) {
+                *reinterpret_cast<u32*>(w_out + i * dkp + d) = pack_bf16(v0, v1);
+            });
     }
-    __syncthreads();
-    // U = T diag(β) V, V's rows staged (bf16) where q̂ was, GDR_PIECE columns at a time.
-    for (u32 x = threadIdx.x; x < GDR_CHUNK * GDR_CHUNK; x += GDR_THREADS) {
-        u32 i = x / GDR_CHUNK, l = x % GDR_CHUNK;
-        tb[i * GDR_LS + l] = f32_to_bf16(l <= i ? ts[i * ast + l] * bt[l] : 0.f);
-    }
+    // U = T diag(β) V, V's rows staged (split) where q̂ and k̂ were, GDR_PIECE columns at a
+    // time.
     for (u32 e0 = 0; e0 < dv; e0 += GDR_PIECE) {
         u32 piece = min(GDR_PIECE, dv - e0), width16 = (piece + 15) & ~15u;
-        __syncthreads();  // the previous piece's reads are done
+        __syncthreads();  // the previous reads of q̂, k̂ or V are done
         for (u32 x = threadIdx.x; x < GDR_CHUNK * width16; x += GDR_THREADS) {
             u32 l = x / width16, e = x % width16;
             float v = l < m && e < piece
                           ? qkv[(size_t)(t0 + l) * width + 2 * nk * dk + j * dv + e0 + e]
                           : 0.f;
-            qh[l * GDR_KS + e] = f32_to_bf16(v);
+            gdr_split(v, &qh[l * GDR_KS + e], &kh[l * GDR_KS + e]);
         }
         __syncthreads();
         for (u32 b16 = half; b16 < width16 / 16; b16 += 2) {
             float acc[2][4];
             u32 n0 = 16 * b16;
-            gdr_lower_times(acc, tb, qh, mt, n0);
+            gdr_lower_times<true>(acc, ts, bt, 1.f, qh, kh, mt, n0);
 #pragma unroll
             for (u32 h = 0; h < 2; h++)
                 gdr_acc_each(acc[h], 16 * mt, n0 + 8 * h, [&](u32 i, u32 e, float v0, float v1) {
@@ -542,17 +604,19 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
 }
 
 // acc += rows 16 mt .. + 15 of x (bf16 [64][GDR_KS], dkp columns) times the state slice's
-// columns 16 half .. + 15, the state transposed in st (bf16 [32][GDR_KS]).
-__device__ __forceinline__ void gdr_times_state(float (*acc)[4], const u16* x, const u16* st,
-                                                u32 dkp, u32 mt, u32 half) {
+// columns 16 half .. + 15, the state transposed and split in sh and sl (bf16 [32][GDR_KS]).
+__device__ __forceinline__ void gdr_times_state(float (*acc)[4], const u16* x, const u16* sh,
+                                                const u16* sl, u32 dkp, u32 mt, u32 half) {
     for (u32 k0 = 0; k0 < dkp; k0 += 16) {
         u32 a[4];
         gdr_a_frag(a, x, GDR_KS, 16 * mt, k0);
 #pragma unroll
         for (u32 n = 0; n < 2; n++) {
-            u32 b[2];
-            gdr_b_frag(b, st, GDR_KS, 16 * half + 8 * n, k0);
-            mma16816<false>(acc[n], a, b);
+            u32 bh[2], bl[2];
+            gdr_b_frag(bh, sh, GDR_KS, 16 * half + 8 * n, k0);
+            gdr_b_frag(bl, sl, GDR_KS, 16 * half + 8 * n, k0);
+            mma16816<false>(acc[n], a, bl);
+            mma16816<false>(acc[n], a, bh);
         }
     }
 }
@@ -561,15 +625,18 @@ __device__ __forceinline__ void gdr_times_state(float (*acc)[4], const u16* x, c
 // GDR_SCAN_SMEM_BYTES. Takes the `wave` chunks from `first` that gdr_chunk_prepare made, each
 // staged by cp.async while the one before computes. Warp w computes rows 16 (w / 2) ..
 // + 15 and columns 16 (w % 2) .. + 15 of the slice's V' and O, and holds rows 16 w .. + 15
-// of the state slice in its accumulators (a bf16 copy in shared memory is the operand).
+// of the state slice in its accumulators (a split copy in shared memory is the operand).
 extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
     u32 nv, u32 dk, u32 dv, const u32* runs, u32 num_runs, u32 tokens, u32 slots, u32 first,
     u32 wave, u32 total, const unsigned char* ws, float* state, float* out, Diag* diag) {
     begin_kernel();
     extern __shared__ __align__(16) unsigned char gdr_scan[];
-    u16* st = reinterpret_cast<u16*>(gdr_scan + 2 * GDR_STAGE_BYTES);  // [32][GDR_KS]: Sᵀ
-    u16* vt = st + GDR_SLICE * GDR_KS;  // [32][GDR_LS]: V'ᵀ
-    u16* vs = vt + GDR_SLICE * GDR_LS;  // [32][GDR_LS]: (e^{γ_last − γ} ⊙ V')ᵀ
+    u16* sth = reinterpret_cast<u16*>(gdr_scan + 2 * GDR_STAGE_BYTES);  // [32][GDR_KS]: Sᵀ
+    u16* stl = sth + GDR_SLICE * GDR_KS;
+    u16* vth = stl + GDR_SLICE * GDR_KS;  // [32][GDR_LS]: V'ᵀ
+    u16* vtl = vth + GDR_SLICE * GDR_LS;
+    u16* vsh = vtl + GDR_SLICE * GDR_LS;  // [32][GDR_LS]: (e^{γ_last − γ} ⊙ V')ᵀ
+    u16* vsl = vsh + GDR_SLICE * GDR_LS;
     u32 r = blockIdx.x, j = blockIdx.y, e0 = blockIdx.z * GDR_SLICE;
     u32 start, len, slot;
     bool fresh;
@@ -603,9 +670,10 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
 #pragma unroll
         for (u32 n = 0; n < 4; n++)
 #pragma unroll
-            for (u32 x = 0; x < 4; x++)
-                st[(8 * n + t2 + (x & 1)) * GDR_KS + 16 * warp + g8 + 8 * (x >> 1)] =
-                    f32_to_bf16(sacc[n][x]);
+            for (u32 x = 0; x < 4; x++) {
+                u32 at = (8 * n + t2 + (x & 1)) * GDR_KS + 16 * warp + g8 + 8 * (x >> 1);
+                gdr_split(sacc[n][x], &sth[at], &stl[at]);
+            }
     };
     store_st();
     auto chunk_src = [&](u32 c) { return ws + ((size_t)(g0 + c - first) * nv + j) * chunk_bytes; };
@@ -621,13 +689,14 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
             cp_async16(dst16 + (which * GDR_CHUNK + i) * GDR_KS + d,
                        src16 + (which * GDR_CHUNK + i) * dkp + d, 16);
         }
+        // M's two halves: 128 rows of 64.
         const u16* m_src = src16 + 3 * GDR_CHUNK * dkp;
         u16* m_dst = dst16 + 3 * GDR_CHUNK * GDR_KS;
-        for (u32 x = threadIdx.x; x < GDR_CHUNK * 8; x += GDR_THREADS)
+        for (u32 x = threadIdx.x; x < 2 * GDR_CHUNK * 8; x += GDR_THREADS)
             cp_async16(m_dst + (x / 8) * GDR_LS + (x % 8) * 8, m_src + (x / 8) * GDR_CHUNK + (x % 8) * 8,
                        16);
-        const float* t_src = reinterpret_cast<const float*>(m_src + GDR_CHUNK * GDR_CHUNK);
-        float* t_dst = reinterpret_cast<float*>(m_dst + GDR_CHUNK * GDR_LS);
+        const float* t_src = reinterpret_cast<const float*>(m_src + 2 * GDR_CHUNK * GDR_CHUNK);
+        float* t_dst = reinterpret_cast<float*>(m_dst + 2 * GDR_CHUNK * GDR_LS);
         for (u32 x = threadIdx.x; x < GDR_TAIL / 4; x += GDR_THREADS)
             cp_async16(t_dst + 4 * x, t_src + 4 * x, 16);
         cp_async_commit();
@@ -635,7 +704,7 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
     // This thread's entries of chunk c's U: rows 16 mt + g8 (+ 8), columns 16 half + 8 n + t2.
     auto load_u = [&](u32 c, float (*u)[4]) {
         const float* u_src = reinterpret_cast<const float*>(
-                                 chunk_src(c) + 2 * ((size_t)3 * GDR_CHUNK * dkp + GDR_CHUNK * GDR_CHUNK)) +
+                                 chunk_src(c) + 2 * ((size_t)3 * GDR_CHUNK * dkp + 2 * GDR_CHUNK * GDR_CHUNK)) +
                              GDR_TAIL;
 #pragma unroll
         for (u32 n = 0; n < 2; n++)
@@ -668,25 +737,26 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
         const u16* wn = reinterpret_cast<const u16*>(gdr_scan + s * GDR_STAGE_BYTES);
         const u16* qs = wn + GDR_CHUNK * GDR_KS;
         const u16* ks = qs + GDR_CHUNK * GDR_KS;
-        const u16* ms = ks + GDR_CHUNK * GDR_KS;
-        const float* tl = reinterpret_cast<const float*>(ms + GDR_CHUNK * GDR_LS);
+        const u16* mh = ks + GDR_CHUNK * GDR_KS;
+        const u16* ml = mh + GDR_CHUNK * GDR_LS;
+        const float* tail = reinterpret_cast<const float*>(ml + GDR_CHUNK * GDR_LS);
         u32 t0 = start + c * GDR_CHUNK, m = min(GDR_CHUNK, len - c * GDR_CHUNK);
         // V' = U + (−W) S.
-        gdr_times_state(v, wn, st, dkp, mt, half);
+        gdr_times_state(v, wn, sth, stl, dkp, mt, half);
 #pragma unroll
         for (u32 n = 0; n < 2; n++)
             gdr_acc_each(v[n], 16 * mt, 16 * half + 8 * n, [&](u32 i, u32 e, float v0, float v1) {
-                float ek = tl[GDR_CHUNK + i];
-                vt[e * GDR_LS + i] = f32_to_bf16(v0);
-                vt[(e + 1) * GDR_LS + i] = f32_to_bf16(v1);
-                vs[e * GDR_LS + i] = f32_to_bf16(v0 * ek);
-                vs[(e + 1) * GDR_LS + i] = f32_to_bf16(v1 * ek);
+                float ek = tail[GDR_CHUNK + i];
+                gdr_split(v0, &vth[e * GDR_LS + i], &vtl[e * GDR_LS + i]);
+                gdr_split(v1, &vth[(e + 1) * GDR_LS + i], &vtl[(e + 1) * GDR_LS + i]);
+                gdr_split(v0 * ek, &vsh[e * GDR_LS + i], &vsl[e * GDR_LS + i]);
+                gdr_split(v1 * ek, &vsh[(e + 1) * GDR_LS + i], &vsl[(e + 1) * GDR_LS + i]);
             });
         __syncthreads();
         // O = e^γ ⊙ (Q̂ S) + M V' (M is lower triangular: k steps up to the diagonal).
         float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        gdr_times_state(o, qs, st, dkp, mt, half);
-        float eg_lo = tl[16 * mt + g8], eg_hi = tl[16 * mt + g8 + 8];
+        gdr_times_state(o, qs, sth, stl, dkp, mt, half);
+        float eg_lo = tail[16 * mt + g8], eg_hi = tail[16 * mt + g8 + 8];
 #pragma unroll
         for (u32 n = 0; n < 2; n++) {
             o[n][0] *= eg_lo;
@@ -695,13 +765,17 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
             o[n][3] *= eg_hi;
         }
         for (u32 k0 = 0; k0 <= 16 * mt; k0 += 16) {
-            u32 a[4];
-            gdr_a_frag(a, ms, GDR_LS, 16 * mt, k0);
+            u32 ah[4], al[4];
+            gdr_a_frag(ah, mh, GDR_LS, 16 * mt, k0);
+            gdr_a_frag(al, ml, GDR_LS, 16 * mt, k0);
 #pragma unroll
             for (u32 n = 0; n < 2; n++) {
-                u32 b[2];
-                gdr_b_frag(b, vt, GDR_LS, 16 * half + 8 * n, k0);
-                mma16816<false>(o[n], a, b);
+                u32 bh[2], bl[2];
+                gdr_b_frag(bh, vth, GDR_LS, 16 * half + 8 * n, k0);
+                gdr_b_frag(bl, vtl, GDR_LS, 16 * half + 8 * n, k0);
+                mma16816<false>(o[n], al, bh);
+                mma16816<false>(o[n], ah, bl);
+                mma16816<false>(o[n], ah, bh);
             }
         }
 #pragma unroll
@@ -714,7 +788,7 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
             });
         // S ← e^{γ_last} S + K̂ᵀ (e^{γ_last − γ} ⊙ V'), K̂ᵀ by transposing ldmatrix.
         if (s_rows) {
-            float decay = tl[2 * GDR_CHUNK];
+            float decay = tail[2 * GDR_CHUNK];
 #pragma unroll
             for (u32 n = 0; n < 4; n++)
 #pragma unroll
@@ -725,9 +799,11 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
                 gdr_a_frag_trans(a, ks, GDR_KS, 16 * warp, k0);
 #pragma unroll
                 for (u32 n = 0; n < 4; n++) {
-                    u32 b[2];
-                    gdr_b_frag(b, vs, GDR_LS, 8 * n, k0);
-                    mma16816<false>(sacc[n], a, b);
+                    u32 bh[2], bl[2];
+                    gdr_b_frag(bh, vsh, GDR_LS, 8 * n, k0);
+                    gdr_b_frag(bl, vsl, GDR_LS, 8 * n, k0);
+                    mma16816<false>(sacc[n], a, bl);
+                    mma16816<false>(sacc[n], a, bh);
                 }
             }
         }
