@@ -248,6 +248,7 @@ fn run(
     let vocab = model.config().vocab_size;
     let mut logits = Vec::new();
     let mut sampling = corral_model::SampledStep::default();
+    let mut reads = Reads::new();
     // Queues a submitted request; false on shutdown.
     let receive = |scheduler: &mut Scheduler, command: Command| match command {
         Command::Submit(request, handle) => {
@@ -269,7 +270,7 @@ fn run(
                         dir,
                         hybrid: model.is_hybrid(),
                         metrics,
-                        prefetch: None,
+                        reads: &mut reads,
                     },
                 ),
                 None => Ok(None),
@@ -310,11 +311,15 @@ fn run(
                 dir,
                 hybrid: model.is_hybrid(),
                 metrics,
-                prefetch: None,
+                reads: &mut reads,
             })),
             None => scheduler.step(),
         };
         leave_queue(metrics, scheduler.take_departures());
+        if plan.is_none() && scheduler.restoring() {
+            // Only restores from disk are left: their reads, not a spin, are what to wait on.
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
         if let Some(plan) = plan {
             let backend = model.backend().as_ref();
             // A panic in a forward pass (a bug) fails the step's requests, not the engine.
@@ -570,10 +575,13 @@ struct DiskSessions<'a> {
     dir: &'a mut crate::SpillDir,
     hybrid: bool,
     metrics: &'a EngineMetrics,
-    /// The file `find` chose, being read and checked by a thread while the eviction that
-    /// makes room for it spills.
-    prefetch: Option<Prefetch>,
+    /// The files `find` chose, each being read and checked by a thread while its sequence
+    /// waits (and the eviction that makes room for it spills).
+    reads: &'a mut Reads,
 }
+
+/// Session files being read for a restore, by path.
+type Reads = std::collections::HashMap<std::path::PathBuf, Prefetch>;
 
 /// A session file's read and check, and its milliseconds.
 type SpillRead = std::thread::JoinHandle<(Result<crate::SpillFile, EngineError>, f64)>;
@@ -599,6 +607,13 @@ impl Prefetch {
             reader: Some(reader),
             cancel,
         })
+    }
+
+    /// Whether the read has ended (its result ready).
+    fn is_finished(&self) -> bool {
+        self.reader
+            .as_ref()
+            .is_none_or(std::thread::JoinHandle::is_finished)
     }
 
     /// The read's result (waiting for it).
@@ -720,42 +735,40 @@ impl SessionStore for DiskSessions<'_> {
         let found = self
             .dir
             .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid)
-            .filter(|f| f.0 > beyond);
-        self.prefetch = None;
-        self.dir.pin(None);
+            .filter(|f| f.0 > beyond)?;
         // A file whose write failed is gone (and forgotten): nothing to restore.
-        if let Some((_, path)) = &found
-            && !self.dir.finish_write(path)
-        {
+        if !self.dir.finish_write(&found.1) {
             return None;
         }
-        // Kept through the spills that make room for it.
-        self.dir.pin(found.as_ref().map(|f| f.1.clone()));
-        if let Some((_, path)) = &found {
-            self.prefetch = Prefetch::start(path, self.dir.fingerprint());
+        // Kept through the spills that make room for it, and until its restore ends.
+        self.dir.pin(&found.1);
+        if !self.reads.contains_key(&found.1) {
+            let read = Prefetch::start(&found.1, self.dir.fingerprint())?;
+            self.reads.insert(found.1.clone(), read);
         }
-        found
+        Some(found)
     }
 
-    fn load(
+    fn poll_load(
         &mut self,
         path: &std::path::Path,
         blocks: &[corral_model::BlockId],
         slot: Option<SlotId>,
-    ) -> Result<(), String> {
+    ) -> Option<Result<(), String>> {
+        if self.reads.get(path).is_some_and(|r| !r.is_finished()) {
+            return None;
+        }
         let start = std::time::Instant::now();
-        // (tokens restored, ms of the read and check, ms waited for them, ms copying).
-        let loaded = (|| -> Result<(usize, f64, f64, f64), EngineError> {
+        // (tokens restored, ms of the read and check, ms copying).
+        let loaded = (|| -> Result<(usize, f64, f64), EngineError> {
             if !self.dir.finish_write(path) {
                 return Err(EngineError::Spill {
                     path: path.to_path_buf(),
                     detail: "its write failed".to_string(),
                 });
             }
-            // Another file's read is dropped here, which stops it, before this one's.
-            let prefetched = self.prefetch.take().filter(|p| p.path == path);
-            let (file, read_ms) = match prefetched {
-                Some(prefetch) => prefetch.join(),
+            let (file, read_ms) = match self.reads.remove(path) {
+                Some(read) => read.join(),
                 None => read_spill(
                     path,
                     self.dir.fingerprint(),
@@ -763,7 +776,6 @@ impl SessionStore for DiskSessions<'_> {
                 ),
             };
             let file = file?;
-            let waited_ms = start.elapsed().as_secs_f64() * 1e3;
             let bad = |detail: String| EngineError::Spill {
                 path: path.to_path_buf(),
                 detail,
@@ -794,13 +806,12 @@ impl SessionStore for DiskSessions<'_> {
             Ok((
                 (used * self.cache.block_size).min(file.tokens().len()),
                 read_ms,
-                waited_ms,
-                start.elapsed().as_secs_f64() * 1e3 - waited_ms,
+                start.elapsed().as_secs_f64() * 1e3,
             ))
         })();
-        self.dir.pin(None);
-        match loaded {
-            Ok((tokens, read_ms, waited_ms, copy_ms)) => {
+        self.dir.unpin(path);
+        Some(match loaded {
+            Ok((tokens, read_ms, copy_ms)) => {
                 self.dir.touch(path);
                 self.metrics
                     .session_restores
@@ -808,14 +819,7 @@ impl SessionStore for DiskSessions<'_> {
                 self.metrics
                     .session_restored_tokens
                     .fetch_add(tokens as u64, Ordering::Relaxed);
-                tracing::info!(
-                    tokens,
-                    read_ms,
-                    waited_ms,
-                    copy_ms,
-                    ms = start.elapsed().as_secs_f64() * 1e3,
-                    "restored a session from disk"
-                );
+                tracing::info!(tokens, read_ms, copy_ms, "restored a session from disk");
                 Ok(())
             }
             Err(e) => {
@@ -826,6 +830,20 @@ impl SessionStore for DiskSessions<'_> {
                 self.dir.remove(path);
                 Err(e.to_string())
             }
+        })
+    }
+
+    fn keep_restores(&mut self, paths: &[&std::path::Path]) {
+        let gone: Vec<std::path::PathBuf> = self
+            .reads
+            .keys()
+            .filter(|p| !paths.contains(&p.as_path()))
+            .cloned()
+            .collect();
+        for path in gone {
+            // Dropped unjoined: the read stops.
+            self.reads.remove(&path);
+            self.dir.unpin(&path);
         }
     }
 }

@@ -379,6 +379,9 @@ impl Scheduler {
             seq.kv.state_ahead = false;
         }
         self.admit(&mut copies, store.as_deref_mut());
+        if let Some(store) = store.as_deref_mut() {
+            self.poll_restores(&mut copies, store);
+        }
         let runs = self.plan_runs(&mut copies, store);
         // A restore is made before this step's forward even for a sequence without a run in
         // it (out of budget); a preempted sequence looks its prefix up again.
@@ -451,6 +454,38 @@ impl Scheduler {
         }
     }
 
+    /// Moves the restores from session files on: a sequence whose restore ended runs from
+    /// its tokens (or, where the file failed, from the cache); the store drops the reads of
+    /// sequences that went away.
+    fn poll_restores<'s>(&mut self, copies: &mut Copies, store: &mut (dyn SessionStore + 's)) {
+        let paths: Vec<std::path::PathBuf> = self
+            .running
+            .iter()
+            .filter_map(|s| s.kv.restoring.as_ref().map(|r| r.1.clone()))
+            .collect();
+        let refs: Vec<&std::path::Path> = paths.iter().map(|p| p.as_path()).collect();
+        store.keep_restores(&refs);
+        for seq in &mut self.running {
+            if seq.kv.restoring.is_some()
+                && self.kv.poll_restore(
+                    seq.id,
+                    &mut seq.kv,
+                    (&seq.tokens, seq.prompt_len),
+                    copies,
+                    &mut *store,
+                )
+                && seq.first_token.is_none()
+            {
+                seq.cached = seq.kv.computed.min(seq.prompt_len);
+            }
+        }
+    }
+
+    /// Whether a running sequence waits for its restore from a session file.
+    pub fn restoring(&self) -> bool {
+        self.running.iter().any(|s| s.kv.restoring.is_some())
+    }
+
     /// Each running sequence's run of this step, oldest first, within the token budget:
     /// blocks granted (cached ones evicted, the youngest preempted where the pool is short),
     /// drafts proposed for decoding ones.
@@ -465,6 +500,10 @@ impl Scheduler {
         while i < self.running.len() {
             let seq = &mut self.running[i];
             seq.draft.clear();
+            if seq.kv.restoring.is_some() {
+                i += 1;
+                continue;
+            }
             let remaining = seq.tokens.len() - seq.kv.computed;
             let mut n = if remaining == 1 {
                 1
@@ -964,6 +1003,95 @@ mod tests {
             }
             s.fail_step(plan, "end of test");
             assert!(s.is_idle());
+        }
+    }
+
+    /// A session store whose one file holds the first 8 tokens of prompts starting 1, 2, 3,
+    /// and whose read takes `polls` polls, then gives `result`.
+    struct SlowStore {
+        polls: usize,
+        result: Result<(), String>,
+        kept: Vec<std::path::PathBuf>,
+    }
+
+    impl SessionStore for SlowStore {
+        fn spill(&mut self, _: &crate::EvictedPrefix<'_>) {}
+        fn write_ahead(&mut self, _: &crate::EvictedPrefix<'_>) {}
+        fn find(
+            &mut self,
+            tokens: &[u32],
+            beyond: usize,
+            _: usize,
+        ) -> Option<(usize, std::path::PathBuf)> {
+            (tokens.starts_with(&[1, 2, 3]) && beyond < 8).then(|| (8, "a.spill".into()))
+        }
+        fn poll_load(
+            &mut self,
+            _: &std::path::Path,
+            blocks: &[corral_model::BlockId],
+            _: Option<SlotId>,
+        ) -> Option<Result<(), String>> {
+            assert_eq!(blocks.len(), 2, "the restore's blocks are held");
+            if self.polls > 0 {
+                self.polls -= 1;
+                return None;
+            }
+            Some(self.result.clone())
+        }
+        fn keep_restores(&mut self, paths: &[&std::path::Path]) {
+            self.kept = paths.iter().map(|p| p.to_path_buf()).collect();
+        }
+    }
+
+    /// A sequence restoring from a session file waits for the read as a state of its own:
+    /// steps go on for the others meanwhile, and it then runs from the restored tokens (or,
+    /// where the read failed, from the start).
+    #[test]
+    fn a_restore_from_disk_is_a_state_that_other_sequences_run_past() {
+        for (result, resumed_at) in [(Ok(()), 8), (Err("bad file".to_string()), 0)] {
+            let mut s = Scheduler::new(config(2), KvBlockPool::new(16, 4)).with_prefix_cache();
+            let mut store = SlowStore {
+                polls: 2,
+                result,
+                kept: Vec::new(),
+            };
+            let mut receivers = Vec::new();
+            for (prompt, max_tokens) in [((1..=12).collect::<Vec<u32>>(), 1), (vec![50, 51, 52], 8)]
+            {
+                let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+                receivers.push(rx);
+                s.add(EngineRequest {
+                    events,
+                    ..request(&prompt, max_tokens)
+                });
+            }
+            let mut a_ran = None;
+            for step in 0..6 {
+                let plan = s
+                    .step_with(Some(&mut store))
+                    .unwrap_or_else(|| panic!("step {step}: b runs"));
+                let a = s.running[0].id;
+                match plan.runs.iter().find(|r| r.seq == a) {
+                    Some(run) => {
+                        a_ran = Some((step, plan.batch.runs()[0].first_position, run.tokens));
+                        break;
+                    }
+                    None => assert!(plan.runs.iter().all(|r| r.seq != a)),
+                }
+                assert_eq!(store.kept, [std::path::PathBuf::from("a.spill")]);
+                let rows = plan.runs.iter().filter(|r| r.logits > 0).count();
+                let _ = s.finish_step(
+                    plan,
+                    &mut vec![0.0; rows * 16],
+                    16,
+                    DispatchStats::default(),
+                );
+            }
+            assert_eq!(
+                a_ran,
+                Some((2, resumed_at, 12 - resumed_at)),
+                "two steps without it, then its run from the restored tokens"
+            );
         }
     }
 }

@@ -25,22 +25,26 @@ pub trait SessionStore {
     /// the folder has room for it without dropping another file.
     fn write_ahead(&mut self, prefix: &EvictedPrefix<'_>);
     /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens, if it holds more
-    /// than `beyond` (what the cache gave already): its length and file, kept from the byte
-    /// cap until [`SessionStore::load`] reads it.
+    /// than `beyond` (what the cache gave already): its length and file, whose read starts in
+    /// the background; the file is kept from the byte cap until its restore ends.
     fn find(
         &mut self,
         tokens: &[u32],
         beyond: usize,
         max_tokens: usize,
     ) -> Option<(usize, std::path::PathBuf)>;
-    /// Reads the spilled prefix at `path` into `blocks`, and its state into `slot` (hybrid
-    /// models). On an error the file is deleted and nothing it held may be used.
-    fn load(
+    /// The restore of the spilled prefix at `path` into `blocks`, and its state into `slot`
+    /// (hybrid models): `None` while its read is in flight, then its result (the data copied
+    /// in). On an error the file is deleted and nothing it held may be used.
+    fn poll_load(
         &mut self,
         path: &std::path::Path,
         blocks: &[BlockId],
         slot: Option<SlotId>,
-    ) -> Result<(), String>;
+    ) -> Option<Result<(), String>>;
+    /// Drops the reads of every restore but those from `paths` (the others' sequences went
+    /// away), and lets the byte cap have their files again.
+    fn keep_restores(&mut self, paths: &[&std::path::Path]);
 }
 
 /// A block copy planned for a sequence: `(sequence, cached block, its block)`.
@@ -71,6 +75,9 @@ pub(crate) struct SeqKv {
     /// Its slot's state has taken tokens past `computed` (a rejected draft's) and is not to
     /// be checkpointed until the roll-back is made.
     pub(crate) state_ahead: bool,
+    /// A restore from a session file under way, `(tokens it gives, file)`: its blocks are
+    /// held, nothing is computed until it ends.
+    pub(crate) restoring: Option<(usize, std::path::PathBuf)>,
 }
 
 /// Copies to make before a step's forward pass, in this order: blocks, checkpoint restores,
@@ -245,7 +252,8 @@ impl KvManager {
             return;
         };
         // The file holds the whole prefix: the cached blocks go back first (and may be
-        // evicted to make room), then are looked up again if it fails.
+        // evicted to make room); its restore goes on while the sequence waits, and where it
+        // fails the cache is looked up again (see `poll_restore`).
         pool.release(&mut kv.table);
         copies.restores.retain(|r| r.0 != id);
         drop_copies(&mut copies.blocks, pool, |c| c.0 == id);
@@ -254,18 +262,12 @@ impl KvManager {
             evict(prefix, pool, need, Some(&mut *store));
         }
         let mut table = BlockTable::default();
-        let hybrid = prefix.keeps_checkpoints();
-        if pool.grow(&mut table, len).is_ok()
-            && store
-                .load(&path, &table.blocks, hybrid.then_some(slot))
-                .is_ok()
-        {
+        if pool.grow(&mut table, len).is_ok() {
             kv.table = table;
-            kv.computed = len;
+            kv.computed = 0;
             kv.uncopied = 0;
-            kv.checkpoint_at.retain(|&p| p > len);
+            kv.restoring = Some((len, path));
         } else {
-            pool.release(&mut table);
             take_cached_prefix(
                 prefix,
                 pool,
@@ -274,6 +276,47 @@ impl KvManager {
                 copies,
                 Some(store),
             );
+        }
+    }
+
+    /// Moves sequence `id`'s restore from a session file on: true once it has ended (or
+    /// there was none), its tokens computed, or, where the file could not be read, the
+    /// sequence started from the cache instead (its copies in `copies`).
+    pub(crate) fn poll_restore<'s>(
+        &mut self,
+        id: SeqId,
+        kv: &mut SeqKv,
+        (tokens, prompt_len): (&[u32], usize),
+        copies: &mut Copies,
+        store: &mut (dyn SessionStore + 's),
+    ) -> bool {
+        let (Some((len, path)), Some(prefix), Some(slot)) =
+            (kv.restoring.clone(), &mut self.prefix, kv.slot)
+        else {
+            return true;
+        };
+        let hybrid = prefix.keeps_checkpoints();
+        match store.poll_load(&path, &kv.table.blocks, hybrid.then_some(slot)) {
+            None => false,
+            Some(Ok(())) => {
+                kv.restoring = None;
+                kv.computed = len;
+                kv.checkpoint_at.retain(|&p| p > len);
+                true
+            }
+            Some(Err(_)) => {
+                kv.restoring = None;
+                self.pool.release(&mut kv.table);
+                take_cached_prefix(
+                    prefix,
+                    &mut self.pool,
+                    (id, kv, slot),
+                    (tokens, prompt_len),
+                    copies,
+                    Some(store),
+                );
+                true
+            }
         }
     }
 
@@ -406,6 +449,7 @@ impl KvManager {
     /// pinned for `session` if it has one.
     pub(crate) fn release(&mut self, kv: &mut SeqKv, tokens: &[u32], session: Option<&str>) {
         self.drop_snapshot(kv);
+        kv.restoring = None;
         if let Some(prefix) = &mut self.prefix {
             // Checkpoints past what is computed (a failed step's) are not trusted.
             // A block still to be copied holds nothing yet.

@@ -439,8 +439,8 @@ pub struct SpillDir {
     /// KV buffers of finished writes, for the next spill to read into: memory the process
     /// has touched already (a fresh buffer of hundreds of MB costs its page faults).
     spare: Vec<Vec<u8>>,
-    /// A file about to be restored from, which the byte cap must not delete.
-    pinned: Option<PathBuf>,
+    /// Files being restored from, which the byte cap must not delete.
+    pinned: Vec<PathBuf>,
     /// Files whose background write has finished (flushed and renamed into place).
     written: Arc<AtomicU64>,
 }
@@ -491,7 +491,7 @@ impl SpillDir {
             next: 0,
             writing: Vec::new(),
             spare: Vec::new(),
-            pinned: None,
+            pinned: Vec::new(),
             written,
         };
         spill.trim(0);
@@ -568,9 +568,16 @@ impl SpillDir {
             .max_by_key(|c| c.0)
     }
 
-    /// Keeps `path` (a file about to be restored from) from the byte cap; `None` releases it.
-    pub fn pin(&mut self, path: Option<PathBuf>) {
-        self.pinned = path;
+    /// Keeps `path` (a file being restored from) from the byte cap until it is unpinned.
+    pub fn pin(&mut self, path: &Path) {
+        if !self.pinned.iter().any(|p| p == path) {
+            self.pinned.push(path.to_path_buf());
+        }
+    }
+
+    /// Lets the byte cap delete `path` again.
+    pub fn unpin(&mut self, path: &Path) {
+        self.pinned.retain(|p| p != path);
     }
 
     /// Marks `path` as just used: the byte cap deletes least recently used files first.
@@ -678,7 +685,7 @@ impl SpillDir {
             let Some(oldest) = self
                 .files
                 .iter()
-                .find(|f| Some(&f.1) != self.pinned.as_ref())
+                .find(|f| !self.pinned.contains(&f.1))
                 .map(|f| f.1.clone())
             else {
                 break;
@@ -921,12 +928,12 @@ mod tests {
         assert_eq!(small.len(), 1);
         assert!(small.holds(&longer.tokens));
         let (_, pinned) = small.longest_prefix(&prompt, 100).unwrap();
-        small.pin(Some(pinned));
+        small.pin(&pinned);
         small.add(p.clone()).unwrap();
         assert!(
             small.holds(&longer.tokens) && small.holds(&p.tokens),
             "the pinned file stays"
         );
-        small.pin(None);
+        small.unpin(&pinned);
     }
 }
