@@ -8,6 +8,7 @@
 
 mod chat_template;
 mod constraint;
+mod drafter;
 mod engine;
 mod error;
 mod generation_config;
@@ -24,6 +25,7 @@ mod tokenizer;
 
 pub use chat_template::{ChatTemplate, TokenizerConfig, ToolCallFormat};
 pub use constraint::{Constraint, ConstraintStats, Grammar, GrammarCompiler, json_style};
+pub use drafter::ModelDrafter;
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine, spawn_engine_drafting};
 pub use error::EngineError;
 pub use generation_config::{

@@ -34,6 +34,8 @@ mod output;
 pub trait Drafter: Send {
     /// Up to `max` tokens that may follow `tokens`; fewer or none where it has no guess.
     fn propose(&mut self, seq: SeqId, tokens: &[u32], max: usize) -> Vec<u32>;
+    /// Sequence `seq` has ended or left the batch: what the drafter keeps for it may go.
+    fn forget(&mut self, _seq: SeqId) {}
 }
 
 /// Limits of the scheduler.
@@ -630,6 +632,9 @@ impl Scheduler {
     /// blocks stay indexed there.
     fn release(&mut self, seq: &mut Sequence) {
         seq.draft.clear();
+        if let Some((drafter, _)) = &mut self.drafter {
+            drafter.forget(seq.id);
+        }
         self.kv
             .release(&mut seq.kv, &seq.tokens, seq.session.as_deref());
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use corral_backend::CpuBackend;
 use corral_engine::{
     Drafter, EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, Finished,
-    SamplingParams, spawn_engine, spawn_engine_drafting,
+    ModelDrafter, SamplingParams, spawn_engine, spawn_engine_drafting,
 };
 use corral_model::Model;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -631,6 +631,75 @@ fn drafted_decoding_generates_what_plain_decoding_does() {
             wait_for_zero_blocks(&engine);
             engine.shutdown();
             thread.join().unwrap();
+        }
+    }
+}
+
+/// A second model beside the target, with caches of its own, drafting greedily: the target
+/// generates what it does alone whichever model drafts (itself: every draft token accepted;
+/// a Qwen3-MoE or a hybrid of the same vocabulary: some rejected, its caches cut back and
+/// its state rolled back to its snapshot), with and without the prefix cache.
+#[test]
+fn a_draft_model_beside_the_target_leaves_its_tokens_unchanged() {
+    let target = "qwen3_next";
+    let prompts = prompts();
+    let expected: Vec<Vec<u32>> = prompts.iter().map(|p| alone(target, p, 12)).collect();
+    for draft in ["qwen3_next", "qwen3_moe_per_expert", "qwen3_5_moe_hub"] {
+        for prefix_cache in [false, true] {
+            let drafter = ModelDrafter::new(model_named(draft), 256, 4, 4).unwrap();
+            let config = EngineConfig {
+                prefix_cache,
+                ..config(256)
+            };
+            let (engine, thread) =
+                spawn_engine_drafting(model_named(target), config, Some((Box::new(drafter), 3)))
+                    .unwrap();
+            let mut receivers: Vec<_> = prompts.iter().map(|p| submit(&engine, p, 12)).collect();
+            for (i, rx) in receivers.iter_mut().enumerate() {
+                let (tokens, _) = collect(rx);
+                assert_eq!(tokens, expected[i], "{draft} drafting, request {i}");
+            }
+            let m = engine.metrics();
+            let (drafted, accepted) = (
+                m.draft_tokens.load(Ordering::Relaxed),
+                m.accepted_draft_tokens.load(Ordering::Relaxed),
+            );
+            eprintln!(
+                "{draft} drafting, prefix cache {prefix_cache}: {accepted} of {drafted} accepted"
+            );
+            assert!(drafted > 0, "{draft}: nothing drafted");
+            if draft == target {
+                assert_eq!(accepted, drafted, "the target drafting itself");
+            }
+            wait_for_zero_blocks(&engine);
+            engine.shutdown();
+            thread.join().unwrap();
+        }
+    }
+}
+
+/// The draft model's caches follow what the target accepts: after each verdict (none, some
+/// or all of its draft accepted, then the target's own token) its next proposal equals a
+/// fresh drafter's for the same tokens, for a hybrid draft model (its state rolled back to
+/// the snapshot before the draft) and a Qwen3-MoE one (its KV cut to the common prefix).
+#[test]
+fn a_draft_models_proposals_after_a_verdict_equal_a_fresh_ones() {
+    for draft in ["qwen3_5_moe_hub", "qwen3_moe_per_expert"] {
+        let seq = corral_model::SeqId(7);
+        let mut drafter = ModelDrafter::new(model_named(draft), 64, 4, 1).unwrap();
+        let mut tokens: Vec<u32> = (0..9).map(|j| (j * 29 + 3) % 250).collect();
+        for (round, accepted) in [1usize, 0, 3, 2, 0].into_iter().enumerate() {
+            let proposed = drafter.propose(seq, &tokens, 3);
+            let mut fresh = ModelDrafter::new(model_named(draft), 64, 4, 1).unwrap();
+            assert_eq!(
+                proposed,
+                fresh.propose(seq, &tokens, 3),
+                "{draft}, round {round}: after the last verdict"
+            );
+            assert_eq!(proposed.len(), 3);
+            // The target takes `accepted` of them, then a token of its own.
+            tokens.extend_from_slice(&proposed[..accepted]);
+            tokens.push((round as u32 * 41 + 17) % 250);
         }
     }
 }
