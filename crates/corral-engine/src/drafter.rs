@@ -38,6 +38,8 @@ pub struct ModelDrafter {
     pool: KvBlockPool,
     slots: StateSlotPool,
     seqs: HashMap<SeqId, Draft>,
+    /// Most sequences at once (a pair of slots each).
+    capacity: usize,
     clock: u64,
     logits: Vec<f32>,
 }
@@ -68,6 +70,7 @@ impl ModelDrafter {
             pool: KvBlockPool::new(kv_blocks, block_size),
             slots: StateSlotPool::new(2 * sequences.max(1)),
             seqs: HashMap::new(),
+            capacity: sequences.max(1),
             clock: 0,
             logits: Vec::new(),
             model,
@@ -78,16 +81,12 @@ impl ModelDrafter {
     /// no slots are free).
     fn entry(&mut self, seq: SeqId) -> Option<&mut Draft> {
         if !self.seqs.contains_key(&seq) {
-            let pair = (self.slots.acquire(), self.slots.acquire());
-            let (slot, spare) = match pair {
-                (Some(a), Some(b)) => (a, b),
-                (a, b) => {
-                    a.into_iter().chain(b).for_each(|s| self.slots.release(s));
-                    let oldest = self.seqs.iter().min_by_key(|d| d.1.used).map(|d| *d.0)?;
-                    self.forget(oldest);
-                    (self.slots.acquire()?, self.slots.acquire()?)
-                }
-            };
+            // Slots go in pairs: with every pair taken, the least recently used gives its up.
+            if self.seqs.len() == self.capacity {
+                let oldest = self.seqs.iter().min_by_key(|d| d.1.used).map(|d| *d.0)?;
+                self.forget(oldest);
+            }
+            let (slot, spare) = (self.slots.acquire()?, self.slots.acquire()?);
             self.seqs.insert(
                 seq,
                 Draft {

@@ -533,16 +533,12 @@ impl KvManager {
         prompt_len: usize,
     ) -> Option<(SlotId, SlotId)> {
         let at = kv.computed;
-        let prefix = self.prefix.as_mut()?;
-        if !prefix.keeps_checkpoints() || at == 0 || kv.state_ahead {
-            return None;
-        }
         let planned = kv.checkpoint_at.contains(&at);
         let output = at > prompt_len && at.is_multiple_of(self.pool.block_size());
-        if !planned && !output {
+        if at == 0 || (!planned && !output) {
             return None;
         }
-        queue_checkpoint(prefix, kv, output && !planned)
+        queue_checkpoint(self.checkpoints_for(kv)?, kv, output && !planned)
     }
 
     /// A hybrid sequence that ends past its prompt gets a checkpoint at its last computed
@@ -553,15 +549,18 @@ impl KvManager {
         prompt_len: usize,
     ) -> Option<(SlotId, SlotId)> {
         let at = kv.computed;
-        let prefix = self.prefix.as_mut()?;
-        if !prefix.keeps_checkpoints()
-            || at <= prompt_len
-            || kv.state_ahead
-            || kv.checkpoints.iter().any(|c| c.0 == at)
-        {
+        if at <= prompt_len || kv.checkpoints.iter().any(|c| c.0 == at) {
             return None;
         }
-        queue_checkpoint(prefix, kv, true)
+        queue_checkpoint(self.checkpoints_for(kv)?, kv, true)
+    }
+
+    /// The prefix cache, where it keeps checkpoints and `kv`'s state is one to keep (not
+    /// ahead of its tokens).
+    fn checkpoints_for(&mut self, kv: &SeqKv) -> Option<&mut PrefixCache> {
+        self.prefix
+            .as_mut()
+            .filter(|p| p.keeps_checkpoints() && !kv.state_ahead)
     }
 }
 
