@@ -8,9 +8,10 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::JoinHandle;
 
-use corral_model::{Model, PagedKvCache, RecurrentStateCache, SlotId};
+use corral_model::{Model, PagedKvCache, RecurrentStateCache};
 
 use crate::SessionStore;
+use crate::disk_sessions::{DiskSessions, Reads};
 use crate::metrics::EngineMetrics;
 use crate::request::{EngineRequest, Event, RequestHandle};
 use crate::scheduler::{Drafter, Scheduler, SchedulerConfig, StepPlan};
@@ -157,12 +158,20 @@ pub fn spawn_engine_drafting(
                 &config.block_size.to_string(),
                 env!("CARGO_PKG_VERSION"),
             ]);
-            Some(crate::SpillDir::open(
+            let dir = crate::SpillDir::open(
                 dir,
                 fp,
+                config.block_size,
                 config.session_dir_bytes,
                 Arc::clone(&metrics.session_spill_writes),
-            )?)
+            )?;
+            metrics
+                .session_dir_bytes
+                .store(dir.bytes(), Ordering::Relaxed);
+            metrics
+                .session_index_blocks
+                .store(dir.num_blocks() as u64, Ordering::Relaxed);
+            Some(dir)
         }
         _ => None,
     };
@@ -249,6 +258,7 @@ fn run(
     let mut logits = Vec::new();
     let mut sampling = corral_model::SampledStep::default();
     let mut reads = Reads::new();
+    let mut next_restore = 0;
     // Queues a submitted request; false on shutdown.
     let receive = |scheduler: &mut Scheduler, command: Command| match command {
         Command::Submit(request, handle) => {
@@ -271,6 +281,7 @@ fn run(
                         hybrid: model.is_hybrid(),
                         metrics,
                         reads: &mut reads,
+                        next_restore: &mut next_restore,
                     },
                 ),
                 None => Ok(None),
@@ -312,6 +323,7 @@ fn run(
                 hybrid: model.is_hybrid(),
                 metrics,
                 reads: &mut reads,
+                next_restore: &mut next_restore,
             })),
             None => scheduler.step(),
         };
@@ -563,287 +575,6 @@ fn write_ahead_until_command(
             Err(TryRecvError::Disconnected) => return Err(()),
             Err(TryRecvError::Empty) if !scheduler.write_ahead(store) => return Ok(None),
             Err(TryRecvError::Empty) => {}
-        }
-    }
-}
-
-/// Sessions on disk over the engine's caches (see [`SessionStore`]).
-struct DiskSessions<'a> {
-    backend: &'a dyn corral_backend::Backend,
-    cache: &'a mut PagedKvCache,
-    state: &'a mut RecurrentStateCache,
-    dir: &'a mut crate::SpillDir,
-    hybrid: bool,
-    metrics: &'a EngineMetrics,
-    /// The files `find` chose, each being read and checked by a thread while its sequence
-    /// waits (and the eviction that makes room for it spills).
-    reads: &'a mut Reads,
-}
-
-/// Session files being read for a restore, by path.
-type Reads = std::collections::HashMap<std::path::PathBuf, Prefetch>;
-
-/// A session file's read and check, and its milliseconds.
-type SpillRead = std::thread::JoinHandle<(Result<crate::SpillFile, EngineError>, f64)>;
-
-/// A read of a session file on its own thread; dropped unjoined (the prompt went elsewhere),
-/// it tells the thread to stop reading.
-struct Prefetch {
-    path: std::path::PathBuf,
-    reader: Option<SpillRead>,
-    cancel: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Prefetch {
-    fn start(path: &std::path::Path, fingerprint: u64) -> Option<Self> {
-        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (file, flag) = (path.to_path_buf(), Arc::clone(&cancel));
-        let reader = std::thread::Builder::new()
-            .name("corral-restore".to_string())
-            .spawn(move || read_spill(&file, fingerprint, &flag))
-            .ok()?;
-        Some(Self {
-            path: path.to_path_buf(),
-            reader: Some(reader),
-            cancel,
-        })
-    }
-
-    /// Whether the read has ended (its result ready).
-    fn is_finished(&self) -> bool {
-        self.reader
-            .as_ref()
-            .is_none_or(std::thread::JoinHandle::is_finished)
-    }
-
-    /// The read's result (waiting for it).
-    fn join(mut self) -> (Result<crate::SpillFile, EngineError>, f64) {
-        let failed = || EngineError::Spill {
-            path: self.path.clone(),
-            detail: "its reader failed".to_string(),
-        };
-        match self.reader.take().map(std::thread::JoinHandle::join) {
-            Some(Ok(read)) => read,
-            _ => (Err(failed()), 0.0),
-        }
-    }
-}
-
-impl Drop for Prefetch {
-    fn drop(&mut self) {
-        if self.reader.is_some() {
-            self.cancel.store(true, Ordering::Relaxed);
-        }
-    }
-}
-
-fn read_spill(
-    path: &std::path::Path,
-    fingerprint: u64,
-    cancel: &std::sync::atomic::AtomicBool,
-) -> (Result<crate::SpillFile, EngineError>, f64) {
-    let start = std::time::Instant::now();
-    let file = crate::SpillFile::read_unless(path, fingerprint, cancel);
-    (file, start.elapsed().as_secs_f64() * 1e3)
-}
-
-impl DiskSessions<'_> {
-    /// Writes `prefix` to a session file unless the folder has it already (or, for a hybrid,
-    /// it has no state at its end); `ahead`: the prefix stays cached (written while idle),
-    /// and is written only if the folder has room without dropping another file.
-    fn write_out(&mut self, prefix: &crate::EvictedPrefix<'_>, ahead: bool) {
-        // A hybrid prefix is worth keeping only with the state at its end (and a file of
-        // exactly its tokens has that); otherwise a spilled prefix that starts with these
-        // tokens holds them already.
-        if prefix.tokens.is_empty()
-            || (self.hybrid && prefix.checkpoint.is_none())
-            || (self.hybrid && self.dir.holds(prefix.tokens))
-            || (!self.hybrid && self.dir.covers(prefix.tokens))
-        {
-            return;
-        }
-        if ahead {
-            let state = if self.hybrid {
-                self.state.slot_bytes()
-            } else {
-                0
-            };
-            let bytes = prefix.blocks.len() * self.cache.block_bytes() + state;
-            if !self.dir.has_room(bytes as u64) {
-                return;
-            }
-        }
-        let start = std::time::Instant::now();
-        let written = (|| -> Result<(u64, f64), EngineError> {
-            let buffers = self.dir.take_buffers();
-            let kv = self
-                .cache
-                .read_blocks(self.backend, prefix.blocks, buffers)?;
-            let state = match prefix.checkpoint {
-                Some(slot) if self.hybrid => self.state.read_slot(self.backend, slot)?,
-                _ => Vec::new(),
-            };
-            let copy_ms = start.elapsed().as_secs_f64() * 1e3;
-            let bytes = self.dir.add(crate::SpilledPrefix {
-                fingerprint: self.dir.fingerprint(),
-                block_size: self.cache.block_size,
-                tokens: prefix.tokens.to_vec(),
-                kv,
-                state,
-            })?;
-            Ok((bytes, copy_ms))
-        })();
-        match written {
-            Ok((bytes, copy_ms)) => {
-                self.metrics.session_spills.fetch_add(1, Ordering::Relaxed);
-                self.metrics
-                    .session_spill_bytes
-                    .fetch_add(bytes, Ordering::Relaxed);
-                tracing::info!(
-                    tokens = prefix.tokens.len(),
-                    bytes,
-                    copy_ms,
-                    ms = start.elapsed().as_secs_f64() * 1e3,
-                    "{}",
-                    if ahead {
-                        "wrote a cached prefix to disk while idle"
-                    } else {
-                        "spilled a cached prefix to disk"
-                    }
-                );
-            }
-            Err(e) => tracing::warn!(error = %e, "a cached prefix could not be spilled"),
-        }
-    }
-}
-
-impl SessionStore for DiskSessions<'_> {
-    fn spill(&mut self, prefix: &crate::EvictedPrefix<'_>) {
-        self.write_out(prefix, false);
-    }
-
-    fn write_ahead(&mut self, prefix: &crate::EvictedPrefix<'_>) {
-        self.write_out(prefix, true);
-    }
-
-    fn find(
-        &mut self,
-        tokens: &[u32],
-        beyond: usize,
-        max_tokens: usize,
-    ) -> Option<(usize, std::path::PathBuf)> {
-        let found = self
-            .dir
-            .best_prefix(tokens, max_tokens, self.cache.block_size, self.hybrid)
-            .filter(|f| f.0 > beyond)?;
-        // A file whose write failed is gone (and forgotten): nothing to restore.
-        if !self.dir.finish_write(&found.1) {
-            return None;
-        }
-        // Kept through the spills that make room for it, and until its restore ends.
-        self.dir.pin(&found.1);
-        if !self.reads.contains_key(&found.1) {
-            let read = Prefetch::start(&found.1, self.dir.fingerprint())?;
-            self.reads.insert(found.1.clone(), read);
-        }
-        Some(found)
-    }
-
-    fn poll_load(
-        &mut self,
-        path: &std::path::Path,
-        blocks: &[corral_model::BlockId],
-        slot: Option<SlotId>,
-    ) -> Option<Result<(), String>> {
-        if self.reads.get(path).is_some_and(|r| !r.is_finished()) {
-            return None;
-        }
-        let start = std::time::Instant::now();
-        // (tokens restored, ms of the read and check, ms copying).
-        let loaded = (|| -> Result<(usize, f64, f64), EngineError> {
-            if !self.dir.finish_write(path) {
-                return Err(EngineError::Spill {
-                    path: path.to_path_buf(),
-                    detail: "its write failed".to_string(),
-                });
-            }
-            let (file, read_ms) = match self.reads.remove(path) {
-                Some(read) => read.join(),
-                None => read_spill(
-                    path,
-                    self.dir.fingerprint(),
-                    &std::sync::atomic::AtomicBool::new(false),
-                ),
-            };
-            let file = file?;
-            let bad = |detail: String| EngineError::Spill {
-                path: path.to_path_buf(),
-                detail,
-            };
-            // The file's first blocks (all of them where a state is restored too); its last
-            // may be partly filled.
-            let in_file = file.tokens().len().div_ceil(self.cache.block_size.max(1));
-            let used = blocks.len();
-            if used > in_file || (slot.is_some() && used != in_file) {
-                return Err(bad(format!("{used} blocks asked of a file of {in_file}")));
-            }
-            // Each layer's K and V, cut to the first blocks, where they lie in the file.
-            let kv: Vec<(&[u8], &[u8])> = (0..file.layers())
-                .map(|i| {
-                    let layer = file.layer(i);
-                    let size = layer.len() / (2 * in_file).max(1);
-                    let (k, v) = layer.split_at(size * in_file);
-                    (&k[..size * used], &v[..size * used])
-                })
-                .collect();
-            self.cache.write_blocks(self.backend, blocks, &kv)?;
-            if let Some(slot) = slot {
-                if file.state().is_empty() {
-                    return Err(bad("no recurrent state".to_string()));
-                }
-                self.state.write_slot(self.backend, slot, file.state())?;
-            }
-            Ok((
-                (used * self.cache.block_size).min(file.tokens().len()),
-                read_ms,
-                start.elapsed().as_secs_f64() * 1e3,
-            ))
-        })();
-        self.dir.unpin(path);
-        Some(match loaded {
-            Ok((tokens, read_ms, copy_ms)) => {
-                self.dir.touch(path);
-                self.metrics
-                    .session_restores
-                    .fetch_add(1, Ordering::Relaxed);
-                self.metrics
-                    .session_restored_tokens
-                    .fetch_add(tokens as u64, Ordering::Relaxed);
-                tracing::info!(tokens, read_ms, copy_ms, "restored a session from disk");
-                Ok(())
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "deleting a session file that could not be restored; recomputing");
-                self.metrics
-                    .session_restore_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                self.dir.remove(path);
-                Err(e.to_string())
-            }
-        })
-    }
-
-    fn keep_restores(&mut self, paths: &[&std::path::Path]) {
-        let gone: Vec<std::path::PathBuf> = self
-            .reads
-            .keys()
-            .filter(|p| !paths.contains(&p.as_path()))
-            .cloned()
-            .collect();
-        for path in gone {
-            // Dropped unjoined: the read stops.
-            self.reads.remove(&path);
-            self.dir.unpin(&path);
         }
     }
 }

@@ -8,6 +8,7 @@
 
 mod chat_template;
 mod constraint;
+mod disk_sessions;
 mod drafter;
 mod engine;
 mod error;
@@ -33,8 +34,8 @@ pub use generation_config::{
 };
 pub use gguf_vocab::{load_vocabulary, vocabulary_from_gguf};
 pub use kv::{
-    EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit, SessionStore,
-    SpillDir, SpillFile, SpilledPrefix, StateSlotPool,
+    ChainHash, EvictedPrefix, EvictionCost, KvBlockPool, OutOfBlocks, PrefixCache, PrefixHit,
+    RestoreId, RestorePlan, SessionStore, SpillDir, SpillFile, SpilledRun, StateSlotPool,
 };
 pub use metrics::EngineMetrics;
 pub use plan::{MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};

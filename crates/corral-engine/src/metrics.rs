@@ -100,8 +100,14 @@ pub struct EngineMetrics {
     pub session_restores: AtomicU64,
     /// Tokens those sequences read from disk instead of computing.
     pub session_restored_tokens: AtomicU64,
+    /// KV and state bytes those sequences copied from session files.
+    pub session_restored_bytes: AtomicU64,
     /// Session files that could not be restored (deleted; the request recomputed).
     pub session_restore_failures: AtomicU64,
+    /// Bytes in the session folder now.
+    pub session_dir_bytes: AtomicU64,
+    /// KV blocks the session folder's index knows now.
+    pub session_index_blocks: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
     /// Draft tokens verified (speculative decoding).
@@ -155,7 +161,10 @@ impl Default for EngineMetrics {
             session_spill_writes: std::sync::Arc::default(),
             session_restores: AtomicU64::new(0),
             session_restored_tokens: AtomicU64::new(0),
+            session_restored_bytes: AtomicU64::new(0),
             session_restore_failures: AtomicU64::new(0),
+            session_dir_bytes: AtomicU64::new(0),
+            session_index_blocks: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),
             accepted_draft_tokens: AtomicU64::new(0),

@@ -98,6 +98,9 @@ pub struct PlanRequest {
     pub concurrency: usize,
     /// Recurrent-state checkpoints kept for resident sessions (hybrid models).
     pub checkpoints: usize,
+    /// Bytes the session folder's index may take at its byte cap, where the budget is the
+    /// host's memory (0 without a session folder, or when the budget is a discrete GPU's).
+    pub session_index: u64,
 }
 
 /// The plan for one request.
@@ -140,7 +143,7 @@ pub fn plan(needs: &MemoryNeeds, request: PlanRequest) -> MemoryPlan {
     let blocks_of = |tokens: usize| (tokens as u64).div_ceil(block);
     let states_of =
         |sequences: usize| (sequences + request.checkpoints) as u64 * needs.state_per_sequence;
-    let fixed = needs.weights + needs.workspace;
+    let fixed = needs.weights + needs.workspace + request.session_index;
     let kv = request.concurrency as u64 * blocks_of(request.context) * block_bytes;
     let states = states_of(request.concurrency);
     let total = fixed + kv + states;
@@ -204,6 +207,7 @@ mod tests {
             context,
             concurrency,
             checkpoints,
+            session_index: 0,
         }
     }
 
@@ -216,6 +220,16 @@ mod tests {
         assert_eq!(p.total, 1000 + 100 + 640 + 250);
         assert_eq!(p.spare, 3000 - 1990);
         assert!(p.fits() && p.weights_fit);
+        // A session folder's index counts beside the weights.
+        let indexed = plan(
+            &needs(),
+            PlanRequest {
+                session_index: 500,
+                ..ask(3000, 20, 2, 3)
+            },
+        );
+        assert_eq!(indexed.total, p.total + 500);
+        assert!(indexed.kv_blocks < p.kv_blocks);
     }
 
     #[test]

@@ -440,6 +440,67 @@ fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
     }
 }
 
+/// Two sessions sharing a system prompt share its blocks on disk: the second session's spill
+/// writes its own blocks only, and its next turn is restored from both files (every byte
+/// restored counted), generating what it does from scratch. Qwen3-MoE and a hybrid (whose
+/// second file also carries the state at its end).
+#[test]
+fn sessions_sharing_a_prompt_share_its_blocks_on_disk() {
+    for name in ["qwen3_moe_fused", "qwen3_next"] {
+        let folder = tempfile::Builder::new()
+            .prefix(&format!("corral-shared-{name}-"))
+            .tempdir()
+            .unwrap();
+        let system: Vec<u32> = (0..32).map(|j| (j * 37 + 11) % 250).collect();
+        let session = |k: u32| -> Vec<u32> {
+            system
+                .iter()
+                .copied()
+                .chain((0..8).map(|j| (k * 53 + j * 17 + 3) % 250))
+                .collect()
+        };
+        let (a, b) = (session(1), session(2));
+        let fillers: Vec<Vec<u32>> = (0..2u32)
+            .map(|i| (0..44).map(|j| (i * 97 + j * 13 + 5) % 250).collect())
+            .collect();
+        let reply = alone(name, &b, 4);
+        let next: Vec<u32> = b.iter().chain(&reply).copied().chain([60, 61]).collect();
+        let expected = alone(name, &next, 4);
+        let config = EngineConfig {
+            prefix_cache: true,
+            session_dir: Some(folder.path().join("sessions")),
+            session_dir_bytes: 1 << 30,
+            ..config(16)
+        };
+        let (engine, thread) = spawn_engine(model_named(name), config).unwrap();
+        let m = engine.metrics();
+        let written = || m.session_spill_bytes.load(Ordering::Relaxed);
+        // a, then a filler that evicts it (a written whole); b, restoring the system prompt
+        // from a's file, evicts the filler; a second filler evicts b.
+        collect(&mut submit(&engine, &a, 4));
+        collect(&mut submit(&engine, &fillers[0], 4));
+        let first = written();
+        assert!(first > 0, "{name}: the first session was not spilled");
+        collect(&mut submit(&engine, &b, 4));
+        let before_b = written();
+        collect(&mut submit(&engine, &fillers[1], 4));
+        let second = written() - before_b;
+        assert!(
+            second > 0 && second < first,
+            "{name}: the second session wrote {second} bytes, the first {first}: the \
+             shared blocks again"
+        );
+        let turn = collect(&mut submit(&engine, &next, 4));
+        assert_resumed_from_disk(&engine, turn, &expected, 40, name);
+        assert!(
+            m.session_restored_bytes.load(Ordering::Relaxed) > 0,
+            "{name}: restored bytes counted"
+        );
+        engine.shutdown();
+        thread.join().unwrap();
+    }
+}
+
 /// An idle engine writes its cached history to the session folder after a pause (no
 /// eviction asked for it); the eviction that later needs its blocks finds the files there and
 /// writes nothing more for it (as many files in all as without the pause), and the turn that

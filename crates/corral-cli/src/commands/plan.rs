@@ -140,6 +140,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         context,
         concurrency: args.concurrency,
         checkpoints,
+        session_index: 0,
     };
     let plan = plan(&needs, request);
     if args.json {
@@ -173,6 +174,13 @@ pub(crate) fn plan_text(name: &str, source: &str, p: &MemoryPlan, kv_dtype: DTyp
         "KV         {} bytes a token ({kv_dtype})",
         n.kv_per_token,
     );
+    if r.session_index > 0 {
+        let _ = writeln!(
+            out,
+            "sessions   {} for the session folder's index at its byte cap",
+            gib(r.session_index)
+        );
+    }
     if n.state_per_sequence > 0 {
         let _ = writeln!(
             out,

@@ -202,6 +202,10 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 checkpoints: state_checkpoints,
                 // The most tokens a step computes: the budget, or a step of decode rows only.
                 prefill_tokens: args.max_prefill_tokens.max(args.max_batch).max(1),
+                session_dir_bytes: args
+                    .session_dir
+                    .as_ref()
+                    .map(|_| args.session_dir_bytes as u64),
             };
             let sized =
                 serve_plan::plan_serving(&model, &args.model.describe(), &shape, host_before_load)?;

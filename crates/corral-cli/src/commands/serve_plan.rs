@@ -39,6 +39,9 @@ pub(crate) struct ServeShape {
     pub(crate) context: usize,
     pub(crate) checkpoints: usize,
     pub(crate) prefill_tokens: usize,
+    /// The session folder's byte cap (`--session-dir-bytes`), if there is a folder: its
+    /// index takes host memory in proportion.
+    pub(crate) session_dir_bytes: Option<u64>,
 }
 
 /// Device buffers the KV pool and recurrent states take: K and V for each attention layer,
@@ -108,11 +111,20 @@ pub(crate) fn plan_serving(
             )
         }
     };
+    // The index is host memory: it counts where the budget is.
+    let host_budget = device.is_none_or(|d| d.unified);
+    let session_index = match shape.session_dir_bytes {
+        Some(bytes) if host_budget => {
+            corral_engine::SpillDir::max_index_bytes(bytes, needs.kv_per_token * BLOCK_SIZE as u64)
+        }
+        _ => 0,
+    };
     let request = PlanRequest {
         budget,
         context: shape.context,
         concurrency: shape.max_batch.max(1),
         checkpoints: shape.checkpoints,
+        session_index,
     };
     let planned = plan(&needs, request);
     // A model without attention layers needs no KV block.

@@ -15,6 +15,10 @@ use corral_model::{BlockId, BlockTable, SeqId, SlotId};
 
 use super::{EvictedPrefix, EvictionCost, KvBlockPool, PrefixCache, StateSlotPool};
 
+/// A restore from sessions on disk under way, as its store names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RestoreId(pub u64);
+
 /// Sessions on disk as the KV manager uses them: the engine implements it over its caches, so
 /// that a cold prefix is written out when the cache evicts it and read back into a new
 /// sequence's blocks (and state slot) at admission.
@@ -25,26 +29,26 @@ pub trait SessionStore {
     /// the folder has room for it without dropping another file.
     fn write_ahead(&mut self, prefix: &EvictedPrefix<'_>);
     /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens, if it holds more
-    /// than `beyond` (what the cache gave already): its length and file, whose read starts in
-    /// the background; the file is kept from the byte cap until its restore ends.
+    /// than `beyond` (what the cache gave already): its length and the restore, whose reads
+    /// start in the background; its files are kept from the byte cap until it ends.
     fn find(
         &mut self,
         tokens: &[u32],
         beyond: usize,
         max_tokens: usize,
-    ) -> Option<(usize, std::path::PathBuf)>;
-    /// The restore of the spilled prefix at `path` into `blocks`, and its state into `slot`
-    /// (hybrid models): `None` while its read is in flight, then its result (the data copied
-    /// in). On an error the file is deleted and nothing it held may be used.
+    ) -> Option<(usize, RestoreId)>;
+    /// Restore `id` into `blocks`, and its state into `slot` (hybrid models): `None` while
+    /// its reads are in flight, then its result (the data copied in). On an error the files
+    /// at fault are deleted and nothing it held may be used.
     fn poll_load(
         &mut self,
-        path: &std::path::Path,
+        id: RestoreId,
         blocks: &[BlockId],
         slot: Option<SlotId>,
     ) -> Option<Result<(), String>>;
-    /// Drops the reads of every restore but those from `paths` (the others' sequences went
-    /// away), and lets the byte cap have their files again.
-    fn keep_restores(&mut self, paths: &[&std::path::Path]);
+    /// Drops every restore but `ids` (the others' sequences went away), and lets the byte cap
+    /// have their files again.
+    fn keep_restores(&mut self, ids: &[RestoreId]);
 }
 
 /// A block copy planned for a sequence: `(sequence, cached block, its block)`.
@@ -75,9 +79,9 @@ pub(crate) struct SeqKv {
     /// Its slot's state has taken tokens past `computed` (a rejected draft's) and is not to
     /// be checkpointed until the roll-back is made.
     pub(crate) state_ahead: bool,
-    /// A restore from a session file under way, `(tokens it gives, file)`: its blocks are
+    /// A restore from session files under way, `(tokens it gives, restore)`: its blocks are
     /// held, nothing is computed until it ends.
-    pub(crate) restoring: Option<(usize, std::path::PathBuf)>,
+    pub(crate) restoring: Option<(usize, RestoreId)>,
 }
 
 /// Copies to make before a step's forward pass, in this order: blocks, checkpoint restores,
@@ -248,7 +252,7 @@ impl KvManager {
         let Some(store) = store else {
             return;
         };
-        let Some((len, path)) = store.find(tokens, kv.computed, usable) else {
+        let Some((len, restore)) = store.find(tokens, kv.computed, usable) else {
             return;
         };
         // The file holds the whole prefix: the cached blocks go back first (and may be
@@ -266,7 +270,7 @@ impl KvManager {
             kv.table = table;
             kv.computed = 0;
             kv.uncopied = 0;
-            kv.restoring = Some((len, path));
+            kv.restoring = Some((len, restore));
         } else {
             take_cached_prefix(
                 prefix,
@@ -290,13 +294,13 @@ impl KvManager {
         copies: &mut Copies,
         store: &mut (dyn SessionStore + 's),
     ) -> bool {
-        let (Some((len, path)), Some(prefix), Some(slot)) =
-            (kv.restoring.clone(), &mut self.prefix, kv.slot)
+        let (Some((len, restore)), Some(prefix), Some(slot)) =
+            (kv.restoring, &mut self.prefix, kv.slot)
         else {
             return true;
         };
         let hybrid = prefix.keeps_checkpoints();
-        match store.poll_load(&path, &kv.table.blocks, hybrid.then_some(slot)) {
+        match store.poll_load(restore, &kv.table.blocks, hybrid.then_some(slot)) {
             None => false,
             Some(Ok(())) => {
                 kv.restoring = None;

@@ -8,7 +8,10 @@ mod spill;
 mod state_slots;
 
 pub use block_pool::{KvBlockPool, OutOfBlocks};
-pub use manager::SessionStore;
+pub use manager::{RestoreId, SessionStore};
 pub use prefix::{EvictedPrefix, EvictionCost, PrefixCache, PrefixHit};
-pub use spill::{SpillDir, SpillFile, SpilledPrefix, fingerprint};
+pub use spill::{
+    ChainHash, INDEX_BYTES_PER_BLOCK, RestorePiece, RestorePlan, SpillDir, SpillFile, SpilledRun,
+    WritePlan, fingerprint,
+};
 pub use state_slots::StateSlotPool;

@@ -297,6 +297,39 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_session_restored_bytes_total",
+        "counter",
+        "KV and state bytes copied from session files into the cache.",
+        load(&m.session_restored_bytes),
+    );
+    let restored = load(&m.session_restored_bytes);
+    scalar(
+        &mut out,
+        "corral_session_spill_bytes_per_restored_byte",
+        "gauge",
+        "Bytes written to the session folder per byte restored from it (0 before a restore).",
+        if restored == 0.0 {
+            0.0
+        } else {
+            load(&m.session_spill_bytes) / restored
+        },
+    );
+    scalar(
+        &mut out,
+        "corral_session_dir_bytes",
+        "gauge",
+        "Bytes in the session folder.",
+        load(&m.session_dir_bytes),
+    );
+    scalar(
+        &mut out,
+        "corral_session_index_blocks",
+        "gauge",
+        "KV blocks the session folder's index holds in memory.",
+        load(&m.session_index_blocks),
+    );
+    scalar(
+        &mut out,
         "corral_session_restore_failures_total",
         "counter",
         "Session files that could not be restored (deleted; the request recomputed).",

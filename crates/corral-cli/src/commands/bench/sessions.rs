@@ -41,6 +41,10 @@ pub(crate) struct SessionsArgs {
     /// Visit the sessions in a seeded random order instead of round-robin.
     #[arg(long)]
     random_order: bool,
+    /// Sessions of other words (tasks, tool results, the visiting order) behind the same
+    /// system prompt: a soak's passes, each a new set of sessions.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Times each revisit and each turn's new text alone are measured, the medians compared:
     /// a revisit as the session goes on, then again with its reply opened by other words (the
     /// same cached history, as many new tokens); the new text alone each time opened by its
@@ -82,6 +86,9 @@ const VOCAB: [&str; 16] = [
     "file", "search", "result", "path", "line", "error", "test", "build", "value", "config",
     "output", "module", "function", "query", "status", "table",
 ];
+
+/// How far apart two `--seed`s put their filler's seeds (past every seed one run uses).
+const SEED_STRIDE: u64 = 1 << 32;
 
 /// `n` words of deterministic filler text, different for each `seed`.
 pub(super) fn words(n: usize, seed: u64) -> String {
@@ -148,13 +155,13 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
         .map(|i| {
             vec![
                 json!({"role": "system", "content": system}),
-                json!({"role": "user", "content": format!("Task {i}: {}", words(30, 100 + i as u64))}),
+                json!({"role": "user", "content": format!("Task {i}: {}", words(30, 100 + i as u64 + args.seed * SEED_STRIDE))}),
             ]
         })
         .collect();
     let mut visits: Vec<usize> = (0..args.turns).flat_map(|_| 0..args.sessions).collect();
     if args.random_order {
-        let mut s: u64 = 7;
+        let mut s: u64 = 7 + args.seed;
         for i in (1..visits.len()).rev() {
             s = s
                 .wrapping_mul(6364136223846793005)
@@ -255,7 +262,10 @@ pub(crate) fn run(args: SessionsArgs) -> Result<()> {
         // The reply goes back into the history, then a tool result: the next turn's new text.
         let tool = format!(
             "Tool result: {}",
-            words(args.tool_words, (i * 1000 + turn) as u64)
+            words(
+                args.tool_words,
+                (i * 1000 + turn) as u64 + args.seed * SEED_STRIDE
+            )
         );
         conversations[i].push(json!({"role": "assistant", "content": whole.text}));
         conversations[i].push(json!({"role": "user", "content": tool}));

@@ -1,6 +1,8 @@
-//! Sessions on disk: a cached prefix (its token ids, the KV bytes of its whole blocks in every
-//! attention layer, and for hybrid models the recurrent state at its end) written to one file
-//! when the prefix cache lets it go, and read back when a later prompt extends it.
+//! A session file: one *run* of a cached prefix — the blocks of it that the folder did not
+//! hold yet (their token ids and the KV bytes of every attention layer), and for hybrid models
+//! the recurrent state at the prefix's end with the partly filled block it falls in. A run
+//! names the chain hash of the tokens before it (its parent), so that a reader can hash its
+//! blocks into the folder's index without the earlier tokens.
 //!
 //! A file is written to a temporary name and renamed into place, so a reader sees a whole
 //! file or none. It starts with a magic, Corral's format version and a fingerprint of what the
@@ -9,32 +11,33 @@
 //! an error naming what is wrong, and the caller deletes it and recomputes.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::EngineError;
 
 const MAGIC: &[u8; 8] = b"CRLSPILL";
-/// 3: the checksum over pieces of 16 MiB, each in four interleaved lanes (read on all cores).
-const VERSION: u32 = 3;
-/// Header: magic, version, fingerprint, block size, tokens, layers, bytes per layer, state bytes.
-const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 4 + 4 + 8 + 8;
+/// 4: a run of a prefix after its parent's chain hash (3: a whole prefix a file).
+const VERSION: u32 = 4;
+/// Header: magic, version, fingerprint, parent, block size, tokens, layers, bytes per layer,
+/// state bytes.
+pub(super) const HEADER_BYTES: usize = 8 + 4 + 8 + 8 + 4 + 4 + 4 + 8 + 8;
 /// More attention layers than any model has: a header claiming more is refused.
 const MAX_LAYERS: usize = 4096;
-/// Bytes of finished writes' buffers kept for the next spill.
-const SPARE_BYTES: usize = 2 << 30;
 
-/// One prefix to spill.
+/// One run of a prefix to write (see the module's doc).
 #[derive(Debug, Clone, PartialEq)]
-pub struct SpilledPrefix {
+pub struct SpilledRun {
     /// What the bytes mean: model, KV dtype, block size, layouts (see [`fingerprint`]).
     pub fingerprint: u64,
+    /// The chain hash of the prefix's tokens before the run ([`super::ChainHash`]).
+    pub parent: u64,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// The prefix's token ids (its last block may be partly filled).
+    /// The run's token ids, starting at a block boundary (its last block may be partly
+    /// filled where a state follows).
     pub tokens: Vec<u32>,
-    /// Per attention layer, the K then V bytes of the prefix's blocks, as the cache stores them.
+    /// Per attention layer, the K then V bytes of the run's blocks, as the cache stores them.
     pub kv: Vec<Vec<u8>>,
     /// The recurrent state after the last token (hybrid models), as the state cache stores it.
     pub state: Vec<u8>,
@@ -190,8 +193,8 @@ fn bad(path: &Path, detail: impl Into<String>) -> EngineError {
     }
 }
 
-impl SpilledPrefix {
-    /// Writes the prefix to `path` atomically (a temporary file in the same folder, flushed,
+impl SpilledRun {
+    /// Writes the run to `path` atomically (a temporary file in the same folder, flushed,
     /// then renamed), straight from its buffers; the file's size.
     pub fn write(&self, path: &Path) -> Result<u64, EngineError> {
         let (head, size) = self.head(path)?;
@@ -221,7 +224,7 @@ impl SpilledPrefix {
 
     /// The file's header and token list, and the size of the whole file; refuses layers of
     /// different sizes and counts beyond the header's fields.
-    fn head(&self, path: &Path) -> Result<(Vec<u8>, u64), EngineError> {
+    pub(super) fn head(&self, path: &Path) -> Result<(Vec<u8>, u64), EngineError> {
         let per_layer = self.kv.first().map_or(0, Vec::len);
         if self.kv.iter().any(|l| l.len() != per_layer) {
             return Err(bad(path, "layers of different sizes"));
@@ -230,6 +233,7 @@ impl SpilledPrefix {
         head.extend_from_slice(MAGIC);
         head.extend_from_slice(&VERSION.to_le_bytes());
         head.extend_from_slice(&self.fingerprint.to_le_bytes());
+        head.extend_from_slice(&self.parent.to_le_bytes());
         for n in [self.block_size, self.tokens.len(), self.kv.len()] {
             let n =
                 u32::try_from(n).map_err(|_| bad(path, format!("{n} does not fit the header")))?;
@@ -245,11 +249,13 @@ impl SpilledPrefix {
     }
 }
 
-/// A spill file mapped and checked: its tokens, and its KV and state bytes where they lie in
-/// the file (no copy into the process; the checksum's pass brings them in from the page cache).
+/// A session file mapped and checked: its tokens, and its KV and state bytes where they lie
+/// in the file (no copy into the process; the checksum's pass brings them in from the page
+/// cache).
 #[derive(Debug)]
 pub struct SpillFile {
     map: std::sync::Arc<corral_backend::MappedFile>,
+    parent: u64,
     tokens: Vec<u32>,
     block_size: usize,
     layers: usize,
@@ -274,6 +280,9 @@ impl SpillFile {
         let map = corral_backend::MappedFile::open(path).map_err(|e| bad(path, e.to_string()))?;
         let bytes = map.bytes();
         let (tokens, header) = Self::header(path, bytes, expected_fingerprint)?;
+        if header.block_size == 0 {
+            return Err(bad(path, "a block size of 0"));
+        }
         let body_end = bytes.len() - 8;
         let stored = u64::from_le_bytes(bytes[body_end..].try_into().unwrap_or_default());
         let Some(sum) = parallel_checksum(&bytes[..body_end], CHECK_PIECE_BYTES, cancel) else {
@@ -284,6 +293,7 @@ impl SpillFile {
         }
         Ok(Self {
             map,
+            parent: header.parent,
             tokens,
             block_size: header.block_size,
             layers: header.layers,
@@ -292,7 +302,12 @@ impl SpillFile {
         })
     }
 
-    /// The prefix's token ids.
+    /// The chain hash of the tokens before the run.
+    pub fn parent(&self) -> u64 {
+        self.parent
+    }
+
+    /// The run's token ids.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
@@ -316,15 +331,38 @@ impl SpillFile {
         &self.map.bytes()[at..at + self.per_layer]
     }
 
+    /// Blocks in the run (the last may be partly filled).
+    pub fn num_blocks(&self) -> usize {
+        self.tokens.len().div_ceil(self.block_size.max(1))
+    }
+
+    /// Layer `i`'s K and V bytes of the run's blocks `first..first + count` (empty past the
+    /// last layer or block).
+    pub fn blocks(&self, i: usize, first: usize, count: usize) -> (&[u8], &[u8]) {
+        let n = self.num_blocks();
+        if first + count > n {
+            return (&[], &[]);
+        }
+        let layer = self.layer(i);
+        let size = layer.len() / (2 * n).max(1);
+        let (k, v) = layer.split_at(size * n);
+        let range = size * first..size * (first + count);
+        (&k[range.clone()], &v[range])
+    }
+
     /// The recurrent state bytes (empty for non-hybrids).
     pub fn state(&self) -> &[u8] {
         let at = HEADER_BYTES + 4 * self.tokens.len() + self.layers * self.per_layer;
         &self.map.bytes()[at..at + self.state]
     }
 
-    /// The token ids of the file at `path` (its header and token list only, checked for size
-    /// and fingerprint, not the checksum): what an index of spilled prefixes needs.
-    pub fn read_tokens(path: &Path, expected_fingerprint: u64) -> Result<Vec<u32>, EngineError> {
+    /// The parent hash, token ids and state size of the file at `path` (its header and token
+    /// list only, checked for size and fingerprint, not the checksum): what the folder's
+    /// index needs.
+    pub fn read_tokens(
+        path: &Path,
+        expected_fingerprint: u64,
+    ) -> Result<(u64, Vec<u32>, usize), EngineError> {
         use std::io::Read;
         let io = |e: std::io::Error| bad(path, e.to_string());
         let mut file = std::fs::File::open(path).map_err(io)?;
@@ -332,7 +370,7 @@ impl SpillFile {
         let mut head = vec![0u8; HEADER_BYTES];
         file.read_exact(&mut head)
             .map_err(|_| bad(path, format!("{len} bytes: shorter than a header")))?;
-        let num_tokens = u32::from_le_bytes([head[24], head[25], head[26], head[27]]) as usize;
+        let num_tokens = u32::from_le_bytes([head[32], head[33], head[34], head[35]]) as usize;
         if (HEADER_BYTES + 4 * num_tokens) as u64 > len {
             return Err(bad(
                 path,
@@ -341,7 +379,8 @@ impl SpillFile {
         }
         head.resize(HEADER_BYTES + 4 * num_tokens, 0);
         file.read_exact(&mut head[HEADER_BYTES..]).map_err(io)?;
-        Self::header_of_len(path, &head, len, expected_fingerprint).map(|(t, _)| t)
+        Self::header_of_len(path, &head, len, expected_fingerprint)
+            .map(|(t, h)| (h.parent, t, h.state))
     }
 
     fn header(
@@ -384,12 +423,13 @@ impl SpillFile {
             return Err(bad(path, "written for another model, KV type or layout"));
         }
         let header = Header {
-            block_size: u32_at(20) as usize,
-            layers: u32_at(28) as usize,
-            per_layer: usize::try_from(u64_at(32)).unwrap_or(usize::MAX),
-            state: usize::try_from(u64_at(40)).unwrap_or(usize::MAX),
+            parent: u64_at(20),
+            block_size: u32_at(28) as usize,
+            layers: u32_at(36) as usize,
+            per_layer: usize::try_from(u64_at(40)).unwrap_or(usize::MAX),
+            state: usize::try_from(u64_at(48)).unwrap_or(usize::MAX),
         };
-        let num_tokens = u32_at(24) as usize;
+        let num_tokens = u32_at(32) as usize;
         if header.layers > MAX_LAYERS {
             return Err(bad(path, format!("{} layers", header.layers)));
         }
@@ -415,308 +455,21 @@ impl SpillFile {
 }
 
 struct Header {
+    parent: u64,
     block_size: usize,
     layers: usize,
     per_layer: usize,
     state: usize,
 }
 
-/// A background write of a spill file, giving back the prefix's KV buffers.
-type Writer = std::thread::JoinHandle<Result<Vec<Vec<u8>>, EngineError>>;
-
-/// The spilled prefixes of a folder, by token ids, with a byte cap (oldest out first).
-#[derive(Debug)]
-pub struct SpillDir {
-    dir: PathBuf,
-    fingerprint: u64,
-    max_bytes: u64,
-    /// `(tokens, file, bytes)`, oldest first.
-    files: Vec<(Vec<u32>, PathBuf, u64)>,
-    next: u64,
-    /// Files being written by a background thread (the engine does not wait for the disk);
-    /// each gives its KV buffers back when done.
-    writing: Vec<(PathBuf, Writer)>,
-    /// KV buffers of finished writes, for the next spill to read into: memory the process
-    /// has touched already (a fresh buffer of hundreds of MB costs its page faults).
-    spare: Vec<Vec<u8>>,
-    /// Files being restored from, which the byte cap must not delete.
-    pinned: Vec<PathBuf>,
-    /// Files whose background write has finished (flushed and renamed into place).
-    written: Arc<AtomicU64>,
-}
-
-impl SpillDir {
-    /// Opens (creating) `dir` and indexes the spill files in it that match `fingerprint`;
-    /// unreadable or mismatched files are deleted.
-    /// `written` counts each file whose background write finishes.
-    pub fn open(
-        dir: &Path,
-        fingerprint: u64,
-        max_bytes: u64,
-        written: Arc<AtomicU64>,
-    ) -> Result<Self, EngineError> {
-        std::fs::create_dir_all(dir).map_err(|e| bad(dir, e.to_string()))?;
-        let mut found = Vec::new();
-        let entries = std::fs::read_dir(dir).map_err(|e| bad(dir, e.to_string()))?;
-        for entry in entries.flatten() {
-            let path = entry.path();
-            match path.extension().and_then(|e| e.to_str()) {
-                // A write that a crash cut short.
-                Some("tmp") => {
-                    let _ = std::fs::remove_file(&path);
-                    continue;
-                }
-                Some("spill") => {}
-                _ => continue,
-            }
-            let meta = entry.metadata().ok();
-            match SpillFile::read_tokens(&path, fingerprint) {
-                Ok(tokens) => {
-                    let modified = meta.as_ref().and_then(|m| m.modified().ok());
-                    let bytes = meta.map_or(0, |m| m.len());
-                    found.push((modified, tokens, path, bytes));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "deleting an unusable spill file");
-                    let _ = std::fs::remove_file(&path);
-                }
-            }
-        }
-        found.sort_by_key(|a| a.0);
-        let mut spill = Self {
-            dir: dir.to_path_buf(),
-            fingerprint,
-            max_bytes,
-            files: found.into_iter().map(|(_, t, p, b)| (t, p, b)).collect(),
-            next: 0,
-            writing: Vec::new(),
-            spare: Vec::new(),
-            pinned: Vec::new(),
-            written,
-        };
-        spill.trim(0);
-        Ok(spill)
-    }
-
-    /// The fingerprint files must carry.
-    pub fn fingerprint(&self) -> u64 {
-        self.fingerprint
-    }
-
-    /// Prefixes on disk.
-    pub fn len(&self) -> usize {
-        self.files.len()
-    }
-
-    /// Whether none are.
-    pub fn is_empty(&self) -> bool {
-        self.files.is_empty()
-    }
-
-    /// Bytes on disk.
-    pub fn bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.2).sum()
-    }
-
-    /// Whether a spilled prefix holds exactly these tokens.
-    pub fn holds(&self, tokens: &[u32]) -> bool {
-        self.files.iter().any(|f| f.0 == tokens)
-    }
-
-    /// Whether a file of `bytes` more fits under the byte cap without dropping another.
-    pub fn has_room(&self, bytes: u64) -> bool {
-        self.bytes() + bytes <= self.max_bytes
-    }
-
-    /// Whether a spilled prefix starts with `tokens` (so they are on disk already).
-    pub fn covers(&self, tokens: &[u32]) -> bool {
-        self.files.iter().any(|f| f.0.starts_with(tokens))
-    }
-
-    /// The longest spilled prefix of `tokens` of at most `max_tokens` tokens, and its file.
-    pub fn longest_prefix(&self, tokens: &[u32], max_tokens: usize) -> Option<(usize, PathBuf)> {
-        self.files
-            .iter()
-            .filter(|f| f.0.len() <= max_tokens && tokens.starts_with(&f.0))
-            .max_by_key(|f| f.0.len())
-            .map(|f| (f.0.len(), f.1.clone()))
-    }
-
-    /// The most whole blocks of `block_size` tokens (at most `max_tokens` tokens) that a file
-    /// shares with the start of `tokens`, and the file: a file's first blocks are usable alone
-    /// (a history re-sent with its reply re-tokenized). With `whole_file` only files that are
-    /// entirely a prefix count (a recurrent state exists only at a file's end).
-    pub fn best_prefix(
-        &self,
-        tokens: &[u32],
-        max_tokens: usize,
-        block_size: usize,
-        whole_file: bool,
-    ) -> Option<(usize, PathBuf)> {
-        let bs = block_size.max(1);
-        self.files
-            .iter()
-            .filter_map(|f| {
-                let common = super::prefix::common_prefix(&f.0, tokens);
-                let usable = if whole_file {
-                    (common == f.0.len() && f.0.len() <= max_tokens).then_some(common)?
-                } else {
-                    common.min(max_tokens) / bs * bs
-                };
-                (usable > 0).then(|| (usable, f.1.clone()))
-            })
-            .max_by_key(|c| c.0)
-    }
-
-    /// Keeps `path` (a file being restored from) from the byte cap until it is unpinned.
-    pub fn pin(&mut self, path: &Path) {
-        if !self.pinned.iter().any(|p| p == path) {
-            self.pinned.push(path.to_path_buf());
-        }
-    }
-
-    /// Lets the byte cap delete `path` again.
-    pub fn unpin(&mut self, path: &Path) {
-        self.pinned.retain(|p| p != path);
-    }
-
-    /// Marks `path` as just used: the byte cap deletes least recently used files first.
-    pub fn touch(&mut self, path: &Path) {
-        if let Some(i) = self.files.iter().position(|f| f.1 == path) {
-            let file = self.files.remove(i);
-            self.files.push(file);
-        }
-    }
-
-    /// Writes `prefix` to a new file, deleting the least recently used files past the byte
-    /// cap.
-    pub fn add(&mut self, prefix: SpilledPrefix) -> Result<u64, EngineError> {
-        self.reap();
-        let name = format!(
-            "{:016x}-{}-{}.spill",
-            fingerprint_tokens(&prefix.tokens),
-            std::process::id(),
-            self.next
-        );
-        self.next += 1;
-        let path = self.dir.join(name);
-        let (_, size) = prefix.head(&path)?;
-        self.trim(size);
-        self.files.push((prefix.tokens.clone(), path.clone(), size));
-        let (target, written) = (path.clone(), Arc::clone(&self.written));
-        let writer = std::thread::Builder::new()
-            .name("corral-spill".to_string())
-            .spawn(move || {
-                prefix.write(&target)?;
-                written.fetch_add(1, Ordering::Relaxed);
-                Ok(prefix.kv)
-            })
-            .map_err(|e| bad(&path, e.to_string()))?;
-        self.writing.push((path, writer));
-        Ok(size)
-    }
-
-    /// Joins the writers that are done, keeping their buffers (at most SPARE_BYTES) and
-    /// forgetting the files whose write failed.
-    fn reap(&mut self) {
-        let (done, running): (Vec<_>, Vec<_>) =
-            self.writing.drain(..).partition(|w| w.1.is_finished());
-        self.writing = running;
-        for (path, writer) in done {
-            match writer.join() {
-                Ok(Ok(buffers)) => self.keep_spare(buffers),
-                _ => self.files.retain(|f| f.1 != path),
-            }
-        }
-    }
-
-    fn keep_spare(&mut self, buffers: Vec<Vec<u8>>) {
-        self.spare = buffers;
-        let mut kept = 0;
-        self.spare.retain(|b| {
-            kept += b.capacity();
-            kept <= SPARE_BYTES
-        });
-    }
-
-    /// Buffers for the next spill to read its KV into (see `spare`); empty when none are.
-    pub fn take_buffers(&mut self) -> Vec<Vec<u8>> {
-        self.reap();
-        std::mem::take(&mut self.spare)
-    }
-
-    /// Waits for the background write of `path`, if one is running; false if it failed (the
-    /// file is then forgotten).
-    pub fn finish_write(&mut self, path: &Path) -> bool {
-        let Some(i) = self.writing.iter().position(|w| w.0 == path) else {
-            return true;
-        };
-        let (_, writer) = self.writing.swap_remove(i);
-        match writer.join() {
-            Ok(Ok(buffers)) => {
-                self.keep_spare(buffers);
-                true
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "a session file could not be written");
-                self.remove(path);
-                false
-            }
-            Err(_) => {
-                self.remove(path);
-                false
-            }
-        }
-    }
-
-    /// Forgets and deletes the file at `path` (corrupt, or restored from and superseded).
-    pub fn remove(&mut self, path: &Path) {
-        self.files.retain(|f| f.1 != path);
-        if let Some(i) = self.writing.iter().position(|w| w.0 == path) {
-            let (_, writer) = self.writing.swap_remove(i);
-            let _ = writer.join();
-        }
-        let _ = std::fs::remove_file(path);
-    }
-
-    /// Deletes the oldest files until `incoming` more bytes fit the cap.
-    fn trim(&mut self, incoming: u64) {
-        while self.bytes() + incoming > self.max_bytes {
-            let Some(oldest) = self
-                .files
-                .iter()
-                .find(|f| !self.pinned.contains(&f.1))
-                .map(|f| f.1.clone())
-            else {
-                break;
-            };
-            self.remove(&oldest);
-        }
-    }
-}
-
-impl Drop for SpillDir {
-    /// Files still being written are finished, so that they survive the engine.
-    fn drop(&mut self) {
-        for (_, writer) in self.writing.drain(..) {
-            let _ = writer.join();
-        }
-    }
-}
-
-fn fingerprint_tokens(tokens: &[u32]) -> u64 {
-    tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
-        (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn prefix() -> SpilledPrefix {
-        SpilledPrefix {
+    fn prefix() -> SpilledRun {
+        SpilledRun {
             fingerprint: fingerprint(&["model", "bf16", "16"]),
+            parent: 0x1234_5678_9abc_def0,
             block_size: 4,
             tokens: (0..8).collect(),
             kv: vec![(0..64).collect(), (64..128).collect()],
@@ -768,6 +521,14 @@ mod tests {
         let bytes = p.write(&path).unwrap();
         let back = SpillFile::read(&path, p.fingerprint).unwrap();
         assert_eq!(back.tokens(), &p.tokens[..]);
+        assert_eq!(back.parent(), p.parent);
+        assert_eq!(back.num_blocks(), 2);
+        assert_eq!(back.blocks(1, 1, 1), (&p.kv[1][16..32], &p.kv[1][48..64]));
+        assert_eq!(back.blocks(1, 1, 2), (&[][..], &[][..]));
+        assert_eq!(
+            SpillFile::read_tokens(&path, p.fingerprint).unwrap(),
+            (p.parent, p.tokens.clone(), p.state.len())
+        );
         assert_eq!(
             (back.block_size(), back.layers()),
             (p.block_size, p.kv.len())
@@ -797,7 +558,7 @@ mod tests {
         magic[0] = b'X';
         refused(&magic, p.fingerprint, "bad magic");
         let mut absurd = all.clone();
-        absurd[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
+        absurd[32..36].copy_from_slice(&u32::MAX.to_le_bytes());
         refused(&absurd, p.fingerprint, "truncated");
     }
 
@@ -858,82 +619,5 @@ mod tests {
         let mut swapped = bytes.clone();
         swapped[..16].rotate_left(8);
         assert_ne!(checksum(&swapped), whole, "two words swapped");
-    }
-
-    #[test]
-    fn a_spill_folder_finds_prefixes_survives_a_restart_and_keeps_its_cap() {
-        let d = dir("folder");
-        let p = prefix();
-        let written = Arc::new(AtomicU64::new(0));
-        let mut spill =
-            SpillDir::open(d.path(), p.fingerprint, 10_000, Arc::clone(&written)).unwrap();
-        let size = spill.add(p.clone()).unwrap();
-        let longer = SpilledPrefix {
-            tokens: (0..12).collect(),
-            ..p.clone()
-        };
-        spill.add(longer.clone()).unwrap();
-        let prompt: Vec<u32> = (0..20).collect();
-        assert_eq!(spill.longest_prefix(&prompt, 100).map(|h| h.0), Some(12));
-        assert_eq!(spill.longest_prefix(&prompt, 11).map(|h| h.0), Some(8));
-        assert_eq!(spill.longest_prefix(&[0, 1, 9], 100), None);
-        // Whole blocks of a file that leaves the prompt partway: usable without the state.
-        let branch: Vec<u32> = (0..10).chain([99, 98]).collect();
-        assert_eq!(
-            spill.longest_prefix(&branch, 100),
-            Some((8, spill.files[0].1.clone()))
-        );
-        assert_eq!(
-            spill.best_prefix(&branch, 100, 4, false).map(|h| h.0),
-            Some(8)
-        );
-        assert_eq!(
-            spill
-                .best_prefix(&(0..11).collect::<Vec<_>>(), 100, 4, false)
-                .map(|h| h.0),
-            Some(8)
-        );
-        assert_eq!(
-            spill
-                .best_prefix(&(0..11).collect::<Vec<_>>(), 100, 4, true)
-                .map(|h| h.0),
-            Some(8)
-        );
-        assert_eq!(
-            spill.best_prefix(&prompt, 9, 4, false).map(|h| h.0),
-            Some(8)
-        );
-        // A corrupt file and a foreign one are dropped when the folder is opened again (after
-        // the first index is gone, its background writes finished).
-        drop(spill);
-        assert_eq!(written.load(Ordering::Relaxed), 2, "both writes counted");
-        std::fs::write(d.path().join("junk.spill"), b"not a spill file").unwrap();
-        let reopened = SpillDir::open(d.path(), p.fingerprint, 10_000, Arc::default()).unwrap();
-        assert_eq!(reopened.len(), 2);
-        assert!(reopened.holds(&longer.tokens));
-        assert!(!d.path().join("junk.spill").exists());
-        assert_eq!(
-            SpillDir::open(d.path(), p.fingerprint ^ 1, 10_000, Arc::default())
-                .unwrap()
-                .len(),
-            0
-        );
-        // Room for one file: the least recently used goes first, but not a pinned one
-        // (about to be restored from), and a cut-short write is cleaned up at open.
-        std::fs::write(d.path().join("cut.tmp"), b"partial").unwrap();
-        let mut small = SpillDir::open(d.path(), p.fingerprint, size + 10, Arc::default()).unwrap();
-        assert!(!d.path().join("cut.tmp").exists());
-        small.add(p.clone()).unwrap();
-        small.add(longer.clone()).unwrap();
-        assert_eq!(small.len(), 1);
-        assert!(small.holds(&longer.tokens));
-        let (_, pinned) = small.longest_prefix(&prompt, 100).unwrap();
-        small.pin(&pinned);
-        small.add(p.clone()).unwrap();
-        assert!(
-            small.holds(&longer.tokens) && small.holds(&p.tokens),
-            "the pinned file stays"
-        );
-        small.unpin(&pinned);
     }
 }
