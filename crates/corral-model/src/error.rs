@@ -42,7 +42,7 @@ pub enum ModelError {
         /// The value found.
         model_type: String,
         /// The values Corral accepts.
-        supported: &'static str,
+        supported: String,
     },
     /// A safetensors file is truncated or its header is corrupt.
     #[error("{}: invalid safetensors file: {detail}", path.display())]

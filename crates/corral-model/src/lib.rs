@@ -17,6 +17,7 @@ mod kv_cache;
 mod layers;
 mod model;
 mod moe;
+mod step_runner;
 mod weights;
 
 pub use batch::{
@@ -26,9 +27,10 @@ pub use checkpoint::Checkpoint;
 pub use config::{Family, HybridConfig, LayerKind, LinearAttentionConfig, ModelConfig, MoeConfig};
 pub use error::{ModelError, Result};
 pub use kv_cache::{LayerKv, PagedKvCache, RecurrentStateCache};
-pub use model::{ForwardReport, Model, SampledStep};
+pub use model::Model;
 pub use moe::{
     CALIBRATION_TOKENS, DEFAULT_GROUPED_MIN_TOKENS, MoeCalibration, MoeStrategy, UnknownStrategy,
     crossover,
 };
+pub use step_runner::{ForwardReport, SampledStep};
 pub use weights::{SyntheticMix, SyntheticWeights};

@@ -342,6 +342,49 @@ fn decode_steps(
     (out, stats)
 }
 
+/// Verify-shaped steps after `prompt` on a fresh cache: each a run of `run_tokens` tokens
+/// (the last row's greedy pick, then picks of the rows before it, as a drafter's guesses
+/// would be) asking for every row's logits, all of them kept; each step's logits (as bits)
+/// and its counts.
+fn verify_steps(
+    model: &Model,
+    prompt: &[u32],
+    steps: usize,
+    run_tokens: usize,
+) -> (Vec<Vec<u32>>, Vec<DispatchStats>) {
+    let vocab = model.config().vocab_size;
+    let (mut kv, mut state, table) = common::caches(model, prompt.len() + steps * run_tokens);
+    let (mut out, mut stats, mut logits) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut next, mut position) = (prompt.to_vec(), 0);
+    for step in 0..=steps {
+        let mut batch = RaggedBatch::new(common::BLOCK_SIZE);
+        let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
+        let wanted = if step == 0 {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::All
+        };
+        batch
+            .push_run(SeqId(1), &ids, position, &table, wanted)
+            .unwrap();
+        batch.set_state_slot(SeqId(1), SlotId(0)).unwrap();
+        let report = model
+            .forward_with_state(&batch, &mut kv, &mut state, &mut logits)
+            .unwrap();
+        position += next.len();
+        let rows: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
+        if step > 0 {
+            out.push(logits.iter().map(|v| v.to_bits()).collect());
+            stats.push(report.stats);
+        }
+        let last = rows[rows.len() - 1];
+        next = (0..run_tokens as u32)
+            .map(|i| (last + i * 7) % vocab as u32)
+            .collect();
+    }
+    (out, stats)
+}
+
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &l) in logits.iter().enumerate() {
@@ -394,6 +437,24 @@ fn graph_replay_equals_eager_launches_bit_for_bit() {
                 "{name} {strategy}: {} kernels per decode step, replayed bit for bit",
                 graphed_stats[2].dispatches
             );
+            // Verify steps of speculative decoding (runs of 1 + 2 drafts, every row's
+            // logits): graphed by their shape too, bit for bit.
+            model.set_graphs(true);
+            let (graphed, graphed_stats) = verify_steps(&model, &reference.greedy_prompt, 6, 3);
+            model.set_graphs(false);
+            let (eager, eager_stats) = verify_steps(&model, &reference.greedy_prompt, 6, 3);
+            assert_eq!(graphed, eager, "{name} {strategy}: verify logits differ");
+            assert!(
+                graphed_stats[2..].iter().all(|s| s.graph_replays == 1),
+                "{name} {strategy}: verify steps replayed"
+            );
+            for (g, e) in graphed_stats.iter().zip(&eager_stats).skip(1) {
+                assert_eq!(
+                    g.dispatches, e.dispatches,
+                    "{name} {strategy}: verify kernels"
+                );
+                assert_eq!(g.allocations, 0, "{name} {strategy}: verify allocations");
+            }
         }
     }
 }

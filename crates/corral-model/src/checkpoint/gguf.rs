@@ -201,17 +201,11 @@ impl GgufCheckpoint {
     /// The metadata as the `config.json` transformers would have, for Qwen3 and Qwen3-MoE.
     fn config_json(&self) -> Result<Value> {
         let arch = self.arch.as_str();
-        let model_type = match arch {
-            "qwen3" => "qwen3",
-            "qwen3moe" => "qwen3_moe",
-            "qwen35" => "qwen3_5_text",
-            "qwen35moe" => "qwen3_5_moe_text",
-            "qwen3next" => "qwen3_next",
-            other => {
-                return Err(self.invalid(format!(
-                    "architecture `{other}` is not read (qwen3, qwen3moe, qwen35, qwen35moe and qwen3next are)"
-                )));
-            }
+        let Some(model_type) = crate::families::by_gguf_architecture(arch).map(|f| f.gguf.1) else {
+            return Err(self.invalid(format!(
+                "architecture `{arch}` is not read ({} are)",
+                crate::families::supported(true)
+            )));
         };
         let key = |k: &str| format!("{arch}.{k}");
         let uint = |k: &str| -> Result<Option<u64>> {

@@ -5,6 +5,7 @@
 mod gguf;
 pub mod gguf_file;
 mod gguf_hybrid;
+pub(crate) mod hybrid_layout;
 pub mod quant;
 mod safetensors_file;
 

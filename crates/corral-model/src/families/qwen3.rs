@@ -96,36 +96,8 @@ impl Qwen3Model {
         })
     }
 
-    /// MoE layers.
-    pub(crate) fn num_sparse_layers(&self) -> usize {
-        self.layers
-            .iter()
-            .filter(|l| matches!(l.mlp, FeedForward::Sparse(_)))
-            .count()
-    }
-
-    /// The sparse MoE blocks (auto-threshold calibration).
-    pub(crate) fn moe_blocks(&self) -> Vec<&SparseMoe> {
-        self.layers
-            .iter()
-            .filter_map(|l| match &l.mlp {
-                FeedForward::Sparse(moe) => Some(moe.as_ref()),
-                FeedForward::Dense(_) => None,
-            })
-            .collect()
-    }
-
-    pub(crate) fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    /// The type the weights are stored in (the embedding's, as the projections').
-    pub(crate) fn weight_dtype(&self) -> DType {
-        self.embed_tokens.dtype()
-    }
-
     /// Runs the layers over `batch`, writing `[logit rows, vocab]` into `ws.logits`.
-    pub(crate) fn forward(
+    fn forward_layers(
         &self,
         backend: &dyn Backend,
         batch: &RaggedBatch,
@@ -184,5 +156,43 @@ impl Qwen3Model {
             residual_and_next_norm(backend, ws, next_norm, tokens, h, eps, false)?;
         }
         self.head.forward(backend, cfg, ws, &self.embed_tokens)
+    }
+}
+
+impl super::FamilyModel for Qwen3Model {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The type the weights are stored in (the embedding's, as the projections').
+    fn weight_dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    fn moe_blocks(&self) -> Vec<&SparseMoe> {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.mlp {
+                FeedForward::Sparse(moe) => Some(moe.as_ref()),
+                FeedForward::Dense(_) => None,
+            })
+            .collect()
+    }
+
+    fn recurrent(&self) -> bool {
+        false
+    }
+
+    fn forward(&self, step: super::StepCtx<'_>) -> Result<()> {
+        let super::StepCtx {
+            backend,
+            batch,
+            cache,
+            ws,
+            strategy,
+            moe_stats,
+            ..
+        } = step;
+        self.forward_layers(backend, batch, cache, ws, strategy, moe_stats)
     }
 }

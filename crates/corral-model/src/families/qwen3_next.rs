@@ -6,15 +6,15 @@
 //!
 //! Layouts: Qwen3.5 Hub checkpoints keep the language model under `model.language_model.`
 //! (vision tower and MTP tensors are never read); text-only ones under `model.`. Qwen3-Next's
-//! fused, key-head-grouped projections (`in_proj_qkvz`, `in_proj_ba`) are permuted at load
-//! into the Qwen3.5 layout, and the per-head interleaved query/gate rows of `q_proj` are split,
-//! so one set of kernels serves all three.
+//! fused projections and the gated attention's interleaved `q_proj` are read through
+//! `checkpoint::hybrid_layout`, so one set of kernels serves all three.
 
 use corral_backend::{
     Backend, DType, DeltaNetShape, DeviceBuffer, DispatchStats, RecurrentRuns, WeightView,
 };
 
 use crate::batch::RaggedBatch;
+use crate::checkpoint::hybrid_layout::{self, DeltaNetHeads};
 use crate::kv_cache::{PagedKvCache, RecurrentStateCache};
 use crate::layers::attention::paged_attention;
 use crate::layers::mlp::Mlp;
@@ -86,13 +86,6 @@ pub(crate) struct HybridModel {
     head: OutputHead,
 }
 
-/// `base + 0..len` for each of `groups` groups of `stride`, offset by `at`.
-fn grouped_rows(groups: usize, stride: usize, at: usize, len: usize) -> Vec<usize> {
-    (0..groups)
-        .flat_map(|g| (0..len).map(move |i| g * stride + at + i))
-        .collect()
-}
-
 impl GatedAttention {
     fn load(
         src: &dyn WeightSource,
@@ -102,21 +95,15 @@ impl GatedAttention {
     ) -> Result<Self> {
         let (h, hd, nh) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads);
         let kv = cfg.kv_dim();
-        let q_name = format!("{p}self_attn.q_proj.weight");
-        let q_shape = [nh * 2 * hd, h];
+        let (q_proj, gate_proj) = hybrid_layout::query_and_gate(
+            src,
+            backend,
+            &format!("{p}self_attn.q_proj.weight"),
+            (nh, hd, h),
+        )?;
         Ok(Self {
-            q_proj: src.weight_rows(
-                backend,
-                &q_name,
-                &q_shape,
-                &grouped_rows(nh, 2 * hd, 0, hd),
-            )?,
-            gate_proj: src.weight_rows(
-                backend,
-                &q_name,
-                &q_shape,
-                &grouped_rows(nh, 2 * hd, hd, hd),
-            )?,
+            q_proj,
+            gate_proj,
             k_proj: src.weight(backend, &format!("{p}self_attn.k_proj.weight"), &[kv, h])?,
             v_proj: src.weight(backend, &format!("{p}self_attn.v_proj.weight"), &[kv, h])?,
             o_proj: src.weight(
@@ -239,24 +226,15 @@ impl GatedDeltaNet {
         let (c, k) = (l.conv_channels(), l.conv_kernel);
         let p = format!("{p}linear_attn.");
         let (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) =
-            if src.contains(&format!("{p}in_proj_qkvz.weight")) {
-                // Qwen3-Next: per key head g, [q_g | k_g | v_g | z_g] and [b_g | a_g].
-                let r = nv / nk;
-                let width = 2 * dk + 2 * r * dv;
-                let qkvz = format!("{p}in_proj_qkvz.weight");
-                let qkvz_shape = [nk * width, h];
-                let mut qkv_rows = grouped_rows(nk, width, 0, dk);
-                qkv_rows.extend(grouped_rows(nk, width, dk, dk));
-                qkv_rows.extend(grouped_rows(nk, width, 2 * dk, r * dv));
-                let z_rows = grouped_rows(nk, width, 2 * dk + r * dv, r * dv);
-                let ba = format!("{p}in_proj_ba.weight");
-                let ba_shape = [2 * nv, h];
-                (
-                    src.weight_rows(backend, &qkvz, &qkvz_shape, &qkv_rows)?,
-                    src.weight_rows(backend, &qkvz, &qkvz_shape, &z_rows)?,
-                    src.weight_rows(backend, &ba, &ba_shape, &grouped_rows(nk, 2 * r, 0, r))?,
-                    src.weight_rows(backend, &ba, &ba_shape, &grouped_rows(nk, 2 * r, r, r))?,
-                )
+            if hybrid_layout::fused_delta_net(src, &p) {
+                let heads = DeltaNetHeads {
+                    key_heads: nk,
+                    value_heads: nv,
+                    key_dim: dk,
+                    value_dim: dv,
+                    hidden: h,
+                };
+                hybrid_layout::unfused_delta_net(src, backend, &p, heads)?
             } else {
                 (
                     src.weight(backend, &format!("{p}in_proj_qkv.weight"), &[c, h])?,
@@ -475,37 +453,9 @@ impl HybridModel {
         })
     }
 
-    pub(crate) fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    /// The type the weights are stored in (the embedding's, as the projections').
-    pub(crate) fn weight_dtype(&self) -> DType {
-        self.embed_tokens.dtype()
-    }
-
-    /// The sparse MoE blocks (auto-threshold calibration).
-    pub(crate) fn moe_blocks(&self) -> Vec<&SparseMoe> {
-        self.layers
-            .iter()
-            .filter_map(|l| match &l.ffn {
-                FeedForward::Sparse { moe, .. } => Some(moe.as_ref()),
-                _ => None,
-            })
-            .collect()
-    }
-
-    /// MoE layers.
-    pub(crate) fn num_sparse_layers(&self) -> usize {
-        self.layers
-            .iter()
-            .filter(|l| matches!(l.ffn, FeedForward::Sparse { .. }))
-            .count()
-    }
-
     /// Runs the layers over `batch`, writing `[logit rows, vocab]` into `ws.logits`.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn forward(
+    fn forward_layers(
         &self,
         backend: &dyn Backend,
         batch: &RaggedBatch,
@@ -589,5 +539,46 @@ impl HybridModel {
             residual_and_next_norm(backend, ws, next_norm, tokens, h, eps, true)?;
         }
         self.head.forward(backend, cfg, ws, &self.embed_tokens)
+    }
+}
+
+impl super::FamilyModel for HybridModel {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The type the weights are stored in (the embedding's, as the projections').
+    fn weight_dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    fn moe_blocks(&self) -> Vec<&SparseMoe> {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                FeedForward::Sparse { moe, .. } => Some(moe.as_ref()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn recurrent(&self) -> bool {
+        true
+    }
+
+    fn forward(&self, step: super::StepCtx<'_>) -> Result<()> {
+        let super::StepCtx {
+            backend,
+            batch,
+            cache,
+            state,
+            ws,
+            strategy,
+            moe_stats,
+        } = step;
+        let state = state.ok_or_else(|| {
+            ModelError::InvalidBatch("a hybrid model needs recurrent state".to_string())
+        })?;
+        self.forward_layers(backend, batch, cache, state, ws, strategy, moe_stats)
     }
 }
