@@ -14,6 +14,10 @@ use crate::kv::{RestoreId, RestorePlan};
 use crate::metrics::EngineMetrics;
 use crate::{EngineError, EvictedPrefix, SessionStore, SpillDir, SpillFile, SpilledRun};
 
+/// Blocks of a prompt that no later request took that are written when it is evicted: its
+/// opening, where other prompts most often meet it again.
+const OPENING_BLOCKS: usize = 2;
+
 /// Restores under way, by id.
 pub(crate) type Reads = HashMap<RestoreId, Restore>;
 
@@ -133,14 +137,40 @@ impl DiskSessions<'_> {
     /// Writes what the folder lacks of `prefix` (for a hybrid, only with the state at its
     /// end); `ahead`: the prefix stays cached (written while idle), and is written only if
     /// the folder has room without dropping another file.
+    ///
+    /// Evicted, what is likely to come back is written: a prefix at least half of which later
+    /// requests took (a conversation that goes on, a prompt sessions share) whole; of one
+    /// they took less of, only that part, and at least its opening ([`OPENING_BLOCKS`]: where
+    /// other prompts meet it again, the chat template's start and a system prompt's); for a
+    /// hybrid nothing then (blocks are of no use to it without the state at their end).
+    /// While idle, everything.
     fn write_out(&mut self, prefix: &EvictedPrefix<'_>, ahead: bool) {
         if prefix.tokens.is_empty() || (self.hybrid && prefix.checkpoint.is_none()) {
             return;
         }
-        let Some(plan) = self.dir.plan_write(prefix.tokens, self.hybrid) else {
+        let bs = self.cache.block_size.max(1);
+        let keep = if ahead || 2 * prefix.reused >= prefix.tokens.len() {
+            prefix.tokens.len()
+        } else if self.hybrid {
+            0
+        } else {
+            prefix
+                .reused
+                .max(OPENING_BLOCKS * bs)
+                .min(prefix.tokens.len())
+                / bs
+                * bs
+        };
+        if keep == 0 {
+            return;
+        }
+        let whole = keep == prefix.tokens.len();
+        let Some(plan) = self
+            .dir
+            .plan_write(&prefix.tokens[..keep], self.hybrid && whole)
+        else {
             return;
         };
-        let bs = self.cache.block_size.max(1);
         let blocks = &prefix.blocks[plan.first_block..plan.end.div_ceil(bs)];
         if ahead {
             let state = if plan.state {

@@ -84,7 +84,6 @@ impl SegmentCache {
     }
 
     /// Bytes held.
-    #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
         self.bytes
     }

@@ -92,6 +92,13 @@ impl Tokenizer {
         }
     }
 
+    /// Bytes the cache of earlier prompts' segments holds now (at most 64 MiB).
+    pub fn segment_cache_bytes(&self) -> usize {
+        self.segments
+            .as_ref()
+            .map_or(0, |c| c.lock().unwrap_or_else(|e| e.into_inner()).bytes())
+    }
+
     /// The bytes token `id` stands for: one token of a byte-level vocabulary may hold part
     /// of a UTF-8 character, which decoding it alone replaces by U+FFFD. Other vocabularies
     /// (and unknown ids) give their decoded text's bytes.

@@ -359,8 +359,8 @@ fn assert_resumed_from_disk(
     );
 }
 
-/// Sessions on disk: a history the cache had to evict is written to the session folder and
-/// read back by the turn that extends it, in the same engine and after a restart; a corrupt
+/// Sessions on disk: a history the cache had to evict (one a turn went on from: what requests
+/// came back to) is written to the session folder and read back by the turn that extends it, in the same engine and after a restart; a corrupt
 /// file is deleted and the turn recomputes. Every turn generates what it does from scratch.
 #[test]
 fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
@@ -406,13 +406,17 @@ fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
             thread.join().unwrap();
             (tokens, done.cached_tokens, counts)
         };
-        // The history, then other prompts that need its blocks (16 blocks of 4 tokens).
+        // The history, and a turn that extends it (what is written on eviction is what
+        // requests came back to), then other prompts that need its blocks (16 blocks of 4
+        // tokens).
         let (engine, thread) = spawn_engine(model_named(name), config.clone()).unwrap();
         assert_eq!(
             collect(&mut submit(&engine, &history, 6)).0,
             reply,
             "{name}"
         );
+        let goes_on: Vec<u32> = history.iter().copied().chain([7]).collect();
+        collect(&mut submit(&engine, &goes_on, 6));
         for other in &others {
             collect(&mut submit(&engine, other, 6));
         }
@@ -475,14 +479,27 @@ fn sessions_sharing_a_prompt_share_its_blocks_on_disk() {
         let (engine, thread) = spawn_engine(model_named(name), config).unwrap();
         let m = engine.metrics();
         let written = || m.session_spill_bytes.load(Ordering::Relaxed);
-        // a, then a filler that evicts it (a written whole); b, restoring the system prompt
-        // from a's file, evicts the filler; a second filler evicts b.
+        // a, and a turn that extends it (a conversation that goes on), then a filler that
+        // evicts it (a written whole); b (Qwen3-MoE restores the system prompt from a's
+        // file; a hybrid has no state there) and a turn that extends it evict the filler
+        // (no request came back to it: its opening written, or for a hybrid nothing); a
+        // second filler evicts b.
+        let a_goes_on: Vec<u32> = a.iter().copied().chain([7]).collect();
         collect(&mut submit(&engine, &a, 4));
+        collect(&mut submit(&engine, &a_goes_on, 4));
         collect(&mut submit(&engine, &fillers[0], 4));
         let first = written();
         assert!(first > 0, "{name}: the first session was not spilled");
         collect(&mut submit(&engine, &b, 4));
+        let b_goes_on: Vec<u32> = b.iter().copied().chain([7]).collect();
+        collect(&mut submit(&engine, &b_goes_on, 4));
         let before_b = written();
+        assert!(
+            (before_b - first) * 3 < first,
+            "{name}: a prompt nobody came back to was written on eviction past its opening: \
+             {} bytes, a's {first}",
+            before_b - first
+        );
         collect(&mut submit(&engine, &fillers[1], 4));
         let second = written() - before_b;
         assert!(

@@ -82,6 +82,9 @@ pub(crate) struct SeqKv {
     /// A restore from session files under way, `(tokens it gives, restore)`: its blocks are
     /// held, nothing is computed until it ends.
     pub(crate) restoring: Option<(usize, RestoreId)>,
+    /// Tokens it found computed at admission (in the cache or on disk): reused, for the
+    /// prefix cache's record of what goes on being used.
+    pub(crate) reused: usize,
 }
 
 /// Copies to make before a step's forward pass, in this order: blocks, checkpoint restores,
@@ -305,6 +308,7 @@ impl KvManager {
             Some(Ok(())) => {
                 kv.restoring = None;
                 kv.computed = len;
+                kv.reused = len;
                 kv.checkpoint_at.retain(|&p| p > len);
                 true
             }
@@ -465,6 +469,7 @@ impl KvManager {
                 &tokens[..computed],
                 &kv.table,
                 &kept,
+                kv.reused.min(computed),
                 &mut self.pool,
             );
             if let (Some(session), Some(end), false) = (session, end, self.session_pin.is_zero()) {
@@ -523,6 +528,7 @@ impl KvManager {
             tokens: &tokens,
             blocks: &blocks,
             checkpoint,
+            reused: tokens.len(),
         });
         true
     }
@@ -636,6 +642,7 @@ fn take_cached_prefix<'s>(
         kv.computed += used;
         kv.uncopied = used;
     }
+    kv.reused = kv.computed;
     if prefix.keeps_checkpoints() {
         if let Some(checkpoint) = hit.checkpoint {
             copies.restores.push((id, checkpoint, slot));

@@ -53,6 +53,9 @@ struct Node {
     /// Shown to a store while idle ([`PrefixCache::next_unwritten`]): its prefix is on disk,
     /// or the store declined it.
     written: bool,
+    /// A request after the one that computed it took it (from here or, restored, from disk):
+    /// part of a conversation that goes on, or of a prompt requests share.
+    reused: bool,
 }
 
 /// How many ids `a` and `b` share from the start.
@@ -123,6 +126,7 @@ impl PrefixCache {
             checkpoint: None,
             depth: 0,
             written: true,
+            reused: false,
         };
         Self {
             nodes: vec![Some(root)],
@@ -289,6 +293,10 @@ impl PrefixCache {
         let (_, blocks, copy, checkpoint) = best;
         if let Some((child, _)) = copy {
             self.touch(child);
+            self.node_mut(child).reused = true;
+        }
+        for &n in &path[..blocks] {
+            self.node_mut(n).reused = true;
         }
         let hit = PrefixHit {
             table: BlockTable {
@@ -360,22 +368,25 @@ impl PrefixCache {
     /// same tokens are indexed already, the cached block stays and the sequence's stays its
     /// own, released with the sequence.
     pub fn insert(&mut self, tokens: &[u32], table: &BlockTable, pool: &mut KvBlockPool) {
-        self.insert_blocks(tokens, table, &[], false, pool);
+        self.insert_blocks(tokens, table, &[], (false, 0), pool);
     }
 
     /// [`PrefixCache::insert`], and tails: the partly filled end of `tokens`, and the block
     /// each checkpoint inside a block falls in. The state checkpoints `(tokens covered, slot)`
     /// of the sequence go to the nodes they end at; a node that has one already keeps it, and
     /// the extra slot goes back to the pool, as does one past the blocks.
+    /// The first `reused` tokens came to the sequence from the cache or from disk: their
+    /// nodes are marked reused (see [`EvictedPrefix::reused`]).
     /// Returns the node the tokens end at, for [`PrefixCache::pin`].
     pub fn insert_with_checkpoints(
         &mut self,
         tokens: &[u32],
         table: &BlockTable,
         checkpoints: &[(usize, SlotId)],
+        reused: usize,
         pool: &mut KvBlockPool,
     ) -> Option<PrefixNode> {
-        self.insert_blocks(tokens, table, checkpoints, true, pool)
+        self.insert_blocks(tokens, table, checkpoints, (true, reused), pool)
             .map(PrefixNode)
     }
 
@@ -384,7 +395,7 @@ impl PrefixCache {
         tokens: &[u32],
         table: &BlockTable,
         checkpoints: &[(usize, SlotId)],
-        tails: bool,
+        (tails, reused): (bool, usize),
         pool: &mut KvBlockPool,
     ) -> Option<NodeId> {
         let bs = self.block_size;
@@ -394,6 +405,9 @@ impl PrefixCache {
         let mut path = vec![ROOT];
         for (i, (chunk, &block)) in tokens.chunks_exact(bs).zip(&table.blocks).enumerate() {
             let next = self.child_or_add(path[i], chunk, block, pool);
+            if (i + 1) * bs <= reused {
+                self.node_mut(next).reused = true;
+            }
             self.place(next, (i + 1) * bs, checkpoints, &mut placed);
             path.push(next);
             end_node = Some(next);
@@ -417,6 +431,9 @@ impl PrefixCache {
                     .get(q + 1)
                     .map_or(table.blocks[q], |&n| self.node(n).block);
                 let tail = self.child_or_add(path[q], &tokens[q * bs..end], block, pool);
+                if end <= reused {
+                    self.node_mut(tail).reused = true;
+                }
                 self.place(tail, end, checkpoints, &mut placed);
                 if end == tokens.len() {
                     end_node = Some(tail);
@@ -523,6 +540,7 @@ impl PrefixCache {
             checkpoint: None,
             depth: self.node(parent).depth + 1,
             written: false,
+            reused: false,
         };
         let id = match self.free_nodes.pop() {
             Some(id) => {
@@ -626,7 +644,7 @@ mod tests {
         );
         assert!([c1, c2].iter().all(|s| (10..12).contains(&s.0)));
         // Checkpoints after 4 and 8 tokens; one past the blocks goes back to the pool.
-        cache.insert_with_checkpoints(&turn, &table, &[(4, c1), (8, c2)], &mut pool);
+        cache.insert_with_checkpoints(&turn, &table, &[(4, c1), (8, c2)], 0, &mut pool);
         pool.release(&mut table);
         assert_eq!(cache.num_checkpoints(), 2);
         // The whole turn and more: the deepest checkpoint (8) within the blocks asked for.
@@ -672,7 +690,7 @@ mod tests {
         let mut cache = PrefixCache::new(4);
         let turn: Vec<u32> = (0..10).collect();
         let mut table = computed(&mut pool, &turn);
-        cache.insert_with_checkpoints(&turn, &table, &[], &mut pool);
+        cache.insert_with_checkpoints(&turn, &table, &[], 0, &mut pool);
         assert_eq!(
             cache.num_blocks(),
             3,
@@ -718,14 +736,14 @@ mod tests {
         // The turn cached once without checkpoints, then again (other blocks) with a branch
         // point after 6 tokens and its last token (13).
         let mut first = computed(&mut pool, &turn);
-        cache.insert_with_checkpoints(&turn, &first, &[], &mut pool);
+        cache.insert_with_checkpoints(&turn, &first, &[], 0, &mut pool);
         pool.release(&mut first);
         let mut table = computed(&mut pool, &turn);
         let (c6, c13) = (
             cache.take_checkpoint_slot().unwrap(),
             cache.take_checkpoint_slot().unwrap(),
         );
-        cache.insert_with_checkpoints(&turn, &table, &[(6, c6), (13, c13)], &mut pool);
+        cache.insert_with_checkpoints(&turn, &table, &[(6, c6), (13, c13)], 0, &mut pool);
         pool.release(&mut table);
         assert_eq!(cache.num_checkpoints(), 2);
         // 3 whole blocks and the 13th token's, all the first's: the tail at 6 shares the
@@ -874,7 +892,7 @@ mod tests {
                     written.insert(*b, tokens[i * bs..end].to_vec());
                 }
                 release(&mut pool, hit);
-                cache.insert_with_checkpoints(&tokens, &table, &[], &mut pool);
+                cache.insert_with_checkpoints(&tokens, &table, &[], 0, &mut pool);
                 pool.release(&mut table);
             }
             for hit in held.drain(..) {

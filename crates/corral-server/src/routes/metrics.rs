@@ -316,6 +316,13 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_tokenizer_segment_cache_bytes",
+        "gauge",
+        "Bytes the tokenizer keeps of earlier prompts' segments (bounded at 64 MiB).",
+        state.tokenizer.segment_cache_bytes() as f64,
+    );
+    scalar(
+        &mut out,
         "corral_session_dir_bytes",
         "gauge",
         "Bytes in the session folder.",

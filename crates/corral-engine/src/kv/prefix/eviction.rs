@@ -49,6 +49,9 @@ pub struct EvictedPrefix<'a> {
     pub blocks: &'a [BlockId],
     /// The recurrent state after the last token (hybrid models).
     pub checkpoint: Option<SlotId>,
+    /// Tokens from the start up to the end of the deepest block a later request took (from
+    /// the cache, or restored from disk): how much of it goes on being used.
+    pub reused: usize,
 }
 
 impl PrefixCache {
@@ -136,6 +139,7 @@ impl PrefixCache {
                     tokens: &tokens,
                     blocks: &blocks,
                     checkpoint: self.node(id).checkpoint,
+                    reused: self.reused_tokens(&nodes),
                 });
                 shown = nodes.into_iter().collect();
             }
@@ -175,6 +179,20 @@ impl PrefixCache {
             }
         }
         Some((tokens, blocks, checkpoint))
+    }
+
+    /// Tokens of the path `nodes` up to the end of its deepest reused node.
+    fn reused_tokens(&self, nodes: &[NodeId]) -> usize {
+        let mut end = 0;
+        let mut reused = 0;
+        for &n in nodes {
+            let node = self.node(n);
+            end += node.tokens.len();
+            if node.reused {
+                reused = end;
+            }
+        }
+        reused
     }
 
     /// The evictable leaf (no holder but the cache) with the lowest score, taken out of
@@ -243,6 +261,38 @@ mod tests {
         assert_eq!(cache.num_blocks(), 1);
     }
 
+    /// An evicted prefix says how much of it later requests took: a history a turn went on
+    /// from up to where it was taken (by a lookup, or as a sequence's own restored start), a
+    /// prompt nobody came back to not at all.
+    #[test]
+    fn eviction_shows_how_much_of_a_prefix_was_reused() {
+        let mut pool = KvBlockPool::new(16, 2);
+        let mut cache = PrefixCache::new(2);
+        let (history, alone) = (vec![1, 2, 3, 4, 5, 6], vec![7, 8, 9, 10]);
+        for tokens in [&history, &alone] {
+            let mut t = computed(&mut pool, tokens);
+            cache.insert(tokens, &t, &mut pool);
+            pool.release(&mut t);
+        }
+        // A turn that goes on from the history takes its first two blocks.
+        let mut taken = cache.lookup_hit(&[1, 2, 3, 4, 99], 4, &mut pool).table;
+        pool.release(&mut taken);
+        // A sequence that restored [11 12] from disk and went on.
+        let restored = vec![11, 12, 13, 14];
+        let mut t = computed(&mut pool, &restored);
+        cache.insert_with_checkpoints(&restored, &t, &[], 2, &mut pool);
+        pool.release(&mut t);
+        let mut shown = Vec::new();
+        cache.evict_with(
+            &mut pool,
+            usize::MAX,
+            Some(&mut |p: &EvictedPrefix<'_>| shown.push((p.tokens.to_vec(), p.reused))),
+        );
+        for expected in [(history, 4), (alone, 0), (restored, 2)] {
+            assert!(shown.contains(&expected), "{expected:?} in {shown:?}");
+        }
+    }
+
     /// Evicting a chain shows the store its whole path once, then only the nodes on it that
     /// carry a checkpoint (their own prefixes); another branch is shown whole.
     #[test]
@@ -255,7 +305,7 @@ mod tests {
             cache.take_checkpoint_slot().unwrap(),
             cache.take_checkpoint_slot().unwrap(),
         );
-        cache.insert_with_checkpoints(&long, &table, &[(4, c4), (10, c10)], &mut pool);
+        cache.insert_with_checkpoints(&long, &table, &[(4, c4), (10, c10)], 0, &mut pool);
         pool.release(&mut table);
         let branch: Vec<u32> = vec![0, 1, 7, 7];
         let mut tb = cache.lookup(&branch, usize::MAX, &mut pool);
@@ -287,7 +337,7 @@ mod tests {
         let long: Vec<u32> = (0..10).collect();
         let mut table = computed(&mut pool, &long);
         let c4 = cache.take_checkpoint_slot().unwrap();
-        cache.insert_with_checkpoints(&long, &table, &[(4, c4)], &mut pool);
+        cache.insert_with_checkpoints(&long, &table, &[(4, c4)], 0, &mut pool);
         pool.release(&mut table);
         let other: Vec<u32> = vec![9, 9, 8, 8];
         let mut tb = computed(&mut pool, &other);
@@ -312,7 +362,7 @@ mod tests {
         let mut hit = cache.lookup(&longer, usize::MAX, &mut pool);
         pool.grow(&mut hit, 12).unwrap();
         let c12 = cache.take_checkpoint_slot().unwrap();
-        cache.insert_with_checkpoints(&longer, &hit, &[(12, c12)], &mut pool);
+        cache.insert_with_checkpoints(&longer, &hit, &[(12, c12)], 0, &mut pool);
         pool.release(&mut hit);
         let again: Vec<_> = std::iter::from_fn(|| cache.next_unwritten()).collect();
         assert_eq!(again.len(), 1);
@@ -320,7 +370,7 @@ mod tests {
         // The same history again (its own blocks), now with a state after 8 tokens.
         let mut same = computed(&mut pool, &long);
         let c8 = cache.take_checkpoint_slot().unwrap();
-        cache.insert_with_checkpoints(&long, &same, &[(8, c8)], &mut pool);
+        cache.insert_with_checkpoints(&long, &same, &[(8, c8)], 0, &mut pool);
         pool.release(&mut same);
         let again: Vec<_> = std::iter::from_fn(|| cache.next_unwritten()).collect();
         assert_eq!(again.len(), 1, "the node that now ends at a checkpoint");
