@@ -6,11 +6,12 @@
 # again and again, each pass new sessions (other tasks and tool results) behind the same
 # system prompt. Every INTERVAL seconds one line: seconds,
 # the server's resident and anonymous memory (KiB), the directory's files and bytes, and the
-# server's spill and restore counters (/metrics). REPEATS (default 3, the bench's own) is how
-# often each turn is re-sent with its reply opened by other words, and its new text alone.
+# server's spill and restore counters and the tokenizer's segment cache (/metrics). REPEATS
+# (default 3, the bench's own) is how often each turn is re-sent with its reply opened by
+# other words, and its new text alone.
 #
 # With RESTART_AT=S the server is stopped after S seconds and started again on the same folder;
-# a probe conversation sent at the start is sent again after the restart, and one line says
+# a probe conversation sent (twice) at the start is sent again after the restart, and one line says
 # whether its greedy reply is the same and how many of its prompt tokens came from the folder
 # (the counters in the lines after it start again from zero).
 #
@@ -61,6 +62,9 @@ r = json.load(sys.stdin); u = r["usage"]
 print(json.dumps(r["choices"][0]["message"]["content"]),
       (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0), u["prompt_tokens"], sep="\t")'
 }
+# Sent twice, as an agent re-sends its conversation: what the folder keeps of an evicted
+# prompt is what requests came back to.
+probe > /dev/null
 before=$(probe)
 (
   pass=0
@@ -73,7 +77,7 @@ before=$(probe)
 ) &
 client=$!
 metric() { curl -s "http://127.0.0.1:$PORT/metrics" | awk -v n="$1" '$1 == n {print $2}'; }
-printf 'seconds\trss_kib\tanon_kib\tfiles\tdir_bytes\tspills\tspill_bytes\trestores\trestored_tokens\trestored_bytes\n' \
+printf 'seconds\trss_kib\tanon_kib\tfiles\tdir_bytes\tspills\tspill_bytes\trestores\trestored_tokens\trestored_bytes\tsegment_cache_bytes\n' \
   | tee "$OUT/soak.tsv"
 start=$(date +%s)
 while true; do
@@ -83,10 +87,10 @@ while true; do
   # Files deleted under the byte cap while these walk the folder are not errors.
   files=$( (find "$DIR" -type f 2>/dev/null || true) | wc -l)
   bytes=$( (du -sb "$DIR" 2>/dev/null || true) | cut -f1)
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$now" "$rss" "$anon" "$files" "$bytes" \
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$now" "$rss" "$anon" "$files" "$bytes" \
     "$(metric corral_session_spills_total)" "$(metric corral_session_spill_bytes_total)" \
     "$(metric corral_session_restores_total)" "$(metric corral_session_restored_tokens_total)" \
-    "$(metric corral_session_restored_bytes_total)" \
+    "$(metric corral_session_restored_bytes_total)" "$(metric corral_tokenizer_segment_cache_bytes)" \
     | tee -a "$OUT/soak.tsv"
   [ "$now" -ge "$DURATION" ] && break
   if [ -n "${RESTART_AT:-}" ] && [ "$now" -ge "$RESTART_AT" ]; then
