@@ -385,6 +385,9 @@ fn run(
             }
         }
         update_gauges(&scheduler, metrics);
+        metrics
+            .buffer_pool_free_bytes
+            .store(model.backend().pool_bytes().0 as u64, Ordering::Relaxed);
         log.tick(metrics);
     }
 }

@@ -106,6 +106,9 @@ pub struct EngineMetrics {
     pub session_restore_failures: AtomicU64,
     /// Bytes in the session folder now.
     pub session_dir_bytes: AtomicU64,
+    /// Bytes of free activation buffers the backend's pool keeps for reuse, after the last
+    /// step.
+    pub buffer_pool_free_bytes: AtomicU64,
     /// KV blocks the session folder's index knows now.
     pub session_index_blocks: AtomicU64,
     /// Tokens generated.
@@ -164,6 +167,7 @@ impl Default for EngineMetrics {
             session_restored_bytes: AtomicU64::new(0),
             session_restore_failures: AtomicU64::new(0),
             session_dir_bytes: AtomicU64::new(0),
+            buffer_pool_free_bytes: AtomicU64::new(0),
             session_index_blocks: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),

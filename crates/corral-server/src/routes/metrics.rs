@@ -316,6 +316,13 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     );
     scalar(
         &mut out,
+        "corral_buffer_pool_free_bytes",
+        "gauge",
+        "Bytes of free activation buffers the backend's pool keeps for reuse.",
+        load(&m.buffer_pool_free_bytes),
+    );
+    scalar(
+        &mut out,
         "corral_tokenizer_segment_cache_bytes",
         "gauge",
         "Bytes the tokenizer keeps of earlier prompts' segments (bounded at 64 MiB).",

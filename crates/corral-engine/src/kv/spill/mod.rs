@@ -249,7 +249,7 @@ impl SpillDir {
             written,
         };
         for (_, id, (parent, tokens, state), bytes) in found {
-            spill.next = spill.next.max(id + 1);
+            spill.next = spill.next.max(id.saturating_add(1));
             // Only a run with a state may be empty or end inside a block.
             if state == 0 && (tokens.is_empty() || !tokens.len().is_multiple_of(spill.block_size)) {
                 let _ = std::fs::remove_file(spill.path(id));
@@ -443,7 +443,7 @@ impl SpillDir {
             // its whole blocks.
             pieces.push(RestorePiece {
                 file,
-                first: self.files[&file].blocks.len(),
+                first: self.files.get(&file).map_or(0, |m| m.blocks.len()),
                 count: 1,
                 at: whole,
             });
@@ -484,7 +484,7 @@ impl SpillDir {
     pub fn add(&mut self, run: SpilledRun) -> Result<u64, EngineError> {
         self.reap();
         let id = self.next;
-        self.next += 1;
+        self.next = self.next.saturating_add(1);
         let path = self.path(id);
         if run.state.is_empty()
             && (run.tokens.is_empty() || !run.tokens.len().is_multiple_of(self.block_size))
