@@ -18,6 +18,16 @@ use crate::{EngineError, EvictedPrefix, SessionStore, SpillDir, SpillFile, Spill
 /// opening, where other prompts most often meet it again.
 const OPENING_BLOCKS: usize = 2;
 
+/// `dir`'s size and index in the metrics' gauges.
+pub(crate) fn show_folder(metrics: &EngineMetrics, dir: &SpillDir) {
+    metrics
+        .session_dir_bytes
+        .store(dir.bytes(), Ordering::Relaxed);
+    metrics
+        .session_index_blocks
+        .store(dir.num_blocks() as u64, Ordering::Relaxed);
+}
+
 /// Restores under way, by id.
 pub(crate) type Reads = HashMap<RestoreId, Restore>;
 
@@ -125,13 +135,8 @@ pub(crate) struct DiskSessions<'a> {
 }
 
 impl DiskSessions<'_> {
-    /// The folder's size and index in the metrics' gauges.
-    pub(crate) fn show_folder(&self) {
-        let m = self.metrics;
-        m.session_dir_bytes
-            .store(self.dir.bytes(), Ordering::Relaxed);
-        m.session_index_blocks
-            .store(self.dir.num_blocks() as u64, Ordering::Relaxed);
+    fn show_folder(&self) {
+        show_folder(self.metrics, self.dir);
     }
 
     /// Writes what the folder lacks of `prefix` (for a hybrid, only with the state at its

@@ -165,12 +165,7 @@ pub fn spawn_engine_drafting(
                 config.session_dir_bytes,
                 Arc::clone(&metrics.session_spill_writes),
             )?;
-            metrics
-                .session_dir_bytes
-                .store(dir.bytes(), Ordering::Relaxed);
-            metrics
-                .session_index_blocks
-                .store(dir.num_blocks() as u64, Ordering::Relaxed);
+            crate::disk_sessions::show_folder(&metrics, &dir);
             Some(dir)
         }
         _ => None,

@@ -11,7 +11,6 @@ pub use block_pool::{KvBlockPool, OutOfBlocks};
 pub use manager::{RestoreId, SessionStore};
 pub use prefix::{EvictedPrefix, EvictionCost, PrefixCache, PrefixHit};
 pub use spill::{
-    ChainHash, INDEX_BYTES_PER_BLOCK, RestorePiece, RestorePlan, SpillDir, SpillFile, SpilledRun,
-    WritePlan, fingerprint,
+    ChainHash, RestorePiece, RestorePlan, SpillDir, SpillFile, SpilledRun, WritePlan, fingerprint,
 };
 pub use state_slots::StateSlotPool;

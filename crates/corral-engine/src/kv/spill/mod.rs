@@ -33,7 +33,7 @@ const SPARE_BYTES: usize = 2 << 30;
 
 /// Bytes the index spends on one block at most: its map entry (key, file, place, the map's
 /// control byte, load factor and doubling) and its key in its file's list.
-pub const INDEX_BYTES_PER_BLOCK: usize = 48;
+const INDEX_BYTES_PER_BLOCK: usize = 48;
 
 /// Bytes the index spends on one file at most: its entry in the map of files (its list's
 /// header, state key, size and age) and in the map of states.
@@ -397,6 +397,9 @@ impl SpillDir {
     /// `max_tokens` tokens: whole blocks, or for hybrid models (`state`) the tokens up to the
     /// deepest checkpoint whose blocks are all there. `None` when it holds nothing usable.
     pub fn find(&self, tokens: &[u32], max_tokens: usize, state: bool) -> Option<RestorePlan> {
+        if self.files.is_empty() {
+            return None;
+        }
         let bs = self.block_size;
         let limit = max_tokens.min(tokens.len());
         let hashes: Vec<ChainHash> = ChainHash::START.along(&tokens[..limit]).collect();
