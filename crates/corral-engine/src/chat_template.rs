@@ -19,20 +19,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
-    tool_call_format: ToolCallFormat,
     /// Whether the template renders a system message after the conversation's start (Qwen3's
     /// does; Qwen3.5's raises "System message must be at the beginning").
     renders_later_system: bool,
-}
-
-/// How the model writes a tool call, as its template shows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ToolCallFormat {
-    /// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Qwen3).
-    Json,
-    /// `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`
-    /// (Qwen3.5, Qwen3-Coder).
-    Xml,
 }
 
 /// What `tokenizer_config.json` says about special tokens and the template.
@@ -190,18 +179,12 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
-        let tool_call_format = if source.contains("<function=") {
-            ToolCallFormat::Xml
-        } else {
-            ToolCallFormat::Json
-        };
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
         let mut template = Self {
             env,
             bos_token: config.bos_token.clone().unwrap_or_default(),
             eos_token: config.eos_token.clone().unwrap_or_default(),
-            tool_call_format,
             renders_later_system: false,
         };
         template.renders_later_system = template.probe_later_system();
@@ -220,11 +203,6 @@ impl ChatTemplate {
         ];
         self.render_as_given(&messages, None, true, &Map::new())
             .is_ok_and(|text| text.contains(LATER))
-    }
-
-    /// How the model writes tool calls.
-    pub fn tool_call_format(&self) -> ToolCallFormat {
-        self.tool_call_format
     }
 
     /// Renders `messages` (OpenAI-style objects with `role` and `content`), optional `tools`,

@@ -24,7 +24,7 @@ mod scheduler;
 mod segment_cache;
 mod tokenizer;
 
-pub use chat_template::{ChatTemplate, TokenizerConfig, ToolCallFormat};
+pub use chat_template::{ChatTemplate, TokenizerConfig};
 pub use constraint::{Constraint, ConstraintStats, Grammar, GrammarCompiler, json_style};
 pub use drafter::ModelDrafter;
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine, spawn_engine_drafting};

@@ -2,10 +2,11 @@
 //! decoding: `response_format` (any JSON object, or a document of a JSON schema) and
 //! `tool_choice` "required" or a named function (tool calls in the model's own format).
 
-use corral_engine::{Grammar, ToolCallFormat, json_style};
+use corral_engine::{Grammar, json_style};
 use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
+use crate::syntax::{CallForm, OutputSyntax, XmlTags};
 
 /// The grammar `response_format` asks for, if any.
 pub(crate) fn response_format(body: &Map<String, Value>) -> Result<Option<Grammar>, ApiError> {
@@ -91,11 +92,14 @@ pub(crate) fn tool_choice(body: &Map<String, Value>) -> Result<ToolChoice, ApiEr
 pub(crate) fn tool_calls(
     tools: &[Value],
     only: Option<&str>,
-    format: ToolCallFormat,
+    syntax: &OutputSyntax,
     parallel: bool,
     special: &dyn Fn(&str) -> bool,
 ) -> Result<Grammar, ApiError> {
-    let (open, close) = (tag("<tool_call>", special), tag("</tool_call>", special));
+    let (open, close) = (
+        tag(syntax.tool_call.open, special),
+        tag(syntax.tool_call.close, special),
+    );
     let functions: Vec<(&str, Value)> = tools
         .iter()
         .filter_map(|t| {
@@ -121,18 +125,18 @@ pub(crate) fn tool_calls(
     let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
     let mut lark = format!("start: call{repeat}\n");
     let names: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
-    let (between, after) = match format {
-        ToolCallFormat::Json => ("\"\\n\"", "\"\\n\""),
-        ToolCallFormat::Xml => ("\"\\n\"", ""),
+    let (between, after) = match syntax.form {
+        CallForm::Json => ("\"\\n\"", "\"\\n\""),
+        CallForm::Xml => ("\"\\n\"", ""),
     };
     lark.push_str(&format!(
         "call: {open} {between} ({}) {after} {close}\n",
         names.join(" | ")
     ));
     for (i, (name, parameters)) in functions.iter().enumerate() {
-        match format {
+        match syntax.form {
             // Each tool's schema is a root of its own, so that its `$ref`s resolve.
-            ToolCallFormat::Json => {
+            CallForm::Json => {
                 let head = format!("{{\"name\": {}, \"arguments\": ", Value::from(*name));
                 lark.push_str(&format!(
                     "f{i}: {} %json {} \"}}\"\n",
@@ -140,7 +144,7 @@ pub(crate) fn tool_calls(
                     json_style(parameters, true)
                 ));
             }
-            ToolCallFormat::Xml => xml_function(&mut lark, i, name, parameters),
+            CallForm::Xml => xml_function(&mut lark, i, name, parameters, &syntax.xml),
         }
     }
     Ok(Grammar::Lark(lark))
@@ -148,7 +152,7 @@ pub(crate) fn tool_calls(
 
 /// Rule `f{i}` of one function in the XML form: its parameters in the schema's order, the
 /// required ones always, each at most once, each value held to its schema ([`xml_value`]).
-fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value) {
+fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value, xml: &XmlTags) {
     let required: Vec<&str> = parameters
         .get("required")
         .and_then(Value::as_array)
@@ -157,8 +161,8 @@ fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value) {
     let properties = parameters.get("properties").and_then(Value::as_object);
     let mut body = String::new();
     for (j, (key, schema)) in properties.into_iter().flatten().enumerate() {
-        let open = literal(&format!("<parameter={key}>\n"));
-        let value = xml_value(lark, &format!("v{i}_{j}"), schema, parameters);
+        let open = literal(&format!("{}{key}>\n", xml.parameter_open));
+        let value = xml_value(lark, &format!("v{i}_{j}"), schema, parameters, xml);
         lark.push_str(&format!("p{i}_{j}: {open} {value}\n"));
         let optional = if required.contains(&key.as_str()) {
             ""
@@ -168,13 +172,11 @@ fn xml_function(lark: &mut String, i: usize, name: &str, parameters: &Value) {
         body.push_str(&format!("p{i}_{j}{optional} "));
     }
     lark.push_str(&format!(
-        "f{i}: {} {body}\"</function>\\n\"\n",
-        literal(&format!("<function={name}>\n"))
+        "f{i}: {} {body}{}\n",
+        literal(&format!("{}{name}>\n", xml.function_open)),
+        literal(&format!("{}\n", xml.function_close))
     ));
 }
-
-/// What closes a parameter's value in the XML form.
-const PARAMETER_CLOSE: &str = "\n</parameter>\n";
 
 /// The grammar of one XML-form parameter value and its closing tag, as the output parser
 /// types it back (`output::typed_value`) and as the template writes one (a string as its
@@ -185,8 +187,8 @@ const PARAMETER_CLOSE: &str = "\n</parameter>\n";
 ///   nested objects and arrays), its `$ref`s resolved against the tool's `$defs`.
 ///
 /// Rules it needs are added to `lark` under names starting with `name`.
-fn xml_value(lark: &mut String, name: &str, schema: &Value, root: &Value) -> String {
-    let close = literal(PARAMETER_CLOSE);
+fn xml_value(lark: &mut String, name: &str, schema: &Value, root: &Value, xml: &XmlTags) -> String {
+    let close = literal(&format!("\n{}\n", xml.parameter_close));
     let choices: Option<Vec<&Value>> = match (schema.get("const"), schema.get("enum")) {
         (Some(c), _) => Some(vec![c]),
         (None, Some(Value::Array(values))) => Some(values.iter().collect()),
@@ -235,10 +237,14 @@ fn with_defs(schema: &Value, root: &Value) -> Value {
     schema
 }
 
-/// `grammar` after the model closes the reasoning its prompt opened (`</think>` and a blank
-/// line, as the templates write a closed block).
-pub(crate) fn after_reasoning(grammar: Grammar, special: &dyn Fn(&str) -> bool) -> Grammar {
-    let close = format!("{} \"\\n\\n\"", tag("</think>", special));
+/// `grammar` after the model closes the reasoning its prompt opened (the closing tag and a
+/// blank line, as the templates write a closed block).
+pub(crate) fn after_reasoning(
+    grammar: Grammar,
+    syntax: &OutputSyntax,
+    special: &dyn Fn(&str) -> bool,
+) -> Grammar {
+    let close = format!("{} \"\\n\\n\"", tag(syntax.reasoning.close, special));
     match grammar {
         Grammar::JsonSchema(schema) => Grammar::Lark(format!(
             "start: {close} %json {}\n",
@@ -270,6 +276,7 @@ mod tests {
     use corral_engine::{Constraint, Tokenizer};
 
     use super::*;
+    use crate::syntax::{QWEN3, QWEN3_CODER};
 
     fn tokenizer() -> (Tokenizer, u32) {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/tiny-qwen3-moe");
@@ -323,7 +330,7 @@ mod tests {
 
     #[test]
     fn json_tool_calls_take_a_known_name_and_valid_arguments() {
-        let any = tool_calls(&weather(), None, ToolCallFormat::Json, true, &special).unwrap();
+        let any = tool_calls(&weather(), None, &QWEN3, true, &special).unwrap();
         let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>";
         assert!(accepts(&any, call));
         assert!(accepts(&any, &format!("{call}\n{call}")));
@@ -332,34 +339,18 @@ mod tests {
         let bad_args = call.replace("3}", "\"three\"}");
         assert!(!accepts(&any, &bad_args));
         assert!(!accepts(&any, "Sure, let me check."));
-        let named = tool_calls(
-            &weather(),
-            Some("get_time"),
-            ToolCallFormat::Json,
-            false,
-            &special,
-        )
-        .unwrap();
+        let named = tool_calls(&weather(), Some("get_time"), &QWEN3, false, &special).unwrap();
         assert!(!accepts(&named, call));
         assert!(accepts(
             &named,
             "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"
         ));
-        assert!(
-            tool_calls(
-                &weather(),
-                Some("nope"),
-                ToolCallFormat::Json,
-                true,
-                &special
-            )
-            .is_err()
-        );
+        assert!(tool_calls(&weather(), Some("nope"), &QWEN3, true, &special).is_err());
     }
 
     #[test]
     fn xml_tool_calls_take_a_known_function_and_parameters() {
-        let any = tool_calls(&weather(), None, ToolCallFormat::Xml, true, &special).unwrap();
+        let any = tool_calls(&weather(), None, &QWEN3_CODER, true, &special).unwrap();
         let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n</function>\n</tool_call>";
         assert!(accepts(&any, call));
         assert!(!accepts(&any, &call.replace("=city>", "=town>")));
@@ -402,7 +393,7 @@ mod tests {
                 "note": {"type": "string"}},
             "required": ["city"]}}}),
         ];
-        let g = tool_calls(&tools, None, ToolCallFormat::Xml, false, &special).unwrap();
+        let g = tool_calls(&tools, None, &QWEN3_CODER, false, &special).unwrap();
         let call = |params: &[(&str, &str)]| {
             let mut text = "<tool_call>\n<function=plan>\n".to_string();
             for (k, v) in params {
@@ -444,7 +435,7 @@ mod tests {
             "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}},
             "required": ["to"], "additionalProperties": false}}}),
         ];
-        let g = tool_calls(&tools, None, ToolCallFormat::Json, false, &special).unwrap();
+        let g = tool_calls(&tools, None, &QWEN3, false, &special).unwrap();
         let call = "<tool_call>\n{\"name\": \"book\", \"arguments\": {\"to\": {\"city\": \"Oslo\"}}}\n</tool_call>";
         assert!(accepts(&g, call));
         assert!(!accepts(&g, &call.replace("city", "town")));
@@ -487,7 +478,7 @@ mod tests {
         assert!(!accepts(&schema, "{\"ok\":true}"));
         assert!(!accepts(&schema, "{\"ok\": 1}"));
         assert!(special("</think>") && !special("<function=f>"));
-        let closed = after_reasoning(schema, &special);
+        let closed = after_reasoning(schema, &QWEN3, &special);
         assert!(accepts(&closed, "</think>\n\n{\"ok\": false}"));
         assert!(!accepts(&closed, "{\"ok\": false}"));
     }

@@ -14,6 +14,7 @@ mod output;
 mod request;
 mod routes;
 mod state;
+pub mod syntax;
 
 use std::future::Future;
 

@@ -1,10 +1,9 @@
-//! Splitting generated text into what the OpenAI API returns: `content`, `reasoning_content`
-//! (text inside `<think>…</think>`) and `tool_calls` in both of Qwen's forms (Qwen3's
-//! `<tool_call>{json}</tool_call>`, and Qwen3.5's and Qwen3-Coder's
-//! `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`, its
-//! values typed by the tool's JSON schema), and cutting it at the first stop string. Text that may be the start of a tag or of a stop
-//! string is held back until the next piece settles it, so streamed deltas never leak half a
-//! tag.
+//! Splitting generated text into a reply's parts: answer text, reasoning (inside the
+//! syntax's reasoning tags) and tool calls in either of the forms an [`OutputSyntax`] names
+//! (a JSON object, or XML-form functions and parameters, its values typed by the tool's JSON
+//! schema), and cutting it at the first stop string. The tags are the served model's
+//! syntax's (`syntax.rs`). Text that may be the start of a tag or of a stop string is held
+//! back until the next piece settles it, so streamed deltas never leak half a tag.
 
 mod call_stream;
 
@@ -13,10 +12,7 @@ use std::collections::HashMap;
 use call_stream::CallStream;
 use serde_json::{Map, Value};
 
-const THINK_OPEN: &str = "<think>";
-const THINK_CLOSE: &str = "</think>";
-const TOOL_OPEN: &str = "<tool_call>";
-const TOOL_CLOSE: &str = "</tool_call>";
+use crate::syntax::{OutputSyntax, XmlTags};
 
 /// A piece of the response.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,6 +46,8 @@ enum Mode {
 /// Incremental parser of one response's text.
 #[derive(Debug)]
 pub struct OutputParser {
+    /// The tags of the model's reasoning and tool calls.
+    syntax: &'static OutputSyntax,
     buffer: String,
     mode: Mode,
     stops: Vec<String>,
@@ -71,9 +69,16 @@ pub struct OutputParser {
 }
 
 impl OutputParser {
-    /// A parser; `in_reasoning` when the prompt already opened `<think>`.
-    pub fn new(in_reasoning: bool, stops: Vec<String>, parse_tools: bool) -> Self {
+    /// A parser of text written in `syntax`; `in_reasoning` when the prompt already opened
+    /// the reasoning.
+    pub fn new(
+        syntax: &'static OutputSyntax,
+        in_reasoning: bool,
+        stops: Vec<String>,
+        parse_tools: bool,
+    ) -> Self {
         Self {
+            syntax,
             buffer: String::new(),
             mode: if in_reasoning {
                 Mode::Reasoning
@@ -126,7 +131,7 @@ impl OutputParser {
     pub fn plain(stops: Vec<String>) -> Self {
         Self {
             parse_think: false,
-            ..Self::new(false, stops, false)
+            ..Self::new(&crate::syntax::QWEN3, false, stops, false)
         }
     }
 
@@ -157,10 +162,10 @@ impl OutputParser {
                 Mode::Content => {
                     let mut markers: Vec<(&str, usize)> = Vec::new();
                     if self.parse_think {
-                        markers.push((THINK_OPEN, 0));
+                        markers.push((self.syntax.reasoning.open, 0));
                     }
                     if self.parse_tools {
-                        markers.push((TOOL_OPEN, 1));
+                        markers.push((self.syntax.tool_call.open, 1));
                     }
                     let stops: Vec<String> = self.stops.clone();
                     markers.extend(stops.iter().map(|s| (s.as_str(), 2)));
@@ -190,10 +195,10 @@ impl OutputParser {
                 Mode::Reasoning => {
                     // Stop strings apply to the reasoning text too, as to all generated text.
                     let stops: Vec<String> = self.stops.clone();
-                    let mut markers: Vec<(&str, usize)> = vec![(THINK_CLOSE, 0)];
+                    let mut markers: Vec<(&str, usize)> = vec![(self.syntax.reasoning.close, 0)];
                     // A tool call ends the reasoning (models call tools before `</think>`).
                     if self.parse_tools {
-                        markers.push((TOOL_OPEN, 1));
+                        markers.push((self.syntax.tool_call.open, 1));
                     }
                     markers.extend(stops.iter().map(|s| (s.as_str(), 2)));
                     match earliest(&self.buffer, &markers) {
@@ -222,10 +227,10 @@ impl OutputParser {
                 Mode::ToolCall => match self.find_call_close() {
                     Some(at) => {
                         let inner = self.buffer[..at].to_string();
-                        self.buffer.drain(..at + TOOL_CLOSE.len());
+                        self.buffer.drain(..at + self.syntax.tool_call.close.len());
                         self.mode = Mode::Content;
                         let streamed = self.streamed.take();
-                        match parse_tool_call(&inner, &self.schemas) {
+                        match parse_tool_call(&inner, &self.schemas, &self.syntax.xml) {
                             Some(Delta::ToolCall { name, arguments }) => {
                                 self.tool_calls += 1;
                                 if let Some((_, sent)) = streamed {
@@ -245,9 +250,10 @@ impl OutputParser {
                                 tracing::warn!(
                                     "a tool call the model wrote could not be parsed; it is returned as content"
                                 );
+                                let tags = self.syntax.tool_call;
                                 emit(
                                     &mut out,
-                                    Delta::Content(format!("{TOOL_OPEN}{inner}{TOOL_CLOSE}")),
+                                    Delta::Content(format!("{}{inner}{}", tags.open, tags.close)),
                                 )
                             }
                         }
@@ -268,9 +274,12 @@ impl OutputParser {
     fn find_call_close(&mut self) -> Option<usize> {
         let from = call_stream::floor_boundary(
             &self.buffer,
-            self.call_searched.saturating_sub(TOOL_CLOSE.len() - 1),
+            self.call_searched
+                .saturating_sub(self.syntax.tool_call.close.len() - 1),
         );
-        let found = self.buffer[from..].find(TOOL_CLOSE).map(|i| from + i);
+        let found = self.buffer[from..]
+            .find(self.syntax.tool_call.close)
+            .map(|i| from + i);
         self.call_searched = if found.is_some() {
             0
         } else {
@@ -284,7 +293,9 @@ impl OutputParser {
     fn stream_call(&mut self, out: &mut Vec<Delta>) {
         let mut more = String::new();
         if self.streamed.is_none() {
-            let Some((name, stream)) = CallStream::start(&self.buffer, &self.schemas) else {
+            let Some((name, stream)) =
+                CallStream::start(&self.buffer, &self.schemas, &self.syntax.xml)
+            else {
                 return;
             };
             out.push(Delta::ToolCallName(name));
@@ -318,7 +329,10 @@ impl OutputParser {
                 tracing::info!("generation reached max_tokens inside a tool call; it is dropped");
                 self.cut_call = true;
             }
-            Mode::ToolCall => emit(&mut out, Delta::Content(format!("{TOOL_OPEN}{rest}"))),
+            Mode::ToolCall => emit(
+                &mut out,
+                Delta::Content(format!("{}{rest}", self.syntax.tool_call.open)),
+            ),
         }
         out
     }
@@ -405,10 +419,11 @@ pub(crate) fn is_text_value(schema: &Value) -> bool {
 fn parse_tool_call(
     inner: &str,
     schemas: &HashMap<String, HashMap<String, String>>,
+    xml: &XmlTags,
 ) -> Option<Delta> {
     let inner = inner.trim();
-    if inner.starts_with("<function=") {
-        return parse_xml_call(inner, schemas);
+    if inner.starts_with(xml.function_open) {
+        return parse_xml_call(inner, schemas, xml);
     }
     let value: Value = serde_json::from_str(inner).ok()?;
     let name = value.get("name")?.as_str()?.to_string();
@@ -455,10 +470,11 @@ fn compact_complete(compact: &str) -> bool {
 fn parse_xml_call(
     inner: &str,
     schemas: &HashMap<String, HashMap<String, String>>,
+    xml: &XmlTags,
 ) -> Option<Delta> {
-    let (name, rest) = inner.strip_prefix("<function=")?.split_once('>')?;
+    let (name, rest) = inner.strip_prefix(xml.function_open)?.split_once('>')?;
     let name = name.trim();
-    let mut body = rest.trim_end().strip_suffix("</function>")?;
+    let mut body = rest.trim_end().strip_suffix(xml.function_close)?;
     let types = schemas.get(name);
     let mut arguments = Map::new();
     loop {
@@ -466,15 +482,15 @@ fn parse_xml_call(
         if body.is_empty() {
             break;
         }
-        let (key, rest) = body.strip_prefix("<parameter=")?.split_once('>')?;
-        let end = rest.find("</parameter>")?;
+        let (key, rest) = body.strip_prefix(xml.parameter_open)?.split_once('>')?;
+        let end = rest.find(xml.parameter_close)?;
         let raw = &rest[..end];
         let raw = raw.strip_prefix('\n').unwrap_or(raw);
         let raw = raw.strip_suffix('\n').unwrap_or(raw);
         let key = key.trim();
         let kind = types.and_then(|t| t.get(key)).map(String::as_str);
         arguments.insert(key.to_string(), typed_value(raw, kind));
-        body = &rest[end + "</parameter>".len()..];
+        body = &rest[end + xml.parameter_close.len()..];
     }
     Some(Delta::ToolCall {
         name: name.to_string(),
@@ -508,6 +524,13 @@ fn typed_value(raw: &str, kind: Option<&str>) -> Value {
 mod tests {
     use super::*;
 
+    const TOOL_CLOSE: &str = "</tool_call>";
+
+    /// A parser of Qwen's syntax.
+    fn qwen(in_reasoning: bool, stops: Vec<String>, parse_tools: bool) -> OutputParser {
+        OutputParser::new(&crate::syntax::QWEN3, in_reasoning, stops, parse_tools)
+    }
+
     fn run(parser: &mut OutputParser, pieces: &[&str]) -> Vec<Delta> {
         let mut all: Vec<Delta> = pieces.iter().flat_map(|p| parser.push(p)).collect();
         all.extend(parser.finish(false));
@@ -525,7 +548,7 @@ mod tests {
 
     #[test]
     fn splits_reasoning_content_and_tool_calls_across_pieces() {
-        let mut p = OutputParser::new(false, vec![], true);
+        let mut p = qwen(false, vec![], true);
         let pieces = [
             "<thi",
             "nk>plan it</th",
@@ -549,7 +572,7 @@ mod tests {
 
     #[test]
     fn prompt_opened_reasoning() {
-        let mut p = OutputParser::new(true, vec![], false);
+        let mut p = qwen(true, vec![], false);
         assert_eq!(
             run(&mut p, &["a", "b</think>c"]),
             vec![Delta::Reasoning("ab".into()), Delta::Content("c".into())]
@@ -558,7 +581,7 @@ mod tests {
 
     #[test]
     fn stop_string_inside_reasoning_stops_too() {
-        let mut p = OutputParser::new(true, vec!["HALT".into()], false);
+        let mut p = qwen(true, vec!["HALT".into()], false);
         assert_eq!(
             run(&mut p, &["thinking HA", "LT more</think>x"]),
             vec![Delta::Reasoning("thinking ".into())]
@@ -568,7 +591,7 @@ mod tests {
 
     #[test]
     fn stop_string_cuts_and_stops() {
-        let mut p = OutputParser::new(false, vec!["END".into()], false);
+        let mut p = qwen(false, vec!["END".into()], false);
         assert_eq!(
             run(&mut p, &["abc E", "N", "Dxyz"]),
             vec![Delta::Content("abc ".into())]
@@ -591,7 +614,7 @@ mod tests {
     /// and several calls in one turn.
     #[test]
     fn xml_tool_calls_are_parsed_and_typed() {
-        let fresh = || OutputParser::new(false, vec![], true).with_tool_schemas(&weather_tool());
+        let fresh = || qwen(false, vec![], true).with_tool_schemas(&weather_tool());
         let text = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\nCR\n</parameter>\n\
             <parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n\
             <parameter=units>\n{\"temp\": \"C\"}\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n\
@@ -633,7 +656,7 @@ mod tests {
     /// A tool call written before `</think>` ends the reasoning and is a call.
     #[test]
     fn a_tool_call_inside_reasoning_ends_it() {
-        let mut p = OutputParser::new(true, vec![], true).with_tool_schemas(&weather_tool());
+        let mut p = qwen(true, vec![], true).with_tool_schemas(&weather_tool());
         let deltas = run(
             &mut p,
             &[
@@ -660,7 +683,7 @@ mod tests {
             "<tool_call><function=f><parameter=a>1</parameter></tool_call>",
             "<tool_call><function f><parameter=a>1</parameter></function></tool_call>",
         ] {
-            let mut p = OutputParser::new(false, vec![], true);
+            let mut p = qwen(false, vec![], true);
             assert_eq!(
                 run(&mut p, &[bad]),
                 vec![Delta::Content(bad.into())],
@@ -673,7 +696,7 @@ mod tests {
     /// What a stream of `text` cut at `cuts` sends: each call's name, its argument pieces
     /// joined, and the pieces that came before its closing tag was written.
     fn streamed(text: &str, cuts: &[usize]) -> (Vec<(String, String, usize)>, Vec<Delta>) {
-        let mut p = OutputParser::new(false, vec![], true)
+        let mut p = qwen(false, vec![], true)
             .with_tool_schemas(&weather_tool())
             .streaming_tool_calls(true);
         let (mut calls, mut whole) = (Vec::new(), Vec::new());
@@ -721,7 +744,7 @@ mod tests {
             <tool_call>\n{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": 1}\"}\n</tool_call>";
         for (text, calls) in [(xml, 1), (json, 2)] {
             let plain = run(
-                &mut OutputParser::new(false, vec![], true).with_tool_schemas(&weather_tool()),
+                &mut qwen(false, vec![], true).with_tool_schemas(&weather_tool()),
                 &[text],
             );
             let expected: Vec<(String, String)> = plain
@@ -794,7 +817,7 @@ mod tests {
 
     #[test]
     fn broken_tool_call_stays_text_and_multibyte_is_safe() {
-        let mut p = OutputParser::new(false, vec!["ü!".into()], true);
+        let mut p = qwen(false, vec!["ü!".into()], true);
         assert_eq!(
             run(&mut p, &["é<tool_call>not json</tool_call>ü"]),
             vec![Delta::Content("é<tool_call>not json</tool_call>ü".into())]
@@ -807,7 +830,7 @@ mod tests {
     fn a_call_cut_short_is_dropped_not_returned_as_text() {
         let half = "Let me look.<tool_call>\n<function=get_weather>\n<parameter=city>\nOs";
         for stream in [false, true] {
-            let mut p = OutputParser::new(false, Vec::new(), true)
+            let mut p = qwen(false, Vec::new(), true)
                 .with_tool_schemas(&weather_tool())
                 .streaming_tool_calls(stream);
             let mut deltas = p.push(half);
@@ -823,7 +846,7 @@ mod tests {
             assert_eq!(text, "Let me look.", "stream {stream}: {deltas:?}");
             assert!(!deltas.iter().any(|d| matches!(d, Delta::ToolCall { .. })));
         }
-        let mut p = OutputParser::new(false, Vec::new(), true);
+        let mut p = qwen(false, Vec::new(), true);
         let mut deltas = p.push(half);
         deltas.extend(p.finish(false));
         assert!(!p.cut_call());

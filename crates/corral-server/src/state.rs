@@ -64,6 +64,8 @@ pub struct AppState {
     pub tokenizer: Arc<Tokenizer>,
     /// The checkpoint's chat template, if it has one.
     pub chat_template: Option<Arc<ChatTemplate>>,
+    /// How the model writes reasoning and tool calls.
+    pub syntax: &'static crate::syntax::OutputSyntax,
     /// The compiler of constrained-decoding grammars over the tokenizer's vocabulary, or why
     /// there is none.
     pub grammars: Result<GrammarCompiler, String>,

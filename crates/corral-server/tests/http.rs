@@ -60,19 +60,18 @@ fn server_with_template(
     .unwrap();
     let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
     let stop_ids = stop_token_ids(&dir, &config.eos_token_ids).unwrap();
+    let mut chat_template = TokenizerConfig::from_dir(&dir).unwrap();
+    if template.is_some() {
+        chat_template.chat_template = template;
+    }
     let state = AppState {
         engine: engine.clone(),
         grammars: tokenizer
             .grammar_compiler(&stop_ids)
             .map_err(|e| e.to_string()),
         tokenizer: Arc::new(tokenizer),
-        chat_template: Some(Arc::new({
-            let mut config = TokenizerConfig::from_dir(&dir).unwrap();
-            if template.is_some() {
-                config.chat_template = template;
-            }
-            ChatTemplate::new(&config).unwrap()
-        })),
+        syntax: corral_server::syntax::for_template(chat_template.chat_template.as_deref()),
+        chat_template: Some(Arc::new(ChatTemplate::new(&chat_template).unwrap())),
         config: Arc::new(ServerConfig {
             served_model_name: "tiny".to_string(),
             model_aliases: vec!["tiny-alias".to_string()],

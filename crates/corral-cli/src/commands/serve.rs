@@ -71,6 +71,11 @@ pub(crate) struct ServeArgs {
     /// Qwen3.5's reasoning off unless a request turns it on.
     #[arg(long, env = "CORRAL_DEFAULT_CHAT_TEMPLATE_KWARGS")]
     default_chat_template_kwargs: Option<String>,
+    /// How the model writes reasoning and tool calls (`qwen3`: JSON calls, `qwen3-coder`:
+    /// XML calls, as Qwen3.5 and Qwen3-Coder write them); by default chosen from the chat
+    /// template (vLLM's `--tool-call-parser` and `--reasoning-parser` in one).
+    #[arg(long, env = "CORRAL_OUTPUT_SYNTAX")]
+    output_syntax: Option<String>,
     /// Sampling values for the fields a request leaves out, over the model's
     /// generation_config.json: `temperature=0.7,top_p=0.8,top_k=20,min_p=0,repetition_penalty=1`.
     #[arg(long, env = "CORRAL_SAMPLING_DEFAULTS")]
@@ -167,6 +172,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             }
             Err(e) => bail!("--default-chat-template-kwargs: not valid JSON: {e}"),
         },
+    };
+    let syntax = match &args.output_syntax {
+        Some(name) => corral_server::syntax::by_name(name)
+            .map_err(|e| anyhow::anyhow!("--output-syntax: {e}"))?,
+        None => corral_server::syntax::for_template(template_config.chat_template.as_deref()),
     };
     let chat_template = match ChatTemplate::new(&template_config) {
         Ok(t) => Some(Arc::new(t)),
@@ -288,6 +298,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         grammars,
         tokenizer: Arc::new(tokenizer),
         chat_template,
+        syntax,
         config: Arc::new(ServerConfig {
             served_model_name: served_model_name.clone(),
             model_aliases,

@@ -6,12 +6,13 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
-const PARAM_OPEN: &str = "<parameter=";
-const PARAM_CLOSE: &str = "</parameter>";
+use crate::syntax::XmlTags;
 
 /// How far the call being streamed was read and sent.
 #[derive(Debug)]
 pub(super) struct CallStream {
+    /// The XML form's tags.
+    xml: &'static XmlTags,
     /// Parameter types of the called tool (XML form).
     types: Option<HashMap<String, String>>,
     scan: Scan,
@@ -54,13 +55,15 @@ impl CallStream {
     pub(super) fn start(
         buffer: &str,
         schemas: &HashMap<String, HashMap<String, String>>,
+        xml: &'static XmlTags,
     ) -> Option<(String, Self)> {
         let inner = buffer.trim_start();
         let offset = |rest: &str| buffer.len() - rest.len();
-        if let Some(rest) = inner.strip_prefix("<function=") {
+        if let Some(rest) = inner.strip_prefix(xml.function_open) {
             let (name, body) = rest.split_once('>')?;
             let name = name.trim().to_string();
             let stream = Self {
+                xml,
                 types: schemas.get(&name).cloned(),
                 scan: Scan::Xml {
                     at: offset(body),
@@ -72,6 +75,7 @@ impl CallStream {
         }
         let (name, text) = json_call_head(inner)?;
         let stream = Self {
+            xml,
             types: None,
             scan: Scan::JsonPending { at: offset(text) },
         };
@@ -105,7 +109,8 @@ impl CallStream {
                 Scan::JsonWhole => return out,
                 Scan::Xml { at, first, open } => match open {
                     Some(param) => {
-                        let Some(closed) = read_open_param(buffer, param, &mut out) else {
+                        let close = self.xml.parameter_close;
+                        let Some(closed) = read_open_param(buffer, param, close, &mut out) else {
                             return out;
                         };
                         if let Some((key, kind)) = &param.typed {
@@ -120,14 +125,15 @@ impl CallStream {
                     None => {
                         let body = &buffer[*at..];
                         let trimmed = body.trim_start();
-                        let Some(after) = trimmed.strip_prefix(PARAM_OPEN) else {
+                        let open_tag = self.xml.parameter_open;
+                        let Some(after) = trimmed.strip_prefix(open_tag) else {
                             return out;
                         };
                         let Some((key, _)) = after.split_once('>') else {
                             return out;
                         };
                         let header_end =
-                            buffer.len() - trimmed.len() + PARAM_OPEN.len() + key.len() + 1;
+                            buffer.len() - trimmed.len() + open_tag.len() + key.len() + 1;
                         let key = key.trim();
                         let kind = self.types.as_ref().and_then(|t| t.get(key)).cloned();
                         let text =
@@ -200,6 +206,7 @@ fn trim_value(raw: &str) -> &str {
 fn read_open_param<'b>(
     buffer: &'b str,
     param: &mut OpenParam,
+    close: &str,
     out: &mut String,
 ) -> Option<(&'b str, usize)> {
     let value_start = match param.value {
@@ -214,8 +221,8 @@ fn read_open_param<'b>(
         }
     };
     let value = &buffer[value_start..];
-    let from = floor_boundary(value, param.searched.saturating_sub(PARAM_CLOSE.len() - 1));
-    if let Some(found) = value[from..].find(PARAM_CLOSE) {
+    let from = floor_boundary(value, param.searched.saturating_sub(close.len() - 1));
+    if let Some(found) = value[from..].find(close) {
         let end = from + found;
         let raw = &value[..end];
         if param.typed.is_none() {
@@ -223,12 +230,13 @@ fn read_open_param<'b>(
             out.push_str(&escaped(&text[param.sent.min(text.len())..]));
             out.push('"');
         }
-        return Some((raw, value_start + end + PARAM_CLOSE.len()));
+        return Some((raw, value_start + end + close.len()));
     }
     param.searched = value.len();
     if param.typed.is_none() {
+        let after_newline = format!("\n{close}");
         let settled =
-            value.len() - super::held_back(value, &[("\n</parameter>", 0), (PARAM_CLOSE, 0)]);
+            value.len() - super::held_back(value, &[(after_newline.as_str(), 0), (close, 0)]);
         if settled > param.sent {
             out.push_str(&escaped(&value[param.sent..settled]));
             param.sent = settled;

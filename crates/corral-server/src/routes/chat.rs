@@ -37,7 +37,7 @@ pub(crate) async fn prepare(
             "this model has no chat template; use /v1/completions",
         )
     })?;
-    let format = template.tool_call_format();
+    let syntax = state.syntax;
     for (key, value) in &state.config.chat_template_kwargs {
         req.template_kwargs
             .entry(key.clone())
@@ -56,7 +56,7 @@ pub(crate) async fn prepare(
         let ids = tokenizer
             .encode(&text)
             .map_err(|e| ApiError::invalid(param, e.to_string()))?;
-        Ok::<_, ApiError>((ids, text.trim_end().ends_with("<think>")))
+        Ok::<_, ApiError>((ids, text.trim_end().ends_with(syntax.reasoning.open)))
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt preparation failed: {e}")))??;
@@ -77,7 +77,7 @@ pub(crate) async fn prepare(
         req.settings.grammar = Some(grammar::tool_calls(
             tools,
             only,
-            format,
+            syntax,
             req.parallel_tool_calls,
             &special,
         )?);
@@ -87,11 +87,16 @@ pub(crate) async fn prepare(
             .settings
             .grammar
             .take()
-            .map(|g| grammar::after_reasoning(g, &special));
+            .map(|g| grammar::after_reasoning(g, syntax, &special));
     }
-    let parser = OutputParser::new(in_reasoning, req.settings.stop.clone(), req.tools.is_some())
-        .with_tool_schemas(req.tools.as_deref().unwrap_or(&[]))
-        .streaming_tool_calls(req.settings.stream);
+    let parser = OutputParser::new(
+        syntax,
+        in_reasoning,
+        req.settings.stop.clone(),
+        req.tools.is_some(),
+    )
+    .with_tool_schemas(req.tools.as_deref().unwrap_or(&[]))
+    .streaming_tool_calls(req.settings.stream);
     Ok((prompt, parser))
 }
 

@@ -394,7 +394,7 @@ impl Generation {
             handle: RequestHandle::default(),
             tokenizer,
             decoder: IncrementalDecoder::default(),
-            parser: OutputParser::new(false, stops, true),
+            parser: OutputParser::new(&crate::syntax::QWEN3, false, stops, true),
             prompt_tokens: 1,
             cached_tokens: 0,
             completion_tokens: 0,
