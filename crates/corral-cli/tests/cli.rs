@@ -424,6 +424,10 @@ fn bad_input_exits_nonzero_naming_the_culprit() {
             ],
             "--default-chat-template-kwargs: expected a JSON object",
         ),
+        (
+            vec!["serve", "--model", demo, "--output-syntax", "glm"],
+            "--output-syntax: unknown output syntax `glm`; known: qwen3-coder, qwen3",
+        ),
     ];
     for (args, culprit) in cases {
         let out = corral(&args);

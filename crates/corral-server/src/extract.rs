@@ -1,5 +1,5 @@
 //! Request extraction at the edge: the JSON body extractor that turns every malformed body
-//! into an OpenAI-style error, and the API-key check.
+//! into an [`ApiError`] (in the route's API's shape, `lib.rs`), and the API-key check.
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
@@ -13,9 +13,9 @@ use crate::state::AppState;
 
 /// A request body that is a JSON object; anything else is a 400 (or 413 when too large).
 #[derive(Debug)]
-pub(crate) struct OpenAiJson(pub(crate) Map<String, Value>);
+pub(crate) struct JsonBody(pub(crate) Map<String, Value>);
 
-impl FromRequest<AppState> for OpenAiJson {
+impl FromRequest<AppState> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
@@ -32,7 +32,7 @@ impl FromRequest<AppState> for OpenAiJson {
         let text = std::str::from_utf8(&bytes)
             .map_err(|e| ApiError::bad_body(format!("request body is not valid UTF-8: {e}")))?;
         match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(map)) => Ok(OpenAiJson(map)),
+            Ok(Value::Object(map)) => Ok(JsonBody(map)),
             Ok(_) => Err(ApiError::bad_body("request body must be a JSON object")),
             Err(e) => Err(ApiError::bad_body(format!(
                 "request body is not valid JSON: {e}"

@@ -3,94 +3,17 @@
 //! `tool_choice` "required" or a named function (tool calls in the model's own format).
 
 use corral_engine::{Grammar, json_style};
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::request::Tool;
 use crate::syntax::{CallForm, OutputSyntax, XmlTags};
-
-/// The grammar `response_format` asks for, if any.
-pub(crate) fn response_format(body: &Map<String, Value>) -> Result<Option<Grammar>, ApiError> {
-    let format = match body.get("response_format") {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Object(format)) => format,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "`response_format` must be an object with a `type`",
-            ));
-        }
-    };
-    match format.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(Grammar::JsonSchema(json!({"type": "object"})))),
-        Some("json_schema") => {
-            let spec = format.get("json_schema").unwrap_or(&Value::Null);
-            match spec.get("schema") {
-                None | Some(Value::Null) => {
-                    Ok(Some(Grammar::JsonSchema(json!({"type": "object"}))))
-                }
-                Some(schema @ Value::Object(_)) => Ok(Some(Grammar::JsonSchema(schema.clone()))),
-                Some(_) => Err(ApiError::invalid(
-                    "response_format.json_schema.schema",
-                    "`response_format.json_schema.schema` must be a JSON schema object",
-                )),
-            }
-        }
-        _ => Err(ApiError::invalid(
-            "response_format.type",
-            "`response_format.type` must be text, json_object or json_schema",
-        )),
-    }
-}
-
-/// What `tool_choice` asks for.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) enum ToolChoice {
-    /// The model decides (the default).
-    Auto,
-    /// No tools: they are left out of the prompt.
-    None,
-    /// At least one call, to any tool.
-    Required,
-    /// A call to this tool.
-    Named(String),
-}
-
-/// Reads `tool_choice`: "auto", "none", "required", or `{"type": "function", "function":
-/// {"name": ...}}` (also the Responses API's `{"type": "function", "name": ...}`).
-pub(crate) fn tool_choice(body: &Map<String, Value>) -> Result<ToolChoice, ApiError> {
-    let bad = || {
-        ApiError::invalid(
-            "tool_choice",
-            "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-        )
-    };
-    match body.get("tool_choice") {
-        None | Some(Value::Null) => Ok(ToolChoice::Auto),
-        Some(Value::String(s)) => match s.as_str() {
-            "auto" => Ok(ToolChoice::Auto),
-            "none" => Ok(ToolChoice::None),
-            "required" => Ok(ToolChoice::Required),
-            _ => Err(bad()),
-        },
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
-            let name = o
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .or_else(|| o.get("name"))
-                .and_then(Value::as_str)
-                .ok_or_else(bad)?;
-            Ok(ToolChoice::Named(name.to_string()))
-        }
-        Some(_) => Err(bad()),
-    }
-}
 
 /// The grammar of one or more tool calls (only to `only` if given; one call unless
 /// `parallel`), written as the model writes them; `special`: whether a tag is one special
 /// token of the vocabulary.
 pub(crate) fn tool_calls(
-    tools: &[Value],
+    tools: &[Tool],
     only: Option<&str>,
     syntax: &OutputSyntax,
     parallel: bool,
@@ -100,17 +23,9 @@ pub(crate) fn tool_calls(
         tag(syntax.tool_call.open, special),
         tag(syntax.tool_call.close, special),
     );
-    let functions: Vec<(&str, Value)> = tools
+    let functions: Vec<(&str, &Value)> = tools
         .iter()
-        .filter_map(|t| {
-            let f = t.get("function")?;
-            let name = f.get("name")?.as_str()?;
-            let parameters = match f.get("parameters") {
-                Some(p @ Value::Object(_)) => p.clone(),
-                _ => json!({"type": "object"}),
-            };
-            Some((name, parameters))
-        })
+        .map(|t| (t.name.as_str(), &t.parameters))
         .filter(|(name, _)| only.is_none_or(|o| o == *name))
         .collect();
     if functions.is_empty() {
@@ -274,6 +189,7 @@ fn literal(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use corral_engine::{Constraint, Tokenizer};
+    use serde_json::json;
 
     use super::*;
     use crate::syntax::{QWEN3, QWEN3_CODER};
@@ -317,15 +233,27 @@ mod tests {
         logits[eos as usize] != f32::NEG_INFINITY
     }
 
-    fn weather() -> Vec<Value> {
-        vec![
+    /// Tools from their OpenAI definitions.
+    fn as_tools(definitions: Vec<Value>) -> Vec<Tool> {
+        definitions
+            .into_iter()
+            .map(|d| Tool {
+                name: d["function"]["name"].as_str().unwrap().to_string(),
+                parameters: d["function"]["parameters"].clone(),
+                definition: d,
+            })
+            .collect()
+    }
+
+    fn weather() -> Vec<Tool> {
+        as_tools(vec![
             json!({"type": "function", "function": {"name": "get_weather", "parameters": {
                 "type": "object",
                 "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                 "required": ["city"]}}}),
             json!({"type": "function", "function": {"name": "get_time", "parameters": {
                 "type": "object", "properties": {"zone": {"type": "string"}}}}}),
-        ]
+        ])
     }
 
     #[test]
@@ -393,7 +321,7 @@ mod tests {
                 "note": {"type": "string"}},
             "required": ["city"]}}}),
         ];
-        let g = tool_calls(&tools, None, &QWEN3_CODER, false, &special).unwrap();
+        let g = tool_calls(&as_tools(tools), None, &QWEN3_CODER, false, &special).unwrap();
         let call = |params: &[(&str, &str)]| {
             let mut text = "<tool_call>\n<function=plan>\n".to_string();
             for (k, v) in params {
@@ -435,38 +363,10 @@ mod tests {
             "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}},
             "required": ["to"], "additionalProperties": false}}}),
         ];
-        let g = tool_calls(&tools, None, &QWEN3, false, &special).unwrap();
+        let g = tool_calls(&as_tools(tools), None, &QWEN3, false, &special).unwrap();
         let call = "<tool_call>\n{\"name\": \"book\", \"arguments\": {\"to\": {\"city\": \"Oslo\"}}}\n</tool_call>";
         assert!(accepts(&g, call));
         assert!(!accepts(&g, &call.replace("city", "town")));
-    }
-
-    #[test]
-    fn response_formats_read_as_openai_writes_them() {
-        let body = |v: Value| v.as_object().unwrap().clone();
-        assert_eq!(response_format(&body(json!({}))).unwrap(), None);
-        assert_eq!(
-            response_format(&body(json!({"response_format": {"type": "text"}}))).unwrap(),
-            None
-        );
-        assert_eq!(
-            response_format(&body(json!({"response_format": {"type": "json_object"}}))).unwrap(),
-            Some(Grammar::JsonSchema(json!({"type": "object"})))
-        );
-        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
-        assert_eq!(
-            response_format(&body(json!({"response_format": {"type": "json_schema",
-                "json_schema": {"name": "x", "strict": true, "schema": schema}}})))
-            .unwrap(),
-            Some(Grammar::JsonSchema(schema))
-        );
-        for bad in [
-            json!({"response_format": "json"}),
-            json!({"response_format": {"type": "yaml"}}),
-            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}),
-        ] {
-            assert!(response_format(&body(bad)).is_err());
-        }
     }
 
     #[test]
@@ -481,30 +381,5 @@ mod tests {
         let closed = after_reasoning(schema, &QWEN3, &special);
         assert!(accepts(&closed, "</think>\n\n{\"ok\": false}"));
         assert!(!accepts(&closed, "{\"ok\": false}"));
-    }
-
-    #[test]
-    fn tool_choice_reads_every_form() {
-        let body = |v: Value| v.as_object().unwrap().clone();
-        assert_eq!(tool_choice(&body(json!({}))).unwrap(), ToolChoice::Auto);
-        assert_eq!(
-            tool_choice(&body(json!({"tool_choice": "required"}))).unwrap(),
-            ToolChoice::Required
-        );
-        assert_eq!(
-            tool_choice(&body(
-                json!({"tool_choice": {"type": "function", "function": {"name": "f"}}})
-            ))
-            .unwrap(),
-            ToolChoice::Named("f".to_string())
-        );
-        assert_eq!(
-            tool_choice(&body(
-                json!({"tool_choice": {"type": "function", "name": "g"}})
-            ))
-            .unwrap(),
-            ToolChoice::Named("g".to_string())
-        );
-        assert!(tool_choice(&body(json!({"tool_choice": "always"}))).is_err());
     }
 }

@@ -2,15 +2,19 @@
 //!
 //! [`router`] builds the axum router (testable without a socket): `POST /v1/chat/completions`,
 //! `POST /v1/completions`, `POST /v1/messages` (Anthropic's), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`,
-//! `GET /metrics`. Bodies are read by
-//! one extractor and validated into engine requests by `request.rs`; every failure is an
-//! [`ApiError`] rendered as OpenAI's error object. Generated text is split into content,
-//! reasoning and tool calls by `output.rs`. [`serve`] runs the router until a shutdown signal.
+//! `GET /metrics`. Bodies are read by one extractor and decoded, per wire format, into
+//! Corral's typed requests (`request/`); every failure is an [`ApiError`], in OpenAI's shape
+//! or on Anthropic's routes in Anthropic's. One driver (`driver/`) runs every generation:
+//! generated text is split into reasoning, text and tool calls by `output.rs` in the model's
+//! [`syntax::OutputSyntax`], gathered into a reply, and written out by the endpoint's
+//! renderer (`routes/`). [`serve`] runs the router until a shutdown signal.
 
+mod driver;
 mod error;
 mod extract;
 mod grammar;
 mod output;
+mod prompt;
 mod request;
 mod routes;
 mod state;

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use call_stream::CallStream;
 use serde_json::{Map, Value};
 
+use crate::request::Tool;
 use crate::syntax::{OutputSyntax, XmlTags};
 
 /// A piece of the response.
@@ -53,7 +54,8 @@ pub struct OutputParser {
     stops: Vec<String>,
     parse_think: bool,
     parse_tools: bool,
-    stopped: bool,
+    /// The stop string that ended the text, by its index in `stops`.
+    stop_hit: Option<usize>,
     tool_calls: usize,
     /// Each tool's parameter types (`"integer"`, `"object"`, ...) by tool and parameter name.
     schemas: HashMap<String, HashMap<String, String>>,
@@ -88,7 +90,7 @@ impl OutputParser {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             parse_think: true,
             parse_tools,
-            stopped: false,
+            stop_hit: None,
             tool_calls: 0,
             schemas: HashMap::new(),
             stream_calls: false,
@@ -106,17 +108,11 @@ impl OutputParser {
         self
     }
 
-    /// The request's tools (OpenAI's `{"type": "function", "function": {"name", "parameters"}}`),
-    /// whose parameter types type the values of XML-form calls.
-    pub fn with_tool_schemas(mut self, tools: &[Value]) -> Self {
+    /// The request's tools, whose parameter types type the values of XML-form calls.
+    pub(crate) fn with_tool_schemas(mut self, tools: &[Tool]) -> Self {
         for tool in tools {
-            let function = tool.get("function").unwrap_or(tool);
-            let Some(name) = function.get("name").and_then(Value::as_str) else {
-                continue;
-            };
-            let properties = function
-                .pointer("/parameters/properties")
-                .and_then(Value::as_object);
+            let name = &tool.name;
+            let properties = tool.parameters.get("properties").and_then(Value::as_object);
             let types = properties
                 .into_iter()
                 .flatten()
@@ -137,7 +133,12 @@ impl OutputParser {
 
     /// Whether a stop string was reached: nothing more should be generated.
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.stop_hit.is_some()
+    }
+
+    /// The stop string that was reached, if one was.
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stop_hit.map(|i| self.stops[i].as_str())
     }
 
     /// Whether the text so far leaves the reply inside its reasoning.
@@ -153,7 +154,7 @@ impl OutputParser {
     /// Adds generated text; returns the deltas it settles.
     pub fn push(&mut self, text: &str) -> Vec<Delta> {
         let mut out = Vec::new();
-        if self.stopped {
+        if self.stopped() {
             return out;
         }
         self.buffer.push_str(text);
@@ -168,7 +169,7 @@ impl OutputParser {
                         markers.push((self.syntax.tool_call.open, 1));
                     }
                     let stops: Vec<String> = self.stops.clone();
-                    markers.extend(stops.iter().map(|s| (s.as_str(), 2)));
+                    markers.extend(stops.iter().enumerate().map(|(i, s)| (s.as_str(), 2 + i)));
                     match earliest(&self.buffer, &markers) {
                         Some((at, len, kind)) => {
                             emit(&mut out, Delta::Content(self.buffer[..at].to_string()));
@@ -176,8 +177,8 @@ impl OutputParser {
                             match kind {
                                 0 => self.mode = Mode::Reasoning,
                                 1 => self.mode = Mode::ToolCall,
-                                _ => {
-                                    self.stopped = true;
+                                stop => {
+                                    self.stop_hit = Some(stop - 2);
                                     self.buffer.clear();
                                     return out;
                                 }
@@ -200,7 +201,7 @@ impl OutputParser {
                     if self.parse_tools {
                         markers.push((self.syntax.tool_call.open, 1));
                     }
-                    markers.extend(stops.iter().map(|s| (s.as_str(), 2)));
+                    markers.extend(stops.iter().enumerate().map(|(i, s)| (s.as_str(), 2 + i)));
                     match earliest(&self.buffer, &markers) {
                         Some((at, len, kind)) => {
                             emit(&mut out, Delta::Reasoning(self.buffer[..at].to_string()));
@@ -208,8 +209,8 @@ impl OutputParser {
                             match kind {
                                 0 => self.mode = Mode::Content,
                                 1 => self.mode = Mode::ToolCall,
-                                _ => {
-                                    self.stopped = true;
+                                stop => {
+                                    self.stop_hit = Some(stop - 2);
                                     self.buffer.clear();
                                     return out;
                                 }
@@ -319,7 +320,7 @@ impl OutputParser {
     pub fn finish(&mut self, cut: bool) -> Vec<Delta> {
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.buffer);
-        if self.stopped {
+        if self.stopped() {
             return out;
         }
         match self.mode {
@@ -597,16 +598,19 @@ mod tests {
             vec![Delta::Content("abc ".into())]
         );
         assert!(p.stopped());
+        assert_eq!(p.stop_string(), Some("END"));
     }
 
-    fn weather_tool() -> Vec<Value> {
-        vec![
-            serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+    fn weather_tool() -> Vec<Tool> {
+        vec![Tool::new(
+            "get_weather".into(),
+            None,
+            Some(serde_json::json!({
             "type": "object", "properties": {
                 "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
                 "ratio": {"type": ["number", "null"]}, "units": {"type": "object"}, "tags": {"type": "array"}
-            }}}}),
-        ]
+            }})),
+        )]
     }
 
     /// Qwen3.5's XML form, split across pieces anywhere: values typed by the schema (a

@@ -614,6 +614,57 @@ async fn anthropic_messages_answer_and_stream() {
     assert_eq!(status, StatusCode::UNAUTHORIZED);
 }
 
+/// A Messages reply ended by one of its `stop_sequences` says so as Anthropic does:
+/// `stop_reason` "stop_sequence" and the sequence itself, in the reply and in the stream's
+/// `message_delta`; the text stops before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_stop_sequence_is_named_as_anthropic_names_it() {
+    let s = server(None, 16, 512);
+    let body = |stop: Option<&str>, stream: bool| {
+        let mut body = json!({"model": "tiny", "max_tokens": 32, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a story"}], "stream": stream});
+        if let Some(stop) = stop {
+            body["stop_sequences"] = json!(["never-written", stop]);
+        }
+        post("/v1/messages", body.to_string())
+    };
+    let text_of = |reply: &Value| -> String {
+        reply["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|b| b["text"].as_str())
+            .collect()
+    };
+    let (status, whole, _) = call(&s.app, body(None, false)).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    assert_ne!(whole["stop_reason"], "stop_sequence", "{whole}");
+    assert_eq!(whole["stop_sequence"], Value::Null, "{whole}");
+    let text = text_of(&whole);
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 4, "{whole}");
+    let stop: String = chars[chars.len() / 2..][..2].iter().collect();
+    let (status, stopped, _) = call(&s.app, body(Some(&stop), false)).await;
+    assert_eq!(status, StatusCode::OK, "{stopped}");
+    assert_eq!(stopped["stop_reason"], "stop_sequence", "{stopped}");
+    assert_eq!(stopped["stop_sequence"], stop.as_str(), "{stopped}");
+    assert_eq!(text_of(&stopped), text[..text.find(&stop).unwrap()]);
+    let response = s
+        .app
+        .clone()
+        .oneshot(body(Some(&stop), true))
+        .await
+        .unwrap();
+    let events = sse_events(response).await;
+    let delta: Value = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find(|e| e["type"] == "message_delta")
+        .expect("a message_delta");
+    assert_eq!(delta["delta"]["stop_reason"], "stop_sequence", "{delta}");
+    assert_eq!(delta["delta"]["stop_sequence"], stop.as_str(), "{delta}");
+}
+
 /// The Responses API: a string input answered as output items, a turn that continues a
 /// stored response by id (its prompt holds the first turn), function_call and
 /// function_call_output items, a stored response read back, and clear errors.

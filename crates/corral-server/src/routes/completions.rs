@@ -1,18 +1,15 @@
 //! `POST /v1/completions`: a text or token-id prompt continued as is, answered as one
 //! `text_completion` or as a stream of them.
 
-use std::convert::Infallible;
-
-use axum::Json;
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
+use corral_engine::TokenEvent;
 use serde_json::{Value, json};
 
-use super::generation::{Generation, Step, unix_now};
+use crate::driver::{self, End, Frame, Generation, Part, Render, Reply, ReplyEvent, unix_now};
 use crate::error::ApiError;
-use crate::extract::OpenAiJson;
-use crate::output::{Delta, OutputParser};
+use crate::extract::JsonBody;
+use crate::output::OutputParser;
 use crate::request::{self, PromptInput};
 use crate::state::AppState;
 
@@ -20,11 +17,11 @@ use crate::state::AppState;
 pub(crate) async fn completions(
     State(state): State<AppState>,
     headers: axum::http::HeaderMap,
-    OpenAiJson(body): OpenAiJson,
+    JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
-    let mut req = request::completion(&body, &state.config.sampling_defaults)?;
-    req.settings = request::with_session_header(req.settings, &headers)?;
-    super::check_model(&state, req.settings.model.as_deref())?;
+    let mut req = request::openai::completion(&body, &state.config.sampling_defaults)?;
+    request::with_session_header(&mut req.generate, &headers)?;
+    super::check_model(&state, req.generate.model.as_deref())?;
     let prompt = match req.prompt {
         PromptInput::Tokens(ids) => ids,
         PromptInput::Text(text) => {
@@ -36,28 +33,29 @@ pub(crate) async fn completions(
                 .map_err(|e| ApiError::invalid("prompt", e.to_string()))?
         }
     };
-    let parser = OutputParser::plain(req.settings.stop.clone());
-    let generation = Generation::start(&state, prompt, &req.settings, parser, "prompt", "cmpl")?;
-    let model = state.config.served_model_name.clone();
-    if req.settings.stream {
-        Ok(stream(generation, model, req.settings.include_usage).into_response())
-    } else {
-        Ok(Json(complete(generation, model).await?).into_response())
-    }
+    let parser = OutputParser::plain(req.generate.stop.clone());
+    let g = Generation::start(&state, prompt, &req.generate, parser, "prompt", "cmpl")?;
+    let render = CompletionRender {
+        id: g.id().to_string(),
+        model: state.config.served_model_name.clone(),
+        include_usage: req.generate.include_usage,
+    };
+    driver::respond(g, Reply::new("call"), render, req.generate.stream).await
 }
 
-fn text_of(deltas: Vec<Delta>) -> String {
-    deltas
-        .into_iter()
-        .filter_map(|d| match d {
-            Delta::Content(t) | Delta::Reasoning(t) => Some(t),
-            Delta::ToolCall { .. } | Delta::ToolCallName(_) | Delta::ToolCallArguments(_) => None,
+/// The text a step's events add.
+fn text_of(events: &[ReplyEvent]) -> String {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            ReplyEvent::More(Part::Text | Part::Reasoning, t) => Some(t.as_str()),
+            _ => None,
         })
         .collect()
 }
 
-/// Legacy log-probabilities of the tokens of one step.
-fn logprobs_json(g: &Generation, tokens: &[corral_engine::TokenEvent]) -> Value {
+/// Legacy log-probabilities of `tokens` (null for none).
+fn logprobs_json(g: &Generation, tokens: &[TokenEvent]) -> Value {
     if tokens.is_empty() {
         return Value::Null;
     }
@@ -70,105 +68,78 @@ fn logprobs_json(g: &Generation, tokens: &[corral_engine::TokenEvent]) -> Value 
     })
 }
 
-fn body(id: &str, model: &str, text: String, logprobs: Value, finish: Value) -> Value {
-    json!({
-        "id": id,
-        "object": "text_completion",
-        "created": unix_now(),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-    })
+/// The text completion wire format.
+struct CompletionRender {
+    id: String,
+    model: String,
+    include_usage: bool,
 }
 
-async fn complete(mut g: Generation, model: String) -> Result<Value, ApiError> {
-    let mut text = String::new();
-    let mut tokens = Vec::new();
-    loop {
-        match g.next().await? {
-            Some(Step::Deltas { deltas, logprobs }) => {
-                text.push_str(&text_of(deltas));
-                tokens.extend(logprobs);
-            }
-            Some(Step::Finished {
-                deltas,
-                finish_reason,
-                usage,
-                timings,
-            }) => {
-                text.push_str(&text_of(deltas));
-                let mut out = body(
-                    g.id(),
-                    &model,
-                    text,
-                    logprobs_json(&g, &tokens),
-                    json!(finish_reason),
-                );
-                out["usage"] = usage;
-                out["timings"] = timings;
-                return Ok(out);
-            }
-            None => return Err(ApiError::internal("generation ended without a result")),
-        }
+impl CompletionRender {
+    fn completion(&self, text: &str, logprobs: Value, finish: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": unix_now(),
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        })
     }
 }
 
-fn stream(
-    generation: Generation,
-    model: String,
-    include_usage: bool,
-) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let id = generation.id().to_string();
-    let state = (Some(generation), Vec::<SseEvent>::new());
-    let events = futures_util::stream::unfold(state, move |(mut g, mut pending)| {
-        let (id, model) = (id.clone(), model.clone());
-        async move {
-            loop {
-                if !pending.is_empty() {
-                    let event = pending.remove(0);
-                    return Some((Ok(event), (g, pending)));
-                }
-                let gen_ref = g.as_mut()?;
-                let data = |v: Value| SseEvent::default().data(v.to_string());
-                match gen_ref.next().await {
-                    Ok(Some(Step::Deltas { deltas, logprobs })) => {
-                        // A chunk for every token, empty when its text is held back.
-                        let text = text_of(deltas);
-                        let lps = logprobs_json(gen_ref, &logprobs);
-                        pending.push(data(body(&id, &model, text, lps, Value::Null)));
-                    }
-                    Ok(Some(Step::Finished {
-                        deltas,
-                        finish_reason,
-                        usage,
-                        timings,
-                    })) => {
-                        pending.push(data(body(
-                            &id,
-                            &model,
-                            text_of(deltas),
-                            Value::Null,
-                            json!(finish_reason),
-                        )));
-                        if include_usage {
-                            let mut last =
-                                body(&id, &model, String::new(), Value::Null, Value::Null);
-                            last["choices"] = json!([]);
-                            last["usage"] = usage;
-                            last["timings"] = timings;
-                            pending.push(data(last));
-                        }
-                        pending.push(SseEvent::default().data("[DONE]"));
-                        g = None;
-                    }
-                    Ok(None) => g = None,
-                    Err(e) => {
-                        pending.push(data(e.body()));
-                        pending.push(SseEvent::default().data("[DONE]"));
-                        g = None;
-                    }
-                }
-            }
+impl Render for CompletionRender {
+    fn step(
+        &mut self,
+        g: &Generation,
+        _reply: &Reply,
+        events: &[ReplyEvent],
+        logprobs: &[TokenEvent],
+    ) -> Vec<Frame> {
+        // A chunk for every step, empty when its text is held back.
+        let text = text_of(events);
+        vec![Frame::Data(self.completion(
+            &text,
+            logprobs_json(g, logprobs),
+            Value::Null,
+        ))]
+    }
+
+    fn ending(
+        &mut self,
+        _g: &Generation,
+        _reply: &Reply,
+        events: &[ReplyEvent],
+        end: &End,
+    ) -> Vec<Frame> {
+        let mut frames = vec![Frame::Data(self.completion(
+            &text_of(events),
+            Value::Null,
+            json!(end.finish.openai()),
+        ))];
+        if self.include_usage {
+            let mut last = self.completion("", Value::Null, Value::Null);
+            last["choices"] = json!([]);
+            last["usage"] = end.usage.openai();
+            last["timings"] = end.timings.clone();
+            frames.push(Frame::Data(last));
         }
-    });
-    Sse::new(events).keep_alive(KeepAlive::default())
+        frames.push(Frame::Done);
+        frames
+    }
+
+    fn failure(&mut self, _g: &Generation, _reply: &Reply, error: &ApiError) -> Vec<Frame> {
+        vec![Frame::Data(error.body()), Frame::Done]
+    }
+
+    fn body(&mut self, g: &Generation, reply: &Reply, end: &End) -> Value {
+        let text = format!("{}{}", reply.reasoning, reply.text);
+        let mut out = self.completion(
+            &text,
+            logprobs_json(g, &reply.logprobs),
+            json!(end.finish.openai()),
+        );
+        out["usage"] = end.usage.openai();
+        out["timings"] = end.timings.clone();
+        out
+    }
 }

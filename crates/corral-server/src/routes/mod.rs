@@ -1,8 +1,7 @@
-//! One module per endpoint, plus the generation driver they share.
+//! One module per endpoint: its handler and its wire format's renderer.
 
 pub(crate) mod chat;
 pub(crate) mod completions;
-mod generation;
 pub(crate) mod messages;
 pub(crate) mod metrics;
 pub(crate) mod responses;

@@ -9,14 +9,14 @@ use axum::extract::State;
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
-use crate::extract::OpenAiJson;
+use crate::extract::JsonBody;
 use crate::request;
 use crate::state::AppState;
 
 /// `POST /tokenize`: `{"tokens": [...], "count": n, "max_model_len": context}`.
 pub(crate) async fn tokenize(
     State(state): State<AppState>,
-    OpenAiJson(body): OpenAiJson,
+    JsonBody(body): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
     let model = body.get("model").and_then(Value::as_str);
     super::check_model(&state, model)?;
@@ -29,7 +29,8 @@ pub(crate) async fn tokenize(
             // add_generation_prompt is this endpoint's, not a chat field.
             let mut as_chat = body.clone();
             as_chat.remove("add_generation_prompt");
-            let chat = request::chat(&as_chat, &state.config.sampling_defaults)?;
+            let chat =
+                request::openai::chat(&as_chat, &state.config.sampling_defaults)?.conversation;
             let template = state
                 .chat_template
                 .clone()
@@ -46,8 +47,8 @@ pub(crate) async fn tokenize(
             };
             template
                 .render(
-                    &chat.messages,
-                    chat.tools.as_deref(),
+                    &chat.template_messages(),
+                    chat.template_tools().as_deref(),
                     add_generation_prompt,
                     &chat.template_kwargs,
                 )
@@ -87,7 +88,7 @@ pub(crate) async fn tokenize(
 /// `POST /detokenize`: `{"tokens": [...]}` to `{"prompt": text, "content": text}`.
 pub(crate) async fn detokenize(
     State(state): State<AppState>,
-    OpenAiJson(body): OpenAiJson,
+    JsonBody(body): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
     let model = body.get("model").and_then(Value::as_str);
     super::check_model(&state, model)?;

@@ -1,7 +1,7 @@
-//! Driving one request through the engine: length checks and submission, then turning the
-//! engine's token events into parsed deltas, log-probabilities, usage and timings. Shared by
-//! the chat and text completion endpoints, streaming or not. Dropping a [`Generation`] drops
-//! the event receiver, which cancels the request in the engine.
+//! One request running in the engine: length checks and submission, then the engine's
+//! token events turned into parsed deltas, log-probabilities, and at the end why it ended,
+//! its usage and timings. Dropping a [`Generation`] drops the event receiver, which cancels
+//! the request in the engine.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,24 +15,82 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::error::ApiError;
 use crate::output::{Delta, OutputParser};
-use crate::request::Settings;
+use crate::request::GenerateRequest;
 use crate::state::AppState;
+
+/// Why a reply ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// The token limit.
+    Length,
+    /// The model called tools and waits for their results.
+    ToolCalls,
+}
+
+impl Finish {
+    /// OpenAI's `finish_reason`.
+    pub(crate) fn openai(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
+        }
+    }
+}
+
+/// A request's token counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Usage {
+    pub(crate) prompt_tokens: usize,
+    /// Prompt tokens taken from the prefix cache.
+    pub(crate) cached_tokens: usize,
+    pub(crate) completion_tokens: usize,
+    /// Completion tokens inside the reasoning.
+    pub(crate) reasoning_tokens: usize,
+    /// What max_tokens was clamped to, when it asked for more than the context leaves.
+    pub(crate) clamped_to: Option<usize>,
+}
+
+impl Usage {
+    /// OpenAI's usage object (with the clamp, where there was one).
+    pub(crate) fn openai(&self) -> Value {
+        let mut usage = json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        });
+        if let Some(n) = self.clamped_to {
+            usage["max_tokens_clamped_to"] = json!(n);
+        }
+        usage
+    }
+}
+
+/// How a request ended.
+#[derive(Clone, Debug)]
+pub(crate) struct End {
+    pub(crate) finish: Finish,
+    /// The stop string that ended it, if one did.
+    pub(crate) stop_sequence: Option<String>,
+    pub(crate) usage: Usage,
+    /// llama.cpp's `timings` object.
+    pub(crate) timings: Value,
+}
 
 /// What the next piece of a generation brought.
 #[derive(Debug)]
 pub(crate) enum Step {
     /// Settled text and tool calls, with the log-probabilities of the tokens behind them.
-    Deltas {
+    Tokens {
         deltas: Vec<Delta>,
         logprobs: Vec<TokenEvent>,
     },
-    /// The end: the last deltas, why it ended, usage and timings.
-    Finished {
-        deltas: Vec<Delta>,
-        finish_reason: &'static str,
-        usage: Value,
-        timings: Value,
-    },
+    /// The end: the last deltas, and how it ended.
+    Finished { deltas: Vec<Delta>, end: End },
 }
 
 /// A request running in the engine.
@@ -46,17 +104,10 @@ pub(crate) struct Generation {
     tokenizer: Arc<Tokenizer>,
     decoder: IncrementalDecoder,
     parser: OutputParser,
-    prompt_tokens: usize,
-    /// Prompt tokens taken from the prefix cache, as the engine reports them.
-    cached_tokens: usize,
-    completion_tokens: usize,
-    /// Completion tokens generated inside the reasoning (`<think>` to `</think>`).
-    reasoning_tokens: usize,
+    usage: Usage,
     started: Instant,
     first_token: Option<Instant>,
     finished: bool,
-    /// What max_tokens was clamped to, when it asked for more than the context leaves.
-    clamped_to: Option<usize>,
     /// Time the request's constraint took, once finished.
     constraint: Option<corral_engine::ConstraintStats>,
 }
@@ -68,8 +119,8 @@ impl Drop for Generation {
             tracing::info!(
                 id = %self.id,
                 model = %self.model,
-                prompt_tokens = self.prompt_tokens,
-                completion_tokens = self.completion_tokens,
+                prompt_tokens = self.usage.prompt_tokens,
+                completion_tokens = self.usage.completion_tokens,
                 "request cancelled by the client"
             );
         }
@@ -77,11 +128,12 @@ impl Drop for Generation {
 }
 
 impl Generation {
-    /// Checks the prompt and length against the context and submits the request.
+    /// Checks the prompt and length against the context and submits the request; errors
+    /// in the prompt are reported under `prompt_param`, the API's name for it.
     pub(crate) fn start(
         state: &AppState,
         prompt: Vec<u32>,
-        settings: &Settings,
+        request: &GenerateRequest,
         parser: OutputParser,
         prompt_param: &str,
         id_prefix: &str,
@@ -114,12 +166,11 @@ impl Generation {
         // As llama.cpp's server: a max_tokens beyond the context is clamped to what is left
         // (agents ask for the whole context), and the usage says so.
         let room = context - prompt.len();
-        let clamped_to = settings.max_tokens.filter(|&n| n > room).map(|_| room);
-        let max_tokens = settings.max_tokens.map_or(room, |n| n.min(room));
-        let constraint = match &settings.grammar {
+        let clamped_to = request.max_tokens.filter(|&n| n > room).map(|_| room);
+        let max_tokens = request.max_tokens.map_or(room, |n| n.min(room));
+        let constraint = match &request.grammar {
             None => None,
-            Some(grammar) => {
-                let param = settings.grammar_param;
+            Some((grammar, param)) => {
                 let compiler = state.grammars.as_ref().map_err(|e| {
                     ApiError::invalid(
                         param,
@@ -138,13 +189,13 @@ impl Generation {
             .engine
             .submit(EngineRequest {
                 prompt,
-                params: settings.params.clone(),
+                params: request.sampling.clone(),
                 max_tokens,
                 max_context: context,
                 stop_token_ids: state.config.stop_token_ids.clone(),
-                top_logprobs: settings.top_logprobs,
+                top_logprobs: request.top_logprobs,
                 events: tx,
-                session: settings.session.clone(),
+                session: request.session.clone(),
                 constraint,
             })
             .map_err(|e| match e {
@@ -157,16 +208,16 @@ impl Generation {
             rx,
             handle,
             tokenizer: Arc::clone(&state.tokenizer),
-            decoder: IncrementalDecoder::new(settings.skip_special_tokens),
+            decoder: IncrementalDecoder::new(request.skip_special_tokens),
             parser,
-            prompt_tokens,
-            cached_tokens: 0,
-            completion_tokens: 0,
-            reasoning_tokens: 0,
+            usage: Usage {
+                prompt_tokens,
+                clamped_to,
+                ..Usage::default()
+            },
             started: Instant::now(),
             first_token: None,
             finished: false,
-            clamped_to,
             constraint: None,
         })
     }
@@ -182,11 +233,11 @@ impl Generation {
                 self.first_token.get_or_insert_with(Instant::now);
                 let (mut deltas, mut logprobs) = (Vec::new(), Vec::new());
                 for token in tokens {
-                    self.completion_tokens += 1;
+                    self.usage.completion_tokens += 1;
                     if self.parser.in_reasoning() {
-                        self.reasoning_tokens += 1;
+                        self.usage.reasoning_tokens += 1;
                     }
-                    self.cached_tokens = token.cached_prompt_tokens;
+                    self.usage.cached_tokens = token.cached_prompt_tokens;
                     let text = self
                         .decoder
                         .push(&self.tokenizer, token.id)
@@ -199,18 +250,18 @@ impl Generation {
                         self.finished = true;
                         self.handle.finish_as_stop();
                         self.rx.close();
-                        let reason = if self.parser.num_tool_calls() > 0 {
-                            "tool_calls"
+                        let finish = if self.parser.num_tool_calls() > 0 {
+                            Finish::ToolCalls
                         } else {
-                            "stop"
+                            Finish::Stop
                         };
-                        return Ok(Some(self.finish(deltas, reason)));
+                        return Ok(Some(self.finish(deltas, finish)));
                     }
                     if token.logprob.is_some() {
                         logprobs.push(token);
                     }
                 }
-                Ok(Some(Step::Deltas { deltas, logprobs }))
+                Ok(Some(Step::Tokens { deltas, logprobs }))
             }
             Some(Event::Finished(done)) => {
                 self.finished = true;
@@ -223,16 +274,16 @@ impl Generation {
                     deltas.extend(self.parser.push(&rest));
                 }
                 deltas.extend(self.parser.finish(done.reason == FinishReason::Length));
-                let reason = match done.reason {
+                let finish = match done.reason {
                     // A call cut short is no call: the reply ended for its length.
-                    _ if self.parser.cut_call() => "length",
-                    _ if self.parser.num_tool_calls() > 0 => "tool_calls",
-                    FinishReason::Length => "length",
-                    FinishReason::Stop | FinishReason::Cancelled => "stop",
+                    _ if self.parser.cut_call() => Finish::Length,
+                    _ if self.parser.num_tool_calls() > 0 => Finish::ToolCalls,
+                    FinishReason::Length => Finish::Length,
+                    FinishReason::Stop | FinishReason::Cancelled => Finish::Stop,
                 };
-                self.cached_tokens = done.cached_tokens;
+                self.usage.cached_tokens = done.cached_tokens;
                 self.constraint = done.constraint;
-                Ok(Some(self.finish(deltas, reason)))
+                Ok(Some(self.finish(deltas, finish)))
             }
             Some(Event::Failed(message)) => {
                 self.finished = true;
@@ -248,23 +299,24 @@ impl Generation {
         }
     }
 
-    fn finish(&self, deltas: Vec<Delta>, finish_reason: &'static str) -> Step {
+    fn finish(&self, deltas: Vec<Delta>, finish: Finish) -> Step {
         let now = Instant::now();
         let first = self.first_token.unwrap_or(now);
         let prompt_ms = (first - self.started).as_secs_f64() * 1e3;
         let predicted_ms = (now - first).as_secs_f64() * 1e3;
+        let usage = self.usage;
         // The first token comes with the prefill; decode rate counts the ones after it.
-        let decoded = self.completion_tokens.saturating_sub(1);
+        let decoded = usage.completion_tokens.saturating_sub(1);
         let per_second = |n: usize, ms: f64| if ms > 0.0 { n as f64 / (ms / 1e3) } else { 0.0 };
         tracing::info!(
             id = %self.id,
             model = %self.model,
-            prompt_tokens = self.prompt_tokens,
-            cached_tokens = self.cached_tokens,
-            completion_tokens = self.completion_tokens,
+            prompt_tokens = usage.prompt_tokens,
+            cached_tokens = usage.cached_tokens,
+            completion_tokens = usage.completion_tokens,
             ttft_ms = format_args!("{prompt_ms:.1}"),
             decode_tok_s = format_args!("{:.1}", per_second(decoded, predicted_ms)),
-            finish_reason = %finish_reason,
+            finish_reason = %finish.openai(),
             grammar = %self.constraint.map_or(String::new(), |c| format!(
                 "{} masks, {:.2} ms computing beside the forward, {:.2} ms waited",
                 c.masks,
@@ -273,41 +325,29 @@ impl Generation {
             )),
             "request finished"
         );
-        let mut usage = json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-        });
-        if let Some(n) = self.clamped_to {
-            usage["max_tokens_clamped_to"] = json!(n);
-        }
         Step::Finished {
             deltas,
-            finish_reason,
-            usage,
-            timings: json!({
-                "prompt_n": self.prompt_tokens,
-                "prompt_ms": prompt_ms,
-                "prompt_per_second": per_second(self.prompt_tokens, prompt_ms),
-                "predicted_n": self.completion_tokens,
-                "predicted_ms": predicted_ms,
-                "predicted_per_second": per_second(decoded, predicted_ms),
-                "prefill_duration_ttft": prompt_ms,
-                "decoding_speed_tps": per_second(decoded, predicted_ms),
-            }),
+            end: End {
+                finish,
+                stop_sequence: self.parser.stop_string().map(str::to_string),
+                usage,
+                timings: json!({
+                    "prompt_n": usage.prompt_tokens,
+                    "prompt_ms": prompt_ms,
+                    "prompt_per_second": per_second(usage.prompt_tokens, prompt_ms),
+                    "predicted_n": usage.completion_tokens,
+                    "predicted_ms": predicted_ms,
+                    "predicted_per_second": per_second(decoded, predicted_ms),
+                    "prefill_duration_ttft": prompt_ms,
+                    "decoding_speed_tps": per_second(decoded, predicted_ms),
+                }),
+            },
         }
     }
 
-    /// Tokens in the prompt.
-    pub(crate) fn prompt_tokens(&self) -> usize {
-        self.prompt_tokens
-    }
-
-    /// Prompt tokens taken from the prefix cache, as known so far (from the first token on).
-    pub(crate) fn cached_tokens(&self) -> usize {
-        self.cached_tokens
+    /// Tokens counted so far (the prompt's cached part known from the first token on).
+    pub(crate) fn usage(&self) -> Usage {
+        self.usage
     }
 
     /// The response id.
@@ -334,11 +374,16 @@ pub(crate) fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// A fresh response id with `prefix`.
-pub(crate) fn response_id(prefix: &str) -> String {
+/// A suffix no other id of this server has: the time and a counter, in hex.
+pub(crate) fn unique_suffix() -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{prefix}-{:x}{n:04x}", unix_now())
+    format!("{:x}{n:04x}", unix_now())
+}
+
+/// A fresh response id with `prefix`.
+pub(crate) fn response_id(prefix: &str) -> String {
+    format!("{prefix}-{}", unique_suffix())
 }
 
 #[cfg(test)]
@@ -395,14 +440,13 @@ impl Generation {
             tokenizer,
             decoder: IncrementalDecoder::default(),
             parser: OutputParser::new(&crate::syntax::QWEN3, false, stops, true),
-            prompt_tokens: 1,
-            cached_tokens: 0,
-            completion_tokens: 0,
-            reasoning_tokens: 0,
+            usage: Usage {
+                prompt_tokens: 1,
+                ..Usage::default()
+            },
             started: Instant::now(),
             first_token: None,
             finished: false,
-            clamped_to: None,
             constraint: None,
         }
     }
@@ -413,12 +457,12 @@ mod tests {
     use super::*;
 
     /// A stop string's finish reason for a generation fed `text`.
-    fn finish_reason_of(text: &str, stop: &str) -> &'static str {
+    fn finish_reason_of(text: &str, stop: &str) -> Finish {
         run(Generation::fed(text, stop)).1
     }
 
     /// Every delta of a generation, and its finish reason.
-    fn run(mut g: Generation) -> (Vec<Delta>, &'static str) {
+    fn run(mut g: Generation) -> (Vec<Delta>, Finish) {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
@@ -426,15 +470,11 @@ mod tests {
             let mut all = Vec::new();
             loop {
                 match g.next().await.unwrap() {
-                    Some(Step::Finished {
-                        deltas,
-                        finish_reason,
-                        ..
-                    }) => {
+                    Some(Step::Finished { deltas, end }) => {
                         all.extend(deltas);
-                        return (all, finish_reason);
+                        return (all, end.finish);
                     }
-                    Some(Step::Deltas { deltas, .. }) => all.extend(deltas),
+                    Some(Step::Tokens { deltas, .. }) => all.extend(deltas),
                     None => panic!("no end"),
                 }
             }
@@ -474,8 +514,11 @@ mod tests {
             "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
         assert_eq!(
             finish_reason_of(&format!("{call} HALT more"), "HALT"),
-            "tool_calls"
+            Finish::ToolCalls
         );
-        assert_eq!(finish_reason_of("plain text HALT more", "HALT"), "stop");
+        assert_eq!(
+            finish_reason_of("plain text HALT more", "HALT"),
+            Finish::Stop
+        );
     }
 }
