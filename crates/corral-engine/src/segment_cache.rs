@@ -16,9 +16,9 @@ const ENTRY_OVERHEAD: usize = 96;
 /// Segments' ids, the least recently used dropped beyond a byte budget.
 #[derive(Debug)]
 pub(crate) struct SegmentCache {
-    entries: HashMap<String, Entry>,
-    /// Segments by last use, oldest first.
-    by_use: BTreeMap<u64, String>,
+    entries: HashMap<Arc<str>, Entry>,
+    /// Segments by last use, oldest first (the text shared with `entries`' key).
+    by_use: BTreeMap<u64, Arc<str>>,
     bytes: usize,
     budget: usize,
     clock: u64,
@@ -59,7 +59,23 @@ impl SegmentCache {
         if size > self.budget || self.entries.contains_key(segment) {
             return;
         }
-        while self.bytes + size > self.budget {
+        self.evict_to(self.budget - size);
+        self.clock += 1;
+        self.bytes += size;
+        let key: Arc<str> = Arc::from(segment);
+        self.by_use.insert(self.clock, Arc::clone(&key));
+        self.entries.insert(
+            key,
+            Entry {
+                ids,
+                last_used: self.clock,
+            },
+        );
+    }
+
+    /// Drops the least recently used entries until at most `bytes` are held.
+    fn evict_to(&mut self, bytes: usize) {
+        while self.bytes > bytes {
             let Some((_, oldest)) = self.by_use.pop_first() else {
                 break;
             };
@@ -67,16 +83,13 @@ impl SegmentCache {
                 self.bytes -= Self::size(&oldest, &e.ids);
             }
         }
-        self.clock += 1;
-        self.bytes += size;
-        self.by_use.insert(self.clock, segment.to_string());
-        self.entries.insert(
-            segment.to_string(),
-            Entry {
-                ids,
-                last_used: self.clock,
-            },
-        );
+    }
+
+    /// Holds at most about `budget` bytes from now on, dropping the least recently used
+    /// entries over it.
+    pub(crate) fn set_budget(&mut self, budget: usize) {
+        self.budget = budget;
+        self.evict_to(budget);
     }
 
     fn size(segment: &str, ids: &[u32]) -> usize {
@@ -152,6 +165,24 @@ mod tests {
             2 * one,
             "an entry over the whole budget is not kept"
         );
+    }
+
+    /// A smaller budget drops the least recently used entries at once.
+    #[test]
+    fn a_smaller_budget_keeps_the_most_recent() {
+        let ids: Arc<[u32]> = Arc::from(vec![1u32; 10]);
+        let one = SegmentCache::entry_bytes("aaaaaaaaaa", &ids);
+        let mut cache = SegmentCache::new(10 * one);
+        for text in ["aaaaaaaaaa", "bbbbbbbbbb", "cccccccccc"] {
+            cache.insert(text, Arc::clone(&ids));
+        }
+        assert!(cache.get("aaaaaaaaaa").is_some());
+        cache.set_budget(2 * one);
+        assert_eq!(cache.bytes(), 2 * one);
+        assert!(cache.get("bbbbbbbbbb").is_none());
+        assert!(cache.get("aaaaaaaaaa").is_some() && cache.get("cccccccccc").is_some());
+        cache.insert("dddddddddd", ids);
+        assert_eq!(cache.bytes(), 2 * one, "the new budget holds for inserts");
     }
 
     /// Many small entries evicted by one large one: each eviction takes the oldest at once.

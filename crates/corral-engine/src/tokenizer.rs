@@ -12,8 +12,13 @@ use crate::segment_cache::{MIN_CACHED_BYTES, SegmentCache, split_before};
 /// Where chat prompts split into separately tokenized segments.
 const SEGMENT_DELIMITER: &str = "<|im_start|>";
 
-/// Bytes of prompt segments (text and ids) whose tokenization is kept.
+/// Bytes of prompt segments (text and ids) whose tokenization is kept, at most.
 const SEGMENT_CACHE_BYTES: usize = 64 << 20;
+/// ... and at least, once fitted to a KV pool.
+const SEGMENT_CACHE_MIN_BYTES: usize = 1 << 20;
+/// Bytes a cached token takes: about 4 of text and 4 of id, and its share of its segment's
+/// entry, with room to spare.
+const SEGMENT_BYTES_PER_TOKEN: usize = 16;
 
 /// The checkpoint's tokenizer.
 #[derive(Debug)]
@@ -92,7 +97,28 @@ impl Tokenizer {
         }
     }
 
-    /// Bytes the cache of earlier prompts' segments holds now (at most 64 MiB).
+    /// Sizes the cache of earlier prompts' segments for a KV pool of `tokens` tokens (1 to
+    /// 64 MiB), and returns its budget in bytes. A conversation whose KV is no longer held
+    /// costs a prefill or a read from disk, beside which tokenizing it again is nothing; so
+    /// segments beyond what the pool holds are not worth their memory.
+    pub fn fit_segment_cache(&self, tokens: usize) -> usize {
+        let budget = tokens
+            .saturating_mul(SEGMENT_BYTES_PER_TOKEN)
+            .clamp(SEGMENT_CACHE_MIN_BYTES, SEGMENT_CACHE_BYTES);
+        match &self.segments {
+            Some(cache) => {
+                cache
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .set_budget(budget);
+                budget
+            }
+            None => 0,
+        }
+    }
+
+    /// Bytes the cache of earlier prompts' segments holds now (at most 64 MiB, or what
+    /// [`Self::fit_segment_cache`] set).
     pub fn segment_cache_bytes(&self) -> usize {
         self.segments
             .as_ref()
@@ -358,6 +384,26 @@ mod tests {
             SegmentCache::entry_bytes(&fourth, &fourth_ids),
             "only the new segment was added"
         );
+    }
+
+    /// The segment cache fitted to a KV pool holds 16 bytes a pool token, 1 to 64 MiB, and
+    /// drops what is over at once.
+    #[test]
+    fn the_segment_cache_fits_the_kv_pool() {
+        let t = tokenizer();
+        assert_eq!(t.fit_segment_cache(10), 1 << 20);
+        assert_eq!(t.fit_segment_cache(200_000), 3_200_000);
+        assert_eq!(t.fit_segment_cache(usize::MAX), 64 << 20);
+        let long = |i: usize| format!("<|im_start|>user\n{i} {}<|im_end|>\n", "words ".repeat(200));
+        let text: String = (0..4000).map(long).collect();
+        t.encode(&text).unwrap();
+        assert!(
+            t.segment_cache_bytes() > 1 << 20,
+            "{}",
+            t.segment_cache_bytes()
+        );
+        t.fit_segment_cache(0);
+        assert!(t.segment_cache_bytes() <= 1 << 20);
     }
 
     /// No segments where splitting could change the ids: a delimiter that strips whitespace

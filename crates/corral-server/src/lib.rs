@@ -29,7 +29,6 @@ use axum::response::Response;
 use axum::routing::{get, post};
 
 pub use error::ApiError;
-pub use output::{Delta, OutputParser};
 pub use routes::responses::ResponseStore;
 pub use state::{AppState, RequestCounts, ServerConfig};
 

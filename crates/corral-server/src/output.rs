@@ -17,7 +17,7 @@ use crate::syntax::{OutputSyntax, XmlTags};
 
 /// A piece of the response.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Delta {
+pub(crate) enum Delta {
     /// Answer text.
     Content(String),
     /// Reasoning text.
@@ -46,7 +46,7 @@ enum Mode {
 
 /// Incremental parser of one response's text.
 #[derive(Debug)]
-pub struct OutputParser {
+pub(crate) struct OutputParser {
     /// The tags of the model's reasoning and tool calls.
     syntax: &'static OutputSyntax,
     buffer: String,
@@ -73,7 +73,7 @@ pub struct OutputParser {
 impl OutputParser {
     /// A parser of text written in `syntax`; `in_reasoning` when the prompt already opened
     /// the reasoning.
-    pub fn new(
+    pub(crate) fn new(
         syntax: &'static OutputSyntax,
         in_reasoning: bool,
         stops: Vec<String>,
@@ -103,7 +103,7 @@ impl OutputParser {
     /// With `on`, streams tool calls as they are written: the name first, then the
     /// arguments in pieces, as OpenAI streams them (a string parameter of the XML form as
     /// its characters come, any other value once it is whole).
-    pub fn streaming_tool_calls(mut self, on: bool) -> Self {
+    pub(crate) fn streaming_tool_calls(mut self, on: bool) -> Self {
         self.stream_calls = on;
         self
     }
@@ -124,7 +124,7 @@ impl OutputParser {
     }
 
     /// A parser that only cuts at stop strings (text completions).
-    pub fn plain(stops: Vec<String>) -> Self {
+    pub(crate) fn plain(stops: Vec<String>) -> Self {
         Self {
             parse_think: false,
             ..Self::new(&crate::syntax::QWEN3, false, stops, false)
@@ -132,27 +132,27 @@ impl OutputParser {
     }
 
     /// Whether a stop string was reached: nothing more should be generated.
-    pub fn stopped(&self) -> bool {
+    pub(crate) fn stopped(&self) -> bool {
         self.stop_hit.is_some()
     }
 
     /// The stop string that was reached, if one was.
-    pub fn stop_string(&self) -> Option<&str> {
+    pub(crate) fn stop_string(&self) -> Option<&str> {
         self.stop_hit.map(|i| self.stops[i].as_str())
     }
 
     /// Whether the text so far leaves the reply inside its reasoning.
-    pub fn in_reasoning(&self) -> bool {
+    pub(crate) fn in_reasoning(&self) -> bool {
         self.mode == Mode::Reasoning
     }
 
     /// Tool calls parsed so far.
-    pub fn num_tool_calls(&self) -> usize {
+    pub(crate) fn num_tool_calls(&self) -> usize {
         self.tool_calls
     }
 
     /// Adds generated text; returns the deltas it settles.
-    pub fn push(&mut self, text: &str) -> Vec<Delta> {
+    pub(crate) fn push(&mut self, text: &str) -> Vec<Delta> {
         let mut out = Vec::new();
         if self.stopped() {
             return out;
@@ -317,7 +317,7 @@ impl OutputParser {
     /// (`max_tokens`). A tool call still being written is then dropped, never returned as
     /// text, and [`Self::cut_call`] says so; one left open at a stop token is the model's
     /// own text and is returned as it is.
-    pub fn finish(&mut self, cut: bool) -> Vec<Delta> {
+    pub(crate) fn finish(&mut self, cut: bool) -> Vec<Delta> {
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.buffer);
         if self.stopped() {
@@ -339,7 +339,7 @@ impl OutputParser {
     }
 
     /// Whether generation was cut short inside a tool call, which [`Self::finish`] dropped.
-    pub fn cut_call(&self) -> bool {
+    pub(crate) fn cut_call(&self) -> bool {
         self.cut_call
     }
 }

@@ -245,6 +245,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         "KV {capacity} tokens in {kv_blocks} blocks, {batch} state slots, {state_checkpoints} state checkpoints; max context {max_context} at C=1, {at_batch} at C={batch}"
     );
     serve_plan::warn_short(max_context, capacity, args.max_context);
+    let segment_cache = tokenizer.fit_segment_cache(capacity);
+    tracing::info!(
+        bytes = segment_cache,
+        "the tokenizer keeps the segments of about as many prompt tokens as the KV pool holds"
+    );
     let stop_ids = args.model.stop_ids(&dir, &config.eos_token_ids)?;
     let shipped = sampling_defaults(&dir)?;
     let sampling = match &args.sampling_defaults {
