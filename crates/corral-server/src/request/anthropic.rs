@@ -273,21 +273,15 @@ pub(crate) fn decode(
         let on = thinking.get("type").and_then(Value::as_str) == Some("enabled");
         template_kwargs.insert("enable_thinking".to_string(), Value::Bool(on));
     }
-    let conversation = Conversation {
-        messages,
-        tools: if tool_choice == ToolChoice::None {
-            Vec::new()
-        } else {
-            tools
-        },
-        tool_choice,
-        parallel_tool_calls,
-        template_kwargs,
-    };
-    conversation.check_tool_choice("tool_choice")?;
     Ok(ChatRequest {
         generate,
-        conversation,
+        conversation: Conversation::new(
+            messages,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            template_kwargs,
+        )?,
     })
 }
 

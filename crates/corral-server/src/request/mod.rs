@@ -209,6 +209,31 @@ pub(crate) struct Conversation {
 }
 
 impl Conversation {
+    /// A conversation whose tools are left out where `tool_choice` is none, and whose
+    /// demanded tool call has a tool to call (errors under `tool_choice`, the name every API
+    /// gives the field).
+    pub(crate) fn new(
+        messages: Vec<Message>,
+        tools: Vec<Tool>,
+        tool_choice: ToolChoice,
+        parallel_tool_calls: bool,
+        template_kwargs: Map<String, Value>,
+    ) -> Result<Self, ApiError> {
+        let conversation = Self {
+            messages,
+            tools: if tool_choice == ToolChoice::None {
+                Vec::new()
+            } else {
+                tools
+            },
+            tool_choice,
+            parallel_tool_calls,
+            template_kwargs,
+        };
+        conversation.check_tool_choice("tool_choice")?;
+        Ok(conversation)
+    }
+
     /// The messages as chat templates read them.
     pub(crate) fn template_messages(&self) -> Vec<Value> {
         self.messages.iter().map(Message::to_template).collect()
@@ -264,6 +289,29 @@ pub(crate) enum PromptInput {
 pub(crate) struct CompletionRequest {
     pub(crate) generate: GenerateRequest,
     pub(crate) prompt: PromptInput,
+}
+
+/// OpenAI's reasoning effort (`reasoning_effort`, the Responses API's `reasoning.effort`,
+/// named `param`): "none" turns the template's thinking off unless `template_kwargs` already
+/// say; minimal to high leave it on.
+fn apply_reasoning_effort(
+    effort: Option<&str>,
+    param: &str,
+    template_kwargs: &mut Map<String, Value>,
+) -> Result<(), ApiError> {
+    match effort {
+        None | Some("minimal" | "low" | "medium" | "high") => Ok(()),
+        Some("none") => {
+            template_kwargs
+                .entry("enable_thinking")
+                .or_insert(Value::Bool(false));
+            Ok(())
+        }
+        Some(other) => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be none, minimal, low, medium or high, got `{other}`"),
+        )),
+    }
 }
 
 /// Longest session id accepted, in bytes.

@@ -7,7 +7,7 @@ use serde_json::{Map, Value, json};
 use super::fields::{Fields, SAMPLING_FIELDS, describe, wrong};
 use super::{
     ChatRequest, CompletionRequest, Conversation, GenerateRequest, Message, PromptInput, Role,
-    Tool, ToolCall, ToolChoice, session_of,
+    Tool, ToolCall, ToolChoice, apply_reasoning_effort, session_of,
 };
 use crate::error::ApiError;
 
@@ -356,38 +356,18 @@ pub(crate) fn chat(
         .object("chat_template_kwargs")?
         .cloned()
         .unwrap_or_default();
-    // OpenAI's reasoning_effort "none" turns thinking off (unless the template kwargs say).
-    match f.string("reasoning_effort")?.as_deref() {
-        None | Some("minimal" | "low" | "medium" | "high") => {}
-        Some("none") => {
-            template_kwargs
-                .entry("enable_thinking")
-                .or_insert(Value::Bool(false));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "reasoning_effort",
-                format!(
-                    "`reasoning_effort` must be none, minimal, low, medium or high, got `{other}`"
-                ),
-            ));
-        }
-    }
-    let conversation = Conversation {
-        messages,
-        tools: if tool_choice == ToolChoice::None {
-            Vec::new()
-        } else {
-            tools
-        },
-        tool_choice,
-        parallel_tool_calls: f.boolean("parallel_tool_calls")?.unwrap_or(true),
-        template_kwargs,
-    };
-    conversation.check_tool_choice("tool_choice")?;
+    let effort = f.string("reasoning_effort")?;
+    apply_reasoning_effort(effort.as_deref(), "reasoning_effort", &mut template_kwargs)?;
+    let parallel_tool_calls = f.boolean("parallel_tool_calls")?.unwrap_or(true);
     Ok(ChatRequest {
         generate,
-        conversation,
+        conversation: Conversation::new(
+            messages,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            template_kwargs,
+        )?,
     })
 }
 

@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 use super::fields::{Fields, describe, warn_ignored, wrong};
 use super::{
     ChatRequest, Conversation, GenerateRequest, Message, Role, Tool, ToolCall, ToolChoice,
-    session_of,
+    apply_reasoning_effort, session_of,
 };
 use crate::error::ApiError;
 
@@ -252,35 +252,17 @@ pub(crate) fn decode(
         })?,
         None => None,
     };
-    match effort.as_deref() {
-        None | Some("minimal" | "low" | "medium" | "high") => {}
-        Some("none") => {
-            template_kwargs.insert("enable_thinking".to_string(), Value::Bool(false));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "reasoning.effort",
-                format!(
-                    "`reasoning.effort` must be none, minimal, low, medium or high, got `{other}`"
-                ),
-            ));
-        }
-    }
-    let conversation = Conversation {
-        messages,
-        tools: if tool_choice == ToolChoice::None {
-            Vec::new()
-        } else {
-            tools
-        },
-        tool_choice,
-        parallel_tool_calls: f.boolean("parallel_tool_calls")?.unwrap_or(true),
-        template_kwargs,
-    };
-    conversation.check_tool_choice("tool_choice")?;
+    apply_reasoning_effort(effort.as_deref(), "reasoning.effort", &mut template_kwargs)?;
+    let parallel_tool_calls = f.boolean("parallel_tool_calls")?.unwrap_or(true);
     Ok(ChatRequest {
         generate,
-        conversation,
+        conversation: Conversation::new(
+            messages,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            template_kwargs,
+        )?,
     })
 }
 
