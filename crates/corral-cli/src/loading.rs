@@ -15,7 +15,8 @@ use corral_model::{Model, ModelConfig, MoeStrategy, SyntheticMix};
 #[derive(Debug, Args)]
 pub(crate) struct ModelArgs {
     /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), or a
-    /// GGUF file (qwen3, qwen3moe) with its vocabulary and chat template.
+    /// GGUF file (qwen3, qwen3moe, qwen35, qwen35moe, qwen3next) with its vocabulary and chat
+    /// template.
     #[arg(
         long,
         env = "CORRAL_MODEL",
