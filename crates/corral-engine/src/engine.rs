@@ -240,6 +240,9 @@ impl Drop for AliveFlag<'_> {
     }
 }
 
+/// How often the buffer pool's free bytes are read for `/metrics`.
+const POOL_GAUGE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn run(
     model: Model,
     (mut cache, mut state): (PagedKvCache, RecurrentStateCache),
@@ -254,6 +257,7 @@ fn run(
     let mut sampling = corral_model::SampledStep::default();
     let mut reads = Reads::new();
     let mut next_restore = 0;
+    let mut pool_gauge_at: Option<std::time::Instant> = None;
     // Queues a submitted request; false on shutdown.
     let receive = |scheduler: &mut Scheduler, command: Command| match command {
         Command::Submit(request, handle) => {
@@ -380,9 +384,13 @@ fn run(
             }
         }
         update_gauges(&scheduler, metrics);
-        metrics
-            .buffer_pool_free_bytes
-            .store(model.backend().pool_bytes().0 as u64, Ordering::Relaxed);
+        // Summing the pool's free list takes its lock: once a second, not every step.
+        if pool_gauge_at.is_none_or(|at| at.elapsed() >= POOL_GAUGE_INTERVAL) {
+            metrics
+                .buffer_pool_free_bytes
+                .store(model.backend().pool_bytes().0 as u64, Ordering::Relaxed);
+            pool_gauge_at = Some(std::time::Instant::now());
+        }
         log.tick(metrics);
     }
 }

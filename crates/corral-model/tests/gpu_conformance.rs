@@ -311,41 +311,11 @@ fn gpu_strategies_agree_and_gpu_agrees_with_cpu() {
     }
 }
 
-/// Greedy decode of `steps` tokens after `prompt` on a fresh cache: each decode step's
-/// logits (as bits) and its counts.
-fn decode_steps(
-    model: &Model,
-    prompt: &[u32],
-    steps: usize,
-) -> (Vec<Vec<u32>>, Vec<DispatchStats>) {
-    let (mut kv, mut state, table) = common::caches(model, prompt.len() + steps);
-    let (mut out, mut stats, mut logits) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut next, mut position) = (prompt.to_vec(), 0);
-    for _ in 0..=steps {
-        let mut batch = RaggedBatch::new(common::BLOCK_SIZE);
-        let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
-        batch
-            .push_run(SeqId(1), &ids, position, &table, LogitsWanted::Last)
-            .unwrap();
-        batch.set_state_slot(SeqId(1), SlotId(0)).unwrap();
-        let report = model
-            .forward_with_state(&batch, &mut kv, &mut state, &mut logits)
-            .unwrap();
-        position += next.len();
-        let best = argmax(&logits);
-        if next.len() == 1 {
-            out.push(logits.iter().map(|v| v.to_bits()).collect());
-            stats.push(report.stats);
-        }
-        next = vec![best];
-    }
-    (out, stats)
-}
-
 /// Verify-shaped steps after `prompt` on a fresh cache: each a run of `run_tokens` tokens
 /// (the last row's greedy pick, then picks of the rows before it, as a drafter's guesses
 /// would be) asking for every row's logits, all of them kept; each step's logits (as bits)
-/// and its counts.
+/// and its counts. With runs of one token these are greedy decode steps (the last row's
+/// logits asked for, as decoding asks).
 fn verify_steps(
     model: &Model,
     prompt: &[u32],
@@ -359,7 +329,7 @@ fn verify_steps(
     for step in 0..=steps {
         let mut batch = RaggedBatch::new(common::BLOCK_SIZE);
         let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
-        let wanted = if step == 0 {
+        let wanted = if step == 0 || run_tokens == 1 {
             LogitsWanted::Last
         } else {
             LogitsWanted::All
@@ -413,9 +383,9 @@ fn graph_replay_equals_eager_launches_bit_for_bit() {
             let mut model = load_on(name, Arc::clone(&backend));
             model.set_moe_strategy(strategy);
             let reference = read_reference(&fixture_dir(name));
-            let (graphed, graphed_stats) = decode_steps(&model, &reference.greedy_prompt, 12);
+            let (graphed, graphed_stats) = verify_steps(&model, &reference.greedy_prompt, 12, 1);
             model.set_graphs(false);
-            let (eager, eager_stats) = decode_steps(&model, &reference.greedy_prompt, 12);
+            let (eager, eager_stats) = verify_steps(&model, &reference.greedy_prompt, 12, 1);
             assert_eq!(graphed, eager, "{name} {strategy}: logits differ");
             // The first decode step records nothing (warm-up); every later one replays.
             assert_eq!(graphed_stats[0].graph_replays, 0);
@@ -488,7 +458,7 @@ fn overlapped_launches_equal_serial_launches_bit_for_bit() {
                     .iter()
                     .map(|v| v.to_bits())
                     .collect();
-                let (decode, _) = decode_steps(&model, &reference.greedy_prompt, 6);
+                let (decode, _) = verify_steps(&model, &reference.greedy_prompt, 6, 1);
                 results.push((prefill, decode));
             }
             assert_eq!(results[0], results[1], "{name} {strategy}");

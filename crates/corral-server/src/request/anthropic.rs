@@ -6,10 +6,9 @@
 use corral_engine::SamplingDefaults;
 use serde_json::{Map, Value};
 
-use super::fields::{Fields, describe, wrong};
+use super::fields::{Fields, describe, flat_tool, string_in, wrong};
 use super::{
-    ChatRequest, Conversation, GenerateRequest, Message, Role, Tool, ToolCall, ToolChoice,
-    session_of,
+    ChatRequest, Conversation, GenerateRequest, Message, Role, ToolCall, ToolChoice, session_of,
 };
 use crate::error::ApiError;
 
@@ -70,15 +69,6 @@ fn text_of(block: &Value, param: &str, out: &mut String) -> Result<(), ApiError>
     }
 }
 
-/// A string field of a block.
-fn block_string(block: &Value, key: &str, param: &str) -> Result<Option<String>, ApiError> {
-    match block.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(other) => Err(wrong(&format!("{param}.{key}"), "a string", other)),
-    }
-}
-
 /// One message's blocks, appended to `messages` as the conversation ran: a user turn's tool
 /// results before its own text.
 fn message(m: &Value, i: usize, messages: &mut Vec<Message>) -> Result<(), ApiError> {
@@ -125,11 +115,11 @@ fn message(m: &Value, i: usize, messages: &mut Vec<Message>) -> Result<(), ApiEr
         match (role, b.get("type").and_then(Value::as_str)) {
             (_, Some("text")) => text_of(b, &at, turn.content.get_or_insert_default())?,
             (Role::Assistant, Some("thinking")) => {
-                thinking.push_str(&block_string(b, "thinking", &at)?.unwrap_or_default())
+                thinking.push_str(&string_in(b, "thinking", &at)?.unwrap_or_default())
             }
             (Role::Assistant, Some("redacted_thinking")) => {}
             (Role::Assistant, Some("tool_use")) => {
-                let name = block_string(b, "name", &at)?.ok_or_else(|| {
+                let name = string_in(b, "name", &at)?.ok_or_else(|| {
                     ApiError::invalid(&format!("{at}.name"), "a `tool_use` block needs a `name`")
                 })?;
                 let arguments = match b.get("input") {
@@ -138,7 +128,7 @@ fn message(m: &Value, i: usize, messages: &mut Vec<Message>) -> Result<(), ApiEr
                     Some(other) => return Err(wrong(&format!("{at}.input"), "an object", other)),
                 };
                 turn.tool_calls.push(ToolCall {
-                    id: block_string(b, "id", &at)?,
+                    id: string_in(b, "id", &at)?,
                     name,
                     arguments,
                 });
@@ -149,7 +139,7 @@ fn message(m: &Value, i: usize, messages: &mut Vec<Message>) -> Result<(), ApiEr
                     &format!("{at}.content"),
                 )?;
                 let mut result = Message::text(Role::Tool, content);
-                result.tool_call_id = block_string(b, "tool_use_id", &at)?;
+                result.tool_call_id = string_in(b, "tool_use_id", &at)?;
                 messages.push(result);
             }
             (_, other) => {
@@ -256,16 +246,7 @@ pub(crate) fn decode(
         .into_iter()
         .flatten()
         .enumerate()
-        .map(|(i, t)| {
-            let name = block_string(t, "name", &format!("tools[{i}]"))?.ok_or_else(|| {
-                ApiError::invalid(&format!("tools[{i}].name"), "each tool needs a `name`")
-            })?;
-            Ok(Tool::new(
-                name,
-                t.get("description").cloned(),
-                t.get("input_schema").filter(|s| s.is_object()).cloned(),
-            ))
-        })
+        .map(|(i, t)| flat_tool(t, i, "input_schema"))
         .collect::<Result<Vec<_>, ApiError>>()?;
     let (tool_choice, parallel_tool_calls) = tool_choice(&f)?;
     let mut template_kwargs = Map::new();

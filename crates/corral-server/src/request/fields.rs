@@ -22,6 +22,29 @@ pub(super) fn describe(v: &Value) -> &'static str {
     }
 }
 
+/// String field `key` of an object inside the body (a block, an item, a tool), errors named
+/// `{param}.{key}`; null counts as absent.
+pub(super) fn string_in(v: &Value, key: &str, param: &str) -> Result<Option<String>, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(wrong(&format!("{param}.{key}"), "a string", other)),
+    }
+}
+
+/// A flat tool definition (`{"name", "description", SCHEMA_KEY}`, Anthropic's and the
+/// Responses API's), the `i`th of `tools`.
+pub(super) fn flat_tool(t: &Value, i: usize, schema_key: &str) -> Result<super::Tool, ApiError> {
+    let name = string_in(t, "name", &format!("tools[{i}]"))?.ok_or_else(|| {
+        ApiError::invalid(&format!("tools[{i}].name"), "each tool needs a `name`")
+    })?;
+    Ok(super::Tool::new(
+        name,
+        t.get("description").cloned(),
+        t.get(schema_key).filter(|s| s.is_object()).cloned(),
+    ))
+}
+
 /// The error for a field of the wrong type.
 pub(super) fn wrong(key: &str, expected: &str, got: &Value) -> ApiError {
     ApiError::invalid(

@@ -6,9 +6,9 @@
 use corral_engine::{Grammar, SamplingDefaults};
 use serde_json::{Map, Value, json};
 
-use super::fields::{Fields, describe, warn_ignored, wrong};
+use super::fields::{Fields, describe, flat_tool, string_in, warn_ignored, wrong};
 use super::{
-    ChatRequest, Conversation, GenerateRequest, Message, Role, Tool, ToolCall, ToolChoice,
+    ChatRequest, Conversation, GenerateRequest, Message, Role, ToolCall, ToolChoice,
     apply_reasoning_effort, session_of,
 };
 use crate::error::ApiError;
@@ -61,15 +61,6 @@ fn item_text(content: &Value, param: &str) -> Result<String, ApiError> {
     }
 }
 
-/// A string field of an item.
-fn item_string(item: &Value, key: &str, param: &str) -> Result<Option<String>, ApiError> {
-    match item.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(other) => Err(wrong(&format!("{param}.{key}"), "a string", other)),
-    }
-}
-
 /// The messages of `input` (a string or a list of items).
 fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
     let items = match input {
@@ -110,12 +101,12 @@ fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
                 messages.push(Message::text(role, content));
             }
             Some("function_call") => {
-                let name = item_string(item, "name", &param)?.ok_or_else(|| {
+                let name = string_in(item, "name", &param)?.ok_or_else(|| {
                     ApiError::invalid(&format!("{param}.name"), "a `function_call` needs a `name`")
                 })?;
-                let arguments = item_string(item, "arguments", &param)?;
+                let arguments = string_in(item, "arguments", &param)?;
                 let call = ToolCall::from_text(
-                    item_string(item, "call_id", &param)?,
+                    string_in(item, "call_id", &param)?,
                     name,
                     arguments.as_deref().unwrap_or("{}"),
                 );
@@ -135,7 +126,7 @@ fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
                     &format!("{param}.output"),
                 )?;
                 let mut result = Message::text(Role::Tool, output);
-                result.tool_call_id = item_string(item, "call_id", &param)?;
+                result.tool_call_id = string_in(item, "call_id", &param)?;
                 messages.push(result);
             }
             Some("reasoning") => {}
@@ -219,19 +210,7 @@ pub(crate) fn decode(
         .flatten()
         .enumerate()
         .filter(|(_, t)| t.get("type").and_then(Value::as_str) == Some("function"))
-        .map(|(i, t)| {
-            let name = item_string(t, "name", &format!("tools[{i}]"))?.ok_or_else(|| {
-                ApiError::invalid(
-                    &format!("tools[{i}].name"),
-                    "a function tool needs a `name`",
-                )
-            })?;
-            Ok(Tool::new(
-                name,
-                t.get("description").cloned(),
-                t.get("parameters").filter(|p| p.is_object()).cloned(),
-            ))
-        })
+        .map(|(i, t)| flat_tool(t, i, "parameters"))
         .collect::<Result<Vec<_>, ApiError>>()?;
     // Choices of built-in tools (file search, ...) and allowed-tool lists are not held.
     let tool_choice = match f.get("tool_choice") {
