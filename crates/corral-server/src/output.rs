@@ -407,6 +407,23 @@ pub(crate) fn schema_type(schema: &Value) -> Option<String> {
         .then(|| "json".to_string())
 }
 
+/// `value` with every `-0` as the integer 0: serde reads the JSON integer `-0` as the float
+/// -0.0, which would be written back as `-0.0`, a number no integer schema accepts.
+fn without_negative_zero(value: Value) -> Value {
+    match value {
+        Value::Number(n) if n.as_f64().is_some_and(|f| f == 0.0 && f.is_sign_negative()) => {
+            Value::from(0)
+        }
+        Value::Array(items) => Value::Array(items.into_iter().map(without_negative_zero).collect()),
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (k, without_negative_zero(v)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 /// Whether an XML-form parameter of this schema is written as plain text (a string, or a
 /// value whose schema says nothing of it), not as JSON.
 pub(crate) fn is_text_value(schema: &Value) -> bool {
@@ -517,7 +534,7 @@ fn typed_value(raw: &str, kind: Option<&str>) -> Value {
             "false" => Value::Bool(false),
             _ => text(),
         },
-        Some(_) => serde_json::from_str(trimmed).unwrap_or_else(|_| text()),
+        Some(_) => serde_json::from_str(trimmed).map_or_else(|_| text(), without_negative_zero),
     }
 }
 
@@ -655,6 +672,17 @@ mod tests {
         };
         assert_eq!(arguments, r#"{"city":"Oslo","days":"soon"}"#);
         assert_eq!(p.num_tool_calls(), 2);
+    }
+
+    /// A JSON value's `-0` (which a schema's integer allows, and serde reads as the float
+    /// -0.0) comes back as the integer 0, not as `-0.0`, which no integer schema accepts.
+    #[test]
+    fn a_negative_zero_in_a_json_value_stays_an_integer() {
+        assert_eq!(
+            typed_value("{\"lat\": -0, \"n\": [-0, 1.5]}", Some("object")).to_string(),
+            r#"{"lat":0,"n":[0,1.5]}"#
+        );
+        assert_eq!(typed_value("-0", Some("integer")).to_string(), "0");
     }
 
     /// A tool call written before `</think>` ends the reasoning and is a call.
