@@ -1,0 +1,1 @@
+"""Corral's own small model: corpus, tokenizer, chat data, training and export."""
