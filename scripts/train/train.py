@@ -239,8 +239,10 @@ def evaluate(args) -> None:
     tok = load_tokenizer(args.data)
     text = (args.data / "heldout.txt").read_text()
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.int64)
+    if args.max_tokens:
+        ids = ids[: args.max_tokens + 1]
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
         lm = Qwen3_5MoeForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
         nll, count = 0.0, 0
         for start in range(0, len(ids) - 1, SEQ):
@@ -267,6 +269,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--max-tokens", type=int, default=0, help="eval: score at most this many tokens")
     args = parser.parse_args()
     if args.command in ("pretrain", "sft"):
         train(args, args.command)

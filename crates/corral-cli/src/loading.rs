@@ -212,6 +212,63 @@ impl ModelArgs {
         }
     }
 
+    /// These options with some replaced, from `key=value` pairs separated by commas: `model`,
+    /// `device`, `kv-dtype`, `moe-strategy`, `threads` (for a second configuration beside
+    /// this one, as `corral eval --against` takes it).
+    pub(crate) fn with_overrides(&self, spec: &str) -> Result<ModelArgs> {
+        let mut args = ModelArgs {
+            model: self.model.clone(),
+            synthetic: self.synthetic.clone(),
+            synthetic_weights: self.synthetic_weights,
+            threads: self.threads,
+            moe_strategy: self.moe_strategy,
+            device: self.device,
+            moe_grouped_min_tokens: self.moe_grouped_min_tokens,
+            kv_dtype: self.kv_dtype,
+            gguf: OnceLock::new(),
+        };
+        for pair in spec.split(',').filter(|p| !p.trim().is_empty()) {
+            let (key, value) = pair.split_once('=').with_context(|| {
+                format!("`{pair}` is not key=value (keys: model, device, kv-dtype, moe-strategy, threads)")
+            })?;
+            let value = value.trim();
+            let bad = |e: String| anyhow::anyhow!("{key}: {e}");
+            match key.trim() {
+                "model" => {
+                    args.model = Some(PathBuf::from(value));
+                    args.synthetic = None;
+                }
+                "device" => args.device = parse_device(value).map_err(bad)?,
+                "kv-dtype" => args.kv_dtype = parse_kv_dtype(value).map_err(bad)?,
+                "moe-strategy" => args.moe_strategy = parse_strategy(value).map_err(bad)?,
+                "threads" => args.threads = Some(value.parse().map_err(|e| bad(format!("{e}")))?),
+                other => anyhow::bail!(
+                    "unknown key `{other}` (keys: model, device, kv-dtype, moe-strategy, threads)"
+                ),
+            }
+        }
+        Ok(args)
+    }
+
+    /// The model and how it runs (device, KV type, MoE strategy), for reports.
+    pub(crate) fn describe_run(&self) -> String {
+        let device = match self.device {
+            DeviceChoice::Cpu => "cpu".to_string(),
+            DeviceChoice::Cuda(n) => format!("cuda:{n}"),
+            DeviceChoice::Auto => "auto".to_string(),
+        };
+        let kv = match self.kv_dtype {
+            DType::F32 => "f32",
+            DType::F8E4M3 => "fp8",
+            _ => "bf16",
+        };
+        format!(
+            "{} ({device}, KV {kv}, {})",
+            self.describe(),
+            self.moe_strategy
+        )
+    }
+
     /// What the model is, for reports.
     pub(crate) fn describe(&self) -> String {
         match (&self.model, &self.synthetic) {
@@ -230,16 +287,27 @@ impl ModelArgs {
 }
 
 /// Sizes the process-wide thread pool once.
+/// A second model in the same process shares the pool the first sized; asking it for another
+/// size is an error.
 pub(crate) fn init_threads(threads: Option<usize>) -> Result<()> {
+    static SIZED: OnceLock<usize> = OnceLock::new();
     let threads = match threads {
         Some(0) => anyhow::bail!("--threads must be at least 1"),
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
+    if let Some(&sized) = SIZED.get() {
+        if sized != threads {
+            anyhow::bail!("the thread pool already has {sized} threads, not {threads}");
+        }
+        return Ok(());
+    }
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()
-        .context("starting the thread pool")
+        .context("starting the thread pool")?;
+    let _ = SIZED.set(threads);
+    Ok(())
 }
 
 /// Loads (or makes) the model of `args` on the backend `--device` names, with a progress bar

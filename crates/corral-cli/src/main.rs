@@ -27,6 +27,9 @@ enum Command {
     Run(commands::run::RunArgs),
     /// Write the fp32 logits of every position of a token sequence to a safetensors file.
     Logits(commands::logits::LogitsArgs),
+    /// Score a text file: perplexity, and against a second configuration the KL divergence
+    /// and top-1 agreement of their next-token distributions.
+    Eval(commands::eval::EvalArgs),
     /// Describe a checkpoint: architecture, parameters, weight and KV cache bytes.
     Inspect(commands::inspect::InspectArgs),
     /// Plan memory: what a context at a concurrency needs, whether it fits a budget, and the
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => commands::serve::run(args),
         Command::Run(args) => commands::run::run(args),
         Command::Logits(args) => commands::logits::run(args),
+        Command::Eval(args) => commands::eval::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Plan(args) => commands::plan::run(args),
         Command::Bench(args) => commands::bench::run(args),

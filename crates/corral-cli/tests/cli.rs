@@ -760,3 +760,103 @@ fn serve_sizes_its_kv_pool_from_the_memory_plan() {
         "{log}"
     );
 }
+
+/// Perplexity of `ids[1..]` under the reference logits of `ids` (one row per position).
+fn reference_perplexity(logits: &[f32], ids: &[i64], vocab: usize) -> f64 {
+    let nll: f64 = logits
+        .chunks(vocab)
+        .zip(&ids[1..])
+        .map(|(row, &t)| {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            lse - row[t as usize] as f64
+        })
+        .sum();
+    (nll / (ids.len() - 1) as f64).exp()
+}
+
+fn eval_json(args: &[&str]) -> serde_json::Value {
+    let out = corral(args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_slice(&out.stdout).expect("eval --json prints one JSON object")
+}
+
+#[test]
+fn eval_perplexity_matches_transformers_and_compares_configurations() {
+    for name in ["qwen3_5_moe_text", "qwen3_next", "qwen3_moe_fused"] {
+        let reference = fixture(name).join("reference.safetensors");
+        let ids = i64s(&read_tensor(&reference, "token_ids").1);
+        let (shape, bytes) = read_tensor(&reference, "logits");
+        let expected = reference_perplexity(&f32s(&bytes), &ids, shape[1]);
+        let model = fixture(name);
+        let list = join(&ids);
+        let base = [
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--token-ids",
+            &list,
+            "--kv-dtype",
+            "f32",
+            "--json",
+        ];
+        let result = eval_json(&base);
+        let ppl = result["perplexity"].as_f64().unwrap();
+        assert_eq!(result["tokens"].as_u64(), Some(ids.len() as u64 - 1));
+        assert!(
+            ((ppl - expected) / expected).abs() < 1e-4,
+            "{name}: perplexity {ppl} against transformers' {expected}"
+        );
+        // The same configuration against itself: identical distributions.
+        let mut same = base.to_vec();
+        same.extend(["--against", "moe-strategy=auto"]);
+        let result = eval_json(&same);
+        assert_eq!(result["against"]["kl_mean"].as_f64(), Some(0.0), "{name}");
+        assert_eq!(result["against"]["top1_agreement"].as_f64(), Some(1.0));
+        // A bf16 KV cache moves the distributions a little, not the scoring.
+        let mut bf16 = base.to_vec();
+        bf16.extend(["--against", "kv-dtype=bf16"]);
+        let result = eval_json(&bf16);
+        let kl = result["against"]["kl_mean"].as_f64().unwrap();
+        assert!(kl > 0.0 && kl < 0.05, "{name}: KL {kl}");
+        // Windows shorter than the sequence restart the context, and still score every token.
+        let mut windows = base.to_vec();
+        windows.extend(["--window", "7"]);
+        let result = eval_json(&windows);
+        assert_eq!(result["tokens"].as_u64(), Some(ids.len() as u64 - 1));
+        assert_ne!(result["perplexity"].as_f64(), Some(ppl));
+    }
+    let model = fixture("qwen3_5_moe_text");
+    let out = corral(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--token-ids",
+        "1,2,3",
+        "--against",
+        "colour=blue",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("unknown key `colour`"),
+        "{}",
+        stderr(&out)
+    );
+    let out = corral(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--token-ids",
+        "1",
+    ]);
+    assert!(
+        stderr(&out).contains("fewer than two tokens"),
+        "{}",
+        stderr(&out)
+    );
+}

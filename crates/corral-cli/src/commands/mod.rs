@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub(crate) mod bench;
+pub(crate) mod eval;
 pub(crate) mod inspect;
 pub(crate) mod logits;
 pub(crate) mod plan;
