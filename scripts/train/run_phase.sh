@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One training command on the GPU machine, from the repository root: installs the wheels in
 # .train/whl (flash-linear-attention's kernels for the delta rule, and what it needs), then
-# runs PHASE of train.py with its log (and, for `sft`, the exported model and its evaluation)
-# under OUT.
+# runs PHASE of train.py, its log appended to OUT/train.log (and, for `sft`, the exported
+# model in OUT/model and its evaluation in OUT/eval.log).
 #
 #   OUT=/tmp/out SECONDS_BUDGET=420 scripts/train/run_phase.sh pretrain
 #   OUT=/tmp/out SECONDS_BUDGET=200 scripts/train/run_phase.sh sft
@@ -17,9 +17,9 @@ if compgen -G ".train/whl/*.whl" >/dev/null; then
 fi
 export PYTHONUNBUFFERED=1
 python3 scripts/train/train.py "$phase" --data .train/data --run .train/run \
-  --seconds "${SECONDS_BUDGET:-420}" --batch "${BATCH:-32}" 2>&1 | grep -v "falling back" | tee "$out/$phase.log"
+  --seconds "${SECONDS_BUDGET:-420}" --batch "${BATCH:-32}" 2>&1 | grep -v "falling back" | tee -a "$out/train.log"
 if [ "$phase" = sft ]; then
-  python3 scripts/train/train.py export --data .train/data --run .train/run --out "$out/model" 2>&1 | tee -a "$out/$phase.log"
+  python3 scripts/train/train.py export --data .train/data --run .train/run --out "$out/model" 2>&1 | tee -a "$out/train.log"
   python3 scripts/train/train.py eval --data .train/data --model "$out/model" 2>&1 | tee "$out/eval.log"
 fi
 # Eight files come back: keep the weights, config and index (the tokenizer files are the
