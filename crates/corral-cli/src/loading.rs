@@ -51,6 +51,11 @@ pub(crate) struct ModelArgs {
     /// (exact, as the conformance tests run).
     #[arg(long, env = "CORRAL_KV_DTYPE", default_value = "bf16", value_parser = parse_kv_dtype)]
     pub(crate) kv_dtype: DType,
+    /// On the GPU, prefill's expert products take their activations as split bf16 pairs
+    /// (about 16 significant bits) instead of rounding them to bf16: errors near f32's, at
+    /// about 1.4 times the prefill time of bf16 experts (docs/performance.md).
+    #[arg(long)]
+    pub(crate) precise_experts: bool,
     /// The GGUF file `--model` names, opened once: its header serves the model, the
     /// vocabulary and the stop ids.
     #[arg(skip)]
@@ -93,7 +98,11 @@ fn parse_device(s: &str) -> Result<DeviceChoice, String> {
 
 /// Opens the backend `choice` names. `auto` falls back to the CPU, saying why, when no GPU
 /// is usable; an explicit `cuda` fails with the reason instead.
-pub(crate) fn open_backend(choice: DeviceChoice, kv_dtype: DType) -> Result<Arc<dyn Backend>> {
+pub(crate) fn open_backend(
+    choice: DeviceChoice,
+    kv_dtype: DType,
+    precise_experts: bool,
+) -> Result<Arc<dyn Backend>> {
     // CORRAL_SERIAL_LAUNCHES=1 turns off overlapped (programmatic dependent) launches, to
     // measure what they save.
     let serial_launches = std::env::var("CORRAL_SERIAL_LAUNCHES").is_ok_and(|v| v == "1");
@@ -111,6 +120,7 @@ pub(crate) fn open_backend(choice: DeviceChoice, kv_dtype: DType) -> Result<Arc<
         std::env::var("CORRAL_UNSTREAMED_PROJECTIONS").is_ok_and(|v| v == "1");
     let cuda = |ordinal| {
         CudaBackend::new(CudaOptions {
+            precise_experts,
             ordinal,
             serial_launches,
             recurrent_delta_rule,
@@ -213,7 +223,8 @@ impl ModelArgs {
     }
 
     /// These options with some replaced, from `key=value` pairs separated by commas: `model`,
-    /// `device`, `kv-dtype`, `moe-strategy`, `threads` (for a second configuration beside
+    /// `device`, `kv-dtype`, `moe-strategy`, `precise-experts`, `threads` (for a second
+    /// configuration beside
     /// this one, as `corral eval --against` takes it).
     pub(crate) fn with_overrides(&self, spec: &str) -> Result<ModelArgs> {
         let mut args = ModelArgs {
@@ -225,11 +236,12 @@ impl ModelArgs {
             device: self.device,
             moe_grouped_min_tokens: self.moe_grouped_min_tokens,
             kv_dtype: self.kv_dtype,
+            precise_experts: self.precise_experts,
             gguf: OnceLock::new(),
         };
         for pair in spec.split(',').filter(|p| !p.trim().is_empty()) {
             let (key, value) = pair.split_once('=').with_context(|| {
-                format!("`{pair}` is not key=value (keys: model, device, kv-dtype, moe-strategy, threads)")
+                format!("`{pair}` is not key=value (keys: model, device, kv-dtype, moe-strategy, precise-experts, threads)")
             })?;
             let value = value.trim();
             let bad = |e: String| anyhow::anyhow!("{key}: {e}");
@@ -241,9 +253,12 @@ impl ModelArgs {
                 "device" => args.device = parse_device(value).map_err(bad)?,
                 "kv-dtype" => args.kv_dtype = parse_kv_dtype(value).map_err(bad)?,
                 "moe-strategy" => args.moe_strategy = parse_strategy(value).map_err(bad)?,
+                "precise-experts" => {
+                    args.precise_experts = value.parse().map_err(|e| bad(format!("{e}")))?
+                }
                 "threads" => args.threads = Some(value.parse().map_err(|e| bad(format!("{e}")))?),
                 other => anyhow::bail!(
-                    "unknown key `{other}` (keys: model, device, kv-dtype, moe-strategy, threads)"
+                    "unknown key `{other}` (keys: model, device, kv-dtype, moe-strategy, precise-experts, threads)"
                 ),
             }
         }
@@ -319,7 +334,7 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message(args.describe());
-    let backend = open_backend(args.device, args.kv_dtype)?;
+    let backend = open_backend(args.device, args.kv_dtype, args.precise_experts)?;
     let mut progress = |done: usize, total: usize| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);

@@ -31,12 +31,21 @@ pub(crate) struct WeightKernels {
     /// The same streamed through shared memory by bulk copies (16-bit weights, sm_90 and
     /// newer): `[gate_up, down]`.
     pub(crate) grouped_stream: Option<[Kernel; 2]>,
-    /// Grouped experts in 128-row tiles for prefill-sized groups (bf16 weights):
-    /// `[gate_up, down]`.
-    /// Gate/up, down into f32 y, down into bf16 y (for the combine that reads it so).
-    pub(crate) grouped_big: Option<[Kernel; 3]>,
+    /// Grouped experts in 128-row tiles for prefill-sized groups (bf16 weights).
+    pub(crate) grouped_big: Option<BigTileKernels>,
     pub(crate) per_token_gate_up: Kernel,
     pub(crate) per_token_down: Kernel,
+}
+
+/// The 128-row expert tiles (mma_big_tile.cuh).
+#[derive(Debug)]
+pub(crate) struct BigTileKernels {
+    /// bf16 activations: gate/up, down into f32 y, down into bf16 y (for the combine that
+    /// reads it so).
+    pub(crate) bf16: [Kernel; 3],
+    /// Split-pair activations ([`crate::CudaOptions::precise_experts`]): `[gate_up, down]`,
+    /// down into f32 y.
+    pub(crate) split: [Kernel; 2],
 }
 
 /// Block formats the GPU reads as stored, in the order of [`Kernels::quant`] (quant.cu's
@@ -70,9 +79,11 @@ pub(crate) struct QuantKernels {
 /// products, 260 bytes a row's 128 values); a launch asks for what its x needs.
 pub(crate) const F8_SMEM_BYTES: u32 = 96 * 1024;
 
-/// Dynamic shared memory of the 128-row expert tiles: BT_SMEM_BYTES of mma_big_tile.cuh
-/// (three stages of 128 activation rows and 128 weight rows, 72 bf16 values each).
-const BIG_TILE_SMEM_BYTES: u32 = 3 * (128 + 128) * 72 * 2;
+/// Dynamic shared memory of the 128-row expert tiles (mma_big_tile.cuh): `stages` of 128
+/// rows of each activation plane (one, or two split) and 128 weight rows, 72 bf16 values each.
+const fn big_tile_smem_bytes(stages: u32, planes: u32) -> u32 {
+    stages * (planes * 128 + 128) * 72 * 2
+}
 
 /// Dynamic shared memory of the streamed few-row products: STREAM_SMEM_BYTES of
 /// streamed_mvm.cuh (the stages' pool, three units of 16 rows of 2,048 16-bit values; two
@@ -179,6 +190,8 @@ pub(crate) struct Kernels {
     pub(crate) moe_sort_chunked: Kernel,
     pub(crate) moe_combine: Kernel,
     pub(crate) moe_combine_y16: Kernel,
+    /// f32 values as split bf16 pairs (high halves, then low halves), the split tiles' x.
+    pub(crate) to_bf16_split: Kernel,
     pub(crate) causal_conv1d: Kernel,
     pub(crate) delta_net_gates: Kernel,
     /// The delta rule for blocks of up to 256 threads (value dims up to 128), and any.
@@ -317,15 +330,25 @@ impl Kernels {
                 [find(names[2])?, find(names[3])?],
             ]))
         };
-        let grouped_big = |s: &'static str| -> Result<Option<[Kernel; 3]>> {
+        let grouped_big = |s: &'static str| -> Result<Option<BigTileKernels>> {
             if s != "bf16" {
                 return Ok(None);
             }
-            Ok(Some([
-                find("moe_grouped_gate_up_big_bf16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
-                find("moe_grouped_down_big_bf16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
-                find("moe_grouped_down_big_bf16_y16")?.with_dynamic_smem(BIG_TILE_SMEM_BYTES)?,
-            ]))
+            let tile = |name, stages, planes| {
+                find(name)?.with_dynamic_smem(big_tile_smem_bytes(stages, planes))
+            };
+            Ok(Some(BigTileKernels {
+                bf16: [
+                    tile("moe_grouped_gate_up_big_bf16", 3, 1)?,
+                    tile("moe_grouped_down_big_bf16", 3, 1)?,
+                    tile("moe_grouped_down_big_bf16_y16", 3, 1)?,
+                ],
+                // Two stages: the second activation plane takes the third stage's room.
+                split: [
+                    tile("moe_grouped_gate_up_big_split", 2, 2)?,
+                    tile("moe_grouped_down_big_split", 2, 2)?,
+                ],
+            }))
         };
         let grouped_stream = |s: &'static str| -> Result<Option<[Kernel; 2]>> {
             let names = match s {
@@ -535,6 +558,7 @@ impl Kernels {
             moe_sort_chunked: find("moe_sort_chunked")?,
             moe_combine: find("moe_combine")?,
             moe_combine_y16: find("moe_combine_y16")?,
+            to_bf16_split: find("to_bf16_split")?,
             causal_conv1d: find("causal_conv1d")?,
             delta_net_gates: find("delta_net_gates")?,
             gated_delta_rule_256: find("gated_delta_rule_256")?,

@@ -40,7 +40,7 @@ use blas::Blas;
 use compile::KernelCache;
 use cudarc::driver::CudaEvent;
 use device::{Gpu, Kernel};
-use kernels::{FlashKernels, Kernels, WeightKernels};
+use kernels::{BigTileKernels, FlashKernels, Kernels, WeightKernels};
 
 /// How to open the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -70,6 +70,10 @@ pub struct CudaOptions {
     /// Run few-row dense projections on blocks that read their weights straight from global
     /// memory, not streamed (sm_90+), to measure what streaming saves.
     pub unstreamed_projections: bool,
+    /// Prefill's 128-row expert tiles take their activations (x from the norm, and the
+    /// SwiGLU output) as split bf16 pairs, about 16 significant bits, instead of rounding them
+    /// to bf16: products near f32's at about twice the tiles' tensor-core work.
+    pub precise_experts: bool,
 }
 
 /// The number of usable CUDA devices, or why there are none (no driver, no device).
@@ -117,6 +121,8 @@ pub struct CudaBackend {
     unstreamed_experts: bool,
     /// [`CudaOptions::unstreamed_projections`].
     unstreamed_projections: bool,
+    /// [`CudaOptions::precise_experts`].
+    precise_experts: bool,
     /// Zeroed tickets, one per (token, KV head) block row of a split attention launch.
     attention_counters: DeviceBuffer,
     /// Tickets of the few-row projections that split K (zero between launches).
@@ -627,6 +633,7 @@ impl CudaBackend {
             f32_gemm_inputs: options.f32_gemm_inputs,
             unstreamed_experts: options.unstreamed_experts,
             unstreamed_projections: options.unstreamed_projections,
+            precise_experts: options.precise_experts,
             attention_counters,
             projection_counters,
             sampling_scratch,
@@ -862,7 +869,7 @@ impl CudaBackend {
         op: &'static str,
         kernels: &'k WeightKernels,
         experts: &ExpertWeights,
-    ) -> Result<Option<&'k [Kernel; 3]>> {
+    ) -> Result<Option<&'k BigTileKernels>> {
         let Some(big) = &kernels.grouped_big else {
             return Ok(None);
         };
@@ -873,6 +880,11 @@ impl CudaBackend {
             }
         }
         Ok(Some(big))
+    }
+
+    /// The split-operand tiles, where the options choose them.
+    fn split_tiles<'k>(&self, big: &'k BigTileKernels) -> Option<&'k [Kernel; 2]> {
+        self.precise_experts.then_some(&big.split)
     }
 
     /// `len` values of `dtype` in a pooled buffer, filled by `convert` (given its address)
@@ -1024,9 +1036,10 @@ impl CudaBackend {
         if let Some(big) = big {
             let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
             let grid = (grid_of(op, tiles)?, grid_of(op, hidden.div_ceil(128))?, 1);
-            let (kernel, y_dtype) = match bf16_y {
-                true => (&big[2], DType::BF16),
-                false => (&big[1], DType::F32),
+            let (kernel, y_dtype) = match (self.split_tiles(big), bf16_y) {
+                (Some(split), _) => (&split[1], DType::F32),
+                (None, true) => (&big.bf16[2], DType::BF16),
+                (None, false) => (&big.bf16[1], DType::F32),
             };
             return self
                 .launch(kernel, grid, BIG_TILE_THREADS, &args)
@@ -1567,9 +1580,9 @@ impl Backend for CudaBackend {
 
     fn gemm_input_dtype(&self, rows: usize, weights: DType) -> DType {
         // Where projections run on cuBLAS and the grouped experts on bf16 tiles: both round
-        // their input to bf16 first.
+        // their input to bf16 first (but precise experts split it, from f32).
         let rounded = weights == DType::BF16 && rows > MATVEC_MAX_ROWS && self.blas.is_some();
-        if rounded && !self.f32_gemm_inputs {
+        if rounded && !self.f32_gemm_inputs && !self.precise_experts {
             DType::BF16
         } else {
             DType::F32
@@ -2540,7 +2553,9 @@ impl Backend for CudaBackend {
         let x_len = routing.tokens * hidden;
         let x_arg = match x.dtype() {
             // Only the bf16 tiles read x as a norm left it in bf16.
-            DType::BF16 if few_rows.is_some() || big.is_none() => {
+            DType::BF16
+                if few_rows.is_some() || big.is_none_or(|b| self.split_tiles(b).is_some()) =>
+            {
                 return self.with_f32_copy(op, x, x_len, |x32| {
                     self.moe_grouped_gate_up(x32, routing, sorted, experts, act)
                 });
@@ -2580,16 +2595,29 @@ impl Backend for CudaBackend {
             return self.launch(&mvm[0][variant], grid, MVM_THREADS, &args);
         }
         if let Some(big) = big {
-            // x rounded to bf16 once (the tiles would round it the same way as they stage it).
             let tiles = pairs.div_ceil(BIG_TILE_ROWS) + num_experts.min(pairs);
             let grid = (grid_of(op, tiles)?, grid_of(op, inter.div_ceil(64))?, 1);
+            if let Some(split) = self.split_tiles(big) {
+                // x as split pairs once, both planes in one pooled buffer.
+                let convert = |x2_ptr| {
+                    let args = [args[0], Arg::U64(x_len as u64), Arg::Ptr(x2_ptr)];
+                    let grid = Self::elementwise_grid(op, x_len.div_ceil(4))?;
+                    self.launch(&self.kernels.to_bf16_split, grid, 256, &args)
+                };
+                return self.with_converted_copy(op, (DType::BF16, 2 * x_len), convert, |x2| {
+                    let mut big_args = args;
+                    big_args[0] = Arg::Ptr(ptr_of(op, x2)?);
+                    self.launch(&split[0], grid, BIG_TILE_THREADS, &big_args)
+                });
+            }
+            // x rounded to bf16 once (the tiles would round it the same way as they stage it).
             if x.dtype() == DType::BF16 {
-                return self.launch(&big[0], grid, BIG_TILE_THREADS, &args);
+                return self.launch(&big.bf16[0], grid, BIG_TILE_THREADS, &args);
             }
             return self.with_bf16_copy(op, args[0], x_len, 0, |x16_ptr| {
                 let mut big_args = args;
                 big_args[0] = Arg::Ptr(x16_ptr);
-                self.launch(&big[0], grid, BIG_TILE_THREADS, &big_args)
+                self.launch(&big.bf16[0], grid, BIG_TILE_THREADS, &big_args)
             });
         }
         let tiles = pairs.div_ceil(64) + num_experts.min(pairs);

@@ -259,20 +259,6 @@ __device__ __forceinline__ size_t gdr_chunk_bytes(u32 dk, u32 dv) {
            4 * ((size_t)GDR_TAIL + (size_t)GDR_CHUNK * dv);
 }
 
-// x as a split pair: hi = bf16(x), lo = bf16(x − hi).
-__device__ __forceinline__ void gdr_split(float x, u16* hi, u16* lo) {
-    u16 h = f32_to_bf16(x);
-    *hi = h;
-    *lo = f32_to_bf16(x - bf16_to_f32(h));
-}
-
-// Two adjacent values as split pairs, packed (the first in the low half).
-__device__ __forceinline__ void gdr_split2(float v0, float v1, u32* hi, u32* lo) {
-    u32 h = pack_bf16(v0, v1);
-    *hi = h;
-    *lo = pack_bf16(v0 - __uint_as_float(h << 16), v1 - __uint_as_float(h & 0xffff0000u));
-}
-
 __device__ __forceinline__ u32 gdr_chunks(u32 len) { return (len + GDR_CHUNK - 1) / GDR_CHUNK; }
 
 // The run and chunk of run-ordered chunk `g`; false past the last. Lengths are clamped to the
@@ -333,7 +319,7 @@ __device__ __forceinline__ void gdr_t_frags(u32* ah, u32* al, const float* ts, c
         u32 r = r0 + g + 8 * (x & 1), c = k0 + 2 * t + 8 * (x >> 1);
         float v0 = c <= r ? sign * ts[r * (GDR_CHUNK + 1) + c] * scale[c] : 0.f;
         float v1 = c + 1 <= r ? sign * ts[r * (GDR_CHUNK + 1) + c + 1] * scale[c + 1] : 0.f;
-        gdr_split2(v0, v1, &ah[x], &al[x]);
+        split_bf16x2(v0, v1, &ah[x], &al[x]);
     }
 }
 
@@ -500,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
                 float d1 = l + 1 <= i && i < m ? expf(gamma[i] - gamma[l + 1]) : 0.f;
                 as[i * ast + l] = l < i ? bt[i] * kkv[0] * d0 : 0.f;
                 as[i * ast + l + 1] = l + 1 < i ? bt[i] * kkv[1] * d1 : 0.f;
-                gdr_split2(qkv_[0] * d0, qkv_[1] * d1,
+                split_bf16x2(qkv_[0] * d0, qkv_[1] * d1,
                            reinterpret_cast<u32*>(mh_out + i * GDR_CHUNK + l),
                            reinterpret_cast<u32*>(ml_out + i * GDR_CHUNK + l));
             };
@@ -586,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_prepare(
             float v = l < m && e < piece
                           ? qkv[(size_t)(t0 + l) * width + 2 * nk * dk + j * dv + e0 + e]
                           : 0.f;
-            gdr_split(v, &qh[l * GDR_KS + e], &kh[l * GDR_KS + e]);
+            split_bf16(v, &qh[l * GDR_KS + e], &kh[l * GDR_KS + e]);
         }
         __syncthreads();
         for (u32 b16 = half; b16 < width16 / 16; b16 += 2) {
@@ -672,7 +658,7 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
 #pragma unroll
             for (u32 x = 0; x < 4; x++) {
                 u32 at = (8 * n + t2 + (x & 1)) * GDR_KS + 16 * warp + g8 + 8 * (x >> 1);
-                gdr_split(sacc[n][x], &sth[at], &stl[at]);
+                split_bf16(sacc[n][x], &sth[at], &stl[at]);
             }
     };
     store_st();
@@ -747,10 +733,10 @@ extern "C" __global__ void __launch_bounds__(GDR_THREADS) gdr_chunk_scan(
         for (u32 n = 0; n < 2; n++)
             gdr_acc_each(v[n], 16 * mt, 16 * half + 8 * n, [&](u32 i, u32 e, float v0, float v1) {
                 float ek = tail[GDR_CHUNK + i];
-                gdr_split(v0, &vth[e * GDR_LS + i], &vtl[e * GDR_LS + i]);
-                gdr_split(v1, &vth[(e + 1) * GDR_LS + i], &vtl[(e + 1) * GDR_LS + i]);
-                gdr_split(v0 * ek, &vsh[e * GDR_LS + i], &vsl[e * GDR_LS + i]);
-                gdr_split(v1 * ek, &vsh[(e + 1) * GDR_LS + i], &vsl[(e + 1) * GDR_LS + i]);
+                split_bf16(v0, &vth[e * GDR_LS + i], &vtl[e * GDR_LS + i]);
+                split_bf16(v1, &vth[(e + 1) * GDR_LS + i], &vtl[(e + 1) * GDR_LS + i]);
+                split_bf16(v0 * ek, &vsh[e * GDR_LS + i], &vsl[e * GDR_LS + i]);
+                split_bf16(v1 * ek, &vsh[(e + 1) * GDR_LS + i], &vsl[(e + 1) * GDR_LS + i]);
             });
         __syncthreads();
         // O = e^γ ⊙ (Q̂ S) + M V' (M is lower triangular: k steps up to the diagonal).

@@ -1,29 +1,37 @@
 // A 128-row output tile of C = A · Wᵀ on tensor cores for prefill-sized expert groups: bf16
 // activation rows and bf16 weights [N, K] row-major, both streamed into shared memory by a
-// three-stage cp.async pipeline of 64-wide k-tiles and read as operands by ldmatrix. 256
+// cp.async pipeline of STAGES 64-wide k-tiles and read as operands by ldmatrix. 256
 // threads: 4x2 warps of 32 rows. With NW = 2 the block computes 64 columns of two weights
 // (gate and up) over one staged A, so SwiGLU is applied in registers. A warp whose 32 rows
-// are all past the tile's end skips its products. Shared memory is dynamic (BT_SMEM_BYTES,
-// set as the kernels' attribute).
+// are all past the tile's end skips its products. With SPLIT the activations are split
+// pairs (mma_tile.cuh's split_bf16): a plane of high halves and, `lo_offset` values on, one
+// of low halves, both staged, each multiplied by the same weight fragments, so A keeps about
+// 16 significant bits. Shared memory is dynamic (kernels.rs's big_tile_smem_bytes, set as the
+// kernels' attribute).
 
 #define BT_M 128
 #define BT_K 64
 #define BT_THREADS 256
-#define BT_STAGES 3
 #define BT_W_ROWS 128  // weight rows staged per k-tile, all weights together
 #define BT_STRIDE 72   // u16 per staged row: 64 + 8, conflict-free ldmatrix rows
-#define BT_STAGE ((BT_M + BT_W_ROWS) * BT_STRIDE)
-#define BT_SMEM_BYTES (BT_STAGES * BT_STAGE * 2)
+
+// u16 per stage: the activation planes' rows, then the weight rows.
+__host__ __device__ constexpr int bt_stage(bool split) {
+    return ((split ? 2 : 1) * BT_M + BT_W_ROWS) * BT_STRIDE;
+}
 
 // acc[x][mi][ni][4]: weight x, rows wm*32 + mi*16 + {g, g+8}, columns (of that weight's
 // BT_W_ROWS / NW) wn*WC + ni*8 + 2*tq + {0,1}, WC = BT_W_ROWS / NW / 2.
 // a_rows: shared [BT_M] bf16 row pointers (null past the tile's rows); a_any: any readable
-// address (the source of zero-filled copies). w[x]: row 0 of weight x's rows in this tile,
-// n_valid of them exist. Rows are 16-byte aligned and K % 8 == 0. `rows`: live tile rows.
-template <int NW>
-__device__ void big_tile_mma(const u16* const* a_rows, const u16* a_any, const bf16w* const* w,
-                             int n_valid, int K, int rows,
+// address (the source of zero-filled copies); with SPLIT a row's low halves lie lo_offset
+// values after it. w[x]: row 0 of weight x's rows in this tile, n_valid of them exist. Rows
+// are 16-byte aligned and K % 8 == 0. `rows`: live tile rows.
+template <int NW, bool SPLIT, int STAGES>
+__device__ void big_tile_mma(const u16* const* a_rows, const u16* a_any, size_t lo_offset,
+                             const bf16w* const* w, int n_valid, int K, int rows,
                              float (*acc)[2][BT_W_ROWS / NW / 16][4]) {
+    constexpr int STAGE = bt_stage(SPLIT);
+    constexpr int PLANES = SPLIT ? 2 : 1;
     constexpr int WR = BT_W_ROWS / NW;  // rows of each weight in the tile
     constexpr int NT = WR / 16;         // n8 tiles per warp per weight
     extern __shared__ __align__(16) unsigned char bt_smem[];
@@ -41,17 +49,20 @@ __device__ void big_tile_mma(const u16* const* a_rows, const u16* a_any, const b
 #pragma unroll
                 for (int r = 0; r < 4; r++) acc[x][mi][ni][r] = 0.f;
 
-    // k-tile kt into its stage: 128 activation rows and 128 weight rows of 8 pieces each.
+    // k-tile kt into its stage: 128 rows of each activation plane and 128 weight rows, of 8
+    // pieces each.
     auto issue = [&](int kt) {
         int k0 = kt * BT_K;
-        u16* as = smem + (kt % BT_STAGES) * BT_STAGE;
-        u16* ws = as + BT_M * BT_STRIDE;
+        u16* as = smem + (kt % STAGES) * STAGE;
+        u16* ws = as + PLANES * BT_M * BT_STRIDE;
 #pragma unroll
-        for (int i = 0; i < BT_M * 8 / BT_THREADS; i++) {
-            int c = tid + i * BT_THREADS, row = c >> 3, k = k0 + (c & 7) * 8;
+        for (int i = 0; i < PLANES * BT_M * 8 / BT_THREADS; i++) {
+            int c = tid + i * BT_THREADS, row = (c >> 3) % BT_M, plane = c / (BT_M * 8);
+            int k = k0 + (c & 7) * 8;
             const u16* src = a_rows[row];
             bool ok = src != nullptr && k < K;
-            cp_async16(as + row * BT_STRIDE + (c & 7) * 8, ok ? src + k : a_any, ok ? 16u : 0u);
+            cp_async16(as + (plane * BT_M + row) * BT_STRIDE + (c & 7) * 8,
+                       ok ? src + plane * lo_offset + k : a_any, ok ? 16u : 0u);
         }
 #pragma unroll
         for (int i = 0; i < BT_W_ROWS * 8 / BT_THREADS; i++) {
@@ -64,25 +75,28 @@ __device__ void big_tile_mma(const u16* const* a_rows, const u16* a_any, const b
     };
 
 #pragma unroll
-    for (int s = 0; s < BT_STAGES - 1; s++) {
+    for (int s = 0; s < STAGES - 1; s++) {
         if (s < tiles) issue(s);
         cp_async_commit();
     }
     for (int kt = 0; kt < tiles; kt++) {
-        cp_async_wait<BT_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        if (kt + BT_STAGES - 1 < tiles) issue(kt + BT_STAGES - 1);
+        if (kt + STAGES - 1 < tiles) issue(kt + STAGES - 1);
         cp_async_commit();
         if (!live) continue;
-        const u16* as = smem + (kt % BT_STAGES) * BT_STAGE;
-        const u16* ws = as + BT_M * BT_STRIDE;
+        const u16* as = smem + (kt % STAGES) * STAGE;
+        const u16* ws = as + PLANES * BT_M * BT_STRIDE;
 #pragma unroll
         for (int ks = 0; ks < BT_K; ks += 16) {
-            u32 af[2][4];
+            u32 af[PLANES][2][4];
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++)
-                ldmatrix_x4(af[mi], as + (wm * 32 + mi * 16 + (lane & 15)) * BT_STRIDE + ks +
-                                        (lane >> 4) * 8);
+            for (int pl = 0; pl < PLANES; pl++)
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+                    ldmatrix_x4(af[pl][mi], as + (pl * BT_M + wm * 32 + mi * 16 + (lane & 15)) *
+                                                     BT_STRIDE +
+                                                 ks + (lane >> 4) * 8);
 #pragma unroll
             for (int x = 0; x < NW; x++) {
 #pragma unroll
@@ -91,10 +105,12 @@ __device__ void big_tile_mma(const u16* const* a_rows, const u16* a_any, const b
                     u32 bf[4];
                     ldmatrix_x4(bf, ws + wrow * BT_STRIDE + ks + ((lane >> 3) & 1) * 8);
 #pragma unroll
-                    for (int mi = 0; mi < 2; mi++) {
-                        mma16816<false>(acc[x][mi][2 * np], af[mi], bf);
-                        mma16816<false>(acc[x][mi][2 * np + 1], af[mi], bf + 2);
-                    }
+                    for (int pl = 0; pl < PLANES; pl++)
+#pragma unroll
+                        for (int mi = 0; mi < 2; mi++) {
+                            mma16816<false>(acc[x][mi][2 * np], af[pl][mi], bf);
+                            mma16816<false>(acc[x][mi][2 * np + 1], af[pl][mi], bf + 2);
+                        }
                 }
             }
         }

@@ -17,6 +17,21 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return d;
 }
 
+// x as a split pair: hi = bf16(x), lo = bf16(x − hi), about 16 significant bits together.
+// A product of a split operand and a bf16 one is hi·w + lo·w, near f32's own precision.
+__device__ __forceinline__ void split_bf16(float x, u16* hi, u16* lo) {
+    u16 h = f32_to_bf16(x);
+    *hi = h;
+    *lo = f32_to_bf16(x - bf16_to_f32(h));
+}
+
+// Two adjacent values as split pairs, packed (the first in the low half).
+__device__ __forceinline__ void split_bf16x2(float v0, float v1, u32* hi, u32* lo) {
+    u32 h = pack_bf16(v0, v1);
+    *hi = h;
+    *lo = pack_bf16(v0 - __uint_as_float(h << 16), v1 - __uint_as_float(h & 0xffff0000u));
+}
+
 __device__ __forceinline__ u32 pack_f16(float lo, float hi) {
     u32 d;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));

@@ -448,9 +448,11 @@ __device__ void grouped_down_impl(const float* act, u32 inter, const float* rout
     });
 }
 
-// The gate/up half for prefill-sized groups (bf16 weights; x given in bf16): 128 sorted rows
-// by 64 columns of gate and up per block (mma_big_tile.cuh); act is written in bf16, rows of
-// I values, for grouped_down_big. Grid: (worst-case tiles, ceil(I / 64)).
+// The gate/up half for prefill-sized groups (bf16 weights; x given in bf16, as split pairs
+// with SPLIT): 128 sorted rows by 64 columns of gate and up per block (mma_big_tile.cuh);
+// act is written in bf16 (split: high halves, then the low halves pairs · I values on), rows
+// of I values, for grouped_down_big. Grid: (worst-case tiles, ceil(I / 64)).
+template <bool SPLIT, int STAGES>
 __device__ void grouped_gate_up_big_impl(const u16* x, u32 hidden, u32 top_k, const u32* offsets,
                                          const u32* sorted_pairs, u32 pairs, u32 num_experts,
                                          const u64* gate_table, const u64* up_table, u32 inter,
@@ -470,20 +472,26 @@ __device__ void grouped_gate_up_big_impl(const u16* x, u32 hidden, u32 top_k, co
     const bf16w* wt[2] = {reinterpret_cast<const bf16w*>(gate_table[expert]) + (size_t)n0 * hidden,
                           reinterpret_cast<const bf16w*>(up_table[expert]) + (size_t)n0 * hidden};
     float acc[2][2][BT_W_ROWS / 32][4];
-    big_tile_mma<2>(a_rows, x, wt, n_valid, (int)hidden, (int)rows, acc);
+    size_t x_lo = (size_t)(pairs / top_k) * hidden, act_lo = (size_t)pairs * inter;
+    big_tile_mma<2, SPLIT, STAGES>(a_rows, x, x_lo, wt, n_valid, (int)hidden, (int)rows, acc);
     big_tile_for_each<2>([&](int mi, int ni, int r0, int tile_row, int tile_col) {
         u32 m = tile_row, n = n0 + tile_col;
         if (m < rows && n < inter) {
             float lo = silu(acc[0][mi][ni][r0]) * acc[1][mi][ni][r0];
             float hi = silu(acc[0][mi][ni][r0 + 1]) * acc[1][mi][ni][r0 + 1];
-            *reinterpret_cast<u32*>(act + (size_t)(row0 + m) * inter + n) = pack_bf16(lo, hi);
+            u32* dst = reinterpret_cast<u32*>(act + (size_t)(row0 + m) * inter + n);
+            if (SPLIT) {
+                split_bf16x2(lo, hi, dst, reinterpret_cast<u32*>(act + act_lo + (size_t)(row0 + m) * inter + n));
+            } else {
+                *dst = pack_bf16(lo, hi);
+            }
         }
     });
 }
 
 // The down half for prefill-sized groups (bf16 weights, act in bf16 from
-// grouped_gate_up_big): 128 sorted rows by 128 features per block. Grid: (worst-case
-// tiles, ceil(H / 128)).
+// grouped_gate_up_big, split pairs with SPLIT): 128 sorted rows by 128 features per block.
+// Grid: (worst-case tiles, ceil(H / 128)).
 // y in f32, or in bf16 (Y = u16) for a combine that reads it so (half the bytes each way).
 __device__ __forceinline__ void store_y2(float* y, float a, float b) {
     *reinterpret_cast<float2*>(y) = make_float2(a, b);
@@ -492,7 +500,7 @@ __device__ __forceinline__ void store_y2(u16* y, float a, float b) {
     *reinterpret_cast<u32*>(y) = pack_bf16(a, b);
 }
 
-template <typename Y>
+template <bool SPLIT, int STAGES, typename Y>
 __device__ void grouped_down_big_impl(const u16* act, u32 inter, const float* route_weights,
                                       const u32* offsets, const u32* sorted_pairs, u32 pairs,
                                       u32 num_experts, const u64* down_table, u32 hidden,
@@ -512,7 +520,8 @@ __device__ void grouped_down_big_impl(const u16* act, u32 inter, const float* ro
     __syncthreads();
     const bf16w* wt[1] = {reinterpret_cast<const bf16w*>(down_table[expert]) + (size_t)n0 * inter};
     float acc[1][2][BT_W_ROWS / 16][4];
-    big_tile_mma<1>(a_rows, act, wt, n_valid, (int)inter, (int)rows, acc);
+    big_tile_mma<1, SPLIT, STAGES>(a_rows, act, (size_t)pairs * inter, wt, n_valid, (int)inter,
+                                   (int)rows, acc);
     big_tile_for_each<1>([&](int mi, int ni, int r0, int tile_row, int tile_col) {
         u32 m = tile_row, n = n0 + tile_col;
         if (m < rows && n < hidden)
@@ -795,27 +804,52 @@ MOE_KERNELS(bf16, bf16w)
 MOE_KERNELS(f16, f16w)
 MOE_KERNELS(f32, float)
 
-// x (bf16 here, a copy the host made), act (bf16) and y: see the impls above.
-extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) moe_grouped_gate_up_big_bf16(
-    const u16* x, u32 hidden, u32 top_k, const u32* offsets, const u32* /*hit_experts*/,
-    const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* gate_table,
-    const u64* up_table, u32 inter, u32 /*vec*/, u16* act, Diag* diag) {
-    begin_kernel();
-    grouped_gate_up_big_impl(x, hidden, top_k, offsets, sorted_pairs, pairs, num_experts,
-                             gate_table, up_table, inter, act, diag);
-}
+// x (bf16 here, or split pairs: a copy the host made), act (bf16 or split pairs) and y: see
+// the impls above. The split kernels stage both planes in two stages (three for bf16: the same
+// shared memory; three split stages measured no faster and fit one block an SM).
+#define MOE_GATE_UP_BIG(NAME, SPLIT, STAGES)                                                   \
+    extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) NAME(                          \
+        const u16* x, u32 hidden, u32 top_k, const u32* offsets, const u32* /*hit_experts*/,   \
+        const u32* sorted_pairs, u32 pairs, u32 num_experts, const u64* gate_table,            \
+        const u64* up_table, u32 inter, u32 /*vec*/, u16* act, Diag* diag) {                   \
+        begin_kernel();                                                                        \
+        grouped_gate_up_big_impl<SPLIT, STAGES>(x, hidden, top_k, offsets, sorted_pairs, pairs, \
+                                                num_experts, gate_table, up_table, inter, act,  \
+                                                diag);                                          \
+    }
+MOE_GATE_UP_BIG(moe_grouped_gate_up_big_bf16, false, 3)
+MOE_GATE_UP_BIG(moe_grouped_gate_up_big_split, true, 2)
 // y in f32 (Y = float) or bf16 (the prefill combine's input, `_y16`).
-#define MOE_DOWN_BIG(NAME, Y)                                                                  \
+#define MOE_DOWN_BIG(NAME, SPLIT, STAGES, Y)                                                   \
     extern "C" __global__ void __launch_bounds__(BT_THREADS, 2) NAME(                          \
         const u16* act, u32 inter, const float* route_weights, const u32* offsets,             \
         const u32* /*hit_experts*/, const u32* sorted_pairs, u32 pairs, u32 num_experts,       \
         const u64* down_table, u32 hidden, u32 /*vec*/, Y* y, Diag* diag) {                    \
         begin_kernel();                                                                        \
-        grouped_down_big_impl<Y>(act, inter, route_weights, offsets, sorted_pairs, pairs,      \
-                                 num_experts, down_table, hidden, y, diag);                    \
+        grouped_down_big_impl<SPLIT, STAGES, Y>(act, inter, route_weights, offsets,            \
+                                                sorted_pairs, pairs, num_experts, down_table,  \
+                                                hidden, y, diag);                              \
     }
-MOE_DOWN_BIG(moe_grouped_down_big_bf16, float)
-MOE_DOWN_BIG(moe_grouped_down_big_bf16_y16, u16)
+MOE_DOWN_BIG(moe_grouped_down_big_bf16, false, 3, float)
+MOE_DOWN_BIG(moe_grouped_down_big_bf16_y16, false, 3, u16)
+MOE_DOWN_BIG(moe_grouped_down_big_split, true, 2, float)
+
+// out = x as split pairs: the high halves at out, the low halves len values on; four values
+// a thread (x 16-byte aligned, len % 4 == 0 for the vector path). The split tiles' operand.
+extern "C" __global__ void to_bf16_split(const float* x, u64 len, u16* out) {
+    begin_small_kernel();
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i + 4 <= len && (len & 3) == 0) {
+        float4 v = *reinterpret_cast<const float4*>(x + i);
+        u32 h0, l0, h1, l1;
+        split_bf16x2(v.x, v.y, &h0, &l0);
+        split_bf16x2(v.z, v.w, &h1, &l1);
+        *reinterpret_cast<uint2*>(out + i) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(out + len + i) = make_uint2(l0, l1);
+    } else {
+        for (u64 e = i; e < min(i + 4, len); e++) split_bf16(x[e], out + e, out + len + e);
+    }
+}
 
 __device__ __forceinline__ float4 load_y4(const float* p) {
     return *reinterpret_cast<const float4*>(p);
