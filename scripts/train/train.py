@@ -254,7 +254,46 @@ def evaluate(args) -> None:
             count += len(chunk) - 1
         results[str(dtype).removeprefix("torch.")] = {"tokens": count, "ppl": math.exp(nll / count)}
         log(f"{dtype}: perplexity {math.exp(nll / count):.3f} over {count} tokens (windows of {SEQ})")
+    results["mtp_top1"] = mtp_agreement(args.model, ids, device, windows=args.mtp_windows)
+    log(f"MTP head's top-1 agreement with the model's next-next token, depths 1-3: {results['mtp_top1']}")
     print(json.dumps(results))
+
+
+@torch.no_grad()
+def mtp_agreement(model_dir: Path, ids: torch.Tensor, device: str, windows: int, depths: int = 3) -> list[float]:
+    """How often the MTP head's top token at depth k (from the model's hidden state at t, or
+    the head's own at the depth before, and the text's token at t+k) equals the model's own
+    top token at t+k, over the first `windows` windows of the text, f32."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    lm = Qwen3_5MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    head = demo.MtpHead(lm.config).to(device).eval()
+    missing, unexpected = head.load_state_dict(demo.mtp_state_from_export(load_mtp(model_dir)), strict=False)
+    if unexpected or any("rotary_emb" not in k for k in missing):
+        raise ValueError(f"MTP tensors do not match the head: missing {missing}, unexpected {unexpected}")
+    same = [0] * depths
+    total = [0] * depths
+    for w in range(windows):
+        chunk = ids[w * SEQ: (w + 1) * SEQ].to(device)[None]
+        if chunk.shape[1] < depths + 2:
+            break
+        out = lm.model(input_ids=chunk)
+        hidden = out.last_hidden_state
+        greedy = lm.lm_head(hidden).argmax(-1)  # the model's top token after each position
+        for k in range(1, depths + 1):
+            t = chunk.shape[1] - k
+            positions = torch.arange(k, k + t, device=device)[None]
+            hidden = head(hidden[:, :t], lm.model.embed_tokens(chunk[:, k:k + t]), positions)
+            drafted = lm.lm_head(hidden).argmax(-1)
+            same[k - 1] += int((drafted == greedy[:, k:k + t]).sum())
+            total[k - 1] += t
+    return [round(s / max(1, n), 4) for s, n in zip(same, total)]
+
+
+def load_mtp(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model-mtp.safetensors"))
 
 
 def main() -> None:
@@ -270,6 +309,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--max-tokens", type=int, default=0, help="eval: score at most this many tokens")
+    parser.add_argument("--mtp-windows", type=int, default=64, help="eval: windows the MTP head is measured on")
     args = parser.parse_args()
     if args.command in ("pretrain", "sft"):
         train(args, args.command)

@@ -116,6 +116,27 @@ class DemoModel(nn.Module):
         return _experts_per_expert(tensors)
 
 
+def mtp_state_from_export(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`mtp.*` tensors as exported (experts per expert) as MtpHead's state dict (fused)."""
+    state = {k.removeprefix("mtp."): v for k, v in tensors.items() if k.startswith("mtp.")}
+    fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state.items():
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            at = parts.index("experts")
+            prefix = ".".join(parts[: at + 1])
+            fused.setdefault(prefix, {}).setdefault(int(parts[at + 1]), {})[parts[at + 2]] = t
+        else:
+            out[name] = t
+    for prefix, experts in fused.items():
+        order = sorted(experts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], dim=0) for e in order])
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+    return out
+
+
 def _masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
     mask = mask.reshape(-1).float()
