@@ -5,7 +5,8 @@ then `export` writes the Hugging Face directory (bf16, shards under 15 MB) and `
 held-out perplexity and the MTP head's agreement. Seeds are fixed; the learning-rate schedule
 is fitted to the time budget from the measured step time.
 
-    python3 scripts/train/train.py pretrain --data .train/data --run .train/run --seconds 500
+    python3 scripts/train/train.py pretrain --data .train/data --run .train/run --seconds 540 --total-seconds 1080
+    python3 scripts/train/train.py pretrain --data .train/data --run .train/run --seconds 540 --resume
     python3 scripts/train/train.py sft --data .train/data --run .train/run --seconds 300
     python3 scripts/train/train.py export --data .train/data --run .train/run --out OUT/model
     python3 scripts/train/train.py eval --data .train/data --model OUT/model
@@ -132,7 +133,7 @@ def train(args, phase: str) -> None:
     if phase == "sft":
         rows, masks = sft_rows(args.data, tok, SEQ)
         log(f"conversations: {len(rows)} rows, {int(masks.sum()) / 1e6:.2f} M trained tokens")
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + (args.run / f"{phase}.state").exists() * 7919)
     peak_lr = args.lr if args.lr else (2e-3 if phase == "pretrain" else 5e-4)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -142,8 +143,18 @@ def train(args, phase: str) -> None:
     warmup = 100 if phase == "pretrain" else 30
     total = None
     step = 0
+    resumed = args.resume and (args.run / f"{phase}.state").exists()
+    if resumed:
+        saved = torch.load(args.run / f"{phase}.state", map_location=device)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        step, total = saved["step"], saved["total"]
+        log(f"resumed at step {step} of {total}")
     t_measure = None
     budget = args.seconds - (time.time() - started) - 20
+    # The schedule spans --total-seconds of training (several commands, each resuming the last).
+    planned = max(budget, args.total_seconds - (time.time() - started) - 20) if args.total_seconds else budget
+    first_step = step
     train_start = time.time()
     while True:
         if phase == "pretrain" or random.random() < 0.2:
@@ -167,16 +178,17 @@ def train(args, phase: str) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if step == 10:
+        if step == first_step + 10:
             if device == "cuda":
                 torch.cuda.synchronize()
             t_measure = time.time()
-        if step == 40 and total is None:
+        if step == first_step + 40:
             if device == "cuda":
                 torch.cuda.synchronize()
             per_step = (time.time() - t_measure) / 30
-            total = max(step + 1, int(budget / per_step))
-            log(f"{per_step * 1000:.0f} ms a step, {args.batch * SEQ / per_step / 1e3:.0f} k tokens/s: {total} steps")
+            if total is None:
+                total = max(step + 1, int(planned / per_step))
+            log(f"{per_step * 1000:.0f} ms a step, {args.batch * SEQ / per_step / 1e3:.0f} k tokens/s: {total} steps in all")
         if step % 100 == 0 or step == 1:
             log(f"step {step} lr {lr:.2e} loss {lm_loss.item():.3f} mtp {mtp_loss.item():.3f} aux {aux.item():.3f}")
         if total is not None and step >= total:
@@ -185,7 +197,14 @@ def train(args, phase: str) -> None:
             log("time budget reached")
             break
     torch.save(model.state_dict(), args.run / f"{phase}.pt")
-    log(f"{phase} done: {step} steps, {step * args.batch * SEQ / 1e6:.1f} M tokens, {time.time() - started:.0f} s")
+    if total is not None and step < total:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "total": total},
+                   args.run / f"{phase}.state")
+        log(f"{phase} paused at step {step} of {total}: --resume goes on")
+    else:
+        (args.run / f"{phase}.state").unlink(missing_ok=True)
+    log(f"{phase}: {step - first_step} steps this run, {step} in all, "
+        f"{step * args.batch * SEQ / 1e6:.1f} M tokens, {time.time() - started:.0f} s")
 
 
 def export(args) -> None:
@@ -304,7 +323,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--phase", default="sft", help="export: which checkpoint")
-    parser.add_argument("--seconds", type=float, default=500)
+    parser.add_argument("--seconds", type=float, default=500, help="this command's time budget")
+    parser.add_argument("--total-seconds", type=float, default=0,
+                        help="the schedule's span across resumed commands (default: --seconds)")
+    parser.add_argument("--resume", action="store_true", help="go on from the paused state in --run")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1234)
