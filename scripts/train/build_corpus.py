@@ -20,7 +20,7 @@ from corral_train import sources, split  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sources", default=",".join(sources.SOURCES), help="comma-separated source names")
+    parser.add_argument("--sources", default=",".join(sources.DEFAULT_SOURCES), help="comma-separated source names")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = [s for s in args.sources.split(",") if s]

@@ -42,11 +42,18 @@ def load_tokenizer(data: Path):
     return Tokenizer.from_file(str(data / "tokenizer.json"))
 
 
-def pretrain_tokens(data: Path, tok) -> torch.Tensor:
-    """The corpus's training text as one token stream, documents ended by `<|endoftext|>`."""
+def pretrain_tokens(data: Path, tok, extra: list[str]) -> torch.Tensor:
+    """The corpus's training text as one token stream, documents ended by `<|endoftext|>`,
+    with the `extra` sources read where training runs (their held-out documents left out)."""
+    from corral_train import sources, split
+
     eos = tok.token_to_id("<|endoftext|>")
     with lzma.open(data / "pretrain.txt.xz", "rt") as f:
         docs = f.read().split("<|endoftext|>")
+    for name in extra:
+        before = len(docs)
+        docs += [d.text for d in sources.SOURCES[name]() if not split.held_out(d.source, d.name)]
+        log(f"{name}: {len(docs) - before} documents")
     ids: list[int] = []
     for enc in tok.encode_batch([d for d in docs if d]):
         ids.extend(enc.ids)
@@ -126,7 +133,7 @@ def train(args, phase: str) -> None:
     choose_experts(model, device)
     params = sum(p.numel() for p in model.parameters())
     log(f"{phase}: {params / 1e6:.2f} M parameters on {device}")
-    stream = pretrain_tokens(args.data, tok)
+    stream = pretrain_tokens(args.data, tok, [e for e in args.extra.split(",") if e])
     n_windows = (len(stream) - 1) // SEQ
     windows = stream[: n_windows * SEQ].view(n_windows, SEQ).long()
     log(f"corpus: {len(stream) / 1e6:.2f} M tokens, {n_windows} windows")
@@ -327,6 +334,7 @@ def main() -> None:
     parser.add_argument("--total-seconds", type=float, default=0,
                         help="the schedule's span across resumed commands (default: --seconds)")
     parser.add_argument("--resume", action="store_true", help="go on from the paused state in --run")
+    parser.add_argument("--extra", default="", help="corpus sources read where training runs (e.g. python-source)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1234)

@@ -152,6 +152,23 @@ def wordnet(root: Path = Path("/usr/share/wordnet"), per_doc: int = 80) -> Itera
             yield Document("wordnet", f"{pos}-{k // per_doc:05d}", "\n".join(lines[k:k + per_doc]) + "\n")
 
 
+def python_source(root: Path | None = None, max_bytes: int = 200_000) -> Iterator[Document]:
+    """The Python standard library's own source (the running interpreter's, which the
+    python3 package installs), tests, IDLE and 2to3 left out: code with its docstrings."""
+    import sysconfig
+
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__",
+            "turtledemo", "ensurepip", "pydoc_data"}
+    for path in _files(root, "*.py"):
+        rel = path.relative_to(root)
+        if skip & set(rel.parts) or path.stat().st_size > max_bytes:
+            continue
+        text = path.read_text(errors="replace")
+        if len(text) > 200:
+            yield Document("python-source", str(rel), text)
+
+
 #: Every source by name, in the order a build reads them.
 SOURCES: dict[str, Callable[[], Iterator[Document]]] = {
     "python-doc": python_docs,
@@ -161,4 +178,8 @@ SOURCES: dict[str, Callable[[], Iterator[Document]]] = {
     "man": man_pages,
     "gcide": gcide,
     "wordnet": wordnet,
+    "python-source": python_source,
 }
+#: What build_corpus.py reads by default; `python-source` is read where training runs
+#: (train.py --extra), which has its own interpreter's library and no travel limit on it.
+DEFAULT_SOURCES = [name for name in SOURCES if name != "python-source"]
