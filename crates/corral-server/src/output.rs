@@ -68,6 +68,9 @@ pub(crate) struct OutputParser {
     call_searched: usize,
     /// Whether generation was cut short inside a tool call (which was then dropped).
     cut_call: bool,
+    /// Whether the reasoning just closed and no content came yet: the newlines that separate
+    /// the two (`</think>\n\n`) are the template's layout, not content.
+    after_reasoning: bool,
 }
 
 impl OutputParser {
@@ -97,6 +100,7 @@ impl OutputParser {
             streamed: None,
             call_searched: 0,
             cut_call: false,
+            after_reasoning: false,
         }
     }
 
@@ -161,6 +165,15 @@ impl OutputParser {
         loop {
             match self.mode {
                 Mode::Content => {
+                    if self.after_reasoning {
+                        let newlines =
+                            self.buffer.len() - self.buffer.trim_start_matches('\n').len();
+                        self.buffer.drain(..newlines);
+                        if self.buffer.is_empty() {
+                            return out;
+                        }
+                        self.after_reasoning = false;
+                    }
                     let mut markers: Vec<(&str, usize)> = Vec::new();
                     if self.parse_think {
                         markers.push((self.syntax.reasoning.open, 0));
@@ -207,7 +220,10 @@ impl OutputParser {
                             emit(&mut out, Delta::Reasoning(self.buffer[..at].to_string()));
                             self.buffer.drain(..at + len);
                             match kind {
-                                0 => self.mode = Mode::Content,
+                                0 => {
+                                    self.mode = Mode::Content;
+                                    self.after_reasoning = true;
+                                }
                                 1 => self.mode = Mode::ToolCall,
                                 stop => {
                                     self.stop_hit = Some(stop - 2);
@@ -578,7 +594,7 @@ mod tests {
             run(&mut p, &pieces),
             vec![
                 Delta::Reasoning("plan it".into()),
-                Delta::Content("\n\nOK ".into()),
+                Delta::Content("OK ".into()),
                 Delta::ToolCall {
                     name: "get".into(),
                     arguments: "{\"city\":\"Oslo\"}".into()
@@ -586,6 +602,33 @@ mod tests {
             ]
         );
         assert_eq!(p.num_tool_calls(), 1);
+    }
+
+    #[test]
+    fn newlines_after_the_reasoning_are_layout_not_content() {
+        let mut p = qwen(true, vec![], true);
+        assert_eq!(
+            run(&mut p, &["why</think>", "\n", "\nHi\n\nthere"]),
+            vec![
+                Delta::Reasoning("why".into()),
+                Delta::Content("Hi\n\nthere".into())
+            ]
+        );
+        let mut p = qwen(true, vec![], true);
+        let deltas = run(
+            &mut p,
+            &["why</think>\n\n<tool_call>\n{\"name\": \"get\", \"arguments\": {}}\n</tool_call>"],
+        );
+        assert_eq!(
+            deltas,
+            vec![
+                Delta::Reasoning("why".into()),
+                Delta::ToolCall {
+                    name: "get".into(),
+                    arguments: "{}".into()
+                },
+            ]
+        );
     }
 
     #[test]
