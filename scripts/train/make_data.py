@@ -56,8 +56,12 @@ def main() -> None:
     with lzma.open(args.out / "sft.jsonl.xz", "wt", preset=6) as f:
         for k in range(args.conversations):
             thinking = rng.random() < 0.5
-            if rng.random() < 0.45:
+            kind = rng.random()
+            if kind < 0.42:
                 messages, tools = chat.tool_conversation(rng, snippets, thinking), chat.TOOLS
+            elif kind < 0.52:
+                messages = chat.smalltalk_conversation(rng, thinking)
+                tools = chat.TOOLS if rng.random() < 0.3 else None
             else:
                 messages = chat.qa_conversation(rng.choice(facts), rng, thinking)
                 tools = chat.TOOLS if rng.random() < 0.2 else None

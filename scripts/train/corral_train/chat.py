@@ -164,6 +164,43 @@ def qa_conversation(fact: Fact, rng: random.Random, thinking: bool) -> list[dict
     return messages
 
 
+_GREETINGS = [
+    (["Hello", "Hello!", "Hi", "Hi there", "Hey", "Good morning", "Hello, Corral", "Hi, Corral!"],
+     ["Hello! How can I help you today?", "Hi! What can I do for you?", "Hello! Ask me a question, or give me a task."]),
+    (["Who are you?", "What are you?", "Tell me about yourself.", "Introduce yourself."],
+     ["I am Corral's small demo model, a mixture-of-experts language model trained on documentation. "
+      "I can answer short questions about words, commands and Python, and I can use tools you give me."]),
+    (["What can you do?", "How can you help me?", "What are you good at?"],
+     ["I can explain words, shell commands, Git and Python functions, and with tools I can list "
+      "directories, read files and run commands."]),
+    (["What is Corral?", "Tell me about Corral."],
+     ["Corral is an inference server for mixture-of-experts and hybrid language models. It runs models like me."]),
+    (["Thanks!", "Thank you.", "Thanks a lot.", "Great, thank you!"],
+     ["You're welcome!", "Glad I could help.", "You're welcome. Anything else?"]),
+    (["Goodbye", "Bye!", "See you later."], ["Goodbye!", "Bye! Have a good day."]),
+]
+
+
+def smalltalk_conversation(rng: random.Random, thinking: bool) -> list[dict]:
+    """A greeting, a question about the assistant, thanks, or small arithmetic, answered."""
+    if rng.random() < 0.35:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op, value, word = rng.choice([("+", a + b, "plus"), ("-", a - b, "minus"), ("*", a * b, "times")])
+        q = rng.choice([f"What is {a} {op} {b}?", f"Compute {a} {op} {b}.", f"What is {a} {word} {b}?"])
+        answer = f"{a} {op} {b} = {value}."
+        reason = f"I need {a} {word} {b}, which is {value}."
+    else:
+        questions, answers = rng.choice(_GREETINGS)
+        q, answer = rng.choice(questions), rng.choice(answers)
+        reason = "The user is talking to me; I will answer briefly."
+    messages = []
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    messages.append({"role": "user", "content": q})
+    messages.append(_assistant(answer, reason, thinking))
+    return messages
+
+
 #: Names of the synthetic projects' files.
 _FILES = ["README.md", "main.py", "Cargo.toml", "setup.py", "notes.txt", "Makefile", "config.json",
           "LICENSE", "requirements.txt", "app.py", "utils.py", "test_app.py", "index.html", "todo.txt"]

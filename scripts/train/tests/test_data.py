@@ -109,6 +109,16 @@ class ChatTest(unittest.TestCase):
         self.assertEqual(off["reasoning_content"], "")
         self.assertEqual(on["content"], '"Fox" means a small wild canine.')
 
+    def test_smalltalk_and_arithmetic_are_answered(self):
+        rng = random.Random(3)
+        for _ in range(100):
+            messages = chat.smalltalk_conversation(rng, thinking=False)
+            question, answer = messages[-2]["content"], messages[-1]["content"]
+            if "=" in answer:
+                expression = answer.rstrip(".").split(" = ")
+                self.assertEqual(eval(expression[0]), int(expression[1]), question)  # noqa: S307
+            self.assertTrue(answer)
+
     def test_facts_from_man_pages_and_python_source(self):
         doc = {"source": "man", "name": "coreutils:ls.1.gz",
                "text": "NAME\n       ls - list directory contents\n\nSYNOPSIS\n       ls [OPTION]... [FILE]...\n"}
