@@ -8,12 +8,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use corral_engine::{BLOCK_SIZE, KvBlockPool};
-use corral_model::{
-    BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache, SeqId, SlotId,
-    TokenId,
-};
 
+use super::logits::sequence_logits;
 use crate::loading::{ModelArgs, load_model};
 
 /// Arguments of `corral eval`.
@@ -119,10 +115,10 @@ pub(crate) fn run(args: EvalArgs) -> Result<()> {
         let end = (start + args.window).min(ids.len() - 1);
         let inputs = &ids[start..end];
         let targets = &ids[start + 1..=end];
-        window_logits(&first, inputs, &mut a)?;
+        sequence_logits(&first, inputs, inputs.len(), &mut a)?;
         score(&a, targets, vocab, &mut scores[0]);
         if let Some((_, model)) = &second {
-            window_logits(model, inputs, &mut b)?;
+            sequence_logits(model, inputs, inputs.len(), &mut b)?;
             score(&b, targets, vocab, &mut scores[1]);
             diverge(&a, &b, vocab, &mut divergence);
         }
@@ -149,24 +145,6 @@ fn tokenize(model: &ModelArgs, path: &Path) -> Result<Vec<u32>> {
     tokenizer
         .encode(&text)
         .with_context(|| format!("tokenizing {}", path.display()))
-}
-
-/// The logits of every position of `tokens` as one fresh sequence, into `out`.
-fn window_logits(model: &Model, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
-    let blocks = tokens.len().div_ceil(BLOCK_SIZE);
-    let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
-    let mut cache =
-        PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE)?;
-    let mut state = RecurrentStateCache::new(model.backend().as_ref(), model.config(), 1)?;
-    let mut table = BlockTable::default();
-    pool.grow(&mut table, tokens.len())?;
-    let mut batch = RaggedBatch::new(BLOCK_SIZE);
-    let ids: Vec<TokenId> = tokens.iter().map(|&t| TokenId(t)).collect();
-    batch.push_run(SeqId(0), &ids, 0, &table, LogitsWanted::All)?;
-    batch.set_state_slot(SeqId(0), SlotId(0))?;
-    let _ = model.forward_with_state(&batch, &mut cache, &mut state, out)?;
-    pool.release(&mut table);
-    Ok(())
 }
 
 /// log-softmax of one row, in f64.

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use corral_engine::{BLOCK_SIZE, KvBlockPool};
 use corral_model::{
-    BlockTable, LogitsWanted, PagedKvCache, RaggedBatch, RecurrentStateCache, SeqId, SlotId,
+    BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache, SeqId, SlotId,
     TokenId,
 };
 use safetensors::tensor::{Dtype, TensorView};
@@ -31,6 +31,36 @@ pub(crate) struct LogitsArgs {
     chunk: Option<usize>,
 }
 
+/// The logits of every position of `tokens` as one fresh sequence, fed `chunk` tokens a
+/// forward through a paged KV cache of its own, into `all` (cleared first).
+pub(crate) fn sequence_logits(
+    model: &Model,
+    tokens: &[u32],
+    chunk: usize,
+    all: &mut Vec<f32>,
+) -> Result<()> {
+    let blocks = tokens.len().div_ceil(BLOCK_SIZE);
+    let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
+    let mut cache =
+        PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE)?;
+    let mut state = RecurrentStateCache::new(model.backend().as_ref(), model.config(), 1)?;
+    let mut table = BlockTable::default();
+    pool.grow(&mut table, tokens.len())?;
+    all.clear();
+    let mut out = Vec::new();
+    let chunk = chunk.max(1);
+    for (i, piece) in tokens.chunks(chunk).enumerate() {
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
+        batch.push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)?;
+        batch.set_state_slot(SeqId(0), SlotId(0))?;
+        let _ = model.forward_with_state(&batch, &mut cache, &mut state, &mut out)?;
+        all.extend_from_slice(&out);
+    }
+    pool.release(&mut table);
+    Ok(())
+}
+
 pub(crate) fn run(args: LogitsArgs) -> Result<()> {
     if args.chunk == Some(0) {
         bail!("--chunk must be at least 1");
@@ -41,25 +71,9 @@ pub(crate) fn run(args: LogitsArgs) -> Result<()> {
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {bad} is outside the vocabulary of {vocab}");
     }
-    let blocks = tokens.len().div_ceil(BLOCK_SIZE);
-    let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
-    let mut cache =
-        PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, BLOCK_SIZE)?;
-    let mut state = RecurrentStateCache::new(model.backend().as_ref(), model.config(), 1)?;
-    let mut table = BlockTable::default();
-    pool.grow(&mut table, tokens.len())?;
     let chunk = args.chunk.unwrap_or(tokens.len());
     let mut all = Vec::with_capacity(tokens.len() * vocab);
-    let mut out = Vec::new();
-    for (i, piece) in tokens.chunks(chunk).enumerate() {
-        let mut batch = RaggedBatch::new(BLOCK_SIZE);
-        let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
-        batch.push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)?;
-        batch.set_state_slot(SeqId(0), SlotId(0))?;
-        let _ = model.forward_with_state(&batch, &mut cache, &mut state, &mut out)?;
-        all.extend_from_slice(&out);
-    }
-    pool.release(&mut table);
+    sequence_logits(&model, tokens, chunk, &mut all)?;
     let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::F32, vec![tokens.len(), vocab], &bytes)
         .context("building the logits tensor")?;
