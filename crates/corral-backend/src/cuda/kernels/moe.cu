@@ -479,9 +479,10 @@ __device__ void grouped_gate_up_big_impl(const u16* x, u32 hidden, u32 top_k, co
         if (m < rows && n < inter) {
             float lo = silu(acc[0][mi][ni][r0]) * acc[1][mi][ni][r0];
             float hi = silu(acc[0][mi][ni][r0 + 1]) * acc[1][mi][ni][r0 + 1];
-            u32* dst = reinterpret_cast<u32*>(act + (size_t)(row0 + m) * inter + n);
+            size_t at = (size_t)(row0 + m) * inter + n;
+            u32* dst = reinterpret_cast<u32*>(act + at);
             if (SPLIT) {
-                split_bf16x2(lo, hi, dst, reinterpret_cast<u32*>(act + act_lo + (size_t)(row0 + m) * inter + n));
+                split_bf16x2(lo, hi, dst, reinterpret_cast<u32*>(act + act_lo + at));
             } else {
                 *dst = pack_bf16(lo, hi);
             }
