@@ -140,7 +140,6 @@ def train(args, phase: str) -> None:
     if phase == "sft":
         rows, masks = sft_rows(args.data, tok, SEQ)
         log(f"conversations: {len(rows)} rows, {int(masks.sum()) / 1e6:.2f} M trained tokens")
-    gen = torch.Generator().manual_seed(args.seed + (args.run / f"{phase}.state").exists() * 7919)
     peak_lr = args.lr if args.lr else (2e-3 if phase == "pretrain" else 5e-4)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -157,6 +156,8 @@ def train(args, phase: str) -> None:
         opt.load_state_dict(saved["optimizer"])
         step, total = saved["step"], saved["total"]
         log(f"resumed at step {step} of {total}")
+    # A resumed run draws other windows than the run it goes on from.
+    gen = torch.Generator().manual_seed(args.seed + 7919 * resumed)
     t_measure = None
     budget = args.seconds - (time.time() - started) - 20
     # The schedule spans --total-seconds of training (several commands, each resuming the last).
@@ -204,7 +205,9 @@ def train(args, phase: str) -> None:
             log("time budget reached")
             break
     torch.save(model.state_dict(), args.run / f"{phase}.pt")
-    if total is not None and step < total:
+    if total is None:  # the budget ended before the step time was measured
+        total = max(step, int(planned / max(1e-9, (time.time() - train_start) / max(1, step - first_step))))
+    if step < total:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "total": total},
                    args.run / f"{phase}.state")
         log(f"{phase} paused at step {step} of {total}: --resume goes on")

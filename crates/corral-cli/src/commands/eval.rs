@@ -53,6 +53,12 @@ struct Score {
 }
 
 impl Score {
+    /// Counts one scored position of this negative log-probability.
+    fn add(&mut self, nll: f64) {
+        self.nll += nll;
+        self.count += 1;
+    }
+
     fn perplexity(&self) -> f64 {
         (self.nll / self.count.max(1) as f64).exp()
     }
@@ -111,16 +117,28 @@ pub(crate) fn run(args: EvalArgs) -> Result<()> {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let (mut a, mut b) = (Vec::new(), Vec::new());
+    // One row's log-probabilities of each configuration, reused from row to row.
+    let (mut la, mut lb) = (Vec::with_capacity(vocab), Vec::with_capacity(vocab));
     for start in (0..ids.len() - 1).step_by(args.window) {
         let end = (start + args.window).min(ids.len() - 1);
         let inputs = &ids[start..end];
         let targets = &ids[start + 1..=end];
         sequence_logits(&first, inputs, inputs.len(), &mut a)?;
-        score(&a, targets, vocab, &mut scores[0]);
         if let Some((_, model)) = &second {
             sequence_logits(model, inputs, inputs.len(), &mut b)?;
-            score(&b, targets, vocab, &mut scores[1]);
-            diverge(&a, &b, vocab, &mut divergence);
+        }
+        for (k, &t) in targets.iter().enumerate() {
+            let ra = &a[k * vocab..(k + 1) * vocab];
+            if second.is_none() {
+                scores[0].add(log_sum_exp(ra) - ra[t as usize] as f64);
+                continue;
+            }
+            let rb = &b[k * vocab..(k + 1) * vocab];
+            log_softmax_into(ra, &mut la);
+            log_softmax_into(rb, &mut lb);
+            scores[0].add(-la[t as usize]);
+            scores[1].add(-lb[t as usize]);
+            divergence.add(&la, &lb, argmax(ra) == argmax(rb));
         }
         bar.inc(1);
     }
@@ -147,29 +165,36 @@ fn tokenize(model: &ModelArgs, path: &Path) -> Result<Vec<u32>> {
         .with_context(|| format!("tokenizing {}", path.display()))
 }
 
-/// log-softmax of one row, in f64.
-fn log_softmax(row: &[f32]) -> Vec<f64> {
+/// log Σ exp of one row, in f64.
+fn log_sum_exp(row: &[f32]) -> f64 {
     let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-    let lse = max + sum.ln();
-    row.iter().map(|&v| v as f64 - lse).collect()
+    max + row
+        .iter()
+        .map(|&v| (v as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
 }
 
-fn score(logits: &[f32], targets: &[u32], vocab: usize, into: &mut Score) {
-    for (row, &t) in logits.chunks(vocab).zip(targets) {
-        into.nll -= log_softmax(row)[t as usize];
-        into.count += 1;
-    }
+/// log-softmax of one row, in f64, into `out`.
+fn log_softmax_into(row: &[f32], out: &mut Vec<f64>) {
+    let lse = log_sum_exp(row);
+    out.clear();
+    out.extend(row.iter().map(|&v| v as f64 - lse));
 }
 
-fn diverge(a: &[f32], b: &[f32], vocab: usize, into: &mut Divergence) {
-    for (ra, rb) in a.chunks(vocab).zip(b.chunks(vocab)) {
-        let (la, lb) = (log_softmax(ra), log_softmax(rb));
-        let kl: f64 = la.iter().zip(&lb).map(|(&p, &q)| p.exp() * (p - q)).sum();
+impl Divergence {
+    /// Counts one position: the two configurations' log-probabilities and whether their top
+    /// tokens agree.
+    fn add(&mut self, first: &[f64], second: &[f64], same_top: bool) {
+        let kl: f64 = first
+            .iter()
+            .zip(second)
+            .map(|(&p, &q)| p.exp() * (p - q))
+            .sum();
         let kl = kl.max(0.0);
-        into.kl += kl;
-        into.max_kl = into.max_kl.max(kl);
-        into.top1_same += usize::from(argmax(ra) == argmax(rb));
+        self.kl += kl;
+        self.max_kl = self.max_kl.max(kl);
+        self.top1_same += usize::from(same_top);
     }
 }
 
