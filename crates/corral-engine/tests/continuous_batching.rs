@@ -226,13 +226,13 @@ fn prefix_cache_hits_generate_what_uncached_runs_do() {
             engine.shutdown();
             thread.join().unwrap();
             if name == "qwen3_next" && kv_blocks == 256 {
-                // The longer turn resumes at the base prompt's end (40); the branch finds no
-                // checkpoint inside its 22 shared tokens (and leaves one there, a tail inside
-                // a block); the longer turn again resumes at 40 (its own prompt's end, 49, is
-                // its last token, which is always computed); the base again at the branch
-                // point (22); and the resumed turn at the base turn's last computed token
-                // (40 + 11 reply tokens).
-                assert_eq!(cached, [0, 40, 0, 0, 40, 22, 51], "{name}");
+                // Each prompt leaves a checkpoint one token short of its end (a turn always
+                // computes its last token): the longer turn resumes at the base's (39); the
+                // branch finds no checkpoint inside its 22 shared tokens (and leaves one
+                // there, a tail inside a block); the longer turn again, and the base again,
+                // each at its own (48, 39): an identical re-send computes one token; and the
+                // resumed turn at the base turn's last computed token (40 + 11 reply tokens).
+                assert_eq!(cached, [0, 39, 0, 0, 48, 39, 51], "{name}");
                 assert_eq!(restores, 4, "{name}: one restore per resumed turn");
             } else if kv_blocks == 256 {
                 // Down to a token (blocks of 4, a partly matching one copied): the branch

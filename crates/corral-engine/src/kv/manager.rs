@@ -649,11 +649,12 @@ fn take_cached_prefix<'s>(
         }
         // Where the prompt leaves the cached tree (unless within a block of where it resumes:
         // a checkpoint there would save little and cost the prefill a chunk of its own), and
-        // its end.
+        // one token short of its end: a revisit computes at least its last token, so there an
+        // identical re-send (a client's retry, a regenerate) resumes, as a longer one does.
         let branch = hit.matched_tokens;
         let points = [
             (branch >= kv.computed + bs).then_some(branch),
-            Some(prompt_len),
+            Some(prompt_len.saturating_sub(1)),
         ];
         kv.checkpoint_at = points
             .into_iter()

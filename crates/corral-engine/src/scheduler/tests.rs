@@ -228,12 +228,15 @@ fn a_full_pool_makes_room_for_the_copy() {
     let _ = s.finish_step(plan, &mut [0.0; 16], 16, DispatchStats::default());
 }
 
-/// Proposes `next` after whatever it is shown.
-struct FixedDrafter(Vec<u32>);
+/// Proposes its tokens after whatever it is shown past the first `.0` (a prompt's length).
+struct FixedDrafter(usize, Vec<u32>);
 
 impl Drafter for FixedDrafter {
-    fn propose(&mut self, _seq: SeqId, _tokens: &[u32], max: usize) -> Vec<u32> {
-        self.0.iter().copied().take(max).collect()
+    fn propose(&mut self, _seq: SeqId, tokens: &[u32], max: usize) -> Vec<u32> {
+        if tokens.len() <= self.0 {
+            return Vec::new();
+        }
+        self.1.iter().copied().take(max).collect()
     }
 }
 
@@ -241,12 +244,13 @@ impl Drafter for FixedDrafter {
 /// accepts the draft while the rows sample it (here 1 of 3), sends the accepted token
 /// and the row's own, and cuts what was rejected: without recurrent state the KV keeps
 /// the accepted tokens, with it the state is snapshotted before the step and copied back
-/// before the next (which computes the accepted tokens again).
+/// before the next (which computes the accepted tokens again). A hybrid's prompt stops one
+/// short of its end first, for its state checkpoint.
 #[test]
 fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() {
     for recurrent in [false, true] {
         let base = Scheduler::new(config(2), KvBlockPool::new(16, 4))
-            .with_drafter(Box::new(FixedDrafter(vec![10, 11, 12])), 3);
+            .with_drafter(Box::new(FixedDrafter(3, vec![10, 11, 12])), 3);
         let mut s = if recurrent {
             base.with_state_checkpoints(2, 2)
         } else {
@@ -267,7 +271,18 @@ fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() 
             }
             logits
         };
-        let plan = s.step().unwrap();
+        let mut plan = s.step().unwrap();
+        if recurrent {
+            let run = plan.runs[0];
+            assert_eq!(
+                (run.tokens, run.logits),
+                (2, 0),
+                "one short of the prompt's end"
+            );
+            assert_eq!(plan.state_copies.len(), 0);
+            let _ = s.finish_step(plan, &mut [], vocab, DispatchStats::default());
+            plan = s.step().unwrap();
+        }
         assert_eq!(
             plan.runs[0].logits, 1,
             "a prompt's run asks for its last row"
