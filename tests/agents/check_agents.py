@@ -50,7 +50,10 @@ def free_port():
 
 
 def agent_model(work):
-    """The demo model's weights and tokenizer with a long context and ending turns."""
+    """The demo model's weights and tokenizer with a long context and ending turns; or, with
+    CORRAL_AGENT_MODEL set, that model directory as it is (a trained model ends its own turns)."""
+    if os.environ.get("CORRAL_AGENT_MODEL"):
+        return Path(os.environ["CORRAL_AGENT_MODEL"]).resolve()
     model = work / "model"
     if model.exists():
         shutil.rmtree(model)
@@ -270,6 +273,8 @@ def main():
                 status = "ok" if ok else "FAILED"
                 print(f"{status}: {name} {client_version}: exit {code}, {by_endpoint or 'no requests'}, "
                       f"{seconds:.1f} s", flush=True)
+                if os.environ.get("CORRAL_AGENT_MODEL"):
+                    print(f"  stdout: {out[-3000:]}")
                 if ok:
                     passed += 1
                 else:
