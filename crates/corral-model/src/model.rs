@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use corral_backend::{Backend, DType};
+use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
 
 use crate::batch::RaggedBatch;
 use crate::checkpoint::{Checkpoint, GgufCheckpoint};
@@ -38,6 +38,31 @@ impl Model {
         let ckpt = Checkpoint::open(dir)?;
         let (elements, bytes) = (ckpt.total_elements(), ckpt.total_bytes());
         Self::bind(&ckpt, config, backend, progress, elements, bytes)
+    }
+
+    /// Loads the MTP head of the checkpoint in `dir` (Qwen's `mtp.*` tensors: the two
+    /// pre-fc norms, `fc`, one decoder layer, the final norm; the embedding and LM head are
+    /// the model's) as a model of its own: [`Model::forward_mtp`] runs it, with a KV cache
+    /// of its one attention layer ([`ModelConfig::mtp`]) and no recurrent state.
+    pub fn load_mtp(
+        dir: &Path,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        let family = crate::families::load_mtp(&ckpt, backend.as_ref(), &config, progress)?;
+        let sparse_layers = family.moe_blocks().len();
+        let (num_parameters, weight_bytes) = ckpt.mtp_size();
+        Ok(Self {
+            family,
+            backend,
+            num_parameters,
+            weight_bytes,
+            sparse_layers,
+            moe_strategy: MoeStrategy::default(),
+            runner: StepRunner::default(),
+        })
     }
 
     /// Loads a GGUF file (llama.cpp's converter's names and metadata) onto `backend`:
@@ -232,12 +257,84 @@ impl Model {
         self.run(batch, cache, state, &mut StepOutput::Sampled(step))
     }
 
+    /// [`Model::forward_with_state`] (`state` `None` for models without recurrent layers),
+    /// also reading back the final hidden states of the logits rows, after the final norm,
+    /// `[rows, hidden]`: what an MTP head takes.
+    pub fn forward_with_hidden(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        state: Option<&mut RecurrentStateCache>,
+        logits: &mut Vec<f32>,
+        hidden: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        self.run(
+            batch,
+            cache,
+            state,
+            &mut StepOutput::LogitsAndHidden(logits, hidden),
+        )
+    }
+
+    /// Runs an MTP head ([`Model::load_mtp`]) over `batch`: row i of `hidden` (`[tokens,
+    /// hidden]`) is the model's final hidden state (after its final norm) at the position
+    /// before batch token i, which is the token after it. Writes the logits of the rows
+    /// [`RaggedBatch::logit_rows`] names, each predicting the token after its own, and the
+    /// head's own hidden states of those rows to `hidden_out` (the next draft's input).
+    /// Row t may sit at position t: attention under RoPE sees only differences of positions.
+    pub fn forward_mtp(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        hidden: &[f32],
+        logits: &mut Vec<f32>,
+        hidden_out: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        let len = batch.num_tokens() * self.config().hidden_size;
+        if hidden.len() != len {
+            return Err(ModelError::InvalidBatch(format!(
+                "{} hidden values for {} tokens of width {}",
+                hidden.len(),
+                batch.num_tokens(),
+                self.config().hidden_size
+            )));
+        }
+        let backend = self.backend.as_ref();
+        let mut buffer = backend.take_buffer(DType::F32, len, BufferUsage::Activations)?;
+        let result = backend
+            .upload_f32(hidden, &mut buffer)
+            .map_err(ModelError::from)
+            .and_then(|()| {
+                self.run_with(
+                    batch,
+                    cache,
+                    None,
+                    Some(&buffer),
+                    &mut StepOutput::LogitsAndHidden(logits, hidden_out),
+                )
+            });
+        backend.give_buffer(buffer);
+        result
+    }
+
     /// One step, run where the backend runs steps best ([`Backend::run_step`]).
     fn run(
         &self,
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
+        state: Option<&mut RecurrentStateCache>,
+        out: &mut StepOutput<'_>,
+    ) -> Result<ForwardReport> {
+        self.run_with(batch, cache, state, None, out)
+    }
+
+    /// [`Model::run`], with an MTP head's hidden-state input.
+    fn run_with(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
         mut state: Option<&mut RecurrentStateCache>,
+        hidden: Option<&DeviceBuffer>,
         out: &mut StepOutput<'_>,
     ) -> Result<ForwardReport> {
         let model = StepModel {
@@ -248,7 +345,10 @@ impl Model {
         };
         let mut result = None;
         self.backend.run_step(&mut || {
-            result = Some(self.runner.run(&model, batch, cache, state.take(), out));
+            result = Some(
+                self.runner
+                    .run(&model, batch, cache, state.take(), hidden, out),
+            );
         });
         result.unwrap_or_else(|| Err(ModelError::InvalidBatch("the step did not run".to_string())))
     }

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use corral_backend::sampling::{
     CANDIDATE_ROW_WORDS, DRAW_WORDS, Filter, Penalty, RowCandidates, RowDraw,
 };
-use corral_backend::{Backend, BufferUsage, DType, DispatchStats, Graph};
+use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer, DispatchStats, Graph};
 
 use crate::batch::RaggedBatch;
 use crate::families::{FamilyModel, StepCtx};
@@ -169,6 +169,7 @@ impl StepRunner {
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
         mut state: Option<&mut RecurrentStateCache>,
+        hidden: Option<&DeviceBuffer>,
         out: &mut StepOutput<'_>,
     ) -> Result<ForwardReport> {
         let backend = model.backend;
@@ -248,7 +249,10 @@ impl StepRunner {
         // so that a graph lasts GRAPH_WIDTH_STEP blocks. (Padded also with graphs off, so
         // that eager steps run the very same kernels.)
         let uniform = batch.runs().iter().all(|r| r.len == max_run_tokens);
+        // (An MTP head's hidden-state input is a buffer of the caller's, which a graph would
+        // keep the address of.)
         let graph_shaped = backend.records_graphs()
+            && hidden.is_none()
             && uniform
             && max_run_tokens <= MAX_GRAPH_RUN_TOKENS
             && !model.strategy.syncs_host(tokens);
@@ -285,6 +289,7 @@ impl StepRunner {
                 ws,
                 strategy: model.strategy,
                 moe_stats,
+                hidden,
             })
         };
         let result = if graphable {
@@ -356,7 +361,13 @@ impl StepRunner {
                     }
                     None => forward(&mut entry.ws, cache, state.as_deref_mut(), &mut moe_stats)?,
                 }
-                read_out(backend, &mut entry.ws, rows.len(), config.vocab_size, out)
+                read_out(
+                    backend,
+                    &mut entry.ws,
+                    rows.len(),
+                    (config.vocab_size, config.hidden_size),
+                    out,
+                )
             })()
         } else {
             let mut ws = Workspace::take(
@@ -372,7 +383,13 @@ impl StepRunner {
             let result = (|| {
                 upload(&mut ws)?;
                 forward(&mut ws, cache, state.as_deref_mut(), &mut moe_stats)?;
-                read_out(backend, &mut ws, rows.len(), config.vocab_size, out)
+                read_out(
+                    backend,
+                    &mut ws,
+                    rows.len(),
+                    (config.vocab_size, config.hidden_size),
+                    out,
+                )
             })();
             ws.give(backend);
             result
@@ -390,6 +407,9 @@ impl StepRunner {
 pub(crate) enum StepOutput<'a> {
     /// Every wanted row's logits, `[rows, vocab]`.
     Logits(&'a mut Vec<f32>),
+    /// Every wanted row's logits and its final hidden state after the final norm, `[rows,
+    /// hidden]`.
+    LogitsAndHidden(&'a mut Vec<f32>, &'a mut Vec<f32>),
     /// Every wanted row reduced on the device.
     Sampled(&'a mut SampledStep),
 }
@@ -421,7 +441,7 @@ fn read_out(
     backend: &dyn Backend,
     ws: &mut Workspace,
     rows: usize,
-    vocab: usize,
+    (vocab, width): (usize, usize),
     out: &mut StepOutput<'_>,
 ) -> Result<()> {
     let step = match out {
@@ -429,6 +449,15 @@ fn read_out(
             logits.resize(rows * vocab, 0.0);
             if rows > 0 {
                 backend.download_f32(&ws.logits, logits)?;
+            }
+            return Ok(());
+        }
+        StepOutput::LogitsAndHidden(logits, hidden) => {
+            logits.resize(rows * vocab, 0.0);
+            hidden.resize(rows * width, 0.0);
+            if rows > 0 {
+                backend.download_f32(&ws.logits, logits)?;
+                backend.download_f32(&ws.rows_normed, hidden)?;
             }
             return Ok(());
         }

@@ -107,6 +107,14 @@ impl Checkpoint {
         self.language_tensors().map(|t| t.byte_len).sum()
     }
 
+    /// Elements and bytes of the MTP head's own tensors (`mtp.*`).
+    pub fn mtp_size(&self) -> (usize, usize) {
+        self.tensors
+            .values()
+            .filter(|t| t.name.starts_with("mtp."))
+            .fold((0, 0), |(n, b), t| (n + t.numel(), b + t.byte_len))
+    }
+
     fn language_tensors(&self) -> impl Iterator<Item = &TensorEntry> {
         const SKIPPED: [&str; 3] = ["model.visual.", "visual.", "mtp."];
         self.tensors

@@ -349,6 +349,29 @@ impl ModelConfig {
         }
     }
 
+    /// The configuration of the checkpoint's MTP head as a model of its own: one
+    /// full-attention decoder layer, sparse where the model's layers are (Qwen stores
+    /// `mtp_num_hidden_layers` = 1), on the model's embedding, widths and LM head.
+    pub fn mtp(&self) -> Result<ModelConfig> {
+        let Some(hybrid) = &self.hybrid else {
+            return Err(ModelError::Unsupported(format!(
+                "{} has no MTP head",
+                self.family.model_type()
+            )));
+        };
+        let mut mtp = self.clone();
+        mtp.num_layers = 1;
+        mtp.hybrid = Some(HybridConfig {
+            layer_types: vec![LayerKind::Full],
+            ..hybrid.clone()
+        });
+        if let Some(moe) = &mut mtp.moe {
+            moe.mlp_only_layers.clear();
+            moe.decoder_sparse_step = 1;
+        }
+        Ok(mtp)
+    }
+
     /// Whether layer `layer` runs the sparse MoE block (else the dense MLP).
     pub fn is_sparse_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| is_sparse(m, layer))

@@ -26,6 +26,8 @@ pub(crate) struct StepCtx<'a> {
     pub(crate) strategy: MoeStrategy,
     /// The MoE blocks' share of the step's dispatches.
     pub(crate) moe_stats: &'a mut DispatchStats,
+    /// `[tokens, hidden]`: the model's final hidden states, for an MTP head.
+    pub(crate) hidden: Option<&'a corral_backend::DeviceBuffer>,
 }
 
 /// A loaded model of one family: its layers' weights on a backend and its forward pass.
@@ -137,6 +139,25 @@ pub(crate) fn supported(gguf: bool) -> String {
         .map(|f| if gguf { f.gguf.0 } else { f.model_types[0] })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Loads the MTP head of a model of `config` (a hybrid family's `mtp.*` tensors) from
+/// `source` onto `backend`.
+pub(crate) fn load_mtp(
+    source: &dyn WeightSource,
+    backend: &dyn Backend,
+    config: &ModelConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn FamilyModel>> {
+    if config.hybrid.is_none() {
+        return Err(ModelError::Unsupported(format!(
+            "{} has no MTP head",
+            config.family.model_type()
+        )));
+    }
+    Ok(Box::new(qwen3_next::HybridModel::load_mtp(
+        source, backend, config, progress,
+    )?))
 }
 
 /// Loads `config`'s family from `source` onto `backend`.

@@ -77,13 +77,78 @@ struct Layer {
     ffn: FeedForward,
 }
 
-/// A loaded hybrid model.
+/// The input of Qwen's MTP head: `fc([norm_e(embed(x_{t+1})); norm_h(h_t)])`, `fc` kept as
+/// its two halves, one over each part.
+#[derive(Debug)]
+struct MtpInput {
+    norm_embedding: DeviceBuffer,
+    norm_hidden: DeviceBuffer,
+    /// `fc[:, ..H]` and `fc[:, H..]`, `[H, H]` each.
+    fc_embedding: DeviceBuffer,
+    fc_hidden: DeviceBuffer,
+}
+
+/// A loaded hybrid model, or its MTP head (one full-attention layer after [`MtpInput`],
+/// the embedding and LM head the model's).
 #[derive(Debug)]
 pub(crate) struct HybridModel {
     config: ModelConfig,
     embed_tokens: DeviceBuffer,
+    mtp_input: Option<MtpInput>,
     layers: Vec<Layer>,
     head: OutputHead,
+}
+
+impl MtpInput {
+    fn load(src: &dyn WeightSource, backend: &dyn Backend, h: usize) -> Result<Self> {
+        let fc = src.read_f32("mtp.fc.weight", &[h, 2 * h])?;
+        let dtype = src.stored_dtype("mtp.fc.weight")?;
+        let half = |part: usize| -> Vec<f32> {
+            fc.chunks_exact(2 * h)
+                .flat_map(|row| &row[part * h..(part + 1) * h])
+                .copied()
+                .collect()
+        };
+        let dtype = if dtype == DType::F32 {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        Ok(Self {
+            norm_embedding: src.weight_f32(backend, "mtp.pre_fc_norm_embedding.weight", &[h])?,
+            norm_hidden: src.weight_f32(backend, "mtp.pre_fc_norm_hidden.weight", &[h])?,
+            fc_embedding: backend.weight_from_f32(&half(0), dtype)?,
+            fc_hidden: backend.weight_from_f32(&half(1), dtype)?,
+        })
+    }
+
+    /// `ws.x = fc_e · norm_e(ws.x) + fc_h · norm_h(hidden)`, ws.x holding the embeddings.
+    fn forward(
+        &self,
+        backend: &dyn Backend,
+        cfg: &ModelConfig,
+        ws: &mut Workspace,
+        tokens: usize,
+        hidden: &DeviceBuffer,
+    ) -> Result<()> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        backend.rms_norm(&ws.x, &self.norm_embedding, tokens, h, eps, true, &mut ws.h)?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.fc_embedding, h, h)?,
+            &mut ws.out,
+        )?;
+        backend.rms_norm(hidden, &self.norm_hidden, tokens, h, eps, true, &mut ws.h)?;
+        backend.matmul(
+            &ws.h,
+            tokens,
+            WeightView::new(&self.fc_hidden, h, h)?,
+            &mut ws.x,
+        )?;
+        backend.add_in_place(&mut ws.x, &ws.out, tokens * h)?;
+        Ok(())
+    }
 }
 
 impl GatedAttention {
@@ -359,33 +424,96 @@ impl HybridModel {
         config: ModelConfig,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
-        let hy = config.hybrid.clone().ok_or_else(|| {
-            ModelError::Unsupported("a hybrid family without hybrid settings".to_string())
-        })?;
-        let (h, v) = (config.hidden_size, config.vocab_size);
-        let prefix = if src.contains("model.language_model.embed_tokens.weight") {
+        let prefix = Self::prefix(src);
+        let embed_tokens = Self::load_embedding(src, backend, &config)?;
+        let layers =
+            Self::load_layers(src, backend, &config, &format!("{prefix}layers."), progress)?;
+        let head = OutputHead::load(src, backend, &config, &format!("{prefix}norm.weight"))?;
+        Ok(Self {
+            config,
+            embed_tokens,
+            mtp_input: None,
+            layers,
+            head,
+        })
+    }
+
+    /// Binds the checkpoint's MTP head (`mtp.*`) as a model of its own: `config` is the
+    /// model's, and the head's configuration ([`ModelConfig::mtp`]) is derived from it.
+    pub(crate) fn load_mtp(
+        src: &dyn WeightSource,
+        backend: &dyn Backend,
+        config: &ModelConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        if !src.contains("mtp.fc.weight") {
+            return Err(ModelError::Unsupported(
+                "the checkpoint has no MTP head (no mtp.* tensors)".to_string(),
+            ));
+        }
+        let config = config.mtp()?;
+        let embed_tokens = Self::load_embedding(src, backend, &config)?;
+        let mtp_input = MtpInput::load(src, backend, config.hidden_size)?;
+        let layers = Self::load_layers(src, backend, &config, "mtp.layers.", progress)?;
+        let head = OutputHead::load(src, backend, &config, "mtp.norm.weight")?;
+        Ok(Self {
+            config,
+            embed_tokens,
+            mtp_input: Some(mtp_input),
+            layers,
+            head,
+        })
+    }
+
+    /// Where the language model's tensors are: under `model.language_model.` in Qwen3.5's
+    /// Hub checkpoints, else under `model.`.
+    fn prefix(src: &dyn WeightSource) -> &'static str {
+        if src.contains("model.language_model.embed_tokens.weight") {
             "model.language_model."
         } else {
             "model."
-        };
-        let embed_tokens = src.weight(backend, &format!("{prefix}embed_tokens.weight"), &[v, h])?;
+        }
+    }
+
+    fn load_embedding(
+        src: &dyn WeightSource,
+        backend: &dyn Backend,
+        config: &ModelConfig,
+    ) -> Result<DeviceBuffer> {
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let prefix = Self::prefix(src);
+        src.weight(backend, &format!("{prefix}embed_tokens.weight"), &[v, h])
+    }
+
+    /// The decoder layers `config` describes, layer i's tensors under `{layers}{i}.`.
+    fn load_layers(
+        src: &dyn WeightSource,
+        backend: &dyn Backend,
+        config: &ModelConfig,
+        layers_prefix: &str,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Layer>> {
+        let hy = config.hybrid.clone().ok_or_else(|| {
+            ModelError::Unsupported("a hybrid family without hybrid settings".to_string())
+        })?;
+        let h = config.hidden_size;
         let (mut linear_index, mut full_index) = (0, 0);
         let mut layers = Vec::with_capacity(config.num_layers);
         for (i, kind) in hy.layer_types.iter().enumerate() {
             progress(i, config.num_layers);
-            let p = format!("{prefix}layers.{i}.");
+            let p = format!("{layers_prefix}{i}.");
             let mixer = match kind {
                 LayerKind::Linear => {
                     linear_index += 1;
                     Mixer::Linear(
-                        GatedDeltaNet::load(src, backend, &config, &hy, &p)?,
+                        GatedDeltaNet::load(src, backend, config, &hy, &p)?,
                         linear_index - 1,
                     )
                 }
                 LayerKind::Full => {
                     full_index += 1;
                     Mixer::Full(
-                        GatedAttention::load(src, backend, &config, &p)?,
+                        GatedAttention::load(src, backend, config, &p)?,
                         full_index - 1,
                     )
                 }
@@ -444,13 +572,7 @@ impl HybridModel {
             });
         }
         progress(config.num_layers, config.num_layers);
-        let head = OutputHead::load(src, backend, &config, &format!("{prefix}norm.weight"))?;
-        Ok(Self {
-            config,
-            embed_tokens,
-            layers,
-            head,
-        })
+        Ok(layers)
     }
 
     /// Runs the layers over `batch`, writing `[logit rows, vocab]` into `ws.logits`.
@@ -460,10 +582,11 @@ impl HybridModel {
         backend: &dyn Backend,
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
-        state: &mut RecurrentStateCache,
+        mut state: Option<&mut RecurrentStateCache>,
         ws: &mut Workspace,
         strategy: MoeStrategy,
         moe_stats: &mut DispatchStats,
+        hidden: Option<&DeviceBuffer>,
     ) -> Result<()> {
         let cfg = &self.config;
         let hy = cfg.hybrid.as_ref().ok_or_else(|| {
@@ -478,6 +601,12 @@ impl HybridModel {
             tokens,
             &mut ws.x,
         )?;
+        if let Some(mtp) = &self.mtp_input {
+            let hidden = hidden.ok_or_else(|| {
+                ModelError::InvalidBatch("an MTP head needs the model's hidden states".to_string())
+            })?;
+            mtp.forward(backend, cfg, ws, tokens, hidden)?;
+        }
         if let Some(first) = self.layers.first() {
             backend.rms_norm(
                 &ws.x,
@@ -492,6 +621,9 @@ impl HybridModel {
         for (i, layer) in self.layers.iter().enumerate() {
             match &layer.mixer {
                 Mixer::Linear(net, i) => {
+                    let state = state.as_deref_mut().ok_or_else(|| {
+                        ModelError::InvalidBatch("a hybrid model needs recurrent state".to_string())
+                    })?;
                     net.forward(backend, cfg, hy, ws, tokens, num_runs, state, *i)?
                 }
                 Mixer::Full(attn, i) => {
@@ -563,7 +695,9 @@ impl super::FamilyModel for HybridModel {
     }
 
     fn recurrent(&self) -> bool {
-        true
+        self.layers
+            .iter()
+            .any(|l| matches!(l.mixer, Mixer::Linear(..)))
     }
 
     fn forward(&self, step: super::StepCtx<'_>) -> Result<()> {
@@ -575,10 +709,10 @@ impl super::FamilyModel for HybridModel {
             ws,
             strategy,
             moe_stats,
+            hidden,
         } = step;
-        let state = state.ok_or_else(|| {
-            ModelError::InvalidBatch("a hybrid model needs recurrent state".to_string())
-        })?;
-        self.forward_layers(backend, batch, cache, state, ws, strategy, moe_stats)
+        self.forward_layers(
+            backend, batch, cache, state, ws, strategy, moe_stats, hidden,
+        )
     }
 }

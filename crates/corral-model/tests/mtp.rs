@@ -1,0 +1,156 @@
+//! The MTP head (`Model::load_mtp`) against the demo model's trainer (scripts/train), whose
+//! `MtpHead` is the definition Corral follows: tests/fixtures/qwen3_5_moe_mtp, made by
+//! scripts/make_mtp_fixture.py, a tiny qwen3_5_moe_text model with every parameter perturbed.
+//! Row t of the head's input is the model's final hidden state at t (after its final norm)
+//! and the token at t + 1; its logits predict the token at t + 2.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{
+    BLOCK_SIZE, fixture_dir, load, logits_chunked, reference_f32s, reference_i64s, rel_err,
+};
+use corral_backend::CpuBackend;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId,
+};
+
+const NAME: &str = "qwen3_5_moe_mtp";
+
+struct MtpReference {
+    token_ids: Vec<u32>,
+    logits: Vec<f32>,
+    hidden: Vec<f32>,
+    mtp_logits: Vec<f32>,
+}
+
+fn read() -> MtpReference {
+    let path = fixture_dir(NAME).join("reference.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("reference header");
+    MtpReference {
+        token_ids: reference_i64s(&st, "token_ids")
+            .into_iter()
+            .map(|t| t as u32)
+            .collect(),
+        logits: reference_f32s(&st, "logits"),
+        hidden: reference_f32s(&st, "hidden"),
+        mtp_logits: reference_f32s(&st, "mtp_logits"),
+    }
+}
+
+/// The MTP head's logits for every row, fed `chunk` rows per forward through its own KV
+/// cache: row t (the hidden state at t, token t + 1) at position t. The trainer puts it at
+/// t + 1; attention scores under RoPE depend only on differences of positions.
+fn mtp_logits_chunked(mtp: &Model, ids: &[u32], hidden: &[f32], chunk: usize) -> Vec<f32> {
+    let h = mtp.config().hidden_size;
+    let rows = ids.len() - 1;
+    let blocks = ids.len().div_ceil(BLOCK_SIZE);
+    let mut kv =
+        PagedKvCache::new(mtp.backend().as_ref(), mtp.config(), blocks, BLOCK_SIZE).unwrap();
+    let table = BlockTable {
+        blocks: (0..blocks as u32).map(BlockId).collect(),
+    };
+    let (mut all, mut out, mut out_hidden) = (Vec::new(), Vec::new(), Vec::new());
+    let mut start = 0;
+    while start < rows {
+        let end = (start + chunk).min(rows);
+        let tokens: Vec<TokenId> = ids[start + 1..end + 1]
+            .iter()
+            .map(|&t| TokenId(t))
+            .collect();
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        batch
+            .push_run(SeqId(3), &tokens, start, &table, LogitsWanted::All)
+            .unwrap();
+        let _ = mtp
+            .forward_mtp(
+                &batch,
+                &mut kv,
+                &hidden[start * h..end * h],
+                &mut out,
+                &mut out_hidden,
+            )
+            .unwrap();
+        assert_eq!(out_hidden.len(), (end - start) * h);
+        all.extend_from_slice(&out);
+        start = end;
+    }
+    all
+}
+
+#[test]
+fn mtp_head_matches_the_trainer_at_every_chunk_size() {
+    let reference = read();
+    let model = load(NAME);
+    let ours = logits_chunked(&model, &reference.token_ids, reference.token_ids.len());
+    let err = rel_err(&ours, &reference.logits);
+    assert!(err < 1e-4, "the model itself: relative error {err:e}");
+    let mtp = Model::load_mtp(
+        &fixture_dir(NAME),
+        Arc::new(CpuBackend::new()),
+        &mut |_, _| {},
+    )
+    .expect("load the MTP head");
+    assert_eq!(mtp.config().num_layers, 1);
+    for chunk in [1, 7, reference.token_ids.len()] {
+        let ours = mtp_logits_chunked(&mtp, &reference.token_ids, &reference.hidden, chunk);
+        let err = rel_err(&ours, &reference.mtp_logits);
+        eprintln!("chunk {chunk}: relative error {err:.2e}");
+        assert!(err < 1e-4, "chunk {chunk}: relative error {err:e}");
+    }
+}
+
+/// The model's own final hidden states (read back beside its logits) are the trainer's, and
+/// the head on them gives the trainer's logits: the path a drafter takes.
+#[test]
+fn mtp_head_on_the_models_own_hidden_states_matches_the_trainer() {
+    let reference = read();
+    let model = load(NAME);
+    let ids = &reference.token_ids;
+    let (mut kv, mut state, table) = common::caches(&model, ids.len());
+    let tokens: Vec<TokenId> = ids.iter().map(|&t| TokenId(t)).collect();
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    batch
+        .push_run(SeqId(0), &tokens, 0, &table, LogitsWanted::All)
+        .unwrap();
+    batch
+        .set_state_slot(SeqId(0), corral_model::SlotId(2))
+        .unwrap();
+    let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+    let _ = model
+        .forward_with_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
+        .unwrap();
+    let err = rel_err(&hidden, &reference.hidden);
+    assert!(err < 1e-5, "hidden states: relative error {err:e}");
+    assert!(rel_err(&logits, &reference.logits) < 1e-4);
+    let mtp = Model::load_mtp(
+        &fixture_dir(NAME),
+        Arc::new(CpuBackend::new()),
+        &mut |_, _| {},
+    )
+    .expect("load the MTP head");
+    let h = mtp.config().hidden_size;
+    let ours = mtp_logits_chunked(&mtp, ids, &hidden[..(ids.len() - 1) * h], 5);
+    let err = rel_err(&ours, &reference.mtp_logits);
+    assert!(err < 1e-4, "relative error {err:e}");
+}
+
+#[test]
+fn a_checkpoint_without_an_mtp_head_says_so() {
+    let err = Model::load_mtp(
+        &fixture_dir("qwen3_5_moe_text"),
+        Arc::new(CpuBackend::new()),
+        &mut |_, _| {},
+    )
+    .expect_err("no mtp.* tensors");
+    assert!(err.to_string().contains("no MTP head"), "{err}");
+    let err = Model::load_mtp(
+        &fixture_dir("qwen3_moe_fused"),
+        Arc::new(CpuBackend::new()),
+        &mut |_, _| {},
+    )
+    .expect_err("not a hybrid");
+    assert!(err.to_string().contains("no MTP head"), "{err}");
+}
