@@ -786,6 +786,56 @@ fn eval_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("eval --json prints one JSON object")
 }
 
+/// `--mtp N` scores the checkpoint's MTP head at depths 1..N beside the perplexity; a model
+/// without one is refused by name. (The head's logits are tested against its trainer in
+/// corral-model's `mtp` tests.)
+#[test]
+fn eval_scores_the_mtp_head_at_each_depth() {
+    let reference = fixture("qwen3_5_moe_mtp").join("reference.safetensors");
+    let ids = i64s(&read_tensor(&reference, "token_ids").1);
+    let (shape, bytes) = read_tensor(&reference, "logits");
+    let expected = reference_perplexity(&f32s(&bytes), &ids, shape[1]);
+    let model = fixture("qwen3_5_moe_mtp");
+    let list = join(&ids);
+    let args = [
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--token-ids",
+        &list,
+        "--kv-dtype",
+        "f32",
+        "--mtp",
+        "3",
+        "--json",
+    ];
+    let result = eval_json(&args);
+    let ppl = result["perplexity"].as_f64().unwrap();
+    assert!(
+        ((ppl - expected) / expected).abs() < 1e-4,
+        "{ppl} against {expected}"
+    );
+    let depths = result["mtp_top1"].as_array().expect("mtp_top1");
+    assert_eq!(depths.len(), 3);
+    assert!(
+        depths
+            .iter()
+            .all(|d| d.as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)))
+    );
+    let other = fixture("qwen3_5_moe_text");
+    let out = corral(&[
+        "eval",
+        "--model",
+        other.to_str().unwrap(),
+        "--token-ids",
+        "1,2,3",
+        "--mtp",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no MTP head"), "{}", stderr(&out));
+}
+
 #[test]
 fn eval_perplexity_matches_transformers_and_compares_configurations() {
     for name in ["qwen3_5_moe_text", "qwen3_next", "qwen3_moe_fused"] {

@@ -2,7 +2,9 @@
 //! file's tokens, each window a fresh sequence (as transformers' sliding evaluation with no
 //! overlap); with `--against`, a second configuration of the model (other weights, device,
 //! KV type or strategy) run over the same windows, and the KL divergence of its next-token
-//! distributions from the first's and how often their top tokens agree.
+//! distributions from the first's and how often their top tokens agree. With `--mtp N`, the
+//! checkpoint's MTP head's top-1 agreement with the model's own top token at draft depths
+//! 1..N, counted as the demo model's trainer counts it.
 
 use std::path::{Path, PathBuf};
 
@@ -11,6 +13,8 @@ use clap::Args;
 
 use super::logits::sequence_logits;
 use crate::loading::{ModelArgs, load_model};
+use corral_engine::{BLOCK_SIZE, KvBlockPool};
+use corral_model::{BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId};
 
 /// Arguments of `corral eval`.
 #[derive(Debug, Args)]
@@ -38,6 +42,11 @@ pub(crate) struct EvalArgs {
     /// `threads=N`; e.g. `--against model=demo.q8_0.gguf` or `--against device=cuda`.
     #[arg(long)]
     against: Option<String>,
+    /// Also score the checkpoint's MTP head at draft depths 1..N: how often its top token
+    /// equals the model's own at the position it drafts for (depth k reads the text's token
+    /// k on and, past depth 1, the head's own hidden state from the depth before).
+    #[arg(long, default_value_t = 0)]
+    mtp: usize,
     /// Print the results as one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -61,6 +70,85 @@ impl Score {
 
     fn perplexity(&self) -> f64 {
         (self.nll / self.count.max(1) as f64).exp()
+    }
+}
+
+/// The MTP head and what it agreed with, per depth `(same top token, positions)`.
+struct MtpScore {
+    head: Model,
+    cache: PagedKvCache,
+    table: BlockTable,
+    depths: Vec<(usize, usize)>,
+    /// Per-depth scratch: logits, the head's hidden states, the input hidden states.
+    logits: Vec<f32>,
+    out: Vec<f32>,
+    input: Vec<f32>,
+}
+
+impl MtpScore {
+    /// Loads the MTP head of `args`' checkpoint on `model`'s backend, with a KV cache for
+    /// windows of `window` tokens.
+    fn load(args: &EvalArgs, model: &Model) -> Result<Self> {
+        let dir = match (args.model.dir(), args.model.gguf()?) {
+            (Some(dir), None) => dir,
+            _ => bail!("--mtp reads the MTP head of a checkpoint directory (not a GGUF file)"),
+        };
+        let head = Model::load_mtp(dir, model.backend().clone(), &mut |_, _| {})
+            .with_context(|| format!("loading the MTP head of {}", dir.display()))?;
+        let blocks = args.window.div_ceil(BLOCK_SIZE);
+        let cache = PagedKvCache::new(head.backend().as_ref(), head.config(), blocks, BLOCK_SIZE)?;
+        let mut table = BlockTable::default();
+        KvBlockPool::new(blocks, BLOCK_SIZE).grow(&mut table, args.window)?;
+        Ok(Self {
+            head,
+            cache,
+            table,
+            depths: vec![(0, 0); args.mtp],
+            logits: Vec::new(),
+            out: Vec::new(),
+            input: Vec::new(),
+        })
+    }
+
+    /// Scores one window: `inputs` its tokens, `hidden` the model's final hidden states at
+    /// each, `greedy` the model's top token after each.
+    fn add(&mut self, inputs: &[u32], hidden: &[f32], greedy: &[usize]) -> Result<()> {
+        let (width, vocab) = (
+            self.head.config().hidden_size,
+            self.head.config().vocab_size,
+        );
+        self.input.clear();
+        self.input.extend_from_slice(hidden);
+        for (k, (same, count)) in (1..).zip(self.depths.iter_mut()) {
+            if inputs.len() <= k {
+                break;
+            }
+            let rows = inputs.len() - k;
+            let tokens: Vec<TokenId> = inputs[k..].iter().map(|&t| TokenId(t)).collect();
+            let mut batch = RaggedBatch::new(BLOCK_SIZE);
+            batch.push_run(SeqId(0), &tokens, 0, &self.table, LogitsWanted::All)?;
+            let _ = self.head.forward_mtp(
+                &batch,
+                &mut self.cache,
+                &self.input[..rows * width],
+                &mut self.logits,
+                &mut self.out,
+            )?;
+            for (r, row) in self.logits.chunks_exact(vocab).enumerate() {
+                *same += usize::from(argmax(row) == greedy[r + k]);
+                *count += 1;
+            }
+            std::mem::swap(&mut self.input, &mut self.out);
+        }
+        Ok(())
+    }
+
+    /// Agreement per depth.
+    fn agreement(&self) -> Vec<f64> {
+        self.depths
+            .iter()
+            .map(|&(same, count)| same as f64 / count.max(1) as f64)
+            .collect()
     }
 }
 
@@ -116,16 +204,26 @@ pub(crate) fn run(args: EvalArgs) -> Result<()> {
         indicatif::ProgressStyle::with_template("scoring [{bar:30}] {pos}/{len} windows")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let mut mtp = match args.mtp {
+        0 => None,
+        _ => Some(MtpScore::load(&args, &first)?),
+    };
+    let (mut a, mut b, mut hidden, mut greedy) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // One row's log-probabilities of each configuration, reused from row to row.
     let (mut la, mut lb) = (Vec::with_capacity(vocab), Vec::with_capacity(vocab));
     for start in (0..ids.len() - 1).step_by(args.window) {
         let end = (start + args.window).min(ids.len() - 1);
         let inputs = &ids[start..end];
         let targets = &ids[start + 1..=end];
-        sequence_logits(&first, inputs, inputs.len(), &mut a)?;
+        let wants_hidden = mtp.is_some().then_some(&mut hidden);
+        sequence_logits(&first, inputs, inputs.len(), &mut a, wants_hidden)?;
         if let Some((_, model)) = &second {
-            sequence_logits(model, inputs, inputs.len(), &mut b)?;
+            sequence_logits(model, inputs, inputs.len(), &mut b, None)?;
+        }
+        if let Some(mtp) = &mut mtp {
+            greedy.clear();
+            greedy.extend(a.chunks_exact(vocab).map(argmax));
+            mtp.add(inputs, &hidden, &greedy)?;
         }
         for (k, &t) in targets.iter().enumerate() {
             let ra = &a[k * vocab..(k + 1) * vocab];
@@ -148,6 +246,7 @@ pub(crate) fn run(args: EvalArgs) -> Result<()> {
         &scores,
         second.as_ref().map(|(d, _)| d.as_str()),
         &divergence,
+        mtp.as_ref().map(MtpScore::agreement).as_deref(),
     );
     Ok(())
 }
@@ -207,7 +306,13 @@ fn argmax(row: &[f32]) -> usize {
         .0
 }
 
-fn report(args: &EvalArgs, scores: &[Score; 2], against: Option<&str>, div: &Divergence) {
+fn report(
+    args: &EvalArgs,
+    scores: &[Score; 2],
+    against: Option<&str>,
+    div: &Divergence,
+    mtp: Option<&[f64]>,
+) {
     let n = scores[0].count;
     let first = args.model.describe_run();
     let source = match &args.text {
@@ -231,6 +336,9 @@ fn report(args: &EvalArgs, scores: &[Score; 2], against: Option<&str>, div: &Div
                 "top1_agreement": div.top1_same as f64 / n.max(1) as f64,
             });
         }
+        if let Some(mtp) = mtp {
+            value["mtp_top1"] = serde_json::json!(mtp);
+        }
         println!("{value}");
         return;
     }
@@ -243,6 +351,14 @@ fn report(args: &EvalArgs, scores: &[Score; 2], against: Option<&str>, div: &Div
             div.kl / n.max(1) as f64,
             div.max_kl,
             100.0 * div.top1_same as f64 / n.max(1) as f64
+        );
+    }
+    if let Some(mtp) = mtp {
+        let depths: Vec<String> = mtp.iter().map(|a| format!("{:.2}%", 100.0 * a)).collect();
+        println!(
+            "MTP head's top-1 agreement with the model's top token, depths 1-{}: {}",
+            mtp.len(),
+            depths.join(", ")
         );
     }
 }

@@ -32,12 +32,14 @@ pub(crate) struct LogitsArgs {
 }
 
 /// The logits of every position of `tokens` as one fresh sequence, fed `chunk` tokens a
-/// forward through a paged KV cache of its own, into `all` (cleared first).
+/// forward through a paged KV cache of its own, into `all` (cleared first); with `hidden`,
+/// also each position's final hidden state (after the final norm) into it.
 pub(crate) fn sequence_logits(
     model: &Model,
     tokens: &[u32],
     chunk: usize,
     all: &mut Vec<f32>,
+    mut hidden: Option<&mut Vec<f32>>,
 ) -> Result<()> {
     let blocks = tokens.len().div_ceil(BLOCK_SIZE);
     let mut pool = KvBlockPool::new(blocks, BLOCK_SIZE);
@@ -47,14 +49,31 @@ pub(crate) fn sequence_logits(
     let mut table = BlockTable::default();
     pool.grow(&mut table, tokens.len())?;
     all.clear();
-    let mut out = Vec::new();
+    if let Some(hidden) = hidden.as_deref_mut() {
+        hidden.clear();
+    }
+    let (mut out, mut rows) = (Vec::new(), Vec::new());
     let chunk = chunk.max(1);
     for (i, piece) in tokens.chunks(chunk).enumerate() {
         let mut batch = RaggedBatch::new(BLOCK_SIZE);
         let ids: Vec<TokenId> = piece.iter().map(|&t| TokenId(t)).collect();
         batch.push_run(SeqId(0), &ids, i * chunk, &table, LogitsWanted::All)?;
         batch.set_state_slot(SeqId(0), SlotId(0))?;
-        let _ = model.forward_with_state(&batch, &mut cache, &mut state, &mut out)?;
+        match hidden.as_deref_mut() {
+            Some(hidden) => {
+                let _ = model.forward_with_hidden(
+                    &batch,
+                    &mut cache,
+                    Some(&mut state),
+                    &mut out,
+                    &mut rows,
+                )?;
+                hidden.extend_from_slice(&rows);
+            }
+            None => {
+                let _ = model.forward_with_state(&batch, &mut cache, &mut state, &mut out)?;
+            }
+        }
         all.extend_from_slice(&out);
     }
     pool.release(&mut table);
@@ -73,7 +92,7 @@ pub(crate) fn run(args: LogitsArgs) -> Result<()> {
     }
     let chunk = args.chunk.unwrap_or(tokens.len());
     let mut all = Vec::with_capacity(tokens.len() * vocab);
-    sequence_logits(&model, tokens, chunk, &mut all)?;
+    sequence_logits(&model, tokens, chunk, &mut all, None)?;
     let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::F32, vec![tokens.len(), vocab], &bytes)
         .context("building the logits tensor")?;
