@@ -786,18 +786,16 @@ fn eval_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("eval --json prints one JSON object")
 }
 
-/// `--mtp N` scores the checkpoint's MTP head at depths 1..N beside the perplexity; a model
-/// without one is refused by name. (The head's logits are tested against its trainer in
-/// corral-model's `mtp` tests.)
-#[test]
-fn eval_scores_the_mtp_head_at_each_depth() {
-    let reference = fixture("qwen3_5_moe_mtp").join("reference.safetensors");
+/// `corral eval --json` of fixture `name`'s reference tokens with an f32 KV cache and the
+/// `extra` arguments, and transformers' perplexity of them.
+fn eval_fixture(name: &str, extra: &[&str]) -> (serde_json::Value, f64, usize) {
+    let reference = fixture(name).join("reference.safetensors");
     let ids = i64s(&read_tensor(&reference, "token_ids").1);
     let (shape, bytes) = read_tensor(&reference, "logits");
     let expected = reference_perplexity(&f32s(&bytes), &ids, shape[1]);
-    let model = fixture("qwen3_5_moe_mtp");
+    let model = fixture(name);
     let list = join(&ids);
-    let args = [
+    let mut args = vec![
         "eval",
         "--model",
         model.to_str().unwrap(),
@@ -805,11 +803,18 @@ fn eval_scores_the_mtp_head_at_each_depth() {
         &list,
         "--kv-dtype",
         "f32",
-        "--mtp",
-        "3",
         "--json",
     ];
-    let result = eval_json(&args);
+    args.extend_from_slice(extra);
+    (eval_json(&args), expected, ids.len())
+}
+
+/// `--mtp N` scores the checkpoint's MTP head at depths 1..N beside the perplexity; a model
+/// without one is refused by name. (The head's logits are tested against its trainer in
+/// corral-model's `mtp` tests.)
+#[test]
+fn eval_scores_the_mtp_head_at_each_depth() {
+    let (result, expected, _) = eval_fixture("qwen3_5_moe_mtp", &["--mtp", "3"]);
     let ppl = result["perplexity"].as_f64().unwrap();
     assert!(
         ((ppl - expected) / expected).abs() < 1e-4,
@@ -839,46 +844,24 @@ fn eval_scores_the_mtp_head_at_each_depth() {
 #[test]
 fn eval_perplexity_matches_transformers_and_compares_configurations() {
     for name in ["qwen3_5_moe_text", "qwen3_next", "qwen3_moe_fused"] {
-        let reference = fixture(name).join("reference.safetensors");
-        let ids = i64s(&read_tensor(&reference, "token_ids").1);
-        let (shape, bytes) = read_tensor(&reference, "logits");
-        let expected = reference_perplexity(&f32s(&bytes), &ids, shape[1]);
-        let model = fixture(name);
-        let list = join(&ids);
-        let base = [
-            "eval",
-            "--model",
-            model.to_str().unwrap(),
-            "--token-ids",
-            &list,
-            "--kv-dtype",
-            "f32",
-            "--json",
-        ];
-        let result = eval_json(&base);
+        let (result, expected, tokens) = eval_fixture(name, &[]);
         let ppl = result["perplexity"].as_f64().unwrap();
-        assert_eq!(result["tokens"].as_u64(), Some(ids.len() as u64 - 1));
+        assert_eq!(result["tokens"].as_u64(), Some(tokens as u64 - 1));
         assert!(
             ((ppl - expected) / expected).abs() < 1e-4,
             "{name}: perplexity {ppl} against transformers' {expected}"
         );
         // The same configuration against itself: identical distributions.
-        let mut same = base.to_vec();
-        same.extend(["--against", "moe-strategy=auto"]);
-        let result = eval_json(&same);
+        let (result, ..) = eval_fixture(name, &["--against", "moe-strategy=auto"]);
         assert_eq!(result["against"]["kl_mean"].as_f64(), Some(0.0), "{name}");
         assert_eq!(result["against"]["top1_agreement"].as_f64(), Some(1.0));
         // A bf16 KV cache moves the distributions a little, not the scoring.
-        let mut bf16 = base.to_vec();
-        bf16.extend(["--against", "kv-dtype=bf16"]);
-        let result = eval_json(&bf16);
+        let (result, ..) = eval_fixture(name, &["--against", "kv-dtype=bf16"]);
         let kl = result["against"]["kl_mean"].as_f64().unwrap();
         assert!(kl > 0.0 && kl < 0.05, "{name}: KL {kl}");
         // Windows shorter than the sequence restart the context, and still score every token.
-        let mut windows = base.to_vec();
-        windows.extend(["--window", "7"]);
-        let result = eval_json(&windows);
-        assert_eq!(result["tokens"].as_u64(), Some(ids.len() as u64 - 1));
+        let (result, ..) = eval_fixture(name, &["--window", "7"]);
+        assert_eq!(result["tokens"].as_u64(), Some(tokens as u64 - 1));
         assert_ne!(result["perplexity"].as_f64(), Some(ppl));
     }
     let model = fixture("qwen3_5_moe_text");

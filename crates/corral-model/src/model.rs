@@ -52,17 +52,13 @@ impl Model {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
         let family = crate::families::load_mtp(&ckpt, backend.as_ref(), &config, progress)?;
-        let sparse_layers = family.moe_blocks().len();
         let (num_parameters, weight_bytes) = ckpt.mtp_size();
-        Ok(Self {
+        Ok(Self::of_family(
             family,
             backend,
             num_parameters,
             weight_bytes,
-            sparse_layers,
-            moe_strategy: MoeStrategy::default(),
-            runner: StepRunner::default(),
-        })
+        ))
     }
 
     /// Loads a GGUF file (llama.cpp's converter's names and metadata) onto `backend`:
@@ -145,16 +141,29 @@ impl Model {
         weight_bytes: usize,
     ) -> Result<Self> {
         let family = crate::families::load(source, backend.as_ref(), config, progress)?;
-        let sparse_layers = family.moe_blocks().len();
-        Ok(Self {
+        Ok(Self::of_family(
             family,
             backend,
             num_parameters,
             weight_bytes,
-            sparse_layers,
+        ))
+    }
+
+    fn of_family(
+        family: Box<dyn FamilyModel>,
+        backend: Arc<dyn Backend>,
+        num_parameters: usize,
+        weight_bytes: usize,
+    ) -> Self {
+        Self {
+            sparse_layers: family.moe_blocks().len(),
+            family,
+            backend,
+            num_parameters,
+            weight_bytes,
             moe_strategy: MoeStrategy::default(),
             runner: StepRunner::default(),
-        })
+        }
     }
 
     /// Whether decode and verify steps replay recorded graphs where the backend records them

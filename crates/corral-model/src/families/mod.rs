@@ -149,12 +149,6 @@ pub(crate) fn load_mtp(
     config: &ModelConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn FamilyModel>> {
-    if config.hybrid.is_none() {
-        return Err(ModelError::Unsupported(format!(
-            "{} has no MTP head",
-            config.family.model_type()
-        )));
-    }
     Ok(Box::new(qwen3_next::HybridModel::load_mtp(
         source, backend, config, progress,
     )?))

@@ -109,10 +109,10 @@ impl MtpInput {
                 .copied()
                 .collect()
         };
-        let dtype = if dtype == DType::F32 {
-            DType::F32
-        } else {
-            DType::BF16
+        // Kept in its stored float type; a block format's values go to bf16.
+        let dtype = match dtype {
+            DType::F32 | DType::F16 | DType::BF16 => dtype,
+            _ => DType::BF16,
         };
         Ok(Self {
             norm_embedding: src.weight_f32(backend, "mtp.pre_fc_norm_embedding.weight", &[h])?,
@@ -446,12 +446,12 @@ impl HybridModel {
         config: &ModelConfig,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
+        let config = config.mtp()?;
         if !src.contains("mtp.fc.weight") {
             return Err(ModelError::Unsupported(
                 "the checkpoint has no MTP head (no mtp.* tensors)".to_string(),
             ));
         }
-        let config = config.mtp()?;
         let embed_tokens = Self::load_embedding(src, backend, &config)?;
         let mtp_input = MtpInput::load(src, backend, config.hidden_size)?;
         let layers = Self::load_layers(src, backend, &config, "mtp.layers.", progress)?;
