@@ -20,7 +20,8 @@ fi
 export PYTHONUNBUFFERED=1
 [ "$phase" = corral-eval ] || python3 scripts/train/train.py "$phase" --data .train/data --run .train/run \
   --seconds "${SECONDS_BUDGET:-420}" --batch "${BATCH:-0}" \
-  ${TOTAL_SECONDS:+--total-seconds "$TOTAL_SECONDS"} ${RESUME:+--resume} ${EXTRA:+--extra "$EXTRA"} 2>&1 | grep -v "falling back" | tee -a "$out/train.log"
+  ${TOTAL_SECONDS:+--total-seconds "$TOTAL_SECONDS"} ${RESUME:+--resume} ${EXTRA:+--extra "$EXTRA"} \
+  ${LONG_SHARE:+--long-share "$LONG_SHARE"} 2>&1 | grep -v "falling back" | tee -a "$out/train.log"
 if [ "$phase" = sft ]; then
   python3 scripts/train/train.py export --data .train/data --run .train/run --out .train/run/model 2>&1 | tee -a "$out/train.log"
   python3 scripts/train/train.py eval --data .train/data --model .train/run/model 2>&1 | tee "$out/eval.log"

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corral_train import model as demo  # noqa: E402
+from corral_train import rows as rows_lib  # noqa: E402
 
 SEQ = 1024
 
@@ -61,16 +62,14 @@ def pretrain_tokens(data: Path, tok, extra: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def sft_rows(data: Path, tok, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conversations as rows of `seq` tokens (packed whole, padded) and their loss masks."""
-    pad = tok.token_to_id("<|endoftext|>")
+def sft_conversations(data: Path, tok) -> list[rows_lib.Conversation]:
+    """Each rendered conversation's token ids, loss mask (1 on what the assistant says) and
+    whether it offers tools."""
     with lzma.open(data / "sft.jsonl.xz", "rt") as f:
         convs = [json.loads(line) for line in f]
     pieces = [t for c in convs for t, _ in c]
     encoded = iter(tok.encode_batch(pieces, add_special_tokens=False))
-    rows, masks = [], []
-    row: list[int] = []
-    mask: list[int] = []
+    out = []
     for conv in convs:
         ids: list[int] = []
         m: list[int] = []
@@ -78,17 +77,8 @@ def sft_rows(data: Path, tok, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
             e = next(encoded).ids
             ids.extend(e)
             m.extend([int(trainable)] * len(e))
-        ids, m = ids[:seq], m[:seq]
-        if len(row) + len(ids) > seq:
-            rows.append(row + [pad] * (seq - len(row)))
-            masks.append(mask + [0] * (seq - len(mask)))
-            row, mask = [], []
-        row += ids
-        mask += m
-    if row:
-        rows.append(row + [pad] * (seq - len(row)))
-        masks.append(mask + [0] * (seq - len(mask)))
-    return torch.tensor(rows, dtype=torch.int64), torch.tensor(masks, dtype=torch.int8)
+        out.append((ids, m, "<tools>" in conv[0][0]))
+    return out
 
 
 def build_model(tok, device: str) -> demo.DemoModel:
@@ -174,7 +164,12 @@ def train(args, phase: str) -> None:
     windows = stream[: n_windows * SEQ].view(n_windows, SEQ).long()
     log(f"corpus: {len(stream) / 1e6:.2f} M tokens, {n_windows} windows")
     if phase == "sft":
-        rows, masks = sft_rows(args.data, tok, SEQ)
+        convs = sft_conversations(args.data, tok)
+        packed = rows_lib.pack(convs, tok.token_to_id("<|endoftext|>"), SEQ)
+        rows, masks = torch.tensor(packed[0], dtype=torch.int64), torch.tensor(packed[1], dtype=torch.int8)
+        special = {name: tok.token_to_id(f"<|{name}|>") for name in ("im_end", "endoftext")}
+        newline = tok.encode("\n", add_special_tokens=False).ids[0]
+        long_rng = random.Random(args.seed + 1)
         log(f"conversations: {len(rows)} rows, {int(masks.sum()) / 1e6:.2f} M trained tokens")
     peak_lr = args.lr if args.lr else (2e-3 if phase == "pretrain" else 5e-4)
     decay, no_decay = [], []
@@ -205,9 +200,19 @@ def train(args, phase: str) -> None:
     first_step = step
     train_start = time.time()
     while True:
-        if phase == "pretrain" or random.random() < 0.2:
+        draw = random.random() if phase == "sft" else 0.0
+        if phase == "pretrain" or draw < 0.2:
             idx = torch.randint(0, n_windows, (args.batch,), generator=gen)
             ids, mask = windows[idx], None
+        elif draw < 0.2 + args.long_share:
+            # As many tokens as a step of short rows, in rows of --long-length.
+            count = max(1, args.batch * SEQ // args.long_length)
+            long_ids, long_mask = rows_lib.long_tool_rows(
+                convs, stream, count, args.long_length, long_rng,
+                im_end=special["im_end"], eos=special["endoftext"], newline=newline)
+            if not long_ids:
+                continue
+            ids, mask = torch.tensor(long_ids), torch.tensor(long_mask, dtype=torch.int8).to(device)
         else:
             idx = torch.randint(0, len(rows), (args.batch,), generator=gen)
             ids, mask = rows[idx], masks[idx].to(device)
@@ -378,6 +383,9 @@ def main() -> None:
                         help="the schedule's span across resumed commands (default: --seconds)")
     parser.add_argument("--resume", action="store_true", help="go on from the paused state in --run")
     parser.add_argument("--extra", default="", help="corpus sources read where training runs (e.g. python-source)")
+    parser.add_argument("--long-share", type=float, default=0.0,
+                        help="sft: share of steps that train on long tool conversations (corral_train/rows.py)")
+    parser.add_argument("--long-length", type=int, default=16384, help="sft: tokens of a long row")
     parser.add_argument("--batch", type=int, default=0,
                         help="windows a step (default: the fastest per token of a short probe on the GPU, else 32)")
     parser.add_argument("--lr", type=float, default=0.0)

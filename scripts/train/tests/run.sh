@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The training pipeline's unit tests (markup cleaners, held-out split, tokenizer, tuning data),
+# The training pipeline's unit tests (markup cleaners, held-out split, tokenizer, tuning data and rows),
 # in target/train-venv with the pinned tokenizers package; the pipeline itself needs torch and
 # runs on the GPU machine, not here.
 set -euo pipefail
