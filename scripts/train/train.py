@@ -205,8 +205,9 @@ def train(args, phase: str) -> None:
             idx = torch.randint(0, n_windows, (args.batch,), generator=gen)
             ids, mask = windows[idx], None
         elif draw < 0.2 + args.long_share:
-            # As many tokens as a step of short rows, in rows of --long-length.
-            count = max(1, args.batch * SEQ // args.long_length)
+            # Rows of --long-length, as many tokens as a step of short rows up to two rows (the
+            # attention layers' masks and scores grow with the square of the length).
+            count = max(1, min(2, args.batch * SEQ // args.long_length))
             long_ids, long_mask = rows_lib.long_tool_rows(
                 convs, stream, count, args.long_length, long_rng,
                 im_end=special["im_end"], eos=special["endoftext"], newline=newline)
