@@ -827,6 +827,21 @@ fn eval_scores_the_mtp_head_at_each_depth() {
             .iter()
             .all(|d| d.as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)))
     );
+    // A GGUF file converted with its head.
+    let gguf = fixture("gguf/hybrid/qwen35moe.mtp.q4_k_m.gguf");
+    let out = corral(&[
+        "eval",
+        "--model",
+        gguf.to_str().unwrap(),
+        "--token-ids",
+        "5,42,7,99,13,200,31,8,77,150",
+        "--mtp",
+        "2",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(result["mtp_top1"].as_array().map(Vec::len), Some(2));
     let other = fixture("qwen3_5_moe_text");
     let out = corral(&[
         "eval",

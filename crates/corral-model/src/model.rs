@@ -61,6 +61,28 @@ impl Model {
         ))
     }
 
+    /// [`Model::load_mtp`] from a GGUF file that carries the head (llama.cpp's "-MTP"
+    /// conversions: `blk.{L}.*` and `blk.{L}.nextn.*`, read under the `mtp.*` names).
+    pub fn mtp_from_gguf(
+        gguf: &GgufCheckpoint,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let config = gguf.config()?;
+        let family = crate::families::load_mtp(gguf, backend.as_ref(), &config, progress)?;
+        let head = format!("blk.{}.", config.num_layers);
+        let (num_parameters, weight_bytes) = gguf
+            .tensors()
+            .filter(|t| t.name.starts_with(&head))
+            .fold((0, 0), |(n, b), t| (n + t.numel() as usize, b + t.byte_len));
+        Ok(Self::of_family(
+            family,
+            backend,
+            num_parameters,
+            weight_bytes,
+        ))
+    }
+
     /// Loads a GGUF file (llama.cpp's converter's names and metadata) onto `backend`:
     /// plain tensors mapped, block-quantized ones decoded to f32.
     pub fn load_gguf(

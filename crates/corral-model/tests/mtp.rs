@@ -137,6 +137,65 @@ fn mtp_head_on_the_models_own_hidden_states_matches_the_trainer() {
     assert!(err < 1e-4, "relative error {err:e}");
 }
 
+/// The model's final hidden states at every position of `ids` (one chunk).
+fn hidden_states(model: &Model, ids: &[u32]) -> Vec<f32> {
+    let (mut kv, mut state, table) = common::caches(model, ids.len());
+    let tokens: Vec<TokenId> = ids.iter().map(|&t| TokenId(t)).collect();
+    let mut batch = RaggedBatch::new(BLOCK_SIZE);
+    batch
+        .push_run(SeqId(0), &tokens, 0, &table, LogitsWanted::All)
+        .unwrap();
+    batch
+        .set_state_slot(SeqId(0), corral_model::SlotId(0))
+        .unwrap();
+    let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+    let _ = model
+        .forward_with_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
+        .unwrap();
+    hidden
+}
+
+/// GGUF files converted with their head (the dense Qwen3.5's MLP layer, the MoE ones'): the
+/// head loads from the file (its tensors' values are checked in `gguf_hybrid`) and drafts the
+/// same logits fed one row at a time as all at once, each row its own.
+#[test]
+fn gguf_mtp_heads_draft_alike_row_by_row_and_at_once() {
+    for arch in ["qwen35", "qwen35moe", "qwen3next"] {
+        let path = fixture_dir("gguf/hybrid").join(format!("{arch}.mtp.q4_k_m.gguf"));
+        let gguf = corral_model::checkpoint::GgufCheckpoint::open(&path).unwrap();
+        let backend: Arc<dyn corral_backend::Backend> = Arc::new(CpuBackend::new());
+        let model = Model::from_gguf(&gguf, backend.clone(), &mut |_, _| {}).unwrap();
+        let mtp = Model::mtp_from_gguf(&gguf, backend, &mut |_, _| {}).unwrap();
+        assert_eq!(mtp.config().num_layers, 1, "{arch}");
+        let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 200).collect();
+        let hidden = hidden_states(&model, &ids);
+        let h = mtp.config().hidden_size;
+        let rows = &hidden[..(ids.len() - 1) * h];
+        let whole = mtp_logits_chunked(&mtp, &ids, rows, ids.len());
+        let stepped = mtp_logits_chunked(&mtp, &ids, rows, 1);
+        let err = rel_err(&stepped, &whole);
+        // Products of a few rows with block-format weights quantize x to int8 blocks (as
+        // llama.cpp's CPU path does); of many, they convert the weights to f32: the trunk's
+        // decode and prefill differ as well, and the head may differ as much.
+        let trunk = rel_err(
+            &logits_chunked(&model, &ids, 1),
+            &logits_chunked(&model, &ids, ids.len()),
+        );
+        eprintln!("{arch}: row by row against at once {err:.2e} (the trunk: {trunk:.2e})");
+        assert!(
+            err < 2.0 * trunk.max(1e-6),
+            "{arch}: row by row against at once {err:e}, the trunk {trunk:e}"
+        );
+        let vocab = mtp.config().vocab_size;
+        assert!(whole.iter().all(|v| v.is_finite()), "{arch}");
+        assert_ne!(
+            whole[..vocab],
+            whole[vocab..2 * vocab],
+            "{arch}: rows differ"
+        );
+    }
+}
+
 #[test]
 fn a_checkpoint_without_an_mtp_head_says_so() {
     let err = Model::load_mtp(

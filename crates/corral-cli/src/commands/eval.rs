@@ -89,12 +89,13 @@ impl MtpScore {
     /// Loads the MTP head of `args`' checkpoint on `model`'s backend, with a KV cache for
     /// windows of `window` tokens.
     fn load(args: &EvalArgs, model: &Model) -> Result<Self> {
-        let dir = match (args.model.dir(), args.model.gguf()?) {
-            (Some(dir), None) => dir,
-            _ => bail!("--mtp reads the MTP head of a checkpoint directory (not a GGUF file)"),
-        };
-        let head = Model::load_mtp(dir, model.backend().clone(), &mut |_, _| {})
-            .with_context(|| format!("loading the MTP head of {}", dir.display()))?;
+        let dir = args.model.dir().context("--mtp needs --model")?;
+        let backend = model.backend().clone();
+        let head = match args.model.gguf()? {
+            Some(gguf) => Model::mtp_from_gguf(gguf, backend, &mut |_, _| {}),
+            None => Model::load_mtp(dir, backend, &mut |_, _| {}),
+        }
+        .with_context(|| format!("loading the MTP head of {}", dir.display()))?;
         let blocks = args.window.div_ceil(BLOCK_SIZE);
         let cache = PagedKvCache::new(head.backend().as_ref(), head.config(), blocks, BLOCK_SIZE)?;
         let mut table = BlockTable::default();
