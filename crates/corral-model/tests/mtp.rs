@@ -109,19 +109,7 @@ fn mtp_head_on_the_models_own_hidden_states_matches_the_trainer() {
     let reference = read();
     let model = load(NAME);
     let ids = &reference.token_ids;
-    let (mut kv, mut state, table) = common::caches(&model, ids.len());
-    let tokens: Vec<TokenId> = ids.iter().map(|&t| TokenId(t)).collect();
-    let mut batch = RaggedBatch::new(BLOCK_SIZE);
-    batch
-        .push_run(SeqId(0), &tokens, 0, &table, LogitsWanted::All)
-        .unwrap();
-    batch
-        .set_state_slot(SeqId(0), corral_model::SlotId(2))
-        .unwrap();
-    let (mut logits, mut hidden) = (Vec::new(), Vec::new());
-    let _ = model
-        .forward_with_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
-        .unwrap();
+    let (logits, hidden) = logits_and_hidden(&model, ids);
     let err = rel_err(&hidden, &reference.hidden);
     assert!(err < 1e-5, "hidden states: relative error {err:e}");
     assert!(rel_err(&logits, &reference.logits) < 1e-4);
@@ -137,8 +125,8 @@ fn mtp_head_on_the_models_own_hidden_states_matches_the_trainer() {
     assert!(err < 1e-4, "relative error {err:e}");
 }
 
-/// The model's final hidden states at every position of `ids` (one chunk).
-fn hidden_states(model: &Model, ids: &[u32]) -> Vec<f32> {
+/// The model's logits and final hidden states at every position of `ids` (one chunk).
+fn logits_and_hidden(model: &Model, ids: &[u32]) -> (Vec<f32>, Vec<f32>) {
     let (mut kv, mut state, table) = common::caches(model, ids.len());
     let tokens: Vec<TokenId> = ids.iter().map(|&t| TokenId(t)).collect();
     let mut batch = RaggedBatch::new(BLOCK_SIZE);
@@ -152,7 +140,7 @@ fn hidden_states(model: &Model, ids: &[u32]) -> Vec<f32> {
     let _ = model
         .forward_with_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
         .unwrap();
-    hidden
+    (logits, hidden)
 }
 
 /// GGUF files converted with their head (the dense Qwen3.5's MLP layer, the MoE ones'): the
@@ -168,7 +156,7 @@ fn gguf_mtp_heads_draft_alike_row_by_row_and_at_once() {
         let mtp = Model::mtp_from_gguf(&gguf, backend, &mut |_, _| {}).unwrap();
         assert_eq!(mtp.config().num_layers, 1, "{arch}");
         let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 200).collect();
-        let hidden = hidden_states(&model, &ids);
+        let (_, hidden) = logits_and_hidden(&model, &ids);
         let h = mtp.config().hidden_size;
         let rows = &hidden[..(ids.len() - 1) * h];
         let whole = mtp_logits_chunked(&mtp, &ids, rows, ids.len());
