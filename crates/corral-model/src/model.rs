@@ -51,14 +51,7 @@ impl Model {
     ) -> Result<Self> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
-        let family = crate::families::load_mtp(&ckpt, backend.as_ref(), &config, progress)?;
-        let (num_parameters, weight_bytes) = ckpt.mtp_size();
-        Ok(Self::of_family(
-            family,
-            backend,
-            num_parameters,
-            weight_bytes,
-        ))
+        Self::bind_mtp(&ckpt, &config, backend, progress, ckpt.mtp_size())
     }
 
     /// [`Model::load_mtp`] from a GGUF file that carries the head (llama.cpp's "-MTP"
@@ -69,12 +62,27 @@ impl Model {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let config = gguf.config()?;
-        let family = crate::families::load_mtp(gguf, backend.as_ref(), &config, progress)?;
-        let head = format!("blk.{}.", config.num_layers);
-        let (num_parameters, weight_bytes) = gguf
+        // The head's blocks follow the trunk's.
+        let block = |name: &str| {
+            let rest = name.strip_prefix("blk.")?;
+            rest.split('.').next()?.parse::<usize>().ok()
+        };
+        let size = gguf
             .tensors()
-            .filter(|t| t.name.starts_with(&head))
+            .filter(|t| block(&t.name).is_some_and(|b| b >= config.num_layers))
             .fold((0, 0), |(n, b), t| (n + t.numel() as usize, b + t.byte_len));
+        Self::bind_mtp(gguf, &config, backend, progress, size)
+    }
+
+    /// The MTP head of a model of `config` from `source`; `(parameters, bytes)` its size.
+    fn bind_mtp(
+        source: &dyn WeightSource,
+        config: &ModelConfig,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+        (num_parameters, weight_bytes): (usize, usize),
+    ) -> Result<Self> {
+        let family = crate::families::load_mtp(source, backend.as_ref(), config, progress)?;
         Ok(Self::of_family(
             family,
             backend,

@@ -13,8 +13,10 @@ use clap::Args;
 
 use super::logits::sequence_logits;
 use crate::loading::{ModelArgs, load_model};
-use corral_engine::{BLOCK_SIZE, KvBlockPool};
-use corral_model::{BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId};
+use corral_engine::BLOCK_SIZE;
+use corral_model::{
+    BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId,
+};
 
 /// Arguments of `corral eval`.
 #[derive(Debug, Args)]
@@ -98,8 +100,9 @@ impl MtpScore {
         .with_context(|| format!("loading the MTP head of {}", dir.display()))?;
         let blocks = args.window.div_ceil(BLOCK_SIZE);
         let cache = PagedKvCache::new(head.backend().as_ref(), head.config(), blocks, BLOCK_SIZE)?;
-        let mut table = BlockTable::default();
-        KvBlockPool::new(blocks, BLOCK_SIZE).grow(&mut table, args.window)?;
+        let table = BlockTable {
+            blocks: (0..blocks as u32).map(BlockId).collect(),
+        };
         Ok(Self {
             head,
             cache,
