@@ -68,19 +68,22 @@ def main() -> None:
             text = tok.apply_chat_template(messages, tools=tools, tokenize=False)
             f.write(json.dumps(render.segments(text, render.last_user_header(text))) + "\n")
             rendered += 1
-    eval_rng = random.Random(args.seed + 1)
-    requests = []
-    while len(requests) < 50:
-        messages = chat.tool_conversation(eval_rng, snippets, eval_rng.random() < 0.5, held_out=True)
-        calls = [m for m in messages if m.get("tool_calls")]
-        if not calls:
-            continue
-        first_call = messages.index(calls[0])
-        requests.append({"messages": messages[:first_call], "expected": calls[0]["tool_calls"][0]["function"],
-                         "tool_result": messages[first_call + 1]["content"]})
-    (args.out / "tool_requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    # The held-out tool requests: the evaluation's phrasings, then a second set's (see chat.py).
+    for held_out, seed, name in (("eval", args.seed + 1, "tool_requests.jsonl"),
+                                 ("fresh", args.seed + 2, "tool_requests_fresh.jsonl")):
+        eval_rng = random.Random(seed)
+        requests = []
+        while len(requests) < 50:
+            messages = chat.tool_conversation(eval_rng, snippets, eval_rng.random() < 0.5, held_out=held_out)
+            calls = [m for m in messages if m.get("tool_calls")]
+            if not calls:
+                continue
+            first_call = messages.index(calls[0])
+            requests.append({"messages": messages[:first_call], "expected": calls[0]["tool_calls"][0]["function"],
+                             "tool_result": messages[first_call + 1]["content"]})
+        (args.out / name).write_text("".join(json.dumps(r) + "\n" for r in requests))
     print(f"{len(train)} training documents, {len(heldout)} held out; {rendered} conversations; "
-          f"{len(facts)} facts; {len(requests)} held-out tool requests")
+          f"{len(facts)} facts; {len(requests)} held-out tool requests in each of two sets")
 
 
 if __name__ == "__main__":

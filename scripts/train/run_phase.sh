@@ -7,6 +7,7 @@
 #   OUT=/tmp/out SECONDS_BUDGET=540 TOTAL_SECONDS=1080 scripts/train/run_phase.sh pretrain
 #   OUT=/tmp/out SECONDS_BUDGET=540 RESUME=1 scripts/train/run_phase.sh pretrain
 #   OUT=/tmp/out SECONDS_BUDGET=200 scripts/train/run_phase.sh sft
+#   OUT=/tmp/out SECONDS_BUDGET=200 INIT=path/to/exported/model scripts/train/run_phase.sh sft
 #   OUT=/tmp/out CORRAL=path/to/corral scripts/train/run_phase.sh corral-eval
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +22,7 @@ export PYTHONUNBUFFERED=1
 [ "$phase" = corral-eval ] || python3 scripts/train/train.py "$phase" --data .train/data --run .train/run \
   --seconds "${SECONDS_BUDGET:-420}" --batch "${BATCH:-0}" \
   ${TOTAL_SECONDS:+--total-seconds "$TOTAL_SECONDS"} ${RESUME:+--resume} ${EXTRA:+--extra "$EXTRA"} \
-  ${LONG_SHARE:+--long-share "$LONG_SHARE"} 2>&1 | grep -v "falling back" | tee -a "$out/train.log"
+  ${LONG_SHARE:+--long-share "$LONG_SHARE"} ${INIT:+--init "$INIT"} 2>&1 | grep -v "falling back" | tee -a "$out/train.log"
 if [ "$phase" = sft ]; then
   python3 scripts/train/train.py export --data .train/data --run .train/run --out .train/run/model 2>&1 | tee -a "$out/train.log"
   python3 scripts/train/train.py eval --data .train/data --model .train/run/model 2>&1 | tee "$out/eval.log"

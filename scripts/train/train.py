@@ -8,6 +8,7 @@ is fitted to the time budget from the measured step time.
     python3 scripts/train/train.py pretrain --data .train/data --run .train/run --seconds 540 --total-seconds 1080
     python3 scripts/train/train.py pretrain --data .train/data --run .train/run --seconds 540 --resume
     python3 scripts/train/train.py sft --data .train/data --run .train/run --seconds 300
+    python3 scripts/train/train.py sft --data .train/data --run .train/run --seconds 300 --init MODEL
     python3 scripts/train/train.py export --data .train/data --run .train/run --out OUT/model
     python3 scripts/train/train.py eval --data .train/data --model OUT/model
 """
@@ -153,9 +154,11 @@ def train(args, phase: str) -> None:
     args.run.mkdir(parents=True, exist_ok=True)
     started = time.time()
     model = build_model(tok, device)
-    if phase == "sft":
-        state = torch.load(args.run / "pretrain.pt", map_location=device)
-        model.load_state_dict(state)
+    if phase == "sft" and args.init:
+        load_exported(model, args.init)
+        log(f"sft from {args.init}")
+    elif phase == "sft":
+        model.load_state_dict(torch.load(args.run / "pretrain.pt", map_location=device))
     choose_experts(model, device)
     params = sum(p.numel() for p in model.parameters())
     log(f"{phase}: {params / 1e6:.2f} M parameters on {device}")
@@ -343,9 +346,7 @@ def mtp_agreement(model_dir: Path, ids: torch.Tensor, device: str, windows: int,
 
     lm = Qwen3_5MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     head = demo.MtpHead(lm.config).to(device).eval()
-    missing, unexpected = head.load_state_dict(demo.mtp_state_from_export(load_mtp(model_dir)), strict=False)
-    if unexpected or any("rotary_emb" not in k for k in missing):
-        raise ValueError(f"MTP tensors do not match the head: missing {missing}, unexpected {unexpected}")
+    load_mtp_head(head, model_dir)
     same = [0] * depths
     total = [0] * depths
     for w in range(windows):
@@ -365,10 +366,24 @@ def mtp_agreement(model_dir: Path, ids: torch.Tensor, device: str, windows: int,
     return [round(s / max(1, n), 4) for s, n in zip(same, total)]
 
 
-def load_mtp(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_exported(model: demo.DemoModel, model_dir: Path) -> None:
+    """An exported directory's weights (bf16) into `model` (its master weights f32), the
+    language model's as transformers reads them and the MTP head's from `mtp.*`."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    lm = Qwen3_5MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.lm.load_state_dict(lm.state_dict())
+    load_mtp_head(model.mtp, model_dir)
+
+
+def load_mtp_head(head: demo.MtpHead, model_dir: Path) -> None:
+    """An exported directory's `mtp.*` tensors into `head` (its rotary table is computed)."""
     from safetensors.torch import load_file
 
-    return load_file(str(model_dir / "model-mtp.safetensors"))
+    tensors = load_file(str(model_dir / "model-mtp.safetensors"))
+    missing, unexpected = head.load_state_dict(demo.mtp_state_from_export(tensors), strict=False)
+    if unexpected or any("rotary_emb" not in k for k in missing):
+        raise ValueError(f"MTP tensors do not match the head: missing {missing}, unexpected {unexpected}")
 
 
 def main() -> None:
@@ -384,6 +399,8 @@ def main() -> None:
                         help="the schedule's span across resumed commands (default: --seconds)")
     parser.add_argument("--resume", action="store_true", help="go on from the paused state in --run")
     parser.add_argument("--extra", default="", help="corpus sources read where training runs (e.g. python-source)")
+    parser.add_argument("--init", type=Path,
+                        help="sft: start from this exported model instead of --run's pretraining")
     parser.add_argument("--long-share", type=float, default=0.0,
                         help="sft: share of steps that train on long tool conversations (corral_train/rows.py)")
     parser.add_argument("--long-length", type=int, default=16384, help="sft: tokens of a long row")

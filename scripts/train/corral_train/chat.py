@@ -267,17 +267,95 @@ def _assistant(content: str, reasoning: str, thinking: bool, calls: list[dict] |
     return message
 
 
-#: Requests for each tool scenario (training phrasings; `EVAL_*` are held out).
-LIST_REQUESTS = ["List the files here.", "What files are in this directory?", "Show me what is in the current folder.",
-                 "What's in this project?", "Can you list the files?", "ls please"]
-READ_REQUESTS = ["Show me {f}.", "What's in {f}?", "Read {f} for me.", "Open {f}.", "Print the contents of {f}.",
-                 "What does {f} say?"]
-RUN_REQUESTS = ["Run `{c}`.", "Please run {c}.", "Execute `{c}` and tell me the result.", "Can you run {c}?"]
-DIR_REQUESTS = ["What is in the {d} folder?", "List the files in {d}.", "Show me the {d} directory."]
+def expand(pattern: str) -> list[str]:
+    """Every sentence of a pattern whose `[a|b|c]` groups each pick one alternative (an empty
+    alternative drops the group): `"[List|Show] the files."` gives two sentences."""
+    start = pattern.find("[")
+    if start < 0:
+        return [" ".join(pattern.split()).replace(" .", ".").replace(" ?", "?")]
+    end = pattern.index("]", start)
+    return [s for alt in pattern[start + 1:end].split("|")
+            for s in expand(pattern[:start] + alt + pattern[end + 1:])]
+
+
+_HERE = "[here|in this folder|in the current directory|in this directory|in the working directory|in the project|in this repo]"
+_LIST_PATTERNS = [
+    "[|Please] [list|show|display|print] the files " + _HERE + ".",
+    "[List|Show|Display|Print] [everything|all the files|the contents] " + _HERE + ".",
+    "[Show me|Give me|Tell me] [the files|what is|what's|which files are|what files are] " + _HERE + ".",
+    "What [files are|is|do we have|have we got] " + _HERE + "?",
+    "Which files are " + _HERE + "?",
+    "[Can|Could|Would] you [list|show me] the [files|contents] of [this folder|the current directory|the project|this repo]?",
+    "What does [this folder|the current directory|this project|the working directory] [contain|have in it|hold]?",
+    "Which files does [this project|the current directory|the working directory|this repo] [contain|have]?",
+    "I [want|need|would like] [to see the files|a list of the files|a listing of the files] " + _HERE + ".",
+    "What's in this project?",
+    "[ls|ls please|ls, please]",
+    "Look at the files " + _HERE + " and tell me what you [see|find].",
+    "Tell me what [is|we have] " + _HERE + ".",
+]
+_READ_PATTERNS = [
+    "[|Please] [show me|read|open|print|cat] {f}.",
+    "[|Please] [show me|read|open|print] the file {f}.",
+    "Print the contents of {f}.",
+    "[What's|What is] in {f}?",
+    "What does {f} [say|contain]?",
+    "[Can|Could|Would] you [read|open|show me|print] {f}?",
+    "I [want|would like] to [read|see] {f}.",
+    "Read {f} for me.",
+    "Show {f}.",
+    "Tell me what {f} says.",
+    "Let me see {f}.",
+]
+_RUN_PATTERNS = [
+    "[|Please] run [`{c}`|{c}].",
+    "[Execute|Run] `{c}` and [tell me the result|show me the output|tell me what it prints].",
+    "[Can|Could|Would] you run [`{c}`|{c}]?",
+    "What does `{c}` print?",
+    "Run [`{c}`|{c}] in the [shell|terminal].",
+    "Type `{c}` in the terminal.",
+    "Check the output of `{c}`.",
+]
+_DIR_PATTERNS = [
+    "What is in the {d} [folder|directory]?",
+    "[|Please] [list|show me] the files in {d}.",
+    "Show me the {d} [directory|folder].",
+    "What files are in {d}?",
+    "[Can|Could] you list {d}?",
+]
+#: Held-out phrasings the evaluation sends (`EVAL_*`, fixed since the first model) and a
+#: second set written after the training phrasings grew (`FRESH_*`); neither is ever trained.
 EVAL_LIST_REQUESTS = ["Which files does this folder contain?", "Tell me what files exist here.",
                       "Give me a listing of the working directory."]
 EVAL_READ_REQUESTS = ["Could you show me the file {f}?", "I need to see {f}.", "Display {f}."]
 EVAL_RUN_REQUESTS = ["Use the shell to run `{c}`.", "Try running {c}."]
+FRESH_LIST_REQUESTS = ["What's inside this directory?", "Enumerate the files in the current folder.",
+                       "Can I get a directory listing?"]
+FRESH_READ_REQUESTS = ["Let me look at the contents of {f}.", "Please open up {f}.", "Dump {f} here."]
+FRESH_RUN_REQUESTS = ["Go ahead and execute {c}.", "Kick off `{c}` and report back."]
+#: The folder requests both held-out sets send: the first model's training phrasings (the
+#: evaluation's requests stay those it has always sent).
+HELD_OUT_DIR_REQUESTS = ["What is in the {d} folder?", "List the files in {d}.", "Show me the {d} directory."]
+_HELD_OUT = set(EVAL_LIST_REQUESTS + EVAL_READ_REQUESTS + EVAL_RUN_REQUESTS
+                + FRESH_LIST_REQUESTS + FRESH_READ_REQUESTS + FRESH_RUN_REQUESTS)
+
+
+def _phrasings(patterns: list[str]) -> list[str]:
+    """The training phrasings of `patterns`, held-out ones left out, each once."""
+    out: dict[str, None] = {}
+    for pattern in patterns:
+        for sentence in expand(pattern):
+            sentence = sentence[0].upper() + sentence[1:]
+            if sentence not in _HELD_OUT:
+                out[sentence] = None
+    return list(out)
+
+
+#: Requests for each tool scenario: the training phrasings.
+LIST_REQUESTS = _phrasings(_LIST_PATTERNS)
+READ_REQUESTS = _phrasings(_READ_PATTERNS)
+RUN_REQUESTS = _phrasings(_RUN_PATTERNS)
+DIR_REQUESTS = _phrasings(_DIR_PATTERNS)
 _COMMANDS = {
     "date": lambda rng: f"{rng.choice(['Mon', 'Tue', 'Wed', 'Thu', 'Fri'])} {rng.choice(['Jan', 'Mar', 'Jun', 'Oct'])} {rng.randint(1, 28)} {rng.randint(8, 18):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d} UTC {rng.randint(2020, 2026)}",
     "pwd": lambda rng: f"/home/{rng.choice(['ana', 'bo', 'kim', 'sam'])}/{rng.choice(_PROJECTS)}",
@@ -290,15 +368,18 @@ _COMMANDS = {
 }
 
 
-def tool_conversation(rng: random.Random, snippets: list[str], thinking: bool, held_out: bool = False) -> list[dict]:
+def tool_conversation(rng: random.Random, snippets: list[str], thinking: bool, held_out: str = "") -> list[dict]:
     """A tool-use conversation: a request, the call, the tool's result, and a reply using it
-    (sometimes two calls in a row, sometimes a follow-up turn)."""
+    (sometimes two calls in a row, sometimes a follow-up turn). `held_out` "eval" or "fresh"
+    asks with that held-out set's phrasings instead of the training ones."""
     project, files, dirs = _project(rng, snippets)
     messages: list[dict] = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
     scenario = rng.choice(["list", "list", "read", "read", "run", "dir", "list_then_read", "no_tool"])
-    lists = EVAL_LIST_REQUESTS if held_out else LIST_REQUESTS
-    reads = EVAL_READ_REQUESTS if held_out else READ_REQUESTS
-    runs = EVAL_RUN_REQUESTS if held_out else RUN_REQUESTS
+    lists, reads, runs, folders = {
+        "": (LIST_REQUESTS, READ_REQUESTS, RUN_REQUESTS, DIR_REQUESTS),
+        "eval": (EVAL_LIST_REQUESTS, EVAL_READ_REQUESTS, EVAL_RUN_REQUESTS, HELD_OUT_DIR_REQUESTS),
+        "fresh": (FRESH_LIST_REQUESTS, FRESH_READ_REQUESTS, FRESH_RUN_REQUESTS, HELD_OUT_DIR_REQUESTS),
+    }[held_out]
     if scenario in ("list", "list_then_read"):
         messages.append({"role": "user", "content": rng.choice(lists)})
         listing = _listing(files, dirs)
@@ -334,7 +415,7 @@ def tool_conversation(rng: random.Random, snippets: list[str], thinking: bool, h
     elif scenario == "dir" and dirs:
         d = rng.choice(dirs)
         inner = sorted(rng.sample(_FILES, rng.randint(1, 4)))
-        messages.append({"role": "user", "content": rng.choice(DIR_REQUESTS).format(d=d)})
+        messages.append({"role": "user", "content": rng.choice(folders).format(d=d)})
         messages.append(_assistant("", f"The user asks about the {d} folder. I will list it.", thinking,
                                    [_call("list_directory", path=d)]))
         messages.append({"role": "tool", "content": "\n".join(inner)})

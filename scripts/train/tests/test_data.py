@@ -97,9 +97,21 @@ class ChatTest(unittest.TestCase):
         self.assertGreater(scenarios, 100)
 
     def test_held_out_requests_are_not_training_phrasings(self):
-        held = set(chat.EVAL_LIST_REQUESTS + chat.EVAL_READ_REQUESTS + chat.EVAL_RUN_REQUESTS)
+        held = set(chat.EVAL_LIST_REQUESTS + chat.EVAL_READ_REQUESTS + chat.EVAL_RUN_REQUESTS
+                   + chat.FRESH_LIST_REQUESTS + chat.FRESH_READ_REQUESTS + chat.FRESH_RUN_REQUESTS)
         train = set(chat.LIST_REQUESTS + chat.READ_REQUESTS + chat.RUN_REQUESTS + chat.DIR_REQUESTS)
         self.assertFalse(held & train)
+        self.assertGreater(len(chat.LIST_REQUESTS), 100)
+        rng = random.Random(5)
+        for held_out, requests in (("eval", chat.EVAL_LIST_REQUESTS), ("fresh", chat.FRESH_LIST_REQUESTS)):
+            asked = {chat.tool_conversation(rng, ["text"], False, held_out=held_out)[1]["content"] for _ in range(200)}
+            self.assertTrue(asked & set(requests))
+            self.assertFalse(asked & set(chat.LIST_REQUESTS))
+
+    def test_phrasing_patterns_expand_every_choice(self):
+        self.assertEqual(chat.expand("[List|Show] the files [|here]."),
+                         ["List the files.", "List the files here.", "Show the files.", "Show the files here."])
+        self.assertEqual(chat.expand("ls"), ["ls"])
 
     def test_thinking_on_and_off(self):
         fact = chat.Fact("word", "fox", "a small wild canine", {"pos": "noun", "examples": []})
