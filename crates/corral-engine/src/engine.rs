@@ -142,10 +142,17 @@ pub fn spawn_engine_drafting(
     } else {
         0
     };
+    // Without the prefix cache's checkpoint slots, a hybrid verifying drafts snapshots its
+    // state in slots of its own, one per running sequence.
+    let snapshots = if drafter.is_some() && model.is_hybrid() && !config.prefix_cache {
+        config.max_batch.max(1)
+    } else {
+        0
+    };
     let state = RecurrentStateCache::new(
         model.backend().as_ref(),
         model.config(),
-        config.max_batch.max(1) + checkpoints,
+        config.max_batch.max(1) + checkpoints + snapshots,
     )?;
     let metrics = Arc::new(EngineMetrics::default());
     let spill = match (&config.session_dir, config.prefix_cache) {
@@ -186,7 +193,7 @@ pub fn spawn_engine_drafting(
     let scheduler = match (config.prefix_cache, model.is_hybrid()) {
         (true, false) => scheduler.with_prefix_cache(),
         (true, true) => scheduler.with_state_checkpoints(config.max_batch.max(1), checkpoints),
-        (false, true) => scheduler.with_recurrent_state(),
+        (false, true) => scheduler.with_recurrent_state(snapshots),
         (false, false) => scheduler,
     }
     .with_eviction_cost(eviction_cost(
@@ -254,6 +261,7 @@ fn run(
 ) {
     let vocab = model.config().vocab_size;
     let mut logits = Vec::new();
+    let mut hidden = Vec::new();
     let mut sampling = corral_model::SampledStep::default();
     let mut reads = Reads::new();
     let mut next_restore = 0;
@@ -335,12 +343,22 @@ fn run(
             let backend = model.backend().as_ref();
             // A panic in a forward pass (a bug) fails the step's requests, not the engine.
             // Rows are sampled where the logits are unless one needs them whole.
-            let sampled = scheduler.prepare_sampling(&plan, vocab, &mut sampling);
+            // A drafter reading hidden states (an MTP head) takes every token's.
+            let wants_hidden = scheduler.drafter_wants_hidden();
+            let sampled = !wants_hidden && scheduler.prepare_sampling(&plan, vocab, &mut sampling);
             let started = std::time::Instant::now();
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 restore(backend, &mut cache, &mut state, &scheduler, &plan, metrics)?;
                 if sampled {
                     model.forward_sampled(&plan.batch, &mut cache, Some(&mut state), &mut sampling)
+                } else if wants_hidden {
+                    model.forward_with_all_hidden(
+                        &plan.batch,
+                        &mut cache,
+                        Some(&mut state),
+                        &mut logits,
+                        &mut hidden,
+                    )
                 } else {
                     model.forward_with_state(&plan.batch, &mut cache, &mut state, &mut logits)
                 }
@@ -373,6 +391,9 @@ fn run(
                     metrics
                         .dispatches
                         .fetch_add(report.stats.dispatches, Ordering::Relaxed);
+                    if wants_hidden {
+                        scheduler.observe_hidden(&plan, &hidden, model.config().hidden_size);
+                    }
                     let counts = if sampled {
                         scheduler.finish_sampled_step(plan, &mut sampling, report.stats)
                     } else {

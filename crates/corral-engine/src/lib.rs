@@ -26,7 +26,7 @@ mod tokenizer;
 
 pub use chat_template::{ChatTemplate, TokenizerConfig};
 pub use constraint::{Constraint, ConstraintStats, Grammar, GrammarCompiler, json_style};
-pub use drafter::ModelDrafter;
+pub use drafter::{CombinedDrafter, LookupDrafter, ModelDrafter, MtpDrafter};
 pub use engine::{EngineConfig, EngineHandle, SubmitError, spawn_engine, spawn_engine_drafting};
 pub use error::EngineError;
 pub use generation_config::{

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use corral_backend::CpuBackend;
 use corral_engine::{
-    Drafter, EngineConfig, EngineHandle, EngineRequest, Event, FinishReason, Finished,
-    ModelDrafter, SamplingParams, spawn_engine, spawn_engine_drafting,
+    CombinedDrafter, Drafter, EngineConfig, EngineHandle, EngineRequest, Event, FinishReason,
+    Finished, LookupDrafter, ModelDrafter, MtpDrafter, SamplingParams, spawn_engine,
+    spawn_engine_drafting,
 };
 use corral_model::Model;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -779,5 +780,184 @@ fn a_draft_models_proposals_after_a_verdict_equal_a_fresh_ones() {
             tokens.extend_from_slice(&proposed[..accepted]);
             tokens.push((round as u32 * 41 + 17) % 250);
         }
+    }
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn mtp_drafter(name: &str) -> MtpDrafter {
+    let head = Model::load_mtp(&fixture(name), Arc::new(CpuBackend::new()), &mut |_, _| {})
+        .expect("the fixture's MTP head");
+    MtpDrafter::new(head, 256, 4, 4).unwrap()
+}
+
+/// Proposals written down: `(tokens, proposal)`.
+type ProposalLog = Arc<std::sync::Mutex<Vec<(Vec<u32>, Vec<u32>)>>>;
+
+/// A drafter whose proposals are written down.
+struct Recording<D> {
+    inner: D,
+    log: ProposalLog,
+}
+
+impl<D: Drafter> Drafter for Recording<D> {
+    fn propose(&mut self, seq: corral_model::SeqId, tokens: &[u32], max: usize) -> Vec<u32> {
+        let out = self.inner.propose(seq, tokens, max);
+        self.log
+            .lock()
+            .unwrap()
+            .push((tokens.to_vec(), out.clone()));
+        out
+    }
+    fn forget(&mut self, seq: corral_model::SeqId) {
+        self.inner.forget(seq);
+    }
+    fn wants_hidden(&self) -> bool {
+        self.inner.wants_hidden()
+    }
+    fn observe(&mut self, seq: corral_model::SeqId, first: usize, hidden: &[f32]) {
+        self.inner.observe(seq, first, hidden);
+    }
+}
+
+/// What a fresh MTP head proposes after `tokens`, given the model's hidden states of all but
+/// the last, computed at once.
+fn fresh_mtp_proposal(name: &str, tokens: &[u32], max: usize) -> Vec<u32> {
+    let model = model_named(name);
+    let n = tokens.len() - 1;
+    let blocks = n.div_ceil(4) + 1;
+    let mut kv =
+        corral_model::PagedKvCache::new(model.backend().as_ref(), model.config(), blocks, 4)
+            .unwrap();
+    let mut state =
+        corral_model::RecurrentStateCache::new(model.backend().as_ref(), model.config(), 1)
+            .unwrap();
+    let table = corral_model::BlockTable {
+        blocks: (0..blocks as u32).map(corral_model::BlockId).collect(),
+    };
+    let ids: Vec<corral_model::TokenId> = tokens[..n]
+        .iter()
+        .map(|&t| corral_model::TokenId(t))
+        .collect();
+    let mut batch = corral_model::RaggedBatch::new(4);
+    let seq = corral_model::SeqId(0);
+    batch
+        .push_run(seq, &ids, 0, &table, corral_model::LogitsWanted::Last)
+        .unwrap();
+    batch.set_state_slot(seq, corral_model::SlotId(0)).unwrap();
+    let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+    let _ = model
+        .forward_with_all_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
+        .unwrap();
+    let mut drafter = mtp_drafter(name);
+    drafter.observe(seq, 0, &hidden);
+    drafter.propose(seq, tokens, max)
+}
+
+/// The model's MTP head drafting (alone, and after prompt lookup): concurrent greedy requests
+/// generate exactly what each generates alone, with and without the prefix cache and under
+/// preemption; each proposal equals a fresh head's on the model's hidden states computed at
+/// once (the head's cache follows what was accepted), and every block comes back.
+#[test]
+fn mtp_drafting_generates_what_plain_decoding_does() {
+    let name = "qwen3_5_moe_mtp";
+    let prompts = prompts();
+    let expected: Vec<Vec<u32>> = prompts.iter().map(|p| alone(name, p, 12)).collect();
+    for combined in [false, true] {
+        for (prefix_cache, kv_blocks) in [(false, 256), (true, 256), (true, 24)] {
+            let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let drafter: Box<dyn Drafter> = if combined {
+                Box::new(Recording {
+                    inner: CombinedDrafter::new(LookupDrafter::default(), mtp_drafter(name)),
+                    log: Arc::clone(&log),
+                })
+            } else {
+                Box::new(Recording {
+                    inner: mtp_drafter(name),
+                    log: Arc::clone(&log),
+                })
+            };
+            let config = EngineConfig {
+                prefix_cache,
+                ..config(kv_blocks)
+            };
+            let (engine, thread) =
+                spawn_engine_drafting(model_named(name), config, Some((drafter, 3))).unwrap();
+            let mut receivers: Vec<_> = prompts.iter().map(|p| submit(&engine, p, 12)).collect();
+            let what =
+                format!("combined {combined}, prefix cache {prefix_cache}, {kv_blocks} blocks");
+            for (i, rx) in receivers.iter_mut().enumerate() {
+                let (tokens, _) = collect(rx);
+                assert_eq!(tokens, expected[i], "{what}: request {i}");
+            }
+            let m = engine.metrics();
+            let (drafted, accepted) = (
+                m.draft_tokens.load(Ordering::Relaxed),
+                m.accepted_draft_tokens.load(Ordering::Relaxed),
+            );
+            eprintln!("{what}: {accepted} of {drafted} accepted");
+            assert!(drafted > 0, "{what}: nothing drafted");
+            wait_for_zero_blocks(&engine);
+            engine.shutdown();
+            thread.join().unwrap();
+            if !combined && !prefix_cache {
+                let log = log.lock().unwrap();
+                assert!(log.len() > 20, "{what}: {} proposals", log.len());
+                for (tokens, proposal) in log.iter().filter(|l| !l.1.is_empty()) {
+                    assert_eq!(
+                        proposal,
+                        &fresh_mtp_proposal(name, tokens, proposal.len()),
+                        "{what}: after {} tokens",
+                        tokens.len()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Prompt lookup for every family: a prompt that repeats itself is drafted from, and greedy
+/// output is what plain decoding gives.
+#[test]
+fn lookup_drafting_generates_what_plain_decoding_does() {
+    for name in [
+        "qwen3_next",
+        "qwen3_5_moe_hub",
+        "qwen3_moe_fused",
+        "qwen3_5_moe_mtp",
+    ] {
+        let cycle: Vec<u32> = (0..7).map(|j| (j * 37 + 11) % 250).collect();
+        let prompts: Vec<Vec<u32>> = (0..3)
+            .map(|i| {
+                cycle
+                    .iter()
+                    .cycle()
+                    .skip(i)
+                    .take(17 + 5 * i)
+                    .copied()
+                    .collect()
+            })
+            .collect();
+        let expected: Vec<Vec<u32>> = prompts.iter().map(|p| alone(name, p, 10)).collect();
+        let (engine, thread) = spawn_engine_drafting(
+            model_named(name),
+            config(256),
+            Some((Box::new(LookupDrafter::default()), 4)),
+        )
+        .unwrap();
+        let mut receivers: Vec<_> = prompts.iter().map(|p| submit(&engine, p, 10)).collect();
+        for (i, rx) in receivers.iter_mut().enumerate() {
+            let (tokens, _) = collect(rx);
+            assert_eq!(tokens, expected[i], "{name}: request {i}");
+        }
+        let drafted = engine.metrics().draft_tokens.load(Ordering::Relaxed);
+        assert!(drafted > 0, "{name}: nothing drafted");
+        wait_for_zero_blocks(&engine);
+        engine.shutdown();
+        thread.join().unwrap();
     }
 }

@@ -315,6 +315,25 @@ impl Model {
         )
     }
 
+    /// [`Model::forward_with_hidden`], reading back every token's final hidden state (after
+    /// the final norm), `[tokens, hidden]`, not only the logits rows': an MTP drafter's
+    /// input for every position a step computes.
+    pub fn forward_with_all_hidden(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        state: Option<&mut RecurrentStateCache>,
+        logits: &mut Vec<f32>,
+        hidden: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        self.run(
+            batch,
+            cache,
+            state,
+            &mut StepOutput::LogitsAndAllHidden(logits, hidden),
+        )
+    }
+
     /// Runs an MTP head ([`Model::load_mtp`]) over `batch`: row i of `hidden` (`[tokens,
     /// hidden]`) is the model's final hidden state (after its final norm) at the position
     /// before batch token i, which is the token after it. Writes the logits of the rows

@@ -251,8 +251,12 @@ impl StepRunner {
         let uniform = batch.runs().iter().all(|r| r.len == max_run_tokens);
         // (An MTP head's hidden-state input is a buffer of the caller's, which a graph would
         // keep the address of.)
+        // (Nor is a step that reads every hidden state back: its workspace holds one more
+        // buffer.)
+        let all_hidden = matches!(out, StepOutput::LogitsAndAllHidden(..));
         let graph_shaped = backend.records_graphs()
             && hidden.is_none()
+            && !all_hidden
             && uniform
             && max_run_tokens <= MAX_GRAPH_RUN_TOKENS
             && !model.strategy.syncs_host(tokens);
@@ -378,6 +382,11 @@ impl StepRunner {
                 width,
                 rows.len(),
             )?;
+            if all_hidden {
+                let len = tokens * config.hidden_size;
+                ws.all_hidden =
+                    Some(backend.take_buffer(DType::F32, len, BufferUsage::Activations)?);
+            }
             ws.max_run_tokens = max_run_tokens;
             ws.leading_decode_tokens = leading_decode_tokens;
             let result = (|| {
@@ -410,6 +419,9 @@ pub(crate) enum StepOutput<'a> {
     /// Every wanted row's logits and its final hidden state after the final norm, `[rows,
     /// hidden]`.
     LogitsAndHidden(&'a mut Vec<f32>, &'a mut Vec<f32>),
+    /// Every wanted row's logits and every token's final hidden state after the final norm,
+    /// `[tokens, hidden]`.
+    LogitsAndAllHidden(&'a mut Vec<f32>, &'a mut Vec<f32>),
     /// Every wanted row reduced on the device.
     Sampled(&'a mut SampledStep),
 }
@@ -459,6 +471,18 @@ fn read_out(
                 backend.download_f32(&ws.logits, logits)?;
                 backend.download_f32(&ws.rows_normed, hidden)?;
             }
+            return Ok(());
+        }
+        StepOutput::LogitsAndAllHidden(logits, hidden) => {
+            logits.resize(rows * vocab, 0.0);
+            if rows > 0 {
+                backend.download_f32(&ws.logits, logits)?;
+            }
+            let all = ws.all_hidden.as_ref().ok_or_else(|| {
+                ModelError::Unsupported("the step kept no hidden states".to_string())
+            })?;
+            hidden.resize(all.len(), 0.0);
+            backend.download_f32(all, hidden)?;
             return Ok(());
         }
         StepOutput::Sampled(step) => step,

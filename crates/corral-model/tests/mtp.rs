@@ -125,6 +125,36 @@ fn mtp_head_on_the_models_own_hidden_states_matches_the_trainer() {
     assert!(err < 1e-4, "relative error {err:e}");
 }
 
+/// A step that wants only its last row's logits reads back every token's hidden state (what
+/// an MTP drafter takes from prefill chunks), equal to the trainer's, chunk after chunk.
+#[test]
+fn every_tokens_hidden_state_comes_back_beside_the_last_rows_logits() {
+    let reference = read();
+    let model = load(NAME);
+    let ids = &reference.token_ids;
+    let h = model.config().hidden_size;
+    let (mut kv, mut state, table) = common::caches(&model, ids.len());
+    let (mut logits, mut hidden, mut all) = (Vec::new(), Vec::new(), Vec::new());
+    for (start, end) in [(0, 5), (5, 6), (6, ids.len())] {
+        let tokens: Vec<TokenId> = ids[start..end].iter().map(|&t| TokenId(t)).collect();
+        let mut batch = RaggedBatch::new(BLOCK_SIZE);
+        batch
+            .push_run(SeqId(0), &tokens, start, &table, LogitsWanted::Last)
+            .unwrap();
+        batch
+            .set_state_slot(SeqId(0), corral_model::SlotId(0))
+            .unwrap();
+        let _ = model
+            .forward_with_all_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
+            .unwrap();
+        assert_eq!(hidden.len(), (end - start) * h);
+        assert_eq!(logits.len(), model.config().vocab_size);
+        all.extend_from_slice(&hidden);
+    }
+    let err = rel_err(&all, &reference.hidden);
+    assert!(err < 1e-5, "hidden states: relative error {err:e}");
+}
+
 /// The model's logits and final hidden states at every position of `ids` (one chunk).
 fn logits_and_hidden(model: &Model, ids: &[u32]) -> (Vec<f32>, Vec<f32>) {
     let (mut kv, mut state, table) = common::caches(model, ids.len());

@@ -152,8 +152,9 @@ impl KvManager {
 
     /// The model keeps recurrent state without the prefix cache's checkpoints: snapshots
     /// take spare running slots.
-    pub(crate) fn with_recurrent_state(mut self) -> Self {
+    pub(crate) fn with_recurrent_state(mut self, snapshot_slots: usize) -> Self {
         self.recurrent = true;
+        self.slots = StateSlotPool::new(self.slots.capacity() + snapshot_slots);
         self
     }
 

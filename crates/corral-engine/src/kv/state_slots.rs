@@ -39,6 +39,11 @@ impl StateSlotPool {
         self.free.push(slot);
     }
 
+    /// Slots in all.
+    pub fn capacity(&self) -> usize {
+        self.total
+    }
+
     /// Slots in use.
     pub fn num_used(&self) -> usize {
         self.total - self.free.len()

@@ -37,6 +37,15 @@ pub trait Drafter: Send {
     fn propose(&mut self, seq: SeqId, tokens: &[u32], max: usize) -> Vec<u32>;
     /// Sequence `seq` has ended or left the batch: what the drafter keeps for it may go.
     fn forget(&mut self, _seq: SeqId) {}
+    /// Whether it reads the model's final hidden state of every token a step computes
+    /// ([`Drafter::observe`]): an MTP head does.
+    fn wants_hidden(&self) -> bool {
+        false
+    }
+    /// The model's final hidden states (after its final norm) of the tokens a step computed
+    /// for `seq`, from position `first`, `[tokens, hidden]` row-major. Rows past the tokens
+    /// the step accepted are a rejected draft's, replaced by the next step's.
+    fn observe(&mut self, _seq: SeqId, _first: usize, _hidden: &[f32]) {}
 }
 
 /// Limits of the scheduler.
@@ -208,9 +217,10 @@ impl Scheduler {
     }
 
     /// The model keeps recurrent state (a hybrid without the prefix cache's checkpoints): a
-    /// draft's rejection rolls it back to a snapshot.
-    pub fn with_recurrent_state(mut self) -> Self {
-        self.kv = self.kv.with_recurrent_state();
+    /// draft's rejection rolls it back to a snapshot, taken in one of `snapshot_slots` slots
+    /// after the running ones.
+    pub fn with_recurrent_state(mut self, snapshot_slots: usize) -> Self {
+        self.kv = self.kv.with_recurrent_state(snapshot_slots);
         self
     }
 
@@ -224,6 +234,29 @@ impl Scheduler {
     pub fn with_drafter(mut self, drafter: Box<dyn Drafter>, max_tokens: usize) -> Self {
         self.drafter = (max_tokens > 0).then_some((drafter, max_tokens));
         self
+    }
+
+    /// Whether the drafter reads every computed token's hidden state: the step runs
+    /// [`corral_model::Model::forward_with_all_hidden`] and hands them to
+    /// [`Scheduler::observe_hidden`].
+    pub fn drafter_wants_hidden(&self) -> bool {
+        self.drafter.as_ref().is_some_and(|d| d.0.wants_hidden())
+    }
+
+    /// Hands the drafter the hidden states of `plan`'s tokens (`[tokens, width]`, in batch
+    /// order), run by run.
+    pub fn observe_hidden(&mut self, plan: &StepPlan, hidden: &[f32], width: usize) {
+        let Some((drafter, _)) = &mut self.drafter else {
+            return;
+        };
+        let mut row = 0;
+        for run in plan.batch.runs() {
+            let rows = hidden.get(row * width..(row + run.len) * width);
+            if let Some(rows) = rows {
+                drafter.observe(run.seq_id, run.first_position, rows);
+            }
+            row += run.len;
+        }
     }
 
     /// Tokens sequence `id` has computed (resumed ones: what it took from the cache).

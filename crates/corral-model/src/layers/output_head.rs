@@ -35,7 +35,8 @@ impl OutputHead {
         })
     }
 
-    /// `ws.logits = lm_head(norm(ws.x[logit rows]))`; nothing when no logits are wanted.
+    /// `ws.logits = lm_head(norm(ws.x[logit rows]))`, and `ws.all_hidden = norm(ws.x)`
+    /// where a step reads every hidden state; nothing when no logits are wanted.
     pub(crate) fn forward(
         &self,
         backend: &dyn Backend,
@@ -44,11 +45,15 @@ impl OutputHead {
         embed: &DeviceBuffer,
     ) -> Result<()> {
         let (h, v, rows) = (cfg.hidden_size, cfg.vocab_size, ws.num_logit_rows);
+        let eps = cfg.rms_norm_eps;
+        if let Some(all) = &mut ws.all_hidden {
+            let tokens = all.len() / h;
+            backend.rms_norm(&ws.x, &self.norm, tokens, h, eps, self.zero_centred, all)?;
+        }
         if rows == 0 {
             return Ok(());
         }
         backend.gather_rows(&ws.x, &ws.batch.logit_rows, rows, h, &mut ws.rows)?;
-        let eps = cfg.rms_norm_eps;
         backend.rms_norm(
             &ws.rows,
             &self.norm,

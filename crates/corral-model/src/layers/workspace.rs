@@ -157,6 +157,9 @@ pub(crate) struct Workspace {
     /// `[R, DRAW_WORDS]` and `[R, CANDIDATE_ROW_WORDS]`: sampling on the device.
     pub(crate) draws: DeviceBuffer,
     pub(crate) candidates: DeviceBuffer,
+    /// `[T, H]` f32: every token's final hidden state after the final norm, where a step
+    /// reads them all back (an MTP drafter's input).
+    pub(crate) all_hidden: Option<DeviceBuffer>,
 }
 
 impl Workspace {
@@ -266,6 +269,7 @@ impl Workspace {
             logits: f32_buf(logit_rows * config.vocab_size)?,
             draws: u32_buf(logit_rows * DRAW_WORDS)?,
             candidates: u32_buf(logit_rows * CANDIDATE_ROW_WORDS)?,
+            all_hidden: None,
         })
     }
 
@@ -273,11 +277,14 @@ impl Workspace {
     pub(crate) fn size_bytes(&self) -> usize {
         let mut total = 0;
         for_each_buffer!(self, [&], |b: &DeviceBuffer| total += b.size_bytes());
-        total
+        total + self.all_hidden.as_ref().map_or(0, DeviceBuffer::size_bytes)
     }
 
     /// Gives every buffer back to the pool.
-    pub(crate) fn give(self, backend: &dyn Backend) {
+    pub(crate) fn give(mut self, backend: &dyn Backend) {
+        if let Some(b) = self.all_hidden.take() {
+            backend.give_buffer(b);
+        }
         for_each_buffer!(self, [], |b: DeviceBuffer| backend.give_buffer(b));
     }
 }
