@@ -6,6 +6,7 @@
 
 mod commands;
 mod loading;
+mod speculative;
 
 use std::process::ExitCode;
 

@@ -908,3 +908,60 @@ fn eval_perplexity_matches_transformers_and_compares_configurations() {
         stderr(&out)
     );
 }
+
+/// `--speculative`: the MTP head, prompt lookup and none give the same greedy tokens; asking
+/// for a head a checkpoint lacks, or for a drafter that does not exist, says what is wrong.
+#[test]
+fn run_speculates_without_changing_the_greedy_tokens() {
+    let model = fixture("qwen3_5_moe_mtp");
+    let prompt = "5,9,200,31,5,9,200,31,5,9";
+    let run = |speculative: &str| {
+        let out = corral(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--token-ids",
+            prompt,
+            "--max-tokens",
+            "24",
+            "--speculative",
+            speculative,
+        ]);
+        assert!(out.status.success(), "{speculative}: {}", stderr(&out));
+        let log = stderr(&out);
+        (String::from_utf8(out.stdout).unwrap(), log)
+    };
+    let (plain, log) = run("off");
+    assert!(!log.contains("speculation"), "{log}");
+    for speculative in ["mtp:1", "mtp:3", "lookup:2", "auto"] {
+        let (tokens, log) = run(speculative);
+        assert_eq!(tokens, plain, "{speculative}");
+        assert!(log.contains("speculation"), "{speculative}: {log}");
+    }
+    let out = corral(&[
+        "run",
+        "--model",
+        fixture("qwen3_5_moe_text").to_str().unwrap(),
+        "--token-ids",
+        "1,2,3",
+        "--speculative",
+        "mtp",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("MTP head"), "{}", stderr(&out));
+    let out = corral(&[
+        "run",
+        "--synthetic",
+        "x.json",
+        "--token-ids",
+        "1",
+        "--speculative",
+        "eagle",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("is not off, auto"),
+        "{}",
+        stderr(&out)
+    );
+}

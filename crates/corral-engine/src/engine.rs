@@ -451,6 +451,16 @@ fn settle(
     metrics
         .accepted_draft_tokens
         .fetch_add(counts.accepted_tokens as u64, Ordering::Relaxed);
+    metrics
+        .drafts
+        .fetch_add(counts.drafts as u64, Ordering::Relaxed);
+    for (total, &n) in metrics
+        .accepted_by_position
+        .iter()
+        .zip(&counts.accepted_by_position)
+    {
+        total.fetch_add(n as u64, Ordering::Relaxed);
+    }
     counts.ttft.iter().for_each(|s| metrics.ttft.observe(*s));
     counts
         .inter_token

@@ -12,6 +12,9 @@ pub struct Histogram {
     count: AtomicU64,
 }
 
+/// Draft positions whose acceptance is counted apart (longer drafts count in the last).
+pub const DRAFT_POSITIONS: usize = 8;
+
 /// Latency buckets (seconds) for TTFT and inter-token latency.
 pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -117,6 +120,10 @@ pub struct EngineMetrics {
     pub draft_tokens: AtomicU64,
     /// Draft tokens accepted.
     pub accepted_draft_tokens: AtomicU64,
+    /// Drafts verified (a sequence's step with one or more draft tokens).
+    pub drafts: AtomicU64,
+    /// Draft tokens accepted by their position in the draft (the first, the second, ...).
+    pub accepted_by_position: [AtomicU64; DRAFT_POSITIONS],
     /// Tokens run through forward passes.
     pub forward_tokens: AtomicU64,
     /// Dispatches of those forward passes.
@@ -172,6 +179,8 @@ impl Default for EngineMetrics {
             generated_tokens: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),
             accepted_draft_tokens: AtomicU64::new(0),
+            drafts: AtomicU64::new(0),
+            accepted_by_position: Default::default(),
             forward_tokens: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),

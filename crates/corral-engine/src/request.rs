@@ -107,6 +107,8 @@ pub struct Finished {
     pub decode_stats: DispatchStats,
     /// Time its constraint took, if it had one.
     pub constraint: Option<crate::ConstraintStats>,
+    /// Draft tokens its steps verified, and how many of them were accepted.
+    pub drafted: (usize, usize),
 }
 
 /// What the engine sends a request's handler.

@@ -901,6 +901,18 @@ fn mtp_drafting_generates_what_plain_decoding_does() {
             );
             eprintln!("{what}: {accepted} of {drafted} accepted");
             assert!(drafted > 0, "{what}: nothing drafted");
+            // A draft's token k is accepted only after those before it.
+            let by_position: Vec<u64> = m
+                .accepted_by_position
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .collect();
+            assert_eq!(by_position.iter().sum::<u64>(), accepted, "{what}");
+            assert!(
+                by_position.windows(2).all(|w| w[0] >= w[1]),
+                "{what}: {by_position:?}"
+            );
+            assert!(m.drafts.load(Ordering::Relaxed) * 3 >= drafted, "{what}");
             wait_for_zero_blocks(&engine);
             engine.shutdown();
             thread.join().unwrap();

@@ -9,11 +9,12 @@ use clap::Args;
 use corral_backend::DispatchStats;
 use corral_engine::{
     BLOCK_SIZE, ChatTemplate, EngineConfig, EngineRequest, Event, Finished, IncrementalDecoder,
-    SamplingParams, TokenizerConfig, spawn_engine,
+    SamplingParams, TokenizerConfig, spawn_engine_drafting,
 };
 use serde_json::{Map, Value, json};
 
 use crate::loading::{ModelArgs, load_model};
+use crate::speculative::Speculative;
 
 /// Arguments of `corral run`.
 #[derive(Debug, Args)]
@@ -66,6 +67,12 @@ pub(crate) struct RunArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Draft tokens for each step to verify: off, mtp[:K] (the checkpoint's MTP head, with
+    /// prompt lookup where it matches), lookup[:K], or auto (the MTP head where there is
+    /// one, else lookup). Greedy output is the same either way; sampled output follows the
+    /// same distribution.
+    #[arg(long, default_value = "auto")]
+    speculative: Speculative,
 }
 
 /// The engine that `serve` runs, with room for one sequence of `total` tokens, prefilled
@@ -155,7 +162,14 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     let device = model.backend().device_name();
     let strategy = model.moe_strategy();
     let config = one_sequence_engine(total, args.prefill_chunk);
-    let (engine, thread) = spawn_engine(model, config)?;
+    let drafter = args.speculative.drafter(
+        &args.model,
+        &model,
+        (config.kv_blocks, config.block_size, 1),
+    )?;
+    let speculation = drafter.as_ref().map(|d| d.2.clone());
+    let (engine, thread) = spawn_engine_drafting(model, config, drafter.map(|(d, k, _)| (d, k)))?;
+    let metrics = std::sync::Arc::clone(engine.metrics());
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = prompt_ids.len();
     engine
@@ -233,9 +247,24 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     eprintln!("TTFT             {:.1} ms", ttft * 1e3);
     eprintln!("prefill          {:.1} tok/s", prompt_tokens as f64 / ttft);
     if report.decode_steps > 0 {
+        // Tokens after the first came from the decode steps (several a step where drafts
+        // were accepted).
         eprintln!(
-            "decode           {:.1} tok/s",
-            report.decode_steps as f64 / decode_s
+            "decode           {:.1} tok/s ({} steps)",
+            generated.saturating_sub(1) as f64 / decode_s,
+            report.decode_steps
+        );
+    }
+    if let Some(speculation) = speculation {
+        let drafted = metrics
+            .draft_tokens
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let accepted = metrics
+            .accepted_draft_tokens
+            .load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "speculation      {speculation}: {accepted} of {drafted} accepted ({:.0}%)",
+            100.0 * accepted as f64 / drafted.max(1) as f64
         );
     }
     eprintln!(

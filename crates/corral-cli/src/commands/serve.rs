@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use corral_engine::{BLOCK_SIZE, ChatTemplate, EngineConfig, sampling_defaults, spawn_engine};
+use corral_engine::{
+    BLOCK_SIZE, ChatTemplate, EngineConfig, sampling_defaults, spawn_engine_drafting,
+};
 use corral_server::{AppState, RequestCounts, ServerConfig};
 
 use super::serve_plan;
@@ -34,6 +36,12 @@ pub(crate) struct ServeArgs {
     /// Most tokens a step computes, decode rows included (which always run).
     #[arg(long, env = "CORRAL_MAX_PREFILL_TOKENS", default_value_t = 512)]
     max_prefill_tokens: usize,
+    /// Draft tokens for each decoding step to verify: off, mtp[:K] (the checkpoint's MTP
+    /// head, with prompt lookup where it matches), lookup[:K], or auto (the MTP head where
+    /// there is one, else lookup). Output is the same either way (sampled: the same
+    /// distribution).
+    #[arg(long, env = "CORRAL_SPECULATIVE", default_value = "auto")]
+    speculative: crate::speculative::Speculative,
     /// Most requests waiting; more get 429.
     #[arg(long, env = "CORRAL_MAX_QUEUE", default_value_t = 256)]
     max_queue: usize,
@@ -272,7 +280,16 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
     });
     let model_aliases: Vec<String> = names.collect();
-    let (engine, engine_thread) = spawn_engine(
+    let drafter = args.speculative.drafter(
+        &args.model,
+        &model,
+        (kv_blocks, BLOCK_SIZE, args.max_batch.max(1)),
+    )?;
+    match &drafter {
+        Some((_, _, what)) => tracing::info!("speculative decoding: {what}"),
+        None => tracing::info!("speculative decoding off"),
+    }
+    let (engine, engine_thread) = spawn_engine_drafting(
         model,
         EngineConfig {
             max_batch: args.max_batch.max(1),
@@ -293,6 +310,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             session_pin: std::time::Duration::from_secs(args.session_pin_seconds),
             throughput_log_interval: std::time::Duration::from_secs(10),
         },
+        drafter.map(|(d, k, _)| (d, k)),
     )?;
     let grammars = tokenizer.grammar_compiler(&stop_ids).map_err(|e| {
         tracing::warn!(error = %e, "constrained decoding (response_format, tool_choice) is unavailable");

@@ -93,6 +93,8 @@ struct Sequence {
     prefill_stats: DispatchStats,
     decode_stats: DispatchStats,
     decode_steps: usize,
+    /// Draft tokens verified for it, and accepted.
+    drafted: (usize, usize),
 }
 
 impl Sequence {
@@ -173,6 +175,10 @@ pub struct StepCounts {
     pub draft_tokens: usize,
     /// Draft tokens accepted.
     pub accepted_tokens: usize,
+    /// Drafts verified.
+    pub drafts: usize,
+    /// Draft tokens accepted by position in their draft.
+    pub accepted_by_position: [usize; crate::metrics::DRAFT_POSITIONS],
     /// Seconds from arrival to first token, of sequences that got their first token.
     pub ttft: Vec<f64>,
     /// Seconds since the previous token, of sequences that got a later token.
@@ -336,6 +342,7 @@ impl Scheduler {
             prefill_stats: DispatchStats::default(),
             decode_stats: DispatchStats::default(),
             decode_steps: 0,
+            drafted: (0, 0),
         });
     }
 

@@ -143,6 +143,13 @@ impl Scheduler {
             if !draft.is_empty() {
                 counts.draft_tokens += draft.len();
                 counts.accepted_tokens += accepted;
+                counts.drafts += 1;
+                seq.drafted.0 += draft.len();
+                seq.drafted.1 += accepted;
+                let last = counts.accepted_by_position.len() - 1;
+                for k in 0..accepted {
+                    counts.accepted_by_position[k.min(last)] += 1;
+                }
                 self.kv.settle_draft(
                     seq.id,
                     &mut seq.kv,
@@ -195,6 +202,7 @@ impl Scheduler {
             decode_ms: (now - first).as_secs_f64() * 1e3,
             prefill_stats: seq.prefill_stats,
             decode_steps: seq.decode_steps,
+            drafted: seq.drafted,
             decode_stats: seq.decode_stats,
             constraint: seq.constraint.as_ref().map(Constraint::stats),
         };

@@ -110,6 +110,8 @@ pub(crate) struct Generation {
     finished: bool,
     /// Time the request's constraint took, once finished.
     constraint: Option<corral_engine::ConstraintStats>,
+    /// Draft tokens verified and accepted, once finished.
+    drafted: (usize, usize),
 }
 
 impl Drop for Generation {
@@ -219,6 +221,7 @@ impl Generation {
             first_token: None,
             finished: false,
             constraint: None,
+            drafted: (0, 0),
         })
     }
 
@@ -283,6 +286,7 @@ impl Generation {
                 };
                 self.usage.cached_tokens = done.cached_tokens;
                 self.constraint = done.constraint;
+                self.drafted = done.drafted;
                 Ok(Some(self.finish(deltas, finish)))
             }
             Some(Event::Failed(message)) => {
@@ -317,6 +321,8 @@ impl Generation {
             ttft_ms = format_args!("{prompt_ms:.1}"),
             decode_tok_s = format_args!("{:.1}", per_second(decoded, predicted_ms)),
             finish_reason = %finish.openai(),
+            drafted = self.drafted.0,
+            accepted = self.drafted.1,
             grammar = %self.constraint.map_or(String::new(), |c| format!(
                 "{} masks, {:.2} ms computing beside the forward, {:.2} ms waited",
                 c.masks,
@@ -425,6 +431,7 @@ impl Generation {
             decode_steps: 0,
             decode_stats: Default::default(),
             constraint: None,
+            drafted: (0, 0),
         }))
         .unwrap();
         let stops = if stop.is_empty() {
@@ -448,6 +455,7 @@ impl Generation {
             first_token: None,
             finished: false,
             constraint: None,
+            drafted: (0, 0),
         }
     }
 }

@@ -138,6 +138,23 @@ fn vllm_compatible(out: &mut String, state: &AppState) {
     for (name, help, value) in counters {
         labelled(out, name, "counter", help, &model, value);
     }
+    let name = "vllm:spec_decode_num_drafts_total";
+    labelled(
+        out,
+        name,
+        "counter",
+        "Drafts verified.",
+        &model,
+        load(&m.drafts),
+    );
+    let name = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Draft tokens accepted, by position in the draft.\n# TYPE {name} counter"
+    );
+    for (position, n) in m.accepted_by_position.iter().enumerate() {
+        let _ = writeln!(out, "{name}{{{model},position=\"{position}\"}} {}", load(n));
+    }
     let name = "vllm:request_success_total";
     let _ = writeln!(
         out,

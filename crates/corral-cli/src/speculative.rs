@@ -1,0 +1,141 @@
+//! `--speculative`: which drafter proposes the tokens each decoding step verifies, and how
+//! many at most.
+
+use std::str::FromStr;
+
+use anyhow::{Context, Result, bail};
+use corral_engine::{CombinedDrafter, Drafter, LookupDrafter, MtpDrafter};
+use corral_model::Model;
+
+use crate::loading::ModelArgs;
+
+/// Draft tokens a step verifies when `--speculative` names no K.
+const DEFAULT_MTP_TOKENS: usize = 3;
+const DEFAULT_LOOKUP_TOKENS: usize = 4;
+/// The most a step verifies.
+const MAX_DRAFT_TOKENS: usize = 8;
+
+/// How decoding speculates: `off`, `mtp[:K]` (the checkpoint's MTP head, with prompt lookup
+/// where it matches), `lookup[:K]` (prompt lookup alone), or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Speculative {
+    Off,
+    Mtp(usize),
+    Lookup(usize),
+    /// The MTP head where the checkpoint has one, else prompt lookup.
+    Auto,
+}
+
+impl FromStr for Speculative {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (kind, k) = match s.split_once(':') {
+            Some((kind, k)) => {
+                let k: usize = k
+                    .parse()
+                    .map_err(|_| format!("draft tokens `{k}` is not a number"))?;
+                if !(1..=MAX_DRAFT_TOKENS).contains(&k) {
+                    return Err(format!(
+                        "draft tokens must be 1 to {MAX_DRAFT_TOKENS}, not {k}"
+                    ));
+                }
+                (kind, Some(k))
+            }
+            None => (s, None),
+        };
+        match (kind, k) {
+            ("off", None) => Ok(Self::Off),
+            ("auto", None) => Ok(Self::Auto),
+            ("mtp", k) => Ok(Self::Mtp(k.unwrap_or(DEFAULT_MTP_TOKENS))),
+            ("lookup", k) => Ok(Self::Lookup(k.unwrap_or(DEFAULT_LOOKUP_TOKENS))),
+            _ => Err(format!(
+                "`{s}` is not off, auto, mtp[:K] or lookup[:K] (K draft tokens a step, 1 to {MAX_DRAFT_TOKENS})"
+            )),
+        }
+    }
+}
+
+/// A drafter for the engine, the most tokens a step verifies, and what it is in words.
+pub(crate) type EngineDrafter = (Box<dyn Drafter>, usize, String);
+
+impl Speculative {
+    /// The drafter `self` asks for beside `model` (loaded from `args`), its MTP head's KV
+    /// cache `kv_blocks` blocks of `block_size` tokens for `sequences` sequences; `None` for
+    /// `off`.
+    pub(crate) fn drafter(
+        self,
+        args: &ModelArgs,
+        model: &Model,
+        (kv_blocks, block_size, sequences): (usize, usize, usize),
+    ) -> Result<Option<EngineDrafter>> {
+        let mtp = |k: usize| -> Result<EngineDrafter> {
+            let head = load_head(args, model)?;
+            let mtp = MtpDrafter::new(head, kv_blocks, block_size, sequences)?;
+            let drafter = CombinedDrafter::new(LookupDrafter::default(), mtp);
+            Ok((
+                Box::new(drafter),
+                k,
+                format!("MTP head and prompt lookup, {k} draft tokens"),
+            ))
+        };
+        let lookup = |k: usize| -> EngineDrafter {
+            (
+                Box::new(LookupDrafter::default()),
+                k,
+                format!("prompt lookup, {k} draft tokens"),
+            )
+        };
+        Ok(match self {
+            Self::Off => None,
+            Self::Mtp(k) => Some(mtp(k)?),
+            Self::Lookup(k) => Some(lookup(k)),
+            Self::Auto => Some(match mtp(DEFAULT_MTP_TOKENS) {
+                Ok(drafter) => drafter,
+                Err(e) => {
+                    tracing::debug!(error = %format!("{e:#}"), "no MTP head: prompt lookup drafts");
+                    lookup(DEFAULT_LOOKUP_TOKENS)
+                }
+            }),
+        })
+    }
+}
+
+/// The MTP head of `args`' checkpoint (a directory's `mtp.*` tensors, or a GGUF file's
+/// head blocks) on `model`'s backend.
+fn load_head(args: &ModelArgs, model: &Model) -> Result<Model> {
+    let Some(path) = args.dir() else {
+        bail!("an MTP head needs --model (a synthetic model has none)");
+    };
+    let backend = model.backend().clone();
+    match args.gguf()? {
+        Some(gguf) => Model::mtp_from_gguf(gguf, backend, &mut |_, _| {}),
+        None => Model::load_mtp(path, backend, &mut |_, _| {}),
+    }
+    .with_context(|| format!("loading the MTP head of {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_each_form_and_names_what_is_wrong() {
+        assert_eq!("off".parse(), Ok(Speculative::Off));
+        assert_eq!("auto".parse(), Ok(Speculative::Auto));
+        assert_eq!("mtp".parse(), Ok(Speculative::Mtp(3)));
+        assert_eq!("mtp:2".parse(), Ok(Speculative::Mtp(2)));
+        assert_eq!("lookup".parse(), Ok(Speculative::Lookup(4)));
+        assert_eq!("lookup:8".parse(), Ok(Speculative::Lookup(8)));
+        for (bad, says) in [
+            ("mtp:0", "1 to 8"),
+            ("mtp:9", "1 to 8"),
+            ("mtp:x", "not a number"),
+            ("eagle", "is not off"),
+            ("off:2", "is not off"),
+        ] {
+            let err = bad.parse::<Speculative>().unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+}
