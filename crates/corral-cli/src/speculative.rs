@@ -15,14 +15,15 @@ const DEFAULT_LOOKUP_TOKENS: usize = 4;
 /// The most a step verifies.
 const MAX_DRAFT_TOKENS: usize = 8;
 
-/// How decoding speculates: `off`, `mtp[:K]` (the checkpoint's MTP head, with prompt lookup
-/// where it matches), `lookup[:K]` (prompt lookup alone), or `auto`.
+/// How decoding speculates: `off`, `mtp[:K]` (the checkpoint's MTP head), `lookup[:K]`
+/// (prompt lookup), `mtp+lookup[:K]` (lookup where it matches, else the head), or `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Speculative {
     Off,
     Mtp(usize),
     Lookup(usize),
-    /// The MTP head where the checkpoint has one, else prompt lookup.
+    MtpLookup(usize),
+    /// `mtp+lookup` where the checkpoint has an MTP head, else `lookup`.
     Auto,
 }
 
@@ -49,9 +50,23 @@ impl FromStr for Speculative {
             ("auto", None) => Ok(Self::Auto),
             ("mtp", k) => Ok(Self::Mtp(k.unwrap_or(DEFAULT_MTP_TOKENS))),
             ("lookup", k) => Ok(Self::Lookup(k.unwrap_or(DEFAULT_LOOKUP_TOKENS))),
+            ("mtp+lookup", k) => Ok(Self::MtpLookup(k.unwrap_or(DEFAULT_MTP_TOKENS))),
             _ => Err(format!(
-                "`{s}` is not off, auto, mtp[:K] or lookup[:K] (K draft tokens a step, 1 to {MAX_DRAFT_TOKENS})"
+                "`{s}` is not off, auto, mtp[:K], lookup[:K] or mtp+lookup[:K] (K draft tokens a step, 1 to {MAX_DRAFT_TOKENS})"
             )),
+        }
+    }
+}
+
+impl std::fmt::Display for Speculative {
+    /// The form `--speculative` reads.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Off => write!(f, "off"),
+            Self::Auto => write!(f, "auto"),
+            Self::Mtp(k) => write!(f, "mtp:{k}"),
+            Self::Lookup(k) => write!(f, "lookup:{k}"),
+            Self::MtpLookup(k) => write!(f, "mtp+lookup:{k}"),
         }
     }
 }
@@ -69,15 +84,17 @@ impl Speculative {
         model: &Model,
         (kv_blocks, block_size, sequences): (usize, usize, usize),
     ) -> Result<Option<EngineDrafter>> {
-        let mtp = |k: usize| -> Result<EngineDrafter> {
+        let head = || -> Result<MtpDrafter> {
             let head = load_head(args, model)?;
-            let mtp = MtpDrafter::new(head, kv_blocks, block_size, sequences)?;
-            let drafter = CombinedDrafter::new(LookupDrafter::default(), mtp);
-            Ok((
-                Box::new(drafter),
-                k,
-                format!("MTP head and prompt lookup, {k} draft tokens"),
-            ))
+            Ok(MtpDrafter::new(head, kv_blocks, block_size, sequences)?)
+        };
+        let mtp = |k: usize| -> Result<EngineDrafter> {
+            Ok((Box::new(head()?), k, format!("MTP head, {k} draft tokens")))
+        };
+        let both = |k: usize| -> Result<EngineDrafter> {
+            let drafter = CombinedDrafter::new(LookupDrafter::default(), head()?);
+            let what = format!("prompt lookup, else the MTP head, {k} draft tokens");
+            Ok((Box::new(drafter), k, what))
         };
         let lookup = |k: usize| -> EngineDrafter {
             (
@@ -90,7 +107,8 @@ impl Speculative {
             Self::Off => None,
             Self::Mtp(k) => Some(mtp(k)?),
             Self::Lookup(k) => Some(lookup(k)),
-            Self::Auto => Some(match mtp(DEFAULT_MTP_TOKENS) {
+            Self::MtpLookup(k) => Some(both(k)?),
+            Self::Auto => Some(match both(DEFAULT_MTP_TOKENS) {
                 Ok(drafter) => drafter,
                 Err(e) => {
                     tracing::debug!(error = %format!("{e:#}"), "no MTP head: prompt lookup drafts");
@@ -127,6 +145,13 @@ mod tests {
         assert_eq!("mtp:2".parse(), Ok(Speculative::Mtp(2)));
         assert_eq!("lookup".parse(), Ok(Speculative::Lookup(4)));
         assert_eq!("lookup:8".parse(), Ok(Speculative::Lookup(8)));
+        assert_eq!("mtp+lookup:2".parse(), Ok(Speculative::MtpLookup(2)));
+        for s in ["off", "auto", "mtp:2", "lookup:8", "mtp+lookup:4"] {
+            assert_eq!(
+                s.parse::<Speculative>().map(|v| v.to_string()),
+                Ok(s.to_string())
+            );
+        }
         for (bad, says) in [
             ("mtp:0", "1 to 8"),
             ("mtp:9", "1 to 8"),

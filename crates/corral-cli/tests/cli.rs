@@ -933,7 +933,7 @@ fn run_speculates_without_changing_the_greedy_tokens() {
     };
     let (plain, log) = run("off");
     assert!(!log.contains("speculation"), "{log}");
-    for speculative in ["mtp:1", "mtp:3", "lookup:2", "auto"] {
+    for speculative in ["mtp:1", "mtp:3", "lookup:2", "auto", "mtp+lookup:2"] {
         let (tokens, log) = run(speculative);
         assert_eq!(tokens, plain, "{speculative}");
         assert!(log.contains("speculation"), "{speculative}: {log}");
@@ -964,4 +964,57 @@ fn run_speculates_without_changing_the_greedy_tokens() {
         "{}",
         stderr(&out)
     );
+}
+
+/// `corral bench speculative` on a GGUF file with its MTP head: each variant's row, drafts
+/// made by the head, and every variant's tokens those of plain decoding (in the JSON too).
+#[test]
+fn bench_speculative_compares_variants_with_plain_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(30),
+    )
+    .unwrap();
+    let json = dir.path().join("spec.json");
+    let model = fixture("gguf/hybrid/qwen35moe.mtp.q4_k_m.gguf");
+    let out = corral(&[
+        "bench",
+        "speculative",
+        "--model",
+        model.to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--prompts",
+        "2",
+        "--prompt-tokens",
+        "24",
+        "--max-tokens",
+        "10",
+        "--echo",
+        "8",
+        "--speculative",
+        "off,mtp:2,lookup:3",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = String::from_utf8(out.stdout).unwrap();
+    for variant in ["off", "mtp:2", "lookup:3"] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with(variant) && l.ends_with("yes")),
+            "{table}"
+        );
+    }
+    let value: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let variants = value["variants"].as_array().unwrap();
+    assert_eq!(variants.len(), 3);
+    assert!(
+        variants.iter().all(|v| v["same_tokens_as_off"] == true),
+        "{value}"
+    );
+    assert!(variants[1]["drafted"].as_u64().unwrap() > 0, "{value}");
 }

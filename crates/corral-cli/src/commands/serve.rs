@@ -37,8 +37,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, env = "CORRAL_MAX_PREFILL_TOKENS", default_value_t = 512)]
     max_prefill_tokens: usize,
     /// Draft tokens for each decoding step to verify: off, mtp[:K] (the checkpoint's MTP
-    /// head, with prompt lookup where it matches), lookup[:K], or auto (the MTP head where
-    /// there is one, else lookup). Output is the same either way (sampled: the same
+    /// head), lookup[:K] (prompt lookup), mtp+lookup[:K] (lookup where it matches, else the
+    /// head), or auto (mtp+lookup where the checkpoint has a head, else lookup). Output is the same either way (sampled: the same
     /// distribution).
     #[arg(long, env = "CORRAL_SPECULATIVE", default_value = "auto")]
     speculative: crate::speculative::Speculative,

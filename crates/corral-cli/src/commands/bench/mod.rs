@@ -7,6 +7,7 @@ mod plot;
 pub(crate) mod prefill;
 pub(crate) mod serve;
 pub(crate) mod sessions;
+mod speculative;
 mod summary;
 
 use anyhow::Result;
@@ -36,6 +37,9 @@ enum BenchCommand {
     /// What constrained decoding (a JSON schema) costs a generated token: decode ms per
     /// token with and without it, mask time beside the forward and time waited for it.
     Grammar(grammar::GrammarArgs),
+    /// Speculative decoding's variants on prompts cut from a text: draft tokens accepted (by
+    /// position), tokens a step, decode tok/s against plain decoding, same tokens or not.
+    Speculative(speculative::SpeculativeArgs),
 }
 
 /// The strategies named on a bench's command line, `auto` as the model was loaded with it (its
@@ -89,5 +93,6 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Serve(args) => serve::run(args),
         BenchCommand::Sessions(args) => sessions::run(args),
         BenchCommand::Grammar(args) => grammar::run(args),
+        BenchCommand::Speculative(args) => speculative::run(args),
     }
 }

@@ -1,0 +1,251 @@
+//! `corral bench speculative`: greedy decoding of prompts cut from a text, with each
+//! `--speculative` variant in turn through the engine `serve` runs (one sequence): draft
+//! tokens verified and accepted (by position in the draft), tokens a decode step, decode
+//! tok/s and its ratio to `off`, and whether the tokens equal `off`'s (they must). `--echo`
+//! makes it an edit replay: each prompt ends with its own first tokens again, so the model
+//! re-emits text it has seen, as an agent re-emits a file it edits.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use corral_engine::{EngineRequest, Event, SamplingParams, spawn_engine_drafting};
+use serde_json::json;
+
+use crate::loading::{ModelArgs, load_model};
+use crate::speculative::Speculative;
+
+/// Arguments of `corral bench speculative`.
+#[derive(Debug, Args)]
+pub(crate) struct SpeculativeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text the prompts are cut from (consecutive windows).
+    #[arg(long)]
+    text: PathBuf,
+    /// Prompts cut from the text.
+    #[arg(long, default_value_t = 8)]
+    prompts: usize,
+    /// Tokens of each prompt.
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Tokens generated for each prompt (end-of-sequence tokens ignored).
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// An edit replay: each prompt followed by its own first N tokens again.
+    #[arg(long, default_value_t = 0)]
+    echo: usize,
+    /// The variants, in the order each repetition runs them.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "off,mtp:1,mtp:2,mtp:3,lookup:4"
+    )]
+    speculative: Vec<Speculative>,
+    /// Repetitions of the whole set of variants (interleaved).
+    #[arg(long, default_value_t = 1)]
+    reps: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// One variant's totals over its prompts and repetitions.
+#[derive(Default)]
+struct Totals {
+    generated: usize,
+    decode_steps: usize,
+    decode_ms: f64,
+    drafted: u64,
+    accepted: u64,
+    /// Drafts verified (steps of a sequence with draft tokens).
+    drafts: u64,
+    by_position: Vec<u64>,
+    /// Each prompt's tokens, from the first repetition.
+    outputs: Vec<Vec<u32>>,
+}
+
+pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
+    if args.prompts == 0 || args.prompt_tokens == 0 || args.max_tokens == 0 || args.reps == 0 {
+        bail!("--prompts, --prompt-tokens, --max-tokens and --reps must be at least 1");
+    }
+    let dir = args
+        .model
+        .dir()
+        .context("the prompts need --model (a checkpoint or GGUF file with its tokenizer)")?;
+    let text = std::fs::read_to_string(&args.text)
+        .with_context(|| format!("reading {} as UTF-8 text", args.text.display()))?;
+    let (tokenizer, _) = args.model.vocabulary(dir)?;
+    let ids = tokenizer
+        .encode(&text)
+        .with_context(|| format!("tokenizing {}", args.text.display()))?;
+    let prompts: Vec<Vec<u32>> = ids
+        .chunks_exact(args.prompt_tokens)
+        .take(args.prompts)
+        .map(|w| {
+            let mut p = w.to_vec();
+            p.extend_from_slice(&w[..args.echo.min(w.len())]);
+            p
+        })
+        .collect();
+    if prompts.len() < args.prompts {
+        bail!(
+            "{} holds {} tokens: fewer than {} prompts of {}",
+            args.text.display(),
+            ids.len(),
+            args.prompts,
+            args.prompt_tokens
+        );
+    }
+    let total = args.prompt_tokens + args.echo + args.max_tokens;
+    let mut totals: Vec<Totals> = args.speculative.iter().map(|_| Totals::default()).collect();
+    let mut device = String::new();
+    for rep in 0..args.reps {
+        for (variant, sums) in args.speculative.iter().zip(&mut totals) {
+            let model = load_model(&args.model)?;
+            device = model.backend().device_name();
+            let config = crate::commands::run::one_sequence_engine(total, 512);
+            let drafter = variant.drafter(
+                &args.model,
+                &model,
+                (config.kv_blocks, config.block_size, 1),
+            )?;
+            let (engine, thread) =
+                spawn_engine_drafting(model, config, drafter.map(|(d, k, _)| (d, k)))?;
+            for prompt in &prompts {
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                engine
+                    .submit(EngineRequest {
+                        prompt: prompt.clone(),
+                        params: SamplingParams::default(),
+                        max_tokens: args.max_tokens,
+                        max_context: total,
+                        stop_token_ids: Vec::new(),
+                        top_logprobs: None,
+                        events: tx,
+                        session: None,
+                        constraint: None,
+                    })
+                    .context("starting generation")?;
+                let mut tokens = Vec::new();
+                let finished = loop {
+                    match rx.blocking_recv() {
+                        Some(Event::Tokens(t)) => tokens.extend(t.iter().map(|t| t.id)),
+                        Some(Event::Finished(f)) => break f,
+                        Some(Event::Failed(e)) => bail!("generation failed: {e}"),
+                        None => bail!("the engine stopped"),
+                    }
+                };
+                sums.generated += tokens.len();
+                sums.decode_steps += finished.decode_steps;
+                sums.decode_ms += finished.decode_ms;
+                if rep == 0 {
+                    sums.outputs.push(tokens);
+                }
+            }
+            let m = engine.metrics();
+            sums.drafted += m.draft_tokens.load(Ordering::Relaxed);
+            sums.accepted += m.accepted_draft_tokens.load(Ordering::Relaxed);
+            sums.drafts += m.drafts.load(Ordering::Relaxed);
+            let by_position: Vec<u64> = m
+                .accepted_by_position
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .collect();
+            sums.by_position.resize(by_position.len(), 0);
+            for (sum, n) in sums.by_position.iter_mut().zip(by_position) {
+                *sum += n;
+            }
+            engine.shutdown();
+            let _ = thread.join();
+        }
+    }
+    report(&args, &device, &prompts, &totals)
+}
+
+fn report(
+    args: &SpeculativeArgs,
+    device: &str,
+    prompts: &[Vec<u32>],
+    totals: &[Totals],
+) -> Result<()> {
+    let off = args.speculative.iter().position(|s| *s == Speculative::Off);
+    let rate = |t: &Totals| {
+        // The first token of each prompt comes with its prefill.
+        let decoded = t.generated.saturating_sub(prompts.len() * args.reps);
+        decoded as f64 / (t.decode_ms / 1e3).max(1e-9)
+    };
+    println!(
+        "device {device}  {} prompts of {} tokens{}  {} generated each  {} reps",
+        prompts.len(),
+        args.prompt_tokens,
+        if args.echo > 0 {
+            format!(" + {} echoed", args.echo)
+        } else {
+            String::new()
+        },
+        args.max_tokens,
+        args.reps
+    );
+    println!(
+        "{:<10} {:>9} {:>10} {:>22} {:>10} {:>9} {:>8} {:>6}",
+        "variant", "drafted", "accepted", "by position %", "tok/step", "tok/s", "vs off", "same"
+    );
+    let mut rows = Vec::new();
+    for (variant, t) in args.speculative.iter().zip(totals) {
+        let decoded = t.generated.saturating_sub(prompts.len() * args.reps);
+        let per_step = decoded as f64 / t.decode_steps.max(1) as f64;
+        let ratio = off.map(|i| rate(t) / rate(&totals[i]));
+        let same = off.map(|i| totals[i].outputs == t.outputs);
+        let positions: Vec<String> = t
+            .by_position
+            .iter()
+            .take_while(|&&n| n > 0)
+            .map(|&n| format!("{:.0}", 100.0 * n as f64 / (t.drafts.max(1) as f64)))
+            .collect();
+        let acceptance = t.accepted as f64 / t.drafted.max(1) as f64;
+        println!(
+            "{:<10} {:>9} {:>9.1}% {:>22} {:>10.2} {:>9.1} {:>8} {:>6}",
+            variant.to_string(),
+            t.drafted,
+            100.0 * acceptance,
+            positions.join("/"),
+            per_step,
+            rate(t),
+            ratio.map_or("-".to_string(), |r| format!("{r:.2}x")),
+            same.map_or("-", |s| if s { "yes" } else { "NO" }),
+        );
+        rows.push(json!({
+            "variant": variant.to_string(),
+            "drafted": t.drafted,
+            "accepted": t.accepted,
+            "drafts": t.drafts,
+            "accepted_by_position": t.by_position,
+            "tokens_per_step": per_step,
+            "decode_tok_s": rate(t),
+            "vs_off": ratio,
+            "same_tokens_as_off": same,
+        }));
+    }
+    if let Some(path) = &args.json {
+        let value = json!({
+            "device": device,
+            "text": args.text,
+            "prompts": prompts.len(),
+            "prompt_tokens": args.prompt_tokens,
+            "echo": args.echo,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "variants": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&value)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(i) = off
+        && totals.iter().any(|t| t.outputs != totals[i].outputs)
+    {
+        bail!("a speculative variant generated other tokens than plain decoding");
+    }
+    Ok(())
+}
