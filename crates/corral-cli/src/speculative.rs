@@ -23,7 +23,8 @@ pub(crate) enum Speculative {
     Mtp(usize),
     Lookup(usize),
     MtpLookup(usize),
-    /// `mtp+lookup` where the checkpoint has an MTP head, else `lookup`.
+    /// On the CPU, `mtp+lookup` where the checkpoint has an MTP head, else `lookup`; off
+    /// where decode replays recorded graphs (the GPU), until measured there.
     Auto,
 }
 
@@ -108,6 +109,10 @@ impl Speculative {
             Self::Mtp(k) => Some(mtp(k)?),
             Self::Lookup(k) => Some(lookup(k)),
             Self::MtpLookup(k) => Some(both(k)?),
+            // Where decode steps replay recorded graphs (the GPU), verify steps of mixed
+            // draft lengths run eagerly and an MTP head reads hidden states back: not yet
+            // measured faster there, so auto speculates on the CPU only.
+            Self::Auto if model.backend().records_graphs() => None,
             Self::Auto => Some(match both(DEFAULT_MTP_TOKENS) {
                 Ok(drafter) => drafter,
                 Err(e) => {

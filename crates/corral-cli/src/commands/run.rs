@@ -67,10 +67,10 @@ pub(crate) struct RunArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Draft tokens for each step to verify: off, mtp[:K] (the checkpoint's MTP head),
-    /// lookup[:K] (prompt lookup), mtp+lookup[:K] (lookup where it matches, else the head),
-    /// or auto (mtp+lookup where the checkpoint has a head, else lookup). Greedy output is the same either way; sampled output follows the
-    /// same distribution.
+    /// Draft tokens for each decoding step to verify: off, mtp[:K] (the checkpoint's MTP
+    /// head), lookup[:K] (prompt lookup), mtp+lookup[:K] (lookup where it matches, else the
+    /// head), or auto (on the CPU mtp+lookup where the checkpoint has a head, else lookup;
+    /// off on the GPU). The output is the same either way (sampled: the same distribution).
     #[arg(long, default_value = "auto")]
     speculative: Speculative,
 }

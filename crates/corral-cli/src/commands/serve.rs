@@ -38,8 +38,8 @@ pub(crate) struct ServeArgs {
     max_prefill_tokens: usize,
     /// Draft tokens for each decoding step to verify: off, mtp[:K] (the checkpoint's MTP
     /// head), lookup[:K] (prompt lookup), mtp+lookup[:K] (lookup where it matches, else the
-    /// head), or auto (mtp+lookup where the checkpoint has a head, else lookup). Output is the same either way (sampled: the same
-    /// distribution).
+    /// head), or auto (on the CPU mtp+lookup where the checkpoint has a head, else lookup;
+    /// off on the GPU). The output is the same either way (sampled: the same distribution).
     #[arg(long, env = "CORRAL_SPECULATIVE", default_value = "auto")]
     speculative: crate::speculative::Speculative,
     /// Most requests waiting; more get 429.
