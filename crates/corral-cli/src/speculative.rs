@@ -76,53 +76,80 @@ impl std::fmt::Display for Speculative {
 pub(crate) type EngineDrafter = (Box<dyn Drafter>, usize, String);
 
 impl Speculative {
-    /// The drafter `self` asks for beside `model` (loaded from `args`), its MTP head's KV
-    /// cache `kv_blocks` blocks of `block_size` tokens for `sequences` sequences; `None` for
-    /// `off`.
+    /// Whether it speculates at all beside `model` (`auto` does not where decode steps replay
+    /// recorded graphs, the GPU: verify steps of mixed draft lengths run eagerly and an MTP
+    /// head reads hidden states back, not yet measured faster there).
+    fn active(self, model: &Model) -> bool {
+        match self {
+            Self::Off => false,
+            Self::Auto => !model.backend().records_graphs(),
+            _ => true,
+        }
+    }
+
+    /// The MTP head `self` drafts with, loaded from `args`' checkpoint onto `model`'s backend:
+    /// `None` where it drafts without one (`auto` where the checkpoint has none).
+    pub(crate) fn head(self, args: &ModelArgs, model: &Model) -> Result<Option<Model>> {
+        if !self.active(model) {
+            return Ok(None);
+        }
+        match self {
+            Self::Mtp(_) | Self::MtpLookup(_) => load_head(args, model).map(Some),
+            Self::Auto => Ok(load_head(args, model)
+                .inspect_err(|e| {
+                    tracing::debug!(error = %format!("{e:#}"), "no MTP head: prompt lookup drafts");
+                })
+                .ok()),
+            Self::Off | Self::Lookup(_) => Ok(None),
+        }
+    }
+
+    /// The drafter `self` asks for beside `model`, with `head` ([`Speculative::head`]) and
+    /// its KV cache of `kv_blocks` blocks of `block_size` tokens for `sequences` sequences;
+    /// `None` where it does not speculate.
     pub(crate) fn drafter(
         self,
-        args: &ModelArgs,
         model: &Model,
-        (kv_blocks, block_size, sequences): (usize, usize, usize),
+        head: Option<Model>,
+        caches: (usize, usize, usize),
     ) -> Result<Option<EngineDrafter>> {
-        let head = || -> Result<MtpDrafter> {
-            let head = load_head(args, model)?;
-            Ok(MtpDrafter::new(head, kv_blocks, block_size, sequences)?)
-        };
-        let mtp = |k: usize| -> Result<EngineDrafter> {
-            Ok((Box::new(head()?), k, format!("MTP head, {k} draft tokens")))
-        };
-        let both = |k: usize| -> Result<EngineDrafter> {
-            let drafter = CombinedDrafter::new(LookupDrafter::default(), head()?);
-            let what = format!("prompt lookup, else the MTP head, {k} draft tokens");
-            Ok((Box::new(drafter), k, what))
-        };
-        let lookup = |k: usize| -> EngineDrafter {
-            (
-                Box::new(LookupDrafter::default()),
+        let (kv_blocks, block_size, sequences) = caches;
+        if !self.active(model) {
+            return Ok(None);
+        }
+        let lookup = || Box::new(LookupDrafter::default());
+        let (drafter, k, what): (Box<dyn Drafter>, usize, &str) = match (self, head) {
+            (Self::Lookup(k), _) => (lookup(), k, "prompt lookup"),
+            (Self::Auto, None) => (lookup(), DEFAULT_LOOKUP_TOKENS, "prompt lookup"),
+            (Self::Mtp(k), Some(head)) => (
+                Box::new(MtpDrafter::new(head, kv_blocks, block_size, sequences)?),
                 k,
-                format!("prompt lookup, {k} draft tokens"),
-            )
+                "MTP head",
+            ),
+            (Self::MtpLookup(k), Some(head)) => (Self::both(head, caches)?, k, BOTH),
+            (Self::Auto, Some(head)) => (Self::both(head, caches)?, DEFAULT_MTP_TOKENS, BOTH),
+            (Self::Off, _) | (Self::Mtp(_) | Self::MtpLookup(_), None) => {
+                bail!("--speculative {self} needs the checkpoint's MTP head")
+            }
         };
-        Ok(match self {
-            Self::Off => None,
-            Self::Mtp(k) => Some(mtp(k)?),
-            Self::Lookup(k) => Some(lookup(k)),
-            Self::MtpLookup(k) => Some(both(k)?),
-            // Where decode steps replay recorded graphs (the GPU), verify steps of mixed
-            // draft lengths run eagerly and an MTP head reads hidden states back: not yet
-            // measured faster there, so auto speculates on the CPU only.
-            Self::Auto if model.backend().records_graphs() => None,
-            Self::Auto => Some(match both(DEFAULT_MTP_TOKENS) {
-                Ok(drafter) => drafter,
-                Err(e) => {
-                    tracing::debug!(error = %format!("{e:#}"), "no MTP head: prompt lookup drafts");
-                    lookup(DEFAULT_LOOKUP_TOKENS)
-                }
-            }),
-        })
+        Ok(Some((drafter, k, format!("{what}, {k} draft tokens"))))
+    }
+
+    /// Prompt lookup, else `head` (with its caches as [`Speculative::drafter`] takes them).
+    fn both(
+        head: Model,
+        (kv_blocks, block_size, sequences): (usize, usize, usize),
+    ) -> Result<Box<dyn Drafter>> {
+        let mtp = MtpDrafter::new(head, kv_blocks, block_size, sequences)?;
+        Ok(Box::new(CombinedDrafter::new(
+            LookupDrafter::default(),
+            mtp,
+        )))
     }
 }
+
+/// What [`CombinedDrafter`] is, in words.
+const BOTH: &str = "prompt lookup, else the MTP head";
 
 /// The MTP head of `args`' checkpoint (a directory's `mtp.*` tensors, or a GGUF file's
 /// head blocks) on `model`'s backend.

@@ -1018,3 +1018,70 @@ fn bench_speculative_compares_variants_with_plain_decoding() {
     );
     assert!(variants[1]["drafted"].as_u64().unwrap() > 0, "{value}");
 }
+
+/// An MTP head drafting beside the model counts in serve's memory: its one layer's KV for
+/// every token the model's cache holds (fewer blocks in the same KV bytes) and its weights.
+#[test]
+fn serve_counts_the_mtp_heads_memory() {
+    let model = fixture("gguf/hybrid/qwen35moe.mtp.q4_k_m.gguf");
+    let model = model.to_str().unwrap();
+    let number_before = |log: &str, marker: &str| -> u64 {
+        let at = log
+            .find(marker)
+            .unwrap_or_else(|| panic!("{marker}: {log}"));
+        log[..at]
+            .rsplit(|c: char| !c.is_ascii_digit())
+            .find(|w| !w.is_empty())
+            .and_then(|w| w.parse().ok())
+            .unwrap_or_else(|| panic!("{marker}: {log}"))
+    };
+    let number_after = |log: &str, marker: &str| -> u64 {
+        let at = log
+            .find(marker)
+            .unwrap_or_else(|| panic!("{marker}: {log}"))
+            + marker.len();
+        log[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .find(|w| !w.is_empty())
+            .and_then(|w| w.parse().ok())
+            .unwrap_or_else(|| panic!("{marker}: {log}"))
+    };
+    let serve = |speculative: &str, memory: &[&str]| {
+        let mut args = vec!["--model", model, "--speculative", speculative];
+        args.extend_from_slice(memory);
+        // The log's fields without their colours.
+        let log = serve_log_until_listening(&args, "info");
+        let mut plain = String::new();
+        let mut rest = log.as_str();
+        while let Some(at) = rest.find('\u{1b}') {
+            plain.push_str(&rest[..at]);
+            rest = rest[at..].split_once('m').map_or("", |(_, after)| after);
+        }
+        plain + rest
+    };
+    let (off, mtp) = (
+        serve("off", &["--kv-memory", "256K"]),
+        serve("mtp", &["--kv-memory", "256K"]),
+    );
+    assert!(mtp.contains("speculative decoding: MTP head"), "{mtp}");
+    let (blocks_off, blocks_mtp) = (
+        number_before(&off, " blocks,"),
+        number_before(&mtp, " blocks,"),
+    );
+    assert!(
+        blocks_mtp < blocks_off,
+        "{blocks_mtp} blocks with the head, {blocks_off} without"
+    );
+    let (off, mtp) = (
+        serve("off", &["--memory", "64M"]),
+        serve("mtp", &["--memory", "64M"]),
+    );
+    let (weights_off, weights_mtp) = (
+        number_after(&off, "weights="),
+        number_after(&mtp, "weights="),
+    );
+    assert!(
+        weights_mtp > weights_off,
+        "{weights_mtp} bytes of weights with the head, {weights_off} without"
+    );
+}

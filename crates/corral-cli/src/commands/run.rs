@@ -162,11 +162,10 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     let device = model.backend().device_name();
     let strategy = model.moe_strategy();
     let config = one_sequence_engine(total, args.prefill_chunk);
-    let drafter = args.speculative.drafter(
-        &args.model,
-        &model,
-        (config.kv_blocks, config.block_size, 1),
-    )?;
+    let head = args.speculative.head(&args.model, &model)?;
+    let drafter =
+        args.speculative
+            .drafter(&model, head, (config.kv_blocks, config.block_size, 1))?;
     let speculation = drafter.as_ref().map(|d| d.2.clone());
     let (engine, thread) = spawn_engine_drafting(model, config, drafter.map(|(d, k, _)| (d, k)))?;
     let metrics = std::sync::Arc::clone(engine.metrics());

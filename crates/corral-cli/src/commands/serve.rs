@@ -197,7 +197,13 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     let host_before_load = corral_engine::mem_available();
     let model = load_model(&args.model)?;
     let config = model.config().clone();
-    let per_block = config.kv_bytes_per_token(model.backend().kv_dtype()) * BLOCK_SIZE;
+    // An MTP head drafting beside the model: its weights, and its one layer's KV for every
+    // token the model's cache holds, count in the plan.
+    let head = args.speculative.head(&args.model, &model)?;
+    let head_kv = head.as_ref().map_or(0, |h| {
+        h.config().kv_bytes_per_token(model.backend().kv_dtype())
+    });
+    let per_block = (config.kv_bytes_per_token(model.backend().kv_dtype()) + head_kv) * BLOCK_SIZE;
     let state_bytes = corral_model::RecurrentStateCache::bytes_per_slot(&config);
     let state_checkpoints = args
         .state_cache_bytes
@@ -224,6 +230,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                     .session_dir
                     .as_ref()
                     .map(|_| args.session_dir_bytes as u64),
+                drafter_head: head
+                    .as_ref()
+                    .map(|h| (h.weight_bytes() as u64, head_kv as u64)),
             };
             let sized =
                 serve_plan::plan_serving(&model, &args.model.describe(), &shape, host_before_load)?;
@@ -280,11 +289,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
     });
     let model_aliases: Vec<String> = names.collect();
-    let drafter = args.speculative.drafter(
-        &args.model,
-        &model,
-        (kv_blocks, BLOCK_SIZE, args.max_batch.max(1)),
-    )?;
+    let drafter =
+        args.speculative
+            .drafter(&model, head, (kv_blocks, BLOCK_SIZE, args.max_batch.max(1)))?;
     match &drafter {
         Some((_, _, what)) => tracing::info!("speculative decoding: {what}"),
         None => tracing::info!("speculative decoding off"),

@@ -42,6 +42,9 @@ pub(crate) struct ServeShape {
     /// The session folder's byte cap (`--session-dir-bytes`), if there is a folder: its
     /// index takes host memory in proportion.
     pub(crate) session_dir_bytes: Option<u64>,
+    /// An MTP head drafting beside the model: its weight bytes, and its KV bytes a token
+    /// (its cache holds as many tokens as the model's).
+    pub(crate) drafter_head: Option<(u64, u64)>,
 }
 
 /// Device buffers the KV pool and recurrent states take: K and V for each attention layer,
@@ -61,13 +64,17 @@ pub(crate) fn plan_serving(
     let backend = model.backend();
     let config = model.config();
     let kv_dtype = backend.kv_dtype();
-    let weights = model.weight_bytes() as u64;
+    let (head_weights, head_kv) = shape.drafter_head.unwrap_or((0, 0));
+    let weights = model.weight_bytes() as u64 + head_weights;
     let step = measure_step_workspace(model, shape.prefill_tokens)?;
     // A GPU's fixed buffers and the measured step's are allocated by now: its free memory
     // is read after them.
     let device = backend.device_memory()?;
     let needs = |fixed: u64| {
-        MemoryNeeds::with_workspace(config, weights, kv_dtype, fixed + step, BLOCK_SIZE)
+        let mut needs =
+            MemoryNeeds::with_workspace(config, weights, kv_dtype, fixed + step, BLOCK_SIZE);
+        needs.kv_per_token += head_kv;
+        needs
     };
     let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;
     let (needs, budget, source) = match (shape.memory, device) {

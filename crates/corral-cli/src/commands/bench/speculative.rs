@@ -106,11 +106,9 @@ pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
             let model = load_model(&args.model)?;
             device = model.backend().device_name();
             let config = crate::commands::run::one_sequence_engine(total, 512);
-            let drafter = variant.drafter(
-                &args.model,
-                &model,
-                (config.kv_blocks, config.block_size, 1),
-            )?;
+            let head = variant.head(&args.model, &model)?;
+            let drafter =
+                variant.drafter(&model, head, (config.kv_blocks, config.block_size, 1))?;
             let (engine, thread) =
                 spawn_engine_drafting(model, config, drafter.map(|(d, k, _)| (d, k)))?;
             for prompt in &prompts {
