@@ -122,40 +122,30 @@ impl MtpDrafter {
             .map_err(|e| e.to_string())?;
         let ids: Vec<TokenId> = tokens[start + 1..n].iter().map(|&t| TokenId(t)).collect();
         let rows = &s.hidden[(start - s.hidden_start) * width..(n - 1 - s.hidden_start) * width];
-        let mut batch = RaggedBatch::new(self.pool.block_size());
-        batch
-            .push_run(seq, &ids, start - s.offset, &s.table, LogitsWanted::Last)
-            .map_err(|e| e.to_string())?;
-        let _ = self
-            .head
-            .forward_mtp(
-                &batch,
-                &mut self.cache,
-                rows,
-                &mut self.logits,
-                &mut self.out,
-            )
-            .map_err(|e| e.to_string())?;
-        let mut drafts = vec![argmax(&self.logits)];
+        let mut head = HeadRun {
+            head: &self.head,
+            cache: &mut self.cache,
+            block_size: self.pool.block_size(),
+            seq,
+            table: &s.table,
+        };
+        let mut drafts = vec![head.forward(
+            &ids,
+            start - s.offset,
+            rows,
+            (&mut self.logits, &mut self.out),
+        )?];
         while drafts.len() < max {
             std::mem::swap(&mut self.input, &mut self.out);
-            let mut batch = RaggedBatch::new(self.pool.block_size());
-            let position = last + drafts.len() - 1;
             let token = [TokenId(drafts[drafts.len() - 1])];
-            batch
-                .push_run(seq, &token, position, &s.table, LogitsWanted::Last)
-                .map_err(|e| e.to_string())?;
-            let _ = self
-                .head
-                .forward_mtp(
-                    &batch,
-                    &mut self.cache,
-                    &self.input,
-                    &mut self.logits,
-                    &mut self.out,
-                )
-                .map_err(|e| e.to_string())?;
-            drafts.push(argmax(&self.logits));
+            let position = last + drafts.len() - 1;
+            let next = head.forward(
+                &token,
+                position,
+                &self.input,
+                (&mut self.logits, &mut self.out),
+            )?;
+            drafts.push(next);
         }
         // Rows up to n - 2 are true rows now; the hidden state at n - 2 is kept in case the
         // next proposal comes before a step computes more.
@@ -164,6 +154,37 @@ impl MtpDrafter {
         s.hidden.drain(..drop);
         s.hidden_start = n - 2;
         Ok(drafts)
+    }
+}
+
+/// One sequence's rows through the head.
+struct HeadRun<'a> {
+    head: &'a Model,
+    cache: &'a mut PagedKvCache,
+    block_size: usize,
+    seq: SeqId,
+    table: &'a BlockTable,
+}
+
+impl HeadRun<'_> {
+    /// Runs `ids` from KV position `position` with the hidden states `hidden` (one row
+    /// each); the last row's top token, its logits and head output left in `(logits, out)`.
+    fn forward(
+        &mut self,
+        ids: &[TokenId],
+        position: usize,
+        hidden: &[f32],
+        (logits, out): (&mut Vec<f32>, &mut Vec<f32>),
+    ) -> Result<u32, String> {
+        let mut batch = RaggedBatch::new(self.block_size);
+        batch
+            .push_run(self.seq, ids, position, self.table, LogitsWanted::Last)
+            .map_err(|e| e.to_string())?;
+        let _ = self
+            .head
+            .forward_mtp(&batch, self.cache, hidden, logits, out)
+            .map_err(|e| e.to_string())?;
+        Ok(argmax(logits))
     }
 }
 
