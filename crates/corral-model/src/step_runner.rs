@@ -249,10 +249,9 @@ impl StepRunner {
         // so that a graph lasts GRAPH_WIDTH_STEP blocks. (Padded also with graphs off, so
         // that eager steps run the very same kernels.)
         let uniform = batch.runs().iter().all(|r| r.len == max_run_tokens);
-        // (An MTP head's hidden-state input is a buffer of the caller's, which a graph would
-        // keep the address of.)
-        // (Nor is a step that reads every hidden state back: its workspace holds one more
-        // buffer.)
+        // (Not a step with an MTP head's hidden-state input, a buffer of the caller's whose
+        // address a graph would keep, nor one that reads every hidden state back into a
+        // buffer of its own.)
         let all_hidden = matches!(out, StepOutput::LogitsAndAllHidden(..));
         let graph_shaped = backend.records_graphs()
             && hidden.is_none()

@@ -151,7 +151,7 @@ impl KvManager {
     }
 
     /// The model keeps recurrent state without the prefix cache's checkpoints: snapshots
-    /// take spare running slots.
+    /// take spare slots, `snapshot_slots` of them past the running ones.
     pub(crate) fn with_recurrent_state(mut self, snapshot_slots: usize) -> Self {
         self.recurrent = true;
         self.slots = StateSlotPool::new(self.slots.capacity() + snapshot_slots);
