@@ -973,3 +973,43 @@ fn lookup_drafting_generates_what_plain_decoding_does() {
         thread.join().unwrap();
     }
 }
+
+/// Every hybrid family's MTP head, from GGUF files converted with it (Qwen3.5 dense, its
+/// MoE, Qwen3-Next), drafts beside the model: every request completes, drafts are made and
+/// verified, and every block comes back, with and without the prefix cache. (Token-for-token
+/// equality with plain decoding is the f32 fixture's test above: on Q4_K weights, products of
+/// several rows round differently from those of one, so that these files' greedy tokens
+/// already differ between decoding alone and in a batch of four.)
+#[test]
+fn mtp_heads_of_every_hybrid_family_draft_in_the_engine() {
+    for arch in ["qwen35", "qwen35moe", "qwen3next"] {
+        let path = fixture("gguf/hybrid").join(format!("{arch}.mtp.q4_k_m.gguf"));
+        let gguf = corral_model::checkpoint::GgufCheckpoint::open(&path).unwrap();
+        let backend = || -> Arc<dyn corral_backend::Backend> { Arc::new(CpuBackend::new()) };
+        for prefix_cache in [false, true] {
+            let config = EngineConfig {
+                prefix_cache,
+                ..config(256)
+            };
+            let model = Model::from_gguf(&gguf, backend(), &mut |_, _| {}).unwrap();
+            let head = Model::mtp_from_gguf(&gguf, backend(), &mut |_, _| {}).unwrap();
+            let drafter = MtpDrafter::new(head, 256, 4, 4).unwrap();
+            let (engine, thread) =
+                spawn_engine_drafting(model, config, Some((Box::new(drafter), 3))).unwrap();
+            let mut receivers: Vec<_> = prompts().iter().map(|p| submit(&engine, p, 10)).collect();
+            for rx in &mut receivers {
+                let (tokens, finished) = collect(rx);
+                assert_eq!(tokens.len(), 10, "{arch}");
+                assert_eq!(finished.reason, FinishReason::Length, "{arch}");
+            }
+            let drafted = engine.metrics().draft_tokens.load(Ordering::Relaxed);
+            assert!(
+                drafted > 0,
+                "{arch}, prefix cache {prefix_cache}: nothing drafted"
+            );
+            wait_for_zero_blocks(&engine);
+            engine.shutdown();
+            thread.join().unwrap();
+        }
+    }
+}

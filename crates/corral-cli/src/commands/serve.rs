@@ -39,7 +39,8 @@ pub(crate) struct ServeArgs {
     /// Draft tokens for each decoding step to verify: off, mtp[:K] (the checkpoint's MTP
     /// head), lookup[:K] (prompt lookup), mtp+lookup[:K] (lookup where it matches, else the
     /// head), or auto (on the CPU mtp+lookup where the checkpoint has a head, else lookup;
-    /// off on the GPU). The output is the same either way (sampled: the same distribution).
+    /// off on the GPU). The output is plain decoding's (sampled: its distribution), to the
+    /// rounding that batching changes too on block-quantized weights.
     #[arg(long, env = "CORRAL_SPECULATIVE", default_value = "auto")]
     speculative: crate::speculative::Speculative,
     /// Most requests waiting; more get 429.
