@@ -4,7 +4,7 @@
 use std::str::FromStr;
 
 use anyhow::{Context, Result, bail};
-use corral_engine::{CombinedDrafter, Drafter, LookupDrafter, MtpDrafter};
+use corral_engine::{CombinedDrafter, Drafter, LookupDrafter, MtpDrafter, Speculation};
 use corral_model::Model;
 
 use crate::loading::ModelArgs;
@@ -72,8 +72,14 @@ impl std::fmt::Display for Speculative {
     }
 }
 
-/// A drafter for the engine, the most tokens a step verifies, and what it is in words.
-pub(crate) type EngineDrafter = (Box<dyn Drafter>, usize, String);
+/// Running sequences up to which `auto` drafts: on the CPU, the demo model served with
+/// speculation 1.05–1.13× the tokens a second of plain decoding at one sequence and
+/// 0.58–0.70× from two to eight (docs/performance-log.md), where a step's own rows already
+/// fill the work that verifying drafts adds.
+const AUTO_MAX_RUNNING: usize = 1;
+
+/// Speculation for the engine, and what it is in words.
+pub(crate) type EngineDrafter = (Speculation, String);
 
 impl Speculative {
     /// Whether it speculates at all beside `model` (`auto` does not where decode steps replay
@@ -132,7 +138,21 @@ impl Speculative {
                 bail!("--speculative {self} needs the checkpoint's MTP head")
             }
         };
-        Ok(Some((drafter, k, format!("{what}, {k} draft tokens"))))
+        let mut speculation = Speculation::new(drafter, k);
+        if self == Self::Auto {
+            speculation = speculation.up_to_running(AUTO_MAX_RUNNING);
+        }
+        let limit = match speculation.max_running {
+            usize::MAX => String::new(),
+            n => format!(
+                ", while at most {n} sequence{} run",
+                if n == 1 { "" } else { "s" }
+            ),
+        };
+        Ok(Some((
+            speculation,
+            format!("{what}, {k} draft tokens{limit}"),
+        )))
     }
 
     /// Prompt lookup, else `head` (with its caches as [`Speculative::drafter`] takes them).

@@ -14,7 +14,7 @@ use crate::SessionStore;
 use crate::disk_sessions::{DiskSessions, Reads};
 use crate::metrics::EngineMetrics;
 use crate::request::{EngineRequest, Event, RequestHandle};
-use crate::scheduler::{Drafter, Scheduler, SchedulerConfig, StepPlan};
+use crate::scheduler::{Scheduler, SchedulerConfig, Speculation, StepPlan};
 use crate::{EngineError, KvBlockPool};
 
 /// Sizes and limits of the engine.
@@ -124,12 +124,12 @@ pub fn spawn_engine(
     spawn_engine_drafting(model, config, None)
 }
 
-/// [`spawn_engine`] with a drafter: each decoding sequence's step verifies up to `max`
-/// tokens it proposes.
+/// [`spawn_engine`] with speculative decoding: each decoding sequence's step verifies the
+/// tokens its drafter proposes.
 pub fn spawn_engine_drafting(
     model: Model,
     config: EngineConfig,
-    drafter: Option<(Box<dyn Drafter>, usize)>,
+    speculation: Option<Speculation>,
 ) -> Result<(EngineHandle, JoinHandle<()>), EngineError> {
     let cache = PagedKvCache::new(
         model.backend().as_ref(),
@@ -144,7 +144,7 @@ pub fn spawn_engine_drafting(
     };
     // Without the prefix cache's checkpoint slots, a hybrid verifying drafts snapshots its
     // state in slots of its own, one per running sequence.
-    let snapshots = if drafter.is_some() && model.is_hybrid() && !config.prefix_cache {
+    let snapshots = if speculation.is_some() && model.is_hybrid() && !config.prefix_cache {
         config.max_batch.max(1)
     } else {
         0
@@ -201,8 +201,10 @@ pub fn spawn_engine_drafting(
         model.backend().kv_dtype(),
         config.block_size,
     ));
-    let scheduler = match drafter {
-        Some((drafter, max)) => scheduler.with_drafter(drafter, max),
+    let scheduler = match speculation {
+        Some(s) => scheduler
+            .with_drafter(s.drafter, s.max_tokens)
+            .with_draft_limit(s.max_running),
         None => scheduler,
     };
     metrics.engine_alive.store(true, Ordering::Relaxed);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use corral_backend::CpuBackend;
 use corral_engine::{
     CombinedDrafter, Drafter, EngineConfig, EngineHandle, EngineRequest, Event, FinishReason,
-    Finished, LookupDrafter, ModelDrafter, MtpDrafter, SamplingParams, spawn_engine,
+    Finished, LookupDrafter, ModelDrafter, MtpDrafter, SamplingParams, Speculation, spawn_engine,
     spawn_engine_drafting,
 };
 use corral_model::Model;
@@ -680,9 +680,12 @@ fn drafted_decoding_generates_what_plain_decoding_does() {
                 prefix_cache,
                 ..config(kv_blocks)
             };
-            let (engine, thread) =
-                spawn_engine_drafting(model_named(name), config, Some((Box::new(drafter), 4)))
-                    .unwrap();
+            let (engine, thread) = spawn_engine_drafting(
+                model_named(name),
+                config,
+                Some(Speculation::new(Box::new(drafter), 4)),
+            )
+            .unwrap();
             let mut receivers: Vec<_> = replies
                 .iter()
                 .map(|(p, _)| submit(&engine, p, 12))
@@ -730,9 +733,12 @@ fn a_draft_model_beside_the_target_leaves_its_tokens_unchanged() {
                 prefix_cache,
                 ..config(256)
             };
-            let (engine, thread) =
-                spawn_engine_drafting(model_named(target), config, Some((Box::new(drafter), 3)))
-                    .unwrap();
+            let (engine, thread) = spawn_engine_drafting(
+                model_named(target),
+                config,
+                Some(Speculation::new(Box::new(drafter), 3)),
+            )
+            .unwrap();
             let mut receivers: Vec<_> = prompts.iter().map(|p| submit(&engine, p, 12)).collect();
             for (i, rx) in receivers.iter_mut().enumerate() {
                 let (tokens, _) = collect(rx);
@@ -885,8 +891,12 @@ fn mtp_drafting_generates_what_plain_decoding_does() {
                 prefix_cache,
                 ..config(kv_blocks)
             };
-            let (engine, thread) =
-                spawn_engine_drafting(model_named(name), config, Some((drafter, 3))).unwrap();
+            let (engine, thread) = spawn_engine_drafting(
+                model_named(name),
+                config,
+                Some(Speculation::new(drafter, 3)),
+            )
+            .unwrap();
             let mut receivers: Vec<_> = prompts.iter().map(|p| submit(&engine, p, 12)).collect();
             let what =
                 format!("combined {combined}, prefix cache {prefix_cache}, {kv_blocks} blocks");
@@ -958,7 +968,7 @@ fn lookup_drafting_generates_what_plain_decoding_does() {
         let (engine, thread) = spawn_engine_drafting(
             model_named(name),
             config(256),
-            Some((Box::new(LookupDrafter::default()), 4)),
+            Some(Speculation::new(Box::new(LookupDrafter::default()), 4)),
         )
         .unwrap();
         let mut receivers: Vec<_> = prompts.iter().map(|p| submit(&engine, p, 10)).collect();
@@ -995,7 +1005,8 @@ fn mtp_heads_of_every_hybrid_family_draft_in_the_engine() {
             let head = Model::mtp_from_gguf(&gguf, backend(), &mut |_, _| {}).unwrap();
             let drafter = MtpDrafter::new(head, 256, 4, 4).unwrap();
             let (engine, thread) =
-                spawn_engine_drafting(model, config, Some((Box::new(drafter), 3))).unwrap();
+                spawn_engine_drafting(model, config, Some(Speculation::new(Box::new(drafter), 3)))
+                    .unwrap();
             let mut receivers: Vec<_> = prompts().iter().map(|p| submit(&engine, p, 10)).collect();
             for rx in &mut receivers {
                 let (tokens, finished) = collect(rx);

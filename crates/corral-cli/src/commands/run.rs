@@ -167,8 +167,8 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     let drafter =
         args.speculative
             .drafter(&model, head, (config.kv_blocks, config.block_size, 1))?;
-    let speculation = drafter.as_ref().map(|d| d.2.clone());
-    let (engine, thread) = spawn_engine_drafting(model, config, drafter.map(|(d, k, _)| (d, k)))?;
+    let speculation = drafter.as_ref().map(|d| d.1.clone());
+    let (engine, thread) = spawn_engine_drafting(model, config, drafter.map(|(s, _)| s))?;
     let metrics = std::sync::Arc::clone(engine.metrics());
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = prompt_ids.len();

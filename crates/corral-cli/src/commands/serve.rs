@@ -294,7 +294,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         args.speculative
             .drafter(&model, head, (kv_blocks, BLOCK_SIZE, args.max_batch.max(1)))?;
     match &drafter {
-        Some((_, _, what)) => tracing::info!("speculative decoding: {what}"),
+        Some((_, what)) => tracing::info!("speculative decoding: {what}"),
         None => tracing::info!("speculative decoding off"),
     }
     let (engine, engine_thread) = spawn_engine_drafting(
@@ -318,7 +318,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             session_pin: std::time::Duration::from_secs(args.session_pin_seconds),
             throughput_log_interval: std::time::Duration::from_secs(10),
         },
-        drafter.map(|(d, k, _)| (d, k)),
+        drafter.map(|(s, _)| s),
     )?;
     let grammars = tokenizer.grammar_compiler(&stop_ids).map_err(|e| {
         tracing::warn!(error = %e, "constrained decoding (response_format, tool_choice) is unavailable");

@@ -48,6 +48,37 @@ pub trait Drafter: Send {
     fn observe(&mut self, _seq: SeqId, _first: usize, _hidden: &[f32]) {}
 }
 
+/// Speculative decoding's settings: the drafter, the most tokens a step verifies for a
+/// sequence, and the most running sequences at which drafts are still proposed (verifying
+/// drafts stops paying once a step has enough rows of its own).
+pub struct Speculation {
+    /// What proposes the drafts.
+    pub drafter: Box<dyn Drafter>,
+    /// Most draft tokens a sequence's step verifies.
+    pub max_tokens: usize,
+    /// Most running sequences at which sequences draft.
+    pub max_running: usize,
+}
+
+impl Speculation {
+    /// `drafter` proposing up to `max_tokens` tokens a step, whatever the batch.
+    pub fn new(drafter: Box<dyn Drafter>, max_tokens: usize) -> Self {
+        Self {
+            drafter,
+            max_tokens,
+            max_running: usize::MAX,
+        }
+    }
+
+    /// Drafts only while at most `max_running` sequences run.
+    pub fn up_to_running(self, max_running: usize) -> Self {
+        Self {
+            max_running,
+            ..self
+        }
+    }
+}
+
 /// Limits of the scheduler.
 #[derive(Clone, Copy, Debug)]
 pub struct SchedulerConfig {
@@ -151,6 +182,8 @@ pub struct Scheduler {
     pending: Copies,
     /// Drafts for decoding sequences, and most tokens a draft.
     drafter: Option<(Box<dyn Drafter>, usize)>,
+    /// Most running sequences at which drafts are proposed.
+    draft_max_running: usize,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -205,6 +238,7 @@ impl Scheduler {
             departures: 0,
             pending: Copies::default(),
             drafter: None,
+            draft_max_running: usize::MAX,
         }
     }
 
@@ -239,6 +273,12 @@ impl Scheduler {
     /// Decoding sequences verify up to `max_tokens` tokens `drafter` proposes in each step.
     pub fn with_drafter(mut self, drafter: Box<dyn Drafter>, max_tokens: usize) -> Self {
         self.drafter = (max_tokens > 0).then_some((drafter, max_tokens));
+        self
+    }
+
+    /// Sequences draft only while at most `max_running` run.
+    pub fn with_draft_limit(mut self, max_running: usize) -> Self {
+        self.draft_max_running = max_running;
         self
     }
 
@@ -538,6 +578,7 @@ impl Scheduler {
     ) -> Vec<PlannedRun> {
         let mut budget = self.config.max_prefill_tokens.max(1);
         let mut runs = Vec::new();
+        let drafting = self.running.len() <= self.draft_max_running;
         let mut i = 0;
         while i < self.running.len() {
             let seq = &mut self.running[i];
@@ -566,6 +607,7 @@ impl Scheduler {
                 continue;
             }
             if remaining == 1
+                && drafting
                 && let Some((drafter, max)) = &mut self.drafter
             {
                 let max = (*max).min(seq.room().saturating_sub(1));

@@ -488,3 +488,30 @@ fn sampled_speculation_keeps_the_models_distribution() {
     );
     assert!(x2 < 20.5, "after an accepted draft: {after:?}, χ² {x2:.1}");
 }
+
+/// With a draft limit of one running sequence, a lone sequence verifies drafts and two
+/// running together do not.
+#[test]
+fn drafts_stop_past_the_running_limit() {
+    for sequences in [1usize, 2] {
+        let mut s = Scheduler::new(config(2), KvBlockPool::new(16, 4))
+            .with_drafter(Box::new(FixedDrafter(3, vec![10])), 1)
+            .with_draft_limit(1);
+        let mut receivers = Vec::new();
+        for _ in 0..sequences {
+            let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+            receivers.push(rx);
+            s.add(EngineRequest {
+                events,
+                ..request(&[1, 2, 3], 8)
+            });
+        }
+        let plan = s.step().unwrap();
+        let mut logits = vec![0.0f32; sequences * 16];
+        let _ = s.finish_step(plan, &mut logits, 16, DispatchStats::default());
+        let plan = s.step().unwrap();
+        let rows: Vec<usize> = plan.runs.iter().map(|r| r.logits).collect();
+        let expected = if sequences == 1 { vec![2] } else { vec![1, 1] };
+        assert_eq!(rows, expected, "{sequences} running");
+    }
+}

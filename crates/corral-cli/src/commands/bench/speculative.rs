@@ -109,8 +109,7 @@ pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
             let head = variant.head(&args.model, &model)?;
             let drafter =
                 variant.drafter(&model, head, (config.kv_blocks, config.block_size, 1))?;
-            let (engine, thread) =
-                spawn_engine_drafting(model, config, drafter.map(|(d, k, _)| (d, k)))?;
+            let (engine, thread) = spawn_engine_drafting(model, config, drafter.map(|(s, _)| s))?;
             for prompt in &prompts {
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 engine
