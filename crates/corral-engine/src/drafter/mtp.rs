@@ -17,6 +17,9 @@ use corral_model::{BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, S
 
 use crate::{Drafter, EngineError, KvBlockPool, argmax};
 
+/// Most of the model's hidden states kept for a sequence the head has not run over yet.
+const MAX_PENDING_ROWS: usize = 1024;
+
 /// A sequence's rows in the head.
 #[derive(Debug)]
 struct MtpSeq {
@@ -244,5 +247,51 @@ impl Drafter for MtpDrafter {
             s.hidden_start = first;
         }
         s.hidden.extend_from_slice(hidden);
+        // A sequence that does not draft for a while (a full batch) keeps only its latest
+        // rows: the head starts again from them when it drafts.
+        let excess = (s.hidden.len() / width).saturating_sub(MAX_PENDING_ROWS);
+        if excess > 0 {
+            s.hidden.drain(..excess * width);
+            s.hidden_start += excess;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use corral_backend::CpuBackend;
+
+    use super::*;
+
+    /// A sequence the head has not drafted for keeps only its latest hidden states, and
+    /// drafts from them.
+    #[test]
+    fn a_waiting_sequence_keeps_its_latest_rows() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen3_5_moe_mtp");
+        let head = Model::load_mtp(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
+        let width = head.config().hidden_size;
+        let mut drafter = MtpDrafter::new(head, 512, 4, 1).unwrap();
+        let rows = MAX_PENDING_ROWS + 176;
+        let hidden: Vec<f32> = (0..rows * width)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+            .collect();
+        let seq = SeqId(1);
+        for (chunk, start) in hidden.chunks(100 * width).zip((0..).step_by(100)) {
+            drafter.observe(seq, start, chunk);
+        }
+        let s = &drafter.seqs[&seq];
+        assert_eq!(s.hidden.len(), MAX_PENDING_ROWS * width);
+        assert_eq!(s.hidden_start, rows - MAX_PENDING_ROWS);
+        assert_eq!(s.hidden[..], hidden[(rows - MAX_PENDING_ROWS) * width..]);
+        let tokens: Vec<u32> = (0..=rows as u32).map(|t| (t * 31 + 7) % 250).collect();
+        assert_eq!(drafter.propose(seq, &tokens, 3).len(), 3);
+        assert_eq!(
+            drafter.seqs[&seq].offset,
+            rows - MAX_PENDING_ROWS,
+            "drafted from the rows kept"
+        );
     }
 }
