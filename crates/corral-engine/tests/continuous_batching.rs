@@ -698,10 +698,7 @@ fn drafted_decoding_generates_what_plain_decoding_does() {
                 assert_eq!(reason, FinishReason::Length, "{what}");
             }
             let m = engine.metrics();
-            let (drafted, accepted) = (
-                m.draft_tokens.load(Ordering::Relaxed),
-                m.accepted_draft_tokens.load(Ordering::Relaxed),
-            );
+            let (drafted, accepted) = drafted_and_accepted(&engine);
             assert!(
                 accepted > 0 && accepted < drafted,
                 "{name}: {accepted} of {drafted} draft tokens accepted"
@@ -744,11 +741,7 @@ fn a_draft_model_beside_the_target_leaves_its_tokens_unchanged() {
                 let (tokens, _) = collect(rx);
                 assert_eq!(tokens, expected[i], "{draft} drafting, request {i}");
             }
-            let m = engine.metrics();
-            let (drafted, accepted) = (
-                m.draft_tokens.load(Ordering::Relaxed),
-                m.accepted_draft_tokens.load(Ordering::Relaxed),
-            );
+            let (drafted, accepted) = drafted_and_accepted(&engine);
             eprintln!(
                 "{draft} drafting, prefix cache {prefix_cache}: {accepted} of {drafted} accepted"
             );
@@ -787,6 +780,15 @@ fn a_draft_models_proposals_after_a_verdict_equal_a_fresh_ones() {
             tokens.push((round as u32 * 41 + 17) % 250);
         }
     }
+}
+
+/// Draft tokens the engine verified, and those it accepted.
+fn drafted_and_accepted(engine: &EngineHandle) -> (u64, u64) {
+    let m = engine.metrics();
+    (
+        m.draft_tokens.load(Ordering::Relaxed),
+        m.accepted_draft_tokens.load(Ordering::Relaxed),
+    )
 }
 
 fn fixture(name: &str) -> std::path::PathBuf {
@@ -905,10 +907,7 @@ fn mtp_drafting_generates_what_plain_decoding_does() {
                 assert_eq!(tokens, expected[i], "{what}: request {i}");
             }
             let m = engine.metrics();
-            let (drafted, accepted) = (
-                m.draft_tokens.load(Ordering::Relaxed),
-                m.accepted_draft_tokens.load(Ordering::Relaxed),
-            );
+            let (drafted, accepted) = drafted_and_accepted(&engine);
             eprintln!("{what}: {accepted} of {drafted} accepted");
             assert!(drafted > 0, "{what}: nothing drafted");
             // A draft's token k is accepted only after those before it.

@@ -297,27 +297,8 @@ impl Model {
     }
 
     /// [`Model::forward_with_state`] (`state` `None` for models without recurrent layers),
-    /// also reading back the final hidden states of the logits rows, after the final norm,
-    /// `[rows, hidden]`: what an MTP head takes.
-    pub fn forward_with_hidden(
-        &self,
-        batch: &RaggedBatch,
-        cache: &mut PagedKvCache,
-        state: Option<&mut RecurrentStateCache>,
-        logits: &mut Vec<f32>,
-        hidden: &mut Vec<f32>,
-    ) -> Result<ForwardReport> {
-        self.run(
-            batch,
-            cache,
-            state,
-            &mut StepOutput::LogitsAndHidden(logits, hidden),
-        )
-    }
-
-    /// [`Model::forward_with_hidden`], reading back every token's final hidden state (after
-    /// the final norm), `[tokens, hidden]`, not only the logits rows': an MTP drafter's
-    /// input for every position a step computes.
+    /// also reading back every token's final hidden state after the final norm, `[tokens,
+    /// hidden]`: what an MTP head takes, for every position a step computes.
     pub fn forward_with_all_hidden(
         &self,
         batch: &RaggedBatch,

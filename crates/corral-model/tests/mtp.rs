@@ -168,7 +168,7 @@ fn logits_and_hidden(model: &Model, ids: &[u32]) -> (Vec<f32>, Vec<f32>) {
         .unwrap();
     let (mut logits, mut hidden) = (Vec::new(), Vec::new());
     let _ = model
-        .forward_with_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
+        .forward_with_all_hidden(&batch, &mut kv, Some(&mut state), &mut logits, &mut hidden)
         .unwrap();
     (logits, hidden)
 }

@@ -61,7 +61,7 @@ pub(crate) fn sequence_logits(
         batch.set_state_slot(SeqId(0), SlotId(0))?;
         match hidden.as_deref_mut() {
             Some(hidden) => {
-                let _ = model.forward_with_hidden(
+                let _ = model.forward_with_all_hidden(
                     &batch,
                     &mut cache,
                     Some(&mut state),
