@@ -12,7 +12,11 @@
 #                            CORRAL_RECURRENT_DELTA_RULE=1, and decode-serial, which repeats
 #                            decode with CORRAL_SERIAL_LAUNCHES=1, and serve-long: served
 #                            long prompts under MEMORY, LONG_PROMPT, PER_PROMPT and PREFILL_CHUNK,
-#                            and sessions: the 3-session replay, PREFIX_CACHE on or off); TEST_LOGS puts the
+#                            and sessions: the 3-session replay, PREFIX_CACHE on or off, and
+#                            speculative: verify steps of DRAFTS tokens against the one-token
+#                            step, then the VARIANTS end to end at ACCEPTANCE, forced, with
+#                            WEIGHTS synthetic weights, PROMPTS prompts ending with ECHO of
+#                            their own tokens again); TEST_LOGS puts the
 #                            test logs elsewhere; MODEL picks the synthetic config; the serve
 #                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
 #                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS; the prefill stage
@@ -150,6 +154,22 @@ remote() {
     done
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
+  fi
+  if has speculative; then
+    # Verify steps (1 + K tokens a sequence, every row's logits read back) against the
+    # one-token step, then one sequence decoding with the synthetic MTP head, each draft token
+    # taken with probability ACCEPTANCE whatever the model samples (random drafts mean
+    # nothing): the tokens a second speculation gives at that acceptance.
+    local weights="${WEIGHTS:-float}"
+    echo "== bench decode, verify steps ($weights weights)"
+    timeout 300 $corral bench decode --synthetic "$model" --synthetic-weights "$weights" --device cuda \
+      --batch "${DECODE_BATCH:-1,8}" --context 512 --draft-tokens "${DRAFTS:-0,1,2,3,4}" \
+      --steps "${STEPS:-16}" --json "$out/verify-$weights$tag.json" 2>&1 | tee "$out/verify-$weights$tag.txt" || true
+    echo "== bench speculative, forced acceptance ${ACCEPTANCE:-0.8} ($weights weights)"
+    timeout 300 $corral bench speculative --synthetic "$model" --synthetic-weights "$weights" --device cuda \
+      --prompts "${PROMPTS:-4}" --prompt-tokens 512 --echo "${ECHO:-0}" --max-tokens 128 --reps "${REPS:-2}" \
+      --speculative "${VARIANTS:-off,mtp:1:fixed,mtp:2:fixed,mtp:3:fixed,mtp:4:fixed,mtp:4}" --forced-acceptance "${ACCEPTANCE:-0.8}" \
+      --json "$out/speculative-$weights$tag.json" 2>&1 | tee "$out/speculative-$weights$tag.txt" || true
   fi
   if has sessions; then
     # Three interleaved agent sessions, each revisit against its new text alone.

@@ -325,6 +325,9 @@ pub(crate) fn init_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
+/// The seed of `--synthetic` weights (and of a synthetic model's MTP head).
+pub(crate) const SYNTHETIC_SEED: u64 = 0;
+
 /// Loads (or makes) the model of `args` on the backend `--device` names, with a progress bar
 /// on stderr.
 pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
@@ -361,7 +364,13 @@ pub(crate) fn load_model(args: &ModelArgs) -> Result<Model> {
             .map_err(anyhow::Error::from)
             .and_then(|c| {
                 let mix = args.synthetic_weights;
-                Ok(Model::synthetic_mixed(c, mix, backend, 0, &mut progress)?)
+                Ok(Model::synthetic_mixed(
+                    c,
+                    mix,
+                    backend,
+                    SYNTHETIC_SEED,
+                    &mut progress,
+                )?)
             })
             .with_context(|| format!("building a synthetic model from {}", config.display())),
         (None, None) => anyhow::bail!("give --model DIR|FILE.gguf or --synthetic CONFIG.json"),

@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use corral_engine::{CombinedDrafter, Drafter, LookupDrafter, MtpDrafter, Speculation};
 use corral_model::Model;
 
-use crate::loading::ModelArgs;
+use crate::loading::{ModelArgs, SYNTHETIC_SEED};
 
 /// Draft tokens a step verifies when `--speculative` names no K.
 const DEFAULT_MTP_TOKENS: usize = 3;
@@ -16,24 +16,47 @@ const DEFAULT_LOOKUP_TOKENS: usize = 4;
 const MAX_DRAFT_TOKENS: usize = 8;
 
 /// How decoding speculates: `off`, `mtp[:K]` (the checkpoint's MTP head), `lookup[:K]`
-/// (prompt lookup), `mtp+lookup[:K]` (lookup where it matches, else the head), or `auto`.
+/// (prompt lookup), `mtp+lookup[:K]` (lookup where it matches, else the head), or `auto`;
+/// `:fixed` after K keeps every draft K long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Speculative {
     Off,
-    Mtp(usize),
-    Lookup(usize),
-    MtpLookup(usize),
+    Mtp(Drafts),
+    Lookup(Drafts),
+    MtpLookup(Drafts),
     /// On the CPU, `mtp+lookup` where the checkpoint has an MTP head, else `lookup`; off
     /// where decode replays recorded graphs (the GPU), until measured there.
     Auto,
+}
+
+/// A drafter's draft lengths: at most `max` tokens; each sequence's length adapts to its
+/// acceptance unless `fixed`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Drafts {
+    pub(crate) max: usize,
+    pub(crate) fixed: bool,
+}
+
+impl Drafts {
+    fn adaptive(max: usize) -> Self {
+        Self { max, fixed: false }
+    }
+}
+
+impl std::fmt::Display for Drafts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.max, if self.fixed { ":fixed" } else { "" })
+    }
 }
 
 impl FromStr for Speculative {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (kind, k) = match s.split_once(':') {
-            Some((kind, k)) => {
+        let mut parts = s.split(':');
+        let kind = parts.next().unwrap_or_default();
+        let k = match parts.next() {
+            Some(k) => {
                 let k: usize = k
                     .parse()
                     .map_err(|_| format!("draft tokens `{k}` is not a number"))?;
@@ -42,18 +65,27 @@ impl FromStr for Speculative {
                         "draft tokens must be 1 to {MAX_DRAFT_TOKENS}, not {k}"
                     ));
                 }
-                (kind, Some(k))
+                Some(k)
             }
-            None => (s, None),
+            None => None,
+        };
+        let fixed = match parts.next() {
+            None => false,
+            Some("fixed") if parts.next().is_none() => true,
+            Some(_) => return Err(format!("`{s}`: only `:fixed` may follow K")),
+        };
+        let drafts = |default: usize| Drafts {
+            max: k.unwrap_or(default),
+            fixed,
         };
         match (kind, k) {
             ("off", None) => Ok(Self::Off),
             ("auto", None) => Ok(Self::Auto),
-            ("mtp", k) => Ok(Self::Mtp(k.unwrap_or(DEFAULT_MTP_TOKENS))),
-            ("lookup", k) => Ok(Self::Lookup(k.unwrap_or(DEFAULT_LOOKUP_TOKENS))),
-            ("mtp+lookup", k) => Ok(Self::MtpLookup(k.unwrap_or(DEFAULT_MTP_TOKENS))),
+            ("mtp", _) => Ok(Self::Mtp(drafts(DEFAULT_MTP_TOKENS))),
+            ("lookup", _) => Ok(Self::Lookup(drafts(DEFAULT_LOOKUP_TOKENS))),
+            ("mtp+lookup", _) => Ok(Self::MtpLookup(drafts(DEFAULT_MTP_TOKENS))),
             _ => Err(format!(
-                "`{s}` is not off, auto, mtp[:K], lookup[:K] or mtp+lookup[:K] (K draft tokens a step, 1 to {MAX_DRAFT_TOKENS})"
+                "`{s}` is not off, auto, mtp[:K], lookup[:K] or mtp+lookup[:K] (K draft tokens a step, 1 to {MAX_DRAFT_TOKENS}, then `:fixed` to keep every draft K long)"
             )),
         }
     }
@@ -101,6 +133,8 @@ impl Speculative {
         }
         match self {
             Self::Mtp(_) | Self::MtpLookup(_) => load_head(args, model).map(Some),
+            // A synthetic model's random head would only slow it down.
+            Self::Auto if args.dir().is_none() => Ok(None),
             Self::Auto => Ok(load_head(args, model)
                 .inspect_err(|e| {
                     tracing::debug!(error = %format!("{e:#}"), "no MTP head: prompt lookup drafts");
@@ -124,21 +158,32 @@ impl Speculative {
             return Ok(None);
         }
         let lookup = || Box::new(LookupDrafter::default());
-        let (drafter, k, what): (Box<dyn Drafter>, usize, &str) = match (self, head) {
+        let (drafter, k, what): (Box<dyn Drafter>, Drafts, &str) = match (self, head) {
             (Self::Lookup(k), _) => (lookup(), k, "prompt lookup"),
-            (Self::Auto, None) => (lookup(), DEFAULT_LOOKUP_TOKENS, "prompt lookup"),
+            (Self::Auto, None) => (
+                lookup(),
+                Drafts::adaptive(DEFAULT_LOOKUP_TOKENS),
+                "prompt lookup",
+            ),
             (Self::Mtp(k), Some(head)) => (
                 Box::new(MtpDrafter::new(head, kv_blocks, block_size, sequences)?),
                 k,
                 "MTP head",
             ),
             (Self::MtpLookup(k), Some(head)) => (Self::both(head, caches)?, k, BOTH),
-            (Self::Auto, Some(head)) => (Self::both(head, caches)?, DEFAULT_MTP_TOKENS, BOTH),
+            (Self::Auto, Some(head)) => (
+                Self::both(head, caches)?,
+                Drafts::adaptive(DEFAULT_MTP_TOKENS),
+                BOTH,
+            ),
             (Self::Off, _) | (Self::Mtp(_) | Self::MtpLookup(_), None) => {
                 bail!("--speculative {self} needs the checkpoint's MTP head")
             }
         };
-        let mut speculation = Speculation::new(drafter, k);
+        let mut speculation = Speculation::new(drafter, k.max);
+        if k.fixed {
+            speculation = speculation.fixed();
+        }
         if self == Self::Auto {
             speculation = speculation.up_to_running(AUTO_MAX_RUNNING);
         }
@@ -151,7 +196,11 @@ impl Speculative {
         };
         Ok(Some((
             speculation,
-            format!("{what}, {k} draft tokens{limit}"),
+            format!(
+                "{what}, {} {} draft tokens{limit}",
+                if k.fixed { "always" } else { "up to" },
+                k.max
+            ),
         )))
     }
 
@@ -172,12 +221,18 @@ impl Speculative {
 const BOTH: &str = "prompt lookup, else the MTP head";
 
 /// The MTP head of `args`' checkpoint (a directory's `mtp.*` tensors, or a GGUF file's
-/// head blocks) on `model`'s backend.
+/// head blocks) on `model`'s backend; for a synthetic model, a random head of its shape.
 fn load_head(args: &ModelArgs, model: &Model) -> Result<Model> {
-    let Some(path) = args.dir() else {
-        bail!("an MTP head needs --model (a synthetic model has none)");
-    };
     let backend = model.backend().clone();
+    let Some(path) = args.dir() else {
+        return Model::synthetic_mtp(
+            model.config(),
+            args.synthetic_weights,
+            backend,
+            SYNTHETIC_SEED,
+        )
+        .context("making a synthetic MTP head");
+    };
     match args.gguf()? {
         Some(gguf) => Model::mtp_from_gguf(gguf, backend, &mut |_, _| {}),
         None => Model::load_mtp(path, backend, &mut |_, _| {}),
@@ -193,12 +248,25 @@ mod tests {
     fn parses_each_form_and_names_what_is_wrong() {
         assert_eq!("off".parse(), Ok(Speculative::Off));
         assert_eq!("auto".parse(), Ok(Speculative::Auto));
-        assert_eq!("mtp".parse(), Ok(Speculative::Mtp(3)));
-        assert_eq!("mtp:2".parse(), Ok(Speculative::Mtp(2)));
-        assert_eq!("lookup".parse(), Ok(Speculative::Lookup(4)));
-        assert_eq!("lookup:8".parse(), Ok(Speculative::Lookup(8)));
-        assert_eq!("mtp+lookup:2".parse(), Ok(Speculative::MtpLookup(2)));
-        for s in ["off", "auto", "mtp:2", "lookup:8", "mtp+lookup:4"] {
+        let up_to = Drafts::adaptive;
+        assert_eq!("mtp".parse(), Ok(Speculative::Mtp(up_to(3))));
+        assert_eq!("mtp:2".parse(), Ok(Speculative::Mtp(up_to(2))));
+        assert_eq!("lookup".parse(), Ok(Speculative::Lookup(up_to(4))));
+        assert_eq!("lookup:8".parse(), Ok(Speculative::Lookup(up_to(8))));
+        assert_eq!("mtp+lookup:2".parse(), Ok(Speculative::MtpLookup(up_to(2))));
+        let fixed = Drafts {
+            max: 3,
+            fixed: true,
+        };
+        assert_eq!("mtp:3:fixed".parse(), Ok(Speculative::Mtp(fixed)));
+        for s in [
+            "off",
+            "auto",
+            "mtp:2",
+            "lookup:8",
+            "mtp+lookup:4",
+            "lookup:2:fixed",
+        ] {
             assert_eq!(
                 s.parse::<Speculative>().map(|v| v.to_string()),
                 Ok(s.to_string())
@@ -210,6 +278,8 @@ mod tests {
             ("mtp:x", "not a number"),
             ("eagle", "is not off"),
             ("off:2", "is not off"),
+            ("mtp:2:loose", "only `:fixed`"),
+            ("mtp:2:fixed:x", "only `:fixed`"),
         ] {
             let err = bad.parse::<Speculative>().unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");

@@ -623,6 +623,63 @@ fn bench_decode_writes_table_and_json() {
     assert!(stderr(&bad).contains("--graphs"), "{}", stderr(&bad));
 }
 
+/// `--draft-tokens` times verify steps (1 + K tokens a sequence, every row read back) beside
+/// the one-token step, each against it; every row's logits come back.
+#[test]
+fn bench_decode_times_verify_steps_against_the_one_token_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
+    let json = dir.path().join("decode.json");
+    let out = corral(&[
+        "bench",
+        "decode",
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--batch",
+        "2",
+        "--context",
+        "8",
+        "--draft-tokens",
+        "0,3",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["draft_tokens"], 0);
+    assert_eq!(rows[0]["vs_one_token_step"].as_f64(), Some(1.0));
+    assert_eq!(
+        (&rows[1]["draft_tokens"], &rows[1]["sampling"]),
+        (&3.into(), &"host".into())
+    );
+    assert!(
+        rows[1]["vs_one_token_step"].as_f64().unwrap() > 0.0,
+        "{doc}"
+    );
+    let read_back = |r: &serde_json::Value| r["bytes_transferred_per_step"].as_u64().unwrap();
+    assert!(read_back(&rows[1]) > 3 * read_back(&rows[0]), "{doc}");
+    let bad = corral(&[
+        "bench",
+        "decode",
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--draft-tokens",
+        "9",
+    ]);
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("at most 7"), "{}", stderr(&bad));
+}
+
 /// Contexts past the model's positions are skipped, saying so; a list of none left fails.
 #[test]
 fn bench_decode_skips_contexts_the_model_cannot_hold() {
@@ -1017,6 +1074,55 @@ fn bench_speculative_compares_variants_with_plain_decoding() {
         "{value}"
     );
     assert!(variants[1]["drafted"].as_u64().unwrap() > 0, "{value}");
+}
+
+/// A synthetic hybrid drafts with a random MTP head of its shape on random prompts, and
+/// `--forced-acceptance 1` takes every draft token: each step yields 1 + K tokens. The
+/// table says the acceptance was forced and claims no equality with plain decoding.
+#[test]
+fn bench_speculative_forces_acceptance_on_a_synthetic_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("spec.json");
+    let config = fixture("qwen3_5_moe_text").join("config.json");
+    let out = corral(&[
+        "bench",
+        "speculative",
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--prompts",
+        "2",
+        "--prompt-tokens",
+        "16",
+        "--max-tokens",
+        "13",
+        "--speculative",
+        "off,mtp:2",
+        "--forced-acceptance",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.starts_with("FORCED ACCEPTANCE 1"), "{table}");
+    let value: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let mtp = &value["variants"][1];
+    assert_eq!(mtp["variant"], "mtp:2");
+    assert!(mtp["drafted"].as_u64().unwrap() > 0, "{value}");
+    assert_eq!(mtp["accepted"], mtp["drafted"], "{value}");
+    // 12 tokens after the prompt's: four steps of three.
+    assert_eq!(mtp["tokens_per_step"].as_f64(), Some(3.0), "{value}");
+    assert!(mtp["same_tokens_as_off"].is_null(), "{value}");
+    let bad = corral(&[
+        "bench",
+        "speculative",
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--forced-acceptance",
+        "1.5",
+    ]);
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("probability"), "{}", stderr(&bad));
 }
 
 /// An MTP head drafting beside the model counts in serve's memory: its one layer's KV for

@@ -116,11 +116,12 @@ impl EngineHandle {
     }
 }
 
-/// Starts the engine thread with `model` and a KV cache of `config.kv_blocks` blocks.
+/// Starts the engine thread with `model` and a KV cache of `config.kv_blocks` blocks. The
+/// thread gives the model back when it ends (for another engine on the same weights).
 pub fn spawn_engine(
     model: Model,
     config: EngineConfig,
-) -> Result<(EngineHandle, JoinHandle<()>), EngineError> {
+) -> Result<(EngineHandle, JoinHandle<Model>), EngineError> {
     spawn_engine_drafting(model, config, None)
 }
 
@@ -130,7 +131,7 @@ pub fn spawn_engine_drafting(
     model: Model,
     config: EngineConfig,
     speculation: Option<Speculation>,
-) -> Result<(EngineHandle, JoinHandle<()>), EngineError> {
+) -> Result<(EngineHandle, JoinHandle<Model>), EngineError> {
     let cache = PagedKvCache::new(
         model.backend().as_ref(),
         model.config(),
@@ -202,9 +203,18 @@ pub fn spawn_engine_drafting(
         config.block_size,
     ));
     let scheduler = match speculation {
-        Some(s) => scheduler
-            .with_drafter(s.drafter, s.max_tokens)
-            .with_draft_limit(s.max_running),
+        Some(s) => {
+            let mut scheduler = scheduler
+                .with_drafter(s.drafter, s.max_tokens)
+                .with_draft_limit(s.max_running);
+            if s.adaptive {
+                scheduler = scheduler.with_adaptive_drafts();
+            }
+            match s.forced_acceptance {
+                Some(rate) => scheduler.with_forced_acceptance(rate),
+                None => scheduler,
+            }
+        }
         None => scheduler,
     };
     metrics.engine_alive.store(true, Ordering::Relaxed);
@@ -223,7 +233,7 @@ pub fn spawn_engine_drafting(
                 rx,
                 &thread_metrics,
                 log,
-            );
+            )
         })
         .map_err(|source| EngineError::Io {
             path: "engine thread".into(),
@@ -260,7 +270,7 @@ fn run(
     commands: Receiver<Command>,
     metrics: &EngineMetrics,
     mut log: ThroughputLog,
-) {
+) -> Model {
     let vocab = model.config().vocab_size;
     let mut logits = Vec::new();
     let mut hidden = Vec::new();
@@ -296,10 +306,10 @@ fn run(
                 None => Ok(None),
             };
             let Ok(Some(command)) = ahead.map(|c| c.or_else(|| commands.recv().ok())) else {
-                return;
+                return model;
             };
             if !receive(&mut scheduler, command) {
-                return;
+                return model;
             }
             log.restart(metrics);
         }
@@ -307,11 +317,11 @@ fn run(
             match commands.try_recv() {
                 Ok(command) => {
                     if !receive(&mut scheduler, command) {
-                        return;
+                        return model;
                     }
                 }
                 Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => return,
+                Err(TryRecvError::Disconnected) => return model,
             }
         }
         let departed = scheduler.retire_departed();

@@ -80,7 +80,7 @@ impl SamplingParams {
 
 /// SplitMix64: a small, well-mixed, seedable generator.
 #[derive(Clone, Debug)]
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
     fn next_u64(&mut self) -> u64 {
@@ -92,7 +92,7 @@ impl SplitMix64 {
     }
 
     /// Uniform in [0, 1).
-    fn next_f64(&mut self) -> f64 {
+    pub(crate) fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }

@@ -714,6 +714,94 @@ fn drafted_decoding_generates_what_plain_decoding_does() {
     }
 }
 
+/// Speculation across turns on disk: a history evicted from a small cache is written to the
+/// session folder with only the tokens verify steps accepted, and the turn that extends it,
+/// drafting again, is restored from it (in the same engine and after a restart) and
+/// generates what plain decoding does from scratch. Qwen3-MoE and a hybrid (whose file
+/// carries the recurrent state at the history's end, never a rejected draft's).
+#[test]
+fn speculative_turns_spill_and_come_back_from_disk_exactly() {
+    for name in ["qwen3_moe_fused", "qwen3_next"] {
+        let folder = tempfile::Builder::new()
+            .prefix(&format!("corral-speculative-{name}-"))
+            .tempdir()
+            .unwrap();
+        let history: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
+        let reply = alone(name, &history, 6);
+        let next: Vec<u32> = history
+            .iter()
+            .chain(&reply)
+            .copied()
+            .chain([60, 61, 62])
+            .collect();
+        // The history, a turn that goes on from it, then prompts that need its blocks (16
+        // blocks of 4 tokens), then the next turn.
+        let mut prompts = vec![
+            history.clone(),
+            history.iter().copied().chain([7]).collect(),
+        ];
+        prompts.extend((0..3u32).map(|i| (0..40).map(|j| (i * 97 + j * 13 + 5) % 250).collect()));
+        prompts.push(next.clone());
+        let replies: Vec<(Vec<u32>, Vec<u32>)> = prompts
+            .iter()
+            .map(|p| (p.clone(), alone(name, p, 6)))
+            .collect();
+        let in_memory = EngineConfig {
+            prefix_cache: true,
+            ..config(256)
+        };
+        let spilling = EngineConfig {
+            prefix_cache: true,
+            session_dir: Some(folder.path().to_path_buf()),
+            session_dir_bytes: 1 << 30,
+            ..config(16)
+        };
+        let spawn = |config: &EngineConfig| {
+            let drafter = KnowingDrafter {
+                replies: replies.clone(),
+            };
+            let speculation = Speculation::new(Box::new(drafter), 4);
+            spawn_engine_drafting(model_named(name), config.clone(), Some(speculation)).unwrap()
+        };
+        let expected = &replies[replies.len() - 1].1;
+        // In memory first: the turn resumes past the reply, whose last verify step rejected
+        // a draft token as the reply ended (no state checkpoint was taken with it).
+        let (engine, thread) = spawn(&in_memory);
+        collect(&mut submit(&engine, &history, 6));
+        let (tokens, done) = collect(&mut submit(&engine, &next, 6));
+        assert_eq!(&tokens, expected, "{name}: resumed in memory");
+        assert!(
+            done.cached_tokens > 40,
+            "{name}: {} cached",
+            done.cached_tokens
+        );
+        engine.shutdown();
+        thread.join().unwrap();
+        let (engine, thread) = spawn(&spilling);
+        for (i, (prompt, expected)) in replies[..replies.len() - 1].iter().enumerate() {
+            let (tokens, _) = collect(&mut submit(&engine, prompt, 6));
+            assert_eq!(&tokens, expected, "{name}: turn {i}");
+        }
+        let spills = engine.metrics().session_spills.load(Ordering::Relaxed);
+        assert!(spills > 0, "{name}: nothing was spilled");
+        let turn = collect(&mut submit(&engine, &next, 6));
+        assert_resumed_from_disk(&engine, turn, expected, 40, name);
+        let (drafted, accepted) = drafted_and_accepted(&engine);
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{name}: {accepted} of {drafted} draft tokens accepted"
+        );
+        wait_for_zero_blocks(&engine);
+        engine.shutdown();
+        thread.join().unwrap();
+        let (engine, thread) = spawn(&spilling);
+        let turn = collect(&mut submit(&engine, &next, 6));
+        assert_resumed_from_disk(&engine, turn, expected, 40, &format!("{name}, restarted"));
+        engine.shutdown();
+        thread.join().unwrap();
+    }
+}
+
 /// A second model beside the target, with caches of its own, drafting greedily: the target
 /// generates what it does alone whichever model drafts (itself: every draft token accepted;
 /// a Qwen3-MoE or a hybrid of the same vocabulary: some rejected, its caches cut back and

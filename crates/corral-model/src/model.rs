@@ -147,6 +147,38 @@ impl Model {
         Self::bind(&source, config, backend, progress, elements, bytes)
     }
 
+    /// An MTP head for [`Model::synthetic_mixed`]'s model of the same `config`, `mix` and
+    /// `seed` (its embedding and LM head the same random tensors): random drafts, for timing
+    /// speculation at full size (with a forced acceptance, since they mean nothing).
+    pub fn synthetic_mtp(
+        config: &ModelConfig,
+        mix: SyntheticMix,
+        backend: Arc<dyn Backend>,
+        seed: u64,
+    ) -> Result<Self> {
+        let head = config.mtp()?;
+        let h = config.hidden_size;
+        // The head's decoder layer (its config's parameters less the embedding, final norm
+        // and LM head), three norms and `fc`; the embedding and LM head are the model's.
+        let untied = if head.tie_word_embeddings { 0 } else { 1 };
+        let layer = head.num_parameters() - (1 + untied) * head.vocab_size * h - h;
+        let parameters = layer + 3 * h + 2 * h * h;
+        let source = SyntheticWeights {
+            dtype: Self::synthetic_dtype(config),
+            seed,
+            mix,
+            num_layers: config.num_layers,
+        };
+        let bytes = parameters * Self::synthetic_dtype(config).size_bytes();
+        Self::bind_mtp(
+            &source,
+            config,
+            backend,
+            &mut |_, _| {},
+            (parameters, bytes),
+        )
+    }
+
     /// The type synthetic weights of `config` are stored as: bf16 unless it says float32 or
     /// float16.
     pub fn synthetic_dtype(config: &ModelConfig) -> DType {

@@ -115,6 +115,8 @@ struct GraphKey {
     cache: u64,
     /// The recurrent-state cache's id (hybrids), else 0.
     state: u64,
+    /// Whether every token's final hidden state is written for reading back.
+    all_hidden: bool,
 }
 
 /// A step shape's workspace and, once recorded, its graph.
@@ -250,12 +252,10 @@ impl StepRunner {
         // that eager steps run the very same kernels.)
         let uniform = batch.runs().iter().all(|r| r.len == max_run_tokens);
         // (Not a step with an MTP head's hidden-state input, a buffer of the caller's whose
-        // address a graph would keep, nor one that reads every hidden state back into a
-        // buffer of its own.)
+        // address a graph would keep.)
         let all_hidden = matches!(out, StepOutput::LogitsAndAllHidden(..));
         let graph_shaped = backend.records_graphs()
             && hidden.is_none()
-            && !all_hidden
             && uniform
             && max_run_tokens <= MAX_GRAPH_RUN_TOKENS
             && !model.strategy.syncs_host(tokens);
@@ -305,6 +305,7 @@ impl StepRunner {
                 strategy: model.strategy,
                 cache: cache.id(),
                 state: state.as_deref().map_or(0, RecurrentStateCache::id),
+                all_hidden,
             };
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
             // Graphs of another cache are dead (each is bound to its caches' memory); past the
@@ -333,6 +334,9 @@ impl StepRunner {
                     )?;
                     ws.max_run_tokens = max_run_tokens;
                     ws.leading_decode_tokens = leading_decode_tokens;
+                    if all_hidden {
+                        ws.all_hidden = Some(all_hidden_buffer(backend, tokens, config)?);
+                    }
                     e.insert(GraphEntry {
                         ws,
                         graph: None,
@@ -382,9 +386,7 @@ impl StepRunner {
                 rows.len(),
             )?;
             if all_hidden {
-                let len = tokens * config.hidden_size;
-                ws.all_hidden =
-                    Some(backend.take_buffer(DType::F32, len, BufferUsage::Activations)?);
+                ws.all_hidden = Some(all_hidden_buffer(backend, tokens, config)?);
             }
             ws.max_run_tokens = max_run_tokens;
             ws.leading_decode_tokens = leading_decode_tokens;
@@ -409,6 +411,16 @@ impl StepRunner {
             moe_layers: model.sparse_layers,
         })
     }
+}
+
+/// The buffer every one of `tokens` tokens' final hidden state is written to, f32.
+fn all_hidden_buffer(
+    backend: &dyn Backend,
+    tokens: usize,
+    config: &crate::ModelConfig,
+) -> Result<DeviceBuffer> {
+    let len = tokens * config.hidden_size;
+    Ok(backend.take_buffer(DType::F32, len, BufferUsage::Activations)?)
 }
 
 /// What a forward pass reads back.

@@ -314,18 +314,20 @@ fn gpu_strategies_agree_and_gpu_agrees_with_cpu() {
 
 /// Verify-shaped steps after `prompt` on a fresh cache: each a run of `run_tokens` tokens
 /// (the last row's greedy pick, then picks of the rows before it, as a drafter's guesses
-/// would be) asking for every row's logits, all of them kept; each step's logits (as bits)
-/// and its counts. With runs of one token these are greedy decode steps (the last row's
-/// logits asked for, as decoding asks).
+/// would be) asking for every row's logits, all of them kept; each step's logits (as bits,
+/// followed by every token's final hidden state where `all_hidden`, as an MTP drafter
+/// reads them) and its counts. With runs of one token these are greedy decode steps (the
+/// last row's logits asked for, as decoding asks).
 fn verify_steps(
     model: &Model,
     prompt: &[u32],
     steps: usize,
-    run_tokens: usize,
+    (run_tokens, all_hidden): (usize, bool),
 ) -> (Vec<Vec<u32>>, Vec<DispatchStats>) {
     let vocab = model.config().vocab_size;
     let (mut kv, mut state, table) = common::caches(model, prompt.len() + steps * run_tokens);
     let (mut out, mut stats, mut logits) = (Vec::new(), Vec::new(), Vec::new());
+    let mut hidden = Vec::new();
     let (mut next, mut position) = (prompt.to_vec(), 0);
     for step in 0..=steps {
         let mut batch = RaggedBatch::new(common::BLOCK_SIZE);
@@ -339,13 +341,18 @@ fn verify_steps(
             .push_run(SeqId(1), &ids, position, &table, wanted)
             .unwrap();
         batch.set_state_slot(SeqId(1), SlotId(0)).unwrap();
-        let report = model
-            .forward_with_state(&batch, &mut kv, &mut state, &mut logits)
-            .unwrap();
+        let report = if all_hidden {
+            let state = model.is_hybrid().then_some(&mut state);
+            model.forward_with_all_hidden(&batch, &mut kv, state, &mut logits, &mut hidden)
+        } else {
+            model.forward_with_state(&batch, &mut kv, &mut state, &mut logits)
+        }
+        .unwrap();
         position += next.len();
         let rows: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
         if step > 0 {
-            out.push(logits.iter().map(|v| v.to_bits()).collect());
+            let hidden = hidden.iter().filter(|_| all_hidden);
+            out.push(logits.iter().chain(hidden).map(|v| v.to_bits()).collect());
             stats.push(report.stats);
         }
         let last = rows[rows.len() - 1];
@@ -384,9 +391,11 @@ fn graph_replay_equals_eager_launches_bit_for_bit() {
             let mut model = load_on(name, Arc::clone(&backend));
             model.set_moe_strategy(strategy);
             let reference = read_reference(&fixture_dir(name));
-            let (graphed, graphed_stats) = verify_steps(&model, &reference.greedy_prompt, 12, 1);
+            let (graphed, graphed_stats) =
+                verify_steps(&model, &reference.greedy_prompt, 12, (1, false));
             model.set_graphs(false);
-            let (eager, eager_stats) = verify_steps(&model, &reference.greedy_prompt, 12, 1);
+            let (eager, eager_stats) =
+                verify_steps(&model, &reference.greedy_prompt, 12, (1, false));
             assert_eq!(graphed, eager, "{name} {strategy}: logits differ");
             // The first decode step records nothing (warm-up); every later one replays.
             assert_eq!(graphed_stats[0].graph_replays, 0);
@@ -409,22 +418,30 @@ fn graph_replay_equals_eager_launches_bit_for_bit() {
                 graphed_stats[2].dispatches
             );
             // Verify steps of speculative decoding (runs of 1 + 2 drafts, every row's
-            // logits): graphed by their shape too, bit for bit.
-            model.set_graphs(true);
-            let (graphed, graphed_stats) = verify_steps(&model, &reference.greedy_prompt, 6, 3);
-            model.set_graphs(false);
-            let (eager, eager_stats) = verify_steps(&model, &reference.greedy_prompt, 6, 3);
-            assert_eq!(graphed, eager, "{name} {strategy}: verify logits differ");
-            assert!(
-                graphed_stats[2..].iter().all(|s| s.graph_replays == 1),
-                "{name} {strategy}: verify steps replayed"
-            );
-            for (g, e) in graphed_stats.iter().zip(&eager_stats).skip(1) {
+            // logits, and every token's hidden state as the MTP drafter reads them): graphed
+            // by their shape too, bit for bit.
+            for all_hidden in [false, true] {
+                let shape = (3, all_hidden);
+                model.set_graphs(true);
+                let (graphed, graphed_stats) =
+                    verify_steps(&model, &reference.greedy_prompt, 6, shape);
+                model.set_graphs(false);
+                let (eager, eager_stats) = verify_steps(&model, &reference.greedy_prompt, 6, shape);
                 assert_eq!(
-                    g.dispatches, e.dispatches,
-                    "{name} {strategy}: verify kernels"
+                    graphed, eager,
+                    "{name} {strategy} {shape:?}: verify steps differ"
                 );
-                assert_eq!(g.allocations, 0, "{name} {strategy}: verify allocations");
+                assert!(
+                    graphed_stats[2..].iter().all(|s| s.graph_replays == 1),
+                    "{name} {strategy} {shape:?}: verify steps replayed"
+                );
+                for (g, e) in graphed_stats.iter().zip(&eager_stats).skip(1) {
+                    assert_eq!(
+                        g.dispatches, e.dispatches,
+                        "{name} {strategy} {shape:?}: verify kernels"
+                    );
+                    assert_eq!(g.allocations, 0, "{name} {strategy}: verify allocations");
+                }
             }
         }
     }
@@ -459,7 +476,7 @@ fn overlapped_launches_equal_serial_launches_bit_for_bit() {
                     .iter()
                     .map(|v| v.to_bits())
                     .collect();
-                let (decode, _) = verify_steps(&model, &reference.greedy_prompt, 6, 1);
+                let (decode, _) = verify_steps(&model, &reference.greedy_prompt, 6, (1, false));
                 results.push((prefill, decode));
             }
             assert_eq!(results[0], results[1], "{name} {strategy}");

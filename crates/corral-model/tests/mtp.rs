@@ -231,3 +231,40 @@ fn a_checkpoint_without_an_mtp_head_says_so() {
     .expect_err("not a hybrid");
     assert!(err.to_string().contains("no MTP head"), "{err}");
 }
+
+/// A synthetic model's head (for timing speculation at full size) has the parameters a
+/// checkpoint's head of the same config has, and drafts from the synthetic model's hidden
+/// states with the model's own embedding and LM head.
+#[test]
+fn a_synthetic_head_has_a_real_heads_shape_and_drafts() {
+    let real = Model::load_mtp(
+        &fixture_dir(NAME),
+        Arc::new(CpuBackend::new()),
+        &mut |_, _| {},
+    )
+    .expect("load the MTP head");
+    let config = real.config().clone();
+    let backend: Arc<dyn corral_backend::Backend> = Arc::new(CpuBackend::new());
+    let mix = corral_model::SyntheticMix::Float;
+    let mut trunk_config = load(NAME).config().clone();
+    trunk_config.dtype = Some("float32".into());
+    let trunk = Model::synthetic_mixed(
+        trunk_config.clone(),
+        mix,
+        backend.clone(),
+        7,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let head = Model::synthetic_mtp(&trunk_config, mix, backend, 7).unwrap();
+    assert_eq!(head.num_parameters(), real.num_parameters());
+    assert_eq!(head.config().num_layers, config.num_layers);
+    let ids: Vec<u32> = (0..12).map(|i| (i * 29 + 3) % 200).collect();
+    let (_, hidden) = logits_and_hidden(&trunk, &ids);
+    let rows = &hidden[..(ids.len() - 1) * trunk_config.hidden_size];
+    let drafts = mtp_logits_chunked(&head, &ids, rows, ids.len());
+    let vocab = config.vocab_size;
+    assert_eq!(drafts.len(), (ids.len() - 1) * vocab);
+    assert!(drafts.iter().all(|v| v.is_finite()));
+    assert_ne!(drafts[..vocab], drafts[vocab..2 * vocab], "rows differ");
+}

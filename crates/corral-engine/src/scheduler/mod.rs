@@ -58,6 +58,15 @@ pub struct Speculation {
     pub max_tokens: usize,
     /// Most running sequences at which sequences draft.
     pub max_running: usize,
+    /// Whether each sequence's draft length follows its acceptance (one more token after a
+    /// draft accepted whole, one fewer after a rejection, from 1 to `max_tokens`), else
+    /// always `max_tokens`.
+    pub adaptive: bool,
+    /// A benchmark's stand-in for a drafter that agrees with the model: each draft token is
+    /// taken with this probability whatever the model samples (the output is then not the
+    /// model's). For synthetic weights, whose drafts mean nothing, to time speculation at a
+    /// stated acceptance.
+    pub forced_acceptance: Option<f64>,
 }
 
 impl Speculation {
@@ -67,6 +76,16 @@ impl Speculation {
             drafter,
             max_tokens,
             max_running: usize::MAX,
+            adaptive: true,
+            forced_acceptance: None,
+        }
+    }
+
+    /// Every draft `max_tokens` long, whatever is accepted.
+    pub fn fixed(self) -> Self {
+        Self {
+            adaptive: false,
+            ..self
         }
     }
 
@@ -74,6 +93,15 @@ impl Speculation {
     pub fn up_to_running(self, max_running: usize) -> Self {
         Self {
             max_running,
+            ..self
+        }
+    }
+
+    /// Takes each draft token with probability `rate` whatever the model samples
+    /// ([`Speculation::forced_acceptance`]): for benchmarks only.
+    pub fn forcing_acceptance(self, rate: f64) -> Self {
+        Self {
+            forced_acceptance: Some(rate.clamp(0.0, 1.0)),
             ..self
         }
     }
@@ -105,6 +133,9 @@ struct Sequence {
     kv: SeqKv,
     /// Tokens proposed to follow `tokens`, verified by the planned step.
     draft: Vec<u32>,
+    /// The most tokens its next draft may have, where draft lengths adapt (else the
+    /// drafter's most).
+    draft_len: Option<usize>,
     /// Prompt tokens taken from the prefix cache before its first token.
     cached: usize,
     sampler: Sampler,
@@ -184,6 +215,10 @@ pub struct Scheduler {
     drafter: Option<(Box<dyn Drafter>, usize)>,
     /// Most running sequences at which drafts are proposed.
     draft_max_running: usize,
+    /// A forced acceptance rate and its random stream ([`Speculation::forced_acceptance`]).
+    forced_acceptance: Option<(f64, crate::sampler::SplitMix64)>,
+    /// Whether draft lengths follow acceptance ([`Speculation::adaptive`]).
+    adaptive_drafts: bool,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -239,6 +274,8 @@ impl Scheduler {
             pending: Copies::default(),
             drafter: None,
             draft_max_running: usize::MAX,
+            forced_acceptance: None,
+            adaptive_drafts: false,
         }
     }
 
@@ -279,6 +316,19 @@ impl Scheduler {
     /// Sequences draft only while at most `max_running` run.
     pub fn with_draft_limit(mut self, max_running: usize) -> Self {
         self.draft_max_running = max_running;
+        self
+    }
+
+    /// Each sequence's draft length follows its acceptance ([`Speculation::adaptive`]).
+    pub fn with_adaptive_drafts(mut self) -> Self {
+        self.adaptive_drafts = true;
+        self
+    }
+
+    /// Each draft token is taken with probability `rate` whatever the model samples
+    /// ([`Speculation::forced_acceptance`]); the draws are seeded, so runs repeat.
+    pub fn with_forced_acceptance(mut self, rate: f64) -> Self {
+        self.forced_acceptance = Some((rate, crate::sampler::SplitMix64(0x5EED)));
         self
     }
 
@@ -367,6 +417,7 @@ impl Scheduler {
             session: request.session,
             kv: SeqKv::default(),
             draft: Vec::new(),
+            draft_len: None,
             cached: 0,
             sampler: Sampler::new(request.params),
             constraint: request.constraint,
@@ -610,7 +661,10 @@ impl Scheduler {
                 && drafting
                 && let Some((drafter, max)) = &mut self.drafter
             {
-                let max = (*max).min(seq.room().saturating_sub(1));
+                let max = seq
+                    .draft_len
+                    .unwrap_or(*max)
+                    .min(seq.room().saturating_sub(1));
                 if max > 0 {
                     seq.draft = drafter.propose(seq.id, &seq.tokens, max);
                     seq.draft.truncate(max);

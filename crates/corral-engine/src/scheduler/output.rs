@@ -119,7 +119,11 @@ impl Scheduler {
             let mut sent = Vec::new();
             for (k, r) in rows.enumerate() {
                 let seq = &mut self.running[index];
-                match accept_row(seq, &mut logits, r, (now, &mut sent), &mut counts) {
+                let forced = match (&mut self.forced_acceptance, draft.get(k)) {
+                    (Some((rate, draws)), Some(&d)) => (draws.next_f64() < *rate).then_some(d),
+                    _ => None,
+                };
+                match accept_row(seq, &mut logits, (r, forced), (now, &mut sent), &mut counts) {
                     Ok(None) if draft.get(k).is_some_and(|&d| seq.tokens.last() == Some(&d)) => {
                         accepted += 1;
                     }
@@ -149,6 +153,17 @@ impl Scheduler {
                 let last = counts.accepted_by_position.len() - 1;
                 for k in 0..accepted {
                     counts.accepted_by_position[k.min(last)] += 1;
+                }
+                if self.adaptive_drafts
+                    && let Some((_, max)) = &self.drafter
+                {
+                    let len = seq.draft_len.unwrap_or(*max);
+                    let next = if accepted == draft.len() {
+                        len + 1
+                    } else {
+                        len.saturating_sub(1)
+                    };
+                    seq.draft_len = Some(next.clamp(1, *max));
                 }
                 self.kv.settle_draft(
                     seq.id,
@@ -210,18 +225,19 @@ impl Scheduler {
     }
 }
 
-/// Logits row `row` of a step for `seq`: its token sampled (under its grammar), then, unless
-/// it is a stop id, appended and added to what is `sent` to its client; `Some` reason where
-/// the sequence ends with it, `Err` where its grammar fails.
+/// Logits row `row` of a step for `seq`: its token sampled (under its grammar), or the
+/// `forced` one, then, unless it is a stop id, appended and added to what is `sent` to its
+/// client; `Some` reason where the sequence ends with it, `Err` where its grammar fails.
 fn accept_row(
     seq: &mut Sequence,
     logits: &mut StepLogits<'_>,
-    row: usize,
+    (row, forced): (usize, Option<u32>),
     (now, sent): (Instant, &mut Vec<TokenEvent>),
     counts: &mut StepCounts,
 ) -> Result<Option<FinishReason>, String> {
-    let (token, logprob, top) = match logits {
-        StepLogits::Whole(logits, vocab) => {
+    let (token, logprob, top) = match (forced, logits) {
+        (Some(token), _) => (token, None, Vec::new()),
+        (None, StepLogits::Whole(logits, vocab)) => {
             let row_logits = &mut logits[row * *vocab..(row + 1) * *vocab];
             // Log-probabilities are the model's, before any penalty the sampler applies.
             let raw = seq.top_logprobs.map(|n| (row_logits.to_vec(), n));
@@ -237,7 +253,7 @@ fn accept_row(
                 None => (token, None, Vec::new()),
             }
         }
-        StepLogits::Sampled(step) => sampled_token(seq, step, row),
+        (None, StepLogits::Sampled(step)) => sampled_token(seq, step, row),
     };
     let finish = if seq.stop_token_ids.contains(&token) {
         Some(FinishReason::Stop)

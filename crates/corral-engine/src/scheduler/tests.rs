@@ -515,3 +515,97 @@ fn drafts_stop_past_the_running_limit() {
         assert_eq!(rows, expected, "{sequences} running");
     }
 }
+
+/// Forced acceptance takes each draft token with its probability whatever the rows sample
+/// (rows here never sample the draft): at 1 every draft is accepted whole, at 0 none is,
+/// at 0.5 about half the first positions.
+#[test]
+fn forced_acceptance_takes_drafts_at_its_rate() {
+    let vocab = 16;
+    for (rate, expected) in [(1.0, (1.0, 1.0)), (0.0, (0.0, 0.0)), (0.5, (0.42, 0.58))] {
+        let mut s = Scheduler::new(config(1), KvBlockPool::new(1024, 4))
+            .with_drafter(Box::new(FixedDrafter(3, vec![10, 11])), 2)
+            .with_forced_acceptance(rate);
+        let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
+        s.add(EngineRequest {
+            events,
+            ..request(&[1, 2, 3], 2000)
+        });
+        // Every row samples token 5.
+        let (mut drafts, mut first) = (0, 0);
+        for _ in 0..600 {
+            let Some(plan) = s.step() else { break };
+            let rows = plan.batch.logit_rows().len();
+            let mut logits = vec![0.0f32; rows * vocab];
+            for r in 0..rows {
+                logits[r * vocab + 5] = 10.0;
+            }
+            let counts = s.finish_step(plan, &mut logits, vocab, DispatchStats::default());
+            drafts += counts.drafts;
+            first += counts.accepted_by_position[0];
+            if counts.drafts > 0 && rate == 1.0 {
+                assert_eq!(counts.accepted_tokens, 2, "the whole draft");
+                assert_eq!(
+                    s.running[0].tokens[s.running[0].tokens.len() - 3..],
+                    [10, 11, 5]
+                );
+            }
+        }
+        assert!(drafts > 500, "{rate}: {drafts} drafts");
+        let share = first as f64 / drafts as f64;
+        assert!(
+            (expected.0..=expected.1).contains(&share),
+            "{rate}: first draft token taken in {share} of drafts"
+        );
+    }
+}
+
+/// Adaptive drafts: a rejection shortens a sequence's next draft by one (down to one
+/// token), a draft accepted whole lengthens it by one (up to the most).
+#[test]
+fn draft_lengths_follow_acceptance() {
+    let vocab = 16;
+    let mut s = Scheduler::new(config(1), KvBlockPool::new(64, 4))
+        .with_drafter(Box::new(FixedDrafter(3, vec![10, 10, 10])), 3)
+        .with_adaptive_drafts();
+    let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
+    s.add(EngineRequest {
+        events,
+        ..request(&[1, 2, 3], 100)
+    });
+    let rows_sampling = |rows: usize, token: usize| {
+        let mut logits = vec![0.0f32; rows * vocab];
+        for r in 0..rows {
+            logits[r * vocab + token] = 10.0;
+        }
+        logits
+    };
+    let plan = s.step().unwrap();
+    let _ = s.finish_step(
+        plan,
+        &mut rows_sampling(1, 10),
+        vocab,
+        DispatchStats::default(),
+    );
+    // (rows sampling the draft's token or not, the draft length the step verified)
+    for (accept, verified) in [
+        (false, 3),
+        (false, 2),
+        (false, 1),
+        (true, 1),
+        (true, 2),
+        (true, 3),
+        (true, 3),
+    ] {
+        let plan = s.step().unwrap();
+        assert_eq!(plan.runs[0].logits, 1 + verified, "verifying {verified}");
+        let rows = plan.runs[0].logits;
+        let token = if accept { 10 } else { 7 };
+        let _ = s.finish_step(
+            plan,
+            &mut rows_sampling(rows, token),
+            vocab,
+            DispatchStats::default(),
+        );
+    }
+}

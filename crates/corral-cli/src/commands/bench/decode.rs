@@ -1,6 +1,8 @@
 //! `corral bench decode`: steady-state decode steps of `batch` sequences at `context` tokens
 //! of history, per MoE strategy: ms per step, aggregate tok/s, and per step the launches,
-//! host syncs, allocations and weight bytes read. The history's KV blocks are allocated and
+//! host syncs, allocations and weight bytes read. `--draft-tokens K` makes each step a
+//! speculative verify step (1 + K tokens a sequence, every row's logits read back, as serving
+//! reads them) and reports its cost against the one-token step. The history's KV blocks are allocated and
 //! read in full by attention but not computed (a decode step's cost does not depend on their
 //! values), so an 8k context costs no 8k-token prefill per sequence.
 
@@ -55,12 +57,18 @@ pub(crate) struct DecodeArgs {
     /// or read every row back and pick on the host (`host`), or both in one run.
     #[arg(long, value_delimiter = ',', default_value = "device")]
     sampling: Vec<String>,
+    /// Draft tokens each sequence's step verifies besides its own (0: plain decode). Verify
+    /// steps read every row's logits back (the sampling column says `host`).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    draft_tokens: Vec<usize>,
 }
 
 struct Cell {
     strategy: String,
     graphs: bool,
     on_device: bool,
+    /// Draft tokens verified a sequence.
+    drafts: usize,
     batch: usize,
     context: usize,
     step_ms: Vec<f64>,
@@ -69,8 +77,7 @@ struct Cell {
 
 fn run_cell(
     model: &mut Model,
-    batch_size: usize,
-    context: usize,
+    (batch_size, context, drafts): (usize, usize, usize),
     steps: usize,
     profile_last: bool,
     on_device: bool,
@@ -81,7 +88,8 @@ fn run_cell(
     sampled.rows = vec![(greedy, greedy.draw(0)); batch_size];
     let config = model.config().clone();
     let backend = Arc::clone(model.backend());
-    let per_seq = (context + steps).div_ceil(BLOCK_SIZE);
+    let run_len = 1 + drafts;
+    let per_seq = (context + (steps + 1) * run_len).div_ceil(BLOCK_SIZE);
     let mut cache = PagedKvCache::new(backend.as_ref(), &config, batch_size * per_seq, BLOCK_SIZE)
         .context("allocating the KV cache")?;
     let mut state = RecurrentStateCache::new(backend.as_ref(), &config, batch_size)?;
@@ -105,13 +113,14 @@ fn run_cell(
         let mut batch = RaggedBatch::new(BLOCK_SIZE);
         for (s, table) in tables.iter().enumerate() {
             let seq = SeqId(s as u64);
-            batch.push_run(
-                seq,
-                &[TokenId(next[s])],
-                context + step,
-                table,
-                LogitsWanted::Last,
-            )?;
+            // The draft: the next token again (a verify step's cost does not depend on it).
+            let run = vec![TokenId(next[s]); run_len];
+            let wanted = if drafts == 0 {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::All
+            };
+            batch.push_run(seq, &run, context + step * run_len, table, wanted)?;
             batch.set_state_slot(seq, SlotId(s as u32))?;
         }
         let start = Instant::now();
@@ -131,7 +140,8 @@ fn run_cell(
             };
             let vocab = config.vocab_size;
             for (s, token) in next.iter_mut().enumerate() {
-                *token = argmax(&logits[s * vocab..(s + 1) * vocab]);
+                let row = (s + 1) * run_len - 1;
+                *token = argmax(&logits[row * vocab..(row + 1) * vocab]);
             }
             report
         };
@@ -162,16 +172,20 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    if let Some(k) = args.draft_tokens.iter().find(|&&k| k > 7) {
+        bail!("--draft-tokens {k}: at most 7 (a step verifies up to 8 tokens a sequence)");
+    }
     let mut model = load_model(&args.model)?;
     let strategies = super::named_strategies(&args.strategies, &model)?;
     // Contexts the model cannot hold (with the steps after them) are skipped, saying so; none
     // left is an error.
     let max_position = model.config().max_context();
-    let fits = |c: usize| c + args.steps + args.warmup <= max_position;
+    let most_tokens =
+        (args.steps + args.warmup + 1) * (1 + args.draft_tokens.iter().max().unwrap_or(&0));
+    let fits = |c: usize| c + most_tokens <= max_position;
     for &c in args.context.iter().filter(|&&c| !fits(c)) {
         eprintln!(
-            "skipping --context {c}: with {} steps it exceeds the model's {max_position} positions",
-            args.steps + args.warmup
+            "skipping --context {c}: with {most_tokens} tokens of steps it exceeds the model's {max_position} positions"
         );
     }
     let contexts: Vec<usize> = args.context.iter().copied().filter(|&c| fits(c)).collect();
@@ -184,18 +198,20 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
     let mut logits = Vec::new();
     for &context in &contexts {
         for &batch in &args.batch {
-            for (((name, strategy), &graphs), &on_device) in strategies
+            for ((((name, strategy), &graphs), &on_device), &drafts) in strategies
                 .iter()
                 .flat_map(|s| graph_modes.iter().map(move |g| (s, g)))
                 .flat_map(|c| sampling_modes.iter().map(move |d| (c, d)))
+                .flat_map(|c| args.draft_tokens.iter().map(move |k| (c, k)))
             {
+                // Verify steps read their rows back whole, as serving does.
+                let on_device = on_device && drafts == 0;
                 model.set_moe_strategy(*strategy);
                 model.set_graphs(graphs);
                 let steps = args.warmup + args.steps;
                 let (times, stats) = run_cell(
                     &mut model,
-                    batch,
-                    context,
+                    (batch, context, drafts),
                     steps,
                     args.profile,
                     on_device,
@@ -203,7 +219,8 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
                 )
                 .with_context(|| format!("batch {batch} at context {context}"))?;
                 if args.profile {
-                    let title = format!("{name}, batch {batch}, context {context}");
+                    let title =
+                        format!("{name}, batch {batch}, context {context}, {drafts} drafts");
                     super::print_kernel_profile(&title, &model)?;
                     model.backend().set_profiling(false);
                 }
@@ -211,6 +228,7 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
                     strategy: name.clone(),
                     graphs,
                     on_device,
+                    drafts,
                     batch,
                     context,
                     step_ms: times[args.warmup..].to_vec(),
@@ -227,14 +245,16 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         args.warmup
     );
     println!(
-        "{:<11} {:>6} {:>8} {:>6} {:>8} {:>9} {:>7} {:>10} {:>9} {:>7} {:>6} {:>7} {:>12}",
+        "{:<11} {:>6} {:>8} {:>6} {:>8} {:>6} {:>9} {:>7} {:>9} {:>10} {:>9} {:>7} {:>6} {:>7} {:>12}",
         "strategy",
         "graphs",
         "sampling",
         "batch",
         "context",
+        "drafts",
         "ms/step",
         "noise",
+        "vs 1-tok",
         "tok/s",
         "launches",
         "replays",
@@ -243,18 +263,34 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
         "MiB weights"
     );
     let mut rows = Vec::new();
+    // A verify step's cost against the one-token step of the same cell (the first such:
+    // device sampling where both ran).
+    let one_token = |c: &Cell| {
+        cells
+            .iter()
+            .find(|o| {
+                o.drafts == 0
+                    && (&o.strategy, o.graphs, o.batch, o.context)
+                        == (&c.strategy, c.graphs, c.batch, c.context)
+            })
+            .map(|o| median(&c.step_ms) / median(&o.step_ms))
+    };
     for c in &cells {
         let ms = median(&c.step_ms);
+        // Tokens a step is sure to yield: one a sequence (drafts add what they are accepted).
         let tok_s = c.batch as f64 / (ms / 1e3);
+        let verify_cost = one_token(c);
         println!(
-            "{:<11} {:>6} {:>8} {:>6} {:>8} {:>9.3} {:>6.1}% {:>10.1} {:>9} {:>7} {:>6} {:>7} {:>12.1}",
+            "{:<11} {:>6} {:>8} {:>6} {:>8} {:>6} {:>9.3} {:>6.1}% {:>9} {:>10.1} {:>9} {:>7} {:>6} {:>7} {:>12.1}",
             c.strategy,
             if c.graphs { "on" } else { "off" },
             if c.on_device { "device" } else { "host" },
             c.batch,
             c.context,
+            c.drafts,
             ms,
             relative_spread(&c.step_ms) * 100.0,
+            verify_cost.map_or("-".to_string(), |r| format!("{r:.2}x")),
             tok_s,
             c.stats.dispatches,
             c.stats.graph_replays,
@@ -268,7 +304,9 @@ pub(crate) fn run(args: DecodeArgs) -> Result<()> {
             "sampling": if c.on_device { "device" } else { "host" },
             "batch": c.batch,
             "context": c.context,
+            "draft_tokens": c.drafts,
             "ms_per_step_median": ms,
+            "vs_one_token_step": verify_cost,
             "tok_s": tok_s,
             "launches_per_step": c.stats.dispatches,
             "graph_replays_per_step": c.stats.graph_replays,

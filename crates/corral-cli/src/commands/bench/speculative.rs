@@ -3,14 +3,17 @@
 //! tokens verified and accepted (by position in the draft), tokens a decode step, decode
 //! tok/s and its ratio to `off`, and whether the tokens equal `off`'s (they must). `--echo`
 //! makes it an edit replay: each prompt ends with its own first tokens again, so the model
-//! re-emits text it has seen, as an agent re-emits a file it edits.
+//! re-emits text it has seen, as an agent re-emits a file it edits. Without `--text` the
+//! prompts are random tokens (a synthetic model has no tokenizer), and `--forced-acceptance`
+//! times speculation at a stated acceptance where drafts mean nothing: each draft token is
+//! taken with that probability, so the tokens are not the model's.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use corral_engine::{EngineRequest, Event, SamplingParams, spawn_engine_drafting};
+use corral_engine::{EngineHandle, EngineRequest, Event, SamplingParams, spawn_engine_drafting};
 use serde_json::json;
 
 use crate::loading::{ModelArgs, load_model};
@@ -21,9 +24,9 @@ use crate::speculative::Speculative;
 pub(crate) struct SpeculativeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The text the prompts are cut from (consecutive windows).
+    /// The text the prompts are cut from (consecutive windows); without it, random tokens.
     #[arg(long)]
-    text: PathBuf,
+    text: Option<PathBuf>,
     /// Prompts cut from the text.
     #[arg(long, default_value_t = 8)]
     prompts: usize,
@@ -46,6 +49,10 @@ pub(crate) struct SpeculativeArgs {
     /// Repetitions of the whole set of variants (interleaved).
     #[arg(long, default_value_t = 1)]
     reps: usize,
+    /// Take each draft token with this probability whatever the model samples (timing only:
+    /// the output is not the model's).
+    #[arg(long, value_parser = parse_rate)]
+    forced_acceptance: Option<f64>,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -66,20 +73,40 @@ struct Totals {
     outputs: Vec<Vec<u32>>,
 }
 
-pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
-    if args.prompts == 0 || args.prompt_tokens == 0 || args.max_tokens == 0 || args.reps == 0 {
-        bail!("--prompts, --prompt-tokens, --max-tokens and --reps must be at least 1");
+/// A probability, for `--forced-acceptance`.
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{s}` is not a probability between 0 and 1")),
     }
-    let dir = args
-        .model
-        .dir()
-        .context("the prompts need --model (a checkpoint or GGUF file with its tokenizer)")?;
-    let text = std::fs::read_to_string(&args.text)
-        .with_context(|| format!("reading {} as UTF-8 text", args.text.display()))?;
-    let (tokenizer, _) = args.model.vocabulary(dir)?;
-    let ids = tokenizer
-        .encode(&text)
-        .with_context(|| format!("tokenizing {}", args.text.display()))?;
+}
+
+/// The prompts: windows of `--text`, or random tokens of the model's vocabulary.
+fn prompts(args: &SpeculativeArgs, vocab: usize) -> Result<Vec<Vec<u32>>> {
+    let ids = match &args.text {
+        Some(path) => {
+            let dir = args.model.dir().context(
+                "prompts cut from --text need --model (a checkpoint or GGUF file with its tokenizer)",
+            )?;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {} as UTF-8 text", path.display()))?;
+            let (tokenizer, _) = args.model.vocabulary(dir)?;
+            tokenizer
+                .encode(&text)
+                .with_context(|| format!("tokenizing {}", path.display()))?
+        }
+        None => {
+            let mut x = 0x2545_F491_4F6C_DD1Du64;
+            (0..args.prompts * args.prompt_tokens)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % vocab as u64) as u32
+                })
+                .collect()
+        }
+    };
     let prompts: Vec<Vec<u32>> = ids
         .chunks_exact(args.prompt_tokens)
         .take(args.prompts)
@@ -91,56 +118,36 @@ pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
         .collect();
     if prompts.len() < args.prompts {
         bail!(
-            "{} holds {} tokens: fewer than {} prompts of {}",
-            args.text.display(),
+            "the text holds {} tokens: fewer than {} prompts of {}",
             ids.len(),
             args.prompts,
             args.prompt_tokens
         );
     }
+    Ok(prompts)
+}
+
+pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
+    if args.prompts == 0 || args.prompt_tokens == 0 || args.max_tokens == 0 || args.reps == 0 {
+        bail!("--prompts, --prompt-tokens, --max-tokens and --reps must be at least 1");
+    }
+    let mut model = load_model(&args.model)?;
+    let prompts = prompts(&args, model.config().vocab_size)?;
+    let device = model.backend().device_name();
     let total = args.prompt_tokens + args.echo + args.max_tokens;
     let mut totals: Vec<Totals> = args.speculative.iter().map(|_| Totals::default()).collect();
-    let mut device = String::new();
     for rep in 0..args.reps {
         for (variant, sums) in args.speculative.iter().zip(&mut totals) {
-            let model = load_model(&args.model)?;
-            device = model.backend().device_name();
             let config = crate::commands::run::one_sequence_engine(total, 512);
             let head = variant.head(&args.model, &model)?;
             let drafter =
                 variant.drafter(&model, head, (config.kv_blocks, config.block_size, 1))?;
-            let (engine, thread) = spawn_engine_drafting(model, config, drafter.map(|(s, _)| s))?;
-            for prompt in &prompts {
-                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-                engine
-                    .submit(EngineRequest {
-                        prompt: prompt.clone(),
-                        params: SamplingParams::default(),
-                        max_tokens: args.max_tokens,
-                        max_context: total,
-                        stop_token_ids: Vec::new(),
-                        top_logprobs: None,
-                        events: tx,
-                        session: None,
-                        constraint: None,
-                    })
-                    .context("starting generation")?;
-                let mut tokens = Vec::new();
-                let finished = loop {
-                    match rx.blocking_recv() {
-                        Some(Event::Tokens(t)) => tokens.extend(t.iter().map(|t| t.id)),
-                        Some(Event::Finished(f)) => break f,
-                        Some(Event::Failed(e)) => bail!("generation failed: {e}"),
-                        None => bail!("the engine stopped"),
-                    }
-                };
-                sums.generated += tokens.len();
-                sums.decode_steps += finished.decode_steps;
-                sums.decode_ms += finished.decode_ms;
-                if rep == 0 {
-                    sums.outputs.push(tokens);
-                }
-            }
+            let speculation = drafter.map(|(s, _)| match args.forced_acceptance {
+                Some(rate) => s.forcing_acceptance(rate),
+                None => s,
+            });
+            let (engine, thread) = spawn_engine_drafting(model, config, speculation)?;
+            let generated = generate(&engine, &prompts, &args, total);
             let m = engine.metrics();
             sums.drafted += m.draft_tokens.load(Ordering::Relaxed);
             sums.accepted += m.accepted_draft_tokens.load(Ordering::Relaxed);
@@ -155,10 +162,57 @@ pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
                 *sum += n;
             }
             engine.shutdown();
-            let _ = thread.join();
+            model = thread
+                .join()
+                .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+            for (tokens, steps, ms) in generated? {
+                sums.generated += tokens.len();
+                sums.decode_steps += steps;
+                sums.decode_ms += ms;
+                if rep == 0 {
+                    sums.outputs.push(tokens);
+                }
+            }
         }
     }
     report(&args, &device, &prompts, &totals)
+}
+
+/// Each prompt's tokens, decode steps and decode milliseconds, one prompt after another.
+fn generate(
+    engine: &EngineHandle,
+    prompts: &[Vec<u32>],
+    args: &SpeculativeArgs,
+    total: usize,
+) -> Result<Vec<(Vec<u32>, usize, f64)>> {
+    let mut out = Vec::new();
+    for prompt in prompts {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        engine
+            .submit(EngineRequest {
+                prompt: prompt.clone(),
+                params: SamplingParams::default(),
+                max_tokens: args.max_tokens,
+                max_context: total,
+                stop_token_ids: Vec::new(),
+                top_logprobs: None,
+                events: tx,
+                session: None,
+                constraint: None,
+            })
+            .context("starting generation")?;
+        let mut tokens = Vec::new();
+        let finished = loop {
+            match rx.blocking_recv() {
+                Some(Event::Tokens(t)) => tokens.extend(t.iter().map(|t| t.id)),
+                Some(Event::Finished(f)) => break f,
+                Some(Event::Failed(e)) => bail!("generation failed: {e}"),
+                None => bail!("the engine stopped"),
+            }
+        };
+        out.push((tokens, finished.decode_steps, finished.decode_ms));
+    }
+    Ok(out)
 }
 
 fn report(
@@ -173,6 +227,14 @@ fn report(
         let decoded = t.generated.saturating_sub(prompts.len() * args.reps);
         decoded as f64 / (t.decode_ms / 1e3).max(1e-9)
     };
+    let forced = args.forced_acceptance;
+    if let Some(rate) = forced {
+        println!(
+            "FORCED ACCEPTANCE {rate}: each draft token taken with this probability whatever \
+             the model samples; the tokens are not the model's"
+        );
+    }
+    let step_ms = |t: &Totals| t.decode_ms / t.decode_steps.max(1) as f64;
     println!(
         "device {device}  {} prompts of {} tokens{}  {} generated each  {} reps",
         prompts.len(),
@@ -186,15 +248,27 @@ fn report(
         args.reps
     );
     println!(
-        "{:<10} {:>9} {:>10} {:>22} {:>10} {:>9} {:>8} {:>6}",
-        "variant", "drafted", "accepted", "by position %", "tok/step", "tok/s", "vs off", "same"
+        "{:<18} {:>9} {:>10} {:>22} {:>9} {:>8} {:>10} {:>9} {:>8} {:>6}",
+        "variant",
+        "drafted",
+        "accepted",
+        "by position %",
+        "tok/step",
+        "ms/step",
+        "step/off",
+        "tok/s",
+        "vs off",
+        "same"
     );
     let mut rows = Vec::new();
     for (variant, t) in args.speculative.iter().zip(totals) {
         let decoded = t.generated.saturating_sub(prompts.len() * args.reps);
         let per_step = decoded as f64 / t.decode_steps.max(1) as f64;
         let ratio = off.map(|i| rate(t) / rate(&totals[i]));
-        let same = off.map(|i| totals[i].outputs == t.outputs);
+        let step_ratio = off.map(|i| step_ms(t) / step_ms(&totals[i]));
+        let same = off
+            .filter(|_| forced.is_none())
+            .map(|i| totals[i].outputs == t.outputs);
         let positions: Vec<String> = t
             .by_position
             .iter()
@@ -203,12 +277,14 @@ fn report(
             .collect();
         let acceptance = t.accepted as f64 / t.drafted.max(1) as f64;
         println!(
-            "{:<10} {:>9} {:>9.1}% {:>22} {:>10.2} {:>9.1} {:>8} {:>6}",
+            "{:<18} {:>9} {:>9.1}% {:>22} {:>9.2} {:>8.3} {:>10} {:>9.1} {:>8} {:>6}",
             variant.to_string(),
             t.drafted,
             100.0 * acceptance,
             positions.join("/"),
             per_step,
+            step_ms(t),
+            step_ratio.map_or("-".to_string(), |r| format!("{r:.2}x")),
             rate(t),
             ratio.map_or("-".to_string(), |r| format!("{r:.2}x")),
             same.map_or("-", |s| if s { "yes" } else { "NO" }),
@@ -220,6 +296,8 @@ fn report(
             "drafts": t.drafts,
             "accepted_by_position": t.by_position,
             "tokens_per_step": per_step,
+            "ms_per_step": step_ms(t),
+            "step_vs_off": step_ratio,
             "decode_tok_s": rate(t),
             "vs_off": ratio,
             "same_tokens_as_off": same,
@@ -234,12 +312,14 @@ fn report(
             "echo": args.echo,
             "max_tokens": args.max_tokens,
             "reps": args.reps,
+            "forced_acceptance": forced,
             "variants": rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&value)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(i) = off
+        && forced.is_none()
         && totals.iter().any(|t| t.outputs != totals[i].outputs)
     {
         bail!("a speculative variant generated other tokens than plain decoding");
