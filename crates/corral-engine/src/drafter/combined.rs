@@ -31,6 +31,24 @@ impl Drafter for CombinedDrafter {
         }
     }
 
+    /// The lookup's drafts where it matches; the head's for the rest, in one pass.
+    fn propose_many(&mut self, requests: &[(SeqId, &[u32], usize)]) -> Vec<Vec<u32>> {
+        let mut drafts = self.lookup.propose_many(requests);
+        let (missing, rest): (Vec<usize>, Vec<_>) = requests
+            .iter()
+            .zip(&drafts)
+            .enumerate()
+            .filter(|(_, (_, d))| d.is_empty())
+            .map(|(i, (r, _))| (i, *r))
+            .unzip();
+        if !rest.is_empty() {
+            for (i, d) in missing.into_iter().zip(self.mtp.propose_many(&rest)) {
+                drafts[i] = d;
+            }
+        }
+        drafts
+    }
+
     fn forget(&mut self, seq: SeqId) {
         self.mtp.forget(seq);
     }

@@ -91,9 +91,10 @@ impl MtpDrafter {
         self.head.config().hidden_size
     }
 
-    /// Runs the head over `seq`'s unseen rows up to the last token of `tokens` and chains
-    /// `max` drafts after it.
-    fn draft(&mut self, seq: SeqId, tokens: &[u32], max: usize) -> Result<Vec<u32>, String> {
+    /// Brings `seq`'s rows in the head up to the last token of `tokens`: the rows it has not
+    /// run yet (true rows: the model's hidden state, the next token), as one run of a
+    /// proposal's first pass, with KV room for `max` drafts after them.
+    fn prepare(&mut self, seq: SeqId, tokens: &[u32], max: usize) -> Result<Prepared, String> {
         let width = self.width();
         let n = tokens.len();
         let s = self.seqs.get_mut(&seq).ok_or("no rows")?;
@@ -123,93 +124,179 @@ impl MtpDrafter {
         self.pool
             .grow(&mut s.table, last + max)
             .map_err(|e| e.to_string())?;
-        let ids: Vec<TokenId> = tokens[start + 1..n].iter().map(|&t| TokenId(t)).collect();
-        let rows = &s.hidden[(start - s.hidden_start) * width..(n - 1 - s.hidden_start) * width];
-        let mut head = HeadRun {
-            head: &self.head,
-            cache: &mut self.cache,
-            block_size: self.pool.block_size(),
+        Ok(Prepared {
             seq,
-            table: &s.table,
-        };
-        let mut drafts = vec![head.forward(
-            &ids,
-            start - s.offset,
-            rows,
-            (&mut self.logits, &mut self.out),
-        )?];
-        while drafts.len() < max {
-            std::mem::swap(&mut self.input, &mut self.out);
-            let token = [TokenId(drafts[drafts.len() - 1])];
-            let position = last + drafts.len() - 1;
-            let next = head.forward(
-                &token,
-                position,
-                &self.input,
-                (&mut self.logits, &mut self.out),
-            )?;
-            drafts.push(next);
+            ids: tokens[start + 1..n].iter().map(|&t| TokenId(t)).collect(),
+            position: start - s.offset,
+            rows: (start - s.hidden_start) * width..(n - 1 - s.hidden_start) * width,
+            last,
+            max,
+            n,
+        })
+    }
+
+    /// One pass of the head over `runs` (`(sequence, tokens, KV position)`), `hidden` their
+    /// rows' inputs in order: each run's last row's top token, its head output in `self.out`
+    /// (one row a run).
+    fn pass(
+        &mut self,
+        runs: &[(SeqId, &[TokenId], usize)],
+        hidden: &[f32],
+    ) -> Result<Vec<u32>, String> {
+        let mut batch = RaggedBatch::new(self.pool.block_size());
+        for &(seq, ids, position) in runs {
+            let table = &self.seqs.get(&seq).ok_or("no rows")?.table;
+            batch
+                .push_run(seq, ids, position, table, LogitsWanted::Last)
+                .map_err(|e| e.to_string())?;
         }
+        let _ = self
+            .head
+            .forward_mtp(
+                &batch,
+                &mut self.cache,
+                hidden,
+                &mut self.logits,
+                &mut self.out,
+            )
+            .map_err(|e| e.to_string())?;
+        let vocab = self.head.config().vocab_size;
+        Ok(self.logits.chunks_exact(vocab).map(argmax).collect())
+    }
+
+    /// Drafts for every one of `prepared` at once: a first pass over all their unseen rows,
+    /// then one pass a further draft token over the sequences that want it, each row on its
+    /// sequence's own last head output.
+    fn draft(&mut self, prepared: &[Prepared]) -> Result<Vec<Vec<u32>>, String> {
+        let width = self.width();
+        let mut input = std::mem::take(&mut self.input);
+        input.clear();
+        for p in prepared {
+            let s = self.seqs.get(&p.seq).ok_or("no rows")?;
+            input.extend_from_slice(&s.hidden[p.rows.clone()]);
+        }
+        let runs: Vec<_> = prepared
+            .iter()
+            .map(|p| (p.seq, &p.ids[..], p.position))
+            .collect();
+        let first = self.pass(&runs, &input);
+        let mut drafts: Vec<Vec<u32>> = first?.into_iter().map(|t| vec![t]).collect();
+        // Sequences still drafting (index into `prepared`), in the order of `self.out`'s rows.
+        let mut going: Vec<usize> = (0..prepared.len()).collect();
+        loop {
+            let next: Vec<usize> = going
+                .iter()
+                .copied()
+                .filter(|&i| drafts[i].len() < prepared[i].max)
+                .collect();
+            if next.is_empty() {
+                break;
+            }
+            input.clear();
+            for &i in &next {
+                let row = going.iter().position(|&g| g == i).unwrap_or_default();
+                input.extend_from_slice(&self.out[row * width..(row + 1) * width]);
+            }
+            let tokens: Vec<[TokenId; 1]> = next
+                .iter()
+                .map(|&i| [TokenId(drafts[i][drafts[i].len() - 1])])
+                .collect();
+            let runs: Vec<_> = next
+                .iter()
+                .zip(&tokens)
+                .map(|(&i, token)| {
+                    (
+                        prepared[i].seq,
+                        &token[..],
+                        prepared[i].last + drafts[i].len() - 1,
+                    )
+                })
+                .collect();
+            let picked = self.pass(&runs, &input)?;
+            for (&i, token) in next.iter().zip(picked) {
+                drafts[i].push(token);
+            }
+            going = next;
+        }
+        self.input = input;
         // Rows up to n - 2 are true rows now; the hidden state at n - 2 is kept in case the
         // next proposal comes before a step computes more.
-        s.done = n - 1;
-        let drop = (n - 2 - s.hidden_start) * width;
-        s.hidden.drain(..drop);
-        s.hidden_start = n - 2;
+        for p in prepared {
+            if let Some(s) = self.seqs.get_mut(&p.seq) {
+                s.done = p.n - 1;
+                let drop = (p.n - 2 - s.hidden_start) * width;
+                s.hidden.drain(..drop);
+                s.hidden_start = p.n - 2;
+            }
+        }
         Ok(drafts)
     }
 }
 
-/// One sequence's rows through the head.
-struct HeadRun<'a> {
-    head: &'a Model,
-    cache: &'a mut PagedKvCache,
-    block_size: usize,
+/// A sequence's part of a proposal ([`MtpDrafter::prepare`]).
+struct Prepared {
     seq: SeqId,
-    table: &'a BlockTable,
-}
-
-impl HeadRun<'_> {
-    /// Runs `ids` from KV position `position` with the hidden states `hidden` (one row
-    /// each); the last row's top token, its logits and head output left in `(logits, out)`.
-    fn forward(
-        &mut self,
-        ids: &[TokenId],
-        position: usize,
-        hidden: &[f32],
-        (logits, out): (&mut Vec<f32>, &mut Vec<f32>),
-    ) -> Result<u32, String> {
-        let mut batch = RaggedBatch::new(self.block_size);
-        batch
-            .push_run(self.seq, ids, position, self.table, LogitsWanted::Last)
-            .map_err(|e| e.to_string())?;
-        let _ = self
-            .head
-            .forward_mtp(&batch, self.cache, hidden, logits, out)
-            .map_err(|e| e.to_string())?;
-        Ok(argmax(logits))
-    }
+    /// The tokens of its unseen rows, and the KV position of the first.
+    ids: Vec<TokenId>,
+    position: usize,
+    /// Their hidden states' range in its `hidden`.
+    rows: std::ops::Range<usize>,
+    /// The KV position of its last true row.
+    last: usize,
+    /// Most draft tokens.
+    max: usize,
+    /// Tokens of the sequence.
+    n: usize,
 }
 
 impl Drafter for MtpDrafter {
     fn propose(&mut self, seq: SeqId, tokens: &[u32], max: usize) -> Vec<u32> {
-        if max == 0 || !self.seqs.contains_key(&seq) {
-            return Vec::new();
-        }
+        self.propose_many(&[(seq, tokens, max)])
+            .pop()
+            .unwrap_or_default()
+    }
+
+    /// One pass of the head a draft position for all of `requests` together.
+    fn propose_many(&mut self, requests: &[(SeqId, &[u32], usize)]) -> Vec<Vec<u32>> {
         self.clock += 1;
-        if let Some(s) = self.seqs.get_mut(&seq) {
+        let mut prepared = Vec::new();
+        let mut at = Vec::new();
+        for (i, &(seq, tokens, max)) in requests.iter().enumerate() {
+            let Some(s) = self.seqs.get_mut(&seq).filter(|_| max > 0) else {
+                continue;
+            };
             s.used = self.clock;
-        }
-        match self.draft(seq, tokens, max) {
-            Ok(drafts) => drafts,
-            Err(e) => {
-                // Out of blocks, hidden states missing, or a failed pass: no draft this step,
-                // and a fresh start from the next step's rows.
-                tracing::debug!(error = %e, "the MTP head proposed nothing");
-                self.forget(seq);
-                Vec::new()
+            match self.prepare(seq, tokens, max) {
+                Ok(p) => {
+                    prepared.push(p);
+                    at.push(i);
+                }
+                Err(e) => {
+                    // Out of blocks or hidden states missing: no draft this step, and a
+                    // fresh start from the next step's rows.
+                    tracing::debug!(error = %e, "the MTP head proposed nothing");
+                    self.forget(seq);
+                }
             }
         }
+        let mut drafts = vec![Vec::new(); requests.len()];
+        if prepared.is_empty() {
+            return drafts;
+        }
+        match self.draft(&prepared) {
+            Ok(found) => {
+                for (i, d) in at.into_iter().zip(found) {
+                    drafts[i] = d;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "the MTP head's pass failed");
+                for p in &prepared {
+                    self.forget(p.seq);
+                }
+            }
+        }
+        drafts
     }
 
     fn forget(&mut self, seq: SeqId) {
@@ -293,5 +380,40 @@ mod tests {
             rows - MAX_PENDING_ROWS,
             "drafted from the rows kept"
         );
+    }
+
+    /// Sequences drafted together (one pass of the head a draft position, rows of unequal
+    /// counts and draft lengths) get what each gets drafted alone.
+    #[test]
+    fn drafts_made_together_equal_drafts_made_alone() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen3_5_moe_mtp");
+        let head = || Model::load_mtp(&dir, Arc::new(CpuBackend::new()), &mut |_, _| {}).unwrap();
+        let width = head().config().hidden_size;
+        let sequences: Vec<(SeqId, Vec<u32>, Vec<f32>, usize)> = (0..3u32)
+            .map(|k| {
+                let n = 9 + 5 * k as usize;
+                let tokens = (0..n as u32).map(|t| (t * 31 + k * 17 + 7) % 250).collect();
+                let hidden = (0..(n - 1) * width)
+                    .map(|i| (((i + k as usize * 101) * 7919 % 1000) as f32 / 500.0) - 1.0)
+                    .collect();
+                (SeqId(u64::from(k)), tokens, hidden, 1 + k as usize)
+            })
+            .collect();
+        let mut together = MtpDrafter::new(head(), 512, 4, 3).unwrap();
+        for (seq, _, hidden, _) in &sequences {
+            together.observe(*seq, 0, hidden);
+        }
+        let requests: Vec<(SeqId, &[u32], usize)> = sequences
+            .iter()
+            .map(|(seq, tokens, _, max)| (*seq, &tokens[..], *max))
+            .collect();
+        let drafts = together.propose_many(&requests);
+        for ((seq, tokens, hidden, max), draft) in sequences.iter().zip(&drafts) {
+            let mut alone = MtpDrafter::new(head(), 512, 4, 1).unwrap();
+            alone.observe(*seq, 0, hidden);
+            assert_eq!(draft.len(), *max);
+            assert_eq!(draft, &alone.propose(*seq, tokens, *max), "{seq:?}");
+        }
     }
 }

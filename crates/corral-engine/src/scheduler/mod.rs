@@ -35,6 +35,15 @@ mod output;
 pub trait Drafter: Send {
     /// Up to `max` tokens that may follow `tokens`; fewer or none where it has no guess.
     fn propose(&mut self, seq: SeqId, tokens: &[u32], max: usize) -> Vec<u32>;
+    /// [`Drafter::propose`] for each of `requests` (`(seq, tokens, max)`), in order: in one
+    /// pass for all where the drafter batches them (an MTP head runs all sequences' rows a
+    /// draft position at once), else each in turn.
+    fn propose_many(&mut self, requests: &[(SeqId, &[u32], usize)]) -> Vec<Vec<u32>> {
+        requests
+            .iter()
+            .map(|&(seq, tokens, max)| self.propose(seq, tokens, max))
+            .collect()
+    }
     /// Sequence `seq` has ended or left the batch: what the drafter keeps for it may go.
     fn forget(&mut self, _seq: SeqId) {}
     /// Whether it reads the model's final hidden state of every token a step computes
@@ -629,7 +638,7 @@ impl Scheduler {
     ) -> Vec<PlannedRun> {
         let mut budget = self.config.max_prefill_tokens.max(1);
         let mut runs = Vec::new();
-        let drafting = self.running.len() <= self.draft_max_running;
+        let drafts = self.propose_drafts();
         let mut i = 0;
         while i < self.running.len() {
             let seq = &mut self.running[i];
@@ -658,17 +667,9 @@ impl Scheduler {
                 continue;
             }
             if remaining == 1
-                && drafting
-                && let Some((drafter, max)) = &mut self.drafter
+                && let Some((_, draft)) = drafts.iter().find(|d| d.0 == seq.id)
             {
-                let max = seq
-                    .draft_len
-                    .unwrap_or(*max)
-                    .min(seq.room().saturating_sub(1));
-                if max > 0 {
-                    seq.draft = drafter.propose(seq.id, &seq.tokens, max);
-                    seq.draft.truncate(max);
-                }
+                seq.draft.clone_from(draft);
             }
             let need = seq.kv.computed + n + seq.draft.len();
             match self.kv.grant(&mut seq.kv, need, store.as_deref_mut()) {
@@ -713,6 +714,39 @@ impl Scheduler {
             i += 1;
         }
         runs
+    }
+
+    /// Drafts for the decoding sequences (one token to compute, room after it), all asked of
+    /// the drafter at once, each at most its draft length.
+    fn propose_drafts(&mut self) -> Vec<(SeqId, Vec<u32>)> {
+        let Some((drafter, max)) = &mut self.drafter else {
+            return Vec::new();
+        };
+        if self.running.len() > self.draft_max_running {
+            return Vec::new();
+        }
+        let requests: Vec<(SeqId, &[u32], usize)> = self
+            .running
+            .iter()
+            .filter(|s| s.kv.restoring.is_none() && s.tokens.len() == s.kv.computed + 1)
+            .map(|s| {
+                let most = s.draft_len.unwrap_or(*max).min(s.room().saturating_sub(1));
+                (s.id, &s.tokens[..], most)
+            })
+            .filter(|r| r.2 > 0)
+            .collect();
+        if requests.is_empty() {
+            return Vec::new();
+        }
+        let proposals = drafter.propose_many(&requests);
+        requests
+            .iter()
+            .zip(proposals)
+            .map(|(r, mut draft)| {
+                draft.truncate(r.2);
+                (r.0, draft)
+            })
+            .collect()
     }
 
     /// The ragged batch of `runs`: each run's tokens from its computed ones on (a draft's
