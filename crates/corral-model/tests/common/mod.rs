@@ -184,10 +184,22 @@ pub(crate) fn logits_chunked(model: &Model, tokens: &[u32], chunk: usize) -> Vec
 
 /// `count` greedy tokens after `prompt`: prefill, then one decode step per token.
 pub(crate) fn greedy(model: &Model, prompt: &[u32], count: usize) -> Vec<u32> {
+    greedy_chunked(model, prompt, count, prompt.len().max(1))
+}
+
+/// `count` greedy tokens after `prompt`, prefilled `chunk` tokens per forward, then one
+/// decode step per token.
+pub(crate) fn greedy_chunked(
+    model: &Model,
+    prompt: &[u32],
+    count: usize,
+    chunk: usize,
+) -> Vec<u32> {
     let (mut kv, mut state, table) = caches(model, prompt.len() + count);
     let vocab = model.config().vocab_size;
-    let mut next = prompt.to_vec();
     let (mut position, mut generated, mut logits) = (0, Vec::new(), Vec::new());
+    let mut pieces = prompt.chunks(chunk.max(1));
+    let mut next = pieces.next().unwrap_or_default().to_vec();
     while generated.len() < count {
         let mut batch = RaggedBatch::new(BLOCK_SIZE);
         let ids: Vec<TokenId> = next.iter().map(|&t| TokenId(t)).collect();
@@ -200,6 +212,10 @@ pub(crate) fn greedy(model: &Model, prompt: &[u32], count: usize) -> Vec<u32> {
             .unwrap();
         assert_eq!(logits.len(), vocab, "one row of logits per decode step");
         position += next.len();
+        if let Some(piece) = pieces.next() {
+            next = piece.to_vec();
+            continue;
+        }
         let best = logits
             .iter()
             .enumerate()
