@@ -357,11 +357,19 @@ fn run(
             // Rows are sampled where the logits are unless one needs them whole.
             // A drafter reading hidden states (an MTP head) takes every token's.
             let wants_hidden = scheduler.drafter_wants_hidden();
-            let sampled = !wants_hidden && scheduler.prepare_sampling(&plan, vocab, &mut sampling);
+            let sampled = scheduler.prepare_sampling(&plan, vocab, &mut sampling);
             let started = std::time::Instant::now();
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 restore(backend, &mut cache, &mut state, &scheduler, &plan, metrics)?;
-                if sampled {
+                if sampled && wants_hidden {
+                    model.forward_sampled_with_all_hidden(
+                        &plan.batch,
+                        &mut cache,
+                        Some(&mut state),
+                        &mut sampling,
+                        &mut hidden,
+                    )
+                } else if sampled {
                     model.forward_sampled(&plan.batch, &mut cache, Some(&mut state), &mut sampling)
                 } else if wants_hidden {
                     model.forward_with_all_hidden(

@@ -136,7 +136,9 @@ impl Sampler {
             || top_logprobs.is_some_and(|n| n > TOP_CANDIDATES || self.has_penalties())
     }
 
-    fn has_penalties(&self) -> bool {
+    /// Whether a row's sampling depends on the tokens before it (repetition, presence or
+    /// frequency penalties).
+    pub fn has_penalties(&self) -> bool {
         let p = &self.params;
         p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
     }

@@ -328,6 +328,24 @@ impl Model {
         self.run(batch, cache, state, &mut StepOutput::Sampled(step))
     }
 
+    /// [`Model::forward_sampled`], also reading back every token's final hidden state after
+    /// the final norm, `[tokens, hidden]` (an MTP drafter's input).
+    pub fn forward_sampled_with_all_hidden(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        state: Option<&mut RecurrentStateCache>,
+        step: &mut SampledStep,
+        hidden: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        self.run(
+            batch,
+            cache,
+            state,
+            &mut StepOutput::SampledAndAllHidden(step, hidden),
+        )
+    }
+
     /// [`Model::forward_with_state`] (`state` `None` for models without recurrent layers),
     /// also reading back every token's final hidden state after the final norm, `[tokens,
     /// hidden]`: what an MTP head takes, for every position a step computes.

@@ -253,7 +253,10 @@ impl StepRunner {
         let uniform = batch.runs().iter().all(|r| r.len == max_run_tokens);
         // (Not a step with an MTP head's hidden-state input, a buffer of the caller's whose
         // address a graph would keep.)
-        let all_hidden = matches!(out, StepOutput::LogitsAndAllHidden(..));
+        let all_hidden = matches!(
+            out,
+            StepOutput::LogitsAndAllHidden(..) | StepOutput::SampledAndAllHidden(..)
+        );
         let graph_shaped = backend.records_graphs()
             && hidden.is_none()
             && uniform
@@ -435,6 +438,9 @@ pub(crate) enum StepOutput<'a> {
     LogitsAndAllHidden(&'a mut Vec<f32>, &'a mut Vec<f32>),
     /// Every wanted row reduced on the device.
     Sampled(&'a mut SampledStep),
+    /// Every wanted row reduced on the device, and every token's final hidden state after
+    /// the final norm, `[tokens, hidden]`.
+    SampledAndAllHidden(&'a mut SampledStep, &'a mut Vec<f32>),
 }
 
 /// A step's sampling on the device: penalties applied to the logits where they are, each row
@@ -459,6 +465,21 @@ pub struct SampledStep {
 
 /// Entries of a penalty buffer: powers of two from this, so that steady steps reuse buffers.
 const MIN_PENALTY_ENTRIES: usize = 1024;
+
+/// Every token's final hidden state, as the step kept it, into `hidden`.
+fn download_all_hidden(
+    backend: &dyn Backend,
+    ws: &Workspace,
+    hidden: &mut Vec<f32>,
+) -> Result<()> {
+    let all = ws
+        .all_hidden
+        .as_ref()
+        .ok_or_else(|| ModelError::Unsupported("the step kept no hidden states".to_string()))?;
+    hidden.resize(all.len(), 0.0);
+    backend.download_f32(all, hidden)?;
+    Ok(())
+}
 
 fn read_out(
     backend: &dyn Backend,
@@ -489,14 +510,14 @@ fn read_out(
             if rows > 0 {
                 backend.download_f32(&ws.logits, logits)?;
             }
-            let all = ws.all_hidden.as_ref().ok_or_else(|| {
-                ModelError::Unsupported("the step kept no hidden states".to_string())
-            })?;
-            hidden.resize(all.len(), 0.0);
-            backend.download_f32(all, hidden)?;
+            download_all_hidden(backend, ws, hidden)?;
             return Ok(());
         }
         StepOutput::Sampled(step) => step,
+        StepOutput::SampledAndAllHidden(step, hidden) => {
+            download_all_hidden(backend, ws, hidden)?;
+            step
+        }
     };
     if step.rows.len() != rows {
         return Err(ModelError::InvalidBatch(format!(

@@ -32,14 +32,15 @@ impl Scheduler {
         }
         let index = |running: &[Sequence], id: SeqId| running.iter().position(|s| s.id == id);
         let wanted = plan.runs.iter().filter(|r| r.logits > 0);
-        // A draft's rows are sampled one after another, each after the last was accepted.
-        if wanted.clone().any(|r| r.logits > 1) {
-            return false;
-        }
+        // A draft's rows are reduced together; a row whose sampling depends on the tokens
+        // before it (a grammar's mask, penalties) is sampled on the host after the draft
+        // tokens before it were accepted.
         if wanted.clone().any(|r| {
             index(&self.running, r.seq).is_some_and(|i| {
                 let seq = &self.running[i];
-                seq.constraint.is_some() || seq.sampler.needs_whole_logits(seq.top_logprobs)
+                seq.constraint.is_some()
+                    || seq.sampler.needs_whole_logits(seq.top_logprobs)
+                    || (r.logits > 1 && seq.sampler.has_penalties())
             })
         }) {
             return false;
