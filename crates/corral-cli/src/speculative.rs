@@ -125,6 +125,17 @@ impl Speculative {
         }
     }
 
+    /// Whether `self` drafts with an MTP head where one exists: `auto` does on the CPU only
+    /// (`graphs`: the backend records graphs, as the GPU does). For a plan made without
+    /// loading the model.
+    pub(crate) fn wants_head(self, graphs: bool) -> bool {
+        match self {
+            Self::Mtp(_) | Self::MtpLookup(_) => true,
+            Self::Auto => !graphs,
+            Self::Off | Self::Lookup(_) => false,
+        }
+    }
+
     /// The MTP head `self` drafts with, loaded from `args`' checkpoint onto `model`'s backend:
     /// `None` where it drafts without one (`auto` where the checkpoint has none).
     pub(crate) fn head(self, args: &ModelArgs, model: &Model) -> Result<Option<Model>> {

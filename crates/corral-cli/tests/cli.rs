@@ -288,6 +288,74 @@ fn plan_reads_a_gguf_file_as_its_checkpoint_directory() {
     );
 }
 
+/// `plan --speculative` counts an MTP head as `serve` does: its weights (with its copies of
+/// the embedding and LM head) and its one layer's KV a token; `auto` does on the CPU and not
+/// where decode replays graphs; asking for the head of a model without one fails.
+#[test]
+fn plan_counts_the_mtp_head_that_speculation_loads() {
+    let plan = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_corral"))
+            .arg("plan")
+            .args(args)
+            .output()
+            .expect("run corral plan")
+    };
+    let needs = |model: &str, speculative: &str, device: &str| {
+        let path = fixture(model);
+        let out = plan(&[
+            "--memory",
+            "1G",
+            "--context",
+            "2048",
+            "--json",
+            "--device",
+            device,
+            "--speculative",
+            speculative,
+            "--model",
+            path.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let needs = &value["needs"];
+        (
+            needs["weights"].as_u64().unwrap(),
+            needs["kv_per_token"].as_u64().unwrap(),
+        )
+    };
+    for model in ["qwen3_5_moe_mtp", "gguf/hybrid/qwen35moe.mtp.q4_k_m.gguf"] {
+        let off = needs(model, "off", "cpu");
+        let mtp = needs(model, "mtp", "cpu");
+        assert!(mtp.0 > off.0 && mtp.1 > off.1, "{model}: {off:?} {mtp:?}");
+        assert_eq!(needs(model, "auto", "cpu"), mtp, "{model}");
+        assert_eq!(
+            needs(model, "auto", "cuda"),
+            needs(model, "off", "cuda"),
+            "{model}"
+        );
+        assert_eq!(needs(model, "lookup", "cpu"), off, "{model}");
+    }
+    let path = fixture("qwen3_5_moe_text");
+    let out = plan(&[
+        "--memory",
+        "1G",
+        "--speculative",
+        "mtp",
+        "--model",
+        path.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("needs the checkpoint's MTP head"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        needs("qwen3_5_moe_text", "auto", "cpu"),
+        needs("qwen3_5_moe_text", "off", "cpu")
+    );
+}
+
 #[test]
 fn inspect_describes_the_checkpoint() {
     let model = fixture("qwen3_moe_fused");

@@ -62,19 +62,13 @@ impl Model {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let config = gguf.config()?;
-        // The head's blocks follow the trunk's.
-        let block = |name: &str| {
-            let rest = name.strip_prefix("blk.")?;
-            rest.split('.').next()?.parse::<usize>().ok()
-        };
-        let size = gguf
-            .tensors()
-            .filter(|t| block(&t.name).is_some_and(|b| b >= config.num_layers))
-            .fold((0, 0), |(n, b), t| (n + t.numel() as usize, b + t.byte_len));
-        Self::bind_mtp(gguf, &config, backend, progress, size)
+        Self::bind_mtp(gguf, &config, backend, progress, gguf.mtp_size())
     }
 
-    /// The MTP head of a model of `config` from `source`; `(parameters, bytes)` its size.
+    /// The MTP head of a model of `config` from `source`; `(parameters, bytes)` its own
+    /// tensors' size. Its weight bytes also count the embedding and LM head it loads again
+    /// (in the config's type: copies where the backend does not map the file), so that a
+    /// memory plan holds room for them.
     fn bind_mtp(
         source: &dyn WeightSource,
         config: &ModelConfig,
@@ -83,11 +77,13 @@ impl Model {
         (num_parameters, weight_bytes): (usize, usize),
     ) -> Result<Self> {
         let family = crate::families::load_mtp(source, backend.as_ref(), config, progress)?;
+        let tables = if config.tie_word_embeddings { 1 } else { 2 };
+        let shared = tables * config.vocab_size * config.hidden_size;
         Ok(Self::of_family(
             family,
             backend,
             num_parameters,
-            weight_bytes,
+            weight_bytes + shared * Self::synthetic_dtype(config).size_bytes(),
         ))
     }
 

@@ -467,11 +467,7 @@ pub struct SampledStep {
 const MIN_PENALTY_ENTRIES: usize = 1024;
 
 /// Every token's final hidden state, as the step kept it, into `hidden`.
-fn download_all_hidden(
-    backend: &dyn Backend,
-    ws: &Workspace,
-    hidden: &mut Vec<f32>,
-) -> Result<()> {
+fn download_all_hidden(backend: &dyn Backend, ws: &Workspace, hidden: &mut Vec<f32>) -> Result<()> {
     let all = ws
         .all_hidden
         .as_ref()

@@ -11,6 +11,8 @@ use corral_engine::{BLOCK_SIZE, MemoryNeeds, MemoryPlan, PlanRequest, mem_availa
 use corral_model::checkpoint::GgufCheckpoint;
 use corral_model::{Checkpoint, ModelConfig};
 
+use crate::speculative::Speculative;
+
 /// Share of `MemAvailable` a CPU plan takes when no budget is given.
 const MEM_AVAILABLE_SHARE: f64 = 0.9;
 
@@ -63,43 +65,61 @@ pub(crate) struct PlanArgs {
     /// The KV cache's element type (bf16 or f32), as `serve --kv-dtype`.
     #[arg(long, default_value = "bf16", value_parser = crate::loading::parse_kv_dtype)]
     kv_dtype: corral_backend::DType,
+    /// Speculative decoding as `serve --speculative` runs it: an MTP head drafting beside
+    /// the model (`mtp`, `mtp+lookup`, or `auto` on the CPU) counts its weights and its KV.
+    #[arg(long, default_value = "auto")]
+    speculative: Speculative,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
 }
 
 pub(crate) fn run(args: PlanArgs) -> Result<()> {
-    let (config, weights, name) = match (&args.model, &args.synthetic) {
+    // The model's weight bytes, and its MTP head's own tensors' (0 without one).
+    let (config, (weights, head), name) = match (&args.model, &args.synthetic) {
         (Some(file), _) if file.is_file() => {
             let gguf = GgufCheckpoint::open(file)
                 .with_context(|| format!("reading the GGUF model {}", file.display()))?;
             let config = gguf
                 .config()
                 .with_context(|| format!("reading the GGUF model {}", file.display()))?;
-            (
-                config,
-                // The CPU keeps block formats as they are; the GPU decodes them.
-                gguf.loaded_bytes(&|_| args.device == PlanDevice::Cpu) as u64,
-                file.display().to_string(),
-            )
+            // The CPU keeps block formats as they are; the GPU decodes them.
+            let loaded = gguf.loaded_bytes(&|_| args.device == PlanDevice::Cpu) as u64;
+            let head = gguf.mtp_size().1 as u64;
+            (config, (loaded, head), file.display().to_string())
         }
         (Some(dir), _) => {
             let path = dir.join("config.json");
             let config = ModelConfig::from_file(&path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            let weights = Checkpoint::open(dir)
-                .with_context(|| format!("reading the checkpoint in {}", dir.display()))?
-                .total_bytes() as u64;
-            (config, weights, dir.display().to_string())
+            let checkpoint = Checkpoint::open(dir)
+                .with_context(|| format!("reading the checkpoint in {}", dir.display()))?;
+            let sizes = (
+                checkpoint.total_bytes() as u64,
+                checkpoint.mtp_size().1 as u64,
+            );
+            (config, sizes, dir.display().to_string())
         }
         (None, Some(path)) => {
             let config = ModelConfig::from_file(path)
                 .with_context(|| format!("reading {}", path.display()))?;
             let weights = corral_model::Model::synthetic_weight_bytes(&config) as u64;
-            (config, weights, format!("synthetic {}", path.display()))
+            (
+                config,
+                (weights, 0),
+                format!("synthetic {}", path.display()),
+            )
         }
         (None, None) => bail!("give --model DIR|FILE.gguf or --synthetic CONFIG"),
     };
+    let graphs = args.device == PlanDevice::Cuda;
+    let drafting = args.speculative.wants_head(graphs);
+    if drafting && head == 0 && args.speculative != Speculative::Auto {
+        bail!(
+            "--speculative {} needs the checkpoint's MTP head",
+            args.speculative
+        );
+    }
     let kv_dtype = args.kv_dtype;
     let fixed = match args.device {
         PlanDevice::Cpu => 0,
@@ -115,7 +135,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     if args.concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
-    let needs = MemoryNeeds::of(
+    let mut needs = MemoryNeeds::of(
         &config,
         weights,
         kv_dtype,
@@ -123,6 +143,15 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         fixed,
         BLOCK_SIZE,
     );
+    if drafting && head > 0 {
+        // Its own tensors, its copies of the embedding and LM head, and its one layer's KV
+        // for every token the model's cache holds (as `serve` counts them).
+        let tables = if config.tie_word_embeddings { 1 } else { 2 };
+        let dtype = corral_model::Model::synthetic_dtype(&config);
+        let shared = tables * config.vocab_size * config.hidden_size * dtype.size_bytes();
+        needs.weights += head + shared as u64;
+        needs.kv_per_token += config.mtp()?.kv_bytes_per_token(kv_dtype) as u64;
+    }
     let context = args.context.unwrap_or(config.max_context());
     if context > config.max_context() {
         bail!(

@@ -164,6 +164,14 @@ impl GgufCheckpoint {
             .sum()
     }
 
+    /// Elements and stored bytes of the MTP head's tensors (0 without a head).
+    pub fn mtp_size(&self) -> (usize, usize) {
+        let mtp = |name: &str| self.hybrid.as_ref().is_some_and(|h| h.holds_mtp(name));
+        self.tensors()
+            .filter(|t| mtp(&t.name))
+            .fold((0, 0), |(n, b), t| (n + t.numel() as usize, b + t.byte_len))
+    }
+
     /// The MTP head's layers the file carries (`nextn_predict_layers`; 0 without a head).
     /// Its tensors read under the checkpoints' `mtp.*` names; the model runs the trunk.
     pub fn mtp_layers(&self) -> usize {
