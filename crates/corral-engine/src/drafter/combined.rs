@@ -50,6 +50,7 @@ impl Drafter for CombinedDrafter {
     }
 
     fn forget(&mut self, seq: SeqId) {
+        self.lookup.forget(seq);
         self.mtp.forget(seq);
     }
 
