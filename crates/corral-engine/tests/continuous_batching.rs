@@ -1029,6 +1029,29 @@ fn mtp_drafting_generates_what_plain_decoding_does() {
     }
 }
 
+/// Under a running limit the MTP head sees no hidden states while more sequences run than
+/// draft; a sequence left alone drafts from the rows it sees from then on, and generates
+/// what plain decoding does.
+#[test]
+fn mtp_drafting_resumes_after_a_busy_stretch() {
+    let name = "qwen3_5_moe_mtp";
+    let prompts = prompts();
+    let (long, short) = (&prompts[0], &prompts[1]);
+    let expected = (alone(name, long, 16), alone(name, short, 3));
+    let speculation = Speculation::new(Box::new(mtp_drafter(name)), 3).up_to_running(1);
+    let (engine, thread) =
+        spawn_engine_drafting(model_named(name), config(256), Some(speculation)).unwrap();
+    let mut first = submit(&engine, long, 16);
+    let mut second = submit(&engine, short, 3);
+    assert_eq!(collect(&mut second).0, expected.1, "the short request");
+    assert_eq!(collect(&mut first).0, expected.0, "the long request");
+    let (drafted, _) = drafted_and_accepted(&engine);
+    assert!(drafted > 0, "nothing drafted once alone");
+    wait_for_zero_blocks(&engine);
+    engine.shutdown();
+    thread.join().unwrap();
+}
+
 /// Prompt lookup for every family: a prompt that repeats itself is drafted from, and greedy
 /// output is what plain decoding gives.
 #[test]

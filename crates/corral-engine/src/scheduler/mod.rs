@@ -343,9 +343,11 @@ impl Scheduler {
 
     /// Whether the drafter reads every computed token's hidden state: the step runs
     /// [`corral_model::Model::forward_with_all_hidden`] and hands them to
-    /// [`Scheduler::observe_hidden`].
+    /// [`Scheduler::observe_hidden`]. Not while more sequences run than draft: a sequence
+    /// that drafts again later is drafted from the rows seen from then on.
     pub fn drafter_wants_hidden(&self) -> bool {
-        self.drafter.as_ref().is_some_and(|d| d.0.wants_hidden())
+        self.running.len() <= self.draft_max_running
+            && self.drafter.as_ref().is_some_and(|d| d.0.wants_hidden())
     }
 
     /// Hands the drafter the hidden states of `plan`'s tokens (`[tokens, width]`, in batch

@@ -609,3 +609,36 @@ fn draft_lengths_follow_acceptance() {
         );
     }
 }
+
+/// A drafter that reads hidden states (as an MTP head does), proposing nothing.
+struct ReadsHidden;
+
+impl Drafter for ReadsHidden {
+    fn propose(&mut self, _seq: SeqId, _tokens: &[u32], _max: usize) -> Vec<u32> {
+        Vec::new()
+    }
+
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+}
+
+/// Hidden states are read back for a drafter that takes them only while sequences draft
+/// (within the running limit).
+#[test]
+fn hidden_states_are_read_only_while_sequences_draft() {
+    for sequences in [1usize, 2] {
+        let mut s = Scheduler::new(config(2), KvBlockPool::new(16, 4))
+            .with_drafter(Box::new(ReadsHidden), 2)
+            .with_draft_limit(1);
+        for _ in 0..sequences {
+            s.add(request(&[1, 2, 3], 8));
+        }
+        let _plan = s.step().unwrap();
+        assert_eq!(
+            s.drafter_wants_hidden(),
+            sequences == 1,
+            "{sequences} running"
+        );
+    }
+}
