@@ -634,31 +634,33 @@ fn bench_prefill_chunks_a_prompt_into_forwards() {
     );
 }
 
-#[test]
-fn bench_decode_writes_table_and_json() {
+/// `corral bench decode` on the tiny synthetic MoE on the CPU, 2 steps after 1 of warm-up,
+/// with `args`: its output, and its JSON report where it wrote one.
+fn bench_decode(args: &[&str]) -> (std::process::Output, Option<serde_json::Value>) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.json");
     std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
     let json = dir.path().join("decode.json");
-    let out = corral(&[
-        "bench",
-        "decode",
-        "--synthetic",
-        config.to_str().unwrap(),
-        "--device",
-        "cpu",
+    let (config, json_path) = (config.to_str().unwrap(), json.to_str().unwrap());
+    let mut all = vec!["bench", "decode", "--synthetic", config, "--device", "cpu"];
+    all.extend(["--steps", "2", "--warmup", "1", "--json", json_path]);
+    all.extend(args);
+    let out = corral(&all);
+    let doc = std::fs::read_to_string(&json)
+        .ok()
+        .map(|text| serde_json::from_str(&text).unwrap());
+    (out, doc)
+}
+
+#[test]
+fn bench_decode_writes_table_and_json() {
+    let (out, doc) = bench_decode(&[
         "--batch",
         "1,3",
         "--context",
         "5,40",
         "--strategies",
         "per-token,grouped",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let table = String::from_utf8(out.stdout).unwrap();
@@ -666,8 +668,7 @@ fn bench_decode_writes_table_and_json() {
         table.contains("ms/step") && table.contains("replays"),
         "{table}"
     );
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let doc = doc.unwrap();
     let rows = doc["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2 * 2 * 2);
     for row in rows {
@@ -677,16 +678,7 @@ fn bench_decode_writes_table_and_json() {
         assert_eq!(row["graph_replays_per_step"].as_u64(), Some(0), "{row}");
         assert!(row["tok_s"].as_f64().unwrap() > 0.0, "{row}");
     }
-    let bad = corral(&[
-        "bench",
-        "decode",
-        "--synthetic",
-        config.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--graphs",
-        "sometimes",
-    ]);
+    let (bad, _) = bench_decode(&["--graphs", "sometimes"]);
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("--graphs"), "{}", stderr(&bad));
 }
@@ -695,33 +687,9 @@ fn bench_decode_writes_table_and_json() {
 /// the one-token step, each against it; every row's logits come back.
 #[test]
 fn bench_decode_times_verify_steps_against_the_one_token_step() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config.json");
-    std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
-    let json = dir.path().join("decode.json");
-    let out = corral(&[
-        "bench",
-        "decode",
-        "--synthetic",
-        config.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--batch",
-        "2",
-        "--context",
-        "8",
-        "--draft-tokens",
-        "0,3",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
+    let (out, doc) = bench_decode(&["--batch", "2", "--context", "8", "--draft-tokens", "0,3"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let doc = doc.unwrap();
     let rows = doc["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0]["draft_tokens"], 0);
@@ -736,14 +704,7 @@ fn bench_decode_times_verify_steps_against_the_one_token_step() {
     );
     let read_back = |r: &serde_json::Value| r["bytes_transferred_per_step"].as_u64().unwrap();
     assert!(read_back(&rows[1]) > 3 * read_back(&rows[0]), "{doc}");
-    let bad = corral(&[
-        "bench",
-        "decode",
-        "--synthetic",
-        config.to_str().unwrap(),
-        "--draft-tokens",
-        "9",
-    ]);
+    let (bad, _) = bench_decode(&["--draft-tokens", "9"]);
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("at most 7"), "{}", stderr(&bad));
 }
@@ -751,47 +712,22 @@ fn bench_decode_times_verify_steps_against_the_one_token_step() {
 /// Contexts past the model's positions are skipped, saying so; a list of none left fails.
 #[test]
 fn bench_decode_skips_contexts_the_model_cannot_hold() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config.json");
-    std::fs::write(&config, TINY_MOE_CONFIG).unwrap();
-    let json = dir.path().join("decode.json");
-    let run = |contexts: &str| {
-        corral(&[
-            "bench",
-            "decode",
-            "--synthetic",
-            config.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--batch",
-            "1",
-            "--context",
-            contexts,
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            json.to_str().unwrap(),
-        ])
-    };
-    let out = run("5,1000000");
+    let run = |contexts: &str| bench_decode(&["--batch", "1", "--context", contexts]);
+    let (out, doc) = run("5,1000000");
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         stderr(&out).contains("skipping --context 1000000"),
         "{}",
         stderr(&out)
     );
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let contexts: Vec<u64> = doc["rows"]
+    let contexts: Vec<u64> = doc.unwrap()["rows"]
         .as_array()
         .unwrap()
         .iter()
         .map(|r| r["context"].as_u64().unwrap())
         .collect();
     assert_eq!(contexts, [5]);
-    let none = run("1000000");
+    let (none, _) = run("1000000");
     assert!(!none.status.success());
     assert!(
         stderr(&none).contains("no --context fits"),

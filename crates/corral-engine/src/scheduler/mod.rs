@@ -116,6 +116,9 @@ impl Speculation {
     }
 }
 
+/// The most steps a sequence whose one-token drafts keep being rejected skips drafting.
+const MAX_DRAFT_PAUSE: usize = 32;
+
 /// Limits of the scheduler.
 #[derive(Clone, Copy, Debug)]
 pub struct SchedulerConfig {
@@ -145,6 +148,10 @@ struct Sequence {
     /// The most tokens its next draft may have, where draft lengths adapt (else the
     /// drafter's most).
     draft_len: Option<usize>,
+    /// Where draft lengths adapt: steps it skips drafting, and the pause after its next
+    /// one-token draft rejected (doubling from 1 to [`MAX_DRAFT_PAUSE`]; none after a draft
+    /// token accepted).
+    draft_pause: (usize, usize),
     /// Prompt tokens taken from the prefix cache before its first token.
     cached: usize,
     sampler: Sampler,
@@ -429,6 +436,7 @@ impl Scheduler {
             kv: SeqKv::default(),
             draft: Vec::new(),
             draft_len: None,
+            draft_pause: (0, 0),
             cached: 0,
             sampler: Sampler::new(request.params),
             constraint: request.constraint,
@@ -727,10 +735,19 @@ impl Scheduler {
         if self.running.len() > self.draft_max_running {
             return Vec::new();
         }
+        // A sequence pausing after rejected drafts sits this step out.
+        let mut pausing = Vec::new();
+        for s in &mut self.running {
+            if s.draft_pause.0 > 0 && s.tokens.len() == s.kv.computed + 1 {
+                s.draft_pause.0 -= 1;
+                pausing.push(s.id);
+            }
+        }
         let requests: Vec<(SeqId, &[u32], usize)> = self
             .running
             .iter()
             .filter(|s| s.kv.restoring.is_none() && s.tokens.len() == s.kv.computed + 1)
+            .filter(|s| !pausing.contains(&s.id))
             .map(|s| {
                 let most = s.draft_len.unwrap_or(*max).min(s.room().saturating_sub(1));
                 (s.id, &s.tokens[..], most)

@@ -561,7 +561,8 @@ fn forced_acceptance_takes_drafts_at_its_rate() {
 }
 
 /// Adaptive drafts: a rejection shortens a sequence's next draft by one (down to one
-/// token), a draft accepted whole lengthens it by one (up to the most).
+/// token), a draft accepted whole lengthens it by one (up to the most), and a one-token
+/// draft rejected pauses drafting, twice as long each time until a draft token is accepted.
 #[test]
 fn draft_lengths_follow_acceptance() {
     let vocab = 16;
@@ -588,10 +589,16 @@ fn draft_lengths_follow_acceptance() {
         DispatchStats::default(),
     );
     // (rows sampling the draft's token or not, the draft length the step verified)
+    // A one-token draft rejected pauses drafting for a step, the next for two (0: a step
+    // without a draft).
     for (accept, verified) in [
         (false, 3),
         (false, 2),
         (false, 1),
+        (false, 0),
+        (false, 1),
+        (false, 0),
+        (false, 0),
         (true, 1),
         (true, 2),
         (true, 3),
