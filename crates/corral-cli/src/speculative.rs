@@ -139,11 +139,10 @@ impl Speculative {
     /// The MTP head `self` drafts with, loaded from `args`' checkpoint onto `model`'s backend:
     /// `None` where it drafts without one (`auto` where the checkpoint has none).
     pub(crate) fn head(self, args: &ModelArgs, model: &Model) -> Result<Option<Model>> {
-        if !self.active(model) {
+        if !self.wants_head(model.backend().records_graphs()) {
             return Ok(None);
         }
         match self {
-            Self::Mtp(_) | Self::MtpLookup(_) => load_head(args, model).map(Some),
             // A synthetic model's random head would only slow it down.
             Self::Auto if args.dir().is_none() => Ok(None),
             Self::Auto => Ok(load_head(args, model)
@@ -151,7 +150,7 @@ impl Speculative {
                     tracing::debug!(error = %format!("{e:#}"), "no MTP head: prompt lookup drafts");
                 })
                 .ok()),
-            Self::Off | Self::Lookup(_) => Ok(None),
+            _ => load_head(args, model).map(Some),
         }
     }
 

@@ -203,18 +203,7 @@ pub fn spawn_engine_drafting(
         config.block_size,
     ));
     let scheduler = match speculation {
-        Some(s) => {
-            let mut scheduler = scheduler
-                .with_drafter(s.drafter, s.max_tokens)
-                .with_draft_limit(s.max_running);
-            if s.adaptive {
-                scheduler = scheduler.with_adaptive_drafts();
-            }
-            match s.forced_acceptance {
-                Some(rate) => scheduler.with_forced_acceptance(rate),
-                None => scheduler,
-            }
-        }
+        Some(s) => scheduler.with_speculation(s),
         None => scheduler,
     };
     metrics.engine_alive.store(true, Ordering::Relaxed);

@@ -59,6 +59,13 @@ impl MemoryNeeds {
             max_position: config.max_context(),
         }
     }
+
+    /// An MTP head drafting beside the model: `weights` more bytes, and its one layer's KV
+    /// (`kv_per_token` bytes) for every token the model's cache holds.
+    pub fn add_draft_head(&mut self, weights: u64, kv_per_token: u64) {
+        self.weights += weights;
+        self.kv_per_token += kv_per_token;
+    }
 }
 
 /// f32 activations of one prefill step of `tokens` tokens, the largest layer's worth live at

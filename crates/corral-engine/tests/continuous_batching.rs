@@ -360,6 +360,35 @@ fn assert_resumed_from_disk(
     );
 }
 
+/// A history of 40 tokens, three other prompts of 40 that need its blocks in a cache of 16
+/// blocks of 4 tokens, and the turn after the history: it, its greedy reply of 6, and 3 more.
+struct Turns {
+    history: Vec<u32>,
+    reply: Vec<u32>,
+    others: Vec<Vec<u32>>,
+    next: Vec<u32>,
+}
+
+fn evicting_turns(name: &str) -> Turns {
+    let history: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
+    let others = (0..3u32)
+        .map(|i| (0..40).map(|j| (i * 97 + j * 13 + 5) % 250).collect())
+        .collect();
+    let reply = alone(name, &history, 6);
+    let next = history
+        .iter()
+        .chain(&reply)
+        .copied()
+        .chain([60, 61, 62])
+        .collect();
+    Turns {
+        history,
+        reply,
+        others,
+        next,
+    }
+}
+
 /// Sessions on disk: a history the cache had to evict (one a turn went on from: what requests
 /// came back to) is written to the session folder and read back by the turn that extends it, in the same engine and after a restart; a corrupt
 /// file is deleted and the turn recomputes. Every turn generates what it does from scratch.
@@ -369,17 +398,12 @@ fn spilled_sessions_come_back_from_disk_and_corrupt_files_are_recomputed() {
         let dir =
             std::env::temp_dir().join(format!("corral-sessions-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let history: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
-        let others: Vec<Vec<u32>> = (0..3u32)
-            .map(|i| (0..40).map(|j| (i * 97 + j * 13 + 5) % 250).collect())
-            .collect();
-        let reply = alone(name, &history, 6);
-        let next: Vec<u32> = history
-            .iter()
-            .chain(&reply)
-            .copied()
-            .chain([60, 61, 62])
-            .collect();
+        let Turns {
+            history,
+            reply,
+            others,
+            next,
+        } = evicting_turns(name);
         let expected = alone(name, &next, 6);
         let config = EngineConfig {
             prefix_cache: true,
@@ -726,21 +750,19 @@ fn speculative_turns_spill_and_come_back_from_disk_exactly() {
             .prefix(&format!("corral-speculative-{name}-"))
             .tempdir()
             .unwrap();
-        let history: Vec<u32> = (0..40).map(|j| (j * 37 + 11) % 250).collect();
-        let reply = alone(name, &history, 6);
-        let next: Vec<u32> = history
-            .iter()
-            .chain(&reply)
-            .copied()
-            .chain([60, 61, 62])
-            .collect();
+        let Turns {
+            history,
+            others,
+            next,
+            ..
+        } = evicting_turns(name);
         // The history, a turn that goes on from it, then prompts that need its blocks (16
         // blocks of 4 tokens), then the next turn.
         let mut prompts = vec![
             history.clone(),
             history.iter().copied().chain([7]).collect(),
         ];
-        prompts.extend((0..3u32).map(|i| (0..40).map(|j| (i * 97 + j * 13 + 5) % 250).collect()));
+        prompts.extend(others);
         prompts.push(next.clone());
         let replies: Vec<(Vec<u32>, Vec<u32>)> = prompts
             .iter()

@@ -77,14 +77,19 @@ impl Model {
         (num_parameters, weight_bytes): (usize, usize),
     ) -> Result<Self> {
         let family = crate::families::load_mtp(source, backend.as_ref(), config, progress)?;
-        let tables = if config.tie_word_embeddings { 1 } else { 2 };
-        let shared = tables * config.vocab_size * config.hidden_size;
         Ok(Self::of_family(
             family,
             backend,
             num_parameters,
-            weight_bytes + shared * Self::synthetic_dtype(config).size_bytes(),
+            weight_bytes + Self::mtp_copied_bytes(config),
         ))
+    }
+
+    /// Bytes of the embedding and LM head an MTP head of `config` loads again beside the
+    /// model's, in the config's type.
+    pub fn mtp_copied_bytes(config: &ModelConfig) -> usize {
+        let tables = if config.tie_word_embeddings { 1 } else { 2 };
+        tables * config.vocab_size * config.hidden_size * Self::synthetic_dtype(config).size_bytes()
     }
 
     /// Loads a GGUF file (llama.cpp's converter's names and metadata) onto `backend`:

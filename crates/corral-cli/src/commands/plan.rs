@@ -144,13 +144,10 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         BLOCK_SIZE,
     );
     if drafting && head > 0 {
-        // Its own tensors, its copies of the embedding and LM head, and its one layer's KV
-        // for every token the model's cache holds (as `serve` counts them).
-        let tables = if config.tie_word_embeddings { 1 } else { 2 };
-        let dtype = corral_model::Model::synthetic_dtype(&config);
-        let shared = tables * config.vocab_size * config.hidden_size * dtype.size_bytes();
-        needs.weights += head + shared as u64;
-        needs.kv_per_token += config.mtp()?.kv_bytes_per_token(kv_dtype) as u64;
+        // Its own tensors and its copies of the embedding and LM head, as `serve` counts them.
+        let copied = corral_model::Model::mtp_copied_bytes(&config) as u64;
+        let kv = config.mtp()?.kv_bytes_per_token(kv_dtype) as u64;
+        needs.add_draft_head(head + copied, kv);
     }
     let context = args.context.unwrap_or(config.max_context());
     if context > config.max_context() {

@@ -73,7 +73,8 @@ pub(crate) fn plan_serving(
     let needs = |fixed: u64| {
         let mut needs =
             MemoryNeeds::with_workspace(config, weights, kv_dtype, fixed + step, BLOCK_SIZE);
-        needs.kv_per_token += head_kv;
+        // (The head's weights are in `weights`: it is loaded, as the model is.)
+        needs.add_draft_head(0, head_kv);
         needs
     };
     let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;

@@ -184,18 +184,17 @@ impl MtpDrafter {
         // Sequences still drafting (index into `prepared`), in the order of `self.out`'s rows.
         let mut going: Vec<usize> = (0..prepared.len()).collect();
         loop {
-            let next: Vec<usize> = going
-                .iter()
-                .copied()
-                .filter(|&i| drafts[i].len() < prepared[i].max)
-                .collect();
+            // Those wanting another token, each on its own last head output.
+            input.clear();
+            let mut next = Vec::new();
+            for (row, &i) in going.iter().enumerate() {
+                if drafts[i].len() < prepared[i].max {
+                    next.push(i);
+                    input.extend_from_slice(&self.out[row * width..(row + 1) * width]);
+                }
+            }
             if next.is_empty() {
                 break;
-            }
-            input.clear();
-            for &i in &next {
-                let row = going.iter().position(|&g| g == i).unwrap_or_default();
-                input.extend_from_slice(&self.out[row * width..(row + 1) * width]);
             }
             let tokens: Vec<[TokenId; 1]> = next
                 .iter()

@@ -180,6 +180,25 @@ impl Sequence {
         self.tokens.len() - self.prompt_len
     }
 
+    /// Its next draft's length after one of `drafted` tokens had `accepted` taken (drafts of
+    /// at most `max`): one longer after a draft accepted whole, one shorter after a
+    /// rejection, and a pause, twice the last, after a one-token draft rejected.
+    fn adapt_draft(&mut self, (accepted, drafted): (usize, usize), max: usize) {
+        let len = self.draft_len.unwrap_or(max);
+        let next = if accepted == drafted {
+            len + 1
+        } else {
+            len.saturating_sub(1)
+        };
+        self.draft_len = Some(next.clamp(1, max));
+        if accepted == 0 && drafted == 1 {
+            let pause = (self.draft_pause.1 * 2).clamp(1, MAX_DRAFT_PAUSE);
+            self.draft_pause = (pause, pause);
+        } else if accepted > 0 {
+            self.draft_pause = (0, 0);
+        }
+    }
+
     /// Tokens it may still add: to `max_tokens` and to the context.
     fn room(&self) -> usize {
         (self.max_tokens.saturating_sub(self.generated()))
@@ -333,6 +352,19 @@ impl Scheduler {
     pub fn with_draft_limit(mut self, max_running: usize) -> Self {
         self.draft_max_running = max_running;
         self
+    }
+
+    /// Speculative decoding as `speculation` sets it: its drafter, draft lengths, running
+    /// limit and any forced acceptance.
+    pub fn with_speculation(self, speculation: Speculation) -> Self {
+        let mut scheduler = self
+            .with_drafter(speculation.drafter, speculation.max_tokens)
+            .with_draft_limit(speculation.max_running);
+        scheduler.adaptive_drafts = speculation.adaptive;
+        match speculation.forced_acceptance {
+            Some(rate) => scheduler.with_forced_acceptance(rate),
+            None => scheduler,
+        }
     }
 
     /// Each sequence's draft length follows its acceptance ([`Speculation::adaptive`]).
@@ -735,24 +767,20 @@ impl Scheduler {
         if self.running.len() > self.draft_max_running {
             return Vec::new();
         }
-        // A sequence pausing after rejected drafts sits this step out.
-        let mut pausing = Vec::new();
-        for s in &mut self.running {
-            if s.draft_pause.0 > 0 && s.tokens.len() == s.kv.computed + 1 {
-                s.draft_pause.0 -= 1;
-                pausing.push(s.id);
-            }
-        }
         let requests: Vec<(SeqId, &[u32], usize)> = self
             .running
-            .iter()
-            .filter(|s| s.kv.restoring.is_none() && s.tokens.len() == s.kv.computed + 1)
-            .filter(|s| !pausing.contains(&s.id))
-            .map(|s| {
+            .iter_mut()
+            .filter(|s| s.tokens.len() == s.kv.computed + 1)
+            .filter_map(|s| {
+                // A sequence pausing after rejected drafts sits this step out.
+                if s.draft_pause.0 > 0 {
+                    s.draft_pause.0 -= 1;
+                    return None;
+                }
+                let s: &Sequence = s;
                 let most = s.draft_len.unwrap_or(*max).min(s.room().saturating_sub(1));
-                (s.id, &s.tokens[..], most)
+                (s.kv.restoring.is_none() && most > 0).then(|| (s.id, &s.tokens[..], most))
             })
-            .filter(|r| r.2 > 0)
             .collect();
         if requests.is_empty() {
             return Vec::new();

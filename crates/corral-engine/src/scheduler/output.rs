@@ -158,22 +158,7 @@ impl Scheduler {
                 if self.adaptive_drafts
                     && let Some((_, max)) = &self.drafter
                 {
-                    let len = seq.draft_len.unwrap_or(*max);
-                    let next = if accepted == draft.len() {
-                        len + 1
-                    } else {
-                        len.saturating_sub(1)
-                    };
-                    seq.draft_len = Some(next.clamp(1, *max));
-                    // One token drafted and rejected: drafting pauses, longer each time.
-                    seq.draft_pause = if accepted == 0 && draft.len() == 1 {
-                        let pause = (seq.draft_pause.1 * 2).clamp(1, super::MAX_DRAFT_PAUSE);
-                        (pause, pause)
-                    } else if accepted > 0 {
-                        (0, 0)
-                    } else {
-                        seq.draft_pause
-                    };
+                    seq.adapt_draft((accepted, draft.len()), *max);
                 }
                 self.kv.settle_draft(
                     seq.id,

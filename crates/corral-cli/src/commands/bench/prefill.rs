@@ -86,7 +86,8 @@ impl Cell {
     }
 }
 
-fn prompt(len: usize, vocab: usize) -> Vec<TokenId> {
+/// `len` pseudo-random tokens of a `vocab`-token vocabulary, the same every run.
+pub(super) fn prompt(len: usize, vocab: usize) -> Vec<TokenId> {
     let mut state = 0x5eed_u64;
     (0..len)
         .map(|_| {

@@ -95,17 +95,10 @@ fn prompts(args: &SpeculativeArgs, vocab: usize) -> Result<Vec<Vec<u32>>> {
                 .encode(&text)
                 .with_context(|| format!("tokenizing {}", path.display()))?
         }
-        None => {
-            let mut x = 0x2545_F491_4F6C_DD1Du64;
-            (0..args.prompts * args.prompt_tokens)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    (x % vocab as u64) as u32
-                })
-                .collect()
-        }
+        None => super::prefill::prompt(args.prompts * args.prompt_tokens, vocab)
+            .into_iter()
+            .map(|t| t.0)
+            .collect(),
     };
     let prompts: Vec<Vec<u32>> = ids
         .chunks_exact(args.prompt_tokens)
