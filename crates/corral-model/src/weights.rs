@@ -54,14 +54,26 @@ pub(crate) trait WeightSource {
         shape: &[usize],
         rows: &[usize],
     ) -> Result<DeviceBuffer> {
-        let values = self.read_f32(name, shape)?;
-        let cols: usize = shape[1..].iter().product();
-        let mut picked = Vec::with_capacity(rows.len() * cols);
-        for &r in rows {
-            picked.extend_from_slice(&values[r * cols..(r + 1) * cols]);
-        }
-        Ok(backend.weight_from_f32(&picked, self.stored_dtype(name)?)?)
+        rows_from_values(self, backend, name, shape, rows)
     }
+}
+
+/// [`WeightSource::weight_rows`] through the matrix's values: decoded, picked, and stored
+/// again in its stored type.
+pub(crate) fn rows_from_values<S: WeightSource + ?Sized>(
+    source: &S,
+    backend: &dyn Backend,
+    name: &str,
+    shape: &[usize],
+    rows: &[usize],
+) -> Result<DeviceBuffer> {
+    let values = source.read_f32(name, shape)?;
+    let cols: usize = shape[1..].iter().product();
+    let mut picked = Vec::with_capacity(rows.len() * cols);
+    for &r in rows {
+        picked.extend_from_slice(&values[r * cols..(r + 1) * cols]);
+    }
+    Ok(backend.weight_from_f32(&picked, source.stored_dtype(name)?)?)
 }
 
 /// A projection of several matrices (q, k and v) whose outputs sit side by side in one row.
@@ -340,6 +352,26 @@ impl WeightSource for SyntheticWeights {
             .ok_or_else(|| crate::ModelError::Unsupported("stacking no matrices".to_string()))?;
         let n = parts.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
         self.made(backend, first, shape, n)
+    }
+
+    /// Rows in a block format are fresh random blocks made on the device (a block format
+    /// cannot be re-encoded from picked values); float rows are picked from the matrix's.
+    fn weight_rows(
+        &self,
+        backend: &dyn Backend,
+        name: &str,
+        shape: &[usize],
+        rows: &[usize],
+    ) -> Result<DeviceBuffer> {
+        let cols: usize = shape[1..].iter().product();
+        match self.format_on(backend, name, shape) {
+            Some(format) => {
+                let first = rows.first().copied().unwrap_or(0) as u64;
+                let seed = self.tensor_seed(name) ^ first.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                Ok(backend.weight_synthetic_blocks(format, rows.len() * cols, seed, STD)?)
+            }
+            None => rows_from_values(self, backend, name, shape, rows),
+        }
     }
 
     /// Stacked where every part takes the same format, else apart (Q4_K_M's Q6_K v).

@@ -1,6 +1,6 @@
 //! A warm forward pass on the CPU allocates no heap memory: decode steps of several rows and
-//! prefill chunks, sampled where they are, of a Qwen3-MoE model in Q4_K_M and in bf16 and of
-//! a hybrid, over the default bf16 KV cache. (An f32 cache's prefill attention runs the GEMM
+//! prefill chunks, sampled where they are, of a Qwen3-MoE model in Q4_K_M and in bf16, of a
+//! hybrid, and of a synthetic Qwen3.5-MoE in Q4_K_M, over the default bf16 KV cache. (An f32 cache's prefill attention runs the GEMM
 //! crate, which allocates its packing room each call.) Every allocation of this test binary
 //! is counted, so it holds this one test.
 
@@ -26,6 +26,20 @@ const MOE_CONFIG: &str = r#"{
     "moe_intermediate_size": 256, "intermediate_size": 512, "norm_topk_prob": true,
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 4096,
     "tie_word_embeddings": false
+}"#;
+
+/// A Qwen3.5-MoE of rows of 256 values (its q_proj picked apart into query and gate rows).
+const HYBRID_CONFIG: &str = r#"{
+    "model_type": "qwen3_5_moe_text", "vocab_size": 512, "hidden_size": 256,
+    "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_value_head_dim": 64,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25, "mrope_interleaved": true, "mrope_section": [4, 2, 2]},
+    "max_position_embeddings": 4096, "tie_word_embeddings": false
 }"#;
 
 const BLOCK_SIZE: usize = 16;
@@ -135,6 +149,17 @@ fn warm_forward_passes_allocate_nothing() {
                 SyntheticMix::Q4KM,
                 cpu(),
                 1,
+                &mut |_, _| {},
+            )
+            .unwrap(),
+        ),
+        (
+            "Qwen3.5-MoE, Q4_K_M",
+            Model::synthetic_mixed(
+                config(HYBRID_CONFIG),
+                SyntheticMix::Q4KM,
+                cpu(),
+                3,
                 &mut |_, _| {},
             )
             .unwrap(),
