@@ -189,7 +189,14 @@ pub struct RecurrentRuns<'a> {
     /// No run is longer (a promise: a backend may pick its kernels by it, e.g. the
     /// recurrence for single tokens and the chunked form for prefill).
     pub max_run_tokens: usize,
+    /// U32 `[runs]`, where given: per run, the first of `len - 1` consecutive state slots
+    /// that take its state after each of its tokens but the last ([`NO_KEPT_STATES`]: none),
+    /// so that a speculative verify can continue from any accepted draft position.
+    pub kept: Option<&'a DeviceBuffer>,
 }
+
+/// [`RecurrentRuns::kept`]'s entry for a run whose intermediate states are not kept.
+pub const NO_KEPT_STATES: u32 = u32::MAX;
 
 /// Head layout of a Gated DeltaNet layer.
 #[derive(Clone, Copy, Debug)]

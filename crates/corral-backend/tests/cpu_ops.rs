@@ -622,3 +622,167 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
         );
     }
 }
+
+/// What a Gated DeltaNet layer's two recurrent ops leave: the convolution's and the delta
+/// rule's outputs and state pools.
+struct Recurrence {
+    conv_out: Vec<f32>,
+    conv_state: Vec<f32>,
+    out: Vec<f32>,
+    state: Vec<f32>,
+}
+
+/// The convolution and the delta rule over `runs` (`[start, len, slot, fresh]` each), from
+/// the state pools `conv0` and `state0`, keeping intermediate states from the slots `kept`
+/// names per run where it is given.
+#[allow(clippy::too_many_arguments)]
+fn recurrence(
+    b: &CpuBackend,
+    (x, w, kernel): (&[f32], &[f32], usize),
+    (qkv, gate, beta): (&[f32], &[f32], &[f32]),
+    shape: corral_backend::DeltaNetShape,
+    runs: &[[u32; 4]],
+    kept: Option<&[u32]>,
+    (conv0, state0): (&[f32], &[f32]),
+) -> Recurrence {
+    let flat: Vec<u32> = runs.iter().flatten().copied().collect();
+    let runs_buf = upload_u32(b, &flat);
+    let kept_buf = kept.map(|k| upload_u32(b, k));
+    let rr = corral_backend::RecurrentRuns {
+        runs: &runs_buf,
+        num_runs: runs.len(),
+        max_run_tokens: runs.iter().map(|r| r[1] as usize).max().unwrap_or(1),
+        kept: kept_buf.as_ref(),
+    };
+    let channels = w.len() / kernel;
+    let (mut conv_state, mut conv_out) = (upload(b, conv0), upload(b, &vec![0.0; x.len()]));
+    let weight = b.weight_from_f32(w, DType::F32).unwrap();
+    b.causal_conv1d(
+        &upload(b, x),
+        &weight,
+        channels,
+        kernel,
+        rr,
+        &mut conv_state,
+        &mut conv_out,
+    )
+    .unwrap();
+    let tokens = gate.len() / shape.num_value_heads;
+    let out_len = tokens * shape.num_value_heads * shape.value_dim;
+    let (mut state, mut out) = (upload(b, state0), upload(b, &vec![0.0; out_len]));
+    b.gated_delta_rule(
+        &upload(b, qkv),
+        &upload(b, gate),
+        &upload(b, beta),
+        shape,
+        rr,
+        &mut state,
+        &mut out,
+    )
+    .unwrap();
+    Recurrence {
+        conv_out: download(b, &conv_out, x.len()),
+        conv_state: download(b, &conv_state, conv0.len()),
+        out: download(b, &out, out_len),
+        state: download(b, &state, state0.len()),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Runs keeping their recurrent states: the state kept after token i of a run equals the
+    /// final state of the run cut after token i, and the outputs and final states equal those
+    /// of the same runs keeping nothing.
+    #[test]
+    fn kept_states_equal_the_states_of_each_prefix(
+        lens in proptest::collection::vec(1usize..6, 1..4),
+        (nk, group, dk, dv) in (1usize..3, 1usize..3, 1usize..9, 1usize..9),
+        kernel in 2usize..5,
+        seed in any::<u64>(),
+    ) {
+        let b = CpuBackend::new();
+        let nv = nk * group;
+        let shape = corral_backend::DeltaNetShape {
+            num_key_heads: nk, num_value_heads: nv, key_dim: dk, value_dim: dv,
+        };
+        let channels = 2 * nk * dk + nv * dv;
+        let tokens: usize = lens.iter().sum();
+        let num_runs = lens.len();
+        // Run r in slot r from a state of its own; its kept states after the running slots.
+        let mut runs = Vec::new();
+        let mut kept = Vec::new();
+        let (mut start, mut next_kept) = (0, num_runs);
+        for (r, &len) in lens.iter().enumerate() {
+            runs.push([start as u32, len as u32, r as u32, 0]);
+            kept.push(if len > 1 { next_kept as u32 } else { corral_backend::NO_KEPT_STATES });
+            next_kept += len - 1;
+            start += len;
+        }
+        let slots = next_kept;
+        let hist = kernel - 1;
+        let x = values(tokens * channels, seed);
+        let w = values(channels * kernel, seed ^ 1);
+        let qkv = values(tokens * channels, seed ^ 2);
+        let gate: Vec<f32> = values(tokens * nv, seed ^ 3).iter().map(|v| -v.abs()).collect();
+        let beta: Vec<f32> = values(tokens * nv, seed ^ 4).iter().map(|v| v.abs()).collect();
+        let mut conv0 = values(slots * channels * hist, seed ^ 5);
+        let mut state0 = values(slots * nv * dk * dv, seed ^ 6);
+        conv0[num_runs * channels * hist..].fill(0.0);
+        state0[num_runs * nv * dk * dv..].fill(0.0);
+        let inputs = ((&x[..], &w[..], kernel), (&qkv[..], &gate[..], &beta[..]));
+        let keeping =
+            recurrence(&b, inputs.0, inputs.1, shape, &runs, Some(&kept), (&conv0, &state0));
+        let plain = recurrence(&b, inputs.0, inputs.1, shape, &runs, None, (&conv0, &state0));
+        close(&keeping.conv_out, &plain.conv_out, 1e-6)?;
+        close(&keeping.out, &plain.out, 1e-4)?;
+        let running = |v: &[f32], per: usize| v[..num_runs * per].to_vec();
+        close(&running(&keeping.conv_state, channels * hist), &running(&plain.conv_state, channels * hist), 1e-6)?;
+        close(&running(&keeping.state, nv * dk * dv), &running(&plain.state, nv * dk * dv), 1e-4)?;
+        for (r, run) in runs.iter().enumerate() {
+            for i in 0..run[1] as usize - 1 {
+                let cut = [[run[0], i as u32 + 1, run[2], 0]];
+                let prefix = recurrence(&b, inputs.0, inputs.1, shape, &cut, None, (&conv0, &state0));
+                let k = kept[r] as usize + i;
+                let (c, s) = (channels * hist, nv * dk * dv);
+                close(&keeping.conv_state[k * c..(k + 1) * c], &prefix.conv_state[r * c..(r + 1) * c], 1e-6)?;
+                close(&keeping.state[k * s..(k + 1) * s], &prefix.state[r * s..(r + 1) * s], 1e-4)?;
+            }
+        }
+    }
+}
+
+#[test]
+fn kept_states_past_the_pool_or_on_a_running_slot_are_refused() {
+    let b = CpuBackend::new();
+    let shape = corral_backend::DeltaNetShape {
+        num_key_heads: 1,
+        num_value_heads: 1,
+        key_dim: 2,
+        value_dim: 2,
+    };
+    let runs = upload_u32(&b, &[0, 3, 0, 0]);
+    for kept in [[3u32], [0], [u32::MAX - 1]] {
+        let kept = upload_u32(&b, &kept);
+        let rr = corral_backend::RecurrentRuns {
+            runs: &runs,
+            num_runs: 1,
+            max_run_tokens: 3,
+            kept: Some(&kept),
+        };
+        let mut state = upload(&b, &[0.0; 4 * 4]);
+        let mut out = upload(&b, &[0.0; 6]);
+        let err = b
+            .gated_delta_rule(
+                &upload(&b, &[0.5; 18]),
+                &upload(&b, &[-0.1; 3]),
+                &upload(&b, &[0.5; 3]),
+                shape,
+                rr,
+                &mut state,
+                &mut out,
+            )
+            .expect_err("kept slots out of place");
+        assert!(err.to_string().contains("keeps states"), "{err}");
+    }
+}

@@ -587,6 +587,7 @@ fn delta_net_ops_match_cpu() {
                 runs: &rb,
                 num_runs: lens.len(),
                 max_run_tokens: lens.iter().copied().max().unwrap_or(1),
+                kept: None,
             };
             let wb = be.weight_from_f32(&w, DType::F32).unwrap();
             let mut conv_state = f32_buf(be, &conv0);
@@ -718,6 +719,7 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
                 runs: &rb,
                 num_runs: lens.len(),
                 max_run_tokens: longest,
+                kept: None,
             };
             let mut state = f32_buf(be, &state0);
             let mut out = out_buf(be, tokens * nv * dv);
@@ -760,6 +762,7 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
                 runs: &rb,
                 num_runs: step_runs.len() / 4,
                 max_run_tokens: 1,
+                kept: None,
             };
             g.gated_delta_rule(&qkv_b, &gate_b, &beta_b, shape, rr, &mut state, &mut out)
                 .unwrap();
@@ -1572,6 +1575,7 @@ fn a_run_longer_than_promised_fails_the_step() {
             runs: &runs,
             num_runs: 1,
             max_run_tokens: promised,
+            kept: None,
         };
         let x = f32_buf(g, &vec![1.0; tokens * channels]);
         g.causal_conv1d(&x, &weight, channels, kernel, rr, &mut state, &mut out)
@@ -1599,6 +1603,7 @@ fn a_run_longer_than_promised_fails_the_step() {
             runs: &runs,
             num_runs: 1,
             max_run_tokens: promised,
+            kept: None,
         };
         g.gated_delta_rule(&qkv, &gate, &beta, shape, rr, &mut state, &mut out)
             .unwrap();
@@ -2314,5 +2319,115 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
         assert_close(&format!("{what}: per-token"), &gpu.1, &exact.1, 1.5e-2);
         // Grouped: the experts decoded to bf16 and the few-row or tile products' bf16 inputs.
         assert_close(&format!("{what}: grouped"), &gpu.0, &exact.0, 1.5e-2);
+    }
+}
+
+/// Runs keeping their recurrent states (a verify step's): the convolution's and the delta
+/// rule's states after each token but the last, in each run's slots past the running ones,
+/// as the CPU keeps them, with outputs and final states as the CPU's; the 35B-A3B's head
+/// shape among the cases.
+#[test]
+fn kept_recurrent_states_match_cpu() {
+    let g = gpu_or_skip!();
+    let c = CpuBackend::new();
+    let mut rng = Rng(29);
+    for case in 0..6 {
+        let lens: Vec<usize> = (0..1 + rng.below(4)).map(|_| 1 + rng.below(5)).collect();
+        let tokens: usize = lens.iter().sum();
+        let num_runs = lens.len();
+        let runs = recurrent_runs(&lens, num_runs);
+        let mut kept = Vec::new();
+        let mut next = num_runs;
+        for &len in &lens {
+            kept.push(if len > 1 {
+                next as u32
+            } else {
+                corral_backend::NO_KEPT_STATES
+            });
+            next += len.saturating_sub(1);
+        }
+        let slots = next;
+        let (nk, nv, dk, dv) = if case == 0 {
+            (16, 32, 128, 128)
+        } else {
+            let nk = 1 + rng.below(2);
+            (
+                nk,
+                nk * (1 + rng.below(3)),
+                [16, 32, 128][case % 3],
+                [16, 64, 128][case % 3],
+            )
+        };
+        let channels = 2 * nk * dk + nv * dv;
+        let kernel = 4;
+        let x = rng.values(tokens * channels);
+        let w = rng.values(channels * kernel);
+        let conv0 = rng.values(slots * channels * (kernel - 1));
+        let qkv = rng.values(tokens * channels);
+        let (gate, beta, state0) = delta_inputs(&mut rng, tokens * nv, slots * nv * dk * dv, 0.5);
+        let shape = DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        };
+        let mut results = Vec::new();
+        for be in [&c as &dyn Backend, g] {
+            let (rb, kb) = (u32_buf(be, &runs), u32_buf(be, &kept));
+            let rr = RecurrentRuns {
+                runs: &rb,
+                num_runs,
+                max_run_tokens: lens.iter().copied().max().unwrap_or(1),
+                kept: Some(&kb),
+            };
+            let wb = be.weight_from_f32(&w, DType::F32).unwrap();
+            let mut conv_state = f32_buf(be, &conv0);
+            let mut conv_out = out_buf(be, tokens * channels);
+            be.causal_conv1d(
+                &f32_buf(be, &x),
+                &wb,
+                channels,
+                kernel,
+                rr,
+                &mut conv_state,
+                &mut conv_out,
+            )
+            .unwrap();
+            let mut state = f32_buf(be, &state0);
+            let mut out = out_buf(be, tokens * nv * dv);
+            be.gated_delta_rule(
+                &f32_buf(be, &qkv),
+                &f32_buf(be, &gate),
+                &f32_buf(be, &beta),
+                shape,
+                rr,
+                &mut state,
+                &mut out,
+            )
+            .unwrap();
+            results.push([
+                read(be, &conv_out, tokens * channels),
+                read(be, &conv_state, conv0.len()),
+                read(be, &out, tokens * nv * dv),
+                read(be, &state, state0.len()),
+            ]);
+        }
+        let what = format!("case {case}: runs {lens:?}, {nv}/{nk} heads of {dv}/{dk}");
+        for (i, (name, tol)) in [
+            ("conv out", 1e-5),
+            ("conv states", 1e-5),
+            ("delta out", 1e-3),
+            ("delta states", 1e-3),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            assert_close(
+                &format!("{what}: {name}"),
+                &results[1][i],
+                &results[0][i],
+                tol,
+            );
+        }
     }
 }

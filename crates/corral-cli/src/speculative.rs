@@ -17,7 +17,9 @@ const MAX_DRAFT_TOKENS: usize = 8;
 
 /// How decoding speculates: `off`, `mtp[:K]` (the checkpoint's MTP head), `lookup[:K]`
 /// (prompt lookup), `mtp+lookup[:K]` (lookup where it matches, else the head), or `auto`;
-/// `:fixed` after K keeps every draft K long.
+/// `:fixed` after K keeps every draft K long, and `:replay` rolls a hybrid's rejected draft
+/// back by a snapshot and computing the accepted tokens again (for measuring the default,
+/// its state kept after each draft position).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Speculative {
     Off,
@@ -30,22 +32,34 @@ pub(crate) enum Speculative {
 }
 
 /// A drafter's draft lengths: at most `max` tokens; each sequence's length adapts to its
-/// acceptance unless `fixed`.
+/// acceptance unless `fixed`. `replay`: a hybrid rolls rejected drafts back by computing
+/// the accepted tokens again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Drafts {
     pub(crate) max: usize,
     pub(crate) fixed: bool,
+    pub(crate) replay: bool,
 }
 
 impl Drafts {
     fn adaptive(max: usize) -> Self {
-        Self { max, fixed: false }
+        Self {
+            max,
+            fixed: false,
+            replay: false,
+        }
     }
 }
 
 impl std::fmt::Display for Drafts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}{}", self.max, if self.fixed { ":fixed" } else { "" })
+        write!(
+            f,
+            "{}{}{}",
+            self.max,
+            if self.fixed { ":fixed" } else { "" },
+            if self.replay { ":replay" } else { "" }
+        )
     }
 }
 
@@ -69,14 +83,22 @@ impl FromStr for Speculative {
             }
             None => None,
         };
-        let fixed = match parts.next() {
-            None => false,
-            Some("fixed") if parts.next().is_none() => true,
-            Some(_) => return Err(format!("`{s}`: only `:fixed` may follow K")),
-        };
+        let (mut fixed, mut replay) = (false, false);
+        for part in parts {
+            match part {
+                "fixed" if !fixed && !replay => fixed = true,
+                "replay" if !replay => replay = true,
+                _ => {
+                    return Err(format!(
+                        "`{s}`: only `:fixed`, then `:replay`, may follow K"
+                    ));
+                }
+            }
+        }
         let drafts = |default: usize| Drafts {
             max: k.unwrap_or(default),
             fixed,
+            replay,
         };
         match (kind, k) {
             ("off", None) => Ok(Self::Off),
@@ -85,7 +107,7 @@ impl FromStr for Speculative {
             ("lookup", _) => Ok(Self::Lookup(drafts(DEFAULT_LOOKUP_TOKENS))),
             ("mtp+lookup", _) => Ok(Self::MtpLookup(drafts(DEFAULT_MTP_TOKENS))),
             _ => Err(format!(
-                "`{s}` is not off, auto, mtp[:K], lookup[:K] or mtp+lookup[:K] (K draft tokens a step, 1 to {MAX_DRAFT_TOKENS}, then `:fixed` to keep every draft K long)"
+                "`{s}` is not off, auto, mtp[:K], lookup[:K] or mtp+lookup[:K] (K draft tokens a step, 1 to {MAX_DRAFT_TOKENS}, then `:fixed` to keep every draft K long, `:replay` to roll a hybrid back by computing again)"
             )),
         }
     }
@@ -194,6 +216,9 @@ impl Speculative {
         if k.fixed {
             speculation = speculation.fixed();
         }
+        if k.replay {
+            speculation = speculation.replaying();
+        }
         if self == Self::Auto {
             speculation = speculation.up_to_running(AUTO_MAX_RUNNING);
         }
@@ -267,8 +292,14 @@ mod tests {
         let fixed = Drafts {
             max: 3,
             fixed: true,
+            replay: false,
         };
         assert_eq!("mtp:3:fixed".parse(), Ok(Speculative::Mtp(fixed)));
+        let replay = Drafts {
+            replay: true,
+            ..fixed
+        };
+        assert_eq!("mtp:3:fixed:replay".parse(), Ok(Speculative::Mtp(replay)));
         for s in [
             "off",
             "auto",
@@ -276,6 +307,8 @@ mod tests {
             "lookup:8",
             "mtp+lookup:4",
             "lookup:2:fixed",
+            "mtp:3:replay",
+            "mtp:4:fixed:replay",
         ] {
             assert_eq!(
                 s.parse::<Speculative>().map(|v| v.to_string()),
@@ -290,6 +323,8 @@ mod tests {
             ("off:2", "is not off"),
             ("mtp:2:loose", "only `:fixed`"),
             ("mtp:2:fixed:x", "only `:fixed`"),
+            ("mtp:2:replay:fixed", "only `:fixed`"),
+            ("mtp:2:replay:replay", "only `:fixed`"),
         ] {
             let err = bad.parse::<Speculative>().unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");

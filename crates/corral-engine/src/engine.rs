@@ -150,10 +150,18 @@ pub fn spawn_engine_drafting(
     } else {
         0
     };
+    // Verify steps keep a hybrid's state after each draft position in groups of their own.
+    let (kept_groups, kept_len) = match &speculation {
+        Some(s) if model.is_hybrid() => {
+            (s.kept_state_groups(config.max_batch.max(1)), s.max_tokens)
+        }
+        _ => (0, 0),
+    };
+    let first_kept = config.max_batch.max(1) + checkpoints + snapshots;
     let state = RecurrentStateCache::new(
         model.backend().as_ref(),
         model.config(),
-        config.max_batch.max(1) + checkpoints + snapshots,
+        first_kept + kept_groups * kept_len,
     )?;
     let metrics = Arc::new(EngineMetrics::default());
     let spill = match (&config.session_dir, config.prefix_cache) {
@@ -197,6 +205,7 @@ pub fn spawn_engine_drafting(
         (false, true) => scheduler.with_recurrent_state(snapshots),
         (false, false) => scheduler,
     }
+    .with_kept_states(first_kept, kept_groups, kept_len)
     .with_eviction_cost(eviction_cost(
         model.config(),
         model.backend().kv_dtype(),

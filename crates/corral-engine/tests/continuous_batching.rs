@@ -683,9 +683,12 @@ impl Drafter for KnowingDrafter {
 
 /// Speculative decoding against plain: with drafts verified in one run per step (accepted
 /// while the model samples them, the rest cut from the KV cache and a hybrid's recurrent
-/// state rolled back to its snapshot), concurrent greedy requests generate exactly what each
-/// generates alone, with and without the prefix cache, also under preemption; drafts were
-/// both accepted and rejected, and every block and slot comes back.
+/// state taken from the one kept after the last accepted token, or rolled back to its
+/// snapshot and the accepted tokens computed again), concurrent greedy requests generate
+/// exactly what each generates alone, with and without the prefix cache, also under
+/// preemption; drafts were both accepted and rejected, every block and slot comes back, and
+/// keeping states computes fewer tokens than replaying (as many for a model without
+/// recurrent state).
 #[test]
 fn drafted_decoding_generates_what_plain_decoding_does() {
     for name in ["qwen3_next", "qwen3_5_moe_hub", "qwen3_moe_fused"] {
@@ -697,43 +700,59 @@ fn drafted_decoding_generates_what_plain_decoding_does() {
             })
             .collect();
         for (prefix_cache, kv_blocks) in [(false, 256), (true, 256), (true, 16)] {
-            let drafter = KnowingDrafter {
-                replies: replies.clone(),
-            };
-            let config = EngineConfig {
-                prefix_cache,
-                ..config(kv_blocks)
-            };
-            let (engine, thread) = spawn_engine_drafting(
-                model_named(name),
-                config,
-                Some(Speculation::new(Box::new(drafter), 4)),
-            )
-            .unwrap();
-            let mut receivers: Vec<_> = replies
-                .iter()
-                .map(|(p, _)| submit(&engine, p, 12))
-                .collect();
-            for (i, rx) in receivers.iter_mut().enumerate() {
-                let (tokens, Finished { reason, .. }) = collect(rx);
-                let what =
-                    format!("{name}: request {i}, prefix cache {prefix_cache}, {kv_blocks} blocks");
-                assert_eq!(tokens, replies[i].1, "{what}");
-                assert_eq!(reason, FinishReason::Length, "{what}");
+            let mut computed = Vec::new();
+            for keep_states in [true, false] {
+                let drafter = KnowingDrafter {
+                    replies: replies.clone(),
+                };
+                let config = EngineConfig {
+                    prefix_cache,
+                    ..config(kv_blocks)
+                };
+                let speculation = Speculation::new(Box::new(drafter), 4);
+                let speculation = if keep_states {
+                    speculation
+                } else {
+                    speculation.replaying()
+                };
+                let (engine, thread) =
+                    spawn_engine_drafting(model_named(name), config, Some(speculation)).unwrap();
+                let mut receivers: Vec<_> = replies
+                    .iter()
+                    .map(|(p, _)| submit(&engine, p, 12))
+                    .collect();
+                for (i, rx) in receivers.iter_mut().enumerate() {
+                    let (tokens, Finished { reason, .. }) = collect(rx);
+                    let what = format!(
+                        "{name}: request {i}, prefix cache {prefix_cache}, {kv_blocks} blocks"
+                    );
+                    assert_eq!(tokens, replies[i].1, "{what}");
+                    assert_eq!(reason, FinishReason::Length, "{what}");
+                }
+                let m = engine.metrics();
+                let (drafted, accepted) = drafted_and_accepted(&engine);
+                assert!(
+                    accepted > 0 && accepted < drafted,
+                    "{name}: {accepted} of {drafted} draft tokens accepted"
+                );
+                assert!(
+                    m.generated_tokens.load(Ordering::Relaxed) == 12 * replies.len() as u64,
+                    "{name}: every token counted once"
+                );
+                computed.push(m.forward_tokens.load(Ordering::Relaxed));
+                wait_for_zero_blocks(&engine);
+                engine.shutdown();
+                thread.join().unwrap();
             }
-            let m = engine.metrics();
-            let (drafted, accepted) = drafted_and_accepted(&engine);
-            assert!(
-                accepted > 0 && accepted < drafted,
-                "{name}: {accepted} of {drafted} draft tokens accepted"
-            );
-            assert!(
-                m.generated_tokens.load(Ordering::Relaxed) == 12 * replies.len() as u64,
-                "{name}: every token counted once"
-            );
-            wait_for_zero_blocks(&engine);
-            engine.shutdown();
-            thread.join().unwrap();
+            let what = format!("{name}, prefix cache {prefix_cache}, {kv_blocks} blocks");
+            if name == "qwen3_moe_fused" {
+                assert_eq!(computed[0], computed[1], "{what}: tokens computed");
+            } else {
+                assert!(
+                    computed[0] < computed[1],
+                    "{what}: tokens computed {computed:?}"
+                );
+            }
         }
     }
 }

@@ -62,6 +62,9 @@ pub struct SequenceRun {
     pub logits: LogitsWanted,
     /// The sequence's recurrent-state slot (hybrid models only).
     pub state_slot: Option<SlotId>,
+    /// The first of `len - 1` consecutive slots that take its recurrent state after each
+    /// of its tokens but the last (a speculative verify's), if any.
+    pub kept_states: Option<SlotId>,
 }
 
 /// Tokens of several sequences for one forward pass.
@@ -121,6 +124,7 @@ impl RaggedBatch {
             block_table: block_table.clone(),
             logits,
             state_slot: None,
+            kept_states: None,
         });
         self.tokens.extend(tokens.iter().map(|t| t.0));
         self.positions
@@ -140,6 +144,36 @@ impl RaggedBatch {
                 seq.0
             ))),
         }
+    }
+
+    /// Has the run of `seq` keep its recurrent state after each of its tokens but the last,
+    /// in the consecutive slots from `first` (a verify step's, so that the state at any
+    /// accepted draft position can be taken without computing again).
+    pub fn keep_states(&mut self, seq: SeqId, first: SlotId) -> Result<()> {
+        match self.runs.iter_mut().find(|r| r.seq_id == seq) {
+            Some(run) => {
+                run.kept_states = Some(first);
+                Ok(())
+            }
+            None => Err(ModelError::InvalidBatch(format!(
+                "sequence {} is not in the batch",
+                seq.0
+            ))),
+        }
+    }
+
+    /// Per run, the first slot keeping its states (`NO_KEPT_STATES` for none) into `out`;
+    /// false (and `out` empty) where no run keeps any.
+    pub(crate) fn kept_states_into(&self, out: &mut Vec<u32>) -> bool {
+        out.clear();
+        if self.runs.iter().all(|r| r.kept_states.is_none()) {
+            return false;
+        }
+        out.extend(self.runs.iter().map(|r| {
+            r.kept_states
+                .map_or(corral_backend::NO_KEPT_STATES, |s| s.0)
+        }));
+        true
     }
 
     /// `[start, len, slot, fresh]` per run into `out`, for recurrent layers; false (and `out`

@@ -88,6 +88,7 @@ struct StepRows {
     tables: Vec<u32>,
     logit_rows: Vec<u32>,
     recurrent_runs: Vec<u32>,
+    kept_states: Vec<u32>,
 }
 
 /// Blocks by which graphed steps pad the block-table width, so that one graph serves a
@@ -117,6 +118,8 @@ struct GraphKey {
     state: u64,
     /// Whether every token's final hidden state is written for reading back.
     all_hidden: bool,
+    /// Whether runs keep their recurrent states after each token.
+    keeps_states: bool,
 }
 
 /// A step shape's workspace and, once recorded, its graph.
@@ -215,7 +218,9 @@ impl StepRunner {
             tables,
             logit_rows: rows,
             recurrent_runs,
+            kept_states,
         } = &mut *step_rows;
+        let mut keeps_states = false;
         match (model.family.recurrent(), state.as_deref()) {
             (true, None) => {
                 return Err(ModelError::InvalidBatch(
@@ -236,6 +241,19 @@ impl StepRunner {
                     return Err(ModelError::InvalidBatch(format!(
                         "state slots beyond the cache's {} or a cache made for another model",
                         state.num_slots
+                    )));
+                }
+                keeps_states = batch.kept_states_into(kept_states);
+                if let Some(run) = batch.runs().iter().find(|r| {
+                    r.kept_states.is_some_and(|k| {
+                        let kept = k.0 as usize..k.0 as usize + r.len.saturating_sub(1);
+                        kept.end > state.num_slots
+                            || r.state_slot.is_some_and(|s| kept.contains(&(s.0 as usize)))
+                    })
+                }) {
+                    return Err(ModelError::InvalidBatch(format!(
+                        "sequence {} keeps its states in slots beyond the cache's {} or its own",
+                        run.seq_id.0, state.num_slots
                     )));
                 }
             }
@@ -280,6 +298,10 @@ impl StepRunner {
             if !recurrent_runs.is_empty() {
                 backend.upload_u32(recurrent_runs, &mut ws.batch.recurrent_runs)?;
             }
+            ws.keeps_states = keeps_states;
+            if keeps_states {
+                backend.upload_u32(kept_states, &mut ws.batch.kept_states)?;
+            }
             Ok(())
         };
         let forward = |ws: &mut Workspace,
@@ -309,6 +331,7 @@ impl StepRunner {
                 cache: cache.id(),
                 state: state.as_deref().map_or(0, RecurrentStateCache::id),
                 all_hidden,
+                keeps_states,
             };
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
             // Graphs of another cache are dead (each is bound to its caches' memory); past the

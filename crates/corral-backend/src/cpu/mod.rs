@@ -320,13 +320,21 @@ fn recurrent_runs(
     out: &mut Vec<ops::delta_net::Run>,
 ) -> Result<()> {
     let raw = u32s(op, "runs", runs.runs, runs.num_runs * 4)?;
+    let kept = match runs.kept {
+        Some(kept) => Some(u32s(op, "kept", kept, runs.num_runs)?),
+        None => None,
+    };
     out.clear();
-    for r in raw.chunks_exact(4) {
+    for (i, r) in raw.chunks_exact(4).enumerate() {
         let run = ops::delta_net::Run {
             start: r[0] as usize,
             len: r[1] as usize,
             slot: r[2] as usize,
             fresh: r[3] != 0,
+            kept: kept
+                .map(|k| k[i])
+                .filter(|&k| k != crate::NO_KEPT_STATES)
+                .map(|k| k as usize),
         };
         if run.start + run.len > tokens || run.slot >= slots {
             return Err(bad(
@@ -334,6 +342,19 @@ fn recurrent_runs(
                 format!(
                     "run at token {} (+{}) in slot {} exceeds the batch or the {slots} slots",
                     run.start, run.len, run.slot
+                ),
+            ));
+        }
+        // Kept states go to slots of their own, past no other run's.
+        let kept_slots =
+            |r: &ops::delta_net::Run| r.kept.map_or(0..0, |k| k..k + r.len.saturating_sub(1));
+        let mine = kept_slots(&run);
+        if mine.end > slots || mine.contains(&run.slot) {
+            return Err(bad(
+                op,
+                format!(
+                    "run at token {} keeps states in slots {mine:?}: beyond the {slots} slots or its own",
+                    run.start
                 ),
             ));
         }
@@ -348,7 +369,12 @@ fn recurrent_runs(
         }
         // Work items write per run and slot: runs must not share either.
         let overlaps = |o: &ops::delta_net::Run| {
-            o.slot == run.slot || (run.start < o.start + o.len && o.start < run.start + run.len)
+            let theirs = kept_slots(o);
+            o.slot == run.slot
+                || (run.start < o.start + o.len && o.start < run.start + run.len)
+                || theirs.contains(&run.slot)
+                || mine.contains(&o.slot)
+                || (mine.start < theirs.end && theirs.start < mine.end)
         };
         if out.iter().any(overlaps) {
             return Err(bad(

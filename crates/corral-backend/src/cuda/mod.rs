@@ -458,6 +458,14 @@ fn buf(
 
 /// The address of element `first` of a buffer of `dtype` with at least `first + count`
 /// elements: a kernel's view of a range of the batch's tokens.
+/// [`RecurrentRuns::kept`] as a kernel argument: its buffer, or null.
+fn kept_arg(op: &'static str, runs: RecurrentRuns<'_>) -> Result<Arg> {
+    match runs.kept {
+        Some(kept) => buf(op, "kept", kept, DType::U32, runs.num_runs),
+        None => Ok(Arg::Ptr(0)),
+    }
+}
+
 fn buf_range(
     op: &'static str,
     what: &'static str,
@@ -2744,6 +2752,7 @@ impl Backend for CudaBackend {
                 slots * channels * (kernel - 1),
             )?,
             buf(op, "out", out, DType::F32, tokens * channels)?,
+            kept_arg(op, runs)?,
             self.diag(),
         ];
         // Tiles of CONV_TILE tokens (delta_net.cu) of the longest run.
@@ -2842,7 +2851,11 @@ impl Backend for CudaBackend {
             buf(op, "out", out, DType::F32, tokens * nv * dv)?,
             self.diag(),
         ];
-        if runs.max_run_tokens >= CHUNKED_DELTA_MIN_RUN && !self.recurrent_delta_rule {
+        // Runs keeping their states go token by token (a verify's few tokens).
+        if runs.max_run_tokens >= CHUNKED_DELTA_MIN_RUN
+            && !self.recurrent_delta_rule
+            && runs.kept.is_none()
+        {
             let per_wave = OP_SCRATCH_FLOATS * 4 / (nv * gdr_chunk_bytes(dk, dv));
             if per_wave > 0 {
                 // Every run has at most one partial chunk.
@@ -2859,7 +2872,12 @@ impl Backend for CudaBackend {
         } else {
             &self.kernels.gated_delta_rule
         };
-        self.launch(kernel, grid, threads as u32, &args)
+        let [head @ .., diag] = args;
+        let mut with_kept = [Arg::Ptr(0); 14];
+        with_kept[..12].copy_from_slice(&head);
+        with_kept[12] = kept_arg(op, runs)?;
+        with_kept[13] = diag;
+        self.launch(kernel, grid, threads as u32, &with_kept)
     }
 
     fn gated_rms_norm(

@@ -79,6 +79,9 @@ pub(crate) struct SeqKv {
     /// Its slot's state has taken tokens past `computed` (a rejected draft's) and is not to
     /// be checkpointed until the roll-back is made.
     pub(crate) state_ahead: bool,
+    /// The first of the slots its verify step keeps its states in, after each token but the
+    /// last ([`KvManager::keep_states`]), in place of a snapshot.
+    pub(crate) kept: Option<SlotId>,
     /// A restore from session files under way, `(tokens it gives, restore)`: its blocks are
     /// held, nothing is computed until it ends.
     pub(crate) restoring: Option<(usize, RestoreId)>,
@@ -118,6 +121,12 @@ pub(crate) struct KvManager {
     session_pin: Duration,
     /// Snapshot slots that a planned roll-back still copies from; free from the next step on.
     retired: Vec<SlotId>,
+    /// Groups of consecutive slots that verify steps keep intermediate states in: the free
+    /// groups' first slots, and the slots of a group.
+    kept_groups: Vec<SlotId>,
+    kept_group_len: usize,
+    /// Groups that a planned selection still copies from; free from the next step on.
+    retired_groups: Vec<SlotId>,
 }
 
 impl KvManager {
@@ -130,7 +139,28 @@ impl KvManager {
             recurrent: false,
             session_pin,
             retired: Vec::new(),
+            kept_groups: Vec::new(),
+            kept_group_len: 0,
+            retired_groups: Vec::new(),
         }
+    }
+
+    /// Verify steps keep a hybrid's state after each draft position, in `groups` groups of
+    /// `group_len` consecutive slots from `first_slot` on: a rejection then takes the state
+    /// at the last accepted token from its group instead of computing the accepted tokens
+    /// again from a snapshot (which sequences fall back to when no group is free).
+    pub(crate) fn with_kept_states(
+        mut self,
+        first_slot: usize,
+        groups: usize,
+        group_len: usize,
+    ) -> Self {
+        self.kept_groups = (0..groups)
+            .rev()
+            .map(|g| SlotId((first_slot + g * group_len) as u32))
+            .collect();
+        self.kept_group_len = group_len;
+        self
     }
 
     /// Keeps computed blocks in a prefix cache for later sequences.
@@ -209,6 +239,32 @@ impl KvManager {
     pub(crate) fn begin_step(&mut self) {
         for spare in std::mem::take(&mut self.retired) {
             self.free_spare(spare);
+        }
+        self.kept_groups.append(&mut self.retired_groups);
+    }
+
+    /// Before a step verifying `drafted` tokens: a group of slots to keep `kv`'s state in
+    /// after each of the run's tokens but the last. False where none is free or a group is
+    /// too short (a snapshot is taken instead).
+    pub(crate) fn keep_states(&mut self, kv: &mut SeqKv, drafted: usize) -> bool {
+        self.drop_kept(kv);
+        if !self.recurrent || kv.slot.is_none() || drafted > self.kept_group_len {
+            return false;
+        }
+        match self.kept_groups.pop() {
+            Some(first) => {
+                self.drop_snapshot(kv);
+                kv.kept = Some(first);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Gives `kv`'s group of kept states back, if it holds one.
+    fn drop_kept(&mut self, kv: &mut SeqKv) {
+        if let Some(first) = kv.kept.take() {
+            self.kept_groups.push(first);
         }
     }
 
@@ -424,6 +480,30 @@ impl KvManager {
         goes_on: bool,
         copies: &mut Copies,
     ) {
+        if let Some(first) = kv.kept {
+            if accepted == drafted {
+                self.drop_kept(kv);
+                kv.computed += drafted;
+                return;
+            }
+            // The state after the last accepted token (the run's token `accepted`) is copied
+            // into the sequence's slot before the next step; its group is free after that.
+            kv.kept = None;
+            match kv.slot.filter(|_| goes_on) {
+                Some(slot) => {
+                    copies
+                        .states
+                        .push((id, SlotId(first.0 + accepted as u32), slot));
+                    self.retired_groups.push(first);
+                }
+                None => self.kept_groups.push(first),
+            }
+            kv.state_ahead = true;
+            kv.computed += accepted;
+            let kept = kv.computed;
+            self.truncate(kv, kept);
+            return;
+        }
         if accepted == drafted {
             kv.computed += drafted;
             self.drop_snapshot(kv);
@@ -458,6 +538,7 @@ impl KvManager {
     /// pinned for `session` if it has one.
     pub(crate) fn release(&mut self, kv: &mut SeqKv, tokens: &[u32], session: Option<&str>) {
         self.drop_snapshot(kv);
+        self.drop_kept(kv);
         kv.restoring = None;
         if let Some(prefix) = &mut self.prefix {
             // Checkpoints past what is computed (a failed step's) are not trusted.

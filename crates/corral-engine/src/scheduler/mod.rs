@@ -76,7 +76,16 @@ pub struct Speculation {
     /// model's). For synthetic weights, whose drafts mean nothing, to time speculation at a
     /// stated acceptance.
     pub forced_acceptance: Option<f64>,
+    /// How a hybrid's recurrent state goes back to the last accepted token after a
+    /// rejection: kept after each draft position during the verify and the accepted one
+    /// taken (true), or snapshotted before it and the accepted tokens computed again.
+    pub keep_states: bool,
 }
+
+/// Most sequences whose verify steps keep a hybrid's state after each draft position at
+/// once (each keeps one state a draft token: tens of MB a state at full size); others
+/// snapshot and compute their accepted tokens again.
+const MAX_KEPT_STATE_GROUPS: usize = 8;
 
 impl Speculation {
     /// `drafter` proposing up to `max_tokens` tokens a step, whatever the batch.
@@ -87,7 +96,26 @@ impl Speculation {
             max_running: usize::MAX,
             adaptive: true,
             forced_acceptance: None,
+            keep_states: true,
         }
+    }
+
+    /// Hybrids roll a rejected draft back by a snapshot and computing the accepted tokens
+    /// again ([`Speculation::keep_states`] off): the alternative, for measuring.
+    pub fn replaying(self) -> Self {
+        Self {
+            keep_states: false,
+            ..self
+        }
+    }
+
+    /// The groups of kept states (of [`Speculation::max_tokens`] slots each) that an engine
+    /// of `max_batch` sequences sets aside for a hybrid model; 0 when it snapshots instead.
+    pub fn kept_state_groups(&self, max_batch: usize) -> usize {
+        if !self.keep_states {
+            return 0;
+        }
+        max_batch.min(self.max_running).min(MAX_KEPT_STATE_GROUPS)
     }
 
     /// Every draft `max_tokens` long, whatever is accepted.
@@ -333,6 +361,15 @@ impl Scheduler {
     /// after the running ones.
     pub fn with_recurrent_state(mut self, snapshot_slots: usize) -> Self {
         self.kv = self.kv.with_recurrent_state(snapshot_slots);
+        self
+    }
+
+    /// Verify steps keep a hybrid's state after each draft position in `groups` groups of
+    /// `group_len` consecutive state slots from `first_slot` on, and a rejection takes the
+    /// state at the last accepted token from there (sequences without a free group snapshot
+    /// and compute their accepted tokens again).
+    pub fn with_kept_states(mut self, first_slot: usize, groups: usize, group_len: usize) -> Self {
+        self.kv = self.kv.with_kept_states(first_slot, groups, group_len);
         self
     }
 
@@ -737,9 +774,13 @@ impl Scheduler {
                     continue;
                 }
             }
-            // A draft is verified against a snapshot of the state to roll back to.
+            // A draft is verified keeping the state after each position, or against a
+            // snapshot of the state to roll back to.
             let seq = &mut self.running[i];
-            if !seq.draft.is_empty() && !self.kv.snapshot(seq.id, &mut seq.kv, copies) {
+            if !seq.draft.is_empty()
+                && !self.kv.keep_states(&mut seq.kv, seq.draft.len())
+                && !self.kv.snapshot(seq.id, &mut seq.kv, copies)
+            {
                 seq.draft.clear();
             }
             // Decode rows count too, so that a step is never more tokens than the budget
@@ -821,6 +862,11 @@ impl Scheduler {
             if let Some(slot) = seq.kv.slot {
                 batch
                     .set_state_slot(seq.id, slot)
+                    .map_err(|e| e.to_string())?;
+            }
+            if let Some(first) = seq.kv.kept.filter(|_| !seq.draft.is_empty()) {
+                batch
+                    .keep_states(seq.id, first)
                     .map_err(|e| e.to_string())?;
             }
         }

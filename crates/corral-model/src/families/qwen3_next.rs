@@ -353,6 +353,7 @@ impl GatedDeltaNet {
             runs: &ws.batch.recurrent_runs,
             num_runs,
             max_run_tokens: ws.max_run_tokens,
+            kept: ws.keeps_states.then_some(&ws.batch.kept_states),
         };
         let (conv_state, recurrent_state) =
             match (state.conv.get_mut(index), state.recurrent.get_mut(index)) {

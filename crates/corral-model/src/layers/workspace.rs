@@ -16,6 +16,9 @@ pub(crate) struct BatchBuffers {
     pub(crate) logit_rows: DeviceBuffer,
     /// `[runs, 4]` for recurrent layers (hybrids).
     pub(crate) recurrent_runs: DeviceBuffer,
+    /// `[runs]`: the first slot keeping each run's intermediate states (hybrids' verify
+    /// steps), read where [`Workspace::keeps_states`].
+    pub(crate) kept_states: DeviceBuffer,
 }
 
 /// Scratch of Gated DeltaNet layers and gated attention (hybrids; one element otherwise).
@@ -67,6 +70,7 @@ macro_rules! for_each_buffer {
             $($by)* ws.batch.block_tables,
             $($by)* ws.batch.logit_rows,
             $($by)* ws.batch.recurrent_runs,
+            $($by)* ws.batch.kept_states,
             $($by)* ws.hybrid.qkv,
             $($by)* ws.hybrid.conv,
             $($by)* ws.hybrid.z,
@@ -123,6 +127,8 @@ pub(crate) struct Workspace {
     pub(crate) max_run_tokens: usize,
     /// Tokens at the batch's start that are one-token runs (decode rows ahead of prefill).
     pub(crate) leading_decode_tokens: usize,
+    /// Whether runs keep their recurrent states after each token (`batch.kept_states`).
+    pub(crate) keeps_states: bool,
     /// Residual stream `[T, H]`.
     pub(crate) x: DeviceBuffer,
     /// Normalised input of a sub-block `[T, H]`, f32 or the type projections take
@@ -211,6 +217,7 @@ impl Workspace {
             num_logit_rows: logit_rows,
             max_run_tokens: tokens,
             leading_decode_tokens: 0,
+            keeps_states: false,
             batch: BatchBuffers {
                 ids: u32_buf(tokens)?,
                 positions: u32_buf(tokens)?,
@@ -219,6 +226,7 @@ impl Workspace {
                 block_tables: u32_buf(runs * table_width)?,
                 logit_rows: u32_buf(logit_rows)?,
                 recurrent_runs: u32_buf(runs * 4)?,
+                kept_states: u32_buf(runs)?,
             },
             hybrid: HybridScratch {
                 qkv: f32_buf(t(channels))?,

@@ -5,13 +5,15 @@ use rayon::prelude::*;
 
 use super::elementwise::silu;
 
-/// One run of a ragged batch: `(first token, tokens, state slot, starts fresh)`.
+/// One run of a ragged batch: `(first token, tokens, state slot, starts fresh)`, and the
+/// first of the slots that keep its state after each token but the last, if any.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Run {
     pub(crate) start: usize,
     pub(crate) len: usize,
     pub(crate) slot: usize,
     pub(crate) fresh: bool,
+    pub(crate) kept: Option<usize>,
 }
 
 /// Raw pointer to per-slot state, shared by work items that touch disjoint slots and heads.
@@ -82,11 +84,18 @@ pub(crate) fn causal_conv1d(
         // The window holds the previous `hist` inputs followed by the current one.
         let mut window = [0.0f32; 16];
         window[..hist].copy_from_slice(history);
-        for t in run.start..run.start + run.len {
+        for (i, t) in (run.start..run.start + run.len).enumerate() {
             window[hist] = x[t * channels + c];
             let y: f32 = w.iter().zip(&window[..kernel]).map(|(a, b)| a * b).sum();
             out_ptr.write(t * channels + c, silu(y));
             window.copy_within(1..kernel, 0);
+            if let Some(kept) = run.kept.filter(|_| i + 1 < run.len) {
+                // SAFETY: kept slots are the run's own (the backend checks), channel `c` this
+                // work item's.
+                #[allow(unsafe_code)]
+                let after = unsafe { state_ptr.slice(((kept + i) * channels + c) * hist, hist) };
+                after.copy_from_slice(&window[..hist]);
+            }
         }
         history.copy_from_slice(&window[..hist]);
     });
@@ -155,11 +164,12 @@ fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
     v
 }
 
-/// The gated delta rule, token by token (decode, and the ground truth); `work` is room.
+/// The gated delta rule, token by token over `tokens` of `x` (decode, and the ground truth);
+/// `work` is room.
 #[allow(clippy::too_many_arguments)]
 fn recurrence(
     x: &HeadInputs,
-    n: usize,
+    tokens: std::ops::Range<usize>,
     dk: usize,
     dv: usize,
     s: &mut [f32],
@@ -167,7 +177,7 @@ fn recurrence(
     work: &mut Vec<f32>,
 ) {
     let p = zeroed(work, dv);
-    for t in 0..n {
+    for t in tokens {
         let (q, k, v) = (
             &x.q[t * dk..(t + 1) * dk],
             &x.k[t * dk..(t + 1) * dk],
@@ -343,9 +353,22 @@ pub(crate) fn delta_rule(
                 x.beta.push(beta[t * nv + j]);
             }
             let o = zeroed(o, n * dv);
-            // As transformers: the recurrence for single tokens, the chunked form otherwise.
-            if n == 1 {
-                recurrence(x, n, dk, dv, s, o, work);
+            // As transformers: the recurrence for single tokens, the chunked form otherwise;
+            // a run keeping its states goes token by token, its state copied after each.
+            if let Some(kept) = run.kept {
+                for i in 0..n {
+                    recurrence(x, i..i + 1, dk, dv, s, o, work);
+                    if i + 1 < n {
+                        // SAFETY: kept slots are the run's own (the backend checks), value
+                        // head `j` this work item's.
+                        #[allow(unsafe_code)]
+                        let after =
+                            unsafe { state_ptr.slice(((kept + i) * nv + j) * dk * dv, dk * dv) };
+                        after.copy_from_slice(s);
+                    }
+                }
+            } else if n == 1 {
+                recurrence(x, 0..n, dk, dv, s, o, work);
             } else {
                 chunked(x, n, dk, dv, s, o, work);
             }
@@ -418,7 +441,7 @@ mod tests {
             let s0: Vec<f32> = (0..dk * dv).map(|_| rnd() - 0.5).collect();
             let (mut s_rec, mut s_chunk) = (s0.clone(), s0);
             let (mut o_rec, mut o_chunk) = (vec![0.0; n * dv], vec![0.0; n * dv]);
-            recurrence(&x, n, dk, dv, &mut s_rec, &mut o_rec, &mut Vec::new());
+            recurrence(&x, 0..n, dk, dv, &mut s_rec, &mut o_rec, &mut Vec::new());
             chunked(&x, n, dk, dv, &mut s_chunk, &mut o_chunk, &mut Vec::new());
             for (a, b) in o_rec.iter().zip(&o_chunk).chain(s_rec.iter().zip(&s_chunk)) {
                 prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{} vs {}", a, b);

@@ -2,9 +2,26 @@
 // gated delta rule on each value head's fp32 state, as a token-by-token recurrence (decode)
 // and in the chunked form (prefill, below). Runs come as U32 [runs, 4]: first token, token
 // count, state slot, and 1 when the sequence starts there (state taken as 0). A run beyond
-// the batch or a slot beyond the state pool raises ERR_STATE_SLOT and is skipped.
+// the batch or a slot beyond the state pool raises ERR_STATE_SLOT and is skipped. The
+// convolution and the recurrence may also keep each run's state after each of its tokens but
+// the last: `kept` (null for none) is U32 [runs], the first of len - 1 consecutive slots
+// (NO_KEPT: none), for a speculative verify to continue from any accepted position.
 
 #define CONV_MAX_KERNEL 16
+#define NO_KEPT 0xffffffffu
+
+// The first slot keeping run r's states after its tokens, or NO_KEPT; a range beyond the
+// pool raises ERR_STATE_SLOT and keeps nothing.
+__device__ __forceinline__ u32 kept_of(const u32* kept, u32 r, u32 len, u32 slots, Diag* diag) {
+    if (kept == nullptr || len < 2) return NO_KEPT;
+    u32 k = kept[r];
+    if (k == NO_KEPT) return NO_KEPT;
+    if (k >= slots || len - 1 > slots - k) {
+        if (threadIdx.x == 0) raise_error(diag, ERR_STATE_SLOT);
+        return NO_KEPT;
+    }
+    return k;
+}
 
 __device__ __forceinline__ bool run_of(const u32* runs, u32 r, u32 tokens, u32 slots, u32* start,
                                        u32* len, u32* slot, bool* fresh, Diag* diag) {
@@ -33,7 +50,7 @@ __device__ __forceinline__ bool run_of(const u32* runs, u32 r, u32 tokens, u32 s
 // replaced. Grid: (ceil(channels / 32), tiles of the longest run, runs); block: 256 threads.
 extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) causal_conv1d(
     const float* x, const float* weight, u32 channels, u32 kernel, const u32* runs, u32 tokens,
-    u32 slots, float* state, float* out, Diag* diag) {
+    u32 slots, float* state, float* out, const u32* kept, Diag* diag) {
     begin_small_kernel();
     __shared__ float old_history[CONV_MAX_KERNEL][CONV_CHANNELS];
     u32 lane = threadIdx.x % CONV_CHANNELS, warp = threadIdx.x / CONV_CHANNELS;
@@ -80,6 +97,15 @@ extern "C" __global__ void __launch_bounds__(CONV_CHANNELS * CONV_TOKEN_LANES) c
             out[(size_t)(start + t0 + s) * channels + c] = silu(y);
         }
     }
+    // The history after token t of this warp's span: inputs t + 1 .. t + hist.
+    u32 keep = kept_of(kept, r, len, slots, diag);
+    if (ok && keep != NO_KEPT)
+        for (u32 s = 0; s < CONV_SPAN; s++) {
+            u32 t = t0 + s;
+            if (t + 1 >= len) break;
+            float* after = state + ((size_t)(keep + t) * channels + c) * hist;
+            for (u32 i = 0; i < hist; i++) after[i] = input(t + 1 + i);
+        }
     __syncthreads();
     if (ok && first)
         for (u32 i = warp; i < hist; i += CONV_TOKEN_LANES) history[i] = input(len + i);
@@ -124,7 +150,7 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float2* scratch32
 __device__ __forceinline__ void gated_delta_rule_impl(const float* qkv, const float* g, const float* beta,
                                       u32 nk, u32 nv, u32 dk, u32 dv, const u32* runs,
                                       u32 tokens, u32 slots, float* state, float* out,
-                                      Diag* diag) {
+                                      const u32* kept, Diag* diag) {
     __shared__ float q_s[2 * DR_MAX_ROWS], k_s[2 * DR_MAX_ROWS];
     __shared__ float2 scratch[32];
     u32 r = blockIdx.x, j = blockIdx.y;
@@ -137,6 +163,7 @@ __device__ __forceinline__ void gated_delta_rule_impl(const float* qkv, const fl
     u32 kh = j / (nv / nk);
     u32 width = 2 * nk * dk + nv * dv;
     float* s_global = state + ((size_t)slot * nv + j) * dk * dv;
+    u32 keep = kept_of(kept, r, len, slots, diag);
     float s[DR_MAX_ROWS];
 #pragma unroll
     for (int i = 0; i < DR_MAX_ROWS; i++) {
@@ -190,6 +217,14 @@ __device__ __forceinline__ void gated_delta_rule_impl(const float* qkv, const fl
         }
         o += __shfl_xor_sync(0xffffffffu, o, 1);
         if (live && h == 0) out[((size_t)t * nv + j) * dv + e] = o;
+        if (keep != NO_KEPT && t + 1 < start + len) {
+            float* after = state + ((size_t)(keep + t - start) * nv + j) * dk * dv;
+#pragma unroll
+            for (int i = 0; i < DR_MAX_ROWS; i++) {
+                u32 a = row0 + i;
+                if (live && i < (int)rows && a < dk) after[(size_t)a * dv + e] = s[i];
+            }
+        }
     }
 #pragma unroll
     for (int i = 0; i < DR_MAX_ROWS; i++) {
@@ -201,10 +236,11 @@ __device__ __forceinline__ void gated_delta_rule_impl(const float* qkv, const fl
 #define GATED_DELTA_RULE(NAME, MAX_THREADS)                                                   \
     extern "C" __global__ void __launch_bounds__(MAX_THREADS) NAME(                           \
         const float* qkv, const float* g, const float* beta, u32 nk, u32 nv, u32 dk, u32 dv,  \
-        const u32* runs, u32 tokens, u32 slots, float* state, float* out, Diag* diag) {       \
+        const u32* runs, u32 tokens, u32 slots, float* state, float* out, const u32* kept,     \
+        Diag* diag) {                                                                         \
         begin_small_kernel();                                                                 \
         gated_delta_rule_impl(qkv, g, beta, nk, nv, dk, dv, runs, tokens, slots, state, out,  \
-                              diag);                                                          \
+                              kept, diag);                                                    \
     }
 GATED_DELTA_RULE(gated_delta_rule_256, 256)
 GATED_DELTA_RULE(gated_delta_rule, 1024)
