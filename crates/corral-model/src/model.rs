@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
+use corral_backend::{Backend, DType};
 
 use crate::batch::RaggedBatch;
 use crate::checkpoint::{Checkpoint, GgufCheckpoint};
@@ -380,6 +380,38 @@ impl Model {
         logits: &mut Vec<f32>,
         hidden_out: &mut Vec<f32>,
     ) -> Result<ForwardReport> {
+        self.check_mtp_input(batch, hidden)?;
+        self.run_with(
+            batch,
+            cache,
+            None,
+            Some(hidden),
+            &mut StepOutput::LogitsAndHidden(logits, hidden_out),
+        )
+    }
+
+    /// [`Model::forward_mtp`] with the logits rows reduced where they are ([`SampledStep`])
+    /// instead of read back whole: a drafter's greedy pick costs a few words a row.
+    pub fn forward_mtp_sampled(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        hidden: &[f32],
+        step: &mut SampledStep,
+        hidden_out: &mut Vec<f32>,
+    ) -> Result<ForwardReport> {
+        self.check_mtp_input(batch, hidden)?;
+        self.run_with(
+            batch,
+            cache,
+            None,
+            Some(hidden),
+            &mut StepOutput::SampledAndHidden(step, hidden_out),
+        )
+    }
+
+    /// `hidden` is a row of the model's width for every token of `batch`.
+    fn check_mtp_input(&self, batch: &RaggedBatch, hidden: &[f32]) -> Result<()> {
         let len = batch.num_tokens() * self.config().hidden_size;
         if hidden.len() != len {
             return Err(ModelError::InvalidBatch(format!(
@@ -389,22 +421,7 @@ impl Model {
                 self.config().hidden_size
             )));
         }
-        let backend = self.backend.as_ref();
-        let mut buffer = backend.take_buffer(DType::F32, len, BufferUsage::Activations)?;
-        let result = backend
-            .upload_f32(hidden, &mut buffer)
-            .map_err(ModelError::from)
-            .and_then(|()| {
-                self.run_with(
-                    batch,
-                    cache,
-                    None,
-                    Some(&buffer),
-                    &mut StepOutput::LogitsAndHidden(logits, hidden_out),
-                )
-            });
-        backend.give_buffer(buffer);
-        result
+        Ok(())
     }
 
     /// One step, run where the backend runs steps best ([`Backend::run_step`]).
@@ -424,7 +441,7 @@ impl Model {
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
         mut state: Option<&mut RecurrentStateCache>,
-        hidden: Option<&DeviceBuffer>,
+        hidden: Option<&[f32]>,
         out: &mut StepOutput<'_>,
     ) -> Result<ForwardReport> {
         let model = StepModel {

@@ -120,6 +120,8 @@ struct GraphKey {
     all_hidden: bool,
     /// Whether runs keep their recurrent states after each token.
     keeps_states: bool,
+    /// Whether the step takes an MTP head's hidden-state input.
+    mtp_input: bool,
 }
 
 /// A step shape's workspace and, once recorded, its graph.
@@ -174,7 +176,7 @@ impl StepRunner {
         batch: &RaggedBatch,
         cache: &mut PagedKvCache,
         mut state: Option<&mut RecurrentStateCache>,
-        hidden: Option<&DeviceBuffer>,
+        hidden: Option<&[f32]>,
         out: &mut StepOutput<'_>,
     ) -> Result<ForwardReport> {
         let backend = model.backend;
@@ -269,14 +271,11 @@ impl StepRunner {
         // so that a graph lasts GRAPH_WIDTH_STEP blocks. (Padded also with graphs off, so
         // that eager steps run the very same kernels.)
         let uniform = batch.runs().iter().all(|r| r.len == max_run_tokens);
-        // (Not a step with an MTP head's hidden-state input, a buffer of the caller's whose
-        // address a graph would keep.)
         let all_hidden = matches!(
             out,
             StepOutput::LogitsAndAllHidden(..) | StepOutput::SampledAndAllHidden(..)
         );
         let graph_shaped = backend.records_graphs()
-            && hidden.is_none()
             && uniform
             && max_run_tokens <= MAX_GRAPH_RUN_TOKENS
             && !model.strategy.syncs_host(tokens);
@@ -302,6 +301,19 @@ impl StepRunner {
             if keeps_states {
                 backend.upload_u32(kept_states, &mut ws.batch.kept_states)?;
             }
+            if let (Some(hidden), Some(input)) = (hidden, ws.mtp_input.as_mut()) {
+                backend.upload_f32(hidden, input)?;
+            }
+            Ok(())
+        };
+        let mtp_input = |ws: &mut Workspace| -> Result<()> {
+            if let Some(hidden) = hidden {
+                ws.mtp_input = Some(backend.take_buffer(
+                    DType::F32,
+                    hidden.len(),
+                    BufferUsage::Activations,
+                )?);
+            }
             Ok(())
         };
         let forward = |ws: &mut Workspace,
@@ -309,7 +321,9 @@ impl StepRunner {
                        state: Option<&mut RecurrentStateCache>,
                        moe_stats: &mut DispatchStats|
          -> Result<()> {
-            model.family.forward(StepCtx {
+            // The head's input is the workspace's own buffer, lent to the forward.
+            let input = ws.mtp_input.take();
+            let ran = model.family.forward(StepCtx {
                 backend,
                 batch,
                 cache,
@@ -317,8 +331,10 @@ impl StepRunner {
                 ws,
                 strategy: model.strategy,
                 moe_stats,
-                hidden,
-            })
+                hidden: input.as_ref(),
+            });
+            ws.mtp_input = input;
+            ran
         };
         let result = if graphable {
             let key = GraphKey {
@@ -332,6 +348,7 @@ impl StepRunner {
                 state: state.as_deref().map_or(0, RecurrentStateCache::id),
                 all_hidden,
                 keeps_states,
+                mtp_input: hidden.is_some(),
             };
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
             // Graphs of another cache are dead (each is bound to its caches' memory); past the
@@ -363,6 +380,7 @@ impl StepRunner {
                     if all_hidden {
                         ws.all_hidden = Some(all_hidden_buffer(backend, tokens, config)?);
                     }
+                    mtp_input(&mut ws)?;
                     e.insert(GraphEntry {
                         ws,
                         graph: None,
@@ -414,6 +432,10 @@ impl StepRunner {
             if all_hidden {
                 ws.all_hidden = Some(all_hidden_buffer(backend, tokens, config)?);
             }
+            if let Err(e) = mtp_input(&mut ws) {
+                ws.give(backend);
+                return Err(e);
+            }
             ws.max_run_tokens = max_run_tokens;
             ws.leading_decode_tokens = leading_decode_tokens;
             let result = (|| {
@@ -464,6 +486,9 @@ pub(crate) enum StepOutput<'a> {
     /// Every wanted row reduced on the device, and every token's final hidden state after
     /// the final norm, `[tokens, hidden]`.
     SampledAndAllHidden(&'a mut SampledStep, &'a mut Vec<f32>),
+    /// Every wanted row reduced on the device, and its final hidden state after the final
+    /// norm, `[rows, hidden]` (an MTP head's draft and its next pass's input).
+    SampledAndHidden(&'a mut SampledStep, &'a mut Vec<f32>),
 }
 
 /// A step's sampling on the device: penalties applied to the logits where they are, each row
@@ -535,6 +560,13 @@ fn read_out(
         StepOutput::Sampled(step) => step,
         StepOutput::SampledAndAllHidden(step, hidden) => {
             download_all_hidden(backend, ws, hidden)?;
+            step
+        }
+        StepOutput::SampledAndHidden(step, hidden) => {
+            hidden.resize(rows * width, 0.0);
+            if rows > 0 {
+                backend.download_f32(&ws.rows_normed, hidden)?;
+            }
             step
         }
     };

@@ -654,3 +654,69 @@ fn check_hybrid_gguf_files(backend: Arc<dyn Backend>, precise_experts: bool) {
         failures.join("\n")
     );
 }
+
+/// An MTP head's drafting passes on the GPU: one row a pass on its own cache, each taking
+/// the head's own last output (as a drafter chains drafts). Replayed from recorded graphs
+/// (the hidden-state input uploaded into the workspace's buffer), they give the eager
+/// passes' logits and outputs bit for bit, and the device's greedy picks equal the argmax
+/// of those logits.
+#[test]
+fn mtp_head_passes_replay_from_graphs_bit_for_bit() {
+    let Some(backend) = gpu(DType::BF16) else {
+        return;
+    };
+    let name = "qwen3_5_moe_mtp";
+    let passes = |graphs: bool| {
+        let mut head = Model::load_mtp(&fixture_dir(name), Arc::clone(&backend), &mut |_, _| {})
+            .expect("the fixture's MTP head");
+        head.set_graphs(graphs);
+        let h = head.config().hidden_size;
+        let vocab = head.config().vocab_size;
+        let (mut kv, _, table) = common::caches(&head, 64);
+        let mut input: Vec<f32> = (0..h)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        let (mut logits, mut out, mut picks) = (Vec::new(), Vec::new(), Vec::new());
+        let mut sampled_out = Vec::new();
+        let mut token = 5u32;
+        let mut bits = Vec::new();
+        let mut replays = Vec::new();
+        for position in 0..10 {
+            let mut batch = RaggedBatch::new(common::BLOCK_SIZE);
+            batch
+                .push_run(
+                    SeqId(1),
+                    &[TokenId(token)],
+                    position,
+                    &table,
+                    LogitsWanted::Last,
+                )
+                .unwrap();
+            let report = head
+                .forward_mtp(&batch, &mut kv, &input, &mut logits, &mut out)
+                .unwrap();
+            replays.push(report.stats.graph_replays);
+            // The same pass again, reduced on the device (it rewrites the same KV row).
+            let mut step = corral_model::SampledStep::default();
+            let greedy = corral_backend::sampling::Filter::GREEDY;
+            step.rows.push((greedy, greedy.draw(0)));
+            let _ = head
+                .forward_mtp_sampled(&batch, &mut kv, &input, &mut step, &mut sampled_out)
+                .unwrap();
+            let pick = step.candidates[0].top[0].0;
+            assert_eq!(pick, argmax(&logits[..vocab]), "pass {position}");
+            assert_eq!(sampled_out, out, "pass {position}: the head's output");
+            picks.push(pick);
+            bits.extend(logits.iter().chain(&out).map(|v| v.to_bits()));
+            token = pick;
+            input.clone_from(&out);
+        }
+        (bits, picks, replays)
+    };
+    let (graphed, graphed_picks, replays) = passes(true);
+    let (eager, eager_picks, eager_replays) = passes(false);
+    assert_eq!(graphed_picks, eager_picks);
+    assert!(graphed == eager, "graphed passes differ from eager ones");
+    assert!(replays[2..].iter().all(|&r| r == 1), "replays {replays:?}");
+    assert!(eager_replays.iter().all(|&r| r == 0));
+}

@@ -13,7 +13,10 @@
 
 use std::collections::HashMap;
 
-use corral_model::{BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId};
+use corral_backend::sampling::Filter;
+use corral_model::{
+    BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SampledStep, SeqId, TokenId,
+};
 
 use crate::{Drafter, EngineError, KvBlockPool, argmax};
 
@@ -46,7 +49,8 @@ pub struct MtpDrafter {
     /// Most sequences kept at once.
     capacity: usize,
     clock: u64,
-    logits: Vec<f32>,
+    /// The greedy reduction of each pass's rows.
+    picks: SampledStep,
     out: Vec<f32>,
     input: Vec<f32>,
 }
@@ -80,7 +84,7 @@ impl MtpDrafter {
             seqs: HashMap::new(),
             capacity: sequences.max(1),
             clock: 0,
-            logits: Vec::new(),
+            picks: SampledStep::default(),
             out: Vec::new(),
             input: Vec::new(),
             head,
@@ -150,18 +154,30 @@ impl MtpDrafter {
                 .push_run(seq, ids, position, table, LogitsWanted::Last)
                 .map_err(|e| e.to_string())?;
         }
+        // Each run's last row reduced to its top token where it is computed.
+        let rows = runs.len();
+        let step = &mut self.picks;
+        step.rows.clear();
+        step.rows
+            .resize(rows, (Filter::GREEDY, Filter::GREEDY.draw(0)));
+        step.penalties.clear();
+        step.logprobs.clear();
         let _ = self
             .head
-            .forward_mtp(
-                &batch,
-                &mut self.cache,
-                hidden,
-                &mut self.logits,
-                &mut self.out,
-            )
+            .forward_mtp_sampled(&batch, &mut self.cache, hidden, step, &mut self.out)
             .map_err(|e| e.to_string())?;
-        let vocab = self.head.config().vocab_size;
-        Ok(self.logits.chunks_exact(vocab).map(argmax).collect())
+        step.candidates
+            .iter()
+            .zip(&step.full_rows)
+            .map(|(c, full)| match full {
+                Some(logits) => Ok(argmax(logits)),
+                None => c
+                    .top
+                    .first()
+                    .map(|&(id, _)| id)
+                    .ok_or_else(|| "a row without candidates".to_string()),
+            })
+            .collect()
     }
 
     /// Drafts for every one of `prepared` at once: a first pass over all their unseen rows,

@@ -166,6 +166,9 @@ pub(crate) struct Workspace {
     /// `[T, H]` f32: every token's final hidden state after the final norm, where a step
     /// reads them all back (an MTP drafter's input).
     pub(crate) all_hidden: Option<DeviceBuffer>,
+    /// An MTP head's step: `[T, H]`, the model's hidden states it takes (uploaded each step,
+    /// so that a recorded graph reads them from one place).
+    pub(crate) mtp_input: Option<DeviceBuffer>,
 }
 
 impl Workspace {
@@ -278,6 +281,7 @@ impl Workspace {
             draws: u32_buf(logit_rows * DRAW_WORDS)?,
             candidates: u32_buf(logit_rows * CANDIDATE_ROW_WORDS)?,
             all_hidden: None,
+            mtp_input: None,
         })
     }
 
@@ -285,12 +289,20 @@ impl Workspace {
     pub(crate) fn size_bytes(&self) -> usize {
         let mut total = 0;
         for_each_buffer!(self, [&], |b: &DeviceBuffer| total += b.size_bytes());
-        total + self.all_hidden.as_ref().map_or(0, DeviceBuffer::size_bytes)
+        total
+            + [&self.all_hidden, &self.mtp_input]
+                .into_iter()
+                .flatten()
+                .map(DeviceBuffer::size_bytes)
+                .sum::<usize>()
     }
 
     /// Gives every buffer back to the pool.
     pub(crate) fn give(mut self, backend: &dyn Backend) {
-        if let Some(b) = self.all_hidden.take() {
+        for b in [self.all_hidden.take(), self.mtp_input.take()]
+            .into_iter()
+            .flatten()
+        {
             backend.give_buffer(b);
         }
         for_each_buffer!(self, [], |b: DeviceBuffer| backend.give_buffer(b));
