@@ -243,18 +243,20 @@ impl Drafter for FixedDrafter {
 /// A decode step verifying a draft of 3 asks for 1 + 3 logits rows; the output step
 /// accepts the draft while the rows sample it (here 1 of 3), sends the accepted token
 /// and the row's own, and cuts what was rejected: without recurrent state the KV keeps
-/// the accepted tokens, with it the state is snapshotted before the step and copied back
-/// before the next (which computes the accepted tokens again). A hybrid's prompt stops one
-/// short of its end first, for its state checkpoint.
+/// the accepted tokens, with it either the verify keeps the state after each draft position
+/// in a group of slots and the one after the accepted token is copied into the sequence's
+/// slot before the next step, or (no group) the state is snapshotted before the step and
+/// copied back before the next (which computes the accepted tokens again). A hybrid's prompt
+/// stops one short of its end first, for its state checkpoint.
 #[test]
 fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() {
-    for recurrent in [false, true] {
+    for (recurrent, kept) in [(false, false), (true, false), (true, true)] {
         let base = Scheduler::new(config(2), KvBlockPool::new(16, 4))
             .with_drafter(Box::new(FixedDrafter(3, vec![10, 11, 12])), 3);
-        let mut s = if recurrent {
-            base.with_state_checkpoints(2, 2)
-        } else {
-            base
+        let mut s = match (recurrent, kept) {
+            (false, _) => base,
+            (true, false) => base.with_state_checkpoints(2, 2),
+            (true, true) => base.with_state_checkpoints(2, 2).with_kept_states(4, 1, 3),
         };
         let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
         s.add(EngineRequest {
@@ -298,12 +300,18 @@ fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() 
         assert_eq!(plan.batch.runs()[0].first_position, 3);
         assert_eq!(plan.batch.logit_rows().len(), 4);
         let slot = s.running[0].kv.slot.unwrap();
-        if recurrent {
+        if recurrent && !kept {
             assert_eq!(plan.state_copies.len(), 1, "a snapshot before the verify");
             assert_eq!(plan.state_copies[0].1, slot);
         } else {
             assert!(plan.state_copies.is_empty());
         }
+        let kept_states = plan.batch.runs()[0].kept_states;
+        assert_eq!(
+            kept_states,
+            kept.then_some(SlotId(4)),
+            "states kept in the group"
+        );
         let counts = s.finish_step(
             plan,
             &mut favour(&[10, 7, 3, 3]),
@@ -314,7 +322,7 @@ fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() 
         assert_eq!(counts.generated_tokens, 2);
         let seq = &s.running[0];
         assert_eq!(seq.tokens, [1, 2, 3, 9, 10, 7]);
-        let computed = if recurrent { 3 } else { 5 };
+        let computed = if recurrent && !kept { 3 } else { 5 };
         assert_eq!(seq.kv.computed, computed);
         assert_eq!(
             seq.kv.table.blocks.len(),
@@ -336,12 +344,68 @@ fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() 
             let (_, from, to) = plan.state_copies[0];
             assert_eq!(to, slot, "the roll-back comes first");
             assert_ne!(from, slot);
+            if kept {
+                assert_eq!(from, SlotId(5), "the state after 10, the accepted token");
+            }
+        }
+        if recurrent && !kept {
             assert_eq!(plan.runs[0].tokens, 3, "9, 10 again, then 7");
         } else {
             assert_eq!(plan.runs[0].tokens, 1 + 3, "7, then the next draft");
         }
+        if kept {
+            // The group copied from is free again: this step's verify keeps its states there.
+            assert_eq!(plan.batch.runs()[0].kept_states, Some(SlotId(4)));
+        }
         s.fail_step(plan, "end of test");
         assert!(s.is_idle());
+    }
+}
+
+/// A sequence whose draft ends it part-way (a stop id accepted, the draft's later tokens
+/// never used) gives its group of kept states back with its slot, and the next sequence
+/// keeps its states in the same group.
+#[test]
+fn a_sequence_ended_within_its_draft_gives_its_kept_states_back() {
+    let mut s = Scheduler::new(config(2), KvBlockPool::new(16, 4))
+        .with_drafter(Box::new(FixedDrafter(3, vec![10, 11, 12])), 3)
+        .with_state_checkpoints(2, 2)
+        .with_kept_states(4, 1, 3);
+    let vocab = 16;
+    let favour = |rows: &[u32]| {
+        let mut logits = vec![0.0f32; rows.len() * vocab];
+        for (r, &t) in rows.iter().enumerate() {
+            logits[r * vocab + t as usize] = 10.0;
+        }
+        logits
+    };
+    for round in 0..2 {
+        let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
+        s.add(EngineRequest {
+            events,
+            stop_token_ids: vec![11],
+            ..request(&[1, 2, 3], 16)
+        });
+        // The prompt (one short of its end, then its last token), then a verify of 9 and
+        // the draft 10, 11, 12: 10 and 11 are accepted, and 11 ends the sequence.
+        let mut verified = false;
+        while let Some(plan) = s.step() {
+            let rows = plan.runs[0].logits;
+            let keeps = plan.batch.runs()[0].kept_states;
+            let mut logits = match rows {
+                0 => Vec::new(),
+                1 => favour(&[9]),
+                _ => {
+                    assert_eq!(keeps, Some(SlotId(4)), "round {round}: the group is free");
+                    verified = true;
+                    favour(&[10, 11, 5, 5])
+                }
+            };
+            let _ = s.finish_step(plan, &mut logits, vocab, DispatchStats::default());
+        }
+        assert!(verified, "round {round}: a verify step ran");
+        assert!(s.is_idle(), "round {round}");
+        assert_eq!(s.slots_in_use(), 0, "round {round}");
     }
 }
 
