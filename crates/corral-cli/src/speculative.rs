@@ -158,6 +158,28 @@ impl Speculative {
         }
     }
 
+    /// The recurrent states an engine of `max_batch` sequences keeps after each draft
+    /// position for `self` beside a `hybrid` model (`graphs`: the backend records graphs;
+    /// `head`: an MTP head drafts), for its memory plan: none where it does not speculate,
+    /// replays, or the model keeps no state.
+    pub(crate) fn kept_state_slots(
+        self,
+        (hybrid, graphs, head): (bool, bool, bool),
+        max_batch: usize,
+    ) -> usize {
+        let (drafts, running) = match self {
+            Self::Off => return 0,
+            Self::Auto if graphs => return 0,
+            Self::Auto if head => (Drafts::adaptive(DEFAULT_MTP_TOKENS), AUTO_MAX_RUNNING),
+            Self::Auto => (Drafts::adaptive(DEFAULT_LOOKUP_TOKENS), AUTO_MAX_RUNNING),
+            Self::Mtp(k) | Self::Lookup(k) | Self::MtpLookup(k) => (k, usize::MAX),
+        };
+        if !hybrid || drafts.replay {
+            return 0;
+        }
+        corral_engine::kept_state_groups(max_batch.max(1), running) * drafts.max
+    }
+
     /// The MTP head `self` drafts with, loaded from `args`' checkpoint onto `model`'s backend:
     /// `None` where it drafts without one (`auto` where the checkpoint has none).
     pub(crate) fn head(self, args: &ModelArgs, model: &Model) -> Result<Option<Model>> {

@@ -290,7 +290,9 @@ fn plan_reads_a_gguf_file_as_its_checkpoint_directory() {
 
 /// `plan --speculative` counts an MTP head as `serve` does: its weights (with its copies of
 /// the embedding and LM head) and its one layer's KV a token; `auto` does on the CPU and not
-/// where decode replays graphs; asking for the head of a model without one fails.
+/// where decode replays graphs; asking for the head of a model without one fails. A
+/// hybrid's speculation also keeps K recurrent states a drafting sequence (none with
+/// `:replay`).
 #[test]
 fn plan_counts_the_mtp_head_that_speculation_loads() {
     let plan = |args: &[&str]| {
@@ -321,7 +323,21 @@ fn plan_counts_the_mtp_head_that_speculation_loads() {
         (
             needs["weights"].as_u64().unwrap(),
             needs["kv_per_token"].as_u64().unwrap(),
+            needs["workspace"].as_u64().unwrap(),
+            needs["state_per_sequence"].as_u64().unwrap(),
         )
+    };
+    let kept = needs("qwen3_5_moe_mtp", "lookup:4", "cpu");
+    let replayed = needs("qwen3_5_moe_mtp", "lookup:4:replay", "cpu");
+    let extra = kept.2 - replayed.2;
+    assert!(
+        extra > 0 && extra % (4 * kept.3) == 0,
+        "kept states: {extra} bytes beside {} a state",
+        kept.3
+    );
+    let needs = |model: &str, speculative: &str, device: &str| {
+        let n = needs(model, speculative, device);
+        (n.0, n.1)
     };
     for model in ["qwen3_5_moe_mtp", "gguf/hybrid/qwen35moe.mtp.q4_k_m.gguf"] {
         let off = needs(model, "off", "cpu");

@@ -41,7 +41,9 @@ pub use metrics::EngineMetrics;
 pub use plan::{MemoryNeeds, MemoryPlan, PlanRequest, mem_available, plan};
 pub use request::{EngineRequest, Event, FinishReason, Finished, RequestHandle, TokenEvent};
 pub use sampler::{Sampler, SamplingParams, argmax};
-pub use scheduler::{Drafter, Scheduler, SchedulerConfig, Speculation, StepPlan};
+pub use scheduler::{
+    Drafter, Scheduler, SchedulerConfig, Speculation, StepPlan, kept_state_groups,
+};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// Tokens per KV block.

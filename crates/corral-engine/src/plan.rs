@@ -66,6 +66,12 @@ impl MemoryNeeds {
         self.weights += weights;
         self.kv_per_token += kv_per_token;
     }
+
+    /// `slots` recurrent states that verify steps keep after each draft position (a
+    /// hybrid's speculation), beside the running and checkpointed ones.
+    pub fn add_kept_states(&mut self, slots: usize) {
+        self.workspace += slots as u64 * self.state_per_sequence;
+    }
 }
 
 /// f32 activations of one prefill step of `tokens` tokens, the largest layer's worth live at

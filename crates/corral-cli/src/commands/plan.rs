@@ -149,6 +149,10 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         let kv = config.mtp()?.kv_bytes_per_token(kv_dtype) as u64;
         needs.add_draft_head(head + copied, kv);
     }
+    needs.add_kept_states(args.speculative.kept_state_slots(
+        (config.hybrid.is_some(), graphs, drafting && head > 0),
+        args.concurrency,
+    ));
     let context = args.context.unwrap_or(config.max_context());
     if context > config.max_context() {
         bail!(

@@ -234,6 +234,14 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 drafter_head: head
                     .as_ref()
                     .map(|h| (h.weight_bytes() as u64, head_kv as u64)),
+                kept_states: args.speculative.kept_state_slots(
+                    (
+                        model.is_hybrid(),
+                        model.backend().records_graphs(),
+                        head.is_some(),
+                    ),
+                    args.max_batch,
+                ),
             };
             let sized =
                 serve_plan::plan_serving(&model, &args.model.describe(), &shape, host_before_load)?;

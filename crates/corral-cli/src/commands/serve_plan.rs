@@ -45,6 +45,8 @@ pub(crate) struct ServeShape {
     /// An MTP head drafting beside the model: its weight bytes, and its KV bytes a token
     /// (its cache holds as many tokens as the model's).
     pub(crate) drafter_head: Option<(u64, u64)>,
+    /// Recurrent states verify steps keep after each draft position (a hybrid drafting).
+    pub(crate) kept_states: usize,
 }
 
 /// Device buffers the KV pool and recurrent states take: K and V for each attention layer,
@@ -75,6 +77,7 @@ pub(crate) fn plan_serving(
             MemoryNeeds::with_workspace(config, weights, kv_dtype, fixed + step, BLOCK_SIZE);
         // (The head's weights are in `weights`: it is loaded, as the model is.)
         needs.add_draft_head(0, head_kv);
+        needs.add_kept_states(shape.kept_states);
         needs
     };
     let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;

@@ -87,6 +87,13 @@ pub struct Speculation {
 /// snapshot and compute their accepted tokens again.
 const MAX_KEPT_STATE_GROUPS: usize = 8;
 
+/// The groups of kept states an engine of `max_batch` sequences, drafting while at most
+/// `max_running` run, sets aside for a hybrid model (for memory plans made before the
+/// drafter).
+pub fn kept_state_groups(max_batch: usize, max_running: usize) -> usize {
+    max_batch.min(max_running).min(MAX_KEPT_STATE_GROUPS)
+}
+
 impl Speculation {
     /// `drafter` proposing up to `max_tokens` tokens a step, whatever the batch.
     pub fn new(drafter: Box<dyn Drafter>, max_tokens: usize) -> Self {
@@ -115,7 +122,7 @@ impl Speculation {
         if !self.keep_states {
             return 0;
         }
-        max_batch.min(self.max_running).min(MAX_KEPT_STATE_GROUPS)
+        kept_state_groups(max_batch, self.max_running)
     }
 
     /// Every draft `max_tokens` long, whatever is accepted.
