@@ -69,6 +69,28 @@ impl QuantFormat {
     }
 }
 
+/// Encodes `values` (a multiple of 32) as Q8_0 blocks: per 32 values the scale
+/// `d = max|x| / 127` (f16) and each `round(x / d)` as a signed byte.
+pub fn encode_q8_0(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(QuantFormat::Q8_0.bytes_of(values.len()));
+    for block in values.chunks(32) {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = half::f16::from_f32(amax / 127.0);
+        let inv = if d.to_f32() > 0.0 {
+            1.0 / d.to_f32()
+        } else {
+            0.0
+        };
+        out.extend_from_slice(&d.to_bits().to_le_bytes());
+        out.extend(
+            block
+                .iter()
+                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+        );
+    }
+    out
+}
+
 /// Decodes `bytes` of `format` into `out` (one f32 per value): whole blocks, as many as
 /// `out` holds.
 pub fn dequantize(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
@@ -297,6 +319,28 @@ fn decode_f8_x128(b: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Q8_0 blocks decode to their values within half a step of each block's scale, a
+    /// block's largest value exactly (up to the f16 scale), and zeros to zeros.
+    #[test]
+    fn q8_0_encoding_decodes_within_half_a_step() {
+        let values: Vec<f32> = (0..256)
+            .map(|i| ((i * 7919 % 263) as f32 - 131.0) / 37.0 * if i < 64 { 0.01 } else { 1.0 })
+            .chain(std::iter::repeat_n(0.0, 32))
+            .collect();
+        let blocks = encode_q8_0(&values);
+        assert_eq!(blocks.len(), QuantFormat::Q8_0.bytes_of(values.len()));
+        let mut back = vec![0.0; values.len()];
+        dequantize(QuantFormat::Q8_0, &blocks, &mut back);
+        for (block, decoded) in values.chunks(32).zip(back.chunks(32)) {
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let step = amax / 127.0;
+            for (v, d) in block.iter().zip(decoded) {
+                assert!((v - d).abs() <= 0.5 * step + 1e-3 * amax, "{v} vs {d}");
+            }
+        }
+        assert!(back[256..].iter().all(|&v| v == 0.0));
+    }
 
     /// e4m3 (fn) values at its landmarks: zero, the smallest subnormal, the smallest normal,
     /// one, the largest finite value, signs, and the NaN codes.

@@ -278,23 +278,32 @@ impl Speculative {
 const BOTH: &str = "prompt lookup, else the MTP head";
 
 /// The MTP head of `args`' checkpoint (a directory's `mtp.*` tensors, or a GGUF file's
-/// head blocks) on `model`'s backend; for a synthetic model, a random head of its shape.
+/// head blocks) on `model`'s backend; for a synthetic model, a random head of its shape. A
+/// float LM head is stored again as Q8_0 for drafting ([`Model::use_q8_0_lm_head`]): each
+/// draft token reads it whole, and a draft only proposes.
 fn load_head(args: &ModelArgs, model: &Model) -> Result<Model> {
     let backend = model.backend().clone();
-    let Some(path) = args.dir() else {
-        return Model::synthetic_mtp(
+    let mut head = match args.dir() {
+        None => Model::synthetic_mtp(
             model.config(),
             args.synthetic_weights,
             backend,
             SYNTHETIC_SEED,
         )
-        .context("making a synthetic MTP head");
+        .context("making a synthetic MTP head")?,
+        Some(path) => match args.gguf()? {
+            Some(gguf) => Model::mtp_from_gguf(gguf, backend, &mut |_, _| {}),
+            None => Model::load_mtp(path, backend, &mut |_, _| {}),
+        }
+        .with_context(|| format!("loading the MTP head of {}", path.display()))?,
     };
-    match args.gguf()? {
-        Some(gguf) => Model::mtp_from_gguf(gguf, backend, &mut |_, _| {}),
-        None => Model::load_mtp(path, backend, &mut |_, _| {}),
+    if head
+        .use_q8_0_lm_head()
+        .context("storing the MTP head's LM head as Q8_0")?
+    {
+        tracing::info!("the MTP head drafts with its LM head in Q8_0");
     }
-    .with_context(|| format!("loading the MTP head of {}", path.display()))
+    Ok(head)
 }
 
 #[cfg(test)]

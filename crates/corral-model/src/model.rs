@@ -86,10 +86,20 @@ impl Model {
     }
 
     /// Bytes of the embedding and LM head an MTP head of `config` loads again beside the
-    /// model's, in the config's type.
+    /// model's, as speculation keeps them: the embedding in the config's type, the LM head
+    /// as Q8_0 where its rows divide into blocks ([`Model::use_q8_0_lm_head`]).
     pub fn mtp_copied_bytes(config: &ModelConfig) -> usize {
-        let tables = if config.tie_word_embeddings { 1 } else { 2 };
-        tables * config.vocab_size * config.hidden_size * Self::synthetic_dtype(config).size_bytes()
+        let values = config.vocab_size * config.hidden_size;
+        let float = values * Self::synthetic_dtype(config).size_bytes();
+        let q8_0 = corral_backend::QuantFormat::Q8_0;
+        let lm_head = if config.hidden_size.is_multiple_of(q8_0.block().0) {
+            q8_0.bytes_of(values)
+        } else if config.tie_word_embeddings {
+            0
+        } else {
+            float
+        };
+        float + lm_head
     }
 
     /// Loads a GGUF file (llama.cpp's converter's names and metadata) onto `backend`:
@@ -178,6 +188,22 @@ impl Model {
             &mut |_, _| {},
             (parameters, bytes),
         )
+    }
+
+    /// Stores the LM head again as Q8_0 (a copy of its own, untied from the embedding) where
+    /// it is a float matrix and the backend reads Q8_0: for an MTP head, whose drafts only
+    /// propose what the model then verifies, about half the bytes each pass reads (bf16's 2
+    /// bytes a weight against 34 bytes a block of 32). Before any forward; false where left
+    /// as it was (a block format already, or a family without one).
+    pub fn use_q8_0_lm_head(&mut self) -> Result<bool> {
+        let changed = self.family.lm_head_to_q8_0(self.backend.as_ref())?;
+        if changed {
+            // Recorded graphs would read the old matrix.
+            let graphs = self.runner.graphs_enabled;
+            self.runner = StepRunner::default();
+            self.runner.graphs_enabled = graphs;
+        }
+        Ok(changed)
     }
 
     /// The type synthetic weights of `config` are stored as: bf16 unless it says float32 or

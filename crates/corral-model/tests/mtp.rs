@@ -268,3 +268,50 @@ fn a_synthetic_head_has_a_real_heads_shape_and_drafts() {
     assert!(drafts.iter().all(|v| v.is_finite()));
     assert_ne!(drafts[..vocab], drafts[vocab..2 * vocab], "rows differ");
 }
+
+/// A drafting head's LM head stored again as Q8_0 (`Model::use_q8_0_lm_head`, what
+/// speculation loads): its logits stay within Q8_0's rounding of the exact head's and pick
+/// the same top token on nearly every row; a second call finds a block format and changes
+/// nothing.
+#[test]
+fn a_q8_0_lm_head_drafts_near_the_exact_head() {
+    let reference = read();
+    let load_head = || {
+        Model::load_mtp(
+            &fixture_dir(NAME),
+            Arc::new(CpuBackend::new()),
+            &mut |_, _| {},
+        )
+        .expect("load the MTP head")
+    };
+    let exact = load_head();
+    let mut q8 = load_head();
+    assert!(
+        q8.use_q8_0_lm_head().unwrap(),
+        "a float LM head is converted"
+    );
+    assert!(!q8.use_q8_0_lm_head().unwrap(), "already Q8_0");
+    let ids = &reference.token_ids;
+    let a = mtp_logits_chunked(&exact, ids, &reference.hidden, ids.len());
+    let b = mtp_logits_chunked(&q8, ids, &reference.hidden, ids.len());
+    let err = rel_err(&b, &a);
+    eprintln!("Q8_0 LM head: relative error {err:.2e}");
+    assert!(err > 0.0 && err < 2e-2, "relative error {err:e}");
+    let vocab = exact.config().vocab_size;
+    let top = |l: &[f32]| -> Vec<usize> {
+        l.chunks_exact(vocab)
+            .map(|r| {
+                (0..vocab)
+                    .max_by(|&i, &j| r[i].total_cmp(&r[j]))
+                    .unwrap_or(0)
+            })
+            .collect()
+    };
+    let (ta, tb) = (top(&a), top(&b));
+    let same = ta.iter().zip(&tb).filter(|(x, y)| x == y).count();
+    assert!(
+        same * 10 >= ta.len() * 9,
+        "{same} of {} rows pick the same token",
+        ta.len()
+    );
+}

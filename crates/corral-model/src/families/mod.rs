@@ -40,6 +40,11 @@ pub(crate) trait FamilyModel: std::fmt::Debug + Send + Sync {
     fn moe_blocks(&self) -> Vec<&SparseMoe>;
     /// Whether it keeps recurrent state (every run of a step then needs a state slot).
     fn recurrent(&self) -> bool;
+    /// Stores its LM head again as Q8_0 (`OutputHead::store_as_q8_0`); false where it does not.
+    fn lm_head_to_q8_0(&mut self, backend: &dyn Backend) -> Result<bool> {
+        let _ = backend;
+        Ok(false)
+    }
     /// Runs the layers over the step's batch, writing `[logit rows, vocab]` into
     /// `ws.logits`.
     fn forward(&self, step: StepCtx<'_>) -> Result<()>;

@@ -685,6 +685,11 @@ impl super::FamilyModel for HybridModel {
         self.embed_tokens.dtype()
     }
 
+    fn lm_head_to_q8_0(&mut self, backend: &dyn Backend) -> Result<bool> {
+        let shape = (self.config.vocab_size, self.config.hidden_size);
+        self.head.store_as_q8_0(backend, &self.embed_tokens, shape)
+    }
+
     fn moe_blocks(&self) -> Vec<&SparseMoe> {
         self.layers
             .iter()

@@ -1,7 +1,7 @@
 //! The model's output: the final RMSNorm and the LM head (or the embedding matrix, when
 //! tied), run only on the rows whose logits are wanted.
 
-use corral_backend::{Backend, DeviceBuffer, WeightView};
+use corral_backend::{Backend, DType, DeviceBuffer, QuantFormat, WeightView};
 
 use super::Workspace;
 use crate::weights::WeightSource;
@@ -33,6 +33,48 @@ impl OutputHead {
             },
             zero_centred: cfg.zero_centred_norms(),
         })
+    }
+
+    /// Stores the LM head (`embed` where tied) again as Q8_0, untied, where it is a float
+    /// matrix of `[vocab, hidden]` whose rows Q8_0 blocks divide and the backend reads Q8_0;
+    /// false, unchanged, otherwise.
+    pub(crate) fn store_as_q8_0(
+        &mut self,
+        backend: &dyn Backend,
+        embed: &DeviceBuffer,
+        (vocab, hidden): (usize, usize),
+    ) -> Result<bool> {
+        let format = QuantFormat::Q8_0;
+        let current = self.lm_head.as_ref().unwrap_or(embed);
+        let dtype = current.dtype();
+        let float = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+        if !float
+            || !hidden.is_multiple_of(format.block().0)
+            || !backend.reads_quantized(format)
+            || current.len() != vocab * hidden
+        {
+            return Ok(false);
+        }
+        // A few thousand rows at a time: read back, decoded, encoded.
+        let rows = (1 << 22) / hidden.max(1) + 1;
+        let elem = dtype.size_bytes();
+        let mut blocks = Vec::with_capacity(format.bytes_of(vocab * hidden));
+        let (mut bytes, mut values) = (Vec::new(), Vec::new());
+        for first in (0..vocab).step_by(rows) {
+            let n = rows.min(vocab - first) * hidden;
+            bytes.resize(n * elem, 0);
+            backend.read_bytes(current, first * hidden, &mut bytes)?;
+            values.clear();
+            values.extend(bytes.chunks_exact(elem).map(|b| match dtype {
+                DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                DType::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                _ => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            }));
+            blocks.extend(corral_backend::quant::encode_q8_0(&values));
+        }
+        self.lm_head =
+            Some(backend.weight_from_blocks(blocks, DType::Quant(format), vocab * hidden)?);
+        Ok(true)
     }
 
     /// `ws.logits = lm_head(norm(ws.x[logit rows]))`, and `ws.all_hidden = norm(ws.x)`
