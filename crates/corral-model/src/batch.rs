@@ -134,32 +134,26 @@ impl RaggedBatch {
 
     /// Gives the run of `seq` its recurrent-state slot (hybrid models need one per run).
     pub fn set_state_slot(&mut self, seq: SeqId, slot: SlotId) -> Result<()> {
-        match self.runs.iter_mut().find(|r| r.seq_id == seq) {
-            Some(run) => {
-                run.state_slot = Some(slot);
-                Ok(())
-            }
-            None => Err(ModelError::InvalidBatch(format!(
-                "sequence {} is not in the batch",
-                seq.0
-            ))),
-        }
+        self.run_mut(seq)?.state_slot = Some(slot);
+        Ok(())
+    }
+
+    /// The run of `seq`.
+    fn run_mut(&mut self, seq: SeqId) -> Result<&mut SequenceRun> {
+        self.runs
+            .iter_mut()
+            .find(|r| r.seq_id == seq)
+            .ok_or_else(|| {
+                ModelError::InvalidBatch(format!("sequence {} is not in the batch", seq.0))
+            })
     }
 
     /// Has the run of `seq` keep its recurrent state after each of its tokens but the last,
     /// in the consecutive slots from `first` (a verify step's, so that the state at any
     /// accepted draft position can be taken without computing again).
     pub fn keep_states(&mut self, seq: SeqId, first: SlotId) -> Result<()> {
-        match self.runs.iter_mut().find(|r| r.seq_id == seq) {
-            Some(run) => {
-                run.kept_states = Some(first);
-                Ok(())
-            }
-            None => Err(ModelError::InvalidBatch(format!(
-                "sequence {} is not in the batch",
-                seq.0
-            ))),
-        }
+        self.run_mut(seq)?.kept_states = Some(first);
+        Ok(())
     }
 
     /// Per run, the first slot keeping its states (`NO_KEPT_STATES` for none) into `out`;

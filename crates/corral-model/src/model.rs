@@ -406,14 +406,8 @@ impl Model {
         logits: &mut Vec<f32>,
         hidden_out: &mut Vec<f32>,
     ) -> Result<ForwardReport> {
-        self.check_mtp_input(batch, hidden)?;
-        self.run_with(
-            batch,
-            cache,
-            None,
-            Some(hidden),
-            &mut StepOutput::LogitsAndHidden(logits, hidden_out),
-        )
+        let out = &mut StepOutput::LogitsAndHidden(logits, hidden_out);
+        self.run_mtp(batch, cache, hidden, out)
     }
 
     /// [`Model::forward_mtp`] with the logits rows reduced where they are ([`SampledStep`])
@@ -426,18 +420,19 @@ impl Model {
         step: &mut SampledStep,
         hidden_out: &mut Vec<f32>,
     ) -> Result<ForwardReport> {
-        self.check_mtp_input(batch, hidden)?;
-        self.run_with(
-            batch,
-            cache,
-            None,
-            Some(hidden),
-            &mut StepOutput::SampledAndHidden(step, hidden_out),
-        )
+        let out = &mut StepOutput::SampledAndHidden(step, hidden_out);
+        self.run_mtp(batch, cache, hidden, out)
     }
 
-    /// `hidden` is a row of the model's width for every token of `batch`.
-    fn check_mtp_input(&self, batch: &RaggedBatch, hidden: &[f32]) -> Result<()> {
+    /// An MTP head's step over `batch` on the model's `hidden` states, a row of the model's
+    /// width for every token, read as `out` asks.
+    fn run_mtp(
+        &self,
+        batch: &RaggedBatch,
+        cache: &mut PagedKvCache,
+        hidden: &[f32],
+        out: &mut StepOutput<'_>,
+    ) -> Result<ForwardReport> {
         let len = batch.num_tokens() * self.config().hidden_size;
         if hidden.len() != len {
             return Err(ModelError::InvalidBatch(format!(
@@ -447,7 +442,7 @@ impl Model {
                 self.config().hidden_size
             )));
         }
-        Ok(())
+        self.run_with(batch, cache, None, Some(hidden), out)
     }
 
     /// One step, run where the backend runs steps best ([`Backend::run_step`]).

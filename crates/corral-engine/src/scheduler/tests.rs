@@ -231,6 +231,15 @@ fn a_full_pool_makes_room_for_the_copy() {
 /// Proposes its tokens after whatever it is shown past the first `.0` (a prompt's length).
 struct FixedDrafter(usize, Vec<u32>);
 
+/// Logits rows of `vocab` that each sample the token given for it.
+fn favouring(rows: &[u32], vocab: usize) -> Vec<f32> {
+    let mut logits = vec![0.0f32; rows.len() * vocab];
+    for (r, &t) in rows.iter().enumerate() {
+        logits[r * vocab + t as usize] = 10.0;
+    }
+    logits
+}
+
 impl Drafter for FixedDrafter {
     fn propose(&mut self, _seq: SeqId, tokens: &[u32], max: usize) -> Vec<u32> {
         if tokens.len() <= self.0 {
@@ -266,13 +275,7 @@ fn a_verify_run_asks_for_one_logits_row_per_draft_token_and_cuts_the_rejected() 
         let vocab = 16;
         // Rows sample these tokens: the prompt's row 9, then 10 (the draft's first),
         // then 7 where the draft says 11.
-        let favour = |rows: &[u32]| {
-            let mut logits = vec![0.0f32; rows.len() * vocab];
-            for (r, &t) in rows.iter().enumerate() {
-                logits[r * vocab + t as usize] = 10.0;
-            }
-            logits
-        };
+        let favour = |rows: &[u32]| favouring(rows, vocab);
         let mut plan = s.step().unwrap();
         if recurrent {
             let run = plan.runs[0];
@@ -372,13 +375,7 @@ fn a_sequence_ended_within_its_draft_gives_its_kept_states_back() {
         .with_state_checkpoints(2, 2)
         .with_kept_states(4, 1, 3);
     let vocab = 16;
-    let favour = |rows: &[u32]| {
-        let mut logits = vec![0.0f32; rows.len() * vocab];
-        for (r, &t) in rows.iter().enumerate() {
-            logits[r * vocab + t as usize] = 10.0;
-        }
-        logits
-    };
+    let favour = |rows: &[u32]| favouring(rows, vocab);
     for round in 0..2 {
         let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
         s.add(EngineRequest {
