@@ -3,6 +3,8 @@
 use corral_backend::{Backend, BufferUsage, CpuBackend, DType, WeightView, reference};
 use proptest::prelude::*;
 
+mod common;
+
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
         .wrapping_mul(6364136223846793005)
@@ -623,71 +625,6 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
     }
 }
 
-/// What a Gated DeltaNet layer's two recurrent ops leave: the convolution's and the delta
-/// rule's outputs and state pools.
-struct Recurrence {
-    conv_out: Vec<f32>,
-    conv_state: Vec<f32>,
-    out: Vec<f32>,
-    state: Vec<f32>,
-}
-
-/// The convolution and the delta rule over `runs` (`[start, len, slot, fresh]` each), from
-/// the state pools `conv0` and `state0`, keeping intermediate states from the slots `kept`
-/// names per run where it is given.
-#[allow(clippy::too_many_arguments)]
-fn recurrence(
-    b: &CpuBackend,
-    (x, w, kernel): (&[f32], &[f32], usize),
-    (qkv, gate, beta): (&[f32], &[f32], &[f32]),
-    shape: corral_backend::DeltaNetShape,
-    runs: &[[u32; 4]],
-    kept: Option<&[u32]>,
-    (conv0, state0): (&[f32], &[f32]),
-) -> Recurrence {
-    let flat: Vec<u32> = runs.iter().flatten().copied().collect();
-    let runs_buf = upload_u32(b, &flat);
-    let kept_buf = kept.map(|k| upload_u32(b, k));
-    let rr = corral_backend::RecurrentRuns {
-        runs: &runs_buf,
-        num_runs: runs.len(),
-        max_run_tokens: runs.iter().map(|r| r[1] as usize).max().unwrap_or(1),
-        kept: kept_buf.as_ref(),
-    };
-    let channels = w.len() / kernel;
-    let (mut conv_state, mut conv_out) = (upload(b, conv0), upload(b, &vec![0.0; x.len()]));
-    let weight = b.weight_from_f32(w, DType::F32).unwrap();
-    b.causal_conv1d(
-        &upload(b, x),
-        &weight,
-        channels,
-        kernel,
-        rr,
-        &mut conv_state,
-        &mut conv_out,
-    )
-    .unwrap();
-    let tokens = gate.len() / shape.num_value_heads;
-    let out_len = tokens * shape.num_value_heads * shape.value_dim;
-    let (mut state, mut out) = (upload(b, state0), upload(b, &vec![0.0; out_len]));
-    b.gated_delta_rule(
-        &upload(b, qkv),
-        &upload(b, gate),
-        &upload(b, beta),
-        shape,
-        rr,
-        &mut state,
-        &mut out,
-    )
-    .unwrap();
-    Recurrence {
-        conv_out: download(b, &conv_out, x.len()),
-        conv_state: download(b, &conv_state, conv0.len()),
-        out: download(b, &out, out_len),
-        state: download(b, &state, state0.len()),
-    }
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
@@ -732,8 +669,8 @@ proptest! {
         state0[num_runs * nv * dk * dv..].fill(0.0);
         let inputs = ((&x[..], &w[..], kernel), (&qkv[..], &gate[..], &beta[..]));
         let keeping =
-            recurrence(&b, inputs.0, inputs.1, shape, &runs, Some(&kept), (&conv0, &state0));
-        let plain = recurrence(&b, inputs.0, inputs.1, shape, &runs, None, (&conv0, &state0));
+            common::recurrence(&b, inputs.0, inputs.1, shape, &runs, Some(&kept), (&conv0, &state0));
+        let plain = common::recurrence(&b, inputs.0, inputs.1, shape, &runs, None, (&conv0, &state0));
         close(&keeping.conv_out, &plain.conv_out, 1e-6)?;
         close(&keeping.out, &plain.out, 1e-4)?;
         let running = |v: &[f32], per: usize| v[..num_runs * per].to_vec();
@@ -742,7 +679,7 @@ proptest! {
         for (r, run) in runs.iter().enumerate() {
             for i in 0..run[1] as usize - 1 {
                 let cut = [[run[0], i as u32 + 1, run[2], 0]];
-                let prefix = recurrence(&b, inputs.0, inputs.1, shape, &cut, None, (&conv0, &state0));
+                let prefix = common::recurrence(&b, inputs.0, inputs.1, shape, &cut, None, (&conv0, &state0));
                 let k = kept[r] as usize + i;
                 let (c, s) = (channels * hist, nv * dk * dv);
                 close(&keeping.conv_state[k * c..(k + 1) * c], &prefix.conv_state[r * c..(r + 1) * c], 1e-6)?;

@@ -4,6 +4,8 @@
 
 use std::sync::{Arc, OnceLock};
 
+mod common;
+
 use corral_backend::{
     Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeltaNetShape,
     DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns,
@@ -2371,47 +2373,25 @@ fn kept_recurrent_states_match_cpu() {
             key_dim: dk,
             value_dim: dv,
         };
-        let mut results = Vec::new();
-        for be in [&c as &dyn Backend, g] {
-            let (rb, kb) = (u32_buf(be, &runs), u32_buf(be, &kept));
-            let rr = RecurrentRuns {
-                runs: &rb,
-                num_runs,
-                max_run_tokens: lens.iter().copied().max().unwrap_or(1),
-                kept: Some(&kb),
-            };
-            let wb = be.weight_from_f32(&w, DType::F32).unwrap();
-            let mut conv_state = f32_buf(be, &conv0);
-            let mut conv_out = out_buf(be, tokens * channels);
-            be.causal_conv1d(
-                &f32_buf(be, &x),
-                &wb,
-                channels,
-                kernel,
-                rr,
-                &mut conv_state,
-                &mut conv_out,
-            )
-            .unwrap();
-            let mut state = f32_buf(be, &state0);
-            let mut out = out_buf(be, tokens * nv * dv);
-            be.gated_delta_rule(
-                &f32_buf(be, &qkv),
-                &f32_buf(be, &gate),
-                &f32_buf(be, &beta),
-                shape,
-                rr,
-                &mut state,
-                &mut out,
-            )
-            .unwrap();
-            results.push([
-                read(be, &conv_out, tokens * channels),
-                read(be, &conv_state, conv0.len()),
-                read(be, &out, tokens * nv * dv),
-                read(be, &state, state0.len()),
-            ]);
-        }
+        let runs: Vec<[u32; 4]> = runs
+            .chunks_exact(4)
+            .map(|r| [r[0], r[1], r[2], r[3]])
+            .collect();
+        let results: Vec<[Vec<f32>; 4]> = [&c as &dyn Backend, g]
+            .into_iter()
+            .map(|be| {
+                let r = common::recurrence(
+                    be,
+                    (&x, &w, kernel),
+                    (&qkv, &gate, &beta),
+                    shape,
+                    &runs,
+                    Some(&kept),
+                    (&conv0, &state0),
+                );
+                [r.conv_out, r.conv_state, r.out, r.state]
+            })
+            .collect();
         let what = format!("case {case}: runs {lens:?}, {nv}/{nk} heads of {dv}/{dk}");
         for (i, (name, tol)) in [
             ("conv out", 1e-5),
