@@ -86,6 +86,9 @@ pub struct DeviceBuffer {
     len: usize,
     capacity: usize,
     usage: BufferUsage,
+    /// Taken while a graph was recorded: a graph may write it on every replay, so the pool
+    /// never frees it.
+    held_by_graphs: bool,
     pub(crate) storage: Storage,
 }
 
@@ -96,8 +99,19 @@ impl DeviceBuffer {
             len,
             capacity: len,
             usage,
+            held_by_graphs: false,
             storage,
         }
+    }
+
+    /// Marks the buffer as written by a recorded graph (see [`crate::BufferPool`]).
+    pub(crate) fn hold_for_graphs(&mut self) {
+        self.held_by_graphs = true;
+    }
+
+    /// Whether a recorded graph may write the buffer.
+    pub(crate) fn is_held_by_graphs(&self) -> bool {
+        self.held_by_graphs
     }
 
     /// Element type.

@@ -1,7 +1,8 @@
 //! The buffer pool: activations are taken from it and given back, so steady-state forwards
 //! allocate nothing. A miss allocates (and is counted by the backend); a hit reuses the
 //! smallest free buffer of the right type that is large enough. What the pool retains is
-//! bounded: a buffer given back past the bound is freed (largest free buffers first).
+//! bounded: a buffer given back past the bound is freed (largest free buffers first), except
+//! buffers a recorded graph writes, which live as long as the pool.
 
 use std::sync::Mutex;
 
@@ -53,15 +54,21 @@ impl BufferPool {
         Some(buffer)
     }
 
-    /// Returns a buffer for reuse; past the bound the largest free buffers are freed.
+    /// Returns a buffer for reuse; past the bound the largest free buffers are freed, but
+    /// never one a recorded graph writes ([`DeviceBuffer::is_held_by_graphs`]).
     pub fn give(&self, buffer: DeviceBuffer) {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         free.push(buffer);
-        let mut held: usize = free.iter().map(DeviceBuffer::size_bytes).sum();
+        let mut held: usize = free
+            .iter()
+            .filter(|b| !b.is_held_by_graphs())
+            .map(DeviceBuffer::size_bytes)
+            .sum();
         while held > self.limit_bytes {
             let Some(largest) = free
                 .iter()
                 .enumerate()
+                .filter(|(_, b)| !b.is_held_by_graphs())
                 .max_by_key(|(_, b)| b.size_bytes())
                 .map(|(i, _)| i)
             else {
@@ -69,6 +76,15 @@ impl BufferPool {
             };
             held -= free.swap_remove(largest).size_bytes();
         }
+    }
+
+    /// Returns a buffer for reuse without freeing any (nothing may be freed while a graph is
+    /// being recorded); the next [`BufferPool::give`] restores the bound.
+    pub fn give_keeping_all(&self, buffer: DeviceBuffer) {
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buffer);
     }
 
     /// Bytes held by free buffers.
@@ -106,6 +122,44 @@ mod tests {
         assert!(
             pool.take(DType::F32, 90, BufferUsage::Activations)
                 .is_some()
+        );
+    }
+
+    #[test]
+    fn buffers_graphs_write_outlive_the_bound_and_count_against_nothing() {
+        let backend = CpuBackend::new();
+        let pool = BufferPool::with_limit(1000);
+        let mut held = backend
+            .take_buffer(DType::F32, 400, BufferUsage::Activations)
+            .unwrap();
+        held.hold_for_graphs();
+        pool.give(held);
+        // Kept although 1,600 bytes pass the bound; the others fit beside it.
+        for len in [100, 150] {
+            pool.give(
+                backend
+                    .take_buffer(DType::F32, len, BufferUsage::Activations)
+                    .unwrap(),
+            );
+        }
+        assert_eq!(pool.free_bytes(), 2600);
+        pool.give_keeping_all(
+            backend
+                .take_buffer(DType::F32, 200, BufferUsage::Activations)
+                .unwrap(),
+        );
+        assert_eq!(pool.free_bytes(), 3400, "nothing freed while keeping all");
+        pool.give(
+            backend
+                .take_buffer(DType::F32, 10, BufferUsage::Activations)
+                .unwrap(),
+        );
+        // The others alone pass the bound: the largest of them go (800 and 600 bytes), the
+        // held one stays.
+        assert_eq!(pool.free_bytes(), 1600 + 400 + 40);
+        assert!(
+            pool.take(DType::F32, 400, BufferUsage::Activations)
+                .is_some_and(|b| b.is_held_by_graphs())
         );
     }
 }

@@ -1455,15 +1455,25 @@ impl Backend for CudaBackend {
     }
 
     fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
-        if let Some(b) = self.pool.take(dtype, len, usage) {
-            return Ok(b);
+        let mut b = match self.pool.take(dtype, len, usage) {
+            Some(b) => b,
+            // While a graph is recorded (in relaxed mode) the allocation is made at once,
+            // outside the graph, which then reads and writes it on every replay.
+            None => self.new_buffer(dtype, len, usage)?,
+        };
+        if self.capturing.load(Ordering::Relaxed) {
+            b.hold_for_graphs();
         }
-        self.new_buffer(dtype, len, usage)
+        Ok(b)
     }
 
     fn give_buffer(&self, buffer: DeviceBuffer) {
         if matches!(buffer.storage, Storage::Cuda(_)) {
-            self.pool.give(buffer);
+            if self.capturing.load(Ordering::Relaxed) {
+                self.pool.give_keeping_all(buffer);
+            } else {
+                self.pool.give(buffer);
+            }
         }
     }
 
@@ -1611,11 +1621,12 @@ impl Backend for CudaBackend {
 
     fn begin_capture(&self) -> Result<()> {
         self.gpu.bind()?;
+        // Relaxed: a pooled buffer that a step of this shape needs and the pool lacks now may
+        // be allocated while recording (take_buffer); everything else that must not happen
+        // while recording is refused by the backend itself (not_capturing).
         self.gpu
             .stream
-            .begin_capture(
-                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(|e| device::driver_err("beginning a graph capture", e))?;
         let now = self.stats.snapshot();
         self.capture_start.store(now.dispatches, Ordering::Relaxed);
