@@ -331,6 +331,7 @@ fn run(
             let backend = model.backend().as_ref();
             settle(departed, &mut scheduler, &mut state, backend, metrics);
         }
+        let planning = std::time::Instant::now();
         let plan = match &mut spill {
             Some(dir) => scheduler.step_with(Some(&mut DiskSessions {
                 backend: model.backend().as_ref(),
@@ -356,7 +357,9 @@ fn run(
             // A drafter reading hidden states (an MTP head) takes every token's.
             let wants_hidden = scheduler.drafter_wants_hidden();
             let sampled = scheduler.prepare_sampling(&plan, vocab, &mut sampling);
+            let decodes_only = plan.decodes_only();
             let started = std::time::Instant::now();
+            let planned = started - planning;
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 restore(backend, &mut cache, &mut state, &scheduler, &plan, metrics)?;
                 if sampled && wants_hidden {
@@ -409,6 +412,7 @@ fn run(
                     metrics
                         .dispatches
                         .fetch_add(report.stats.dispatches, Ordering::Relaxed);
+                    let finishing = std::time::Instant::now();
                     if wants_hidden {
                         scheduler.observe_hidden(&plan, &hidden, model.config().hidden_size);
                     }
@@ -418,6 +422,13 @@ fn run(
                         scheduler.finish_step(plan, &mut logits, vocab, report.stats)
                     };
                     settle(counts, &mut scheduler, &mut state, backend, metrics);
+                    if decodes_only {
+                        let phases = [planned, finishing - started, finishing.elapsed()];
+                        metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
+                        for (sum, t) in metrics.decode_step_micros.iter().zip(phases) {
+                            sum.fetch_add(t.as_micros() as u64, Ordering::Relaxed);
+                        }
+                    }
                 }
                 Err(e) => scheduler.fail_step(plan, &e.to_string()),
             }

@@ -126,6 +126,12 @@ pub struct EngineMetrics {
     pub accepted_by_position: [AtomicU64; DRAFT_POSITIONS],
     /// Tokens run through forward passes.
     pub forward_tokens: AtomicU64,
+    /// Steps that only decoded (every run its next token, with any draft tokens it
+    /// verifies): the steps [`Metrics::decode_step_micros`] times.
+    pub decode_steps: AtomicU64,
+    /// Where those steps' time went, in microseconds: planning (drafting included), the
+    /// forward pass (its read-back included), and taking the outputs.
+    pub decode_step_micros: [AtomicU64; 3],
     /// Dispatches of those forward passes.
     pub dispatches: AtomicU64,
     /// Sequences preempted for lack of KV blocks.
@@ -182,6 +188,8 @@ impl Default for EngineMetrics {
             drafts: AtomicU64::new(0),
             accepted_by_position: Default::default(),
             forward_tokens: AtomicU64::new(0),
+            decode_steps: AtomicU64::new(0),
+            decode_step_micros: std::array::from_fn(|_| AtomicU64::new(0)),
             dispatches: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             engine_alive: std::sync::atomic::AtomicBool::new(false),

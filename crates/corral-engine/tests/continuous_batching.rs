@@ -1175,3 +1175,33 @@ fn mtp_heads_of_every_hybrid_family_draft_in_the_engine() {
         }
     }
 }
+
+/// The engine counts and times the steps that only decode: one a decode step of a request
+/// running alone, drafts verified included, its time split between planning (the MTP head's
+/// drafting) and the forward pass.
+#[test]
+fn decode_only_steps_are_counted_and_timed_by_phase() {
+    let name = "qwen3_5_moe_mtp";
+    let drafter: Box<dyn Drafter> = Box::new(mtp_drafter(name));
+    let (engine, thread) = spawn_engine_drafting(
+        model_named(name),
+        config(256),
+        Some(Speculation::new(drafter, 3)),
+    )
+    .unwrap();
+    let (tokens, finished) = collect(&mut submit(&engine, &prompts()[3], 12));
+    let metrics = Arc::clone(engine.metrics());
+    engine.shutdown();
+    thread.join().unwrap();
+    assert_eq!(tokens.len(), 12);
+    assert!(finished.decode_steps > 0);
+    assert_eq!(
+        metrics.decode_steps.load(Ordering::Relaxed),
+        finished.decode_steps as u64
+    );
+    let [plan, forward, _] = metrics
+        .decode_step_micros
+        .each_ref()
+        .map(|m| m.load(Ordering::Relaxed));
+    assert!(plan > 0 && forward > 0, "plan {plan} µs, forward {forward} µs");
+}

@@ -268,6 +268,14 @@ pub struct StepPlan {
     pub state_copies: Vec<(SeqId, SlotId, SlotId)>,
 }
 
+impl StepPlan {
+    /// Whether every run of the step is a sequence's next token (with any draft tokens it
+    /// verifies): no prompt tokens.
+    pub fn decodes_only(&self) -> bool {
+        self.runs.iter().all(|r| r.tokens == r.logits)
+    }
+}
+
 /// Waiting and running sequences; the cache they hold is the KV manager's.
 pub struct Scheduler {
     config: SchedulerConfig,

@@ -434,6 +434,29 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
         "Sequences preempted for KV blocks.",
         load(&m.preemptions),
     );
+    let _ = writeln!(
+        out,
+        "# HELP corral_decode_step_seconds_total Time of steps that only decoded (drafts \
+         verified included), by phase: planning (drafting included), forward, output.\n\
+         # TYPE corral_decode_step_seconds_total counter"
+    );
+    for (phase, micros) in ["plan", "forward", "output"]
+        .iter()
+        .zip(&m.decode_step_micros)
+    {
+        let _ = writeln!(
+            out,
+            "corral_decode_step_seconds_total{{phase=\"{phase}\"}} {}",
+            load(micros) / 1e6
+        );
+    }
+    scalar(
+        &mut out,
+        "corral_decode_steps_total",
+        "counter",
+        "Steps that only decoded (drafts verified included).",
+        load(&m.decode_steps),
+    );
     let tokens = load(&m.forward_tokens);
     let per_token = if tokens > 0.0 {
         load(&m.dispatches) / tokens

@@ -69,6 +69,10 @@ struct Totals {
     /// Drafts verified (steps of a sequence with draft tokens).
     drafts: u64,
     by_position: Vec<u64>,
+    /// Steps that only decoded, and their microseconds planning (drafting included), in the
+    /// forward pass and taking the outputs (the engine's own clock).
+    decode_only_steps: u64,
+    phase_micros: [u64; 3],
     /// Each prompt's tokens, from the first repetition.
     outputs: Vec<Vec<u32>>,
 }
@@ -145,6 +149,10 @@ pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
             sums.drafted += m.draft_tokens.load(Ordering::Relaxed);
             sums.accepted += m.accepted_draft_tokens.load(Ordering::Relaxed);
             sums.drafts += m.drafts.load(Ordering::Relaxed);
+            sums.decode_only_steps += m.decode_steps.load(Ordering::Relaxed);
+            for (sum, micros) in sums.phase_micros.iter_mut().zip(&m.decode_step_micros) {
+                *sum += micros.load(Ordering::Relaxed);
+            }
             let by_position: Vec<u64> = m
                 .accepted_by_position
                 .iter()
@@ -241,7 +249,7 @@ fn report(
         args.reps
     );
     println!(
-        "{:<18} {:>9} {:>10} {:>22} {:>9} {:>8} {:>10} {:>9} {:>8} {:>6}",
+        "{:<18} {:>9} {:>10} {:>22} {:>9} {:>8} {:>10} {:>9} {:>8} {:>6}  {:>17}",
         "variant",
         "drafted",
         "accepted",
@@ -251,8 +259,14 @@ fn report(
         "step/off",
         "tok/s",
         "vs off",
-        "same"
+        "same",
+        "plan/fwd/out ms"
     );
+    // A decode step's milliseconds in each phase, by the engine's clock.
+    let phases = |t: &Totals| {
+        t.phase_micros
+            .map(|us| us as f64 / 1e3 / t.decode_only_steps.max(1) as f64)
+    };
     let mut rows = Vec::new();
     for (variant, t) in args.speculative.iter().zip(totals) {
         let decoded = t.generated.saturating_sub(prompts.len() * args.reps);
@@ -271,8 +285,9 @@ fn report(
             .map(|&n| format!("{:.0}", 100.0 * n as f64 / (t.drafts.max(1) as f64)))
             .collect();
         let acceptance = t.accepted as f64 / t.drafted.max(1) as f64;
+        let [plan, forward, output] = phases(t);
         println!(
-            "{:<18} {:>9} {:>9.1}% {:>22} {:>9.2} {:>8.3} {:>10} {:>9.1} {:>8} {:>6}",
+            "{:<18} {:>9} {:>9.1}% {:>22} {:>9.2} {:>8.3} {:>10} {:>9.1} {:>8} {:>6}  {plan:>5.2}/{forward:.2}/{output:.2}",
             variant.to_string(),
             t.drafted,
             100.0 * acceptance,
@@ -296,6 +311,7 @@ fn report(
             "accepted_by_position": t.by_position,
             "tokens_per_step": per_step,
             "ms_per_step": step_ms(t),
+            "decode_step_phase_ms": {"plan": plan, "forward": forward, "output": output},
             "step_vs_off": step_ratio,
             "decode_tok_s": rate(t),
             "vs_off": ratio,
