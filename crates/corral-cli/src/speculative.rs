@@ -26,8 +26,8 @@ pub(crate) enum Speculative {
     Mtp(Drafts),
     Lookup(Drafts),
     MtpLookup(Drafts),
-    /// On the CPU, `mtp+lookup` where the checkpoint has an MTP head, else `lookup`; off
-    /// where decode replays recorded graphs (the GPU), until measured there.
+    /// `mtp+lookup` where the checkpoint has an MTP head, else `lookup`, while at most
+    /// [`AUTO_MAX_RUNNING`] sequences run.
     Auto,
 }
 
@@ -126,50 +126,38 @@ impl std::fmt::Display for Speculative {
     }
 }
 
-/// Running sequences up to which `auto` drafts: on the CPU, the demo model served with
-/// `mtp+lookup:3` 1.05–1.11× the tokens a second of plain decoding at one sequence and
-/// 0.78–0.90× from two to eight, its head batched across sequences (docs/performance-log.md),
-/// where a step's own rows already fill the work that verifying drafts adds.
+/// Running sequences up to which `auto` drafts. On the CPU, the demo model served with
+/// `mtp+lookup:3` gave 1.05–1.13× the tokens a second of plain decoding at one sequence and
+/// 0.78–0.98× from two to eight; on an H100, 1.23× at one and 0.83× at eight, and the
+/// 35B-A3B at a forced acceptance of 0.8 1.44× at one, where a verify step of 2 tokens a
+/// sequence already costs 1.8× a one-token step at eight (docs/performance-log.md): a
+/// step's own rows already fill the work that verifying drafts adds.
 const AUTO_MAX_RUNNING: usize = 1;
 
 /// Speculation for the engine, and what it is in words.
 pub(crate) type EngineDrafter = (Speculation, String);
 
 impl Speculative {
-    /// Whether it speculates at all beside `model` (`auto` does not where decode steps replay
-    /// recorded graphs, the GPU: a full-size verify step measured 1.4-2.0 times a one-token
-    /// step on an H100, and steps of mixed draft lengths run without graphs).
-    fn active(self, model: &Model) -> bool {
-        match self {
-            Self::Off => false,
-            Self::Auto => !model.backend().records_graphs(),
-            _ => true,
-        }
+    /// Whether it speculates at all.
+    fn active(self) -> bool {
+        self != Self::Off
     }
 
-    /// Whether `self` drafts with an MTP head where one exists: `auto` does on the CPU only
-    /// (`graphs`: the backend records graphs, as the GPU does). For a plan made without
+    /// Whether `self` drafts with an MTP head where one exists. For a plan made without
     /// loading the model.
-    pub(crate) fn wants_head(self, graphs: bool) -> bool {
+    pub(crate) fn wants_head(self) -> bool {
         match self {
-            Self::Mtp(_) | Self::MtpLookup(_) => true,
-            Self::Auto => !graphs,
+            Self::Mtp(_) | Self::MtpLookup(_) | Self::Auto => true,
             Self::Off | Self::Lookup(_) => false,
         }
     }
 
     /// The recurrent states an engine of `max_batch` sequences keeps after each draft
-    /// position for `self` beside a `hybrid` model (`graphs`: the backend records graphs;
-    /// `head`: an MTP head drafts), for its memory plan: none where it does not speculate,
-    /// replays, or the model keeps no state.
-    pub(crate) fn kept_state_slots(
-        self,
-        (hybrid, graphs, head): (bool, bool, bool),
-        max_batch: usize,
-    ) -> usize {
+    /// position for `self` beside a `hybrid` model (`head`: an MTP head drafts), for its
+    /// memory plan: none where it does not speculate, replays, or the model keeps no state.
+    pub(crate) fn kept_state_slots(self, (hybrid, head): (bool, bool), max_batch: usize) -> usize {
         let (drafts, running) = match self {
             Self::Off => return 0,
-            Self::Auto if graphs => return 0,
             Self::Auto if head => (Drafts::adaptive(DEFAULT_MTP_TOKENS), AUTO_MAX_RUNNING),
             Self::Auto => (Drafts::adaptive(DEFAULT_LOOKUP_TOKENS), AUTO_MAX_RUNNING),
             Self::Mtp(k) | Self::Lookup(k) | Self::MtpLookup(k) => (k, usize::MAX),
@@ -183,7 +171,7 @@ impl Speculative {
     /// The MTP head `self` drafts with, loaded from `args`' checkpoint onto `model`'s backend:
     /// `None` where it drafts without one (`auto` where the checkpoint has none).
     pub(crate) fn head(self, args: &ModelArgs, model: &Model) -> Result<Option<Model>> {
-        if !self.wants_head(model.backend().records_graphs()) {
+        if !self.wants_head() {
             return Ok(None);
         }
         match self {
@@ -198,17 +186,16 @@ impl Speculative {
         }
     }
 
-    /// The drafter `self` asks for beside `model`, with `head` ([`Speculative::head`]) and
-    /// its KV cache of `kv_blocks` blocks of `block_size` tokens for `sequences` sequences;
-    /// `None` where it does not speculate.
+    /// The drafter `self` asks for, with `head` ([`Speculative::head`]) and its KV cache of
+    /// `kv_blocks` blocks of `block_size` tokens for `sequences` sequences; `None` where it
+    /// does not speculate.
     pub(crate) fn drafter(
         self,
-        model: &Model,
         head: Option<Model>,
         caches: (usize, usize, usize),
     ) -> Result<Option<EngineDrafter>> {
         let (kv_blocks, block_size, sequences) = caches;
-        if !self.active(model) {
+        if !self.active() {
             return Ok(None);
         }
         let lookup = || Box::new(LookupDrafter::default());

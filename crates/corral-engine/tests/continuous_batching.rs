@@ -1203,5 +1203,8 @@ fn decode_only_steps_are_counted_and_timed_by_phase() {
         .decode_step_micros
         .each_ref()
         .map(|m| m.load(Ordering::Relaxed));
-    assert!(plan > 0 && forward > 0, "plan {plan} µs, forward {forward} µs");
+    assert!(
+        plan > 0 && forward > 0,
+        "plan {plan} µs, forward {forward} µs"
+    );
 }

@@ -112,8 +112,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         }
         (None, None) => bail!("give --model DIR|FILE.gguf or --synthetic CONFIG"),
     };
-    let graphs = args.device == PlanDevice::Cuda;
-    let drafting = args.speculative.wants_head(graphs);
+    let drafting = args.speculative.wants_head();
     if drafting && head == 0 && args.speculative != Speculative::Auto {
         bail!(
             "--speculative {} needs the checkpoint's MTP head",
@@ -150,7 +149,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         needs.add_draft_head(head + copied, kv);
     }
     needs.add_kept_states(args.speculative.kept_state_slots(
-        (config.hybrid.is_some(), graphs, drafting && head > 0),
+        (config.hybrid.is_some(), drafting && head > 0),
         args.concurrency,
     ));
     let context = args.context.unwrap_or(config.max_context());

@@ -164,9 +164,9 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     let strategy = model.moe_strategy();
     let config = one_sequence_engine(total, args.prefill_chunk);
     let head = args.speculative.head(&args.model, &model)?;
-    let drafter =
-        args.speculative
-            .drafter(&model, head, (config.kv_blocks, config.block_size, 1))?;
+    let drafter = args
+        .speculative
+        .drafter(head, (config.kv_blocks, config.block_size, 1))?;
     let speculation = drafter.as_ref().map(|d| d.1.clone());
     let (engine, thread) = spawn_engine_drafting(model, config, drafter.map(|(s, _)| s))?;
     let metrics = std::sync::Arc::clone(engine.metrics());

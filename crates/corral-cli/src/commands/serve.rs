@@ -234,14 +234,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 drafter_head: head
                     .as_ref()
                     .map(|h| (h.weight_bytes() as u64, head_kv as u64)),
-                kept_states: args.speculative.kept_state_slots(
-                    (
-                        model.is_hybrid(),
-                        model.backend().records_graphs(),
-                        head.is_some(),
-                    ),
-                    args.max_batch,
-                ),
+                kept_states: args
+                    .speculative
+                    .kept_state_slots((model.is_hybrid(), head.is_some()), args.max_batch),
             };
             let sized =
                 serve_plan::plan_serving(&model, &args.model.describe(), &shape, host_before_load)?;
@@ -298,9 +293,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
     });
     let model_aliases: Vec<String> = names.collect();
-    let drafter =
-        args.speculative
-            .drafter(&model, head, (kv_blocks, BLOCK_SIZE, args.max_batch.max(1)))?;
+    let drafter = args
+        .speculative
+        .drafter(head, (kv_blocks, BLOCK_SIZE, args.max_batch.max(1)))?;
     match &drafter {
         Some((_, what)) => tracing::info!("speculative decoding: {what}"),
         None => tracing::info!("speculative decoding off"),

@@ -137,8 +137,7 @@ pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
         for (variant, sums) in args.speculative.iter().zip(&mut totals) {
             let config = crate::commands::run::one_sequence_engine(total, 512);
             let head = variant.head(&args.model, &model)?;
-            let drafter =
-                variant.drafter(&model, head, (config.kv_blocks, config.block_size, 1))?;
+            let drafter = variant.drafter(head, (config.kv_blocks, config.block_size, 1))?;
             let speculation = drafter.map(|(s, _)| match args.forced_acceptance {
                 Some(rate) => s.forcing_acceptance(rate),
                 None => s,
