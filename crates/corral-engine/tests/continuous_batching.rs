@@ -709,7 +709,9 @@ fn drafted_decoding_generates_what_plain_decoding_does() {
                     prefix_cache,
                     ..config(kv_blocks)
                 };
-                let speculation = Speculation::new(Box::new(drafter), 4);
+                // Fixed lengths: adaptive ones follow measured step times, which differ
+                // between the two runs.
+                let speculation = Speculation::new(Box::new(drafter), 4).fixed();
                 let speculation = if keep_states {
                     speculation
                 } else {

@@ -28,7 +28,10 @@ use crate::kv::manager::{Copies, KvManager, NoGrant, SeqKv};
 use crate::request::{EngineRequest, Event, Finished, RequestHandle, TokenEvent};
 use crate::{Constraint, FinishReason, KvBlockPool, Sampler, SessionStore};
 
+mod draft_lengths;
 mod output;
+
+use draft_lengths::{Acceptance, StepCosts};
 
 /// Proposes the tokens that may follow a sequence, for the target model to verify in one
 /// run (the model's MTP head, prompt lookup, a draft model).
@@ -67,9 +70,9 @@ pub struct Speculation {
     pub max_tokens: usize,
     /// Most running sequences at which sequences draft.
     pub max_running: usize,
-    /// Whether each sequence's draft length follows its acceptance (one more token after a
-    /// draft accepted whole, one fewer after a rejection, from 1 to `max_tokens`), else
-    /// always `max_tokens`.
+    /// Whether each sequence's draft length is chosen by cost, from 0 to `max_tokens`: the
+    /// most expected tokens a second by its recent acceptance and the engine's measured
+    /// step times (`draft_lengths.rs`), else always `max_tokens`.
     pub adaptive: bool,
     /// A benchmark's stand-in for a drafter that agrees with the model: each draft token is
     /// taken with this probability whatever the model samples (the output is then not the
@@ -151,9 +154,6 @@ impl Speculation {
     }
 }
 
-/// The most steps a sequence whose one-token drafts keep being rejected skips drafting.
-const MAX_DRAFT_PAUSE: usize = 32;
-
 /// Limits of the scheduler.
 #[derive(Clone, Copy, Debug)]
 pub struct SchedulerConfig {
@@ -180,13 +180,8 @@ struct Sequence {
     kv: SeqKv,
     /// Tokens proposed to follow `tokens`, verified by the planned step.
     draft: Vec<u32>,
-    /// The most tokens its next draft may have, where draft lengths adapt (else the
-    /// drafter's most).
-    draft_len: Option<usize>,
-    /// Where draft lengths adapt: steps it skips drafting, and the pause after its next
-    /// one-token draft rejected (doubling from 1 to [`MAX_DRAFT_PAUSE`]; none after a draft
-    /// token accepted).
-    draft_pause: (usize, usize),
+    /// Its recent acceptance, which chooses its draft lengths where they adapt.
+    acceptance: Acceptance,
     /// Prompt tokens taken from the prefix cache before its first token.
     cached: usize,
     sampler: Sampler,
@@ -213,25 +208,6 @@ struct Sequence {
 impl Sequence {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
-    }
-
-    /// Its next draft's length after one of `drafted` tokens had `accepted` taken (drafts of
-    /// at most `max`): one longer after a draft accepted whole, one shorter after a
-    /// rejection, and a pause, twice the last, after a one-token draft rejected.
-    fn adapt_draft(&mut self, (accepted, drafted): (usize, usize), max: usize) {
-        let len = self.draft_len.unwrap_or(max);
-        let next = if accepted == drafted {
-            len + 1
-        } else {
-            len.saturating_sub(1)
-        };
-        self.draft_len = Some(next.clamp(1, max));
-        if accepted == 0 && drafted == 1 {
-            let pause = (self.draft_pause.1 * 2).clamp(1, MAX_DRAFT_PAUSE);
-            self.draft_pause = (pause, pause);
-        } else if accepted > 0 {
-            self.draft_pause = (0, 0);
-        }
     }
 
     /// Tokens it may still add: to `max_tokens` and to the context.
@@ -274,6 +250,13 @@ impl StepPlan {
     pub fn decodes_only(&self) -> bool {
         self.runs.iter().all(|r| r.tokens == r.logits)
     }
+
+    /// The draft tokens a sequence of the step verifies, on average (rounded).
+    pub fn drafts_per_sequence(&self) -> usize {
+        let drafts: usize = self.runs.iter().map(|r| r.logits.saturating_sub(1)).sum();
+        let runs = self.runs.len().max(1);
+        (drafts + runs / 2) / runs
+    }
 }
 
 /// Waiting and running sequences; the cache they hold is the KV manager's.
@@ -297,6 +280,9 @@ pub struct Scheduler {
     forced_acceptance: Option<(f64, crate::sampler::SplitMix64)>,
     /// Whether draft lengths follow acceptance ([`Speculation::adaptive`]).
     adaptive_drafts: bool,
+    /// Decode steps' measured time by the draft tokens a sequence verified, which chooses
+    /// adaptive draft lengths.
+    step_costs: StepCosts,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -354,6 +340,7 @@ impl Scheduler {
             draft_max_running: usize::MAX,
             forced_acceptance: None,
             adaptive_drafts: false,
+            step_costs: StepCosts::default(),
         }
     }
 
@@ -419,10 +406,17 @@ impl Scheduler {
         }
     }
 
-    /// Each sequence's draft length follows its acceptance ([`Speculation::adaptive`]).
+    /// Each sequence's draft length is chosen by cost ([`Speculation::adaptive`]).
     pub fn with_adaptive_drafts(mut self) -> Self {
         self.adaptive_drafts = true;
         self
+    }
+
+    /// Takes the time of a step that only decoded, `micros` from planning to its outputs,
+    /// verifying `drafts` tokens a sequence ([`StepPlan::drafts_per_sequence`]): what
+    /// adaptive draft lengths weigh their expected tokens against.
+    pub fn observe_decode_step(&mut self, drafts: usize, micros: f64) {
+        self.step_costs.observe(drafts, micros);
     }
 
     /// Each draft token is taken with probability `rate` whatever the model samples
@@ -519,8 +513,7 @@ impl Scheduler {
             session: request.session,
             kv: SeqKv::default(),
             draft: Vec::new(),
-            draft_len: None,
-            draft_pause: (0, 0),
+            acceptance: Acceptance::default(),
             cached: 0,
             sampler: Sampler::new(request.params),
             constraint: request.constraint,
@@ -823,18 +816,19 @@ impl Scheduler {
         if self.running.len() > self.draft_max_running {
             return Vec::new();
         }
+        let (adaptive, costs) = (self.adaptive_drafts, &self.step_costs);
         let requests: Vec<(SeqId, &[u32], usize)> = self
             .running
             .iter_mut()
             .filter(|s| s.tokens.len() == s.kv.computed + 1)
             .filter_map(|s| {
-                // A sequence pausing after rejected drafts sits this step out.
-                if s.draft_pause.0 > 0 {
-                    s.draft_pause.0 -= 1;
-                    return None;
-                }
+                // Where lengths adapt, by cost: possibly none this step.
+                let len = match adaptive {
+                    true => s.acceptance.choose(costs, *max),
+                    false => *max,
+                };
                 let s: &Sequence = s;
-                let most = s.draft_len.unwrap_or(*max).min(s.room().saturating_sub(1));
+                let most = len.min(s.room().saturating_sub(1));
                 (s.kv.restoring.is_none() && most > 0).then(|| (s.id, &s.tokens[..], most))
             })
             .collect();

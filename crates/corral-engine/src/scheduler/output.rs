@@ -155,10 +155,8 @@ impl Scheduler {
                 for k in 0..accepted {
                     counts.accepted_by_position[k.min(last)] += 1;
                 }
-                if self.adaptive_drafts
-                    && let Some((_, max)) = &self.drafter
-                {
-                    seq.adapt_draft((accepted, draft.len()), *max);
+                if self.adaptive_drafts {
+                    seq.acceptance.observe(accepted, draft.len());
                 }
                 self.kv.settle_draft(
                     seq.id,

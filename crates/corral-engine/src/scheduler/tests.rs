@@ -621,19 +621,23 @@ fn forced_acceptance_takes_drafts_at_its_rate() {
     }
 }
 
-/// Adaptive drafts: a rejection shortens a sequence's next draft by one (down to one
-/// token), a draft accepted whole lengthens it by one (up to the most), and a one-token
-/// draft rejected pauses drafting, twice as long each time until a draft token is accepted.
+/// Adaptive drafts are chosen by cost. With measured steps of 100 µs and 30 more a draft
+/// token, a sequence starting at an even chance drafts one token; as its drafts are all
+/// taken it drafts the longest (one shorter on every eighth choice, a probe); once they are
+/// all rejected it stops drafting but for a one-token probe every eighth choice.
 #[test]
-fn draft_lengths_follow_acceptance() {
+fn draft_lengths_are_chosen_by_acceptance_and_measured_cost() {
     let vocab = 16;
     let mut s = Scheduler::new(config(1), KvBlockPool::new(64, 4))
         .with_drafter(Box::new(FixedDrafter(3, vec![10, 10, 10])), 3)
         .with_adaptive_drafts();
+    for drafts in 0..=3 {
+        s.observe_decode_step(drafts, 100.0 + 30.0 * drafts as f64);
+    }
     let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
     s.add(EngineRequest {
         events,
-        ..request(&[1, 2, 3], 100)
+        ..request(&[1, 2, 3], 200)
     });
     let rows_sampling = |rows: usize, token: usize| {
         let mut logits = vec![0.0f32; rows * vocab];
@@ -649,26 +653,13 @@ fn draft_lengths_follow_acceptance() {
         vocab,
         DispatchStats::default(),
     );
-    // (rows sampling the draft's token or not, the draft length the step verified)
-    // A one-token draft rejected pauses drafting for a step, the next for two (0: a step
-    // without a draft).
-    for (accept, verified) in [
-        (false, 3),
-        (false, 2),
-        (false, 1),
-        (false, 0),
-        (false, 1),
-        (false, 0),
-        (false, 0),
-        (true, 1),
-        (true, 2),
-        (true, 3),
-        (true, 3),
-    ] {
+    let mut verified = Vec::new();
+    for step in 0..48 {
         let plan = s.step().unwrap();
-        assert_eq!(plan.runs[0].logits, 1 + verified, "verifying {verified}");
         let rows = plan.runs[0].logits;
-        let token = if accept { 10 } else { 7 };
+        verified.push(rows - 1);
+        // The draft's token for 16 steps, then another.
+        let token = if step < 16 { 10 } else { 7 };
         let _ = s.finish_step(
             plan,
             &mut rows_sampling(rows, token),
@@ -676,6 +667,21 @@ fn draft_lengths_follow_acceptance() {
             DispatchStats::default(),
         );
     }
+    eprintln!("{verified:?}");
+    assert_eq!(verified[..4], [1, 2, 3, 3], "taken: longer drafts");
+    assert_eq!(verified[7], 2, "the eighth choice probes one shorter");
+    assert!(verified[8..15].iter().all(|&v| v == 3));
+    // Rejected from the 17th step: shorter, then none but probes.
+    let stopped = verified[16..].iter().position(|&v| v == 0).unwrap() + 16;
+    assert!(stopped < 26, "{verified:?}");
+    // No longer than the step before, probes aside.
+    assert!((17..stopped).all(|i| verified[i] <= verified[i - 1] || (i + 1) % 8 == 0));
+    let probes: Vec<usize> = (stopped..48).filter(|&i| verified[i] > 0).collect();
+    assert!(
+        probes.iter().all(|&i| verified[i] == 1 && (i + 1) % 8 == 0),
+        "{verified:?}"
+    );
+    assert!(!probes.is_empty());
 }
 
 /// A drafter that reads hidden states (as an MTP head does), proposing nothing.
