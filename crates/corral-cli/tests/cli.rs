@@ -1098,7 +1098,7 @@ fn bench_speculative_compares_variants_with_plain_decoding() {
 }
 
 /// A synthetic hybrid drafts with a random MTP head of its shape on random prompts, and
-/// `--forced-acceptance 1` takes every draft token: each step yields 1 + K tokens. The
+/// `--forced-acceptance 1` takes every draft token: each step of fixed K yields 1 + K tokens. The
 /// table says the acceptance was forced and claims no equality with plain decoding.
 #[test]
 fn bench_speculative_forces_acceptance_on_a_synthetic_model() {
@@ -1117,7 +1117,7 @@ fn bench_speculative_forces_acceptance_on_a_synthetic_model() {
         "--max-tokens",
         "13",
         "--speculative",
-        "off,mtp:2",
+        "off,mtp:2:fixed",
         "--forced-acceptance",
         "1",
         "--json",
@@ -1128,10 +1128,11 @@ fn bench_speculative_forces_acceptance_on_a_synthetic_model() {
     assert!(table.starts_with("FORCED ACCEPTANCE 1"), "{table}");
     let value: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let mtp = &value["variants"][1];
-    assert_eq!(mtp["variant"], "mtp:2");
+    assert_eq!(mtp["variant"], "mtp:2:fixed");
     assert!(mtp["drafted"].as_u64().unwrap() > 0, "{value}");
     assert_eq!(mtp["accepted"], mtp["drafted"], "{value}");
-    // 12 tokens after the prompt's: four steps of three.
+    // 12 tokens after the prompt's: four steps of three (fixed lengths: adaptive ones may
+    // probe shorter drafts).
     assert_eq!(mtp["tokens_per_step"].as_f64(), Some(3.0), "{value}");
     assert!(mtp["same_tokens_as_off"].is_null(), "{value}");
     let bad = corral(&[

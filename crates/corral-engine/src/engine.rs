@@ -358,7 +358,7 @@ fn run(
             let wants_hidden = scheduler.drafter_wants_hidden();
             let sampled = scheduler.prepare_sampling(&plan, vocab, &mut sampling);
             let decodes_only = plan.decodes_only();
-            let drafts = plan.drafts_per_sequence();
+            let shape = plan.decode_shape();
             let started = std::time::Instant::now();
             let planned = started - planning;
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -426,7 +426,7 @@ fn run(
                     if decodes_only {
                         let phases = [planned, finishing - started, finishing.elapsed()];
                         let micros = phases.iter().map(|t| t.as_secs_f64() * 1e6).sum();
-                        scheduler.observe_decode_step(drafts, micros);
+                        scheduler.observe_decode_step(shape, micros);
                         metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
                         for (sum, t) in metrics.decode_step_micros.iter().zip(phases) {
                             sum.fetch_add(t.as_micros() as u64, Ordering::Relaxed);

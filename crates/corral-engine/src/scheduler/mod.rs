@@ -251,11 +251,12 @@ impl StepPlan {
         self.runs.iter().all(|r| r.tokens == r.logits)
     }
 
-    /// The draft tokens a sequence of the step verifies, on average (rounded).
-    pub fn drafts_per_sequence(&self) -> usize {
+    /// The step's sequences, and the draft tokens one of them verifies on average
+    /// (rounded).
+    pub fn decode_shape(&self) -> (usize, usize) {
         let drafts: usize = self.runs.iter().map(|r| r.logits.saturating_sub(1)).sum();
         let runs = self.runs.len().max(1);
-        (drafts + runs / 2) / runs
+        (self.runs.len(), (drafts + runs / 2) / runs)
     }
 }
 
@@ -280,9 +281,9 @@ pub struct Scheduler {
     forced_acceptance: Option<(f64, crate::sampler::SplitMix64)>,
     /// Whether draft lengths follow acceptance ([`Speculation::adaptive`]).
     adaptive_drafts: bool,
-    /// Decode steps' measured time by the draft tokens a sequence verified, which chooses
-    /// adaptive draft lengths.
-    step_costs: StepCosts,
+    /// Decode steps' measured time by their sequences (index) and the draft tokens one
+    /// verified, which chooses adaptive draft lengths.
+    step_costs: Vec<StepCosts>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -340,7 +341,7 @@ impl Scheduler {
             draft_max_running: usize::MAX,
             forced_acceptance: None,
             adaptive_drafts: false,
-            step_costs: StepCosts::default(),
+            step_costs: Vec::new(),
         }
     }
 
@@ -413,10 +414,13 @@ impl Scheduler {
     }
 
     /// Takes the time of a step that only decoded, `micros` from planning to its outputs,
-    /// verifying `drafts` tokens a sequence ([`StepPlan::drafts_per_sequence`]): what
-    /// adaptive draft lengths weigh their expected tokens against.
-    pub fn observe_decode_step(&mut self, drafts: usize, micros: f64) {
-        self.step_costs.observe(drafts, micros);
+    /// of `sequences` verifying `drafts` tokens each ([`StepPlan::decode_shape`]): what
+    /// adaptive draft lengths weigh their expected tokens against, at that many sequences.
+    pub fn observe_decode_step(&mut self, (sequences, drafts): (usize, usize), micros: f64) {
+        if self.step_costs.len() <= sequences {
+            self.step_costs.resize(sequences + 1, StepCosts::default());
+        }
+        self.step_costs[sequences].observe(drafts, micros);
     }
 
     /// Each draft token is taken with probability `rate` whatever the model samples
@@ -816,7 +820,15 @@ impl Scheduler {
         if self.running.len() > self.draft_max_running {
             return Vec::new();
         }
-        let (adaptive, costs) = (self.adaptive_drafts, &self.step_costs);
+        // The costs of steps of as many sequences as decode now.
+        let decoding = self
+            .running
+            .iter()
+            .filter(|s| s.tokens.len() == s.kv.computed + 1)
+            .count();
+        let unmeasured = StepCosts::default();
+        let costs = self.step_costs.get(decoding).unwrap_or(&unmeasured);
+        let adaptive = self.adaptive_drafts;
         let requests: Vec<(SeqId, &[u32], usize)> = self
             .running
             .iter_mut()
