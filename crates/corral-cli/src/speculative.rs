@@ -138,11 +138,6 @@ const AUTO_MAX_RUNNING: usize = 1;
 pub(crate) type EngineDrafter = (Speculation, String);
 
 impl Speculative {
-    /// Whether it speculates at all.
-    fn active(self) -> bool {
-        self != Self::Off
-    }
-
     /// Whether `self` drafts with an MTP head where one exists. For a plan made without
     /// loading the model.
     pub(crate) fn wants_head(self) -> bool {
@@ -152,20 +147,27 @@ impl Speculative {
         }
     }
 
+    /// The draft lengths and running limit `self` drafts with (`head`: an MTP head drafts);
+    /// `None` where it does not speculate. What the engine runs and what memory plans count.
+    fn lengths(self, head: bool) -> Option<(Drafts, usize)> {
+        match self {
+            Self::Off => None,
+            Self::Auto if head => Some((Drafts::adaptive(DEFAULT_MTP_TOKENS), AUTO_MAX_RUNNING)),
+            Self::Auto => Some((Drafts::adaptive(DEFAULT_LOOKUP_TOKENS), AUTO_MAX_RUNNING)),
+            Self::Mtp(k) | Self::Lookup(k) | Self::MtpLookup(k) => Some((k, usize::MAX)),
+        }
+    }
+
     /// The recurrent states an engine of `max_batch` sequences keeps after each draft
     /// position for `self` beside a `hybrid` model (`head`: an MTP head drafts), for its
     /// memory plan: none where it does not speculate, replays, or the model keeps no state.
     pub(crate) fn kept_state_slots(self, (hybrid, head): (bool, bool), max_batch: usize) -> usize {
-        let (drafts, running) = match self {
-            Self::Off => return 0,
-            Self::Auto if head => (Drafts::adaptive(DEFAULT_MTP_TOKENS), AUTO_MAX_RUNNING),
-            Self::Auto => (Drafts::adaptive(DEFAULT_LOOKUP_TOKENS), AUTO_MAX_RUNNING),
-            Self::Mtp(k) | Self::Lookup(k) | Self::MtpLookup(k) => (k, usize::MAX),
-        };
-        if !hybrid || drafts.replay {
-            return 0;
+        match self.lengths(head) {
+            Some((drafts, running)) if hybrid && !drafts.replay => {
+                corral_engine::kept_state_groups(max_batch.max(1), running) * drafts.max
+            }
+            _ => 0,
         }
-        corral_engine::kept_state_groups(max_batch.max(1), running) * drafts.max
     }
 
     /// The MTP head `self` drafts with, loaded from `args`' checkpoint onto `model`'s backend:
@@ -195,41 +197,27 @@ impl Speculative {
         caches: (usize, usize, usize),
     ) -> Result<Option<EngineDrafter>> {
         let (kv_blocks, block_size, sequences) = caches;
-        if !self.active() {
+        let Some((k, running)) = self.lengths(head.is_some()) else {
             return Ok(None);
-        }
+        };
         let lookup = || Box::new(LookupDrafter::default());
-        let (drafter, k, what): (Box<dyn Drafter>, Drafts, &str) = match (self, head) {
-            (Self::Lookup(k), _) => (lookup(), k, "prompt lookup"),
-            (Self::Auto, None) => (
-                lookup(),
-                Drafts::adaptive(DEFAULT_LOOKUP_TOKENS),
-                "prompt lookup",
-            ),
-            (Self::Mtp(k), Some(head)) => (
+        let (drafter, what): (Box<dyn Drafter>, &str) = match (self, head) {
+            (Self::Lookup(_), _) | (Self::Auto, None) => (lookup(), "prompt lookup"),
+            (Self::Mtp(_), Some(head)) => (
                 Box::new(MtpDrafter::new(head, kv_blocks, block_size, sequences)?),
-                k,
                 "MTP head",
             ),
-            (Self::MtpLookup(k), Some(head)) => (Self::both(head, caches)?, k, BOTH),
-            (Self::Auto, Some(head)) => (
-                Self::both(head, caches)?,
-                Drafts::adaptive(DEFAULT_MTP_TOKENS),
-                BOTH,
-            ),
+            (Self::MtpLookup(_) | Self::Auto, Some(head)) => (Self::both(head, caches)?, BOTH),
             (Self::Off, _) | (Self::Mtp(_) | Self::MtpLookup(_), None) => {
                 bail!("--speculative {self} needs the checkpoint's MTP head")
             }
         };
-        let mut speculation = Speculation::new(drafter, k.max);
+        let mut speculation = Speculation::new(drafter, k.max).up_to_running(running);
         if k.fixed {
             speculation = speculation.fixed();
         }
         if k.replay {
             speculation = speculation.replaying();
-        }
-        if self == Self::Auto {
-            speculation = speculation.up_to_running(AUTO_MAX_RUNNING);
         }
         let limit = match speculation.max_running {
             usize::MAX => String::new(),
