@@ -414,6 +414,11 @@ fn run(
                         .dispatches
                         .fetch_add(report.stats.dispatches, Ordering::Relaxed);
                     let finishing = std::time::Instant::now();
+                    // Counted before the step's outputs go out, so that a client that has its
+                    // tokens finds the step counted.
+                    if decodes_only {
+                        metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
+                    }
                     if wants_hidden {
                         scheduler.observe_hidden(&plan, &hidden, model.config().hidden_size);
                     }
@@ -427,7 +432,6 @@ fn run(
                         let phases = [planned, finishing - started, finishing.elapsed()];
                         let micros = phases.iter().map(|t| t.as_secs_f64() * 1e6).sum();
                         scheduler.observe_decode_step(shape, micros);
-                        metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
                         for (sum, t) in metrics.decode_step_micros.iter().zip(phases) {
                             sum.fetch_add(t.as_micros() as u64, Ordering::Relaxed);
                         }

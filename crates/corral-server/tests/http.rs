@@ -1048,6 +1048,9 @@ async fn models_and_metrics() {
         "corral_state_slots_used 0",
         "corral_kv_blocks_total 256",
         "corral_dispatches_per_token",
+        // Six tokens: the first with the prompt, five decode steps.
+        "corral_decode_steps_total 5",
+        "corral_decode_step_seconds_total{phase=\"forward\"}",
         // vLLM's names, as dashboards and the Gateway API Inference Extension read them.
         "vllm:num_requests_running{model_name=\"tiny\"} 0",
         "vllm:num_requests_waiting{model_name=\"tiny\"} 0",
