@@ -2,11 +2,12 @@
 //! gives the most expected tokens a second, from its recent acceptance and the time the
 //! engine measured for decode steps verifying that many draft tokens a sequence.
 //!
-//! A draft of L tokens, each taken with probability α once those before it were, yields
-//! 1 + α + … + α^L tokens; a step verifying it costs t(L). The length with the largest
-//! ratio wins; lengths never measured are read off a line through the measured ones. Every
-//! [`PROBE_EVERY`]th choice of a sequence tries a length next to the best instead, so that
-//! the costs around it stay measured (and a sequence that stopped drafting tries again).
+//! A draft of L tokens whose k-th is taken with probability α_k once those before it were
+//! yields 1 + α_1 + α_1 α_2 + … + α_1 ⋯ α_L tokens; a step verifying it costs t(L). The
+//! length with the largest ratio wins; lengths never measured are read off a line through
+//! the measured ones. Every [`PROBE_EVERY`]th choice of a sequence tries a length next to
+//! the best instead, so that the costs around it stay measured (and a sequence that stopped
+//! drafting tries again).
 
 /// Choices of a sequence between two probes of a neighbouring length.
 pub(crate) const PROBE_EVERY: usize = 8;
