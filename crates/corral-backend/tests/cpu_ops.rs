@@ -5,6 +5,8 @@ use proptest::prelude::*;
 
 mod common;
 
+use common::{download, upload, upload_u32};
+
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
         .wrapping_mul(6364136223846793005)
@@ -28,20 +30,6 @@ fn round_to(dtype: DType, v: &[f32]) -> Vec<f32> {
         DType::F16 => v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect(),
         _ => v.to_vec(),
     }
-}
-
-fn upload(b: &CpuBackend, v: &[f32]) -> corral_backend::DeviceBuffer {
-    let mut buf = b
-        .take_buffer(DType::F32, v.len(), BufferUsage::Activations)
-        .unwrap();
-    b.upload_f32(v, &mut buf).unwrap();
-    buf
-}
-
-fn download(b: &CpuBackend, buf: &corral_backend::DeviceBuffer, n: usize) -> Vec<f32> {
-    let mut out = vec![0.0; n];
-    b.download_f32(buf, &mut out).unwrap();
-    out
 }
 
 fn close(a: &[f32], b: &[f32], tol: f32) -> Result<(), TestCaseError> {
@@ -140,14 +128,6 @@ proptest! {
         prop_assert_eq!(download(&b, &k_fused, n), download(&b, &k_sep, n));
         prop_assert_eq!(download(&b, &v_fused, n), download(&b, &v_sep, n));
     }
-}
-
-fn upload_u32(b: &CpuBackend, v: &[u32]) -> corral_backend::DeviceBuffer {
-    let mut buf = b
-        .take_buffer(DType::U32, v.len(), BufferUsage::Metadata)
-        .unwrap();
-    b.upload_u32(v, &mut buf).unwrap();
-    buf
 }
 
 #[test]

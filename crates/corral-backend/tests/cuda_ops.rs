@@ -6,6 +6,8 @@ use std::sync::{Arc, OnceLock};
 
 mod common;
 
+use common::download;
+
 use corral_backend::{
     Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeltaNetShape,
     DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns,
@@ -104,12 +106,6 @@ fn out_buf(b: &dyn Backend, n: usize) -> DeviceBuffer {
     buf
 }
 
-fn read(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<f32> {
-    let mut out = vec![0.0; n];
-    b.download_f32(buf, &mut out).unwrap();
-    out
-}
-
 fn read_u32(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<u32> {
     let mut out = vec![0; n];
     b.download_u32(buf, &mut out).unwrap();
@@ -173,12 +169,12 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
             let xb = f32_buf(b, &x);
             let mut out = out_buf(b, rows * n);
             b.matmul(&xb, rows, view, &mut out).unwrap();
-            let first = read(b, &out, rows * n);
+            let first = download(b, &out, rows * n);
             // Again into a new buffer (of NaN), bit for bit: a split's last block adds the
             // parts in a fixed order and leaves its ticket at zero for the next launch.
             let mut again = out_buf(b, rows * n);
             b.matmul(&xb, rows, view, &mut again).unwrap();
-            let second = read(b, &again, rows * n);
+            let second = download(b, &again, rows * n);
             assert_eq!(second, first, "{what}: a second launch differs");
             outs.push(first);
         }
@@ -217,7 +213,7 @@ fn streamed_projections_equal_unstreamed() {
             let xb = f32_buf(b, &x);
             let mut out = out_buf(b, rows * n);
             b.matmul(&xb, rows, view, &mut out).unwrap();
-            outs.push(read(b, &out, rows * n));
+            outs.push(download(b, &out, rows * n));
         }
         assert_close(&what, &outs[0], &outs[1], 1e-5);
     }
@@ -249,21 +245,21 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
             let mut out = out_buf(b, rows * dim);
             b.rms_norm(&xb, &wb, rows, dim, 1e-6, case % 2 == 0, &mut out)
                 .unwrap();
-            r.push(read(b, &out, rows * dim));
+            r.push(download(b, &out, rows * dim));
             b.gated_rms_norm(&xb, &yb, &wb, rows, dim, 1e-6, &mut out)
                 .unwrap();
-            r.push(read(b, &out, rows * dim));
+            r.push(download(b, &out, rows * dim));
             b.silu_mul(&xb, &yb, rows * dim, &mut out).unwrap();
-            r.push(read(b, &out, rows * dim));
+            r.push(download(b, &out, rows * dim));
             b.sigmoid_mul(&xb, &yb, rows * dim, &mut out).unwrap();
-            r.push(read(b, &out, rows * dim));
+            r.push(download(b, &out, rows * dim));
             let mut acc = f32_buf(b, &y);
             b.add_in_place(&mut acc, &xb, rows * dim).unwrap();
             b.add_sigmoid_gated(&mut acc, &xb, &gb, rows, dim).unwrap();
-            r.push(read(b, &acc, rows * dim));
+            r.push(download(b, &acc, rows * dim));
             let ids = u32_buf(b, &picks);
             b.gather_rows(&xb, &ids, rows, dim, &mut out).unwrap();
-            r.push(read(b, &out, rows * dim));
+            r.push(download(b, &out, rows * dim));
             let pos = u32_buf(b, &positions);
             let mut qb = f32_buf(b, &q);
             // Odd cases under YaRN (factor 4 over 1,024 positions: positions reach 5,000).
@@ -274,12 +270,12 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
             };
             b.rope(&mut qb, &pos, rows, heads, head_dim, rotary, rope)
                 .unwrap();
-            r.push(read(b, &qb, q.len()));
+            r.push(download(b, &qb, q.len()));
             let mut acc = f32_buf(b, &y);
             b.add_rms_norm(&mut acc, &xb, &wb, rows, dim, 1e-6, case % 3 == 0, &mut out)
                 .unwrap();
-            r.push(read(b, &out, rows * dim));
-            r.push(read(b, &acc, rows * dim));
+            r.push(download(b, &out, rows * dim));
+            r.push(download(b, &acc, rows * dim));
             results.push(r);
         }
         let names = [
@@ -441,9 +437,9 @@ fn fused_qkv_norm_rope_store_matches_cpu() {
             )
             .unwrap();
             results.push([
-                read(b, &q_out, tokens * q_dim),
-                read(b, &cache_k, capacity * kv_dim),
-                read(b, &cache_v, capacity * kv_dim),
+                download(b, &q_out, tokens * q_dim),
+                download(b, &cache_k, capacity * kv_dim),
+                download(b, &cache_v, capacity * kv_dim),
             ]);
         }
         let what = format!("case {case}: {tokens} tokens, {heads}/{kv_heads} heads of {head_dim}");
@@ -633,12 +629,12 @@ fn delta_net_ops_match_cpu() {
             )
             .unwrap();
             results.push([
-                read(be, &conv_out, tokens * channels),
-                read(be, &conv_state, conv0.len()),
-                read(be, &gb, tokens * heads),
-                read(be, &betab, tokens * heads),
-                read(be, &out, tokens * nv * dv),
-                read(be, &state, state0.len()),
+                download(be, &conv_out, tokens * channels),
+                download(be, &conv_state, conv0.len()),
+                download(be, &gb, tokens * heads),
+                download(be, &betab, tokens * heads),
+                download(be, &out, tokens * nv * dv),
+                download(be, &state, state0.len()),
             ]);
         }
         let what = format!(
@@ -736,8 +732,8 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
             )
             .unwrap();
             (
-                read(be, &out, tokens * nv * dv),
-                read(be, &state, state0.len()),
+                download(be, &out, tokens * nv * dv),
+                download(be, &state, state0.len()),
             )
         };
         let (chunked_out, chunked_state) = whole(g);
@@ -769,8 +765,8 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
             g.gated_delta_rule(&qkv_b, &gate_b, &beta_b, shape, rr, &mut state, &mut out)
                 .unwrap();
         }
-        let stepped_out = read(g, &out, tokens * nv * dv);
-        let stepped_state = read(g, &state, state0.len());
+        let stepped_out = download(g, &out, tokens * nv * dv);
+        let stepped_state = download(g, &state, state0.len());
         // Each run on its own, so that a short run's error cannot hide in a long one's norm.
         let per_token = nv * dv;
         let per_slot = nv * dk * dv;
@@ -834,7 +830,7 @@ fn embedding_reads_every_weight_type_exactly() {
                 &mut out,
             )
             .unwrap();
-            outs.push(read(b, &out, tokens * hidden));
+            outs.push(download(b, &out, tokens * hidden));
         }
         assert_eq!(outs[0], outs[1], "{dtype}");
     }
@@ -1032,7 +1028,7 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
             .unwrap();
             b.paged_attention(&qb, &ck, &cv, &meta, shape, &mut out)
                 .unwrap();
-            outs.push(read(b, &out, tokens * nh * hd));
+            outs.push(download(b, &out, tokens * nh * hd));
             if kv_dtype == DType::BF16 {
                 // The output in bf16 (for a projection that takes it so): the same values,
                 // rounded once, whether the flash kernel writes them or a rounding copy.
@@ -1328,7 +1324,7 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
                 .unwrap();
             results.push((
                 read_u32(b, &r.ids, pairs),
-                read(b, &r.weights, pairs),
+                download(b, &r.weights, pairs),
                 [
                     read_u32(b, &r.offsets, e + 1),
                     // The experts hit: their count, then their ids (the rest is unspecified).
@@ -1340,9 +1336,9 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
                     read_u32(b, &r.sorted_pairs, pairs),
                     read_u32(b, &r.positions, pairs),
                 ],
-                read(b, &grouped, tokens * h),
-                read(b, &per_token, tokens * h),
-                read(b, &fused_combine, tokens * h),
+                download(b, &grouped, tokens * h),
+                download(b, &per_token, tokens * h),
+                download(b, &fused_combine, tokens * h),
             ));
         }
         let what = format!(
@@ -1390,7 +1386,7 @@ fn copy_within_matches_cpu() {
             b.copy_within(&mut buf, 950, 0, 100).is_err(),
             "past the end"
         );
-        outs.push(read(b, &buf, 1000));
+        outs.push(download(b, &buf, 1000));
     }
     assert_eq!(outs[0], outs[1]);
 }
@@ -1423,7 +1419,7 @@ fn read_and_write_bytes_match_cpu() {
             b.write_bytes(&[0u8; 3], &mut f32s, 0).is_err(),
             "part of an element"
         );
-        outs.push((back, read(b, &f32s, 600)));
+        outs.push((back, download(b, &f32s, 600)));
     }
     assert_eq!(outs[0], outs[1]);
 }
@@ -1513,7 +1509,7 @@ fn scale_scatter_add_matches_cpu() {
         let (yb, rb, sb) = (f32_buf(b, &y), u32_buf(b, &rows), f32_buf(b, &scales));
         b.scale_scatter_add(&yb, &rb, &sb, n, dim, &mut out)
             .unwrap();
-        outs.push(read(b, &out, out_rows * dim));
+        outs.push(download(b, &out, out_rows * dim));
     }
     assert_close("scale_scatter_add", &outs[1], &outs[0], 1e-6);
 }
@@ -1534,7 +1530,7 @@ fn synthetic_weights_are_the_cpu_streams() {
             let mut out = out_buf(b, rows * 7);
             b.embedding(WeightView::new(&w, rows, 7).unwrap(), &idb, rows, &mut out)
                 .unwrap();
-            outs.push(read(b, &out, rows * 7));
+            outs.push(download(b, &out, rows * 7));
         }
         assert_close(&format!("{dtype}"), &outs[1], &outs[0], 1e-6);
     }
@@ -1703,8 +1699,8 @@ fn matmuls_equal_each_matmul_and_round_the_input_once() {
         assert_eq!(spent.dispatches, expected as u64, "rows {rows}");
         for ((a, b), n) in each.iter().zip(&joint).zip(ns) {
             assert_eq!(
-                read(g, a, rows * n),
-                read(g, b, rows * n),
+                download(g, a, rows * n),
+                download(g, b, rows * n),
                 "rows {rows}, n {n}"
             );
         }
@@ -1741,7 +1737,7 @@ fn bf16_norm_outputs_feed_projections_as_f32_inputs_do() {
             .unwrap();
         let mut bytes = vec![0u8; rows * k * 2];
         g.read_bytes(&normed16, 0, &mut bytes).unwrap();
-        let rounded: Vec<u16> = read(g, &normed, rows * k)
+        let rounded: Vec<u16> = download(g, &normed, rows * k)
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_bits())
             .collect();
@@ -1755,8 +1751,8 @@ fn bf16_norm_outputs_feed_projections_as_f32_inputs_do() {
             g.matmul(&normed, rows, *v, &mut a).unwrap();
             g.matmul(&normed16, rows, *v, &mut b).unwrap();
             assert_eq!(
-                read(g, &a, rows * n),
-                read(g, &b, rows * n),
+                download(g, &a, rows * n),
+                download(g, &b, rows * n),
                 "rows {rows}, n {n}"
             );
         }
@@ -1767,8 +1763,8 @@ fn bf16_norm_outputs_feed_projections_as_f32_inputs_do() {
             let mut each = out_buf(g, rows * n);
             g.matmul(&normed, rows, *v, &mut each).unwrap();
             assert_eq!(
-                read(g, out, rows * n),
-                read(g, &each, rows * n),
+                download(g, out, rows * n),
+                download(g, &each, rows * n),
                 "rows {rows} joint"
             );
         }
@@ -1895,7 +1891,7 @@ fn sampling_penalties_and_candidates_match_cpu() {
                 )
                 .unwrap();
             b.top_candidates(&x, rows, vocab, &d, &mut o).unwrap();
-            penalised.push(read(b, &x, rows * vocab));
+            penalised.push(download(b, &x, rows * vocab));
             out.push(read_u32(b, &o, rows * CANDIDATE_ROW_WORDS));
         }
         // Bit for bit, any NaN as one.
@@ -1978,7 +1974,7 @@ fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
             let mut out = out_buf(g, rows * cols);
             g.dequantize_on_device(WeightView::new(w, rows, cols).unwrap(), &mut out)
                 .unwrap();
-            let got = read(g, &out, rows * cols);
+            let got = download(g, &out, rows * cols);
             got.iter()
                 .zip(&values)
                 .position(|(a, b)| a.to_bits() != b.to_bits())
@@ -2048,8 +2044,8 @@ fn projection_parts_together_equal_them_one_at_a_time() {
                 col0 += n;
             }
             let (together, apart) = (
-                read(g, &together, rows * wide),
-                read(g, &apart, rows * wide),
+                download(g, &together, rows * wide),
+                download(g, &apart, rows * wide),
             );
             for (i, (a, b)) in together.iter().zip(&apart).enumerate() {
                 assert!(
@@ -2098,7 +2094,7 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
                 &mut want,
             )
             .unwrap();
-            let want = read(&c, &want, rows * out_rows);
+            let want = download(&c, &want, rows * out_rows);
             // The CPU on the blocks a row at a time: activations quantized per 32 values,
             // integer dots (from 8 rows it may decode Q8_0 to f32 instead).
             let q_view = WeightView::new(&wq, out_rows, cols).unwrap();
@@ -2107,12 +2103,12 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
                 .flat_map(|row| {
                     let mut out = out_buf(&c, out_rows);
                     c.matmul(&f32_buf(&c, row), 1, q_view, &mut out).unwrap();
-                    read(&c, &out, out_rows)
+                    download(&c, &out, out_rows)
                 })
                 .collect();
             let mut got = out_buf(g, rows * out_rows);
             g.matmul(&f32_buf(g, &x), rows, view, &mut got).unwrap();
-            let got = read(g, &got, rows * out_rows);
+            let got = download(g, &got, rows * out_rows);
             let what = format!(
                 "{} matmul, {rows} rows of {cols} into {out_rows}",
                 format.name()
@@ -2138,7 +2134,7 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
             let mut cols_out = out_buf(g, rows * wide);
             g.matmul_columns(&f32_buf(g, &x), rows, view, &mut cols_out, wide, 3)
                 .unwrap();
-            let placed = read(g, &cols_out, rows * wide);
+            let placed = download(g, &cols_out, rows * wide);
             for r in 0..rows {
                 let row = &placed[r * wide..(r + 1) * wide];
                 assert!(
@@ -2175,7 +2171,7 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
             &mut out,
         )
         .unwrap();
-        let got = read(g, &out, ids.len() * hidden);
+        let got = download(g, &out, ids.len() * hidden);
         for (t, id) in ids.iter().enumerate() {
             let want = &values[*id as usize * hidden..(*id as usize + 1) * hidden];
             assert!(
@@ -2283,8 +2279,8 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
             b.moe_experts_per_token(&xb, routing, &w, &mut act, &mut per_token)
                 .unwrap();
             results.push((
-                read(b, &grouped, tokens * h),
-                read(b, &per_token, tokens * h),
+                download(b, &grouped, tokens * h),
+                download(b, &per_token, tokens * h),
             ));
         }
         let what = format!(
@@ -2442,19 +2438,19 @@ fn a_graph_recorded_with_an_empty_pool_replays_as_eager_ops_run() {
     recorded.unwrap();
     let graph = graph.unwrap();
     g.replay(&graph).unwrap();
-    let first = read(&g, &graphed, rows * 64);
+    let first = download(&g, &graphed, rows * 64);
     // Whatever runs between replays may take the graph's scratch and give it back.
     let mut eager = out_buf(&g, rows * 64);
     g.matmul_parts(&x, rows, (&parts, cols), &mut eager, 64)
         .unwrap();
     g.replay(&graph).unwrap();
     assert_eq!(
-        read(&g, &graphed, rows * 64),
+        download(&g, &graphed, rows * 64),
         first,
         "a second replay differs"
     );
     assert_eq!(
-        read(&g, &eager, rows * 64),
+        download(&g, &eager, rows * 64),
         first,
         "eager ops differ from the graph"
     );

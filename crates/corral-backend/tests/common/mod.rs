@@ -2,7 +2,8 @@
 
 use corral_backend::{Backend, BufferUsage, DType, DeltaNetShape, DeviceBuffer, RecurrentRuns};
 
-fn upload(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
+/// `v` in a buffer of exactly its length.
+pub(crate) fn upload(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
     let mut buf = b
         .take_buffer(DType::F32, v.len(), BufferUsage::Activations)
         .unwrap();
@@ -10,7 +11,8 @@ fn upload(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
     buf
 }
 
-fn upload_u32(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
+/// `v` in a metadata buffer of exactly its length.
+pub(crate) fn upload_u32(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
     let mut buf = b
         .take_buffer(DType::U32, v.len(), BufferUsage::Metadata)
         .unwrap();
@@ -18,7 +20,8 @@ fn upload_u32(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
     buf
 }
 
-fn download(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<f32> {
+/// The first `n` values of `buf`.
+pub(crate) fn download(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<f32> {
     let mut out = vec![0.0; n];
     b.download_f32(buf, &mut out).unwrap();
     out

@@ -44,20 +44,21 @@ impl StepCosts {
         if let Some(Some(t)) = self.micros.get(drafts) {
             return Some(*t);
         }
-        let known: Vec<(f64, f64)> = self
-            .micros
-            .iter()
-            .enumerate()
-            .filter_map(|(l, t)| t.map(|t| (l as f64, t)))
-            .collect();
+        // Without allocating: this runs for every drafting sequence every step.
+        let measured = || {
+            self.micros
+                .iter()
+                .enumerate()
+                .filter_map(|(l, t)| t.map(|t| (l as f64, t)))
+        };
         let x = drafts as f64;
-        let below = known.iter().rev().find(|p| p.0 < x);
-        let above = known.iter().find(|p| p.0 > x);
+        let below = measured().rev().find(|p| p.0 < x);
+        let above = measured().find(|p| p.0 > x);
         let (a, b) = match (below, above) {
-            (Some(a), Some(b)) => (*a, *b),
-            (Some(_), None) if known.len() >= 2 => (known[known.len() - 2], known[known.len() - 1]),
-            (None, Some(_)) if known.len() >= 2 => (known[0], known[1]),
-            _ => return None,
+            (Some(a), Some(b)) => (a, b),
+            (Some(b), None) => (measured().rev().find(|p| p.0 < b.0)?, b),
+            (None, Some(a)) => (a, measured().find(|p| p.0 > a.0)?),
+            (None, None) => return None,
         };
         let t = a.1 + (b.1 - a.1) * (x - a.0) / (b.0 - a.0);
         Some(t.max(f64::MIN_POSITIVE))
@@ -124,19 +125,21 @@ impl Acceptance {
     /// are measured (which measures the longest).
     pub(crate) fn choose(&mut self, costs: &StepCosts, max: usize) -> usize {
         self.choices += 1;
-        let rates: Option<Vec<f64>> = (0..=max)
-            .map(|l| costs.estimate(l).map(|t| self.expected_tokens(l) / t))
-            .collect();
-        let Some(rates) = rates else {
+        if (0..=max).any(|l| costs.estimate(l).is_none()) {
             // Lengths not yet measured: the longest, then the shortest draft.
             return if costs.estimate(max).is_none() {
                 max
             } else {
                 0
             };
+        }
+        let rate = |l: usize| {
+            costs
+                .estimate(l)
+                .map_or(0.0, |t| self.expected_tokens(l) / t)
         };
         let best = (0..=max)
-            .max_by(|&a, &b| rates[a].total_cmp(&rates[b]))
+            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
             .unwrap_or(max);
         if self.choices.is_multiple_of(PROBE_EVERY) {
             // Alternately one shorter and one longer, where there is such a length.
