@@ -54,6 +54,24 @@ impl DType {
     pub const fn is_float(self) -> bool {
         !matches!(self, DType::U32 | DType::F8E4M3)
     }
+
+    /// Appends the values of little-endian `bytes` of this type to `out`, for f32, bf16 and
+    /// f16 (whole elements); false, appending nothing, for any other type.
+    pub fn extend_f32(self, bytes: &[u8], out: &mut Vec<f32>) -> bool {
+        let n = self.size_bytes();
+        let chunks = bytes.chunks_exact(n);
+        match self {
+            DType::F32 => out.extend(chunks.map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+            DType::BF16 => {
+                out.extend(chunks.map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()))
+            }
+            DType::F16 => {
+                out.extend(chunks.map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()))
+            }
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => return false,
+        }
+        true
+    }
 }
 
 impl fmt::Display for DType {
@@ -78,5 +96,36 @@ pub const fn kv_row_elems(dtype: DType, kv_heads: usize, head_dim: usize) -> usi
     match dtype {
         DType::F8E4M3 => (kv_dim + 4 * kv_heads).div_ceil(16) * 16,
         _ => kv_dim,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn float_bytes_decode_to_their_values_and_other_types_to_nothing() {
+        let values = [1.5f32, -0.25, 3.0];
+        let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bf16_bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let f16_bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        for (dtype, bytes) in [
+            (DType::F32, &f32_bytes),
+            (DType::BF16, &bf16_bytes),
+            (DType::F16, &f16_bytes),
+        ] {
+            let mut out = vec![9.0];
+            assert!(dtype.extend_f32(bytes, &mut out), "{dtype}");
+            assert_eq!(out, [9.0, 1.5, -0.25, 3.0], "{dtype}");
+        }
+        let mut out = Vec::new();
+        assert!(!DType::U32.extend_f32(&f32_bytes, &mut out));
+        assert!(out.is_empty());
     }
 }

@@ -200,18 +200,11 @@ impl Checkpoint {
         let bytes = &self.shards[entry.shard].bytes()
             [entry.byte_offset..entry.byte_offset + entry.byte_len];
         Ok(match dtype {
-            DType::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            DType::F16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+            DType::F32 | DType::BF16 | DType::F16 => {
+                let mut values = Vec::with_capacity(entry.numel());
+                dtype.extend_f32(bytes, &mut values);
+                values
+            }
             DType::F8E4M3 => {
                 let blocks = self.fp8_blocks(name, shape)?;
                 let mut values = vec![0.0; entry.numel()];

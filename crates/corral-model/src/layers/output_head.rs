@@ -65,11 +65,7 @@ impl OutputHead {
             bytes.resize(n * elem, 0);
             backend.read_bytes(current, first * hidden, &mut bytes)?;
             values.clear();
-            values.extend(bytes.chunks_exact(elem).map(|b| match dtype {
-                DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-                DType::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
-                _ => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-            }));
+            dtype.extend_f32(&bytes, &mut values);
             blocks.extend(corral_backend::quant::encode_q8_0(&values));
         }
         self.lm_head =
