@@ -34,7 +34,7 @@ prepare() {
   mkdir -p .gpu/bin
   cp target/release/corral .gpu/bin/
   cargo test --release --no-run --message-format=json \
-      -p corral-backend --test cuda_ops \
+      -p corral-device --test cuda_ops \
       -p corral-model --test gpu_conformance --test expert_reads --test fp8_checkpoint 2>/dev/null \
     | python3 -c '
 import json, sys

@@ -60,10 +60,13 @@ impl MappedFile {
     }
 }
 
-/// Where a buffer's elements live: host memory for the CPU backend, device memory for CUDA.
+/// Where a buffer's elements live: host memory for the CPU backend, a device backend's own
+/// allocation otherwise. Only the backend that made a buffer reads its storage.
 #[derive(Debug)]
-pub(crate) enum Storage {
+pub enum Storage {
+    /// f32 elements in host memory.
     F32(Vec<f32>),
+    /// u32 elements (or packed fp8 bytes) in host memory.
     U32(Vec<u32>),
     /// bf16 or f16 bit patterns (the buffer's dtype says which).
     Half(Vec<u16>),
@@ -71,12 +74,45 @@ pub(crate) enum Storage {
     Bytes(Vec<u8>),
     /// Bytes of a mapped file, suitably aligned for the dtype.
     Mapped {
+        /// The file.
         file: Arc<MappedFile>,
+        /// Where the elements start in it.
         byte_offset: usize,
+        /// Bytes they take.
         byte_len: usize,
     },
-    /// An allocation in a CUDA device's memory.
-    Cuda(crate::cuda::DeviceMem),
+    /// An allocation in a device's memory, which its backend owns and frees on drop.
+    Device(DeviceAllocation),
+}
+
+/// A device backend's allocation: its device address, read on every launch, and the owner
+/// whose drop frees it (the backend's own type, which it can look at again).
+pub struct DeviceAllocation {
+    address: u64,
+    owner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl DeviceAllocation {
+    /// An allocation at `address`, freed when `owner` drops.
+    pub fn new(address: u64, owner: Box<dyn std::any::Any + Send + Sync>) -> Self {
+        Self { address, owner }
+    }
+
+    /// The device address.
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// The owner, if it is a `T`: a backend's check that a buffer is its own.
+    pub fn owner<T: 'static>(&self) -> Option<&T> {
+        self.owner.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for DeviceAllocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceAllocation({:#x})", self.address)
+    }
 }
 
 /// One allocation on a backend's device. Ops read and write buffers the caller passes in.
@@ -89,11 +125,12 @@ pub struct DeviceBuffer {
     /// Taken while a graph was recorded: a graph may write it on every replay, so the pool
     /// never frees it.
     held_by_graphs: bool,
-    pub(crate) storage: Storage,
+    storage: Storage,
 }
 
 impl DeviceBuffer {
-    pub(crate) fn new(dtype: DType, len: usize, usage: BufferUsage, storage: Storage) -> Self {
+    /// A buffer of `len` elements of `dtype` in `storage` (made by backends).
+    pub fn new(dtype: DType, len: usize, usage: BufferUsage, storage: Storage) -> Self {
         Self {
             dtype,
             len,
@@ -104,13 +141,23 @@ impl DeviceBuffer {
         }
     }
 
+    /// Where the elements live (read by the backend that made the buffer).
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// Where the elements live, to write them (by the backend that made the buffer).
+    pub fn storage_mut(&mut self) -> &mut Storage {
+        &mut self.storage
+    }
+
     /// Marks the buffer as written by a recorded graph (see [`crate::BufferPool`]).
-    pub(crate) fn hold_for_graphs(&mut self) {
+    pub fn hold_for_graphs(&mut self) {
         self.held_by_graphs = true;
     }
 
     /// Whether a recorded graph may write the buffer.
-    pub(crate) fn is_held_by_graphs(&self) -> bool {
+    pub fn is_held_by_graphs(&self) -> bool {
         self.held_by_graphs
     }
 
@@ -150,7 +197,8 @@ impl DeviceBuffer {
         self.len = len;
     }
 
-    pub(crate) fn set_usage(&mut self, usage: BufferUsage) {
+    /// Changes what the buffer is for (a backend's table that outlives its load).
+    pub fn set_usage(&mut self, usage: BufferUsage) {
         self.usage = usage;
     }
 }

@@ -172,7 +172,7 @@ impl ExpertMatrices {
     }
 
     /// Each expert's buffer and the element where its matrix starts.
-    pub(crate) fn locations(&self) -> Vec<(&DeviceBuffer, usize)> {
+    pub fn locations(&self) -> Vec<(&DeviceBuffer, usize)> {
         (0..self.num_experts)
             .map(|e| {
                 let view = self.view(e);
@@ -183,7 +183,7 @@ impl ExpertMatrices {
 
     /// The device pointer table and whether every matrix allows 16-byte loads, made by
     /// `make` on first use.
-    pub(crate) fn device_table(
+    pub fn device_table(
         &self,
         make: impl FnOnce(&Self) -> crate::Result<(DeviceBuffer, bool)>,
     ) -> crate::Result<&(DeviceBuffer, bool)> {

@@ -6,14 +6,13 @@
 //! and gives the buffers back. Each op is exactly one dispatch unless its doc says otherwise,
 //! and every dispatch, host sync, allocation and transfer is counted in [`DispatchStats`].
 //!
-//! [`CpuBackend`] runs ops on a rayon pool with a GEMM crate for dense matmuls; [`CudaBackend`]
-//! runs them as NVRTC-compiled kernels on an NVIDIA GPU, loading the driver at run time.
+//! The backends live in crates of their own (`corral-cpu`, `corral-cuda`), and
+//! `corral-device` opens the one a `--device` choice names. What a backend needs beyond the
+//! trait is public here too: a buffer's [`Storage`], a [`Graph`]'s handle, the shared checks.
 //! [`reference`] holds plain, obviously-correct versions of the ops for tests.
 
 pub mod alloc_count;
 mod buffer;
-mod cpu;
-mod cuda;
 mod dtype;
 mod error;
 mod experts;
@@ -27,11 +26,7 @@ pub mod synthetic;
 
 use std::sync::Arc;
 
-pub use buffer::{BufferUsage, DeviceBuffer, MappedFile, WeightView};
-pub use cpu::{CpuBackend, process_cpu_time};
-pub use cuda::{
-    CudaBackend, CudaOptions, KernelCacheReport, cuda_available, cuda_fixed_buffer_bytes,
-};
+pub use buffer::{BufferUsage, DeviceAllocation, DeviceBuffer, MappedFile, Storage, WeightView};
 pub use dtype::{DType, kv_row_elems};
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
@@ -39,21 +34,46 @@ pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
 pub use quant::QuantFormat;
 pub use rope::{RopeParams, Yarn};
 
-pub use stats::{DispatchStats, StatsCounter};
+pub use stats::{DispatchStats, StatsCounter, process_cpu_time};
 
 /// A recorded sequence of dispatches the backend can replay with one call (a CUDA graph):
 /// the same kernels on the same buffers, so inputs change only through buffer contents.
 pub struct Graph {
-    inner: cuda::CapturedGraph,
+    /// The backend's own handle, which only it reads.
+    inner: Box<dyn std::any::Any + Send + Sync>,
     kernels: u64,
     /// Weight bytes its library calls read (counted on the host when recorded).
     host_weight_bytes: u64,
 }
 
 impl Graph {
+    /// A graph of the backend's own `inner` handle, holding `kernels` dispatches whose
+    /// library calls read `host_weight_bytes` of weights.
+    pub fn new(
+        inner: Box<dyn std::any::Any + Send + Sync>,
+        kernels: u64,
+        host_weight_bytes: u64,
+    ) -> Self {
+        Self {
+            inner,
+            kernels,
+            host_weight_bytes,
+        }
+    }
+
     /// Dispatches the graph holds.
     pub fn kernels(&self) -> u64 {
         self.kernels
+    }
+
+    /// Weight bytes its library calls read on each replay.
+    pub fn host_weight_bytes(&self) -> u64 {
+        self.host_weight_bytes
+    }
+
+    /// The backend's handle, if it is a `T` (a graph another backend recorded is not).
+    pub fn inner<T: 'static>(&self) -> Option<&T> {
+        self.inner.downcast_ref()
     }
 }
 
@@ -176,6 +196,9 @@ pub struct DeviceMemory {
     /// What each allocation's size rounds up to (2 MiB for the CUDA driver's large ones):
     /// a pool of many buffers takes up to this much more than its bytes, per buffer.
     pub allocation_granularity: u64,
+    /// Bytes of the buffers the backend allocated once at start, whatever the model (its
+    /// scratch and library workspaces).
+    pub fixed_buffers: u64,
 }
 
 /// Where each run of a ragged batch keeps its recurrent state (linear-attention layers).
@@ -212,7 +235,7 @@ pub struct DeltaNetShape {
 }
 
 /// [`Backend::matmuls`]'s check: as many outputs as weights.
-pub(crate) fn matmuls_arity(weights: usize, outs: usize) -> Result<()> {
+pub fn matmuls_arity(weights: usize, outs: usize) -> Result<()> {
     if weights != outs {
         return Err(BackendError::BadArgument {
             op: "matmuls",
@@ -829,7 +852,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
 /// Checks a copy of `count` whole blocks of `block_elems` elements between `paged` and
 /// `packed` (one stored type, `packed` long enough); the blocks `paged` holds.
-pub(crate) fn check_block_copy(
+pub fn check_block_copy(
     op: &'static str,
     paged: &DeviceBuffer,
     packed: &DeviceBuffer,
@@ -860,7 +883,7 @@ pub(crate) fn check_block_copy(
 }
 
 /// Checks [`Backend::copy_within`]'s ranges against a buffer of `len` elements.
-pub(crate) fn check_copy_ranges(
+pub fn check_copy_ranges(
     op: &'static str,
     len: usize,
     src: usize,
@@ -884,7 +907,7 @@ pub(crate) fn check_copy_ranges(
 
 /// Checks a byte range of [`Backend::read_bytes`] / [`Backend::write_bytes`] against a buffer:
 /// the element range it covers, `(first byte, bytes)`.
-pub(crate) fn byte_range(
+pub fn byte_range(
     op: &'static str,
     b: &DeviceBuffer,
     offset: usize,

@@ -101,16 +101,23 @@ impl BufferPool {
 #[cfg(test)]
 mod tests {
     use super::BufferPool;
-    use crate::{Backend, BufferUsage, CpuBackend, DType};
+    use crate::{BufferUsage, DType, DeviceBuffer, Storage};
+
+    /// A host buffer of `len` f32s, as the CPU backend makes them.
+    fn host(len: usize) -> DeviceBuffer {
+        DeviceBuffer::new(
+            DType::F32,
+            len,
+            BufferUsage::Activations,
+            Storage::F32(vec![0.0; len]),
+        )
+    }
 
     #[test]
     fn the_pool_frees_the_largest_buffers_past_its_bound() {
-        let backend = CpuBackend::new();
         let pool = BufferPool::with_limit(1000);
         for len in [100, 50, 200] {
-            let b = backend
-                .take_buffer(DType::F32, len, BufferUsage::Activations)
-                .unwrap();
+            let b = host(len);
             pool.give(b);
         }
         // 1,400 bytes given; the 800-byte buffer goes, the two small ones stay.
@@ -127,33 +134,18 @@ mod tests {
 
     #[test]
     fn buffers_graphs_write_outlive_the_bound_and_count_against_nothing() {
-        let backend = CpuBackend::new();
         let pool = BufferPool::with_limit(1000);
-        let mut held = backend
-            .take_buffer(DType::F32, 400, BufferUsage::Activations)
-            .unwrap();
+        let mut held = host(400);
         held.hold_for_graphs();
         pool.give(held);
         // Kept although 1,600 bytes pass the bound; the others fit beside it.
         for len in [100, 150] {
-            pool.give(
-                backend
-                    .take_buffer(DType::F32, len, BufferUsage::Activations)
-                    .unwrap(),
-            );
+            pool.give(host(len));
         }
         assert_eq!(pool.free_bytes(), 2600);
-        pool.give_keeping_all(
-            backend
-                .take_buffer(DType::F32, 200, BufferUsage::Activations)
-                .unwrap(),
-        );
+        pool.give_keeping_all(host(200));
         assert_eq!(pool.free_bytes(), 3400, "nothing freed while keeping all");
-        pool.give(
-            backend
-                .take_buffer(DType::F32, 10, BufferUsage::Activations)
-                .unwrap(),
-        );
+        pool.give(host(10));
         // The others alone pass the bound: the largest of them go (800 and 600 bytes), the
         // held one stays.
         assert_eq!(pool.free_bytes(), 1600 + 400 + 40);

@@ -131,12 +131,12 @@ fn each_block(
 /// 32: Q4_K's, whose 4-bit weights' error the coarser activations hide. Q6_K's read them per
 /// 32 as Q5_K's do: one scale per 256 values costs its 6-bit weights more than their own
 /// rounding (docs/performance-log.md, "Why Q6_K").
-pub(crate) fn per_super_block(format: QuantFormat) -> bool {
+pub fn per_super_block(format: QuantFormat) -> bool {
     format == QuantFormat::Q4K
 }
 
 /// The f16 at byte `at` of a block, as f32.
-pub(crate) fn half_at(b: &[u8], at: usize) -> f32 {
+pub fn half_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
@@ -203,7 +203,7 @@ fn decode_q8_0(b: &[u8], out: &mut [f32]) {
 /// Scale and min of sub-block j (0..8) of a Q4_K/Q5_K super-block, from its 12 packed bytes
 /// of 6-bit values: j < 4 in the low six bits of bytes j and j + 4; j >= 4 from byte j + 4's
 /// nibbles and the top two bits of bytes j - 4 and j.
-pub(crate) fn k_scale_min(scales: &[u8], j: usize) -> (u8, u8) {
+pub fn k_scale_min(scales: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (scales[j] & 63, scales[j + 4] & 63)
     } else {

@@ -30,14 +30,17 @@ pub struct Yarn {
 
 /// What a kernel forms each pair's frequency from (see [`RopeParams::inverse_frequency`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct RopeArgs {
-    pub(crate) theta: f32,
+pub struct RopeArgs {
+    /// The base of the frequencies.
+    pub theta: f32,
     /// YaRN's factor; 0: plain RoPE.
-    pub(crate) factor: f32,
+    pub factor: f32,
     /// The blend of pair `p`: `clamp((p - ramp_low) / ramp_width, 0, 1)` interpolated.
-    pub(crate) ramp_low: f32,
-    pub(crate) ramp_width: f32,
-    pub(crate) attention_factor: f32,
+    pub ramp_low: f32,
+    /// See `ramp_low`.
+    pub ramp_width: f32,
+    /// YaRN's scale of the rotated values (1 for plain RoPE).
+    pub attention_factor: f32,
 }
 
 impl RopeParams {
@@ -47,7 +50,7 @@ impl RopeParams {
     }
 
     /// The per-pair values for `rotary_dim` rotated dims (YaRN's blend depends on it).
-    pub(crate) fn args(&self, rotary_dim: usize) -> RopeArgs {
+    pub fn args(&self, rotary_dim: usize) -> RopeArgs {
         let plain = RopeArgs {
             theta: self.theta,
             factor: 0.0,
@@ -95,7 +98,7 @@ impl RopeParams {
 
 impl RopeArgs {
     /// [`RopeParams::inverse_frequency`]; the CUDA kernels' `rope_inv_freq` is the same.
-    pub(crate) fn inverse_frequency(&self, p: usize, rotary_dim: usize) -> f32 {
+    pub fn inverse_frequency(&self, p: usize, rotary_dim: usize) -> f32 {
         let pos_freq = self.theta.powf((2 * p) as f32 / rotary_dim as f32);
         let extrapolated = 1.0 / pos_freq;
         if self.factor == 0.0 {

@@ -76,7 +76,7 @@ impl Penalty {
     }
 
     /// The entry of [`Penalty::words`].
-    pub(crate) fn from_words(w: &[u32]) -> Self {
+    pub fn from_words(w: &[u32]) -> Self {
         Self {
             index: w[0],
             subtract: f32::from_bits(w[1]),
@@ -334,7 +334,7 @@ fn key(l: f32, id: u32) -> u64 {
 
 /// The CPU's [`Backend::top_candidates`](crate::Backend::top_candidates) of one row into its
 /// [`CANDIDATE_ROW_WORDS`] words.
-pub(crate) fn reduce_row(row: &[f32], draw_words: &[u32], keys: &mut Vec<u64>, out: &mut [u32]) {
+pub fn reduce_row(row: &[f32], draw_words: &[u32], keys: &mut Vec<u64>, out: &mut [u32]) {
     let draw = RowDraw::from_words(draw_words);
     let k = TOP_CANDIDATES;
     keys.clear();

@@ -127,3 +127,19 @@ impl StatsCounter {
         }
     }
 }
+
+/// CPU time (user + system) this process has used so far, across all its threads.
+pub fn process_cpu_time() -> std::time::Duration {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a complete rusage into the pointer it is given; the buffer is
+    // zero-initialised and sized for it.
+    #[allow(unsafe_code)]
+    let usage = unsafe {
+        if libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) != 0 {
+            return std::time::Duration::ZERO;
+        }
+        usage.assume_init()
+    };
+    let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+    std::time::Duration::from_micros(micros(usage.ru_utime) + micros(usage.ru_stime))
+}

@@ -6,7 +6,8 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use corral_backend::{Backend, CpuBackend, CudaBackend, CudaOptions, DType};
+use corral_backend::{Backend, DType};
+use corral_device::{BackendOptions, DeviceChoice};
 use corral_engine::{Tokenizer, TokenizerConfig};
 use corral_model::checkpoint::GgufCheckpoint;
 use corral_model::{Model, ModelConfig, MoeStrategy, SyntheticMix};
@@ -72,82 +73,24 @@ pub(crate) fn parse_kv_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
-/// The `--device` choice.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DeviceChoice {
-    /// The CPU backend.
-    Cpu,
-    /// CUDA device N.
-    Cuda(usize),
-    /// CUDA device 0 when usable, else the CPU.
-    Auto,
-}
-
+/// `--device`: cpu, cuda, cuda:N or auto.
 fn parse_device(s: &str) -> Result<DeviceChoice, String> {
-    match s {
-        "cpu" => Ok(DeviceChoice::Cpu),
-        "auto" => Ok(DeviceChoice::Auto),
-        "cuda" | "gpu" => Ok(DeviceChoice::Cuda(0)),
-        _ => s
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
-            .map(DeviceChoice::Cuda)
-            .ok_or_else(|| format!("unknown device `{s}` (expected cpu, cuda, cuda:N or auto)")),
-    }
+    s.parse()
 }
 
-/// Opens the backend `choice` names. `auto` falls back to the CPU, saying why, when no GPU
-/// is usable; an explicit `cuda` fails with the reason instead.
+/// Opens the backend `choice` names (`auto`: CUDA device 0 when usable, else the CPU).
 pub(crate) fn open_backend(
     choice: DeviceChoice,
     kv_dtype: DType,
     precise_experts: bool,
 ) -> Result<Arc<dyn Backend>> {
-    // CORRAL_SERIAL_LAUNCHES=1 turns off overlapped (programmatic dependent) launches, to
-    // measure what they save.
-    let serial_launches = std::env::var("CORRAL_SERIAL_LAUNCHES").is_ok_and(|v| v == "1");
-    // CORRAL_RECURRENT_DELTA_RULE=1 runs hybrid prefill's delta rule token by token, to
-    // measure what the chunked form saves.
-    let recurrent_delta_rule = std::env::var("CORRAL_RECURRENT_DELTA_RULE").is_ok_and(|v| v == "1");
-    // CORRAL_F32_GEMM_INPUTS=1 keeps projections' inputs in f32 (a conversion before each
-    // cuBLAS GEMM), to measure what bf16 inputs from the norms save.
-    let f32_gemm_inputs = std::env::var("CORRAL_F32_GEMM_INPUTS").is_ok_and(|v| v == "1");
-    // CORRAL_UNSTREAMED_EXPERTS=1 runs few-row grouped experts without bulk-copy streaming,
-    // to measure what streaming saves.
-    let unstreamed_experts = std::env::var("CORRAL_UNSTREAMED_EXPERTS").is_ok_and(|v| v == "1");
-    // CORRAL_UNSTREAMED_PROJECTIONS=1 does the same for few-row dense projections.
-    let unstreamed_projections =
-        std::env::var("CORRAL_UNSTREAMED_PROJECTIONS").is_ok_and(|v| v == "1");
-    let cuda = |ordinal| {
-        CudaBackend::new(CudaOptions {
+    Ok(corral_device::open(
+        choice,
+        BackendOptions {
+            kv_dtype,
             precise_experts,
-            ordinal,
-            serial_launches,
-            recurrent_delta_rule,
-            f32_gemm_inputs,
-            unstreamed_experts,
-            unstreamed_projections,
-            kv_dtype: Some(kv_dtype),
-            ..Default::default()
-        })
-    };
-    Ok(match choice {
-        DeviceChoice::Cpu => Arc::new(CpuBackend::with_kv_dtype(kv_dtype)?),
-        DeviceChoice::Cuda(n) => Arc::new(cuda(n).with_context(|| format!("opening cuda:{n}"))?),
-        DeviceChoice::Auto => match corral_backend::cuda_available() {
-            Err(why) => {
-                tracing::debug!("no GPU ({why}); running on the CPU");
-                Arc::new(CpuBackend::with_kv_dtype(kv_dtype)?)
-            }
-            Ok(_) => match cuda(0) {
-                Ok(b) => Arc::new(b),
-                Err(e) => {
-                    tracing::warn!("cuda:0 is present but unusable ({e}); running on the CPU");
-                    Arc::new(CpuBackend::with_kv_dtype(kv_dtype)?)
-                }
-            },
         },
-    })
+    )?)
 }
 
 /// `--synthetic-weights`: float, q8_0, q4_k_m or fp8.
@@ -267,11 +210,7 @@ impl ModelArgs {
 
     /// The model and how it runs (device, KV type, MoE strategy), for reports.
     pub(crate) fn describe_run(&self) -> String {
-        let device = match self.device {
-            DeviceChoice::Cpu => "cpu".to_string(),
-            DeviceChoice::Cuda(n) => format!("cuda:{n}"),
-            DeviceChoice::Auto => "auto".to_string(),
-        };
+        let device = self.device;
         let kv = match self.kv_dtype {
             DType::F32 => "f32",
             DType::F8E4M3 => "fp8",

@@ -545,7 +545,8 @@ mod tests {
     /// the whole penalised row when the candidates do not decide it).
     fn device_sample(s: &mut Sampler, row: &[f32], seen: &[u32]) -> (u32, bool) {
         use corral_backend::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS};
-        use corral_backend::{Backend, BufferUsage, CpuBackend, DType};
+        use corral_backend::{Backend, BufferUsage, DType};
+        use corral_cpu::CpuBackend;
         let b = CpuBackend::new();
         let vocab = row.len();
         let mut logits = b.weight_from_f32(row, DType::F32).unwrap();
@@ -679,7 +680,8 @@ mod tests {
             logits in proptest::collection::vec(-5.0f32..5.0, 2..100),
             seen in proptest::collection::vec(0u32..100, 0..40),
         ) {
-            use corral_backend::{Backend, BufferUsage, CpuBackend, DType};
+            use corral_backend::{Backend, BufferUsage, DType};
+            use corral_cpu::CpuBackend;
             let seen: Vec<u32> = seen.into_iter().filter(|&t| (t as usize) < logits.len()).collect();
             let mut s = Sampler::new(p);
             for &t in &seen[..seen.len() / 2] {

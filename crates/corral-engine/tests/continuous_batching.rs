@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_engine::{
     CombinedDrafter, Drafter, EngineConfig, EngineHandle, EngineRequest, Event, FinishReason,
     Finished, LookupDrafter, ModelDrafter, MtpDrafter, SamplingParams, Speculation, spawn_engine,

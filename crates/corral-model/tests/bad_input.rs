@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::Model;
 use safetensors::tensor::{Dtype, TensorView};
 

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use common::{STRATEGIES, greedy_chunked};
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::{Model, MoeStrategy};
 
 /// The demo model's directory (`CORRAL_DEMO_MODEL` points elsewhere, for a model in training).

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, ModelConfig, MoeStrategy, PagedKvCache, RaggedBatch,
     SeqId, TokenId,
@@ -75,10 +75,10 @@ fn identical_rows_read_each_hit_expert_exactly_once() {
 
 #[test]
 fn identical_rows_read_each_hit_expert_exactly_once_on_the_gpu() {
-    match corral_backend::cuda_available() {
+    match corral_cuda::cuda_available() {
         Err(why) => eprintln!("skipped: no CUDA device ({why})"),
         Ok(_) => check_identical_rows_read_each_hit_expert_once(Arc::new(
-            corral_backend::CudaBackend::new(Default::default()).unwrap(),
+            corral_cuda::CudaBackend::new(Default::default()).unwrap(),
         )),
     }
 }

@@ -10,8 +10,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::{fixture_dir, logits_chunked};
-use corral_backend::CpuBackend;
 use corral_backend::quant::e4m3_value;
+use corral_cpu::CpuBackend;
 use corral_model::Model;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
@@ -272,12 +272,12 @@ fn an_fp8_weight_without_its_scales_or_with_misshapen_ones_is_refused_by_name() 
 /// x in f16; more rows on bf16 copies), the logits stay near the CPU's. Skips without one.
 #[test]
 fn an_fp8_checkpoint_on_the_gpu_stays_near_the_cpu() {
-    if let Err(why) = corral_backend::cuda_available() {
+    if let Err(why) = corral_cuda::cuda_available() {
         eprintln!("skipped: no CUDA device ({why})");
         return;
     }
     let gpu: Arc<dyn corral_backend::Backend> = Arc::new(
-        corral_backend::CudaBackend::new(corral_backend::CudaOptions {
+        corral_cuda::CudaBackend::new(corral_cuda::CudaOptions {
             kv_dtype: Some(corral_backend::DType::F32),
             ..Default::default()
         })

@@ -10,7 +10,7 @@ use common::{
     fixture_dir, greedy, load, logits_chunked, read_reference, read_reference_file, rel_err,
     worst_row_rel_err,
 };
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::checkpoint::gguf_file::{GgufValue, parse_header};
 use corral_model::checkpoint::quant::{GgmlType, dequantize};
 use corral_model::{Model, ModelError};

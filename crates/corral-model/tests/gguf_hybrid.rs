@@ -12,7 +12,7 @@ use common::{
     LLAMA_CPP_HYBRID_ERRORS, SAME_KERNELS, fixture_dir, logits_chunked, median_row_err,
     read_logits_reference, reference_f32s, reference_i64s, rel_err,
 };
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::Model;
 use corral_model::checkpoint::GgufCheckpoint;
 

@@ -21,7 +21,8 @@ use common::{
     LONG_TAIL, fixture_dir, greedy, load, load_on, logits_chunked, read_long_reference,
     read_reference, rel_err, worst_row_rel_err,
 };
-use corral_backend::{Backend, CudaBackend, CudaOptions, DType, DispatchStats, cuda_available};
+use corral_backend::{Backend, DType, DispatchStats};
+use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 use corral_model::{LogitsWanted, Model, MoeStrategy, RaggedBatch, SeqId, SlotId, TokenId};
 
 const FIXTURES: &[&str] = common::QWEN3_FIXTURES;
@@ -556,7 +557,7 @@ fn gpu_quantized_gguf_logits_match_their_reference_and_the_cpu() {
         let mut on_gpu = Model::load_gguf(&path, Arc::clone(&backend), &mut |_, _| {}).unwrap();
         let on_cpu = Model::load_gguf(
             &path,
-            Arc::new(corral_backend::CpuBackend::new()),
+            Arc::new(corral_cpu::CpuBackend::new()),
             &mut |_, _| {},
         )
         .unwrap();

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::{
     BLOCK_SIZE, fixture_dir, load, logits_chunked, reference_f32s, reference_i64s, rel_err,
 };
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId,
 };

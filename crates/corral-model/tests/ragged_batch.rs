@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, SeqId, TokenId,
 };

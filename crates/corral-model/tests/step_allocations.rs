@@ -7,9 +7,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use corral_backend::DType;
 use corral_backend::alloc_count::{CountingAllocator, allocations};
 use corral_backend::sampling::{Filter, Penalty};
-use corral_backend::{CpuBackend, DType};
+use corral_cpu::CpuBackend;
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, ModelConfig, PagedKvCache, RaggedBatch,
     RecurrentStateCache, SampledStep, SeqId, SlotId, SyntheticMix, TokenId,

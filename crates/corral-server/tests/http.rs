@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode, header};
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_engine::{
     ChatTemplate, EngineConfig, EngineHandle, Tokenizer, TokenizerConfig, spawn_engine,
     stop_token_ids,

@@ -122,7 +122,9 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     let kv_dtype = args.kv_dtype;
     let fixed = match args.device {
         PlanDevice::Cpu => 0,
-        PlanDevice::Cuda => corral_backend::cuda_fixed_buffer_bytes() as u64 + CUDA_RUNTIME_BYTES,
+        PlanDevice::Cuda => {
+            corral_device::BackendKind::Cuda.fixed_buffer_bytes() as u64 + CUDA_RUNTIME_BYTES
+        }
     };
     let (budget, source) = match (args.memory, args.device) {
         (Some(bytes), _) => (bytes as u64, "given".to_string()),

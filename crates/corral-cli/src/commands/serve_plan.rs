@@ -80,7 +80,6 @@ pub(crate) fn plan_serving(
         needs.add_kept_states(shape.kept_states);
         needs
     };
-    let gpu_fixed = corral_backend::cuda_fixed_buffer_bytes() as u64;
     let (needs, budget, source) = match (shape.memory, device) {
         // A budget for the whole process leaves room for the device runtime too. On a
         // discrete GPU all it has in use after the measured step counts (the libraries'
@@ -89,12 +88,12 @@ pub(crate) fn plan_serving(
         // serving allocates after the plan (decode graphs: 23–31 MiB there).
         (Some(bytes), Some(d)) => {
             let fixed = if d.unified {
-                gpu_fixed
+                d.fixed_buffers
             } else {
                 let in_use = d.total.saturating_sub(d.free);
                 in_use
                     .saturating_sub(weights + step)
-                    .max(gpu_fixed + d.runtime)
+                    .max(d.fixed_buffers + d.runtime)
                     + GPU_AFTER_PLAN_BYTES
                     + pool_buffers(config) * d.allocation_granularity
             };
@@ -115,11 +114,7 @@ pub(crate) fn plan_serving(
         }
         (None, d) => {
             let (budget, source) = host_budget(host_before_load, " before loading")?;
-            (
-                needs(if d.is_some() { gpu_fixed } else { 0 }),
-                budget,
-                source,
-            )
+            (needs(d.map_or(0, |d| d.fixed_buffers)), budget, source)
         }
     };
     // The index is host memory: it counts where the budget is.

@@ -363,7 +363,7 @@ impl Drafter for MtpDrafter {
 mod tests {
     use std::sync::Arc;
 
-    use corral_backend::CpuBackend;
+    use corral_cpu::CpuBackend;
 
     use super::*;
 

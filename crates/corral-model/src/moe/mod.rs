@@ -174,7 +174,8 @@ impl SparseMoe {
 mod tests {
     use std::sync::Arc;
 
-    use corral_backend::{BufferUsage, CpuBackend, DType, ExpertMatrices};
+    use corral_backend::{BufferUsage, DType, ExpertMatrices};
+    use corral_cpu::CpuBackend;
     use proptest::prelude::*;
 
     use super::*;

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use corral_backend::CpuBackend;
+use corral_cpu::CpuBackend;
 use corral_model::{
     BlockId, BlockTable, LogitsWanted, Model, PagedKvCache, RaggedBatch, RecurrentStateCache,
     SeqId, SlotId, TokenId,

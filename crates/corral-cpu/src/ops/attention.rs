@@ -943,7 +943,7 @@ pub(crate) struct FusedQkv {
     pub(crate) kv_heads: usize,
     pub(crate) head_dim: usize,
     pub(crate) rotary_dim: usize,
-    pub(crate) rope: crate::RopeParams,
+    pub(crate) rope: corral_backend::RopeParams,
     pub(crate) eps: f32,
 }
 

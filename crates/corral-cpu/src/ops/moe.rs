@@ -107,7 +107,7 @@ pub(crate) fn route(
 
 /// One projection of all experts: expert `e`'s weight store and element offset in it.
 pub(crate) struct ExpertProj<'a> {
-    matrices: &'a crate::ExpertMatrices,
+    matrices: &'a corral_backend::ExpertMatrices,
     op: &'static str,
 }
 
@@ -116,8 +116,8 @@ impl<'a> ExpertProj<'a> {
     /// block formats whole blocks.
     pub(crate) fn new(
         op: &'static str,
-        matrices: &'a crate::ExpertMatrices,
-    ) -> crate::Result<Self> {
+        matrices: &'a corral_backend::ExpertMatrices,
+    ) -> corral_backend::Result<Self> {
         for e in 0..matrices.num_experts() {
             let v = matrices.view(e);
             super::super::check_blocks(op, v.buffer.dtype(), v.offset, v.cols)?;

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::quant_dot::{self, ActRows, QuantizedRows};
 use super::quant_panel;
 use super::{WeightRows, dot, quant_range, with_reused, with_scratch};
-use crate::QuantFormat;
+use corral_backend::QuantFormat;
 
 /// Rows of `x` from which converting a weight panel to f32 for [`multiply_tile`] (tiles, or
 /// the GEMM crate without AVX-512) beats streaming weight rows through dot products.
@@ -1138,7 +1138,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
+    use crate::ops::quant_dot::tests::{random_blocks, xorshift};
 
     /// The [`Simd`]s this CPU has: AVX2 as well where it has AVX-512.
     #[cfg(target_arch = "x86_64")]
@@ -1241,11 +1241,11 @@ mod tests {
             blocks in 1usize..3,
             n in 1usize..40,
             format in prop::sample::select(vec![
-                crate::QuantFormat::Q8_0,
-                crate::QuantFormat::Q4_0,
-                crate::QuantFormat::Q5_0,
-                crate::QuantFormat::Q4K,
-                crate::QuantFormat::Q6K,
+                corral_backend::QuantFormat::Q8_0,
+                corral_backend::QuantFormat::Q4_0,
+                corral_backend::QuantFormat::Q5_0,
+                corral_backend::QuantFormat::Q4K,
+                corral_backend::QuantFormat::Q6K,
             ]),
             seed in any::<u64>(),
         ) {
@@ -1254,7 +1254,7 @@ mod tests {
             let w = random_blocks(format, n * k / format.block().0, &mut next);
             let xs: Vec<f32> = (0..m * k).map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0).collect();
             let mut decoded = vec![0.0f32; n * k];
-            crate::quant::dequantize(format, &w, &mut decoded);
+            corral_backend::quant::dequantize(format, &w, &mut decoded);
             let mut out = vec![f32::NAN; m * n];
             matmul(&xs, m, k, WeightRows::Quant(format, &w), n, &mut out, Columns { ld: n, first: 0 }, 2);
             for r in 0..m {

@@ -25,19 +25,19 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-pub(crate) use device::DeviceMem;
+use device::DeviceMem;
 pub use kernels::KernelCacheReport;
 
-use crate::buffer::Storage;
-use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS, MAX_REDUCED_VOCAB};
-use crate::{
+use blas::Blas;
+use compile::KernelCache;
+use corral_backend::Storage;
+use corral_backend::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS, MAX_REDUCED_VOCAB};
+use corral_backend::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
     MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView,
     byte_range, check_block_copy, check_copy_ranges, kv_row_elems,
 };
-use blas::Blas;
-use compile::KernelCache;
 use cudarc::driver::CudaEvent;
 use device::{Gpu, Kernel};
 use kernels::{BigTileKernels, FlashKernels, Kernels, WeightKernels};
@@ -74,6 +74,24 @@ pub struct CudaOptions {
     /// SwiGLU output) as split bf16 pairs, about 16 significant bits, instead of rounding them
     /// to bf16: products near f32's at about twice the tiles' tensor-core work.
     pub precise_experts: bool,
+}
+
+impl CudaOptions {
+    /// The switches that turn one optimisation off to measure what it saves, read from the
+    /// environment: `CORRAL_SERIAL_LAUNCHES`, `CORRAL_RECURRENT_DELTA_RULE`,
+    /// `CORRAL_F32_GEMM_INPUTS`, `CORRAL_UNSTREAMED_EXPERTS` and
+    /// `CORRAL_UNSTREAMED_PROJECTIONS`, each on when `1`.
+    pub fn with_switches_from_env(self) -> Self {
+        let on = |name: &str| std::env::var(name).is_ok_and(|v| v == "1");
+        Self {
+            serial_launches: on("CORRAL_SERIAL_LAUNCHES"),
+            recurrent_delta_rule: on("CORRAL_RECURRENT_DELTA_RULE"),
+            f32_gemm_inputs: on("CORRAL_F32_GEMM_INPUTS"),
+            unstreamed_experts: on("CORRAL_UNSTREAMED_EXPERTS"),
+            unstreamed_projections: on("CORRAL_UNSTREAMED_PROJECTIONS"),
+            ..self
+        }
+    }
 }
 
 /// The number of usable CUDA devices, or why there are none (no driver, no device).
@@ -142,7 +160,7 @@ pub struct CudaBackend {
 }
 
 /// An instantiated CUDA graph.
-pub(crate) struct CapturedGraph(cudarc::driver::CudaGraph);
+struct CapturedGraph(cudarc::driver::CudaGraph);
 
 // SAFETY: the graph is only launched on the backend's stream, and callers serialise their
 // use of it (the model keeps graphs behind a mutex); cudarc marks it !Send only because
@@ -401,7 +419,7 @@ fn zeroed_tickets(gpu: &Gpu, len: usize) -> Result<DeviceBuffer> {
         DType::U32,
         len,
         BufferUsage::Metadata,
-        Storage::Cuda(mem),
+        mem.into_storage(),
     ))
 }
 
@@ -424,8 +442,8 @@ fn grid_of(op: &'static str, v: usize) -> Result<u32> {
 
 /// The device address of a CUDA buffer.
 fn ptr_of(op: &'static str, b: &DeviceBuffer) -> Result<u64> {
-    match &b.storage {
-        Storage::Cuda(mem) => Ok(mem.ptr()),
+    match b.storage() {
+        Storage::Device(mem) if mem.owner::<DeviceMem>().is_some() => Ok(mem.address()),
         _ => Err(BackendError::ForeignBuffer { op }),
     }
 }
@@ -594,7 +612,7 @@ impl CudaBackend {
             DType::F32,
             OP_SCRATCH_FLOATS,
             BufferUsage::Activations,
-            Storage::Cuda(scratch_mem),
+            scratch_mem.into_storage(),
         );
         let attention_counters = zeroed_tickets(&gpu, ATTENTION_COUNTERS)?;
         let projection_counters = zeroed_tickets(&gpu, PROJECTION_COUNTERS)?;
@@ -603,7 +621,7 @@ impl CudaBackend {
             DType::U32,
             sample_words,
             BufferUsage::Metadata,
-            Storage::Cuda(gpu.alloc(sample_words * 4)?),
+            gpu.alloc(sample_words * 4)?.into_storage(),
         );
         let sampling_tickets = zeroed_tickets(&gpu, SAMPLE_MAX_ROWS)?;
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
@@ -778,7 +796,7 @@ impl CudaBackend {
     fn new_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
         self.stats.allocation();
         let mem = self.gpu.alloc(dtype.bytes_of(len))?;
-        Ok(DeviceBuffer::new(dtype, len, usage, Storage::Cuda(mem)))
+        Ok(DeviceBuffer::new(dtype, len, usage, mem.into_storage()))
     }
 
     /// A read-back: copies `dst.len()` elements from `src`, with the diagnostics block, and
@@ -1468,7 +1486,7 @@ impl Backend for CudaBackend {
     }
 
     fn give_buffer(&self, buffer: DeviceBuffer) {
-        if matches!(buffer.storage, Storage::Cuda(_)) {
+        if matches!(buffer.storage(), Storage::Device(_)) {
             if self.capturing.load(Ordering::Relaxed) {
                 self.pool.give_keeping_all(buffer);
             } else {
@@ -1548,7 +1566,7 @@ impl Backend for CudaBackend {
         Ok(b)
     }
 
-    fn reads_quantized(&self, format: crate::QuantFormat) -> bool {
+    fn reads_quantized(&self, format: corral_backend::QuantFormat) -> bool {
         self.reads_format(format)
     }
 
@@ -1563,7 +1581,7 @@ impl Backend for CudaBackend {
 
     fn weight_synthetic_blocks(
         &self,
-        format: crate::QuantFormat,
+        format: corral_backend::QuantFormat,
         len: usize,
         seed: u64,
         std: f32,
@@ -1607,9 +1625,9 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn device_memory(&self) -> Result<Option<crate::DeviceMemory>> {
+    fn device_memory(&self) -> Result<Option<corral_backend::DeviceMemory>> {
         let memory = self.gpu.memory()?;
-        Ok(Some(crate::DeviceMemory {
+        Ok(Some(corral_backend::DeviceMemory {
             runtime: self.runtime_bytes,
             ..memory
         }))
@@ -1636,7 +1654,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn end_capture(&self) -> Result<crate::Graph> {
+    fn end_capture(&self) -> Result<corral_backend::Graph> {
         if !self.capturing.swap(false, Ordering::Relaxed) {
             return Err(bad("end_capture", "no graph is being recorded".to_string()));
         }
@@ -1652,22 +1670,28 @@ impl Backend for CudaBackend {
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
             .map_err(|e| device::driver_err("ending a graph capture", e))?
             .ok_or_else(|| bad("end_capture", "the capture recorded nothing".to_string()))?;
-        Ok(crate::Graph {
-            inner: CapturedGraph(graph),
+        Ok(corral_backend::Graph::new(
+            Box::new(CapturedGraph(graph)),
             kernels,
             host_weight_bytes,
-        })
+        ))
     }
 
-    fn replay(&self, graph: &crate::Graph) -> Result<()> {
+    fn replay(&self, graph: &corral_backend::Graph) -> Result<()> {
         self.not_capturing("replay")?;
         graph
-            .inner
+            .inner::<CapturedGraph>()
+            .ok_or_else(|| {
+                bad(
+                    "replay",
+                    "the graph was recorded by another backend".to_string(),
+                )
+            })?
             .0
             .launch()
             .map_err(|e| device::driver_err("replaying a graph", e))?;
         self.stats
-            .graph_replay(graph.kernels, graph.host_weight_bytes);
+            .graph_replay(graph.kernels(), graph.host_weight_bytes());
         Ok(())
     }
 
@@ -1676,7 +1700,7 @@ impl Backend for CudaBackend {
         self.profiling.store(on, Ordering::Relaxed);
     }
 
-    fn kernel_profile(&self) -> Result<Vec<crate::KernelTime>> {
+    fn kernel_profile(&self) -> Result<Vec<corral_backend::KernelTime>> {
         let events = match self
             .profile
             .lock()
@@ -1687,7 +1711,7 @@ impl Backend for CudaBackend {
             None => return Ok(Vec::new()),
         };
         self.gpu.sync()?;
-        let mut times: Vec<crate::KernelTime> = Vec::new();
+        let mut times: Vec<corral_backend::KernelTime> = Vec::new();
         for (name, start, end) in events {
             let ms = start
                 .elapsed_ms(&end)
@@ -1698,7 +1722,7 @@ impl Backend for CudaBackend {
                     t.launches += 1;
                     t.ms += ms;
                 }
-                None => times.push(crate::KernelTime {
+                None => times.push(corral_backend::KernelTime {
                     name,
                     launches: 1,
                     ms,
@@ -2074,7 +2098,7 @@ impl Backend for CudaBackend {
         outs: &mut [&mut DeviceBuffer],
     ) -> Result<()> {
         let op = "matmul";
-        crate::matmuls_arity(weights.len(), outs.len())?;
+        corral_backend::matmuls_arity(weights.len(), outs.len())?;
         let cols = weights.first().map_or(0, |w| w.cols);
         let all_blas = rows > MATVEC_MAX_ROWS
             && self.blas.is_some()

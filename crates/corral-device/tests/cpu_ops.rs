@@ -1,6 +1,7 @@
 //! CPU ops against the plain references, on random shapes and weight types.
 
-use corral_backend::{Backend, BufferUsage, CpuBackend, DType, WeightView, reference};
+use corral_backend::{Backend, BufferUsage, DType, WeightView, reference};
+use corral_cpu::CpuBackend;
 use proptest::prelude::*;
 
 mod common;

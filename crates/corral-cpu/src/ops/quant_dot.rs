@@ -6,8 +6,8 @@
 
 use std::sync::LazyLock;
 
-use crate::QuantFormat;
-use crate::quant::k_scale_min;
+use corral_backend::QuantFormat;
+use corral_backend::quant::k_scale_min;
 
 #[cfg(target_arch = "x86_64")]
 mod several_rows;
@@ -66,7 +66,7 @@ impl ActRow<'_> {
     }
 }
 
-pub(crate) use crate::quant::per_super_block;
+pub(crate) use corral_backend::quant::per_super_block;
 
 /// Which quantizations of the activations products read: per block of [`QA`] values, per
 /// super-block of [`QK`], or both.
@@ -449,7 +449,7 @@ pub(super) fn k_scales_mins(packed: &[u8]) -> (u64, u64) {
 /// The format's definitions, a value at a time.
 mod scalar {
     use super::*;
-    use crate::quant::half_at;
+    use corral_backend::quant::half_at;
 
     /// Σ u[i] · q[i] over one activation block's values `range`.
     fn isum(u: impl Fn(usize) -> i32, q: &[i8], range: std::ops::Range<usize>) -> i32 {
@@ -1617,7 +1617,7 @@ pub(crate) mod tests {
                 acts.quantize(x, 1, k, ActBlocks::of([format]));
                 let w = random_blocks(format, k / format.block().0, &mut next);
                 let mut decoded = vec![0.0f32; k];
-                crate::quant::dequantize(format, &w, &mut decoded);
+                corral_backend::quant::dequantize(format, &w, &mut decoded);
                 let exact: f64 = decoded.iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
                 let magnitude: f64 = decoded.iter().zip(x).map(|(&a, &b)| f64::from((a * b).abs())).sum();
                 // Activations are quantized per block of QA values, or per super-block.

@@ -9,10 +9,12 @@ mod common;
 use common::download;
 
 use corral_backend::{
-    Backend, BackendError, BufferUsage, CpuBackend, CudaBackend, CudaOptions, DType, DeltaNetShape,
-    DeviceBuffer, ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns,
-    RopeParams, WeightView, Yarn, cuda_available, quant, synthetic,
+    Backend, BackendError, BufferUsage, DType, DeltaNetShape, DeviceBuffer, ExpertMatrices,
+    ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns, RopeParams, WeightView, Yarn,
+    quant, synthetic,
 };
+use corral_cpu::CpuBackend;
+use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 
 fn gpu() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();

@@ -8,7 +8,7 @@ use cudarc::nvrtc::Ptx;
 use super::FLASH_THREADS;
 use super::compile::{KernelCache, SOURCES};
 use super::device::{Gpu, Kernel, driver_err};
-use crate::{BackendError, DType, QuantFormat, Result};
+use corral_backend::{BackendError, DType, QuantFormat, Result};
 
 /// Kernels instantiated per weight type (bf16, f16, f32).
 #[derive(Debug)]

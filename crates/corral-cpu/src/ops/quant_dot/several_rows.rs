@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::cpu::ops::align_frame;
+use crate::ops::align_frame;
 
 use super::{
     ActRow, ActRows, PREFETCH_AHEAD, QA, QK, QuantFormat, SCALE_SPREAD, SUB_BLOCK_SLOT, half_at,

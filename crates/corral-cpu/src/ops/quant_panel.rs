@@ -15,7 +15,7 @@ use super::matmul::OutPtr;
 use super::quant_dot::prefetch;
 use super::quant_dot::{ActRows, Isa, QA, QK, SUB_BLOCK_SLOT, per_super_block};
 use super::with_reused;
-use crate::QuantFormat;
+use corral_backend::QuantFormat;
 
 /// Weight rows per panel: the i32 lanes of a 512-bit register.
 const LANES: usize = 16;
@@ -731,8 +731,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::*;
-    use crate::cpu::ops::quant_dot::half_at;
-    use crate::cpu::ops::quant_dot::k_scales_mins;
+    use crate::ops::quant_dot::half_at;
+    use crate::ops::quant_dot::k_scales_mins;
 
     /// Rows of a half panel: the i32 lanes of a 256-bit register.
     const HALF: usize = LANES / 2;
@@ -749,7 +749,7 @@ mod avx2 {
         ld: usize,
         lanes: usize,
     ) {
-        crate::cpu::ops::align_frame();
+        crate::ops::align_frame();
         in_halves(m, out, ld, lanes, |h, r0, left| match (format, left) {
             (QuantFormat::Q6K, 1) => padded(q6k_kernel::<1>(panel, blocks, r0, h)),
             (QuantFormat::Q6K, 2) => padded(q6k_kernel::<2>(panel, blocks, r0, h)),
@@ -1094,7 +1094,7 @@ mod avx2 {
         ld: usize,
         lanes: usize,
     ) {
-        crate::cpu::ops::align_frame();
+        crate::ops::align_frame();
         // What the unsigned values of Q4_0 and Q5_0 carry above the signed ones.
         let offset = match format {
             QuantFormat::Q4_0 => 8,
@@ -1369,8 +1369,8 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::cpu::ops::quant_dot::tests::{random_blocks, xorshift};
-    use crate::cpu::ops::quant_dot::{ActBlocks, QuantizedRows, dot_rows};
+    use crate::ops::quant_dot::tests::{random_blocks, xorshift};
+    use crate::ops::quant_dot::{ActBlocks, QuantizedRows, dot_rows};
 
     /// The instruction sets with panel kernels for `format` on this CPU.
     fn isas(format: QuantFormat) -> Vec<Isa> {
@@ -1400,7 +1400,7 @@ mod tests {
         acts.quantize(&x, skip + m, k, ActBlocks::of([format]));
         let w = random_blocks(format, n * k / format.block().0, &mut next);
         let mut decoded = vec![0.0f32; n * k];
-        crate::quant::dequantize(format, &w, &mut decoded);
+        corral_backend::quant::dequantize(format, &w, &mut decoded);
         let mut want = vec![f32::NAN; m * n];
         dot_rows(
             Isa::Scalar,

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use crate::RopeParams;
+use corral_backend::RopeParams;
 
 /// Largest supported rotary dimension (head dims in these families are at most 256).
 pub(crate) const MAX_ROTARY_DIM: usize = 512;

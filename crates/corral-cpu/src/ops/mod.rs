@@ -12,7 +12,7 @@ pub(crate) mod quant_dot;
 pub(crate) mod quant_panel;
 pub(crate) mod rope;
 
-use crate::QuantFormat;
+use corral_backend::QuantFormat;
 
 /// A weight matrix's elements in their stored type.
 #[derive(Clone, Copy, Debug)]
@@ -35,7 +35,7 @@ impl<'a> WeightRows<'a> {
             WeightRows::F16(w) => w[start..end].convert_to_f32_slice(dst),
             WeightRows::Quant(format, w) => {
                 let bytes = quant_range(format, start, dst.len());
-                crate::quant::dequantize(format, &w[bytes], dst);
+                corral_backend::quant::dequantize(format, &w[bytes], dst);
             }
         }
     }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::sys as nvrtc;
 
-use crate::{BackendError, Result};
+use corral_backend::{BackendError, Result};
 
 /// One kernel file and the headers it is compiled with (in order, before it).
 #[derive(Debug, Clone, Copy)]

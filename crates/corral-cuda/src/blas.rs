@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use cudarc::cublas::{result as blas, sys};
 
 use super::device::{DeviceMem, Gpu};
-use crate::{BackendError, Result};
+use corral_backend::{BackendError, Result};
 
 /// Workspace handed to cuBLAS once, so that it never allocates during a step.
 pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use corral_backend::alloc_count::{CountingAllocator, allocations};
 use corral_backend::{
-    AttentionMeta, AttentionShape, Backend, BufferUsage, CpuBackend, DType, DeviceBuffer,
-    ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, WeightView,
+    AttentionMeta, AttentionShape, Backend, BufferUsage, DType, DeviceBuffer, ExpertMatrices,
+    ExpertWeights, MoeRouting, MoeSorted, QuantFormat, WeightView,
 };
+use corral_cpu::CpuBackend;
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::buffer::Storage;
-use crate::sampling::{self, CANDIDATE_ROW_WORDS, DRAW_WORDS, Penalty};
-use crate::{
+use corral_backend::Storage;
+use corral_backend::sampling::{self, CANDIDATE_ROW_WORDS, DRAW_WORDS, Penalty};
+use corral_backend::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
     DeltaNetShape, DeviceBuffer, DispatchStats, ExpertWeights, MappedFile, MoeRouting, MoeSorted,
     QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView, byte_range,
@@ -112,7 +112,7 @@ fn f32s<'a>(
 ) -> Result<&'a [f32]> {
     check_dtype(op, b, DType::F32)?;
     check_len(op, what, b, needed)?;
-    match &b.storage {
+    match b.storage() {
         Storage::F32(v) => Ok(&v[..needed]),
         Storage::Mapped {
             file, byte_offset, ..
@@ -131,7 +131,7 @@ fn f32s_mut<'a>(
 ) -> Result<&'a mut [f32]> {
     check_dtype(op, b, DType::F32)?;
     check_len(op, what, b, needed)?;
-    match &mut b.storage {
+    match b.storage_mut() {
         Storage::F32(v) => Ok(&mut v[..needed]),
         _ => Err(bad(op, format!("`{what}` is not writable"))),
     }
@@ -145,7 +145,7 @@ fn u32s<'a>(
 ) -> Result<&'a [u32]> {
     check_dtype(op, b, DType::U32)?;
     check_len(op, what, b, needed)?;
-    match &b.storage {
+    match b.storage() {
         Storage::U32(v) => Ok(&v[..needed]),
         _ => Err(BackendError::ForeignBuffer { op }),
     }
@@ -159,7 +159,7 @@ fn u32s_mut<'a>(
 ) -> Result<&'a mut [u32]> {
     check_dtype(op, b, DType::U32)?;
     check_len(op, what, b, needed)?;
-    match &mut b.storage {
+    match b.storage_mut() {
         Storage::U32(v) => Ok(&mut v[..needed]),
         _ => Err(BackendError::ForeignBuffer { op }),
     }
@@ -168,7 +168,7 @@ fn u32s_mut<'a>(
 /// All elements of a float weight buffer in their stored type.
 fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'a>> {
     let len = b.len();
-    let half_bits: &'a [u16] = match &b.storage {
+    let half_bits: &'a [u16] = match b.storage() {
         Storage::F32(v) => return Ok(WeightRows::F32(&v[..len])),
         Storage::Half(v) => &v[..len],
         Storage::Mapped {
@@ -194,7 +194,7 @@ fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'
         Storage::U32(_) => {
             return Err(bad(op, "weights must be a float buffer".to_string()));
         }
-        Storage::Cuda(_) => return Err(BackendError::ForeignBuffer { op }),
+        Storage::Device(_) => return Err(BackendError::ForeignBuffer { op }),
     };
     match b.dtype() {
         DType::BF16 => Ok(WeightRows::Bf16(bytemuck::cast_slice(half_bits))),
@@ -229,7 +229,7 @@ fn kv_rows<'a>(
     needed: usize,
 ) -> Result<ops::attention::KvRows<'a>> {
     check_len(op, what, b, needed)?;
-    match (b.dtype(), &b.storage) {
+    match (b.dtype(), b.storage()) {
         (DType::F32, Storage::F32(v)) => Ok(ops::attention::KvRows::F32(&v[..needed])),
         (DType::BF16, Storage::Half(v)) => Ok(ops::attention::KvRows::Bf16(&v[..needed])),
         (dtype, _) => Err(bad(
@@ -248,7 +248,7 @@ fn kv_rows_mut<'a>(
 ) -> Result<ops::attention::KvRowsMut<'a>> {
     check_len(op, what, b, needed)?;
     let dtype = b.dtype();
-    match (dtype, &mut b.storage) {
+    match (dtype, b.storage_mut()) {
         (DType::F32, Storage::F32(v)) => Ok(ops::attention::KvRowsMut::F32(&mut v[..needed])),
         (DType::BF16, Storage::Half(v)) => Ok(ops::attention::KvRowsMut::Bf16(&mut v[..needed])),
         _ => Err(bad(
@@ -333,7 +333,7 @@ fn recurrent_runs(
             fresh: r[3] != 0,
             kept: kept
                 .map(|k| k[i])
-                .filter(|&k| k != crate::NO_KEPT_STATES)
+                .filter(|&k| k != corral_backend::NO_KEPT_STATES)
                 .map(|k| k as usize),
         };
         if run.start + run.len > tokens || run.slot >= slots {
@@ -436,8 +436,8 @@ impl Backend for CpuBackend {
 
     /// Every GGUF format; FP8 blocks are decoded at load (no CPU kernel reads them faster
     /// than their bf16 values).
-    fn reads_quantized(&self, format: crate::QuantFormat) -> bool {
-        format != crate::QuantFormat::F8E4M3x128
+    fn reads_quantized(&self, format: corral_backend::QuantFormat) -> bool {
+        format != corral_backend::QuantFormat::F8E4M3x128
     }
 
     fn weight_from_blocks(
@@ -780,7 +780,7 @@ impl Backend for CpuBackend {
         let (start, len) = byte_range(op, src, offset, out.len())?;
         let elem = src.dtype().size_bytes();
         let first = start / elem;
-        match &src.storage {
+        match src.storage() {
             Storage::F32(v) => put_le(&v[first..first + len / 4], out, f32::to_le_bytes),
             Storage::U32(v) => put_le(&v[first..first + len / 4], out, u32::to_le_bytes),
             Storage::Half(v) => put_le(&v[first..first + len / 2], out, u16::to_le_bytes),
@@ -799,7 +799,7 @@ impl Backend for CpuBackend {
         let (start, len) = byte_range(op, dst, offset, bytes.len())?;
         let elem = dst.dtype().size_bytes();
         let first = start / elem;
-        match &mut dst.storage {
+        match dst.storage_mut() {
             Storage::F32(v) => take_le(bytes, &mut v[first..first + len / 4], f32::from_le_bytes),
             Storage::U32(v) => take_le(bytes, &mut v[first..first + len / 4], u32::from_le_bytes),
             Storage::Half(v) => take_le(bytes, &mut v[first..first + len / 2], u16::from_le_bytes),
@@ -849,7 +849,7 @@ impl Backend for CpuBackend {
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
         let op = "copy_within";
         check_copy_ranges(op, x.len(), src, dst, len)?;
-        match &mut x.storage {
+        match x.storage_mut() {
             Storage::F32(v) => v.copy_within(src..src + len, dst),
             Storage::U32(v) => v.copy_within(src..src + len, dst),
             Storage::Half(v) => v.copy_within(src..src + len, dst),
@@ -1402,22 +1402,6 @@ impl Backend for CpuBackend {
     }
 }
 
-/// CPU time (user + system) this process has used so far, across all its threads.
-pub fn process_cpu_time() -> std::time::Duration {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes a complete rusage into the pointer it is given; the buffer is
-    // zero-initialised and sized for it.
-    #[allow(unsafe_code)]
-    let usage = unsafe {
-        if libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) != 0 {
-            return std::time::Duration::ZERO;
-        }
-        usage.assume_init()
-    };
-    let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
-    std::time::Duration::from_micros(micros(usage.ru_utime) + micros(usage.ru_stime))
-}
-
 /// Elements to little-endian bytes.
 fn put_le<T: Copy, const N: usize>(v: &[T], out: &mut [u8], f: fn(T) -> [u8; N]) {
     for (chunk, &x) in out.chunks_exact_mut(N).zip(v) {
@@ -1441,7 +1425,7 @@ fn block_ids(
     count: usize,
     blocks: usize,
 ) -> Result<Vec<usize>> {
-    let Storage::U32(v) = &ids.storage else {
+    let Storage::U32(v) = ids.storage() else {
         return Err(bad(op, "block ids are not a CPU U32 buffer".to_string()));
     };
     let ids = v.get(..count).ok_or_else(|| {
@@ -1480,7 +1464,7 @@ fn copy_blocks(
             dst[to..to + n].copy_from_slice(&src[from..from + n]);
         }
     }
-    match (&src.storage, &mut dst.storage) {
+    match (src.storage(), dst.storage_mut()) {
         (Storage::F32(s), Storage::F32(d)) => each(s, d, ids, n, gather),
         (Storage::U32(s), Storage::U32(d)) => each(s, d, ids, n, gather),
         (Storage::Half(s), Storage::Half(d)) => each(s, d, ids, n, gather),

@@ -3,7 +3,8 @@
 //! would be sent to the pool and waited for. The global pool is set to one thread, so this
 //! binary holds this one test.
 
-use corral_backend::{Backend, CpuBackend};
+use corral_backend::Backend;
+use corral_cpu::CpuBackend;
 
 #[test]
 fn a_step_runs_once_on_a_pool_of_one_thread() {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
-use crate::{BackendError, Result};
+use corral_backend::{BackendError, DeviceAllocation, Result, Storage};
 
 /// `what: detail` from a driver error.
 pub(crate) fn driver_err(what: &str, e: result::DriverError) -> BackendError {
@@ -210,7 +210,7 @@ impl Gpu {
 
     /// Free and total device memory now, and whether the device is integrated (shares the
     /// host's memory).
-    pub(crate) fn memory(&self) -> Result<crate::DeviceMemory> {
+    pub(crate) fn memory(&self) -> Result<corral_backend::DeviceMemory> {
         self.bind()?;
         let (free, total) = self
             .ctx
@@ -220,12 +220,13 @@ impl Gpu {
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
             .map_err(|e| driver_err("cuDeviceGetAttribute(INTEGRATED)", e))?;
-        Ok(crate::DeviceMemory {
+        Ok(corral_backend::DeviceMemory {
             free: free as u64,
             total: total as u64,
             unified: integrated != 0,
             runtime: 0,
             allocation_granularity: ALLOCATION_GRANULARITY,
+            fixed_buffers: crate::cuda_fixed_buffer_bytes() as u64,
         })
     }
 
@@ -519,6 +520,11 @@ impl DeviceMem {
     /// The device address.
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// The allocation as a buffer's storage, freed when the buffer drops.
+    pub(crate) fn into_storage(self) -> Storage {
+        Storage::Device(DeviceAllocation::new(self.ptr, Box::new(self)))
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::kernels::{F8_SMEM_BYTES, GPU_QUANT_FORMATS, QuantKernels};
 use super::{Arg, CudaBackend, MVM_THREADS, buf, grid_of, ptr_of, u32_of, weight};
-use crate::{
+use corral_backend::{
     Backend, BackendError, BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights,
     MoeSorted, QuantFormat, Result, WeightView, synthetic,
 };
@@ -251,7 +251,14 @@ impl CudaBackend {
             || x.dtype() != DType::F32
             || !parts.iter().all(|(b, _)| integer(b))
         {
-            return crate::matmul_parts_by_columns(self, x, rows, (parts, cols), out, out_cols);
+            return corral_backend::matmul_parts_by_columns(
+                self,
+                x,
+                rows,
+                (parts, cols),
+                out,
+                out_cols,
+            );
         }
         if total > out_cols {
             return Err(bad(
@@ -267,14 +274,14 @@ impl CudaBackend {
         // v projections: Q4_K per super-block, Q6_K per 32 values).
         let formats = parts.iter().filter_map(|(b, _)| quant_format(b.dtype()));
         let (supers, blocks): (Vec<_>, Vec<_>) =
-            formats.partition(|&f| crate::quant::per_super_block(f));
+            formats.partition(|&f| corral_backend::quant::per_super_block(f));
         let run = |per_super: Option<[Arg; 3]>, per_block: Option<[Arg; 3]>| {
             let mut col0 = 0;
             for (b, n) in parts {
                 let (w, dtype, _) = weight(op, WeightView::new(b, *n, cols)?)?;
                 let format = quant_format(dtype)
                     .ok_or_else(|| bad(op, format!("weights of {dtype} are not blocks")))?;
-                let acts = if crate::quant::per_super_block(format) {
+                let acts = if corral_backend::quant::per_super_block(format) {
                     per_super
                 } else {
                     per_block
@@ -355,7 +362,7 @@ impl CudaBackend {
         format: QuantFormat,
         use_acts: impl FnOnce([Arg; 3]) -> Result<()>,
     ) -> Result<()> {
-        let supers = crate::quant::per_super_block(format);
+        let supers = corral_backend::quant::per_super_block(format);
         if !k.is_multiple_of(if supers { 256 } else { 32 }) {
             return Err(bad(op, format!("activations of {k} values a row")));
         }
@@ -390,7 +397,7 @@ impl CudaBackend {
     pub(super) fn quant_experts_per_token(
         &self,
         x: &DeviceBuffer,
-        routing: crate::MoeRouting<'_>,
+        routing: corral_backend::MoeRouting<'_>,
         (gate_up_format, down_format): (QuantFormat, QuantFormat),
         [gate, up, down]: [Arg; 3],
         (num_experts, inter, hidden): (usize, usize, usize),

@@ -1,0 +1,133 @@
+//! Opens the backend a `--device` choice names, so that nothing above this crate names a
+//! backend type: the CLI and the planner see a [`Backend`] and, for plans made without
+//! opening one, a [`BackendKind`].
+
+use std::sync::Arc;
+
+use corral_backend::{Backend, DType};
+use corral_cpu::CpuBackend;
+use corral_cuda::{CudaBackend, CudaOptions};
+
+/// Where to run: the `--device` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The CPU backend.
+    Cpu,
+    /// CUDA device N.
+    Cuda(usize),
+    /// CUDA device 0 when usable, else the CPU.
+    Auto,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "auto" => Ok(Self::Auto),
+            "cuda" | "gpu" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| {
+                    format!("unknown device `{s}` (expected cpu, cuda, cuda:N or auto)")
+                }),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+            Self::Auto => write!(f, "auto"),
+        }
+    }
+}
+
+/// A kind of backend, for what is known of it without opening one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend.
+    Cuda,
+}
+
+impl BackendKind {
+    /// Bytes of the buffers the backend allocates once at start, whatever the model.
+    pub fn fixed_buffer_bytes(self) -> usize {
+        match self {
+            Self::Cpu => 0,
+            Self::Cuda => corral_cuda::cuda_fixed_buffer_bytes(),
+        }
+    }
+}
+
+/// What every backend is opened with.
+#[derive(Debug, Clone, Copy)]
+pub struct BackendOptions {
+    /// The KV cache's element type.
+    pub kv_dtype: DType,
+    /// On a GPU, prefill's expert products take split bf16 activations (nearer f32).
+    pub precise_experts: bool,
+}
+
+/// Why no backend opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The backend named refused to open.
+    #[error("opening {device}: {source}")]
+    Backend {
+        /// The device, as `--device` names it.
+        device: String,
+        /// What it said.
+        source: corral_backend::BackendError,
+    },
+}
+
+/// Opens the backend `choice` names. `auto` falls back to the CPU, saying why, when no GPU
+/// is usable; an explicit `cuda` fails with the reason instead.
+pub fn open(choice: DeviceChoice, options: BackendOptions) -> Result<Arc<dyn Backend>, OpenError> {
+    let cpu = || {
+        CpuBackend::with_kv_dtype(options.kv_dtype)
+            .map(|b| Arc::new(b) as Arc<dyn Backend>)
+            .map_err(|source| OpenError::Backend {
+                device: "cpu".to_string(),
+                source,
+            })
+    };
+    let cuda = |ordinal| {
+        CudaBackend::new(
+            CudaOptions {
+                ordinal,
+                precise_experts: options.precise_experts,
+                kv_dtype: Some(options.kv_dtype),
+                ..Default::default()
+            }
+            .with_switches_from_env(),
+        )
+        .map(|b| Arc::new(b) as Arc<dyn Backend>)
+        .map_err(|source| OpenError::Backend {
+            device: format!("cuda:{ordinal}"),
+            source,
+        })
+    };
+    match choice {
+        DeviceChoice::Cpu => cpu(),
+        DeviceChoice::Cuda(n) => cuda(n),
+        DeviceChoice::Auto => match corral_cuda::cuda_available() {
+            Err(why) => {
+                tracing::debug!("no GPU ({why}); running on the CPU");
+                cpu()
+            }
+            Ok(_) => cuda(0).or_else(|e| {
+                tracing::warn!("cuda:0 is present but unusable ({e}); running on the CPU");
+                cpu()
+            }),
+        },
+    }
+}
