@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::{BackendError, DType, Result};
+use crate::{BackendError, DType, QuantFormat, Result, synthetic};
 
 /// What a buffer is for; lets the pool and the memory planner tell buffers apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -274,4 +274,87 @@ impl<'a> WeightView<'a> {
         }
         Ok(self)
     }
+}
+
+/// The device's buffers: its pool, weights, and copies to and from the host.
+pub trait Buffers {
+    /// A buffer of `len` elements from the pool, allocating (and counting it) on a miss.
+    /// Contents are unspecified.
+    fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer>;
+
+    /// Gives a buffer back to the pool.
+    fn give_buffer(&self, buffer: DeviceBuffer);
+
+    /// Bytes of free buffers the pool retains now, and the most it will retain.
+    fn pool_bytes(&self) -> (usize, usize);
+
+    /// A newly allocated zero-filled buffer that never returns to the pool (KV cache).
+    fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer>;
+
+    /// A weight buffer of `len` values of block format `dtype` from their `blocks`, for
+    /// backends whose [`Capabilities::weight_formats`](crate::Capabilities::weight_formats) hold it.
+    fn weight_from_blocks(
+        &self,
+        blocks: Vec<u8>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let _ = (blocks, len);
+        Err(BackendError::BadArgument {
+            op: "weight_from_blocks",
+            detail: format!("weights of {dtype}"),
+        })
+    }
+
+    /// A weight buffer over `len` elements of `dtype` at `byte_offset` in a mapped file,
+    /// without copying where the device can read the mapping directly.
+    fn weight_from_file(
+        &self,
+        file: &Arc<MappedFile>,
+        byte_offset: usize,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer>;
+
+    /// A weight buffer holding `values` converted to `dtype` (synthetic models, tests).
+    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer>;
+
+    /// A weight buffer of `len` deterministic normal values ([`synthetic::normal_values`] of
+    /// `seed`), made where the backend's memory is.
+    fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
+        self.weight_from_f32(&synthetic::normal_values(seed, len, std), dtype)
+    }
+
+    /// A weight buffer of `len` values of block format `format`: [`synthetic::quant_blocks`]
+    /// of `seed`, made where the backend's memory is.
+    fn weight_synthetic_blocks(
+        &self,
+        format: QuantFormat,
+        len: usize,
+        seed: u64,
+        std: f32,
+    ) -> Result<DeviceBuffer> {
+        let blocks = synthetic::quant_blocks(format, seed, len, std);
+        self.weight_from_blocks(blocks, DType::Quant(format), len)
+    }
+
+    /// Copies host values into the first `src.len()` elements of an F32 buffer.
+    fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()>;
+
+    /// Copies host values into the first `src.len()` elements of a U32 buffer.
+    fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()>;
+
+    /// Reads the first `dst.len()` elements of an F32 buffer back to the host: one host sync.
+    fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()>;
+
+    /// Reads the first `dst.len()` elements of a U32 buffer back to the host: one host sync.
+    fn download_u32(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()>;
+
+    /// Copies elements from `offset` of `src` to host memory as they are stored (`out.len()`
+    /// bytes, a whole number of elements): KV blocks and state for a session file. Waits.
+    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()>;
+
+    /// Writes `bytes` (elements as stored) into `dst` from element `offset`: a session file
+    /// read back.
+    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()>;
 }

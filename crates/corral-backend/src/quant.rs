@@ -32,6 +32,19 @@ pub enum QuantFormat {
 }
 
 impl QuantFormat {
+    /// Every format.
+    pub const ALL: [QuantFormat; 9] = [
+        QuantFormat::Q4_0,
+        QuantFormat::Q4_1,
+        QuantFormat::Q5_0,
+        QuantFormat::Q5_1,
+        QuantFormat::Q8_0,
+        QuantFormat::Q4K,
+        QuantFormat::Q5K,
+        QuantFormat::Q6K,
+        QuantFormat::F8E4M3x128,
+    ];
+
     /// (values, bytes) of one block.
     pub const fn block(self) -> (usize, usize) {
         match self {

@@ -3,14 +3,14 @@
 //! reduction. A step reads back [`CANDIDATE_ROW_WORDS`] words a row instead of the whole
 //! vocabulary: the row's best candidates, its normalisers and one Gumbel-max draw.
 //!
-//! [`Backend::logit_penalties`]: crate::Backend::logit_penalties
-//! [`Backend::top_candidates`]: crate::Backend::top_candidates
+//! [`Backend::logit_penalties`]: crate::Ops::logit_penalties
+//! [`Backend::top_candidates`]: crate::Ops::top_candidates
 
 /// Candidates kept per row, most likely first (ties to the lower id). Mirrors `CAND` of
 /// sampling.cu.
 pub const TOP_CANDIDATES: usize = 64;
 
-/// `u32` words a row of [`Backend::top_candidates`](crate::Backend::top_candidates) writes:
+/// `u32` words a row of [`Ops::top_candidates`](crate::Ops::top_candidates) writes:
 /// ids, logits, then count, max, log-sum-exp, tempered log-sum-exp, Gumbel id and logit,
 /// whether it is truncated.
 pub const CANDIDATE_ROW_WORDS: usize = 2 * TOP_CANDIDATES + 8;
@@ -95,7 +95,7 @@ impl Penalty {
     }
 }
 
-/// One row as [`Backend::top_candidates`](crate::Backend::top_candidates) reduced it. Only
+/// One row as [`Ops::top_candidates`](crate::Ops::top_candidates) reduced it. Only
 /// finite logits count.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RowCandidates {
@@ -332,7 +332,7 @@ fn key(l: f32, id: u32) -> u64 {
     (u64::from(s) << 32) | u64::from(!id)
 }
 
-/// The CPU's [`Backend::top_candidates`](crate::Backend::top_candidates) of one row into its
+/// The CPU's [`Ops::top_candidates`](crate::Ops::top_candidates) of one row into its
 /// [`CANDIDATE_ROW_WORDS`] words.
 pub fn reduce_row(row: &[f32], draw_words: &[u32], keys: &mut Vec<u64>, out: &mut [u32]) {
     let draw = RowDraw::from_words(draw_words);

@@ -12,10 +12,10 @@ use rayon::prelude::*;
 use corral_backend::Storage;
 use corral_backend::sampling::{self, CANDIDATE_ROW_WORDS, DRAW_WORDS, Penalty};
 use corral_backend::{
-    AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
-    DeltaNetShape, DeviceBuffer, DispatchStats, ExpertWeights, MappedFile, MoeRouting, MoeSorted,
-    QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView, byte_range,
-    check_block_copy, check_copy_ranges,
+    AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, Buffers,
+    Capabilities, DType, DeltaNetShape, Device, DeviceBuffer, DispatchStats, ExpertWeights,
+    MappedFile, MoeRouting, MoeSorted, Ops, QkShape, QuantFormat, RecurrentRuns, Result,
+    RopeParams, StatsCounter, WeightView, byte_range, check_block_copy, check_copy_ranges,
 };
 use ops::WeightRows;
 
@@ -26,6 +26,7 @@ pub struct CpuBackend {
     pool: BufferPool,
     stats: StatsCounter,
     kv_dtype: DType,
+    capabilities: Capabilities,
 }
 
 impl CpuBackend {
@@ -38,6 +39,17 @@ impl CpuBackend {
             pool: BufferPool::default(),
             stats: StatsCounter::default(),
             kv_dtype: DType::F32,
+            // Every GGUF format; FP8 blocks are decoded at load (no CPU kernel reads them
+            // faster than their bf16 values).
+            capabilities: Capabilities {
+                graphs: false,
+                profiling: false,
+                weight_formats: QuantFormat::ALL
+                    .into_iter()
+                    .filter(|&f| f != QuantFormat::F8E4M3x128)
+                    .collect(),
+                kv_dtypes: vec![DType::F32, DType::BF16],
+            },
         }
     }
 
@@ -397,7 +409,7 @@ thread_local! {
     static RECURRENT_RUNS: std::cell::RefCell<Vec<ops::delta_net::Run>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-impl Backend for CpuBackend {
+impl Device for CpuBackend {
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", self.threads)
     }
@@ -406,6 +418,30 @@ impl Backend for CpuBackend {
         self.stats.snapshot()
     }
 
+    /// The step runs on a thread of the pool, and every other thread of the pool runs
+    /// [`keep_busy`] until it ends.
+    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
+        let done = std::sync::atomic::AtomicBool::new(false);
+        // In the pool (a step run from outside it would send each parallel region there
+        // and wait); a scope with nothing spawned allocates nothing.
+        rayon::scope(|_| with_busy_threads(rayon::current_num_threads() - 1, &done, step));
+    }
+
+    fn capabilities(&self) -> &Capabilities {
+        &self.capabilities
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stats.host_sync();
+        Ok(())
+    }
+
+    fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+}
+
+impl Buffers for CpuBackend {
     fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
         Ok(match self.pool.take(dtype, len, usage) {
             Some(b) => b,
@@ -423,21 +459,6 @@ impl Backend for CpuBackend {
 
     fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
         Ok(self.new_buffer(dtype, len, usage))
-    }
-
-    /// The step runs on a thread of the pool, and every other thread of the pool runs
-    /// [`keep_busy`] until it ends.
-    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
-        let done = std::sync::atomic::AtomicBool::new(false);
-        // In the pool (a step run from outside it would send each parallel region there
-        // and wait); a scope with nothing spawned allocates nothing.
-        rayon::scope(|_| with_busy_threads(rayon::current_num_threads() - 1, &done, step));
-    }
-
-    /// Every GGUF format; FP8 blocks are decoded at load (no CPU kernel reads them faster
-    /// than their bf16 values).
-    fn reads_quantized(&self, format: corral_backend::QuantFormat) -> bool {
-        format != corral_backend::QuantFormat::F8E4M3x128
     }
 
     fn weight_from_blocks(
@@ -577,11 +598,47 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn synchronize(&self) -> Result<()> {
+    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        let op = "read_bytes";
+        let (start, len) = byte_range(op, src, offset, out.len())?;
+        let elem = src.dtype().size_bytes();
+        let first = start / elem;
+        match src.storage() {
+            Storage::F32(v) => put_le(&v[first..first + len / 4], out, f32::to_le_bytes),
+            Storage::U32(v) => put_le(&v[first..first + len / 4], out, u32::to_le_bytes),
+            Storage::Half(v) => put_le(&v[first..first + len / 2], out, u16::to_le_bytes),
+            Storage::Mapped {
+                file, byte_offset, ..
+            } => out.copy_from_slice(&file.bytes()[byte_offset + start..byte_offset + start + len]),
+            _ => return Err(BackendError::ForeignBuffer { op }),
+        }
         self.stats.host_sync();
+        self.stats.transfer(len);
         Ok(())
     }
 
+    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
+        let op = "write_bytes";
+        let (start, len) = byte_range(op, dst, offset, bytes.len())?;
+        let elem = dst.dtype().size_bytes();
+        let first = start / elem;
+        match dst.storage_mut() {
+            Storage::F32(v) => take_le(bytes, &mut v[first..first + len / 4], f32::from_le_bytes),
+            Storage::U32(v) => take_le(bytes, &mut v[first..first + len / 4], u32::from_le_bytes),
+            Storage::Half(v) => take_le(bytes, &mut v[first..first + len / 2], u16::from_le_bytes),
+            _ => {
+                return Err(bad(
+                    op,
+                    "the buffer is read-only or not the CPU's".to_string(),
+                ));
+            }
+        }
+        self.stats.transfer(len);
+        Ok(())
+    }
+}
+
+impl Ops for CpuBackend {
     fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
         f32s_mut("fill_zero", "buffer", buffer, len)?.fill(0.0);
         self.stats.dispatch(1);
@@ -775,45 +832,6 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        let op = "read_bytes";
-        let (start, len) = byte_range(op, src, offset, out.len())?;
-        let elem = src.dtype().size_bytes();
-        let first = start / elem;
-        match src.storage() {
-            Storage::F32(v) => put_le(&v[first..first + len / 4], out, f32::to_le_bytes),
-            Storage::U32(v) => put_le(&v[first..first + len / 4], out, u32::to_le_bytes),
-            Storage::Half(v) => put_le(&v[first..first + len / 2], out, u16::to_le_bytes),
-            Storage::Mapped {
-                file, byte_offset, ..
-            } => out.copy_from_slice(&file.bytes()[byte_offset + start..byte_offset + start + len]),
-            _ => return Err(BackendError::ForeignBuffer { op }),
-        }
-        self.stats.host_sync();
-        self.stats.transfer(len);
-        Ok(())
-    }
-
-    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
-        let op = "write_bytes";
-        let (start, len) = byte_range(op, dst, offset, bytes.len())?;
-        let elem = dst.dtype().size_bytes();
-        let first = start / elem;
-        match dst.storage_mut() {
-            Storage::F32(v) => take_le(bytes, &mut v[first..first + len / 4], f32::from_le_bytes),
-            Storage::U32(v) => take_le(bytes, &mut v[first..first + len / 4], u32::from_le_bytes),
-            Storage::Half(v) => take_le(bytes, &mut v[first..first + len / 2], u16::from_le_bytes),
-            _ => {
-                return Err(bad(
-                    op,
-                    "the buffer is read-only or not the CPU's".to_string(),
-                ));
-            }
-        }
-        self.stats.transfer(len);
-        Ok(())
-    }
-
     fn gather_blocks(
         &self,
         paged: &DeviceBuffer,
@@ -961,10 +979,6 @@ impl Backend for CpuBackend {
         self.stats.dispatch(1);
         ops::rope::rope(x, positions, heads, head_dim, rotary_dim, rope);
         Ok(())
-    }
-
-    fn kv_dtype(&self) -> DType {
-        self.kv_dtype
     }
 
     fn kv_store(
@@ -1399,6 +1413,12 @@ impl Backend for CpuBackend {
         self.stats.dispatch(1);
         ops::moe::down_combine(act, inter, ids, weights, top_k, &down, hidden, out);
         Ok(())
+    }
+}
+
+impl Backend for CpuBackend {
+    fn ops(&self) -> &dyn Ops {
+        self
     }
 }
 

@@ -27,7 +27,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn f32_buf(b: &CpuBackend, v: &[f32]) -> DeviceBuffer {
+fn f32_buf(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
     let mut buf = b
         .take_buffer(DType::F32, v.len(), BufferUsage::Activations)
         .unwrap();
@@ -35,7 +35,7 @@ fn f32_buf(b: &CpuBackend, v: &[f32]) -> DeviceBuffer {
     buf
 }
 
-fn u32_buf(b: &CpuBackend, v: &[u32]) -> DeviceBuffer {
+fn u32_buf(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
     let mut buf = b
         .take_buffer(DType::U32, v.len(), BufferUsage::Metadata)
         .unwrap();
@@ -45,18 +45,18 @@ fn u32_buf(b: &CpuBackend, v: &[u32]) -> DeviceBuffer {
 
 #[test]
 fn warm_cpu_ops_allocate_nothing() {
-    let b = CpuBackend::with_kv_dtype(DType::BF16).unwrap();
+    let b: &dyn Backend = &CpuBackend::with_kv_dtype(DType::BF16).unwrap();
     // Attention: one run of 20 tokens (many-row tiles), and its last token alone (few rows).
     let (nh, nkv, hd, block_size) = (8, 2, 64, 16);
     let tokens = 20;
     let slots: Vec<u32> = (0..tokens as u32).collect();
     let (kb, vb, sb) = (
-        f32_buf(&b, &values(tokens * nkv * hd, 1)),
-        f32_buf(&b, &values(tokens * nkv * hd, 2)),
-        u32_buf(&b, &slots),
+        f32_buf(b, &values(tokens * nkv * hd, 1)),
+        f32_buf(b, &values(tokens * nkv * hd, 2)),
+        u32_buf(b, &slots),
     );
     // The keys and values in the default bf16 cache, and the same in an f32 one.
-    let cache = |b: &CpuBackend, dtype| {
+    let cache = |b: &dyn Backend, dtype| {
         let len = 2 * block_size * corral_backend::kv_row_elems(dtype, nkv, hd);
         let mut k = b.alloc_zeroed(dtype, len, BufferUsage::KvCache).unwrap();
         let mut v = b.alloc_zeroed(dtype, len, BufferUsage::KvCache).unwrap();
@@ -64,22 +64,22 @@ fn warm_cpu_ops_allocate_nothing() {
             .unwrap();
         (k, v)
     };
-    let (ck, cv) = cache(&b, DType::BF16);
-    let b32 = CpuBackend::with_kv_dtype(DType::F32).unwrap();
-    let (ck32, cv32) = cache(&b32, DType::F32);
-    let positions = u32_buf(&b, &slots);
-    let (runs, table) = (u32_buf(&b, &[0; 20]), u32_buf(&b, &[0, 1]));
+    let (ck, cv) = cache(b, DType::BF16);
+    let b32: &dyn Backend = &CpuBackend::with_kv_dtype(DType::F32).unwrap();
+    let (ck32, cv32) = cache(b32, DType::F32);
+    let positions = u32_buf(b, &slots);
+    let (runs, table) = (u32_buf(b, &[0; 20]), u32_buf(b, &[0, 1]));
     let shape = AttentionShape {
         num_heads: nh,
         num_kv_heads: nkv,
         head_dim: hd,
         scale: 0.125,
     };
-    let q = f32_buf(&b, &values(tokens * nh * hd, 3));
-    let mut attn_out = f32_buf(&b, &vec![0.0; tokens * nh * hd]);
-    let (last_position, last_slot) = (u32_buf(&b, &[19]), u32_buf(&b, &[19]));
-    let q_last = f32_buf(&b, &values(nh * hd, 4));
-    let mut last_out = f32_buf(&b, &vec![0.0; nh * hd]);
+    let q = f32_buf(b, &values(tokens * nh * hd, 3));
+    let mut attn_out = f32_buf(b, &vec![0.0; tokens * nh * hd]);
+    let (last_position, last_slot) = (u32_buf(b, &[19]), u32_buf(b, &[19]));
+    let q_last = f32_buf(b, &values(nh * hd, 4));
+    let mut last_out = f32_buf(b, &vec![0.0; nh * hd]);
 
     // Experts: 5 of them, Q4_K gate and up, Q6_K down; 40 tokens with every first choice on
     // expert 0 (integer panels) and the rest spread (few-row products).
@@ -96,7 +96,7 @@ fn warm_cpu_ops_allocate_nothing() {
         up: ExpertMatrices::stacked(Arc::clone(&up), e, i, 0, i, h).unwrap(),
         down: ExpertMatrices::stacked(Arc::clone(&down), e, h, 0, h, i).unwrap(),
     };
-    let x = f32_buf(&b, &values(moe_tokens * h, 8));
+    let x = f32_buf(b, &values(moe_tokens * h, 8));
     let ids: Vec<u32> = (0..moe_tokens * top_k)
         .map(|p| {
             if p % 2 == 0 {
@@ -106,10 +106,7 @@ fn warm_cpu_ops_allocate_nothing() {
             }
         })
         .collect();
-    let (ids, weights) = (
-        u32_buf(&b, &ids),
-        f32_buf(&b, &vec![0.5; moe_tokens * top_k]),
-    );
+    let (ids, weights) = (u32_buf(b, &ids), f32_buf(b, &vec![0.5; moe_tokens * top_k]));
     let routing = MoeRouting {
         expert_ids: &ids,
         expert_weights: &weights,
@@ -117,14 +114,14 @@ fn warm_cpu_ops_allocate_nothing() {
         top_k,
     };
     let pairs = moe_tokens * top_k;
-    let mut act = f32_buf(&b, &vec![0.0; pairs * i]);
-    let mut y = f32_buf(&b, &vec![0.0; pairs * h]);
-    let mut moe_out = f32_buf(&b, &vec![0.0; moe_tokens * h]);
+    let mut act = f32_buf(b, &vec![0.0; pairs * i]);
+    let mut y = f32_buf(b, &vec![0.0; pairs * h]);
+    let mut moe_out = f32_buf(b, &vec![0.0; moe_tokens * h]);
     let (mut offsets, mut hit, mut sorted_pairs, mut pair_positions) = (
-        u32_buf(&b, &[0; 6]),
-        u32_buf(&b, &[0; 6]),
-        u32_buf(&b, &vec![0; pairs]),
-        u32_buf(&b, &vec![0; pairs]),
+        u32_buf(b, &[0; 6]),
+        u32_buf(b, &[0; 6]),
+        u32_buf(b, &vec![0; pairs]),
+        u32_buf(b, &vec![0; pairs]),
     );
     b.moe_sort(
         routing,
@@ -144,10 +141,10 @@ fn warm_cpu_ops_allocate_nothing() {
     // Quantized matmuls of 40 rows (panels: Q4_K's, and Q8_0's on AVX2 or f32 tiles on
     // AVX-512), of three (Q4_K's products over several rows on AVX2) and of one (few-row
     // products).
-    let mut mm_out = f32_buf(&b, &vec![0.0; moe_tokens * i]);
+    let mut mm_out = f32_buf(b, &vec![0.0; moe_tokens * i]);
     let q8_0 = blocks(QuantFormat::Q8_0, i * h, 9);
 
-    let mut step = |b: &CpuBackend| {
+    let mut step = |b: &dyn Backend| {
         let meta = AttentionMeta {
             positions: &positions,
             token_runs: &runs,
@@ -194,12 +191,12 @@ fn warm_cpu_ops_allocate_nothing() {
     // takes which item varies, so a thread may first meet a kind of item in a later step:
     // the fewest of several steps counts (an allocation in the ops is in every step).
     for _ in 0..3 {
-        step(&b);
+        step(b);
     }
     let allocated = (0..5)
         .map(|_| {
             let before = allocations();
-            step(&b);
+            step(b);
             allocations() - before
         })
         .min()

@@ -3,7 +3,7 @@
 //! would be sent to the pool and waited for. The global pool is set to one thread, so this
 //! binary holds this one test.
 
-use corral_backend::Backend;
+use corral_backend::Device;
 use corral_cpu::CpuBackend;
 
 #[test]

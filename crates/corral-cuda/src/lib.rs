@@ -33,14 +33,15 @@ use compile::KernelCache;
 use corral_backend::Storage;
 use corral_backend::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS, MAX_REDUCED_VOCAB};
 use corral_backend::{
-    AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, DType,
-    DeltaNetShape, DeviceBuffer, DispatchStats, ExpertMatrices, ExpertWeights, MappedFile,
-    MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, StatsCounter, WeightView,
-    byte_range, check_block_copy, check_copy_ranges, kv_row_elems,
+    AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, Buffers,
+    Capabilities, DType, DeltaNetShape, Device, DeviceBuffer, DispatchStats, ExpertMatrices,
+    ExpertWeights, MappedFile, MoeRouting, MoeSorted, Ops, QkShape, QuantFormat, RecurrentRuns,
+    Result, RopeParams, StatsCounter, WeightView, byte_range, check_block_copy, check_copy_ranges,
+    kv_row_elems,
 };
 use cudarc::driver::CudaEvent;
 use device::{Gpu, Kernel};
-use kernels::{BigTileKernels, FlashKernels, Kernels, WeightKernels};
+use kernels::{BigTileKernels, FlashKernels, GPU_QUANT_FORMATS, Kernels, WeightKernels};
 
 /// How to open the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -149,7 +150,7 @@ pub struct CudaBackend {
     /// and its zeroed tickets, one per row of a launch.
     sampling_scratch: DeviceBuffer,
     sampling_tickets: DeviceBuffer,
-    /// What [`Backend::kernels_id`] reports: the kernel sources' hash, and whether cuBLAS runs.
+    /// What [`Device::kernels_id`](corral_backend::Device::kernels_id) reports: the kernel sources' hash, and whether cuBLAS runs.
     kernels_id: u64,
     /// Event pairs around each launch while profiling.
     profile: Mutex<Option<Vec<TimedLaunch>>>,
@@ -157,6 +158,7 @@ pub struct CudaBackend {
     profiling: AtomicBool,
     /// Bf16 copies of a block-format MoE layer's experts for the grouped tiles.
     decoded_experts: Mutex<Option<quant::DecodedExperts>>,
+    capabilities: Capabilities,
 }
 
 /// An instantiated CUDA graph.
@@ -631,6 +633,16 @@ impl CudaBackend {
                 format!("KV cache type {kv_dtype} unsupported"),
             ));
         }
+        let capabilities = Capabilities {
+            graphs: true,
+            profiling: true,
+            // FP8 blocks where the hardware converts e4m3 (sm_89 and newer).
+            weight_formats: GPU_QUANT_FORMATS
+                .into_iter()
+                .filter(|&f| f != QuantFormat::F8E4M3x128 || gpu.compute_capability >= (8, 9))
+                .collect(),
+            kv_dtypes: vec![DType::BF16, DType::F32, DType::F8E4M3],
+        };
         let blas = if options.without_cublas {
             None
         } else {
@@ -665,6 +677,7 @@ impl CudaBackend {
             sampling_scratch,
             sampling_tickets,
             kernels_id: compile::sources_id() ^ blas_present as u64,
+            capabilities,
         })
     }
 
@@ -1146,7 +1159,7 @@ impl CudaBackend {
 
     /// The chunked gated delta rule (delta_net.cu's gdr_chunk_prepare and gdr_chunk_scan) over
     /// at most `chunks` chunks, in launch pairs of `per_wave`: `args` are
-    /// [`Backend::gated_delta_rule`]'s kernel arguments.
+    /// [`Ops::gated_delta_rule`](corral_backend::Ops::gated_delta_rule)'s kernel arguments.
     fn chunked_delta_rule(
         &self,
         args: [Arg; 13],
@@ -1442,7 +1455,7 @@ impl CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
+impl Device for CudaBackend {
     fn device_name(&self) -> String {
         let (major, minor) = self.gpu.compute_capability;
         format!(
@@ -1472,142 +1485,8 @@ impl Backend for CudaBackend {
         self.stats.snapshot()
     }
 
-    fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
-        let mut b = match self.pool.take(dtype, len, usage) {
-            Some(b) => b,
-            // While a graph is recorded (in relaxed mode) the allocation is made at once,
-            // outside the graph, which then reads and writes it on every replay.
-            None => self.new_buffer(dtype, len, usage)?,
-        };
-        if self.capturing.load(Ordering::Relaxed) {
-            b.hold_for_graphs();
-        }
-        Ok(b)
-    }
-
-    fn give_buffer(&self, buffer: DeviceBuffer) {
-        if matches!(buffer.storage(), Storage::Device(_)) {
-            if self.capturing.load(Ordering::Relaxed) {
-                self.pool.give_keeping_all(buffer);
-            } else {
-                self.pool.give(buffer);
-            }
-        }
-    }
-
-    fn pool_bytes(&self) -> (usize, usize) {
-        (self.pool.free_bytes(), self.pool.limit_bytes())
-    }
-
-    fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
-        let b = self.new_buffer(dtype, len, usage)?;
-        self.gpu
-            .memset_zero(ptr_of("alloc_zeroed", &b)?, len * dtype.size_bytes())?;
-        Ok(b)
-    }
-
-    fn weight_from_file(
-        &self,
-        file: &Arc<MappedFile>,
-        byte_offset: usize,
-        dtype: DType,
-        len: usize,
-    ) -> Result<DeviceBuffer> {
-        let op = "weight_from_file";
-        if !dtype.is_float() {
-            return Err(bad(op, "weights must be float".to_string()));
-        }
-        let byte_len = dtype.bytes_of(len);
-        if let Some(format) = quant::quant_format(dtype)
-            && (!self.reads_format(format) || !len.is_multiple_of(format.block().0))
-        {
-            return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
-        }
-        let bytes = file
-            .bytes()
-            .get(byte_offset..byte_offset + byte_len)
-            .ok_or_else(|| {
-                bad(
-                    op,
-                    format!("{}: tensor data out of range", file.path().display()),
-                )
-            })?;
-        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
-        self.gpu.upload(bytes, ptr_of(op, &b)?)?;
-        self.stats.transfer(byte_len);
-        Ok(b)
-    }
-
-    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
-        let op = "weight_from_f32";
-        let b = self.new_buffer(dtype, values.len(), BufferUsage::Weights)?;
-        let dst = ptr_of(op, &b)?;
-        match dtype {
-            DType::F32 => self.gpu.upload(values, dst)?,
-            DType::BF16 => {
-                let bits: Vec<u16> = values
-                    .iter()
-                    .map(|v| half::bf16::from_f32(*v).to_bits())
-                    .collect();
-                self.gpu.upload(&bits, dst)?;
-            }
-            DType::F16 => {
-                let bits: Vec<u16> = values
-                    .iter()
-                    .map(|v| half::f16::from_f32(*v).to_bits())
-                    .collect();
-                self.gpu.upload(&bits, dst)?;
-            }
-            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
-                return Err(bad(op, format!("weights of {dtype}")));
-            }
-        }
-        self.stats.transfer(values.len() * dtype.size_bytes());
-        Ok(b)
-    }
-
-    fn reads_quantized(&self, format: corral_backend::QuantFormat) -> bool {
-        self.reads_format(format)
-    }
-
-    fn weight_from_blocks(
-        &self,
-        blocks: Vec<u8>,
-        dtype: DType,
-        len: usize,
-    ) -> Result<DeviceBuffer> {
-        self.upload_blocks(&blocks, dtype, len)
-    }
-
-    fn weight_synthetic_blocks(
-        &self,
-        format: corral_backend::QuantFormat,
-        len: usize,
-        seed: u64,
-        std: f32,
-    ) -> Result<DeviceBuffer> {
-        self.synthetic_blocks(format, len, seed, std)
-    }
-
-    fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
-        let op = "weight_normal";
-        let kernel = match dtype {
-            DType::BF16 => &self.kernels.normal_fill_bf16,
-            DType::F16 => &self.kernels.normal_fill_f16,
-            DType::F32 => &self.kernels.normal_fill_f32,
-            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
-                return Err(bad(op, format!("weights of {dtype}")));
-            }
-        };
-        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
-        if len > 0 {
-            let p = Arg::Ptr(ptr_of(op, &b)?);
-            let pairs = len.div_ceil(2);
-            let grid = (grid_of(op, pairs.div_ceil(256))?, 1, 1);
-            let args = [p, p, Arg::U64(len as u64), Arg::U64(seed), Arg::F32(std)];
-            self.launch(kernel, grid, 256, &args)?;
-        }
-        Ok(b)
+    fn capabilities(&self) -> &Capabilities {
+        &self.capabilities
     }
 
     fn kv_dtype(&self) -> DType {
@@ -1631,10 +1510,6 @@ impl Backend for CudaBackend {
             runtime: self.runtime_bytes,
             ..memory
         }))
-    }
-
-    fn records_graphs(&self) -> bool {
-        true
     }
 
     fn begin_capture(&self) -> Result<()> {
@@ -1733,6 +1608,148 @@ impl Backend for CudaBackend {
         Ok(times)
     }
 
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.sync()?;
+        self.stats.host_sync();
+        Ok(())
+    }
+}
+
+impl Buffers for CudaBackend {
+    fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        let mut b = match self.pool.take(dtype, len, usage) {
+            Some(b) => b,
+            // While a graph is recorded (in relaxed mode) the allocation is made at once,
+            // outside the graph, which then reads and writes it on every replay.
+            None => self.new_buffer(dtype, len, usage)?,
+        };
+        if self.capturing.load(Ordering::Relaxed) {
+            b.hold_for_graphs();
+        }
+        Ok(b)
+    }
+
+    fn give_buffer(&self, buffer: DeviceBuffer) {
+        if matches!(buffer.storage(), Storage::Device(_)) {
+            if self.capturing.load(Ordering::Relaxed) {
+                self.pool.give_keeping_all(buffer);
+            } else {
+                self.pool.give(buffer);
+            }
+        }
+    }
+
+    fn pool_bytes(&self) -> (usize, usize) {
+        (self.pool.free_bytes(), self.pool.limit_bytes())
+    }
+
+    fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        let b = self.new_buffer(dtype, len, usage)?;
+        self.gpu
+            .memset_zero(ptr_of("alloc_zeroed", &b)?, len * dtype.size_bytes())?;
+        Ok(b)
+    }
+
+    fn weight_from_file(
+        &self,
+        file: &Arc<MappedFile>,
+        byte_offset: usize,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let op = "weight_from_file";
+        if !dtype.is_float() {
+            return Err(bad(op, "weights must be float".to_string()));
+        }
+        let byte_len = dtype.bytes_of(len);
+        if let Some(format) = quant::quant_format(dtype)
+            && (!self.reads_format(format) || !len.is_multiple_of(format.block().0))
+        {
+            return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
+        }
+        let bytes = file
+            .bytes()
+            .get(byte_offset..byte_offset + byte_len)
+            .ok_or_else(|| {
+                bad(
+                    op,
+                    format!("{}: tensor data out of range", file.path().display()),
+                )
+            })?;
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        self.gpu.upload(bytes, ptr_of(op, &b)?)?;
+        self.stats.transfer(byte_len);
+        Ok(b)
+    }
+
+    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
+        let op = "weight_from_f32";
+        let b = self.new_buffer(dtype, values.len(), BufferUsage::Weights)?;
+        let dst = ptr_of(op, &b)?;
+        match dtype {
+            DType::F32 => self.gpu.upload(values, dst)?,
+            DType::BF16 => {
+                let bits: Vec<u16> = values
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_bits())
+                    .collect();
+                self.gpu.upload(&bits, dst)?;
+            }
+            DType::F16 => {
+                let bits: Vec<u16> = values
+                    .iter()
+                    .map(|v| half::f16::from_f32(*v).to_bits())
+                    .collect();
+                self.gpu.upload(&bits, dst)?;
+            }
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
+                return Err(bad(op, format!("weights of {dtype}")));
+            }
+        }
+        self.stats.transfer(values.len() * dtype.size_bytes());
+        Ok(b)
+    }
+
+    fn weight_from_blocks(
+        &self,
+        blocks: Vec<u8>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        self.upload_blocks(&blocks, dtype, len)
+    }
+
+    fn weight_synthetic_blocks(
+        &self,
+        format: corral_backend::QuantFormat,
+        len: usize,
+        seed: u64,
+        std: f32,
+    ) -> Result<DeviceBuffer> {
+        self.synthetic_blocks(format, len, seed, std)
+    }
+
+    fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
+        let op = "weight_normal";
+        let kernel = match dtype {
+            DType::BF16 => &self.kernels.normal_fill_bf16,
+            DType::F16 => &self.kernels.normal_fill_f16,
+            DType::F32 => &self.kernels.normal_fill_f32,
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
+                return Err(bad(op, format!("weights of {dtype}")));
+            }
+        };
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        if len > 0 {
+            let p = Arg::Ptr(ptr_of(op, &b)?);
+            let pairs = len.div_ceil(2);
+            let grid = (grid_of(op, pairs.div_ceil(256))?, 1, 1);
+            let args = [p, p, Arg::U64(len as u64), Arg::U64(seed), Arg::F32(std)];
+            self.launch(kernel, grid, 256, &args)?;
+        }
+        Ok(b)
+    }
+
     fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
         self.not_capturing("upload_f32")?;
         let Arg::Ptr(p) = buf("upload_f32", "dst", dst, DType::F32, src.len())? else {
@@ -1767,12 +1784,41 @@ impl Backend for CudaBackend {
         self.read_back(p, dst)
     }
 
-    fn synchronize(&self) -> Result<()> {
-        self.gpu.sync()?;
-        self.stats.host_sync();
-        Ok(())
+    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        let op = "read_bytes";
+        let (start, _) = byte_range(op, src, offset, out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let at = ptr_of(op, src)? + start as u64;
+        if out.len() >= STAGED_COPY_BYTES {
+            self.read_back_staged(at, out)
+        } else {
+            self.read_back(at, out)
+        }
     }
 
+    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
+        let op = "write_bytes";
+        let (start, len) = byte_range(op, dst, offset, bytes.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.not_capturing(op)?;
+        let at = ptr_of(op, dst)? + start as u64;
+        if len >= STAGED_COPY_BYTES {
+            for _ in 0..self.gpu.upload_staged(bytes, at)? {
+                self.stats.host_sync();
+            }
+        } else {
+            self.gpu.upload(bytes, at)?;
+        }
+        self.stats.transfer(len);
+        Ok(())
+    }
+}
+
+impl Ops for CudaBackend {
     fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
         let Arg::Ptr(p) = buf("fill_zero", "buffer", buffer, DType::F32, len)? else {
             unreachable!()
@@ -1838,39 +1884,6 @@ impl Backend for CudaBackend {
             256,
             &args,
         )
-    }
-
-    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        let op = "read_bytes";
-        let (start, _) = byte_range(op, src, offset, out.len())?;
-        if out.is_empty() {
-            return Ok(());
-        }
-        let at = ptr_of(op, src)? + start as u64;
-        if out.len() >= STAGED_COPY_BYTES {
-            self.read_back_staged(at, out)
-        } else {
-            self.read_back(at, out)
-        }
-    }
-
-    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
-        let op = "write_bytes";
-        let (start, len) = byte_range(op, dst, offset, bytes.len())?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.not_capturing(op)?;
-        let at = ptr_of(op, dst)? + start as u64;
-        if len >= STAGED_COPY_BYTES {
-            for _ in 0..self.gpu.upload_staged(bytes, at)? {
-                self.stats.host_sync();
-            }
-        } else {
-            self.gpu.upload(bytes, at)?;
-        }
-        self.stats.transfer(len);
-        Ok(())
     }
 
     fn gather_blocks(
@@ -3109,6 +3122,12 @@ impl Backend for CudaBackend {
         ];
         let grid = (grid_of(op, hidden.div_ceil(8) * tokens)?, 1, 1);
         self.launch(down_kernel, grid, 256, &second)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn ops(&self) -> &dyn Ops {
+        self
     }
 }
 

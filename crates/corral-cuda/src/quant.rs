@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use super::kernels::{F8_SMEM_BYTES, GPU_QUANT_FORMATS, QuantKernels};
+use super::kernels::{F8_SMEM_BYTES, QuantKernels};
 use super::{Arg, CudaBackend, MVM_THREADS, buf, grid_of, ptr_of, u32_of, weight};
 use corral_backend::{
-    Backend, BackendError, BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights,
-    MoeSorted, QuantFormat, Result, WeightView, synthetic,
+    BackendError, BufferUsage, Buffers, DType, Device, DeviceBuffer, ExpertMatrices, ExpertWeights,
+    MoeSorted, Ops, QuantFormat, Result, WeightView, synthetic,
 };
 
 /// Rows of x up to which a block-format product reads the blocks directly (quant.cu's
@@ -57,8 +57,7 @@ impl CudaBackend {
     /// Whether the GPU reads `format` as stored: FP8 blocks where the hardware converts e4m3
     /// (sm_89 and newer).
     pub(crate) fn reads_format(&self, format: QuantFormat) -> bool {
-        GPU_QUANT_FORMATS.contains(&format)
-            && (format != QuantFormat::F8E4M3x128 || self.gpu.compute_capability >= (8, 9))
+        self.capabilities().reads(format)
     }
 
     /// A block-format weight buffer holding `blocks` as they are.

@@ -55,30 +55,30 @@ proptest! {
         dtype in prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)],
         row_offset in 0usize..3,
     ) {
-        let b = CpuBackend::new();
+        let b: &dyn Backend = &CpuBackend::new();
         let x = values(m * k, seed);
         // A weight with `row_offset` extra rows in front: the view must skip them.
         let w_all = values((n + row_offset) * k, seed ^ 1);
         let w_buf = b.weight_from_f32(&w_all, dtype).unwrap();
         let view = WeightView::new(&w_buf, n + row_offset, k).unwrap().rows(row_offset, n).unwrap();
-        let x_buf = upload(&b, &x);
+        let x_buf = upload(b, &x);
         let mut out = b.take_buffer(DType::F32, m * n, BufferUsage::Activations).unwrap();
         b.matmul(&x_buf, m, view, &mut out).unwrap();
         let w_used = round_to(dtype, &w_all[row_offset * k..]);
         let expected = reference::matmul(&x, m, k, &w_used, n);
-        close(&download(&b, &out, m * n), &expected, 1e-5)?;
+        close(&download(b, &out, m * n), &expected, 1e-5)?;
     }
 
     #[test]
     fn rms_norm_matches_reference(rows in 1usize..20, dim in 1usize..300, offset_one in any::<bool>(), seed in any::<u64>()) {
-        let b = CpuBackend::new();
+        let b: &dyn Backend = &CpuBackend::new();
         let x = values(rows * dim, seed);
         let w = values(dim, seed ^ 7);
         let w_buf = b.weight_from_f32(&w, DType::F32).unwrap();
-        let x_buf = upload(&b, &x);
+        let x_buf = upload(b, &x);
         let mut out = b.take_buffer(DType::F32, rows * dim, BufferUsage::Activations).unwrap();
         b.rms_norm(&x_buf, &w_buf, rows, dim, 1e-6, offset_one, &mut out).unwrap();
-        close(&download(&b, &out, rows * dim), &reference::rms_norm(&x, &w, dim, 1e-6, offset_one), 1e-5)?;
+        close(&download(b, &out, rows * dim), &reference::rms_norm(&x, &w, dim, 1e-6, offset_one), 1e-5)?;
     }
 
     #[test]
@@ -86,7 +86,7 @@ proptest! {
         tokens in 1usize..9, heads in 1usize..5, kv_heads in 1usize..3, quarter in 1usize..9,
         partial in any::<bool>(), yarn in any::<bool>(), seed in any::<u64>(),
     ) {
-        let b = CpuBackend::new();
+        let b: &dyn Backend = &CpuBackend::new();
         let head_dim = 4 * quarter;
         let rope = corral_backend::RopeParams {
             theta: 1e6,
@@ -106,34 +106,34 @@ proptest! {
             tokens, heads, kv_heads, head_dim, rotary_dim, rope, eps: 1e-6,
         };
         let (qw_b, kw_b) = (b.weight_from_f32(&qw, DType::F32).unwrap(), b.weight_from_f32(&kw, DType::F32).unwrap());
-        let (pos_b, slot_b) = (upload_u32(&b, &positions), upload_u32(&b, &slots));
-        let cache = |b: &CpuBackend| upload(b, &vec![0.0; capacity * kv_dim]);
-        let mut q_fused = upload(&b, &vec![0.0; tokens * q_dim]);
-        let (mut k_fused, mut v_fused) = (cache(&b), cache(&b));
-        b.qkv_norm_rope_store(&upload(&b, &qkv), &qw_b, &kw_b, &pos_b, &slot_b, shape, &mut q_fused, &mut k_fused, &mut v_fused).unwrap();
+        let (pos_b, slot_b) = (upload_u32(b, &positions), upload_u32(b, &slots));
+        let cache = |b: &dyn Backend| upload(b, &vec![0.0; capacity * kv_dim]);
+        let mut q_fused = upload(b, &vec![0.0; tokens * q_dim]);
+        let (mut k_fused, mut v_fused) = (cache(b), cache(b));
+        b.qkv_norm_rope_store(&upload(b, &qkv), &qw_b, &kw_b, &pos_b, &slot_b, shape, &mut q_fused, &mut k_fused, &mut v_fused).unwrap();
         // The same through rms_norm, rope and kv_store on q, k and v split apart.
         let part = |from: usize, len: usize| -> Vec<f32> {
             qkv.chunks(width).flat_map(|row| row[from..from + len].to_vec()).collect()
         };
         let (q, k, v) = (part(0, q_dim), part(q_dim, kv_dim), part(q_dim + kv_dim, kv_dim));
-        let mut q_out = upload(&b, &vec![0.0; tokens * q_dim]);
-        let mut k_out = upload(&b, &vec![0.0; tokens * kv_dim]);
-        b.rms_norm(&upload(&b, &q), &qw_b, tokens * heads, head_dim, 1e-6, false, &mut q_out).unwrap();
-        b.rms_norm(&upload(&b, &k), &kw_b, tokens * kv_heads, head_dim, 1e-6, false, &mut k_out).unwrap();
+        let mut q_out = upload(b, &vec![0.0; tokens * q_dim]);
+        let mut k_out = upload(b, &vec![0.0; tokens * kv_dim]);
+        b.rms_norm(&upload(b, &q), &qw_b, tokens * heads, head_dim, 1e-6, false, &mut q_out).unwrap();
+        b.rms_norm(&upload(b, &k), &kw_b, tokens * kv_heads, head_dim, 1e-6, false, &mut k_out).unwrap();
         b.rope(&mut q_out, &pos_b, tokens, heads, head_dim, rotary_dim, rope).unwrap();
         b.rope(&mut k_out, &pos_b, tokens, kv_heads, head_dim, rotary_dim, rope).unwrap();
-        let (mut k_sep, mut v_sep) = (cache(&b), cache(&b));
-        b.kv_store(&k_out, &upload(&b, &v), &slot_b, tokens, kv_heads, head_dim, &mut k_sep, &mut v_sep).unwrap();
+        let (mut k_sep, mut v_sep) = (cache(b), cache(b));
+        b.kv_store(&k_out, &upload(b, &v), &slot_b, tokens, kv_heads, head_dim, &mut k_sep, &mut v_sep).unwrap();
         let n = capacity * kv_dim;
-        prop_assert_eq!(download(&b, &q_fused, tokens * q_dim), download(&b, &q_out, tokens * q_dim));
-        prop_assert_eq!(download(&b, &k_fused, n), download(&b, &k_sep, n));
-        prop_assert_eq!(download(&b, &v_fused, n), download(&b, &v_sep, n));
+        prop_assert_eq!(download(b, &q_fused, tokens * q_dim), download(b, &q_out, tokens * q_dim));
+        prop_assert_eq!(download(b, &k_fused, n), download(b, &k_sep, n));
+        prop_assert_eq!(download(b, &v_fused, n), download(b, &v_sep, n));
     }
 }
 
 #[test]
 fn pool_reuses_buffers_and_counts_only_misses() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let before = b.stats();
     let big = b
         .take_buffer(DType::F32, 100, BufferUsage::Activations)
@@ -160,9 +160,9 @@ fn pool_reuses_buffers_and_counts_only_misses() {
 /// outputs are an error.
 #[test]
 fn matmuls_equal_each_matmul() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let (rows, k, ns) = (5, 24, [7, 16, 3]);
-    let x = upload(&b, &values(rows * k, 9));
+    let x = upload(b, &values(rows * k, 9));
     let weights: Vec<_> = ns
         .iter()
         .enumerate()
@@ -186,7 +186,7 @@ fn matmuls_equal_each_matmul() {
     for ((view, out), n) in views.iter().zip(&joint).zip(ns) {
         let mut each = take(n);
         b.matmul(&x, rows, *view, &mut each).unwrap();
-        assert_eq!(download(&b, out, rows * n), download(&b, &each, rows * n));
+        assert_eq!(download(b, out, rows * n), download(b, &each, rows * n));
     }
     let mut one = take(7);
     let err = b.matmuls(&x, rows, &views, &mut [&mut one]).unwrap_err();
@@ -195,8 +195,8 @@ fn matmuls_equal_each_matmul() {
 
 #[test]
 fn ops_reject_bad_arguments_without_panicking() {
-    let b = CpuBackend::new();
-    let x = upload(&b, &[1.0; 8]);
+    let b: &dyn Backend = &CpuBackend::new();
+    let x = upload(b, &[1.0; 8]);
     let w = b.weight_from_f32(&[1.0; 8], DType::BF16).unwrap();
     let mut out = b
         .take_buffer(DType::F32, 2, BufferUsage::Activations)
@@ -221,9 +221,9 @@ fn ops_reject_bad_arguments_without_panicking() {
 
 #[test]
 fn route_breaks_ties_to_the_lower_expert_and_renormalises() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     // Token 0: experts 1 and 3 tie for first, 0 and 2 tie for last. Token 1: all equal.
-    let logits = upload(&b, &[0.0, 2.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0]);
+    let logits = upload(b, &[0.0, 2.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0]);
     let mut ids = b.take_buffer(DType::U32, 6, BufferUsage::Metadata).unwrap();
     let mut weights = b
         .take_buffer(DType::F32, 6, BufferUsage::Activations)
@@ -259,9 +259,9 @@ fn route_breaks_ties_to_the_lower_expert_and_renormalises() {
 
 #[test]
 fn route_with_a_shared_gate_adds_the_shared_expert_after_the_top_k() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     // Two tokens of 3 experts and a shared gate logit each (the 4th column).
-    let logits = upload(&b, &[3.0, 1.0, 2.0, 0.0, 0.5, 1.5, 1.0, -2.0]);
+    let logits = upload(b, &[3.0, 1.0, 2.0, 0.0, 0.5, 1.5, 1.0, -2.0]);
     let mut ids = b.take_buffer(DType::U32, 6, BufferUsage::Metadata).unwrap();
     let mut weights = b
         .take_buffer(DType::F32, 6, BufferUsage::Activations)
@@ -292,7 +292,7 @@ fn route_with_a_shared_gate_adds_the_shared_expert_after_the_top_k() {
 /// A 16-bit buffer (a KV cache's) copies its elements as stored.
 #[test]
 fn copy_within_copies_16_bit_elements() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let mut buf = b
         .take_buffer(DType::BF16, 12, BufferUsage::KvCache)
         .unwrap();
@@ -308,19 +308,19 @@ fn copy_within_copies_16_bit_elements() {
 
 #[test]
 fn copy_within_copies_a_range_and_rejects_overlap_and_overflow() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let v = values(12, 9);
-    let mut buf = upload(&b, &v);
+    let mut buf = upload(b, &v);
     b.copy_within(&mut buf, 1, 8, 4).unwrap();
     let mut expected = v.clone();
     expected.copy_within(1..5, 8);
-    assert_eq!(download(&b, &buf, 12), expected);
+    assert_eq!(download(b, &buf, 12), expected);
     for (src, dst, len) in [(0, 2, 4), (0, 10, 4), (usize::MAX, 0, 2)] {
         let err = b.copy_within(&mut buf, src, dst, len).unwrap_err();
         assert!(err.to_string().contains("copy_within"), "{err}");
     }
     assert_eq!(
-        download(&b, &buf, 12),
+        download(b, &buf, 12),
         expected,
         "a refused copy changes nothing"
     );
@@ -330,7 +330,7 @@ fn copy_within_copies_a_range_and_rejects_overlap_and_overflow() {
 /// they land at their ids and nowhere else; bad ids, types and sizes are refused.
 #[test]
 fn gather_and_scatter_blocks_move_whole_blocks_by_id() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let (blocks, n) = (6, 4);
     let paged: Vec<u8> = (0..blocks * n * 2).map(|i| (i * 5 % 251) as u8).collect();
     let mut src = b
@@ -386,14 +386,14 @@ fn gather_and_scatter_blocks_move_whole_blocks_by_id() {
 
 #[test]
 fn read_and_write_bytes_round_trip_and_reject_bad_ranges() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let v = values(10, 4);
-    let buf = upload(&b, &v);
+    let buf = upload(b, &v);
     let mut bytes = vec![0u8; 16];
     b.read_bytes(&buf, 2, &mut bytes).unwrap();
-    let mut other = upload(&b, &[0.0; 10]);
+    let mut other = upload(b, &[0.0; 10]);
     b.write_bytes(&bytes, &mut other, 6).unwrap();
-    assert_eq!(&download(&b, &other, 10)[6..], &v[2..6]);
+    assert_eq!(&download(b, &other, 10)[6..], &v[2..6]);
     assert!(b.read_bytes(&buf, 8, &mut bytes).is_err(), "past the end");
     assert!(
         b.write_bytes(&bytes[..5], &mut other, 0).is_err(),
@@ -405,7 +405,7 @@ fn read_and_write_bytes_round_trip_and_reject_bad_ranges() {
 /// in `up_format`, down in `down_format`, from seeds `seed`, `seed + 1`, `seed + 2`; with the
 /// weight buffers the matrices view.
 fn block_experts(
-    b: &CpuBackend,
+    b: &dyn Backend,
     (up_format, down_format): (corral_backend::QuantFormat, corral_backend::QuantFormat),
     (e, h, i): (usize, usize, usize),
     seed: u64,
@@ -432,7 +432,7 @@ fn block_experts(
 
 /// The routing of `ids`: their buffer, and positive weights from `seed` with theirs.
 fn routing_buffers(
-    b: &CpuBackend,
+    b: &dyn Backend,
     ids: &[u32],
     seed: u64,
 ) -> (
@@ -451,7 +451,7 @@ fn routing_buffers(
 #[test]
 fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
     use corral_backend::{MoeRouting, QuantFormat};
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let (e, h, i, tokens, top_k) = (6, 256, 512, 3, 4);
     let formats = [
         (QuantFormat::Q4K, QuantFormat::Q6K),
@@ -461,40 +461,40 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
     for (case, (up_format, down_format)) in formats.into_iter().enumerate() {
         let seed = 10 * case as u64;
         let (experts, [gate, up, down]) =
-            block_experts(&b, (up_format, down_format), (e, h, i), seed);
+            block_experts(b, (up_format, down_format), (e, h, i), seed);
         let x = values(tokens * h, seed + 3);
         let ids: Vec<u32> = (0..tokens * top_k)
             .map(|p| ((p * 5 + case) % e) as u32)
             .collect();
-        let (ids_buf, weights_buf, weights) = routing_buffers(&b, &ids, seed + 4);
+        let (ids_buf, weights_buf, weights) = routing_buffers(b, &ids, seed + 4);
         let routing = MoeRouting {
             expert_ids: &ids_buf,
             expert_weights: &weights_buf,
             tokens,
             top_k,
         };
-        let mut act = upload(&b, &vec![0.0; tokens * top_k * i]);
-        let mut out = upload(&b, &vec![0.0; tokens * h]);
-        b.moe_experts_per_token(&upload(&b, &x), routing, &experts, &mut act, &mut out)
+        let mut act = upload(b, &vec![0.0; tokens * top_k * i]);
+        let mut out = upload(b, &vec![0.0; tokens * h]);
+        b.moe_experts_per_token(&upload(b, &x), routing, &experts, &mut act, &mut out)
             .unwrap();
-        let got = download(&b, &out, tokens * h);
+        let got = download(b, &out, tokens * h);
         let mut want = vec![0.0f32; tokens * h];
         let product =
             |v: &[f32], w: &std::sync::Arc<corral_backend::DeviceBuffer>, at: usize, rows, cols| {
-                let mut o = upload(&b, &vec![0.0; rows]);
+                let mut o = upload(b, &vec![0.0; rows]);
                 let view = WeightView::stacked(w, at, rows, cols).unwrap();
-                b.matmul(&upload(&b, v), 1, view, &mut o).unwrap();
-                download(&b, &o, rows)
+                b.matmul(&upload(b, v), 1, view, &mut o).unwrap();
+                download(b, &o, rows)
             };
         for t in 0..tokens {
             for j in 0..top_k {
                 let (p, ex) = (t * top_k + j, ids[t * top_k + j] as usize);
                 let xt = &x[t * h..(t + 1) * h];
                 let (g, u) = (product(xt, &gate, ex, i, h), product(xt, &up, ex, i, h));
-                let mut a = upload(&b, &vec![0.0; i]);
-                b.silu_mul(&upload(&b, &g), &upload(&b, &u), i, &mut a)
+                let mut a = upload(b, &vec![0.0; i]);
+                b.silu_mul(&upload(b, &g), &upload(b, &u), i, &mut a)
                     .unwrap();
-                let y = product(&download(&b, &a, i), &down, ex, h, i);
+                let y = product(&download(b, &a, i), &down, ex, h, i);
                 for (o, y) in want[t * h..(t + 1) * h].iter_mut().zip(&y) {
                     *o += weights[p] * y;
                 }
@@ -525,7 +525,7 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
 #[test]
 fn grouped_k_quant_experts_equal_the_per_token_experts() {
     use corral_backend::{MoeRouting, MoeSorted, QuantFormat};
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     // Expert 0 takes every token's first choice (40 rows: panels of 16, 16 and 8), the others
     // a few each.
     let (e, h, i, tokens, top_k) = (5, 512, 256, 40, 2);
@@ -537,8 +537,8 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
     .enumerate()
     {
         let seed = 20 + 10 * case as u64;
-        let (experts, _) = block_experts(&b, formats, (e, h, i), seed);
-        let x = upload(&b, &values(tokens * h, seed + 3));
+        let (experts, _) = block_experts(b, formats, (e, h, i), seed);
+        let x = upload(b, &values(tokens * h, seed + 3));
         let ids: Vec<u32> = (0..tokens * top_k)
             .map(|p| {
                 if p % 2 == 0 {
@@ -548,7 +548,7 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
                 }
             })
             .collect();
-        let (ids_buf, weights_buf, _) = routing_buffers(&b, &ids, seed + 4);
+        let (ids_buf, weights_buf, _) = routing_buffers(b, &ids, seed + 4);
         let routing = MoeRouting {
             expert_ids: &ids_buf,
             expert_weights: &weights_buf,
@@ -556,11 +556,11 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
             top_k,
         };
         let pairs = tokens * top_k;
-        let mut act = upload(&b, &vec![0.0; pairs * i]);
-        let mut per_token = upload(&b, &vec![0.0; tokens * h]);
+        let mut act = upload(b, &vec![0.0; pairs * i]);
+        let mut per_token = upload(b, &vec![0.0; tokens * h]);
         b.moe_experts_per_token(&x, routing, &experts, &mut act, &mut per_token)
             .unwrap();
-        let meta = |n: usize| upload_u32(&b, &vec![0; n]);
+        let meta = |n: usize| upload_u32(b, &vec![0; n]);
         let (mut offsets, mut hit, mut sorted_pairs, mut positions) =
             (meta(e + 1), meta(e + 1), meta(pairs), meta(pairs));
         b.moe_sort(
@@ -578,16 +578,16 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
             sorted_pairs: &sorted_pairs,
             pair_positions: &positions,
         };
-        let mut y = upload(&b, &vec![0.0; pairs * h]);
-        let mut grouped = upload(&b, &vec![0.0; tokens * h]);
+        let mut y = upload(b, &vec![0.0; pairs * h]);
+        let mut grouped = upload(b, &vec![0.0; tokens * h]);
         b.moe_grouped_gate_up(&x, routing, sorted, &experts, &mut act)
             .unwrap();
         b.moe_grouped_down(&act, routing, sorted, &experts, &mut y)
             .unwrap();
         b.moe_combine(&y, routing, sorted, h, &mut grouped).unwrap();
         let (got, want) = (
-            download(&b, &grouped, tokens * h),
-            download(&b, &per_token, tokens * h),
+            download(b, &grouped, tokens * h),
+            download(b, &per_token, tokens * h),
         );
         let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|a| a * a).sum::<f32>().sqrt();
         let err =
@@ -619,7 +619,7 @@ proptest! {
         kernel in 2usize..5,
         seed in any::<u64>(),
     ) {
-        let b = CpuBackend::new();
+        let b: &dyn Backend = &CpuBackend::new();
         let nv = nk * group;
         let shape = corral_backend::DeltaNetShape {
             num_key_heads: nk, num_value_heads: nv, key_dim: dk, value_dim: dv,
@@ -650,8 +650,8 @@ proptest! {
         state0[num_runs * nv * dk * dv..].fill(0.0);
         let inputs = ((&x[..], &w[..], kernel), (&qkv[..], &gate[..], &beta[..]));
         let keeping =
-            common::recurrence(&b, inputs.0, inputs.1, shape, &runs, Some(&kept), (&conv0, &state0));
-        let plain = common::recurrence(&b, inputs.0, inputs.1, shape, &runs, None, (&conv0, &state0));
+            common::recurrence(b, inputs.0, inputs.1, shape, &runs, Some(&kept), (&conv0, &state0));
+        let plain = common::recurrence(b, inputs.0, inputs.1, shape, &runs, None, (&conv0, &state0));
         close(&keeping.conv_out, &plain.conv_out, 1e-6)?;
         close(&keeping.out, &plain.out, 1e-4)?;
         let running = |v: &[f32], per: usize| v[..num_runs * per].to_vec();
@@ -660,7 +660,7 @@ proptest! {
         for (r, run) in runs.iter().enumerate() {
             for i in 0..run[1] as usize - 1 {
                 let cut = [[run[0], i as u32 + 1, run[2], 0]];
-                let prefix = common::recurrence(&b, inputs.0, inputs.1, shape, &cut, None, (&conv0, &state0));
+                let prefix = common::recurrence(b, inputs.0, inputs.1, shape, &cut, None, (&conv0, &state0));
                 let k = kept[r] as usize + i;
                 let (c, s) = (channels * hist, nv * dk * dv);
                 close(&keeping.conv_state[k * c..(k + 1) * c], &prefix.conv_state[r * c..(r + 1) * c], 1e-6)?;
@@ -672,29 +672,29 @@ proptest! {
 
 #[test]
 fn kept_states_past_the_pool_or_on_a_running_slot_are_refused() {
-    let b = CpuBackend::new();
+    let b: &dyn Backend = &CpuBackend::new();
     let shape = corral_backend::DeltaNetShape {
         num_key_heads: 1,
         num_value_heads: 1,
         key_dim: 2,
         value_dim: 2,
     };
-    let runs = upload_u32(&b, &[0, 3, 0, 0]);
+    let runs = upload_u32(b, &[0, 3, 0, 0]);
     for kept in [[3u32], [0], [u32::MAX - 1]] {
-        let kept = upload_u32(&b, &kept);
+        let kept = upload_u32(b, &kept);
         let rr = corral_backend::RecurrentRuns {
             runs: &runs,
             num_runs: 1,
             max_run_tokens: 3,
             kept: Some(&kept),
         };
-        let mut state = upload(&b, &[0.0; 4 * 4]);
-        let mut out = upload(&b, &[0.0; 6]);
+        let mut state = upload(b, &[0.0; 4 * 4]);
+        let mut out = upload(b, &[0.0; 6]);
         let err = b
             .gated_delta_rule(
-                &upload(&b, &[0.5; 18]),
-                &upload(&b, &[-0.1; 3]),
-                &upload(&b, &[0.5; 3]),
+                &upload(b, &[0.5; 18]),
+                &upload(b, &[-0.1; 3]),
+                &upload(b, &[0.5; 3]),
                 shape,
                 rr,
                 &mut state,

@@ -9,14 +9,19 @@ mod common;
 use common::download;
 
 use corral_backend::{
-    Backend, BackendError, BufferUsage, DType, DeltaNetShape, DeviceBuffer, ExpertMatrices,
-    ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns, RopeParams, WeightView, Yarn,
-    quant, synthetic,
+    Backend, BackendError, BufferUsage, Buffers, DType, DeltaNetShape, DeviceBuffer,
+    ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns, RopeParams,
+    WeightView, Yarn, quant, synthetic,
 };
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 
-fn gpu() -> Option<&'static CudaBackend> {
+fn gpu() -> Option<&'static dyn Backend> {
+    cuda().map(|g| g as &dyn Backend)
+}
+
+/// The CUDA backend itself, for what only it offers.
+fn cuda() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();
     GPU.get_or_init(|| match cuda_available() {
         Err(why) => {
@@ -30,7 +35,7 @@ fn gpu() -> Option<&'static CudaBackend> {
 
 /// A second CUDA backend that runs every projection on Corral's own tiles, few-row experts
 /// and projections without streaming, and launches kernels strictly one after another.
-fn gpu_without_cublas() -> &'static CudaBackend {
+fn gpu_without_cublas() -> &'static dyn Backend {
     static GPU: OnceLock<CudaBackend> = OnceLock::new();
     GPU.get_or_init(|| {
         let options = CudaOptions {
@@ -46,7 +51,10 @@ fn gpu_without_cublas() -> &'static CudaBackend {
 
 macro_rules! gpu_or_skip {
     () => {
-        match gpu() {
+        gpu_or_skip!(gpu)
+    };
+    ($open:ident) => {
+        match $open() {
             Some(g) => g,
             None => {
                 eprintln!("skipped: no CUDA device");
@@ -133,7 +141,7 @@ const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
 #[test]
 fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(1);
     for case in 0..72 {
         let rows = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 130][case % 12];
@@ -162,7 +170,7 @@ fn matmul_matches_cpu_for_every_weight_type_and_row_count() {
         let what = format!("rows {rows} n {n} k {k} {dtype} offset {offset}");
         eprintln!("matmul case {case}: {what}");
         let mut outs = Vec::new();
-        for b in [&c as &dyn Backend, g, gpu_without_cublas()] {
+        for b in [c, g, gpu_without_cublas()] {
             let wb = b.weight_from_f32(&w, dtype).unwrap();
             let view = WeightView::new(&wb, n + offset, k)
                 .unwrap()
@@ -224,7 +232,7 @@ fn streamed_projections_equal_unstreamed() {
 #[test]
 fn norms_rope_and_elementwise_ops_match_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(2);
     for case in 0..12 {
         let rows = 1 + rng.below(40);
@@ -240,7 +248,7 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
         let q = rng.values(rows * heads * head_dim);
         let picks: Vec<u32> = (0..rows).map(|_| rng.below(rows) as u32).collect();
         let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [c, g] {
             let (xb, yb, gb) = (f32_buf(b, &x), f32_buf(b, &y), f32_buf(b, &gate));
             let wb = b.weight_from_f32(&w, DType::F32).unwrap();
             let mut r = Vec::new();
@@ -381,7 +389,7 @@ fn fp8_store_rounds_every_code_as_the_format_defines() {
 #[test]
 fn fused_qkv_norm_rope_store_matches_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(11);
     for case in 0..12 {
         // Cases 8.. are prefill-sized (several heads a warp), some with more heads than one
@@ -418,7 +426,7 @@ fn fused_qkv_norm_rope_store_matches_cpu() {
             eps: 1e-6,
         };
         let mut results = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [c, g] {
             let (qw_b, kw_b) = (
                 b.weight_from_f32(&qw, DType::F32).unwrap(),
                 b.weight_from_f32(&kw, DType::F32).unwrap(),
@@ -537,7 +545,7 @@ fn delta_inputs(
 #[test]
 fn delta_net_ops_match_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(13);
     for case in 0..13 {
         // Cases 10 and on: head dims that are not multiples of 16 (the first the qwen3_next
@@ -581,7 +589,7 @@ fn delta_net_ops_match_cpu() {
         let qkv = rng.values(tokens * (2 * nk * dk + nv * dv));
         let (gate, beta, state0) = delta_inputs(&mut rng, tokens * nv, slots * nv * dk * dv, 0.5);
         let mut results = Vec::new();
-        for be in [&c as &dyn Backend, g] {
+        for be in [c, g] {
             let rb = u32_buf(be, &runs);
             let rr = RecurrentRuns {
                 runs: &rb,
@@ -696,7 +704,7 @@ const CHUNKED_STATE_TOLERANCE: f64 = 2.5e-3;
 #[test]
 fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(29);
     let (nk, nv, dk, dv) = (16, 32, 128, 128);
     let shape = DeltaNetShape {
@@ -739,7 +747,7 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
             )
         };
         let (chunked_out, chunked_state) = whole(g);
-        let (cpu_out, cpu_state) = whole(&c);
+        let (cpu_out, cpu_state) = whole(c);
         // Step s: token s of every run that long, each a one-token run in its own slot.
         let (qkv_b, gate_b, beta_b) = (f32_buf(g, &qkv), f32_buf(g, &gate), f32_buf(g, &beta));
         let mut state = f32_buf(g, &state0);
@@ -814,14 +822,14 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
 #[test]
 fn embedding_reads_every_weight_type_exactly() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(3);
     for dtype in DTYPES {
         let (vocab, hidden, tokens) = (50, 24, 17);
         let table = rng.values(vocab * hidden);
         let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
         let mut outs = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [c, g] {
             let t = b.weight_from_f32(&table, dtype).unwrap();
             let idb = u32_buf(b, &ids);
             let mut out = out_buf(b, tokens * hidden);
@@ -841,7 +849,7 @@ fn embedding_reads_every_weight_type_exactly() {
 #[test]
 fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(4);
     for case in 0..25 {
         // Groups of up to 8 heads run on tensor cores at head dims 64, 128 and 256 over the
@@ -962,10 +970,10 @@ fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
         let mut outs = Vec::new();
         let mut out_bf16 = Vec::new();
         for (b, kv_dtype, inputs) in [
-            (&c as &dyn Backend, DType::F32, 0),
+            (c, DType::F32, 0),
             (g, DType::BF16, 0),
             (g, DType::F32, 0),
-            (&c as &dyn Backend, DType::F32, 2),
+            (c, DType::F32, 2),
             (g, DType::F8E4M3, 1),
         ] {
             let (k_past, v_past, k_new, v_new) = match inputs {
@@ -1228,7 +1236,7 @@ impl Routed {
 #[test]
 fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(5);
     for case in 0..32 {
         let tokens = [1, 3, 10, 70, 200][case % 5];
@@ -1294,7 +1302,7 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
         let extra = [rng.values(i * h), rng.values(i * h), rng.values(h * i)];
         let pairs = tokens * choices;
         let mut results = Vec::new();
-        for b in [&c as &dyn Backend, g, gpu_without_cublas()] {
+        for b in [c, g, gpu_without_cublas()] {
             let mut w = experts(b, &values, e, i, h, fused, dtype);
             if shared {
                 let add = |m: ExpertMatrices, v: &[f32]| {
@@ -1376,10 +1384,10 @@ fn moe_routing_sorting_grouped_and_per_token_match_cpu() {
 #[test]
 fn copy_within_matches_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let v = Rng(7).values(1000);
     let mut outs = Vec::new();
-    for b in [&c as &dyn Backend, g] {
+    for b in [c, g] {
         let mut buf = f32_buf(b, &v);
         b.copy_within(&mut buf, 3, 500, 400).unwrap();
         b.copy_within(&mut buf, 900, 0, 100).unwrap();
@@ -1396,10 +1404,10 @@ fn copy_within_matches_cpu() {
 #[test]
 fn read_and_write_bytes_match_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let v = Rng(8).values(600);
     let mut outs = Vec::new();
-    for b in [&c as &dyn Backend, g] {
+    for b in [c, g] {
         let mut f32s = f32_buf(b, &v);
         let mut bf16 = b
             .take_buffer(DType::BF16, 600, BufferUsage::KvCache)
@@ -1433,7 +1441,7 @@ fn read_and_write_bytes_match_cpu() {
 #[test]
 fn gather_and_scatter_blocks_match_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(12);
     for (dtype, n) in [
         (DType::BF16, 16 * 2048),
@@ -1450,7 +1458,7 @@ fn gather_and_scatter_blocks_match_cpu() {
         }
         let ids = &order[..211];
         let mut outs = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [c, g] {
             let mut src = b
                 .alloc_zeroed(dtype, blocks * n, BufferUsage::KvCache)
                 .unwrap();
@@ -1498,7 +1506,7 @@ fn gather_and_scatter_blocks_match_cpu() {
 #[test]
 fn scale_scatter_add_matches_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(6);
     let (out_rows, n, dim) = (20, 7, 40);
     let y = rng.values(n * dim);
@@ -1506,7 +1514,7 @@ fn scale_scatter_add_matches_cpu() {
     let scales = rng.values(n);
     let rows: Vec<u32> = vec![3, 0, 19, 7, 8, 12, 1];
     let mut outs = Vec::new();
-    for b in [&c as &dyn Backend, g] {
+    for b in [c, g] {
         let mut out = f32_buf(b, &base);
         let (yb, rb, sb) = (f32_buf(b, &y), u32_buf(b, &rows), f32_buf(b, &scales));
         b.scale_scatter_add(&yb, &rb, &sb, n, dim, &mut out)
@@ -1519,11 +1527,11 @@ fn scale_scatter_add_matches_cpu() {
 #[test]
 fn synthetic_weights_are_the_cpu_streams() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let n = 3 * 65536 + 7;
     for dtype in DTYPES {
         let mut outs = Vec::new();
-        for b in [&c as &dyn Backend, g] {
+        for b in [c, g] {
             let w = b.weight_normal(n, dtype, 0xfeed, 0.02).unwrap();
             // Read through an embedding of one-row "tokens" covering the whole buffer.
             let rows = n / 7;
@@ -1818,7 +1826,7 @@ fn an_activation_beyond_f16_range_fails_the_step_with_f16_weights() {
 fn sampling_penalties_and_candidates_match_cpu() {
     use corral_backend::sampling::{CANDIDATE_ROW_WORDS, Penalty, RowCandidates, RowDraw};
     let g = gpu_or_skip!();
-    let cpu = CpuBackend::new();
+    let cpu: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(71);
     // (rows, vocab, logits pattern): random, ties on a grid of quarters, ascending, sparse
     // finite values among -inf and NaN, one low group (truncated).
@@ -1879,7 +1887,7 @@ fn sampling_penalties_and_candidates_match_cpu() {
         let entries: Vec<u32> = penalties.iter().flat_map(Penalty::words).collect();
         let mut out = Vec::new();
         let mut penalised = Vec::new();
-        for b in [g as &dyn Backend, &cpu] {
+        for b in [g, cpu] {
             let mut x = f32_buf(b, &logits);
             let e = u32_buf(b, &entries);
             b.logit_penalties(&mut x, rows * vocab, &e, penalties.len())
@@ -1964,7 +1972,7 @@ fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (Vec<u8>, Ve
 
 #[test]
 fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
-    let g = gpu_or_skip!();
+    let g = gpu_or_skip!(cuda);
     for (n, format) in GPU_FORMATS.into_iter().enumerate() {
         let (rows, cols) = (7, 512);
         let (blocks, values) = blocks_and_values(format, 40 + n as u64, rows * cols);
@@ -2069,7 +2077,7 @@ fn projection_parts_together_equal_them_one_at_a_time() {
 #[test]
 fn block_format_products_and_embeddings_match_their_decoded_weights() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(41);
     for (n, format) in GPU_FORMATS.into_iter().enumerate() {
         let block = format.block().0;
@@ -2088,24 +2096,24 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
                 .weight_from_blocks(blocks, DType::Quant(format), out_rows * cols)
                 .unwrap();
             let x = rng.values(rows * cols);
-            let mut want = out_buf(&c, rows * out_rows);
+            let mut want = out_buf(c, rows * out_rows);
             c.matmul(
-                &f32_buf(&c, &x),
+                &f32_buf(c, &x),
                 rows,
                 WeightView::new(&wc, out_rows, cols).unwrap(),
                 &mut want,
             )
             .unwrap();
-            let want = download(&c, &want, rows * out_rows);
+            let want = download(c, &want, rows * out_rows);
             // The CPU on the blocks a row at a time: activations quantized per 32 values,
             // integer dots (from 8 rows it may decode Q8_0 to f32 instead).
             let q_view = WeightView::new(&wq, out_rows, cols).unwrap();
             let cpu_blocks: Vec<f32> = x
                 .chunks(cols)
                 .flat_map(|row| {
-                    let mut out = out_buf(&c, out_rows);
-                    c.matmul(&f32_buf(&c, row), 1, q_view, &mut out).unwrap();
-                    download(&c, &out, out_rows)
+                    let mut out = out_buf(c, out_rows);
+                    c.matmul(&f32_buf(c, row), 1, q_view, &mut out).unwrap();
+                    download(c, &out, out_rows)
                 })
                 .collect();
             let mut got = out_buf(g, rows * out_rows);
@@ -2201,7 +2209,7 @@ fn block_format_products_and_embeddings_match_their_decoded_weights() {
 #[test]
 fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(43);
     // Gate/up and down in their own formats, as Q4_K_M files store them.
     let cases = [
@@ -2245,7 +2253,7 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
         let logits = rng.values(tokens * e);
         let pairs = tokens * top_k;
         let mut results = Vec::new();
-        for (k, b) in [&c as &dyn Backend, &c, g].into_iter().enumerate() {
+        for (k, b) in [c, c, g].into_iter().enumerate() {
             // The CPU holds the decoded values in f32 (exact products), then the blocks (its
             // integer products); the GPU the blocks.
             let (gate_up, down) = if k == 0 {
@@ -2329,7 +2337,7 @@ fn block_format_experts_per_token_and_grouped_match_their_decoded_weights() {
 #[test]
 fn kept_recurrent_states_match_cpu() {
     let g = gpu_or_skip!();
-    let c = CpuBackend::new();
+    let c: &dyn Backend = &CpuBackend::new();
     let mut rng = Rng(29);
     for case in 0..6 {
         let lens: Vec<usize> = (0..1 + rng.below(4)).map(|_| 1 + rng.below(5)).collect();
@@ -2375,7 +2383,7 @@ fn kept_recurrent_states_match_cpu() {
             .chunks_exact(4)
             .map(|r| [r[0], r[1], r[2], r[3]])
             .collect();
-        let results: Vec<[Vec<f32>; 4]> = [&c as &dyn Backend, g]
+        let results: Vec<[Vec<f32>; 4]> = [c, g]
             .into_iter()
             .map(|be| {
                 let r = common::recurrence(
@@ -2419,7 +2427,8 @@ fn a_graph_recorded_with_an_empty_pool_replays_as_eager_ops_run() {
         eprintln!("skipped: no CUDA device");
         return;
     }
-    let g = CudaBackend::new(CudaOptions::default()).expect("open cuda:0");
+    let cuda = CudaBackend::new(CudaOptions::default()).expect("open cuda:0");
+    let g: &dyn Backend = &cuda;
     let (cols, rows) = (512, 3);
     let parts: Vec<(DeviceBuffer, usize)> = [(QuantFormat::Q4K, 48), (QuantFormat::Q6K, 16)]
         .into_iter()
@@ -2431,8 +2440,8 @@ fn a_graph_recorded_with_an_empty_pool_replays_as_eager_ops_run() {
             (w, n)
         })
         .collect();
-    let x = f32_buf(&g, &Rng(5).values(rows * cols));
-    let mut graphed = out_buf(&g, rows * 64);
+    let x = f32_buf(g, &Rng(5).values(rows * cols));
+    let mut graphed = out_buf(g, rows * 64);
     assert_eq!(g.pool_bytes().0, 0, "a fresh backend's pool is empty");
     g.begin_capture().unwrap();
     let recorded = g.matmul_parts(&x, rows, (&parts, cols), &mut graphed, 64);
@@ -2440,19 +2449,19 @@ fn a_graph_recorded_with_an_empty_pool_replays_as_eager_ops_run() {
     recorded.unwrap();
     let graph = graph.unwrap();
     g.replay(&graph).unwrap();
-    let first = download(&g, &graphed, rows * 64);
+    let first = download(g, &graphed, rows * 64);
     // Whatever runs between replays may take the graph's scratch and give it back.
-    let mut eager = out_buf(&g, rows * 64);
+    let mut eager = out_buf(g, rows * 64);
     g.matmul_parts(&x, rows, (&parts, cols), &mut eager, 64)
         .unwrap();
     g.replay(&graph).unwrap();
     assert_eq!(
-        download(&g, &graphed, rows * 64),
+        download(g, &graphed, rows * 64),
         first,
         "a second replay differs"
     );
     assert_eq!(
-        download(&g, &eager, rows * 64),
+        download(g, &eager, rows * 64),
         first,
         "eager ops differ from the graph"
     );

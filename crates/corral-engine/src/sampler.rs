@@ -547,7 +547,7 @@ mod tests {
         use corral_backend::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS};
         use corral_backend::{Backend, BufferUsage, DType};
         use corral_cpu::CpuBackend;
-        let b = CpuBackend::new();
+        let b: &dyn Backend = &CpuBackend::new();
         let vocab = row.len();
         let mut logits = b.weight_from_f32(row, DType::F32).unwrap();
         let mut penalties = Vec::new();
@@ -691,7 +691,7 @@ mod tests {
             s.clone().apply_penalties(&mut host, &seen);
             let mut entries = Vec::new();
             s.device_penalties(&seen, 0, logits.len(), &mut entries);
-            let b = CpuBackend::new();
+            let b: &dyn Backend = &CpuBackend::new();
             let mut device = b.weight_from_f32(&logits, DType::F32).unwrap();
             let words: Vec<u32> = entries.iter().flat_map(Penalty::words).collect();
             let mut buf = b.take_buffer(DType::U32, words.len().max(1), BufferUsage::Metadata).unwrap();

@@ -121,7 +121,7 @@ impl Model {
     ) -> Result<Self> {
         let config = gguf.config()?;
         let elements = gguf.tensors().map(|t| t.numel() as usize).sum();
-        let bytes = gguf.loaded_bytes(&|format| backend.reads_quantized(format));
+        let bytes = gguf.loaded_bytes(&|format| backend.capabilities().reads(format));
         Self::bind(gguf, config, backend, progress, elements, bytes)
     }
 
@@ -445,7 +445,7 @@ impl Model {
         self.run_with(batch, cache, None, Some(hidden), out)
     }
 
-    /// One step, run where the backend runs steps best ([`Backend::run_step`]).
+    /// One step, run where the backend runs steps best ([`Device::run_step`](corral_backend::Device::run_step)).
     fn run(
         &self,
         batch: &RaggedBatch,

@@ -275,7 +275,7 @@ impl StepRunner {
             out,
             StepOutput::LogitsAndAllHidden(..) | StepOutput::SampledAndAllHidden(..)
         );
-        let graph_shaped = backend.records_graphs()
+        let graph_shaped = backend.capabilities().graphs
             && uniform
             && max_run_tokens <= MAX_GRAPH_RUN_TOKENS
             && !model.strategy.syncs_host(tokens);

@@ -283,7 +283,7 @@ impl SyntheticWeights {
         let cols = shape.last().copied().unwrap_or(0);
         self.mix
             .format_of(name, cols, self.num_layers)
-            .filter(|f| backend.reads_quantized(*f))
+            .filter(|f| backend.capabilities().reads(*f))
     }
 
     /// `n` values of tensor `name` in its format on `backend`.

@@ -571,7 +571,9 @@ impl WeightSource for GgufCheckpoint {
         let numel = shape.iter().product();
         if let Some(changed) = changed {
             // Rows alone of a block format the backend reads: those rows' blocks.
-            let kept = ty.quant_format().filter(|&f| backend.reads_quantized(f));
+            let kept = ty
+                .quant_format()
+                .filter(|&f| backend.capabilities().reads(f));
             if let (Some(format), Some(rows), None, ValueChange::None) =
                 (kept, &changed.rows, &changed.columns, changed.values)
             {
@@ -596,7 +598,7 @@ impl WeightSource for GgufCheckpoint {
             return Ok(backend.weight_from_file(file, start, loaded_dtype(ty), numel)?);
         }
         if let Some(format) = ty.quant_format()
-            && backend.reads_quantized(format)
+            && backend.capabilities().reads(format)
         {
             let dtype = DType::Quant(format);
             return Ok(backend.weight_from_file(file, start, dtype, numel)?);
@@ -616,7 +618,7 @@ impl WeightSource for GgufCheckpoint {
         for &(name, shape) in parts {
             let (tensor, file, start, len, changed) = self.checked(name, shape)?;
             let part = tensor.ggml_type.quant_format();
-            let kept = part.is_some_and(|f| backend.reads_quantized(f));
+            let kept = part.is_some_and(|f| backend.capabilities().reads(f));
             if !kept || changed.is_some() || (format.is_some() && format != part) {
                 return stacked_values(self, backend, parts);
             }
@@ -642,7 +644,7 @@ impl WeightSource for GgufCheckpoint {
         for &(name, shape) in parts {
             let (tensor, .., changed) = self.checked(name, shape)?;
             match tensor.ggml_type.quant_format() {
-                Some(format) if backend.reads_quantized(format) && changed.is_none() => {
+                Some(format) if backend.capabilities().reads(format) && changed.is_none() => {
                     formats.push(format)
                 }
                 _ => return Ok(Projection::Stacked(self.weight_stacked(backend, parts)?)),

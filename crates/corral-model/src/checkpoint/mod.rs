@@ -245,7 +245,7 @@ pub(crate) fn fp8_weight(
     len: usize,
 ) -> Result<DeviceBuffer> {
     let format = QuantFormat::F8E4M3x128;
-    if backend.reads_quantized(format) {
+    if backend.capabilities().reads(format) {
         return Ok(backend.weight_from_blocks(blocks, DType::Quant(format), len)?);
     }
     let mut values = vec![0.0; len];

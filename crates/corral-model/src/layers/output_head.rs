@@ -50,7 +50,7 @@ impl OutputHead {
         let float = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
         if !float
             || !hidden.is_multiple_of(format.block().0)
-            || !backend.reads_quantized(format)
+            || !backend.capabilities().reads(format)
             || current.len() != vocab * hidden
         {
             return Ok(false);

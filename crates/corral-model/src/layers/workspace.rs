@@ -132,7 +132,7 @@ pub(crate) struct Workspace {
     /// Residual stream `[T, H]`.
     pub(crate) x: DeviceBuffer,
     /// Normalised input of a sub-block `[T, H]`, f32 or the type projections take
-    /// ([`Backend::gemm_input_dtype`]): only projections and grouped experts read it.
+    /// ([`Device::gemm_input_dtype`](corral_backend::Device::gemm_input_dtype)): only projections and grouped experts read it.
     pub(crate) h: DeviceBuffer,
     /// Output of a sub-block `[T, H]`.
     pub(crate) out: DeviceBuffer,
@@ -172,7 +172,7 @@ pub(crate) struct Workspace {
 }
 
 impl Workspace {
-    /// Takes every buffer from the pool, `h` in `norm_out` ([`Backend::gemm_input_dtype`]).
+    /// Takes every buffer from the pool, `h` in `norm_out` ([`Device::gemm_input_dtype`](corral_backend::Device::gemm_input_dtype)).
     pub(crate) fn take(
         backend: &dyn Backend,
         config: &ModelConfig,

@@ -174,7 +174,7 @@ impl SparseMoe {
 mod tests {
     use std::sync::Arc;
 
-    use corral_backend::{BufferUsage, DType, ExpertMatrices};
+    use corral_backend::{Backend, BufferUsage, DType, ExpertMatrices};
     use corral_cpu::CpuBackend;
     use proptest::prelude::*;
 
@@ -193,7 +193,7 @@ mod tests {
             .collect()
     }
 
-    fn f32_buffer(b: &CpuBackend, v: &[f32]) -> DeviceBuffer {
+    fn f32_buffer(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
         let mut buf = b
             .take_buffer(DType::F32, v.len(), BufferUsage::Activations)
             .unwrap();
@@ -202,7 +202,7 @@ mod tests {
     }
 
     fn experts(
-        b: &CpuBackend,
+        b: &dyn Backend,
         e: usize,
         i: usize,
         h: usize,
@@ -255,19 +255,19 @@ mod tests {
             dtype in prop_oneof![Just(DType::F32), Just(DType::BF16)],
         ) {
             let top_k = top_k.min(num_experts);
-            let b = CpuBackend::new();
-            let x = f32_buffer(&b, &values(tokens * hidden, seed));
+            let b: &dyn Backend = &CpuBackend::new();
+            let x = f32_buffer(b, &values(tokens * hidden, seed));
             // Router logits drawn from a few levels, so that ties are common.
             let logits: Vec<f32> = values(tokens * num_experts, seed ^ 5)
                 .iter()
                 .map(|v| ((v + 0.5) * tie_levels as f32).floor())
                 .collect();
-            let logits = f32_buffer(&b, &logits);
+            let logits = f32_buffer(b, &logits);
             let mut ids = b.take_buffer(DType::U32, tokens * top_k, BufferUsage::Metadata).unwrap();
             let mut weights = b.take_buffer(DType::F32, tokens * top_k, BufferUsage::Activations).unwrap();
             b.moe_route(&logits, tokens, num_experts, top_k, renormalize, false, &mut ids, &mut weights).unwrap();
             let routing = MoeRouting { expert_ids: &ids, expert_weights: &weights, tokens, top_k };
-            let experts = experts(&b, num_experts, inter, hidden, fused, dtype, seed ^ 9);
+            let experts = experts(b, num_experts, inter, hidden, fused, dtype, seed ^ 9);
             let pairs = tokens * top_k;
             let take = |dtype, n| b.take_buffer(dtype, n, BufferUsage::Activations).unwrap();
             let mut scratch = MoeScratch {
@@ -283,10 +283,10 @@ mod tests {
                 let mut out = take(DType::F32, tokens * hidden);
                 let before = b.stats();
                 match strategy {
-                    MoeStrategy::PerExpert => per_expert::forward(&b, &x, routing, &experts, &mut out),
-                    MoeStrategy::PerExpertOneSync => per_expert::forward_one_sync(&b, &x, routing, &experts, &mut out),
-                    MoeStrategy::PerToken => per_token::forward(&b, &x, routing, &experts, &mut scratch.act, &mut out),
-                    _ => grouped::forward(&b, &x, routing, &experts, &mut scratch, &mut out),
+                    MoeStrategy::PerExpert => per_expert::forward(b, &x, routing, &experts, &mut out),
+                    MoeStrategy::PerExpertOneSync => per_expert::forward_one_sync(b, &x, routing, &experts, &mut out),
+                    MoeStrategy::PerToken => per_token::forward(b, &x, routing, &experts, &mut scratch.act, &mut out),
+                    _ => grouped::forward(b, &x, routing, &experts, &mut scratch, &mut out),
                 }
                 .unwrap();
                 let spent = b.stats() - before;
