@@ -1,15 +1,21 @@
 //! The op entry points the model calls, on `dyn Backend`: the one place where an op's
-//! arguments can be checked for every backend before the backend's [`Ops`] run. Each entry
-//! forwards to the backend now, whose own checks still run; the checks move here op by op.
+//! arguments are checked for every backend (the buffers' element types and lengths against
+//! the shape, and the shape itself) before the backend's [`Ops`](crate::Ops) run, so that a
+//! backend computes only. Checked here so far: the copies (`fill_zero`, `embedding`,
+//! `gather_rows`, `gather_blocks`, `scatter_blocks`, `copy_within`), the norms and the
+//! elementwise ops; the others still check inside each backend.
 
+
+use crate::ops::{check_block_copy, check_copy_ranges};
 use crate::{
-    AttentionMeta, AttentionShape, Backend, DeltaNetShape, DeviceBuffer, ExpertWeights, MoeRouting,
-    MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, WeightView,
+    AttentionMeta, AttentionShape, Backend, BackendError, DType, DeltaNetShape, DeviceBuffer,
+    ExpertWeights, MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, WeightView,
 };
 
 impl<'b> dyn Backend + 'b {
     /// [`Ops::fill_zero`](crate::Ops::fill_zero).
     pub fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
+        holds("fill_zero", "buffer", buffer, DType::F32, len)?;
         self.ops().fill_zero(buffer, len)
     }
 
@@ -21,6 +27,10 @@ impl<'b> dyn Backend + 'b {
         tokens: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "embedding";
+        whole_blocks(op, table)?;
+        holds(op, "ids", ids, DType::U32, tokens)?;
+        holds(op, "out", out, DType::F32, tokens * table.cols)?;
         self.ops().embedding(table, ids, tokens, out)
     }
 
@@ -33,6 +43,10 @@ impl<'b> dyn Backend + 'b {
         dim: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "gather_rows";
+        holds(op, "x", x, DType::F32, dim)?;
+        holds(op, "row_ids", row_ids, DType::U32, num_rows)?;
+        holds(op, "out", out, DType::F32, num_rows * dim)?;
         self.ops().gather_rows(x, row_ids, num_rows, dim, out)
     }
 
@@ -45,6 +59,9 @@ impl<'b> dyn Backend + 'b {
         block_elems: usize,
         packed: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "gather_blocks";
+        check_block_copy(op, paged, packed, count, block_elems)?;
+        holds(op, "ids", ids, DType::U32, count)?;
         self.ops()
             .gather_blocks(paged, ids, count, block_elems, packed)
     }
@@ -58,6 +75,9 @@ impl<'b> dyn Backend + 'b {
         block_elems: usize,
         paged: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "scatter_blocks";
+        check_block_copy(op, paged, packed, count, block_elems)?;
+        holds(op, "ids", ids, DType::U32, count)?;
         self.ops()
             .scatter_blocks(packed, ids, count, block_elems, paged)
     }
@@ -70,6 +90,7 @@ impl<'b> dyn Backend + 'b {
         dst: usize,
         len: usize,
     ) -> Result<()> {
+        check_copy_ranges("copy_within", x.len(), src, dst, len)?;
         self.ops().copy_within(x, src, dst, len)
     }
 
@@ -85,6 +106,10 @@ impl<'b> dyn Backend + 'b {
         offset_one: bool,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "rms_norm";
+        holds(op, "x", x, DType::F32, rows * dim)?;
+        holds(op, "weight", weight, DType::F32, dim)?;
+        self.norm_out(op, out, rows * dim)?;
         self.ops()
             .rms_norm(x, weight, rows, dim, eps, offset_one, out)
     }
@@ -139,6 +164,9 @@ impl<'b> dyn Backend + 'b {
 
     /// [`Ops::add_in_place`](crate::Ops::add_in_place).
     pub fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
+        let op = "add_in_place";
+        holds(op, "acc", acc, DType::F32, len)?;
+        holds(op, "x", x, DType::F32, len)?;
         self.ops().add_in_place(acc, x, len)
     }
 
@@ -155,6 +183,11 @@ impl<'b> dyn Backend + 'b {
         offset_one: bool,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "add_rms_norm";
+        holds(op, "acc", acc, DType::F32, rows * dim)?;
+        holds(op, "x", x, DType::F32, rows * dim)?;
+        holds(op, "weight", weight, DType::F32, dim)?;
+        self.norm_out(op, out, rows * dim)?;
         self.ops()
             .add_rms_norm(acc, x, weight, rows, dim, eps, offset_one, out)
     }
@@ -167,6 +200,10 @@ impl<'b> dyn Backend + 'b {
         len: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "silu_mul";
+        holds(op, "gate", gate, DType::F32, len)?;
+        holds(op, "up", up, DType::F32, len)?;
+        holds(op, "out", out, DType::F32, len)?;
         self.ops().silu_mul(gate, up, len, out)
     }
 
@@ -356,6 +393,10 @@ impl<'b> dyn Backend + 'b {
         len: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "sigmoid_mul";
+        holds(op, "x", x, DType::F32, len)?;
+        holds(op, "gate", gate, DType::F32, len)?;
+        holds(op, "out", out, DType::F32, len)?;
         self.ops().sigmoid_mul(x, gate, len, out)
     }
 
@@ -368,6 +409,10 @@ impl<'b> dyn Backend + 'b {
         rows: usize,
         dim: usize,
     ) -> Result<()> {
+        let op = "add_sigmoid_gated";
+        holds(op, "acc", acc, DType::F32, rows * dim)?;
+        holds(op, "x", x, DType::F32, rows * dim)?;
+        holds(op, "gate", gate, DType::F32, rows)?;
         self.ops().add_sigmoid_gated(acc, x, gate, rows, dim)
     }
 
@@ -432,6 +477,11 @@ impl<'b> dyn Backend + 'b {
         eps: f32,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "gated_rms_norm";
+        holds(op, "x", x, DType::F32, rows * dim)?;
+        holds(op, "z", z, DType::F32, rows * dim)?;
+        holds(op, "weight", weight, DType::F32, dim)?;
+        holds(op, "out", out, DType::F32, rows * dim)?;
         self.ops().gated_rms_norm(x, z, weight, rows, dim, eps, out)
     }
 
@@ -470,4 +520,62 @@ impl<'b> dyn Backend + 'b {
         self.ops()
             .moe_experts_per_token(x, routing, experts, act, out)
     }
+
+    /// Checks a norm's output: f32, or bf16 where the device writes norms so
+    /// ([`Capabilities::bf16_norm_outputs`](crate::Capabilities::bf16_norm_outputs)).
+    fn norm_out(&self, op: &'static str, out: &DeviceBuffer, needed: usize) -> Result<()> {
+        let dtype = out.dtype();
+        let bf16 = dtype == DType::BF16 && self.capabilities().bf16_norm_outputs;
+        if dtype != DType::F32 && !bf16 {
+            return Err(BackendError::WrongDType {
+                op,
+                expected: DType::F32,
+                got: dtype,
+            });
+        }
+        holds(op, "out", out, dtype, needed)
+    }
+}
+
+/// Checks that `b` holds at least `needed` elements of `dtype`.
+fn holds(
+    op: &'static str,
+    what: &'static str,
+    b: &DeviceBuffer,
+    dtype: DType,
+    needed: usize,
+) -> Result<()> {
+    if b.dtype() != dtype {
+        return Err(BackendError::WrongDType {
+            op,
+            expected: dtype,
+            got: b.dtype(),
+        });
+    }
+    if b.len() < needed {
+        return Err(BackendError::TooSmall {
+            op,
+            what,
+            len: b.len(),
+            needed,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that a weight view's rows start and end on whole blocks of its format, as every
+/// reader of them assumes.
+fn whole_blocks(op: &'static str, w: WeightView<'_>) -> Result<()> {
+    let dtype = w.buffer.dtype();
+    let block = dtype.block_values();
+    if w.offset.is_multiple_of(block) && w.cols.is_multiple_of(block) {
+        return Ok(());
+    }
+    Err(BackendError::BadArgument {
+        op,
+        detail: format!(
+            "{dtype} rows of {} values from value {}: not whole blocks of {block}",
+            w.cols, w.offset
+        ),
+    })
 }

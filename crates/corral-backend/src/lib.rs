@@ -36,8 +36,7 @@ pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
 pub use ops::{
     AttentionMeta, AttentionShape, DeltaNetShape, MoeRouting, MoeSorted, NO_KEPT_STATES, Ops,
-    QkShape, RecurrentRuns, byte_range, check_block_copy, check_copy_ranges,
-    matmul_parts_by_columns, matmuls_arity,
+    QkShape, RecurrentRuns, byte_range, matmul_parts_by_columns, matmuls_arity,
 };
 pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
 pub use quant::QuantFormat;

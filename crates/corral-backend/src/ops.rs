@@ -565,7 +565,7 @@ pub fn matmuls_arity(weights: usize, outs: usize) -> Result<()> {
 
 /// Checks a copy of `count` whole blocks of `block_elems` elements between `paged` and
 /// `packed` (one stored type, `packed` long enough); the blocks `paged` holds.
-pub fn check_block_copy(
+pub(crate) fn check_block_copy(
     op: &'static str,
     paged: &DeviceBuffer,
     packed: &DeviceBuffer,
@@ -596,7 +596,7 @@ pub fn check_block_copy(
 }
 
 /// Checks [`Ops::copy_within`]'s ranges against a buffer of `len` elements.
-pub fn check_copy_ranges(
+pub(crate) fn check_copy_ranges(
     op: &'static str,
     len: usize,
     src: usize,

@@ -32,3 +32,58 @@ pub fn rms_norm(x: &[f32], w: &[f32], dim: usize, eps: f32, offset_one: bool) ->
         })
         .collect()
 }
+
+/// `silu(gate) ⊙ up`.
+pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| {
+            let g = g as f64;
+            (g / (1.0 + (-g).exp()) * u as f64) as f32
+        })
+        .collect()
+}
+
+/// `x ⊙ σ(gate)`.
+pub fn sigmoid_mul(x: &[f32], gate: &[f32]) -> Vec<f32> {
+    x.iter()
+        .zip(gate)
+        .map(|(&x, &g)| (x as f64 / (1.0 + (-(g as f64)).exp())) as f32)
+        .collect()
+}
+
+/// `acc[t] + σ(gate[t]) · x[t]` per row of `dim`.
+pub fn add_sigmoid_gated(acc: &[f32], x: &[f32], gate: &[f32], dim: usize) -> Vec<f32> {
+    acc.iter()
+        .zip(x)
+        .enumerate()
+        .map(|(i, (&a, &x))| {
+            let s = 1.0 / (1.0 + (-(gate[i / dim] as f64)).exp());
+            (a as f64 + s * x as f64) as f32
+        })
+        .collect()
+}
+
+/// Gated RMSNorm of each row of `dim`: `(w ⊙ rmsnorm(x)) ⊙ silu(z)`.
+pub fn gated_rms_norm(x: &[f32], z: &[f32], w: &[f32], dim: usize, eps: f32) -> Vec<f32> {
+    let normed = rms_norm(x, w, dim, eps, false);
+    normed
+        .iter()
+        .zip(z)
+        .map(|(&n, &z)| {
+            let z = z as f64;
+            (n as f64 * z / (1.0 + (-z).exp())) as f32
+        })
+        .collect()
+}
+
+/// Rows `ids[i]` of `table` (rows `dim` wide), in order: an embedding lookup or a gather.
+pub fn gather_rows(table: &[f32], ids: &[u32], dim: usize) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&id| {
+            table[id as usize * dim..(id as usize + 1) * dim]
+                .iter()
+                .copied()
+        })
+        .collect()
+}

@@ -15,7 +15,7 @@ use corral_backend::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, Buffers,
     Capabilities, DType, DeltaNetShape, Device, DeviceBuffer, DispatchStats, ExpertWeights,
     MappedFile, MoeRouting, MoeSorted, Ops, QkShape, QuantFormat, RecurrentRuns, Result,
-    RopeParams, StatsCounter, WeightView, byte_range, check_block_copy, check_copy_ranges,
+    RopeParams, StatsCounter, WeightView, byte_range,
 };
 use ops::WeightRows;
 
@@ -49,6 +49,7 @@ impl CpuBackend {
                     .filter(|&f| f != QuantFormat::F8E4M3x128)
                     .collect(),
                 kv_dtypes: vec![DType::F32, DType::BF16],
+                bf16_norm_outputs: false,
             },
         }
     }
@@ -113,6 +114,53 @@ fn check_len(op: &'static str, what: &'static str, b: &DeviceBuffer, needed: usi
 
 fn bad(op: &'static str, detail: String) -> BackendError {
     BackendError::BadArgument { op, detail }
+}
+
+/// The first `n` elements of a host f32 buffer, its type and length checked by the caller
+/// (`dyn Backend`'s entry point of the op).
+fn read_f32<'a>(op: &'static str, b: &'a DeviceBuffer, n: usize) -> Result<&'a [f32]> {
+    let v: &[f32] = match b.storage() {
+        Storage::F32(v) => v,
+        Storage::Mapped {
+            file,
+            byte_offset,
+            byte_len,
+        } => bytemuck::cast_slice(&file.bytes()[*byte_offset..*byte_offset + *byte_len]),
+        _ => return Err(BackendError::ForeignBuffer { op }),
+    };
+    first(op, v, n)
+}
+
+/// As [`read_f32`], to be written.
+fn write_f32<'a>(op: &'static str, b: &'a mut DeviceBuffer, n: usize) -> Result<&'a mut [f32]> {
+    let len = b.len();
+    match b.storage_mut() {
+        Storage::F32(v) => v.get_mut(..n).ok_or_else(|| short(op, len, n)),
+        _ => Err(BackendError::ForeignBuffer { op }),
+    }
+}
+
+/// As [`read_f32`], of a u32 buffer.
+fn read_u32<'a>(op: &'static str, b: &'a DeviceBuffer, n: usize) -> Result<&'a [u32]> {
+    match b.storage() {
+        Storage::U32(v) => first(op, v, n),
+        _ => Err(BackendError::ForeignBuffer { op }),
+    }
+}
+
+/// The first `n` of `v`.
+fn first<'a, T>(op: &'static str, v: &'a [T], n: usize) -> Result<&'a [T]> {
+    v.get(..n).ok_or_else(|| short(op, v.len(), n))
+}
+
+/// A buffer shorter than its caller checked: a backend's own misuse, named rather than a panic.
+fn short(op: &'static str, len: usize, needed: usize) -> BackendError {
+    BackendError::TooSmall {
+        op,
+        what: "buffer",
+        len,
+        needed,
+    }
 }
 
 /// The first `needed` elements of an F32 buffer.
@@ -640,7 +688,7 @@ impl Buffers for CpuBackend {
 
 impl Ops for CpuBackend {
     fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
-        f32s_mut("fill_zero", "buffer", buffer, len)?.fill(0.0);
+        write_f32("fill_zero", buffer, len)?.fill(0.0);
         self.stats.dispatch(1);
         Ok(())
     }
@@ -793,15 +841,14 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "embedding";
-        let ids = u32s(op, "ids", ids, tokens)?;
+        let ids = read_u32(op, ids, tokens)?;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
             return Err(bad(
                 op,
                 format!("token id {id} is out of range for {} rows", table.rows),
             ));
         }
-        let out = f32s_mut(op, "out", out, tokens * table.cols)?;
-        check_blocks(op, table.buffer.dtype(), table.offset, table.cols)?;
+        let out = write_f32(op, out, tokens * table.cols)?;
         let rows = weight_rows(op, table.buffer)?;
         self.stats.dispatch(1);
         ops::elementwise::embedding(rows, table.offset, ids, table.cols, out);
@@ -817,7 +864,7 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "gather_rows";
-        let rows = u32s(op, "row_ids", row_ids, num_rows)?;
+        let rows = read_u32(op, row_ids, num_rows)?;
         let available = x.len() / dim.max(1);
         if let Some(&r) = rows.iter().find(|&&r| r as usize >= available) {
             return Err(bad(
@@ -825,8 +872,8 @@ impl Ops for CpuBackend {
                 format!("row {r} is out of range for {available} rows"),
             ));
         }
-        let x = f32s(op, "x", x, available * dim)?;
-        let out = f32s_mut(op, "out", out, num_rows * dim)?;
+        let x = read_f32(op, x, available * dim)?;
+        let out = write_f32(op, out, num_rows * dim)?;
         self.stats.dispatch(1);
         ops::elementwise::gather_rows(x, rows, dim, out);
         Ok(())
@@ -841,7 +888,7 @@ impl Ops for CpuBackend {
         packed: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "gather_blocks";
-        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        let blocks = paged.len() / block_elems;
         let ids = block_ids(op, ids, count, blocks)?;
         copy_blocks(op, paged, packed, &ids, block_elems, true)?;
         self.stats.dispatch(1);
@@ -857,7 +904,7 @@ impl Ops for CpuBackend {
         paged: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "scatter_blocks";
-        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        let blocks = paged.len() / block_elems;
         let ids = block_ids(op, ids, count, blocks)?;
         copy_blocks(op, packed, paged, &ids, block_elems, false)?;
         self.stats.dispatch(1);
@@ -866,7 +913,6 @@ impl Ops for CpuBackend {
 
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
         let op = "copy_within";
-        check_copy_ranges(op, x.len(), src, dst, len)?;
         match x.storage_mut() {
             Storage::F32(v) => v.copy_within(src..src + len, dst),
             Storage::U32(v) => v.copy_within(src..src + len, dst),
@@ -888,9 +934,9 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "rms_norm";
-        let x = f32s(op, "x", x, rows * dim)?;
-        let weight = weight_f32(op, weight, dim)?;
-        let out = f32s_mut(op, "out", out, rows * dim)?;
+        let x = read_f32(op, x, rows * dim)?;
+        let weight = read_f32(op, weight, dim)?;
+        let out = write_f32(op, out, rows * dim)?;
         self.stats.dispatch(1);
         ops::norm::rms_norm(x, weight, dim, eps, offset_one, out);
         Ok(())
@@ -939,8 +985,8 @@ impl Ops for CpuBackend {
 
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
         let op = "add_in_place";
-        let x = f32s(op, "x", x, len)?;
-        let acc = f32s_mut(op, "acc", acc, len)?;
+        let x = read_f32(op, x, len)?;
+        let acc = write_f32(op, acc, len)?;
         self.stats.dispatch(1);
         ops::elementwise::add_in_place(acc, x);
         Ok(())
@@ -954,9 +1000,9 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "silu_mul";
-        let gate = f32s(op, "gate", gate, len)?;
-        let up = f32s(op, "up", up, len)?;
-        let out = f32s_mut(op, "out", out, len)?;
+        let gate = read_f32(op, gate, len)?;
+        let up = read_f32(op, up, len)?;
+        let out = write_f32(op, out, len)?;
         self.stats.dispatch(1);
         ops::elementwise::silu_mul(gate, up, out);
         Ok(())
@@ -1187,9 +1233,9 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "sigmoid_mul";
-        let x = f32s(op, "x", x, len)?;
-        let gate = f32s(op, "gate", gate, len)?;
-        let out = f32s_mut(op, "out", out, len)?;
+        let x = read_f32(op, x, len)?;
+        let gate = read_f32(op, gate, len)?;
+        let out = write_f32(op, out, len)?;
         self.stats.dispatch(1);
         ops::elementwise::sigmoid_mul(x, gate, out);
         Ok(())
@@ -1204,9 +1250,9 @@ impl Ops for CpuBackend {
         dim: usize,
     ) -> Result<()> {
         let op = "add_sigmoid_gated";
-        let x = f32s(op, "x", x, rows * dim)?;
-        let gate = f32s(op, "gate", gate, rows)?;
-        let acc = f32s_mut(op, "acc", acc, rows * dim)?;
+        let x = read_f32(op, x, rows * dim)?;
+        let gate = read_f32(op, gate, rows)?;
+        let acc = write_f32(op, acc, rows * dim)?;
         self.stats.dispatch(1);
         ops::elementwise::add_sigmoid_gated(acc, x, gate, dim);
         Ok(())
@@ -1315,10 +1361,10 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "gated_rms_norm";
-        let x = f32s(op, "x", x, rows * dim)?;
-        let z = f32s(op, "z", z, rows * dim)?;
-        let weight = weight_f32(op, weight, dim)?;
-        let out = f32s_mut(op, "out", out, rows * dim)?;
+        let x = read_f32(op, x, rows * dim)?;
+        let z = read_f32(op, z, rows * dim)?;
+        let weight = read_f32(op, weight, dim)?;
+        let out = write_f32(op, out, rows * dim)?;
         self.stats.dispatch(1);
         ops::delta_net::gated_rms_norm(x, z, weight, dim, eps, out);
         Ok(())

@@ -36,8 +36,7 @@ use corral_backend::{
     AttentionMeta, AttentionShape, Backend, BackendError, BufferPool, BufferUsage, Buffers,
     Capabilities, DType, DeltaNetShape, Device, DeviceBuffer, DispatchStats, ExpertMatrices,
     ExpertWeights, MappedFile, MoeRouting, MoeSorted, Ops, QkShape, QuantFormat, RecurrentRuns,
-    Result, RopeParams, StatsCounter, WeightView, byte_range, check_block_copy, check_copy_ranges,
-    kv_row_elems,
+    Result, RopeParams, StatsCounter, WeightView, byte_range, kv_row_elems,
 };
 use cudarc::driver::CudaEvent;
 use device::{Gpu, Kernel};
@@ -450,6 +449,12 @@ fn ptr_of(op: &'static str, b: &DeviceBuffer) -> Result<u64> {
     }
 }
 
+/// A buffer's address as a kernel argument, its type and length checked by the caller
+/// (`dyn Backend`'s entry point of the op).
+fn addr(op: &'static str, b: &DeviceBuffer) -> Result<Arg> {
+    Ok(Arg::Ptr(ptr_of(op, b)?))
+}
+
 /// The address of a buffer of `dtype` with at least `needed` elements.
 fn buf(
     op: &'static str,
@@ -567,14 +572,6 @@ fn sorted_args(
     ])
 }
 
-/// A norm's output: F32, or BF16 for projections' input (norm.cu's bf16 variants).
-fn norm_out(op: &'static str, out: &DeviceBuffer, len: usize) -> Result<Arg> {
-    match out.dtype() {
-        DType::BF16 => buf(op, "out", out, DType::BF16, len),
-        _ => buf(op, "out", out, DType::F32, len),
-    }
-}
-
 /// Threads of a block that normalises one row of `dim`.
 fn norm_block(dim: usize) -> u32 {
     if dim <= 256 { 128 } else { 256 }
@@ -642,6 +639,7 @@ impl CudaBackend {
                 .filter(|&f| f != QuantFormat::F8E4M3x128 || gpu.compute_capability >= (8, 9))
                 .collect(),
             kv_dtypes: vec![DType::BF16, DType::F32, DType::F8E4M3],
+            bf16_norm_outputs: true,
         };
         let blas = if options.without_cublas {
             None
@@ -1820,9 +1818,7 @@ impl Buffers for CudaBackend {
 
 impl Ops for CudaBackend {
     fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()> {
-        let Arg::Ptr(p) = buf("fill_zero", "buffer", buffer, DType::F32, len)? else {
-            unreachable!()
-        };
+        let p = ptr_of("fill_zero", buffer)?;
         self.stats.dispatch(1);
         self.gpu.memset_zero(p, len * 4)
     }
@@ -1843,11 +1839,11 @@ impl Ops for CudaBackend {
         let hidden = table.cols;
         let args = [
             w,
-            buf(op, "ids", ids, DType::U32, tokens)?,
+            addr(op, ids)?,
             u32_of(op, tokens)?,
             u32_of(op, hidden)?,
             u32_of(op, table.rows)?,
-            buf(op, "out", out, DType::F32, tokens * hidden)?,
+            addr(op, out)?,
             self.diag(),
         ];
         if tokens == 0 {
@@ -1870,12 +1866,12 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "x", x, DType::F32, dim)?,
-            buf(op, "rows", row_ids, DType::U32, num_rows)?,
+            addr(op, x)?,
+            addr(op, row_ids)?,
             u32_of(op, num_rows)?,
             u32_of(op, dim)?,
             u32_of(op, x.len() / dim)?,
-            buf(op, "out", out, DType::F32, num_rows * dim)?,
+            addr(op, out)?,
             self.diag(),
         ];
         self.launch(
@@ -1895,7 +1891,7 @@ impl Ops for CudaBackend {
         packed: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "gather_blocks";
-        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        let blocks = paged.len() / block_elems;
         self.copy_blocks(op, paged, ids, count, block_elems, blocks, packed, true)
     }
 
@@ -1908,13 +1904,12 @@ impl Ops for CudaBackend {
         paged: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "scatter_blocks";
-        let blocks = check_block_copy(op, paged, packed, count, block_elems)?;
+        let blocks = paged.len() / block_elems;
         self.copy_blocks(op, packed, ids, count, block_elems, blocks, paged, false)
     }
 
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
         let op = "copy_within";
-        check_copy_ranges(op, x.len(), src, dst, len)?;
         if len == 0 {
             return Ok(());
         }
@@ -1940,13 +1935,13 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "x", x, DType::F32, rows * dim)?,
-            buf(op, "weight", weight, DType::F32, dim)?,
+            addr(op, x)?,
+            addr(op, weight)?,
             u32_of(op, rows)?,
             u32_of(op, dim)?,
             Arg::F32(eps),
             Arg::U32(offset_one as u32),
-            norm_out(op, out, rows * dim)?,
+            addr(op, out)?,
         ];
         let block = norm_block(dim);
         let kernel = match out.dtype() {
@@ -2141,11 +2136,7 @@ impl Ops for CudaBackend {
         if len == 0 {
             return Ok(());
         }
-        let args = [
-            buf(op, "acc", acc, DType::F32, len)?,
-            buf(op, "x", x, DType::F32, len)?,
-            Arg::U64(len as u64),
-        ];
+        let args = [addr(op, acc)?, addr(op, x)?, Arg::U64(len as u64)];
         self.launch(
             &self.kernels.add_in_place,
             Self::elementwise_grid(op, len)?,
@@ -2170,14 +2161,14 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "acc", acc, DType::F32, rows * dim)?,
-            buf(op, "x", x, DType::F32, rows * dim)?,
-            buf(op, "weight", weight, DType::F32, dim)?,
+            addr(op, acc)?,
+            addr(op, x)?,
+            addr(op, weight)?,
             u32_of(op, rows)?,
             u32_of(op, dim)?,
             Arg::F32(eps),
             Arg::U32(offset_one as u32),
-            norm_out(op, out, rows * dim)?,
+            addr(op, out)?,
         ];
         let block = norm_block(dim);
         let kernel = match out.dtype() {
@@ -2199,10 +2190,10 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "gate", gate, DType::F32, len)?,
-            buf(op, "up", up, DType::F32, len)?,
+            addr(op, gate)?,
+            addr(op, up)?,
             Arg::U64(len as u64),
-            buf(op, "out", out, DType::F32, len)?,
+            addr(op, out)?,
         ];
         self.launch(
             &self.kernels.silu_mul,
@@ -2729,10 +2720,10 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "x", x, DType::F32, len)?,
-            buf(op, "gate", gate, DType::F32, len)?,
+            addr(op, x)?,
+            addr(op, gate)?,
             Arg::U64(len as u64),
-            buf(op, "out", out, DType::F32, len)?,
+            addr(op, out)?,
         ];
         self.launch(
             &self.kernels.sigmoid_mul,
@@ -2755,9 +2746,9 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "acc", acc, DType::F32, rows * dim)?,
-            buf(op, "x", x, DType::F32, rows * dim)?,
-            buf(op, "gate", gate, DType::F32, rows)?,
+            addr(op, acc)?,
+            addr(op, x)?,
+            addr(op, gate)?,
             u32_of(op, rows)?,
             u32_of(op, dim)?,
         ];
@@ -2943,13 +2934,13 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "x", x, DType::F32, rows * dim)?,
-            buf(op, "z", z, DType::F32, rows * dim)?,
-            buf(op, "weight", weight, DType::F32, dim)?,
+            addr(op, x)?,
+            addr(op, z)?,
+            addr(op, weight)?,
             u32_of(op, rows)?,
             u32_of(op, dim)?,
             Arg::F32(eps),
-            buf(op, "out", out, DType::F32, rows * dim)?,
+            addr(op, out)?,
         ];
         self.launch(
             &self.kernels.gated_rms_norm,
