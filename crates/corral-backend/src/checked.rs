@@ -5,7 +5,6 @@
 //! `gather_rows`, `gather_blocks`, `scatter_blocks`, `copy_within`), the norms and the
 //! elementwise ops; the others still check inside each backend.
 
-
 use crate::ops::{check_block_copy, check_copy_ranges};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, DType, DeltaNetShape, DeviceBuffer,
