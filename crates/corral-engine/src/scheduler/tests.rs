@@ -632,9 +632,12 @@ fn draft_lengths_are_chosen_by_acceptance_and_measured_cost() {
         .with_drafter(Box::new(FixedDrafter(3, vec![10, 10, 10])), 3)
         .with_adaptive_drafts();
     for drafts in 0..=3 {
-        s.observe_decode_step((1, drafts), 100.0 + 30.0 * drafts as f64);
-        // Steps of two sequences, far dearer, are no measure of one's.
-        s.observe_decode_step((2, drafts), 100.0 + 300.0 * drafts as f64);
+        // Each length's first step is not counted.
+        for _ in 0..2 {
+            s.observe_decode_step((1, drafts), 100.0 + 30.0 * drafts as f64);
+            // Steps of two sequences, far dearer, are no measure of one's.
+            s.observe_decode_step((2, drafts), 100.0 + 300.0 * drafts as f64);
+        }
     }
     let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
     s.add(EngineRequest {
