@@ -2,13 +2,16 @@
 //! arguments are checked for every backend (the buffers' element types and lengths against
 //! the shape, and the shape itself) before the backend's [`Ops`](crate::Ops) run, so that a
 //! backend computes only. Checked here so far: the copies (`fill_zero`, `embedding`,
-//! `gather_rows`, `gather_blocks`, `scatter_blocks`, `copy_within`), the norms and the
-//! elementwise ops; the others still check inside each backend.
+//! `gather_rows`, `gather_blocks`, `scatter_blocks`, `copy_within`), the norms, the
+//! elementwise ops and attention's (`rope`, `kv_store`, `qkv_norm_rope_store`,
+//! `paged_attention`); the projections, MoE, recurrent and sampling ops still check inside
+//! each backend.
 
 use crate::ops::{check_block_copy, check_copy_ranges};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, DType, DeltaNetShape, DeviceBuffer,
     ExpertWeights, MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, WeightView,
+    kv_row_elems,
 };
 
 impl<'b> dyn Backend + 'b {
@@ -218,6 +221,10 @@ impl<'b> dyn Backend + 'b {
         rotary_dim: usize,
         rope: RopeParams,
     ) -> Result<()> {
+        let op = "rope";
+        heads_of(op, head_dim, rotary_dim)?;
+        holds(op, "x", x, DType::F32, tokens * heads * head_dim)?;
+        holds(op, "positions", positions, DType::U32, tokens)?;
         self.ops()
             .rope(x, positions, tokens, heads, head_dim, rotary_dim, rope)
     }
@@ -235,6 +242,12 @@ impl<'b> dyn Backend + 'b {
         cache_k: &mut DeviceBuffer,
         cache_v: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "kv_store";
+        heads_of(op, head_dim, 0)?;
+        self.kv_cache(op, cache_k, cache_v, kv_heads, head_dim)?;
+        holds(op, "k", k, DType::F32, tokens * kv_heads * head_dim)?;
+        holds(op, "v", v, DType::F32, tokens * kv_heads * head_dim)?;
+        holds(op, "slots", slots, DType::U32, tokens)?;
         self.ops()
             .kv_store(k, v, slots, tokens, kv_heads, head_dim, cache_k, cache_v)
     }
@@ -253,6 +266,24 @@ impl<'b> dyn Backend + 'b {
         cache_k: &mut DeviceBuffer,
         cache_v: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "qkv_norm_rope_store";
+        let QkShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rotary_dim,
+            ..
+        } = shape;
+        heads_of(op, head_dim, rotary_dim)?;
+        self.kv_cache(op, cache_k, cache_v, kv_heads, head_dim)?;
+        let per_token = (heads + 2 * kv_heads) * head_dim;
+        holds(op, "qkv", qkv, DType::F32, tokens * per_token)?;
+        holds(op, "q_weight", q_weight, DType::F32, head_dim)?;
+        holds(op, "k_weight", k_weight, DType::F32, head_dim)?;
+        holds(op, "positions", positions, DType::U32, tokens)?;
+        holds(op, "slots", slots, DType::U32, tokens)?;
+        holds(op, "q_out", q_out, DType::F32, tokens * heads * head_dim)?;
         self.ops().qkv_norm_rope_store(
             qkv, q_weight, k_weight, positions, slots, shape, q_out, cache_k, cache_v,
         )
@@ -268,6 +299,37 @@ impl<'b> dyn Backend + 'b {
         shape: AttentionShape,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "paged_attention";
+        let AttentionShape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            ..
+        } = shape;
+        if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || meta.block_size == 0 {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!(
+                    "{num_heads} heads over {num_kv_heads} KV heads, blocks of {} tokens",
+                    meta.block_size
+                ),
+            });
+        }
+        heads_of(op, head_dim, 0)?;
+        self.kv_cache(op, cache_k, cache_v, num_kv_heads, head_dim)?;
+        let tokens = meta.tokens;
+        holds(op, "q", q, DType::F32, tokens * num_heads * head_dim)?;
+        holds(op, "out", out, DType::F32, tokens * num_heads * head_dim)?;
+        holds(op, "positions", meta.positions, DType::U32, tokens)?;
+        holds(op, "token_runs", meta.token_runs, DType::U32, tokens)?;
+        // At least one run's table where there are tokens (each token's run is read on the
+        // device, or by the CPU as it computes).
+        let tables = if tokens > 0 {
+            meta.max_blocks_per_run
+        } else {
+            0
+        };
+        holds(op, "block_tables", meta.block_tables, DType::U32, tables)?;
         self.ops()
             .paged_attention(q, cache_k, cache_v, meta, shape, out)
     }
@@ -520,6 +582,36 @@ impl<'b> dyn Backend + 'b {
             .moe_experts_per_token(x, routing, experts, act, out)
     }
 
+    /// Checks a layer's KV cache: both halves of one element type the device keeps caches in,
+    /// each at least one row of `kv_heads` heads of `head_dim`.
+    fn kv_cache(
+        &self,
+        op: &'static str,
+        cache_k: &DeviceBuffer,
+        cache_v: &DeviceBuffer,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        let dtype = cache_k.dtype();
+        if !self.capabilities().kv_dtypes.contains(&dtype) {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!("a KV cache of {dtype}, which this device does not keep"),
+            });
+        }
+        if dtype == DType::F8E4M3 && !head_dim.is_multiple_of(4) {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!(
+                    "an fp8 KV cache needs a head dim that is a multiple of 4, not {head_dim}"
+                ),
+            });
+        }
+        let row = kv_row_elems(dtype, kv_heads, head_dim);
+        holds(op, "cache_k", cache_k, dtype, row)?;
+        holds(op, "cache_v", cache_v, dtype, row)
+    }
+
     /// Checks a norm's output: f32, or bf16 where the device writes norms so
     /// ([`Capabilities::bf16_norm_outputs`](crate::Capabilities::bf16_norm_outputs)).
     fn norm_out(&self, op: &'static str, out: &DeviceBuffer, needed: usize) -> Result<()> {
@@ -534,6 +626,24 @@ impl<'b> dyn Backend + 'b {
         }
         holds(op, "out", out, dtype, needed)
     }
+}
+
+/// Dimensions of a head at most (every backend's kernels hold a head's row, or its
+/// rotation's frequencies, whole).
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// Checks a head of `head_dim` (at most [`MAX_HEAD_DIM`]) whose leading `rotary_dim` rotate
+/// (even, at most the head).
+fn heads_of(op: &'static str, head_dim: usize, rotary_dim: usize) -> Result<()> {
+    if head_dim > MAX_HEAD_DIM || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
+        return Err(BackendError::BadArgument {
+            op,
+            detail: format!(
+                "head dim {head_dim} (at most {MAX_HEAD_DIM}), rotary dim {rotary_dim} (even, at most the head dim)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Checks that `b` holds at least `needed` elements of `dtype`.

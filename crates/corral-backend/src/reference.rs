@@ -87,3 +87,31 @@ pub fn gather_rows(table: &[f32], ids: &[u32], dim: usize) -> Vec<f32> {
         })
         .collect()
 }
+
+/// Rotate-half (GPT-NeoX) RoPE of the first `rotary_dim` dims of each head of `x` (rows of
+/// `heads` heads of `head_dim`, one row a position). The angle is formed in f32, as
+/// transformers forms it from its f32 inverse frequencies; the rotation in f64.
+pub fn rope(
+    x: &[f32],
+    positions: &[u32],
+    heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    params: crate::RopeParams,
+) -> Vec<f32> {
+    let half = rotary_dim / 2;
+    let scale = params.attention_factor() as f64;
+    let mut out = x.to_vec();
+    for (row, &pos) in out.chunks_mut(heads * head_dim).zip(positions) {
+        for head in row.chunks_mut(head_dim) {
+            for i in 0..half {
+                let angle = (pos as f32 * params.inverse_frequency(i, rotary_dim)) as f64;
+                let (sin, cos) = angle.sin_cos();
+                let (a, b) = (head[i] as f64, head[i + half] as f64);
+                head[i] = ((a * cos - b * sin) * scale) as f32;
+                head[i + half] = ((b * cos + a * sin) * scale) as f32;
+            }
+        }
+    }
+    out
+}

@@ -358,19 +358,6 @@ fn checked_sorting<'a>(
 /// The runs of a recurrent op, checked against the token count and the state capacity; no
 /// slot may appear twice.
 /// RoPE's rotary dims must be even, within the head and within the kernel's tables.
-fn check_rotary(op: &'static str, rotary_dim: usize, head_dim: usize) -> Result<()> {
-    if !rotary_dim.is_multiple_of(2)
-        || rotary_dim > head_dim
-        || rotary_dim > ops::rope::MAX_ROTARY_DIM
-    {
-        return Err(bad(
-            op,
-            format!("rotary dim {rotary_dim} must be even and at most head dim {head_dim}"),
-        ));
-    }
-    Ok(())
-}
-
 /// The runs of a recurrent op, checked, into `out`.
 fn recurrent_runs(
     op: &'static str,
@@ -1019,9 +1006,8 @@ impl Ops for CpuBackend {
         rope: RopeParams,
     ) -> Result<()> {
         let op = "rope";
-        check_rotary(op, rotary_dim, head_dim)?;
-        let positions = u32s(op, "positions", positions, tokens)?;
-        let x = f32s_mut(op, "x", x, tokens * heads * head_dim)?;
+        let positions = read_u32(op, positions, tokens)?;
+        let x = write_f32(op, x, tokens * heads * head_dim)?;
         self.stats.dispatch(1);
         ops::rope::rope(x, positions, heads, head_dim, rotary_dim, rope);
         Ok(())
@@ -1040,7 +1026,7 @@ impl Ops for CpuBackend {
     ) -> Result<()> {
         let op = "kv_store";
         let kv_dim = kv_heads * head_dim;
-        let slots = u32s(op, "slots", slots, tokens)?;
+        let slots = read_u32(op, slots, tokens)?;
         let capacity = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
         if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {
             return Err(bad(
@@ -1048,8 +1034,8 @@ impl Ops for CpuBackend {
                 format!("slot {s} is out of range for {capacity} slots"),
             ));
         }
-        let k = f32s(op, "k", k, tokens * kv_dim)?;
-        let v = f32s(op, "v", v, tokens * kv_dim)?;
+        let k = read_f32(op, k, tokens * kv_dim)?;
+        let v = read_f32(op, v, tokens * kv_dim)?;
         let len = capacity * kv_dim;
         let cache_k = kv_rows_mut(op, "cache_k", cache_k, len)?;
         let cache_v = kv_rows_mut(op, "cache_v", cache_v, len)?;
@@ -1080,9 +1066,8 @@ impl Ops for CpuBackend {
             rope,
             eps,
         } = shape;
-        check_rotary(op, rotary_dim, head_dim)?;
         let kv_dim = kv_heads * head_dim;
-        let slots = u32s(op, "slots", slots, tokens)?;
+        let slots = read_u32(op, slots, tokens)?;
         let capacity = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
         if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {
             return Err(bad(
@@ -1090,11 +1075,11 @@ impl Ops for CpuBackend {
                 format!("slot {s} is out of range for {capacity} slots"),
             ));
         }
-        let positions = u32s(op, "positions", positions, tokens)?;
-        let qkv = f32s(op, "qkv", qkv, tokens * (heads * head_dim + 2 * kv_dim))?;
-        let q_weight = weight_f32(op, q_weight, head_dim)?;
-        let k_weight = weight_f32(op, k_weight, head_dim)?;
-        let q_out = f32s_mut(op, "q_out", q_out, tokens * heads * head_dim)?;
+        let positions = read_u32(op, positions, tokens)?;
+        let qkv = read_f32(op, qkv, tokens * (heads * head_dim + 2 * kv_dim))?;
+        let q_weight = read_f32(op, q_weight, head_dim)?;
+        let k_weight = read_f32(op, k_weight, head_dim)?;
+        let q_out = write_f32(op, q_out, tokens * heads * head_dim)?;
         let len = capacity * kv_dim;
         let cache_k = kv_rows_mut(op, "cache_k", cache_k, len)?;
         let cache_v = kv_rows_mut(op, "cache_v", cache_v, len)?;
@@ -1129,17 +1114,11 @@ impl Ops for CpuBackend {
             head_dim,
             scale,
         } = shape;
-        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 || meta.block_size == 0 {
-            return Err(bad(
-                op,
-                format!("{num_heads} heads over {num_kv_heads} KV heads"),
-            ));
-        }
         let tokens = meta.tokens;
         let kv_dim = num_kv_heads * head_dim;
         let num_blocks = cache_k.len().min(cache_v.len()) / (kv_dim * meta.block_size);
-        let positions = u32s(op, "positions", meta.positions, tokens)?;
-        let token_runs = u32s(op, "token_runs", meta.token_runs, tokens)?;
+        let positions = read_u32(op, meta.positions, tokens)?;
+        let token_runs = read_u32(op, meta.token_runs, tokens)?;
         let num_runs = token_runs
             .iter()
             .map(|&r| r as usize + 1)
@@ -1171,10 +1150,10 @@ impl Ops for CpuBackend {
             block_size: meta.block_size,
         };
         let len = num_blocks * meta.block_size * kv_dim;
-        let q = f32s(op, "q", q, tokens * num_heads * head_dim)?;
+        let q = read_f32(op, q, tokens * num_heads * head_dim)?;
         let cache_k = kv_rows(op, "cache_k", cache_k, len)?;
         let cache_v = kv_rows(op, "cache_v", cache_v, len)?;
-        let out = f32s_mut(op, "out", out, tokens * num_heads * head_dim)?;
+        let out = write_f32(op, out, tokens * num_heads * head_dim)?;
         self.stats.dispatch(1);
         ops::attention::paged_attention(
             q,

@@ -359,18 +359,6 @@ fn few_rows_variant(pairs: usize, experts: usize, big_tiles: bool) -> Option<usi
     }
 }
 
-/// An fp8 cache keeps its head scales as f32 after a row of values, so a row's bytes (its
-/// heads' dims) must be a multiple of 4 for them to be aligned.
-fn check_fp8_head_dim(op: &'static str, dtype: DType, head_dim: usize) -> Result<()> {
-    if dtype == DType::F8E4M3 && !head_dim.is_multiple_of(4) {
-        return Err(bad(
-            op,
-            format!("an fp8 KV cache needs a head dim that is a multiple of 4, not {head_dim}"),
-        ));
-    }
-    Ok(())
-}
-
 /// Threads of a prefill attention tile (flash_attention.cu's FA_THREADS).
 pub(crate) const FLASH_THREADS: u32 = 128;
 
@@ -2214,19 +2202,13 @@ impl Ops for CudaBackend {
         rope: RopeParams,
     ) -> Result<()> {
         let op = "rope";
-        if rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
-            return Err(bad(
-                op,
-                format!("rotary dim {rotary_dim} of head dim {head_dim}"),
-            ));
-        }
         let items = tokens * heads * (rotary_dim / 2);
         if items == 0 {
             return Ok(());
         }
         let args = [
-            buf(op, "x", x, DType::F32, tokens * heads * head_dim)?,
-            buf(op, "positions", positions, DType::U32, tokens)?,
+            addr(op, x)?,
+            addr(op, positions)?,
             u32_of(op, tokens)?,
             u32_of(op, heads)?,
             u32_of(op, head_dim)?,
@@ -2258,13 +2240,12 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let dtype = cache_k.dtype();
-        check_fp8_head_dim(op, dtype, head_dim)?;
         let row = kv_row_elems(dtype, kv_heads, head_dim);
         let cache_slots = cache_k.len().min(cache_v.len()) / row;
         let mut args = vec![
-            buf(op, "k", k, DType::F32, tokens * kv_dim)?,
-            buf(op, "v", v, DType::F32, tokens * kv_dim)?,
-            buf(op, "slots", slots, DType::U32, tokens)?,
+            addr(op, k)?,
+            addr(op, v)?,
+            addr(op, slots)?,
             u32_of(op, tokens)?,
         ];
         if dtype == DType::F8E4M3 {
@@ -2274,8 +2255,8 @@ impl Ops for CudaBackend {
         }
         args.extend([
             Arg::U64(cache_slots as u64),
-            buf(op, "cache_k", cache_k, dtype, row)?,
-            buf(op, "cache_v", cache_v, dtype, row)?,
+            addr(op, cache_k)?,
+            addr(op, cache_v)?,
             self.diag(),
         ]);
         let kernel = match dtype {
@@ -2309,28 +2290,19 @@ impl Ops for CudaBackend {
             rope,
             eps,
         } = shape;
-        if head_dim > 512 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
-            return Err(bad(
-                op,
-                format!(
-                    "head dim {head_dim} (at most 512), rotary dim {rotary_dim} (even, at most the head dim)"
-                ),
-            ));
-        }
         if tokens == 0 {
             return Ok(());
         }
         let dtype = cache_k.dtype();
-        check_fp8_head_dim(op, dtype, head_dim)?;
         let row = kv_row_elems(dtype, kv_heads, head_dim);
         let cache_slots = cache_k.len().min(cache_v.len()) / row.max(1);
         let per_token = heads + 2 * kv_heads;
         let args = [
-            buf(op, "qkv", qkv, DType::F32, tokens * per_token * head_dim)?,
-            buf(op, "q_weight", q_weight, DType::F32, head_dim)?,
-            buf(op, "k_weight", k_weight, DType::F32, head_dim)?,
-            buf(op, "positions", positions, DType::U32, tokens)?,
-            buf(op, "slots", slots, DType::U32, tokens)?,
+            addr(op, qkv)?,
+            addr(op, q_weight)?,
+            addr(op, k_weight)?,
+            addr(op, positions)?,
+            addr(op, slots)?,
             u32_of(op, tokens)?,
             u32_of(op, heads)?,
             u32_of(op, kv_heads)?,
@@ -2340,9 +2312,9 @@ impl Ops for CudaBackend {
         let rest = [
             Arg::F32(eps),
             Arg::U64(cache_slots as u64),
-            buf(op, "q_out", q_out, DType::F32, tokens * heads * head_dim)?,
-            buf(op, "cache_k", cache_k, dtype, row)?,
-            buf(op, "cache_v", cache_v, dtype, row)?,
+            addr(op, q_out)?,
+            addr(op, cache_k)?,
+            addr(op, cache_v)?,
             self.diag(),
         ];
         let args = [&args[..], &rope_args(rope, rotary_dim), &rest].concat();
@@ -2374,18 +2346,7 @@ impl Ops for CudaBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "paged_attention";
-        let AttentionShape {
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            ..
-        } = shape;
-        if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || head_dim > 512 {
-            return Err(bad(
-                op,
-                format!("{num_heads} heads over {num_kv_heads} KV heads of dim {head_dim}"),
-            ));
-        }
+        let head_dim = shape.head_dim;
         let tokens = meta.tokens;
         if tokens == 0 {
             return Ok(());

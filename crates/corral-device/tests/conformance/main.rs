@@ -9,6 +9,7 @@ use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 
+mod attention;
 mod copies;
 mod elementwise;
 

@@ -1,0 +1,148 @@
+//! RoPE and the KV cache's stores.
+
+use corral_backend::{BufferUsage, DType, RopeParams, Yarn, reference};
+use proptest::prelude::*;
+
+use crate::{Rng, assert_near, assert_refused, download, f32_buf, out_buf, subjects, u32_buf};
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn rope_matches_the_reference(
+        tokens in 1usize..12,
+        heads in 1usize..5,
+        half_head in 1usize..65,
+        yarn in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let head_dim = 2 * half_head;
+        let mut rng = Rng(seed);
+        let rotary_dim = 2 * (1 + rng.below(half_head));
+        let x = rng.values(tokens * heads * head_dim);
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.below(5000) as u32).collect();
+        let params = if yarn {
+            RopeParams { theta: 1e6, yarn: Some(Yarn::new(4.0, 1024)) }
+        } else {
+            RopeParams::plain(1e6)
+        };
+        let want = reference::rope(&x, &positions, heads, head_dim, rotary_dim, params);
+        for s in subjects() {
+            let b = s.backend;
+            let mut xb = f32_buf(b, &x);
+            let pos = u32_buf(b, &positions);
+            b.rope(&mut xb, &pos, tokens, heads, head_dim, rotary_dim, params).unwrap();
+            assert_near(&s, "rope", &download(b, &xb, x.len()), &want);
+        }
+    }
+
+    #[test]
+    fn kv_store_writes_each_token_at_its_slot(
+        tokens in 1usize..10,
+        kv_heads in 1usize..4,
+        quarter_head in 1usize..17,
+        seed in any::<u64>(),
+    ) {
+        let head_dim = 4 * quarter_head;
+        let kv_dim = kv_heads * head_dim;
+        let capacity = tokens + 5;
+        let mut rng = Rng(seed);
+        let (k, v) = (rng.values(tokens * kv_dim), rng.values(tokens * kv_dim));
+        // Distinct slots, in any order.
+        let mut slots: Vec<u32> = (0..capacity as u32).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, rng.below(i + 1));
+        }
+        slots.truncate(tokens);
+        for s in subjects() {
+            let b = s.backend;
+            let (kb, vb, sb) = (f32_buf(b, &k), f32_buf(b, &v), u32_buf(b, &slots));
+            for dtype in [DType::F32, DType::BF16] {
+                let round = |x: f32| match dtype {
+                    DType::BF16 => half::bf16::from_f32(x).to_f32(),
+                    _ => x,
+                };
+                let mut cache_k = b.alloc_zeroed(dtype, capacity * kv_dim, BufferUsage::KvCache).unwrap();
+                let mut cache_v = b.alloc_zeroed(dtype, capacity * kv_dim, BufferUsage::KvCache).unwrap();
+                b.kv_store(&kb, &vb, &sb, tokens, kv_heads, head_dim, &mut cache_k, &mut cache_v)
+                    .unwrap();
+                for (cache, src, what) in [(&cache_k, &k, "k"), (&cache_v, &v, "v")] {
+                    let mut want = vec![0.0f32; capacity * kv_dim];
+                    for (t, &slot) in slots.iter().enumerate() {
+                        for i in 0..kv_dim {
+                            want[slot as usize * kv_dim + i] = round(src[t * kv_dim + i]);
+                        }
+                    }
+                    let got = read_cache(b, cache, dtype, capacity * kv_dim);
+                    prop_assert_eq!(got, want, "{}: kv_store {} into a {} cache", s.name, what, dtype);
+                }
+            }
+        }
+    }
+}
+
+/// A cache's first `n` elements as f32.
+fn read_cache(
+    b: &dyn corral_backend::Backend,
+    cache: &corral_backend::DeviceBuffer,
+    dtype: DType,
+    n: usize,
+) -> Vec<f32> {
+    let mut bytes = vec![0u8; dtype.bytes_of(n)];
+    b.read_bytes(cache, 0, &mut bytes).unwrap();
+    let mut out = Vec::new();
+    assert!(
+        dtype.extend_f32(&bytes, &mut out),
+        "{dtype}: not a float type"
+    );
+    out
+}
+
+/// Heads too wide, odd or over-wide rotations, caches of a type the device does not keep,
+/// and mismatched heads are refused alike by every backend.
+#[test]
+fn attention_ops_refuse_bad_shapes() {
+    for s in subjects() {
+        let b = s.backend;
+        let mut x = out_buf(b, 4 * 1024);
+        let pos = u32_buf(b, &[0, 1]);
+        let params = RopeParams::plain(1e6);
+        assert_refused(&s, "rope", b.rope(&mut x, &pos, 2, 1, 1024, 64, params));
+        assert_refused(&s, "rope", b.rope(&mut x, &pos, 2, 1, 64, 3, params));
+        assert_refused(&s, "rope", b.rope(&mut x, &pos, 2, 1, 64, 66, params));
+        assert_refused(&s, "rope", b.rope(&mut x, &pos, 3, 1, 64, 64, params));
+        let (k, slots) = (f32_buf(b, &[0.0; 64]), u32_buf(b, &[0, 1]));
+        let mut u32_k = u32_buf(b, &[0; 256]);
+        let mut u32_v = u32_buf(b, &[0; 256]);
+        assert_refused(
+            &s,
+            "kv_store",
+            b.kv_store(&k, &k, &slots, 2, 1, 32, &mut u32_k, &mut u32_v),
+        );
+        let mut cache_k = b
+            .alloc_zeroed(DType::F32, 256, BufferUsage::KvCache)
+            .unwrap();
+        let mut cache_v = b
+            .alloc_zeroed(DType::BF16, 256, BufferUsage::KvCache)
+            .unwrap();
+        assert_refused(
+            &s,
+            "kv_store",
+            b.kv_store(&k, &k, &slots, 2, 1, 32, &mut cache_k, &mut cache_v),
+        );
+        let mut cache_v = b
+            .alloc_zeroed(DType::F32, 256, BufferUsage::KvCache)
+            .unwrap();
+        assert_refused(
+            &s,
+            "kv_store",
+            b.kv_store(&k, &k, &slots, 3, 1, 32, &mut cache_k, &mut cache_v),
+        );
+        assert_eq!(
+            download(b, &cache_k, 256),
+            vec![0.0; 256],
+            "{}: a refused store wrote the cache",
+            s.name
+        );
+    }
+}
