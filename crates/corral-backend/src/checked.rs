@@ -3,9 +3,10 @@
 //! the shape, and the shape itself) before the backend's [`Ops`](crate::Ops) run, so that a
 //! backend computes only. Checked here so far: the copies (`fill_zero`, `embedding`,
 //! `gather_rows`, `gather_blocks`, `scatter_blocks`, `copy_within`), the norms, the
-//! elementwise ops and attention's (`rope`, `kv_store`, `qkv_norm_rope_store`,
-//! `paged_attention`); the projections, MoE, recurrent and sampling ops still check inside
-//! each backend.
+//! elementwise ops, attention's (`rope`, `kv_store`, `qkv_norm_rope_store`,
+//! `paged_attention`) and the Gated DeltaNet's (`causal_conv1d`, `delta_net_gates`,
+//! `gated_delta_rule`); the projections, MoE and sampling ops still check inside each
+//! backend.
 
 use crate::ops::{check_block_copy, check_copy_ranges};
 use crate::{
@@ -489,6 +490,27 @@ impl<'b> dyn Backend + 'b {
         conv_state: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "causal_conv1d";
+        if !(2..=MAX_CONV_KERNEL).contains(&kernel) || channels == 0 {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!(
+                    "a kernel of {kernel} (2 to {MAX_CONV_KERNEL}) over {channels} channels"
+                ),
+            });
+        }
+        let tokens = x.len() / channels;
+        holds(op, "x", x, DType::F32, tokens * channels)?;
+        holds(op, "weight", weight, DType::F32, channels * kernel)?;
+        holds(
+            op,
+            "conv_state",
+            conv_state,
+            DType::F32,
+            channels * (kernel - 1),
+        )?;
+        holds(op, "out", out, DType::F32, tokens * channels)?;
+        runs_of(op, runs)?;
         self.ops()
             .causal_conv1d(x, weight, channels, kernel, runs, conv_state, out)
     }
@@ -506,6 +528,14 @@ impl<'b> dyn Backend + 'b {
         g: &mut DeviceBuffer,
         beta: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "delta_net_gates";
+        for (what, buffer) in [("a", a), ("b", b)] {
+            holds(op, what, buffer, DType::F32, tokens * heads)?;
+        }
+        holds(op, "a_log", a_log, DType::F32, heads)?;
+        holds(op, "dt_bias", dt_bias, DType::F32, heads)?;
+        holds(op, "g", g, DType::F32, tokens * heads)?;
+        holds(op, "beta", beta, DType::F32, tokens * heads)?;
         self.ops()
             .delta_net_gates(a, b, a_log, dt_bias, tokens, heads, g, beta)
     }
@@ -522,6 +552,41 @@ impl<'b> dyn Backend + 'b {
         recurrent_state: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "gated_delta_rule";
+        let DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        } = shape;
+        if nk == 0
+            || !nv.is_multiple_of(nk)
+            || !(1..=MAX_DELTA_KEY_DIM).contains(&dk)
+            || !(1..=MAX_DELTA_VALUE_DIM).contains(&dv)
+        {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!(
+                    "{nv} value heads of {dv} over {nk} key heads of {dk} (key dim at most \
+                     {MAX_DELTA_KEY_DIM}, value dim at most {MAX_DELTA_VALUE_DIM}, value heads a \
+                     multiple of key heads)"
+                ),
+            });
+        }
+        let width = 2 * nk * dk + nv * dv;
+        let tokens = qkv.len() / width;
+        holds(op, "qkv", qkv, DType::F32, tokens * width)?;
+        holds(op, "g", g, DType::F32, tokens * nv)?;
+        holds(op, "beta", beta, DType::F32, tokens * nv)?;
+        holds(
+            op,
+            "recurrent_state",
+            recurrent_state,
+            DType::F32,
+            nv * dk * dv,
+        )?;
+        holds(op, "out", out, DType::F32, tokens * nv * dv)?;
+        runs_of(op, runs)?;
         self.ops()
             .gated_delta_rule(qkv, g, beta, shape, runs, recurrent_state, out)
     }
@@ -644,6 +709,24 @@ fn heads_of(op: &'static str, head_dim: usize, rotary_dim: usize) -> Result<()> 
         });
     }
     Ok(())
+}
+
+/// The widest depthwise convolution kernel (every backend's kernels hold a channel's taps).
+pub const MAX_CONV_KERNEL: usize = 16;
+/// The largest key dim of a Gated DeltaNet head (every backend's kernels hold a key whole).
+pub const MAX_DELTA_KEY_DIM: usize = 128;
+/// The largest value dim of a Gated DeltaNet head.
+pub const MAX_DELTA_VALUE_DIM: usize = 512;
+
+/// Checks a recurrent op's runs: `[start, len, slot, fresh]` each in u32, and the slots
+/// that keep intermediate states, one a run, where given. Their values are the backend's
+/// to check as it reads them (the CPU's on the host, a GPU's on the device).
+fn runs_of(op: &'static str, runs: RecurrentRuns<'_>) -> Result<()> {
+    holds(op, "runs", runs.runs, DType::U32, runs.num_runs * 4)?;
+    match runs.kept {
+        Some(kept) => holds(op, "kept", kept, DType::U32, runs.num_runs),
+        None => Ok(()),
+    }
 }
 
 /// Checks that `b` holds at least `needed` elements of `dtype`.

@@ -280,7 +280,6 @@ fn check_blocks(op: &'static str, dtype: DType, offset: usize, cols: usize) -> R
     ))
 }
 
-/// The rows of a weight view as f32 values, when stored as f32 (norm weights).
 /// A KV cache buffer's first `needed` elements, f32 or bf16.
 fn kv_rows<'a>(
     op: &'static str,
@@ -315,18 +314,6 @@ fn kv_rows_mut<'a>(
             op,
             format!("`{what}` is a cache of {dtype} (f32 or bf16)"),
         )),
-    }
-}
-
-fn weight_f32<'a>(op: &'static str, b: &'a DeviceBuffer, needed: usize) -> Result<&'a [f32]> {
-    check_len(op, "weight", b, needed)?;
-    match weight_rows(op, b)? {
-        WeightRows::F32(v) => Ok(&v[..needed]),
-        _ => Err(BackendError::WrongDType {
-            op,
-            expected: DType::F32,
-            got: b.dtype(),
-        }),
     }
 }
 
@@ -1248,22 +1235,14 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "causal_conv1d";
-        if !(2..=16).contains(&kernel) {
-            return Err(bad(op, format!("kernel size {kernel} is outside 2..=16")));
-        }
         let tokens = x.len() / channels.max(1);
         let slots = conv_state.len() / (channels * (kernel - 1)).max(1);
         ops::with_reused(&RECURRENT_RUNS, |checked| {
             recurrent_runs(op, runs, tokens, slots, checked)?;
-            let x = f32s(op, "x", x, tokens * channels)?;
-            let weight = weight_f32(op, weight, channels * kernel)?;
-            let state = f32s_mut(
-                op,
-                "conv_state",
-                conv_state,
-                slots * channels * (kernel - 1),
-            )?;
-            let out = f32s_mut(op, "out", out, tokens * channels)?;
+            let x = read_f32(op, x, tokens * channels)?;
+            let weight = read_f32(op, weight, channels * kernel)?;
+            let state = write_f32(op, conv_state, slots * channels * (kernel - 1))?;
+            let out = write_f32(op, out, tokens * channels)?;
             self.stats.dispatch(1);
             ops::delta_net::causal_conv1d(x, weight, channels, kernel, checked, state, out);
             Ok(())
@@ -1282,12 +1261,12 @@ impl Ops for CpuBackend {
         beta: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "delta_net_gates";
-        let a = f32s(op, "a", a, tokens * heads)?;
-        let b = f32s(op, "b", b, tokens * heads)?;
-        let a_log = weight_f32(op, a_log, heads)?;
-        let dt_bias = weight_f32(op, dt_bias, heads)?;
-        let g = f32s_mut(op, "g", g, tokens * heads)?;
-        let beta = f32s_mut(op, "beta", beta, tokens * heads)?;
+        let a = read_f32(op, a, tokens * heads)?;
+        let b = read_f32(op, b, tokens * heads)?;
+        let a_log = read_f32(op, a_log, heads)?;
+        let dt_bias = read_f32(op, dt_bias, heads)?;
+        let g = write_f32(op, g, tokens * heads)?;
+        let beta = write_f32(op, beta, tokens * heads)?;
         self.stats.dispatch(1);
         ops::delta_net::gates(a, b, a_log, dt_bias, heads, g, beta);
         Ok(())
@@ -1310,19 +1289,16 @@ impl Ops for CpuBackend {
             key_dim: dk,
             value_dim: dv,
         } = shape;
-        if nk == 0 || nv % nk != 0 {
-            return Err(bad(op, format!("{nv} value heads over {nk} key heads")));
-        }
         let width = 2 * nk * dk + nv * dv;
         let tokens = qkv.len() / width.max(1);
         let slots = recurrent_state.len() / (nv * dk * dv).max(1);
         ops::with_reused(&RECURRENT_RUNS, |checked| {
             recurrent_runs(op, runs, tokens, slots, checked)?;
-            let qkv = f32s(op, "qkv", qkv, tokens * width)?;
-            let g = f32s(op, "g", g, tokens * nv)?;
-            let beta = f32s(op, "beta", beta, tokens * nv)?;
-            let state = f32s_mut(op, "recurrent_state", recurrent_state, slots * nv * dk * dv)?;
-            let out = f32s_mut(op, "out", out, tokens * nv * dv)?;
+            let qkv = read_f32(op, qkv, tokens * width)?;
+            let g = read_f32(op, g, tokens * nv)?;
+            let beta = read_f32(op, beta, tokens * nv)?;
+            let state = write_f32(op, recurrent_state, slots * nv * dk * dv)?;
+            let out = write_f32(op, out, tokens * nv * dv)?;
             self.stats.dispatch(1);
             ops::delta_net::delta_rule(qkv, g, beta, (nk, nv, dk, dv), checked, state, out);
             Ok(())

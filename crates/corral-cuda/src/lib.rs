@@ -469,16 +469,16 @@ fn buf(
     Ok(Arg::Ptr(ptr_of(op, b)?))
 }
 
-/// The address of element `first` of a buffer of `dtype` with at least `first + count`
-/// elements: a kernel's view of a range of the batch's tokens.
 /// [`RecurrentRuns::kept`] as a kernel argument: its buffer, or null.
 fn kept_arg(op: &'static str, runs: RecurrentRuns<'_>) -> Result<Arg> {
     match runs.kept {
-        Some(kept) => buf(op, "kept", kept, DType::U32, runs.num_runs),
+        Some(kept) => addr(op, kept),
         None => Ok(Arg::Ptr(0)),
     }
 }
 
+/// The address of element `first` of a buffer of `dtype` with at least `first + count`
+/// elements: a kernel's view of a range of the batch's tokens.
 fn buf_range(
     op: &'static str,
     what: &'static str,
@@ -2728,30 +2728,21 @@ impl Ops for CudaBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "causal_conv1d";
-        if !(2..=16).contains(&kernel) {
-            return Err(bad(op, format!("kernel size {kernel} is outside 2..=16")));
-        }
         if runs.num_runs == 0 || channels == 0 {
             return Ok(());
         }
         let tokens = x.len() / channels;
         let slots = conv_state.len() / (channels * (kernel - 1));
         let args = [
-            buf(op, "x", x, DType::F32, tokens * channels)?,
-            buf(op, "weight", weight, DType::F32, channels * kernel)?,
+            addr(op, x)?,
+            addr(op, weight)?,
             u32_of(op, channels)?,
             u32_of(op, kernel)?,
-            buf(op, "runs", runs.runs, DType::U32, runs.num_runs * 4)?,
+            addr(op, runs.runs)?,
             u32_of(op, tokens)?,
             u32_of(op, slots)?,
-            buf(
-                op,
-                "conv_state",
-                conv_state,
-                DType::F32,
-                slots * channels * (kernel - 1),
-            )?,
-            buf(op, "out", out, DType::F32, tokens * channels)?,
+            addr(op, conv_state)?,
+            addr(op, out)?,
             kept_arg(op, runs)?,
             self.diag(),
         ];
@@ -2781,14 +2772,14 @@ impl Ops for CudaBackend {
             return Ok(());
         }
         let args = [
-            buf(op, "a", a, DType::F32, len)?,
-            buf(op, "b", b, DType::F32, len)?,
-            buf(op, "a_log", a_log, DType::F32, heads)?,
-            buf(op, "dt_bias", dt_bias, DType::F32, heads)?,
+            addr(op, a)?,
+            addr(op, b)?,
+            addr(op, a_log)?,
+            addr(op, dt_bias)?,
             u32_of(op, tokens)?,
             u32_of(op, heads)?,
-            buf(op, "g", g, DType::F32, len)?,
-            buf(op, "beta", beta, DType::F32, len)?,
+            addr(op, g)?,
+            addr(op, beta)?,
         ];
         self.launch(
             &self.kernels.delta_net_gates,
@@ -2815,15 +2806,6 @@ impl Ops for CudaBackend {
             key_dim: dk,
             value_dim: dv,
         } = shape;
-        if nk == 0 || !nv.is_multiple_of(nk) || dk == 0 || dk > 128 || dv == 0 || dv > 512 {
-            return Err(bad(
-                op,
-                format!(
-                    "{nv} value heads of {dv} over {nk} key heads of {dk} (key dim at most 128, \
-                     value dim at most 512, value heads a multiple of key heads)"
-                ),
-            ));
-        }
         if runs.num_runs == 0 {
             return Ok(());
         }
@@ -2831,24 +2813,18 @@ impl Ops for CudaBackend {
         let tokens = qkv.len() / width;
         let slots = recurrent_state.len() / (nv * dk * dv);
         let args = [
-            buf(op, "qkv", qkv, DType::F32, tokens * width)?,
-            buf(op, "g", g, DType::F32, tokens * nv)?,
-            buf(op, "beta", beta, DType::F32, tokens * nv)?,
+            addr(op, qkv)?,
+            addr(op, g)?,
+            addr(op, beta)?,
             u32_of(op, nk)?,
             u32_of(op, nv)?,
             u32_of(op, dk)?,
             u32_of(op, dv)?,
-            buf(op, "runs", runs.runs, DType::U32, runs.num_runs * 4)?,
+            addr(op, runs.runs)?,
             u32_of(op, tokens)?,
             u32_of(op, slots)?,
-            buf(
-                op,
-                "recurrent_state",
-                recurrent_state,
-                DType::F32,
-                slots * nv * dk * dv,
-            )?,
-            buf(op, "out", out, DType::F32, tokens * nv * dv)?,
+            addr(op, recurrent_state)?,
+            addr(op, out)?,
             self.diag(),
         ];
         // Runs keeping their states go token by token (a verify's few tokens).
