@@ -5,10 +5,12 @@
 //! `gather_rows`, `gather_blocks`, `scatter_blocks`, `copy_within`), the norms, the
 //! elementwise ops, attention's (`rope`, `kv_store`, `qkv_norm_rope_store`,
 //! `paged_attention`) and the Gated DeltaNet's (`causal_conv1d`, `delta_net_gates`,
-//! `gated_delta_rule`); the projections, MoE and sampling ops still check inside each
-//! backend.
+//! `gated_delta_rule`), sampling's (`logit_penalties`, `top_candidates`), and MoE routing
+//! (`moe_route`, `scale_scatter_add`); the projections and the experts' ops still check
+//! inside each backend.
 
 use crate::ops::{check_block_copy, check_copy_ranges};
+use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS, MAX_REDUCED_VOCAB};
 use crate::{
     AttentionMeta, AttentionShape, Backend, BackendError, DType, DeltaNetShape, DeviceBuffer,
     ExpertWeights, MoeRouting, MoeSorted, QkShape, RecurrentRuns, Result, RopeParams, WeightView,
@@ -348,6 +350,26 @@ impl<'b> dyn Backend + 'b {
         expert_ids: &mut DeviceBuffer,
         expert_weights: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "moe_route";
+        if top_k == 0 || top_k > num_experts || num_experts > MAX_EXPERTS {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!("top {top_k} of {num_experts} experts (at most {MAX_EXPERTS})"),
+            });
+        }
+        let (row, choices) = (
+            num_experts + usize::from(shared_gate),
+            top_k + usize::from(shared_gate),
+        );
+        holds(op, "logits", logits, DType::F32, tokens * row)?;
+        holds(op, "expert_ids", expert_ids, DType::U32, tokens * choices)?;
+        holds(
+            op,
+            "expert_weights",
+            expert_weights,
+            DType::F32,
+            tokens * choices,
+        )?;
         self.ops().moe_route(
             logits,
             tokens,
@@ -371,6 +393,11 @@ impl<'b> dyn Backend + 'b {
         dim: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "scale_scatter_add";
+        holds(op, "y", y, DType::F32, num_rows * dim)?;
+        holds(op, "rows", rows, DType::U32, num_rows)?;
+        holds(op, "scales", scales, DType::F32, num_rows)?;
+        holds(op, "out", out, DType::F32, dim)?;
         self.ops()
             .scale_scatter_add(y, rows, scales, num_rows, dim, out)
     }
@@ -619,6 +646,9 @@ impl<'b> dyn Backend + 'b {
         entries: &DeviceBuffer,
         n: usize,
     ) -> Result<()> {
+        let op = "logit_penalties";
+        holds(op, "logits", logits, DType::F32, len)?;
+        holds(op, "entries", entries, DType::U32, n * DRAW_WORDS)?;
         self.ops().logit_penalties(logits, len, entries, n)
     }
 
@@ -631,6 +661,16 @@ impl<'b> dyn Backend + 'b {
         draws: &DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "top_candidates";
+        if !(1..=MAX_REDUCED_VOCAB).contains(&vocab) {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!("a vocabulary of {vocab} (1 to {MAX_REDUCED_VOCAB})"),
+            });
+        }
+        holds(op, "logits", logits, DType::F32, rows * vocab)?;
+        holds(op, "draws", draws, DType::U32, rows * DRAW_WORDS)?;
+        holds(op, "out", out, DType::U32, rows * CANDIDATE_ROW_WORDS)?;
         self.ops().top_candidates(logits, rows, vocab, draws, out)
     }
 
@@ -710,6 +750,9 @@ fn heads_of(op: &'static str, head_dim: usize, rotary_dim: usize) -> Result<()> 
     }
     Ok(())
 }
+
+/// The most experts a MoE layer routes over (every backend's router holds a token's logits).
+pub const MAX_EXPERTS: usize = 4096;
 
 /// The widest depthwise convolution kernel (every backend's kernels hold a channel's taps).
 pub const MAX_CONV_KERNEL: usize = 16;

@@ -30,7 +30,9 @@ pub mod synthetic;
 pub use buffer::{
     BufferUsage, Buffers, DeviceAllocation, DeviceBuffer, MappedFile, Storage, WeightView,
 };
-pub use checked::{MAX_CONV_KERNEL, MAX_DELTA_KEY_DIM, MAX_DELTA_VALUE_DIM, MAX_HEAD_DIM};
+pub use checked::{
+    MAX_CONV_KERNEL, MAX_DELTA_KEY_DIM, MAX_DELTA_VALUE_DIM, MAX_EXPERTS, MAX_HEAD_DIM,
+};
 pub use device::{Capabilities, Device, DeviceMemory, Graph, KernelTime};
 pub use dtype::{DType, kv_row_elems};
 pub use error::{BackendError, Result};

@@ -115,3 +115,21 @@ pub fn rope(
     }
     out
 }
+
+/// `out[rows[i]] += scales[i] · y[i]` over rows of `dim`, onto `base`.
+pub fn scale_scatter_add(
+    base: &[f32],
+    y: &[f32],
+    rows: &[u32],
+    scales: &[f32],
+    dim: usize,
+) -> Vec<f32> {
+    let mut out = base.to_vec();
+    for (i, &r) in rows.iter().enumerate() {
+        for c in 0..dim {
+            let at = r as usize * dim + c;
+            out[at] = (out[at] as f64 + scales[i] as f64 * y[i * dim + c] as f64) as f32;
+        }
+    }
+    out
+}

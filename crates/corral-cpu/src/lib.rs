@@ -140,6 +140,15 @@ fn write_f32<'a>(op: &'static str, b: &'a mut DeviceBuffer, n: usize) -> Result<
     }
 }
 
+/// As [`write_f32`], of a u32 buffer.
+fn write_u32<'a>(op: &'static str, b: &'a mut DeviceBuffer, n: usize) -> Result<&'a mut [u32]> {
+    let len = b.len();
+    match b.storage_mut() {
+        Storage::U32(v) => v.get_mut(..n).ok_or_else(|| short(op, len, n)),
+        _ => Err(BackendError::ForeignBuffer { op }),
+    }
+}
+
 /// As [`read_f32`], of a u32 buffer.
 fn read_u32<'a>(op: &'static str, b: &'a DeviceBuffer, n: usize) -> Result<&'a [u32]> {
     match b.storage() {
@@ -677,9 +686,9 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "scale_scatter_add";
-        let rows = u32s(op, "rows", rows, num_rows)?;
-        let scales = f32s(op, "scales", scales, num_rows)?;
-        let y = f32s(op, "y", y, num_rows * dim)?;
+        let rows = read_u32(op, rows, num_rows)?;
+        let scales = read_f32(op, scales, num_rows)?;
+        let y = read_f32(op, y, num_rows * dim)?;
         let available = out.len() / dim.max(1);
         if let Some(&r) = rows.iter().find(|&&r| r as usize >= available) {
             return Err(bad(
@@ -687,7 +696,7 @@ impl Ops for CpuBackend {
                 format!("row {r} is out of range for {available} rows"),
             ));
         }
-        let out = f32s_mut(op, "out", out, available * dim)?;
+        let out = write_f32(op, out, available * dim)?;
         self.stats.dispatch(1);
         for (i, &r) in rows.iter().enumerate() {
             let dst = &mut out[r as usize * dim..(r as usize + 1) * dim];
@@ -1168,16 +1177,13 @@ impl Ops for CpuBackend {
         expert_weights: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "moe_route";
-        if top_k == 0 || top_k > num_experts {
-            return Err(bad(op, format!("top-{top_k} of {num_experts} experts")));
-        }
         let (row, choices) = (
             num_experts + shared_gate as usize,
             top_k + shared_gate as usize,
         );
-        let logits = f32s(op, "logits", logits, tokens * row)?;
-        let ids = u32s_mut(op, "expert_ids", expert_ids, tokens * choices)?;
-        let weights = f32s_mut(op, "expert_weights", expert_weights, tokens * choices)?;
+        let logits = read_f32(op, logits, tokens * row)?;
+        let ids = write_u32(op, expert_ids, tokens * choices)?;
+        let weights = write_f32(op, expert_weights, tokens * choices)?;
         self.stats.dispatch(1);
         ops::moe::route(
             &logits[..tokens * row],
@@ -1333,8 +1339,8 @@ impl Ops for CpuBackend {
         n: usize,
     ) -> Result<()> {
         let op = "logit_penalties";
-        let entries = u32s(op, "entries", entries, n * DRAW_WORDS)?;
-        let logits = f32s_mut(op, "logits", logits, len)?;
+        let entries = read_u32(op, entries, n * DRAW_WORDS)?;
+        let logits = write_f32(op, logits, len)?;
         if let Some(e) = entries
             .chunks_exact(DRAW_WORDS)
             .find(|e| e[0] as usize >= len)
@@ -1361,12 +1367,9 @@ impl Ops for CpuBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "top_candidates";
-        let logits = f32s(op, "logits", logits, rows * vocab)?;
-        let draws = u32s(op, "draws", draws, rows * DRAW_WORDS)?;
-        let out = u32s_mut(op, "out", out, rows * CANDIDATE_ROW_WORDS)?;
-        if vocab == 0 {
-            return Err(bad(op, "an empty vocabulary".to_string()));
-        }
+        let logits = read_f32(op, logits, rows * vocab)?;
+        let draws = read_u32(op, draws, rows * DRAW_WORDS)?;
+        let out = write_u32(op, out, rows * CANDIDATE_ROW_WORDS)?;
         self.stats.dispatch(1);
         out.par_chunks_mut(CANDIDATE_ROW_WORDS)
             .zip(logits.par_chunks(vocab))

@@ -1332,27 +1332,6 @@ fn read_and_write_bytes_match_cpu() {
 }
 
 #[test]
-fn scale_scatter_add_matches_cpu() {
-    let g = gpu_or_skip!();
-    let c: &dyn Backend = &CpuBackend::new();
-    let mut rng = Rng(6);
-    let (out_rows, n, dim) = (20, 7, 40);
-    let y = rng.values(n * dim);
-    let base = rng.values(out_rows * dim);
-    let scales = rng.values(n);
-    let rows: Vec<u32> = vec![3, 0, 19, 7, 8, 12, 1];
-    let mut outs = Vec::new();
-    for b in [c, g] {
-        let mut out = f32_buf(b, &base);
-        let (yb, rb, sb) = (f32_buf(b, &y), u32_buf(b, &rows), f32_buf(b, &scales));
-        b.scale_scatter_add(&yb, &rb, &sb, n, dim, &mut out)
-            .unwrap();
-        outs.push(download(b, &out, out_rows * dim));
-    }
-    assert_close("scale_scatter_add", &outs[1], &outs[0], 1e-6);
-}
-
-#[test]
 fn synthetic_weights_are_the_cpu_streams() {
     let g = gpu_or_skip!();
     let c: &dyn Backend = &CpuBackend::new();

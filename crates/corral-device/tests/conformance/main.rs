@@ -12,6 +12,7 @@ use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 mod attention;
 mod copies;
 mod elementwise;
+mod moe;
 mod recurrent;
 
 /// A backend under test, and how near the references its results must be (relative to the
