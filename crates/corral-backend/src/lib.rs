@@ -38,8 +38,9 @@ pub use dtype::{DType, kv_row_elems};
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};
 pub use ops::{
-    AttentionMeta, AttentionShape, DeltaNetShape, MoeRouting, MoeSorted, NO_KEPT_STATES, Ops,
-    QkShape, RecurrentRuns, byte_range, matmul_parts_by_columns, matmuls_arity,
+    AttentionMeta, AttentionOps, AttentionShape, CopyOps, DeltaNetShape, MatmulOps, MoeOps,
+    MoeRouting, MoeSorted, NO_KEPT_STATES, NormOps, Ops, QkShape, RecurrentOps, RecurrentRuns,
+    SamplingOps, byte_range, matmul_parts_by_columns, matmuls_arity,
 };
 pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
 pub use quant::QuantFormat;

@@ -121,11 +121,31 @@ pub struct DeltaNetShape {
     pub value_dim: usize,
 }
 
-/// The op table a backend computes. Every model family is written against it; a backend
-/// implements each op as one dispatch (or says in the op's doc how many it takes). Outputs are
-/// passed in, never returned, so ops allocate nothing. The model calls the ops through
-/// `dyn Backend`'s entry points of the same names.
-pub trait Ops: Send + Sync {
+/// The op table a backend computes, one trait a family of ops. Every model family is
+/// written against it; a backend implements each op as one dispatch (or says in the
+/// op's doc how many it takes). Outputs are passed in, never returned, so ops allocate
+/// nothing. The model calls the ops through `dyn Backend`'s entry points of the same
+/// names, which check their arguments first.
+pub trait Ops:
+    CopyOps + NormOps + MatmulOps + AttentionOps + MoeOps + RecurrentOps + SamplingOps + Send + Sync
+{
+}
+
+impl<T> Ops for T where
+    T: CopyOps
+        + NormOps
+        + MatmulOps
+        + AttentionOps
+        + MoeOps
+        + RecurrentOps
+        + SamplingOps
+        + Send
+        + Sync
+{
+}
+
+/// Copies: zeroing, gathers, the embedding lookup, KV blocks.
+pub trait CopyOps {
     /// Sets the first `len` elements of an F32 buffer to zero.
     fn fill_zero(&self, buffer: &mut DeviceBuffer, len: usize) -> Result<()>;
 
@@ -175,7 +195,10 @@ pub trait Ops: Send + Sync {
     /// `dst .. dst + len`, ranges that do not overlap, on the device: one recurrent-state slot
     /// into another for checkpoints, one KV block into another for copy-on-write.
     fn copy_within(&self, x: &mut DeviceBuffer, src: usize, dst: usize, len: usize) -> Result<()>;
+}
 
+/// Norms and elementwise ops.
+pub trait NormOps {
     /// RMSNorm over each of `rows` rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w`, where
     /// `w = weight` or, with `offset_one`, `w = 1 + weight` (zero-centred norms); `out` in F32
     /// or in [`Device::gemm_input_dtype`](crate::Device::gemm_input_dtype)'s type.
@@ -191,6 +214,73 @@ pub trait Ops: Send + Sync {
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 
+    /// `acc[i] += x[i]` for the first `len` elements.
+    fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()>;
+
+    /// The residual add and the next RMSNorm: `acc += x`, then `out = rms_norm(acc)` over
+    /// `rows` rows of `dim` (as [`Ops::rms_norm`]). One dispatch where the backend fuses
+    /// them; by default the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        acc: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        offset_one: bool,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        self.add_in_place(acc, x, rows * dim)?;
+        self.rms_norm(acc, weight, rows, dim, eps, offset_one, out)
+    }
+
+    /// `out[i] = silu(gate[i]) * up[i]` for the first `len` elements.
+    fn silu_mul(
+        &self,
+        gate: &DeviceBuffer,
+        up: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// `out[i] = x[i] · σ(gate[i])` for the first `len` elements (gated attention output).
+    fn sigmoid_mul(
+        &self,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        len: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+
+    /// `acc[t] += σ(gate[t]) · x[t]` for `rows` rows of `dim` (the shared expert, scaled by its
+    /// per-token gate).
+    fn add_sigmoid_gated(
+        &self,
+        acc: &mut DeviceBuffer,
+        x: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()>;
+
+    /// Gated RMSNorm per row of `dim`: `out = (w ⊙ rmsnorm(x)) ⊙ silu(z)` (plain weight).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        z: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut DeviceBuffer,
+    ) -> Result<()>;
+}
+
+/// Projections.
+pub trait MatmulOps {
     /// `out[rows, w.rows] = x[rows, w.cols] · wᵀ`; weights in any float type, F32 out; x in
     /// F32, or in the type [`Device::gemm_input_dtype`](crate::Device::gemm_input_dtype) names.
     fn matmul(
@@ -245,38 +335,10 @@ pub trait Ops: Send + Sync {
         }
         Ok(())
     }
+}
 
-    /// `acc[i] += x[i]` for the first `len` elements.
-    fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()>;
-
-    /// The residual add and the next RMSNorm: `acc += x`, then `out = rms_norm(acc)` over
-    /// `rows` rows of `dim` (as [`Ops::rms_norm`]). One dispatch where the backend fuses
-    /// them; by default the two ops.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm(
-        &self,
-        acc: &mut DeviceBuffer,
-        x: &DeviceBuffer,
-        weight: &DeviceBuffer,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        offset_one: bool,
-        out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        self.add_in_place(acc, x, rows * dim)?;
-        self.rms_norm(acc, weight, rows, dim, eps, offset_one, out)
-    }
-
-    /// `out[i] = silu(gate[i]) * up[i]` for the first `len` elements.
-    fn silu_mul(
-        &self,
-        gate: &DeviceBuffer,
-        up: &DeviceBuffer,
-        len: usize,
-        out: &mut DeviceBuffer,
-    ) -> Result<()>;
-
+/// Attention: RoPE, the KV cache's stores, paged attention.
+pub trait AttentionOps {
     /// Rotate-half RoPE in place on the first `rotary_dim` dims of each head of `x`
     /// (`[tokens, heads, head_dim]`), at each token's position, with `rope`'s frequencies.
     #[allow(clippy::too_many_arguments)]
@@ -338,7 +400,10 @@ pub trait Ops: Send + Sync {
         shape: AttentionShape,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
+}
 
+/// Mixture-of-experts: routing, sorting, the grouped and per-token experts.
+pub trait MoeOps {
     /// Softmax router: from `[tokens, num_experts]` logits, each token's `top_k` experts and
     /// weights (renormalised to sum 1 when `renormalize`). Ties go to the lower expert id.
     /// With `shared_gate`, each logits row has one more column, a shared expert's gate logit,
@@ -434,26 +499,22 @@ pub trait Ops: Send + Sync {
         self.moe_combine(y, routing, sorted, experts.down.rows(), out)
     }
 
-    /// `out[i] = x[i] · σ(gate[i])` for the first `len` elements (gated attention output).
-    fn sigmoid_mul(
+    /// Routed experts, one matrix-vector product per (token, expert) pair:
+    /// `out[t] = Σ_j w[t,j] · down[e](silu(gate[e] x[t]) ⊙ up[e] x[t])` with `e = ids[t,j]`.
+    /// Two dispatches: the gate/up half into `act` (`[pairs, intermediate]` scratch) and the
+    /// down-and-combine half.
+    fn moe_experts_per_token(
         &self,
         x: &DeviceBuffer,
-        gate: &DeviceBuffer,
-        len: usize,
+        routing: MoeRouting<'_>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
+}
 
-    /// `acc[t] += σ(gate[t]) · x[t]` for `rows` rows of `dim` (the shared expert, scaled by its
-    /// per-token gate).
-    fn add_sigmoid_gated(
-        &self,
-        acc: &mut DeviceBuffer,
-        x: &DeviceBuffer,
-        gate: &DeviceBuffer,
-        rows: usize,
-        dim: usize,
-    ) -> Result<()>;
-
+/// The Gated DeltaNet's recurrent ops.
+pub trait RecurrentOps {
     /// Depthwise causal convolution with SiLU over `[tokens, channels]`, kernel `[channels, k]`
     /// (F32), continuing each run from the last `k - 1` inputs kept in its state slot
     /// (`conv_state`: `[slots, channels, k - 1]`), which it then updates.
@@ -501,20 +562,10 @@ pub trait Ops: Send + Sync {
         recurrent_state: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
+}
 
-    /// Gated RMSNorm per row of `dim`: `out = (w ⊙ rmsnorm(x)) ⊙ silu(z)` (plain weight).
-    #[allow(clippy::too_many_arguments)]
-    fn gated_rms_norm(
-        &self,
-        x: &DeviceBuffer,
-        z: &DeviceBuffer,
-        weight: &DeviceBuffer,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: &mut DeviceBuffer,
-    ) -> Result<()>;
-
+/// Sampling where the logits are.
+pub trait SamplingOps {
     /// Applies sampling penalties to `logits` (`len` values) in place: `entries` is `[n,
     /// DRAW_WORDS]` u32 of [`sampling::Penalty::words`](crate::sampling::Penalty::words), at most one entry per logit.
     fn logit_penalties(
@@ -535,19 +586,6 @@ pub trait Ops: Send + Sync {
         rows: usize,
         vocab: usize,
         draws: &DeviceBuffer,
-        out: &mut DeviceBuffer,
-    ) -> Result<()>;
-
-    /// Routed experts, one matrix-vector product per (token, expert) pair:
-    /// `out[t] = Σ_j w[t,j] · down[e](silu(gate[e] x[t]) ⊙ up[e] x[t])` with `e = ids[t,j]`.
-    /// Two dispatches: the gate/up half into `act` (`[pairs, intermediate]` scratch) and the
-    /// down-and-combine half.
-    fn moe_experts_per_token(
-        &self,
-        x: &DeviceBuffer,
-        routing: MoeRouting<'_>,
-        experts: &ExpertWeights,
-        act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
 }
@@ -650,7 +688,7 @@ pub fn byte_range(
 
 /// [`Ops::matmul_parts`] part by part through [`Ops::matmul_columns`]: the default,
 /// and what a backend that shares work between parts falls back to.
-pub fn matmul_parts_by_columns<B: Ops + ?Sized>(
+pub fn matmul_parts_by_columns<B: MatmulOps + ?Sized>(
     backend: &B,
     x: &DeviceBuffer,
     rows: usize,

@@ -8,7 +8,7 @@ use super::kernels::{F8_SMEM_BYTES, QuantKernels};
 use super::{Arg, CudaBackend, MVM_THREADS, buf, grid_of, ptr_of, u32_of, weight};
 use corral_backend::{
     BackendError, BufferUsage, Buffers, DType, Device, DeviceBuffer, ExpertMatrices, ExpertWeights,
-    MoeSorted, Ops, QuantFormat, Result, WeightView, synthetic,
+    MatmulOps, MoeSorted, QuantFormat, Result, WeightView, synthetic,
 };
 
 /// Rows of x up to which a block-format product reads the blocks directly (quant.cu's
