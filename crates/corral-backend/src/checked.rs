@@ -114,7 +114,7 @@ impl<'b> dyn Backend + 'b {
         let op = "rms_norm";
         holds(op, "x", x, DType::F32, rows * dim)?;
         holds(op, "weight", weight, DType::F32, dim)?;
-        self.norm_out(op, out, rows * dim)?;
+        self.projection_input(op, out, rows * dim)?;
         self.ops()
             .rms_norm(x, weight, rows, dim, eps, offset_one, out)
     }
@@ -192,7 +192,7 @@ impl<'b> dyn Backend + 'b {
         holds(op, "acc", acc, DType::F32, rows * dim)?;
         holds(op, "x", x, DType::F32, rows * dim)?;
         holds(op, "weight", weight, DType::F32, dim)?;
-        self.norm_out(op, out, rows * dim)?;
+        self.projection_input(op, out, rows * dim)?;
         self.ops()
             .add_rms_norm(acc, x, weight, rows, dim, eps, offset_one, out)
     }
@@ -322,7 +322,7 @@ impl<'b> dyn Backend + 'b {
         self.kv_cache(op, cache_k, cache_v, num_kv_heads, head_dim)?;
         let tokens = meta.tokens;
         holds(op, "q", q, DType::F32, tokens * num_heads * head_dim)?;
-        holds(op, "out", out, DType::F32, tokens * num_heads * head_dim)?;
+        self.projection_input(op, out, tokens * num_heads * head_dim)?;
         holds(op, "positions", meta.positions, DType::U32, tokens)?;
         holds(op, "token_runs", meta.token_runs, DType::U32, tokens)?;
         // At least one run's table where there are tokens (each token's run is read on the
@@ -717,11 +717,12 @@ impl<'b> dyn Backend + 'b {
         holds(op, "cache_v", cache_v, dtype, row)
     }
 
-    /// Checks a norm's output: f32, or bf16 where the device writes norms so
-    /// ([`Capabilities::bf16_norm_outputs`](crate::Capabilities::bf16_norm_outputs)).
-    fn norm_out(&self, op: &'static str, out: &DeviceBuffer, needed: usize) -> Result<()> {
+    /// Checks the output of an op whose output projections read (a norm, attention): f32,
+    /// or bf16 where the device writes such outputs so
+    /// ([`Capabilities::bf16_projection_inputs`](crate::Capabilities::bf16_projection_inputs)).
+    fn projection_input(&self, op: &'static str, out: &DeviceBuffer, needed: usize) -> Result<()> {
         let dtype = out.dtype();
-        let bf16 = dtype == DType::BF16 && self.capabilities().bf16_norm_outputs;
+        let bf16 = dtype == DType::BF16 && self.capabilities().bf16_projection_inputs;
         if dtype != DType::F32 && !bf16 {
             return Err(BackendError::WrongDType {
                 op,

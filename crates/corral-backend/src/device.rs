@@ -95,9 +95,9 @@ pub struct Capabilities {
     pub weight_formats: Vec<QuantFormat>,
     /// Element types the device keeps the attention KV cache in.
     pub kv_dtypes: Vec<DType>,
-    /// Norms may write their output in bf16, for projections that round their input so
-    /// ([`Device::gemm_input_dtype`]).
-    pub bf16_norm_outputs: bool,
+    /// Ops whose output only projections read (norms, attention) may write it in bf16, for
+    /// projections that round their input so ([`Device::gemm_input_dtype`]).
+    pub bf16_projection_inputs: bool,
 }
 
 impl Capabilities {

@@ -50,7 +50,7 @@ impl CpuBackend {
                     .filter(|&f| f != QuantFormat::F8E4M3x128)
                     .collect(),
                 kv_dtypes: vec![DType::F32, DType::BF16],
-                bf16_norm_outputs: false,
+                bf16_projection_inputs: false,
             },
         }
     }

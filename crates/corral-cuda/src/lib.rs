@@ -629,7 +629,7 @@ impl CudaBackend {
                 .filter(|&f| f != QuantFormat::F8E4M3x128 || gpu.compute_capability >= (8, 9))
                 .collect(),
             kv_dtypes: vec![DType::BF16, DType::F32, DType::F8E4M3],
-            bf16_norm_outputs: true,
+            bf16_projection_inputs: true,
         };
         let blas = if options.without_cublas {
             None
