@@ -133,3 +133,137 @@ pub fn scale_scatter_add(
     }
     out
 }
+
+/// A run of a recurrent op: its first token in the batch, its tokens, its state slot, and
+/// whether it starts from a zero state.
+#[derive(Clone, Copy, Debug)]
+pub struct Run {
+    /// First token in the batch.
+    pub start: usize,
+    /// Tokens.
+    pub len: usize,
+    /// State slot.
+    pub slot: usize,
+    /// Starts from a zero state rather than the slot's.
+    pub fresh: bool,
+}
+
+/// The depthwise causal convolution with SiLU over `[tokens, channels]` (kernel `[channels,
+/// kernel]`, the last tap on the current token), each run continuing from its slot's last
+/// `kernel - 1` inputs (`state`: `[slots, channels, kernel - 1]`, oldest first), which it then
+/// updates. Tokens outside the runs are 0.
+pub fn causal_conv1d(
+    x: &[f32],
+    w: &[f32],
+    channels: usize,
+    kernel: usize,
+    runs: &[Run],
+    state: &mut [f32],
+) -> Vec<f32> {
+    let hist = kernel - 1;
+    let mut out = vec![0.0; x.len()];
+    for run in runs {
+        for c in 0..channels {
+            let at = (run.slot * channels + c) * hist;
+            let mut inputs: Vec<f64> = if run.fresh {
+                vec![0.0; hist]
+            } else {
+                state[at..at + hist].iter().map(|&v| v as f64).collect()
+            };
+            for t in run.start..run.start + run.len {
+                inputs.push(x[t * channels + c] as f64);
+                let window = &inputs[inputs.len() - kernel..];
+                let y: f64 = (0..kernel)
+                    .map(|j| w[c * kernel + j] as f64 * window[j])
+                    .sum();
+                out[t * channels + c] = (y / (1.0 + (-y).exp())) as f32;
+            }
+            let last = &inputs[inputs.len() - hist..];
+            for (s, &v) in state[at..at + hist].iter_mut().zip(last) {
+                *s = v as f32;
+            }
+        }
+    }
+    out
+}
+
+/// The gated delta rule token by token (model-spec §4.4) for `nk` key heads of `dk` and `nv`
+/// value heads of `dv`: `qkv` rows are `[q | k | v]`; `g` and `beta` are `[tokens, nv]`; the
+/// state of value head `h` in slot `s` is `state[s][h]`, `[dk, dv]`. Returns `[tokens, nv,
+/// dv]` (0 outside the runs) and updates each run's slot.
+pub fn gated_delta_rule(
+    qkv: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    (nk, nv, dk, dv): (usize, usize, usize, usize),
+    runs: &[Run],
+    state: &mut [f32],
+) -> Vec<f32> {
+    let width = 2 * nk * dk + nv * dv;
+    let tokens = qkv.len() / width;
+    let mut out = vec![0.0; tokens * nv * dv];
+    let l2 = |v: &[f32]| -> Vec<f64> {
+        let n = (v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() + 1e-6).sqrt();
+        v.iter().map(|&x| x as f64 / n).collect()
+    };
+    for run in runs {
+        for h in 0..nv {
+            let kh = h / (nv / nk);
+            let at = (run.slot * nv + h) * dk * dv;
+            let mut s: Vec<f64> = if run.fresh {
+                vec![0.0; dk * dv]
+            } else {
+                state[at..at + dk * dv].iter().map(|&v| v as f64).collect()
+            };
+            for t in run.start..run.start + run.len {
+                let row = &qkv[t * width..(t + 1) * width];
+                let q: Vec<f64> = l2(&row[kh * dk..(kh + 1) * dk])
+                    .into_iter()
+                    .map(|v| v / (dk as f64).sqrt())
+                    .collect();
+                let k = l2(&row[nk * dk + kh * dk..nk * dk + (kh + 1) * dk]);
+                let v = &row[2 * nk * dk + h * dv..2 * nk * dk + (h + 1) * dv];
+                let decay = (g[t * nv + h] as f64).exp();
+                s.iter_mut().for_each(|x| *x *= decay);
+                for j in 0..dv {
+                    let p: f64 = (0..dk).map(|i| k[i] * s[i * dv + j]).sum();
+                    let delta = beta[t * nv + h] as f64 * (v[j] as f64 - p);
+                    for i in 0..dk {
+                        s[i * dv + j] += k[i] * delta;
+                    }
+                    out[(t * nv + h) * dv + j] =
+                        (0..dk).map(|i| q[i] * s[i * dv + j]).sum::<f64>() as f32;
+                }
+            }
+            for (dst, &v) in state[at..at + dk * dv].iter_mut().zip(&s) {
+                *dst = v as f32;
+            }
+        }
+    }
+    out
+}
+
+/// The Gated DeltaNet's gates per token and value head: `g = -exp(a_log) · softplus(a +
+/// dt_bias)` and `beta = σ(b)`, as `(g, beta)`.
+pub fn delta_net_gates(
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let heads = a_log.len();
+    let g = a
+        .iter()
+        .enumerate()
+        .map(|(i, &a)| {
+            let x = a as f64 + dt_bias[i % heads] as f64;
+            let softplus = if x > 20.0 { x } else { x.exp().ln_1p() };
+            (-(a_log[i % heads] as f64).exp() * softplus) as f32
+        })
+        .collect();
+    let beta = b
+        .iter()
+        .map(|&b| (1.0 / (1.0 + (-(b as f64)).exp())) as f32)
+        .collect();
+    (g, beta)
+}

@@ -1,9 +1,148 @@
-//! The Gated DeltaNet's ops: their refusals (their values are checked against the CPU in
-//! `cuda_ops` until they have plain references here).
+//! The Gated DeltaNet's ops against the token-by-token references, over batches of runs
+//! that start fresh or continue from their slots' states, and their refusals.
 
+use corral_backend::reference::{self, Run};
 use corral_backend::{DType, DeltaNetShape, RecurrentRuns};
+use proptest::prelude::*;
 
-use crate::{assert_refused, download, f32_buf, out_buf, subjects, u32_buf};
+use crate::{Rng, assert_near, assert_refused, download, f32_buf, out_buf, subjects, u32_buf};
+
+/// Up to three runs covering `tokens` in order, in distinct slots of `slots`, some fresh.
+fn runs_of(rng: &mut Rng, tokens: usize, slots: usize) -> Vec<Run> {
+    let count = 1 + rng.below(3.min(tokens));
+    let mut cuts: Vec<usize> = (1..tokens).collect();
+    for i in (1..cuts.len()).rev() {
+        cuts.swap(i, rng.below(i + 1));
+    }
+    let mut cuts: Vec<usize> = cuts.into_iter().take(count - 1).collect();
+    cuts.sort_unstable();
+    let mut slot_order: Vec<usize> = (0..slots).collect();
+    for i in (1..slot_order.len()).rev() {
+        slot_order.swap(i, rng.below(i + 1));
+    }
+    let bounds: Vec<usize> = std::iter::once(0).chain(cuts).chain([tokens]).collect();
+    bounds
+        .windows(2)
+        .zip(slot_order)
+        .map(|(w, slot)| Run {
+            start: w[0],
+            len: w[1] - w[0],
+            slot,
+            fresh: rng.below(2) == 0,
+        })
+        .collect()
+}
+
+/// The runs as the ops take them.
+fn flat(runs: &[Run]) -> Vec<u32> {
+    runs.iter()
+        .flat_map(|r| {
+            [
+                r.start as u32,
+                r.len as u32,
+                r.slot as u32,
+                u32::from(r.fresh),
+            ]
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn the_gates_match_the_reference(tokens in 1usize..40, heads in 1usize..40, seed in any::<u64>()) {
+        let mut rng = Rng(seed);
+        let (a, bv) = (rng.values(tokens * heads), rng.values(tokens * heads));
+        let (a_log, dt_bias) = (rng.values(heads), rng.values(heads));
+        let (want_g, want_beta) = reference::delta_net_gates(&a, &bv, &a_log, &dt_bias);
+        for s in subjects() {
+            let b = s.backend;
+            let (al, dt) = (
+                b.weight_from_f32(&a_log, DType::F32).unwrap(),
+                b.weight_from_f32(&dt_bias, DType::F32).unwrap(),
+            );
+            let (mut g, mut beta) = (out_buf(b, tokens * heads), out_buf(b, tokens * heads));
+            b.delta_net_gates(&f32_buf(b, &a), &f32_buf(b, &bv), &al, &dt, tokens, heads, &mut g, &mut beta)
+                .unwrap();
+            assert_near(&s, "delta_net_gates: g", &download(b, &g, tokens * heads), &want_g);
+            assert_near(&s, "delta_net_gates: beta", &download(b, &beta, tokens * heads), &want_beta);
+        }
+    }
+
+    #[test]
+    fn the_convolution_matches_the_reference(
+        tokens in 1usize..40,
+        channels in 1usize..70,
+        kernel in 2usize..5,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let slots = 4;
+        let runs = runs_of(&mut rng, tokens, slots);
+        let (x, w) = (rng.values(tokens * channels), rng.values(channels * kernel));
+        let state0 = rng.values(slots * channels * (kernel - 1));
+        let mut want_state = state0.clone();
+        let want = reference::causal_conv1d(&x, &w, channels, kernel, &runs, &mut want_state);
+        for s in subjects() {
+            let b = s.backend;
+            let runs_buf = u32_buf(b, &flat(&runs));
+            let rr = RecurrentRuns {
+                runs: &runs_buf,
+                num_runs: runs.len(),
+                max_run_tokens: runs.iter().map(|r| r.len).max().unwrap_or(1),
+                kept: None,
+            };
+            let wb = b.weight_from_f32(&w, DType::F32).unwrap();
+            let mut state = f32_buf(b, &state0);
+            let mut out = out_buf(b, tokens * channels);
+            b.causal_conv1d(&f32_buf(b, &x), &wb, channels, kernel, rr, &mut state, &mut out)
+                .unwrap();
+            assert_near(&s, "causal_conv1d", &download(b, &out, tokens * channels), &want);
+            assert_near(&s, "causal_conv1d: the states", &download(b, &state, state0.len()), &want_state);
+        }
+    }
+
+    #[test]
+    fn the_delta_rule_matches_the_reference(
+        tokens in 1usize..48,
+        nk in 1usize..3,
+        ratio in 1usize..3,
+        dk_quarter in 1usize..9,
+        dv_quarter in 1usize..9,
+        seed in any::<u64>(),
+    ) {
+        let (nv, dk, dv) = (nk * ratio, 4 * dk_quarter, 4 * dv_quarter);
+        let mut rng = Rng(seed);
+        let slots = 4;
+        let runs = runs_of(&mut rng, tokens, slots);
+        let width = 2 * nk * dk + nv * dv;
+        let qkv = rng.values(tokens * width);
+        // Decays in (0, 1], write strengths in (0, 1).
+        let g: Vec<f32> = rng.values(tokens * nv).iter().map(|v| -v.abs()).collect();
+        let beta: Vec<f32> = rng.values(tokens * nv).iter().map(|v| 0.5 + 0.45 * v).collect();
+        let state0: Vec<f32> = rng.values(slots * nv * dk * dv).iter().map(|v| 0.1 * v).collect();
+        let mut want_state = state0.clone();
+        let want = reference::gated_delta_rule(&qkv, &g, &beta, (nk, nv, dk, dv), &runs, &mut want_state);
+        let shape = DeltaNetShape { num_key_heads: nk, num_value_heads: nv, key_dim: dk, value_dim: dv };
+        for s in subjects() {
+            let b = s.backend;
+            let runs_buf = u32_buf(b, &flat(&runs));
+            let rr = RecurrentRuns {
+                runs: &runs_buf,
+                num_runs: runs.len(),
+                max_run_tokens: runs.iter().map(|r| r.len).max().unwrap_or(1),
+                kept: None,
+            };
+            let mut state = f32_buf(b, &state0);
+            let mut out = out_buf(b, tokens * nv * dv);
+            b.gated_delta_rule(&f32_buf(b, &qkv), &f32_buf(b, &g), &f32_buf(b, &beta), shape, rr, &mut state, &mut out)
+                .unwrap();
+            assert_near(&s, "gated_delta_rule", &download(b, &out, tokens * nv * dv), &want);
+            assert_near(&s, "gated_delta_rule: the states", &download(b, &state, state0.len()), &want_state);
+        }
+    }
+}
 
 /// Kernels and heads outside every backend's limits, and buffers of the wrong type or too
 /// short, are refused alike, and nothing is written.
