@@ -267,3 +267,51 @@ pub fn delta_net_gates(
         .collect();
     (g, beta)
 }
+
+/// Causal attention over a paged KV cache, one query row at a time in f64: token `t` of run
+/// `runs[t]` at position `positions[t]` attends to its run's keys at positions `0..=` its
+/// own, key `p` of run `r` in cache row `tables[r][p / block] * block + p % block` (rows of
+/// `kv_heads` heads of `head_dim`); query head `h` reads KV head `h / (heads / kv_heads)`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    q: &[f32],
+    cache_k: &[f32],
+    cache_v: &[f32],
+    (positions, runs): (&[u32], &[u32]),
+    (tables, blocks_per_run, block): (&[u32], usize, usize),
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    scale: f32,
+) -> Vec<f32> {
+    let kv_dim = kv_heads * head_dim;
+    let mut out = vec![0.0; q.len()];
+    for (t, (&pos, &run)) in positions.iter().zip(runs).enumerate() {
+        let row = |p: usize| {
+            let b = tables[run as usize * blocks_per_run + p / block] as usize;
+            b * block + p % block
+        };
+        for h in 0..heads {
+            let kh = h / (heads / kv_heads);
+            let qh = &q[(t * heads + h) * head_dim..(t * heads + h + 1) * head_dim];
+            let scores: Vec<f64> = (0..=pos as usize)
+                .map(|p| {
+                    let k = &cache_k[row(p) * kv_dim + kh * head_dim..][..head_dim];
+                    scale as f64
+                        * qh.iter()
+                            .zip(k)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let top = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for d in 0..head_dim {
+                let v: f64 = (0..=pos as usize)
+                    .map(|p| weights[p] * cache_v[row(p) * kv_dim + kh * head_dim + d] as f64)
+                    .sum();
+                out[(t * heads + h) * head_dim + d] = (v / total) as f32;
+            }
+        }
+    }
+    out
+}

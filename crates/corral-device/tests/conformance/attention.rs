@@ -3,7 +3,11 @@
 use corral_backend::{BufferUsage, DType, RopeParams, Yarn, reference};
 use proptest::prelude::*;
 
-use crate::{Rng, assert_near, assert_refused, download, f32_buf, out_buf, subjects, u32_buf};
+use corral_backend::AttentionMeta;
+
+use crate::{
+    Rng, assert_near, assert_refused, assert_within, download, f32_buf, out_buf, subjects, u32_buf,
+};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
@@ -75,6 +79,115 @@ proptest! {
                     }
                     let got = read_cache(b, cache, dtype, capacity * kv_dim);
                     prop_assert_eq!(got, want, "{}: kv_store {} into a {} cache", s.name, what, dtype);
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    /// Runs of new tokens over contexts in a paged cache whose blocks are shuffled, decode
+    /// rows first, in f32 and bf16 caches (queries rounded to bf16 for the latter, as the
+    /// backends round them for their 16-bit dot products).
+    #[test]
+    fn paged_attention_matches_the_reference(
+        runs in prop::collection::vec((1usize..40, 1usize..12), 1..4),
+        kv_heads in 1usize..3,
+        group in 1usize..3,
+        head_dim_pairs in prop::sample::select(vec![8usize, 16, 32, 64]),
+        block in prop::sample::select(vec![4usize, 16]),
+        seed in any::<u64>(),
+    ) {
+        let (heads, head_dim) = (kv_heads * group, 2 * head_dim_pairs);
+        let mut rng = Rng(seed);
+        // Each run: its context and its new tokens at the end of it; one-token runs first.
+        let mut runs: Vec<(usize, usize)> = runs.iter().map(|&(c, n)| (c, n.min(c))).collect();
+        runs.sort_by_key(|&(_, n)| n != 1);
+        let blocks_per_run = runs.iter().map(|&(c, _)| c.div_ceil(block)).max().unwrap_or(1);
+        let num_blocks = runs.len() * blocks_per_run + 2;
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.below(i + 1));
+        }
+        let tables: Vec<u32> = ids[..runs.len() * blocks_per_run].to_vec();
+        let (mut positions, mut token_runs) = (Vec::new(), Vec::new());
+        for (r, &(c, n)) in runs.iter().enumerate() {
+            positions.extend((c - n..c).map(|p| p as u32));
+            token_runs.extend(std::iter::repeat_n(r as u32, n));
+        }
+        let tokens = positions.len();
+        let kv_dim = kv_heads * head_dim;
+        let rows = num_blocks * block;
+        let q = rng.values(tokens * heads * head_dim);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let leading = runs.iter().take_while(|&&(_, n)| n == 1).count();
+        for dtype in [DType::F32, DType::BF16] {
+            let round = |v: Vec<f32>| -> Vec<f32> {
+                match dtype {
+                    DType::BF16 => v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+                    _ => v,
+                }
+            };
+            let (k, v) = (round(rng.values(rows * kv_dim)), round(rng.values(rows * kv_dim)));
+            let want = reference::paged_attention(
+                &round(q.clone()),
+                &k,
+                &v,
+                (&positions, &token_runs),
+                (&tables, blocks_per_run, block),
+                (heads, kv_heads, head_dim),
+                scale,
+            );
+            for s in subjects() {
+                if !s.backend.capabilities().kv_dtypes.contains(&dtype) {
+                    continue;
+                }
+                let b = s.backend;
+                let cache = |values: &[f32]| {
+                    let mut c = b.alloc_zeroed(dtype, rows * kv_dim, BufferUsage::KvCache).unwrap();
+                    let bytes: Vec<u8> = match dtype {
+                        DType::BF16 => values
+                            .iter()
+                            .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                            .collect(),
+                        _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    };
+                    b.write_bytes(&bytes, &mut c, 0).unwrap();
+                    c
+                };
+                let (ck, cv) = (cache(&k), cache(&v));
+                let (pos, run_ids, table, slots) = (
+                    u32_buf(b, &positions),
+                    u32_buf(b, &token_runs),
+                    u32_buf(b, &tables),
+                    u32_buf(b, &vec![0; tokens]),
+                );
+                let meta = AttentionMeta {
+                    positions: &pos,
+                    token_runs: &run_ids,
+                    block_tables: &table,
+                    slots: &slots,
+                    max_blocks_per_run: blocks_per_run,
+                    block_size: block,
+                    tokens,
+                    max_run_tokens: runs.iter().map(|&(_, n)| n).max().unwrap_or(1),
+                    leading_decode_tokens: leading,
+                };
+                let shape = corral_backend::AttentionShape {
+                    num_heads: heads,
+                    num_kv_heads: kv_heads,
+                    head_dim,
+                    scale,
+                };
+                let mut out = out_buf(b, tokens * heads * head_dim);
+                b.paged_attention(&f32_buf(b, &q), &ck, &cv, &meta, shape, &mut out).unwrap();
+                let got = download(b, &out, tokens * heads * head_dim);
+                let what = format!("paged_attention, {dtype} cache");
+                match dtype {
+                    DType::BF16 => assert_within(&s, &what, &got, &want, 1e-2),
+                    _ => assert_near(&s, &what, &got, &want),
                 }
             }
         }
