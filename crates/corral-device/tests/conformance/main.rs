@@ -15,6 +15,7 @@ use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 mod attention;
 mod copies;
 mod elementwise;
+mod matmul;
 mod moe;
 mod recurrent;
 
