@@ -194,6 +194,66 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The fused per-head norms of q and k, RoPE and the store, against the references one
+    /// after another: q out, and the cache rows at each token's slot.
+    #[test]
+    fn qkv_norm_rope_store_matches_the_references(
+        tokens in 1usize..9,
+        kv_heads in 1usize..3,
+        group in 1usize..3,
+        quarter in 1usize..17,
+        partial in any::<bool>(),
+        yarn in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let (heads, head_dim) = (kv_heads * group, 4 * quarter);
+        let rotary_dim = if partial { head_dim / 2 } else { head_dim };
+        let rope = RopeParams { theta: 1e6, yarn: yarn.then_some(Yarn::new(4.0, 256)) };
+        let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+        let width = q_dim + 2 * kv_dim;
+        let mut rng = Rng(seed);
+        let qkv = rng.values(tokens * width);
+        let (qw, kw) = (rng.values(head_dim), rng.values(head_dim));
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.below(2000) as u32).collect();
+        let capacity = tokens + 5;
+        let mut slots: Vec<u32> = (0..capacity as u32).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, rng.below(i + 1));
+        }
+        slots.truncate(tokens);
+        let part = |from: usize, len: usize| -> Vec<f32> {
+            qkv.chunks(width).flat_map(|row| row[from..from + len].to_vec()).collect()
+        };
+        let (q, k, v) = (part(0, q_dim), part(q_dim, kv_dim), part(q_dim + kv_dim, kv_dim));
+        let eps = 1e-6;
+        let want_q = reference::rope(&reference::rms_norm(&q, &qw, head_dim, eps, false), &positions, heads, head_dim, rotary_dim, rope);
+        let new_k = reference::rope(&reference::rms_norm(&k, &kw, head_dim, eps, false), &positions, kv_heads, head_dim, rotary_dim, rope);
+        let (mut want_k, mut want_v) = (vec![0.0; capacity * kv_dim], vec![0.0; capacity * kv_dim]);
+        for (t, &slot) in slots.iter().enumerate() {
+            let at = slot as usize * kv_dim;
+            want_k[at..at + kv_dim].copy_from_slice(&new_k[t * kv_dim..(t + 1) * kv_dim]);
+            want_v[at..at + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+        }
+        let shape = corral_backend::QkShape { tokens, heads, kv_heads, head_dim, rotary_dim, rope, eps };
+        for s in subjects() {
+            let b = s.backend;
+            let (qw_b, kw_b) = (b.weight_from_f32(&qw, DType::F32).unwrap(), b.weight_from_f32(&kw, DType::F32).unwrap());
+            let (pos, slot_b) = (u32_buf(b, &positions), u32_buf(b, &slots));
+            let mut q_out = out_buf(b, tokens * q_dim);
+            let mut cache_k = b.alloc_zeroed(DType::F32, capacity * kv_dim, BufferUsage::KvCache).unwrap();
+            let mut cache_v = b.alloc_zeroed(DType::F32, capacity * kv_dim, BufferUsage::KvCache).unwrap();
+            b.qkv_norm_rope_store(&f32_buf(b, &qkv), &qw_b, &kw_b, &pos, &slot_b, shape, &mut q_out, &mut cache_k, &mut cache_v)
+                .unwrap();
+            assert_near(&s, "qkv_norm_rope_store: q", &download(b, &q_out, tokens * q_dim), &want_q);
+            assert_near(&s, "qkv_norm_rope_store: k", &download(b, &cache_k, capacity * kv_dim), &want_k);
+            prop_assert_eq!(download(b, &cache_v, capacity * kv_dim), want_v.clone(), "{}: v", s.name);
+        }
+    }
+}
+
 /// A cache's first `n` elements as f32.
 fn read_cache(
     b: &dyn corral_backend::Backend,
