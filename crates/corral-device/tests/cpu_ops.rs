@@ -5,23 +5,11 @@ use corral_backend::{Backend, BufferUsage, DType, WeightView};
 use corral_cpu::CpuBackend;
 use proptest::prelude::*;
 
+// The other op tests' helpers come too, not all used here.
+#[allow(dead_code)]
 mod common;
 
-use common::{download, upload, upload_u32};
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+use common::{Rng, download, f32_buf, u32_buf};
 
 fn close(a: &[f32], b: &[f32], tol: f32) -> Result<(), TestCaseError> {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
@@ -53,8 +41,8 @@ proptest! {
         let rotary_dim = if partial { head_dim / 2 } else { head_dim };
         let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
         let width = q_dim + 2 * kv_dim;
-        let qkv = values(tokens * width, seed);
-        let (qw, kw) = (values(head_dim, seed ^ 3), values(head_dim, seed ^ 5));
+        let qkv = Rng(seed).values(tokens * width);
+        let (qw, kw) = (Rng(seed ^ 3).values(head_dim), Rng(seed ^ 5).values(head_dim));
         let positions: Vec<u32> = (0..tokens).map(|t| (seed as u32 % 900) + 3 * t as u32).collect();
         // Distinct slots in a cache of more slots than tokens, in no particular order.
         let capacity = tokens + 5;
@@ -64,24 +52,24 @@ proptest! {
             tokens, heads, kv_heads, head_dim, rotary_dim, rope, eps: 1e-6,
         };
         let (qw_b, kw_b) = (b.weight_from_f32(&qw, DType::F32).unwrap(), b.weight_from_f32(&kw, DType::F32).unwrap());
-        let (pos_b, slot_b) = (upload_u32(b, &positions), upload_u32(b, &slots));
-        let cache = |b: &dyn Backend| upload(b, &vec![0.0; capacity * kv_dim]);
-        let mut q_fused = upload(b, &vec![0.0; tokens * q_dim]);
+        let (pos_b, slot_b) = (u32_buf(b, &positions), u32_buf(b, &slots));
+        let cache = |b: &dyn Backend| f32_buf(b, &vec![0.0; capacity * kv_dim]);
+        let mut q_fused = f32_buf(b, &vec![0.0; tokens * q_dim]);
         let (mut k_fused, mut v_fused) = (cache(b), cache(b));
-        b.qkv_norm_rope_store(&upload(b, &qkv), &qw_b, &kw_b, &pos_b, &slot_b, shape, &mut q_fused, &mut k_fused, &mut v_fused).unwrap();
+        b.qkv_norm_rope_store(&f32_buf(b, &qkv), &qw_b, &kw_b, &pos_b, &slot_b, shape, &mut q_fused, &mut k_fused, &mut v_fused).unwrap();
         // The same through rms_norm, rope and kv_store on q, k and v split apart.
         let part = |from: usize, len: usize| -> Vec<f32> {
             qkv.chunks(width).flat_map(|row| row[from..from + len].to_vec()).collect()
         };
         let (q, k, v) = (part(0, q_dim), part(q_dim, kv_dim), part(q_dim + kv_dim, kv_dim));
-        let mut q_out = upload(b, &vec![0.0; tokens * q_dim]);
-        let mut k_out = upload(b, &vec![0.0; tokens * kv_dim]);
-        b.rms_norm(&upload(b, &q), &qw_b, tokens * heads, head_dim, 1e-6, false, &mut q_out).unwrap();
-        b.rms_norm(&upload(b, &k), &kw_b, tokens * kv_heads, head_dim, 1e-6, false, &mut k_out).unwrap();
+        let mut q_out = f32_buf(b, &vec![0.0; tokens * q_dim]);
+        let mut k_out = f32_buf(b, &vec![0.0; tokens * kv_dim]);
+        b.rms_norm(&f32_buf(b, &q), &qw_b, tokens * heads, head_dim, 1e-6, false, &mut q_out).unwrap();
+        b.rms_norm(&f32_buf(b, &k), &kw_b, tokens * kv_heads, head_dim, 1e-6, false, &mut k_out).unwrap();
         b.rope(&mut q_out, &pos_b, tokens, heads, head_dim, rotary_dim, rope).unwrap();
         b.rope(&mut k_out, &pos_b, tokens, kv_heads, head_dim, rotary_dim, rope).unwrap();
         let (mut k_sep, mut v_sep) = (cache(b), cache(b));
-        b.kv_store(&k_out, &upload(b, &v), &slot_b, tokens, kv_heads, head_dim, &mut k_sep, &mut v_sep).unwrap();
+        b.kv_store(&k_out, &f32_buf(b, &v), &slot_b, tokens, kv_heads, head_dim, &mut k_sep, &mut v_sep).unwrap();
         let n = capacity * kv_dim;
         prop_assert_eq!(download(b, &q_fused, tokens * q_dim), download(b, &q_out, tokens * q_dim));
         prop_assert_eq!(download(b, &k_fused, n), download(b, &k_sep, n));
@@ -120,12 +108,12 @@ fn pool_reuses_buffers_and_counts_only_misses() {
 fn matmuls_equal_each_matmul() {
     let b: &dyn Backend = &CpuBackend::new();
     let (rows, k, ns) = (5, 24, [7, 16, 3]);
-    let x = upload(b, &values(rows * k, 9));
+    let x = f32_buf(b, &Rng(9).values(rows * k));
     let weights: Vec<_> = ns
         .iter()
         .enumerate()
         .map(|(i, &n)| {
-            b.weight_from_f32(&values(n * k, 10 + i as u64), DType::BF16)
+            b.weight_from_f32(&Rng(10 + i as u64).values(n * k), DType::BF16)
                 .unwrap()
         })
         .collect();
@@ -154,7 +142,7 @@ fn matmuls_equal_each_matmul() {
 #[test]
 fn ops_reject_bad_arguments_without_panicking() {
     let b: &dyn Backend = &CpuBackend::new();
-    let x = upload(b, &[1.0; 8]);
+    let x = f32_buf(b, &[1.0; 8]);
     let w = b.weight_from_f32(&[1.0; 8], DType::BF16).unwrap();
     let mut out = b
         .take_buffer(DType::F32, 2, BufferUsage::Activations)
@@ -173,11 +161,11 @@ fn ops_reject_bad_arguments_without_panicking() {
 #[test]
 fn read_and_write_bytes_round_trip_and_reject_bad_ranges() {
     let b: &dyn Backend = &CpuBackend::new();
-    let v = values(10, 4);
-    let buf = upload(b, &v);
+    let v = Rng(4).values(10);
+    let buf = f32_buf(b, &v);
     let mut bytes = vec![0u8; 16];
     b.read_bytes(&buf, 2, &mut bytes).unwrap();
-    let mut other = upload(b, &[0.0; 10]);
+    let mut other = f32_buf(b, &[0.0; 10]);
     b.write_bytes(&bytes, &mut other, 6).unwrap();
     assert_eq!(&download(b, &other, 10)[6..], &v[2..6]);
     assert!(b.read_bytes(&buf, 8, &mut bytes).is_err(), "past the end");
@@ -226,8 +214,12 @@ fn routing_buffers(
     corral_backend::DeviceBuffer,
     Vec<f32>,
 ) {
-    let weights: Vec<f32> = values(ids.len(), seed).iter().map(|v| v.abs()).collect();
-    (upload_u32(b, ids), upload(b, &weights), weights)
+    let weights: Vec<f32> = Rng(seed)
+        .values(ids.len())
+        .iter()
+        .map(|v| v.abs())
+        .collect();
+    (u32_buf(b, ids), f32_buf(b, &weights), weights)
 }
 
 /// The per-token experts over block-format weights, which quantize each token's row and each
@@ -248,7 +240,7 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
         let seed = 10 * case as u64;
         let (experts, [gate, up, down]) =
             block_experts(b, (up_format, down_format), (e, h, i), seed);
-        let x = values(tokens * h, seed + 3);
+        let x = Rng(seed + 3).values(tokens * h);
         let ids: Vec<u32> = (0..tokens * top_k)
             .map(|p| ((p * 5 + case) % e) as u32)
             .collect();
@@ -259,17 +251,17 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
             tokens,
             top_k,
         };
-        let mut act = upload(b, &vec![0.0; tokens * top_k * i]);
-        let mut out = upload(b, &vec![0.0; tokens * h]);
-        b.moe_experts_per_token(&upload(b, &x), routing, &experts, &mut act, &mut out)
+        let mut act = f32_buf(b, &vec![0.0; tokens * top_k * i]);
+        let mut out = f32_buf(b, &vec![0.0; tokens * h]);
+        b.moe_experts_per_token(&f32_buf(b, &x), routing, &experts, &mut act, &mut out)
             .unwrap();
         let got = download(b, &out, tokens * h);
         let mut want = vec![0.0f32; tokens * h];
         let product =
             |v: &[f32], w: &std::sync::Arc<corral_backend::DeviceBuffer>, at: usize, rows, cols| {
-                let mut o = upload(b, &vec![0.0; rows]);
+                let mut o = f32_buf(b, &vec![0.0; rows]);
                 let view = WeightView::stacked(w, at, rows, cols).unwrap();
-                b.matmul(&upload(b, v), 1, view, &mut o).unwrap();
+                b.matmul(&f32_buf(b, v), 1, view, &mut o).unwrap();
                 download(b, &o, rows)
             };
         for t in 0..tokens {
@@ -277,8 +269,8 @@ fn block_format_experts_per_token_equal_their_pairs_one_at_a_time() {
                 let (p, ex) = (t * top_k + j, ids[t * top_k + j] as usize);
                 let xt = &x[t * h..(t + 1) * h];
                 let (g, u) = (product(xt, &gate, ex, i, h), product(xt, &up, ex, i, h));
-                let mut a = upload(b, &vec![0.0; i]);
-                b.silu_mul(&upload(b, &g), &upload(b, &u), i, &mut a)
+                let mut a = f32_buf(b, &vec![0.0; i]);
+                b.silu_mul(&f32_buf(b, &g), &f32_buf(b, &u), i, &mut a)
                     .unwrap();
                 let y = product(&download(b, &a, i), &down, ex, h, i);
                 for (o, y) in want[t * h..(t + 1) * h].iter_mut().zip(&y) {
@@ -324,7 +316,7 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
     {
         let seed = 20 + 10 * case as u64;
         let (experts, _) = block_experts(b, formats, (e, h, i), seed);
-        let x = upload(b, &values(tokens * h, seed + 3));
+        let x = f32_buf(b, &Rng(seed + 3).values(tokens * h));
         let ids: Vec<u32> = (0..tokens * top_k)
             .map(|p| {
                 if p % 2 == 0 {
@@ -342,11 +334,11 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
             top_k,
         };
         let pairs = tokens * top_k;
-        let mut act = upload(b, &vec![0.0; pairs * i]);
-        let mut per_token = upload(b, &vec![0.0; tokens * h]);
+        let mut act = f32_buf(b, &vec![0.0; pairs * i]);
+        let mut per_token = f32_buf(b, &vec![0.0; tokens * h]);
         b.moe_experts_per_token(&x, routing, &experts, &mut act, &mut per_token)
             .unwrap();
-        let meta = |n: usize| upload_u32(b, &vec![0; n]);
+        let meta = |n: usize| u32_buf(b, &vec![0; n]);
         let (mut offsets, mut hit, mut sorted_pairs, mut positions) =
             (meta(e + 1), meta(e + 1), meta(pairs), meta(pairs));
         b.moe_sort(
@@ -364,8 +356,8 @@ fn grouped_k_quant_experts_equal_the_per_token_experts() {
             sorted_pairs: &sorted_pairs,
             pair_positions: &positions,
         };
-        let mut y = upload(b, &vec![0.0; pairs * h]);
-        let mut grouped = upload(b, &vec![0.0; tokens * h]);
+        let mut y = f32_buf(b, &vec![0.0; pairs * h]);
+        let mut grouped = f32_buf(b, &vec![0.0; tokens * h]);
         b.moe_grouped_gate_up(&x, routing, sorted, &experts, &mut act)
             .unwrap();
         b.moe_grouped_down(&act, routing, sorted, &experts, &mut y)
@@ -425,13 +417,13 @@ proptest! {
         }
         let slots = next_kept;
         let hist = kernel - 1;
-        let x = values(tokens * channels, seed);
-        let w = values(channels * kernel, seed ^ 1);
-        let qkv = values(tokens * channels, seed ^ 2);
-        let gate: Vec<f32> = values(tokens * nv, seed ^ 3).iter().map(|v| -v.abs()).collect();
-        let beta: Vec<f32> = values(tokens * nv, seed ^ 4).iter().map(|v| v.abs()).collect();
-        let mut conv0 = values(slots * channels * hist, seed ^ 5);
-        let mut state0 = values(slots * nv * dk * dv, seed ^ 6);
+        let x = Rng(seed).values(tokens * channels);
+        let w = Rng(seed ^ 1).values(channels * kernel);
+        let qkv = Rng(seed ^ 2).values(tokens * channels);
+        let gate: Vec<f32> = Rng(seed ^ 3).values(tokens * nv).iter().map(|v| -v.abs()).collect();
+        let beta: Vec<f32> = Rng(seed ^ 4).values(tokens * nv).iter().map(|v| v.abs()).collect();
+        let mut conv0 = Rng(seed ^ 5).values(slots * channels * hist);
+        let mut state0 = Rng(seed ^ 6).values(slots * nv * dk * dv);
         conv0[num_runs * channels * hist..].fill(0.0);
         state0[num_runs * nv * dk * dv..].fill(0.0);
         let inputs = ((&x[..], &w[..], kernel), (&qkv[..], &gate[..], &beta[..]));
@@ -465,22 +457,22 @@ fn kept_states_past_the_pool_or_on_a_running_slot_are_refused() {
         key_dim: 2,
         value_dim: 2,
     };
-    let runs = upload_u32(b, &[0, 3, 0, 0]);
+    let runs = u32_buf(b, &[0, 3, 0, 0]);
     for kept in [[3u32], [0], [u32::MAX - 1]] {
-        let kept = upload_u32(b, &kept);
+        let kept = u32_buf(b, &kept);
         let rr = corral_backend::RecurrentRuns {
             runs: &runs,
             num_runs: 1,
             max_run_tokens: 3,
             kept: Some(&kept),
         };
-        let mut state = upload(b, &[0.0; 4 * 4]);
-        let mut out = upload(b, &[0.0; 6]);
+        let mut state = f32_buf(b, &[0.0; 4 * 4]);
+        let mut out = f32_buf(b, &[0.0; 6]);
         let err = b
             .gated_delta_rule(
-                &upload(b, &[0.5; 18]),
-                &upload(b, &[-0.1; 3]),
-                &upload(b, &[0.5; 3]),
+                &f32_buf(b, &[0.5; 18]),
+                &f32_buf(b, &[-0.1; 3]),
+                &f32_buf(b, &[0.5; 3]),
                 shape,
                 rr,
                 &mut state,

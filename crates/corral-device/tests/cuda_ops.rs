@@ -4,9 +4,11 @@
 
 use std::sync::{Arc, OnceLock};
 
+// The other op tests' helpers come too, not all used here.
+#[allow(dead_code)]
 mod common;
 
-use common::download;
+use common::{Rng, download, f32_buf, out_buf, u32_buf};
 
 use corral_backend::{
     Backend, BackendError, BufferUsage, Buffers, DType, DeltaNetShape, DeviceBuffer,
@@ -64,56 +66,12 @@ macro_rules! gpu_or_skip {
     };
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn values(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| (self.next() as f32 / (1u64 << 31) as f32) * 2.0 - 1.0)
-            .collect()
-    }
-}
-
 /// YaRN over base 1e6 with transformers' defaults.
 fn yarn(factor: f64, original: usize) -> RopeParams {
     RopeParams {
         theta: 1e6,
         yarn: Some(Yarn::new(factor, original)),
     }
-}
-
-fn f32_buf(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
-    let mut buf = b
-        .take_buffer(DType::F32, v.len().max(1), BufferUsage::Activations)
-        .unwrap();
-    b.upload_f32(v, &mut buf).unwrap();
-    buf
-}
-
-fn u32_buf(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
-    let mut buf = b
-        .take_buffer(DType::U32, v.len().max(1), BufferUsage::Metadata)
-        .unwrap();
-    b.upload_u32(v, &mut buf).unwrap();
-    buf
-}
-
-fn out_buf(b: &dyn Backend, n: usize) -> DeviceBuffer {
-    let mut buf = b
-        .take_buffer(DType::F32, n.max(1), BufferUsage::Activations)
-        .unwrap();
-    b.upload_f32(&vec![f32::NAN; n], &mut buf).unwrap();
-    buf
 }
 
 fn read_u32(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<u32> {

@@ -1,23 +1,28 @@
-//! Helpers the CPU and CUDA op tests share.
+//! Helpers the op tests share (the conformance suite, and the CPU's and CUDA's own).
 
 use corral_backend::{Backend, BufferUsage, DType, DeltaNetShape, DeviceBuffer, RecurrentRuns};
 
-/// `v` in a buffer of exactly its length.
-pub(crate) fn upload(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
+/// `v` in a buffer of its length (at least one element).
+pub(crate) fn f32_buf(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
     let mut buf = b
-        .take_buffer(DType::F32, v.len(), BufferUsage::Activations)
+        .take_buffer(DType::F32, v.len().max(1), BufferUsage::Activations)
         .unwrap();
     b.upload_f32(v, &mut buf).unwrap();
     buf
 }
 
-/// `v` in a metadata buffer of exactly its length.
-pub(crate) fn upload_u32(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
+/// `v` in a metadata buffer of its length (at least one element).
+pub(crate) fn u32_buf(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
     let mut buf = b
-        .take_buffer(DType::U32, v.len(), BufferUsage::Metadata)
+        .take_buffer(DType::U32, v.len().max(1), BufferUsage::Metadata)
         .unwrap();
     b.upload_u32(v, &mut buf).unwrap();
     buf
+}
+
+/// An f32 buffer of `n` NaNs, so that an element an op fails to write shows.
+pub(crate) fn out_buf(b: &dyn Backend, n: usize) -> DeviceBuffer {
+    f32_buf(b, &vec![f32::NAN; n])
 }
 
 /// The first `n` values of `buf`.
@@ -50,8 +55,8 @@ pub(crate) fn recurrence(
     (conv0, state0): (&[f32], &[f32]),
 ) -> Recurrence {
     let flat: Vec<u32> = runs.iter().flatten().copied().collect();
-    let runs_buf = upload_u32(b, &flat);
-    let kept_buf = kept.map(|k| upload_u32(b, k));
+    let runs_buf = u32_buf(b, &flat);
+    let kept_buf = kept.map(|k| u32_buf(b, k));
     let rr = RecurrentRuns {
         runs: &runs_buf,
         num_runs: runs.len(),
@@ -59,10 +64,10 @@ pub(crate) fn recurrence(
         kept: kept_buf.as_ref(),
     };
     let channels = w.len() / kernel;
-    let (mut conv_state, mut conv_out) = (upload(b, conv0), upload(b, &vec![0.0; x.len()]));
+    let (mut conv_state, mut conv_out) = (f32_buf(b, conv0), f32_buf(b, &vec![0.0; x.len()]));
     let weight = b.weight_from_f32(w, DType::F32).unwrap();
     b.causal_conv1d(
-        &upload(b, x),
+        &f32_buf(b, x),
         &weight,
         channels,
         kernel,
@@ -73,11 +78,11 @@ pub(crate) fn recurrence(
     .unwrap();
     let tokens = gate.len() / shape.num_value_heads;
     let out_len = tokens * shape.num_value_heads * shape.value_dim;
-    let (mut state, mut out) = (upload(b, state0), upload(b, &vec![0.0; out_len]));
+    let (mut state, mut out) = (f32_buf(b, state0), f32_buf(b, &vec![0.0; out_len]));
     b.gated_delta_rule(
-        &upload(b, qkv),
-        &upload(b, gate),
-        &upload(b, beta),
+        &f32_buf(b, qkv),
+        &f32_buf(b, gate),
+        &f32_buf(b, beta),
         shape,
         rr,
         &mut state,
@@ -89,5 +94,31 @@ pub(crate) fn recurrence(
         conv_state: download(b, &conv_state, conv0.len()),
         out: download(b, &out, out_len),
         state: download(b, &state, state0.len()),
+    }
+}
+
+/// A deterministic stream of values in [-1, 1) and indices.
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    /// The next 31 random bits.
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+
+    /// A value below `n`.
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// `n` values in [-1, 1).
+    pub(crate) fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.next() as f32 / (1u64 << 31) as f32) * 2.0 - 1.0)
+            .collect()
     }
 }

@@ -8,9 +8,16 @@
 
 use std::sync::OnceLock;
 
-use corral_backend::{Backend, BufferUsage, DType, DeviceBuffer};
+use corral_backend::Backend;
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
+
+// The other op tests' helpers come too (`recurrence`), unused here.
+#[allow(dead_code)]
+#[path = "../common/mod.rs"]
+mod common;
+
+pub(crate) use common::{Rng, download, f32_buf, out_buf, u32_buf};
 
 mod attention;
 mod copies;
@@ -49,61 +56,6 @@ pub(crate) fn subjects() -> Vec<Subject> {
         tol: 1e-5,
     }));
     all
-}
-
-/// A deterministic stream of values in [-1, 1) and indices.
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-
-    /// A value below `n`.
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    /// `n` values in [-1, 1).
-    pub(crate) fn values(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| (self.next() as f32 / (1u64 << 31) as f32) * 2.0 - 1.0)
-            .collect()
-    }
-}
-
-/// `v` in a buffer of exactly its length (at least one element).
-pub(crate) fn f32_buf(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
-    let mut buf = b
-        .take_buffer(DType::F32, v.len().max(1), BufferUsage::Activations)
-        .unwrap();
-    b.upload_f32(v, &mut buf).unwrap();
-    buf
-}
-
-/// `v` in a metadata buffer of exactly its length (at least one element).
-pub(crate) fn u32_buf(b: &dyn Backend, v: &[u32]) -> DeviceBuffer {
-    let mut buf = b
-        .take_buffer(DType::U32, v.len().max(1), BufferUsage::Metadata)
-        .unwrap();
-    b.upload_u32(v, &mut buf).unwrap();
-    buf
-}
-
-/// An f32 buffer of `n` NaNs, so that an element an op fails to write shows.
-pub(crate) fn out_buf(b: &dyn Backend, n: usize) -> DeviceBuffer {
-    f32_buf(b, &vec![f32::NAN; n])
-}
-
-/// The first `n` values of `buf`.
-pub(crate) fn download(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<f32> {
-    let mut out = vec![0.0; n];
-    b.download_f32(buf, &mut out).unwrap();
-    out
 }
 
 /// Asserts `got` is within the subject's tolerance of `want`, relative to `want`'s norm.
