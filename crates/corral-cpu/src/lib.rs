@@ -173,7 +173,8 @@ fn short(op: &'static str, len: usize, needed: usize) -> BackendError {
     }
 }
 
-/// The first `needed` elements of an F32 buffer.
+/// The first `needed` elements of an F32 buffer, its type and length checked here (ops whose
+/// checks are not yet `dyn Backend`'s).
 fn f32s<'a>(
     op: &'static str,
     what: &'static str,
@@ -182,15 +183,7 @@ fn f32s<'a>(
 ) -> Result<&'a [f32]> {
     check_dtype(op, b, DType::F32)?;
     check_len(op, what, b, needed)?;
-    match b.storage() {
-        Storage::F32(v) => Ok(&v[..needed]),
-        Storage::Mapped {
-            file, byte_offset, ..
-        } => Ok(bytemuck::cast_slice(
-            &file.bytes()[*byte_offset..*byte_offset + needed * 4],
-        )),
-        _ => Err(BackendError::ForeignBuffer { op }),
-    }
+    read_f32(op, b, needed)
 }
 
 fn f32s_mut<'a>(
@@ -215,10 +208,7 @@ fn u32s<'a>(
 ) -> Result<&'a [u32]> {
     check_dtype(op, b, DType::U32)?;
     check_len(op, what, b, needed)?;
-    match b.storage() {
-        Storage::U32(v) => Ok(&v[..needed]),
-        _ => Err(BackendError::ForeignBuffer { op }),
-    }
+    read_u32(op, b, needed)
 }
 
 fn u32s_mut<'a>(
@@ -229,10 +219,7 @@ fn u32s_mut<'a>(
 ) -> Result<&'a mut [u32]> {
     check_dtype(op, b, DType::U32)?;
     check_len(op, what, b, needed)?;
-    match b.storage_mut() {
-        Storage::U32(v) => Ok(&mut v[..needed]),
-        _ => Err(BackendError::ForeignBuffer { op }),
-    }
+    write_u32(op, b, needed)
 }
 
 /// All elements of a float weight buffer in their stored type.
