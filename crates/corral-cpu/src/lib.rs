@@ -58,16 +58,17 @@ impl CpuBackend {
     /// As [`CpuBackend::new`], keeping the KV cache in `kv_dtype`: F32, or BF16 (half the
     /// memory; rows widened to f32 as attention reads them).
     pub fn with_kv_dtype(kv_dtype: DType) -> Result<Self> {
-        match kv_dtype {
-            DType::F32 | DType::BF16 => Ok(Self {
-                kv_dtype,
-                ..Self::new()
-            }),
-            other => Err(bad(
+        let backend = Self::new();
+        if !backend.capabilities.kv_dtypes.contains(&kv_dtype) {
+            return Err(bad(
                 "CpuBackend",
-                format!("a KV cache of {other} (f32 or bf16 on the CPU)"),
-            )),
+                format!("a KV cache of {kv_dtype} (f32 or bf16 on the CPU)"),
+            ));
         }
+        Ok(Self {
+            kv_dtype,
+            ..backend
+        })
     }
 
     fn new_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> DeviceBuffer {

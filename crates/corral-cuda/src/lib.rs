@@ -613,13 +613,6 @@ impl CudaBackend {
             gpu.alloc(sample_words * 4)?.into_storage(),
         );
         let sampling_tickets = zeroed_tickets(&gpu, SAMPLE_MAX_ROWS)?;
-        let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
-        if !matches!(kv_dtype, DType::BF16 | DType::F32 | DType::F8E4M3) {
-            return Err(bad(
-                "cuda backend",
-                format!("KV cache type {kv_dtype} unsupported"),
-            ));
-        }
         let capabilities = Capabilities {
             graphs: true,
             profiling: true,
@@ -631,6 +624,13 @@ impl CudaBackend {
             kv_dtypes: vec![DType::BF16, DType::F32, DType::F8E4M3],
             bf16_projection_inputs: true,
         };
+        let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
+        if !capabilities.kv_dtypes.contains(&kv_dtype) {
+            return Err(bad(
+                "cuda backend",
+                format!("KV cache type {kv_dtype} unsupported"),
+            ));
+        }
         let blas = if options.without_cublas {
             None
         } else {
