@@ -1,13 +1,9 @@
 //! The op entry points the model calls, on `dyn Backend`: the one place where an op's
 //! arguments are checked for every backend (the buffers' element types and lengths against
-//! the shape, and the shape itself) before the backend's [`Ops`](crate::Ops) run, so that a
-//! backend computes only. Checked here so far: the copies (`fill_zero`, `embedding`,
-//! `gather_rows`, `gather_blocks`, `scatter_blocks`, `copy_within`), the norms, the
-//! elementwise ops, attention's (`rope`, `kv_store`, `qkv_norm_rope_store`,
-//! `paged_attention`) and the Gated DeltaNet's (`causal_conv1d`, `delta_net_gates`,
-//! `gated_delta_rule`), sampling's (`logit_penalties`, `top_candidates`), and MoE routing
-//! (`moe_route`, `scale_scatter_add`); the projections and the experts' ops still check
-//! inside each backend.
+//! the shape, the shape itself, and the weights' types against what the device reads)
+//! before the backend's [`Ops`](crate::Ops) run, so that a backend computes only. What is
+//! left to a backend is the values inside buffers (token ids, slots, expert ids, sorted
+//! offsets), which it checks as it reads them: the CPU on the host, a GPU on the device.
 
 use crate::ops::{check_block_copy, check_copy_ranges};
 use crate::sampling::{CANDIDATE_ROW_WORDS, DRAW_WORDS, MAX_REDUCED_VOCAB};
@@ -114,7 +110,7 @@ impl<'b> dyn Backend + 'b {
         let op = "rms_norm";
         holds(op, "x", x, DType::F32, rows * dim)?;
         holds(op, "weight", weight, DType::F32, dim)?;
-        self.projection_input(op, out, rows * dim)?;
+        self.projection_input(op, "out", out, rows * dim)?;
         self.ops()
             .rms_norm(x, weight, rows, dim, eps, offset_one, out)
     }
@@ -127,6 +123,9 @@ impl<'b> dyn Backend + 'b {
         w: WeightView<'_>,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "matmul";
+        self.projection(op, x, rows, w)?;
+        holds(op, "out", out, DType::F32, rows * w.rows)?;
         self.ops().matmul(x, rows, w, out)
     }
 
@@ -139,6 +138,25 @@ impl<'b> dyn Backend + 'b {
         out: &mut DeviceBuffer,
         out_cols: usize,
     ) -> Result<()> {
+        let op = "matmul_parts";
+        let total: usize = parts.iter().map(|(_, part_rows)| part_rows).sum();
+        if total > out_cols {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!("parts of {total} rows into rows {out_cols} wide"),
+            });
+        }
+        self.projection_input(op, "x", x, rows * cols)?;
+        for (buffer, part_rows) in parts {
+            let part = WeightView {
+                buffer,
+                offset: 0,
+                rows: *part_rows,
+                cols,
+            };
+            self.weights(op, part)?;
+        }
+        holds(op, "out", out, DType::F32, rows * out_cols)?;
         self.ops()
             .matmul_parts(x, rows, (parts, cols), out, out_cols)
     }
@@ -153,6 +171,15 @@ impl<'b> dyn Backend + 'b {
         out_cols: usize,
         col0: usize,
     ) -> Result<()> {
+        let op = "matmul_columns";
+        if col0 + w.rows > out_cols {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!("columns {col0}..{} of rows {out_cols} wide", col0 + w.rows),
+            });
+        }
+        self.projection(op, x, rows, w)?;
+        holds(op, "out", out, DType::F32, rows * out_cols)?;
         self.ops().matmul_columns(x, rows, w, out, out_cols, col0)
     }
 
@@ -164,6 +191,12 @@ impl<'b> dyn Backend + 'b {
         weights: &[WeightView<'_>],
         outs: &mut [&mut DeviceBuffer],
     ) -> Result<()> {
+        let op = "matmuls";
+        crate::matmuls_arity(weights.len(), outs.len())?;
+        for (w, out) in weights.iter().zip(outs.iter()) {
+            self.projection(op, x, rows, *w)?;
+            holds(op, "out", out, DType::F32, rows * w.rows)?;
+        }
         self.ops().matmuls(x, rows, weights, outs)
     }
 
@@ -192,7 +225,7 @@ impl<'b> dyn Backend + 'b {
         holds(op, "acc", acc, DType::F32, rows * dim)?;
         holds(op, "x", x, DType::F32, rows * dim)?;
         holds(op, "weight", weight, DType::F32, dim)?;
-        self.projection_input(op, out, rows * dim)?;
+        self.projection_input(op, "out", out, rows * dim)?;
         self.ops()
             .add_rms_norm(acc, x, weight, rows, dim, eps, offset_one, out)
     }
@@ -322,7 +355,7 @@ impl<'b> dyn Backend + 'b {
         self.kv_cache(op, cache_k, cache_v, num_kv_heads, head_dim)?;
         let tokens = meta.tokens;
         holds(op, "q", q, DType::F32, tokens * num_heads * head_dim)?;
-        self.projection_input(op, out, tokens * num_heads * head_dim)?;
+        self.projection_input(op, "out", out, tokens * num_heads * head_dim)?;
         holds(op, "positions", meta.positions, DType::U32, tokens)?;
         holds(op, "token_runs", meta.token_runs, DType::U32, tokens)?;
         // At least one run's table where there are tokens (each token's run is read on the
@@ -412,6 +445,17 @@ impl<'b> dyn Backend + 'b {
         sorted_pairs: &mut DeviceBuffer,
         pair_positions: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "moe_sort";
+        expert_count(op, num_experts)?;
+        let pairs = routing.tokens * routing.top_k;
+        holds(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?;
+        let sorted = MoeSorted {
+            expert_offsets,
+            hit_experts,
+            sorted_pairs,
+            pair_positions,
+        };
+        sorted_of(op, sorted, num_experts, pairs)?;
         self.ops().moe_sort(
             routing,
             num_experts,
@@ -431,6 +475,12 @@ impl<'b> dyn Backend + 'b {
         experts: &ExpertWeights,
         act: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "moe_grouped_gate_up";
+        let (num_experts, inter, hidden) = self.experts(op, experts)?;
+        let pairs = routing_of(op, routing)?;
+        sorted_of(op, sorted, num_experts, pairs)?;
+        self.projection_input(op, "x", x, routing.tokens * hidden)?;
+        holds(op, "act", act, DType::F32, pairs * inter)?;
         self.ops()
             .moe_grouped_gate_up(x, routing, sorted, experts, act)
     }
@@ -444,6 +494,8 @@ impl<'b> dyn Backend + 'b {
         experts: &ExpertWeights,
         y: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "moe_grouped_down";
+        self.grouped_down(op, act, routing, sorted, experts, y)?;
         self.ops()
             .moe_grouped_down(act, routing, sorted, experts, y)
     }
@@ -457,6 +509,7 @@ impl<'b> dyn Backend + 'b {
         hidden: usize,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        combine_of("moe_combine", y, routing, sorted, hidden, out)?;
         self.ops().moe_combine(y, routing, sorted, hidden, out)
     }
 
@@ -470,6 +523,9 @@ impl<'b> dyn Backend + 'b {
         y: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "moe_grouped_down_combine";
+        let hidden = self.grouped_down(op, act, routing, sorted, experts, y)?;
+        combine_of(op, y, routing, sorted, hidden, out)?;
         self.ops()
             .moe_grouped_down_combine(act, routing, sorted, experts, y, out)
     }
@@ -683,6 +739,12 @@ impl<'b> dyn Backend + 'b {
         act: &mut DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        let op = "moe_experts_per_token";
+        let (_, inter, hidden) = self.experts(op, experts)?;
+        let pairs = routing_of(op, routing)?;
+        holds(op, "x", x, DType::F32, routing.tokens * hidden)?;
+        holds(op, "act", act, DType::F32, pairs * inter)?;
+        holds(op, "out", out, DType::F32, routing.tokens * hidden)?;
         self.ops()
             .moe_experts_per_token(x, routing, experts, act, out)
     }
@@ -720,8 +782,14 @@ impl<'b> dyn Backend + 'b {
     /// Checks the output of an op whose output projections read (a norm, attention): f32,
     /// or bf16 where the device writes such outputs so
     /// ([`Capabilities::bf16_projection_inputs`](crate::Capabilities::bf16_projection_inputs)).
-    fn projection_input(&self, op: &'static str, out: &DeviceBuffer, needed: usize) -> Result<()> {
-        let dtype = out.dtype();
+    fn projection_input(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        b: &DeviceBuffer,
+        needed: usize,
+    ) -> Result<()> {
+        let dtype = b.dtype();
         let bf16 = dtype == DType::BF16 && self.capabilities().bf16_projection_inputs;
         if dtype != DType::F32 && !bf16 {
             return Err(BackendError::WrongDType {
@@ -730,8 +798,178 @@ impl<'b> dyn Backend + 'b {
                 got: dtype,
             });
         }
-        holds(op, "out", out, dtype, needed)
+        holds(op, what, b, dtype, needed)
     }
+
+    /// Checks a projection of `rows` rows of `x` by `w`: the weights as [`Self::weights`], x
+    /// as a projection's input.
+    fn projection(
+        &self,
+        op: &'static str,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+    ) -> Result<()> {
+        self.weights(op, w)?;
+        self.projection_input(op, "x", x, rows * w.cols)
+    }
+
+    /// Checks a weight matrix: of a float type or a block format the device reads, in whole
+    /// blocks, and within its buffer.
+    fn weights(&self, op: &'static str, w: WeightView<'_>) -> Result<()> {
+        self.weight_type(op, w.buffer.dtype())?;
+        whole_blocks(op, w)?;
+        let needed = w.offset + w.rows * w.cols;
+        if needed > w.buffer.len() {
+            return Err(BackendError::TooSmall {
+                op,
+                what: "weights",
+                len: w.buffer.len(),
+                needed,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks that weights of `dtype` are read by the device as they are: a float type, or
+    /// a block format of [`Capabilities::weight_formats`](crate::Capabilities::weight_formats).
+    fn weight_type(&self, op: &'static str, dtype: DType) -> Result<()> {
+        let readable = match dtype {
+            DType::F32 | DType::BF16 | DType::F16 => true,
+            DType::Quant(format) => self.capabilities().reads(format),
+            DType::U32 | DType::F8E4M3 => false,
+        };
+        if readable {
+            return Ok(());
+        }
+        Err(BackendError::BadArgument {
+            op,
+            detail: format!("weights of {dtype}, which this device does not read"),
+        })
+    }
+
+    /// Checks a layer's experts (`(experts, intermediate, hidden)`, returned): gate and up
+    /// `[intermediate, hidden]` of one type, down `[hidden, intermediate]`, as many of each,
+    /// and every projection of a type the device reads. Each projection's experts share its
+    /// type and whole blocks ([`ExpertMatrices`](crate::ExpertMatrices) is made so).
+    fn experts(&self, op: &'static str, experts: &ExpertWeights) -> Result<(usize, usize, usize)> {
+        let ExpertWeights { gate, up, down } = experts;
+        let (num_experts, inter, hidden) = (gate.num_experts(), gate.rows(), gate.cols());
+        let shaped = up.num_experts() == num_experts
+            && down.num_experts() == num_experts
+            && (up.rows(), up.cols()) == (inter, hidden)
+            && (down.rows(), down.cols()) == (hidden, inter);
+        if !shaped || gate.dtype() != up.dtype() {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!(
+                    "experts of mismatched projections: gate {num_experts} x [{inter}, {hidden}] \
+                     of {:?}, up {} x [{}, {}] of {:?}, down {} x [{}, {}]",
+                    gate.dtype(),
+                    up.num_experts(),
+                    up.rows(),
+                    up.cols(),
+                    up.dtype(),
+                    down.num_experts(),
+                    down.rows(),
+                    down.cols()
+                ),
+            });
+        }
+        expert_count(op, num_experts)?;
+        for matrices in [gate, up, down] {
+            if let Some(dtype) = matrices.dtype() {
+                self.weight_type(op, dtype)?;
+            }
+        }
+        Ok((num_experts, inter, hidden))
+    }
+
+    /// Checks a grouped down projection's arguments; its hidden size.
+    fn grouped_down(
+        &self,
+        op: &'static str,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &DeviceBuffer,
+    ) -> Result<usize> {
+        let (num_experts, inter, hidden) = self.experts(op, experts)?;
+        let pairs = routing_of(op, routing)?;
+        sorted_of(op, sorted, num_experts, pairs)?;
+        holds(op, "act", act, DType::F32, pairs * inter)?;
+        holds(op, "y", y, DType::F32, pairs * hidden)?;
+        Ok(hidden)
+    }
+}
+
+/// Checks a layer's expert count: 1 to [`MAX_EXPERTS`].
+fn expert_count(op: &'static str, num_experts: usize) -> Result<()> {
+    if (1..=MAX_EXPERTS).contains(&num_experts) {
+        return Ok(());
+    }
+    Err(BackendError::BadArgument {
+        op,
+        detail: format!("{num_experts} experts (1 to {MAX_EXPERTS})"),
+    })
+}
+
+/// Checks a routing's ids and weights, a row of `top_k` a token; the routed pairs.
+fn routing_of(op: &'static str, routing: MoeRouting<'_>) -> Result<usize> {
+    let pairs = routing.tokens * routing.top_k;
+    holds(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?;
+    holds(
+        op,
+        "expert_weights",
+        routing.expert_weights,
+        DType::F32,
+        pairs,
+    )?;
+    Ok(pairs)
+}
+
+/// Checks the routed pairs sorted by expert: offsets and hit experts one more than the
+/// experts, the permutation and its inverse a word a pair. Their values are the backend's
+/// to check as it reads them.
+fn sorted_of(
+    op: &'static str,
+    sorted: MoeSorted<'_>,
+    num_experts: usize,
+    pairs: usize,
+) -> Result<()> {
+    let words = [
+        ("expert_offsets", sorted.expert_offsets, num_experts + 1),
+        ("hit_experts", sorted.hit_experts, num_experts + 1),
+        ("sorted_pairs", sorted.sorted_pairs, pairs),
+        ("pair_positions", sorted.pair_positions, pairs),
+    ];
+    for (what, buffer, needed) in words {
+        holds(op, what, buffer, DType::U32, needed)?;
+    }
+    Ok(())
+}
+
+/// Checks a combine of the pairs' rows `y` (`[pairs, hidden]`, sorted) into `out`
+/// (`[tokens, hidden]`) through the pairs' sorted positions.
+fn combine_of(
+    op: &'static str,
+    y: &DeviceBuffer,
+    routing: MoeRouting<'_>,
+    sorted: MoeSorted<'_>,
+    hidden: usize,
+    out: &DeviceBuffer,
+) -> Result<()> {
+    let pairs = routing.tokens * routing.top_k;
+    holds(op, "y", y, DType::F32, pairs * hidden)?;
+    holds(
+        op,
+        "pair_positions",
+        sorted.pair_positions,
+        DType::U32,
+        pairs,
+    )?;
+    holds(op, "out", out, DType::F32, routing.tokens * hidden)
 }
 
 /// Dimensions of a head at most (every backend's kernels hold a head's row, or its
@@ -801,7 +1039,7 @@ fn holds(
 
 /// Checks that a weight view's rows start and end on whole blocks of its format, as every
 /// reader of them assumes.
-fn whole_blocks(op: &'static str, w: WeightView<'_>) -> Result<()> {
+pub fn whole_blocks(op: &'static str, w: WeightView<'_>) -> Result<()> {
     let dtype = w.buffer.dtype();
     let block = dtype.block_values();
     if w.offset.is_multiple_of(block) && w.cols.is_multiple_of(block) {

@@ -44,6 +44,7 @@ impl ExpertMatrices {
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
+        whole_rows(buffer.dtype(), cols)?;
         let needed = num_experts * stacked_rows * cols;
         if buffer.len() < needed || row_start + rows > stacked_rows {
             return Err(BackendError::TooSmall {
@@ -67,8 +68,21 @@ impl ExpertMatrices {
         })
     }
 
-    /// One `[rows, cols]` buffer per expert.
+    /// One `[rows, cols]` buffer per expert, all of one type.
     pub fn per_expert(buffers: Vec<DeviceBuffer>, rows: usize, cols: usize) -> Result<Self> {
+        if let Some(first) = buffers.first() {
+            whole_rows(first.dtype(), cols)?;
+            if let Some(other) = buffers.iter().find(|b| b.dtype() != first.dtype()) {
+                return Err(BackendError::BadArgument {
+                    op: "expert matrices",
+                    detail: format!(
+                        "experts stored as {} beside experts stored as {}",
+                        other.dtype(),
+                        first.dtype()
+                    ),
+                });
+            }
+        }
         if let Some(short) = buffers.iter().find(|b| b.len() < rows * cols) {
             return Err(BackendError::TooSmall {
                 op: "expert matrices",
@@ -205,6 +219,19 @@ impl ExpertMatrices {
         };
         dtype.bytes_of(self.rows * self.cols)
     }
+}
+
+/// Checks that rows of `cols` values of `dtype` are whole blocks of its format, so that
+/// every expert's matrix starts and ends on one.
+fn whole_rows(dtype: crate::DType, cols: usize) -> Result<()> {
+    let block = dtype.block_values();
+    if cols.is_multiple_of(block) {
+        return Ok(());
+    }
+    Err(BackendError::BadArgument {
+        op: "expert matrices",
+        detail: format!("{dtype} rows of {cols} values: not whole blocks of {block}"),
+    })
 }
 
 /// The three projections of every routed expert of one MoE layer.

@@ -32,6 +32,7 @@ pub use buffer::{
 };
 pub use checked::{
     MAX_CONV_KERNEL, MAX_DELTA_KEY_DIM, MAX_DELTA_VALUE_DIM, MAX_EXPERTS, MAX_HEAD_DIM,
+    whole_blocks,
 };
 pub use device::{Capabilities, Device, DeviceMemory, Graph, KernelTime};
 pub use dtype::{DType, kv_row_elems};

@@ -134,6 +134,125 @@ pub fn scale_scatter_add(
     out
 }
 
+/// The softmax router: each token's `top_k` experts by logit (ties to the lower id) and their
+/// softmax weights, renormalised to sum 1 where `renormalize`; with `shared_gate`, each row
+/// has one more logit and each token one more choice, expert `num_experts` weighted by its
+/// sigmoid. Ids and weights `[tokens, top_k (+ 1)]`.
+pub fn moe_route(
+    logits: &[f32],
+    num_experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    shared_gate: bool,
+) -> (Vec<u32>, Vec<f32>) {
+    let row = num_experts + usize::from(shared_gate);
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    for l in logits.chunks(row) {
+        let max = l[..num_experts]
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let sum: f64 = l[..num_experts]
+            .iter()
+            .map(|&v| (v as f64 - max).exp())
+            .sum();
+        let mut order: Vec<usize> = (0..num_experts).collect();
+        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let p: Vec<f64> = chosen
+            .iter()
+            .map(|&e| (l[e] as f64 - max).exp() / sum)
+            .collect();
+        let total: f64 = if renormalize { p.iter().sum() } else { 1.0 };
+        ids.extend(chosen.iter().map(|&e| e as u32));
+        weights.extend(p.iter().map(|w| (w / total) as f32));
+        if shared_gate {
+            ids.push(num_experts as u32);
+            weights.push((1.0 / (1.0 + (-(l[num_experts] as f64)).exp())) as f32);
+        }
+    }
+    (ids, weights)
+}
+
+/// Each routed pair's place when the pairs (`ids`, a token's choices in turn) are sorted by
+/// expert, pairs of one expert in pair order: expert `e`'s pairs at positions
+/// `offsets[e]..offsets[e + 1]`, the pair at each position, and each pair's position.
+pub struct SortedPairs {
+    /// `[experts + 1]` prefix counts.
+    pub offsets: Vec<u32>,
+    /// The experts that have pairs, in ascending order.
+    pub hit: Vec<u32>,
+    /// The pair at each sorted position.
+    pub sorted_pairs: Vec<u32>,
+    /// The sorted position of each pair.
+    pub positions: Vec<u32>,
+}
+
+/// The routed pairs `ids` sorted by expert (of `num_experts`), stably.
+pub fn moe_sort(ids: &[u32], num_experts: usize) -> SortedPairs {
+    let mut sorted_pairs: Vec<u32> = (0..ids.len() as u32).collect();
+    sorted_pairs.sort_by_key(|&p| ids[p as usize]);
+    let mut positions = vec![0; ids.len()];
+    for (s, &p) in sorted_pairs.iter().enumerate() {
+        positions[p as usize] = s as u32;
+    }
+    let offsets = (0..=num_experts)
+        .map(|e| ids.iter().filter(|&&id| (id as usize) < e).count() as u32)
+        .collect();
+    let mut hit: Vec<u32> = ids.to_vec();
+    hit.sort_unstable();
+    hit.dedup();
+    SortedPairs {
+        offsets,
+        hit,
+        sorted_pairs,
+        positions,
+    }
+}
+
+/// The routed experts' output per token: `out[t] = Σ_j w[t, j] · down[e](silu(gate[e] x[t]) ⊙
+/// up[e] x[t])` with `e = ids[t, j]`, experts' matrices stacked (`gate`, `up`:
+/// `[experts, inter, hidden]`, `down`: `[experts, hidden, inter]`), in f64.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts(
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    [gate, up, down]: [&[f32]; 3],
+    inter: usize,
+    hidden: usize,
+) -> Vec<f32> {
+    let tokens = ids.len() / top_k.max(1);
+    let mut out = vec![0.0; tokens * hidden];
+    let dot = |a: &[f32], b: &[f64]| a.iter().zip(b).map(|(&a, b)| a as f64 * b).sum::<f64>();
+    for t in 0..tokens {
+        let xt: Vec<f64> = x[t * hidden..(t + 1) * hidden]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let mut acc = vec![0.0f64; hidden];
+        for j in 0..top_k {
+            let (e, w) = (ids[t * top_k + j] as usize, weights[t * top_k + j] as f64);
+            let act: Vec<f64> = (0..inter)
+                .map(|r| {
+                    let row = (e * inter + r) * hidden;
+                    let g = dot(&gate[row..row + hidden], &xt);
+                    let u = dot(&up[row..row + hidden], &xt);
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            for (c, a) in acc.iter_mut().enumerate() {
+                let row = (e * hidden + c) * inter;
+                *a += w * dot(&down[row..row + inter], &act);
+            }
+        }
+        for (o, a) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(acc) {
+            *o = a as f32;
+        }
+    }
+    out
+}
+
 /// A run of a recurrent op: its first token in the batch, its tokens, its state slot, and
 /// whether it starts from a zero state.
 #[derive(Clone, Copy, Debug)]

@@ -265,19 +265,6 @@ fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'
     }
 }
 
-/// Checks that weight rows of `cols` values from `offset` fall on whole blocks of a block
-/// format, as every reader of them assumes.
-fn check_blocks(op: &'static str, dtype: DType, offset: usize, cols: usize) -> Result<()> {
-    let block = dtype.block_values();
-    if offset.is_multiple_of(block) && cols.is_multiple_of(block) {
-        return Ok(());
-    }
-    Err(bad(
-        op,
-        format!("{dtype} rows of {cols} values from value {offset}: not whole blocks of {block}"),
-    ))
-}
-
 /// A KV cache buffer's first `needed` elements, f32 or bf16.
 fn kv_rows<'a>(
     op: &'static str,
@@ -315,15 +302,16 @@ fn kv_rows_mut<'a>(
     }
 }
 
-/// The offsets and permutation of a sorting, checked to be consistent with `pairs`.
+/// The offsets and permutation of a sorting, their values checked to be consistent with
+/// `pairs` (their buffers are checked by the caller).
 fn checked_sorting<'a>(
     op: &'static str,
     sorted: MoeSorted<'a>,
     num_experts: usize,
     pairs: usize,
 ) -> Result<(&'a [u32], &'a [u32])> {
-    let offsets = u32s(op, "expert_offsets", sorted.expert_offsets, num_experts + 1)?;
-    let order = u32s(op, "sorted_pairs", sorted.sorted_pairs, pairs)?;
+    let offsets = read_u32(op, sorted.expert_offsets, num_experts + 1)?;
+    let order = read_u32(op, sorted.sorted_pairs, pairs)?;
     let monotone = offsets.windows(2).all(|w| w[0] <= w[1]);
     if offsets[0] != 0 || offsets[num_experts] as usize != pairs || !monotone {
         return Err(bad(
@@ -351,9 +339,9 @@ fn recurrent_runs(
     slots: usize,
     out: &mut Vec<ops::delta_net::Run>,
 ) -> Result<()> {
-    let raw = u32s(op, "runs", runs.runs, runs.num_runs * 4)?;
+    let raw = read_u32(op, runs.runs, runs.num_runs * 4)?;
     let kept = match runs.kept {
-        Some(kept) => Some(u32s(op, "kept", kept, runs.num_runs)?),
+        Some(kept) => Some(read_u32(op, kept, runs.num_runs)?),
         None => None,
     };
     out.clear();

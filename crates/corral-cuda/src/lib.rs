@@ -507,13 +507,6 @@ struct Attention<'a> {
 /// A weight view's address, type and whether its rows allow 16-byte loads.
 fn weight(op: &'static str, w: WeightView<'_>) -> Result<(u64, DType, bool)> {
     let dtype = w.buffer.dtype();
-    let block = dtype.block_values();
-    if !w.offset.is_multiple_of(block) || !w.cols.is_multiple_of(block) {
-        return Err(bad(
-            op,
-            format!("{dtype} weights viewed across blocks of {block} values"),
-        ));
-    }
     let addr = ptr_of(op, w.buffer)? + dtype.bytes_of(w.offset) as u64;
     let quant = matches!(dtype, DType::Quant(_));
     let vec = !quant && addr.is_multiple_of(16) && w.cols.is_multiple_of(8);
@@ -765,7 +758,7 @@ impl CudaBackend {
         let args = [
             Arg::Ptr(ptr_of(op, src)?),
             Arg::Ptr(ptr_of(op, dst)?),
-            buf(op, "ids", ids, DType::U32, count)?,
+            addr(op, ids)?,
             u32_of(op, count)?,
             Arg::U64(block_bytes as u64),
             u32_of(op, paged_blocks)?,

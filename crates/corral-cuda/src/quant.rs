@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::kernels::{F8_SMEM_BYTES, QuantKernels};
-use super::{Arg, CudaBackend, MVM_THREADS, buf, grid_of, ptr_of, u32_of, weight};
+use super::{Arg, CudaBackend, MVM_THREADS, addr, buf, grid_of, ptr_of, u32_of, weight};
 use corral_backend::{
     BackendError, BufferUsage, Buffers, DType, Device, DeviceBuffer, ExpertMatrices, ExpertWeights,
     MatmulOps, MoeSorted, QuantFormat, Result, WeightView, synthetic,
@@ -172,10 +172,10 @@ impl CudaBackend {
                 format!("{rows} rows into columns {col0}.. of {out_cols}"),
             ));
         }
-        let Arg::Ptr(out_addr) = buf(op, "out", out, DType::F32, rows * out_cols)? else {
+        let Arg::Ptr(out_addr) = addr(op, out)? else {
             return Err(bad(op, "output address".to_string()));
         };
-        let x_arg = buf(op, "x", x, DType::F32, rows * w.cols)?;
+        let x_arg = addr(op, x)?;
         let out_arg = Arg::Ptr(out_addr + (col0 * 4) as u64);
         if format == QuantFormat::F8E4M3x128 {
             let Arg::Ptr(x_addr) = x_arg else {
@@ -265,10 +265,10 @@ impl CudaBackend {
                 format!("parts of {total} rows into {out_cols} columns"),
             ));
         }
-        let Arg::Ptr(out_addr) = buf(op, "out", out, DType::F32, rows * out_cols)? else {
+        let Arg::Ptr(out_addr) = addr(op, out)? else {
             return Err(bad(op, "output address".to_string()));
         };
-        let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
+        let x_arg = addr(op, x)?;
         // x quantized once for each way the parts' formats read it (a Q4_K_M file's q, k and
         // v projections: Q4_K per super-block, Q6_K per 32 values).
         let formats = parts.iter().filter_map(|(b, _)| quant_format(b.dtype()));
@@ -411,17 +411,11 @@ impl CudaBackend {
         {
             return Err(bad(op, "expert rows of partial blocks".to_string()));
         }
-        let ids = buf(op, "expert_ids", routing.expert_ids, DType::U32, pairs)?;
-        let weights = buf(
-            op,
-            "expert_weights",
-            routing.expert_weights,
-            DType::F32,
-            pairs,
-        )?;
-        let act_arg = buf(op, "act", act, DType::F32, pairs * inter)?;
-        let out_arg = buf(op, "out", out, DType::F32, tokens * hidden)?;
-        let x_arg = buf(op, "x", x, DType::F32, tokens * hidden)?;
+        let ids = addr(op, routing.expert_ids)?;
+        let weights = addr(op, routing.expert_weights)?;
+        let act_arg = addr(op, act)?;
+        let out_arg = addr(op, out)?;
+        let x_arg = addr(op, x)?;
         let (gate_up_kernel, down_kernel) = (
             &self
                 .kernels
@@ -519,7 +513,7 @@ impl CudaBackend {
         {
             return self.quant_matvec(x, rows, w, format, out, (out_cols, col0));
         }
-        let dst = buf(op, "out", out, DType::F32, rows * out_cols)?;
+        let dst = addr(op, out)?;
         let len = rows * w.rows;
         let mut part = self.take_buffer(DType::F32, len, BufferUsage::Activations)?;
         let queued = self.matmul(x, rows, w, &mut part).and_then(|()| {
@@ -555,11 +549,11 @@ impl CudaBackend {
         let (w, _, _) = weight(op, table)?;
         let args = [
             Arg::Ptr(w),
-            buf(op, "ids", ids, DType::U32, tokens)?,
+            addr(op, ids)?,
             u32_of(op, tokens)?,
             u32_of(op, table.cols)?,
             u32_of(op, table.rows)?,
-            buf(op, "out", out, DType::F32, tokens * table.cols)?,
+            addr(op, out)?,
             self.diag(),
         ];
         if tokens == 0 {
@@ -573,6 +567,7 @@ impl CudaBackend {
     /// read, for tests against the CPU's decoder).
     pub fn dequantize_on_device(&self, w: WeightView<'_>, out: &mut DeviceBuffer) -> Result<()> {
         let op = "dequantize";
+        corral_backend::whole_blocks(op, w)?;
         let (w_addr, dtype, _) = weight(op, w)?;
         let format = quant_format(dtype)
             .ok_or_else(|| bad(op, format!("weights of {dtype} are not blocks")))?;
@@ -643,13 +638,7 @@ impl CudaBackend {
         let decoded = slot
             .as_ref()
             .ok_or_else(|| bad(op, "no decoded experts".to_string()))?;
-        let offsets = buf(
-            op,
-            "expert_offsets",
-            sorted.expert_offsets,
-            DType::U32,
-            num_experts + 1,
-        )?;
+        let offsets = addr(op, sorted.expert_offsets)?;
         let pairs = [
             (&experts.gate, &decoded.weights.gate),
             (&experts.up, &decoded.weights.up),

@@ -133,12 +133,7 @@ impl AttentionOps for CpuBackend {
             .map(|&r| r as usize + 1)
             .max()
             .unwrap_or(0);
-        let block_tables = u32s(
-            op,
-            "block_tables",
-            meta.block_tables,
-            num_runs * meta.max_blocks_per_run,
-        )?;
+        let block_tables = read_u32(op, meta.block_tables, num_runs * meta.max_blocks_per_run)?;
         if let Some(&b) = block_tables.iter().find(|&&b| b as usize >= num_blocks) {
             return Err(bad(
                 op,

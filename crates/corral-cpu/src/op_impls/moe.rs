@@ -46,17 +46,17 @@ impl MoeOps for CpuBackend {
     ) -> Result<()> {
         let op = "moe_sort";
         let pairs = routing.tokens * routing.top_k;
-        let ids = u32s(op, "expert_ids", routing.expert_ids, pairs)?;
+        let ids = read_u32(op, routing.expert_ids, pairs)?;
         if let Some(&e) = ids.iter().find(|&&e| e as usize >= num_experts) {
             return Err(bad(
                 op,
                 format!("expert {e} is out of range for {num_experts}"),
             ));
         }
-        let offsets = u32s_mut(op, "expert_offsets", expert_offsets, num_experts + 1)?;
-        let hit = u32s_mut(op, "hit_experts", hit_experts, num_experts + 1)?;
-        let sorted = u32s_mut(op, "sorted_pairs", sorted_pairs, pairs)?;
-        let positions = u32s_mut(op, "pair_positions", pair_positions, pairs)?;
+        let offsets = write_u32(op, expert_offsets, num_experts + 1)?;
+        let hit = write_u32(op, hit_experts, num_experts + 1)?;
+        let sorted = write_u32(op, sorted_pairs, pairs)?;
+        let positions = write_u32(op, pair_positions, pairs)?;
         self.stats.dispatch(1);
         ops::moe::sort_by_expert(ids, offsets, sorted, positions);
         ops::moe::list_hit_experts(offsets, hit);
@@ -75,8 +75,8 @@ impl MoeOps for CpuBackend {
         let (hidden, inter) = (experts.gate.cols(), experts.gate.rows());
         let pairs = routing.tokens * routing.top_k;
         let (offsets, order) = checked_sorting(op, sorted, experts.gate.num_experts(), pairs)?;
-        let x = f32s(op, "x", x, routing.tokens * hidden)?;
-        let act = f32s_mut(op, "act", act, pairs * inter)?;
+        let x = read_f32(op, x, routing.tokens * hidden)?;
+        let act = write_f32(op, act, pairs * inter)?;
         let gate = ops::moe::ExpertProj::new(op, &experts.gate)?;
         let up = ops::moe::ExpertProj::new(op, &experts.up)?;
         self.stats.dispatch(1);
@@ -109,9 +109,9 @@ impl MoeOps for CpuBackend {
         let (hidden, inter) = (experts.down.rows(), experts.down.cols());
         let pairs = routing.tokens * routing.top_k;
         let (offsets, order) = checked_sorting(op, sorted, experts.down.num_experts(), pairs)?;
-        let act = f32s(op, "act", act, pairs * inter)?;
-        let weights = f32s(op, "expert_weights", routing.expert_weights, pairs)?;
-        let y = f32s_mut(op, "y", y, pairs * hidden)?;
+        let act = read_f32(op, act, pairs * inter)?;
+        let weights = read_f32(op, routing.expert_weights, pairs)?;
+        let y = write_f32(op, y, pairs * hidden)?;
         let down = ops::moe::ExpertProj::new(op, &experts.down)?;
         self.stats.dispatch(1);
         let hit = ops::moe::experts_hit(offsets);
@@ -130,15 +130,15 @@ impl MoeOps for CpuBackend {
     ) -> Result<()> {
         let op = "moe_combine";
         let pairs = routing.tokens * routing.top_k;
-        let positions = u32s(op, "pair_positions", sorted.pair_positions, pairs)?;
+        let positions = read_u32(op, sorted.pair_positions, pairs)?;
         if let Some(&s) = positions.iter().find(|&&s| s as usize >= pairs) {
             return Err(bad(
                 op,
                 format!("position {s} is out of range for {pairs} pairs"),
             ));
         }
-        let y = f32s(op, "y", y, pairs * hidden)?;
-        let out = f32s_mut(op, "out", out, routing.tokens * hidden)?;
+        let y = read_f32(op, y, pairs * hidden)?;
+        let out = write_f32(op, out, routing.tokens * hidden)?;
         self.stats.dispatch(1);
         ops::moe::combine(y, positions, routing.top_k, hidden, out);
         Ok(())
@@ -189,25 +189,25 @@ impl MoeOps for CpuBackend {
         let hidden = experts.gate.cols();
         let inter = experts.gate.rows();
         let num_experts = experts.gate.num_experts();
-        let ids = u32s(op, "expert_ids", routing.expert_ids, tokens * top_k)?;
+        let ids = read_u32(op, routing.expert_ids, tokens * top_k)?;
         if let Some(&e) = ids.iter().find(|&&e| e as usize >= num_experts) {
             return Err(bad(
                 op,
                 format!("expert {e} is out of range for {num_experts}"),
             ));
         }
-        let weights = f32s(op, "expert_weights", routing.expert_weights, tokens * top_k)?;
-        let x = f32s(op, "x", x, tokens * hidden)?;
+        let weights = read_f32(op, routing.expert_weights, tokens * top_k)?;
+        let x = read_f32(op, x, tokens * hidden)?;
         let gate = ops::moe::ExpertProj::new(op, &experts.gate)?;
         let up = ops::moe::ExpertProj::new(op, &experts.up)?;
         let down = ops::moe::ExpertProj::new(op, &experts.down)?;
         let per_pair =
             experts.gate.expert_bytes() + experts.up.expert_bytes() + experts.down.expert_bytes();
-        let act = f32s_mut(op, "act", act, tokens * top_k * inter)?;
+        let act = write_f32(op, act, tokens * top_k * inter)?;
         self.stats.dispatch(1);
         self.stats.weight_read(tokens * top_k * per_pair);
         ops::moe::gate_up(x, hidden, ids, top_k, &gate, &up, inter, act);
-        let out = f32s_mut(op, "out", out, tokens * hidden)?;
+        let out = write_f32(op, out, tokens * hidden)?;
         self.stats.dispatch(1);
         ops::moe::down_combine(act, inter, ids, weights, top_k, &down, hidden, out);
         Ok(())

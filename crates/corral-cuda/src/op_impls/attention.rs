@@ -228,18 +228,12 @@ impl CudaBackend {
         let runs = meta.block_tables.len() / meta.max_blocks_per_run.max(1);
         Ok(vec![
             buf_range(op, "q", a.q, DType::F32, first * row, count * row)?,
-            buf(op, "cache_k", a.cache_k, dtype, kv_row)?,
-            buf(op, "cache_v", a.cache_v, dtype, kv_row)?,
+            addr(op, a.cache_k)?,
+            addr(op, a.cache_v)?,
             buf_range(op, "positions", meta.positions, DType::U32, first, count)?,
             buf_range(op, "token_runs", meta.token_runs, DType::U32, first, count)?,
             u32_of(op, runs)?,
-            buf(
-                op,
-                "block_tables",
-                meta.block_tables,
-                DType::U32,
-                runs * meta.max_blocks_per_run,
-            )?,
+            addr(op, meta.block_tables)?,
             u32_of(op, meta.max_blocks_per_run)?,
             u32_of(op, meta.block_size)?,
             u32_of(op, slots / meta.block_size.max(1))?,
@@ -355,7 +349,7 @@ impl CudaBackend {
                 .decode_attention_into(a, range.clone(), &mut out32, 0)
                 .and_then(|()| {
                     let args = [
-                        buf(op, "out", &out32, DType::F32, out_len)?,
+                        addr(op, &out32)?,
                         Arg::U64(out_len as u64),
                         buf_range(op, "out", out, DType::BF16, out_first * row, out_len)?,
                         Arg::U64(0),

@@ -26,7 +26,6 @@ impl MatmulOps for CudaBackend {
             .as_ref()
             .filter(|_| dtype == DType::BF16 && vec && rows > MATVEC_MAX_ROWS);
         if x.dtype() == DType::BF16 {
-            buf(op, "out", out, DType::F32, rows * w.rows)?;
             return match blas {
                 Some(blas) => {
                     let weight_bytes = (w.rows * w.cols * dtype.size_bytes()) as u64;
@@ -39,13 +38,13 @@ impl MatmulOps for CudaBackend {
             };
         }
         let args = [
-            buf(op, "x", x, DType::F32, rows * w.cols)?,
+            addr(op, x)?,
             u32_of(op, rows)?,
             Arg::Ptr(w_addr),
             u32_of(op, w.rows)?,
             u32_of(op, w.cols)?,
             Arg::U32(vec as u32),
-            buf(op, "out", out, DType::F32, rows * w.rows)?,
+            addr(op, out)?,
             self.diag(),
         ];
         let kernels = self.kernels.for_weights(op, dtype)?;
@@ -178,7 +177,6 @@ impl MatmulOps for CudaBackend {
         let mut targets = Vec::with_capacity(weights.len());
         for (w, out) in weights.iter().zip(outs.iter()) {
             let (w_addr, _, _) = weight(op, *w)?;
-            buf(op, "out", out, DType::F32, rows * w.rows)?;
             targets.push((w_addr, w.rows, ptr_of(op, out)?));
         }
         let weight_bytes: usize = weights.iter().map(|w| w.rows * w.cols * 2).sum();
@@ -252,11 +250,11 @@ impl CudaBackend {
             })
         };
         if x.dtype() == DType::BF16 {
-            buf(op, "x", x, DType::BF16, rows * cols)?;
+            addr(op, x)?;
             self.stats.weight_read(weight_bytes as usize);
             return gemms(ptr_of(op, x)?);
         }
-        let x_arg = buf(op, "x", x, DType::F32, rows * cols)?;
+        let x_arg = addr(op, x)?;
         self.with_bf16_copy(op, x_arg, rows * cols, weight_bytes, gemms)
     }
 
@@ -269,7 +267,7 @@ impl CudaBackend {
         len: usize,
         use_copy: impl FnOnce(&DeviceBuffer) -> Result<()>,
     ) -> Result<()> {
-        let x_arg = buf(op, "x", x, DType::BF16, len)?;
+        let x_arg = addr(op, x)?;
         let convert = |x32_ptr| {
             let args = [x_arg, Arg::U64(len as u64), Arg::Ptr(x32_ptr)];
             let grid = Self::elementwise_grid(op, len.div_ceil(4))?;

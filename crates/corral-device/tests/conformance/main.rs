@@ -8,7 +8,7 @@
 
 use std::sync::OnceLock;
 
-use corral_backend::Backend;
+use corral_backend::{Backend, DType};
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 
@@ -18,10 +18,12 @@ use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 mod common;
 
 pub(crate) use common::{Rng, download, f32_buf, out_buf, u32_buf};
+pub(crate) use experts::strategies_agree;
 
 mod attention;
 mod copies;
 mod elementwise;
+mod experts;
 mod matmul;
 mod moe;
 mod recurrent;
@@ -34,28 +36,59 @@ pub(crate) struct Subject {
     pub(crate) tol: f64,
 }
 
-/// Every backend this machine can open, one line each.
+/// Every backend this machine can open, one line each; a backend's other strategies for
+/// the same ops (the CUDA backend's own kernels where it would call cuBLAS or stream
+/// weights) are subjects of their own.
 pub(crate) fn subjects() -> Vec<Subject> {
     static CPU: OnceLock<CpuBackend> = OnceLock::new();
-    static CUDA: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    static CUDA: OnceLock<Option<[CudaBackend; 2]>> = OnceLock::new();
     let mut all = vec![Subject {
         name: "cpu",
         backend: CPU.get_or_init(CpuBackend::new),
         tol: 1e-6,
     }];
     let cuda = CUDA.get_or_init(|| match cuda_available() {
-        Ok(_) => Some(CudaBackend::new(CudaOptions::default()).expect("open cuda:0")),
+        Ok(_) => {
+            let own_kernels = CudaOptions {
+                without_cublas: true,
+                serial_launches: true,
+                unstreamed_experts: true,
+                unstreamed_projections: true,
+                ..Default::default()
+            };
+            let open = |options| CudaBackend::new(options).expect("open cuda:0");
+            Some([open(CudaOptions::default()), open(own_kernels)])
+        }
         Err(why) => {
             eprintln!("cuda: not run ({why})");
             None
         }
     });
-    all.extend(cuda.as_ref().map(|b| Subject {
-        name: "cuda",
-        backend: b,
-        tol: 1e-5,
-    }));
+    if let Some([cuda, own_kernels]) = cuda {
+        all.push(Subject {
+            name: "cuda",
+            backend: cuda,
+            tol: 1e-5,
+        });
+        all.push(Subject {
+            name: "cuda, own kernels",
+            backend: own_kernels,
+            tol: 1e-5,
+        });
+    }
     all
+}
+
+/// `v` as weights of `dtype` hold it.
+pub(crate) fn stored(dtype: DType, v: &[f32]) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => v
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect(),
+        DType::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+        _ => v.to_vec(),
+    }
 }
 
 /// Asserts `got` is within the subject's tolerance of `want`, relative to `want`'s norm.
