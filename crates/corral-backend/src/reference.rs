@@ -434,3 +434,62 @@ pub fn paged_attention(
     }
     out
 }
+
+/// Each penalty applied to its logit of the flattened `[rows, vocab]` logits.
+pub fn logit_penalties(logits: &[f32], penalties: &[crate::sampling::Penalty]) -> Vec<f32> {
+    let mut out = logits.to_vec();
+    for p in penalties {
+        out[p.index as usize] = p.apply(out[p.index as usize]);
+    }
+    out
+}
+
+/// One row's reduction as [`Ops::top_candidates`](crate::Ops::top_candidates) defines it,
+/// over the finite logits only: the best [`TOP_CANDIDATES`](crate::sampling::TOP_CANDIDATES)
+/// (larger logit first, ties to the lower id), the largest logit, `ln Σ exp(l)` and
+/// `ln Σ exp(l / T)` (in f64), and the Gumbel-max draw `argmax(l / T + G)` (the first id of
+/// the largest score).
+pub fn top_candidates_row(
+    row: &[f32],
+    draw: crate::sampling::RowDraw,
+) -> crate::sampling::RowCandidates {
+    let finite: Vec<(u32, f32)> = row
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    let mut top = finite.clone();
+    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    top.truncate(crate::sampling::TOP_CANDIDATES);
+    let max = finite.iter().fold(f32::NEG_INFINITY, |m, &(_, l)| m.max(l));
+    let lse = |scale: f64| {
+        if finite.is_empty() {
+            return f32::NEG_INFINITY;
+        }
+        let m = f64::from(max) * scale;
+        let s: f64 = finite
+            .iter()
+            .map(|&(_, l)| (f64::from(l) * scale - m).exp())
+            .sum();
+        (m + s.ln()) as f32
+    };
+    let gumbel = draw.gumbel_key.and_then(|key| {
+        let mut best: Option<(f32, u32, f32)> = None;
+        for &(id, l) in &finite {
+            let score = l * draw.inv_temperature + crate::sampling::gumbel_noise(key, id);
+            if best.is_none_or(|(s, _, _)| score > s) {
+                best = Some((score, id, l));
+            }
+        }
+        best.map(|(_, id, l)| (id, l))
+    });
+    crate::sampling::RowCandidates {
+        top,
+        max,
+        log_sum_exp: lse(1.0),
+        tempered_log_sum_exp: lse(f64::from(draw.inv_temperature)),
+        gumbel,
+        truncated: false,
+    }
+}

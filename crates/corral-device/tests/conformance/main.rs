@@ -27,6 +27,7 @@ mod experts;
 mod matmul;
 mod moe;
 mod recurrent;
+mod sampling;
 
 /// A backend under test, and how near the references its results must be (relative to the
 /// reference's norm).
