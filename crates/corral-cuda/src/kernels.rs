@@ -132,40 +132,45 @@ const GDR_PREP_SMEM_BYTES: u32 = 2 * 64 * 136 * 2 + 2 * 64 * 65 * 4;
 const GDR_SCAN_SMEM_BYTES: u32 =
     2 * (3 * 64 * 136 * 2 + 2 * 64 * 72 * 2 + 132 * 4) + 2 * 32 * 136 * 2 + 4 * 32 * 72 * 2;
 
-/// Every kernel Corral launches.
+include!(concat!(env!("OUT_DIR"), "/plain_kernels.rs"));
+
+/// The dynamic shared memory of the plain kernels that take more than the static.
+const PLAIN_DYNAMIC_SMEM: [(&str, u32); 4] = [
+    ("gdr_chunk_prepare", GDR_PREP_SMEM_BYTES),
+    ("gdr_chunk_scan", GDR_SCAN_SMEM_BYTES),
+    ("moe_per_token_gate_up_f8", F8_SMEM_BYTES),
+    ("moe_per_token_down_f8", F8_SMEM_BYTES),
+];
+
+impl std::ops::Deref for Kernels {
+    type Target = PlainKernels;
+
+    fn deref(&self) -> &PlainKernels {
+        &self.plain
+    }
+}
+
+/// Every kernel Corral launches: the plain ones, derived from the sources, and the
+/// families a macro instantiates, gathered here.
 #[derive(Debug)]
 pub(crate) struct Kernels {
+    /// The kernels defined once in the sources, each by its name (also reached through
+    /// `Deref`, as `kernels.rope`).
+    pub(crate) plain: PlainKernels,
     pub(crate) bf16: WeightKernels,
     pub(crate) f16: WeightKernels,
     pub(crate) f32: WeightKernels,
     /// By [`GPU_QUANT_FORMATS`].
     pub(crate) quant: [QuantKernels; 7],
-    pub(crate) synthetic_blocks: Kernel,
-    pub(crate) copy_columns: Kernel,
-    /// Activations quantized per 32 values for the block-format products.
-    pub(crate) quantize_q8: Kernel,
-    pub(crate) gather_rows: Kernel,
-    pub(crate) copy_blocks: Kernel,
-    pub(crate) add_in_place: Kernel,
-    pub(crate) to_bf16: Kernel,
-    pub(crate) to_f32: Kernel,
-    pub(crate) silu_mul: Kernel,
-    pub(crate) sigmoid_mul: Kernel,
-    pub(crate) add_sigmoid_gated: Kernel,
-    pub(crate) scale_scatter_add: Kernel,
     pub(crate) normal_fill_bf16: Kernel,
     pub(crate) normal_fill_f16: Kernel,
     pub(crate) normal_fill_f32: Kernel,
     pub(crate) rms_norm: Kernel,
     pub(crate) rms_norm_bf16: Kernel,
-    pub(crate) gated_rms_norm: Kernel,
-    pub(crate) rope: Kernel,
     pub(crate) add_rms_norm: Kernel,
     pub(crate) add_rms_norm_bf16: Kernel,
     pub(crate) kv_store_bf16: Kernel,
     pub(crate) kv_store_f32: Kernel,
-    /// fp8 cache: a warp per (token, KV head), each head scaled to its largest value.
-    pub(crate) kv_store_fp8: Kernel,
     /// By cache type: head dims up to 128 and up to 512, each one head a warp (few tokens)
     /// and five (prefill).
     pub(crate) qkv_norm_rope_store_bf16: [Kernel; 4],
@@ -183,24 +188,11 @@ pub(crate) struct Kernels {
     pub(crate) flash_attention_hd64: FlashKernels,
     pub(crate) flash_attention_hd128: FlashKernels,
     pub(crate) flash_attention_hd256: FlashKernels,
-    pub(crate) moe_route: Kernel,
-    pub(crate) moe_route_ranked: Kernel,
-    pub(crate) moe_sort: Kernel,
-    /// The sort over a block per chunk of pairs (prefill).
-    pub(crate) moe_sort_chunked: Kernel,
     pub(crate) moe_combine: Kernel,
     pub(crate) moe_combine_y16: Kernel,
-    /// f32 values as split bf16 pairs (high halves, then low halves), the split tiles' x.
-    pub(crate) to_bf16_split: Kernel,
-    pub(crate) causal_conv1d: Kernel,
-    pub(crate) delta_net_gates: Kernel,
     /// The delta rule for blocks of up to 256 threads (value dims up to 128), and any.
     pub(crate) gated_delta_rule_256: Kernel,
     pub(crate) gated_delta_rule: Kernel,
-    pub(crate) gdr_chunk_prepare: Kernel,
-    pub(crate) gdr_chunk_scan: Kernel,
-    pub(crate) logit_penalties: Kernel,
-    pub(crate) top_candidates: Kernel,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -449,7 +441,15 @@ impl Kernels {
                 }
             };
         }
+        let plain = PlainKernels::find_all(&|name| {
+            let kernel = find(name)?;
+            match PLAIN_DYNAMIC_SMEM.iter().find(|(n, _)| *n == name) {
+                Some(&(_, bytes)) => kernel.with_dynamic_smem(bytes),
+                None => Ok(kernel),
+            }
+        })?;
         let kernels = Self {
+            plain,
             bf16: weight_kernels!("bf16"),
             f16: weight_kernels!("f16"),
             f32: weight_kernels!("f32"),
@@ -476,30 +476,15 @@ impl Kernels {
                     embedding: find("embedding_f8")?,
                 },
             ],
-            synthetic_blocks: find("synthetic_blocks")?,
-            copy_columns: find("copy_columns")?,
-            quantize_q8: find("quantize_q8")?,
-            gather_rows: find("gather_rows")?,
-            copy_blocks: find("copy_blocks")?,
-            add_in_place: find("add_in_place")?,
-            to_bf16: find("to_bf16")?,
-            to_f32: find("to_f32")?,
-            silu_mul: find("silu_mul")?,
-            sigmoid_mul: find("sigmoid_mul")?,
-            add_sigmoid_gated: find("add_sigmoid_gated")?,
-            scale_scatter_add: find("scale_scatter_add")?,
             normal_fill_bf16: find("normal_fill_bf16")?,
             normal_fill_f16: find("normal_fill_f16")?,
             normal_fill_f32: find("normal_fill_f32")?,
             rms_norm: find("rms_norm")?,
             rms_norm_bf16: find("rms_norm_bf16")?,
-            gated_rms_norm: find("gated_rms_norm")?,
-            rope: find("rope")?,
             add_rms_norm: find("add_rms_norm")?,
             add_rms_norm_bf16: find("add_rms_norm_bf16")?,
             kv_store_bf16: find("kv_store_bf16")?,
             kv_store_f32: find("kv_store_f32")?,
-            kv_store_fp8: find("kv_store_fp8")?,
             qkv_norm_rope_store_bf16: [
                 find("qkv_norm_rope_store_bf16_d4_h1")?,
                 find("qkv_norm_rope_store_bf16_d4_h5")?,
@@ -552,21 +537,10 @@ impl Kernels {
             flash_attention_hd64: flash(64)?,
             flash_attention_hd128: flash(128)?,
             flash_attention_hd256: flash(256)?,
-            moe_route: find("moe_route")?,
-            moe_route_ranked: find("moe_route_ranked")?,
-            moe_sort: find("moe_sort")?,
-            moe_sort_chunked: find("moe_sort_chunked")?,
             moe_combine: find("moe_combine")?,
             moe_combine_y16: find("moe_combine_y16")?,
-            to_bf16_split: find("to_bf16_split")?,
-            causal_conv1d: find("causal_conv1d")?,
-            delta_net_gates: find("delta_net_gates")?,
             gated_delta_rule_256: find("gated_delta_rule_256")?,
             gated_delta_rule: find("gated_delta_rule")?,
-            gdr_chunk_prepare: find("gdr_chunk_prepare")?.with_dynamic_smem(GDR_PREP_SMEM_BYTES)?,
-            gdr_chunk_scan: find("gdr_chunk_scan")?.with_dynamic_smem(GDR_SCAN_SMEM_BYTES)?,
-            logit_penalties: find("logit_penalties")?,
-            top_candidates: find("top_candidates")?,
             _modules: modules,
         };
         report.seconds = start.elapsed().as_secs_f64();
