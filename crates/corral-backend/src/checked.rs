@@ -730,6 +730,26 @@ impl<'b> dyn Backend + 'b {
         self.ops().top_candidates(logits, rows, vocab, draws, out)
     }
 
+    /// [`Ops::argmax`](crate::Ops::argmax).
+    pub fn argmax(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        vocab: usize,
+        ids: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "argmax";
+        if vocab == 0 || u32::try_from(vocab).is_err() {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: format!("a vocabulary of {vocab} (1 to {})", u32::MAX),
+            });
+        }
+        holds(op, "logits", logits, DType::F32, rows * vocab)?;
+        holds(op, "ids", ids, DType::U32, rows)?;
+        self.ops().argmax(logits, rows, vocab, ids)
+    }
+
     /// [`Ops::moe_experts_per_token`](crate::Ops::moe_experts_per_token).
     pub fn moe_experts_per_token(
         &self,

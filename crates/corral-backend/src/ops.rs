@@ -588,6 +588,19 @@ pub trait SamplingOps {
         draws: &DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()>;
+
+    /// Each row's greedy token: `ids[r]` (u32) the id of the largest finite logit of row `r`
+    /// of `logits` (`[rows, vocab]` f32), ties to the lower id, or
+    /// [`sampling::NO_FINITE_LOGIT`](crate::sampling::NO_FINITE_LOGIT) where none is finite.
+    /// Chosen where the logits are, so that a pass that reads the token (a draft head's next
+    /// one) needs no read-back between them.
+    fn argmax(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        vocab: usize,
+        ids: &mut DeviceBuffer,
+    ) -> Result<()>;
 }
 
 /// [`Ops::matmuls`]'s check: as many outputs as weights.

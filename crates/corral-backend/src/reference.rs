@@ -493,3 +493,20 @@ pub fn top_candidates_row(
         truncated: false,
     }
 }
+
+/// Each `vocab`-wide row's first id of its largest finite logit, or
+/// [`NO_FINITE_LOGIT`](crate::sampling::NO_FINITE_LOGIT).
+pub fn argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits
+        .chunks(vocab)
+        .map(|row| {
+            let mut best: Option<(u32, f32)> = None;
+            for (id, &l) in row.iter().enumerate() {
+                if l.is_finite() && best.is_none_or(|(_, b)| l > b) {
+                    best = Some((id as u32, l));
+                }
+            }
+            best.map_or(crate::sampling::NO_FINITE_LOGIT, |(id, _)| id)
+        })
+        .collect()
+}

@@ -19,6 +19,9 @@ pub const CANDIDATE_ROW_WORDS: usize = 2 * TOP_CANDIDATES + 8;
 /// logits a row); larger ones are read back whole.
 pub const MAX_REDUCED_VOCAB: usize = 32 * 16 * 1024;
 
+/// [`Ops::argmax`](crate::Ops::argmax)'s id of a row without a finite logit.
+pub const NO_FINITE_LOGIT: u32 = u32::MAX;
+
 /// `u32` words of one row's draw parameters and of one penalty entry.
 pub const DRAW_WORDS: usize = 4;
 

@@ -54,4 +54,30 @@ impl SamplingOps for CpuBackend {
             });
         Ok(())
     }
+
+    fn argmax(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        vocab: usize,
+        ids: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "argmax";
+        let logits = read_f32(op, logits, rows * vocab)?;
+        let ids = write_u32(op, ids, rows)?;
+        self.stats.dispatch(1);
+        ids.par_iter_mut()
+            .zip(logits.par_chunks(vocab))
+            .for_each(|(id, row)| {
+                let best = row.iter().enumerate().filter(|(_, l)| l.is_finite()).fold(
+                    None,
+                    |best: Option<(usize, f32)>, (i, &l)| match best {
+                        Some((_, b)) if b >= l => best,
+                        _ => Some((i, l)),
+                    },
+                );
+                *id = best.map_or(sampling::NO_FINITE_LOGIT, |(i, _)| i as u32);
+            });
+        Ok(())
+    }
 }

@@ -302,3 +302,29 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         tickets[row] = 0;
     }
 }
+
+// ids[r]: the id of row r's largest finite logit, ties to the lower id (0xffffffff where
+// none is finite): a greedy token chosen where the logits are. A block a row, its threads
+// striding over the vocabulary, then the largest key of the block (candidate_key orders
+// larger logits first, then lower ids; 0 is none).
+extern "C" __global__ void __launch_bounds__(256) argmax_rows(const float* logits, u32 vocab,
+                                                                u32* ids) {
+    begin_small_kernel();
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    u64 best = 0;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float l = row[i];
+        u64 key = is_finite(l) ? candidate_key(l, i) : 0;
+        best = key > best ? key : best;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    __shared__ u64 warp_best[8];
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (u32 w = 1; w < blockDim.x / 32; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+    ids[blockIdx.x] = best ? ~(u32)best : 0xffffffffu;
+}

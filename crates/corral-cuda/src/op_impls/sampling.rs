@@ -67,4 +67,21 @@ impl SamplingOps for CudaBackend {
         }
         Ok(())
     }
+
+    fn argmax(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        vocab: usize,
+        ids: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "argmax";
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = [addr(op, logits)?, u32_of(op, vocab)?, addr(op, ids)?];
+        // A block a row, its threads striding over the vocabulary.
+        let grid = (grid_of(op, rows)?, 1, 1);
+        self.launch(&self.kernels.argmax_rows, grid, 256, &args)
+    }
 }

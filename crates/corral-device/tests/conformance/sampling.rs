@@ -3,6 +3,7 @@
 
 use corral_backend::sampling::{CANDIDATE_ROW_WORDS, Penalty, RowCandidates, RowDraw};
 use corral_backend::{BufferUsage, DType, reference};
+use proptest::prelude::*;
 
 use crate::{Rng, assert_refused, download, f32_buf, out_buf, subjects, u32_buf};
 
@@ -123,8 +124,8 @@ fn penalties_and_candidates_match_the_references() {
     }
 }
 
-/// A penalty past the logits, a vocabulary past what the reduction takes, and short
-/// buffers are refused alike.
+/// A penalty past the logits, a vocabulary of none or past what the reduction takes, and
+/// short buffers or ones of the wrong type are refused alike.
 #[test]
 fn sampling_ops_refuse_bad_arguments() {
     for s in subjects() {
@@ -156,5 +157,42 @@ fn sampling_ops_refuse_bad_arguments() {
         assert_refused(&s, op, b.top_candidates(&x, 2, 64, &draw, &mut out));
         let mut floats = out_buf(b, CANDIDATE_ROW_WORDS);
         assert_refused(&s, op, b.top_candidates(&x, 1, 64, &draw, &mut floats));
+        let mut ids = u32_buf(b, &[0; 2]);
+        let op = "argmax";
+        assert_refused(&s, op, b.argmax(&x, 1, 0, &mut ids));
+        assert_refused(&s, op, b.argmax(&x, 2, 33, &mut ids));
+        assert_refused(&s, op, b.argmax(&x, 3, 8, &mut ids));
+        assert_refused(&s, op, b.argmax(&x, 2, 8, &mut floats));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Each row's greedy token against the reference, over vocabularies from one logit to
+    /// a real model's, logits of every pattern (ties, rows with no finite logit among NaN and
+    /// -inf, ascending).
+    #[test]
+    fn argmax_matches_the_reference(
+        rows in 1usize..6,
+        vocab in prop_oneof![1usize..300, Just(151_936)],
+        pattern in 0u8..5,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let mut logits = logits(&mut rng, rows, vocab, pattern);
+        if pattern == 3 {
+            // A row of no finite logit.
+            logits[..vocab].fill(f32::NEG_INFINITY);
+        }
+        let want = reference::argmax(&logits, vocab);
+        for s in subjects() {
+            let b = s.backend;
+            let mut ids = u32_buf(b, &vec![7; rows]);
+            b.argmax(&f32_buf(b, &logits), rows, vocab, &mut ids).unwrap();
+            let mut got = vec![0; rows];
+            b.download_u32(&ids, &mut got).unwrap();
+            prop_assert_eq!(&got, &want, "{}: {} rows of {}", s.name, rows, vocab);
+        }
     }
 }
