@@ -58,6 +58,22 @@ impl MappedFile {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// `byte_len` bytes from `byte_offset`, or an error of `op` naming the file where they
+    /// run past its end.
+    pub fn range(&self, op: &'static str, byte_offset: usize, byte_len: usize) -> Result<&[u8]> {
+        byte_offset
+            .checked_add(byte_len)
+            .and_then(|end| self.map.get(byte_offset..end))
+            .ok_or_else(|| BackendError::BadArgument {
+                op,
+                detail: format!(
+                    "{}: tensor data out of range ({byte_len} bytes from byte {byte_offset} of {})",
+                    self.path.display(),
+                    self.map.len()
+                ),
+            })
+    }
 }
 
 /// Where a buffer's elements live: host memory for the CPU backend, a device backend's own
@@ -276,7 +292,10 @@ impl<'a> WeightView<'a> {
     }
 }
 
-/// The device's buffers: its pool, weights, and copies to and from the host.
+/// The device's buffers: its pool, weights, and copies to and from the host. The copies and
+/// weights (`*_unchecked`) are the backend's, computing only: callers use `dyn Backend`'s
+/// entries of the same names without the suffix, which check the arguments first, once for
+/// every backend.
 pub trait Buffers {
     /// A buffer of `len` elements from the pool, allocating (and counting it) on a miss.
     /// Contents are unspecified.
@@ -293,7 +312,7 @@ pub trait Buffers {
 
     /// A weight buffer of `len` values of block format `dtype` from their `blocks`, for
     /// backends whose [`Capabilities::weight_formats`](crate::Capabilities::weight_formats) hold it.
-    fn weight_from_blocks(
+    fn weight_from_blocks_unchecked(
         &self,
         blocks: Vec<u8>,
         dtype: DType,
@@ -308,7 +327,7 @@ pub trait Buffers {
 
     /// A weight buffer over `len` elements of `dtype` at `byte_offset` in a mapped file,
     /// without copying where the device can read the mapping directly.
-    fn weight_from_file(
+    fn weight_from_file_unchecked(
         &self,
         file: &Arc<MappedFile>,
         byte_offset: usize,
@@ -317,17 +336,23 @@ pub trait Buffers {
     ) -> Result<DeviceBuffer>;
 
     /// A weight buffer holding `values` converted to `dtype` (synthetic models, tests).
-    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer>;
+    fn weight_from_f32_unchecked(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer>;
 
     /// A weight buffer of `len` deterministic normal values ([`synthetic::normal_values`] of
     /// `seed`), made where the backend's memory is.
-    fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
-        self.weight_from_f32(&synthetic::normal_values(seed, len, std), dtype)
+    fn weight_normal_unchecked(
+        &self,
+        len: usize,
+        dtype: DType,
+        seed: u64,
+        std: f32,
+    ) -> Result<DeviceBuffer> {
+        self.weight_from_f32_unchecked(&synthetic::normal_values(seed, len, std), dtype)
     }
 
     /// A weight buffer of `len` values of block format `format`: [`synthetic::quant_blocks`]
     /// of `seed`, made where the backend's memory is.
-    fn weight_synthetic_blocks(
+    fn weight_synthetic_blocks_unchecked(
         &self,
         format: QuantFormat,
         len: usize,
@@ -335,26 +360,32 @@ pub trait Buffers {
         std: f32,
     ) -> Result<DeviceBuffer> {
         let blocks = synthetic::quant_blocks(format, seed, len, std);
-        self.weight_from_blocks(blocks, DType::Quant(format), len)
+        self.weight_from_blocks_unchecked(blocks, DType::Quant(format), len)
     }
 
     /// Copies host values into the first `src.len()` elements of an F32 buffer.
-    fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()>;
+    fn upload_f32_unchecked(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()>;
 
     /// Copies host values into the first `src.len()` elements of a U32 buffer.
-    fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()>;
+    fn upload_u32_unchecked(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()>;
 
     /// Reads the first `dst.len()` elements of an F32 buffer back to the host: one host sync.
-    fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()>;
+    fn download_f32_unchecked(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()>;
 
     /// Reads the first `dst.len()` elements of a U32 buffer back to the host: one host sync.
-    fn download_u32(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()>;
+    fn download_u32_unchecked(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()>;
 
     /// Copies elements from `offset` of `src` to host memory as they are stored (`out.len()`
     /// bytes, a whole number of elements): KV blocks and state for a session file. Waits.
-    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()>;
+    fn read_bytes_unchecked(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8])
+    -> Result<()>;
 
     /// Writes `bytes` (elements as stored) into `dst` from element `offset`: a session file
     /// read back.
-    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()>;
+    fn write_bytes_unchecked(
+        &self,
+        bytes: &[u8],
+        dst: &mut DeviceBuffer,
+        offset: usize,
+    ) -> Result<()>;
 }

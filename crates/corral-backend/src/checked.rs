@@ -853,7 +853,7 @@ impl<'b> dyn Backend + 'b {
 
     /// Checks that weights of `dtype` are read by the device as they are: a float type, or
     /// a block format of [`Capabilities::weight_formats`](crate::Capabilities::weight_formats).
-    fn weight_type(&self, op: &'static str, dtype: DType) -> Result<()> {
+    pub(crate) fn weight_type(&self, op: &'static str, dtype: DType) -> Result<()> {
         let readable = match dtype {
             DType::F32 | DType::BF16 | DType::F16 => true,
             DType::Quant(format) => self.capabilities().reads(format),
@@ -1032,7 +1032,7 @@ fn runs_of(op: &'static str, runs: RecurrentRuns<'_>) -> Result<()> {
 }
 
 /// Checks that `b` holds at least `needed` elements of `dtype`.
-fn holds(
+pub(crate) fn holds(
     op: &'static str,
     what: &'static str,
     b: &DeviceBuffer,

@@ -14,6 +14,7 @@
 pub mod alloc_count;
 mod buffer;
 mod checked;
+mod checked_buffers;
 mod device;
 mod dtype;
 mod error;

@@ -91,29 +91,6 @@ impl Default for CpuBackend {
     }
 }
 
-fn check_dtype(op: &'static str, b: &DeviceBuffer, expected: DType) -> Result<()> {
-    if b.dtype() != expected {
-        return Err(BackendError::WrongDType {
-            op,
-            expected,
-            got: b.dtype(),
-        });
-    }
-    Ok(())
-}
-
-fn check_len(op: &'static str, what: &'static str, b: &DeviceBuffer, needed: usize) -> Result<()> {
-    if b.len() < needed {
-        return Err(BackendError::TooSmall {
-            op,
-            what,
-            len: b.len(),
-            needed,
-        });
-    }
-    Ok(())
-}
-
 fn bad(op: &'static str, detail: String) -> BackendError {
     BackendError::BadArgument { op, detail }
 }
@@ -174,55 +151,6 @@ fn short(op: &'static str, len: usize, needed: usize) -> BackendError {
     }
 }
 
-/// The first `needed` elements of an F32 buffer, its type and length checked here (ops whose
-/// checks are not yet `dyn Backend`'s).
-fn f32s<'a>(
-    op: &'static str,
-    what: &'static str,
-    b: &'a DeviceBuffer,
-    needed: usize,
-) -> Result<&'a [f32]> {
-    check_dtype(op, b, DType::F32)?;
-    check_len(op, what, b, needed)?;
-    read_f32(op, b, needed)
-}
-
-fn f32s_mut<'a>(
-    op: &'static str,
-    what: &'static str,
-    b: &'a mut DeviceBuffer,
-    needed: usize,
-) -> Result<&'a mut [f32]> {
-    check_dtype(op, b, DType::F32)?;
-    check_len(op, what, b, needed)?;
-    match b.storage_mut() {
-        Storage::F32(v) => Ok(&mut v[..needed]),
-        _ => Err(bad(op, format!("`{what}` is not writable"))),
-    }
-}
-
-fn u32s<'a>(
-    op: &'static str,
-    what: &'static str,
-    b: &'a DeviceBuffer,
-    needed: usize,
-) -> Result<&'a [u32]> {
-    check_dtype(op, b, DType::U32)?;
-    check_len(op, what, b, needed)?;
-    read_u32(op, b, needed)
-}
-
-fn u32s_mut<'a>(
-    op: &'static str,
-    what: &'static str,
-    b: &'a mut DeviceBuffer,
-    needed: usize,
-) -> Result<&'a mut [u32]> {
-    check_dtype(op, b, DType::U32)?;
-    check_len(op, what, b, needed)?;
-    write_u32(op, b, needed)
-}
-
 /// All elements of a float weight buffer in their stored type.
 fn weight_rows<'a>(op: &'static str, b: &'a DeviceBuffer) -> Result<WeightRows<'a>> {
     let len = b.len();
@@ -272,10 +200,9 @@ fn kv_rows<'a>(
     b: &'a DeviceBuffer,
     needed: usize,
 ) -> Result<ops::attention::KvRows<'a>> {
-    check_len(op, what, b, needed)?;
     match (b.dtype(), b.storage()) {
-        (DType::F32, Storage::F32(v)) => Ok(ops::attention::KvRows::F32(&v[..needed])),
-        (DType::BF16, Storage::Half(v)) => Ok(ops::attention::KvRows::Bf16(&v[..needed])),
+        (DType::F32, Storage::F32(v)) => Ok(ops::attention::KvRows::F32(first(op, v, needed)?)),
+        (DType::BF16, Storage::Half(v)) => Ok(ops::attention::KvRows::Bf16(first(op, v, needed)?)),
         (dtype, _) => Err(bad(
             op,
             format!("`{what}` is a cache of {dtype} (f32 or bf16)"),
@@ -290,11 +217,16 @@ fn kv_rows_mut<'a>(
     b: &'a mut DeviceBuffer,
     needed: usize,
 ) -> Result<ops::attention::KvRowsMut<'a>> {
-    check_len(op, what, b, needed)?;
-    let dtype = b.dtype();
+    let (dtype, len) = (b.dtype(), b.len());
     match (dtype, b.storage_mut()) {
-        (DType::F32, Storage::F32(v)) => Ok(ops::attention::KvRowsMut::F32(&mut v[..needed])),
-        (DType::BF16, Storage::Half(v)) => Ok(ops::attention::KvRowsMut::Bf16(&mut v[..needed])),
+        (DType::F32, Storage::F32(v)) => v
+            .get_mut(..needed)
+            .map(ops::attention::KvRowsMut::F32)
+            .ok_or_else(|| short(op, len, needed)),
+        (DType::BF16, Storage::Half(v)) => v
+            .get_mut(..needed)
+            .map(ops::attention::KvRowsMut::Bf16)
+            .ok_or_else(|| short(op, len, needed)),
         _ => Err(bad(
             op,
             format!("`{what}` is a cache of {dtype} (f32 or bf16)"),
@@ -469,19 +401,12 @@ impl Buffers for CpuBackend {
         Ok(self.new_buffer(dtype, len, usage))
     }
 
-    fn weight_from_blocks(
+    fn weight_from_blocks_unchecked(
         &self,
         blocks: Vec<u8>,
         dtype: DType,
         len: usize,
     ) -> Result<DeviceBuffer> {
-        let whole = len.is_multiple_of(dtype.block_values());
-        if !matches!(dtype, DType::Quant(_)) || !whole || blocks.len() != dtype.bytes_of(len) {
-            return Err(bad(
-                "weight_from_blocks",
-                format!("{} bytes as {len} values of {dtype}", blocks.len()),
-            ));
-        }
         self.stats.allocation();
         Ok(DeviceBuffer::new(
             dtype,
@@ -491,7 +416,7 @@ impl Buffers for CpuBackend {
         ))
     }
 
-    fn weight_from_file(
+    fn weight_from_file_unchecked(
         &self,
         file: &Arc<MappedFile>,
         byte_offset: usize,
@@ -499,25 +424,8 @@ impl Buffers for CpuBackend {
         len: usize,
     ) -> Result<DeviceBuffer> {
         let op = "weight_from_file";
-        if !len.is_multiple_of(dtype.block_values()) {
-            return Err(bad(
-                op,
-                format!(
-                    "{len} values of {dtype}, not whole blocks of {}",
-                    dtype.block_values()
-                ),
-            ));
-        }
         let byte_len = dtype.bytes_of(len);
-        let bytes = file
-            .bytes()
-            .get(byte_offset..byte_offset + byte_len)
-            .ok_or_else(|| {
-                bad(
-                    op,
-                    format!("{}: tensor data out of range", file.path().display()),
-                )
-            })?;
+        let bytes = file.range(op, byte_offset, byte_len)?;
         // Block formats are read a byte at a time.
         let aligned = matches!(dtype, DType::Quant(_))
             || (bytes.as_ptr() as usize).is_multiple_of(dtype.size_bytes());
@@ -552,7 +460,7 @@ impl Buffers for CpuBackend {
         Ok(DeviceBuffer::new(dtype, len, BufferUsage::Weights, storage))
     }
 
-    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
+    fn weight_from_f32_unchecked(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
         self.stats.allocation();
         let storage = match dtype {
             DType::F32 => Storage::F32(values.to_vec()),
@@ -580,33 +488,38 @@ impl Buffers for CpuBackend {
         ))
     }
 
-    fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
-        f32s_mut("upload_f32", "dst", dst, src.len())?.copy_from_slice(src);
+    fn upload_f32_unchecked(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
+        write_f32("upload_f32", dst, src.len())?.copy_from_slice(src);
         self.stats.transfer(std::mem::size_of_val(src));
         Ok(())
     }
 
-    fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
-        u32s_mut("upload_u32", "dst", dst, src.len())?.copy_from_slice(src);
+    fn upload_u32_unchecked(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
+        write_u32("upload_u32", dst, src.len())?.copy_from_slice(src);
         self.stats.transfer(std::mem::size_of_val(src));
         Ok(())
     }
 
-    fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
-        dst.copy_from_slice(f32s("download_f32", "src", src, dst.len())?);
+    fn download_f32_unchecked(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
+        dst.copy_from_slice(read_f32("download_f32", src, dst.len())?);
         self.stats.host_sync();
         self.stats.transfer(std::mem::size_of_val(dst));
         Ok(())
     }
 
-    fn download_u32(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
-        dst.copy_from_slice(u32s("download_u32", "src", src, dst.len())?);
+    fn download_u32_unchecked(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
+        dst.copy_from_slice(read_u32("download_u32", src, dst.len())?);
         self.stats.host_sync();
         self.stats.transfer(std::mem::size_of_val(dst));
         Ok(())
     }
 
-    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+    fn read_bytes_unchecked(
+        &self,
+        src: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
         let op = "read_bytes";
         let (start, len) = byte_range(op, src, offset, out.len())?;
         let elem = src.dtype().size_bytes();
@@ -625,7 +538,12 @@ impl Buffers for CpuBackend {
         Ok(())
     }
 
-    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
+    fn write_bytes_unchecked(
+        &self,
+        bytes: &[u8],
+        dst: &mut DeviceBuffer,
+        offset: usize,
+    ) -> Result<()> {
         let op = "write_bytes";
         let (start, len) = byte_range(op, dst, offset, bytes.len())?;
         let elem = dst.dtype().size_bytes();

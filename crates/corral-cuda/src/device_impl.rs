@@ -200,7 +200,7 @@ impl Buffers for CudaBackend {
         Ok(b)
     }
 
-    fn weight_from_file(
+    fn weight_from_file_unchecked(
         &self,
         file: &Arc<MappedFile>,
         byte_offset: usize,
@@ -208,31 +208,15 @@ impl Buffers for CudaBackend {
         len: usize,
     ) -> Result<DeviceBuffer> {
         let op = "weight_from_file";
-        if !dtype.is_float() {
-            return Err(bad(op, "weights must be float".to_string()));
-        }
         let byte_len = dtype.bytes_of(len);
-        if let Some(format) = quant::quant_format(dtype)
-            && (!self.reads_format(format) || !len.is_multiple_of(format.block().0))
-        {
-            return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
-        }
-        let bytes = file
-            .bytes()
-            .get(byte_offset..byte_offset + byte_len)
-            .ok_or_else(|| {
-                bad(
-                    op,
-                    format!("{}: tensor data out of range", file.path().display()),
-                )
-            })?;
+        let bytes = file.range(op, byte_offset, byte_len)?;
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
         self.gpu.upload(bytes, ptr_of(op, &b)?)?;
         self.stats.transfer(byte_len);
         Ok(b)
     }
 
-    fn weight_from_f32(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
+    fn weight_from_f32_unchecked(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
         let op = "weight_from_f32";
         let b = self.new_buffer(dtype, values.len(), BufferUsage::Weights)?;
         let dst = ptr_of(op, &b)?;
@@ -260,7 +244,7 @@ impl Buffers for CudaBackend {
         Ok(b)
     }
 
-    fn weight_from_blocks(
+    fn weight_from_blocks_unchecked(
         &self,
         blocks: Vec<u8>,
         dtype: DType,
@@ -269,7 +253,7 @@ impl Buffers for CudaBackend {
         self.upload_blocks(&blocks, dtype, len)
     }
 
-    fn weight_synthetic_blocks(
+    fn weight_synthetic_blocks_unchecked(
         &self,
         format: corral_backend::QuantFormat,
         len: usize,
@@ -279,7 +263,13 @@ impl Buffers for CudaBackend {
         self.synthetic_blocks(format, len, seed, std)
     }
 
-    fn weight_normal(&self, len: usize, dtype: DType, seed: u64, std: f32) -> Result<DeviceBuffer> {
+    fn weight_normal_unchecked(
+        &self,
+        len: usize,
+        dtype: DType,
+        seed: u64,
+        std: f32,
+    ) -> Result<DeviceBuffer> {
         let op = "weight_normal";
         let kernel = match dtype {
             DType::BF16 => &self.kernels.normal_fill_bf16,
@@ -300,41 +290,38 @@ impl Buffers for CudaBackend {
         Ok(b)
     }
 
-    fn upload_f32(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
+    fn upload_f32_unchecked(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
         self.not_capturing("upload_f32")?;
-        let Arg::Ptr(p) = buf("upload_f32", "dst", dst, DType::F32, src.len())? else {
-            unreachable!()
-        };
+        let p = ptr_of("upload_f32", dst)?;
         self.gpu.upload(src, p)?;
         self.stats.transfer(std::mem::size_of_val(src));
         Ok(())
     }
 
-    fn upload_u32(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
+    fn upload_u32_unchecked(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
         self.not_capturing("upload_u32")?;
-        let Arg::Ptr(p) = buf("upload_u32", "dst", dst, DType::U32, src.len())? else {
-            unreachable!()
-        };
+        let p = ptr_of("upload_u32", dst)?;
         self.gpu.upload(src, p)?;
         self.stats.transfer(std::mem::size_of_val(src));
         Ok(())
     }
 
-    fn download_f32(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
-        let Arg::Ptr(p) = buf("download_f32", "src", src, DType::F32, dst.len())? else {
-            unreachable!()
-        };
+    fn download_f32_unchecked(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
+        let p = ptr_of("download_f32", src)?;
         self.read_back(p, dst)
     }
 
-    fn download_u32(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
-        let Arg::Ptr(p) = buf("download_u32", "src", src, DType::U32, dst.len())? else {
-            unreachable!()
-        };
+    fn download_u32_unchecked(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
+        let p = ptr_of("download_u32", src)?;
         self.read_back(p, dst)
     }
 
-    fn read_bytes(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+    fn read_bytes_unchecked(
+        &self,
+        src: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
         let op = "read_bytes";
         let (start, _) = byte_range(op, src, offset, out.len())?;
         if out.is_empty() {
@@ -348,7 +335,12 @@ impl Buffers for CudaBackend {
         }
     }
 
-    fn write_bytes(&self, bytes: &[u8], dst: &mut DeviceBuffer, offset: usize) -> Result<()> {
+    fn write_bytes_unchecked(
+        &self,
+        bytes: &[u8],
+        dst: &mut DeviceBuffer,
+        offset: usize,
+    ) -> Result<()> {
         let op = "write_bytes";
         let (start, len) = byte_range(op, dst, offset, bytes.len())?;
         if len == 0 {

@@ -11,9 +11,9 @@ mod common;
 use common::{Rng, download, f32_buf, out_buf, u32_buf};
 
 use corral_backend::{
-    Backend, BackendError, BufferUsage, Buffers, DType, DeltaNetShape, DeviceBuffer,
-    ExpertMatrices, ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns, RopeParams,
-    WeightView, Yarn, quant, synthetic,
+    Backend, BackendError, BufferUsage, DType, DeltaNetShape, DeviceBuffer, ExpertMatrices,
+    ExpertWeights, MoeRouting, MoeSorted, QuantFormat, RecurrentRuns, RopeParams, WeightView, Yarn,
+    quant, synthetic,
 };
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
@@ -954,61 +954,6 @@ impl Routed {
 }
 
 #[test]
-fn read_and_write_bytes_match_cpu() {
-    let g = gpu_or_skip!();
-    let c: &dyn Backend = &CpuBackend::new();
-    let v = Rng(8).values(600);
-    let mut outs = Vec::new();
-    for b in [c, g] {
-        let mut f32s = f32_buf(b, &v);
-        let mut bf16 = b
-            .take_buffer(DType::BF16, 600, BufferUsage::KvCache)
-            .unwrap();
-        let halves: Vec<u8> = (0..1200).map(|i| (i * 7 % 251) as u8).collect();
-        b.write_bytes(&halves, &mut bf16, 0).unwrap();
-        // 16-bit elements copied on the device (a KV block's copy-on-write).
-        b.copy_within(&mut bf16, 10, 300, 200).unwrap();
-        let mut back = vec![0u8; 1200];
-        b.read_bytes(&bf16, 0, &mut back).unwrap();
-        let mut floats = vec![0u8; 800];
-        b.read_bytes(&f32s, 50, &mut floats).unwrap();
-        b.write_bytes(&floats, &mut f32s, 300).unwrap();
-        assert!(
-            b.read_bytes(&f32s, 500, &mut vec![0u8; 800]).is_err(),
-            "past the end"
-        );
-        assert!(
-            b.write_bytes(&[0u8; 3], &mut f32s, 0).is_err(),
-            "part of an element"
-        );
-        outs.push((back, download(b, &f32s, 600)));
-    }
-    assert_eq!(outs[0], outs[1]);
-}
-
-#[test]
-fn synthetic_weights_are_the_cpu_streams() {
-    let g = gpu_or_skip!();
-    let c: &dyn Backend = &CpuBackend::new();
-    let n = 3 * 65536 + 7;
-    for dtype in DTYPES {
-        let mut outs = Vec::new();
-        for b in [c, g] {
-            let w = b.weight_normal(n, dtype, 0xfeed, 0.02).unwrap();
-            // Read through an embedding of one-row "tokens" covering the whole buffer.
-            let rows = n / 7;
-            let ids: Vec<u32> = (0..rows as u32).collect();
-            let idb = u32_buf(b, &ids);
-            let mut out = out_buf(b, rows * 7);
-            b.embedding(WeightView::new(&w, rows, 7).unwrap(), &idb, rows, &mut out)
-                .unwrap();
-            outs.push(download(b, &out, rows * 7));
-        }
-        assert_close(&format!("{dtype}"), &outs[1], &outs[0], 1e-6);
-    }
-}
-
-#[test]
 fn an_index_out_of_range_raises_the_error_flag_and_the_next_step_is_clean() {
     let g = gpu_or_skip!();
     let table = g.weight_from_f32(&[1.0; 32], DType::BF16).unwrap();
@@ -1307,10 +1252,11 @@ fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (Vec<u8>, Ve
 #[test]
 fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
     let g = gpu_or_skip!(cuda);
+    let b: &dyn Backend = g;
     for (n, format) in GPU_FORMATS.into_iter().enumerate() {
         let (rows, cols) = (7, 512);
         let (blocks, values) = blocks_and_values(format, 40 + n as u64, rows * cols);
-        let w = g
+        let w = b
             .weight_from_blocks(blocks, DType::Quant(format), rows * cols)
             .unwrap();
         // The first value of `w` that the device decodes to other bits than the CPU.
@@ -1330,7 +1276,7 @@ fn block_formats_decode_on_the_gpu_as_on_the_cpu_bit_for_bit() {
             format.name()
         );
         // The device's synthetic blocks are the host's: they decode to the same bits.
-        let made = g
+        let made = b
             .weight_synthetic_blocks(format, rows * cols, 40 + n as u64, 0.5)
             .unwrap();
         assert_eq!(

@@ -21,6 +21,7 @@ pub(crate) use common::{Rng, download, f32_buf, out_buf, u32_buf};
 pub(crate) use experts::strategies_agree;
 
 mod attention;
+mod buffers;
 mod copies;
 mod elementwise;
 mod experts;
