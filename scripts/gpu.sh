@@ -34,7 +34,7 @@ prepare() {
   mkdir -p .gpu/bin
   cp target/release/corral .gpu/bin/
   cargo test --release --no-run --message-format=json \
-      -p corral-device --test cuda_ops --test conformance \
+      -p corral-device --test cuda_ops --test cuda_backend --test conformance \
       -p corral-model --test gpu_conformance --test expert_reads --test fp8_checkpoint 2>/dev/null \
     | python3 -c '
 import json, sys
@@ -62,7 +62,7 @@ remote() {
     | tee "$out/gpu.txt"
   has() { [[ ",$stages," == *",$1,"* ]]; }
   if has tests; then
-    for t in conformance cuda_ops gpu_conformance expert_reads fp8_checkpoint; do
+    for t in conformance cuda_ops cuda_backend gpu_conformance expert_reads fp8_checkpoint; do
       echo "== test $t"
       timeout 300 ".gpu/bin/$t" --test-threads=1 --nocapture 2>&1 | tee "${TEST_LOGS:-$out}/test-$t.log" \
         | grep -E "^test |test result|panicked|error|relative error" || true

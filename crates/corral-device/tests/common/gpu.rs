@@ -1,0 +1,142 @@
+//! What the CUDA test files share: the device (or a skip without one), the comparisons, and
+//! the fp8 and block-format values the tests build.
+
+use std::sync::OnceLock;
+
+use corral_backend::{Backend, DType, QuantFormat, RopeParams, Yarn, quant, synthetic};
+use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
+
+pub(crate) fn gpu() -> Option<&'static dyn Backend> {
+    cuda().map(|g| g as &dyn Backend)
+}
+
+/// The CUDA backend itself, for what only it offers.
+pub(crate) fn cuda() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    GPU.get_or_init(|| match cuda_available() {
+        Err(why) => {
+            eprintln!("skipped: no CUDA device ({why})");
+            None
+        }
+        Ok(_) => Some(CudaBackend::new(CudaOptions::default()).expect("open cuda:0")),
+    })
+    .as_ref()
+}
+
+/// The device, or a skip of the test that asks (it passes) where none is usable.
+macro_rules! gpu_or_skip {
+    () => {
+        gpu_or_skip!(gpu)
+    };
+    ($open:ident) => {
+        match $open() {
+            Some(g) => g,
+            None => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        }
+    };
+}
+
+/// YaRN over base 1e6 with transformers' defaults.
+pub(crate) fn yarn(factor: f64, original: usize) -> RopeParams {
+    RopeParams {
+        theta: 1e6,
+        yarn: Some(Yarn::new(factor, original)),
+    }
+}
+
+/// ‖a − b‖ / ‖b‖, and NaN anywhere fails.
+pub(crate) fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
+
+pub(crate) fn assert_close(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
+    let err = rel(gpu, cpu);
+    assert!(err <= tol, "{what}: relative error {err:e} > {tol:e}");
+}
+
+pub(crate) const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+
+/// The e4m3 code nearest `x` (ties to the even code), saturating at ±448: by search over
+/// every finite code, independent of the arithmetic the kernels use.
+pub(crate) fn e4m3_bits(x: f32) -> u8 {
+    let mut best = 0u8;
+    for code in 0u8..=0x7e {
+        let (d, db) = (
+            (e4m3_value(code) - x.abs()).abs(),
+            (e4m3_value(best) - x.abs()).abs(),
+        );
+        if d < db || (d == db && code & 1 == 0 && best & 1 == 1) {
+            best = code;
+        }
+    }
+    if x.is_sign_negative() {
+        best | 0x80
+    } else {
+        best
+    }
+}
+
+/// `x` rounded to the nearest fp8 e4m3 value (ties to even), saturating at ±448.
+pub(crate) fn e4m3(x: f32) -> f32 {
+    let a = x.abs().min(448.0);
+    let r = if a < 2f32.powi(-6) {
+        (a * 512.0).round_ties_even() / 512.0
+    } else {
+        let e = a.log2().floor();
+        let step = 2f32.powf(e - 3.0);
+        (a / step).round_ties_even() * step
+    };
+    r.copysign(x)
+}
+
+/// The value of fp8 e4m3 bits `b` (no NaN is ever stored).
+pub(crate) fn e4m3_value(b: u8) -> f32 {
+    let (exp, mant) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+    let magnitude = if exp == 0 {
+        mant / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
+    };
+    if b & 0x80 != 0 { -magnitude } else { magnitude }
+}
+
+/// Rows of `head_dim` values rounded as an fp8 KV cache stores them: each scaled so that its
+/// largest magnitude is 448, rounded to e4m3, scaled back.
+pub(crate) fn fp8_rounded(values: &[f32], head_dim: usize) -> Vec<f32> {
+    values
+        .chunks(head_dim)
+        .flat_map(|head| {
+            let amax = head.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+            let inv = 1.0 / scale;
+            head.iter().map(move |&v| e4m3(v * inv) * scale)
+        })
+        .collect()
+}
+
+/// The block formats the GPU reads as stored.
+pub(crate) const GPU_FORMATS: [QuantFormat; 7] = [
+    QuantFormat::Q8_0,
+    QuantFormat::Q4_0,
+    QuantFormat::Q5_0,
+    QuantFormat::Q4K,
+    QuantFormat::Q5K,
+    QuantFormat::Q6K,
+    QuantFormat::F8E4M3x128,
+];
+
+/// Synthetic blocks of `len` values (every bit pattern of the quants and sub-block scales
+/// occurs) and their values by the CPU's decoder.
+pub(crate) fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (Vec<u8>, Vec<f32>) {
+    let blocks = synthetic::quant_blocks(format, seed, len, 0.5);
+    let mut values = vec![0.0; len];
+    quant::dequantize(format, &blocks, &mut values);
+    (blocks, values)
+}
