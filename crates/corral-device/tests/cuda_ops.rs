@@ -457,33 +457,6 @@ fn chunked_delta_rule_equals_the_token_by_token_recurrence() {
 }
 
 #[test]
-fn embedding_reads_every_weight_type_exactly() {
-    let g = gpu_or_skip!();
-    let c: &dyn Backend = &CpuBackend::new();
-    let mut rng = Rng(3);
-    for dtype in DTYPES {
-        let (vocab, hidden, tokens) = (50, 24, 17);
-        let table = rng.values(vocab * hidden);
-        let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
-        let mut outs = Vec::new();
-        for b in [c, g] {
-            let t = b.weight_from_f32(&table, dtype).unwrap();
-            let idb = u32_buf(b, &ids);
-            let mut out = out_buf(b, tokens * hidden);
-            b.embedding(
-                WeightView::new(&t, vocab, hidden).unwrap(),
-                &idb,
-                tokens,
-                &mut out,
-            )
-            .unwrap();
-            outs.push(download(b, &out, tokens * hidden));
-        }
-        assert_eq!(outs[0], outs[1], "{dtype}");
-    }
-}
-
-#[test]
 fn paged_attention_matches_cpu_over_several_runs_and_block_tables() {
     let g = gpu_or_skip!();
     let c: &dyn Backend = &CpuBackend::new();

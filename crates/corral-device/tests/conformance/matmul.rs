@@ -45,7 +45,7 @@ proptest! {
 
 /// A weight format of the suite: a float type, or a block format.
 #[derive(Clone, Copy, Debug)]
-enum Format {
+pub(crate) enum Format {
     Float(DType),
     Blocks(QuantFormat),
 }
@@ -53,7 +53,12 @@ enum Format {
 impl Format {
     /// The weights of `rows * cols` values on `b` (random, from `seed`) and the values they
     /// hold; `None` where `b` does not read the format.
-    fn weights(self, b: &dyn Backend, len: usize, seed: u64) -> Option<(DeviceBuffer, Vec<f32>)> {
+    pub(crate) fn weights(
+        self,
+        b: &dyn Backend,
+        len: usize,
+        seed: u64,
+    ) -> Option<(DeviceBuffer, Vec<f32>)> {
         match self {
             Format::Float(dtype) => {
                 let v = Rng(seed).values(len);
@@ -88,7 +93,7 @@ impl Format {
     }
 }
 
-fn formats() -> impl Strategy<Value = Format> {
+pub(crate) fn formats() -> impl Strategy<Value = Format> {
     let floats = prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)];
     prop_oneof![
         floats.prop_map(Format::Float),
