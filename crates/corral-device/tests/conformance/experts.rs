@@ -497,3 +497,94 @@ fn expert_ops_refuse_bad_shapes() {
         );
     }
 }
+
+/// Experts stored in block formats, gate/up and down each in its own (as Q4_K_M files store
+/// them), read as stored by every backend that reads the formats: the grouped and the
+/// per-token experts against the reference over the decoded values. Each backend quantizes
+/// activations for its integer products or rounds them to bf16 for its tiles: 1.5e-2.
+#[test]
+fn block_format_experts_match_the_references() {
+    use corral_backend::{QuantFormat, quant, synthetic};
+    let f8 = QuantFormat::F8E4M3x128;
+    let cases = [
+        (QuantFormat::Q4K, QuantFormat::Q6K, 1, 8, 2, 256, 512),
+        (QuantFormat::Q8_0, QuantFormat::Q8_0, 3, 16, 4, 64, 96),
+        (QuantFormat::Q5K, QuantFormat::Q4K, 40, 8, 8, 256, 256),
+        (QuantFormat::Q4_0, QuantFormat::Q5_0, 200, 32, 8, 96, 32),
+        (f8, f8, 1, 8, 8, 256, 384),
+        (f8, f8, 5, 16, 10, 128, 256),
+        (f8, f8, 70, 16, 3, 384, 128),
+    ];
+    let mut rng = Rng(43);
+    for (case, (up_format, down_format, tokens, e, top_k, h, i)) in cases.into_iter().enumerate() {
+        let blocks = |format, seed, len| {
+            let blocks = synthetic::quant_blocks(format, seed, len, 0.5);
+            let mut values = vec![0.0; len];
+            quant::dequantize(format, &blocks, &mut values);
+            (blocks, values)
+        };
+        let (gu_blocks, gu_values) = blocks(up_format, 70 + case as u64, e * 2 * i * h);
+        let (d_blocks, d_values) = blocks(down_format, 80 + case as u64, e * h * i);
+        let (mut gate, mut up) = (Vec::new(), Vec::new());
+        for expert in gu_values.chunks(2 * i * h) {
+            gate.extend_from_slice(&expert[..i * h]);
+            up.extend_from_slice(&expert[i * h..]);
+        }
+        let x = rng.values(tokens * h);
+        let logits = rng.values(tokens * e);
+        let (ids, weights) = reference::moe_route(&logits, e, top_k, true, false);
+        let want = reference::moe_experts(&x, &ids, &weights, top_k, [&gate, &up, &d_values], i, h);
+        let what = format!(
+            "{} gate/up, {} down: {tokens} tokens, top {top_k} of {e}, h {h} i {i}",
+            up_format.name(),
+            down_format.name()
+        );
+        let layer = Layer {
+            tokens,
+            experts: e,
+            top_k,
+            hidden: h,
+            inter: i,
+            dtype: DType::Quant(up_format),
+            fused: true,
+            shared: false,
+            renormalize: true,
+            ties: false,
+        };
+        for s in subjects() {
+            let b = s.backend;
+            if !b.capabilities().reads(up_format) || !b.capabilities().reads(down_format) {
+                continue;
+            }
+            let gate_up = b
+                .weight_from_blocks(gu_blocks.clone(), DType::Quant(up_format), e * 2 * i * h)
+                .unwrap();
+            let down = b
+                .weight_from_blocks(d_blocks.clone(), DType::Quant(down_format), e * h * i)
+                .unwrap();
+            let gate_up = Arc::new(gate_up);
+            let w = ExpertWeights {
+                gate: ExpertMatrices::stacked(Arc::clone(&gate_up), e, 2 * i, 0, i, h).unwrap(),
+                up: ExpertMatrices::stacked(gate_up, e, 2 * i, i, i, h).unwrap(),
+                down: ExpertMatrices::stacked(Arc::new(down), e, h, 0, h, i).unwrap(),
+            };
+            let r = Routed::new(b, &layer, &logits);
+            let (routing, sorted) = (r.routing(), r.sorted());
+            let pairs = tokens * top_k;
+            let xb = f32_buf(b, &x);
+            let (mut act, mut y) = (out_buf(b, pairs * i), out_buf(b, pairs * h));
+            let mut grouped = out_buf(b, tokens * h);
+            b.moe_grouped_gate_up(&xb, routing, sorted, &w, &mut act)
+                .unwrap();
+            b.moe_grouped_down_combine(&act, routing, sorted, &w, &mut y, &mut grouped)
+                .unwrap();
+            let mut per_token = out_buf(b, tokens * h);
+            b.moe_experts_per_token(&xb, routing, &w, &mut act, &mut per_token)
+                .unwrap();
+            let grouped = download(b, &grouped, tokens * h);
+            assert_within(&s, &format!("{what}: grouped"), &grouped, &want, 1.5e-2);
+            let per_token = download(b, &per_token, tokens * h);
+            assert_within(&s, &format!("{what}: per token"), &per_token, &want, 1.5e-2);
+        }
+    }
+}
