@@ -510,3 +510,29 @@ pub fn argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
         })
         .collect()
 }
+
+/// `x` rounded to the nearest fp8 e4m3 value (ties to even), saturating at ±448.
+pub fn e4m3(x: f32) -> f32 {
+    let a = x.abs().min(448.0);
+    let r = if a < 2f32.powi(-6) {
+        (a * 512.0).round_ties_even() / 512.0
+    } else {
+        let step = 2f32.powf(a.log2().floor() - 3.0);
+        (a / step).round_ties_even() * step
+    };
+    r.copysign(x)
+}
+
+/// The values an fp8 KV cache holds for rows of heads of `head_dim`: each head scaled so
+/// that its largest magnitude is 448, rounded to e4m3, and scaled back.
+pub fn fp8_kv_rounded(values: &[f32], head_dim: usize) -> Vec<f32> {
+    values
+        .chunks(head_dim)
+        .flat_map(|head| {
+            let amax = head.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+            let inv = 1.0 / scale;
+            head.iter().map(move |&v| e4m3(v * inv) * scale)
+        })
+        .collect()
+}

@@ -83,19 +83,6 @@ pub(crate) fn e4m3_bits(x: f32) -> u8 {
     }
 }
 
-/// `x` rounded to the nearest fp8 e4m3 value (ties to even), saturating at ±448.
-pub(crate) fn e4m3(x: f32) -> f32 {
-    let a = x.abs().min(448.0);
-    let r = if a < 2f32.powi(-6) {
-        (a * 512.0).round_ties_even() / 512.0
-    } else {
-        let e = a.log2().floor();
-        let step = 2f32.powf(e - 3.0);
-        (a / step).round_ties_even() * step
-    };
-    r.copysign(x)
-}
-
 /// The value of fp8 e4m3 bits `b` (no NaN is ever stored).
 pub(crate) fn e4m3_value(b: u8) -> f32 {
     let (exp, mant) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
@@ -105,20 +92,6 @@ pub(crate) fn e4m3_value(b: u8) -> f32 {
         (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
     };
     if b & 0x80 != 0 { -magnitude } else { magnitude }
-}
-
-/// Rows of `head_dim` values rounded as an fp8 KV cache stores them: each scaled so that its
-/// largest magnitude is 448, rounded to e4m3, scaled back.
-pub(crate) fn fp8_rounded(values: &[f32], head_dim: usize) -> Vec<f32> {
-    values
-        .chunks(head_dim)
-        .flat_map(|head| {
-            let amax = head.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
-            let inv = 1.0 / scale;
-            head.iter().map(move |&v| e4m3(v * inv) * scale)
-        })
-        .collect()
 }
 
 /// The block formats the GPU reads as stored.
@@ -140,3 +113,7 @@ pub(crate) fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (
     quant::dequantize(format, &blocks, &mut values);
     (blocks, values)
 }
+
+/// What an fp8 KV cache holds (used by the attention comparisons).
+#[allow(unused_imports)]
+pub(crate) use corral_backend::reference::fp8_kv_rounded as fp8_rounded;
