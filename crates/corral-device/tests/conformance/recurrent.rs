@@ -228,3 +228,137 @@ fn recurrent_ops_refuse_bad_shapes() {
         assert_eq!(download(b, &state, 64), vec![0.0; 64], "{}: state", s.name);
     }
 }
+
+/// The delta rule at the Qwen3.5 shape (16 key heads, 32 value heads, dims 128) over runs
+/// of every length around a GPU's chunks of 64 tokens and past the chunks one launch holds,
+/// with live incoming states: each run's output and state against the reference, and the
+/// whole batch against the same runs fed one token a step (a backend's chunked form against
+/// its recurrence). A chunked form sums in another order over thousands of tokens:
+/// 1.5e-3 of each run's norm for the outputs, 2.5e-3 for the states.
+#[test]
+fn the_delta_rule_matches_the_reference_over_long_runs() {
+    let (nk, nv, dk, dv) = (16, 32, 128, 128);
+    let shape = DeltaNetShape {
+        num_key_heads: nk,
+        num_value_heads: nv,
+        key_dim: dk,
+        value_dim: dv,
+    };
+    let width = 2 * nk * dk + nv * dv;
+    let mut rng = Rng(29);
+    for lens in [vec![130, 1, 64, 7, 65, 200], vec![3300, 20]] {
+        let tokens: usize = lens.iter().sum();
+        let slots = lens.len() + 1;
+        let mut start = 0;
+        let runs: Vec<Run> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let run = Run {
+                    start,
+                    len,
+                    slot: slots - 1 - i,
+                    fresh: i % 2 == 1,
+                };
+                start += len;
+                run
+            })
+            .collect();
+        let qkv = rng.values(tokens * width);
+        let g: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| -0.3 * v.abs())
+            .collect();
+        let beta: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| 0.5 + 0.5 * v)
+            .collect();
+        let state0: Vec<f32> = rng
+            .values(slots * nv * dk * dv)
+            .iter()
+            .map(|v| 0.1 * v)
+            .collect();
+        let mut want_state = state0.clone();
+        let want =
+            reference::gated_delta_rule(&qkv, &g, &beta, (nk, nv, dk, dv), &runs, &mut want_state);
+        let longest = lens.iter().copied().max().unwrap_or(1);
+        for s in subjects() {
+            let b = s.backend;
+            let (qkv_b, g_b, beta_b) = (f32_buf(b, &qkv), f32_buf(b, &g), f32_buf(b, &beta));
+            let run_words = u32_buf(b, &flat(&runs));
+            let whole = RecurrentRuns {
+                runs: &run_words,
+                num_runs: runs.len(),
+                max_run_tokens: longest,
+                kept: None,
+            };
+            let mut state = f32_buf(b, &state0);
+            let mut out = out_buf(b, tokens * nv * dv);
+            b.gated_delta_rule(&qkv_b, &g_b, &beta_b, shape, whole, &mut state, &mut out)
+                .unwrap();
+            let (whole_out, whole_state) = (
+                download(b, &out, tokens * nv * dv),
+                download(b, &state, state0.len()),
+            );
+            // Step t: token t of every run that long, each a one-token run in its slot.
+            let mut state = f32_buf(b, &state0);
+            let mut out = out_buf(b, tokens * nv * dv);
+            for step in 0..longest {
+                let step_runs: Vec<Run> = runs
+                    .iter()
+                    .filter(|r| r.len > step)
+                    .map(|r| Run {
+                        start: r.start + step,
+                        len: 1,
+                        slot: r.slot,
+                        fresh: step == 0 && r.fresh,
+                    })
+                    .collect();
+                let words = u32_buf(b, &flat(&step_runs));
+                let one = RecurrentRuns {
+                    runs: &words,
+                    num_runs: step_runs.len(),
+                    max_run_tokens: 1,
+                    kept: None,
+                };
+                b.gated_delta_rule(&qkv_b, &g_b, &beta_b, shape, one, &mut state, &mut out)
+                    .unwrap();
+            }
+            let (stepped_out, stepped_state) = (
+                download(b, &out, tokens * nv * dv),
+                download(b, &state, state0.len()),
+            );
+            // Each run on its own, so that a short run's error cannot hide in a long one's norm.
+            for r in &runs {
+                let what = format!("runs {lens:?}: the run of {} in slot {}", r.len, r.slot);
+                let o = r.start * nv * dv..(r.start + r.len) * nv * dv;
+                let st = r.slot * nv * dk * dv..(r.slot + 1) * nv * dk * dv;
+                for (name, got, want, tol) in [
+                    ("out", &whole_out[o.clone()], &want[o.clone()], 1.5e-3),
+                    (
+                        "state",
+                        &whole_state[st.clone()],
+                        &want_state[st.clone()],
+                        2.5e-3,
+                    ),
+                    (
+                        "out, one token a step",
+                        &stepped_out[o.clone()],
+                        &want[o.clone()],
+                        1.5e-3,
+                    ),
+                    (
+                        "state, one token a step",
+                        &stepped_state[st.clone()],
+                        &want_state[st.clone()],
+                        2.5e-3,
+                    ),
+                ] {
+                    crate::assert_within(&s, &format!("{what}: {name}"), got, want, tol);
+                }
+            }
+        }
+    }
+}
