@@ -536,3 +536,33 @@ pub fn fp8_kv_rounded(values: &[f32], head_dim: usize) -> Vec<f32> {
         })
         .collect()
 }
+
+/// The value of the fp8 e4m3 code `b` (its NaN codes aside).
+pub fn e4m3_value(b: u8) -> f32 {
+    let (exp, mant) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+    let magnitude = if exp == 0 {
+        mant / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
+    };
+    if b & 0x80 != 0 { -magnitude } else { magnitude }
+}
+
+/// The values of an fp8 KV cache's rows as stored (per row, `kv_heads * head_dim` e4m3
+/// codes, then each head's f32 scale, as [`kv_row_elems`](crate::kv_row_elems) lays them out).
+pub fn fp8_kv_values(bytes: &[u8], kv_heads: usize, head_dim: usize) -> Vec<f32> {
+    let kv_dim = kv_heads * head_dim;
+    let row = crate::kv_row_elems(crate::DType::F8E4M3, kv_heads, head_dim);
+    bytes
+        .chunks_exact(row)
+        .flat_map(|r| {
+            (0..kv_heads).flat_map(move |h| {
+                let at = kv_dim + 4 * h;
+                let scale = f32::from_le_bytes([r[at], r[at + 1], r[at + 2], r[at + 3]]);
+                r[h * head_dim..(h + 1) * head_dim]
+                    .iter()
+                    .map(move |&b| e4m3_value(b) * scale)
+            })
+        })
+        .collect()
+}

@@ -83,17 +83,6 @@ pub(crate) fn e4m3_bits(x: f32) -> u8 {
     }
 }
 
-/// The value of fp8 e4m3 bits `b` (no NaN is ever stored).
-pub(crate) fn e4m3_value(b: u8) -> f32 {
-    let (exp, mant) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
-    let magnitude = if exp == 0 {
-        mant / 8.0 * 2f32.powi(-6)
-    } else {
-        (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
-    };
-    if b & 0x80 != 0 { -magnitude } else { magnitude }
-}
-
 /// The block formats the GPU reads as stored.
 pub(crate) const GPU_FORMATS: [QuantFormat; 7] = [
     QuantFormat::Q8_0,
@@ -116,4 +105,4 @@ pub(crate) fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (
 
 /// What an fp8 KV cache holds (used by the attention comparisons).
 #[allow(unused_imports)]
-pub(crate) use corral_backend::reference::fp8_kv_rounded as fp8_rounded;
+pub(crate) use corral_backend::reference::{e4m3_value, fp8_kv_rounded as fp8_rounded};
