@@ -362,3 +362,150 @@ fn the_delta_rule_matches_the_reference_over_long_runs() {
         }
     }
 }
+
+/// The states a run keeps after each of its tokens but the last (for a speculative verify to
+/// continue from any accepted draft), in the slots `kept` names: the convolution's and the
+/// delta rule's, each what the reference holds after that token, next to the runs' outputs
+/// and final states; at the Qwen3.5 shape and smaller ones.
+#[test]
+fn kept_states_are_the_states_after_each_token() {
+    let mut rng = Rng(29);
+    for case in 0..6 {
+        let lens: Vec<usize> = (0..1 + rng.below(4)).map(|_| 1 + rng.below(5)).collect();
+        let tokens: usize = lens.iter().sum();
+        let mut start = 0;
+        let runs: Vec<Run> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let run = Run {
+                    start,
+                    len,
+                    slot: lens.len() - 1 - i,
+                    fresh: i % 2 == 1,
+                };
+                start += len;
+                run
+            })
+            .collect();
+        let (mut kept, mut next) = (Vec::new(), lens.len());
+        for &len in &lens {
+            kept.push(if len > 1 {
+                next as u32
+            } else {
+                corral_backend::NO_KEPT_STATES
+            });
+            next += len.saturating_sub(1);
+        }
+        let slots = next;
+        let (nk, nv, dk, dv) = if case == 0 {
+            (16, 32, 128, 128)
+        } else {
+            let nk = 1 + rng.below(2);
+            (
+                nk,
+                nk * (1 + rng.below(3)),
+                [16, 32, 128][case % 3],
+                [16, 64, 128][case % 3],
+            )
+        };
+        let channels = 2 * nk * dk + nv * dv;
+        let kernel = 4;
+        let x = rng.values(tokens * channels);
+        let w = rng.values(channels * kernel);
+        let conv0 = rng.values(slots * channels * (kernel - 1));
+        let qkv = rng.values(tokens * channels);
+        let g: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| -0.5 * v.abs())
+            .collect();
+        let beta: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| 0.5 + 0.5 * v)
+            .collect();
+        let state0: Vec<f32> = rng
+            .values(slots * nv * dk * dv)
+            .iter()
+            .map(|v| 0.1 * v)
+            .collect();
+        // The reference a token at a time, each run's state copied to its next kept slot
+        // after every token but its last.
+        let (conv_slot, delta_slot) = (channels * (kernel - 1), nv * dk * dv);
+        let (mut conv_state, mut state) = (conv0.clone(), state0.clone());
+        let (mut conv_out, mut out) = (vec![0.0; x.len()], vec![0.0; tokens * nv * dv]);
+        for (r, run) in runs.iter().enumerate() {
+            for j in 0..run.len {
+                let one = [Run {
+                    start: run.start + j,
+                    len: 1,
+                    slot: run.slot,
+                    fresh: run.fresh && j == 0,
+                }];
+                let o = reference::causal_conv1d(&x, &w, channels, kernel, &one, &mut conv_state);
+                let t = run.start + j;
+                conv_out[t * channels..(t + 1) * channels]
+                    .copy_from_slice(&o[t * channels..(t + 1) * channels]);
+                let o = reference::gated_delta_rule(
+                    &qkv,
+                    &g,
+                    &beta,
+                    (nk, nv, dk, dv),
+                    &one,
+                    &mut state,
+                );
+                out[t * nv * dv..(t + 1) * nv * dv]
+                    .copy_from_slice(&o[t * nv * dv..(t + 1) * nv * dv]);
+                if j + 1 < run.len {
+                    let to = kept[r] as usize + j;
+                    conv_state.copy_within(
+                        run.slot * conv_slot..(run.slot + 1) * conv_slot,
+                        to * conv_slot,
+                    );
+                    state.copy_within(
+                        run.slot * delta_slot..(run.slot + 1) * delta_slot,
+                        to * delta_slot,
+                    );
+                }
+            }
+        }
+        let shape = DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        };
+        let words: Vec<[u32; 4]> = runs
+            .iter()
+            .map(|r| {
+                [
+                    r.start as u32,
+                    r.len as u32,
+                    r.slot as u32,
+                    u32::from(r.fresh),
+                ]
+            })
+            .collect();
+        let what = format!("case {case}: runs {lens:?}, {nv}/{nk} heads of {dv}/{dk}");
+        for s in subjects() {
+            let got = crate::common::recurrence(
+                s.backend,
+                (&x, &w, kernel),
+                (&qkv, &g, &beta),
+                shape,
+                &words,
+                Some(&kept),
+                (&conv0, &state0),
+            );
+            for (name, got, want, tol) in [
+                ("conv out", &got.conv_out, &conv_out, 1e-5),
+                ("conv states", &got.conv_state, &conv_state, 1e-5),
+                ("delta out", &got.out, &out, 1e-3),
+                ("delta states", &got.state, &state, 1e-3),
+            ] {
+                crate::assert_within(&s, &format!("{what}: {name}"), got, want, tol);
+            }
+        }
+    }
+}
