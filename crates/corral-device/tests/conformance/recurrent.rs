@@ -509,3 +509,100 @@ fn kept_states_are_the_states_after_each_token() {
         }
     }
 }
+
+/// The convolution over hundreds of channels and the delta rule at head dims where a GPU's
+/// kernels change (value dims past 128 take blocks of more than 256 threads; dims that are no
+/// multiple of 16; runs long enough for the chunked form), from live states, against the
+/// references.
+#[test]
+fn recurrent_ops_match_the_references_where_kernels_change() {
+    let mut rng = Rng(13);
+    for (case, (dk, dv)) in [(16, 256), (16, 24), (24, 40), (72, 200), (128, 128)]
+        .into_iter()
+        .enumerate()
+    {
+        let lens = [70 + rng.below(60), 1 + rng.below(90)];
+        let tokens: usize = lens.iter().sum();
+        let slots = lens.len() + 2;
+        let runs = [
+            Run {
+                start: 0,
+                len: lens[0],
+                slot: 3,
+                fresh: false,
+            },
+            Run {
+                start: lens[0],
+                len: lens[1],
+                slot: 1,
+                fresh: true,
+            },
+        ];
+        let (channels, kernel) = (100 + rng.below(200), 2 + rng.below(3));
+        let x = rng.values(tokens * channels);
+        let w = rng.values(channels * kernel);
+        let conv0 = rng.values(slots * channels * (kernel - 1));
+        let nk = 1 + rng.below(2);
+        let nv = nk * (1 + rng.below(3));
+        let qkv = rng.values(tokens * (2 * nk * dk + nv * dv));
+        let g: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| -0.5 * v.abs())
+            .collect();
+        let beta: Vec<f32> = rng
+            .values(tokens * nv)
+            .iter()
+            .map(|v| 0.5 + 0.5 * v)
+            .collect();
+        let state0: Vec<f32> = rng
+            .values(slots * nv * dk * dv)
+            .iter()
+            .map(|v| 0.1 * v)
+            .collect();
+        let (mut want_conv_state, mut want_state) = (conv0.clone(), state0.clone());
+        let want_conv =
+            reference::causal_conv1d(&x, &w, channels, kernel, &runs, &mut want_conv_state);
+        let want =
+            reference::gated_delta_rule(&qkv, &g, &beta, (nk, nv, dk, dv), &runs, &mut want_state);
+        let shape = DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        };
+        let words: Vec<[u32; 4]> = runs
+            .iter()
+            .map(|r| {
+                [
+                    r.start as u32,
+                    r.len as u32,
+                    r.slot as u32,
+                    u32::from(r.fresh),
+                ]
+            })
+            .collect();
+        let what = format!(
+            "case {case}: runs {lens:?}, {channels} channels, kernel {kernel}, {nv}/{nk} heads of {dv}/{dk}"
+        );
+        for s in subjects() {
+            let got = crate::common::recurrence(
+                s.backend,
+                (&x, &w, kernel),
+                (&qkv, &g, &beta),
+                shape,
+                &words,
+                None,
+                (&conv0, &state0),
+            );
+            for (name, got, want, tol) in [
+                ("conv out", &got.conv_out, &want_conv, 1e-5),
+                ("conv states", &got.conv_state, &want_conv_state, 1e-5),
+                ("delta out", &got.out, &want, 1.5e-3),
+                ("delta states", &got.state, &want_state, 2.5e-3),
+            ] {
+                crate::assert_within(&s, &format!("{what}: {name}"), got, want, tol);
+            }
+        }
+    }
+}
