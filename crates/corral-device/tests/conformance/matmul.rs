@@ -337,3 +337,57 @@ fn projections_refuse_bad_arguments() {
         assert_refused(&s, "matmul", b.matmul(&xq, 1, across, &mut one));
     }
 }
+
+/// Products of weights in every block format a backend reads, at the row counts where a
+/// GPU's kernels change (its integer few-row products up to 8 rows, bf16 tiles on decoded
+/// weights past them), through a view of whole blocks, also into columns of a wider output
+/// (the rest left as it was); FP8 rows of 40 blocks, which a GPU's warps take in more than
+/// one pass.
+#[test]
+fn block_format_products_match_the_reference_where_kernels_change() {
+    let mut rng = Rng(41);
+    for (n, format) in QuantFormat::ALL.into_iter().enumerate() {
+        let block = format.block().0;
+        for rows in [1, 2, 3, 5, 8, 9, 40] {
+            let (out_rows, spans) = (1 + rng.below(70), 1 + rng.below(3));
+            let passes = format == QuantFormat::F8E4M3x128 && (rows == 1 || rows == 8);
+            let cols = block * if passes { 40 } else { spans };
+            let x = rng.values(rows * cols);
+            let f = Format::Blocks(format);
+            for s in subjects() {
+                let b = s.backend;
+                let Some((w, values)) = f.weights(b, out_rows * cols, 50 + n as u64) else {
+                    continue;
+                };
+                let want = reference::matmul(&x, rows, cols, &values, out_rows);
+                let what = format!(
+                    "{} matmul, {rows} rows of {cols} into {out_rows}",
+                    format.name()
+                );
+                let view = WeightView::new(&w, out_rows, cols).unwrap();
+                let xb = f32_buf(b, &x);
+                let mut out = out_buf(b, rows * out_rows);
+                b.matmul(&xb, rows, view, &mut out).unwrap();
+                let tol = f.tol(&s, rows);
+                assert_within(&s, &what, &download(b, &out, rows * out_rows), &want, tol);
+                let wide = out_rows + 5;
+                let mut placed = f32_buf(b, &vec![f32::NAN; rows * wide]);
+                b.matmul_columns(&xb, rows, view, &mut placed, wide, 3)
+                    .unwrap();
+                let mut want_placed = vec![f32::NAN; rows * wide];
+                for r in 0..rows {
+                    want_placed[r * wide + 3..r * wide + 3 + out_rows]
+                        .copy_from_slice(&want[r * out_rows..(r + 1) * out_rows]);
+                }
+                let got = download(b, &placed, rows * wide);
+                assert_placed(
+                    &s,
+                    &format!("{what}: into columns"),
+                    &got,
+                    &want_placed,
+                    tol,
+                );
+            }
+        }
+    }
+}
