@@ -60,7 +60,8 @@ impl CudaBackend {
         self.capabilities().reads(format)
     }
 
-    /// A block-format weight buffer holding `blocks` as they are.
+    /// A block-format weight buffer holding `blocks` as they are (checked by
+    /// `dyn Backend::weight_from_blocks`).
     pub(crate) fn upload_blocks(
         &self,
         blocks: &[u8],
@@ -68,23 +69,14 @@ impl CudaBackend {
         len: usize,
     ) -> Result<DeviceBuffer> {
         let op = "weight_from_blocks";
-        let readable = quant_format(dtype).is_some_and(|f| self.reads_format(f));
-        if !readable
-            || !len.is_multiple_of(dtype.block_values())
-            || blocks.len() != dtype.bytes_of(len)
-        {
-            return Err(bad(
-                op,
-                format!("{} bytes as {len} values of {dtype}", blocks.len()),
-            ));
-        }
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
         self.gpu.upload(blocks, ptr_of(op, &b)?)?;
         self.stats.transfer(blocks.len());
         Ok(b)
     }
 
-    /// Synthetic blocks made on the device: [`synthetic::quant_blocks`], byte for byte.
+    /// Synthetic blocks made on the device: [`synthetic::quant_blocks`], byte for byte (checked
+    /// by `dyn Backend::weight_synthetic_blocks`).
     pub(crate) fn synthetic_blocks(
         &self,
         format: QuantFormat,
@@ -94,9 +86,6 @@ impl CudaBackend {
     ) -> Result<DeviceBuffer> {
         let op = "weight_synthetic_blocks";
         let dtype = DType::Quant(format);
-        if !self.reads_format(format) || !len.is_multiple_of(dtype.block_values()) {
-            return Err(bad(op, format!("{len} values of {dtype} on the GPU")));
-        }
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
         let bytes = dtype.bytes_of(len);
         if bytes > 0 {

@@ -391,16 +391,7 @@ impl AttentionCase {
             spread(tokens),
         );
         let q = Rng(seed ^ 1).values(tokens * nh * hd);
-        let held = |v: &[f32]| -> Vec<f32> {
-            match dtype {
-                DType::BF16 => v
-                    .iter()
-                    .map(|&x| half::bf16::from_f32(x).to_f32())
-                    .collect(),
-                DType::F8E4M3 => reference::fp8_kv_rounded(v, hd),
-                _ => v.to_vec(),
-            }
-        };
+        let held = |v: &[f32]| held_in(dtype, v, hd);
         let rows = num_blocks * block;
         let (mut ck_ref, mut cv_ref) = (vec![0.0; rows * kv_dim], vec![0.0; rows * kv_dim]);
         for (slots, k, v) in [
@@ -572,6 +563,19 @@ fn paged_attention_matches_the_reference_where_kernels_change() {
     }
 }
 
+/// The values a cache of `dtype` holds for rows of heads of `head_dim`: rounded to bf16, or
+/// to e4m3 under a scale a head.
+fn held_in(dtype: DType, v: &[f32], head_dim: usize) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => v
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect(),
+        DType::F8E4M3 => reference::fp8_kv_rounded(v, head_dim),
+        _ => v.to_vec(),
+    }
+}
+
 /// The values a layer's cache holds in its first `rows` rows, whatever its type.
 fn cache_values(
     b: &dyn corral_backend::Backend,
@@ -665,16 +669,7 @@ fn qkv_norm_rope_store_matches_the_references_into_every_cache() {
         for s in subjects() {
             let b = s.backend;
             for &dtype in &b.capabilities().kv_dtypes {
-                let held = |v: &[f32]| -> Vec<f32> {
-                    match dtype {
-                        DType::BF16 => v
-                            .iter()
-                            .map(|&x| half::bf16::from_f32(x).to_f32())
-                            .collect(),
-                        DType::F8E4M3 => reference::fp8_kv_rounded(v, head_dim),
-                        _ => v.to_vec(),
-                    }
-                };
+                let held = |v: &[f32]| held_in(dtype, v, head_dim);
                 let (mut want_k, mut want_v) =
                     (vec![0.0; capacity * kv_dim], vec![0.0; capacity * kv_dim]);
                 let (held_k, held_v) = (held(&new_k), held(&v));

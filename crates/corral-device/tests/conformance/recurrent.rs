@@ -488,6 +488,7 @@ fn kept_states_are_the_states_after_each_token() {
             })
             .collect();
         let what = format!("case {case}: runs {lens:?}, {nv}/{nk} heads of {dv}/{dk}");
+        let want = [&conv_out[..], &conv_state, &out, &state];
         for s in subjects() {
             let got = crate::common::recurrence(
                 s.backend,
@@ -498,14 +499,7 @@ fn kept_states_are_the_states_after_each_token() {
                 Some(&kept),
                 (&conv0, &state0),
             );
-            for (name, got, want, tol) in [
-                ("conv out", &got.conv_out, &conv_out, 1e-5),
-                ("conv states", &got.conv_state, &conv_state, 1e-5),
-                ("delta out", &got.out, &out, 1e-3),
-                ("delta states", &got.state, &state, 1e-3),
-            ] {
-                crate::assert_within(&s, &format!("{what}: {name}"), got, want, tol);
-            }
+            assert_recurrence(&s, &what, &got, want, (1e-3, 1e-3));
         }
     }
 }
@@ -585,6 +579,7 @@ fn recurrent_ops_match_the_references_where_kernels_change() {
         let what = format!(
             "case {case}: runs {lens:?}, {channels} channels, kernel {kernel}, {nv}/{nk} heads of {dv}/{dk}"
         );
+        let want = [&want_conv[..], &want_conv_state, &want, &want_state];
         for s in subjects() {
             let got = crate::common::recurrence(
                 s.backend,
@@ -595,14 +590,27 @@ fn recurrent_ops_match_the_references_where_kernels_change() {
                 None,
                 (&conv0, &state0),
             );
-            for (name, got, want, tol) in [
-                ("conv out", &got.conv_out, &want_conv, 1e-5),
-                ("conv states", &got.conv_state, &want_conv_state, 1e-5),
-                ("delta out", &got.out, &want, 1.5e-3),
-                ("delta states", &got.state, &want_state, 2.5e-3),
-            ] {
-                crate::assert_within(&s, &format!("{what}: {name}"), got, want, tol);
-            }
+            assert_recurrence(&s, &what, &got, want, (1.5e-3, 2.5e-3));
         }
+    }
+}
+
+/// Each of a recurrence's results (the convolution's output and states, the delta rule's)
+/// within its tolerance of `want`: the convolution's 1e-5, the delta rule's `delta_tols`.
+fn assert_recurrence(
+    s: &crate::Subject,
+    what: &str,
+    got: &crate::common::Recurrence,
+    want: [&[f32]; 4],
+    delta_tols: (f64, f64),
+) {
+    let results = [
+        ("conv out", &got.conv_out, 1e-5),
+        ("conv states", &got.conv_state, 1e-5),
+        ("delta out", &got.out, delta_tols.0),
+        ("delta states", &got.state, delta_tols.1),
+    ];
+    for ((name, got, tol), want) in results.into_iter().zip(want) {
+        crate::assert_within(s, &format!("{what}: {name}"), got, want, tol);
     }
 }
