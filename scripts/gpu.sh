@@ -16,7 +16,9 @@
 #                            speculative: verify steps of DRAFTS tokens against the one-token
 #                            step, then the VARIANTS end to end at ACCEPTANCE, forced, with
 #                            WEIGHTS synthetic weights, PROMPTS prompts ending with ECHO of
-#                            their own tokens again); TEST_LOGS puts the
+#                            their own tokens again, and ab: prefill and decode of AB_MODELS
+#                            by the binary BASE and this build, interleaved for AB_ROUNDS
+#                            rounds); TEST_LOGS puts the
 #                            test logs elsewhere; MODEL picks the synthetic config; the serve
 #                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
 #                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS; the prefill stage
@@ -170,6 +172,29 @@ remote() {
       --prompts "${PROMPTS:-4}" --prompt-tokens 512 --echo "${ECHO:-0}" --max-tokens 128 --reps "${REPS:-2}" \
       --speculative "${VARIANTS:-off,mtp:1:fixed,mtp:2:fixed,mtp:3:fixed,mtp:4:fixed,mtp:4}" --forced-acceptance "${ACCEPTANCE:-0.8}" \
       --json "$out/speculative-$weights$tag.json" 2>&1 | tee "$out/speculative-$weights$tag.txt" || true
+  fi
+  if has ab; then
+    # The build before against this one, interleaved (base, new, base, new, ...) so that
+    # drift of the clocks falls on both: prefill and decode on each of AB_MODELS, BASE the
+    # baseline binary, AB_ROUNDS rounds.
+    local base="${BASE:-.gpu/base/corral}"
+    for m in ${AB_MODELS:-bench/configs/qwen3-30b-a3b.json bench/configs/qwen3.5-35b-a3b.json}; do
+      local name
+      name="$(basename "$m" .json)"
+      for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for side in base new; do
+          local bin="$corral"
+          [ "$side" = base ] && bin="$base"
+          echo "== ab $name round $round: $side"
+          timeout 300 "$bin" bench prefill --synthetic "$m" --device cuda --prompt-lens 10,300,2048 \
+            --strategies auto --reps 3 --idle-seconds 0 \
+            --json "$out/ab-prefill-$name-$side-$round.json" 2>&1 | tail -6 || true
+          timeout 300 "$bin" bench decode --synthetic "$m" --device cuda --batch 1,8,32 \
+            --context 512 --strategies auto --graphs on --steps 16 \
+            --json "$out/ab-decode-$name-$side-$round.json" 2>&1 | tail -6 || true
+        done
+      done
+    done
   fi
   if has sessions; then
     # Three interleaved agent sessions, each revisit against its new text alone.
