@@ -869,8 +869,8 @@ impl<'b> dyn Backend + 'b {
     }
 
     /// Checks a layer's experts (`(experts, intermediate, hidden)`, returned): gate and up
-    /// `[intermediate, hidden]` of one type, down `[hidden, intermediate]`, as many of each,
-    /// and every projection of a type the device reads. Each projection's experts share its
+    /// `[intermediate, hidden]`, down `[hidden, intermediate]`, as many of each, and every
+    /// projection of a type the device reads (which types a backend's kernels pair is its own). Each projection's experts share its
     /// type and whole blocks ([`ExpertMatrices`](crate::ExpertMatrices) is made so).
     fn experts(&self, op: &'static str, experts: &ExpertWeights) -> Result<(usize, usize, usize)> {
         let ExpertWeights { gate, up, down } = experts;
@@ -879,17 +879,15 @@ impl<'b> dyn Backend + 'b {
             && down.num_experts() == num_experts
             && (up.rows(), up.cols()) == (inter, hidden)
             && (down.rows(), down.cols()) == (hidden, inter);
-        if !shaped || gate.dtype() != up.dtype() {
+        if !shaped {
             return Err(BackendError::BadArgument {
                 op,
                 detail: format!(
-                    "experts of mismatched projections: gate {num_experts} x [{inter}, {hidden}] \
-                     of {:?}, up {} x [{}, {}] of {:?}, down {} x [{}, {}]",
-                    gate.dtype(),
+                    "experts of mismatched projections: gate {num_experts} x [{inter}, {hidden}], \
+                     up {} x [{}, {}], down {} x [{}, {}]",
                     up.num_experts(),
                     up.rows(),
                     up.cols(),
-                    up.dtype(),
                     down.num_experts(),
                     down.rows(),
                     down.cols()

@@ -129,7 +129,10 @@ impl MoeOps for CudaBackend {
             return Ok(());
         }
         let (gate, gate_dtype, gate_vec) = self.experts(op, &experts.gate)?;
-        let (up, _, up_vec) = self.experts(op, &experts.up)?;
+        let (up, up_dtype, up_vec) = self.experts(op, &experts.up)?;
+        if gate_dtype != up_dtype {
+            return Err(bad(op, "gate and up stored in different types".to_string()));
+        }
         if quant::quant_format(gate_dtype).is_some() {
             return self.with_decoded_experts(op, experts, sorted, [true, true, false], |d| {
                 self.moe_grouped_gate_up(x, routing, sorted, d, act)
