@@ -35,8 +35,13 @@ fn runs_of(rng: &mut Rng, tokens: usize, slots: usize) -> Vec<Run> {
 
 /// The runs as the ops take them.
 fn flat(runs: &[Run]) -> Vec<u32> {
+    words_of(runs).concat()
+}
+
+/// Each run's `[start, len, slot, fresh]`.
+fn words_of(runs: &[Run]) -> Vec<[u32; 4]> {
     runs.iter()
-        .flat_map(|r| {
+        .map(|r| {
             [
                 r.start as u32,
                 r.len as u32,
@@ -476,17 +481,7 @@ fn kept_states_are_the_states_after_each_token() {
             key_dim: dk,
             value_dim: dv,
         };
-        let words: Vec<[u32; 4]> = runs
-            .iter()
-            .map(|r| {
-                [
-                    r.start as u32,
-                    r.len as u32,
-                    r.slot as u32,
-                    u32::from(r.fresh),
-                ]
-            })
-            .collect();
+        let words = words_of(&runs);
         let what = format!("case {case}: runs {lens:?}, {nv}/{nk} heads of {dv}/{dk}");
         let want = [&conv_out[..], &conv_state, &out, &state];
         for s in subjects() {
@@ -565,17 +560,7 @@ fn recurrent_ops_match_the_references_where_kernels_change() {
             key_dim: dk,
             value_dim: dv,
         };
-        let words: Vec<[u32; 4]> = runs
-            .iter()
-            .map(|r| {
-                [
-                    r.start as u32,
-                    r.len as u32,
-                    r.slot as u32,
-                    u32::from(r.fresh),
-                ]
-            })
-            .collect();
+        let words = words_of(&runs);
         let what = format!(
             "case {case}: runs {lens:?}, {channels} channels, kernel {kernel}, {nv}/{nk} heads of {dv}/{dk}"
         );
