@@ -377,7 +377,8 @@ fn routed_experts_match_the_references_where_kernels_change() {
 }
 
 /// Experts of mismatched projections or counts, short buffers and bad expert counts are
-/// refused alike by every backend.
+/// refused alike by every backend, and experts of two types or of rows across blocks are
+/// not made.
 #[test]
 fn expert_ops_refuse_bad_shapes() {
     for s in subjects() {
@@ -493,6 +494,14 @@ fn expert_ops_refuse_bad_shapes() {
         assert!(
             ExpertMatrices::per_expert(mixed, 4, 8).is_err(),
             "{}: experts of two types",
+            s.name
+        );
+        // Rows that are not whole blocks of their format.
+        let q8 = corral_backend::QuantFormat::Q8_0;
+        let blocks = b.weight_synthetic_blocks(q8, 2 * 48, 1, 0.1).unwrap();
+        assert!(
+            ExpertMatrices::stacked(Arc::new(blocks), 2, 3, 0, 3, 16).is_err(),
+            "{}: Q8_0 experts of rows of 16",
             s.name
         );
     }
