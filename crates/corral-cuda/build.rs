@@ -8,10 +8,10 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 fn main() {
-    let dir = Path::new("src/kernels");
-    println!("cargo::rerun-if-changed=src/kernels");
+    let dir = Path::new("src/ops");
+    println!("cargo::rerun-if-changed=src/ops");
     let mut files: Vec<_> = std::fs::read_dir(dir)
-        .expect("read src/kernels")
+        .expect("read src/ops")
         .map(|e| e.expect("a kernel source").path())
         .filter(|p| p.extension().is_some_and(|e| e == "cu"))
         .collect();

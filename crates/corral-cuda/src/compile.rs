@@ -33,39 +33,39 @@ impl KernelSource {
     }
 }
 
-const COMMON: &str = include_str!("kernels/common.cuh");
-const MMA_TILE: &str = include_str!("kernels/mma_tile.cuh");
-const MMA_VEC: &str = include_str!("kernels/mma_vec.cuh");
-const MMA_BIG_TILE: &str = include_str!("kernels/mma_big_tile.cuh");
-const BULK_COPY: &str = include_str!("kernels/bulk_copy.cuh");
-const STREAMED_MVM: &str = include_str!("kernels/streamed_mvm.cuh");
+const COMMON: &str = include_str!("ops/common.cuh");
+const MMA_TILE: &str = include_str!("ops/mma_tile.cuh");
+const MMA_VEC: &str = include_str!("ops/mma_vec.cuh");
+const MMA_BIG_TILE: &str = include_str!("ops/mma_big_tile.cuh");
+const BULK_COPY: &str = include_str!("ops/bulk_copy.cuh");
+const STREAMED_MVM: &str = include_str!("ops/streamed_mvm.cuh");
 
 /// Every kernel file, one per op family.
 pub(crate) const SOURCES: [KernelSource; 9] = [
     KernelSource {
         name: "elementwise.cu",
         headers: &[COMMON],
-        body: include_str!("kernels/elementwise.cu"),
+        body: include_str!("ops/elementwise.cu"),
     },
     KernelSource {
-        name: "norm.cu",
+        name: "norms.cu",
         headers: &[COMMON],
-        body: include_str!("kernels/norm.cu"),
+        body: include_str!("ops/norms.cu"),
     },
     KernelSource {
         name: "attention.cu",
         headers: &[COMMON, MMA_TILE],
-        body: include_str!("kernels/attention.cu"),
+        body: include_str!("ops/attention.cu"),
     },
     KernelSource {
         name: "flash_attention.cu",
         headers: &[COMMON, MMA_TILE],
-        body: include_str!("kernels/flash_attention.cu"),
+        body: include_str!("ops/flash_attention.cu"),
     },
     KernelSource {
         name: "matmul.cu",
         headers: &[COMMON, MMA_TILE, MMA_VEC, BULK_COPY, STREAMED_MVM],
-        body: include_str!("kernels/matmul.cu"),
+        body: include_str!("ops/matmul.cu"),
     },
     KernelSource {
         name: "moe.cu",
@@ -77,22 +77,22 @@ pub(crate) const SOURCES: [KernelSource; 9] = [
             BULK_COPY,
             STREAMED_MVM,
         ],
-        body: include_str!("kernels/moe.cu"),
+        body: include_str!("ops/moe.cu"),
     },
     KernelSource {
         name: "delta_net.cu",
         headers: &[COMMON, MMA_TILE],
-        body: include_str!("kernels/delta_net.cu"),
+        body: include_str!("ops/delta_net.cu"),
     },
     KernelSource {
         name: "sampling.cu",
         headers: &[COMMON],
-        body: include_str!("kernels/sampling.cu"),
+        body: include_str!("ops/sampling.cu"),
     },
     KernelSource {
         name: "quant.cu",
         headers: &[COMMON, MMA_TILE, MMA_VEC],
-        body: include_str!("kernels/quant.cu"),
+        body: include_str!("ops/quant.cu"),
     },
 ];
 

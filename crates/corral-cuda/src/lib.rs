@@ -19,8 +19,8 @@ mod compile;
 mod device;
 mod device_impl;
 mod kernels;
-mod op_impls;
-mod quant;
+mod ops;
+use ops::quant;
 
 use std::ffi::c_void;
 use std::path::PathBuf;

@@ -1,5 +1,5 @@
-//! Mixture-of-experts: routing, sorting, the grouped and per-token experts. The CUDA backend's host halves: checked arguments to kernel launches (the
-//! kernels are in `kernels/*.cu`).
+//! Mixture-of-experts: routing, sorting, the grouped and per-token experts. The CUDA backend's host halves: checked arguments to launches of the kernels
+//! beside them.
 
 use corral_backend::MoeOps;
 

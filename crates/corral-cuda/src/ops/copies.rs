@@ -1,5 +1,5 @@
-//! Copies: zeroing, gathers, the embedding lookup, KV blocks. The CUDA backend's host halves: checked arguments to kernel launches (the
-//! kernels are in `kernels/*.cu`).
+//! Copies: zeroing, gathers, the embedding lookup, KV blocks. The CUDA backend's host halves: checked arguments to launches of the kernels
+//! beside them.
 
 use corral_backend::CopyOps;
 

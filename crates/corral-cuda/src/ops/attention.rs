@@ -1,5 +1,5 @@
-//! Attention: RoPE, the KV cache's stores, paged attention. The CUDA backend's host halves: checked arguments to kernel launches (the
-//! kernels are in `kernels/*.cu`).
+//! Attention: RoPE, the KV cache's stores, paged attention. The CUDA backend's host halves: checked arguments to launches of the kernels
+//! beside them.
 
 use corral_backend::AttentionOps;
 

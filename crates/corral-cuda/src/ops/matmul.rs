@@ -1,5 +1,5 @@
-//! Projections. The CUDA backend's host halves: checked arguments to kernel launches (the
-//! kernels are in `kernels/*.cu`).
+//! Projections. The CUDA backend's host halves: checked arguments to launches of the kernels
+//! beside them.
 
 use corral_backend::MatmulOps;
 

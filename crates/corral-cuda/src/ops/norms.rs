@@ -1,5 +1,5 @@
-//! Norms and elementwise ops. The CUDA backend's host halves: checked arguments to kernel launches (the
-//! kernels are in `kernels/*.cu`).
+//! Norms and elementwise ops. The CUDA backend's host halves: checked arguments to launches of the kernels
+//! beside them.
 
 use corral_backend::NormOps;
 

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use super::kernels::{F8_SMEM_BYTES, QuantKernels};
-use super::{Arg, CudaBackend, MVM_THREADS, addr, buf, grid_of, ptr_of, u32_of, weight};
+use crate::kernels::{F8_SMEM_BYTES, QuantKernels};
+use crate::{Arg, CudaBackend, MVM_THREADS, addr, buf, grid_of, ptr_of, u32_of, weight};
 use corral_backend::{
     BackendError, BufferUsage, Buffers, DType, Device, DeviceBuffer, ExpertMatrices, ExpertWeights,
     MatmulOps, MoeSorted, QuantFormat, Result, WeightView, synthetic,
