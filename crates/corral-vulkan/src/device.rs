@@ -1,0 +1,269 @@
+//! The Vulkan device: the loader, one physical device and its compute queue, and what the
+//! device can do, read once at start-up.
+
+use std::ffi::CStr;
+use std::sync::Arc;
+
+use ash::vk;
+use corral_backend::{BackendError, Result};
+
+use crate::vk_err;
+
+/// What a Vulkan device is and can do, as the backend chooses its kernels by.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VulkanInfo {
+    /// The device's name (`llvmpipe (LLVM 15.0.6, 256 bits)`, `AMD Radeon 8060S (RADV ...)`).
+    pub name: String,
+    /// The driver's name and version, as it reports them.
+    pub driver: String,
+    /// The device shares the host's memory (an integrated GPU, or the CPU itself).
+    pub unified: bool,
+    /// Lanes of a subgroup.
+    pub subgroup_size: u32,
+    /// Bytes of shared memory a workgroup may hold.
+    pub shared_memory_bytes: u32,
+    /// Bytes one storage-buffer binding may span (buffers reached by address are not bound).
+    pub max_storage_buffer_range: u32,
+    /// Bytes of the largest buffer.
+    pub max_buffer_bytes: u64,
+    /// 16-bit floats in shaders and 16-bit storage.
+    pub float16: bool,
+    /// 8-bit integers in shaders and 8-bit storage.
+    pub int8: bool,
+    /// `VK_KHR_cooperative_matrix`: the tensor-core-like products.
+    pub cooperative_matrix: bool,
+    /// `VK_EXT_external_memory_host`: host memory (a mapped weight file) imported as is.
+    pub host_memory_import: bool,
+}
+
+/// The opened device; buffers and kernels hold it until they are freed.
+pub(crate) struct DeviceInner {
+    _entry: ash::Entry,
+    instance: ash::Instance,
+    pub(crate) device: ash::Device,
+    pub(crate) queue: vk::Queue,
+    /// Held while the queue is used: Vulkan leaves a queue's synchronisation to its users.
+    pub(crate) queue_lock: std::sync::Mutex<()>,
+    pub(crate) queue_family: u32,
+    pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // SAFETY: every buffer, kernel and command pool holds an `Arc` of this and is gone
+        // by now; nothing is queued (each dispatch waits for its work).
+        #[allow(unsafe_code)]
+        unsafe {
+            self.device.destroy_device(None);
+            self.instance.destroy_instance(None);
+        }
+    }
+}
+
+/// One Vulkan device (`vulkan:N`), its compute queue, and what it can do.
+pub struct VulkanDevice {
+    pub(crate) inner: Arc<DeviceInner>,
+    info: VulkanInfo,
+}
+
+impl std::fmt::Debug for VulkanDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "VulkanDevice({})", self.info.name)
+    }
+}
+
+/// The devices the Vulkan loader reports, by name, or why there are none (no loader, no
+/// driver).
+pub fn vulkan_available() -> Result<Vec<String>> {
+    let entry = load()?;
+    let instance = create_instance(&entry)?;
+    // SAFETY: the instance is live, and destroyed right after.
+    #[allow(unsafe_code)]
+    let names = unsafe {
+        let names = instance
+            .enumerate_physical_devices()
+            .map_err(|e| vk_err("enumerating Vulkan devices", e))
+            .map(|devices| {
+                devices
+                    .iter()
+                    .map(|&d| device_name(&instance.get_physical_device_properties(d)))
+                    .collect()
+            });
+        instance.destroy_instance(None);
+        names
+    }?;
+    Ok(names)
+}
+
+impl VulkanDevice {
+    /// Opens Vulkan device `ordinal` with its first compute queue, buffer device addresses
+    /// and, where the device has them, 16-bit and 8-bit storage and arithmetic.
+    pub fn open(ordinal: usize) -> Result<Self> {
+        if !crate::SHADERS_BUILT {
+            return Err(BackendError::Device {
+                what: "vulkan".to_string(),
+                detail: "this build has no shaders (glslc was not found when it was built; \
+                         Debian: apt install glslc)"
+                    .to_string(),
+            });
+        }
+        let entry = load()?;
+        let instance = create_instance(&entry)?;
+        // SAFETY: `instance` is live; on an error before the device is made it is destroyed
+        // here, after that by `DeviceInner`'s drop.
+        #[allow(unsafe_code)]
+        unsafe {
+            match Self::open_on(entry, instance.clone(), ordinal) {
+                Ok(device) => Ok(device),
+                Err(e) => {
+                    instance.destroy_instance(None);
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    /// [`VulkanDevice::open`] on a live instance.
+    #[allow(unsafe_code)]
+    unsafe fn open_on(entry: ash::Entry, instance: ash::Instance, ordinal: usize) -> Result<Self> {
+        // SAFETY: the instance is live for every call below (the caller's contract).
+        unsafe {
+            let devices = instance
+                .enumerate_physical_devices()
+                .map_err(|e| vk_err("enumerating Vulkan devices", e))?;
+            let &physical = devices.get(ordinal).ok_or_else(|| BackendError::Device {
+                what: format!("vulkan:{ordinal}"),
+                detail: format!("{} Vulkan device(s) present", devices.len()),
+            })?;
+            let queue_family = instance
+                .get_physical_device_queue_family_properties(physical)
+                .iter()
+                .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
+                .ok_or_else(|| BackendError::Device {
+                    what: format!("vulkan:{ordinal}"),
+                    detail: "no compute queue".to_string(),
+                })? as u32;
+            let info = read_info(&instance, physical);
+            let priorities = [1.0f32];
+            let queues = [vk::DeviceQueueCreateInfo::default()
+                .queue_family_index(queue_family)
+                .queue_priorities(&priorities)];
+            let mut v11 = vk::PhysicalDeviceVulkan11Features::default()
+                .storage_buffer16_bit_access(info.float16);
+            let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
+                .buffer_device_address(true)
+                .shader_float16(info.float16)
+                .shader_int8(info.int8)
+                .storage_buffer8_bit_access(info.int8);
+            let create = vk::DeviceCreateInfo::default()
+                .queue_create_infos(&queues)
+                .push_next(&mut v11)
+                .push_next(&mut v12);
+            let device = instance
+                .create_device(physical, &create, None)
+                .map_err(|e| vk_err("creating the Vulkan device", e))?;
+            let queue = device.get_device_queue(queue_family, 0);
+            let memory = instance.get_physical_device_memory_properties(physical);
+            let inner = Arc::new(DeviceInner {
+                _entry: entry,
+                instance,
+                device,
+                queue,
+                queue_lock: std::sync::Mutex::new(()),
+                queue_family,
+                memory,
+            });
+            Ok(Self { inner, info })
+        }
+    }
+
+    /// What the device is and can do.
+    pub fn info(&self) -> &VulkanInfo {
+        &self.info
+    }
+}
+
+/// The Vulkan loader, opened at run time.
+fn load() -> Result<ash::Entry> {
+    // SAFETY: loading the system's Vulkan loader library; its initialisation is the loader's.
+    #[allow(unsafe_code)]
+    unsafe { ash::Entry::load() }.map_err(|e| BackendError::Device {
+        what: "vulkan".to_string(),
+        detail: format!("no Vulkan loader ({e}; Debian: apt install libvulkan1)"),
+    })
+}
+
+/// An instance of Vulkan 1.3.
+fn create_instance(entry: &ash::Entry) -> Result<ash::Instance> {
+    let app = vk::ApplicationInfo::default()
+        .application_name(c"corral")
+        .api_version(vk::API_VERSION_1_3);
+    let create = vk::InstanceCreateInfo::default().application_info(&app);
+    // SAFETY: the create info and what it points to live through the call.
+    #[allow(unsafe_code)]
+    unsafe { entry.create_instance(&create, None) }
+        .map_err(|e| vk_err("creating a Vulkan instance", e))
+}
+
+/// A device's name from its properties.
+fn device_name(props: &vk::PhysicalDeviceProperties) -> String {
+    // SAFETY: Vulkan fills the name as a NUL-terminated string within the array.
+    #[allow(unsafe_code)]
+    let name = unsafe { CStr::from_ptr(props.device_name.as_ptr()) };
+    name.to_string_lossy().into_owned()
+}
+
+/// What `physical` is and can do.
+#[allow(unsafe_code)]
+unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> VulkanInfo {
+    let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
+    let mut v13 = vk::PhysicalDeviceVulkan13Properties::default();
+    let mut driver = vk::PhysicalDeviceDriverProperties::default();
+    let mut props = vk::PhysicalDeviceProperties2::default()
+        .push_next(&mut subgroup)
+        .push_next(&mut v13)
+        .push_next(&mut driver);
+    let mut v11 = vk::PhysicalDeviceVulkan11Features::default();
+    let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
+    let mut features = vk::PhysicalDeviceFeatures2::default()
+        .push_next(&mut v11)
+        .push_next(&mut v12);
+    // SAFETY: `physical` belongs to `instance`; the chains above outlive the calls.
+    let extensions = unsafe {
+        instance.get_physical_device_properties2(physical, &mut props);
+        instance.get_physical_device_features2(physical, &mut features);
+        instance
+            .enumerate_device_extension_properties(physical)
+            .unwrap_or_default()
+    };
+    let has = |name: &CStr| {
+        extensions
+            .iter()
+            .any(|e| e.extension_name_as_c_str().is_ok_and(|n| n == name))
+    };
+    let p = props.properties;
+    let driver_name = driver
+        .driver_name_as_c_str()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let driver_info = driver
+        .driver_info_as_c_str()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    VulkanInfo {
+        name: device_name(&p),
+        driver: format!("{driver_name} {driver_info}").trim().to_string(),
+        unified: matches!(
+            p.device_type,
+            vk::PhysicalDeviceType::INTEGRATED_GPU | vk::PhysicalDeviceType::CPU
+        ),
+        subgroup_size: subgroup.subgroup_size,
+        shared_memory_bytes: p.limits.max_compute_shared_memory_size,
+        max_storage_buffer_range: p.limits.max_storage_buffer_range,
+        max_buffer_bytes: v13.max_buffer_size,
+        float16: v12.shader_float16 == vk::TRUE && v11.storage_buffer16_bit_access == vk::TRUE,
+        int8: v12.shader_int8 == vk::TRUE && v12.storage_buffer8_bit_access == vk::TRUE,
+        cooperative_matrix: has(c"VK_KHR_cooperative_matrix"),
+        host_memory_import: has(c"VK_EXT_external_memory_host"),
+    }
+}

@@ -1,0 +1,231 @@
+//! Kernels: a compute pipeline a shader, made once, its arguments pushed as constants (buffer
+//! addresses and sizes); dispatches recorded into a command buffer that can be replayed.
+
+use std::sync::Arc;
+
+use ash::vk;
+use corral_backend::{BackendError, Result};
+
+use crate::device::DeviceInner;
+use crate::{SHADERS, VulkanDevice, vk_err};
+
+/// Bytes of push constants every kernel may take (Vulkan guarantees 128).
+const PUSH_BYTES: u32 = 128;
+
+/// One shader's compute pipeline.
+pub struct Kernel {
+    device: Arc<DeviceInner>,
+    name: &'static str,
+    module: vk::ShaderModule,
+    layout: vk::PipelineLayout,
+    pipeline: vk::Pipeline,
+}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kernel({})", self.name)
+    }
+}
+
+impl Kernel {
+    /// The pipeline of the shader `name` (`src/shaders/<name>.comp`).
+    pub fn new(device: &VulkanDevice, name: &str) -> Result<Self> {
+        let &(name, spirv) =
+            SHADERS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| BackendError::Device {
+                    what: "vulkan".to_string(),
+                    detail: format!("no shader named {name}"),
+                })?;
+        let words: Vec<u32> = spirv
+            .chunks_exact(4)
+            .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+            .collect();
+        let inner = Arc::clone(&device.inner);
+        let d = &inner.device;
+        // SAFETY: the device is live; each handle made here is destroyed on the error paths
+        // below or by `Drop`.
+        #[allow(unsafe_code)]
+        unsafe {
+            let module = d
+                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
+                .map_err(|e| vk_err(name, e))?;
+            let push = [vk::PushConstantRange::default()
+                .stage_flags(vk::ShaderStageFlags::COMPUTE)
+                .size(PUSH_BYTES)];
+            let layout = match d.create_pipeline_layout(
+                &vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&push),
+                None,
+            ) {
+                Ok(l) => l,
+                Err(e) => {
+                    d.destroy_shader_module(module, None);
+                    return Err(vk_err(name, e));
+                }
+            };
+            let stage = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(module)
+                .name(c"main");
+            let create = [vk::ComputePipelineCreateInfo::default()
+                .stage(stage)
+                .layout(layout)];
+            let pipeline =
+                match d.create_compute_pipelines(vk::PipelineCache::null(), &create, None) {
+                    Ok(p) => p[0],
+                    Err((_, e)) => {
+                        d.destroy_pipeline_layout(layout, None);
+                        d.destroy_shader_module(module, None);
+                        return Err(vk_err(name, e));
+                    }
+                };
+            Ok(Self {
+                device: Arc::clone(&inner),
+                name,
+                module,
+                layout,
+                pipeline,
+            })
+        }
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        // SAFETY: the handles are this kernel's; no queued work uses them.
+        #[allow(unsafe_code)]
+        unsafe {
+            let d = &self.device.device;
+            d.destroy_pipeline(self.pipeline, None);
+            d.destroy_pipeline_layout(self.layout, None);
+            d.destroy_shader_module(self.module, None);
+        }
+    }
+}
+
+/// Dispatches recorded once and submitted as often as wanted (the graph analogue): each
+/// submission waits for its work, so buffers read back after it hold the results.
+pub struct Recording {
+    device: Arc<DeviceInner>,
+    pool: vk::CommandPool,
+    commands: vk::CommandBuffer,
+    dispatches: usize,
+}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Recording({} dispatches)", self.dispatches)
+    }
+}
+
+impl Recording {
+    /// Records `dispatches` in order (each `(kernel, workgroups, push constants)`), a
+    /// compute-to-compute barrier between consecutive ones.
+    pub fn new(device: &VulkanDevice, dispatches: &[(&Kernel, [u32; 3], &[u8])]) -> Result<Self> {
+        let inner = Arc::clone(&device.inner);
+        let d = &inner.device;
+        if let Some((k, _, args)) = dispatches
+            .iter()
+            .find(|(_, _, a)| a.len() > PUSH_BYTES as usize)
+        {
+            return Err(BackendError::BadArgument {
+                op: k.name,
+                detail: format!("{} bytes of arguments (at most {PUSH_BYTES})", args.len()),
+            });
+        }
+        // SAFETY: the device and every kernel are live; the pool is destroyed on the error
+        // path or by `Drop`, which frees its command buffer with it.
+        #[allow(unsafe_code)]
+        unsafe {
+            let pool = d
+                .create_command_pool(
+                    &vk::CommandPoolCreateInfo::default().queue_family_index(inner.queue_family),
+                    None,
+                )
+                .map_err(|e| vk_err("a command pool", e))?;
+            let recorded = (|| {
+                let commands = d.allocate_command_buffers(
+                    &vk::CommandBufferAllocateInfo::default()
+                        .command_pool(pool)
+                        .command_buffer_count(1),
+                )?[0];
+                d.begin_command_buffer(commands, &vk::CommandBufferBeginInfo::default())?;
+                for (i, (kernel, groups, args)) in dispatches.iter().enumerate() {
+                    if i > 0 {
+                        let barrier = [vk::MemoryBarrier::default()
+                            .src_access_mask(vk::AccessFlags::SHADER_WRITE)
+                            .dst_access_mask(
+                                vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE,
+                            )];
+                        d.cmd_pipeline_barrier(
+                            commands,
+                            vk::PipelineStageFlags::COMPUTE_SHADER,
+                            vk::PipelineStageFlags::COMPUTE_SHADER,
+                            vk::DependencyFlags::empty(),
+                            &barrier,
+                            &[],
+                            &[],
+                        );
+                    }
+                    d.cmd_bind_pipeline(commands, vk::PipelineBindPoint::COMPUTE, kernel.pipeline);
+                    d.cmd_push_constants(
+                        commands,
+                        kernel.layout,
+                        vk::ShaderStageFlags::COMPUTE,
+                        0,
+                        args,
+                    );
+                    d.cmd_dispatch(commands, groups[0], groups[1], groups[2]);
+                }
+                d.end_command_buffer(commands)?;
+                Ok(commands)
+            })();
+            match recorded {
+                Ok(commands) => Ok(Self {
+                    device: Arc::clone(&inner),
+                    pool,
+                    commands,
+                    dispatches: dispatches.len(),
+                }),
+                Err(e) => {
+                    d.destroy_command_pool(pool, None);
+                    Err(vk_err("recording dispatches", e))
+                }
+            }
+        }
+    }
+
+    /// Runs the recorded dispatches and waits for them.
+    pub fn submit(&self) -> Result<()> {
+        let commands = [self.commands];
+        let d = &self.device.device;
+        let _queue = self
+            .device
+            .queue_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: the command buffer is recorded and not in flight (each submission waits
+        // for it, holding the queue's lock, so no other thread uses the queue meanwhile).
+        #[allow(unsafe_code)]
+        unsafe {
+            d.queue_submit(
+                self.device.queue,
+                &[vk::SubmitInfo::default().command_buffers(&commands)],
+                vk::Fence::null(),
+            )
+            .and_then(|()| d.queue_wait_idle(self.device.queue))
+            .map_err(|e| vk_err("running dispatches", e))
+        }
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        // SAFETY: nothing recorded here is in flight (each submission waited).
+        #[allow(unsafe_code)]
+        unsafe {
+            self.device.device.destroy_command_pool(self.pool, None);
+        }
+    }
+}
