@@ -535,21 +535,9 @@ fn sorted_args(
     pairs: usize,
 ) -> Result<[Arg; 5]> {
     Ok([
-        buf(
-            op,
-            "expert_offsets",
-            sorted.expert_offsets,
-            DType::U32,
-            num_experts + 1,
-        )?,
-        buf(
-            op,
-            "hit_experts",
-            sorted.hit_experts,
-            DType::U32,
-            num_experts + 1,
-        )?,
-        buf(op, "sorted_pairs", sorted.sorted_pairs, DType::U32, pairs)?,
+        addr(op, sorted.expert_offsets)?,
+        addr(op, sorted.hit_experts)?,
+        addr(op, sorted.sorted_pairs)?,
         u32_of(op, pairs)?,
         u32_of(op, num_experts)?,
     ])

@@ -1,4 +1,5 @@
-//! Attention: RoPE, the KV cache's stores, paged attention. The CPU backend's entries: checked arguments to the computations in `ops/`.
+//! Attention: RoPE, the KV cache's stores, paged attention. The CPU backend's entries: the
+//! computations in `ops/` on arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::AttentionOps;
 

@@ -1,4 +1,5 @@
-//! Copies: zeroing, gathers, the embedding lookup, KV blocks. The CPU backend's entries: checked arguments to the computations in `ops/`.
+//! Copies: zeroing, gathers, the embedding lookup, KV blocks. The CPU backend's entries: the
+//! computations in `ops/` on arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::CopyOps;
 

@@ -1,4 +1,5 @@
-//! The Gated DeltaNet's recurrent ops. The CPU backend's entries: checked arguments to the computations in `ops/`.
+//! The Gated DeltaNet's recurrent ops. The CPU backend's entries: the computations in `ops/` on
+//! arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::RecurrentOps;
 

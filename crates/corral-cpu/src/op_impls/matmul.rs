@@ -1,4 +1,5 @@
-//! Projections. The CPU backend's entries: checked arguments to the computations in `ops/`.
+//! Projections. The CPU backend's entries: the computations in `ops/` on arguments `dyn
+//! Backend`'s entries have checked.
 
 use corral_backend::MatmulOps;
 

@@ -1,4 +1,5 @@
-//! Mixture-of-experts: routing, sorting, the grouped and per-token experts. The CPU backend's entries: checked arguments to the computations in `ops/`.
+//! Mixture-of-experts: routing, sorting, the grouped and per-token experts. The CPU backend's
+//! entries: the computations in `ops/` on arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::MoeOps;
 

@@ -1,4 +1,5 @@
-//! Norms and elementwise ops. The CPU backend's entries: checked arguments to the computations in `ops/`.
+//! Norms and elementwise ops. The CPU backend's entries: the computations in `ops/` on
+//! arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::NormOps;
 

@@ -1,4 +1,5 @@
-//! Sampling where the logits are. The CPU backend's entries: checked arguments to the computations in `ops/`.
+//! Sampling where the logits are. The CPU backend's entries: the computations in `ops/` on
+//! arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::SamplingOps;
 

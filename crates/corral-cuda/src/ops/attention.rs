@@ -1,5 +1,5 @@
-//! Attention: RoPE, the KV cache's stores, paged attention. The CUDA backend's host halves: checked arguments to launches of the kernels
-//! beside them.
+//! Attention: RoPE, the KV cache's stores, paged attention. The CUDA backend's host halves:
+//! launches of the kernels beside them, on arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::AttentionOps;
 

@@ -1,5 +1,5 @@
-//! Copies: zeroing, gathers, the embedding lookup, KV blocks. The CUDA backend's host halves: checked arguments to launches of the kernels
-//! beside them.
+//! Copies: zeroing, gathers, the embedding lookup, KV blocks. The CUDA backend's host halves:
+//! launches of the kernels beside them, on arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::CopyOps;
 

@@ -1,5 +1,5 @@
-//! The Gated DeltaNet's recurrent ops. The CUDA backend's host halves: checked arguments to launches of the kernels
-//! beside them.
+//! The Gated DeltaNet's recurrent ops. The CUDA backend's host halves: launches of the kernels
+//! beside them, on arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::RecurrentOps;
 

@@ -1,5 +1,5 @@
-//! Projections. The CUDA backend's host halves: checked arguments to launches of the kernels
-//! beside them.
+//! Projections. The CUDA backend's host halves: launches of the kernels beside them, on
+//! arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::MatmulOps;
 

@@ -1,5 +1,5 @@
-//! The CUDA backend's ops: for each family, the host half (`<family>.rs`: checked arguments
-//! to kernel launches) beside its kernels (`<family>.cu`; `elementwise.cu` serves several
+//! The CUDA backend's ops: for each family, the host half (`<family>.rs`: the kernels'
+//! launches) beside its kernels (`<family>.cu`; `elementwise.cu` serves several
 //! families, the `.cuh` headers all of them).
 
 mod attention;

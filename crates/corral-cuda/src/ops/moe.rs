@@ -1,5 +1,6 @@
-//! Mixture-of-experts: routing, sorting, the grouped and per-token experts. The CUDA backend's host halves: checked arguments to launches of the kernels
-//! beside them.
+//! Mixture-of-experts: routing, sorting, the grouped and per-token experts. The CUDA backend's
+//! host halves: launches of the kernels beside them, on arguments `dyn Backend`'s entries have
+//! checked.
 
 use corral_backend::MoeOps;
 

@@ -1,5 +1,5 @@
-//! Sampling where the logits are. The CUDA backend's host halves: checked arguments to launches of the kernels
-//! beside them.
+//! Sampling where the logits are. The CUDA backend's host halves: launches of the kernels
+//! beside them, on arguments `dyn Backend`'s entries have checked.
 
 use corral_backend::SamplingOps;
 
