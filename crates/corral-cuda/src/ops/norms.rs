@@ -28,12 +28,8 @@ impl NormOps for CudaBackend {
             Arg::U32(offset_one as u32),
             addr(op, out)?,
         ];
-        let block = norm_block(dim);
-        let kernel = match out.dtype() {
-            DType::BF16 => &self.kernels.rms_norm_bf16,
-            _ => &self.kernels.rms_norm,
-        };
-        self.launch(kernel, (grid_of(op, rows)?, 1, 1), block, &args)
+        let kernels = [&self.kernels.rms_norm, &self.kernels.rms_norm_bf16];
+        self.launch_norm(op, kernels, out.dtype(), (rows, dim), &args)
     }
 
     fn add_in_place(&self, acc: &mut DeviceBuffer, x: &DeviceBuffer, len: usize) -> Result<()> {
@@ -75,12 +71,8 @@ impl NormOps for CudaBackend {
             Arg::U32(offset_one as u32),
             addr(op, out)?,
         ];
-        let block = norm_block(dim);
-        let kernel = match out.dtype() {
-            DType::BF16 => &self.kernels.add_rms_norm_bf16,
-            _ => &self.kernels.add_rms_norm,
-        };
-        self.launch(kernel, (grid_of(op, rows)?, 1, 1), block, &args)
+        let kernels = [&self.kernels.add_rms_norm, &self.kernels.add_rms_norm_bf16];
+        self.launch_norm(op, kernels, out.dtype(), (rows, dim), &args)
     }
 
     fn silu_mul(
@@ -185,5 +177,24 @@ impl NormOps for CudaBackend {
             256,
             &args,
         )
+    }
+}
+
+impl CudaBackend {
+    /// A row norm's launch: a block a row, its kernel by the output's type (`[f32, bf16]`).
+    fn launch_norm(
+        &self,
+        op: &'static str,
+        [f32_out, bf16_out]: [&Kernel; 2],
+        out: DType,
+        (rows, dim): (usize, usize),
+        args: &[Arg],
+    ) -> Result<()> {
+        let kernel = if out == DType::BF16 {
+            bf16_out
+        } else {
+            f32_out
+        };
+        self.launch(kernel, (grid_of(op, rows)?, 1, 1), norm_block(dim), args)
     }
 }

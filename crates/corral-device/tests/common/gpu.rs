@@ -83,17 +83,6 @@ pub(crate) fn e4m3_bits(x: f32) -> u8 {
     }
 }
 
-/// The block formats the GPU reads as stored.
-pub(crate) const GPU_FORMATS: [QuantFormat; 7] = [
-    QuantFormat::Q8_0,
-    QuantFormat::Q4_0,
-    QuantFormat::Q5_0,
-    QuantFormat::Q4K,
-    QuantFormat::Q5K,
-    QuantFormat::Q6K,
-    QuantFormat::F8E4M3x128,
-];
-
 /// Synthetic blocks of `len` values (every bit pattern of the quants and sub-block scales
 /// occurs) and their values by the CPU's decoder.
 pub(crate) fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (Vec<u8>, Vec<f32>) {

@@ -124,12 +124,7 @@ proptest! {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let leading = runs.iter().take_while(|&&(_, n)| n == 1).count();
         for dtype in [DType::F32, DType::BF16] {
-            let round = |v: Vec<f32>| -> Vec<f32> {
-                match dtype {
-                    DType::BF16 => v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
-                    _ => v,
-                }
-            };
+            let round = |v: Vec<f32>| held_in(dtype, &v, head_dim);
             let (k, v) = (round(rng.values(rows * kv_dim)), round(rng.values(rows * kv_dim)));
             let want = reference::paged_attention(
                 &round(q.clone()),
@@ -563,16 +558,12 @@ fn paged_attention_matches_the_reference_where_kernels_change() {
     }
 }
 
-/// The values a cache of `dtype` holds for rows of heads of `head_dim`: rounded to bf16, or
-/// to e4m3 under a scale a head.
+/// The values a cache of `dtype` holds for rows of heads of `head_dim`: as stored (f32, bf16),
+/// or rounded to e4m3 under a scale a head.
 fn held_in(dtype: DType, v: &[f32], head_dim: usize) -> Vec<f32> {
     match dtype {
-        DType::BF16 => v
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_f32())
-            .collect(),
         DType::F8E4M3 => reference::fp8_kv_rounded(v, head_dim),
-        _ => v.to_vec(),
+        _ => crate::stored(dtype, v),
     }
 }
 

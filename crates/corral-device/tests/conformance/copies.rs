@@ -6,13 +6,6 @@ use proptest::prelude::*;
 
 use crate::{Rng, assert_refused, download, f32_buf, out_buf, subjects, u32_buf};
 
-/// `v` rounded to bf16, as a bf16 table holds it.
-fn bf16_values(v: &[f32]) -> Vec<f32> {
-    v.iter()
-        .map(|&x| half::bf16::from_f32(x).to_f32())
-        .collect()
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
@@ -25,7 +18,7 @@ proptest! {
     ) {
         let dim = 2 * dim_pairs;
         let mut rng = Rng(seed);
-        let table = bf16_values(&rng.values(table_rows * dim));
+        let table = crate::stored(DType::BF16, &rng.values(table_rows * dim));
         let ids: Vec<u32> = (0..tokens).map(|_| rng.below(table_rows) as u32).collect();
         let want = reference::gather_rows(&table, &ids, dim);
         for s in subjects() {

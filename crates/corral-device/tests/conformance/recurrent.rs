@@ -254,37 +254,9 @@ fn the_delta_rule_matches_the_reference_over_long_runs() {
     for lens in [vec![130, 1, 64, 7, 65, 200], vec![3300, 20]] {
         let tokens: usize = lens.iter().sum();
         let slots = lens.len() + 1;
-        let mut start = 0;
-        let runs: Vec<Run> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| {
-                let run = Run {
-                    start,
-                    len,
-                    slot: slots - 1 - i,
-                    fresh: i % 2 == 1,
-                };
-                start += len;
-                run
-            })
-            .collect();
+        let runs = in_order(&lens, slots);
         let qkv = rng.values(tokens * width);
-        let g: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| -0.3 * v.abs())
-            .collect();
-        let beta: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| 0.5 + 0.5 * v)
-            .collect();
-        let state0: Vec<f32> = rng
-            .values(slots * nv * dk * dv)
-            .iter()
-            .map(|v| 0.1 * v)
-            .collect();
+        let (g, beta, state0) = delta_inputs(&mut rng, tokens * nv, slots * nv * dk * dv, 0.3);
         let mut want_state = state0.clone();
         let want =
             reference::gated_delta_rule(&qkv, &g, &beta, (nk, nv, dk, dv), &runs, &mut want_state);
@@ -378,21 +350,7 @@ fn kept_states_are_the_states_after_each_token() {
     for case in 0..6 {
         let lens: Vec<usize> = (0..1 + rng.below(4)).map(|_| 1 + rng.below(5)).collect();
         let tokens: usize = lens.iter().sum();
-        let mut start = 0;
-        let runs: Vec<Run> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| {
-                let run = Run {
-                    start,
-                    len,
-                    slot: lens.len() - 1 - i,
-                    fresh: i % 2 == 1,
-                };
-                start += len;
-                run
-            })
-            .collect();
+        let runs = in_order(&lens, lens.len());
         let (mut kept, mut next) = (Vec::new(), lens.len());
         for &len in &lens {
             kept.push(if len > 1 {
@@ -420,21 +378,7 @@ fn kept_states_are_the_states_after_each_token() {
         let w = rng.values(channels * kernel);
         let conv0 = rng.values(slots * channels * (kernel - 1));
         let qkv = rng.values(tokens * channels);
-        let g: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| -0.5 * v.abs())
-            .collect();
-        let beta: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| 0.5 + 0.5 * v)
-            .collect();
-        let state0: Vec<f32> = rng
-            .values(slots * nv * dk * dv)
-            .iter()
-            .map(|v| 0.1 * v)
-            .collect();
+        let (g, beta, state0) = delta_inputs(&mut rng, tokens * nv, slots * nv * dk * dv, 0.5);
         // The reference a token at a time, each run's state copied to its next kept slot
         // after every token but its last.
         let (conv_slot, delta_slot) = (channels * (kernel - 1), nv * dk * dv);
@@ -534,21 +478,7 @@ fn recurrent_ops_match_the_references_where_kernels_change() {
         let nk = 1 + rng.below(2);
         let nv = nk * (1 + rng.below(3));
         let qkv = rng.values(tokens * (2 * nk * dk + nv * dv));
-        let g: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| -0.5 * v.abs())
-            .collect();
-        let beta: Vec<f32> = rng
-            .values(tokens * nv)
-            .iter()
-            .map(|v| 0.5 + 0.5 * v)
-            .collect();
-        let state0: Vec<f32> = rng
-            .values(slots * nv * dk * dv)
-            .iter()
-            .map(|v| 0.1 * v)
-            .collect();
+        let (g, beta, state0) = delta_inputs(&mut rng, tokens * nv, slots * nv * dk * dv, 0.5);
         let (mut want_conv_state, mut want_state) = (conv0.clone(), state0.clone());
         let want_conv =
             reference::causal_conv1d(&x, &w, channels, kernel, &runs, &mut want_conv_state);
@@ -598,4 +528,38 @@ fn assert_recurrence(
     for ((name, got, tol), want) in results.into_iter().zip(want) {
         crate::assert_within(s, &format!("{what}: {name}"), got, want, tol);
     }
+}
+
+/// Runs of `lens` tokens one after another, the first in the last of `slots` slots and each
+/// next one slot lower, every other one starting fresh.
+fn in_order(lens: &[usize], slots: usize) -> Vec<Run> {
+    let starts = lens.iter().scan(0, |at, &len| {
+        let start = *at;
+        *at += len;
+        Some(start)
+    });
+    starts
+        .zip(lens)
+        .enumerate()
+        .map(|(i, (start, &len))| Run {
+            start,
+            len,
+            slot: slots - 1 - i,
+            fresh: i % 2 == 1,
+        })
+        .collect()
+}
+
+/// The delta rule's inputs from `rng`: `n` log-decays in `[−decay, 0]`, `n` write strengths
+/// in `[0, 1)`, and a state pool of `state_len` values in `[−0.1, 0.1)`.
+fn delta_inputs(
+    rng: &mut Rng,
+    n: usize,
+    state_len: usize,
+    decay: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let g = rng.values(n).iter().map(|v| -decay * v.abs()).collect();
+    let beta = rng.values(n).iter().map(|v| 0.5 + 0.5 * v).collect();
+    let state = rng.values(state_len).iter().map(|v| 0.1 * v).collect();
+    (g, beta, state)
 }
