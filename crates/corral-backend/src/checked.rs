@@ -192,7 +192,7 @@ impl<'b> dyn Backend + 'b {
         outs: &mut [&mut DeviceBuffer],
     ) -> Result<()> {
         let op = "matmuls";
-        crate::matmuls_arity(weights.len(), outs.len())?;
+        crate::ops::matmuls_arity(weights.len(), outs.len())?;
         for (w, out) in weights.iter().zip(outs.iter()) {
             self.projection(op, x, rows, *w)?;
             holds(op, "out", out, DType::F32, rows * w.rows)?;

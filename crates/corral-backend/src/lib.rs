@@ -42,7 +42,7 @@ pub use experts::{ExpertMatrices, ExpertWeights};
 pub use ops::{
     AttentionMeta, AttentionOps, AttentionShape, CopyOps, DeltaNetShape, MatmulOps, MoeOps,
     MoeRouting, MoeSorted, NO_KEPT_STATES, NormOps, Ops, QkShape, RecurrentOps, RecurrentRuns,
-    SamplingOps, byte_range, matmul_parts_by_columns, matmuls_arity,
+    SamplingOps, byte_range, matmul_parts_by_columns,
 };
 pub use pool::{BufferPool, DEFAULT_POOL_LIMIT};
 pub use quant::QuantFormat;

@@ -329,7 +329,6 @@ pub trait MatmulOps {
         weights: &[WeightView<'_>],
         outs: &mut [&mut DeviceBuffer],
     ) -> Result<()> {
-        matmuls_arity(weights.len(), outs.len())?;
         for (w, out) in weights.iter().zip(outs.iter_mut()) {
             self.matmul(x, rows, *w, out)?;
         }
@@ -603,8 +602,8 @@ pub trait SamplingOps {
     ) -> Result<()>;
 }
 
-/// [`Ops::matmuls`]'s check: as many outputs as weights.
-pub fn matmuls_arity(weights: usize, outs: usize) -> Result<()> {
+/// [`Ops::matmuls`]'s check (in its `dyn Backend` entry): as many outputs as weights.
+pub(crate) fn matmuls_arity(weights: usize, outs: usize) -> Result<()> {
     if weights != outs {
         return Err(BackendError::BadArgument {
             op: "matmuls",
