@@ -73,7 +73,7 @@ pub(crate) fn parse_kv_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
-/// `--device`: cpu, cuda, cuda:N or auto.
+/// `--device`: cpu, cuda, cuda:N, vulkan, vulkan:N or auto.
 fn parse_device(s: &str) -> Result<DeviceChoice, String> {
     s.parse()
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use corral_backend::{Backend, DType};
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions};
+use corral_vulkan::{VulkanBackend, VulkanOptions};
 
 /// Where to run: the `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,6 +16,9 @@ pub enum DeviceChoice {
     Cpu,
     /// CUDA device N.
     Cuda(usize),
+    /// Vulkan device N, in the loader's order (the backend computes part of the ops yet:
+    /// the others refuse, saying so).
+    Vulkan(usize),
     /// CUDA device 0 when usable, else the CPU.
     Auto,
 }
@@ -27,13 +31,18 @@ impl std::str::FromStr for DeviceChoice {
             "cpu" => Ok(Self::Cpu),
             "auto" => Ok(Self::Auto),
             "cuda" | "gpu" => Ok(Self::Cuda(0)),
-            _ => s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Self::Cuda)
-                .ok_or_else(|| {
-                    format!("unknown device `{s}` (expected cpu, cuda, cuda:N or auto)")
-                }),
+            "vulkan" => Ok(Self::Vulkan(0)),
+            _ => {
+                let ordinal = |prefix| s.strip_prefix(prefix).and_then(|n| n.parse().ok());
+                ordinal("cuda:")
+                    .map(Self::Cuda)
+                    .or_else(|| ordinal("vulkan:").map(Self::Vulkan))
+                    .ok_or_else(|| {
+                        format!(
+                            "unknown device `{s}` (expected cpu, cuda, cuda:N, vulkan, vulkan:N or auto)"
+                        )
+                    })
+            }
         }
     }
 }
@@ -43,6 +52,7 @@ impl std::fmt::Display for DeviceChoice {
         match self {
             Self::Cpu => write!(f, "cpu"),
             Self::Cuda(n) => write!(f, "cuda:{n}"),
+            Self::Vulkan(n) => write!(f, "vulkan:{n}"),
             Self::Auto => write!(f, "auto"),
         }
     }
@@ -55,13 +65,15 @@ pub enum BackendKind {
     Cpu,
     /// The CUDA backend.
     Cuda,
+    /// The Vulkan backend.
+    Vulkan,
 }
 
 impl BackendKind {
     /// Bytes of the buffers the backend allocates once at start, whatever the model.
     pub fn fixed_buffer_bytes(self) -> usize {
         match self {
-            Self::Cpu => 0,
+            Self::Cpu | Self::Vulkan => 0,
             Self::Cuda => corral_cuda::cuda_fixed_buffer_bytes(),
         }
     }
@@ -116,9 +128,21 @@ pub fn open(choice: DeviceChoice, options: BackendOptions) -> Result<Arc<dyn Bac
             source,
         })
     };
+    let vulkan = |ordinal| {
+        VulkanBackend::new(VulkanOptions {
+            ordinal,
+            kv_dtype: Some(options.kv_dtype),
+        })
+        .map(|b| Arc::new(b) as Arc<dyn Backend>)
+        .map_err(|source| OpenError::Backend {
+            device: format!("vulkan:{ordinal}"),
+            source,
+        })
+    };
     match choice {
         DeviceChoice::Cpu => cpu(),
         DeviceChoice::Cuda(n) => cuda(n),
+        DeviceChoice::Vulkan(n) => vulkan(n),
         DeviceChoice::Auto => match corral_cuda::cuda_available() {
             Err(why) => {
                 tracing::debug!("no GPU ({why}); running on the CPU");
@@ -129,5 +153,32 @@ pub fn open(choice: DeviceChoice, options: BackendOptions) -> Result<Arc<dyn Bac
                 cpu()
             }),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceChoice;
+
+    /// Every spelling of `--device` parses to its choice and prints back as the canonical
+    /// one; unknown names and ordinals that are no number are refused, listing the choices.
+    #[test]
+    fn device_choices_parse_and_print() {
+        for (text, choice, shown) in [
+            ("cpu", DeviceChoice::Cpu, "cpu"),
+            ("auto", DeviceChoice::Auto, "auto"),
+            ("cuda", DeviceChoice::Cuda(0), "cuda:0"),
+            ("gpu", DeviceChoice::Cuda(0), "cuda:0"),
+            ("cuda:3", DeviceChoice::Cuda(3), "cuda:3"),
+            ("vulkan", DeviceChoice::Vulkan(0), "vulkan:0"),
+            ("vulkan:1", DeviceChoice::Vulkan(1), "vulkan:1"),
+        ] {
+            assert_eq!(text.parse::<DeviceChoice>(), Ok(choice), "{text}");
+            assert_eq!(choice.to_string(), shown);
+        }
+        for bad in ["tpu", "cuda:", "vulkan:x", "cuda:-1", ""] {
+            let e = bad.parse::<DeviceChoice>().unwrap_err();
+            assert!(e.contains("vulkan:N"), "{bad}: {e}");
+        }
     }
 }

@@ -46,12 +46,64 @@ pub(crate) struct DeviceInner {
     pub(crate) queue_lock: std::sync::Mutex<()>,
     pub(crate) queue_family: u32,
     pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
+    /// Buffers dropped while queued work may still read them, and whether any may: they
+    /// are freed once the work is done ([`DeviceInner::retire`]).
+    pub(crate) retired: std::sync::Mutex<Retired>,
+}
+
+/// Buffers whose freeing waits for the device's queued work.
+#[derive(Default)]
+pub(crate) struct Retired {
+    /// Work is recorded or submitted that has not been waited for.
+    pub(crate) busy: bool,
+    pub(crate) buffers: Vec<(vk::Buffer, vk::DeviceMemory)>,
+}
+
+impl DeviceInner {
+    /// Frees `buffer` and its memory now, or once queued work is done if any is.
+    pub(crate) fn retire(&self, buffer: vk::Buffer, memory: vk::DeviceMemory) {
+        let mut retired = self
+            .retired
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if retired.busy {
+            retired.buffers.push((buffer, memory));
+        } else {
+            // SAFETY: no queued work can use the buffer.
+            #[allow(unsafe_code)]
+            unsafe {
+                self.device.destroy_buffer(buffer, None);
+                self.device.free_memory(memory, None);
+            }
+        }
+    }
+
+    /// Marks work as queued (`true`), or as all done (`false`), which frees the buffers
+    /// retired meanwhile.
+    pub(crate) fn set_busy(&self, busy: bool) {
+        let mut retired = self
+            .retired
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        retired.busy = busy;
+        if !busy {
+            for (buffer, memory) in retired.buffers.drain(..) {
+                // SAFETY: the work that could use them is done.
+                #[allow(unsafe_code)]
+                unsafe {
+                    self.device.destroy_buffer(buffer, None);
+                    self.device.free_memory(memory, None);
+                }
+            }
+        }
+    }
 }
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
+        self.set_busy(false);
         // SAFETY: every buffer, kernel and command pool holds an `Arc` of this and is gone
-        // by now; nothing is queued (each dispatch waits for its work).
+        // by now; nothing is queued (the stream waits for its work when it drops).
         #[allow(unsafe_code)]
         unsafe {
             self.device.destroy_device(None);
@@ -170,6 +222,7 @@ impl VulkanDevice {
                 device,
                 queue,
                 queue_lock: std::sync::Mutex::new(()),
+                retired: std::sync::Mutex::default(),
                 queue_family,
                 memory,
             });
@@ -180,6 +233,17 @@ impl VulkanDevice {
     /// What the device is and can do.
     pub fn info(&self) -> &VulkanInfo {
         &self.info
+    }
+
+    /// Bytes of the device's own memory heaps (all memory, on lavapipe and most integrated
+    /// GPUs).
+    pub fn local_memory_bytes(&self) -> u64 {
+        let memory = &self.inner.memory;
+        memory.memory_heaps[..memory.memory_heap_count as usize]
+            .iter()
+            .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+            .map(|h| h.size)
+            .sum()
     }
 }
 

@@ -10,7 +10,7 @@ use crate::device::DeviceInner;
 use crate::{SHADERS, VulkanDevice, vk_err};
 
 /// Bytes of push constants every kernel may take (Vulkan guarantees 128).
-const PUSH_BYTES: u32 = 128;
+pub(crate) const PUSH_BYTES: u32 = 128;
 
 /// One shader's compute pipeline.
 pub struct Kernel {
@@ -121,7 +121,7 @@ impl std::fmt::Debug for Recording {
 
 impl Recording {
     /// Records `dispatches` in order (each `(kernel, workgroups, push constants)`), a
-    /// compute-to-compute barrier between consecutive ones.
+    /// barrier before each.
     pub fn new(device: &VulkanDevice, dispatches: &[(&Kernel, [u32; 3], &[u8])]) -> Result<Self> {
         let inner = Arc::clone(&device.inner);
         let d = &inner.device;
@@ -151,33 +151,10 @@ impl Recording {
                         .command_buffer_count(1),
                 )?[0];
                 d.begin_command_buffer(commands, &vk::CommandBufferBeginInfo::default())?;
-                for (i, (kernel, groups, args)) in dispatches.iter().enumerate() {
-                    if i > 0 {
-                        let barrier = [vk::MemoryBarrier::default()
-                            .src_access_mask(vk::AccessFlags::SHADER_WRITE)
-                            .dst_access_mask(
-                                vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE,
-                            )];
-                        d.cmd_pipeline_barrier(
-                            commands,
-                            vk::PipelineStageFlags::COMPUTE_SHADER,
-                            vk::PipelineStageFlags::COMPUTE_SHADER,
-                            vk::DependencyFlags::empty(),
-                            &barrier,
-                            &[],
-                            &[],
-                        );
-                    }
-                    d.cmd_bind_pipeline(commands, vk::PipelineBindPoint::COMPUTE, kernel.pipeline);
-                    d.cmd_push_constants(
-                        commands,
-                        kernel.layout,
-                        vk::ShaderStageFlags::COMPUTE,
-                        0,
-                        args,
-                    );
-                    d.cmd_dispatch(commands, groups[0], groups[1], groups[2]);
+                for (kernel, groups, args) in dispatches {
+                    record(d, commands, kernel, *groups, args);
                 }
+                record_host_barrier(d, commands);
                 d.end_command_buffer(commands)?;
                 Ok(commands)
             })();
@@ -217,6 +194,64 @@ impl Recording {
             .and_then(|()| d.queue_wait_idle(self.device.queue))
             .map_err(|e| vk_err("running dispatches", e))
         }
+    }
+}
+
+/// Records one dispatch into `commands`, after a barrier that makes every shader write
+/// recorded or submitted before it visible to it (the first in a command buffer also orders
+/// it after earlier submissions to the queue).
+pub(crate) fn record(
+    d: &ash::Device,
+    commands: vk::CommandBuffer,
+    kernel: &Kernel,
+    groups: [u32; 3],
+    args: &[u8],
+) {
+    let barrier = [vk::MemoryBarrier::default()
+        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::HOST_WRITE)
+        .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
+    // SAFETY: `commands` is in the recording state, and the kernel's handles are live.
+    #[allow(unsafe_code)]
+    unsafe {
+        d.cmd_pipeline_barrier(
+            commands,
+            vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::HOST,
+            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::DependencyFlags::empty(),
+            &barrier,
+            &[],
+            &[],
+        );
+        d.cmd_bind_pipeline(commands, vk::PipelineBindPoint::COMPUTE, kernel.pipeline);
+        d.cmd_push_constants(
+            commands,
+            kernel.layout,
+            vk::ShaderStageFlags::COMPUTE,
+            0,
+            args,
+        );
+        d.cmd_dispatch(commands, groups[0], groups[1], groups[2]);
+    }
+}
+
+/// Records a barrier that makes every shader write before it visible to the host once the
+/// submission's fence signals: the last command of every submitted command buffer.
+pub(crate) fn record_host_barrier(d: &ash::Device, commands: vk::CommandBuffer) {
+    let barrier = [vk::MemoryBarrier::default()
+        .src_access_mask(vk::AccessFlags::SHADER_WRITE)
+        .dst_access_mask(vk::AccessFlags::HOST_READ)];
+    // SAFETY: `commands` is in the recording state.
+    #[allow(unsafe_code)]
+    unsafe {
+        d.cmd_pipeline_barrier(
+            commands,
+            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::PipelineStageFlags::HOST,
+            vk::DependencyFlags::empty(),
+            &barrier,
+            &[],
+            &[],
+        );
     }
 }
 

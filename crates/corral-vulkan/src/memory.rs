@@ -19,11 +19,11 @@ pub struct VulkanBuffer {
     address: u64,
 }
 
-// SAFETY: the mapping is plain memory the buffer owns; Vulkan's handles may move between
-// threads, and every access through `mapped` goes through `&self`/`&mut self`.
+// SAFETY: the mapping is memory the buffer owns, which the host reaches only by copies
+// (`read`, `write`); Vulkan's handles may move between threads.
 #[allow(unsafe_code)]
 unsafe impl Send for VulkanBuffer {}
-// SAFETY: as above; shared access only reads the mapping.
+// SAFETY: as above: the backend orders copies against the device's work.
 #[allow(unsafe_code)]
 unsafe impl Sync for VulkanBuffer {}
 
@@ -116,33 +116,38 @@ impl VulkanBuffer {
         self.bytes
     }
 
-    /// The buffer's bytes (after the work that wrote them has completed).
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the mapping spans at least `bytes` bytes and lives as long as `self`.
+    /// Copies `out.len()` bytes from byte `offset` to the host (after the work that wrote
+    /// them has completed).
+    ///
+    /// # Panics
+    /// If the range runs past the buffer: callers check ranges first.
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        assert!(offset + out.len() <= self.bytes, "read past the buffer");
+        // SAFETY: the range lies within the mapping, which lives as long as `self`; no
+        // reference to the mapped memory outlives the copy.
         #[allow(unsafe_code)]
         unsafe {
-            std::slice::from_raw_parts(self.mapped, self.bytes)
+            std::ptr::copy_nonoverlapping(self.mapped.add(offset), out.as_mut_ptr(), out.len());
         }
     }
 
-    /// The buffer's bytes, to write (no work may be reading them).
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as `bytes`, and `&mut self` makes this the only view.
+    /// Copies `bytes` into the buffer from byte `offset` (while no queued work reads or
+    /// writes them).
+    ///
+    /// # Panics
+    /// If the range runs past the buffer: callers check ranges first.
+    pub fn write(&self, offset: usize, bytes: &[u8]) {
+        assert!(offset + bytes.len() <= self.bytes, "write past the buffer");
+        // SAFETY: as `read`; the mapping is device memory the host writes by copies only.
         #[allow(unsafe_code)]
         unsafe {
-            std::slice::from_raw_parts_mut(self.mapped, self.bytes)
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.mapped.add(offset), bytes.len());
         }
     }
 }
 
 impl Drop for VulkanBuffer {
     fn drop(&mut self) {
-        // SAFETY: the handles are this buffer's, and no queued work uses them (dispatches
-        // wait for their work).
-        #[allow(unsafe_code)]
-        unsafe {
-            self.device.device.destroy_buffer(self.buffer, None);
-            self.device.device.free_memory(self.memory, None);
-        }
+        self.device.retire(self.buffer, self.memory);
     }
 }

@@ -23,16 +23,17 @@ fn device() -> Option<VulkanDevice> {
 }
 
 fn floats(b: &VulkanBuffer) -> Vec<f32> {
-    b.bytes()
+    let mut bytes = vec![0; b.len_bytes()];
+    b.read(0, &mut bytes);
+    bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
 
-fn write(b: &mut VulkanBuffer, values: &[f32]) {
-    for (dst, v) in b.bytes_mut().chunks_exact_mut(4).zip(values) {
-        dst.copy_from_slice(&v.to_le_bytes());
-    }
+fn write(b: &VulkanBuffer, values: &[f32]) {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    b.write(0, &bytes);
 }
 
 /// The device names itself and reports what the backend will choose kernels by.
@@ -54,10 +55,10 @@ fn a_recorded_dispatch_replays() {
     let n = 1000;
     let acc0: Vec<f32> = (0..n + 8).map(|i| i as f32).collect();
     let x: Vec<f32> = (0..n + 8).map(|i| 0.5 * i as f32 - 7.0).collect();
-    let mut acc = VulkanBuffer::new(&d, (n + 8) * 4).unwrap();
-    let mut xb = VulkanBuffer::new(&d, (n + 8) * 4).unwrap();
-    write(&mut acc, &acc0);
-    write(&mut xb, &x);
+    let acc = VulkanBuffer::new(&d, (n + 8) * 4).unwrap();
+    let xb = VulkanBuffer::new(&d, (n + 8) * 4).unwrap();
+    write(&acc, &acc0);
+    write(&xb, &x);
     let kernel = Kernel::new(&d, "add_in_place").unwrap();
     let mut args = Vec::new();
     args.extend_from_slice(&acc.address().to_le_bytes());

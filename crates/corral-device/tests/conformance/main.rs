@@ -1,7 +1,8 @@
 //! The op conformance suite: every op each backend computes, against the plain references
 //! of `corral_backend::reference` on random shapes, and its arguments refused alike by every
 //! backend. It runs for every backend this machine can open ([`subjects`]): the CPU always,
-//! CUDA where a GPU is usable. A new backend gets every test by adding its line there.
+//! CUDA where a GPU is usable, Vulkan where a Vulkan device is (lavapipe in CI), on the op
+//! families it computes so far. A new backend gets every test by adding its line there.
 //! Where a GPU runs, run it with `--test-threads=1`: the tests share one backend a device,
 //! and a fault a test provokes on purpose is reported by the device's next read-back, which
 //! must be that test's.
@@ -11,6 +12,7 @@ use std::sync::OnceLock;
 use corral_backend::{Backend, DType};
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
+use corral_vulkan::{VulkanBackend, VulkanOptions};
 
 // The other op tests' helpers come too (`recurrence`), unused here.
 #[allow(dead_code)]
@@ -38,10 +40,11 @@ pub(crate) struct Subject {
     pub(crate) tol: f64,
 }
 
-/// Every backend this machine can open, one line each; a backend's other strategies for
-/// the same ops (the CUDA backend's own kernels where it would call cuBLAS or stream
-/// weights) are subjects of their own.
-pub(crate) fn subjects() -> Vec<Subject> {
+/// Every backend this machine can open that computes the op family `family` (the test
+/// module's name; `argmax` apart from the rest of sampling), one line each; a backend's
+/// other strategies for the same ops (the CUDA backend's own kernels where it would call
+/// cuBLAS or stream weights) are subjects of their own.
+pub(crate) fn subjects(family: &str) -> Vec<Subject> {
     static CPU: OnceLock<CpuBackend> = OnceLock::new();
     static CUDA: OnceLock<Option<[CudaBackend; 2]>> = OnceLock::new();
     let mut all = vec![Subject {
@@ -75,6 +78,34 @@ pub(crate) fn subjects() -> Vec<Subject> {
         all.push(Subject {
             name: "cuda, own kernels",
             backend: own_kernels,
+            tol: 1e-5,
+        });
+    }
+    // One Vulkan backend a test thread (opening one takes milliseconds): a fault a test
+    // provokes on purpose is reported by that test's own next read-back, with the tests
+    // running in parallel.
+    thread_local! {
+        static VULKAN: &'static Option<VulkanBackend> = Box::leak(Box::new(
+            match VulkanBackend::new(VulkanOptions::default()) {
+                Ok(b) => Some(b),
+                Err(why) if std::env::var("CORRAL_REQUIRE_VULKAN").is_ok_and(|v| v == "1") => {
+                    panic!("Vulkan is required here: {why}")
+                }
+                Err(why) => {
+                    eprintln!("vulkan: not run ({why})");
+                    None
+                }
+            },
+        ));
+    }
+    let vulkan = VULKAN.with(|v| *v);
+    if let Some(vulkan) = vulkan
+        .as_ref()
+        .filter(|_| VulkanBackend::FAMILIES.contains(&family))
+    {
+        all.push(Subject {
+            name: "vulkan",
+            backend: vulkan,
             tol: 1e-5,
         });
     }

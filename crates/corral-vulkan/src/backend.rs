@@ -1,0 +1,208 @@
+//! The Vulkan backend: one device, its kernels (a pipeline for every shader, made at
+//! start-up), its stream of work, its buffer pool and counters.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use corral_backend::{
+    Backend, BackendError, BufferPool, BufferUsage, Capabilities, DType, DeviceAllocation,
+    DeviceBuffer, Ops, Result, StatsCounter, Storage,
+};
+
+use crate::args::Args;
+use crate::stream::Stream;
+use crate::{Kernel, SHADERS, VulkanBuffer, VulkanDevice};
+
+/// How to open the Vulkan backend.
+#[derive(Debug, Clone, Default)]
+pub struct VulkanOptions {
+    /// Device ordinal (`vulkan:N`), in the loader's order.
+    pub ordinal: usize,
+    /// KV cache element type (default: f32, the only one its attention takes yet).
+    pub kv_dtype: Option<DType>,
+}
+
+/// Codes the shaders leave in the fault word when an index they were given is out of
+/// range: the next read-back reports it.
+pub(crate) mod fault {
+    /// A token id past the embedding table.
+    pub(crate) const TOKEN_ID: u32 = 1;
+    /// A row or block index past its buffer.
+    pub(crate) const ROW_INDEX: u32 = 2;
+}
+
+/// What a fault code means.
+fn fault_text(code: u32) -> &'static str {
+    match code {
+        fault::TOKEN_ID => "embedding: token id",
+        fault::ROW_INDEX => "row index (gather, scatter or block copy)",
+        _ => "unknown device error",
+    }
+}
+
+/// The Vulkan backend on one device.
+pub struct VulkanBackend {
+    pub(crate) device: VulkanDevice,
+    ordinal: usize,
+    kernels: HashMap<&'static str, Kernel>,
+    pub(crate) stream: Stream,
+    pub(crate) pool: BufferPool,
+    pub(crate) stats: StatsCounter,
+    pub(crate) capabilities: Capabilities,
+    pub(crate) capturing: AtomicBool,
+    /// Dispatches recorded into the graph being recorded.
+    pub(crate) captured: AtomicU64,
+    /// Where shaders report an index out of range ([`fault`]); read and cleared with every
+    /// read-back.
+    pub(crate) fault: VulkanBuffer,
+    pub(crate) kv_dtype: DType,
+}
+
+impl std::fmt::Debug for VulkanBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "VulkanBackend({:?})", self.device)
+    }
+}
+
+impl VulkanBackend {
+    /// The op families this backend computes so far, as the op conformance suite names
+    /// them; every op of the others refuses, saying so.
+    pub const FAMILIES: &[&str] = &["buffers", "copies", "elementwise", "matmul", "argmax"];
+
+    /// Opens Vulkan device `options.ordinal` and makes a pipeline for every shader.
+    pub fn new(options: VulkanOptions) -> Result<Self> {
+        let device = VulkanDevice::open(options.ordinal)?;
+        let kernels = SHADERS
+            .iter()
+            .map(|&(name, _)| Ok((name, Kernel::new(&device, name)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        let kv_dtype = options.kv_dtype.unwrap_or(DType::F32);
+        let capabilities = Capabilities {
+            graphs: true,
+            profiling: false,
+            weight_formats: Vec::new(),
+            kv_dtypes: vec![DType::F32],
+            bf16_projection_inputs: false,
+        };
+        if !capabilities.kv_dtypes.contains(&kv_dtype) {
+            return Err(BackendError::Device {
+                what: format!("vulkan:{}", options.ordinal),
+                detail: format!("a KV cache of {kv_dtype} (this backend keeps it in f32 yet)"),
+            });
+        }
+        Ok(Self {
+            stream: Stream::new(std::sync::Arc::clone(&device.inner))?,
+            fault: VulkanBuffer::new(&device, 16)?,
+            device,
+            ordinal: options.ordinal,
+            kernels,
+            pool: BufferPool::default(),
+            stats: StatsCounter::default(),
+            capabilities,
+            capturing: AtomicBool::new(false),
+            captured: AtomicU64::new(0),
+            kv_dtype,
+        })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// What the device is and can do.
+    pub fn info(&self) -> &crate::VulkanInfo {
+        self.device.info()
+    }
+
+    /// Queues one dispatch of the shader `kernel` over `groups` workgroups with `args`;
+    /// counted now, or when the graph being recorded replays.
+    pub(crate) fn dispatch(&self, kernel: &str, groups: [u32; 3], args: &Args) -> Result<()> {
+        let k = self
+            .kernels
+            .get(kernel)
+            .ok_or_else(|| BackendError::Device {
+                what: "vulkan".to_string(),
+                detail: format!("no shader named {kernel}"),
+            })?;
+        if groups.contains(&0) {
+            return Ok(());
+        }
+        self.stream.dispatch(k, groups, args.bytes())?;
+        if self.capturing.load(Ordering::Relaxed) {
+            self.captured.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.dispatch(1);
+        }
+        Ok(())
+    }
+
+    /// Refuses what may not happen while a graph is recorded (copies to and from the host).
+    pub(crate) fn not_capturing(&self, op: &'static str) -> Result<()> {
+        if self.capturing.load(Ordering::Relaxed) {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: "not allowed while a graph is being recorded".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Waits for all queued work, so that the host may touch buffers.
+    pub(crate) fn finish(&self, op: &'static str) -> Result<()> {
+        self.not_capturing(op)?;
+        self.stream.finish()?;
+        Ok(())
+    }
+
+    /// Waits for all queued work for a read-back of `bytes`: one host sync; an index fault
+    /// a shader reported turns into an error (and is cleared).
+    pub(crate) fn finish_read_back(&self, op: &'static str, bytes: usize) -> Result<()> {
+        self.finish(op)?;
+        self.stats.host_sync();
+        self.stats.transfer(bytes);
+        let mut code = [0u8; 4];
+        self.fault.read(0, &mut code);
+        let code = u32::from_le_bytes(code);
+        if code != 0 {
+            self.fault.write(0, &[0; 4]);
+            return Err(BackendError::DeviceIndex {
+                what: fault_text(code),
+            });
+        }
+        Ok(())
+    }
+
+    /// A new buffer of `len` elements of `dtype`, zeroed (counted as an allocation).
+    pub(crate) fn new_buffer(
+        &self,
+        dtype: DType,
+        len: usize,
+        usage: BufferUsage,
+    ) -> Result<DeviceBuffer> {
+        let memory = VulkanBuffer::new(&self.device, dtype.bytes_of(len))?;
+        self.stats.allocation();
+        let address = memory.address();
+        Ok(DeviceBuffer::new(
+            dtype,
+            len,
+            usage,
+            Storage::Device(DeviceAllocation::new(address, Box::new(memory))),
+        ))
+    }
+}
+
+/// The memory behind a buffer this backend made.
+pub(crate) fn memory<'a>(op: &'static str, buffer: &'a DeviceBuffer) -> Result<&'a VulkanBuffer> {
+    match buffer.storage() {
+        Storage::Device(a) => a.owner::<VulkanBuffer>(),
+        _ => None,
+    }
+    .ok_or(BackendError::ForeignBuffer { op })
+}
+
+impl Backend for VulkanBackend {
+    fn ops(&self) -> &dyn Ops {
+        self
+    }
+}

@@ -1,0 +1,219 @@
+//! The Vulkan backend as a device (its counters, graphs, memory) and as the keeper of its
+//! buffers (the pool, weights, copies to and from the host). Every buffer is mapped for the
+//! host, so copies are plain memory copies once the device's work is done.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use corral_backend::{
+    BackendError, BufferUsage, Buffers, Capabilities, DType, Device, DeviceBuffer, DeviceMemory,
+    DispatchStats, Graph, MappedFile, Result, Storage, byte_range,
+};
+
+use crate::VulkanBackend;
+use crate::backend::memory;
+use crate::stream::Recorded;
+
+impl Device for VulkanBackend {
+    fn device_name(&self) -> String {
+        let info = self.device.info();
+        format!("vulkan:{} ({}, {})", self.ordinal(), info.name, info.driver)
+    }
+
+    fn stats(&self) -> DispatchStats {
+        self.stats.snapshot()
+    }
+
+    fn capabilities(&self) -> &Capabilities {
+        &self.capabilities
+    }
+
+    fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+
+    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        let total = self.device.local_memory_bytes();
+        Ok(Some(DeviceMemory {
+            free: total,
+            total,
+            unified: self.device.info().unified,
+            runtime: 0,
+            allocation_granularity: 4096,
+            fixed_buffers: 0,
+        }))
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.stream.begin_capture()?;
+        self.captured.store(0, Ordering::Relaxed);
+        self.capturing.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<Graph> {
+        self.capturing.store(false, Ordering::Relaxed);
+        let recorded = self
+            .stream
+            .end_capture()?
+            .ok_or(BackendError::BadArgument {
+                op: "end_capture",
+                detail: "no graph is being recorded".to_string(),
+            })?;
+        let kernels = self.captured.swap(0, Ordering::Relaxed);
+        Ok(Graph::new(Box::new(recorded), kernels, 0))
+    }
+
+    fn replay(&self, graph: &Graph) -> Result<()> {
+        let recorded = graph.inner::<Recorded>().ok_or(BackendError::BadArgument {
+            op: "replay",
+            detail: "a graph another backend recorded".to_string(),
+        })?;
+        self.not_capturing("replay")?;
+        self.stream.replay(recorded)?;
+        self.stats.graph_replay(graph.kernels(), 0);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.finish("synchronize")?;
+        self.stats.host_sync();
+        Ok(())
+    }
+}
+
+impl Buffers for VulkanBackend {
+    fn take_buffer(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        let mut b = match self.pool.take(dtype, len, usage) {
+            Some(b) => b,
+            None => self.new_buffer(dtype, len, usage)?,
+        };
+        if self.capturing.load(Ordering::Relaxed) {
+            b.hold_for_graphs();
+        }
+        Ok(b)
+    }
+
+    fn give_buffer(&self, buffer: DeviceBuffer) {
+        if matches!(buffer.storage(), Storage::Device(_)) {
+            if self.capturing.load(Ordering::Relaxed) {
+                self.pool.give_keeping_all(buffer);
+            } else {
+                self.pool.give(buffer);
+            }
+        }
+    }
+
+    fn pool_bytes(&self) -> (usize, usize) {
+        (self.pool.free_bytes(), self.pool.limit_bytes())
+    }
+
+    fn alloc_zeroed(&self, dtype: DType, len: usize, usage: BufferUsage) -> Result<DeviceBuffer> {
+        // New memory is zeroed when it is made.
+        self.new_buffer(dtype, len, usage)
+    }
+
+    fn weight_from_file_unchecked(
+        &self,
+        file: &Arc<MappedFile>,
+        byte_offset: usize,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let op = "weight_from_file";
+        let bytes = file.range(op, byte_offset, dtype.bytes_of(len))?;
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        memory(op, &b)?.write(0, bytes);
+        self.stats.transfer(bytes.len());
+        Ok(b)
+    }
+
+    fn weight_from_f32_unchecked(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
+        let op = "weight_from_f32";
+        let bytes: Vec<u8> = match dtype {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::BF16 => values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::F16 => values
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::U32 | DType::F8E4M3 | DType::Quant(_) => {
+                return Err(BackendError::BadArgument {
+                    op,
+                    detail: format!("weights of {dtype}"),
+                });
+            }
+        };
+        let b = self.new_buffer(dtype, values.len(), BufferUsage::Weights)?;
+        memory(op, &b)?.write(0, &bytes);
+        self.stats.transfer(bytes.len());
+        Ok(b)
+    }
+
+    fn upload_f32_unchecked(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
+        self.upload("upload_f32", bytemuck::cast_slice(src), dst)
+    }
+
+    fn upload_u32_unchecked(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
+        self.upload("upload_u32", bytemuck::cast_slice(src), dst)
+    }
+
+    fn download_f32_unchecked(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
+        self.download("download_f32", src, bytemuck::cast_slice_mut(dst))
+    }
+
+    fn download_u32_unchecked(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
+        self.download("download_u32", src, bytemuck::cast_slice_mut(dst))
+    }
+
+    fn read_bytes_unchecked(
+        &self,
+        src: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let op = "read_bytes";
+        let (start, _) = byte_range(op, src, offset, out.len())?;
+        let memory = memory(op, src)?;
+        self.finish_read_back(op, out.len())?;
+        memory.read(start, out);
+        Ok(())
+    }
+
+    fn write_bytes_unchecked(
+        &self,
+        bytes: &[u8],
+        dst: &mut DeviceBuffer,
+        offset: usize,
+    ) -> Result<()> {
+        let op = "write_bytes";
+        let (start, _) = byte_range(op, dst, offset, bytes.len())?;
+        let memory = memory(op, dst)?;
+        self.finish(op)?;
+        memory.write(start, bytes);
+        self.stats.transfer(bytes.len());
+        Ok(())
+    }
+}
+
+impl VulkanBackend {
+    /// Host bytes into the start of `dst`, once the device's work on it is done.
+    fn upload(&self, op: &'static str, bytes: &[u8], dst: &DeviceBuffer) -> Result<()> {
+        let memory = memory(op, dst)?;
+        self.finish(op)?;
+        memory.write(0, bytes);
+        self.stats.transfer(bytes.len());
+        Ok(())
+    }
+
+    /// The start of `src` to host bytes: one host sync.
+    fn download(&self, op: &'static str, src: &DeviceBuffer, out: &mut [u8]) -> Result<()> {
+        let memory = memory(op, src)?;
+        self.finish_read_back(op, out.len())?;
+        memory.read(0, out);
+        Ok(())
+    }
+}

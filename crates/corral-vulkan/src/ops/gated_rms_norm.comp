@@ -1,0 +1,33 @@
+// Gated RMSNorm of each `dim`-wide row, one workgroup a row:
+// out = weight * rms_norm(x) * silu(z).
+#version 450
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
+#include "reduce.glsl"
+
+layout(push_constant) uniform Args {
+    Floats x;
+    Floats z;
+    Floats weight;
+    Floats out_;
+    uint dim;
+    float eps;
+    uint rows;
+} args;
+
+void main() {
+    if (flat_group() >= args.rows) {
+        return;
+    }
+    uint base = flat_group() * args.dim;
+    float sum = 0.0;
+    for (uint i = gl_LocalInvocationID.x; i < args.dim; i += GROUP_SIZE) {
+        float v = args.x.v[base + i];
+        sum += v * v;
+    }
+    float inv = inversesqrt(workgroup_sum(sum) / float(args.dim) + args.eps);
+    for (uint i = gl_LocalInvocationID.x; i < args.dim; i += GROUP_SIZE) {
+        float z = args.z.v[base + i];
+        args.out_.v[base + i] = args.x.v[base + i] * inv * args.weight.v[i] * z * sigmoid(z);
+    }
+}

@@ -1,0 +1,43 @@
+//! Projections (`matmul.comp`): the portable product of any float weights.
+
+use corral_backend::{DeviceBuffer, MatmulOps, Result, WeightView};
+
+use super::{grid, weight_type};
+use crate::VulkanBackend;
+use crate::args::{Args, address};
+
+impl MatmulOps for VulkanBackend {
+    fn matmul(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        self.matmul_columns(x, rows, w, out, w.rows, 0)
+    }
+
+    fn matmul_columns(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut DeviceBuffer,
+        out_cols: usize,
+        col0: usize,
+    ) -> Result<()> {
+        let op = "matmul";
+        let args = Args::new(op)
+            .buf(x)?
+            .address(address(op, w.buffer)?)?
+            .buf(out)?
+            .count(w.rows)?
+            .count(w.cols)?
+            .count(out_cols)?
+            .count(col0)?
+            .count(weight_type(op, w.buffer.dtype())?)?
+            .count(w.offset)?
+            .count(rows)?;
+        self.dispatch(op, grid(op, rows * w.rows)?, &args)
+    }
+}
