@@ -2,6 +2,7 @@
 //! start-up), its stream of work, its buffer pool and counters.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use corral_backend::{
@@ -18,7 +19,7 @@ use crate::{Kernel, SHADERS, VulkanBuffer, VulkanDevice};
 pub struct VulkanOptions {
     /// Device ordinal (`vulkan:N`), in the loader's order.
     pub ordinal: usize,
-    /// KV cache element type (default: f32, the only one its attention takes yet).
+    /// KV cache element type: bf16 (default) or f32.
     pub kv_dtype: Option<DType>,
 }
 
@@ -29,6 +30,12 @@ pub(crate) mod fault {
     pub(crate) const TOKEN_ID: u32 = 1;
     /// A row or block index past its buffer.
     pub(crate) const ROW_INDEX: u32 = 2;
+    /// A penalty's index past the logits.
+    pub(crate) const PENALTY_INDEX: u32 = 3;
+    /// A KV cache slot past the cache.
+    pub(crate) const KV_SLOT: u32 = 4;
+    /// A block table entry past the cache, or a position past the table.
+    pub(crate) const BLOCK_TABLE: u32 = 5;
 }
 
 /// What a fault code means.
@@ -36,6 +43,9 @@ fn fault_text(code: u32) -> &'static str {
     match code {
         fault::TOKEN_ID => "embedding: token id",
         fault::ROW_INDEX => "row index (gather, scatter or block copy)",
+        fault::PENALTY_INDEX => "logit_penalties: a penalty's index past the logits",
+        fault::KV_SLOT => "kv_store: cache slot",
+        fault::BLOCK_TABLE => "paged_attention: a block table entry, or a position past the table",
         _ => "unknown device error",
     }
 }
@@ -56,6 +66,9 @@ pub struct VulkanBackend {
     /// read-back.
     pub(crate) fault: VulkanBuffer,
     pub(crate) kv_dtype: DType,
+    /// RoPE's inverse frequencies, a buffer a set of parameters ([`corral_backend::RopeParams::args`] and
+    /// the rotated dims, as bits).
+    pub(crate) rope_tables: Mutex<HashMap<[u32; 5], DeviceBuffer>>,
 }
 
 impl std::fmt::Debug for VulkanBackend {
@@ -67,7 +80,15 @@ impl std::fmt::Debug for VulkanBackend {
 impl VulkanBackend {
     /// The op families this backend computes so far, as the op conformance suite names
     /// them; every op of the others refuses, saying so.
-    pub const FAMILIES: &[&str] = &["buffers", "copies", "elementwise", "matmul", "argmax"];
+    pub const FAMILIES: &[&str] = &[
+        "buffers",
+        "copies",
+        "elementwise",
+        "matmul",
+        "sampling",
+        "argmax",
+        "attention",
+    ];
 
     /// Opens Vulkan device `options.ordinal` and makes a pipeline for every shader.
     pub fn new(options: VulkanOptions) -> Result<Self> {
@@ -76,18 +97,18 @@ impl VulkanBackend {
             .iter()
             .map(|&(name, _)| Ok((name, Kernel::new(&device, name)?)))
             .collect::<Result<HashMap<_, _>>>()?;
-        let kv_dtype = options.kv_dtype.unwrap_or(DType::F32);
+        let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
         let capabilities = Capabilities {
             graphs: true,
             profiling: false,
             weight_formats: Vec::new(),
-            kv_dtypes: vec![DType::F32],
+            kv_dtypes: vec![DType::BF16, DType::F32],
             bf16_projection_inputs: false,
         };
         if !capabilities.kv_dtypes.contains(&kv_dtype) {
             return Err(BackendError::Device {
                 what: format!("vulkan:{}", options.ordinal),
-                detail: format!("a KV cache of {kv_dtype} (this backend keeps it in f32 yet)"),
+                detail: format!("a KV cache of {kv_dtype} (this backend keeps bf16 or f32)"),
             });
         }
         Ok(Self {
@@ -102,6 +123,7 @@ impl VulkanBackend {
             capturing: AtomicBool::new(false),
             captured: AtomicU64::new(0),
             kv_dtype,
+            rope_tables: Mutex::default(),
         })
     }
 

@@ -30,6 +30,12 @@ pub struct VulkanInfo {
     pub float16: bool,
     /// 8-bit integers in shaders and 8-bit storage.
     pub int8: bool,
+    /// 16-bit integers in shaders.
+    pub int16: bool,
+    /// 64-bit integers in shaders (buffer addresses are 64-bit: the backend needs them).
+    pub int64: bool,
+    /// Doubles in shaders: RoPE forms its sines and cosines in double, as the references do.
+    pub float64: bool,
     /// `VK_KHR_cooperative_matrix`: the tensor-core-like products.
     pub cooperative_matrix: bool,
     /// `VK_EXT_external_memory_host`: host memory (a mapped weight file) imported as is.
@@ -207,8 +213,19 @@ impl VulkanDevice {
                 .shader_float16(info.float16)
                 .shader_int8(info.int8)
                 .storage_buffer8_bit_access(info.int8);
+            if !info.int64 {
+                return Err(BackendError::Device {
+                    what: format!("vulkan:{ordinal}"),
+                    detail: "no 64-bit integers in shaders (shaderInt64)".to_string(),
+                });
+            }
+            let core = vk::PhysicalDeviceFeatures::default()
+                .shader_int64(true)
+                .shader_int16(info.int16)
+                .shader_float64(info.float64);
             let create = vk::DeviceCreateInfo::default()
                 .queue_create_infos(&queues)
+                .enabled_features(&core)
                 .push_next(&mut v11)
                 .push_next(&mut v12);
             let device = instance
@@ -305,6 +322,7 @@ unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> V
             .iter()
             .any(|e| e.extension_name_as_c_str().is_ok_and(|n| n == name))
     };
+    let core = features.features;
     let p = props.properties;
     let driver_name = driver
         .driver_name_as_c_str()
@@ -327,6 +345,9 @@ unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> V
         max_buffer_bytes: v13.max_buffer_size,
         float16: v12.shader_float16 == vk::TRUE && v11.storage_buffer16_bit_access == vk::TRUE,
         int8: v12.shader_int8 == vk::TRUE && v12.storage_buffer8_bit_access == vk::TRUE,
+        int16: core.shader_int16 == vk::TRUE,
+        int64: core.shader_int64 == vk::TRUE,
+        float64: core.shader_float64 == vk::TRUE,
         cooperative_matrix: has(c"VK_KHR_cooperative_matrix"),
         host_memory_import: has(c"VK_EXT_external_memory_host"),
     }

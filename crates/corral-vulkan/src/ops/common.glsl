@@ -46,6 +46,9 @@ float weight_at(uint64_t base, uint type, uint64_t i) {
 // Fault codes (`fault` in backend.rs).
 const uint FAULT_TOKEN_ID = 1;
 const uint FAULT_ROW_INDEX = 2;
+const uint FAULT_PENALTY_INDEX = 3;
+const uint FAULT_KV_SLOT = 4;
+const uint FAULT_BLOCK_TABLE = 5;
 
 void report(Fault fault, uint code) {
     atomicMax(fault.code, code);
@@ -64,4 +67,34 @@ uint flat_group() {
 // The invocation's number across such a dispatch.
 uint flat_index() {
     return flat_group() * GROUP_SIZE + gl_LocalInvocationID.x;
+}
+
+// KV cache element types, as the host passes them (`kv_type` in ops/attention.rs).
+const uint KV_F32 = 0;
+const uint KV_BF16 = 1;
+
+// `x` rounded to the nearest bf16 (ties to even), as its bits.
+uint bf16_bits(float x) {
+    uint u = floatBitsToUint(x);
+    if (isnan(x)) {
+        return (u >> 16) | 0x40;
+    }
+    return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+}
+
+// Element `i` of a KV cache of type `type` at address `base`.
+float kv_at(uint64_t base, uint type, uint i) {
+    if (type == KV_F32) {
+        return Floats(base).v[i];
+    }
+    return uintBitsToFloat(uint(Halves(base).v[i]) << 16);
+}
+
+// Stores `x` as element `i` of a KV cache of type `type` at address `base`.
+void kv_put(uint64_t base, uint type, uint i, float x) {
+    if (type == KV_F32) {
+        Floats(base).v[i] = x;
+    } else {
+        Halves(base).v[i] = uint16_t(bf16_bits(x));
+    }
 }

@@ -1,6 +1,7 @@
 //! The ops: each family's host half here, its shaders beside it (`*.comp`). Every op is
 //! one dispatch recorded into the stream; arguments come checked by `dyn Backend`'s entries.
 
+mod attention;
 mod copies;
 mod matmul;
 mod norms;

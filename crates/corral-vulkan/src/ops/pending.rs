@@ -3,9 +3,8 @@
 //! (`VulkanBackend::FAMILIES`).
 
 use corral_backend::{
-    AttentionMeta, AttentionOps, AttentionShape, BackendError, DeltaNetShape, DeviceBuffer,
-    ExpertWeights, MoeOps, MoeRouting, MoeSorted, QkShape, RecurrentOps, RecurrentRuns, Result,
-    RopeParams, SamplingOps,
+    BackendError, DeltaNetShape, DeviceBuffer, ExpertWeights, MoeOps, MoeRouting, MoeSorted,
+    RecurrentOps, RecurrentRuns, Result,
 };
 
 use crate::VulkanBackend;
@@ -16,62 +15,6 @@ fn not_yet(op: &'static str) -> Result<()> {
         op,
         detail: "not computed by the Vulkan backend yet".to_string(),
     })
-}
-
-impl AttentionOps for VulkanBackend {
-    fn rope(
-        &self,
-        _x: &mut DeviceBuffer,
-        _positions: &DeviceBuffer,
-        _tokens: usize,
-        _heads: usize,
-        _head_dim: usize,
-        _rotary_dim: usize,
-        _rope: RopeParams,
-    ) -> Result<()> {
-        not_yet("rope")
-    }
-
-    fn kv_store(
-        &self,
-        _k: &DeviceBuffer,
-        _v: &DeviceBuffer,
-        _slots: &DeviceBuffer,
-        _tokens: usize,
-        _kv_heads: usize,
-        _head_dim: usize,
-        _cache_k: &mut DeviceBuffer,
-        _cache_v: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("kv_store")
-    }
-
-    fn qkv_norm_rope_store(
-        &self,
-        _qkv: &DeviceBuffer,
-        _q_weight: &DeviceBuffer,
-        _k_weight: &DeviceBuffer,
-        _positions: &DeviceBuffer,
-        _slots: &DeviceBuffer,
-        _shape: QkShape,
-        _q_out: &mut DeviceBuffer,
-        _cache_k: &mut DeviceBuffer,
-        _cache_v: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("qkv_norm_rope_store")
-    }
-
-    fn paged_attention(
-        &self,
-        _q: &DeviceBuffer,
-        _cache_k: &DeviceBuffer,
-        _cache_v: &DeviceBuffer,
-        _meta: &AttentionMeta<'_>,
-        _shape: AttentionShape,
-        _out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("paged_attention")
-    }
 }
 
 impl MoeOps for VulkanBackend {
@@ -197,38 +140,5 @@ impl RecurrentOps for VulkanBackend {
         _out: &mut DeviceBuffer,
     ) -> Result<()> {
         not_yet("gated_delta_rule")
-    }
-}
-
-impl SamplingOps for VulkanBackend {
-    fn logit_penalties(
-        &self,
-        _logits: &mut DeviceBuffer,
-        _len: usize,
-        _entries: &DeviceBuffer,
-        _n: usize,
-    ) -> Result<()> {
-        not_yet("logit_penalties")
-    }
-
-    fn top_candidates(
-        &self,
-        _logits: &DeviceBuffer,
-        _rows: usize,
-        _vocab: usize,
-        _draws: &DeviceBuffer,
-        _out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("top_candidates")
-    }
-
-    fn argmax(
-        &self,
-        logits: &DeviceBuffer,
-        rows: usize,
-        vocab: usize,
-        ids: &mut DeviceBuffer,
-    ) -> Result<()> {
-        self.argmax_rows(logits, rows, vocab, ids)
     }
 }

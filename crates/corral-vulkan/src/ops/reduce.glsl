@@ -1,4 +1,4 @@
-// Sums over a workgroup, by subgroups then through shared memory.
+// Sums and maxima over a workgroup, by subgroups then through shared memory.
 // Every invocation of the workgroup calls it, in uniform control flow.
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
@@ -17,4 +17,19 @@ float workgroup_sum(float v) {
     }
     barrier();
     return total;
+}
+
+// The largest of `v` over the workgroup, to every invocation (as `workgroup_sum`).
+float workgroup_max(float v) {
+    v = subgroupMax(v);
+    if (subgroupElect()) {
+        subgroup_sums[gl_SubgroupID] = v;
+    }
+    barrier();
+    float m = subgroup_sums[0];
+    for (uint s = 1; s < gl_NumSubgroups; s++) {
+        m = max(m, subgroup_sums[s]);
+    }
+    barrier();
+    return m;
 }

@@ -1,0 +1,184 @@
+//! Attention (`rope.comp`, `kv_store.comp`, `qkv_norm_rope_store.comp`,
+//! `paged_attention.comp`): RoPE to the references' precision from the host's inverse
+//! frequencies, the paged KV cache in f32 or bf16.
+
+use corral_backend::{
+    AttentionMeta, AttentionOps, AttentionShape, BackendError, BufferUsage, DType, DeviceBuffer,
+    QkShape, Result, RopeParams,
+};
+
+use super::{grid, grid_of};
+use crate::VulkanBackend;
+use crate::args::{Args, address};
+use crate::backend::memory;
+
+/// A KV cache's element type as `kv_at` in `common.glsl` takes it.
+fn kv_type(op: &'static str, dtype: DType) -> Result<usize> {
+    match dtype {
+        DType::F32 => Ok(0),
+        DType::BF16 => Ok(1),
+        other => Err(BackendError::BadArgument {
+            op,
+            detail: format!("a KV cache of {other} (this backend keeps f32 or bf16)"),
+        }),
+    }
+}
+
+impl VulkanBackend {
+    /// The address of the `rotary_dim / 2` inverse frequencies of `rope` (the host's f32
+    /// values, as the references form them), and its attention factor: made once a set of
+    /// parameters, in a buffer no queued work reads yet, so written without a wait.
+    fn rope_freqs(&self, rope: RopeParams, rotary_dim: usize) -> Result<(u64, f32)> {
+        let args = rope.args(rotary_dim);
+        let key = [
+            args.theta.to_bits(),
+            args.factor.to_bits(),
+            args.ramp_low.to_bits(),
+            args.ramp_width.to_bits(),
+            rotary_dim as u32,
+        ];
+        let mut tables = self
+            .rope_tables
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(b) = tables.get(&key) {
+            return Ok((address("rope", b)?, args.attention_factor));
+        }
+        let freqs: Vec<f32> = (0..rotary_dim / 2)
+            .map(|p| args.inverse_frequency(p, rotary_dim))
+            .collect();
+        let mut b = self.new_buffer(DType::F32, freqs.len().max(1), BufferUsage::Weights)?;
+        b.hold_for_graphs();
+        memory("rope", &b)?.write(0, bytemuck::cast_slice(&freqs));
+        let at = address("rope", &b)?;
+        tables.insert(key, b);
+        Ok((at, args.attention_factor))
+    }
+}
+
+impl AttentionOps for VulkanBackend {
+    fn rope(
+        &self,
+        x: &mut DeviceBuffer,
+        positions: &DeviceBuffer,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        rope: RopeParams,
+    ) -> Result<()> {
+        let op = "rope";
+        let (freqs, factor) = self.rope_freqs(rope, rotary_dim)?;
+        let len = tokens * heads * rotary_dim / 2;
+        let args = Args::new(op)
+            .buf(x)?
+            .buf(positions)?
+            .address(freqs)?
+            .count(len)?
+            .count(heads)?
+            .count(head_dim)?
+            .count(rotary_dim / 2)?
+            .float(factor)?;
+        self.dispatch(op, grid_of(op, len)?, &args)
+    }
+
+    fn kv_store(
+        &self,
+        k: &DeviceBuffer,
+        v: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        tokens: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "kv_store";
+        let kv_dim = kv_heads * head_dim;
+        let len = tokens * kv_dim;
+        let args = Args::new(op)
+            .buf(k)?
+            .buf(v)?
+            .buf(slots)?
+            .buf(cache_k)?
+            .buf(cache_v)?
+            .address(self.fault.address())?
+            .count(len)?
+            .count(kv_dim)?
+            .count(cache_k.len().min(cache_v.len()) / kv_dim.max(1))?
+            .count(kv_type(op, cache_k.dtype())?)?;
+        self.dispatch(op, grid_of(op, len)?, &args)
+    }
+
+    fn qkv_norm_rope_store(
+        &self,
+        qkv: &DeviceBuffer,
+        q_weight: &DeviceBuffer,
+        k_weight: &DeviceBuffer,
+        positions: &DeviceBuffer,
+        slots: &DeviceBuffer,
+        shape: QkShape,
+        q_out: &mut DeviceBuffer,
+        cache_k: &mut DeviceBuffer,
+        cache_v: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "qkv_norm_rope_store";
+        let (freqs, factor) = self.rope_freqs(shape.rope, shape.rotary_dim)?;
+        let kv_dim = shape.kv_heads * shape.head_dim;
+        let args = Args::new(op)
+            .buf(qkv)?
+            .buf(q_weight)?
+            .buf(k_weight)?
+            .buf(positions)?
+            .buf(slots)?
+            .address(freqs)?
+            .buf(q_out)?
+            .buf(cache_k)?
+            .buf(cache_v)?
+            .address(self.fault.address())?
+            .count(shape.tokens)?
+            .count(shape.heads)?
+            .count(shape.kv_heads)?
+            .count(shape.head_dim)?
+            .count(shape.rotary_dim / 2)?
+            .float(factor)?
+            .float(shape.eps)?
+            .count(cache_k.len().min(cache_v.len()) / kv_dim.max(1))?
+            .count(kv_type(op, cache_k.dtype())?)?;
+        let groups = shape.tokens * (shape.heads + shape.kv_heads);
+        self.dispatch(op, grid(op, groups)?, &args)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &DeviceBuffer,
+        cache_k: &DeviceBuffer,
+        cache_v: &DeviceBuffer,
+        meta: &AttentionMeta<'_>,
+        shape: AttentionShape,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "paged_attention";
+        let kv_dim = shape.num_kv_heads * shape.head_dim;
+        let rows = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
+        let args = Args::new(op)
+            .buf(q)?
+            .buf(cache_k)?
+            .buf(cache_v)?
+            .buf(meta.positions)?
+            .buf(meta.token_runs)?
+            .buf(meta.block_tables)?
+            .buf(out)?
+            .address(self.fault.address())?
+            .count(meta.tokens)?
+            .count(shape.num_heads)?
+            .count(shape.num_kv_heads)?
+            .count(shape.head_dim)?
+            .count(meta.max_blocks_per_run)?
+            .count(meta.block_size)?
+            .count(rows / meta.block_size.max(1))?
+            .float(shape.scale)?
+            .count(kv_type(op, cache_k.dtype())?)?;
+        self.dispatch(op, grid(op, meta.tokens * shape.num_heads)?, &args)
+    }
+}
