@@ -36,6 +36,8 @@ pub(crate) mod fault {
     pub(crate) const KV_SLOT: u32 = 4;
     /// A block table entry past the cache, or a position past the table.
     pub(crate) const BLOCK_TABLE: u32 = 5;
+    /// An expert id past the layer's experts.
+    pub(crate) const EXPERT_ID: u32 = 6;
 }
 
 /// What a fault code means.
@@ -46,6 +48,7 @@ fn fault_text(code: u32) -> &'static str {
         fault::PENALTY_INDEX => "logit_penalties: a penalty's index past the logits",
         fault::KV_SLOT => "kv_store: cache slot",
         fault::BLOCK_TABLE => "paged_attention: a block table entry, or a position past the table",
+        fault::EXPERT_ID => "MoE: expert id",
         _ => "unknown device error",
     }
 }
@@ -88,6 +91,8 @@ impl VulkanBackend {
         "sampling",
         "argmax",
         "attention",
+        "moe",
+        "experts",
     ];
 
     /// Opens Vulkan device `options.ordinal` and makes a pipeline for every shader.

@@ -49,6 +49,7 @@ const uint FAULT_ROW_INDEX = 2;
 const uint FAULT_PENALTY_INDEX = 3;
 const uint FAULT_KV_SLOT = 4;
 const uint FAULT_BLOCK_TABLE = 5;
+const uint FAULT_EXPERT_ID = 6;
 
 void report(Fault fault, uint code) {
     atomicMax(fault.code, code);
@@ -97,4 +98,9 @@ void kv_put(uint64_t base, uint type, uint i, float x) {
     } else {
         Halves(base).v[i] = uint16_t(bf16_bits(x));
     }
+}
+
+// Expert `e`'s matrix address from a table of 64-bit addresses (two words each).
+uint64_t expert_at(Uints table, uint e) {
+    return uint64_t(table.v[2 * e]) | (uint64_t(table.v[2 * e + 1]) << 32);
 }

@@ -4,6 +4,7 @@
 mod attention;
 mod copies;
 mod matmul;
+mod moe;
 mod norms;
 mod pending;
 mod sampling;

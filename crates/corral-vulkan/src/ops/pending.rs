@@ -3,8 +3,7 @@
 //! (`VulkanBackend::FAMILIES`).
 
 use corral_backend::{
-    BackendError, DeltaNetShape, DeviceBuffer, ExpertWeights, MoeOps, MoeRouting, MoeSorted,
-    RecurrentOps, RecurrentRuns, Result,
+    BackendError, DeltaNetShape, DeviceBuffer, RecurrentOps, RecurrentRuns, Result,
 };
 
 use crate::VulkanBackend;
@@ -15,90 +14,6 @@ fn not_yet(op: &'static str) -> Result<()> {
         op,
         detail: "not computed by the Vulkan backend yet".to_string(),
     })
-}
-
-impl MoeOps for VulkanBackend {
-    fn moe_route(
-        &self,
-        _logits: &DeviceBuffer,
-        _tokens: usize,
-        _num_experts: usize,
-        _top_k: usize,
-        _renormalize: bool,
-        _shared_gate: bool,
-        _expert_ids: &mut DeviceBuffer,
-        _expert_weights: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("moe_route")
-    }
-
-    fn scale_scatter_add(
-        &self,
-        _y: &DeviceBuffer,
-        _rows: &DeviceBuffer,
-        _scales: &DeviceBuffer,
-        _num_rows: usize,
-        _dim: usize,
-        _out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("scale_scatter_add")
-    }
-
-    fn moe_sort(
-        &self,
-        _routing: MoeRouting<'_>,
-        _num_experts: usize,
-        _expert_offsets: &mut DeviceBuffer,
-        _hit_experts: &mut DeviceBuffer,
-        _sorted_pairs: &mut DeviceBuffer,
-        _pair_positions: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("moe_sort")
-    }
-
-    fn moe_grouped_gate_up(
-        &self,
-        _x: &DeviceBuffer,
-        _routing: MoeRouting<'_>,
-        _sorted: MoeSorted<'_>,
-        _experts: &ExpertWeights,
-        _act: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("moe_grouped_gate_up")
-    }
-
-    fn moe_grouped_down(
-        &self,
-        _act: &DeviceBuffer,
-        _routing: MoeRouting<'_>,
-        _sorted: MoeSorted<'_>,
-        _experts: &ExpertWeights,
-        _y: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("moe_grouped_down")
-    }
-
-    fn moe_combine(
-        &self,
-        _y: &DeviceBuffer,
-        _routing: MoeRouting<'_>,
-        _sorted: MoeSorted<'_>,
-        _hidden: usize,
-        _out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("moe_combine")
-    }
-
-    fn moe_experts_per_token(
-        &self,
-        _x: &DeviceBuffer,
-        _routing: MoeRouting<'_>,
-        _experts: &ExpertWeights,
-        _act: &mut DeviceBuffer,
-        _out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("moe_experts_per_token")
-    }
 }
 
 impl RecurrentOps for VulkanBackend {

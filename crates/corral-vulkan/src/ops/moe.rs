@@ -1,0 +1,230 @@
+//! Mixture-of-experts (`moe_route.comp`, `moe_sort.comp`, `moe_gate_up.comp`,
+//! `moe_down.comp`, `moe_combine.comp`, `moe_down_per_token.comp`,
+//! `scale_scatter_add.comp`): routing and sorting on the device, every expert of a layer in
+//! one dispatch per operator, experts' matrices reached through a table of their addresses.
+
+use corral_backend::{
+    BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights, MoeOps, MoeRouting, MoeSorted,
+    Result,
+};
+
+use super::{grid, grid_of, weight_type};
+use crate::VulkanBackend;
+use crate::args::{Args, address};
+use crate::backend::memory;
+
+impl VulkanBackend {
+    /// The address of `m`'s table of its experts' matrix addresses (made once, on first
+    /// use, in a buffer no queued work reads yet), and their weight type.
+    fn expert_table(&self, op: &'static str, m: &ExpertMatrices) -> Result<(u64, usize)> {
+        let dtype = m.dtype().unwrap_or(DType::F32);
+        let (table, _) = m.device_table(|m| {
+            let words = m
+                .locations()
+                .into_iter()
+                .map(|(b, offset)| Ok(address(op, b)? + dtype.bytes_of(offset) as u64))
+                .collect::<Result<Vec<u64>>>()?;
+            let mut table =
+                self.new_buffer(DType::U32, 2 * words.len().max(1), BufferUsage::Weights)?;
+            table.hold_for_graphs();
+            memory(op, &table)?.write(0, bytemuck::cast_slice(&words));
+            Ok((table, false))
+        })?;
+        Ok((address(op, table)?, weight_type(op, dtype)?))
+    }
+
+    /// The gate/up half into `act`, rows in sorted order (`sorted_pairs`) or pair order.
+    fn gate_up(
+        &self,
+        op: &'static str,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted_pairs: Option<&DeviceBuffer>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let (gate, gate_type) = self.expert_table(op, &experts.gate)?;
+        let (up, up_type) = self.expert_table(op, &experts.up)?;
+        let pairs = routing.tokens * routing.top_k;
+        let inter = experts.gate.rows();
+        let args = Args::new(op)
+            .buf(x)?
+            .buf(routing.expert_ids)?
+            .address(sorted_pairs.map_or(Ok(0), |b| address(op, b))?)?
+            .address(gate)?
+            .address(up)?
+            .buf(act)?
+            .address(self.fault.address())?
+            .count(pairs)?
+            .count(routing.top_k)?
+            .count(inter)?
+            .count(experts.gate.cols())?
+            .count(experts.gate.num_experts())?
+            .count(gate_type)?
+            .count(up_type)?;
+        self.dispatch("moe_gate_up", grid(op, pairs * inter)?, &args)
+    }
+}
+
+impl MoeOps for VulkanBackend {
+    fn moe_route(
+        &self,
+        logits: &DeviceBuffer,
+        tokens: usize,
+        num_experts: usize,
+        top_k: usize,
+        renormalize: bool,
+        shared_gate: bool,
+        expert_ids: &mut DeviceBuffer,
+        expert_weights: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_route";
+        let args = Args::new(op)
+            .buf(logits)?
+            .buf(expert_ids)?
+            .buf(expert_weights)?
+            .count(tokens)?
+            .count(num_experts)?
+            .count(top_k)?
+            .count(usize::from(renormalize))?
+            .count(usize::from(shared_gate))?;
+        self.dispatch(op, grid(op, tokens)?, &args)
+    }
+
+    fn scale_scatter_add(
+        &self,
+        y: &DeviceBuffer,
+        rows: &DeviceBuffer,
+        scales: &DeviceBuffer,
+        num_rows: usize,
+        dim: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "scale_scatter_add";
+        let len = num_rows * dim;
+        let args = Args::new(op)
+            .buf(y)?
+            .buf(rows)?
+            .buf(scales)?
+            .buf(out)?
+            .address(self.fault.address())?
+            .count(len)?
+            .count(dim)?
+            .count(out.len() / dim.max(1))?;
+        self.dispatch(op, grid_of(op, len)?, &args)
+    }
+
+    fn moe_sort(
+        &self,
+        routing: MoeRouting<'_>,
+        num_experts: usize,
+        expert_offsets: &mut DeviceBuffer,
+        hit_experts: &mut DeviceBuffer,
+        sorted_pairs: &mut DeviceBuffer,
+        pair_positions: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_sort";
+        let args = Args::new(op)
+            .buf(routing.expert_ids)?
+            .buf(expert_offsets)?
+            .buf(hit_experts)?
+            .buf(sorted_pairs)?
+            .buf(pair_positions)?
+            .address(self.fault.address())?
+            .count(routing.tokens * routing.top_k)?
+            .count(num_experts)?;
+        self.dispatch(op, [1, 1, 1], &args)
+    }
+
+    fn moe_grouped_gate_up(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_grouped_gate_up";
+        self.gate_up(op, x, routing, Some(sorted.sorted_pairs), experts, act)
+    }
+
+    fn moe_grouped_down(
+        &self,
+        act: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        experts: &ExpertWeights,
+        y: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_grouped_down";
+        let (down, down_type) = self.expert_table(op, &experts.down)?;
+        let pairs = routing.tokens * routing.top_k;
+        let hidden = experts.down.rows();
+        let args = Args::new(op)
+            .buf(act)?
+            .buf(routing.expert_ids)?
+            .buf(routing.expert_weights)?
+            .buf(sorted.sorted_pairs)?
+            .address(down)?
+            .buf(y)?
+            .address(self.fault.address())?
+            .count(pairs)?
+            .count(experts.down.cols())?
+            .count(hidden)?
+            .count(experts.down.num_experts())?
+            .count(down_type)?;
+        self.dispatch("moe_down", grid(op, pairs * hidden)?, &args)
+    }
+
+    fn moe_combine(
+        &self,
+        y: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        sorted: MoeSorted<'_>,
+        hidden: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_combine";
+        let len = routing.tokens * hidden;
+        let args = Args::new(op)
+            .buf(y)?
+            .buf(sorted.pair_positions)?
+            .buf(out)?
+            .count(len)?
+            .count(routing.top_k)?
+            .count(hidden)?;
+        self.dispatch(op, grid_of(op, len)?, &args)
+    }
+
+    fn moe_experts_per_token(
+        &self,
+        x: &DeviceBuffer,
+        routing: MoeRouting<'_>,
+        experts: &ExpertWeights,
+        act: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "moe_experts_per_token";
+        self.gate_up(op, x, routing, None, experts, act)?;
+        let (down, down_type) = self.expert_table(op, &experts.down)?;
+        let hidden = experts.down.rows();
+        let args = Args::new(op)
+            .buf(act)?
+            .buf(routing.expert_ids)?
+            .buf(routing.expert_weights)?
+            .address(down)?
+            .buf(out)?
+            .address(self.fault.address())?
+            .count(routing.tokens)?
+            .count(routing.top_k)?
+            .count(experts.down.cols())?
+            .count(hidden)?
+            .count(experts.down.num_experts())?
+            .count(down_type)?;
+        self.dispatch(
+            "moe_down_per_token",
+            grid(op, routing.tokens * hidden)?,
+            &args,
+        )
+    }
+}
