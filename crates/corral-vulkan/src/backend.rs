@@ -29,6 +29,11 @@ pub(crate) mod fault {
     pub(crate) const TOKEN_ID: u32 = 1;
     /// A row or block index past its buffer.
     pub(crate) const ROW_INDEX: u32 = 2;
+    /// A recurrent run beyond the batch, or a state slot (its own or a kept one) beyond the
+    /// pool.
+    pub(crate) const RECURRENT_RUN: u32 = 3;
+    /// A recurrent run longer than the batch's promised longest run.
+    pub(crate) const RUN_LENGTH: u32 = 4;
 }
 
 /// What a fault code means.
@@ -36,6 +41,10 @@ fn fault_text(code: u32) -> &'static str {
     match code {
         fault::TOKEN_ID => "embedding: token id",
         fault::ROW_INDEX => "row index (gather, scatter or block copy)",
+        fault::RECURRENT_RUN => {
+            "Gated DeltaNet: a run beyond the batch or a state slot beyond the pool"
+        }
+        fault::RUN_LENGTH => "Gated DeltaNet: a run longer than the batch's promised longest run",
         _ => "unknown device error",
     }
 }
@@ -67,7 +76,14 @@ impl std::fmt::Debug for VulkanBackend {
 impl VulkanBackend {
     /// The op families this backend computes so far, as the op conformance suite names
     /// them; every op of the others refuses, saying so.
-    pub const FAMILIES: &[&str] = &["buffers", "copies", "elementwise", "matmul", "argmax"];
+    pub const FAMILIES: &[&str] = &[
+        "buffers",
+        "copies",
+        "elementwise",
+        "matmul",
+        "argmax",
+        "recurrent",
+    ];
 
     /// Opens Vulkan device `options.ordinal` and makes a pipeline for every shader.
     pub fn new(options: VulkanOptions) -> Result<Self> {

@@ -46,6 +46,8 @@ float weight_at(uint64_t base, uint type, uint64_t i) {
 // Fault codes (`fault` in backend.rs).
 const uint FAULT_TOKEN_ID = 1;
 const uint FAULT_ROW_INDEX = 2;
+const uint FAULT_RECURRENT_RUN = 3;
+const uint FAULT_RUN_LENGTH = 4;
 
 void report(Fault fault, uint code) {
     atomicMax(fault.code, code);

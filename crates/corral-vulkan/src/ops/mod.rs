@@ -5,6 +5,7 @@ mod copies;
 mod matmul;
 mod norms;
 mod pending;
+mod recurrent;
 mod sampling;
 
 use corral_backend::{BackendError, DType, Result};

@@ -3,9 +3,8 @@
 //! (`VulkanBackend::FAMILIES`).
 
 use corral_backend::{
-    AttentionMeta, AttentionOps, AttentionShape, BackendError, DeltaNetShape, DeviceBuffer,
-    ExpertWeights, MoeOps, MoeRouting, MoeSorted, QkShape, RecurrentOps, RecurrentRuns, Result,
-    RopeParams, SamplingOps,
+    AttentionMeta, AttentionOps, AttentionShape, BackendError, DeviceBuffer, ExpertWeights, MoeOps,
+    MoeRouting, MoeSorted, QkShape, Result, RopeParams, SamplingOps,
 };
 
 use crate::VulkanBackend;
@@ -155,48 +154,6 @@ impl MoeOps for VulkanBackend {
         _out: &mut DeviceBuffer,
     ) -> Result<()> {
         not_yet("moe_experts_per_token")
-    }
-}
-
-impl RecurrentOps for VulkanBackend {
-    fn causal_conv1d(
-        &self,
-        _x: &DeviceBuffer,
-        _weight: &DeviceBuffer,
-        _channels: usize,
-        _kernel: usize,
-        _runs: RecurrentRuns<'_>,
-        _conv_state: &mut DeviceBuffer,
-        _out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("causal_conv1d")
-    }
-
-    fn delta_net_gates(
-        &self,
-        _a: &DeviceBuffer,
-        _b: &DeviceBuffer,
-        _a_log: &DeviceBuffer,
-        _dt_bias: &DeviceBuffer,
-        _tokens: usize,
-        _heads: usize,
-        _g: &mut DeviceBuffer,
-        _beta: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("delta_net_gates")
-    }
-
-    fn gated_delta_rule(
-        &self,
-        _qkv: &DeviceBuffer,
-        _g: &DeviceBuffer,
-        _beta: &DeviceBuffer,
-        _shape: DeltaNetShape,
-        _runs: RecurrentRuns<'_>,
-        _recurrent_state: &mut DeviceBuffer,
-        _out: &mut DeviceBuffer,
-    ) -> Result<()> {
-        not_yet("gated_delta_rule")
     }
 }
 
