@@ -38,6 +38,11 @@ pub(crate) mod fault {
     pub(crate) const BLOCK_TABLE: u32 = 5;
     /// An expert id past the layer's experts.
     pub(crate) const EXPERT_ID: u32 = 6;
+    /// A recurrent run beyond the batch, or a state slot (its own or a kept one) beyond the
+    /// pool.
+    pub(crate) const RECURRENT_RUN: u32 = 7;
+    /// A recurrent run longer than the batch's promised longest run.
+    pub(crate) const RUN_LENGTH: u32 = 8;
 }
 
 /// What a fault code means.
@@ -49,6 +54,10 @@ fn fault_text(code: u32) -> &'static str {
         fault::KV_SLOT => "kv_store: cache slot",
         fault::BLOCK_TABLE => "paged_attention: a block table entry, or a position past the table",
         fault::EXPERT_ID => "MoE: expert id",
+        fault::RECURRENT_RUN => {
+            "Gated DeltaNet: a run beyond the batch or a state slot beyond the pool"
+        }
+        fault::RUN_LENGTH => "Gated DeltaNet: a run longer than the batch's promised longest run",
         _ => "unknown device error",
     }
 }
@@ -81,20 +90,6 @@ impl std::fmt::Debug for VulkanBackend {
 }
 
 impl VulkanBackend {
-    /// The op families this backend computes so far, as the op conformance suite names
-    /// them; every op of the others refuses, saying so.
-    pub const FAMILIES: &[&str] = &[
-        "buffers",
-        "copies",
-        "elementwise",
-        "matmul",
-        "sampling",
-        "argmax",
-        "attention",
-        "moe",
-        "experts",
-    ];
-
     /// Opens Vulkan device `options.ordinal` and makes a pipeline for every shader.
     pub fn new(options: VulkanOptions) -> Result<Self> {
         let device = VulkanDevice::open(options.ordinal)?;

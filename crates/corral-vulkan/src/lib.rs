@@ -1,9 +1,10 @@
-//! The Vulkan backend, in the making: the device opened through the Vulkan loader at run time
-//! (one binary with or without a Vulkan driver), what it can do as data, buffers reached by
-//! their device addresses, and compute shaders compiled to SPIR-V by the build, recorded into
-//! one command buffer a step and replayed as graphs. It runs on Mesa's lavapipe (Vulkan on
-//! the CPU), RADV on AMD's iGPUs and NVIDIA's driver alike. It computes the op families of
-//! [`VulkanBackend::FAMILIES`] so far; the others refuse, saying so.
+//! The Vulkan backend: the device opened through the Vulkan loader at run time (one binary
+//! with or without a Vulkan driver), what it can do as data, buffers reached by their device
+//! addresses, and compute shaders compiled to SPIR-V by the build, recorded into one command
+//! buffer a step and replayed as graphs. It runs on Mesa's lavapipe (Vulkan on the CPU),
+//! RADV on AMD's iGPUs and NVIDIA's driver alike. Every op is computed, in f32 from float
+//! weights (f32, bf16, f16) with an f32 or bf16 KV cache, by portable shaders written for
+//! correctness first: block-format weights and the fast per-device kernels come next.
 
 mod args;
 mod backend;

@@ -31,7 +31,7 @@ proptest! {
             RopeParams::plain(1e6)
         };
         let want = reference::rope(&x, &positions, heads, head_dim, rotary_dim, params);
-        for s in subjects("attention") {
+        for s in subjects() {
             let b = s.backend;
             let mut xb = f32_buf(b, &x);
             let pos = u32_buf(b, &positions);
@@ -58,7 +58,7 @@ proptest! {
             slots.swap(i, rng.below(i + 1));
         }
         slots.truncate(tokens);
-        for s in subjects("attention") {
+        for s in subjects() {
             let b = s.backend;
             let (kb, vb, sb) = (f32_buf(b, &k), f32_buf(b, &v), u32_buf(b, &slots));
             for dtype in [DType::F32, DType::BF16] {
@@ -135,7 +135,7 @@ proptest! {
                 (heads, kv_heads, head_dim),
                 scale,
             );
-            for s in subjects("attention") {
+            for s in subjects() {
                 if !s.backend.capabilities().kv_dtypes.contains(&dtype) {
                     continue;
                 }
@@ -233,7 +233,7 @@ proptest! {
             want_v[at..at + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
         }
         let shape = corral_backend::QkShape { tokens, heads, kv_heads, head_dim, rotary_dim, rope, eps };
-        for s in subjects("attention") {
+        for s in subjects() {
             let b = s.backend;
             let (qw_b, kw_b) = (b.weight_from_f32(&qw, DType::F32).unwrap(), b.weight_from_f32(&kw, DType::F32).unwrap());
             let (pos, slot_b) = (u32_buf(b, &positions), u32_buf(b, &slots));
@@ -270,7 +270,7 @@ fn read_cache(
 /// and mismatched heads are refused alike by every backend.
 #[test]
 fn attention_ops_refuse_bad_shapes() {
-    for s in subjects("attention") {
+    for s in subjects() {
         let b = s.backend;
         let mut x = out_buf(b, 4 * 1024);
         let pos = u32_buf(b, &[0, 1]);
@@ -533,7 +533,7 @@ fn paged_attention_matches_the_reference_where_kernels_change() {
             block: [4, 16][case % 2],
             runs,
         };
-        for s in subjects("attention") {
+        for s in subjects() {
             for &dtype in &s.backend.capabilities().kv_dtypes {
                 let (got, want, bf16) = c.run(s.backend, dtype, case as u64);
                 let what = format!(
@@ -657,7 +657,7 @@ fn qkv_norm_rope_store_matches_the_references_into_every_cache() {
             eps,
         };
         let what = format!("case {case}: {tokens} tokens, {heads}/{kv_heads} heads of {head_dim}");
-        for s in subjects("attention") {
+        for s in subjects() {
             let b = s.backend;
             for &dtype in &b.capabilities().kv_dtypes {
                 let held = |v: &[f32]| held_in(dtype, v, head_dim);

@@ -23,7 +23,7 @@ proptest! {
             rng.values(dim),
         );
         let eps = 1e-6;
-        for s in subjects("elementwise") {
+        for s in subjects() {
             let b = s.backend;
             let (xb, zb) = (f32_buf(b, &x), f32_buf(b, &z));
             let wb = b.weight_from_f32(&w, DType::F32).unwrap();
@@ -56,7 +56,7 @@ proptest! {
         let mut rng = Rng(seed);
         let len = rows * dim;
         let (x, y, gate) = (rng.values(len), rng.values(len), rng.values(rows));
-        for s in subjects("elementwise") {
+        for s in subjects() {
             let b = s.backend;
             let (xb, yb, gb) = (f32_buf(b, &x), f32_buf(b, &y), f32_buf(b, &gate));
             let mut out = out_buf(b, len);
@@ -87,7 +87,7 @@ proptest! {
 #[test]
 fn norms_and_elementwise_ops_refuse_bad_buffers() {
     let (rows, dim) = (3, 8);
-    for s in subjects("elementwise") {
+    for s in subjects() {
         let b = s.backend;
         let x = f32_buf(b, &[0.5; 24]);
         let short = f32_buf(b, &[0.5; 23]);

@@ -208,7 +208,7 @@ fn experts_match_the_references(layer: Layer, seed: u64) {
     let want = reference::moe_experts(&x, &ids, &weights, choices, [&gate, &up, &down], i, h);
     let what = format!("{layer:?}");
     let mut grouped_by_subject = Vec::new();
-    for s in subjects("experts") {
+    for s in subjects() {
         let b = s.backend;
         let w = expert_weights(b, &layer, &values, &extra);
         let r = Routed::new(b, &layer, &logits);
@@ -381,7 +381,7 @@ fn routed_experts_match_the_references_where_kernels_change() {
 /// not made.
 #[test]
 fn expert_ops_refuse_bad_shapes() {
-    for s in subjects("experts") {
+    for s in subjects() {
         let b = s.backend;
         let layer = Layer {
             tokens: 2,
@@ -563,7 +563,7 @@ fn block_format_experts_match_the_references() {
             renormalize: true,
             ties: false,
         };
-        for s in subjects("experts") {
+        for s in subjects() {
             let b = s.backend;
             if !b.capabilities().reads(up_format) || !b.capabilities().reads(down_format) {
                 continue;

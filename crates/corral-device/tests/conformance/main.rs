@@ -1,8 +1,8 @@
 //! The op conformance suite: every op each backend computes, against the plain references
 //! of `corral_backend::reference` on random shapes, and its arguments refused alike by every
 //! backend. It runs for every backend this machine can open ([`subjects`]): the CPU always,
-//! CUDA where a GPU is usable, Vulkan where a Vulkan device is (lavapipe in CI), on the op
-//! families it computes so far. A new backend gets every test by adding its line there.
+//! CUDA where a GPU is usable, Vulkan where a Vulkan device is (lavapipe in CI). A new
+//! backend gets every test by adding its line there.
 //! Where a GPU runs, run it with `--test-threads=1`: the tests share one backend a device,
 //! and a fault a test provokes on purpose is reported by the device's next read-back, which
 //! must be that test's.
@@ -40,11 +40,10 @@ pub(crate) struct Subject {
     pub(crate) tol: f64,
 }
 
-/// Every backend this machine can open that computes the op family `family` (the test
-/// module's name; `argmax` apart from the rest of sampling), one line each; a backend's
-/// other strategies for the same ops (the CUDA backend's own kernels where it would call
-/// cuBLAS or stream weights) are subjects of their own.
-pub(crate) fn subjects(family: &str) -> Vec<Subject> {
+/// Every backend this machine can open, one line each; a backend's other strategies for
+/// the same ops (the CUDA backend's own kernels where it would call cuBLAS or stream
+/// weights) are subjects of their own.
+pub(crate) fn subjects() -> Vec<Subject> {
     static CPU: OnceLock<CpuBackend> = OnceLock::new();
     static CUDA: OnceLock<Option<[CudaBackend; 2]>> = OnceLock::new();
     let mut all = vec![Subject {
@@ -99,10 +98,7 @@ pub(crate) fn subjects(family: &str) -> Vec<Subject> {
         ));
     }
     let vulkan = VULKAN.with(|v| *v);
-    if let Some(vulkan) = vulkan
-        .as_ref()
-        .filter(|_| VulkanBackend::FAMILIES.contains(&family))
-    {
+    if let Some(vulkan) = vulkan {
         all.push(Subject {
             name: "vulkan",
             backend: vulkan,

@@ -28,7 +28,7 @@ proptest! {
         let x = rng.values(m * k);
         let w_all = rng.values((n + row_offset) * k);
         let want = reference::matmul(&x, m, k, &stored(dtype, &w_all[row_offset * k..]), n);
-        for s in subjects("matmul") {
+        for s in subjects() {
             let b = s.backend;
             let w = b.weight_from_f32(&w_all, dtype).unwrap();
             let view = WeightView::new(&w, n + row_offset, k).unwrap().rows(row_offset, n).unwrap();
@@ -160,7 +160,7 @@ proptest! {
         let x = rng.values(m * cols);
         let total: usize = parts.iter().map(|(_, n)| n).sum();
         let wide = total + 3;
-        for s in subjects("matmul") {
+        for s in subjects() {
             let b = s.backend;
             let made: Option<Vec<_>> = parts
                 .iter()
@@ -263,7 +263,7 @@ fn matmul_matches_the_reference_where_kernels_change() {
         let want = reference::matmul(&x, rows, k, &stored(dtype, &w[k..]), n);
         let what = format!("case {case}: rows {rows} n {n} k {k} {dtype}");
         let mut results = Vec::new();
-        for s in subjects("matmul") {
+        for s in subjects() {
             let b = s.backend;
             let wb = b.weight_from_f32(&w, dtype).unwrap();
             let view = WeightView::new(&wb, n + 1, k).unwrap().rows(1, n).unwrap();
@@ -298,7 +298,7 @@ fn matmul_matches_the_reference_where_kernels_change() {
 /// columns past the row and projections without outputs are refused alike.
 #[test]
 fn projections_refuse_bad_arguments() {
-    for s in subjects("matmul") {
+    for s in subjects() {
         let b = s.backend;
         let w = b.weight_from_f32(&[0.5; 64], DType::BF16).unwrap();
         let x = f32_buf(b, &[1.0; 16]);
@@ -368,7 +368,7 @@ fn block_format_products_match_the_reference_where_kernels_change() {
             let cols = block * if passes { 40 } else { spans };
             let x = rng.values(rows * cols);
             let f = Format::Blocks(format);
-            for s in subjects("matmul") {
+            for s in subjects() {
                 let b = s.backend;
                 let Some((w, values)) = f.weights(b, out_rows * cols, 50 + n as u64) else {
                     continue;

@@ -7,7 +7,7 @@ use crate::{Rng, assert_near, assert_refused, download, f32_buf, out_buf, subjec
 
 #[test]
 fn route_breaks_ties_to_the_lower_expert_and_renormalises() {
-    for s in subjects("moe") {
+    for s in subjects() {
         let b = s.backend;
         // Token 0: experts 1 and 3 tie for first, 0 and 2 tie for last. Token 1: all equal.
         let logits = f32_buf(b, &[0.0, 2.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0]);
@@ -51,7 +51,7 @@ fn route_breaks_ties_to_the_lower_expert_and_renormalises() {
 
 #[test]
 fn route_with_a_shared_gate_adds_the_shared_expert_after_the_top_k() {
-    for s in subjects("moe") {
+    for s in subjects() {
         let b = s.backend;
         // Two tokens of 3 experts and a shared gate logit each (the 4th column).
         let logits = f32_buf(b, &[3.0, 1.0, 2.0, 0.0, 0.5, 1.5, 1.0, -2.0]);
@@ -106,7 +106,7 @@ proptest! {
         let n = rows.len();
         let (y, scales, base) = (rng.values(n * dim), rng.values(n), rng.values(out_rows * dim));
         let want = reference::scale_scatter_add(&base, &y, &rows, &scales, dim);
-        for s in subjects("moe") {
+        for s in subjects() {
             let b = s.backend;
             let mut out = f32_buf(b, &base);
             let (yb, rb, sb) = (f32_buf(b, &y), u32_buf(b, &rows), f32_buf(b, &scales));
@@ -120,7 +120,7 @@ proptest! {
 /// refused alike.
 #[test]
 fn routing_refuses_bad_shapes() {
-    for s in subjects("moe") {
+    for s in subjects() {
         let b = s.backend;
         let logits = f32_buf(b, &[0.0; 16]);
         let mut ids = u32_buf(b, &[0; 8]);

@@ -61,7 +61,7 @@ proptest! {
         let (a, bv) = (rng.values(tokens * heads), rng.values(tokens * heads));
         let (a_log, dt_bias) = (rng.values(heads), rng.values(heads));
         let (want_g, want_beta) = reference::delta_net_gates(&a, &bv, &a_log, &dt_bias);
-        for s in subjects("recurrent") {
+        for s in subjects() {
             let b = s.backend;
             let (al, dt) = (
                 b.weight_from_f32(&a_log, DType::F32).unwrap(),
@@ -89,7 +89,7 @@ proptest! {
         let state0 = rng.values(slots * channels * (kernel - 1));
         let mut want_state = state0.clone();
         let want = reference::causal_conv1d(&x, &w, channels, kernel, &runs, &mut want_state);
-        for s in subjects("recurrent") {
+        for s in subjects() {
             let b = s.backend;
             let runs_buf = u32_buf(b, &flat(&runs));
             let rr = RecurrentRuns {
@@ -130,7 +130,7 @@ proptest! {
         let mut want_state = state0.clone();
         let want = reference::gated_delta_rule(&qkv, &g, &beta, (nk, nv, dk, dv), &runs, &mut want_state);
         let shape = DeltaNetShape { num_key_heads: nk, num_value_heads: nv, key_dim: dk, value_dim: dv };
-        for s in subjects("recurrent") {
+        for s in subjects() {
             let b = s.backend;
             let runs_buf = u32_buf(b, &flat(&runs));
             let rr = RecurrentRuns {
@@ -153,7 +153,7 @@ proptest! {
 /// short, are refused alike, and nothing is written.
 #[test]
 fn recurrent_ops_refuse_bad_shapes() {
-    for s in subjects("recurrent") {
+    for s in subjects() {
         let b = s.backend;
         let runs_buf = u32_buf(b, &[0, 2, 0, 1]);
         let f32_kept = f32_buf(b, &[0.0]);
@@ -261,7 +261,7 @@ fn the_delta_rule_matches_the_reference_over_long_runs() {
         let want =
             reference::gated_delta_rule(&qkv, &g, &beta, (nk, nv, dk, dv), &runs, &mut want_state);
         let longest = lens.iter().copied().max().unwrap_or(1);
-        for s in subjects("recurrent") {
+        for s in subjects() {
             let b = s.backend;
             let (qkv_b, g_b, beta_b) = (f32_buf(b, &qkv), f32_buf(b, &g), f32_buf(b, &beta));
             let run_words = u32_buf(b, &flat(&runs));
@@ -428,7 +428,7 @@ fn kept_states_are_the_states_after_each_token() {
         let words = words_of(&runs);
         let what = format!("case {case}: runs {lens:?}, {nv}/{nk} heads of {dv}/{dk}");
         let want = [&conv_out[..], &conv_state, &out, &state];
-        for s in subjects("recurrent") {
+        for s in subjects() {
             let got = crate::common::recurrence(
                 s.backend,
                 (&x, &w, kernel),
@@ -495,7 +495,7 @@ fn recurrent_ops_match_the_references_where_kernels_change() {
             "case {case}: runs {lens:?}, {channels} channels, kernel {kernel}, {nv}/{nk} heads of {dv}/{dk}"
         );
         let want = [&want_conv[..], &want_conv_state, &want, &want_state];
-        for s in subjects("recurrent") {
+        for s in subjects() {
             let got = crate::common::recurrence(
                 s.backend,
                 (&x, &w, kernel),

@@ -71,7 +71,7 @@ fn penalties_and_candidates_match_the_references() {
                 .map(|l| if l.is_nan() { u32::MAX } else { l.to_bits() })
                 .collect::<Vec<_>>()
         };
-        for s in subjects("sampling") {
+        for s in subjects() {
             let b = s.backend;
             let mut x = f32_buf(b, &logits);
             b.logit_penalties(&mut x, rows * vocab, &u32_buf(b, &entries), penalties.len())
@@ -128,7 +128,7 @@ fn penalties_and_candidates_match_the_references() {
 /// short buffers or ones of the wrong type are refused alike.
 #[test]
 fn sampling_ops_refuse_bad_arguments() {
-    for s in subjects("sampling") {
+    for s in subjects() {
         let b = s.backend;
         let mut x = f32_buf(b, &[0.5; 64]);
         let far = Penalty {
@@ -186,7 +186,7 @@ proptest! {
             logits[..vocab].fill(f32::NEG_INFINITY);
         }
         let want = reference::argmax(&logits, vocab);
-        for s in subjects("argmax") {
+        for s in subjects() {
             let b = s.backend;
             let mut ids = u32_buf(b, &vec![7; rows]);
             b.argmax(&f32_buf(b, &logits), rows, vocab, &mut ids).unwrap();

@@ -50,6 +50,8 @@ const uint FAULT_PENALTY_INDEX = 3;
 const uint FAULT_KV_SLOT = 4;
 const uint FAULT_BLOCK_TABLE = 5;
 const uint FAULT_EXPERT_ID = 6;
+const uint FAULT_RECURRENT_RUN = 7;
+const uint FAULT_RUN_LENGTH = 8;
 
 void report(Fault fault, uint code) {
     atomicMax(fault.code, code);

@@ -6,7 +6,7 @@ mod copies;
 mod matmul;
 mod moe;
 mod norms;
-mod pending;
+mod recurrent;
 mod sampling;
 
 use corral_backend::{BackendError, DType, Result};
