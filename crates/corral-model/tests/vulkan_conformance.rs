@@ -1,8 +1,10 @@
 //! Conformance of the Vulkan backend on the committed tiny checkpoints (on lavapipe in CI):
 //! every Qwen3 / Qwen3-MoE fixture against transformers' fp32 logits at chunk 1, 7 and whole
-//! under every MoE strategy, within 1e-4 with an f32 KV cache (its shaders compute in f32, as
-//! the CPU does) and within bf16 tolerance with the default bf16 cache; greedy continuations
-//! identical to the CPU's. Without a Vulkan device each test says why it skipped and passes,
+//! under every MoE strategy, and every hybrid (Qwen3.5 MoE in both layouts, Qwen3.5 dense,
+//! Qwen3-Next) at chunk 1, 7, 64 and whole under the grouped and per-token experts, within
+//! 1e-4 with an f32 KV cache (its shaders compute in f32, as the CPU does); the Qwen3 ones
+//! within bf16 tolerance with the default bf16 cache; greedy continuations identical to the
+//! CPU's. (Lavapipe takes about 2 s a hybrid forward: the matrix is cut to what CI affords.) Without a Vulkan device each test says why it skipped and passes,
 //! unless `CORRAL_REQUIRE_VULKAN=1` (as CI sets it), which fails it instead.
 
 mod common;
@@ -16,6 +18,19 @@ use corral_model::MoeStrategy;
 use corral_vulkan::{VulkanBackend, VulkanOptions};
 
 const FIXTURES: &[&str] = common::QWEN3_FIXTURES;
+
+/// The hybrid fixtures at the references' weight scale (the `bf16_*` ones test a GPU's bf16
+/// operands, which this backend does not use).
+const HYBRID_FIXTURES: &[&str] = &[
+    "qwen3_5_moe_hub",
+    "qwen3_5_moe_text",
+    "qwen3_5_dense",
+    "qwen3_next",
+];
+
+/// Chunkings of the hybrids: across the delta rule's 64-token chunk, and prefixes shorter
+/// than the convolution's kernel.
+const HYBRID_CHUNKS: &[usize] = &[1, 7, 64];
 
 fn vulkan(kv_dtype: DType) -> Option<Arc<dyn Backend>> {
     match VulkanBackend::new(VulkanOptions {
@@ -33,25 +48,35 @@ fn vulkan(kv_dtype: DType) -> Option<Arc<dyn Backend>> {
     }
 }
 
-/// Every fixture under `strategies` at each chunking: each case printed, every case out of
-/// bounds named in one failure.
-fn check_logits(strategies: &[MoeStrategy], kv_dtype: DType, all_positions: f64, worst_row: f64) {
+/// Every fixture of `cases` (fixtures and their chunkings besides whole) under
+/// `strategies`: each case printed, every case out of bounds named in one failure.
+fn check_logits(
+    cases: &[(&[&str], &[usize])],
+    strategies: &[MoeStrategy],
+    kv_dtype: DType,
+    (all_positions, worst_row): (f64, f64),
+) {
     let Some(backend) = vulkan(kv_dtype) else {
         return;
     };
     let mut failures = Vec::new();
-    for name in FIXTURES {
+    for (name, chunks) in cases
+        .iter()
+        .flat_map(|&(names, chunks)| names.iter().map(move |n| (n, chunks)))
+    {
         let mut model = load_on(name, Arc::clone(&backend));
         let reference = read_reference(&fixture_dir(name));
         let vocab = model.config().vocab_size;
         for &strategy in strategies {
             model.set_moe_strategy(strategy);
-            for chunk in [1, 7, reference.token_ids.len()] {
+            for &chunk in chunks.iter().chain([&reference.token_ids.len()]) {
+                let start = std::time::Instant::now();
                 let ours = logits_chunked(&model, &reference.token_ids, chunk);
                 let err = rel_err(&ours, &reference.logits);
                 let worst = worst_row_rel_err(&ours, &reference.logits, vocab);
                 let case = format!(
-                    "{kv_dtype} KV: {name} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e}"
+                    "{kv_dtype} KV: {name} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e} ({:.1} s)",
+                    start.elapsed().as_secs_f64()
                 );
                 eprintln!("{case}");
                 if err > all_positions || worst > worst_row {
@@ -69,26 +94,40 @@ fn check_logits(strategies: &[MoeStrategy], kv_dtype: DType, all_positions: f64,
 
 #[test]
 fn vulkan_logits_match_transformers_with_an_f32_kv_cache() {
-    check_logits(&common::STRATEGIES, DType::F32, 1e-4, 1e-4);
+    check_logits(
+        &[(FIXTURES, &[1, 7])],
+        &common::STRATEGIES,
+        DType::F32,
+        (1e-4, 1e-4),
+    );
+    let strategies = [MoeStrategy::Grouped, MoeStrategy::PerToken];
+    let hybrids: [(&[&str], &[usize]); 1] = [(HYBRID_FIXTURES, HYBRID_CHUNKS)];
+    check_logits(&hybrids, &strategies, DType::F32, (1e-4, 1e-4));
 }
 
 /// K and V rounded to bf16 in the cache: the bounds the CUDA backend's bf16 cache meets on
 /// these fixtures, whose perturbed q/k norms make attention sharp (the CPU with bf16-rounded
-/// K and V shows the same error). The two strategies a GPU runs; the f32 test holds all.
+/// K and V shows the same error). The two strategies a GPU runs, on the Qwen3 fixtures (the
+/// hybrids' attention layers store and read the cache through the same shaders).
 #[test]
 fn vulkan_logits_match_transformers_with_the_bf16_kv_cache() {
     let strategies = [MoeStrategy::Grouped, MoeStrategy::PerToken];
-    check_logits(&strategies, DType::BF16, 2e-2, 1e-1);
+    check_logits(
+        &[(FIXTURES, &[1, 7])],
+        &strategies,
+        DType::BF16,
+        (2e-2, 1e-1),
+    );
 }
 
-/// Sixteen greedy tokens after each fixture's prompt, prefilled whole then decoded a token a
-/// step, are the CPU's.
+/// Sixteen greedy tokens after each fixture's prompt (the hybrids' too), prefilled whole then
+/// decoded a token a step, are the CPU's.
 #[test]
 fn vulkan_greedy_tokens_are_the_cpus() {
     let Some(backend) = vulkan(DType::F32) else {
         return;
     };
-    for name in FIXTURES {
+    for name in FIXTURES.iter().chain(HYBRID_FIXTURES) {
         let reference = read_reference(&fixture_dir(name));
         let want = greedy(&load(name), &reference.token_ids, 16);
         let got = greedy(
