@@ -121,8 +121,7 @@ fn check_logits(kv_dtype: DType, all_positions: f64, worst_row: f64) {
     check_fixture_logits(FIXTURES, &[1, 7], kv_dtype, all_positions, worst_row);
 }
 
-/// Every strategy at each of `chunks` and whole: each case printed, then every case out of
-/// bounds named in one failure.
+/// Every strategy at each of `chunks` and whole ([`common::check_fixture_logits`]).
 fn check_fixture_logits(
     fixtures: &[&str],
     chunks: &[usize],
@@ -131,31 +130,12 @@ fn check_fixture_logits(
     worst_row: f64,
 ) {
     let Some(backend) = gpu(kv_dtype) else { return };
-    let mut failures = Vec::new();
-    for name in fixtures {
-        let mut model = load_on(name, Arc::clone(&backend));
-        let reference = read_reference(&fixture_dir(name));
-        let vocab = model.config().vocab_size;
-        for strategy in STRATEGIES {
-            model.set_moe_strategy(strategy);
-            for &chunk in chunks.iter().chain([&reference.token_ids.len()]) {
-                let ours = logits_chunked(&model, &reference.token_ids, chunk);
-                let err = rel_err(&ours, &reference.logits);
-                let worst = worst_row_rel_err(&ours, &reference.logits, vocab);
-                let case = format!(
-                    "{kv_dtype} KV: {name} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e}"
-                );
-                eprintln!("{case}");
-                if err > all_positions || worst > worst_row {
-                    failures.push(case);
-                }
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "beyond {all_positions:e} (all positions) or {worst_row:e} (worst row):\n{}",
-        failures.join("\n")
+    common::check_fixture_logits(
+        &backend,
+        &format!("{kv_dtype} KV"),
+        &[(fixtures, chunks)],
+        &STRATEGIES,
+        (all_positions, worst_row),
     );
 }
 

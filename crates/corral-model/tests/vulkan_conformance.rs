@@ -11,8 +11,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::worst_row_rel_err;
-use common::{fixture_dir, greedy, load, load_on, logits_chunked, read_reference, rel_err};
+use common::{fixture_dir, greedy, load, load_on, read_reference};
 use corral_backend::{Backend, DType};
 use corral_model::MoeStrategy;
 use corral_vulkan::{VulkanBackend, VulkanOptions};
@@ -48,48 +47,18 @@ fn vulkan(kv_dtype: DType) -> Option<Arc<dyn Backend>> {
     }
 }
 
-/// Every fixture of `cases` (fixtures and their chunkings besides whole) under
-/// `strategies`: each case printed, every case out of bounds named in one failure.
+/// [`common::check_fixture_logits`] on a Vulkan backend with a `kv_dtype` cache.
 fn check_logits(
     cases: &[(&[&str], &[usize])],
     strategies: &[MoeStrategy],
     kv_dtype: DType,
-    (all_positions, worst_row): (f64, f64),
+    bounds: (f64, f64),
 ) {
     let Some(backend) = vulkan(kv_dtype) else {
         return;
     };
-    let mut failures = Vec::new();
-    for (name, chunks) in cases
-        .iter()
-        .flat_map(|&(names, chunks)| names.iter().map(move |n| (n, chunks)))
-    {
-        let mut model = load_on(name, Arc::clone(&backend));
-        let reference = read_reference(&fixture_dir(name));
-        let vocab = model.config().vocab_size;
-        for &strategy in strategies {
-            model.set_moe_strategy(strategy);
-            for &chunk in chunks.iter().chain([&reference.token_ids.len()]) {
-                let start = std::time::Instant::now();
-                let ours = logits_chunked(&model, &reference.token_ids, chunk);
-                let err = rel_err(&ours, &reference.logits);
-                let worst = worst_row_rel_err(&ours, &reference.logits, vocab);
-                let case = format!(
-                    "{kv_dtype} KV: {name} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e} ({:.1} s)",
-                    start.elapsed().as_secs_f64()
-                );
-                eprintln!("{case}");
-                if err > all_positions || worst > worst_row {
-                    failures.push(case);
-                }
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "beyond {all_positions:e} (all positions) or {worst_row:e} (worst row):\n{}",
-        failures.join("\n")
-    );
+    let label = format!("{kv_dtype} KV");
+    common::check_fixture_logits(&backend, &label, cases, strategies, bounds);
 }
 
 #[test]

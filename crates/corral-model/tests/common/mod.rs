@@ -313,3 +313,47 @@ pub(crate) const LLAMA_CPP_HYBRID_ERRORS: [(&str, [(&str, f64); 6]); 3] = [
 /// Room for another CPU's kernels (AVX-512's f32 tiles where AVX2 has integer panels) to
 /// land a few units of the last digit apart.
 pub(crate) const SAME_KERNELS: f64 = 1.01;
+
+/// Every fixture of `cases` (fixtures, and their chunkings besides whole) on `backend` under
+/// each of `strategies`, against transformers' logits: each case printed with its time
+/// (`label` first: the KV cache's type), then every case beyond `all_positions` (relative
+/// error over all positions) or `worst_row` named in one failure.
+pub(crate) fn check_fixture_logits(
+    backend: &Arc<dyn corral_backend::Backend>,
+    label: &str,
+    cases: &[(&[&str], &[usize])],
+    strategies: &[corral_model::MoeStrategy],
+    (all_positions, worst_row): (f64, f64),
+) {
+    let mut failures = Vec::new();
+    for (name, chunks) in cases
+        .iter()
+        .flat_map(|&(names, chunks)| names.iter().map(move |n| (n, chunks)))
+    {
+        let mut model = load_on(name, Arc::clone(backend));
+        let reference = read_reference(&fixture_dir(name));
+        let vocab = model.config().vocab_size;
+        for &strategy in strategies {
+            model.set_moe_strategy(strategy);
+            for &chunk in chunks.iter().chain([&reference.token_ids.len()]) {
+                let start = std::time::Instant::now();
+                let ours = logits_chunked(&model, &reference.token_ids, chunk);
+                let err = rel_err(&ours, &reference.logits);
+                let worst = worst_row_rel_err(&ours, &reference.logits, vocab);
+                let case = format!(
+                    "{label}: {name} {strategy} chunk {chunk}: relative error {err:.2e}, worst row {worst:.2e} ({:.1} s)",
+                    start.elapsed().as_secs_f64()
+                );
+                eprintln!("{case}");
+                if err > all_positions || worst > worst_row {
+                    failures.push(case);
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "beyond {all_positions:e} (all positions) or {worst_row:e} (worst row):\n{}",
+        failures.join("\n")
+    );
+}
