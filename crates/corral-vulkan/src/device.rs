@@ -66,6 +66,42 @@ pub(crate) struct Retired {
 }
 
 impl DeviceInner {
+    /// Submits `commands` to the queue under its lock, signalling `fence` (or none), and
+    /// with `wait` waits for the queue to drain before letting go of it.
+    ///
+    /// # Safety
+    /// The command buffers are this device's, recorded, and not pending; `fence` is
+    /// unsignalled and not in use.
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn submit(
+        &self,
+        commands: &[vk::CommandBuffer],
+        fence: vk::Fence,
+        wait: bool,
+    ) -> Result<()> {
+        let _queue = self
+            .queue_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: the caller's contract; the queue's lock is held.
+        unsafe {
+            self.device
+                .queue_submit(
+                    self.queue,
+                    &[vk::SubmitInfo::default().command_buffers(commands)],
+                    fence,
+                )
+                .and_then(|()| {
+                    if wait {
+                        self.device.queue_wait_idle(self.queue)
+                    } else {
+                        Ok(())
+                    }
+                })
+                .map_err(|e| vk_err("submitting work", e))
+        }
+    }
+
     /// Frees `buffer` and its memory now, or once queued work is done if any is.
     pub(crate) fn retire(&self, buffer: vk::Buffer, memory: vk::DeviceMemory) {
         let mut retired = self

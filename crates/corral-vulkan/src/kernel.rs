@@ -175,24 +175,12 @@ impl Recording {
 
     /// Runs the recorded dispatches and waits for them.
     pub fn submit(&self) -> Result<()> {
-        let commands = [self.commands];
-        let d = &self.device.device;
-        let _queue = self
-            .device
-            .queue_lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         // SAFETY: the command buffer is recorded and not in flight (each submission waits
-        // for it, holding the queue's lock, so no other thread uses the queue meanwhile).
+        // for it).
         #[allow(unsafe_code)]
         unsafe {
-            d.queue_submit(
-                self.device.queue,
-                &[vk::SubmitInfo::default().command_buffers(&commands)],
-                vk::Fence::null(),
-            )
-            .and_then(|()| d.queue_wait_idle(self.device.queue))
-            .map_err(|e| vk_err("running dispatches", e))
+            self.device
+                .submit(&[self.commands], vk::Fence::null(), true)
         }
     }
 }

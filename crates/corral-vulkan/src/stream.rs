@@ -273,21 +273,10 @@ impl Stream {
             commands[count] = graph;
             count += 1;
         }
-        let _queue = self
-            .device
-            .queue_lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // SAFETY: the buffers are recorded and none is pending (the fence was waited for);
-        // the queue's lock is held.
+        // SAFETY: the buffers are recorded and none is pending (the fence was waited for).
         #[allow(unsafe_code)]
         unsafe {
-            d.queue_submit(
-                self.device.queue,
-                &[vk::SubmitInfo::default().command_buffers(&commands[..count])],
-                state.fence,
-            )
-            .map_err(|e| vk_err("submitting work", e))?;
+            self.device.submit(&commands[..count], state.fence, false)?;
         }
         state.in_flight = true;
         self.device.set_busy(true);

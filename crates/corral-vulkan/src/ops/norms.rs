@@ -7,6 +7,24 @@ use super::{grid, grid_of};
 use crate::VulkanBackend;
 use crate::args::Args;
 
+/// The arguments the RMSNorm shaders share after their inputs: the weight, the output, the
+/// row width, epsilon, whether the weight is offset by one, and the rows.
+fn norm_args(
+    args: Args,
+    weight: &DeviceBuffer,
+    out: &DeviceBuffer,
+    (rows, dim): (usize, usize),
+    eps: f32,
+    offset_one: bool,
+) -> Result<Args> {
+    args.buf(weight)?
+        .buf(out)?
+        .count(dim)?
+        .float(eps)?
+        .count(usize::from(offset_one))?
+        .count(rows)
+}
+
 impl NormOps for VulkanBackend {
     fn rms_norm(
         &self,
@@ -19,14 +37,8 @@ impl NormOps for VulkanBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "rms_norm";
-        let args = Args::new(op)
-            .buf(x)?
-            .buf(weight)?
-            .buf(out)?
-            .count(dim)?
-            .float(eps)?
-            .count(usize::from(offset_one))?
-            .count(rows)?;
+        let args = Args::new(op).buf(x)?;
+        let args = norm_args(args, weight, out, (rows, dim), eps, offset_one)?;
         self.dispatch(op, grid(op, rows)?, &args)
     }
 
@@ -48,15 +60,8 @@ impl NormOps for VulkanBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "add_rms_norm";
-        let args = Args::new(op)
-            .buf(acc)?
-            .buf(x)?
-            .buf(weight)?
-            .buf(out)?
-            .count(dim)?
-            .float(eps)?
-            .count(usize::from(offset_one))?
-            .count(rows)?;
+        let args = Args::new(op).buf(acc)?.buf(x)?;
+        let args = norm_args(args, weight, out, (rows, dim), eps, offset_one)?;
         self.dispatch(op, grid(op, rows)?, &args)
     }
 
