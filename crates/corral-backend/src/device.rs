@@ -107,6 +107,14 @@ impl Capabilities {
     }
 }
 
+/// FNV-1a of `bytes`: a hash stable across builds and toolchains, for
+/// [`Device::kernels_id`] (kept on disk with the measurements it keys).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// The device: what it is and can do ([`Capabilities`]), its counters, graphs and profiling.
 pub trait Device: Send + Sync + std::fmt::Debug {
     /// Human-readable device name, e.g. `cpu (16 threads)`.

@@ -35,7 +35,7 @@ pub use checked::{
     MAX_CONV_KERNEL, MAX_DELTA_KEY_DIM, MAX_DELTA_VALUE_DIM, MAX_EXPERTS, MAX_HEAD_DIM,
     whole_blocks,
 };
-pub use device::{Capabilities, Device, DeviceMemory, Graph, KernelTime};
+pub use device::{Capabilities, Device, DeviceMemory, Graph, KernelTime, fnv1a};
 pub use dtype::{DType, kv_row_elems};
 pub use error::{BackendError, Result};
 pub use experts::{ExpertMatrices, ExpertWeights};

@@ -204,14 +204,8 @@ pub(crate) fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
 /// FNV-1a, 64 bits: a stable hash for cache keys (std's hasher may change between releases).
 /// FNV-1a over every kernel file with its headers: what the kernels are.
 pub(crate) fn sources_id() -> u64 {
-    SOURCES
-        .iter()
-        .fold(0, |h, s| h ^ fnv1a(s.text().as_bytes()).rotate_left(7))
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    SOURCES.iter().fold(0, |h, s| {
+        h ^ corral_backend::fnv1a(s.text().as_bytes()).rotate_left(7)
     })
 }
 
@@ -243,7 +237,7 @@ impl KernelCache {
     }
 
     fn path(&self, source: &KernelSource, arch: &str, nvrtc: (i32, i32)) -> Option<PathBuf> {
-        let key = fnv1a(source.text().as_bytes());
+        let key = corral_backend::fnv1a(source.text().as_bytes());
         let stem = source.name.trim_end_matches(".cu");
         self.dir.as_ref().map(|d| {
             d.join(format!(

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use corral_backend::{
     BackendError, BufferUsage, Buffers, Capabilities, DType, Device, DeviceBuffer, DeviceMemory,
-    DispatchStats, Graph, MappedFile, Result, Storage, byte_range,
+    DispatchStats, Graph, MappedFile, Result, Storage, byte_range, fnv1a,
 };
 
 use crate::VulkanBackend;
@@ -18,6 +18,17 @@ impl Device for VulkanBackend {
     fn device_name(&self) -> String {
         let info = self.device.info();
         format!("vulkan:{} ({}, {})", self.ordinal(), info.name, info.driver)
+    }
+
+    fn kernels_id(&self) -> u64 {
+        // The shaders' SPIR-V and the driver that compiles it: a calibration measured on
+        // other kernels is not reused.
+        let info = self.device.info();
+        crate::SHADERS
+            .iter()
+            .map(|(name, spirv)| fnv1a(name.as_bytes()) ^ fnv1a(spirv).rotate_left(3))
+            .chain([fnv1a(info.name.as_bytes()), fnv1a(info.driver.as_bytes())])
+            .fold(0, |h, x| h.rotate_left(7) ^ x)
     }
 
     fn stats(&self) -> DispatchStats {
