@@ -78,6 +78,10 @@ pub struct VulkanBackend {
     /// read-back.
     pub(crate) fault: VulkanBuffer,
     pub(crate) kv_dtype: DType,
+    /// Whether dispatches are timed ([`corral_backend::Device::set_profiling`]).
+    pub(crate) profiling: AtomicBool,
+    /// The timestamps of timed dispatches, where the device writes them.
+    pub(crate) profiler: Mutex<Option<crate::profile::Profiler>>,
     /// RoPE's inverse frequencies, a buffer a set of parameters ([`corral_backend::RopeParams::args`] and
     /// the rotated dims, as bits).
     pub(crate) rope_tables: Mutex<HashMap<[u32; 5], DeviceBuffer>>,
@@ -98,9 +102,14 @@ impl VulkanBackend {
             .map(|&(name, _)| Ok((name, Kernel::new(&device, name)?)))
             .collect::<Result<HashMap<_, _>>>()?;
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
+        let profiler = device
+            .info()
+            .timestamp_period
+            .map(|period| crate::profile::Profiler::new(&device.inner, period))
+            .transpose()?;
         let capabilities = Capabilities {
             graphs: true,
-            profiling: false,
+            profiling: profiler.is_some(),
             weight_formats: Vec::new(),
             kv_dtypes: vec![DType::BF16, DType::F32],
             bf16_projection_inputs: false,
@@ -124,6 +133,8 @@ impl VulkanBackend {
             captured: AtomicU64::new(0),
             kv_dtype,
             rope_tables: Mutex::default(),
+            profiling: AtomicBool::new(false),
+            profiler: Mutex::new(profiler),
         })
     }
 
@@ -150,8 +161,18 @@ impl VulkanBackend {
         if groups.contains(&0) {
             return Ok(());
         }
-        self.stream.dispatch(k, groups, args.bytes())?;
-        if self.capturing.load(Ordering::Relaxed) {
+        let capturing = self.capturing.load(Ordering::Relaxed);
+        let timed = if self.profiling.load(Ordering::Relaxed) && !capturing {
+            self.profiler
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .as_mut()
+                .and_then(|p| p.next(k.name()))
+        } else {
+            None
+        };
+        self.stream.dispatch(k, (groups, args.bytes()), timed)?;
+        if capturing {
             self.captured.fetch_add(1, Ordering::Relaxed);
         } else {
             self.stats.dispatch(1);
@@ -221,6 +242,21 @@ pub(crate) fn memory<'a>(op: &'static str, buffer: &'a DeviceBuffer) -> Result<&
         _ => None,
     }
     .ok_or(BackendError::ForeignBuffer { op })
+}
+
+impl Drop for VulkanBackend {
+    fn drop(&mut self) {
+        let profiler = self
+            .profiler
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(p) = profiler {
+            // Nothing queued may still write its queries.
+            let _ = self.stream.finish();
+            p.destroy(&self.device.inner);
+        }
+    }
 }
 
 impl Backend for VulkanBackend {

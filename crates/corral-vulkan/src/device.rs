@@ -10,7 +10,7 @@ use corral_backend::{BackendError, Result};
 use crate::vk_err;
 
 /// What a Vulkan device is and can do, as the backend chooses its kernels by.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct VulkanInfo {
     /// The device's name (`llvmpipe (LLVM 15.0.6, 256 bits)`, `AMD Radeon 8060S (RADV ...)`).
     pub name: String,
@@ -36,6 +36,8 @@ pub struct VulkanInfo {
     pub int64: bool,
     /// Doubles in shaders: RoPE forms its sines and cosines in double, as the references do.
     pub float64: bool,
+    /// Nanoseconds a timestamp tick, where the compute queue writes timestamps (profiling).
+    pub timestamp_period: Option<f32>,
     /// `VK_KHR_cooperative_matrix`: the tensor-core-like products.
     pub cooperative_matrix: bool,
     /// `VK_EXT_external_memory_host`: host memory (a mapped weight file) imported as is.
@@ -237,7 +239,14 @@ impl VulkanDevice {
                     what: format!("vulkan:{ordinal}"),
                     detail: "no compute queue".to_string(),
                 })? as u32;
-            let info = read_info(&instance, physical);
+            let mut info = read_info(&instance, physical);
+            let families = instance.get_physical_device_queue_family_properties(physical);
+            if families
+                .get(queue_family as usize)
+                .is_none_or(|f| f.timestamp_valid_bits == 0)
+            {
+                info.timestamp_period = None;
+            }
             let priorities = [1.0f32];
             let queues = [vk::DeviceQueueCreateInfo::default()
                 .queue_family_index(queue_family)
@@ -384,6 +393,7 @@ unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> V
         int16: core.shader_int16 == vk::TRUE,
         int64: core.shader_int64 == vk::TRUE,
         float64: core.shader_float64 == vk::TRUE,
+        timestamp_period: Some(p.limits.timestamp_period),
         cooperative_matrix: has(c"VK_KHR_cooperative_matrix"),
         host_memory_import: has(c"VK_EXT_external_memory_host"),
     }

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use corral_backend::{
     BackendError, BufferUsage, Buffers, Capabilities, DType, Device, DeviceBuffer, DeviceMemory,
-    DispatchStats, Graph, MappedFile, Result, Storage, byte_range, fnv1a,
+    DispatchStats, Graph, KernelTime, MappedFile, Result, Storage, byte_range, fnv1a,
 };
 
 use crate::VulkanBackend;
@@ -84,6 +84,21 @@ impl Device for VulkanBackend {
         self.stream.replay(recorded)?;
         self.stats.graph_replay(graph.kernels(), 0);
         Ok(())
+    }
+
+    fn set_profiling(&self, on: bool) {
+        if self.capabilities.profiling {
+            self.profiling.store(on, Ordering::Relaxed);
+        }
+    }
+
+    fn kernel_profile(&self) -> Result<Vec<KernelTime>> {
+        self.finish("kernel_profile")?;
+        self.profiler
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_mut()
+            .map_or(Ok(Vec::new()), |p| p.read(&self.device.inner))
     }
 
     fn synchronize(&self) -> Result<()> {

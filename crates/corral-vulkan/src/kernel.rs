@@ -28,6 +28,11 @@ impl std::fmt::Debug for Kernel {
 }
 
 impl Kernel {
+    /// The shader's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
     /// The pipeline of the shader `name` (`src/shaders/<name>.comp`).
     pub fn new(device: &VulkanDevice, name: &str) -> Result<Self> {
         let &(name, spirv) =
@@ -152,7 +157,7 @@ impl Recording {
                 )?[0];
                 d.begin_command_buffer(commands, &vk::CommandBufferBeginInfo::default())?;
                 for (kernel, groups, args) in dispatches {
-                    record(d, commands, kernel, *groups, args);
+                    record(d, commands, kernel, (*groups, args), None);
                 }
                 record_host_barrier(d, commands);
                 d.end_command_buffer(commands)?;
@@ -187,13 +192,14 @@ impl Recording {
 
 /// Records one dispatch into `commands`, after a barrier that makes every shader write
 /// recorded or submitted before it visible to it (the first in a command buffer also orders
-/// it after earlier submissions to the queue).
+/// it after earlier submissions to the queue); `timed`, a pair of timestamp queries written
+/// around it.
 pub(crate) fn record(
     d: &ash::Device,
     commands: vk::CommandBuffer,
     kernel: &Kernel,
-    groups: [u32; 3],
-    args: &[u8],
+    (groups, args): ([u32; 3], &[u8]),
+    timed: Option<(vk::QueryPool, u32)>,
 ) {
     let barrier = [vk::MemoryBarrier::default()
         .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::HOST_WRITE)
@@ -210,6 +216,15 @@ pub(crate) fn record(
             &[],
             &[],
         );
+        if let Some((pool, query)) = timed {
+            d.cmd_reset_query_pool(commands, pool, query, 2);
+            d.cmd_write_timestamp(
+                commands,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                pool,
+                query,
+            );
+        }
         d.cmd_bind_pipeline(commands, vk::PipelineBindPoint::COMPUTE, kernel.pipeline);
         d.cmd_push_constants(
             commands,
@@ -219,6 +234,14 @@ pub(crate) fn record(
             args,
         );
         d.cmd_dispatch(commands, groups[0], groups[1], groups[2]);
+        if let Some((pool, query)) = timed {
+            d.cmd_write_timestamp(
+                commands,
+                vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                pool,
+                query + 1,
+            );
+        }
     }
 }
 

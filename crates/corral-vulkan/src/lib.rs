@@ -13,6 +13,7 @@ mod device_impl;
 mod kernel;
 mod memory;
 mod ops;
+mod profile;
 mod stream;
 
 pub use backend::{VulkanBackend, VulkanOptions};

@@ -152,8 +152,13 @@ impl Stream {
     }
 
     /// Records one dispatch: into the graph being recorded, else into the open command
-    /// buffer (begun now if none is).
-    pub(crate) fn dispatch(&self, kernel: &Kernel, groups: [u32; 3], args: &[u8]) -> Result<()> {
+    /// buffer (begun now if none is); `timed` as [`record`] takes it.
+    pub(crate) fn dispatch(
+        &self,
+        kernel: &Kernel,
+        launch: ([u32; 3], &[u8]),
+        timed: Option<(vk::QueryPool, u32)>,
+    ) -> Result<()> {
         let d = &self.device.device;
         let mut state = self.lock();
         let state = &mut *state;
@@ -180,7 +185,7 @@ impl Stream {
             }
         };
         self.device.set_busy(true);
-        record(d, commands, kernel, groups, args);
+        record(d, commands, kernel, launch, timed);
         Ok(())
     }
 
