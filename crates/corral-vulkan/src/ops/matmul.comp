@@ -1,10 +1,10 @@
 // out[r, col0 + n] (rows of `out_cols`) = x[r, :] . w[n, :] for weights of any float type,
-// `cols` wide from element `offset`: one workgroup a (row, output) pair. The portable
-// product, for correctness; the fast ones come per device.
+// `cols` wide from element `offset`: the portable product, a workgroup a tile of 16 rows by
+// 16 outputs, x and w taken through shared memory 16 columns at a time (each weight read
+// once a tile of rows). The fast products come per device.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
-#include "reduce.glsl"
 
 layout(push_constant) uniform Args {
     Floats x;
@@ -19,20 +19,38 @@ layout(push_constant) uniform Args {
     uint rows;
 } args;
 
+const uint TILE = 16;
+
+shared float xs[TILE][TILE + 1];
+shared float ws[TILE][TILE + 1];
+
 void main() {
+    uint tiles_n = (args.n + TILE - 1) / TILE;
     uint g = flat_group();
-    if (g >= args.rows * args.n) {
+    uint r0 = (g / tiles_n) * TILE;
+    uint n0 = (g % tiles_n) * TILE;
+    if (r0 >= args.rows) {
         return;
     }
-    uint r = g / args.n;
-    uint n = g - r * args.n;
-    uint64_t row = uint64_t(args.offset) + uint64_t(n) * args.cols;
-    float sum = 0.0;
-    for (uint k = gl_LocalInvocationID.x; k < args.cols; k += GROUP_SIZE) {
-        sum += args.x.v[r * args.cols + k] * weight_at(args.w, args.weight_type, row + k);
+    uint ty = gl_LocalInvocationID.x / TILE;
+    uint tx = gl_LocalInvocationID.x % TILE;
+    uint r = r0 + ty;
+    uint wn = n0 + ty;
+    float acc = 0.0;
+    for (uint k0 = 0; k0 < args.cols; k0 += TILE) {
+        uint k = k0 + tx;
+        xs[ty][tx] = r < args.rows && k < args.cols ? args.x.v[r * args.cols + k] : 0.0;
+        ws[ty][tx] = wn < args.n && k < args.cols
+            ? weight_at(args.w, args.weight_type, uint64_t(args.offset) + uint64_t(wn) * args.cols + k)
+            : 0.0;
+        barrier();
+        for (uint kk = 0; kk < TILE; kk++) {
+            acc += xs[ty][kk] * ws[tx][kk];
+        }
+        barrier();
     }
-    sum = workgroup_sum(sum);
-    if (gl_LocalInvocationID.x == 0) {
-        args.out_.v[r * args.out_cols + args.col0 + n] = sum;
+    uint n = n0 + tx;
+    if (r < args.rows && n < args.n) {
+        args.out_.v[r * args.out_cols + args.col0 + n] = acc;
     }
 }

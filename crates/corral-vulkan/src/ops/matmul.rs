@@ -1,4 +1,4 @@
-//! Projections (`matmul.comp`): the portable product of any float weights.
+//! Projections (`matmul.comp`): the portable product of any float weights, in tiles.
 
 use corral_backend::{DeviceBuffer, MatmulOps, Result, WeightView};
 
@@ -38,6 +38,8 @@ impl MatmulOps for VulkanBackend {
             .count(weight_type(op, w.buffer.dtype())?)?
             .count(w.offset)?
             .count(rows)?;
-        self.dispatch(op, grid(op, rows * w.rows)?, &args)
+        // Tiles of 16 rows by 16 outputs (`TILE` of matmul.comp).
+        let tiles = rows.div_ceil(16) * w.rows.div_ceil(16);
+        self.dispatch(op, grid(op, tiles)?, &args)
     }
 }

@@ -62,7 +62,9 @@ impl VulkanBackend {
             .count(experts.gate.num_experts())?
             .count(gate_type)?
             .count(up_type)?;
-        self.dispatch("moe_gate_up", grid(op, pairs * inter)?, &args)
+        // A workgroup a pair and 256 rows (GROUP_SIZE).
+        let groups = pairs * inter.div_ceil(256);
+        self.dispatch("moe_gate_up", grid(op, groups)?, &args)
     }
 }
 
@@ -173,7 +175,7 @@ impl MoeOps for VulkanBackend {
             .count(hidden)?
             .count(experts.down.num_experts())?
             .count(down_type)?;
-        self.dispatch("moe_down", grid(op, pairs * hidden)?, &args)
+        self.dispatch("moe_down", grid(op, pairs * hidden.div_ceil(256))?, &args)
     }
 
     fn moe_combine(
@@ -221,10 +223,7 @@ impl MoeOps for VulkanBackend {
             .count(hidden)?
             .count(experts.down.num_experts())?
             .count(down_type)?;
-        self.dispatch(
-            "moe_down_per_token",
-            grid(op, routing.tokens * hidden)?,
-            &args,
-        )
+        let groups = routing.tokens * hidden.div_ceil(256);
+        self.dispatch("moe_down_per_token", grid(op, groups)?, &args)
     }
 }
