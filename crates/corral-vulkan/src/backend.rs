@@ -67,6 +67,7 @@ pub struct VulkanBackend {
     pub(crate) device: VulkanDevice,
     ordinal: usize,
     kernels: HashMap<&'static str, Kernel>,
+    /// Dropped before the profiler and the buffers below: it waits for the device.
     pub(crate) stream: Stream,
     pub(crate) pool: BufferPool,
     pub(crate) stats: StatsCounter,
@@ -82,8 +83,8 @@ pub struct VulkanBackend {
     pub(crate) profiling: AtomicBool,
     /// The timestamps of timed dispatches, where the device writes them.
     pub(crate) profiler: Mutex<Option<crate::profile::Profiler>>,
-    /// RoPE's inverse frequencies, a buffer a set of parameters ([`corral_backend::RopeParams::args`] and
-    /// the rotated dims, as bits).
+    /// RoPE's inverse frequencies, a buffer a set of parameters
+    /// ([`corral_backend::RopeParams::args`] and the rotated dims, as bits).
     pub(crate) rope_tables: Mutex<HashMap<[u32; 5], DeviceBuffer>>,
 }
 
@@ -242,21 +243,6 @@ pub(crate) fn memory<'a>(op: &'static str, buffer: &'a DeviceBuffer) -> Result<&
         _ => None,
     }
     .ok_or(BackendError::ForeignBuffer { op })
-}
-
-impl Drop for VulkanBackend {
-    fn drop(&mut self) {
-        let profiler = self
-            .profiler
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(p) = profiler {
-            // Nothing queued may still write its queries.
-            let _ = self.stream.finish();
-            p.destroy(&self.device.inner);
-        }
-    }
 }
 
 impl Backend for VulkanBackend {

@@ -98,7 +98,7 @@ impl Device for VulkanBackend {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .as_mut()
-            .map_or(Ok(Vec::new()), |p| p.read(&self.device.inner))
+            .map_or(Ok(Vec::new()), crate::profile::Profiler::read)
     }
 
     fn synchronize(&self) -> Result<()> {

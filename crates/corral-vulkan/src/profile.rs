@@ -1,6 +1,8 @@
 //! Device time per kernel, from timestamps written around each dispatch while profiling is
 //! on (`corral bench ... --profile`).
 
+use std::sync::Arc;
+
 use ash::vk;
 use corral_backend::{KernelTime, Result};
 
@@ -10,8 +12,10 @@ use crate::vk_err;
 /// Dispatches timed at most between two reads of the profile.
 const MAX_TIMED: u32 = 8192;
 
-/// A timestamp query pool and the kernel each pair of its queries timed.
+/// A timestamp query pool and the kernel each pair of its queries timed; the pool is freed
+/// when it drops (after the backend's stream, which waits for the device).
 pub(crate) struct Profiler {
+    device: Arc<DeviceInner>,
     pool: vk::QueryPool,
     names: Vec<&'static str>,
     /// Nanoseconds a timestamp tick.
@@ -20,8 +24,8 @@ pub(crate) struct Profiler {
 
 impl Profiler {
     /// A profiler on `device`, whose timestamps tick every `period` nanoseconds.
-    pub(crate) fn new(device: &DeviceInner, period: f32) -> Result<Self> {
-        // SAFETY: the device is live; the pool is destroyed by `destroy`.
+    pub(crate) fn new(device: &Arc<DeviceInner>, period: f32) -> Result<Self> {
+        // SAFETY: the device is live; the pool is destroyed when the profiler drops.
         #[allow(unsafe_code)]
         let pool = unsafe {
             device.device.create_query_pool(
@@ -33,6 +37,7 @@ impl Profiler {
         }
         .map_err(|e| vk_err("a timestamp query pool", e))?;
         Ok(Self {
+            device: Arc::clone(device),
             pool,
             names: Vec::new(),
             period: f64::from(period),
@@ -51,7 +56,7 @@ impl Profiler {
 
     /// The time of every dispatch timed since the last read, summed by kernel, longest
     /// first; the queries are free again afterwards. The device's work must be done.
-    pub(crate) fn read(&mut self, device: &DeviceInner) -> Result<Vec<KernelTime>> {
+    pub(crate) fn read(&mut self) -> Result<Vec<KernelTime>> {
         let names = std::mem::take(&mut self.names);
         if names.is_empty() {
             return Ok(Vec::new());
@@ -60,7 +65,7 @@ impl Profiler {
         // SAFETY: the queries were written by completed work.
         #[allow(unsafe_code)]
         unsafe {
-            device.device.get_query_pool_results(
+            self.device.device.get_query_pool_results(
                 self.pool,
                 0,
                 &mut ticks,
@@ -86,13 +91,15 @@ impl Profiler {
         times.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         Ok(times)
     }
+}
 
-    /// Frees the query pool.
-    pub(crate) fn destroy(self, device: &DeviceInner) {
-        // SAFETY: no queued work writes the pool (the backend waits before dropping it).
+impl Drop for Profiler {
+    fn drop(&mut self) {
+        // SAFETY: no queued work writes the pool: the backend's stream, dropped first, waits
+        // for the device.
         #[allow(unsafe_code)]
         unsafe {
-            device.device.destroy_query_pool(self.pool, None);
+            self.device.device.destroy_query_pool(self.pool, None);
         }
     }
 }
