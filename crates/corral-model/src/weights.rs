@@ -262,9 +262,7 @@ const STD: f32 = 0.02;
 
 /// FNV-1a of a tensor name.
 fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    corral_backend::fnv1a(name.as_bytes())
 }
 
 impl SyntheticWeights {

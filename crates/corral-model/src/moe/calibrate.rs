@@ -53,9 +53,7 @@ fn cache_path(device: &str, kernels: u64, config: &ModelConfig, experts: &str) -
         "v4|{device}|kernels {kernels:016x}|h{}|e{}|k{}|i{}|{:?}|{experts}",
         config.hidden_size, moe.num_experts, moe.top_k, moe.moe_intermediate_size, config.dtype
     );
-    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    });
+    let hash = corral_backend::fnv1a(key.as_bytes());
     Some(dir.join(format!("moe-{hash:016x}.txt")))
 }
 
