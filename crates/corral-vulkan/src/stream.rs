@@ -180,11 +180,13 @@ impl Stream {
                     #[allow(unsafe_code)]
                     None => unsafe { begun(d, state.pool)? },
                 };
+                // Buffers dropped from now on wait for this work (a graph being recorded
+                // set this when it began).
+                self.device.set_busy(true);
                 state.open = Some(commands);
                 commands
             }
         };
-        self.device.set_busy(true);
         record(d, commands, kernel, launch, timed);
         Ok(())
     }
@@ -227,6 +229,7 @@ impl Stream {
                 return Err(e);
             }
         };
+        self.device.set_busy(true);
         state.capture = Some(Recorded {
             device: Arc::clone(&self.device),
             pool,
