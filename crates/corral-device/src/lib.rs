@@ -132,6 +132,7 @@ pub fn open(choice: DeviceChoice, options: BackendOptions) -> Result<Arc<dyn Bac
         VulkanBackend::new(VulkanOptions {
             ordinal,
             kv_dtype: Some(options.kv_dtype),
+            ..Default::default()
         })
         .map(|b| Arc::new(b) as Arc<dyn Backend>)
         .map_err(|source| OpenError::Backend {

@@ -31,9 +31,12 @@ const HYBRID_FIXTURES: &[&str] = &[
 /// than the convolution's kernel.
 const HYBRID_CHUNKS: &[usize] = &[1, 7, 64];
 
-fn vulkan(kv_dtype: DType) -> Option<Arc<dyn Backend>> {
+/// The Vulkan backend with a `kv_dtype` cache; `force_staging` copies through staging
+/// buffers, as on a discrete GPU.
+fn vulkan(kv_dtype: DType, force_staging: bool) -> Option<Arc<dyn Backend>> {
     match VulkanBackend::new(VulkanOptions {
         kv_dtype: Some(kv_dtype),
+        force_staging,
         ..Default::default()
     }) {
         Ok(b) => Some(Arc::new(b)),
@@ -47,14 +50,15 @@ fn vulkan(kv_dtype: DType) -> Option<Arc<dyn Backend>> {
     }
 }
 
-/// [`common::check_fixture_logits`] on a Vulkan backend with a `kv_dtype` cache.
+/// [`common::check_fixture_logits`] on a Vulkan backend with a `kv_dtype` cache, copies
+/// staged or not.
 fn check_logits(
     cases: &[(&[&str], &[usize])],
     strategies: &[MoeStrategy],
-    kv_dtype: DType,
+    (kv_dtype, force_staging): (DType, bool),
     bounds: (f64, f64),
 ) {
-    let Some(backend) = vulkan(kv_dtype) else {
+    let Some(backend) = vulkan(kv_dtype, force_staging) else {
         return;
     };
     let label = format!("{kv_dtype} KV");
@@ -66,25 +70,26 @@ fn vulkan_logits_match_transformers_with_an_f32_kv_cache() {
     check_logits(
         &[(FIXTURES, &[1, 7])],
         &common::STRATEGIES,
-        DType::F32,
+        (DType::F32, false),
         (1e-4, 1e-4),
     );
     let strategies = [MoeStrategy::Grouped, MoeStrategy::PerToken];
     let hybrids: [(&[&str], &[usize]); 1] = [(HYBRID_FIXTURES, HYBRID_CHUNKS)];
-    check_logits(&hybrids, &strategies, DType::F32, (1e-4, 1e-4));
+    check_logits(&hybrids, &strategies, (DType::F32, false), (1e-4, 1e-4));
 }
 
 /// K and V rounded to bf16 in the cache: the bounds the CUDA backend's bf16 cache meets on
 /// these fixtures, whose perturbed q/k norms make attention sharp (the CPU with bf16-rounded
 /// K and V shows the same error). The two strategies a GPU runs, on the Qwen3 fixtures (the
-/// hybrids' attention layers store and read the cache through the same shaders).
+/// hybrids' attention layers store and read the cache through the same shaders). Weights,
+/// inputs and read-backs go through staging buffers here, as on a discrete GPU.
 #[test]
 fn vulkan_logits_match_transformers_with_the_bf16_kv_cache() {
     let strategies = [MoeStrategy::Grouped, MoeStrategy::PerToken];
     check_logits(
         &[(FIXTURES, &[1, 7])],
         &strategies,
-        DType::BF16,
+        (DType::BF16, true),
         (2e-2, 1e-1),
     );
 }
@@ -93,7 +98,7 @@ fn vulkan_logits_match_transformers_with_the_bf16_kv_cache() {
 /// decoded a token a step, are the CPU's.
 #[test]
 fn vulkan_greedy_tokens_are_the_cpus() {
-    let Some(backend) = vulkan(DType::F32) else {
+    let Some(backend) = vulkan(DType::F32, false) else {
         return;
     };
     for name in FIXTURES.iter().chain(HYBRID_FIXTURES) {

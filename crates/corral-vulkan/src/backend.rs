@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use corral_backend::{
     Backend, BackendError, BufferPool, BufferUsage, Capabilities, DType, DeviceAllocation,
@@ -11,6 +11,7 @@ use corral_backend::{
 };
 
 use crate::args::Args;
+use crate::memory::Placement;
 use crate::stream::Stream;
 use crate::{Kernel, SHADERS, VulkanBuffer, VulkanDevice};
 
@@ -21,6 +22,9 @@ pub struct VulkanOptions {
     pub ordinal: usize,
     /// KV cache element type: bf16 (default) or f32.
     pub kv_dtype: Option<DType>,
+    /// Keep buffers unmapped and copy to and from them through staging buffers even where
+    /// the device's memory is mapped: a discrete GPU's path, on any device (tests).
+    pub force_staging: bool,
 }
 
 /// Codes the shaders leave in the fault word when an index they were given is out of
@@ -86,6 +90,11 @@ pub struct VulkanBackend {
     /// RoPE's inverse frequencies, a buffer a set of parameters
     /// ([`corral_backend::RopeParams::args`] and the rotated dims, as bits).
     pub(crate) rope_tables: Mutex<HashMap<[u32; 5], DeviceBuffer>>,
+    /// Where read-backs of unmapped buffers land: host memory, grown to the largest.
+    pub(crate) read_back: Mutex<Option<VulkanBuffer>>,
+    /// Bytes staged into unmapped buffers since the stream last waited: bounded, so that a
+    /// model's upload does not hold a second copy of its weights in staging buffers.
+    pub(crate) staged_bytes: AtomicUsize,
 }
 
 impl std::fmt::Debug for VulkanBackend {
@@ -97,7 +106,7 @@ impl std::fmt::Debug for VulkanBackend {
 impl VulkanBackend {
     /// Opens Vulkan device `options.ordinal` and makes a pipeline for every shader.
     pub fn new(options: VulkanOptions) -> Result<Self> {
-        let device = VulkanDevice::open(options.ordinal)?;
+        let device = VulkanDevice::open_with(options.ordinal, options.force_staging)?;
         let kernels = SHADERS
             .iter()
             .map(|&(name, _)| Ok((name, Kernel::new(&device, name)?)))
@@ -136,6 +145,8 @@ impl VulkanBackend {
             rope_tables: Mutex::default(),
             profiling: AtomicBool::new(false),
             profiler: Mutex::new(profiler),
+            read_back: Mutex::default(),
+            staged_bytes: AtomicUsize::new(0),
         })
     }
 
@@ -196,6 +207,7 @@ impl VulkanBackend {
     pub(crate) fn finish(&self, op: &'static str) -> Result<()> {
         self.not_capturing(op)?;
         self.stream.finish()?;
+        self.staged_bytes.store(0, Ordering::Relaxed);
         Ok(())
     }
 
@@ -217,14 +229,19 @@ impl VulkanBackend {
         Ok(())
     }
 
-    /// A new buffer of `len` elements of `dtype`, zeroed (counted as an allocation).
+    /// A new buffer of `len` elements of `dtype`, zeroed (counted as an allocation): mapped
+    /// memory when it is made, other memory on the queue before any work that reads it.
     pub(crate) fn new_buffer(
         &self,
         dtype: DType,
         len: usize,
         usage: BufferUsage,
     ) -> Result<DeviceBuffer> {
-        let memory = VulkanBuffer::new(&self.device, dtype.bytes_of(len))?;
+        let memory =
+            VulkanBuffer::make(&self.device.inner, dtype.bytes_of(len), Placement::Device)?;
+        if !memory.is_mapped() {
+            self.zero_on_queue(&memory)?;
+        }
         self.stats.allocation();
         let address = memory.address();
         Ok(DeviceBuffer::new(

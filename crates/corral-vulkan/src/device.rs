@@ -53,10 +53,88 @@ pub(crate) struct DeviceInner {
     /// Held while the queue is used: Vulkan leaves a queue's synchronisation to its users.
     pub(crate) queue_lock: std::sync::Mutex<()>,
     pub(crate) queue_family: u32,
-    pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
+    /// The memory types the backend's buffers and its staging copies are made in.
+    pub(crate) plan: MemoryPlan,
     /// Buffers dropped while queued work may still read them, and whether any may: they
     /// are freed once the work is done ([`DeviceInner::retire`]).
     pub(crate) retired: std::sync::Mutex<Retired>,
+}
+
+/// Where buffers live, chosen once from the device's memory types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MemoryPlan {
+    /// The memory type of the backend's buffers: the device's largest local heap.
+    pub(crate) device_type: u32,
+    /// Whether buffers of `device_type` are mapped for the host (an integrated GPU's or
+    /// lavapipe's memory, a discrete GPU's behind a resizable BAR): host copies are then
+    /// plain memory copies; otherwise they go through staging buffers on the queue.
+    pub(crate) mapped: bool,
+    /// A host-visible, coherent memory type: staging copies and the words the host polls.
+    pub(crate) host_type: u32,
+    /// Bytes of `device_type`'s heap.
+    pub(crate) device_heap_bytes: u64,
+}
+
+impl MemoryPlan {
+    /// The plan for `memory`: device-local memory the host maps where it spans (nearly) the
+    /// device's largest local heap, else unmapped device-local memory and host staging;
+    /// `force_staging` takes the staged path wherever the device is.
+    pub(crate) fn choose(
+        memory: &vk::PhysicalDeviceMemoryProperties,
+        force_staging: bool,
+    ) -> Option<Self> {
+        let types = &memory.memory_types[..memory.memory_type_count as usize];
+        let heaps = &memory.memory_heaps[..memory.memory_heap_count as usize];
+        let heap_bytes =
+            |t: &vk::MemoryType| heaps.get(t.heap_index as usize).map_or(0, |h| h.size);
+        let has = |t: &vk::MemoryType, f: vk::MemoryPropertyFlags| t.property_flags.contains(f);
+        let local = vk::MemoryPropertyFlags::DEVICE_LOCAL;
+        let host = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        // Host staging: cached where possible (read-backs), outside a small BAR window.
+        let host_type = (0..types.len())
+            .filter(|&i| has(&types[i], host))
+            .max_by_key(|&i| {
+                (
+                    has(&types[i], vk::MemoryPropertyFlags::HOST_CACHED),
+                    !has(&types[i], local),
+                    heap_bytes(&types[i]),
+                )
+            })?;
+        let largest = types.iter().filter(|t| has(t, local)).map(heap_bytes).max();
+        let Some(largest) = largest else {
+            // No device-local memory at all: everything lives in host memory.
+            return Some(Self {
+                device_type: host_type as u32,
+                mapped: true,
+                host_type: host_type as u32,
+                device_heap_bytes: heap_bytes(&types[host_type]),
+            });
+        };
+        let spans = |t: &vk::MemoryType| heap_bytes(t) >= largest / 10 * 9;
+        let mapped_type =
+            (0..types.len()).find(|&i| has(&types[i], local | host) && spans(&types[i]));
+        let device_type = match mapped_type {
+            Some(i) if !force_staging => i,
+            _ => (0..types.len())
+                .filter(|&i| has(&types[i], local) && spans(&types[i]))
+                .min_by_key(|&i| has(&types[i], vk::MemoryPropertyFlags::HOST_VISIBLE))?,
+        };
+        Some(Self {
+            device_type: device_type as u32,
+            mapped: !force_staging && has(&types[device_type], host),
+            host_type: host_type as u32,
+            device_heap_bytes: heap_bytes(&types[device_type]),
+        })
+    }
+
+    /// Where the buffers live, in words for the log and the device's name.
+    pub(crate) fn describe(&self) -> &'static str {
+        if self.mapped {
+            "buffers in device memory the host maps"
+        } else {
+            "buffers in device-local memory, copied through host staging"
+        }
+    }
 }
 
 /// Buffers whose freeing waits for the device's queued work.
@@ -195,6 +273,13 @@ impl VulkanDevice {
     /// Opens Vulkan device `ordinal` with its first compute queue, buffer device addresses
     /// and, where the device has them, 16-bit and 8-bit storage and arithmetic.
     pub fn open(ordinal: usize) -> Result<Self> {
+        Self::open_with(ordinal, false)
+    }
+
+    /// [`VulkanDevice::open`], with `force_staging` keeping buffers unmapped and copying
+    /// through staging buffers even where the device's memory is mapped (a discrete GPU's
+    /// path, on any device).
+    pub fn open_with(ordinal: usize, force_staging: bool) -> Result<Self> {
         if !crate::SHADERS_BUILT {
             return Err(BackendError::Device {
                 what: "vulkan".to_string(),
@@ -209,7 +294,7 @@ impl VulkanDevice {
         // here, after that by `DeviceInner`'s drop.
         #[allow(unsafe_code)]
         unsafe {
-            match Self::open_on(entry, instance.clone(), ordinal) {
+            match Self::open_on(entry, instance.clone(), ordinal, force_staging) {
                 Ok(device) => Ok(device),
                 Err(e) => {
                     instance.destroy_instance(None);
@@ -221,7 +306,12 @@ impl VulkanDevice {
 
     /// [`VulkanDevice::open`] on a live instance.
     #[allow(unsafe_code)]
-    unsafe fn open_on(entry: ash::Entry, instance: ash::Instance, ordinal: usize) -> Result<Self> {
+    unsafe fn open_on(
+        entry: ash::Entry,
+        instance: ash::Instance,
+        ordinal: usize,
+        force_staging: bool,
+    ) -> Result<Self> {
         // SAFETY: the instance is live for every call below (the caller's contract).
         unsafe {
             let devices = instance
@@ -273,11 +363,16 @@ impl VulkanDevice {
                 .enabled_features(&core)
                 .push_next(&mut v11)
                 .push_next(&mut v12);
+            let memory = instance.get_physical_device_memory_properties(physical);
+            let plan =
+                MemoryPlan::choose(&memory, force_staging).ok_or_else(|| BackendError::Device {
+                    what: format!("vulkan:{ordinal}"),
+                    detail: "no host-visible, coherent memory type".to_string(),
+                })?;
             let device = instance
                 .create_device(physical, &create, None)
                 .map_err(|e| vk_err("creating the Vulkan device", e))?;
             let queue = device.get_device_queue(queue_family, 0);
-            let memory = instance.get_physical_device_memory_properties(physical);
             let inner = Arc::new(DeviceInner {
                 _entry: entry,
                 instance,
@@ -286,7 +381,7 @@ impl VulkanDevice {
                 queue_lock: std::sync::Mutex::new(()),
                 retired: std::sync::Mutex::default(),
                 queue_family,
-                memory,
+                plan,
             });
             Ok(Self { inner, info })
         }
@@ -297,15 +392,20 @@ impl VulkanDevice {
         &self.info
     }
 
-    /// Bytes of the device's own memory heaps (all memory, on lavapipe and most integrated
-    /// GPUs).
+    /// Bytes of the memory heap the backend's buffers live in (all memory, on lavapipe and
+    /// most integrated GPUs).
     pub fn local_memory_bytes(&self) -> u64 {
-        let memory = &self.inner.memory;
-        memory.memory_heaps[..memory.memory_heap_count as usize]
-            .iter()
-            .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
-            .map(|h| h.size)
-            .sum()
+        self.inner.plan.device_heap_bytes
+    }
+
+    /// Where the backend's buffers live, in words.
+    pub fn memory_placement(&self) -> &'static str {
+        self.inner.plan.describe()
+    }
+
+    /// Whether the backend's buffers are mapped for the host (else copies are staged).
+    pub fn buffers_mapped(&self) -> bool {
+        self.inner.plan.mapped
     }
 }
 

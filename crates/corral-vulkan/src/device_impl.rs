@@ -1,6 +1,5 @@
 //! The Vulkan backend as a device (its counters, graphs, memory) and as the keeper of its
-//! buffers (the pool, weights, copies to and from the host). Every buffer is mapped for the
-//! host, so copies are plain memory copies once the device's work is done.
+//! buffers (the pool, weights, copies to and from the host, [`crate::transfer`]).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -11,13 +10,18 @@ use corral_backend::{
 };
 
 use crate::VulkanBackend;
-use crate::backend::memory;
 use crate::stream::Recorded;
 
 impl Device for VulkanBackend {
     fn device_name(&self) -> String {
         let info = self.device.info();
-        format!("vulkan:{} ({}, {})", self.ordinal(), info.name, info.driver)
+        format!(
+            "vulkan:{} ({}, {}; {})",
+            self.ordinal(),
+            info.name,
+            info.driver,
+            self.device.memory_placement()
+        )
     }
 
     fn kernels_id(&self) -> u64 {
@@ -149,7 +153,7 @@ impl Buffers for VulkanBackend {
         let op = "weight_from_file";
         let bytes = file.range(op, byte_offset, dtype.bytes_of(len))?;
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
-        memory(op, &b)?.write(0, bytes);
+        self.write_new(op, &b, bytes)?;
         self.stats.transfer(bytes.len());
         Ok(b)
     }
@@ -174,25 +178,25 @@ impl Buffers for VulkanBackend {
             }
         };
         let b = self.new_buffer(dtype, values.len(), BufferUsage::Weights)?;
-        memory(op, &b)?.write(0, &bytes);
+        self.write_new(op, &b, &bytes)?;
         self.stats.transfer(bytes.len());
         Ok(b)
     }
 
     fn upload_f32_unchecked(&self, src: &[f32], dst: &mut DeviceBuffer) -> Result<()> {
-        self.upload("upload_f32", bytemuck::cast_slice(src), dst)
+        self.copy_in("upload_f32", bytemuck::cast_slice(src), dst, 0)
     }
 
     fn upload_u32_unchecked(&self, src: &[u32], dst: &mut DeviceBuffer) -> Result<()> {
-        self.upload("upload_u32", bytemuck::cast_slice(src), dst)
+        self.copy_in("upload_u32", bytemuck::cast_slice(src), dst, 0)
     }
 
     fn download_f32_unchecked(&self, src: &DeviceBuffer, dst: &mut [f32]) -> Result<()> {
-        self.download("download_f32", src, bytemuck::cast_slice_mut(dst))
+        self.copy_out("download_f32", src, 0, bytemuck::cast_slice_mut(dst))
     }
 
     fn download_u32_unchecked(&self, src: &DeviceBuffer, dst: &mut [u32]) -> Result<()> {
-        self.download("download_u32", src, bytemuck::cast_slice_mut(dst))
+        self.copy_out("download_u32", src, 0, bytemuck::cast_slice_mut(dst))
     }
 
     fn read_bytes_unchecked(
@@ -203,10 +207,7 @@ impl Buffers for VulkanBackend {
     ) -> Result<()> {
         let op = "read_bytes";
         let (start, _) = byte_range(op, src, offset, out.len())?;
-        let memory = memory(op, src)?;
-        self.finish_read_back(op, out.len())?;
-        memory.read(start, out);
-        Ok(())
+        self.copy_out(op, src, start, out)
     }
 
     fn write_bytes_unchecked(
@@ -217,29 +218,6 @@ impl Buffers for VulkanBackend {
     ) -> Result<()> {
         let op = "write_bytes";
         let (start, _) = byte_range(op, dst, offset, bytes.len())?;
-        let memory = memory(op, dst)?;
-        self.finish(op)?;
-        memory.write(start, bytes);
-        self.stats.transfer(bytes.len());
-        Ok(())
-    }
-}
-
-impl VulkanBackend {
-    /// Host bytes into the start of `dst`, once the device's work on it is done.
-    fn upload(&self, op: &'static str, bytes: &[u8], dst: &DeviceBuffer) -> Result<()> {
-        let memory = memory(op, dst)?;
-        self.finish(op)?;
-        memory.write(0, bytes);
-        self.stats.transfer(bytes.len());
-        Ok(())
-    }
-
-    /// The start of `src` to host bytes: one host sync.
-    fn download(&self, op: &'static str, src: &DeviceBuffer, out: &mut [u8]) -> Result<()> {
-        let memory = memory(op, src)?;
-        self.finish_read_back(op, out.len())?;
-        memory.read(0, out);
-        Ok(())
+        self.copy_in(op, bytes, dst, start)
     }
 }

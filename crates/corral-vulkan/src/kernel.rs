@@ -190,8 +190,8 @@ impl Recording {
     }
 }
 
-/// Records one dispatch into `commands`, after a barrier that makes every shader write
-/// recorded or submitted before it visible to it (the first in a command buffer also orders
+/// Records one dispatch into `commands`, after a barrier that makes every shader, copy and
+/// host write recorded or submitted before it visible to it (the first in a command buffer also orders
 /// it after earlier submissions to the queue); `timed`, a pair of timestamp queries written
 /// around it.
 pub(crate) fn record(
@@ -202,14 +202,14 @@ pub(crate) fn record(
     timed: Option<(vk::QueryPool, u32)>,
 ) {
     let barrier = [vk::MemoryBarrier::default()
-        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::HOST_WRITE)
+        .src_access_mask(WRITES)
         .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
     // SAFETY: `commands` is in the recording state, and the kernel's handles are live.
     #[allow(unsafe_code)]
     unsafe {
         d.cmd_pipeline_barrier(
             commands,
-            vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::HOST,
+            WRITERS,
             vk::PipelineStageFlags::COMPUTE_SHADER,
             vk::DependencyFlags::empty(),
             &barrier,
@@ -245,18 +245,52 @@ pub(crate) fn record(
     }
 }
 
-/// Records a barrier that makes every shader write before it visible to the host once the
-/// submission's fence signals: the last command of every submitted command buffer.
+/// The stages that write buffers: shaders, copies and the host.
+const WRITERS: vk::PipelineStageFlags = vk::PipelineStageFlags::from_raw(
+    vk::PipelineStageFlags::COMPUTE_SHADER.as_raw()
+        | vk::PipelineStageFlags::TRANSFER.as_raw()
+        | vk::PipelineStageFlags::HOST.as_raw(),
+);
+
+/// Their writes.
+const WRITES: vk::AccessFlags = vk::AccessFlags::from_raw(
+    vk::AccessFlags::SHADER_WRITE.as_raw()
+        | vk::AccessFlags::TRANSFER_WRITE.as_raw()
+        | vk::AccessFlags::HOST_WRITE.as_raw(),
+);
+
+/// Records a barrier before copies: every write and read before it completes first.
+pub(crate) fn record_transfer_barrier(d: &ash::Device, commands: vk::CommandBuffer) {
+    let barrier = [vk::MemoryBarrier::default()
+        .src_access_mask(WRITES)
+        .dst_access_mask(vk::AccessFlags::TRANSFER_READ | vk::AccessFlags::TRANSFER_WRITE)];
+    // SAFETY: `commands` is in the recording state.
+    #[allow(unsafe_code)]
+    unsafe {
+        d.cmd_pipeline_barrier(
+            commands,
+            WRITERS,
+            vk::PipelineStageFlags::TRANSFER,
+            vk::DependencyFlags::empty(),
+            &barrier,
+            &[],
+            &[],
+        );
+    }
+}
+
+/// Records a barrier that makes every shader and copy write before it visible to the host
+/// once the submission's fence signals: the last command of every submitted command buffer.
 pub(crate) fn record_host_barrier(d: &ash::Device, commands: vk::CommandBuffer) {
     let barrier = [vk::MemoryBarrier::default()
-        .src_access_mask(vk::AccessFlags::SHADER_WRITE)
+        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
         .dst_access_mask(vk::AccessFlags::HOST_READ)];
     // SAFETY: `commands` is in the recording state.
     #[allow(unsafe_code)]
     unsafe {
         d.cmd_pipeline_barrier(
             commands,
-            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
             vk::PipelineStageFlags::HOST,
             vk::DependencyFlags::empty(),
             &barrier,

@@ -15,6 +15,7 @@ mod memory;
 mod ops;
 mod profile;
 mod stream;
+mod transfer;
 
 pub use backend::{VulkanBackend, VulkanOptions};
 pub use device::{VulkanDevice, VulkanInfo, vulkan_available};

@@ -1,5 +1,6 @@
-//! Buffers: device memory the host can map (all of it on an integrated GPU or lavapipe; a
-//! discrete GPU's host-visible window for now), reached by shaders through its device address.
+//! Buffers: device memory reached by shaders through its device address; mapped for the
+//! host where the device's memory allows it (an integrated GPU, lavapipe, a discrete GPU
+//! behind a resizable BAR), else copied to and from through staging buffers.
 
 use std::sync::Arc;
 
@@ -9,12 +10,21 @@ use corral_backend::{BackendError, Result};
 use crate::device::DeviceInner;
 use crate::{VulkanDevice, vk_err};
 
-/// A buffer of `bytes` bytes, mapped for the host, with its device address.
+/// Where a buffer's memory comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// The backend's buffers: the device's largest local heap, mapped if the plan says so.
+    Device,
+    /// Host-visible, coherent memory, always mapped: staging copies and polled words.
+    Host,
+}
+
+/// A buffer of `bytes` bytes with its device address, mapped for the host or not.
 pub struct VulkanBuffer {
     device: Arc<DeviceInner>,
     buffer: vk::Buffer,
     memory: vk::DeviceMemory,
-    mapped: *mut u8,
+    mapped: Option<*mut u8>,
     bytes: usize,
     address: u64,
 }
@@ -31,19 +41,42 @@ impl std::fmt::Debug for VulkanBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "VulkanBuffer({} bytes at {:#x})",
-            self.bytes, self.address
+            "VulkanBuffer({} bytes at {:#x}{})",
+            self.bytes,
+            self.address,
+            if self.mapped.is_some() {
+                ", mapped"
+            } else {
+                ""
+            }
         )
     }
 }
 
 impl VulkanBuffer {
-    /// A zeroed buffer of `bytes` bytes on `device`.
+    /// A zeroed buffer of `bytes` bytes on `device`, in host-visible memory.
     pub fn new(device: &VulkanDevice, bytes: usize) -> Result<Self> {
-        let inner = Arc::clone(&device.inner);
-        let size = bytes.max(4) as u64;
+        Self::make(&device.inner, bytes, Placement::Host)
+    }
+
+    /// A buffer of `bytes` bytes placed as `placement` says; zeroed if it is mapped (the
+    /// backend zeroes the others on the queue).
+    pub(crate) fn make(
+        inner: &Arc<DeviceInner>,
+        bytes: usize,
+        placement: Placement,
+    ) -> Result<Self> {
+        let (kind, map) = match placement {
+            Placement::Device => (inner.plan.device_type, inner.plan.mapped),
+            Placement::Host => (inner.plan.host_type, true),
+        };
+        // Whole words, so that fills and inline writes reach every byte.
+        let size = bytes.max(4).next_multiple_of(4) as u64;
         let info = vk::BufferCreateInfo::default().size(size).usage(
-            vk::BufferUsageFlags::STORAGE_BUFFER | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS,
+            vk::BufferUsageFlags::STORAGE_BUFFER
+                | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS
+                | vk::BufferUsageFlags::TRANSFER_SRC
+                | vk::BufferUsageFlags::TRANSFER_DST,
         );
         // SAFETY: the device is live (held by `inner`); each handle made here is destroyed on
         // the error paths below or by `Drop`.
@@ -54,20 +87,13 @@ impl VulkanBuffer {
                 .create_buffer(&info, None)
                 .map_err(|e| vk_err("creating a buffer", e))?;
             let need = d.get_buffer_memory_requirements(buffer);
-            let wanted =
-                vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
-            let Some(kind) = (0..inner.memory.memory_type_count).find(|&i| {
-                need.memory_type_bits & (1 << i) != 0
-                    && inner.memory.memory_types[i as usize]
-                        .property_flags
-                        .contains(wanted)
-            }) else {
+            if need.memory_type_bits & (1 << kind) == 0 {
                 d.destroy_buffer(buffer, None);
                 return Err(BackendError::Device {
                     what: "allocating a buffer".to_string(),
-                    detail: "no host-visible memory for it".to_string(),
+                    detail: format!("memory type {kind} cannot hold a storage buffer"),
                 });
-            };
+            }
             let mut addressed = vk::MemoryAllocateFlagsInfo::default()
                 .flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
             let allocate = vk::MemoryAllocateInfo::default()
@@ -78,25 +104,32 @@ impl VulkanBuffer {
                 Ok(m) => m,
                 Err(e) => {
                     d.destroy_buffer(buffer, None);
-                    return Err(vk_err("allocating a buffer", e));
+                    return Err(vk_err(&format!("allocating a buffer of {size} bytes"), e));
                 }
             };
-            let mapped = d
-                .bind_buffer_memory(buffer, memory, 0)
-                .and_then(|()| d.map_memory(memory, 0, need.size, vk::MemoryMapFlags::empty()));
-            let mapped = match mapped {
-                Ok(p) => p.cast::<u8>(),
+            let bound = d.bind_buffer_memory(buffer, memory, 0).and_then(|()| {
+                if map {
+                    d.map_memory(memory, 0, need.size, vk::MemoryMapFlags::empty())
+                        .map(|p| Some(p.cast::<u8>()))
+                } else {
+                    Ok(None)
+                }
+            });
+            let mapped = match bound {
+                Ok(p) => p,
                 Err(e) => {
                     d.destroy_buffer(buffer, None);
                     d.free_memory(memory, None);
                     return Err(vk_err("mapping a buffer", e));
                 }
             };
-            std::ptr::write_bytes(mapped, 0, size as usize);
+            if let Some(p) = mapped {
+                std::ptr::write_bytes(p, 0, size as usize);
+            }
             let address =
                 d.get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(buffer));
             Ok(Self {
-                device: inner,
+                device: Arc::clone(inner),
                 buffer,
                 memory,
                 mapped,
@@ -116,18 +149,29 @@ impl VulkanBuffer {
         self.bytes
     }
 
+    /// Whether the host may [`read`](Self::read) and [`write`](Self::write) it directly.
+    pub fn is_mapped(&self) -> bool {
+        self.mapped.is_some()
+    }
+
+    /// The Vulkan handle, for copies on the queue.
+    pub(crate) fn handle(&self) -> vk::Buffer {
+        self.buffer
+    }
+
     /// Copies `out.len()` bytes from byte `offset` to the host (after the work that wrote
     /// them has completed).
     ///
     /// # Panics
-    /// If the range runs past the buffer: callers check ranges first.
+    /// If the range runs past the buffer or the buffer is not mapped: callers check first.
     pub fn read(&self, offset: usize, out: &mut [u8]) {
         assert!(offset + out.len() <= self.bytes, "read past the buffer");
+        let mapped = self.mapped.expect("read of a buffer the host does not map");
         // SAFETY: the range lies within the mapping, which lives as long as `self`; no
         // reference to the mapped memory outlives the copy.
         #[allow(unsafe_code)]
         unsafe {
-            std::ptr::copy_nonoverlapping(self.mapped.add(offset), out.as_mut_ptr(), out.len());
+            std::ptr::copy_nonoverlapping(mapped.add(offset), out.as_mut_ptr(), out.len());
         }
     }
 
@@ -135,13 +179,16 @@ impl VulkanBuffer {
     /// writes them).
     ///
     /// # Panics
-    /// If the range runs past the buffer: callers check ranges first.
+    /// If the range runs past the buffer or the buffer is not mapped: callers check first.
     pub fn write(&self, offset: usize, bytes: &[u8]) {
         assert!(offset + bytes.len() <= self.bytes, "write past the buffer");
+        let mapped = self
+            .mapped
+            .expect("write to a buffer the host does not map");
         // SAFETY: as `read`; the mapping is device memory the host writes by copies only.
         #[allow(unsafe_code)]
         unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.mapped.add(offset), bytes.len());
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), mapped.add(offset), bytes.len());
         }
     }
 }

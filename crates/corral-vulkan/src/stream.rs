@@ -1,6 +1,7 @@
-//! The backend's queue of work. Ops record their dispatches into an open command buffer;
-//! it is submitted when the host next needs the device's results or memory (a read-back, a
-//! copy in, a sync), so a step's ops cost one submission. A graph is a command buffer
+//! The backend's queue of work. Ops record their dispatches (and copies through staging
+//! buffers) into an open command buffer; it is submitted when the host next needs the
+//! device's results or memory (a read-back, a copy into mapped memory, a sync), so a step's
+//! ops cost one submission. A graph is a command buffer
 //! recorded once and submitted on every replay, without waiting for it.
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -9,7 +10,7 @@ use ash::vk;
 use corral_backend::Result;
 
 use crate::device::DeviceInner;
-use crate::kernel::{Kernel, record, record_host_barrier};
+use crate::kernel::{Kernel, record, record_host_barrier, record_transfer_barrier};
 use crate::vk_err;
 
 /// A graph's recording: its own command pool and buffer, freed when the graph drops.
@@ -159,36 +160,55 @@ impl Stream {
         launch: ([u32; 3], &[u8]),
         timed: Option<(vk::QueryPool, u32)>,
     ) -> Result<()> {
-        let d = &self.device.device;
         let mut state = self.lock();
-        let state = &mut *state;
-        let commands = match (&state.capture, state.open) {
-            (Some(capture), _) => capture.commands,
-            (None, Some(open)) => open,
-            (None, None) => {
-                let commands = match state.free.pop() {
-                    Some(c) => {
-                        // SAFETY: a free buffer was reset after its work completed.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            d.begin_command_buffer(c, &vk::CommandBufferBeginInfo::default())
-                                .map_err(|e| vk_err("a command buffer", e))?;
-                        }
-                        c
-                    }
-                    // SAFETY: the pool is used under the state's lock only.
-                    #[allow(unsafe_code)]
-                    None => unsafe { begun(d, state.pool)? },
-                };
-                // Buffers dropped from now on wait for this work (a graph being recorded
-                // set this when it began).
-                self.device.set_busy(true);
-                state.open = Some(commands);
-                commands
-            }
+        let commands = match &state.capture {
+            Some(capture) => capture.commands,
+            None => self.open(&mut state)?,
         };
-        record(d, commands, kernel, launch, timed);
+        record(&self.device.device, commands, kernel, launch, timed);
         Ok(())
+    }
+
+    /// Records copies (`copy`, given the device and the command buffer) into the open
+    /// command buffer, never into a graph being recorded: they run before any graph
+    /// submitted after them, ordered after the work recorded before them and before the
+    /// dispatches recorded after them.
+    pub(crate) fn transfer(
+        &self,
+        copy: impl FnOnce(&ash::Device, vk::CommandBuffer),
+    ) -> Result<()> {
+        let mut state = self.lock();
+        let commands = self.open(&mut state)?;
+        record_transfer_barrier(&self.device.device, commands);
+        copy(&self.device.device, commands);
+        Ok(())
+    }
+
+    /// The open command buffer, begun now if none is.
+    fn open(&self, state: &mut State) -> Result<vk::CommandBuffer> {
+        if let Some(open) = state.open {
+            return Ok(open);
+        }
+        let d = &self.device.device;
+        let commands = match state.free.pop() {
+            Some(c) => {
+                // SAFETY: a free buffer was reset after its work completed.
+                #[allow(unsafe_code)]
+                unsafe {
+                    d.begin_command_buffer(c, &vk::CommandBufferBeginInfo::default())
+                        .map_err(|e| vk_err("a command buffer", e))?;
+                }
+                c
+            }
+            // SAFETY: the pool is used under the state's lock only.
+            #[allow(unsafe_code)]
+            None => unsafe { begun(d, state.pool)? },
+        };
+        // Buffers dropped from now on wait for this work (a graph being recorded set this
+        // when it began).
+        self.device.set_busy(true);
+        state.open = Some(commands);
+        Ok(commands)
     }
 
     /// Submits the open work, if any, and waits for everything submitted: afterwards the

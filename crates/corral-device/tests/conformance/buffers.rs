@@ -5,7 +5,7 @@ use std::io::Write as _;
 
 use corral_backend::{BufferUsage, DType, MappedFile, QuantFormat, WeightView, synthetic};
 
-use crate::{Rng, assert_near, download, f32_buf, out_buf, subjects, u32_buf};
+use crate::{Rng, assert_near, download, f32_buf, out_buf, subjects_and_staged_copies, u32_buf};
 
 /// Bytes written and read back as stored, in place and from element offsets, 16-bit
 /// elements copied within a buffer on the device: the same bytes on every backend, as a
@@ -20,7 +20,7 @@ fn bytes_round_trip_as_stored() {
     let floats: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     let mut want_floats = floats.clone();
     want_floats.copy_within(200..1000, 1200);
-    for s in subjects() {
+    for s in subjects_and_staged_copies() {
         let b = s.backend;
         let mut f32s = f32_buf(b, &v);
         let mut bf16 = b
@@ -47,7 +47,7 @@ fn normal_weights_are_the_host_streams() {
     let n = 3 * 65536 + 7;
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let want = crate::stored(dtype, &synthetic::normal_values(0xfeed, n, 0.02));
-        for s in subjects() {
+        for s in subjects_and_staged_copies() {
             let b = s.backend;
             let w = b.weight_normal(n, dtype, 0xfeed, 0.02).unwrap();
             // Read through an embedding of rows covering the whole buffer.
@@ -76,7 +76,7 @@ fn buffers_refuse_bad_arguments() {
     let mut file = tempfile::NamedTempFile::new().unwrap();
     file.write_all(&[0u8; 64]).unwrap();
     file.flush().unwrap();
-    for s in subjects() {
+    for s in subjects_and_staged_copies() {
         let b = s.backend;
         let named = |call: &str, r: corral_backend::Result<()>| match r {
             Err(e) => assert!(e.to_string().contains(call), "{}: {call}: {e}", s.name),

@@ -4,7 +4,7 @@
 use corral_backend::{BufferUsage, DType, WeightView, reference};
 use proptest::prelude::*;
 
-use crate::{Rng, assert_refused, download, f32_buf, out_buf, subjects, u32_buf};
+use crate::{Rng, assert_refused, download, f32_buf, out_buf, subjects_and_staged_copies, u32_buf};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
@@ -21,7 +21,7 @@ proptest! {
         let table = crate::stored(DType::BF16, &rng.values(table_rows * dim));
         let ids: Vec<u32> = (0..tokens).map(|_| rng.below(table_rows) as u32).collect();
         let want = reference::gather_rows(&table, &ids, dim);
-        for s in subjects() {
+        for s in subjects_and_staged_copies() {
             let b = s.backend;
             let id_buf = u32_buf(b, &ids);
             let x = f32_buf(b, &table);
@@ -60,7 +60,7 @@ proptest! {
         let dst = clear[rng.below(clear.len())];
         let mut want = v.clone();
         want.copy_within(src..src + count, dst);
-        for s in subjects() {
+        for s in subjects_and_staged_copies() {
             let b = s.backend;
             let mut buf = f32_buf(b, &v);
             b.copy_within(&mut buf, src, dst, count).unwrap();
@@ -73,7 +73,7 @@ proptest! {
 /// outputs too short for the shape.
 #[test]
 fn gathers_and_embeddings_refuse_ids_out_of_range() {
-    for s in subjects() {
+    for s in subjects_and_staged_copies() {
         let b = s.backend;
         let ids = u32_buf(b, &[1, 5]);
         let table = b.weight_from_f32(&[0.0; 8], DType::F32).unwrap();
@@ -95,7 +95,7 @@ fn gathers_and_embeddings_refuse_ids_out_of_range() {
 
 #[test]
 fn copies_within_move_16_bit_elements_and_refuse_bad_ranges() {
-    for s in subjects() {
+    for s in subjects_and_staged_copies() {
         let b = s.backend;
         let mut buf = b
             .take_buffer(DType::BF16, 12, BufferUsage::KvCache)
@@ -122,7 +122,7 @@ fn whole_blocks_gather_and_scatter_by_id() {
     let paged: Vec<u8> = (0..blocks * n * 2).map(|i| (i * 5 % 251) as u8).collect();
     let ids = [4u32, 0, 5];
     let block = |id: u32| &paged[id as usize * n * 2..(id as usize + 1) * n * 2];
-    for s in subjects() {
+    for s in subjects_and_staged_copies() {
         let b = s.backend;
         let mut src = b
             .alloc_zeroed(DType::BF16, blocks * n, BufferUsage::KvCache)
@@ -198,7 +198,7 @@ proptest! {
         let hidden = 256 * spans;
         let mut rng = Rng(seed);
         let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
-        for s in subjects() {
+        for s in subjects_and_staged_copies() {
             let b = s.backend;
             let Some((table, values)) = format.weights(b, vocab * hidden, seed) else { continue };
             let want = reference::gather_rows(&values, &ids, hidden);

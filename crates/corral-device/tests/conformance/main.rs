@@ -44,6 +44,18 @@ pub(crate) struct Subject {
 /// the same ops (the CUDA backend's own kernels where it would call cuBLAS or stream
 /// weights) are subjects of their own.
 pub(crate) fn subjects() -> Vec<Subject> {
+    all_subjects(false)
+}
+
+/// [`subjects`], and the Vulkan backend copying through staging buffers as on a discrete
+/// GPU, wherever it runs: for the tests of copies (every op's test copies its inputs in and
+/// its outputs out the same way, so the others leave it out).
+pub(crate) fn subjects_and_staged_copies() -> Vec<Subject> {
+    all_subjects(true)
+}
+
+/// [`subjects`], with the staged Vulkan subject if `with_staged`.
+fn all_subjects(with_staged: bool) -> Vec<Subject> {
     static CPU: OnceLock<CpuBackend> = OnceLock::new();
     static CUDA: OnceLock<Option<[CudaBackend; 2]>> = OnceLock::new();
     let mut all = vec![Subject {
@@ -83,9 +95,16 @@ pub(crate) fn subjects() -> Vec<Subject> {
     // One Vulkan backend a test thread (opening one takes milliseconds): a fault a test
     // provokes on purpose is reported by that test's own next read-back, with the tests
     // running in parallel.
+    // The second copies through staging buffers, as on a discrete GPU, wherever it runs.
     thread_local! {
-        static VULKAN: &'static Option<VulkanBackend> = Box::leak(Box::new(
-            match VulkanBackend::new(VulkanOptions::default()) {
+        static VULKAN: &'static Option<[VulkanBackend; 2]> = Box::leak(Box::new({
+            let open = |force_staging| {
+                VulkanBackend::new(VulkanOptions {
+                    force_staging,
+                    ..Default::default()
+                })
+            };
+            match open(false).and_then(|mapped| Ok([mapped, open(true)?])) {
                 Ok(b) => Some(b),
                 Err(why) if std::env::var("CORRAL_REQUIRE_VULKAN").is_ok_and(|v| v == "1") => {
                     panic!("Vulkan is required here: {why}")
@@ -94,16 +113,22 @@ pub(crate) fn subjects() -> Vec<Subject> {
                     eprintln!("vulkan: not run ({why})");
                     None
                 }
-            },
-        ));
+            }
+        }));
     }
-    let vulkan = VULKAN.with(|v| *v);
-    if let Some(vulkan) = vulkan {
+    if let Some([vulkan, staged]) = VULKAN.with(|v| v.as_ref()) {
         all.push(Subject {
             name: "vulkan",
             backend: vulkan,
             tol: 1e-5,
         });
+        if with_staged {
+            all.push(Subject {
+                name: "vulkan, staged copies",
+                backend: staged,
+                tol: 1e-5,
+            });
+        }
     }
     all
 }

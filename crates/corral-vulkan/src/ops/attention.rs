@@ -10,7 +10,6 @@ use corral_backend::{
 use super::{grid, grid_of};
 use crate::VulkanBackend;
 use crate::args::{Args, address};
-use crate::backend::memory;
 
 /// A KV cache's element type as `kv_at` in `common.glsl` takes it.
 fn kv_type(op: &'static str, dtype: DType) -> Result<usize> {
@@ -49,7 +48,7 @@ impl VulkanBackend {
             .collect();
         let mut b = self.new_buffer(DType::F32, freqs.len().max(1), BufferUsage::Weights)?;
         b.hold_for_graphs();
-        memory("rope", &b)?.write(0, bytemuck::cast_slice(&freqs));
+        self.write_new("rope", &b, bytemuck::cast_slice(&freqs))?;
         let at = address("rope", &b)?;
         tables.insert(key, b);
         Ok((at, args.attention_factor))

@@ -11,7 +11,6 @@ use corral_backend::{
 use super::{grid, grid_of, weight_type};
 use crate::VulkanBackend;
 use crate::args::{Args, address};
-use crate::backend::memory;
 
 impl VulkanBackend {
     /// The address of `m`'s table of its experts' matrix addresses (made once, on first
@@ -27,7 +26,7 @@ impl VulkanBackend {
             let mut table =
                 self.new_buffer(DType::U32, 2 * words.len().max(1), BufferUsage::Weights)?;
             table.hold_for_graphs();
-            memory(op, &table)?.write(0, bytemuck::cast_slice(&words));
+            self.write_new(op, &table, bytemuck::cast_slice(&words))?;
             Ok((table, false))
         })?;
         Ok((address(op, table)?, weight_type(op, dtype)?))
