@@ -19,7 +19,8 @@ pub enum DeviceChoice {
     /// Vulkan device N, in the loader's order (the backend computes part of the ops yet:
     /// the others refuse, saying so).
     Vulkan(usize),
-    /// CUDA device 0 when usable, else the CPU.
+    /// CUDA device 0 when usable, else the first Vulkan GPU (not a Vulkan implementation on
+    /// the CPU), else the CPU.
     Auto,
 }
 
@@ -101,8 +102,9 @@ pub enum OpenError {
     },
 }
 
-/// Opens the backend `choice` names. `auto` falls back to the CPU, saying why, when no GPU
-/// is usable; an explicit `cuda` fails with the reason instead.
+/// Opens the backend `choice` names. `auto` tries CUDA, then a Vulkan GPU, and falls back to
+/// the CPU, saying why, when no GPU is usable; an explicit `cuda` or `vulkan` fails with the
+/// reason instead.
 pub fn open(choice: DeviceChoice, options: BackendOptions) -> Result<Arc<dyn Backend>, OpenError> {
     let cpu = || {
         CpuBackend::with_kv_dtype(options.kv_dtype)
@@ -144,16 +146,29 @@ pub fn open(choice: DeviceChoice, options: BackendOptions) -> Result<Arc<dyn Bac
         DeviceChoice::Cpu => cpu(),
         DeviceChoice::Cuda(n) => cuda(n),
         DeviceChoice::Vulkan(n) => vulkan(n),
-        DeviceChoice::Auto => match corral_cuda::cuda_available() {
-            Err(why) => {
-                tracing::debug!("no GPU ({why}); running on the CPU");
+        DeviceChoice::Auto => {
+            let gpu = || -> Result<Arc<dyn Backend>, String> {
+                match corral_cuda::cuda_available() {
+                    Ok(_) => match cuda(0) {
+                        Ok(b) => return Ok(b),
+                        Err(e) => tracing::warn!("cuda:0 is present but unusable ({e})"),
+                    },
+                    Err(why) => tracing::debug!("no CUDA device ({why})"),
+                }
+                match corral_vulkan::first_vulkan_gpu() {
+                    Ok(Some(n)) => vulkan(n).map_err(|e| {
+                        tracing::warn!("vulkan:{n} is present but unusable ({e})");
+                        e.to_string()
+                    }),
+                    Ok(None) => Err("Vulkan finds no GPU".to_string()),
+                    Err(why) => Err(why.to_string()),
+                }
+            };
+            gpu().or_else(|why| {
+                tracing::debug!("no usable GPU ({why}); running on the CPU");
                 cpu()
-            }
-            Ok(_) => cuda(0).or_else(|e| {
-                tracing::warn!("cuda:0 is present but unusable ({e}); running on the CPU");
-                cpu()
-            }),
-        },
+            })
+        }
     }
 }
 

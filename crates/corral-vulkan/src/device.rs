@@ -249,24 +249,44 @@ impl std::fmt::Debug for VulkanDevice {
 /// The devices the Vulkan loader reports, by name, or why there are none (no loader, no
 /// driver).
 pub fn vulkan_available() -> Result<Vec<String>> {
+    Ok(physical_devices()?
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect())
+}
+
+/// The ordinal of the first Vulkan device that is a GPU (integrated, discrete or virtual),
+/// not an implementation on the CPU such as lavapipe: what `auto` runs on when there is no
+/// CUDA device. `None` if every device is a CPU; an error if there is no loader or driver.
+pub fn first_vulkan_gpu() -> Result<Option<usize>> {
+    Ok(physical_devices()?
+        .iter()
+        .position(|(_, kind)| *kind != vk::PhysicalDeviceType::CPU))
+}
+
+/// Every device the loader reports: its name and type.
+fn physical_devices() -> Result<Vec<(String, vk::PhysicalDeviceType)>> {
     let entry = load()?;
     let instance = create_instance(&entry)?;
     // SAFETY: the instance is live, and destroyed right after.
     #[allow(unsafe_code)]
-    let names = unsafe {
-        let names = instance
+    let devices = unsafe {
+        let devices = instance
             .enumerate_physical_devices()
             .map_err(|e| vk_err("enumerating Vulkan devices", e))
             .map(|devices| {
                 devices
                     .iter()
-                    .map(|&d| device_name(&instance.get_physical_device_properties(d)))
+                    .map(|&d| {
+                        let props = instance.get_physical_device_properties(d);
+                        (device_name(&props), props.device_type)
+                    })
                     .collect()
             });
         instance.destroy_instance(None);
-        names
+        devices
     }?;
-    Ok(names)
+    Ok(devices)
 }
 
 impl VulkanDevice {

@@ -18,7 +18,7 @@ mod stream;
 mod transfer;
 
 pub use backend::{VulkanBackend, VulkanOptions};
-pub use device::{VulkanDevice, VulkanInfo, vulkan_available};
+pub use device::{VulkanDevice, VulkanInfo, first_vulkan_gpu, vulkan_available};
 pub use kernel::{Kernel, Recording};
 pub use memory::VulkanBuffer;
 

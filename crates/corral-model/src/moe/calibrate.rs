@@ -57,9 +57,24 @@ fn cache_path(device: &str, kernels: u64, config: &ModelConfig, experts: &str) -
     Some(dir.join(format!("moe-{hash:016x}.txt")))
 }
 
+/// Milliseconds one timing of back-to-back blocks aims at: a slow device (lavapipe, a CPU
+/// running Vulkan) times fewer blocks instead of taking minutes.
+const TIMING_BUDGET_MS: f64 = 25.0;
+
+/// Blocks to time back to back: `reps`, or fewer where the warm-up block took so long that
+/// `reps` of them would overrun [`TIMING_BUDGET_MS`]; at least one.
+fn reps_within(reps: usize, warm_up_ms: f64) -> usize {
+    let fit = (TIMING_BUDGET_MS / warm_up_ms.max(1e-6)).floor();
+    if fit >= reps as f64 {
+        reps
+    } else {
+        (fit as usize).max(1)
+    }
+}
+
 /// Times the MoE blocks under per-token and grouped for each of [`CALIBRATION_TOKENS`]
-/// (`reps` blocks back to back per timing, median of three, after a warm-up), or reads an
-/// earlier result for the same device and shape.
+/// (`reps` blocks back to back per timing, fewer where a block is slow, median of three,
+/// after a warm-up), or reads an earlier result for the same device and shape.
 pub(crate) fn calibrate(
     backend: &dyn Backend,
     config: &ModelConfig,
@@ -108,7 +123,11 @@ pub(crate) fn calibrate(
                 .iter_mut()
                 .zip([MoeStrategy::PerToken, MoeStrategy::Grouped])
             {
+                backend.synchronize()?;
+                let warm_up = Instant::now();
                 first.forward(backend, &mut ws, tokens, strategy)?;
+                backend.synchronize()?;
+                let reps = reps_within(reps, warm_up.elapsed().as_secs_f64() * 1e3);
                 let mut times = Vec::with_capacity(3);
                 for _ in 0..3 {
                     backend.synchronize()?;
@@ -152,7 +171,17 @@ pub(crate) fn calibrate(
 
 #[cfg(test)]
 mod tests {
-    use super::{cache_path, crossover};
+    use super::{cache_path, crossover, reps_within};
+
+    /// A fast block is timed `reps` times; a slow one fewer, down to one, within the budget.
+    #[test]
+    fn slow_blocks_are_timed_fewer_times() {
+        assert_eq!(reps_within(48, 0.1), 48);
+        assert_eq!(reps_within(48, 0.0), 48);
+        assert_eq!(reps_within(48, 5.0), 5);
+        assert_eq!(reps_within(48, 24.0), 1);
+        assert_eq!(reps_within(48, 400.0), 1);
+    }
 
     #[test]
     fn a_calibration_is_cached_per_device_shape_kernels_and_expert_types() {
