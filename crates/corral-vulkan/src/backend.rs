@@ -120,7 +120,7 @@ impl VulkanBackend {
         let capabilities = Capabilities {
             graphs: true,
             profiling: profiler.is_some(),
-            weight_formats: Vec::new(),
+            weight_formats: crate::ops::BLOCK_FORMATS.to_vec(),
             kv_dtypes: vec![DType::BF16, DType::F32],
             bf16_projection_inputs: false,
         };

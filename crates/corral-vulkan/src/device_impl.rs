@@ -158,6 +158,19 @@ impl Buffers for VulkanBackend {
         Ok(b)
     }
 
+    fn weight_from_blocks_unchecked(
+        &self,
+        blocks: Vec<u8>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer> {
+        let op = "weight_from_blocks";
+        let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
+        self.write_new(op, &b, &blocks)?;
+        self.stats.transfer(blocks.len());
+        Ok(b)
+    }
+
     fn weight_from_f32_unchecked(&self, values: &[f32], dtype: DType) -> Result<DeviceBuffer> {
         let op = "weight_from_f32";
         let bytes: Vec<u8> = match dtype {

@@ -3,8 +3,9 @@
 //! addresses, and compute shaders compiled to SPIR-V by the build, recorded into one command
 //! buffer a step and replayed as graphs. It runs on Mesa's lavapipe (Vulkan on the CPU),
 //! RADV on AMD's iGPUs and NVIDIA's driver alike. Every op is computed, in f32 from float
-//! weights (f32, bf16, f16) with an f32 or bf16 KV cache, by portable shaders written for
-//! correctness first: block-format weights and the fast per-device kernels come next.
+//! weights (f32, bf16, f16) or block-format weights read as stored (ggml's Q4_0 ... Q6_K,
+//! FP8 rows), with an f32 or bf16 KV cache, by portable shaders written for correctness
+//! first: the fast per-device kernels come next.
 
 mod args;
 mod backend;

@@ -1,6 +1,6 @@
 // What every shader shares: buffers reached by their device addresses (no descriptor sets,
-// no binding-size limit), read as f32, u32 or 16-bit words; weights of any float type;
-// the fault word where an index out of range is reported.
+// no binding-size limit), read as f32, u32 or 16-bit words; weights of any float type or
+// block format; the fault word where an index out of range is reported.
 #extension GL_EXT_buffer_reference : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
@@ -26,7 +26,10 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer Fault {
     uint code;
 };
 
-// Weight element types, as the host passes them (`weight_type` in ops/mod.rs).
+#include "blocks.glsl"
+
+// Weight element types, as the host passes them (`weight_type` in ops/mod.rs); block
+// formats follow from 3 (blocks.glsl).
 const uint WEIGHT_F32 = 0;
 const uint WEIGHT_BF16 = 1;
 const uint WEIGHT_F16 = 2;
@@ -35,6 +38,9 @@ const uint WEIGHT_F16 = 2;
 float weight_at(uint64_t base, uint type, uint64_t i) {
     if (type == WEIGHT_F32) {
         return Floats(base + 4 * i).v[0];
+    }
+    if (type > WEIGHT_F16) {
+        return block_weight_at(base, type, i);
     }
     uint bits = uint(Halves(base + 2 * i).v[0]);
     if (type == WEIGHT_BF16) {

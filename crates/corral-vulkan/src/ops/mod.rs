@@ -9,7 +9,7 @@ mod norms;
 mod recurrent;
 mod sampling;
 
-use corral_backend::{BackendError, DType, Result};
+use corral_backend::{BackendError, DType, QuantFormat, Result};
 
 /// Workgroups per dimension a dispatch may have (Vulkan guarantees 65535).
 const MAX_GROUPS: usize = 65_535;
@@ -32,15 +32,33 @@ pub(crate) fn grid_of(op: &'static str, n: usize) -> Result<[u32; 3]> {
     grid(op, n.div_ceil(256))
 }
 
-/// A float weight type as `weight_at` in `common.glsl` takes it.
+/// The block formats the shaders read (`blocks.glsl`), in the order of their type codes.
+pub(crate) const BLOCK_FORMATS: [QuantFormat; 9] = [
+    QuantFormat::Q4_0,
+    QuantFormat::Q4_1,
+    QuantFormat::Q5_0,
+    QuantFormat::Q5_1,
+    QuantFormat::Q8_0,
+    QuantFormat::Q4K,
+    QuantFormat::Q5K,
+    QuantFormat::Q6K,
+    QuantFormat::F8E4M3x128,
+];
+
+/// A weight type as `weight_at` in `common.glsl` takes it: the float types, then the block
+/// formats from 3.
 pub(crate) fn weight_type(op: &'static str, dtype: DType) -> Result<usize> {
-    match dtype {
-        DType::F32 => Ok(0),
-        DType::BF16 => Ok(1),
-        DType::F16 => Ok(2),
-        other => Err(BackendError::BadArgument {
+    let block = match dtype {
+        DType::F32 => return Ok(0),
+        DType::BF16 => return Ok(1),
+        DType::F16 => return Ok(2),
+        DType::Quant(format) => BLOCK_FORMATS.iter().position(|&f| f == format),
+        DType::U32 | DType::F8E4M3 => None,
+    };
+    block
+        .map(|i| 3 + i)
+        .ok_or_else(|| BackendError::BadArgument {
             op,
-            detail: format!("weights of {other} (this backend reads f32, bf16 and f16 yet)"),
-        }),
-    }
+            detail: format!("weights of {dtype}"),
+        })
 }
