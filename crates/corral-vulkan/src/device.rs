@@ -418,6 +418,18 @@ impl VulkanDevice {
         self.inner.plan.device_heap_bytes
     }
 
+    /// Invocations that share one output's dot product in the team kernels (`teams.glsl`):
+    /// the device's subgroup, within 4 to 32 (a CPU's narrow vectors waste no lanes, a GPU
+    /// reads 512 columns a pass).
+    pub fn team_size(&self) -> u32 {
+        let subgroup = self.info.subgroup_size;
+        if subgroup.is_power_of_two() {
+            subgroup.clamp(4, 32)
+        } else {
+            32
+        }
+    }
+
     /// Where the backend's buffers live, in words.
     pub fn memory_placement(&self) -> &'static str {
         self.inner.plan.describe()

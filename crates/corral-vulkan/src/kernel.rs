@@ -69,10 +69,21 @@ impl Kernel {
                     return Err(vk_err(name, e));
                 }
             };
+            // Specialization constant 0: the team size of teams.glsl (shaders without it
+            // ignore it).
+            let team = device.team_size().to_le_bytes();
+            let entries = [vk::SpecializationMapEntry::default()
+                .constant_id(0)
+                .offset(0)
+                .size(4)];
+            let specialization = vk::SpecializationInfo::default()
+                .map_entries(&entries)
+                .data(&team);
             let stage = vk::PipelineShaderStageCreateInfo::default()
                 .stage(vk::ShaderStageFlags::COMPUTE)
                 .module(module)
-                .name(c"main");
+                .name(c"main")
+                .specialization_info(&specialization);
             let create = [vk::ComputePipelineCreateInfo::default()
                 .stage(stage)
                 .layout(layout)];

@@ -1,10 +1,15 @@
-//! Projections (`matmul.comp`): the portable product of any float weights, in tiles.
+//! Projections: few rows (`matmul_rows.comp`) reading each weight once for them all, more
+//! in tiles (`matmul.comp`); weights of any float type or block format.
 
 use corral_backend::{DeviceBuffer, MatmulOps, Result, WeightView};
 
 use super::{grid, weight_type};
 use crate::VulkanBackend;
 use crate::args::{Args, address};
+
+/// Rows of x up to which a product reads each weight once for all of them
+/// (`matmul_rows.comp`, its `ROWS`); more take the tiles of `matmul.comp`.
+const MATMUL_ROWS_MAX: usize = 8;
 
 impl MatmulOps for VulkanBackend {
     fn matmul(
@@ -38,6 +43,9 @@ impl MatmulOps for VulkanBackend {
             .count(weight_type(op, w.buffer.dtype())?)?
             .count(w.offset)?
             .count(rows)?;
+        if rows <= MATMUL_ROWS_MAX {
+            return self.dispatch("matmul_rows", self.teams(op, w.rows)?, &args);
+        }
         // Tiles of 16 rows by 16 outputs (`TILE` of matmul.comp).
         let tiles = rows.div_ceil(16) * w.rows.div_ceil(16);
         self.dispatch(op, grid(op, tiles)?, &args)

@@ -11,6 +11,8 @@ mod sampling;
 
 use corral_backend::{BackendError, DType, QuantFormat, Result};
 
+use crate::VulkanBackend;
+
 /// Workgroups per dimension a dispatch may have (Vulkan guarantees 65535).
 const MAX_GROUPS: usize = 65_535;
 
@@ -61,4 +63,13 @@ pub(crate) fn weight_type(op: &'static str, dtype: DType) -> Result<usize> {
             op,
             detail: format!("weights of {dtype}"),
         })
+}
+
+impl VulkanBackend {
+    /// Workgroups for `items` outputs of the kernels whose teams each compute one
+    /// (`teams.glsl`: workgroups of 128 invocations, teams of the device's team size).
+    pub(crate) fn teams(&self, op: &'static str, items: usize) -> Result<[u32; 3]> {
+        let per_group = (128 / self.device.team_size()) as usize;
+        grid(op, items.div_ceil(per_group))
+    }
 }

@@ -1,7 +1,8 @@
 //! Mixture-of-experts (`moe_route.comp`, `moe_sort.comp`, `moe_gate_up.comp`,
 //! `moe_down.comp`, `moe_combine.comp`, `moe_down_per_token.comp`,
 //! `scale_scatter_add.comp`): routing and sorting on the device, every expert of a layer in
-//! one dispatch per operator, experts' matrices reached through a table of their addresses.
+//! one dispatch per operator, an output a team of invocations (`teams.glsl`), experts'
+//! matrices reached through a table of their addresses.
 
 use corral_backend::{
     BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights, MoeOps, MoeRouting, MoeSorted,
@@ -61,9 +62,7 @@ impl VulkanBackend {
             .count(experts.gate.num_experts())?
             .count(gate_type)?
             .count(up_type)?;
-        // A workgroup a pair and 256 rows (GROUP_SIZE).
-        let groups = pairs * inter.div_ceil(256);
-        self.dispatch("moe_gate_up", grid(op, groups)?, &args)
+        self.dispatch("moe_gate_up", self.teams(op, pairs * inter)?, &args)
     }
 }
 
@@ -174,7 +173,7 @@ impl MoeOps for VulkanBackend {
             .count(hidden)?
             .count(experts.down.num_experts())?
             .count(down_type)?;
-        self.dispatch("moe_down", grid(op, pairs * hidden.div_ceil(256))?, &args)
+        self.dispatch("moe_down", self.teams(op, pairs * hidden)?, &args)
     }
 
     fn moe_combine(
@@ -222,7 +221,10 @@ impl MoeOps for VulkanBackend {
             .count(hidden)?
             .count(experts.down.num_experts())?
             .count(down_type)?;
-        let groups = routing.tokens * hidden.div_ceil(256);
-        self.dispatch("moe_down_per_token", grid(op, groups)?, &args)
+        self.dispatch(
+            "moe_down_per_token",
+            self.teams(op, routing.tokens * hidden)?,
+            &args,
+        )
     }
 }

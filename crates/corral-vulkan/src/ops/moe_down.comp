@@ -1,11 +1,12 @@
 // The down projection of routed pairs in sorted order, scaled by each pair's routing weight,
-// a workgroup a (position, GROUP_SIZE outputs), an invocation an output:
-// y[s, c] = w[p] * (down[e][c] . act[s]) for the pair p at position s, e = ids[p], act[s]
-// taken through shared memory a chunk at a time; an expert id past `num_experts` is
-// reported as a fault.
+// a team (teams.glsl) an output: y[s, c] = w[p] * (down[e][c] . act[s]) for the pair p at
+// position s, e = ids[p]; an expert id past `num_experts` is reported as a fault.
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#define GROUP_SIZE 128
 #include "common.glsl"
+#include "parts.glsl"
+#include "teams.glsl"
 
 layout(push_constant) uniform Args {
     Floats act;
@@ -22,41 +23,31 @@ layout(push_constant) uniform Args {
     uint down_type;
 } args;
 
-const uint CHUNK = 1024;
-
-shared float as_[CHUNK];
-
 void main() {
-    uint blocks = (args.hidden + GROUP_SIZE - 1) / GROUP_SIZE;
-    uint g = flat_group();
-    uint s = g / blocks;
-    if (s >= args.pairs) {
-        return;
-    }
-    uint c = (g % blocks) * GROUP_SIZE + gl_LocalInvocationID.x;
-    uint p = args.sorted_pairs.v[s];
-    uint e = args.ids.v[p];
-    if (e >= args.num_experts) {
-        if (gl_LocalInvocationID.x == 0) {
-            report(args.fault, FAULT_EXPERT_ID);
+    uint item = team_item();
+    bool live = item < args.pairs * args.hidden;
+    uint s = item / args.hidden;
+    uint c = item % args.hidden;
+    uint p = 0;
+    uint e = 0;
+    if (live) {
+        p = args.sorted_pairs.v[s];
+        e = args.ids.v[p];
+        if (e >= args.num_experts) {
+            if (team_lane() == 0) {
+                report(args.fault, FAULT_EXPERT_ID);
+            }
+            live = false;
         }
-        return;
     }
-    uint64_t down = expert_at(args.down, e);
-    uint64_t row = uint64_t(min(c, args.hidden - 1)) * args.inter;
     float sum = 0.0;
-    for (uint k0 = 0; k0 < args.inter; k0 += CHUNK) {
-        uint len = min(CHUNK, args.inter - k0);
-        for (uint k = gl_LocalInvocationID.x; k < len; k += GROUP_SIZE) {
-            as_[k] = args.act.v[s * args.inter + k0 + k];
-        }
-        barrier();
-        for (uint k = 0; k < len; k++) {
-            sum += as_[k] * weight_at(down, args.down_type, row + k0 + k);
-        }
-        barrier();
+    if (live) {
+        uint64_t row = uint64_t(c) * args.inter;
+        sum = lane_dot(expert_at(args.down, e), args.down_type, row, args.inter, args.act,
+                       s * args.inter);
     }
-    if (c < args.hidden) {
+    sum = team_sum(sum);
+    if (live && team_lane() == 0) {
         args.y.v[s * args.hidden + c] = args.weights.v[p] * sum;
     }
 }

@@ -1,12 +1,14 @@
-// The gate and up projections and SwiGLU of routed pairs, a workgroup a (pair, GROUP_SIZE
-// rows), an invocation a row: act[s, r] = silu(gate[e][r] . x[t]) * (up[e][r] . x[t]) for the
-// pair p at position s (sorted_pairs[s] where given, else s itself: the per-token order),
-// t = p / top_k and e = ids[p], x[t] taken through shared memory a chunk at a time. Experts'
-// matrices through tables of their addresses; an expert id past `num_experts` is reported as
-// a fault.
+// The gate and up projections and SwiGLU of routed pairs, a team (teams.glsl) an output:
+// act[s, r] = silu(gate[e][r] . x[t]) * (up[e][r] . x[t]) for the pair p at position s
+// (sorted_pairs[s] where given, else s itself: the per-token order), t = p / top_k and
+// e = ids[p]. Experts' matrices through tables of their addresses; an expert id past
+// `num_experts` is reported as a fault.
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#define GROUP_SIZE 128
 #include "common.glsl"
+#include "parts.glsl"
+#include "teams.glsl"
 
 layout(push_constant) uniform Args {
     Floats x;
@@ -25,45 +27,34 @@ layout(push_constant) uniform Args {
     uint up_type;
 } args;
 
-const uint CHUNK = 1024;
-
-shared float xs[CHUNK];
-
 void main() {
-    uint blocks = (args.inter + GROUP_SIZE - 1) / GROUP_SIZE;
-    uint g = flat_group();
-    uint s = g / blocks;
-    if (s >= args.pairs) {
-        return;
-    }
-    uint r = (g % blocks) * GROUP_SIZE + gl_LocalInvocationID.x;
-    uint p = args.sorted_pairs != 0 ? Uints(args.sorted_pairs).v[s] : s;
-    uint e = args.ids.v[p];
-    if (e >= args.num_experts) {
-        if (gl_LocalInvocationID.x == 0) {
-            report(args.fault, FAULT_EXPERT_ID);
+    uint item = team_item();
+    bool live = item < args.pairs * args.inter;
+    uint s = item / args.inter;
+    uint r = item % args.inter;
+    uint p = 0;
+    uint e = 0;
+    if (live) {
+        p = args.sorted_pairs != 0 ? Uints(args.sorted_pairs).v[s] : s;
+        e = args.ids.v[p];
+        if (e >= args.num_experts) {
+            if (team_lane() == 0) {
+                report(args.fault, FAULT_EXPERT_ID);
+            }
+            live = false;
         }
-        return;
     }
-    uint t = p / args.top_k;
-    uint64_t gate = expert_at(args.gate, e);
-    uint64_t up = expert_at(args.up, e);
-    uint64_t row = uint64_t(min(r, args.inter - 1)) * args.hidden;
     float gs = 0.0;
     float us = 0.0;
-    for (uint k0 = 0; k0 < args.hidden; k0 += CHUNK) {
-        uint len = min(CHUNK, args.hidden - k0);
-        for (uint k = gl_LocalInvocationID.x; k < len; k += GROUP_SIZE) {
-            xs[k] = args.x.v[t * args.hidden + k0 + k];
-        }
-        barrier();
-        for (uint k = 0; k < len; k++) {
-            gs += xs[k] * weight_at(gate, args.gate_type, row + k0 + k);
-            us += xs[k] * weight_at(up, args.up_type, row + k0 + k);
-        }
-        barrier();
+    if (live) {
+        uint x_at = (p / args.top_k) * args.hidden;
+        uint64_t row = uint64_t(r) * args.hidden;
+        gs = lane_dot(expert_at(args.gate, e), args.gate_type, row, args.hidden, args.x, x_at);
+        us = lane_dot(expert_at(args.up, e), args.up_type, row, args.hidden, args.x, x_at);
     }
-    if (r < args.inter) {
+    gs = team_sum(gs);
+    us = team_sum(us);
+    if (live && team_lane() == 0) {
         args.act.v[s * args.inter + r] = gs * sigmoid(gs) * us;
     }
 }
