@@ -18,10 +18,12 @@
 #                            WEIGHTS synthetic weights, PROMPTS prompts ending with ECHO of
 #                            their own tokens again, and ab: prefill and decode of AB_MODELS
 #                            by the binary BASE and this build, interleaved for AB_ROUNDS
-#                            rounds); TEST_LOGS puts the
+#                            rounds, and vulkan: a greedy run and a fixture's prefill on the
+#                            GPU's Vulkan driver); TEST_LOGS puts the
 #                            test logs elsewhere; MODEL picks the synthetic config; the serve
 #                            stage takes MAX_BATCH, SERVE_CONCURRENCY, SERVE_REQUESTS,
-#                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS; the prefill stage
+#                            SERVE_MAX_TOKENS, PROMPT_TOKENS and HANGUPS, and it and sessions
+#                            DEVICE (default cuda; vulkan too); the prefill stage
 #                            PREFILL_LENS, PREFILL_STRATEGIES, REPS, CHUNK; prefill, decode and
 #                            serve-long KV_DTYPE. CORRAL runs another
 #                            build of corral; TAG names its results (prefill-TAG.json, ...).
@@ -37,7 +39,8 @@ prepare() {
   cp target/release/corral .gpu/bin/
   cargo test --release --no-run --message-format=json \
       -p corral-device --test cuda_ops --test cuda_backend --test conformance \
-      -p corral-model --test gpu_conformance --test expert_reads --test fp8_checkpoint 2>/dev/null \
+      -p corral-model --test gpu_conformance --test expert_reads --test fp8_checkpoint \
+      --test vulkan_conformance 2>/dev/null \
     | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -64,7 +67,8 @@ remote() {
     | tee "$out/gpu.txt"
   has() { [[ ",$stages," == *",$1,"* ]]; }
   if has tests; then
-    for t in conformance cuda_ops cuda_backend gpu_conformance expert_reads fp8_checkpoint; do
+    for t in conformance cuda_ops cuda_backend gpu_conformance expert_reads fp8_checkpoint \
+        vulkan_conformance; do
       echo "== test $t"
       timeout 300 ".gpu/bin/$t" --test-threads=1 --nocapture 2>&1 | tee "${TEST_LOGS:-$out}/test-$t.log" \
         | grep -E "^test |test result|panicked|error|relative error" || true
@@ -74,6 +78,17 @@ remote() {
     echo "== corral run on the GPU"
     timeout 120 $corral run --model models/tiny-qwen3-moe --device cuda --prompt "Hello" \
       --max-tokens 16 --temperature 0 2>&1 | tee "$out/run.log" | tail -12 || true
+  fi
+  if has vulkan; then
+    # The Vulkan backend on the GPU's own driver: a greedy run and a fixture's prefill,
+    # grouped against per-token (the tests stage runs its conformance when a loader is there).
+    echo "== corral run on Vulkan"
+    timeout 120 $corral run --model models/tiny-qwen3-moe --device vulkan --prompt "Hello" \
+      --max-tokens 16 --temperature 0 2>&1 | tee "$out/run-vulkan.log" | tail -12 || true
+    timeout 300 $corral bench prefill --model tests/fixtures/qwen3_5_moe_text --device vulkan \
+      --prompt-lens 10,80 --strategies grouped,per-token --reps 3 --profile \
+      --json "$out/prefill-vulkan-fixture.json" 2>&1 | tee "$out/prefill-vulkan-fixture.txt" \
+      | tail -30 || true
   fi
   local model="${MODEL:-bench/configs/qwen3-30b-a3b.json}"
   prefill() {
@@ -108,7 +123,7 @@ remote() {
   fi
   if has serve; then
     echo "== serve + bench serve"
-    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device cuda \
+    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device "${DEVICE:-cuda}" \
       --port 18181 --max-batch "${MAX_BATCH:-32}" --kv-memory 16G \
       > "$out/serve.log" 2>&1 &
     local pid=$!
@@ -199,7 +214,7 @@ remote() {
   if has sessions; then
     # Three interleaved agent sessions, each revisit against its new text alone.
     echo "== serve + bench sessions, prefix cache ${PREFIX_CACHE:-on}"
-    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device cuda \
+    $corral serve --synthetic "$model" --tokenizer models/tiny-qwen3-moe --device "${DEVICE:-cuda}" \
       --port 18181 --max-batch 32 --kv-memory 16G --prefix-cache "${PREFIX_CACHE:-on}" \
       > "$out/sessions-serve$tag.log" 2>&1 &
     local pid=$!
