@@ -276,6 +276,12 @@ const RANKED_ROUTE_ALWAYS_EXPERTS: usize = 128;
 const RANKED_ROUTE_MAX_EXPERTS: usize = 1024;
 const RANKED_ROUTE_MAX_CHOICES: usize = 64;
 
+/// The block formats the CUDA backend reads as stored (its `Capabilities::weight_formats`,
+/// known without a device: `corral plan` counts the others decoded).
+pub fn cuda_weight_formats() -> &'static [corral_backend::QuantFormat] {
+    &GPU_QUANT_FORMATS
+}
+
 /// Bytes of the device buffers the CUDA backend allocates once at start, whatever the model:
 /// its op scratch, cuBLAS workspace and sampling scratch (not the CUDA context or the loaded
 /// kernels), for memory plans.

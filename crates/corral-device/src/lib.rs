@@ -71,6 +71,16 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// Whether the backend reads weights of block format `format` as stored (else a loader
+    /// decodes them), known without opening a device.
+    pub fn reads(self, format: corral_backend::QuantFormat) -> bool {
+        match self {
+            Self::Cpu => true,
+            Self::Cuda => corral_cuda::cuda_weight_formats().contains(&format),
+            Self::Vulkan => corral_vulkan::vulkan_weight_formats().contains(&format),
+        }
+    }
+
     /// Bytes of the buffers the backend allocates once at start, whatever the model.
     pub fn fixed_buffer_bytes(self) -> usize {
         match self {

@@ -58,17 +58,22 @@ pub(crate) struct DeviceInner {
     /// Buffers dropped while queued work may still read them, and whether any may: they
     /// are freed once the work is done ([`DeviceInner::retire`]).
     pub(crate) retired: std::sync::Mutex<Retired>,
+    /// Bytes of the plan's device memory allocated and not yet freed: what the device has
+    /// free is its heap less these (the backend is its heap's one user that counts).
+    pub(crate) allocated: std::sync::atomic::AtomicU64,
 }
 
 /// Where buffers live, chosen once from the device's memory types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct MemoryPlan {
-    /// The memory type of the backend's buffers: the device's largest local heap.
+    /// The memory type of the backend's buffers.
     pub(crate) device_type: u32,
     /// Whether buffers of `device_type` are mapped for the host (an integrated GPU's or
     /// lavapipe's memory, a discrete GPU's behind a resizable BAR): host copies are then
     /// plain memory copies; otherwise they go through staging buffers on the queue.
     pub(crate) mapped: bool,
+    /// Whether `device_type` is device-local.
+    pub(crate) device_local: bool,
     /// A host-visible, coherent memory type: staging copies and the words the host polls.
     pub(crate) host_type: u32,
     /// Bytes of `device_type`'s heap.
@@ -76,63 +81,73 @@ pub(crate) struct MemoryPlan {
 }
 
 impl MemoryPlan {
-    /// The plan for `memory`: device-local memory the host maps where it spans (nearly) the
-    /// device's largest local heap, else unmapped device-local memory and host staging;
-    /// `force_staging` takes the staged path wherever the device is.
+    /// The plan for `memory`. A `unified` device's (an integrated GPU's) memory is the host's:
+    /// its largest host-visible heap, whether the firmware's carve-out or the kernel's GTT
+    /// (device-local preferred where as large), mapped. A discrete GPU's largest local heap:
+    /// mapped where a host-visible type spans (nearly) all of it (a resizable BAR), else
+    /// unmapped, with host staging. `force_staging` takes the unmapped path on any device.
     pub(crate) fn choose(
         memory: &vk::PhysicalDeviceMemoryProperties,
+        unified: bool,
         force_staging: bool,
     ) -> Option<Self> {
         let types = &memory.memory_types[..memory.memory_type_count as usize];
         let heaps = &memory.memory_heaps[..memory.memory_heap_count as usize];
-        let heap_bytes =
-            |t: &vk::MemoryType| heaps.get(t.heap_index as usize).map_or(0, |h| h.size);
-        let has = |t: &vk::MemoryType, f: vk::MemoryPropertyFlags| t.property_flags.contains(f);
+        let heap_bytes = |i: usize| {
+            heaps
+                .get(types[i].heap_index as usize)
+                .map_or(0, |h| h.size)
+        };
+        let has = |i: usize, f: vk::MemoryPropertyFlags| types[i].property_flags.contains(f);
         let local = vk::MemoryPropertyFlags::DEVICE_LOCAL;
         let host = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        let cached = vk::MemoryPropertyFlags::HOST_CACHED;
         // Host staging: cached where possible (read-backs), outside a small BAR window.
         let host_type = (0..types.len())
-            .filter(|&i| has(&types[i], host))
-            .max_by_key(|&i| {
-                (
-                    has(&types[i], vk::MemoryPropertyFlags::HOST_CACHED),
-                    !has(&types[i], local),
-                    heap_bytes(&types[i]),
-                )
-            })?;
-        let largest = types.iter().filter(|t| has(t, local)).map(heap_bytes).max();
-        let Some(largest) = largest else {
-            // No device-local memory at all: everything lives in host memory.
-            return Some(Self {
-                device_type: host_type as u32,
-                mapped: true,
-                host_type: host_type as u32,
-                device_heap_bytes: heap_bytes(&types[host_type]),
-            });
-        };
-        let spans = |t: &vk::MemoryType| heap_bytes(t) >= largest / 10 * 9;
-        let mapped_type =
-            (0..types.len()).find(|&i| has(&types[i], local | host) && spans(&types[i]));
-        let device_type = match mapped_type {
-            Some(i) if !force_staging => i,
-            _ => (0..types.len())
-                .filter(|&i| has(&types[i], local) && spans(&types[i]))
-                .min_by_key(|&i| has(&types[i], vk::MemoryPropertyFlags::HOST_VISIBLE))?,
+            .filter(|&i| has(i, host))
+            .max_by_key(|&i| (has(i, cached), !has(i, local), heap_bytes(i)))?;
+        let device_type = if unified {
+            (0..types.len())
+                .filter(|&i| has(i, host))
+                .max_by_key(|&i| (heap_bytes(i), has(i, local), !has(i, cached)))?
+        } else {
+            match (0..types.len())
+                .filter(|&i| has(i, local))
+                .map(heap_bytes)
+                .max()
+            {
+                // No device-local memory at all: everything lives in host memory.
+                None => host_type,
+                Some(largest) => {
+                    let spans = |i: usize| heap_bytes(i) >= largest / 10 * 9;
+                    let mapped_type = (0..types.len()).find(|&i| has(i, local | host) && spans(i));
+                    match mapped_type {
+                        Some(i) if !force_staging => i,
+                        _ => (0..types.len())
+                            .filter(|&i| has(i, local) && spans(i))
+                            .min_by_key(|&i| has(i, vk::MemoryPropertyFlags::HOST_VISIBLE))?,
+                    }
+                }
+            }
         };
         Some(Self {
             device_type: device_type as u32,
-            mapped: !force_staging && has(&types[device_type], host),
+            mapped: !force_staging && has(device_type, host),
+            device_local: has(device_type, local),
             host_type: host_type as u32,
-            device_heap_bytes: heap_bytes(&types[device_type]),
+            device_heap_bytes: heap_bytes(device_type),
         })
     }
 
     /// Where the buffers live, in words for the log and the device's name.
-    pub(crate) fn describe(&self) -> &'static str {
-        if self.mapped {
-            "buffers in device memory the host maps"
-        } else {
-            "buffers in device-local memory, copied through host staging"
+    pub(crate) fn describe(&self) -> String {
+        let gib = self.device_heap_bytes as f64 / (1u64 << 30) as f64;
+        match (self.mapped, self.device_local) {
+            (true, true) => format!("buffers in device-local memory the host maps, {gib:.1} GiB"),
+            (true, false) => format!("buffers in host memory the device reads, {gib:.1} GiB"),
+            (false, _) => {
+                format!("buffers in device memory copied through host staging, {gib:.1} GiB")
+            }
         }
     }
 }
@@ -142,7 +157,7 @@ impl MemoryPlan {
 pub(crate) struct Retired {
     /// Work is recorded or submitted that has not been waited for.
     pub(crate) busy: bool,
-    pub(crate) buffers: Vec<(vk::Buffer, vk::DeviceMemory)>,
+    pub(crate) buffers: Vec<(vk::Buffer, vk::DeviceMemory, u64)>,
 }
 
 impl DeviceInner {
@@ -182,22 +197,37 @@ impl DeviceInner {
         }
     }
 
-    /// Frees `buffer` and its memory now, or once queued work is done if any is.
-    pub(crate) fn retire(&self, buffer: vk::Buffer, memory: vk::DeviceMemory) {
+    /// Frees `buffer` and its memory (`device_bytes` of them counted in
+    /// [`DeviceInner::allocated`]) now, or once queued work is done if any is.
+    pub(crate) fn retire(&self, buffer: vk::Buffer, memory: vk::DeviceMemory, device_bytes: u64) {
         let mut retired = self
             .retired
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if retired.busy {
-            retired.buffers.push((buffer, memory));
+            retired.buffers.push((buffer, memory, device_bytes));
         } else {
             // SAFETY: no queued work can use the buffer.
             #[allow(unsafe_code)]
             unsafe {
-                self.device.destroy_buffer(buffer, None);
-                self.device.free_memory(memory, None);
+                self.free(buffer, memory, device_bytes);
             }
         }
+    }
+
+    /// Destroys `buffer` and frees its memory, uncounting `device_bytes`.
+    ///
+    /// # Safety
+    /// No queued work uses the buffer.
+    #[allow(unsafe_code)]
+    unsafe fn free(&self, buffer: vk::Buffer, memory: vk::DeviceMemory, device_bytes: u64) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.device.destroy_buffer(buffer, None);
+            self.device.free_memory(memory, None);
+        }
+        self.allocated
+            .fetch_sub(device_bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Marks work as queued (`true`), or as all done (`false`), which frees the buffers
@@ -209,12 +239,11 @@ impl DeviceInner {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         retired.busy = busy;
         if !busy {
-            for (buffer, memory) in retired.buffers.drain(..) {
+            for (buffer, memory, bytes) in retired.buffers.drain(..) {
                 // SAFETY: the work that could use them is done.
                 #[allow(unsafe_code)]
                 unsafe {
-                    self.device.destroy_buffer(buffer, None);
-                    self.device.free_memory(memory, None);
+                    self.free(buffer, memory, bytes);
                 }
             }
         }
@@ -385,9 +414,11 @@ impl VulkanDevice {
                 .push_next(&mut v12);
             let memory = instance.get_physical_device_memory_properties(physical);
             let plan =
-                MemoryPlan::choose(&memory, force_staging).ok_or_else(|| BackendError::Device {
-                    what: format!("vulkan:{ordinal}"),
-                    detail: "no host-visible, coherent memory type".to_string(),
+                MemoryPlan::choose(&memory, info.unified, force_staging).ok_or_else(|| {
+                    BackendError::Device {
+                        what: format!("vulkan:{ordinal}"),
+                        detail: "no host-visible, coherent memory type".to_string(),
+                    }
                 })?;
             let device = instance
                 .create_device(physical, &create, None)
@@ -400,6 +431,7 @@ impl VulkanDevice {
                 queue,
                 queue_lock: std::sync::Mutex::new(()),
                 retired: std::sync::Mutex::default(),
+                allocated: std::sync::atomic::AtomicU64::new(0),
                 queue_family,
                 plan,
             });
@@ -430,8 +462,17 @@ impl VulkanDevice {
         }
     }
 
+    /// Bytes of [`VulkanDevice::local_memory_bytes`] not allocated by this device's buffers.
+    pub fn free_memory_bytes(&self) -> u64 {
+        let allocated = self
+            .inner
+            .allocated
+            .load(std::sync::atomic::Ordering::Relaxed);
+        self.local_memory_bytes().saturating_sub(allocated)
+    }
+
     /// Where the backend's buffers live, in words.
-    pub fn memory_placement(&self) -> &'static str {
+    pub fn memory_placement(&self) -> String {
         self.inner.plan.describe()
     }
 
@@ -528,5 +569,99 @@ unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> V
         timestamp_period: Some(p.limits.timestamp_period),
         cooperative_matrix: has(c"VK_KHR_cooperative_matrix"),
         host_memory_import: has(c"VK_EXT_external_memory_host"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ash::vk;
+
+    use super::MemoryPlan;
+
+    const GIB: u64 = 1 << 30;
+    const LOCAL: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::DEVICE_LOCAL;
+    const HOST: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::from_raw(
+        vk::MemoryPropertyFlags::HOST_VISIBLE.as_raw()
+            | vk::MemoryPropertyFlags::HOST_COHERENT.as_raw(),
+    );
+    const CACHED: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::HOST_CACHED;
+
+    /// Memory properties of `heaps` (bytes, device-local) and `types` (flags, heap).
+    fn memory(
+        heaps: &[(u64, bool)],
+        types: &[(vk::MemoryPropertyFlags, u32)],
+    ) -> vk::PhysicalDeviceMemoryProperties {
+        let mut m = vk::PhysicalDeviceMemoryProperties {
+            memory_heap_count: heaps.len() as u32,
+            memory_type_count: types.len() as u32,
+            ..Default::default()
+        };
+        for (i, &(size, local)) in heaps.iter().enumerate() {
+            m.memory_heaps[i] = vk::MemoryHeap {
+                size,
+                flags: if local {
+                    vk::MemoryHeapFlags::DEVICE_LOCAL
+                } else {
+                    vk::MemoryHeapFlags::empty()
+                },
+            };
+        }
+        for (i, &(property_flags, heap_index)) in types.iter().enumerate() {
+            m.memory_types[i] = vk::MemoryType {
+                property_flags,
+                heap_index,
+            };
+        }
+        m
+    }
+
+    /// (device type, mapped, host type, heap bytes) of a plan.
+    fn chosen(
+        m: &vk::PhysicalDeviceMemoryProperties,
+        unified: bool,
+        staged: bool,
+    ) -> (u32, bool, u32, u64) {
+        let p = MemoryPlan::choose(m, unified, staged).expect("a plan");
+        (p.device_type, p.mapped, p.host_type, p.device_heap_bytes)
+    }
+
+    /// Discrete GPUs: the large local heap, unmapped behind a 256 MiB BAR window (host
+    /// staging in cached host memory), mapped behind a resizable BAR; lavapipe's one heap
+    /// mapped; integrated GPUs: the larger of the firmware's carve-out and the GTT, mapped.
+    #[test]
+    fn buffers_live_in_the_largest_heap_the_device_reads_well() {
+        let discrete = memory(
+            &[(80 * GIB, true), (64 * GIB, false), (GIB / 4, true)],
+            &[(LOCAL, 0), (HOST, 1), (HOST | CACHED, 1), (LOCAL | HOST, 2)],
+        );
+        assert_eq!(chosen(&discrete, false, false), (0, false, 2, 80 * GIB));
+        let resizable_bar = memory(
+            &[(80 * GIB, true), (64 * GIB, false)],
+            &[(LOCAL, 0), (HOST, 1), (HOST | CACHED, 1), (LOCAL | HOST, 0)],
+        );
+        assert_eq!(chosen(&resizable_bar, false, false), (3, true, 2, 80 * GIB));
+        assert_eq!(chosen(&resizable_bar, false, true), (0, false, 2, 80 * GIB));
+        let lavapipe = memory(&[(24 * GIB, true)], &[(LOCAL | HOST | CACHED, 0)]);
+        assert_eq!(chosen(&lavapipe, false, false), (0, true, 0, 24 * GIB));
+        assert_eq!(chosen(&lavapipe, false, true), (0, false, 0, 24 * GIB));
+        // A Strix Halo with a small carve-out and a large GTT, then the other way round.
+        let small_carve_out = memory(
+            &[(GIB / 2, true), (96 * GIB, false)],
+            &[(LOCAL, 0), (HOST, 1), (HOST | CACHED, 1), (LOCAL | HOST, 0)],
+        );
+        assert_eq!(
+            chosen(&small_carve_out, true, false),
+            (1, true, 2, 96 * GIB)
+        );
+        let large_carve_out = memory(
+            &[(96 * GIB, true), (16 * GIB, false)],
+            &[(LOCAL, 0), (HOST, 1), (HOST | CACHED, 1), (LOCAL | HOST, 0)],
+        );
+        assert_eq!(
+            chosen(&large_carve_out, true, false),
+            (3, true, 2, 96 * GIB)
+        );
+        // No host-visible memory: no plan.
+        assert!(MemoryPlan::choose(&memory(&[(GIB, true)], &[(LOCAL, 0)]), false, false).is_none());
     }
 }

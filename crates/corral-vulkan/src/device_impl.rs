@@ -48,10 +48,9 @@ impl Device for VulkanBackend {
     }
 
     fn device_memory(&self) -> Result<Option<DeviceMemory>> {
-        let total = self.device.local_memory_bytes();
         Ok(Some(DeviceMemory {
-            free: total,
-            total,
+            free: self.device.free_memory_bytes(),
+            total: self.device.local_memory_bytes(),
             unified: self.device.info().unified,
             runtime: 0,
             allocation_granularity: 4096,

@@ -25,6 +25,12 @@ pub use memory::VulkanBuffer;
 
 include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
+/// The block formats the Vulkan backend reads as stored (its `Capabilities::weight_formats`,
+/// known without a device).
+pub fn vulkan_weight_formats() -> &'static [corral_backend::QuantFormat] {
+    &ops::BLOCK_FORMATS
+}
+
 /// A Vulkan call's failure as the backend's error.
 fn vk_err(what: &str, e: ash::vk::Result) -> corral_backend::BackendError {
     corral_backend::BackendError::Device {

@@ -26,6 +26,8 @@ pub struct VulkanBuffer {
     memory: vk::DeviceMemory,
     mapped: Option<*mut u8>,
     bytes: usize,
+    /// Bytes of the plan's device memory it holds (0 in host memory).
+    device_bytes: u64,
     address: u64,
 }
 
@@ -128,12 +130,21 @@ impl VulkanBuffer {
             }
             let address =
                 d.get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(buffer));
+            let device_bytes = if placement == Placement::Device {
+                need.size
+            } else {
+                0
+            };
+            inner
+                .allocated
+                .fetch_add(device_bytes, std::sync::atomic::Ordering::Relaxed);
             Ok(Self {
                 device: Arc::clone(inner),
                 buffer,
                 memory,
                 mapped,
                 bytes,
+                device_bytes,
                 address,
             })
         }
@@ -195,6 +206,7 @@ impl VulkanBuffer {
 
 impl Drop for VulkanBuffer {
     fn drop(&mut self) {
-        self.device.retire(self.buffer, self.memory);
+        self.device
+            .retire(self.buffer, self.memory, self.device_bytes);
     }
 }

@@ -27,6 +27,19 @@ pub(crate) enum PlanDevice {
     Cpu,
     /// The CUDA backend.
     Cuda,
+    /// The Vulkan backend (an integrated GPU's budget is the host's memory).
+    Vulkan,
+}
+
+impl PlanDevice {
+    /// The backend it names.
+    fn kind(self) -> corral_device::BackendKind {
+        match self {
+            Self::Cpu => corral_device::BackendKind::Cpu,
+            Self::Cuda => corral_device::BackendKind::Cuda,
+            Self::Vulkan => corral_device::BackendKind::Vulkan,
+        }
+    }
 }
 
 /// Arguments of `corral plan`.
@@ -43,7 +56,9 @@ pub(crate) struct PlanArgs {
     /// float16).
     #[arg(long)]
     synthetic: Option<PathBuf>,
-    /// The byte budget (1073741824, 512M, 96G). Default on the CPU: 90% of MemAvailable.
+    /// The byte budget (1073741824, 512M, 96G). Default on the CPU and on Vulkan (an
+    /// integrated GPU's memory is the host's; give it for a discrete one): 90% of
+    /// MemAvailable.
     #[arg(long, value_parser = super::serve::parse_bytes)]
     memory: Option<usize>,
     /// Tokens each sequence may reach (default: the model's context, YaRN's where it scales).
@@ -83,8 +98,9 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
             let config = gguf
                 .config()
                 .with_context(|| format!("reading the GGUF model {}", file.display()))?;
-            // The CPU keeps block formats as they are; the GPU decodes them.
-            let loaded = gguf.loaded_bytes(&|_| args.device == PlanDevice::Cpu) as u64;
+            // Block formats the backend reads stay as stored; it decodes the others.
+            let kind = args.device.kind();
+            let loaded = gguf.loaded_bytes(&|format| kind.reads(format)) as u64;
             let head = gguf.mtp_size().1 as u64;
             (config, (loaded, head), file.display().to_string())
         }
@@ -121,14 +137,14 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     }
     let kv_dtype = args.kv_dtype;
     let fixed = match args.device {
-        PlanDevice::Cpu => 0,
+        PlanDevice::Cpu | PlanDevice::Vulkan => 0,
         PlanDevice::Cuda => {
             corral_device::BackendKind::Cuda.fixed_buffer_bytes() as u64 + CUDA_RUNTIME_BYTES
         }
     };
     let (budget, source) = match (args.memory, args.device) {
         (Some(bytes), _) => (bytes as u64, "given".to_string()),
-        (None, PlanDevice::Cpu) => host_budget(mem_available(), "")?,
+        (None, PlanDevice::Cpu | PlanDevice::Vulkan) => host_budget(mem_available(), "")?,
         (None, PlanDevice::Cuda) => {
             bail!("give --memory: plan does not read a GPU's free memory")
         }

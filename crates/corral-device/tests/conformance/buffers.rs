@@ -134,3 +134,34 @@ fn buffers_refuse_bad_arguments() {
         );
     }
 }
+
+/// A Vulkan device's free memory is its heap less the buffers the backend holds: a buffer
+/// made takes its bytes from it, and dropped gives them back once the device's work is done.
+#[test]
+fn vulkan_free_memory_counts_the_buffers_held() {
+    for s in subjects_and_staged_copies() {
+        if !s.name.starts_with("vulkan") {
+            continue;
+        }
+        let b = s.backend;
+        let free = || {
+            b.device_memory()
+                .unwrap()
+                .expect("Vulkan reports memory")
+                .free
+        };
+        let before = free();
+        let bytes = 64 << 20;
+        let buffer = b
+            .alloc_zeroed(DType::F32, bytes / 4, BufferUsage::KvCache)
+            .unwrap();
+        assert!(
+            free() + bytes as u64 <= before,
+            "{}: a buffer's bytes",
+            s.name
+        );
+        drop(buffer);
+        b.synchronize().unwrap();
+        assert_eq!(free(), before, "{}: given back", s.name);
+    }
+}
