@@ -46,8 +46,8 @@ impl MatmulOps for VulkanBackend {
         if rows <= MATMUL_ROWS_MAX {
             return self.dispatch("matmul_rows", self.teams(op, w.rows)?, &args);
         }
-        // Tiles of 16 rows by 16 outputs (`TILE` of matmul.comp).
-        let tiles = rows.div_ceil(16) * w.rows.div_ceil(16);
+        // Tiles of 64 rows by 64 outputs (`TILE` of tiles.glsl).
+        let tiles = rows.div_ceil(64) * w.rows.div_ceil(64);
         self.dispatch(op, grid(op, tiles)?, &args)
     }
 }

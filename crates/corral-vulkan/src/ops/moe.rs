@@ -13,6 +13,34 @@ use super::{grid, grid_of, weight_type};
 use crate::VulkanBackend;
 use crate::args::{Args, address};
 
+/// Tokens past which the grouped experts run in tiles of each expert's pairs
+/// (`moe_*_tiles.comp`), reading each expert's weights once a tile of its pairs; up to
+/// them, a team of invocations an output (`teams.glsl`).
+const TILED_FROM_TOKENS: usize = 8;
+
+/// The workgroups of the tiled grouped experts: a slot for each expert that may be hit, a
+/// tile of 64 of `outputs`, a tile of 64 of the most pairs one expert can take (one a token).
+fn expert_tiles(
+    op: &'static str,
+    num_experts: usize,
+    routing: MoeRouting<'_>,
+    outputs: usize,
+) -> Result<[u32; 3]> {
+    let pairs = routing.tokens * routing.top_k;
+    let dims = [
+        num_experts.min(pairs),
+        outputs.div_ceil(64),
+        routing.tokens.div_ceil(64),
+    ];
+    if dims.iter().any(|&d| d > 65_535) {
+        return Err(corral_backend::BackendError::BadArgument {
+            op,
+            detail: format!("{dims:?} workgroups are past what one dispatch covers"),
+        });
+    }
+    Ok(dims.map(|d| d as u32))
+}
+
 impl VulkanBackend {
     /// The address of `m`'s table of its experts' matrix addresses (made once, on first
     /// use, in a buffer no queued work reads yet), and their weight type.
@@ -145,7 +173,27 @@ impl MoeOps for VulkanBackend {
         act: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "moe_grouped_gate_up";
-        self.gate_up(op, x, routing, Some(sorted.sorted_pairs), experts, act)
+        if routing.tokens <= TILED_FROM_TOKENS {
+            return self.gate_up(op, x, routing, Some(sorted.sorted_pairs), experts, act);
+        }
+        let (gate, gate_type) = self.expert_table(op, &experts.gate)?;
+        let (up, up_type) = self.expert_table(op, &experts.up)?;
+        let inter = experts.gate.rows();
+        let args = Args::new(op)
+            .buf(x)?
+            .buf(sorted.expert_offsets)?
+            .buf(sorted.hit_experts)?
+            .buf(sorted.sorted_pairs)?
+            .address(gate)?
+            .address(up)?
+            .buf(act)?
+            .count(routing.top_k)?
+            .count(inter)?
+            .count(experts.gate.cols())?
+            .count(gate_type)?
+            .count(up_type)?;
+        let groups = expert_tiles(op, experts.gate.num_experts(), routing, inter)?;
+        self.dispatch("moe_gate_up_tiles", groups, &args)
     }
 
     fn moe_grouped_down(
@@ -160,6 +208,21 @@ impl MoeOps for VulkanBackend {
         let (down, down_type) = self.expert_table(op, &experts.down)?;
         let pairs = routing.tokens * routing.top_k;
         let hidden = experts.down.rows();
+        if routing.tokens > TILED_FROM_TOKENS {
+            let args = Args::new(op)
+                .buf(act)?
+                .buf(routing.expert_weights)?
+                .buf(sorted.expert_offsets)?
+                .buf(sorted.hit_experts)?
+                .buf(sorted.sorted_pairs)?
+                .address(down)?
+                .buf(y)?
+                .count(experts.down.cols())?
+                .count(hidden)?
+                .count(down_type)?;
+            let groups = expert_tiles(op, experts.down.num_experts(), routing, hidden)?;
+            return self.dispatch("moe_down_tiles", groups, &args);
+        }
         let args = Args::new(op)
             .buf(act)?
             .buf(routing.expert_ids)?
