@@ -3,8 +3,8 @@
 //! under every MoE strategy, and every hybrid (Qwen3.5 MoE in both layouts, Qwen3.5 dense,
 //! Qwen3-Next) at chunk 1, 7, 64 and whole under the grouped and per-token experts, within
 //! 1e-4 with an f32 KV cache (its shaders compute in f32, as the CPU does); the Qwen3 ones
-//! within bf16 tolerance with the default bf16 cache; greedy continuations identical to the
-//! CPU's; quantized GGUF files (Q4_K_M, Q6_K, Q8_0, Q4_0) read as stored, within 1e-4 of
+//! within bf16 tolerance with the default bf16 cache, near them with an fp8 cache; greedy
+//! continuations identical to the CPU's; quantized GGUF files (Q4_K_M, Q6_K, Q8_0, Q4_0) read as stored, within 1e-4 of
 //! transformers on their decoded blocks. (Lavapipe takes about 2 s a hybrid forward: the
 //! matrix is cut to what CI affords.) Without a Vulkan device each test says why it skipped
 //! and passes, unless `CORRAL_REQUIRE_VULKAN=1` (as CI sets it), which fails it instead.
@@ -93,6 +93,21 @@ fn vulkan_logits_match_transformers_with_the_bf16_kv_cache() {
         &strategies,
         (DType::BF16, true),
         (2e-2, 1e-1),
+    );
+}
+
+/// K and V in fp8 (e4m3, a scale per token and head), as the CUDA backend's fp8 cache
+/// holds them: its bounds (gross faults only: these fixtures' sharp attention shows fp8's
+/// rounding; the op suite holds the store and the attention to the references over the same
+/// rounded values). The Qwen3 fixtures under the two strategies a GPU runs.
+#[test]
+fn vulkan_logits_stay_near_transformers_with_the_fp8_kv_cache() {
+    let strategies = [MoeStrategy::Grouped, MoeStrategy::PerToken];
+    check_logits(
+        &[(FIXTURES, &[1, 7])],
+        &strategies,
+        (DType::F8E4M3, false),
+        (2e-1, 8e-1),
     );
 }
 

@@ -20,7 +20,7 @@ use crate::{Kernel, SHADERS, VulkanBuffer, VulkanDevice};
 pub struct VulkanOptions {
     /// Device ordinal (`vulkan:N`), in the loader's order.
     pub ordinal: usize,
-    /// KV cache element type: bf16 (default) or f32.
+    /// KV cache element type: bf16 (default), f32 or fp8.
     pub kv_dtype: Option<DType>,
     /// Keep buffers unmapped and copy to and from them through staging buffers even where
     /// the device's memory is mapped: a discrete GPU's path, on any device (tests).
@@ -121,13 +121,13 @@ impl VulkanBackend {
             graphs: true,
             profiling: profiler.is_some(),
             weight_formats: crate::ops::BLOCK_FORMATS.to_vec(),
-            kv_dtypes: vec![DType::BF16, DType::F32],
+            kv_dtypes: vec![DType::BF16, DType::F32, DType::F8E4M3],
             bf16_projection_inputs: false,
         };
         if !capabilities.kv_dtypes.contains(&kv_dtype) {
             return Err(BackendError::Device {
                 what: format!("vulkan:{}", options.ordinal),
-                detail: format!("a KV cache of {kv_dtype} (this backend keeps bf16 or f32)"),
+                detail: format!("a KV cache of {kv_dtype} (this backend keeps bf16, f32 or fp8)"),
             });
         }
         Ok(Self {

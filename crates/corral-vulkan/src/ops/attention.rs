@@ -1,26 +1,38 @@
 //! Attention (`rope.comp`, `kv_store.comp`, `qkv_norm_rope_store.comp`,
 //! `paged_attention.comp`): RoPE to the references' precision from the host's inverse
-//! frequencies, the paged KV cache in f32 or bf16.
+//! frequencies, the paged KV cache in f32, bf16 or fp8 (`kv.glsl`).
 
 use corral_backend::{
     AttentionMeta, AttentionOps, AttentionShape, BackendError, BufferUsage, DType, DeviceBuffer,
-    QkShape, Result, RopeParams,
+    QkShape, Result, RopeParams, kv_row_elems,
 };
 
 use super::{grid, grid_of};
 use crate::VulkanBackend;
 use crate::args::{Args, address};
 
-/// A KV cache's element type as `kv_at` in `common.glsl` takes it.
+/// A KV cache's element type as `kv.glsl` takes it.
 fn kv_type(op: &'static str, dtype: DType) -> Result<usize> {
     match dtype {
         DType::F32 => Ok(0),
         DType::BF16 => Ok(1),
+        DType::F8E4M3 => Ok(2),
         other => Err(BackendError::BadArgument {
             op,
-            detail: format!("a KV cache of {other} (this backend keeps f32 or bf16)"),
+            detail: format!("a KV cache of {other} (this backend keeps f32, bf16 or fp8)"),
         }),
     }
+}
+
+/// Slots a pair of caches holds: rows of `kv_row_elems` elements (bytes, for fp8).
+fn cache_slots(
+    cache_k: &DeviceBuffer,
+    cache_v: &DeviceBuffer,
+    kv_heads: usize,
+    head_dim: usize,
+) -> usize {
+    let row = kv_row_elems(cache_k.dtype(), kv_heads, head_dim);
+    cache_k.len().min(cache_v.len()) / row.max(1)
 }
 
 impl VulkanBackend {
@@ -93,8 +105,6 @@ impl AttentionOps for VulkanBackend {
         cache_v: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "kv_store";
-        let kv_dim = kv_heads * head_dim;
-        let len = tokens * kv_dim;
         let args = Args::new(op)
             .buf(k)?
             .buf(v)?
@@ -102,11 +112,13 @@ impl AttentionOps for VulkanBackend {
             .buf(cache_k)?
             .buf(cache_v)?
             .address(self.fault.address())?
-            .count(len)?
-            .count(kv_dim)?
-            .count(cache_k.len().min(cache_v.len()) / kv_dim.max(1))?
+            .count(tokens)?
+            .count(kv_heads)?
+            .count(head_dim)?
+            .count(cache_slots(cache_k, cache_v, kv_heads, head_dim))?
             .count(kv_type(op, cache_k.dtype())?)?;
-        self.dispatch(op, grid_of(op, len)?, &args)
+        // A workgroup a (token, K or V head).
+        self.dispatch(op, grid(op, tokens * 2 * kv_heads)?, &args)
     }
 
     fn qkv_norm_rope_store(
@@ -123,7 +135,7 @@ impl AttentionOps for VulkanBackend {
     ) -> Result<()> {
         let op = "qkv_norm_rope_store";
         let (freqs, factor) = self.rope_freqs(shape.rope, shape.rotary_dim)?;
-        let kv_dim = shape.kv_heads * shape.head_dim;
+        let slots_held = cache_slots(cache_k, cache_v, shape.kv_heads, shape.head_dim);
         let args = Args::new(op)
             .buf(qkv)?
             .buf(q_weight)?
@@ -142,7 +154,7 @@ impl AttentionOps for VulkanBackend {
             .count(shape.rotary_dim / 2)?
             .float(factor)?
             .float(shape.eps)?
-            .count(cache_k.len().min(cache_v.len()) / kv_dim.max(1))?
+            .count(slots_held)?
             .count(kv_type(op, cache_k.dtype())?)?;
         let groups = shape.tokens * (shape.heads + shape.kv_heads);
         self.dispatch(op, grid(op, groups)?, &args)
@@ -158,8 +170,7 @@ impl AttentionOps for VulkanBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "paged_attention";
-        let kv_dim = shape.num_kv_heads * shape.head_dim;
-        let rows = cache_k.len().min(cache_v.len()) / kv_dim.max(1);
+        let rows = cache_slots(cache_k, cache_v, shape.num_kv_heads, shape.head_dim);
         let args = Args::new(op)
             .buf(q)?
             .buf(cache_k)?

@@ -78,36 +78,6 @@ uint flat_index() {
     return flat_group() * GROUP_SIZE + gl_LocalInvocationID.x;
 }
 
-// KV cache element types, as the host passes them (`kv_type` in ops/attention.rs).
-const uint KV_F32 = 0;
-const uint KV_BF16 = 1;
-
-// `x` rounded to the nearest bf16 (ties to even), as its bits.
-uint bf16_bits(float x) {
-    uint u = floatBitsToUint(x);
-    if (isnan(x)) {
-        return (u >> 16) | 0x40;
-    }
-    return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
-}
-
-// Element `i` of a KV cache of type `type` at address `base`.
-float kv_at(uint64_t base, uint type, uint i) {
-    if (type == KV_F32) {
-        return Floats(base).v[i];
-    }
-    return uintBitsToFloat(uint(Halves(base).v[i]) << 16);
-}
-
-// Stores `x` as element `i` of a KV cache of type `type` at address `base`.
-void kv_put(uint64_t base, uint type, uint i, float x) {
-    if (type == KV_F32) {
-        Floats(base).v[i] = x;
-    } else {
-        Halves(base).v[i] = uint16_t(bf16_bits(x));
-    }
-}
-
 // Expert `e`'s matrix address from a table of 64-bit addresses (two words each).
 uint64_t expert_at(Uints table, uint e) {
     return uint64_t(table.v[2 * e]) | (uint64_t(table.v[2 * e + 1]) << 32);

@@ -1,8 +1,11 @@
 // Each token's K and V rows ([tokens, kv_dim]) stored at its slot of a layer's paged cache
-// (f32 or bf16); a slot past the cache is reported as a fault.
+// (kv.glsl), a workgroup a (token, K or V head); a slot past the cache is reported as a
+// fault.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "reduce.glsl"
+#include "kv.glsl"
 
 layout(push_constant) uniform Args {
     Floats k;
@@ -11,24 +14,35 @@ layout(push_constant) uniform Args {
     uint64_t cache_k;
     uint64_t cache_v;
     Fault fault;
-    uint len;
-    uint kv_dim;
+    uint tokens;
+    uint kv_heads;
+    uint head_dim;
     uint capacity;
     uint kv_type;
 } args;
 
 void main() {
-    uint i = flat_index();
-    if (i >= args.len) {
+    uint g = flat_group();
+    if (g >= args.tokens * 2 * args.kv_heads) {
         return;
     }
-    uint t = i / args.kv_dim;
+    uint t = g / (2 * args.kv_heads);
+    uint head = g % (2 * args.kv_heads);
+    bool is_v = head >= args.kv_heads;
+    uint kvh = is_v ? head - args.kv_heads : head;
     uint slot = args.slots.v[t];
     if (slot >= args.capacity) {
-        report(args.fault, FAULT_KV_SLOT);
+        if (gl_LocalInvocationID.x == 0) {
+            report(args.fault, FAULT_KV_SLOT);
+        }
         return;
     }
-    uint at = slot * args.kv_dim + (i - t * args.kv_dim);
-    kv_put(args.cache_k, args.kv_type, at, args.k.v[i]);
-    kv_put(args.cache_v, args.kv_type, at, args.v.v[i]);
+    Floats src = is_v ? args.v : args.k;
+    uint at = (t * args.kv_heads + kvh) * args.head_dim;
+    for (uint i = gl_LocalInvocationID.x; i < args.head_dim; i += GROUP_SIZE) {
+        kv_values[i] = src.v[at + i];
+    }
+    barrier();
+    kv_store_head(is_v ? args.cache_v : args.cache_k, args.kv_type, slot, args.kv_heads,
+                  args.head_dim, kvh);
 }

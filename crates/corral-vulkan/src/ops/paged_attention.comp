@@ -1,5 +1,5 @@
 // Causal GQA attention of each token over positions 0..=position of its sequence, read
-// through the sequence's block table from a paged cache (f32 or bf16): one workgroup a
+// through the sequence's block table from a paged cache (kv.glsl): one workgroup a
 // (token, head), keys taken GROUP_SIZE at a time with a running maximum and sum (the
 // softmax of each tile folded into the last). A block id past the cache or a position past
 // the block table is reported as a fault.
@@ -7,6 +7,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "reduce.glsl"
+#include "kv.glsl"
 
 layout(push_constant) uniform Args {
     Floats q;
@@ -43,7 +44,6 @@ void main() {
     uint h = g - token * args.heads;
     uint hd = args.head_dim;
     uint kv_head = h / (args.heads / args.kv_heads);
-    uint kv_dim = args.kv_heads * hd;
     for (uint d = lane; d < hd; d += GROUP_SIZE) {
         qs[d] = args.q.v[g * hd + d];
     }
@@ -70,12 +70,15 @@ void main() {
                 report(args.fault, FAULT_BLOCK_TABLE);
             } else {
                 row = block * args.block_size + p % args.block_size;
-                uint base = row * kv_dim + kv_head * hd;
+                uint64_t key = kv_head_address(args.cache_k, args.kv_type, row, args.kv_heads,
+                                               hd, kv_head);
                 float dot_ = 0.0;
                 for (uint d = 0; d < hd; d++) {
-                    dot_ += qs[d] * kv_at(args.cache_k, args.kv_type, base + d);
+                    dot_ += qs[d] * kv_raw(key, args.kv_type, d);
                 }
-                score = args.scale * dot_;
+                float key_scale = kv_head_scale(args.cache_k, args.kv_type, row, args.kv_heads,
+                                                hd, kv_head);
+                score = args.scale * (dot_ * key_scale);
             }
         }
         float m_new = max(m, workgroup_max(score));
@@ -88,13 +91,15 @@ void main() {
         acc0 *= correction;
         acc1 *= correction;
         for (uint t = 0; t < count; t++) {
-            float wt = weights[t];
-            uint base = rows[t] * kv_dim + kv_head * hd;
+            uint64_t value = kv_head_address(args.cache_v, args.kv_type, rows[t], args.kv_heads,
+                                             hd, kv_head);
+            float wt = weights[t] * kv_head_scale(args.cache_v, args.kv_type, rows[t],
+                                                  args.kv_heads, hd, kv_head);
             if (lane < hd) {
-                acc0 += wt * kv_at(args.cache_v, args.kv_type, base + lane);
+                acc0 += wt * kv_raw(value, args.kv_type, lane);
             }
             if (lane + GROUP_SIZE < hd) {
-                acc1 += wt * kv_at(args.cache_v, args.kv_type, base + lane + GROUP_SIZE);
+                acc1 += wt * kv_raw(value, args.kv_type, lane + GROUP_SIZE);
             }
         }
         m = m_new;

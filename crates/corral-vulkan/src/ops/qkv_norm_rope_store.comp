@@ -1,11 +1,12 @@
 // From one fused projection qkv ([tokens, (heads + 2 kv_heads) head_dim]), one workgroup a
 // (token, q or k head): the head RMSNorm'd (plain weight) and rotated, a q head into q_out,
-// a k head with its v head (as it is) into the cache at the token's slot.
+// a k head with its v head (as it is) into the cache at the token's slot (kv.glsl).
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "reduce.glsl"
 #include "rope.glsl"
+#include "kv.glsl"
 
 layout(push_constant) uniform Args {
     Floats qkv;
@@ -63,7 +64,6 @@ void main() {
         return;
     }
     uint kv_head = head - args.heads;
-    uint kv_at_ = slot * args.kv_heads * hd + kv_head * hd;
     for (uint i = gl_LocalInvocationID.x; i < hd; i += GROUP_SIZE) {
         float value = normed[i];
         if (i < 2 * args.half_rotary) {
@@ -75,9 +75,19 @@ void main() {
         if (is_q) {
             args.q_out.v[(token * args.heads + head) * hd + i] = value;
         } else {
-            kv_put(args.cache_k, args.kv_type, kv_at_ + i, value);
-            float v = args.qkv.v[token * width + (args.heads + args.kv_heads + kv_head) * hd + i];
-            kv_put(args.cache_v, args.kv_type, kv_at_ + i, v);
+            kv_values[i] = value;
         }
     }
+    if (is_q) {
+        return;
+    }
+    barrier();
+    kv_store_head(args.cache_k, args.kv_type, slot, args.kv_heads, hd, kv_head);
+    barrier();
+    uint v_at = token * width + (args.heads + args.kv_heads + kv_head) * hd;
+    for (uint i = gl_LocalInvocationID.x; i < hd; i += GROUP_SIZE) {
+        kv_values[i] = args.qkv.v[v_at + i];
+    }
+    barrier();
+    kv_store_head(args.cache_v, args.kv_type, slot, args.kv_heads, hd, kv_head);
 }
