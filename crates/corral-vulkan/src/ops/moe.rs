@@ -1,8 +1,10 @@
-//! Mixture-of-experts (`moe_route.comp`, `moe_sort.comp`, `moe_gate_up.comp`,
-//! `moe_down.comp`, `moe_combine.comp`, `moe_down_per_token.comp`,
-//! `scale_scatter_add.comp`): routing and sorting on the device, every expert of a layer in
-//! one dispatch per operator, an output a team of invocations (`teams.glsl`), experts'
-//! matrices reached through a table of their addresses.
+//! Mixture-of-experts: routing and sorting on the device (`moe_route.comp`,
+//! `moe_sort.comp`), every expert of a layer in one dispatch per operator, experts' matrices
+//! reached through a table of their addresses. Grouped, up to 8 tokens a team of invocations
+//! an (expert hit, output) for all its pairs (`moe_*_rows.comp`, `teams.glsl`), more in
+//! tiles of each expert's pairs (`moe_*_tiles.comp`); per token, a team a pair's output
+//! (`moe_*_per_token.comp`); then the pairs' rows combined (`moe_combine.comp`,
+//! `scale_scatter_add.comp`).
 
 use corral_backend::{
     BufferUsage, DType, DeviceBuffer, ExpertMatrices, ExpertWeights, MoeOps, MoeRouting, MoeSorted,
@@ -15,7 +17,8 @@ use crate::args::{Args, address};
 
 /// Tokens past which the grouped experts run in tiles of each expert's pairs
 /// (`moe_*_tiles.comp`), reading each expert's weights once a tile of its pairs; up to
-/// them, a team of invocations an output (`teams.glsl`).
+/// them, a team of invocations an (expert hit, output) for all its pairs
+/// (`moe_*_rows.comp`): each hit expert read once.
 const TILED_FROM_TOKENS: usize = 8;
 
 /// The workgroups of the tiled grouped experts: a slot for each expert that may be hit, a
@@ -59,38 +62,6 @@ impl VulkanBackend {
             Ok((table, false))
         })?;
         Ok((address(op, table)?, weight_type(op, dtype)?))
-    }
-
-    /// The gate/up half into `act`, rows in sorted order (`sorted_pairs`) or pair order.
-    fn gate_up(
-        &self,
-        op: &'static str,
-        x: &DeviceBuffer,
-        routing: MoeRouting<'_>,
-        sorted_pairs: Option<&DeviceBuffer>,
-        experts: &ExpertWeights,
-        act: &mut DeviceBuffer,
-    ) -> Result<()> {
-        let (gate, gate_type) = self.expert_table(op, &experts.gate)?;
-        let (up, up_type) = self.expert_table(op, &experts.up)?;
-        let pairs = routing.tokens * routing.top_k;
-        let inter = experts.gate.rows();
-        let args = Args::new(op)
-            .buf(x)?
-            .buf(routing.expert_ids)?
-            .address(sorted_pairs.map_or(Ok(0), |b| address(op, b))?)?
-            .address(gate)?
-            .address(up)?
-            .buf(act)?
-            .address(self.fault.address())?
-            .count(pairs)?
-            .count(routing.top_k)?
-            .count(inter)?
-            .count(experts.gate.cols())?
-            .count(experts.gate.num_experts())?
-            .count(gate_type)?
-            .count(up_type)?;
-        self.dispatch("moe_gate_up", self.teams(op, pairs * inter)?, &args)
     }
 }
 
@@ -173,9 +144,6 @@ impl MoeOps for VulkanBackend {
         act: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "moe_grouped_gate_up";
-        if routing.tokens <= TILED_FROM_TOKENS {
-            return self.gate_up(op, x, routing, Some(sorted.sorted_pairs), experts, act);
-        }
         let (gate, gate_type) = self.expert_table(op, &experts.gate)?;
         let (up, up_type) = self.expert_table(op, &experts.up)?;
         let inter = experts.gate.rows();
@@ -192,6 +160,13 @@ impl MoeOps for VulkanBackend {
             .count(experts.gate.cols())?
             .count(gate_type)?
             .count(up_type)?;
+        if routing.tokens <= TILED_FROM_TOKENS {
+            let hits = experts
+                .gate
+                .num_experts()
+                .min(routing.tokens * routing.top_k);
+            return self.dispatch("moe_gate_up_rows", self.teams(op, hits * inter)?, &args);
+        }
         let groups = expert_tiles(op, experts.gate.num_experts(), routing, inter)?;
         self.dispatch("moe_gate_up_tiles", groups, &args)
     }
@@ -208,35 +183,23 @@ impl MoeOps for VulkanBackend {
         let (down, down_type) = self.expert_table(op, &experts.down)?;
         let pairs = routing.tokens * routing.top_k;
         let hidden = experts.down.rows();
-        if routing.tokens > TILED_FROM_TOKENS {
-            let args = Args::new(op)
-                .buf(act)?
-                .buf(routing.expert_weights)?
-                .buf(sorted.expert_offsets)?
-                .buf(sorted.hit_experts)?
-                .buf(sorted.sorted_pairs)?
-                .address(down)?
-                .buf(y)?
-                .count(experts.down.cols())?
-                .count(hidden)?
-                .count(down_type)?;
-            let groups = expert_tiles(op, experts.down.num_experts(), routing, hidden)?;
-            return self.dispatch("moe_down_tiles", groups, &args);
-        }
         let args = Args::new(op)
             .buf(act)?
-            .buf(routing.expert_ids)?
             .buf(routing.expert_weights)?
+            .buf(sorted.expert_offsets)?
+            .buf(sorted.hit_experts)?
             .buf(sorted.sorted_pairs)?
             .address(down)?
             .buf(y)?
-            .address(self.fault.address())?
-            .count(pairs)?
             .count(experts.down.cols())?
             .count(hidden)?
-            .count(experts.down.num_experts())?
             .count(down_type)?;
-        self.dispatch("moe_down", self.teams(op, pairs * hidden)?, &args)
+        if routing.tokens <= TILED_FROM_TOKENS {
+            let hits = experts.down.num_experts().min(pairs);
+            return self.dispatch("moe_down_rows", self.teams(op, hits * hidden)?, &args);
+        }
+        let groups = expert_tiles(op, experts.down.num_experts(), routing, hidden)?;
+        self.dispatch("moe_down_tiles", groups, &args)
     }
 
     fn moe_combine(
@@ -268,7 +231,29 @@ impl MoeOps for VulkanBackend {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let op = "moe_experts_per_token";
-        self.gate_up(op, x, routing, None, experts, act)?;
+        let (gate, gate_type) = self.expert_table(op, &experts.gate)?;
+        let (up, up_type) = self.expert_table(op, &experts.up)?;
+        let pairs = routing.tokens * routing.top_k;
+        let inter = experts.gate.rows();
+        let args = Args::new(op)
+            .buf(x)?
+            .buf(routing.expert_ids)?
+            .address(gate)?
+            .address(up)?
+            .buf(act)?
+            .address(self.fault.address())?
+            .count(pairs)?
+            .count(routing.top_k)?
+            .count(inter)?
+            .count(experts.gate.cols())?
+            .count(experts.gate.num_experts())?
+            .count(gate_type)?
+            .count(up_type)?;
+        self.dispatch(
+            "moe_gate_up_per_token",
+            self.teams(op, pairs * inter)?,
+            &args,
+        )?;
         let (down, down_type) = self.expert_table(op, &experts.down)?;
         let hidden = experts.down.rows();
         let args = Args::new(op)

@@ -1,8 +1,7 @@
-// The gate and up projections and SwiGLU of routed pairs, a team (teams.glsl) an output:
-// act[s, r] = silu(gate[e][r] . x[t]) * (up[e][r] . x[t]) for the pair p at position s
-// (sorted_pairs[s] where given, else s itself: the per-token order), t = p / top_k and
-// e = ids[p]. Experts' matrices through tables of their addresses; an expert id past
-// `num_experts` is reported as a fault.
+// The per-token experts' first half, a team (teams.glsl) an output:
+// act[p, r] = silu(gate[e][r] . x[t]) * (up[e][r] . x[t]) for each routed pair p,
+// t = p / top_k and e = ids[p]. Experts' matrices through tables of their addresses; an
+// expert id past `num_experts` is reported as a fault.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #define GROUP_SIZE 128
@@ -13,7 +12,6 @@
 layout(push_constant) uniform Args {
     Floats x;
     Uints ids;
-    uint64_t sorted_pairs;
     Uints gate;
     Uints up;
     Floats act;
@@ -30,12 +28,10 @@ layout(push_constant) uniform Args {
 void main() {
     uint item = team_item();
     bool live = item < args.pairs * args.inter;
-    uint s = item / args.inter;
+    uint p = item / args.inter;
     uint r = item % args.inter;
-    uint p = 0;
     uint e = 0;
     if (live) {
-        p = args.sorted_pairs != 0 ? Uints(args.sorted_pairs).v[s] : s;
         e = args.ids.v[p];
         if (e >= args.num_experts) {
             if (team_lane() == 0) {
@@ -55,6 +51,6 @@ void main() {
     gs = team_sum(gs);
     us = team_sum(us);
     if (live && team_lane() == 0) {
-        args.act.v[s * args.inter + r] = gs * sigmoid(gs) * us;
+        args.act.v[p * args.inter + r] = gs * sigmoid(gs) * us;
     }
 }
