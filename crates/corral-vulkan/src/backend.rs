@@ -25,6 +25,9 @@ pub struct VulkanOptions {
     /// Keep buffers unmapped and copy to and from them through staging buffers even where
     /// the device's memory is mapped: a discrete GPU's path, on any device (tests).
     pub force_staging: bool,
+    /// Copy weights from files into the device's memory even where an integrated GPU could
+    /// import the mapped file as it is (tests, and drivers whose imports misbehave).
+    pub copy_weights: bool,
 }
 
 /// Codes the shaders leave in the fault word when an index they were given is out of
@@ -95,6 +98,8 @@ pub struct VulkanBackend {
     /// Bytes staged into unmapped buffers since the stream last waited: bounded, so that a
     /// model's upload does not hold a second copy of its weights in staging buffers.
     pub(crate) staged_bytes: AtomicUsize,
+    /// Weights from files are imported where they are mapped ([`VulkanOptions::copy_weights`]).
+    import_weights: bool,
 }
 
 impl std::fmt::Debug for VulkanBackend {
@@ -147,6 +152,7 @@ impl VulkanBackend {
             profiler: Mutex::new(profiler),
             read_back: Mutex::default(),
             staged_bytes: AtomicUsize::new(0),
+            import_weights: !options.copy_weights && !options.force_staging,
         })
     }
 
@@ -158,6 +164,12 @@ impl VulkanBackend {
     /// What the device is and can do.
     pub fn info(&self) -> &crate::VulkanInfo {
         self.device.info()
+    }
+
+    /// Whether weights from mapped files are imported as they are: on an integrated GPU
+    /// that imports host memory, unless the options copy them.
+    pub(crate) fn imports_weights(&self) -> bool {
+        self.import_weights && self.device.info().unified && self.device.buffers_mapped()
     }
 
     /// Queues one dispatch of the shader `kernel` over `groups` workgroups with `args`;

@@ -55,12 +55,20 @@ pub(crate) struct DeviceInner {
     pub(crate) queue_family: u32,
     /// The memory types the backend's buffers and its staging copies are made in.
     pub(crate) plan: MemoryPlan,
+    /// `VK_EXT_external_memory_host`, where the device has it.
+    pub(crate) host_import: Option<HostImport>,
     /// Buffers dropped while queued work may still read them, and whether any may: they
     /// are freed once the work is done ([`DeviceInner::retire`]).
     pub(crate) retired: std::sync::Mutex<Retired>,
     /// Bytes of the plan's device memory allocated and not yet freed: what the device has
     /// free is its heap less these (the backend is its heap's one user that counts).
     pub(crate) allocated: std::sync::atomic::AtomicU64,
+}
+
+/// Host memory import: its functions, and the alignment of imported pointers and sizes.
+pub(crate) struct HostImport {
+    pub(crate) functions: ash::ext::external_memory_host::Device,
+    pub(crate) alignment: u64,
 }
 
 /// Where buffers live, chosen once from the device's memory types.
@@ -407,9 +415,26 @@ impl VulkanDevice {
                 .shader_int64(true)
                 .shader_int16(info.int16)
                 .shader_float64(info.float64);
+            // Host memory import where the device has it (an integrated GPU reads weights in
+            // the mapped file), and the alignment it asks of imported pointers.
+            let import_alignment = if info.host_memory_import {
+                let mut host = vk::PhysicalDeviceExternalMemoryHostPropertiesEXT::default();
+                let mut props = vk::PhysicalDeviceProperties2::default().push_next(&mut host);
+                instance.get_physical_device_properties2(physical, &mut props);
+                Some(host.min_imported_host_pointer_alignment.max(1))
+            } else {
+                None
+            };
+            let extensions = [ash::ext::external_memory_host::NAME.as_ptr()];
+            let enabled = if import_alignment.is_some() {
+                &extensions[..]
+            } else {
+                &[]
+            };
             let create = vk::DeviceCreateInfo::default()
                 .queue_create_infos(&queues)
                 .enabled_features(&core)
+                .enabled_extension_names(enabled)
                 .push_next(&mut v11)
                 .push_next(&mut v12);
             let memory = instance.get_physical_device_memory_properties(physical);
@@ -424,8 +449,13 @@ impl VulkanDevice {
                 .create_device(physical, &create, None)
                 .map_err(|e| vk_err("creating the Vulkan device", e))?;
             let queue = device.get_device_queue(queue_family, 0);
+            let host_import = import_alignment.map(|alignment| HostImport {
+                functions: ash::ext::external_memory_host::Device::new(&instance, &device),
+                alignment,
+            });
             let inner = Arc::new(DeviceInner {
                 _entry: entry,
+                host_import,
                 instance,
                 device,
                 queue,

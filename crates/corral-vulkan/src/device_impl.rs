@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use corral_backend::{
-    BackendError, BufferUsage, Buffers, Capabilities, DType, Device, DeviceBuffer, DeviceMemory,
-    DispatchStats, Graph, KernelTime, MappedFile, Result, Storage, byte_range, fnv1a,
+    BackendError, BufferUsage, Buffers, Capabilities, DType, Device, DeviceAllocation,
+    DeviceBuffer, DeviceMemory, DispatchStats, Graph, KernelTime, MappedFile, Result, Storage,
+    byte_range, fnv1a,
 };
 
-use crate::VulkanBackend;
 use crate::stream::Recorded;
+use crate::{VulkanBackend, VulkanBuffer};
 
 impl Device for VulkanBackend {
     fn device_name(&self) -> String {
@@ -151,6 +152,25 @@ impl Buffers for VulkanBackend {
     ) -> Result<DeviceBuffer> {
         let op = "weight_from_file";
         let bytes = file.range(op, byte_offset, dtype.bytes_of(len))?;
+        // An integrated GPU reads the mapped file where it is: no copy, no second copy in
+        // memory. A device that refuses the import gets a copy, as a discrete GPU does.
+        if self.imports_weights() {
+            let owner: Arc<dyn std::any::Any + Send + Sync> = file.clone();
+            match VulkanBuffer::import(&self.device.inner, bytes, owner) {
+                Ok(Some(memory)) => {
+                    self.stats.allocation();
+                    let address = memory.address();
+                    return Ok(DeviceBuffer::new(
+                        dtype,
+                        len,
+                        BufferUsage::Weights,
+                        Storage::Device(DeviceAllocation::new(address, Box::new(memory))),
+                    ));
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!("{op}: copying, the import failed: {e}"),
+            }
+        }
         let b = self.new_buffer(dtype, len, BufferUsage::Weights)?;
         self.write_new(op, &b, bytes)?;
         self.stats.transfer(bytes.len());

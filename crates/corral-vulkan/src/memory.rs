@@ -28,6 +28,10 @@ pub struct VulkanBuffer {
     bytes: usize,
     /// Bytes of the plan's device memory it holds (0 in host memory).
     device_bytes: u64,
+    /// Host memory imported as it is (a mapped weight file): never written.
+    read_only: bool,
+    /// What owns imported host memory, held as long as the device may read it.
+    _imported: Option<Arc<dyn std::any::Any + Send + Sync>>,
     address: u64,
 }
 
@@ -145,9 +149,115 @@ impl VulkanBuffer {
                 mapped,
                 bytes,
                 device_bytes,
+                read_only: false,
+                _imported: None,
                 address,
             })
         }
+    }
+
+    /// The device's view of `bytes`, host memory that `owner` keeps alive and unchanged (a
+    /// mapped weight file), imported as it is (`VK_EXT_external_memory_host`): the pages
+    /// around it, aligned as the device asks, become device memory and no byte is copied.
+    /// The buffer is read-only. `None` where the device imports no host memory.
+    pub(crate) fn import(
+        inner: &Arc<DeviceInner>,
+        bytes: &[u8],
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Option<Self>> {
+        // An alignment past a page could reach past the owner's mapping.
+        let Some(host) = inner.host_import.as_ref().filter(|h| h.alignment <= 4096) else {
+            return Ok(None);
+        };
+        let align = host.alignment as usize;
+        let first = bytes.as_ptr() as usize / align * align;
+        let delta = bytes.as_ptr() as usize - first;
+        let size = (delta + bytes.len().max(1)).next_multiple_of(align) as u64;
+        let pointer = first as *mut std::ffi::c_void;
+        let kind = vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT;
+        // SAFETY: the device is live; the pages from `first` to `first + size` lie in the
+        // owner's mapping (mappings are whole pages, and the alignment is at most a page),
+        // which `owner` keeps mapped while the buffer lives; each
+        // handle made here is destroyed on the error paths below or by `Drop`.
+        #[allow(unsafe_code)]
+        unsafe {
+            let d = &inner.device;
+            let mut allowed = vk::MemoryHostPointerPropertiesEXT::default();
+            (host.functions.fp().get_memory_host_pointer_properties_ext)(
+                d.handle(),
+                kind,
+                pointer,
+                &mut allowed,
+            )
+            .result()
+            .map_err(|e| vk_err("importing host memory", e))?;
+            let mut external = vk::ExternalMemoryBufferCreateInfo::default().handle_types(kind);
+            let info = vk::BufferCreateInfo::default()
+                .size(size)
+                .usage(
+                    vk::BufferUsageFlags::STORAGE_BUFFER
+                        | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS
+                        | vk::BufferUsageFlags::TRANSFER_SRC,
+                )
+                .push_next(&mut external);
+            let buffer = d
+                .create_buffer(&info, None)
+                .map_err(|e| vk_err("creating a buffer over host memory", e))?;
+            let need = d.get_buffer_memory_requirements(buffer);
+            let types = need.memory_type_bits & allowed.memory_type_bits;
+            // The plan's own type where the import allows it, else any it allows.
+            let plan = inner.plan.device_type;
+            let Some(index) = (types & (1 << plan) != 0)
+                .then_some(plan)
+                .or_else(|| (0..32).find(|i| types & (1 << i) != 0))
+            else {
+                d.destroy_buffer(buffer, None);
+                return Ok(None);
+            };
+            let mut import = vk::ImportMemoryHostPointerInfoEXT::default()
+                .handle_type(kind)
+                .host_pointer(pointer);
+            let mut addressed = vk::MemoryAllocateFlagsInfo::default()
+                .flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
+            let allocate = vk::MemoryAllocateInfo::default()
+                .allocation_size(size)
+                .memory_type_index(index)
+                .push_next(&mut import)
+                .push_next(&mut addressed);
+            let memory = match d.allocate_memory(&allocate, None) {
+                Ok(m) => m,
+                Err(e) => {
+                    d.destroy_buffer(buffer, None);
+                    return Err(vk_err("importing host memory", e));
+                }
+            };
+            if let Err(e) = d.bind_buffer_memory(buffer, memory, 0) {
+                d.destroy_buffer(buffer, None);
+                d.free_memory(memory, None);
+                return Err(vk_err("importing host memory", e));
+            }
+            let base =
+                d.get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(buffer));
+            inner
+                .allocated
+                .fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+            Ok(Some(Self {
+                device: Arc::clone(inner),
+                buffer,
+                memory,
+                mapped: Some(bytes.as_ptr().cast_mut()),
+                bytes: bytes.len(),
+                device_bytes: size,
+                read_only: true,
+                _imported: Some(owner),
+                address: base + delta as u64,
+            }))
+        }
+    }
+
+    /// Whether the buffer is host memory imported as it is, which nothing may write.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
     }
 
     /// The buffer's device address, as shaders take it.
@@ -190,9 +300,11 @@ impl VulkanBuffer {
     /// writes them).
     ///
     /// # Panics
-    /// If the range runs past the buffer or the buffer is not mapped: callers check first.
+    /// If the range runs past the buffer, the buffer is not mapped or is read-only: callers
+    /// check first.
     pub fn write(&self, offset: usize, bytes: &[u8]) {
         assert!(offset + bytes.len() <= self.bytes, "write past the buffer");
+        assert!(!self.read_only, "write to imported host memory");
         let mapped = self
             .mapped
             .expect("write to a buffer the host does not map");

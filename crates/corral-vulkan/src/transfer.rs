@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 
 use ash::vk;
-use corral_backend::{DeviceBuffer, Result};
+use corral_backend::{BackendError, DeviceBuffer, Result};
 
 use crate::VulkanBackend;
 use crate::backend::memory;
@@ -33,6 +33,12 @@ impl VulkanBackend {
         offset: usize,
     ) -> Result<()> {
         let dst = memory(op, dst)?;
+        if dst.is_read_only() {
+            return Err(BackendError::BadArgument {
+                op,
+                detail: "weights imported from a mapped file are read-only".to_string(),
+            });
+        }
         if dst.is_mapped() {
             self.finish(op)?;
             dst.write(offset, bytes);

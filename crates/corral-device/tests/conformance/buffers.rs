@@ -165,3 +165,46 @@ fn vulkan_free_memory_counts_the_buffers_held() {
         assert_eq!(free(), before, "{}: given back", s.name);
     }
 }
+
+/// Weights from a mapped file, at an offset no page or block aligns: every backend gives the
+/// file's bytes back and computes with them. The CPU, and the Vulkan backend on an
+/// integrated GPU that imports host memory (lavapipe too), read the file where it is mapped,
+/// so those weights refuse writes; copied into a device's memory, they take them.
+#[test]
+fn weights_from_a_mapped_file_are_the_files_bytes() {
+    let values = Rng(21).values(3 * 40);
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(&[7u8; 4100]).unwrap();
+    file.write_all(&bytes).unwrap();
+    file.flush().unwrap();
+    let mapped = MappedFile::open(file.path()).unwrap();
+    let x = Rng(22).values(2 * 40);
+    let want = corral_backend::reference::matmul(&x, 2, 40, &values, 3);
+    for s in subjects_and_staged_copies() {
+        let b = s.backend;
+        let mut w = b.weight_from_file(&mapped, 4100, DType::F32, 120).unwrap();
+        let mut back = vec![0u8; 480];
+        b.read_bytes(&w, 0, &mut back).unwrap();
+        assert!(back == bytes, "{}: the file's bytes", s.name);
+        let mut out = out_buf(b, 6);
+        b.matmul(
+            &f32_buf(b, &x),
+            2,
+            WeightView::new(&w, 3, 40).unwrap(),
+            &mut out,
+        )
+        .unwrap();
+        assert_near(&s, "a product of them", &download(b, &out, 6), &want);
+        // The CPU reads the mapping itself; so does Vulkan on an integrated GPU.
+        let unified = b.device_memory().unwrap().is_some_and(|m| m.unified);
+        let in_place = s.name == "cpu" || (s.name == "vulkan" && unified);
+        let written = b.write_bytes(&[0u8; 4], &mut w, 0);
+        assert_eq!(
+            written.is_err(),
+            in_place,
+            "{}: a write to them: {written:?}",
+            s.name
+        );
+    }
+}
