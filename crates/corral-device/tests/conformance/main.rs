@@ -38,6 +38,11 @@ pub(crate) struct Subject {
     pub(crate) name: &'static str,
     pub(crate) backend: &'static dyn Backend,
     pub(crate) tol: f64,
+    /// How near the delta rule's outputs and states must be: the CUDA backend runs a run of
+    /// more than one token chunked on tensor cores (tf32), which `cuda_ops` holds to 2.5e-3
+    /// of the token-by-token recurrence (measured 1.6e-4 to 3.7e-4 here on an H100); the
+    /// others run the recurrence in f32, within `tol`.
+    pub(crate) recurrence_tol: f64,
 }
 
 /// Every backend this machine can open, one line each; a backend's other strategies for
@@ -62,6 +67,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
         name: "cpu",
         backend: CPU.get_or_init(CpuBackend::new),
         tol: 1e-6,
+        recurrence_tol: 1e-6,
     }];
     let cuda = CUDA.get_or_init(|| match cuda_available() {
         Ok(_) => {
@@ -85,11 +91,13 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             name: "cuda",
             backend: cuda,
             tol: 1e-5,
+            recurrence_tol: 2.5e-3,
         });
         all.push(Subject {
             name: "cuda, own kernels",
             backend: own_kernels,
             tol: 1e-5,
+            recurrence_tol: 2.5e-3,
         });
     }
     // One Vulkan backend a test thread (opening one takes milliseconds): a fault a test
@@ -121,12 +129,14 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             name: "vulkan",
             backend: vulkan,
             tol: 1e-5,
+            recurrence_tol: 1e-5,
         });
         if with_staged {
             all.push(Subject {
                 name: "vulkan, staged copies",
                 backend: staged,
                 tol: 1e-5,
+                recurrence_tol: 1e-5,
             });
         }
     }
