@@ -100,31 +100,16 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             recurrence_tol: 2.5e-3,
         });
     }
-    // One Vulkan backend a test thread (opening one takes milliseconds): a fault a test
-    // provokes on purpose is reported by that test's own next read-back, with the tests
-    // running in parallel.
-    // The second copies through staging buffers, as on a discrete GPU, wherever it runs.
+    // A pair of Vulkan backends a test thread at a time, so that a fault a test provokes
+    // on purpose is reported by that test's own next read-back with the tests running in
+    // parallel: a thread leases one from a pool, and its end gives it back (the test
+    // harness runs each test on a thread of its own; a driver caps the devices a process
+    // opens, so each pair is reused rather than one opened a test). The second copies
+    // through staging buffers, as on a discrete GPU, wherever it runs.
     thread_local! {
-        static VULKAN: &'static Option<[VulkanBackend; 2]> = Box::leak(Box::new({
-            let open = |force_staging| {
-                VulkanBackend::new(VulkanOptions {
-                    force_staging,
-                    ..Default::default()
-                })
-            };
-            match open(false).and_then(|mapped| Ok([mapped, open(true)?])) {
-                Ok(b) => Some(b),
-                Err(why) if std::env::var("CORRAL_REQUIRE_VULKAN").is_ok_and(|v| v == "1") => {
-                    panic!("Vulkan is required here: {why}")
-                }
-                Err(why) => {
-                    eprintln!("vulkan: not run ({why})");
-                    None
-                }
-            }
-        }));
+        static VULKAN: VulkanLease = VulkanLease::take();
     }
-    if let Some([vulkan, staged]) = VULKAN.with(|v| v.as_ref()) {
+    if let Some([vulkan, staged]) = VULKAN.with(|v| v.0) {
         all.push(Subject {
             name: "vulkan",
             backend: vulkan,
@@ -141,6 +126,60 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
         }
     }
     all
+}
+
+/// Vulkan backend pairs no test thread holds.
+static VULKAN_POOL: std::sync::Mutex<Vec<&'static [VulkanBackend; 2]>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// A test thread's pair of Vulkan backends (mapped, staged copies), back to the pool when the
+/// thread ends; `None` where no Vulkan device opens.
+struct VulkanLease(Option<&'static [VulkanBackend; 2]>);
+
+impl VulkanLease {
+    fn take() -> Self {
+        let pooled = VULKAN_POOL.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(pair) = pooled {
+            return Self(Some(pair));
+        }
+        let open = |force_staging| {
+            VulkanBackend::new(VulkanOptions {
+                force_staging,
+                ..Default::default()
+            })
+        };
+        match open(false).and_then(|mapped| Ok([mapped, open(true)?])) {
+            Ok(pair) => Self(Some(Box::leak(Box::new(pair)))),
+            Err(why) if std::env::var("CORRAL_REQUIRE_VULKAN").is_ok_and(|v| v == "1") => {
+                panic!("Vulkan is required here: {why}")
+            }
+            Err(why) => {
+                eprintln!("vulkan: not run ({why})");
+                Self(None)
+            }
+        }
+    }
+}
+
+impl Drop for VulkanLease {
+    fn drop(&mut self) {
+        if let Some(pair) = self.0.take() {
+            // A read-back reports and clears a fault the last test left (one that panicked
+            // before its own read-back), so that the next lease starts clean.
+            for b in pair {
+                let b: &dyn Backend = b;
+                let one = b.take_buffer(DType::U32, 1, corral_backend::BufferUsage::Metadata);
+                if let Ok(one) = one {
+                    let _ = b.download_u32(&one, &mut [0]);
+                    b.give_buffer(one);
+                }
+            }
+            VULKAN_POOL
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(pair);
+        }
+    }
 }
 
 /// `v` as weights of `dtype` hold it.
