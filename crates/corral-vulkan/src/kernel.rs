@@ -202,9 +202,9 @@ impl Recording {
 }
 
 /// Records one dispatch into `commands`, after a barrier that makes every shader, copy and
-/// host write recorded or submitted before it visible to it (the first in a command buffer also orders
-/// it after earlier submissions to the queue); `timed`, a pair of timestamp queries written
-/// around it.
+/// host write recorded or submitted before it visible to it (the first in a command buffer
+/// also orders it after earlier submissions to the queue); `timed`, a pair of timestamp
+/// queries written around it.
 pub(crate) fn record(
     d: &ash::Device,
     commands: vk::CommandBuffer,
@@ -212,21 +212,18 @@ pub(crate) fn record(
     (groups, args): ([u32; 3], &[u8]),
     timed: Option<(vk::QueryPool, u32)>,
 ) {
-    let barrier = [vk::MemoryBarrier::default()
-        .src_access_mask(WRITES)
-        .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
+    memory_barrier(
+        d,
+        commands,
+        (WRITERS, WRITES),
+        (
+            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE,
+        ),
+    );
     // SAFETY: `commands` is in the recording state, and the kernel's handles are live.
     #[allow(unsafe_code)]
     unsafe {
-        d.cmd_pipeline_barrier(
-            commands,
-            WRITERS,
-            vk::PipelineStageFlags::COMPUTE_SHADER,
-            vk::DependencyFlags::empty(),
-            &barrier,
-            &[],
-            &[],
-        );
         if let Some((pool, query)) = timed {
             d.cmd_reset_query_pool(commands, pool, query, 2);
             d.cmd_write_timestamp(
@@ -270,18 +267,24 @@ const WRITES: vk::AccessFlags = vk::AccessFlags::from_raw(
         | vk::AccessFlags::HOST_WRITE.as_raw(),
 );
 
-/// Records a barrier before copies: every write and read before it completes first.
-pub(crate) fn record_transfer_barrier(d: &ash::Device, commands: vk::CommandBuffer) {
+/// Records a barrier: the `from` stages' accesses before it complete, and are visible to
+/// the `to` stages' accesses after it.
+fn memory_barrier(
+    d: &ash::Device,
+    commands: vk::CommandBuffer,
+    from: (vk::PipelineStageFlags, vk::AccessFlags),
+    to: (vk::PipelineStageFlags, vk::AccessFlags),
+) {
     let barrier = [vk::MemoryBarrier::default()
-        .src_access_mask(WRITES)
-        .dst_access_mask(vk::AccessFlags::TRANSFER_READ | vk::AccessFlags::TRANSFER_WRITE)];
-    // SAFETY: `commands` is in the recording state.
+        .src_access_mask(from.1)
+        .dst_access_mask(to.1)];
+    // SAFETY: `commands` is in the recording state (the callers' contract).
     #[allow(unsafe_code)]
     unsafe {
         d.cmd_pipeline_barrier(
             commands,
-            WRITERS,
-            vk::PipelineStageFlags::TRANSFER,
+            from.0,
+            to.0,
             vk::DependencyFlags::empty(),
             &barrier,
             &[],
@@ -290,25 +293,29 @@ pub(crate) fn record_transfer_barrier(d: &ash::Device, commands: vk::CommandBuff
     }
 }
 
+/// Records a barrier before copies: every write and read before it completes first.
+pub(crate) fn record_transfer_barrier(d: &ash::Device, commands: vk::CommandBuffer) {
+    let to = vk::AccessFlags::TRANSFER_READ | vk::AccessFlags::TRANSFER_WRITE;
+    memory_barrier(
+        d,
+        commands,
+        (WRITERS, WRITES),
+        (vk::PipelineStageFlags::TRANSFER, to),
+    );
+}
+
 /// Records a barrier that makes every shader and copy write before it visible to the host
 /// once the submission's fence signals: the last command of every submitted command buffer.
 pub(crate) fn record_host_barrier(d: &ash::Device, commands: vk::CommandBuffer) {
-    let barrier = [vk::MemoryBarrier::default()
-        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
-        .dst_access_mask(vk::AccessFlags::HOST_READ)];
-    // SAFETY: `commands` is in the recording state.
-    #[allow(unsafe_code)]
-    unsafe {
-        d.cmd_pipeline_barrier(
-            commands,
+    memory_barrier(
+        d,
+        commands,
+        (
             vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
-            vk::PipelineStageFlags::HOST,
-            vk::DependencyFlags::empty(),
-            &barrier,
-            &[],
-            &[],
-        );
-    }
+            vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE,
+        ),
+        (vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_READ),
+    );
 }
 
 impl Drop for Recording {

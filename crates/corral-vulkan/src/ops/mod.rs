@@ -34,18 +34,9 @@ pub(crate) fn grid_of(op: &'static str, n: usize) -> Result<[u32; 3]> {
     grid(op, n.div_ceil(256))
 }
 
-/// The block formats the shaders read (`blocks.glsl`), in the order of their type codes.
-pub(crate) const BLOCK_FORMATS: [QuantFormat; 9] = [
-    QuantFormat::Q4_0,
-    QuantFormat::Q4_1,
-    QuantFormat::Q5_0,
-    QuantFormat::Q5_1,
-    QuantFormat::Q8_0,
-    QuantFormat::Q4K,
-    QuantFormat::Q5K,
-    QuantFormat::Q6K,
-    QuantFormat::F8E4M3x128,
-];
+/// The block formats the shaders read (`blocks.glsl`): all of them, their type codes in
+/// [`QuantFormat::ALL`]'s order.
+pub(crate) const BLOCK_FORMATS: [QuantFormat; 9] = QuantFormat::ALL;
 
 /// A weight type as `weight_at` in `common.glsl` takes it: the float types, then the block
 /// formats from 3.
