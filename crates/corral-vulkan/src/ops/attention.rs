@@ -1,10 +1,10 @@
 //! Attention (`rope.comp`, `kv_store.comp`, `qkv_norm_rope_store.comp`,
-//! `paged_attention.comp`): RoPE to the references' precision from the host's inverse
+//! `attention_split.comp`, `attention_combine.comp`): RoPE to the references' precision from the host's inverse
 //! frequencies, the paged KV cache in f32, bf16 or fp8 (`kv.glsl`).
 
 use corral_backend::{
-    AttentionMeta, AttentionOps, AttentionShape, BackendError, BufferUsage, DType, DeviceBuffer,
-    QkShape, Result, RopeParams, kv_row_elems,
+    AttentionMeta, AttentionOps, AttentionShape, BackendError, BufferUsage, Buffers, DType,
+    DeviceBuffer, QkShape, Result, RopeParams, kv_row_elems,
 };
 
 use super::{grid, grid_of};
@@ -169,8 +169,62 @@ impl AttentionOps for VulkanBackend {
         shape: AttentionShape,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
-        let op = "paged_attention";
         let rows = cache_slots(cache_k, cache_v, shape.num_kv_heads, shape.head_dim);
+        self.attention_in_splits(q, (cache_k, cache_v, rows), meta, shape, out)
+    }
+}
+
+/// Query heads a workgroup of attention takes at most, and their values at most
+/// (`MAX_GROUP`, `MAX_GROUP * MAX_DIM` of attention_split.comp).
+const ATTENTION_CHUNK_HEADS: usize = 16;
+const ATTENTION_CHUNK_VALUES: usize = 4096;
+
+/// Workgroups (token, KV head, chunk of heads) past which attention takes its keys in one
+/// split; fewer share the keys out so that a few decode rows still fill the device.
+const ATTENTION_SPLIT_WORKGROUPS: usize = 4096;
+
+/// The most splits of one token's keys, and the fewest keys a split (a multiple of
+/// attention_split.comp's `TILE`).
+const ATTENTION_MAX_SPLITS: usize = 64;
+const ATTENTION_MIN_SPLIT: usize = 256;
+
+impl VulkanBackend {
+    /// Attention a workgroup a (token, KV head, chunk of its query heads, split of the
+    /// keys), each key and value read once for the chunk (`attention_split.comp`), the
+    /// splits then combined (`attention_combine.comp`) where there is more than one.
+    fn attention_in_splits(
+        &self,
+        q: &DeviceBuffer,
+        (cache_k, cache_v, rows): (&DeviceBuffer, &DeviceBuffer, usize),
+        meta: &AttentionMeta<'_>,
+        shape: AttentionShape,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let op = "paged_attention";
+        let keys = meta.max_blocks_per_run * meta.block_size;
+        let group = shape.num_heads / shape.num_kv_heads.max(1);
+        let chunk_heads = group
+            .min(ATTENTION_CHUNK_HEADS)
+            .min(ATTENTION_CHUNK_VALUES / shape.head_dim.max(1))
+            .max(1);
+        let work = meta.tokens * shape.num_kv_heads * group.div_ceil(chunk_heads);
+        let splits = keys
+            .div_ceil(ATTENTION_MIN_SPLIT)
+            .min(ATTENTION_MAX_SPLITS)
+            .min((ATTENTION_SPLIT_WORKGROUPS / work.max(1)).max(1))
+            .max(1);
+        let split_len = keys.div_ceil(splits).next_multiple_of(32).max(32);
+        let rows_out = meta.tokens * shape.num_heads;
+        let partial = if splits > 1 {
+            Some(self.take_buffer(
+                DType::F32,
+                rows_out * splits * (shape.head_dim + 2),
+                BufferUsage::Activations,
+            )?)
+        } else {
+            None
+        };
+        let target: &DeviceBuffer = partial.as_ref().unwrap_or(out);
         let args = Args::new(op)
             .buf(q)?
             .buf(cache_k)?
@@ -178,7 +232,7 @@ impl AttentionOps for VulkanBackend {
             .buf(meta.positions)?
             .buf(meta.token_runs)?
             .buf(meta.block_tables)?
-            .buf(out)?
+            .buf(target)?
             .address(self.fault.address())?
             .count(meta.tokens)?
             .count(shape.num_heads)?
@@ -188,7 +242,27 @@ impl AttentionOps for VulkanBackend {
             .count(meta.block_size)?
             .count(rows / meta.block_size.max(1))?
             .float(shape.scale)?
-            .count(kv_type(op, cache_k.dtype())?)?;
-        self.dispatch(op, grid(op, meta.tokens * shape.num_heads)?, &args)
+            .count(kv_type(op, cache_k.dtype())?)?
+            .count(splits)?
+            .count(split_len)?
+            .count(chunk_heads)?;
+        let result = self
+            .dispatch("attention_split", grid(op, work * splits)?, &args)
+            .and_then(|()| {
+                let Some(partial) = &partial else {
+                    return Ok(());
+                };
+                let args = Args::new(op)
+                    .buf(partial)?
+                    .buf(out)?
+                    .count(rows_out)?
+                    .count(shape.head_dim)?
+                    .count(splits)?;
+                self.dispatch("attention_combine", grid(op, rows_out)?, &args)
+            });
+        if let Some(partial) = partial {
+            self.give_buffer(partial);
+        }
+        result
     }
 }
