@@ -120,87 +120,6 @@ impl Drop for Kernel {
     }
 }
 
-/// Dispatches recorded once and submitted as often as wanted (the graph analogue): each
-/// submission waits for its work, so buffers read back after it hold the results.
-pub struct Recording {
-    device: Arc<DeviceInner>,
-    pool: vk::CommandPool,
-    commands: vk::CommandBuffer,
-    dispatches: usize,
-}
-
-impl std::fmt::Debug for Recording {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Recording({} dispatches)", self.dispatches)
-    }
-}
-
-impl Recording {
-    /// Records `dispatches` in order (each `(kernel, workgroups, push constants)`), a
-    /// barrier before each.
-    pub fn new(device: &VulkanDevice, dispatches: &[(&Kernel, [u32; 3], &[u8])]) -> Result<Self> {
-        let inner = Arc::clone(&device.inner);
-        let d = &inner.device;
-        if let Some((k, _, args)) = dispatches
-            .iter()
-            .find(|(_, _, a)| a.len() > PUSH_BYTES as usize)
-        {
-            return Err(BackendError::BadArgument {
-                op: k.name,
-                detail: format!("{} bytes of arguments (at most {PUSH_BYTES})", args.len()),
-            });
-        }
-        // SAFETY: the device and every kernel are live; the pool is destroyed on the error
-        // path or by `Drop`, which frees its command buffer with it.
-        #[allow(unsafe_code)]
-        unsafe {
-            let pool = d
-                .create_command_pool(
-                    &vk::CommandPoolCreateInfo::default().queue_family_index(inner.queue_family),
-                    None,
-                )
-                .map_err(|e| vk_err("a command pool", e))?;
-            let recorded = (|| {
-                let commands = d.allocate_command_buffers(
-                    &vk::CommandBufferAllocateInfo::default()
-                        .command_pool(pool)
-                        .command_buffer_count(1),
-                )?[0];
-                d.begin_command_buffer(commands, &vk::CommandBufferBeginInfo::default())?;
-                for (kernel, groups, args) in dispatches {
-                    record(d, commands, kernel, (*groups, args), None);
-                }
-                record_host_barrier(d, commands);
-                d.end_command_buffer(commands)?;
-                Ok(commands)
-            })();
-            match recorded {
-                Ok(commands) => Ok(Self {
-                    device: Arc::clone(&inner),
-                    pool,
-                    commands,
-                    dispatches: dispatches.len(),
-                }),
-                Err(e) => {
-                    d.destroy_command_pool(pool, None);
-                    Err(vk_err("recording dispatches", e))
-                }
-            }
-        }
-    }
-
-    /// Runs the recorded dispatches and waits for them.
-    pub fn submit(&self) -> Result<()> {
-        // SAFETY: the command buffer is recorded and not in flight (each submission waits
-        // for it).
-        #[allow(unsafe_code)]
-        unsafe {
-            self.device
-                .submit(&[self.commands], vk::Fence::null(), true)
-        }
-    }
-}
-
 /// Records one dispatch into `commands`, after a barrier that makes every shader, copy and
 /// host write recorded or submitted before it visible to it (the first in a command buffer
 /// also orders it after earlier submissions to the queue); `timed`, a pair of timestamp
@@ -316,14 +235,4 @@ pub(crate) fn record_host_barrier(d: &ash::Device, commands: vk::CommandBuffer) 
         ),
         (vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_READ),
     );
-}
-
-impl Drop for Recording {
-    fn drop(&mut self) {
-        // SAFETY: nothing recorded here is in flight (each submission waited).
-        #[allow(unsafe_code)]
-        unsafe {
-            self.device.device.destroy_command_pool(self.pool, None);
-        }
-    }
 }

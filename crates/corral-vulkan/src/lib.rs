@@ -20,7 +20,7 @@ mod transfer;
 
 pub use backend::{VulkanBackend, VulkanOptions};
 pub use device::{VulkanDevice, VulkanInfo, first_vulkan_gpu, vulkan_available};
-pub use kernel::{Kernel, Recording};
+pub use kernel::Kernel;
 pub use memory::VulkanBuffer;
 
 include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
