@@ -19,6 +19,9 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer Floats {
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer Uints {
     uint v[];
 };
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer Quads {
+    uvec4 v[];
+};
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer Halves {
     uint16_t v[];
 };

@@ -100,10 +100,39 @@ void block_part(uint64_t b, uint type, uint j0, out float w[16]) {
 }
 
 // Columns k0 .. k0 + 16 of the row starting at element `row` of weights of type `type` at
-// `base`, `cols` wide: float rows value by value (zero past `cols`), block-format rows a
-// block's part.
+// `base`, `cols` wide: float rows in 16-byte loads where whole and aligned, else value by
+// value (zero past `cols`); block-format rows a block's part.
 void weight_part(uint64_t base, uint type, uint64_t row, uint k0, uint cols, out float w[16]) {
     if (type <= WEIGHT_F16) {
+        uint64_t at = base + (row + k0) * (type == WEIGHT_F32 ? 4 : 2);
+        if (k0 + 16 <= cols && (at & 15) == 0) {
+            // Whole and aligned: 16-byte loads (four for f32, two for 16-bit types).
+            if (type == WEIGHT_F32) {
+                for (uint i = 0; i < 4; i++) {
+                    uvec4 q = Quads(at + 16 * i).v[0];
+                    w[4 * i] = uintBitsToFloat(q.x);
+                    w[4 * i + 1] = uintBitsToFloat(q.y);
+                    w[4 * i + 2] = uintBitsToFloat(q.z);
+                    w[4 * i + 3] = uintBitsToFloat(q.w);
+                }
+                return;
+            }
+            for (uint i = 0; i < 2; i++) {
+                uvec4 q = Quads(at + 16 * i).v[0];
+                uint words[4] = uint[4](q.x, q.y, q.z, q.w);
+                for (uint j = 0; j < 4; j++) {
+                    if (type == WEIGHT_BF16) {
+                        w[8 * i + 2 * j] = uintBitsToFloat(words[j] << 16);
+                        w[8 * i + 2 * j + 1] = uintBitsToFloat(words[j] & 0xffff0000u);
+                    } else {
+                        vec2 h = unpackHalf2x16(words[j]);
+                        w[8 * i + 2 * j] = h.x;
+                        w[8 * i + 2 * j + 1] = h.y;
+                    }
+                }
+            }
+            return;
+        }
         for (uint i = 0; i < 16; i++) {
             w[i] = k0 + i < cols ? weight_at(base, type, row + k0 + i) : 0.0;
         }
