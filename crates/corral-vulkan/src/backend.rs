@@ -254,14 +254,25 @@ impl VulkanBackend {
         if !memory.is_mapped() {
             self.zero_on_queue(&memory)?;
         }
+        Ok(self.wrap(memory, dtype, len, usage))
+    }
+
+    /// `memory` as a buffer of `len` elements of `dtype` (counted as an allocation).
+    pub(crate) fn wrap(
+        &self,
+        memory: VulkanBuffer,
+        dtype: DType,
+        len: usize,
+        usage: BufferUsage,
+    ) -> DeviceBuffer {
         self.stats.allocation();
         let address = memory.address();
-        Ok(DeviceBuffer::new(
+        DeviceBuffer::new(
             dtype,
             len,
             usage,
             Storage::Device(DeviceAllocation::new(address, Box::new(memory))),
-        ))
+        )
     }
 }
 

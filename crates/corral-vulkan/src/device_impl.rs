@@ -5,9 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use corral_backend::{
-    BackendError, BufferUsage, Buffers, Capabilities, DType, Device, DeviceAllocation,
-    DeviceBuffer, DeviceMemory, DispatchStats, Graph, KernelTime, MappedFile, Result, Storage,
-    byte_range, fnv1a,
+    BackendError, BufferUsage, Buffers, Capabilities, DType, Device, DeviceBuffer, DeviceMemory,
+    DispatchStats, Graph, KernelTime, MappedFile, Result, Storage, byte_range, fnv1a,
 };
 
 use crate::stream::Recorded;
@@ -157,16 +156,7 @@ impl Buffers for VulkanBackend {
         if self.imports_weights() {
             let owner: Arc<dyn std::any::Any + Send + Sync> = file.clone();
             match VulkanBuffer::import(&self.device.inner, bytes, owner) {
-                Ok(Some(memory)) => {
-                    self.stats.allocation();
-                    let address = memory.address();
-                    return Ok(DeviceBuffer::new(
-                        dtype,
-                        len,
-                        BufferUsage::Weights,
-                        Storage::Device(DeviceAllocation::new(address, Box::new(memory))),
-                    ));
-                }
+                Ok(Some(memory)) => return Ok(self.wrap(memory, dtype, len, BufferUsage::Weights)),
                 Ok(None) => {}
                 Err(e) => tracing::debug!("{op}: copying, the import failed: {e}"),
             }
