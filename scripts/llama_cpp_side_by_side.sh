@@ -4,6 +4,7 @@
 #   scripts/llama_cpp_side_by_side.sh build    llama.cpp's llama-bench and llama-quantize, from
 #                                              the llama.cpp that the llama-cpp-python sdist on
 #                                              PyPI vendors (LLAMA_CPP_PYTHON, a version), in $WORK
+#   scripts/llama_cpp_side_by_side.sh fetch    that source alone, in $WORK/src (with the venv)
 #   scripts/llama_cpp_side_by_side.sh models   CONFIG's shape as a bf16 GGUF with random weights
 #                                              (scripts/make_bench_gguf.py), then Q8_0, Q6_K and
 #                                              Q4_K_M by llama-quantize
@@ -38,7 +39,7 @@ venv() {
   export PATH="$WORK/venv/bin:$PATH"
 }
 
-build() {
+fetch() {
   venv
   if [ ! -d "$WORK/src" ]; then
     local url
@@ -55,6 +56,10 @@ PY
     mv "$WORK/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$WORK/src"
     rm -rf "$WORK/llama_cpp_python-$LLAMA_CPP_PYTHON" "$WORK/sdist.tar.gz"
   fi
+}
+
+build() {
+  fetch
   cmake -S "$WORK/src" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF > "$WORK/cmake.log"
@@ -118,6 +123,7 @@ PY
 }
 
 case "${1:-}" in
+  fetch) fetch ;;
   build) build ;;
   models) models ;;
   bench) bench ;;
