@@ -1098,8 +1098,9 @@ fn bench_speculative_compares_variants_with_plain_decoding() {
 }
 
 /// A synthetic hybrid drafts with a random MTP head of its shape on random prompts, and
-/// `--forced-acceptance 1` takes every draft token: each step of fixed K yields 1 + K tokens. The
-/// table says the acceptance was forced and claims no equality with plain decoding.
+/// `--forced-acceptance 1` takes every draft token: each step of fixed K yields 1 + K tokens,
+/// one sequence at a time or two at once. The table says the acceptance was forced and claims
+/// no equality with plain decoding.
 #[test]
 fn bench_speculative_forces_acceptance_on_a_synthetic_model() {
     let dir = tempfile::tempdir().unwrap();
@@ -1120,21 +1121,31 @@ fn bench_speculative_forces_acceptance_on_a_synthetic_model() {
         "off,mtp:2:fixed",
         "--forced-acceptance",
         "1",
+        "--concurrency",
+        "1,2",
         "--json",
         json.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let table = String::from_utf8(out.stdout).unwrap();
     assert!(table.starts_with("FORCED ACCEPTANCE 1"), "{table}");
+    assert!(table.contains("  2 at once"), "{table}");
     let value: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    let mtp = &value["variants"][1];
-    assert_eq!(mtp["variant"], "mtp:2:fixed");
-    assert!(mtp["drafted"].as_u64().unwrap() > 0, "{value}");
-    assert_eq!(mtp["accepted"], mtp["drafted"], "{value}");
-    // 12 tokens after the prompt's: four steps of three (fixed lengths: adaptive ones may
-    // probe shorter drafts).
-    assert_eq!(mtp["tokens_per_step"].as_f64(), Some(3.0), "{value}");
-    assert!(mtp["same_tokens_as_off"].is_null(), "{value}");
+    let variants = value["variants"].as_array().unwrap();
+    assert_eq!(variants.len(), 4, "{value}");
+    for (mtp, concurrency) in [(&variants[1], 1), (&variants[3], 2)] {
+        assert_eq!(mtp["variant"], "mtp:2:fixed");
+        assert_eq!(mtp["concurrency"], concurrency);
+        assert_eq!(mtp["drafted"].as_u64(), Some(2 * 8), "{value}");
+        assert_eq!(mtp["accepted"], mtp["drafted"], "{value}");
+        // 12 tokens after the prompt's: four steps of three (fixed lengths: adaptive ones
+        // may probe shorter drafts).
+        assert_eq!(mtp["tokens_per_step"].as_f64(), Some(3.0), "{value}");
+        assert!(mtp["same_tokens_as_off"].is_null(), "{value}");
+    }
+    // Two at once share the engine's decode steps.
+    let steps = |v: &serde_json::Value| v["engine_decode_steps"].as_u64().unwrap();
+    assert!(steps(&variants[3]) < steps(&variants[1]), "{value}");
     let bad = corral(&[
         "bench",
         "speculative",

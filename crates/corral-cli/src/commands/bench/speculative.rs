@@ -2,7 +2,8 @@
 //! `--speculative` variant in turn through the engine `serve` runs (one sequence): draft tokens
 //! verified and accepted (by position in the draft), tokens a decode step, decode tok/s and its
 //! ratio to `off`, and how many prompts' tokens equal `off`'s (all, with f32 weights on the
-//! CPU). `--echo` makes it an edit replay: each prompt ends with its own first tokens again, so
+//! CPU). `--concurrency` runs the prompts in groups decoding at once, a table a level, to find
+//! the batch from which speculation stops paying. `--echo` makes it an edit replay: each prompt ends with its own first tokens again, so
 //! the model re-emits text it has seen, as an agent re-emits a file it edits. Without `--text`
 //! the prompts are random tokens (a synthetic model has no tokenizer), and
 //! `--forced-acceptance` times speculation at a stated acceptance where drafts mean nothing:
@@ -13,7 +14,10 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use corral_engine::{EngineHandle, EngineRequest, Event, SamplingParams, spawn_engine_drafting};
+use corral_engine::{
+    EngineConfig, EngineHandle, EngineRequest, Event, SamplingParams, spawn_engine_drafting,
+};
+use corral_model::Model;
 use serde_json::json;
 
 use crate::loading::{ModelArgs, load_model};
@@ -46,6 +50,11 @@ pub(crate) struct SpeculativeArgs {
         default_value = "off,mtp:1,mtp:2,mtp:3,lookup:4"
     )]
     speculative: Vec<Speculative>,
+    /// Sequences decoding at once, one level after another: the prompts run in groups of
+    /// that many, submitted together (a step's prefill budget holds them all), and a level's
+    /// tok/s is its groups' tokens over their slowest members' decode time.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    concurrency: Vec<usize>,
     /// Repetitions of the whole set of variants (interleaved).
     #[arg(long, default_value_t = 1)]
     reps: usize,
@@ -64,6 +73,8 @@ struct Totals {
     generated: usize,
     decode_steps: usize,
     decode_ms: f64,
+    /// Each group's slowest member's decode milliseconds, summed: the wall time of decoding.
+    wall_ms: f64,
     drafted: u64,
     accepted: u64,
     /// Drafts verified (steps of a sequence with draft tokens).
@@ -125,108 +136,209 @@ fn prompts(args: &SpeculativeArgs, vocab: usize) -> Result<Vec<Vec<u32>>> {
 }
 
 pub(crate) fn run(args: SpeculativeArgs) -> Result<()> {
-    if args.prompts == 0 || args.prompt_tokens == 0 || args.max_tokens == 0 || args.reps == 0 {
-        bail!("--prompts, --prompt-tokens, --max-tokens and --reps must be at least 1");
+    if args.prompts == 0
+        || args.prompt_tokens == 0
+        || args.max_tokens == 0
+        || args.reps == 0
+        || args.concurrency.contains(&0)
+    {
+        bail!(
+            "--prompts, --prompt-tokens, --max-tokens, --reps and --concurrency must be at least 1"
+        );
     }
     let mut model = load_model(&args.model)?;
     let prompts = prompts(&args, model.config().vocab_size)?;
     let device = model.backend().device_name();
     let total = args.prompt_tokens + args.echo + args.max_tokens;
-    let mut totals: Vec<Totals> = args.speculative.iter().map(|_| Totals::default()).collect();
+    let mut levels: Vec<Vec<Totals>> = args
+        .concurrency
+        .iter()
+        .map(|_| args.speculative.iter().map(|_| Totals::default()).collect())
+        .collect();
     for rep in 0..args.reps {
-        for (variant, sums) in args.speculative.iter().zip(&mut totals) {
-            let config = crate::commands::run::one_sequence_engine(total, 512);
-            let head = variant.head(&args.model, &model)?;
-            let drafter = variant.drafter(head, (config.kv_blocks, config.block_size, 1))?;
-            let speculation = drafter.map(|(s, _)| match args.forced_acceptance {
-                Some(rate) => s.forcing_acceptance(rate),
-                None => s,
-            });
-            let (engine, thread) = spawn_engine_drafting(model, config, speculation)?;
-            let generated = generate(&engine, &prompts, &args, total);
-            let m = engine.metrics();
-            sums.drafted += m.draft_tokens.load(Ordering::Relaxed);
-            sums.accepted += m.accepted_draft_tokens.load(Ordering::Relaxed);
-            sums.drafts += m.drafts.load(Ordering::Relaxed);
-            sums.decode_only_steps += m.decode_steps.load(Ordering::Relaxed);
-            for (sum, micros) in sums.phase_micros.iter_mut().zip(&m.decode_step_micros) {
-                *sum += micros.load(Ordering::Relaxed);
-            }
-            let by_position: Vec<u64> = m
-                .accepted_by_position
-                .iter()
-                .map(|n| n.load(Ordering::Relaxed))
-                .collect();
-            sums.by_position.resize(by_position.len(), 0);
-            for (sum, n) in sums.by_position.iter_mut().zip(by_position) {
-                *sum += n;
-            }
-            engine.shutdown();
-            model = thread
-                .join()
-                .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
-            for (tokens, steps, ms) in generated? {
-                sums.generated += tokens.len();
-                sums.decode_steps += steps;
-                sums.decode_ms += ms;
-                if rep == 0 {
-                    sums.outputs.push(tokens);
-                }
+        for (&concurrency, totals) in args.concurrency.iter().zip(&mut levels) {
+            for (variant, sums) in args.speculative.iter().zip(totals.iter_mut()) {
+                let config = engine_at(concurrency, total, &args);
+                model = run_variant(model, config, variant, &prompts, &args, sums, rep == 0)?;
             }
         }
     }
-    report(&args, &device, &prompts, &totals)
+    for (&concurrency, totals) in args.concurrency.iter().zip(&levels) {
+        report(&args, &device, &prompts, concurrency, totals);
+    }
+    write_json(&args, &device, &prompts, &levels)
 }
 
-/// Each prompt's tokens, decode steps and decode milliseconds, one prompt after another.
+/// The engine for `concurrency` sequences of `total` tokens each, with a prefill budget that
+/// holds a group's prompts.
+fn engine_at(concurrency: usize, total: usize, args: &SpeculativeArgs) -> EngineConfig {
+    let mut config = crate::commands::run::one_sequence_engine(total, 512);
+    config.max_batch = concurrency;
+    config.max_queue = concurrency;
+    config.kv_blocks *= concurrency;
+    config.max_prefill_tokens = config
+        .max_prefill_tokens
+        .max(concurrency * (args.prompt_tokens + args.echo));
+    config
+}
+
+/// One variant over every prompt, `config.max_batch` of them at once, its counts added to
+/// `sums` (each prompt's tokens too where `keep_outputs`); the model comes back from the
+/// engine.
+fn run_variant(
+    model: Model,
+    config: EngineConfig,
+    variant: &Speculative,
+    prompts: &[Vec<u32>],
+    args: &SpeculativeArgs,
+    sums: &mut Totals,
+    keep_outputs: bool,
+) -> Result<Model> {
+    let (total, concurrency) = (config.max_context, config.max_batch);
+    let head = variant.head(&args.model, &model)?;
+    let drafter = variant.drafter(head, (config.kv_blocks, config.block_size, concurrency))?;
+    let speculation = drafter.map(|(s, _)| match args.forced_acceptance {
+        Some(rate) => s.forcing_acceptance(rate),
+        None => s,
+    });
+    let (engine, thread) = spawn_engine_drafting(model, config, speculation)?;
+    let generated = generate(&engine, prompts, args, total, concurrency);
+    let m = engine.metrics();
+    sums.drafted += m.draft_tokens.load(Ordering::Relaxed);
+    sums.accepted += m.accepted_draft_tokens.load(Ordering::Relaxed);
+    sums.drafts += m.drafts.load(Ordering::Relaxed);
+    sums.decode_only_steps += m.decode_steps.load(Ordering::Relaxed);
+    for (sum, micros) in sums.phase_micros.iter_mut().zip(&m.decode_step_micros) {
+        *sum += micros.load(Ordering::Relaxed);
+    }
+    let by_position: Vec<u64> = m
+        .accepted_by_position
+        .iter()
+        .map(|n| n.load(Ordering::Relaxed))
+        .collect();
+    sums.by_position.resize(by_position.len(), 0);
+    for (sum, n) in sums.by_position.iter_mut().zip(by_position) {
+        *sum += n;
+    }
+    engine.shutdown();
+    let model = thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    for group in generated? {
+        let slowest = group.iter().map(|g| g.2).fold(0.0, f64::max);
+        sums.wall_ms += slowest;
+        for (tokens, steps, ms) in group {
+            sums.generated += tokens.len();
+            sums.decode_steps += steps;
+            sums.decode_ms += ms;
+            if keep_outputs {
+                sums.outputs.push(tokens);
+            }
+        }
+    }
+    Ok(model)
+}
+
+/// A prompt's tokens, decode steps and decode milliseconds.
+type Generated = (Vec<u32>, usize, f64);
+
+/// Each group of `concurrency` prompts' outcomes: a group submitted together, the next once it
+/// has finished.
 fn generate(
     engine: &EngineHandle,
     prompts: &[Vec<u32>],
     args: &SpeculativeArgs,
     total: usize,
-) -> Result<Vec<(Vec<u32>, usize, f64)>> {
+    concurrency: usize,
+) -> Result<Vec<Vec<Generated>>> {
     let mut out = Vec::new();
-    for prompt in prompts {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        engine
-            .submit(EngineRequest {
-                prompt: prompt.clone(),
-                params: SamplingParams::default(),
-                max_tokens: args.max_tokens,
-                max_context: total,
-                stop_token_ids: Vec::new(),
-                top_logprobs: None,
-                events: tx,
-                session: None,
-                constraint: None,
-            })
-            .context("starting generation")?;
-        let mut tokens = Vec::new();
-        let finished = loop {
-            match rx.blocking_recv() {
-                Some(Event::Tokens(t)) => tokens.extend(t.iter().map(|t| t.id)),
-                Some(Event::Finished(f)) => break f,
-                Some(Event::Failed(e)) => bail!("generation failed: {e}"),
-                None => bail!("the engine stopped"),
-            }
-        };
-        out.push((tokens, finished.decode_steps, finished.decode_ms));
+    for group in prompts.chunks(concurrency) {
+        let mut receivers = Vec::new();
+        for prompt in group {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            engine
+                .submit(EngineRequest {
+                    prompt: prompt.clone(),
+                    params: SamplingParams::default(),
+                    max_tokens: args.max_tokens,
+                    max_context: total,
+                    stop_token_ids: Vec::new(),
+                    top_logprobs: None,
+                    events: tx,
+                    session: None,
+                    constraint: None,
+                })
+                .context("starting generation")?;
+            receivers.push(rx);
+        }
+        let mut outcomes = Vec::new();
+        for mut rx in receivers {
+            let mut tokens = Vec::new();
+            let finished = loop {
+                match rx.blocking_recv() {
+                    Some(Event::Tokens(t)) => tokens.extend(t.iter().map(|t| t.id)),
+                    Some(Event::Finished(f)) => break f,
+                    Some(Event::Failed(e)) => bail!("generation failed: {e}"),
+                    None => bail!("the engine stopped"),
+                }
+            };
+            outcomes.push((tokens, finished.decode_steps, finished.decode_ms));
+        }
+        out.push(outcomes);
     }
     Ok(out)
 }
 
+/// A variant's figures at one level, against `off` at the same level where it ran.
+struct Row {
+    tokens_per_step: f64,
+    step_ms: f64,
+    step_vs_off: Option<f64>,
+    tok_s: f64,
+    vs_off: Option<f64>,
+    /// Prompts whose tokens are plain decoding's (not with forced acceptance).
+    same: Option<usize>,
+    /// A decode step's milliseconds planning, in the forward pass and taking the outputs.
+    phases: [f64; 3],
+}
+
+impl Row {
+    fn of(t: &Totals, level: &[Totals], args: &SpeculativeArgs, prompts: usize) -> Self {
+        let off = args.speculative.iter().position(|s| *s == Speculative::Off);
+        // The first token of each prompt comes with its prefill; a group's sequences decode
+        // at once.
+        let decoded = t.generated.saturating_sub(prompts * args.reps) as f64;
+        let tok_s = |t: &Totals| {
+            let decoded = t.generated.saturating_sub(prompts * args.reps) as f64;
+            decoded / (t.wall_ms / 1e3).max(1e-9)
+        };
+        let step_ms = |t: &Totals| t.decode_ms / t.decode_steps.max(1) as f64;
+        Self {
+            tokens_per_step: decoded / t.decode_steps.max(1) as f64,
+            step_ms: step_ms(t),
+            step_vs_off: off.map(|i| step_ms(t) / step_ms(&level[i])),
+            tok_s: tok_s(t),
+            vs_off: off.map(|i| tok_s(t) / tok_s(&level[i])),
+            same: off.filter(|_| args.forced_acceptance.is_none()).map(|i| {
+                let pairs = level[i].outputs.iter().zip(&t.outputs);
+                pairs.filter(|(a, b)| a == b).count()
+            }),
+            phases: t
+                .phase_micros
+                .map(|us| us as f64 / 1e3 / t.decode_only_steps.max(1) as f64),
+        }
+    }
+}
+
+/// A level's table: each variant's row, compared with `off` at the same level.
 fn report(
     args: &SpeculativeArgs,
     device: &str,
     prompts: &[Vec<u32>],
+    concurrency: usize,
     totals: &[Totals],
-) -> Result<()> {
+) {
     let off = args.speculative.iter().position(|s| *s == Speculative::Off);
-    let rate = |t: &Totals| {
-        // The first token of each prompt comes with its prefill.
-        let decoded = t.generated.saturating_sub(prompts.len() * args.reps);
-        decoded as f64 / (t.decode_ms / 1e3).max(1e-9)
-    };
     let forced = args.forced_acceptance;
     if let Some(rate) = forced {
         println!(
@@ -234,9 +346,8 @@ fn report(
              the model samples; the tokens are not the model's"
         );
     }
-    let step_ms = |t: &Totals| t.decode_ms / t.decode_steps.max(1) as f64;
     println!(
-        "device {device}  {} prompts of {} tokens{}  {} generated each  {} reps",
+        "device {device}  {} prompts of {} tokens{}  {} generated each  {} reps  {concurrency} at once",
         prompts.len(),
         args.prompt_tokens,
         if args.echo > 0 {
@@ -261,22 +372,8 @@ fn report(
         "same",
         "plan/fwd/out ms"
     );
-    // A decode step's milliseconds in each phase, by the engine's clock.
-    let phases = |t: &Totals| {
-        t.phase_micros
-            .map(|us| us as f64 / 1e3 / t.decode_only_steps.max(1) as f64)
-    };
-    let mut rows = Vec::new();
     for (variant, t) in args.speculative.iter().zip(totals) {
-        let decoded = t.generated.saturating_sub(prompts.len() * args.reps);
-        let per_step = decoded as f64 / t.decode_steps.max(1) as f64;
-        let ratio = off.map(|i| rate(t) / rate(&totals[i]));
-        let step_ratio = off.map(|i| step_ms(t) / step_ms(&totals[i]));
-        // Prompts whose tokens are plain decoding's.
-        let same = off.filter(|_| forced.is_none()).map(|i| {
-            let pairs = totals[i].outputs.iter().zip(&t.outputs);
-            pairs.filter(|(a, b)| a == b).count()
-        });
+        let row = Row::of(t, totals, args, prompts.len());
         let positions: Vec<String> = t
             .by_position
             .iter()
@@ -284,54 +381,26 @@ fn report(
             .map(|&n| format!("{:.0}", 100.0 * n as f64 / (t.drafts.max(1) as f64)))
             .collect();
         let acceptance = t.accepted as f64 / t.drafted.max(1) as f64;
-        let [plan, forward, output] = phases(t);
+        let [plan, forward, output] = row.phases;
         println!(
             "{:<18} {:>9} {:>9.1}% {:>22} {:>9.2} {:>8.3} {:>10} {:>9.1} {:>8} {:>6}  {plan:>5.2}/{forward:.2}/{output:.2}",
             variant.to_string(),
             t.drafted,
             100.0 * acceptance,
             positions.join("/"),
-            per_step,
-            step_ms(t),
-            step_ratio.map_or("-".to_string(), |r| format!("{r:.2}x")),
-            rate(t),
-            ratio.map_or("-".to_string(), |r| format!("{r:.2}x")),
-            same.map_or("-".to_string(), |k| if k == t.outputs.len() {
-                "yes".to_string()
-            } else {
-                format!("{k}/{}", t.outputs.len())
-            }),
+            row.tokens_per_step,
+            row.step_ms,
+            row.step_vs_off
+                .map_or("-".to_string(), |r| format!("{r:.2}x")),
+            row.tok_s,
+            row.vs_off.map_or("-".to_string(), |r| format!("{r:.2}x")),
+            row.same
+                .map_or("-".to_string(), |k| if k == t.outputs.len() {
+                    "yes".to_string()
+                } else {
+                    format!("{k}/{}", t.outputs.len())
+                }),
         );
-        rows.push(json!({
-            "variant": variant.to_string(),
-            "drafted": t.drafted,
-            "accepted": t.accepted,
-            "drafts": t.drafts,
-            "accepted_by_position": t.by_position,
-            "tokens_per_step": per_step,
-            "ms_per_step": step_ms(t),
-            "decode_step_phase_ms": {"plan": plan, "forward": forward, "output": output},
-            "step_vs_off": step_ratio,
-            "decode_tok_s": rate(t),
-            "vs_off": ratio,
-            "same_tokens_as_off": same.map(|k| k == t.outputs.len()),
-            "prompts_as_off": same,
-        }));
-    }
-    if let Some(path) = &args.json {
-        let value = json!({
-            "device": device,
-            "text": args.text,
-            "prompts": prompts.len(),
-            "prompt_tokens": args.prompt_tokens,
-            "echo": args.echo,
-            "max_tokens": args.max_tokens,
-            "reps": args.reps,
-            "forced_acceptance": forced,
-            "variants": rows,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&value)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(i) = off
         && forced.is_none()
@@ -343,5 +412,53 @@ fn report(
              block formats); with f32 weights on the CPU they must not"
         );
     }
-    Ok(())
+}
+
+/// Every level's rows as JSON, to `--json`.
+fn write_json(
+    args: &SpeculativeArgs,
+    device: &str,
+    prompts: &[Vec<u32>],
+    levels: &[Vec<Totals>],
+) -> Result<()> {
+    let Some(path) = &args.json else {
+        return Ok(());
+    };
+    let mut rows = Vec::new();
+    for (&concurrency, totals) in args.concurrency.iter().zip(levels) {
+        for (variant, t) in args.speculative.iter().zip(totals) {
+            let row = Row::of(t, totals, args, prompts.len());
+            let [plan, forward, output] = row.phases;
+            rows.push(json!({
+                "variant": variant.to_string(),
+                "concurrency": concurrency,
+                "drafted": t.drafted,
+                "accepted": t.accepted,
+                "drafts": t.drafts,
+                "accepted_by_position": t.by_position,
+                "tokens_per_step": row.tokens_per_step,
+                "ms_per_step": row.step_ms,
+                "engine_decode_steps": t.decode_only_steps,
+                "decode_step_phase_ms": {"plan": plan, "forward": forward, "output": output},
+                "step_vs_off": row.step_vs_off,
+                "decode_tok_s": row.tok_s,
+                "vs_off": row.vs_off,
+                "same_tokens_as_off": row.same.map(|k| k == t.outputs.len()),
+                "prompts_as_off": row.same,
+            }));
+        }
+    }
+    let value = json!({
+        "device": device,
+        "text": args.text,
+        "prompts": prompts.len(),
+        "prompt_tokens": args.prompt_tokens,
+        "echo": args.echo,
+        "max_tokens": args.max_tokens,
+        "reps": args.reps,
+        "forced_acceptance": args.forced_acceptance,
+        "variants": rows,
+    });
+    std::fs::write(path, serde_json::to_string_pretty(&value)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))
 }
