@@ -28,11 +28,10 @@ def bf16(values):
     return (bits >> 16).astype(np.uint16)
 
 
-def main(config_path, out):
-    c = json.loads(pathlib.Path(config_path).read_text())
-    rng = np.random.default_rng(2026)
+def add_qwen3moe_metadata(w, c):
+    """The qwen3moe architecture's metadata keys of config `c`, as llama.cpp's converter
+    writes them."""
     arch = "qwen3moe"
-    w = gguf.GGUFWriter(out, arch)
     w.add_uint32(f"{arch}.block_count", c["num_hidden_layers"])
     w.add_uint32(f"{arch}.context_length", c["max_position_embeddings"])
     w.add_uint32(f"{arch}.embedding_length", c["hidden_size"])
@@ -46,6 +45,14 @@ def main(config_path, out):
     w.add_uint32(f"{arch}.expert_count", c["num_experts"])
     w.add_uint32(f"{arch}.expert_used_count", c["num_experts_per_tok"])
     w.add_uint32(f"{arch}.expert_feed_forward_length", c["moe_intermediate_size"])
+
+
+def main(config_path, out):
+    c = json.loads(pathlib.Path(config_path).read_text())
+    rng = np.random.default_rng(2026)
+    arch = "qwen3moe"
+    w = gguf.GGUFWriter(out, arch)
+    add_qwen3moe_metadata(w, c)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     # The tiny model's tokenizer, padded with unused tokens to the config's vocabulary.
     vocab = c["vocab_size"]

@@ -52,6 +52,7 @@ import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from gguf_vocab import add_vocab  # noqa: E402
+from make_bench_gguf import add_qwen3moe_metadata  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "models/tiny-qwen3-moe"
@@ -112,20 +113,7 @@ class Model:
 
 
 def qwen3moe(w, m, c):
-    arch = "qwen3moe"
-    w.add_uint32(f"{arch}.block_count", c["num_hidden_layers"])
-    w.add_uint32(f"{arch}.context_length", c["max_position_embeddings"])
-    w.add_uint32(f"{arch}.embedding_length", c["hidden_size"])
-    w.add_uint32(f"{arch}.feed_forward_length", c["intermediate_size"])
-    w.add_uint32(f"{arch}.attention.head_count", c["num_attention_heads"])
-    w.add_uint32(f"{arch}.attention.head_count_kv", c["num_key_value_heads"])
-    w.add_uint32(f"{arch}.attention.key_length", c["head_dim"])
-    w.add_uint32(f"{arch}.attention.value_length", c["head_dim"])
-    w.add_float32(f"{arch}.rope.freq_base", c["rope_theta"])
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
-    w.add_uint32(f"{arch}.expert_count", c["num_experts"])
-    w.add_uint32(f"{arch}.expert_used_count", c["num_experts_per_tok"])
-    w.add_uint32(f"{arch}.expert_feed_forward_length", c["moe_intermediate_size"])
+    add_qwen3moe_metadata(w, c)
     h, hd, n = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
     nh, nkv, e, fi = (c["num_attention_heads"], c["num_key_value_heads"], c["num_experts"],
                       c["moe_intermediate_size"])
