@@ -16,7 +16,7 @@
 #                            speculative: verify steps of DRAFTS tokens against the one-token
 #                            step, then the VARIANTS end to end at ACCEPTANCE, forced, with
 #                            WEIGHTS synthetic weights, PROMPTS prompts ending with ECHO of
-#                            their own tokens again, and ab: prefill and decode of AB_MODELS
+#                            their own tokens again, CONCURRENCY levels of that many at once, and ab: prefill and decode of AB_MODELS
 #                            by the binary BASE and this build, interleaved for AB_ROUNDS
 #                            rounds, and vulkan: a greedy run and a fixture's prefill on the
 #                            GPU's Vulkan driver); TEST_LOGS puts the
@@ -186,6 +186,7 @@ remote() {
     timeout 300 $corral bench speculative --synthetic "$model" --synthetic-weights "$weights" --device cuda \
       --prompts "${PROMPTS:-4}" --prompt-tokens 512 --echo "${ECHO:-0}" --max-tokens 128 --reps "${REPS:-2}" \
       --speculative "${VARIANTS:-off,mtp:1:fixed,mtp:2:fixed,mtp:3:fixed,mtp:4:fixed,mtp:4}" --forced-acceptance "${ACCEPTANCE:-0.8}" \
+      ${CONCURRENCY:+--concurrency "$CONCURRENCY"} \
       --json "$out/speculative-$weights$tag.json" 2>&1 | tee "$out/speculative-$weights$tag.txt" || true
   fi
   if has ab; then
