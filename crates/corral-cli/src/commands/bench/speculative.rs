@@ -1,13 +1,14 @@
 //! `corral bench speculative`: greedy decoding of prompts cut from a text, with each
-//! `--speculative` variant in turn through the engine `serve` runs (one sequence): draft tokens
-//! verified and accepted (by position in the draft), tokens a decode step, decode tok/s and its
-//! ratio to `off`, and how many prompts' tokens equal `off`'s (all, with f32 weights on the
-//! CPU). `--concurrency` runs the prompts in groups decoding at once, a table a level, to find
-//! the batch from which speculation stops paying. `--echo` makes it an edit replay: each prompt ends with its own first tokens again, so
-//! the model re-emits text it has seen, as an agent re-emits a file it edits. Without `--text`
-//! the prompts are random tokens (a synthetic model has no tokenizer), and
-//! `--forced-acceptance` times speculation at a stated acceptance where drafts mean nothing:
-//! each draft token is taken with that probability, so the tokens are not the model's.
+//! `--speculative` variant in turn through the engine `serve` runs (one sequence, or
+//! `--concurrency` levels of several at once): draft tokens verified and accepted (by position
+//! in the draft), tokens a decode step, decode tok/s and its ratio to `off`, and how many
+//! prompts' tokens equal `off`'s (all, with f32 weights on the CPU). The levels show the batch
+//! from which speculation stops paying. `--echo` makes it an edit replay: each prompt ends
+//! with its own first tokens again, so the model re-emits text it has seen, as an agent
+//! re-emits a file it edits. Without `--text` the prompts are random tokens (a synthetic model
+//! has no tokenizer), and `--forced-acceptance` times speculation at a stated acceptance where
+//! drafts mean nothing: each draft token is taken with that probability, so the tokens are not
+//! the model's.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
