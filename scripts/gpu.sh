@@ -38,7 +38,7 @@ prepare() {
   mkdir -p .gpu/bin
   cp target/release/corral .gpu/bin/
   cargo test --release --no-run --message-format=json \
-      -p corral-device --test cuda_ops --test cuda_backend --test conformance \
+      -p corral-device --test cuda_backend --test conformance \
       -p corral-model --test gpu_conformance --test expert_reads --test fp8_checkpoint \
       --test vulkan_conformance 2>/dev/null \
     | python3 -c '
@@ -67,7 +67,7 @@ remote() {
     | tee "$out/gpu.txt"
   has() { [[ ",$stages," == *",$1,"* ]]; }
   if has tests; then
-    for t in conformance cuda_ops cuda_backend gpu_conformance expert_reads fp8_checkpoint \
+    for t in conformance cuda_backend gpu_conformance expert_reads fp8_checkpoint \
         vulkan_conformance; do
       echo "== test $t"
       timeout 300 ".gpu/bin/$t" --test-threads=1 --nocapture 2>&1 | tee "${TEST_LOGS:-$out}/test-$t.log" \

@@ -60,8 +60,8 @@ fn gpu_logits_match_transformers_with_the_bf16_kv_cache() {
 /// a rounding step 32 times bf16's, and these fixtures' sharp attention shows it (measured on
 /// the H200: 4.4e-2 to 1.37e-1 over all positions, worst rows up to 5.5e-1 on
 /// qwen3_moe_sharded, whose bf16 cache gives 3.5e-3). So this bounds gross faults only; the
-/// attention kernels and the fused store are held to the CPU over the same rounded K and V in
-/// cuda_ops, within 1e-2.
+/// attention kernels and the fused store are held to the reference over the same rounded K
+/// and V in corral-device's op conformance suite, within 1e-2.
 #[test]
 fn gpu_logits_stay_near_transformers_with_the_fp8_kv_cache() {
     check_logits(DType::F8E4M3, 2e-1, 8e-1);
@@ -524,7 +524,8 @@ fn bf16_norm_outputs_equal_f32_projection_inputs_bit_for_bit() {
 /// units, so the GPU gives the CPU's logits; more rows decode the blocks to bf16 for the
 /// tensor-core paths. Against transformers run on the decoded blocks, this tiny fixture
 /// amplifies either rounding (the CPU's int8 activations: 2.0e-1, gguf.rs), so that bound is
-/// against gross faults; the per-op tests (cuda_ops) bound each product tightly.
+/// against gross faults; the per-op tests (corral-device's conformance suite and
+/// cuda_backend, against the CPU's integer products) bound each product tightly.
 #[test]
 fn gpu_quantized_gguf_logits_match_their_reference_and_the_cpu() {
     let Some(backend) = gpu(DType::F32) else {

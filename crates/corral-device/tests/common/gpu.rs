@@ -1,9 +1,9 @@
-//! What the CUDA test files share: the device (or a skip without one), the comparisons, and
-//! the fp8 and block-format values the tests build.
+//! What the CUDA backend's tests take: the device (or a skip without one), the comparisons,
+//! and the fp8 and block-format values the tests build.
 
 use std::sync::OnceLock;
 
-use corral_backend::{Backend, DType, QuantFormat, RopeParams, Yarn, quant, synthetic};
+use corral_backend::{Backend, QuantFormat, quant, synthetic};
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 
 pub(crate) fn gpu() -> Option<&'static dyn Backend> {
@@ -39,14 +39,6 @@ macro_rules! gpu_or_skip {
     };
 }
 
-/// YaRN over base 1e6 with transformers' defaults.
-pub(crate) fn yarn(factor: f64, original: usize) -> RopeParams {
-    RopeParams {
-        theta: 1e6,
-        yarn: Some(Yarn::new(factor, original)),
-    }
-}
-
 /// ‖a − b‖ / ‖b‖, and NaN anywhere fails.
 pub(crate) fn rel(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
@@ -60,8 +52,6 @@ pub(crate) fn assert_close(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
     let err = rel(gpu, cpu);
     assert!(err <= tol, "{what}: relative error {err:e} > {tol:e}");
 }
-
-pub(crate) const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
 
 /// The e4m3 code nearest `x` (ties to the even code), saturating at ±448: by search over
 /// every finite code, independent of the arithmetic the kernels use.
@@ -92,6 +82,5 @@ pub(crate) fn blocks_and_values(format: QuantFormat, seed: u64, len: usize) -> (
     (blocks, values)
 }
 
-/// What an fp8 KV cache holds (used by the attention comparisons).
-#[allow(unused_imports)]
-pub(crate) use corral_backend::reference::{e4m3_value, fp8_kv_rounded as fp8_rounded};
+/// The value of an e4m3 code.
+pub(crate) use corral_backend::reference::e4m3_value;

@@ -1,9 +1,10 @@
 //! Ops that move elements: gathers, the embedding lookup, copies within a buffer and of
 //! whole KV blocks.
 
-use corral_backend::{BufferUsage, DType, WeightView, reference};
+use corral_backend::{BufferUsage, DType, QuantFormat, WeightView, reference};
 use proptest::prelude::*;
 
+use crate::matmul::Format;
 use crate::{Rng, assert_refused, download, f32_buf, out_buf, subjects_and_staged_copies, u32_buf};
 
 proptest! {
@@ -69,8 +70,8 @@ proptest! {
     }
 }
 
-/// An id past the table or the rows is refused (on a GPU, by the next read-back), as are
-/// outputs too short for the shape.
+/// An id past the table (of floats, or of each block format the backend reads) or the rows
+/// is refused (on a GPU, by the next read-back), as are outputs too short for the shape.
 #[test]
 fn gathers_and_embeddings_refuse_ids_out_of_range() {
     for s in subjects_and_staged_copies() {
@@ -80,6 +81,16 @@ fn gathers_and_embeddings_refuse_ids_out_of_range() {
         let view = WeightView::new(&table, 2, 4).unwrap();
         let mut out = out_buf(b, 8);
         assert_refused(&s, "embedding", b.embedding(view, &ids, 2, &mut out));
+        for format in QuantFormat::ALL {
+            let hidden = 2 * format.block().0;
+            let Some((table, _)) = Format::Blocks(format).weights(b, 3 * hidden, 1) else {
+                continue;
+            };
+            let view = WeightView::new(&table, 3, hidden).unwrap();
+            let mut out = out_buf(b, 2 * hidden);
+            let past = b.embedding(view, &u32_buf(b, &[2, 3]), 2, &mut out);
+            assert_refused(&s, "embedding", past);
+        }
         let x = f32_buf(b, &[0.0; 8]);
         assert_refused(&s, "gather_rows", b.gather_rows(&x, &ids, 2, 4, &mut out));
         let mut short = out_buf(b, 7);
@@ -185,17 +196,22 @@ fn whole_blocks_gather_and_scatter_by_id() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
-    /// An embedding table of any weight format the backend reads gives each id's row exactly
-    /// as the format stores it (block formats decoded bit for bit as the host decodes them).
+    /// An embedding table of any weight format the backend reads, rows of 1 to 8 blocks,
+    /// gives each id's row exactly as the format stores it (block formats decoded bit for bit
+    /// as the host decodes them).
     #[test]
     fn embeddings_read_every_weight_format_exactly(
         format in crate::matmul::formats(),
         vocab in 1usize..40,
-        spans in 1usize..3,
+        blocks in 1usize..9,
         tokens in 1usize..20,
         seed in any::<u64>(),
     ) {
-        let hidden = 256 * spans;
+        // Rows of 1 to 8 blocks (of 32 values for the float types).
+        let hidden = blocks * match format {
+            Format::Blocks(f) => f.block().0,
+            Format::Float(_) => 32,
+        };
         let mut rng = Rng(seed);
         let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
         for s in subjects_and_staged_copies() {

@@ -513,7 +513,9 @@ fn expert_ops_refuse_bad_shapes() {
 /// Experts stored in block formats, gate/up and down each in its own (as Q4_K_M files store
 /// them), read as stored by every backend that reads the formats: the grouped and the
 /// per-token experts against the reference over the decoded values. Each backend quantizes
-/// activations for its integer products or rounds them to bf16 for its tiles: 1.5e-2.
+/// activations for its integer products or rounds them to bf16 for its tiles: 1.5e-2; FP8
+/// experts a token at a time within 3e-3 (a GPU's tensor cores take x and the activations
+/// as f16, scaled per 128 values).
 #[test]
 fn block_format_experts_match_the_references() {
     use corral_backend::{QuantFormat, quant, synthetic};
@@ -596,7 +598,8 @@ fn block_format_experts_match_the_references() {
             let grouped = download(b, &grouped, tokens * h);
             assert_within(&s, &format!("{what}: grouped"), &grouped, &want, 1.5e-2);
             let per_token = download(b, &per_token, tokens * h);
-            assert_within(&s, &format!("{what}: per token"), &per_token, &want, 1.5e-2);
+            let tol = if up_format == f8 { 3e-3 } else { 1.5e-2 };
+            assert_within(&s, &format!("{what}: per token"), &per_token, &want, tol);
         }
     }
 }

@@ -14,8 +14,6 @@ use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions, cuda_available};
 use corral_vulkan::{VulkanBackend, VulkanOptions};
 
-// The other op tests' helpers come too (`recurrence`), unused here.
-#[allow(dead_code)]
 #[path = "../common/mod.rs"]
 mod common;
 
@@ -38,11 +36,19 @@ pub(crate) struct Subject {
     pub(crate) name: &'static str,
     pub(crate) backend: &'static dyn Backend,
     pub(crate) tol: f64,
-    /// How near the delta rule's outputs and states must be: the CUDA backend runs a run of
-    /// more than one token chunked on tensor cores (tf32), which `cuda_ops` holds to 2.5e-3
-    /// of the token-by-token recurrence (measured 1.6e-4 to 3.7e-4 here on an H100); the
-    /// others run the recurrence in f32, within `tol`.
-    pub(crate) recurrence_tol: f64,
+    /// How near the delta rule's outputs must be (relative to each run's norm, or the batch's):
+    /// the CUDA backend runs a batch whose longest run has 16 tokens or more chunked on
+    /// tensor cores, q̂ and k̂ f16 operands in Q Kᵀ and K Kᵀ and bf16 where they meet the state
+    /// and V', T, V, M, V' and the state split bf16 pairs (about 16 significant bits):
+    /// measured 2.8e-4 to 5.9e-4 on an H100 and an H200 at every run length up to 3,300
+    /// tokens (with every operand bf16, the kernels before, 3.9e-3 to 4.7e-3). Shorter runs
+    /// take its f32 recurrence, which the tests hold to 1e-3. The others run the recurrence
+    /// in f32, within `tol`.
+    pub(crate) recurrence_out_tol: f64,
+    /// How near the delta rule's states must be: the chunked form's state update reads k̂ in
+    /// bf16 (measured 1.75e-3 to 1.78e-3; every operand bf16, 3.1e-3 to 3.2e-3); the others
+    /// within `tol`.
+    pub(crate) recurrence_state_tol: f64,
     /// How near the fused norm/RoPE/store must be at positions to 2,000: the CUDA kernel
     /// forms the angle in f32, off by up to 2,000 * 2^-24 radians, 1.2e-4 (measured 1.45e-5
     /// of the norm on an H100); the others form it in double, within `tol`.
@@ -71,7 +77,8 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
         name: "cpu",
         backend: CPU.get_or_init(CpuBackend::new),
         tol: 1e-6,
-        recurrence_tol: 1e-6,
+        recurrence_out_tol: 1e-6,
+        recurrence_state_tol: 1e-6,
         angle_tol: 1e-6,
     }];
     let cuda = CUDA.get_or_init(|| match cuda_available() {
@@ -96,14 +103,16 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             name: "cuda",
             backend: cuda,
             tol: 1e-5,
-            recurrence_tol: 2.5e-3,
+            recurrence_out_tol: 1.5e-3,
+            recurrence_state_tol: 2.5e-3,
             angle_tol: 1e-4,
         });
         all.push(Subject {
             name: "cuda, own kernels",
             backend: own_kernels,
             tol: 1e-5,
-            recurrence_tol: 2.5e-3,
+            recurrence_out_tol: 1.5e-3,
+            recurrence_state_tol: 2.5e-3,
             angle_tol: 1e-4,
         });
     }
@@ -121,7 +130,8 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             name: "vulkan",
             backend: vulkan,
             tol: 1e-5,
-            recurrence_tol: 1e-5,
+            recurrence_out_tol: 1e-5,
+            recurrence_state_tol: 1e-5,
             angle_tol: 1e-5,
         });
         if with_staged {
@@ -129,7 +139,8 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
                 name: "vulkan, staged copies",
                 backend: staged,
                 tol: 1e-5,
-                recurrence_tol: 1e-5,
+                recurrence_out_tol: 1e-5,
+                recurrence_state_tol: 1e-5,
                 angle_tol: 1e-5,
             });
         }
