@@ -193,15 +193,18 @@ fn gguf_mtp_heads_draft_alike_row_by_row_and_at_once() {
         let stepped = mtp_logits_chunked(&mtp, &ids, rows, 1);
         let err = rel_err(&stepped, &whole);
         // Products of a few rows with block-format weights quantize x to int8 blocks (as
-        // llama.cpp's CPU path does); of many, they convert the weights to f32: the trunk's
-        // decode and prefill differ as well, and the head may differ as much.
+        // llama.cpp's CPU path does); of many, on a CPU without integer panels (no AVX2), they
+        // convert the weights to f32: the trunk's decode and prefill differ as well, and the
+        // head may differ as much, or by its Q8_0 LM head's rounding of x alone (at most 1/254
+        // of a block's largest value) where the trunk's weights take one path either way.
         let trunk = rel_err(
             &logits_chunked(&model, &ids, 1),
             &logits_chunked(&model, &ids, ids.len()),
         );
         eprintln!("{arch}: row by row against at once {err:.2e} (the trunk: {trunk:.2e})");
+        let int8_rounding = 1.0 / 254.0;
         assert!(
-            err < 2.0 * trunk.max(1e-6),
+            err < (2.0 * trunk).max(int8_rounding),
             "{arch}: row by row against at once {err:e}, the trunk {trunk:e}"
         );
         let vocab = mtp.config().vocab_size;
