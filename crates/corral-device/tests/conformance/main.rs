@@ -49,10 +49,19 @@ pub(crate) struct Subject {
     /// bf16 (measured 1.75e-3 to 1.78e-3; every operand bf16, 3.1e-3 to 3.2e-3); the others
     /// within `tol`.
     pub(crate) recurrence_state_tol: f64,
-    /// How near the fused norm/RoPE/store must be at positions to 2,000: the CUDA kernel
-    /// forms the angle in f32, off by up to 2,000 * 2^-24 radians, 1.2e-4 (measured 1.45e-5
-    /// of the norm on an H100); the others form it in double, within `tol`.
+    /// How near RoPE (alone, and in the fused norm/RoPE/store) must be at positions to
+    /// 5,000: the CUDA kernels form the angle in f32 with the GPU's powf and sincosf, off by
+    /// up to 5,000 * 2^-24 radians, 3e-4, in a head's fastest-turning pairs (measured, as a
+    /// share of the norm, up to 4.8e-5 for RoPE and 1.45e-5 for the fused op, at positions to
+    /// 2,000, on an H100); the others within `tol`.
     pub(crate) angle_tol: f64,
+    /// How near paged attention over a bf16 or fp8 cache must be to the reference over the
+    /// values the cache holds (queries rounded to bf16 alike): the CUDA kernels' tensor
+    /// cores take the queries rounded again after scaling, and the probabilities in 16
+    /// bits, which moves a single decode row over a few dozen keys scaled up to 16 most
+    /// (measured 1.24e-2, heads of 256 in a group of 8 over 26 keys, on an H100); the others
+    /// within 1e-2.
+    pub(crate) kv16_attention_tol: f64,
 }
 
 /// Every backend this machine can open, one line each; a backend's other strategies for
@@ -80,6 +89,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
         recurrence_out_tol: 1e-6,
         recurrence_state_tol: 1e-6,
         angle_tol: 1e-6,
+        kv16_attention_tol: 1e-2,
     }];
     let cuda = CUDA.get_or_init(|| match cuda_available() {
         Ok(_) => {
@@ -105,7 +115,8 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             tol: 1e-5,
             recurrence_out_tol: 1.5e-3,
             recurrence_state_tol: 2.5e-3,
-            angle_tol: 1e-4,
+            angle_tol: 2e-4,
+            kv16_attention_tol: 2.5e-2,
         });
         all.push(Subject {
             name: "cuda, own kernels",
@@ -113,7 +124,8 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             tol: 1e-5,
             recurrence_out_tol: 1.5e-3,
             recurrence_state_tol: 2.5e-3,
-            angle_tol: 1e-4,
+            angle_tol: 2e-4,
+            kv16_attention_tol: 2.5e-2,
         });
     }
     // A pair of Vulkan backends a test thread at a time, so that a fault a test provokes
@@ -133,6 +145,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             recurrence_out_tol: 1e-5,
             recurrence_state_tol: 1e-5,
             angle_tol: 1e-5,
+            kv16_attention_tol: 1e-2,
         });
         if with_staged {
             all.push(Subject {
@@ -142,6 +155,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
                 recurrence_out_tol: 1e-5,
                 recurrence_state_tol: 1e-5,
                 angle_tol: 1e-5,
+                kv16_attention_tol: 1e-2,
             });
         }
     }
