@@ -201,7 +201,6 @@ pub(crate) fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     }
 }
 
-/// FNV-1a, 64 bits: a stable hash for cache keys (std's hasher may change between releases).
 /// FNV-1a over every kernel file with its headers: what the kernels are.
 pub(crate) fn sources_id() -> u64 {
     SOURCES.iter().fold(0, |h, s| {

@@ -5,8 +5,6 @@
 //! to the exact products), and graphs. Without a usable GPU every test prints why it skipped
 //! and passes.
 
-use std::sync::Arc;
-
 // The other op tests' helpers come too, not all used here.
 #[allow(dead_code)]
 mod common;
@@ -14,12 +12,12 @@ mod common;
 #[path = "common/gpu.rs"]
 mod gpu;
 
-use common::{Rng, download, f32_buf, out_buf, u32_buf};
+use common::{Rng, block_experts, download, f32_buf, out_buf, u32_buf};
 use gpu::*;
 
 use corral_backend::{
-    Backend, BackendError, BufferUsage, DType, DeltaNetShape, DeviceBuffer, ExpertMatrices,
-    ExpertWeights, MoeRouting, QuantFormat, RecurrentRuns, WeightView,
+    Backend, BackendError, BufferUsage, DType, DeltaNetShape, DeviceBuffer, MoeRouting,
+    QuantFormat, RecurrentRuns, WeightView,
 };
 use corral_cpu::CpuBackend;
 use corral_cuda::{CudaBackend, CudaOptions};
@@ -468,18 +466,12 @@ fn per_token_block_format_experts_are_the_cpus_integer_products() {
         let logits = rng.values(tokens * e);
         let pairs = tokens * top_k;
         let per_token = |b: &dyn Backend| {
-            let gate_up = b
-                .weight_from_blocks(gu_blocks.clone(), DType::Quant(up_format), gate_up_len)
-                .unwrap();
-            let down = b
-                .weight_from_blocks(d_blocks.clone(), DType::Quant(down_format), e * h * i)
-                .unwrap();
-            let gate_up = Arc::new(gate_up);
-            let w = ExpertWeights {
-                gate: ExpertMatrices::stacked(Arc::clone(&gate_up), e, 2 * i, 0, i, h).unwrap(),
-                up: ExpertMatrices::stacked(gate_up, e, 2 * i, i, i, h).unwrap(),
-                down: ExpertMatrices::stacked(Arc::new(down), e, h, 0, h, i).unwrap(),
-            };
+            let w = block_experts(
+                b,
+                (up_format, &gu_blocks),
+                (down_format, &d_blocks),
+                (e, h, i),
+            );
             let mut ids = b
                 .take_buffer(DType::U32, pairs, BufferUsage::Metadata)
                 .unwrap();

@@ -1,6 +1,11 @@
 //! Helpers the op tests share (the conformance suite, and the CPU's and CUDA's own).
 
-use corral_backend::{Backend, BufferUsage, DType, DeltaNetShape, DeviceBuffer, RecurrentRuns};
+use std::sync::Arc;
+
+use corral_backend::{
+    Backend, BufferUsage, DType, DeltaNetShape, DeviceBuffer, ExpertMatrices, ExpertWeights,
+    QuantFormat, RecurrentRuns,
+};
 
 /// `v` in a buffer of its length (at least one element).
 pub(crate) fn f32_buf(b: &dyn Backend, v: &[f32]) -> DeviceBuffer {
@@ -30,6 +35,29 @@ pub(crate) fn download(b: &dyn Backend, buf: &DeviceBuffer, n: usize) -> Vec<f32
     let mut out = vec![0.0; n];
     b.download_f32(buf, &mut out).unwrap();
     out
+}
+
+/// `e` experts in block formats as a Q4_K_M file stores them: gate and up stacked in one
+/// `up_format` tensor of [e, 2i, h] (`gate_up` its blocks), down in a `down_format` one of
+/// [e, h, i].
+pub(crate) fn block_experts(
+    b: &dyn Backend,
+    (up_format, gate_up): (QuantFormat, &[u8]),
+    (down_format, down): (QuantFormat, &[u8]),
+    (e, h, i): (usize, usize, usize),
+) -> ExpertWeights {
+    let gate_up = b
+        .weight_from_blocks(gate_up.to_vec(), DType::Quant(up_format), e * 2 * i * h)
+        .unwrap();
+    let down = b
+        .weight_from_blocks(down.to_vec(), DType::Quant(down_format), e * h * i)
+        .unwrap();
+    let gate_up = Arc::new(gate_up);
+    ExpertWeights {
+        gate: ExpertMatrices::stacked(Arc::clone(&gate_up), e, 2 * i, 0, i, h).unwrap(),
+        up: ExpertMatrices::stacked(gate_up, e, 2 * i, i, i, h).unwrap(),
+        down: ExpertMatrices::stacked(Arc::new(down), e, h, 0, h, i).unwrap(),
+    }
 }
 
 /// What a Gated DeltaNet layer's two recurrent ops leave: the convolution's and the delta

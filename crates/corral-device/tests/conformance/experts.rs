@@ -570,18 +570,12 @@ fn block_format_experts_match_the_references() {
             if !b.capabilities().reads(up_format) || !b.capabilities().reads(down_format) {
                 continue;
             }
-            let gate_up = b
-                .weight_from_blocks(gu_blocks.clone(), DType::Quant(up_format), e * 2 * i * h)
-                .unwrap();
-            let down = b
-                .weight_from_blocks(d_blocks.clone(), DType::Quant(down_format), e * h * i)
-                .unwrap();
-            let gate_up = Arc::new(gate_up);
-            let w = ExpertWeights {
-                gate: ExpertMatrices::stacked(Arc::clone(&gate_up), e, 2 * i, 0, i, h).unwrap(),
-                up: ExpertMatrices::stacked(gate_up, e, 2 * i, i, i, h).unwrap(),
-                down: ExpertMatrices::stacked(Arc::new(down), e, h, 0, h, i).unwrap(),
-            };
+            let w = crate::common::block_experts(
+                b,
+                (up_format, &gu_blocks),
+                (down_format, &d_blocks),
+                (e, h, i),
+            );
             let r = Routed::new(b, &layer, &logits);
             let (routing, sorted) = (r.routing(), r.sorted());
             let pairs = tokens * top_k;
