@@ -3,7 +3,10 @@
 #
 #   scripts/gpu.sh prepare   here (no GPU needed): builds the release binary and the GPU test
 #                            binaries and puts them in .gpu/ (git-ignored), with what the
-#                            runs read.
+#                            runs read. The Vulkan backend's cooperative-matrix kernels need
+#                            a glslc that knows them: GLSLC="$(scripts/
+#                            llama_cpp_vulkan_side_by_side.sh glslc)" where the system's is
+#                            Debian bookworm's.
 #   scripts/gpu.sh remote    on the GPU machine, from the repository root with .gpu/ beside
 #                            it: runs the GPU tests, then the benchmarks, writing logs and JSON
 #                            to $OUT (default: .gpu/out). STAGES picks parts: tests,run,prefill,

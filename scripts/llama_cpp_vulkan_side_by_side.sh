@@ -2,6 +2,9 @@
 # llama.cpp's Vulkan backend against Corral's (and Corral's CUDA) on the same GPU and the same
 # full-size synthetic Q4_K_M GGUF files, in two halves.
 #
+#   scripts/llama_cpp_vulkan_side_by_side.sh glslc    here: Debian trixie's glslc under $WORK,
+#       its path printed (the build below uses it, and Corral's own cooperative-matrix
+#       kernels need it where the system's glslc is bookworm's).
 #   scripts/llama_cpp_vulkan_side_by_side.sh build    here: llama-bench with GGML_VULKAN from
 #       the llama.cpp that llama-cpp-python's sdist vendors (scripts/llama_cpp_side_by_side.sh
 #       fetches it, in $WORK), with Debian trixie's Vulkan headers and glslc (bookworm's lack
@@ -26,16 +29,19 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK="${WORK:-/tmp/llama-vk}"
 
-build() {
+# Debian trixie's glslc (and Vulkan headers) unpacked under $WORK/apt-trixie, run through
+# $WORK/glslc under trixie's own libc and libstdc++ (build time only); prints that path.
+# Corral's cooperative-matrix kernels need such a glslc too:
+# GLSLC="$(scripts/llama_cpp_vulkan_side_by_side.sh glslc)" scripts/gpu.sh prepare
+glslc() {
   set -e
-  WORK="$WORK" scripts/llama_cpp_side_by_side.sh fetch
   local apt="$WORK/apt-trixie" o
   mkdir -p "$apt/lists/partial" "$apt/archives/partial" "$apt/root"
   echo "deb http://deb.debian.org/debian trixie main" > "$apt/trixie.list"
   o=(-oDir::Etc::SourceList="$apt/trixie.list" -oDir::Etc::SourceParts=/dev/null
      -oDir::State::Lists="$apt/lists" -oDir::Cache="$apt" -oAPT::Architecture=amd64)
-  apt-get "${o[@]}" update -qq
-  (cd "$apt" && apt-get "${o[@]}" download glslc libshaderc1 libc6 libgcc-s1 libstdc++6 libvulkan-dev)
+  apt-get "${o[@]}" update -qq >&2
+  (cd "$apt" && apt-get "${o[@]}" download glslc libshaderc1 libc6 libgcc-s1 libstdc++6 libvulkan-dev >&2)
   for deb in "$apt"/*.deb; do dpkg -x "$deb" "$apt/root"; done
   # trixie's glslc under trixie's own libc and libstdc++ (build time only).
   cat > "$WORK/glslc" <<SH
@@ -44,6 +50,14 @@ R=$apt/root
 exec \$R/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 --library-path \$R/usr/lib/x86_64-linux-gnu \$R/usr/bin/glslc "\$@"
 SH
   chmod +x "$WORK/glslc"
+  echo "$WORK/glslc"
+}
+
+build() {
+  set -e
+  WORK="$WORK" scripts/llama_cpp_side_by_side.sh fetch
+  local apt="$WORK/apt-trixie"
+  glslc > /dev/null
   export PATH="$WORK/venv/bin:$PATH"
   cmake -S "$WORK/src" -B "$WORK/build-vk" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
     -DGGML_VULKAN=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
@@ -183,7 +197,8 @@ log "done"
 }
 
 case "${1:-}" in
+  glslc) glslc ;;
   build) build ;;
   remote) shift; remote "$@" ;;
-  *) echo "usage: $0 build | remote [30b] [35b]" >&2; exit 2 ;;
+  *) echo "usage: $0 glslc | build | remote [30b] [35b]" >&2; exit 2 ;;
 esac

@@ -141,11 +141,14 @@ pub fn open(choice: DeviceChoice, options: BackendOptions) -> Result<Arc<dyn Bac
         })
     };
     let vulkan = |ordinal| {
-        VulkanBackend::new(VulkanOptions {
-            ordinal,
-            kv_dtype: Some(options.kv_dtype),
-            ..Default::default()
-        })
+        VulkanBackend::new(
+            VulkanOptions {
+                ordinal,
+                kv_dtype: Some(options.kv_dtype),
+                ..Default::default()
+            }
+            .with_switches_from_env(),
+        )
         .map(|b| Arc::new(b) as Arc<dyn Backend>)
         .map_err(|source| OpenError::Backend {
             device: format!("vulkan:{ordinal}"),

@@ -4,7 +4,8 @@
 //! Qwen3-Next) at chunk 1, 7, 64 and whole under the grouped and per-token experts, within
 //! 1e-4 with an f32 KV cache (its shaders compute in f32, as the CPU does); the Qwen3 ones
 //! within bf16 tolerance with the default bf16 cache, near them with an fp8 cache; greedy
-//! continuations identical to the CPU's; quantized GGUF files (Q4_K_M, Q6_K, Q8_0, Q4_0) read as stored, within 1e-4 of
+//! continuations identical to the CPU's; the portable f32 tiles all along, and where the
+//! device has cooperative matrices, its f16 tiles near the references; quantized GGUF files (Q4_K_M, Q6_K, Q8_0, Q4_0) read as stored, within 1e-4 of
 //! transformers on their decoded blocks. (Lavapipe takes about 2 s a hybrid forward: the
 //! matrix is cut to what CI affords.) Without a Vulkan device each test says why it skipped
 //! and passes, unless `CORRAL_REQUIRE_VULKAN=1` (as CI sets it), which fails it instead.
@@ -33,15 +34,22 @@ const HYBRID_FIXTURES: &[&str] = &[
 /// than the convolution's kernel.
 const HYBRID_CHUNKS: &[usize] = &[1, 7, 64];
 
-/// The Vulkan backend with a `kv_dtype` cache; `force_staging` copies through staging
-/// buffers, as on a discrete GPU.
+/// The Vulkan backend with a `kv_dtype` cache and its portable f32 tiles; `force_staging`
+/// copies through staging buffers, as on a discrete GPU.
 fn vulkan(kv_dtype: DType, force_staging: bool) -> Option<Arc<dyn Backend>> {
-    match VulkanBackend::new(VulkanOptions {
+    vulkan_with(VulkanOptions {
         kv_dtype: Some(kv_dtype),
         force_staging,
+        portable_tiles: true,
         ..Default::default()
-    }) {
-        Ok(b) => Some(Arc::new(b)),
+    })
+    .map(|b| Arc::new(b) as Arc<dyn Backend>)
+}
+
+/// The Vulkan backend opened with `options`, or why not (a failure where Vulkan is required).
+fn vulkan_with(options: VulkanOptions) -> Option<VulkanBackend> {
+    match VulkanBackend::new(options) {
+        Ok(b) => Some(b),
         Err(why) if std::env::var("CORRAL_REQUIRE_VULKAN").is_ok_and(|v| v == "1") => {
             panic!("Vulkan is required here: {why}")
         }
@@ -109,6 +117,32 @@ fn vulkan_logits_stay_near_transformers_with_the_fp8_kv_cache() {
         (DType::F8E4M3, false),
         (2e-1, 8e-1),
     );
+}
+
+/// Where the device multiplies tiles on cooperative matrices (f16 operands, f32 sums), the
+/// fixtures prefilled whole (their products of more than 8 rows in tiles), an f32 KV cache,
+/// within about ten times what the Qwen3 fixtures show on lavapipe's 8 by 8 matrices (6.9e-4
+/// to 1.0e-3 of the logits' norm, worst rows 1.3e-3 to 1.8e-3).
+#[test]
+fn vulkan_matrix_tiles_stay_near_transformers() {
+    let Some(backend) = vulkan_with(VulkanOptions {
+        kv_dtype: Some(DType::F32),
+        ..Default::default()
+    }) else {
+        return;
+    };
+    let Some(side) = backend.matrix_tiles() else {
+        eprintln!(
+            "skipped: no cooperative matrices on {}",
+            backend.info().name
+        );
+        return;
+    };
+    eprintln!("cooperative matrices of {side} by {side}");
+    let backend: Arc<dyn Backend> = Arc::new(backend);
+    let strategies = [MoeStrategy::Grouped];
+    let cases: [(&[&str], &[usize]); 2] = [(FIXTURES, &[]), (HYBRID_FIXTURES, &[64])];
+    common::check_fixture_logits(&backend, "f16 tiles", &cases, &strategies, (1e-2, 2e-2));
 }
 
 /// Sixteen greedy tokens after each fixture's prompt (the hybrids' too), prefilled whole then

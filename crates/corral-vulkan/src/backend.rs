@@ -15,6 +15,9 @@ use crate::memory::Placement;
 use crate::stream::Stream;
 use crate::{Kernel, SHADERS, VulkanBuffer, VulkanDevice};
 
+/// The name suffix of the shaders' cooperative-matrix variants (build.rs compiles them).
+const COOPMAT_SUFFIX: &str = "_coopmat";
+
 /// How to open the Vulkan backend.
 #[derive(Debug, Clone, Default)]
 pub struct VulkanOptions {
@@ -28,6 +31,20 @@ pub struct VulkanOptions {
     /// Copy weights from files into the device's memory even where an integrated GPU could
     /// import the mapped file as it is (tests, and drivers whose imports misbehave).
     pub copy_weights: bool,
+    /// Multiply tiles with the portable kernels even where the device has cooperative
+    /// matrices (tests, and drivers whose matrix units misbehave).
+    pub portable_tiles: bool,
+}
+
+impl VulkanOptions {
+    /// These options with the switches the environment sets: `CORRAL_VULKAN_PORTABLE_TILES=1`
+    /// sets [`VulkanOptions::portable_tiles`].
+    pub fn with_switches_from_env(mut self) -> Self {
+        if std::env::var("CORRAL_VULKAN_PORTABLE_TILES").is_ok_and(|v| v == "1") {
+            self.portable_tiles = true;
+        }
+        self
+    }
 }
 
 /// Codes the shaders leave in the fault word when an index they were given is out of
@@ -100,6 +117,8 @@ pub struct VulkanBackend {
     pub(crate) staged_bytes: AtomicUsize,
     /// Weights from files are imported where they are mapped ([`VulkanOptions::copy_weights`]).
     import_weights: bool,
+    /// The side of the cooperative-matrix products the tile kernels run on, if they do.
+    matrix_tiles: Option<u32>,
 }
 
 impl std::fmt::Debug for VulkanBackend {
@@ -112,10 +131,31 @@ impl VulkanBackend {
     /// Opens Vulkan device `options.ordinal` and makes a pipeline for every shader.
     pub fn new(options: VulkanOptions) -> Result<Self> {
         let device = VulkanDevice::open_with(options.ordinal, options.force_staging)?;
+        // A shader with a cooperative-matrix variant runs as that variant where the device
+        // has the matrix units it takes (the variant keeps the shader's name in `kernels`).
+        let device_tiles = device
+            .info()
+            .cooperative_matrix
+            .filter(|_| !options.portable_tiles);
+        let coopmat = device_tiles.is_some();
         let kernels = SHADERS
             .iter()
-            .map(|&(name, _)| Ok((name, Kernel::new(&device, name)?)))
+            .filter(|(name, _)| !name.ends_with(COOPMAT_SUFFIX))
+            .map(|&(name, _)| {
+                let variant = SHADERS
+                    .iter()
+                    .find(|(v, _)| v.strip_suffix(COOPMAT_SUFFIX) == Some(name))
+                    .filter(|_| coopmat);
+                let source = variant.map_or(name, |&(v, _)| v);
+                Ok((name, Kernel::new(&device, source)?))
+            })
             .collect::<Result<HashMap<_, _>>>()?;
+        if let Some(side) = device_tiles {
+            tracing::info!(
+                "vulkan:{}: tiles multiply f16 on cooperative matrices of {side} by {side}",
+                options.ordinal
+            );
+        }
         let kv_dtype = options.kv_dtype.unwrap_or(DType::BF16);
         let profiler = device
             .info()
@@ -153,6 +193,7 @@ impl VulkanBackend {
             read_back: Mutex::default(),
             staged_bytes: AtomicUsize::new(0),
             import_weights: !options.copy_weights && !options.force_staging,
+            matrix_tiles: device_tiles,
         })
     }
 
@@ -164,6 +205,13 @@ impl VulkanBackend {
     /// What the device is and can do.
     pub fn info(&self) -> &crate::VulkanInfo {
         self.device.info()
+    }
+
+    /// The side of the cooperative-matrix products the tile kernels (projections of more
+    /// than 8 rows, grouped experts' tiles) run on, their inputs rounded to f16; `None` where
+    /// they run the portable f32 kernels.
+    pub fn matrix_tiles(&self) -> Option<u32> {
+        self.matrix_tiles
     }
 
     /// Whether weights from mapped files are imported as they are: on an integrated GPU

@@ -38,8 +38,10 @@ pub struct VulkanInfo {
     pub float64: bool,
     /// Nanoseconds a timestamp tick, where the compute queue writes timestamps (profiling).
     pub timestamp_period: Option<f32>,
-    /// `VK_KHR_cooperative_matrix`: the tensor-core-like products.
-    pub cooperative_matrix: bool,
+    /// The side of the square f16 × f16 → f32 subgroup products of `VK_KHR_cooperative_matrix`
+    /// (the matrix units: AMD's WMMA, NVIDIA's tensor cores) that the tile kernels' variants
+    /// use, where the device has them: 16, or 8 (Mesa's lavapipe).
+    pub cooperative_matrix: Option<u32>,
     /// `VK_EXT_external_memory_host`: host memory (a mapped weight file) imported as is.
     pub host_memory_import: bool,
 }
@@ -386,7 +388,7 @@ impl VulkanDevice {
                     what: format!("vulkan:{ordinal}"),
                     detail: "no compute queue".to_string(),
                 })? as u32;
-            let mut info = read_info(&instance, physical);
+            let mut info = read_info(&entry, &instance, physical);
             let families = instance.get_physical_device_queue_family_properties(physical);
             if families
                 .get(queue_family as usize)
@@ -404,7 +406,10 @@ impl VulkanDevice {
                 .buffer_device_address(true)
                 .shader_float16(info.float16)
                 .shader_int8(info.int8)
-                .storage_buffer8_bit_access(info.int8);
+                .storage_buffer8_bit_access(info.int8)
+                .vulkan_memory_model(info.cooperative_matrix.is_some());
+            let mut coopmat =
+                vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
             if !info.int64 {
                 return Err(BackendError::Device {
                     what: format!("vulkan:{ordinal}"),
@@ -425,18 +430,22 @@ impl VulkanDevice {
             } else {
                 None
             };
-            let extensions = [ash::ext::external_memory_host::NAME.as_ptr()];
-            let enabled = if import_alignment.is_some() {
-                &extensions[..]
-            } else {
-                &[]
-            };
-            let create = vk::DeviceCreateInfo::default()
+            let mut enabled = Vec::new();
+            if import_alignment.is_some() {
+                enabled.push(ash::ext::external_memory_host::NAME.as_ptr());
+            }
+            if info.cooperative_matrix.is_some() {
+                enabled.push(ash::khr::cooperative_matrix::NAME.as_ptr());
+            }
+            let mut create = vk::DeviceCreateInfo::default()
                 .queue_create_infos(&queues)
                 .enabled_features(&core)
-                .enabled_extension_names(enabled)
+                .enabled_extension_names(&enabled)
                 .push_next(&mut v11)
                 .push_next(&mut v12);
+            if info.cooperative_matrix.is_some() {
+                create = create.push_next(&mut coopmat);
+            }
             let memory = instance.get_physical_device_memory_properties(physical);
             let plan =
                 MemoryPlan::choose(&memory, info.unified, force_staging).ok_or_else(|| {
@@ -544,7 +553,11 @@ fn device_name(props: &vk::PhysicalDeviceProperties) -> String {
 
 /// What `physical` is and can do.
 #[allow(unsafe_code)]
-unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> VulkanInfo {
+unsafe fn read_info(
+    entry: &ash::Entry,
+    instance: &ash::Instance,
+    physical: vk::PhysicalDevice,
+) -> VulkanInfo {
     let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
     let mut v13 = vk::PhysicalDeviceVulkan13Properties::default();
     let mut driver = vk::PhysicalDeviceDriverProperties::default();
@@ -572,6 +585,23 @@ unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> V
     };
     let core = features.features;
     let p = props.properties;
+    let float16 = v12.shader_float16 == vk::TRUE && v11.storage_buffer16_bit_access == vk::TRUE;
+    let cooperative_matrix = if has(c"VK_KHR_cooperative_matrix")
+        && float16
+        && v12.vulkan_memory_model == vk::TRUE
+        && crate::COOPMAT_BUILT
+    {
+        let functions = ash::khr::cooperative_matrix::Instance::new(entry, instance);
+        // SAFETY: the device has the extension, and `physical` belongs to `instance`.
+        let sizes = unsafe {
+            functions
+                .get_physical_device_cooperative_matrix_properties(physical)
+                .unwrap_or_default()
+        };
+        coopmat_side(&sizes, v13.max_subgroup_size.max(subgroup.subgroup_size))
+    } else {
+        None
+    };
     let driver_name = driver
         .driver_name_as_c_str()
         .map(|n| n.to_string_lossy().into_owned())
@@ -591,22 +621,91 @@ unsafe fn read_info(instance: &ash::Instance, physical: vk::PhysicalDevice) -> V
         shared_memory_bytes: p.limits.max_compute_shared_memory_size,
         max_storage_buffer_range: p.limits.max_storage_buffer_range,
         max_buffer_bytes: v13.max_buffer_size,
-        float16: v12.shader_float16 == vk::TRUE && v11.storage_buffer16_bit_access == vk::TRUE,
+        float16,
         int8: v12.shader_int8 == vk::TRUE && v12.storage_buffer8_bit_access == vk::TRUE,
         int16: core.shader_int16 == vk::TRUE,
         int64: core.shader_int64 == vk::TRUE,
         float64: core.shader_float64 == vk::TRUE,
         timestamp_period: Some(p.limits.timestamp_period),
-        cooperative_matrix: has(c"VK_KHR_cooperative_matrix"),
+        cooperative_matrix,
         host_memory_import: has(c"VK_EXT_external_memory_host"),
     }
+}
+
+/// Sub-tiles of a 64 by 64 tile a subgroup may own in the tile kernels (`MAX_OWN` in
+/// tiles.glsl), whose workgroups are 256 invocations.
+const COOPMAT_MAX_OWN: u32 = 4;
+
+/// The side, 16 or else 8, of a square f16 × f16 → f32 subgroup product among `sizes` that the
+/// tile kernels can use with subgroups of up to `subgroup` lanes: the 64 by 64 tile's
+/// sub-tiles shared among the workgroup's subgroups, at most [`COOPMAT_MAX_OWN`] each.
+fn coopmat_side(sizes: &[vk::CooperativeMatrixPropertiesKHR<'_>], subgroup: u32) -> Option<u32> {
+    let f16 = vk::ComponentTypeKHR::FLOAT16;
+    let f32 = vk::ComponentTypeKHR::FLOAT32;
+    [16, 8].into_iter().find(|&side| {
+        let subgroups = 256 / subgroup.max(1);
+        let fits = (64 / side) * (64 / side) <= COOPMAT_MAX_OWN * subgroups;
+        fits && sizes.iter().any(|p| {
+            p.m_size == side
+                && p.n_size == side
+                && p.k_size == side
+                && (p.a_type, p.b_type, p.c_type, p.result_type) == (f16, f16, f32, f32)
+                && p.saturating_accumulation == vk::FALSE
+                && p.scope == vk::ScopeKHR::SUBGROUP
+        })
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use ash::vk;
 
-    use super::MemoryPlan;
+    use super::{MemoryPlan, coopmat_side};
+
+    /// A square product of side `n` over `a` operands with `c` accumulators, on subgroups.
+    fn product(
+        n: u32,
+        a: vk::ComponentTypeKHR,
+        c: vk::ComponentTypeKHR,
+    ) -> vk::CooperativeMatrixPropertiesKHR<'static> {
+        vk::CooperativeMatrixPropertiesKHR {
+            m_size: n,
+            n_size: n,
+            k_size: n,
+            a_type: a,
+            b_type: a,
+            c_type: c,
+            result_type: c,
+            scope: vk::ScopeKHR::SUBGROUP,
+            ..Default::default()
+        }
+    }
+
+    /// The tile kernels take 16 by 16 f16 products with f32 sums (a GPU's), else 8 by 8 on
+    /// subgroups small enough that each owns at most four of a tile's 64; nothing else.
+    #[test]
+    fn cooperative_matrices_are_chosen_by_side_types_and_subgroup() {
+        use vk::ComponentTypeKHR as T;
+        let gpu = [
+            product(16, T::FLOAT16, T::FLOAT16),
+            product(16, T::FLOAT16, T::FLOAT32),
+            product(16, T::SINT8, T::SINT32),
+        ];
+        assert_eq!(coopmat_side(&gpu, 32), Some(16));
+        assert_eq!(coopmat_side(&gpu, 64), Some(16));
+        let eights = [product(8, T::FLOAT16, T::FLOAT32)];
+        assert_eq!(coopmat_side(&eights, 8), Some(8));
+        assert_eq!(coopmat_side(&eights, 32), None);
+        assert_eq!(coopmat_side(&gpu[..1], 32), None);
+        assert_eq!(
+            coopmat_side(&[product(16, T::FLOAT32, T::FLOAT32)], 32),
+            None
+        );
+        let mut workgroup_scope = product(16, T::FLOAT16, T::FLOAT32);
+        workgroup_scope.scope = vk::ScopeKHR::WORKGROUP;
+        assert_eq!(coopmat_side(&[workgroup_scope], 32), None);
+        assert_eq!(coopmat_side(&[], 32), None);
+    }
 
     const GIB: u64 = 1 << 30;
     const LOCAL: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::DEVICE_LOCAL;

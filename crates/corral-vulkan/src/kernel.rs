@@ -69,16 +69,21 @@ impl Kernel {
                     return Err(vk_err(name, e));
                 }
             };
-            // Specialization constant 0: the team size of teams.glsl (shaders without it
-            // ignore it).
-            let team = device.team_size().to_le_bytes();
-            let entries = [vk::SpecializationMapEntry::default()
-                .constant_id(0)
-                .offset(0)
-                .size(4)];
+            // Specialization constants (shaders without one ignore it): 0, the team size of
+            // teams.glsl; 1, the side of the cooperative-matrix products of tiles.glsl.
+            let side = device.info().cooperative_matrix.unwrap_or(16);
+            let mut constants = [0u8; 8];
+            constants[..4].copy_from_slice(&device.team_size().to_le_bytes());
+            constants[4..].copy_from_slice(&side.to_le_bytes());
+            let entries = [0, 1].map(|id| {
+                vk::SpecializationMapEntry::default()
+                    .constant_id(id)
+                    .offset(4 * id)
+                    .size(4)
+            });
             let specialization = vk::SpecializationInfo::default()
                 .map_entries(&entries)
-                .data(&team);
+                .data(&constants);
             let stage = vk::PipelineShaderStageCreateInfo::default()
                 .stage(vk::ShaderStageFlags::COMPUTE)
                 .module(module)

@@ -62,6 +62,10 @@ pub(crate) struct Subject {
     /// (measured 1.24e-2, heads of 256 in a group of 8 over 26 keys, on an H100); the others
     /// within 1e-2.
     pub(crate) kv16_attention_tol: f64,
+    /// Whether the subject's tile kernels (Vulkan's, on cooperative matrices) round x and the
+    /// weights to f16: its products of more than 8 rows, float weights too, are then within
+    /// 1e-2 of the exact ones, and its grouped experts' within 1.5e-2.
+    pub(crate) f16_tiles: bool,
 }
 
 /// Every backend this machine can open, one line each; a backend's other strategies for
@@ -90,6 +94,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
         recurrence_state_tol: 1e-6,
         angle_tol: 1e-6,
         kv16_attention_tol: 1e-2,
+        f16_tiles: false,
     }];
     let cuda = CUDA.get_or_init(|| match cuda_available() {
         Ok(_) => {
@@ -117,6 +122,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             recurrence_state_tol: 2.5e-3,
             angle_tol: 2e-4,
             kv16_attention_tol: 2.5e-2,
+            f16_tiles: false,
         });
         all.push(Subject {
             name: "cuda, own kernels",
@@ -126,6 +132,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             recurrence_state_tol: 2.5e-3,
             angle_tol: 2e-4,
             kv16_attention_tol: 2.5e-2,
+            f16_tiles: false,
         });
     }
     // A pair of Vulkan backends a test thread at a time, so that a fault a test provokes
@@ -146,6 +153,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
             recurrence_state_tol: 1e-5,
             angle_tol: 1e-5,
             kv16_attention_tol: 1e-2,
+            f16_tiles: vulkan.matrix_tiles().is_some(),
         });
         if with_staged {
             all.push(Subject {
@@ -156,6 +164,7 @@ fn all_subjects(with_staged: bool) -> Vec<Subject> {
                 recurrence_state_tol: 1e-5,
                 angle_tol: 1e-5,
                 kv16_attention_tol: 1e-2,
+                f16_tiles: staged.matrix_tiles().is_some(),
             });
         }
     }

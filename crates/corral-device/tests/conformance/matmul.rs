@@ -78,12 +78,14 @@ impl Format {
     /// products) or round them to bf16 (a GPU's tiles). A device that rounds projection inputs
     /// (`Capabilities::bf16_projection_inputs`) keeps f32 for one row, and up to 32 rows of f32
     /// weights or of rows no multiple of 8; tensor cores round the rest, f32 weights too.
+    /// Vulkan's tiles on cooperative matrices (more than 8 rows) round both to f16.
     fn tol(self, s: &Subject, rows: usize, cols: usize) -> f64 {
         let rounds = s.backend.capabilities().bf16_projection_inputs;
         match self {
             Format::Blocks(QuantFormat::F8E4M3x128) if rows <= 8 => 3e-3,
             Format::Blocks(_) if rows <= 8 => 5e-2,
             Format::Blocks(_) => 1.5e-2,
+            Format::Float(_) if s.f16_tiles && rows > 8 => 1e-2,
             Format::Float(_) if !rounds => s.tol,
             Format::Float(dtype) => {
                 let f32_path =

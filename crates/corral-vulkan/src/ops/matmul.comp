@@ -38,6 +38,7 @@ void main() {
             unused[i][j] = 0.0;
         }
     }
+    tile_begin();
     for (uint k0 = 0; k0 < args.cols; k0 += 16) {
         for (uint i = 0; i < 4; i++) {
             uvec2 slot = tile_x_slot(i);
@@ -62,6 +63,7 @@ void main() {
         tile_accumulate(acc, unused, false);
         barrier();
     }
+    tile_finish(acc, unused, false);
     for (uint i = 0; i < 4; i++) {
         uint r = r0 + tile_row0() + i;
         for (uint j = 0; j < 4; j++) {

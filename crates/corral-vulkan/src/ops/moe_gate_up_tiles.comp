@@ -54,6 +54,7 @@ void main() {
         }
     }
     barrier();
+    tile_begin();
     for (uint k0 = 0; k0 < args.hidden; k0 += 16) {
         for (uint i = 0; i < 4; i++) {
             uvec2 slot = tile_x_slot(i);
@@ -79,6 +80,7 @@ void main() {
         tile_accumulate(g, u, true);
         barrier();
     }
+    tile_finish(g, u, true);
     for (uint i = 0; i < 4; i++) {
         uint m = tile_row0() + i;
         for (uint j = 0; j < 4; j++) {
