@@ -25,13 +25,18 @@ impl Device for VulkanBackend {
     }
 
     fn kernels_id(&self) -> u64 {
-        // The shaders' SPIR-V and the driver that compiles it: a calibration measured on
-        // other kernels is not reused.
+        // The shaders' SPIR-V, the driver that compiles it and whether the tiles run on
+        // cooperative matrices: a calibration measured on other kernels is not reused.
         let info = self.device.info();
+        let tiles = u64::from(self.matrix_tiles().unwrap_or(0));
         crate::SHADERS
             .iter()
             .map(|(name, spirv)| fnv1a(name.as_bytes()) ^ fnv1a(spirv).rotate_left(3))
-            .chain([fnv1a(info.name.as_bytes()), fnv1a(info.driver.as_bytes())])
+            .chain([
+                fnv1a(info.name.as_bytes()),
+                fnv1a(info.driver.as_bytes()),
+                tiles,
+            ])
             .fold(0, |h, x| h.rotate_left(7) ^ x)
     }
 
