@@ -61,7 +61,8 @@ fn gpu_logits_match_transformers_with_the_bf16_kv_cache() {
 /// the H200: 4.4e-2 to 1.37e-1 over all positions, worst rows up to 5.5e-1 on
 /// qwen3_moe_sharded, whose bf16 cache gives 3.5e-3). So this bounds gross faults only; the
 /// attention kernels and the fused store are held to the reference over the same rounded K
-/// and V in corral-device's op conformance suite, within 1e-2.
+/// and V in corral-device's op conformance suite (the attention within 2.5e-2 on CUDA, the
+/// store within 1e-2).
 #[test]
 fn gpu_logits_stay_near_transformers_with_the_fp8_kv_cache() {
     check_logits(DType::F8E4M3, 2e-1, 8e-1);

@@ -308,14 +308,11 @@ impl Row {
         let off = args.speculative.iter().position(|s| *s == Speculative::Off);
         // The first token of each prompt comes with its prefill; a group's sequences decode
         // at once.
-        let decoded = t.generated.saturating_sub(prompts * args.reps) as f64;
-        let tok_s = |t: &Totals| {
-            let decoded = t.generated.saturating_sub(prompts * args.reps) as f64;
-            decoded / (t.wall_ms / 1e3).max(1e-9)
-        };
+        let decoded = |t: &Totals| t.generated.saturating_sub(prompts * args.reps) as f64;
+        let tok_s = |t: &Totals| decoded(t) / (t.wall_ms / 1e3).max(1e-9);
         let step_ms = |t: &Totals| t.decode_ms / t.decode_steps.max(1) as f64;
         Self {
-            tokens_per_step: decoded / t.decode_steps.max(1) as f64,
+            tokens_per_step: decoded(t) / t.decode_steps.max(1) as f64,
             step_ms: step_ms(t),
             step_vs_off: off.map(|i| step_ms(t) / step_ms(&level[i])),
             tok_s: tok_s(t),
