@@ -84,8 +84,9 @@ impl BackendKind {
     /// Bytes of the buffers the backend allocates once at start, whatever the model.
     pub fn fixed_buffer_bytes(self) -> usize {
         match self {
-            Self::Cpu | Self::Vulkan => 0,
+            Self::Cpu => 0,
             Self::Cuda => corral_cuda::cuda_fixed_buffer_bytes(),
+            Self::Vulkan => corral_vulkan::vulkan_fixed_buffer_bytes(),
         }
     }
 }

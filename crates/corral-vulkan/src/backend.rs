@@ -34,15 +34,19 @@ pub struct VulkanOptions {
     /// Multiply tiles with the portable kernels even where the device has cooperative
     /// matrices (tests, and drivers whose matrix units misbehave).
     pub portable_tiles: bool,
+    /// Run the delta rule token by token in prefill too, not in chunks (A/B runs, and the
+    /// reference its chunked form is tested against).
+    pub recurrent_delta_rule: bool,
 }
 
 impl VulkanOptions {
     /// These options with the switches the environment sets: `CORRAL_VULKAN_PORTABLE_TILES=1`
-    /// sets [`VulkanOptions::portable_tiles`].
+    /// sets [`VulkanOptions::portable_tiles`], `CORRAL_RECURRENT_DELTA_RULE=1`
+    /// [`VulkanOptions::recurrent_delta_rule`].
     pub fn with_switches_from_env(mut self) -> Self {
-        if std::env::var("CORRAL_VULKAN_PORTABLE_TILES").is_ok_and(|v| v == "1") {
-            self.portable_tiles = true;
-        }
+        let on = |name| std::env::var(name).is_ok_and(|v| v == "1");
+        self.portable_tiles |= on("CORRAL_VULKAN_PORTABLE_TILES");
+        self.recurrent_delta_rule |= on("CORRAL_RECURRENT_DELTA_RULE");
         self
     }
 }
@@ -119,6 +123,10 @@ pub struct VulkanBackend {
     import_weights: bool,
     /// The side of the cooperative-matrix products the tile kernels run on, if they do.
     matrix_tiles: Option<u32>,
+    /// Where the chunked delta rule keeps each chunk's products between its two halves.
+    pub(crate) delta_scratch: VulkanBuffer,
+    /// [`VulkanOptions::recurrent_delta_rule`].
+    pub(crate) recurrent_delta_rule: bool,
 }
 
 impl std::fmt::Debug for VulkanBackend {
@@ -175,6 +183,11 @@ impl VulkanBackend {
                 detail: format!("a KV cache of {kv_dtype} (this backend keeps bf16, f32 or fp8)"),
             });
         }
+        let delta_scratch = VulkanBuffer::make(
+            &device.inner,
+            crate::ops::DELTA_SCRATCH_BYTES,
+            crate::memory::Placement::Device,
+        )?;
         Ok(Self {
             stream: Stream::new(std::sync::Arc::clone(&device.inner))?,
             fault: VulkanBuffer::new(&device, 16)?,
@@ -194,6 +207,8 @@ impl VulkanBackend {
             staged_bytes: AtomicUsize::new(0),
             import_weights: !options.copy_weights && !options.force_staging,
             matrix_tiles: device_tiles,
+            delta_scratch,
+            recurrent_delta_rule: options.recurrent_delta_rule,
         })
     }
 

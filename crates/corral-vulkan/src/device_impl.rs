@@ -59,7 +59,7 @@ impl Device for VulkanBackend {
             unified: self.device.info().unified,
             runtime: 0,
             allocation_granularity: 4096,
-            fixed_buffers: 0,
+            fixed_buffers: crate::vulkan_fixed_buffer_bytes() as u64,
         }))
     }
 

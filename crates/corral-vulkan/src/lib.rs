@@ -31,6 +31,12 @@ pub fn vulkan_weight_formats() -> &'static [corral_backend::QuantFormat] {
     &ops::BLOCK_FORMATS
 }
 
+/// Bytes of the buffers the Vulkan backend allocates once at start, whatever the model (the
+/// chunked delta rule's scratch), for memory plans.
+pub fn vulkan_fixed_buffer_bytes() -> usize {
+    ops::DELTA_SCRATCH_BYTES
+}
+
 /// A Vulkan call's failure as the backend's error.
 fn vk_err(what: &str, e: ash::vk::Result) -> corral_backend::BackendError {
     corral_backend::BackendError::Device {

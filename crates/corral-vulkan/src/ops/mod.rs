@@ -34,6 +34,8 @@ pub(crate) fn grid_of(op: &'static str, n: usize) -> Result<[u32; 3]> {
     grid(op, n.div_ceil(256))
 }
 
+pub(crate) use recurrent::DELTA_SCRATCH_BYTES;
+
 /// The block formats the shaders read (`blocks.glsl`): all of them, their type codes in
 /// [`QuantFormat::ALL`]'s order.
 pub(crate) const BLOCK_FORMATS: [QuantFormat; 9] = QuantFormat::ALL;

@@ -1,8 +1,10 @@
 //! The Gated DeltaNet's recurrent ops (`causal_conv1d.comp`, `delta_net_gates.comp`,
-//! `gated_delta_rule.comp`, their runs read by `recurrent.glsl`): each run steps token by
-//! token through its slot's state, the recurrent form serving prefill and decode alike, a
-//! dispatch for every span of tokens of the promised longest run. A run beyond the batch or the
-//! state pool, or longer than promised, is a fault the next read-back reports.
+//! `gated_delta_rule.comp`, their runs read by `recurrent.glsl`): the convolution and decode's
+//! delta rule step token by token through each run's slot's state, a dispatch for every span
+//! of tokens of the promised longest run; prefill's delta rule goes in chunks
+//! (`delta_rule_chunk_prepare.comp` for every chunk at once, then `delta_rule_chunk_scan.comp`
+//! through each run's chunks in order, a wave of chunks at a time). A run beyond the batch or
+//! the state pool, or longer than promised, is a fault the next read-back reports.
 
 use corral_backend::{DeltaNetShape, DeviceBuffer, RecurrentOps, RecurrentRuns, Result};
 
@@ -17,6 +19,29 @@ const DELTA_COLUMNS: usize = 64;
 /// Tokens of each run one delta-rule dispatch steps through: lavapipe ends an invocation's
 /// loops after 65535 iterations in all, and a token takes up to 3 · 128 + 1 of them.
 const DELTA_SPAN: usize = 64;
+
+/// Tokens of a chunk of the chunked delta rule (`CHUNK` of `delta_chunks.glsl`).
+const DELTA_CHUNK: usize = 32;
+
+/// State columns a chunked scan's workgroup carries (`SLICE` of `delta_rule_chunk_scan.comp`).
+const DELTA_SLICE: usize = 16;
+
+/// Runs at least this long take the chunked delta rule (shorter ones, a decode step's or a
+/// verify's, step token by token), unless they keep their states after each token.
+const CHUNKED_DELTA_MIN_RUN: usize = 16;
+
+/// Chunks one wave of the chunked delta rule takes at most: a scan's invocation loops about
+/// 600 times a chunk, within lavapipe's 65535 (see [`DELTA_SPAN`]).
+const DELTA_WAVE_CHUNKS: usize = 24;
+
+/// Bytes of the chunked delta rule's scratch, allocated once: 24 chunks of 32 value heads of
+/// dims 128 (Qwen3.5's and Qwen3-Next's) take 28.6 MiB; wider layers take fewer a wave.
+pub(crate) const DELTA_SCRATCH_BYTES: usize = 32 << 20;
+
+/// Floats of one (chunk, value head)'s products (`chunk_floats` of `delta_chunks.glsl`).
+fn chunk_floats(dk: usize, dv: usize) -> usize {
+    DELTA_CHUNK * (dk + dv + DELTA_CHUNK + 3)
+}
 
 /// Tokens of each run one convolution dispatch steps through (a token takes up to 47 loop
 /// iterations; see [`DELTA_SPAN`]).
@@ -121,6 +146,24 @@ impl RecurrentOps for VulkanBackend {
         } = shape;
         let tokens = qkv.len() / (2 * nk * dk + nv * dv).max(1);
         let slots = recurrent_state.len() / (nv * dk * dv).max(1);
+        let per_wave =
+            (DELTA_SCRATCH_BYTES / 4 / (nv * chunk_floats(dk, dv)).max(1)).min(DELTA_WAVE_CHUNKS);
+        if runs.max_run_tokens >= CHUNKED_DELTA_MIN_RUN
+            && runs.kept.is_none()
+            && !self.recurrent_delta_rule
+            && per_wave > 0
+        {
+            return self.chunked_delta_rule(
+                qkv,
+                g,
+                beta,
+                shape,
+                runs,
+                recurrent_state,
+                out,
+                per_wave,
+            );
+        }
         let groups = grid(op, runs.num_runs * nv * dv.div_ceil(DELTA_COLUMNS))?;
         let (longest, firsts) = spans(runs, tokens, DELTA_SPAN);
         for first in firsts {
@@ -144,6 +187,79 @@ impl RecurrentOps for VulkanBackend {
                 .count(first)?
                 .count(DELTA_SPAN)?;
             self.dispatch(op, groups, &args)?;
+        }
+        Ok(())
+    }
+}
+
+impl VulkanBackend {
+    /// The chunked delta rule (the math of the CPU's), `per_wave` chunks of every value head
+    /// at a time: the chunks' products of a wave (`delta_rule_chunk_prepare`), then each run's
+    /// state through them (`delta_rule_chunk_scan`), carried in its slot between waves.
+    #[allow(clippy::too_many_arguments)]
+    fn chunked_delta_rule(
+        &self,
+        qkv: &DeviceBuffer,
+        g: &DeviceBuffer,
+        beta: &DeviceBuffer,
+        shape: DeltaNetShape,
+        runs: RecurrentRuns<'_>,
+        recurrent_state: &mut DeviceBuffer,
+        out: &mut DeviceBuffer,
+        per_wave: usize,
+    ) -> Result<()> {
+        let op = "gated_delta_rule";
+        let DeltaNetShape {
+            num_key_heads: nk,
+            num_value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        } = shape;
+        let tokens = qkv.len() / (2 * nk * dk + nv * dv).max(1);
+        let slots = recurrent_state.len() / (nv * dk * dv).max(1);
+        let longest = runs.max_run_tokens.min(tokens);
+        // Every run has at most one partial chunk.
+        let chunks = (tokens.div_ceil(DELTA_CHUNK) + runs.num_runs)
+            .min(runs.num_runs * longest.div_ceil(DELTA_CHUNK));
+        let scratch = self.delta_scratch.address();
+        let scan_groups = grid(op, runs.num_runs * nv * dv.div_ceil(DELTA_SLICE))?;
+        for first in (0..chunks.max(1)).step_by(per_wave) {
+            let wave = per_wave.min(chunks.saturating_sub(first));
+            let prepare = Args::new(op)
+                .buf(qkv)?
+                .buf(g)?
+                .buf(beta)?
+                .buf(runs.runs)?
+                .address(scratch)?
+                .address(self.fault.address())?
+                .count(nk)?
+                .count(nv)?
+                .count(dk)?
+                .count(dv)?
+                .count(runs.num_runs)?
+                .count(longest)?
+                .count(tokens)?
+                .count(slots)?
+                .count(first)?;
+            self.dispatch("delta_rule_chunk_prepare", grid(op, wave * nv)?, &prepare)?;
+            let scan = Args::new(op)
+                .buf(qkv)?
+                .buf(runs.runs)?
+                .address(scratch)?
+                .buf(recurrent_state)?
+                .buf(out)?
+                .address(self.fault.address())?
+                .count(nk)?
+                .count(nv)?
+                .count(dk)?
+                .count(dv)?
+                .count(runs.num_runs)?
+                .count(longest)?
+                .count(tokens)?
+                .count(slots)?
+                .count(first)?
+                .count(wave)?;
+            self.dispatch("delta_rule_chunk_scan", scan_groups, &scan)?;
         }
         Ok(())
     }
