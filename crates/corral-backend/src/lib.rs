@@ -15,6 +15,7 @@ pub mod alloc_count;
 mod buffer;
 mod checked;
 mod checked_buffers;
+mod collective;
 mod device;
 mod dtype;
 mod error;
@@ -35,6 +36,7 @@ pub use checked::{
     MAX_CONV_KERNEL, MAX_DELTA_KEY_DIM, MAX_DELTA_VALUE_DIM, MAX_EXPERTS, MAX_HEAD_DIM,
     whole_blocks,
 };
+pub use collective::{Collective, LoopbackCollective, loopback_group};
 pub use device::{Capabilities, Device, DeviceMemory, Graph, KernelTime, fnv1a};
 pub use dtype::{DType, kv_row_elems};
 pub use error::{BackendError, Result};

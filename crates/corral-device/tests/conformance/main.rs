@@ -22,6 +22,7 @@ pub(crate) use experts::strategies_agree;
 
 mod attention;
 mod buffers;
+mod collective;
 mod copies;
 mod elementwise;
 mod experts;
