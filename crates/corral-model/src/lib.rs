@@ -17,6 +17,7 @@ mod kv_cache;
 mod layers;
 mod model;
 mod moe;
+mod partition;
 mod step_runner;
 mod weights;
 
@@ -32,5 +33,6 @@ pub use moe::{
     CALIBRATION_TOKENS, DEFAULT_GROUPED_MIN_TOKENS, MoeCalibration, MoeStrategy, UnknownStrategy,
     crossover,
 };
+pub use partition::{Partition, Shard};
 pub use step_runner::{ForwardReport, SampledStep};
 pub use weights::{SyntheticMix, SyntheticWeights};

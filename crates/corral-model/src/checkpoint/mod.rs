@@ -81,6 +81,11 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// The names of its tensors, in no order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
     /// Whether a tensor exists.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
