@@ -19,6 +19,7 @@ mod compile;
 mod device;
 mod device_impl;
 mod kernels;
+mod nccl;
 mod ops;
 use ops::quant;
 
@@ -29,6 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use device::DeviceMem;
 pub use kernels::KernelCacheReport;
+pub use nccl::{Nccl, NcclCollective, nccl_group};
 
 use blas::Blas;
 use compile::KernelCache;

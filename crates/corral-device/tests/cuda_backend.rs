@@ -2,7 +2,7 @@
 //! allocation accounting, projections fed bf16 inputs, kernel cache, the block formats it
 //! decodes, its few-row block-format products and per-token experts computing the CPU
 //! backend's integer arithmetic (which no reference has; the op conformance suite holds both
-//! to the exact products), and graphs. Without a usable GPU every test prints why it skipped
+//! to the exact products), graphs, and NCCL's collectives. Without a usable GPU every test prints why it skipped
 //! and passes.
 
 // The other op tests' helpers come too, not all used here.
@@ -551,4 +551,35 @@ fn a_graph_recorded_with_an_empty_pool_replays_as_eager_ops_run() {
         "eager ops differ from the graph"
     );
     assert!(first.iter().all(|v| v.is_finite() && *v != 0.0));
+}
+
+/// NCCL's collectives through Corral's binding, on a group of this one GPU (a sum over one
+/// rank is its own values): the calls reach NCCL with the right arguments on the backend's
+/// stream. Skipped without a GPU or without NCCL installed.
+#[test]
+fn nccl_collectives_of_a_group_of_one_gpu_pass_values_through() {
+    let _ = gpu_or_skip!(cuda);
+    let nccl = match corral_cuda::Nccl::open() {
+        Ok(nccl) => nccl,
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    let backend = std::sync::Arc::new(CudaBackend::new(CudaOptions::default()).expect("cuda:0"));
+    let group = corral_cuda::nccl_group(&nccl, std::slice::from_ref(&backend)).expect("group");
+    let (c, b): (&dyn corral_backend::Collective, &dyn Backend) = (&group[0], backend.as_ref());
+    let values = Rng(5).values(1000);
+    let mut buf = f32_buf(b, &values);
+    c.all_reduce_sum(&mut buf, 1000).expect("all_reduce_sum");
+    assert_eq!(download(b, &buf, 1000), values, "all_reduce_sum");
+    let mut all = out_buf(b, 1000);
+    c.all_gather(&buf, 1000, &mut all).expect("all_gather");
+    assert_eq!(download(b, &all, 1000), values, "all_gather");
+    c.broadcast(&mut buf, 1000, 0).expect("broadcast");
+    assert_eq!(download(b, &buf, 1000), values, "broadcast");
+    eprintln!(
+        "NCCL {} on one GPU: the collectives pass values through",
+        nccl.version()
+    );
 }
