@@ -3,6 +3,29 @@
 // chunks of CHUNK tokens numbered in run order, and where a (chunk, value head)'s products
 // lie in the scratch buffer. Include after recurrent.glsl.
 
+// Both shaders' arguments (one set a wave, `chunked_delta_rule` in recurrent.rs): the chunks
+// [first, first + wave) of the runs' chunks in run order.
+layout(push_constant) uniform Args {
+    uint64_t qkv;
+    Floats g;
+    Floats beta;
+    uint64_t runs;
+    uint64_t scratch;
+    uint64_t state;
+    uint64_t out_;
+    Fault fault;
+    uint nk;
+    uint nv;
+    uint dk;
+    uint dv;
+    uint num_runs;
+    uint longest;
+    uint tokens;
+    uint slots;
+    uint first;
+    uint wave;
+} args;
+
 // Tokens of a chunk (DELTA_CHUNK in recurrent.rs).
 #define CHUNK 32
 

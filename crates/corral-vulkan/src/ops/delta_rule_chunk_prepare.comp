@@ -12,24 +12,6 @@
 #include "recurrent.glsl"
 #include "delta_chunks.glsl"
 
-layout(push_constant) uniform Args {
-    uint64_t qkv;
-    Floats g;
-    Floats beta;
-    uint64_t runs;
-    uint64_t scratch;
-    Fault fault;
-    uint nk;
-    uint nv;
-    uint dk;
-    uint dv;
-    uint num_runs;
-    uint longest;
-    uint tokens;
-    uint slots;
-    uint first;
-} args;
-
 // The invocations summing a token's squares (GROUP_SIZE / CHUNK).
 #define PARTS 8
 

@@ -10,7 +10,6 @@
 #include "common.glsl"
 #include "recurrent.glsl"
 #include "delta_chunks.glsl"
-
 // State columns a workgroup carries (DELTA_SLICE in recurrent.rs).
 #define SLICE 16
 // The largest key dim (MAX_DELTA_KEY_DIM in corral-backend's checked.rs).
@@ -18,24 +17,6 @@
 // Tokens of a chunk an invocation takes in V' and O (CHUNK · SLICE / GROUP_SIZE).
 #define ROWS 2
 
-layout(push_constant) uniform Args {
-    uint64_t qkv;
-    uint64_t runs;
-    uint64_t scratch;
-    uint64_t state;
-    uint64_t out_;
-    Fault fault;
-    uint nk;
-    uint nv;
-    uint dk;
-    uint dv;
-    uint num_runs;
-    uint longest;
-    uint tokens;
-    uint slots;
-    uint first;
-    uint wave;
-} args;
 
 shared float s_slice[MAX_KEY_DIM][SLICE];
 shared float v_new[CHUNK][SLICE];

@@ -153,16 +153,28 @@ impl RecurrentOps for VulkanBackend {
             && !self.recurrent_delta_rule
             && per_wave > 0
         {
-            return self.chunked_delta_rule(
-                qkv,
-                g,
-                beta,
-                shape,
-                runs,
-                recurrent_state,
-                out,
-                per_wave,
-            );
+            let args = |first: usize, wave: usize| {
+                Args::new(op)
+                    .buf(qkv)?
+                    .buf(g)?
+                    .buf(beta)?
+                    .buf(runs.runs)?
+                    .address(self.delta_scratch.address())?
+                    .buf(recurrent_state)?
+                    .buf(out)?
+                    .address(self.fault.address())?
+                    .count(nk)?
+                    .count(nv)?
+                    .count(dk)?
+                    .count(dv)?
+                    .count(runs.num_runs)?
+                    .count(runs.max_run_tokens.min(tokens))?
+                    .count(tokens)?
+                    .count(slots)?
+                    .count(first)?
+                    .count(wave)
+            };
+            return self.chunked_delta_rule(shape, runs, tokens, per_wave, args);
         }
         let groups = grid(op, runs.num_runs * nv * dv.div_ceil(DELTA_COLUMNS))?;
         let (longest, firsts) = spans(runs, tokens, DELTA_SPAN);
@@ -193,73 +205,31 @@ impl RecurrentOps for VulkanBackend {
 }
 
 impl VulkanBackend {
-    /// The chunked delta rule (the math of the CPU's), `per_wave` chunks of every value head
-    /// at a time: the chunks' products of a wave (`delta_rule_chunk_prepare`), then each run's
-    /// state through them (`delta_rule_chunk_scan`), carried in its slot between waves.
-    #[allow(clippy::too_many_arguments)]
+    /// The chunked delta rule (the math of the CPU's) over a batch of `tokens`, `per_wave`
+    /// chunks of every value head at a time: the chunks' products of a wave
+    /// (`delta_rule_chunk_prepare`), then each run's state through them
+    /// (`delta_rule_chunk_scan`), carried in its slot between waves; `args(first, wave)` are
+    /// both shaders' arguments (`delta_chunks.glsl`).
     fn chunked_delta_rule(
         &self,
-        qkv: &DeviceBuffer,
-        g: &DeviceBuffer,
-        beta: &DeviceBuffer,
         shape: DeltaNetShape,
         runs: RecurrentRuns<'_>,
-        recurrent_state: &mut DeviceBuffer,
-        out: &mut DeviceBuffer,
+        tokens: usize,
         per_wave: usize,
+        args: impl Fn(usize, usize) -> Result<Args>,
     ) -> Result<()> {
         let op = "gated_delta_rule";
-        let DeltaNetShape {
-            num_key_heads: nk,
-            num_value_heads: nv,
-            key_dim: dk,
-            value_dim: dv,
-        } = shape;
-        let tokens = qkv.len() / (2 * nk * dk + nv * dv).max(1);
-        let slots = recurrent_state.len() / (nv * dk * dv).max(1);
+        let (nv, dv) = (shape.num_value_heads, shape.value_dim);
         let longest = runs.max_run_tokens.min(tokens);
         // Every run has at most one partial chunk.
         let chunks = (tokens.div_ceil(DELTA_CHUNK) + runs.num_runs)
             .min(runs.num_runs * longest.div_ceil(DELTA_CHUNK));
-        let scratch = self.delta_scratch.address();
         let scan_groups = grid(op, runs.num_runs * nv * dv.div_ceil(DELTA_SLICE))?;
         for first in (0..chunks.max(1)).step_by(per_wave) {
             let wave = per_wave.min(chunks.saturating_sub(first));
-            let prepare = Args::new(op)
-                .buf(qkv)?
-                .buf(g)?
-                .buf(beta)?
-                .buf(runs.runs)?
-                .address(scratch)?
-                .address(self.fault.address())?
-                .count(nk)?
-                .count(nv)?
-                .count(dk)?
-                .count(dv)?
-                .count(runs.num_runs)?
-                .count(longest)?
-                .count(tokens)?
-                .count(slots)?
-                .count(first)?;
-            self.dispatch("delta_rule_chunk_prepare", grid(op, wave * nv)?, &prepare)?;
-            let scan = Args::new(op)
-                .buf(qkv)?
-                .buf(runs.runs)?
-                .address(scratch)?
-                .buf(recurrent_state)?
-                .buf(out)?
-                .address(self.fault.address())?
-                .count(nk)?
-                .count(nv)?
-                .count(dk)?
-                .count(dv)?
-                .count(runs.num_runs)?
-                .count(longest)?
-                .count(tokens)?
-                .count(slots)?
-                .count(first)?
-                .count(wave)?;
-            self.dispatch("delta_rule_chunk_scan", scan_groups, &scan)?;
+            let args = args(first, wave)?;
+            self.dispatch("delta_rule_chunk_prepare", grid(op, wave * nv)?, &args)?;
+            self.dispatch("delta_rule_chunk_scan", scan_groups, &args)?;
         }
         Ok(())
     }
