@@ -27,12 +27,14 @@ void main() {
     uint group = flat_group();
     uint h = group % args.nv;
     uint at = args.first + group / args.nv;
-    // The run and chunk of run-ordered chunk `at`.
+    // The run and chunk of run-ordered chunk `at` (a run that is not one to step has none).
+    Run run;
     uint r = 0;
     uint acc = 0;
-    uint n = 0;
     for (; r < args.num_runs; r++) {
-        n = run_chunks(args.runs, r, args.tokens, args.slots, args.longest, args.fault);
+        bool steps = run_of(args.runs, 0, r, args.tokens, args.slots, args.longest, args.fault,
+                            false, run);
+        uint n = steps ? chunks_of(run.len) : 0;
         if (at < acc + n) {
             break;
         }
@@ -41,8 +43,6 @@ void main() {
     if (r >= args.num_runs) {
         return;
     }
-    Run run;
-    run_of(args.runs, 0, r, args.tokens, args.slots, args.longest, args.fault, false, run);
     uint chunk = at - acc;
     uint t0 = run.start + chunk * CHUNK;
     uint m = min(CHUNK, run.len - chunk * CHUNK);
